@@ -1,0 +1,187 @@
+"""The wire contract: every message that crosses a process boundary in liverl.
+
+Every stage imports these models; a change here is a change to a public API. Messages travel as
+UTF-8 JSON (one object per Kafka record), keyed by ``generation_id`` on every topic that takes
+part in the feedback/generation join, so that the join is co-partitioned. Non-Python producers use
+the JSON Schemas that ``liverl schema`` prints (generated from these models).
+
+Versioning: every message carries ``schema_version``. A consumer accepts the versions it knows
+and dead-letters the rest with reason ``unsupported_schema_version``; additive, optional fields do
+not bump the version.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+SCHEMA_VERSION = 1
+
+FeedbackKind = Literal["accept", "reject", "edit"]
+
+_Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes | str):
+        """Parse one wire message; raises ``WireError`` with a machine-readable reason."""
+        try:
+            data = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise WireError("malformed_json", str(e)) from None
+        if not isinstance(data, dict):
+            raise WireError("not_an_object", f"expected a JSON object, got {type(data).__name__}")
+        version = data.get("schema_version", SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            raise WireError("unsupported_schema_version", f"schema_version {version!r} (this build reads {SCHEMA_VERSION})")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "<root>"
+            raise WireError("invalid_field", f"{where}: {first['msg']}") from None
+
+
+class WireError(ValueError):
+    """A message that does not match the wire contract. ``reason`` is a short, countable code."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class FeedbackEvent(_Wire):
+    """A user's judgement of one generation, published by the product backend (SDK or any Kafka client).
+
+    Topic ``<prefix>.feedback``, key = ``generation_id``.
+    """
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    feedback_id: _Id = Field(description="Idempotency key: the same feedback_id is counted and trained on once.")
+    generation_id: _Id = Field(description="The id the gateway returned with the generation being judged.")
+    kind: FeedbackKind = Field(description="accept | reject | edit")
+    edited_text: str | None = Field(
+        default=None, max_length=65536, description="The user's corrected completion; required when kind is edit."
+    )
+    segment: str | None = Field(
+        default=None, max_length=64, description="Optional coarse user segment (never a user id)."
+    )
+    ts: float = Field(default_factory=time.time, description="Unix seconds when the user gave the feedback.")
+
+    @model_validator(mode="after")
+    def _edit_needs_text(self):
+        if self.kind == "edit" and self.edited_text is None:
+            raise ValueError("kind 'edit' needs edited_text")
+        if self.kind != "edit" and self.edited_text is not None:
+            raise ValueError(f"edited_text is only allowed with kind 'edit', not {self.kind!r}")
+        return self
+
+
+class SamplingParams(_Wire):
+    temperature: float
+    top_p: float = 1.0
+    max_tokens: int
+
+
+class GenerationRecord(_Wire):
+    """What the serving tier logs for every generation it returns.
+
+    Topic ``<prefix>.generations``, key = ``generation_id``.
+    """
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    generation_id: _Id
+    policy_version: int = Field(ge=0, description="The registry version whose weights produced every token.")
+    node: str = Field(description="Which serving node produced it.")
+    prompt: str
+    completion: str
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    completion_logprobs: list[float] = Field(description="Sampling log-prob of each completion token (behaviour policy).")
+    sampling: SamplingParams
+    finish_reason: str | None = None
+    ts: float = Field(default_factory=time.time)
+
+    @model_validator(mode="after")
+    def _aligned(self):
+        if len(self.completion_logprobs) != len(self.completion_token_ids):
+            raise ValueError(
+                f"{len(self.completion_logprobs)} logprobs for {len(self.completion_token_ids)} completion tokens"
+            )
+        return self
+
+
+class TrainingSample(_Wire):
+    """One generation joined with its (first) feedback and shaped into a reward.
+
+    Topic ``<prefix>.samples``, key = ``generation_id``. ``sample_id`` equals the generation id: a
+    generation is trained on at most once, whatever the number of feedback events about it.
+    """
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    sample_id: _Id
+    generation_id: _Id
+    feedback_id: _Id
+    policy_version: int = Field(ge=0)
+    kind: FeedbackKind
+    reward: float
+    segment: str | None = None
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    behaviour_logprobs: list[float]
+    edited_text: str | None = None
+    ts_generation: float
+    ts_feedback: float
+
+
+class DeadLetter(_Wire):
+    """An input that was refused, with why. Topic ``<prefix>.dead-letters``, key = the input's key."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    reason: str = Field(description="Short countable code, e.g. malformed_json, unknown_generation.")
+    detail: str
+    source_topic: str
+    partition: int | None = None
+    offset: int | None = None
+    key: str | None = None
+    value: str = Field(description="The refused value, decoded as UTF-8 with replacement characters.")
+    ts: float = Field(default_factory=time.time)
+
+
+class VersionAnnouncement(_Wire):
+    """The release gate's word on which version a fleet channel should serve (kept in Redis)."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    version: int = Field(ge=0)
+    checksum: str = Field(description="sha256 of the version's canonical weights (see deploy.delta).")
+    reason: str = ""
+    ts: float = Field(default_factory=time.time)
+
+
+WIRE_MODELS: dict[str, type[_Wire]] = {
+    "feedback": FeedbackEvent,
+    "generation": GenerationRecord,
+    "sample": TrainingSample,
+    "dead_letter": DeadLetter,
+    "version": VersionAnnouncement,
+}
+
+
+def json_schemas() -> dict[str, Any]:
+    """JSON Schema of every wire message, for producers that are not written in Python."""
+    return {name: model.model_json_schema() for name, model in WIRE_MODELS.items()}

