@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The test suite, exactly as CI runs it: set up .venv, make sure Redis and PostgreSQL answer, run pytest.
+# Extra arguments go to pytest (e.g. scripts/test.sh -k delta). Tests marked gpu skip on machines without CUDA.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+bash scripts/services.sh
+. .venv/bin/activate
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+export LIVERL_TEST_MODEL_CACHE=${LIVERL_TEST_MODEL_CACHE:-$PWD/.liverl/models}
+python -m pytest "$@"
