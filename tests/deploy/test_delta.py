@@ -1,0 +1,196 @@
+"""The delta codec is lossless in both directions, bit for bit, and refuses anything it cannot verify."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deploy.delta import (
+    DeltaError,
+    apply_delta,
+    checksum,
+    decode_snapshot,
+    encode_delta,
+    encode_snapshot,
+    plan_delta,
+    read_header,
+    tensor_checksum,
+)
+from tests.deploy.conftest import perturb, tiny_model
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
+UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def from_bits(bits: np.ndarray, dtype: torch.dtype, shape) -> torch.Tensor:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = bits.astype(UINT[itemsize]).view(np.uint8).copy()
+    if raw.size == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+
+def bits_of(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def same_bits(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+                                        and bits_of(a[k]) == bits_of(b[k]) for k in a)
+
+
+shapes = st.one_of(st.just(()), st.just((0,)), st.just((3, 0)), st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple))
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), shape=shapes, frac=st.sampled_from([0.0, 0.03, 0.5, 1.0]), seed=st.integers(0, 2**31))
+def test_round_trip_both_directions_any_bits(dtype, shape, frac, seed):
+    """Arbitrary bit patterns (NaN payloads, ±0, inf, subnormals included) survive A→B and B→A exactly."""
+    rng = np.random.default_rng(seed)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n = int(np.prod(shape, dtype=np.int64))
+    a_bits = rng.integers(0, 2 ** (8 * itemsize), size=n, dtype=np.uint64)
+    b_bits = np.where(rng.random(n) < frac, rng.integers(0, 2 ** (8 * itemsize), size=n, dtype=np.uint64), a_bits)
+    a = {"t": from_bits(a_bits, dtype, shape), "fixed": torch.ones(3, dtype=torch.bfloat16)}
+    b = {"t": from_bits(b_bits, dtype, shape), "fixed": a["fixed"]}
+    blob = encode_delta(a, b, 4, 5)
+    fwd, v = apply_delta(a, blob)
+    assert v == 5 and same_bits(fwd, b) and checksum(fwd) == checksum(b)
+    back, v = apply_delta(b, blob)
+    assert same_bits(back, a)
+    assert v == (4 if checksum(a) != checksum(b) else 5)  # identical ends: the delta leads "forward"
+    snap = decode_snapshot(encode_snapshot(b))
+    assert same_bits(snap, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_special_values_are_changes(dtype):
+    """+0 vs -0 and two NaN payloads compare equal or unordered as numbers, but their bits differ: they are changes."""
+    if dtype == torch.float32:
+        base_bits, target_bits = [0x00000000, 0x7FC00000, 0x00000001, 0x7F800000], [0x80000000, 0x7FC00001, 0x00000002, 0xFF800000]
+    else:  # bf16 and fp16 share the 16-bit patterns' roles closely enough for this test
+        base_bits, target_bits = [0x0000, 0x7FC0, 0x0001, 0x7F80], [0x8000, 0x7FC1, 0x0002, 0xFF80]
+    a = {"x": from_bits(np.array(base_bits, dtype=np.uint64), dtype, (4,))}
+    b = {"x": from_bits(np.array(target_bits, dtype=np.uint64), dtype, (4,))}
+    blob = encode_delta(a, b, 0, 1)
+    assert read_header(blob).changed_fraction == 1.0
+    assert same_bits(apply_delta(a, blob)[0], b) and same_bits(apply_delta(b, blob)[0], a)
+
+
+def test_unchanged_tensors_cost_nothing_and_header_reports_sizes():
+    a = tiny_model()
+    b = {**a, "lm_head.weight": perturb({"w": a["lm_head.weight"]}, 0.05)["w"]}
+    blob = encode_delta(a, b, 0, 1)
+    h = read_header(blob)
+    assert [e.name for e in h.changed] == ["lm_head.weight"]
+    assert h.base_checksum == checksum(a) and h.target_checksum == checksum(b)
+    assert h.raw_bytes == sum(t.numel() * 2 for t in a.values())
+    assert 0 < h.changed_fraction < 0.1
+    e = {e.name: e for e in h.tensors}["lm_head.weight"]
+    assert e.base_sha256 == tensor_checksum(a["lm_head.weight"]) and e.target_sha256 == tensor_checksum(b["lm_head.weight"])
+
+
+def test_delta_beats_plain_zstd_on_sparse_bf16_updates():
+    import zstandard
+
+    g = torch.Generator().manual_seed(0)
+    master = {f"w{i}": torch.randn(256, 256, generator=g) * 0.02 for i in range(4)}
+    a = {k: v.to(torch.bfloat16) for k, v in master.items()}
+    b = {k: (v + v.abs() * 3e-4 * torch.randn(v.shape, generator=g)).to(torch.bfloat16) for k, v in master.items()}
+    raw = sum(t.numel() * 2 for t in a.values())
+    blob = encode_delta(a, b, 0, 1)
+    plain = sum(len(zstandard.ZstdCompressor(level=3).compress(bits_of(t))) for t in b.values())
+    assert 0.02 < read_header(blob).changed_fraction < 0.10
+    assert raw / len(blob) > 10 * (raw / plain)  # ~20x vs ~1.3x
+
+
+def test_plan_delta_returns_only_changed_tensors_and_where_they_lead():
+    a = tiny_model()
+    b = {**a, "odd": perturb({"w": a["odd"]}, 0.5)["w"]}
+    blob = encode_delta(a, b, 2, 3)
+    plan = plan_delta(a, blob)
+    assert [n for n, _ in plan] == ["odd"] and plan.version == 3 and plan.from_version == 2
+    assert plan.checksum == checksum(b) and bits_of(plan[0][1]) == bits_of(b["odd"])
+    # with a known checksum, only the touched tensors are needed and hashed
+    plan = plan_delta({"odd": b["odd"]}, blob, known_checksum=checksum(b))
+    assert plan.version == 2 and bits_of(plan[0][1]) == bits_of(a["odd"])
+    with pytest.raises(DeltaError, match="does not match"):
+        plan_delta({"odd": a["odd"]}, blob, known_checksum=checksum(b))
+
+
+# ------------------------------------------------------------------------------------------- refusals
+
+
+@pytest.fixture
+def pair():
+    a = tiny_model(0)
+    b = perturb(a, 0.05)
+    return a, b, encode_delta(a, b, 3, 4)
+
+
+def _refused(state, blob, match):
+    before = {k: (id(t), bits_of(t)) for k, t in state.items()}
+    with pytest.raises(DeltaError, match=match):
+        apply_delta(state, blob)
+    assert {k: (id(t), bits_of(t)) for k, t in state.items()} == before  # input untouched
+
+
+def test_wrong_base_is_refused_with_versions_and_checksums(pair):
+    a, _b, blob = pair
+    other = perturb(a, 0.05, seed=9)
+    _refused(other, blob, rf"delta is for base version 3 \(checksum {checksum(a)[:12]}….*but the weights are at "
+                          rf"checksum {checksum(other)[:12]}")
+
+
+def test_truncated_is_refused(pair):
+    a, _, blob = pair
+    _refused(a, blob[:-1], f"delta truncated: expected {len(blob)} bytes, got {len(blob) - 1}")
+    _refused(a, blob[:20], "delta truncated")
+    _refused(a, blob[:100], "delta truncated")
+
+
+@pytest.mark.parametrize("where", ["header", "payload", "trailer"])
+def test_corrupted_is_refused(pair, where):
+    a, _, blob = pair
+    hlen = int.from_bytes(blob[12:16], "little")
+    pos = {"header": 48 + hlen // 2, "payload": 48 + hlen + 5, "trailer": len(blob) - 3}[where]
+    bad = bytearray(blob)
+    bad[pos] ^= 0x40
+    _refused(a, bytes(bad), f"delta corrupted: {where if where != 'trailer' else 'payload'} checksum mismatch")
+
+
+def test_other_refusals(pair):
+    a, b, blob = pair
+    _refused(a, blob + b"\0", "unexpected bytes after the end")
+    _refused(a, encode_snapshot(a), "not delta")
+    _refused({k: v for k, v in a.items() if k != "odd"}, blob, "missing \\['odd'\\]")
+    _refused({**a, "odd": a["odd"].float()}, blob, "tensor 'odd' is torch.float32")
+    with pytest.raises(ValueError, match="differ in tensor names"):
+        encode_delta(a, {**b, "extra": b["odd"]}, 0, 1)
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        checksum({"i": torch.zeros(3, dtype=torch.int64)})
+
+
+def test_snapshot_corruption_and_truncation_are_refused():
+    a = tiny_model()
+    snap = encode_snapshot(a, version=0)
+    with pytest.raises(DeltaError, match="snapshot truncated"):
+        decode_snapshot(snap[:-5])
+    bad = bytearray(snap)
+    bad[-40] ^= 1
+    with pytest.raises(DeltaError, match="snapshot corrupted: payload checksum mismatch"):
+        decode_snapshot(bytes(bad))
+
+
+def test_checksum_covers_names_dtypes_shapes_and_bits():
+    t = torch.arange(6, dtype=torch.float32)
+    base = checksum({"a": t})
+    assert base == checksum({"a": t.clone()})
+    assert base != checksum({"b": t})
+    assert base != checksum({"a": t.reshape(2, 3)})
+    assert base != checksum({"a": t.to(torch.float16)})
+    assert checksum({"a": torch.tensor([0.0])}) != checksum({"a": torch.tensor([-0.0])})
+    assert checksum({"a": t[::2]}) == checksum({"a": t[::2].contiguous()})  # layout does not matter, bits do

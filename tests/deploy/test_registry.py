@@ -1,0 +1,159 @@
+"""The registry on SQLite and PostgreSQL: lineage, snapshots + deltas, promote / rollback, audit, blobs."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from deploy.blobstore import BlobError, LocalBlobStore
+from deploy.delta import apply_delta, checksum
+from deploy.registry import Registry, RegistryError
+from tests.deploy.conftest import perturb, tiny_model
+
+
+def chain(registry: Registry, n: int) -> dict[int, dict]:
+    """Base + n candidates, each the child of the previous one; returns weights by version."""
+    state = tiny_model()
+    registry.init_base(state, "/models/base")
+    weights = {0: state}
+    parent = 0
+    for i in range(n):
+        state = perturb(state, 0.05, seed=i + 1)
+        row = registry.add_candidate(state, parent=parent, metrics={"loss": 1.0 / (i + 1)},
+                                     sample_offsets={"samples:0": 100 * i}, learner_step=10 * i)
+        weights[row.version] = state
+        parent = row.version
+    return weights
+
+
+def test_base_candidates_and_materialize_across_snapshot_boundary(registry):
+    weights = chain(registry, 7)  # snapshot_every=3: snapshots at versions 0, 3, 6
+    assert sorted(weights) == list(range(8))
+    rows = {r.version: r for r in registry.list()}
+    assert [v for v, r in sorted(rows.items()) if r.snapshot_key] == [0, 3, 6]
+    assert rows[0].status == "stable" and rows[0].blob_kind == "snapshot" and rows[0].model_dir == "/models/base"
+    r5 = rows[5]
+    assert (r5.parent, r5.status, r5.blob_kind, r5.snapshot_base, r5.chain_depth) == (4, "candidate", "delta", 3, 2)
+    assert r5.metrics == {"loss": 1.0 / 5} and r5.sample_offsets == {"samples:0": 400} and r5.learner_step == 40
+    assert 0.02 < r5.changed_fraction < 0.1 and r5.ratio > 3 and r5.delta_bytes < r5.raw_bytes
+    for v, w in weights.items():
+        assert registry.materialize(v).keys() == w.keys()
+        assert checksum(registry.materialize(v)) == checksum(w) == rows[v].checksum
+    # every non-base version has a delta from its parent, usable in both directions
+    new, now = apply_delta(weights[4], registry.delta_for(5))
+    assert now == 5 and checksum(new) == rows[5].checksum
+    back, now = apply_delta(weights[5], registry.delta_for(5))
+    assert now == 4 and checksum(back) == rows[4].checksum
+    with pytest.raises(RegistryError, match="base snapshot"):
+        registry.delta_for(0)
+    assert [r.version for r in registry.candidates()] == list(range(1, 8))
+
+
+def test_deltas_between_walks_up_then_down(registry):
+    weights = chain(registry, 3)
+    branch = registry.add_candidate(perturb(weights[1], 0.05, seed=42), parent=1)  # 1 -> 4
+    weights[branch.version] = perturb(weights[1], 0.05, seed=42)
+    state = weights[3]
+    for blob in registry.deltas_between(3, branch.version):  # 3 -> 2 -> 1 -> 4
+        state, now = apply_delta(state, blob)
+    assert now == branch.version and checksum(state) == branch.checksum
+    assert registry.deltas_between(2, 2) == []
+
+
+def test_promote_rollback_and_audit(registry):
+    chain(registry, 3)
+    registry.set_status(1, "rejected", actor="gate", reason="failed heldout")
+    with pytest.raises(RegistryError, match="was rejected \\(failed heldout\\); pass --force"):
+        registry.promote(1, actor="ops")
+    registry.promote(2, actor="gate", reason="passed")
+    registry.promote(3, actor="alice", reason="looks good")
+    assert registry.stable().version == 3
+    assert {r.version: r.status for r in registry.list()} == {0: "retired", 1: "rejected", 2: "retired", 3: "stable"}
+    with pytest.raises(RegistryError, match="already stable"):
+        registry.promote(3, actor="alice")
+
+    back = registry.rollback(actor="bob", reason="live acceptance dropped")
+    assert back.version == 2 and registry.stable().version == 2 and registry.get(3).status == "rolled_back"
+    back = registry.rollback(actor="bob", reason="further", to=0)
+    assert back.version == 0 and registry.get(2).status == "rolled_back"
+    with pytest.raises(RegistryError, match="never stable; use promote"):
+        registry.rollback(actor="bob", to=1)
+    with pytest.raises(RegistryError, match="unknown version 99"):
+        registry.promote(99, actor="bob")
+    registry.promote(1, actor="carol", reason="override", force=True)
+    assert registry.stable().version == 1
+
+    audit = [(a.actor, a.action, a.version) for a in registry.audit()]
+    assert audit[:4] == [("system", "init", 0), ("learner", "candidate", 1), ("learner", "candidate", 2),
+                         ("learner", "candidate", 3)]
+    assert audit[4:] == [("gate", "rejected", 1), ("gate", "promote", 2), ("alice", "promote", 3),
+                         ("bob", "rollback", 2), ("bob", "rollback", 0), ("carol", "promote", 1)]
+    assert "live acceptance dropped (from 3)" == registry.audit(version=2)[-1].reason
+
+
+def test_gate_results_and_fleet(registry):
+    chain(registry, 1)
+    registry.record_gate(1, "heldout", 0.61, 0.58, True, "ok")
+    registry.record_gate(1, "collapse", 0.01, 0.05, False, "collapsed")
+    assert [(g.check, g.passed) for g in registry.gate_results(1)] == [("heldout", True), ("collapse", False)]
+    with pytest.raises(RegistryError, match="unknown version"):
+        registry.record_gate(7, "heldout", 0.1, 0.2, False)
+    registry.update_fleet("node-0", 1, "ab" * 32)
+    registry.update_fleet("node-0", 0, "cd" * 32)
+    assert [(f.node, f.version) for f in registry.fleet()] == [("node-0", 0)]
+
+
+def test_init_base_is_idempotent_and_refuses_another_base(registry):
+    base = tiny_model()
+    assert registry.init_base(base, "m").version == 0
+    assert registry.init_base(base, "m").checksum == checksum(base)
+    with pytest.raises(RegistryError, match="already has a different base"):
+        registry.init_base(tiny_model(seed=5), "m")
+
+
+def test_concurrent_writers_get_distinct_versions(registry, tmp_path):
+    base = tiny_model()
+    registry.init_base(base, "m")
+    results, errors = [], []
+
+    def writer(seed: int) -> None:
+        reg = Registry(registry.url, LocalBlobStore(tmp_path / "blobs"), snapshot_every=3)
+        try:
+            for i in range(3):
+                results.append(reg.add_candidate(perturb(base, 0.05, seed=100 * seed + i), parent=0).version)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+        finally:
+            reg.close()
+
+    threads = [threading.Thread(target=writer, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and sorted(results) == list(range(1, 10))
+
+
+def test_materialize_refuses_a_corrupted_blob(registry):
+    chain(registry, 2)
+    path = registry.blobs._path(registry.get(2).blob_key)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(BlobError, match="corrupted"):
+        registry.materialize(2)
+    assert checksum(registry.materialize(1)) == registry.get(1).checksum
+
+
+def test_blobstore_round_trip(tmp_path):
+    store = LocalBlobStore(tmp_path)
+    key = store.put(b"hello")
+    assert store.put(b"hello") == key and store.exists(key) and store.get(key) == b"hello"
+    store.delete(key)
+    assert not store.exists(key)
+    with pytest.raises(BlobError, match="not found"):
+        store.get(key)
+    with pytest.raises(BlobError, match="invalid blob key"):
+        store.get("../etc/passwd")
+    assert not list(tmp_path.rglob("*.tmp"))
