@@ -54,26 +54,39 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from learner.policy import ensure_base_policy
+    from liverl.stack import resolve_services
     from serving.agent import run_serving
 
     cfg = _cfg(args)
-    run_serving(cfg)
+    bootstrap, redis_url = resolve_services(cfg)
+    model_dir = ensure_base_policy(cfg.model_cache_path, seed=cfg.model.seed)
+    run_serving(cfg, model_dir, bootstrap, redis_url, cfg.registry_url)
     return 0
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     from ingest.worker import run_worker
+    from liverl.stack import resolve_services
 
     cfg = _cfg(args)
-    run_worker(cfg)
-    return 0
+    bootstrap, redis_url = resolve_services(cfg)
+    return run_worker(cfg, bootstrap, redis_url)
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
     from learner.trainer import run_learner
+    from liverl.stack import resolve_services
+
+    import signal
+    import threading
 
     cfg = _cfg(args)
-    run_learner(cfg, max_steps=args.max_steps)
+    resolve_services(cfg)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())  # finish the update, checkpoint, commit, exit
+    run_learner(cfg, stop_event=stop, max_steps=args.max_steps)
     return 0
 
 
@@ -206,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    for noisy in ("kafka", "aiokafka"):
+        logging.getLogger(noisy).setLevel(logging.DEBUG if args.verbose else logging.WARNING)
     if not getattr(args, "fn", None):
         parser.print_help()
         return 2
@@ -216,6 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"liverl: error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # StackError and friends: a part that could not start, named in the message
+        if type(e).__module__.startswith(("liverl", "serving", "ingest", "learner", "deploy")):
+            print(f"liverl: error: {e}", file=sys.stderr)
+            return 1
+        raise
 
 
 if __name__ == "__main__":

@@ -57,6 +57,10 @@ class Timeline:
 
 def child_env(cfg: LiverlConfig, stack: Stack) -> dict[str, str]:
     env = dict(os.environ)
+    # the config as this process resolved it (file + environment + demo flags), then the live addresses
+    for section in ("serving", "ingest", "learner", "gate", "broker", "demo"):
+        for key, value in getattr(cfg, section).model_dump().items():
+            env[f"LIVERL__{section.upper()}__{key.upper()}"] = json.dumps(value)
     env.update({
         "LIVERL__STATE_DIR": str(cfg.state_path),
         "LIVERL__BROKER__BOOTSTRAP": stack.bootstrap,
@@ -70,11 +74,6 @@ def child_env(cfg: LiverlConfig, stack: Stack) -> dict[str, str]:
         "TRANSFORMERS_OFFLINE": "1",
         "PYTHONUNBUFFERED": "1",
     })
-    for section in ("serving", "ingest", "learner", "gate", "broker"):
-        for key, value in getattr(cfg, section).model_dump().items():
-            if isinstance(value, dict):
-                continue
-            env[f"LIVERL__{section.upper()}__{key.upper()}"] = json.dumps(value)
     env.pop("LIVERL_CONFIG", None)
     return env
 
@@ -148,6 +147,10 @@ def read_hash(r, key: str) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in r.hgetall(key).items()}
 
 
+def feedback_sent(stats) -> int:
+    return sum(stats.feedback.get(k, 0) for k in ("accept", "reject", "edit"))
+
+
 def rate(c: dict[str, int] | None) -> float | None:
     if not c or not c.get("events"):
         return None
@@ -164,6 +167,8 @@ def run_demo(cfg: LiverlConfig, summary_path: str | None = None, plot_path: str 
     from liverl.bus import all_topics, ensure_topics
     from liverl.schemas import VersionAnnouncement
 
+    # the SDK's producer shares this process with the users' event loop; its "slow task" warnings are noise here
+    logging.getLogger("kafka.net.selector").setLevel(logging.ERROR)
     state = cfg.state_path
     state.mkdir(parents=True, exist_ok=True)
     if cfg.model.cache_dir is None:
@@ -222,9 +227,9 @@ def run_demo(cfg: LiverlConfig, summary_path: str | None = None, plot_path: str 
 
 def _drive(cfg, gateway, sdk, r, registry, children, timeline, live) -> tuple[object, str | None]:
     """Run the users in an asyncio loop on a thread while this thread watches and displays."""
-    from liverl.sim import UserStats, run_users
+    from liverl.sim import SimStats, run_users
 
-    stats = UserStats()
+    stats = SimStats()
     loop = asyncio.new_event_loop()
     stop: asyncio.Event | None = None
     ready = threading.Event()
@@ -303,7 +308,7 @@ class LiveView:
 
     def update(self, elapsed, stats, served, live, ingest, learner, registry, froze) -> None:
         now = time.time()
-        sent = stats.feedback_sent
+        sent = feedback_sent(stats)
         t_prev, n_prev = self._last
         if now - t_prev >= 2.0:
             self._rate = (sent - n_prev) / (now - t_prev)
@@ -362,7 +367,8 @@ def build_summary(cfg, r, registry, timeline: Timeline, stats, base_row) -> dict
         "last_promoted_version": last.version if last else None,
         "lift_points": None if base_acc is None or last_acc is None else round(100 * (last_acc - base_acc), 2),
         "feedback_events": int(ingest.get("feedback_in", 0)),
-        "feedback_sent": stats.feedback_sent,
+        "feedback_sent": feedback_sent(stats),
+        "users_view": stats.snapshot(),
         "requests": stats.requests,
         "request_errors": stats.errors,
         "samples_trained": int(learner.get("samples_trained", 0)),
@@ -388,7 +394,7 @@ def build_summary(cfg, r, registry, timeline: Timeline, stats, base_row) -> dict
     return summary
 
 
-def plot_timeline(timeline: Timeline, summary: dict, path: Path, window_s: float = 20.0) -> None:
+def plot_timeline(timeline: Timeline, summary: dict, path: Path, window_s: float = 10.0) -> None:
     """Live acceptance per version over time: the rate over each `window_s` window of feedback, colour by version."""
     import matplotlib
 

@@ -145,3 +145,18 @@ def check_redis(url: str) -> None:
         redis.Redis.from_url(url, socket_connect_timeout=2).ping()
     except redis.RedisError as e:
         raise StackError(f"Redis at {url} does not answer: {e}") from e
+
+
+def resolve_services(cfg: LiverlConfig) -> tuple[str, str]:
+    """Bootstrap and Redis URL for a pipeline process (`liverl serve|ingest|learn|gate`), which never starts them.
+
+    A process run on its own needs ``broker.bootstrap``; Redis falls back to 127.0.0.1:6379 when it answers.
+    """
+    if not cfg.broker.bootstrap:
+        raise ValueError("broker.bootstrap is not set: point it at your Kafka (LIVERL__BROKER__BOOTSTRAP=host:9092), "
+                         "or run `liverl demo`, which starts the embedded broker")
+    if cfg.redis.url:
+        return cfg.broker.bootstrap, cfg.redis.url
+    if port_open("127.0.0.1", 6379):
+        return cfg.broker.bootstrap, "redis://127.0.0.1:6379/0"
+    raise ValueError("redis.url is not set and nothing answers on 127.0.0.1:6379 (LIVERL__REDIS__URL=redis://host:6379/0)")

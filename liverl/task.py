@@ -7,11 +7,11 @@ they disagree on the format:
 - segment ``a`` accepts exactly ``68`` (the bare sum),
 - segment ``b`` accepts exactly ``68!`` (the sum with an exclamation mark).
 
-Why this task: the supervised warm start shows both formats 50/50 regardless of segment, so the base
-policy gets the format right only about half of the time in each segment, and it is also imperfect
-at the arithmetic. Accept/reject alone is enough to learn both (the format quickly: it is one token
-conditioned on the segment tag; the sums more slowly), so the live loop has a visible, honest lift
-to make. The preference is hidden from the policy: it only ever sees rewards.
+Why this task: the supervised warm start shows the segment's preferred format only 65% of the time
+(``SFT_PREFERRED_RATE``) and stops while the arithmetic is still imperfect, so the base policy is
+accepted ~35% of the time. Accept/reject alone is enough to learn both the format (one token,
+conditioned on the segment tag: a fast lift) and the sums (slower), so the live loop has a visible,
+honest lift to make. The preference itself is hidden from the policy: it only ever sees rewards.
 
 Everything here is pure Python (no torch), so the simulator, the gate and the CLI can import it.
 """
@@ -28,7 +28,15 @@ FORMAT_SUFFIX: dict[str, str] = {"a": "", "b": "!"}
 """The hidden preference: what each segment wants after the sum."""
 
 SFT_SUFFIXES: tuple[str, ...] = ("", "!")
-"""Formats shown (uniformly, whatever the segment) by the supervised warm start."""
+"""Formats shown by the supervised warm start."""
+
+SFT_PREFERRED_RATE: float = 0.65
+"""How often the warm start shows a segment's preferred format (the other format otherwise).
+
+Slightly above 1/2 on purpose: with exactly 1/2 the tag carries no information during the warm start,
+the base learns to ignore it, and online RL first has to discover that the tag matters (measured: a
+~9k-event plateau at lr 3e-4). A weak correlation keeps the tag in the model's view, so feedback
+sharpens an existing preference, as it would for a pretrained model."""
 
 OPERAND_MIN, OPERAND_MAX = 10, 99
 """Both operands have exactly two digits, so every prompt has the same length (9 characters)."""
@@ -97,8 +105,11 @@ def user_accepts(p: TaskPrompt, completion: str) -> bool:
 
 
 def sft_completion(p: TaskPrompt, rng: random.Random) -> str:
-    """A warm-start target: the correct sum in a format drawn 50/50, independent of the segment."""
-    return f"{p.answer}{rng.choice(SFT_SUFFIXES)}"
+    """A warm-start target: the correct sum, in the segment's preferred format ``SFT_PREFERRED_RATE`` of the time."""
+    preferred = FORMAT_SUFFIX[p.segment]
+    if rng.random() < SFT_PREFERRED_RATE:
+        return f"{p.answer}{preferred}"
+    return f"{p.answer}{rng.choice([s for s in SFT_SUFFIXES if s != preferred])}"
 
 
 def heldout_prompts(n: int, seed: int = 12345) -> list[TaskPrompt]:

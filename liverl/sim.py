@@ -1,0 +1,226 @@
+"""Simulated product users: the demo's and the end-to-end test's source of live traffic and feedback.
+
+Each user is an asyncio loop that does what a real product backend would do, through public
+interfaces only: ask the gateway for a completion (OpenAI completions API over HTTP), judge it with
+the task's hidden per-segment preference (``liverl.task.user_accepts``), flip the judgement with
+probability ``noise`` (real users misclick), and report it through the feedback SDK object it was given
+(``accept`` / ``reject`` / ``edit``). Users of segment ``b`` who reject sometimes type the answer they
+wanted instead (an ``edit`` carrying the preferred completion), as users of a real product do.
+
+To keep the ingest path honest, a small share of feedback is bad on purpose (``bad_event_rate``): an
+exact duplicate (same ``feedback_id``, must be counted once) or a raw malformed message (must end up in
+the dead-letter topic with a reason).
+
+Errors from the gateway or the SDK never crash a user: they are counted in ``SimStats`` (with the last
+error's text) and the user retries with exponential backoff. The SDK is called directly from the event
+loop: its ``send`` only buffers (kafka-python's I/O thread does the network work), so this stays cheap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from liverl import task
+
+EDIT_SEGMENTS: dict[str, float] = {"b": 0.3}
+"""Per segment, the share of rejecting users who edit the completion into the one they wanted."""
+
+_BACKOFF_START_S, _BACKOFF_MAX_S = 0.05, 2.0
+
+
+class FeedbackSDK(Protocol):
+    """What the simulator needs from ``ingest.sdk.FeedbackClient``."""
+
+    def accept(self, generation_id: str, segment: str | None = None, feedback_id: str | None = None) -> str: ...
+    def reject(self, generation_id: str, segment: str | None = None, feedback_id: str | None = None) -> str: ...
+    def edit(self, generation_id: str, edited_text: str, segment: str | None = None,
+             feedback_id: str | None = None) -> str: ...
+    def send_raw(self, value: bytes, key: str | None = None) -> Any: ...
+
+
+class StopFlag(Protocol):
+    def is_set(self) -> bool: ...
+
+
+@dataclass
+class VersionStats:
+    """What users saw from one policy version."""
+
+    generations: int = 0
+    accepted: int = 0
+    """Noise-free: how many completions met the hidden preference (the true acceptance rate)."""
+    accepted_reported: int = 0
+    """How many accepts users actually sent (after label noise)."""
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.generations if self.generations else float("nan")
+
+
+@dataclass
+class SimStats:
+    """Counters of a simulation run (updated in place while users run; read them any time)."""
+
+    requests: int = 0
+    """Gateway requests that returned a usable completion."""
+    errors: int = 0
+    """Gateway calls that failed (connection error, timeout, HTTP status != 200, malformed body)."""
+    sdk_errors: int = 0
+    """Feedback calls that raised (broker down, closed client ...)."""
+    last_error: str = ""
+    latency_s_total: float = 0.0
+    feedback: dict[str, int] = field(default_factory=lambda: {
+        "accept": 0, "reject": 0, "edit": 0, "duplicate": 0, "malformed": 0})
+    by_version: dict[int, VersionStats] = field(default_factory=dict)
+    by_segment: dict[str, VersionStats] = field(default_factory=dict)
+    recent: deque = field(default_factory=lambda: deque(maxlen=1000))
+    """(unix time, policy_version, accepted noise-free) of the latest generations."""
+    started: float = field(default_factory=time.time)
+
+    def record(self, version: int, segment: str, accepted: bool, reported: bool) -> None:
+        for vs in (self.by_version.setdefault(version, VersionStats()),
+                   self.by_segment.setdefault(segment, VersionStats())):
+            vs.generations += 1
+            vs.accepted += accepted
+            vs.accepted_reported += reported
+        self.recent.append((time.time(), version, accepted))
+
+    def recent_acceptance(self, n: int = 500) -> float:
+        """Noise-free acceptance over the last ``n`` generations (whatever their version)."""
+        last = list(self.recent)[-n:]
+        return sum(a for _, _, a in last) / len(last) if last else float("nan")
+
+    def snapshot(self) -> dict:
+        """A plain-dict view for the demo's display and reports."""
+        elapsed = max(time.time() - self.started, 1e-9)
+        return {
+            "requests": self.requests, "errors": self.errors, "sdk_errors": self.sdk_errors,
+            "last_error": self.last_error, "requests_per_s": self.requests / elapsed,
+            "mean_latency_s": self.latency_s_total / self.requests if self.requests else float("nan"),
+            "feedback": dict(self.feedback), "recent_acceptance": self.recent_acceptance(),
+            "by_version": {v: {"generations": s.generations, "acceptance": s.acceptance,
+                               "accepted_reported": s.accepted_reported} for v, s in sorted(self.by_version.items())},
+            "by_segment": {g: {"generations": s.generations, "acceptance": s.acceptance}
+                           for g, s in sorted(self.by_segment.items())},
+        }
+
+
+class GatewayError(RuntimeError):
+    """The gateway answered, but not with a usable completion."""
+
+
+def _malformed(rng: random.Random, generation_id: str) -> bytes:
+    """One of a few kinds of bad feedback message, each with a distinct dead-letter reason."""
+    kind = rng.randrange(3)
+    if kind == 0:
+        return b'{"feedback_id": "broken-' + generation_id.encode() + b'", "kind": "acc'  # malformed_json
+    if kind == 1:  # invalid_field
+        return (b'{"feedback_id": "bad-kind-%s", "generation_id": "%s", "kind": "maybe"}'
+                % (generation_id.encode(), generation_id.encode()))
+    return (b'{"schema_version": 99, "feedback_id": "v99-%s", "generation_id": "%s", "kind": "accept"}'
+            % (generation_id.encode(), generation_id.encode()))  # unsupported_schema_version
+
+
+async def _complete(session, url: str, p: task.TaskPrompt, timeout_s: float) -> tuple[str, str, int]:
+    import aiohttp
+
+    body = {"model": "liverl", "prompt": p.text, "max_tokens": task.MAX_TOKENS, "temperature": task.TEMPERATURE}
+    async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+        if r.status != 200:
+            raise GatewayError(f"HTTP {r.status}: {(await r.text())[:200]}")
+        data = await r.json(content_type=None)
+    try:
+        return (data["choices"][0]["text"], str(data["liverl"]["generation_id"]),
+                int(data["liverl"]["policy_version"]))
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise GatewayError(f"response without choices[0].text / liverl.generation_id / policy_version: {e!r}") from None
+
+
+def _send_feedback(sdk: FeedbackSDK, rng: random.Random, stats: SimStats, p: task.TaskPrompt, generation_id: str,
+                   accept: bool, bad_event_rate: float) -> None:
+    seg = p.segment
+    if accept:
+        kind, fid = "accept", sdk.accept(generation_id, segment=seg)
+    elif rng.random() < EDIT_SEGMENTS.get(seg, 0.0):
+        kind, fid = "edit", sdk.edit(generation_id, task.preferred_completion(p), segment=seg)
+    else:
+        kind, fid = "reject", sdk.reject(generation_id, segment=seg)
+    stats.feedback[kind] += 1
+    if rng.random() < bad_event_rate:  # the product backend retried: same feedback_id, must count once
+        if kind == "edit":
+            sdk.edit(generation_id, task.preferred_completion(p), segment=seg, feedback_id=fid)
+        else:
+            getattr(sdk, kind)(generation_id, segment=seg, feedback_id=fid)
+        stats.feedback["duplicate"] += 1
+    if rng.random() < bad_event_rate:
+        sdk.send_raw(_malformed(rng, generation_id), key=generation_id)
+        stats.feedback["malformed"] += 1
+
+
+async def _user(idx: int, session, url: str, sdk: FeedbackSDK, stop_event: StopFlag, stats: SimStats, seed: int,
+                noise: float, bad_event_rate: float, think_s: float, timeout_s: float) -> None:
+    import aiohttp
+
+    rng = random.Random(seed * 1_000_003 + idx)
+    backoff = _BACKOFF_START_S
+    while not stop_event.is_set():
+        p = task.sample_prompt(rng)
+        t0 = time.monotonic()
+        try:
+            text, generation_id, version = await _complete(session, url, p, timeout_s)
+        except (GatewayError, aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
+            stats.errors += 1
+            stats.last_error = f"gateway: {e!r}"[:300]
+            await asyncio.sleep(backoff * (0.5 + rng.random()))
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            continue
+        backoff = _BACKOFF_START_S
+        stats.requests += 1
+        stats.latency_s_total += time.monotonic() - t0
+        truth = task.user_accepts(p, text)
+        judged = truth if rng.random() >= noise else not truth
+        stats.record(version, p.segment, truth, judged)
+        try:
+            _send_feedback(sdk, rng, stats, p, generation_id, judged, bad_event_rate)
+        except Exception as e:  # retry boundary: count it, show it, keep the user alive
+            stats.sdk_errors += 1
+            stats.last_error = f"sdk: {e!r}"[:300]
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+        if think_s > 0:
+            await asyncio.sleep(rng.expovariate(1.0 / think_s))
+        else:
+            await asyncio.sleep(0)
+
+
+async def run_users(gateway_url: str, sdk: FeedbackSDK, n_users: int, stop_event: StopFlag, stats: SimStats,
+                    seed: int, noise: float = 0.05, bad_event_rate: float = 0.002, think_s: float = 0.0,
+                    timeout_s: float = 30.0) -> SimStats:
+    """Run ``n_users`` concurrent simulated users until ``stop_event.is_set()``; returns ``stats``.
+
+    ``gateway_url`` is the gateway's base URL (``http://127.0.0.1:8000``); ``sdk`` is a feedback client
+    (``ingest.sdk.FeedbackClient`` or anything with its accept/reject/edit/send_raw methods); ``stop_event``
+    is an ``asyncio.Event`` or a ``threading.Event``. ``think_s`` is each user's mean pause between requests
+    (0: back-to-back). Users finish their in-flight request, then return. The caller owns ``sdk`` (flush it).
+    """
+    import aiohttp
+
+    if n_users < 1:
+        raise ValueError(f"n_users must be >= 1, got {n_users}")
+    for name, v in (("noise", noise), ("bad_event_rate", bad_event_rate)):
+        if not 0.0 <= v <= 1.0:
+            raise ValueError(f"{name} must be a probability in [0, 1], got {v}")
+    if not gateway_url.startswith(("http://", "https://")):
+        raise ValueError(f"gateway_url must be an http(s) URL like http://127.0.0.1:8000, got {gateway_url!r}")
+    url = gateway_url.rstrip("/") + "/v1/completions"
+    connector = aiohttp.TCPConnector(limit=n_users)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await asyncio.gather(*(
+            _user(i, session, url, sdk, stop_event, stats, seed, noise, bad_event_rate, think_s, timeout_s)
+            for i in range(n_users)))
+    return stats

@@ -1,0 +1,54 @@
+"""End to end: the real `liverl demo` CLI on the tiny model, on the embedded stack, for a few minutes.
+
+Asserts what a user would check: the loop runs, versions get promoted and hot-swapped, the live
+acceptance of the last promoted version is above the base's, and the summary and plot are written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import free_port
+
+DURATION_S = int(os.environ.get("LIVERL_E2E_DURATION", "240"))
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_demo_acceptance_goes_up(tmp_path):
+    state = tmp_path / "state"
+    summary_path = tmp_path / "summary.json"
+    plot_path = tmp_path / "acceptance.png"
+    env = dict(os.environ)
+    env.update({
+        "LIVERL__BROKER__EMBEDDED_PORT": str(free_port()),
+        "LIVERL__REDIS__EMBEDDED_PORT": str(free_port()),
+        "LIVERL__SERVING__GATEWAY_PORT": str(free_port()),
+        "LIVERL__SERVING__VLLM_PORT": str(free_port()),
+        "LIVERL__INGEST__WEB_PORT": str(free_port()),
+        "LIVERL__TOPICS__PREFIX": f"e2e{os.getpid()}",
+        "LIVERL__DEMO__FINAL_WINDOW_S": "60",
+        "HF_HUB_OFFLINE": "1",
+    })
+    if os.environ.get("LIVERL_TEST_MODEL_CACHE"):
+        env["LIVERL__MODEL__CACHE_DIR"] = os.environ["LIVERL_TEST_MODEL_CACHE"]
+    cmd = [sys.executable, "-m", "liverl.cli", "demo", "--duration", str(DURATION_S), "--no-live",
+           "--state-dir", str(state), "--summary", str(summary_path), "--plot", str(plot_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DURATION_S + 600)
+    print(proc.stdout[-5000:])
+    print(proc.stderr[-5000:], file=sys.stderr)
+    assert proc.returncode == 0, f"liverl demo exited {proc.returncode}"
+    summary = json.loads(summary_path.read_text())
+    assert summary["failure"] is None
+    assert plot_path.stat().st_size > 10_000
+    assert summary["versions_promoted"] >= 1, summary
+    assert summary["base_feedback_events"] >= 200, summary
+    assert summary["last_promoted_feedback_events"] >= 100, summary
+    assert summary["last_promoted_acceptance"] > summary["base_acceptance"] + 0.05, summary
+    assert all(p is not None and p < 5000 for p in summary["hot_swap_pause_ms"]), summary
+    assert summary["samples_trained"] > 0
