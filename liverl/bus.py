@@ -12,6 +12,7 @@ import time
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.serializer import Serializer
 
 from liverl.config import LiverlConfig
 
@@ -46,6 +47,13 @@ def all_topics(cfg: LiverlConfig) -> list[str]:
     return [t.feedback, t.generations, t.samples, t.dead_letters]
 
 
+class KeySerializer(Serializer):
+    """Keys are generation ids (str); bytes pass through."""
+
+    def serialize(self, topic, key):
+        return key.encode() if isinstance(key, str) else key
+
+
 def make_producer(bootstrap: str, **kw) -> KafkaProducer:
     """Idempotent, acks=all, zstd producer whose values are bytes and keys str."""
     opts = dict(
@@ -53,7 +61,7 @@ def make_producer(bootstrap: str, **kw) -> KafkaProducer:
         acks="all",
         enable_idempotence=True,
         linger_ms=5,
-        key_serializer=lambda k: k.encode() if isinstance(k, str) else k,
+        key_serializer=KeySerializer(),
     )
     opts.update(kw)
     return KafkaProducer(**opts)

@@ -1,0 +1,182 @@
+"""Counters of the ingest worker: Prometheus metrics in-process, and the shared Redis hashes.
+
+Two audiences, two stores:
+
+- Prometheus (``/metrics`` on the faust web server) for operators: per-process counters with the
+  ``liverl_ingest_`` prefix, ``_total`` suffix and no per-user labels (Prometheus naming practice).
+- Redis, for the demo and the CLI, which read one place for the whole fleet:
+  ``<prefix>:ingest:counters`` (operational counts, at-least-once: a redelivered input is counted again)
+  and ``<prefix>:live:<policy_version>`` (accept/reject/edit/events), which is counted exactly once per
+  ``feedback_id`` by a Lua script that sets a guard key ``<prefix>:counted:<feedback_id>`` in the same
+  atomic step as the increments. That is what makes the live acceptance rate trustworthy under redelivery.
+
+Increments are gathered per processed batch (``Tally``) and written with one pipelined round trip, so
+Redis costs one RTT per batch rather than one per event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter as _Counter
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+log = logging.getLogger("liverl.ingest.metrics")
+
+# How long the per-feedback_id guard key lives. Redelivery happens within minutes (the uncommitted tail
+# of a partition); a week is far beyond any realistic replay, and it bounds Redis memory.
+COUNTED_TTL_S = 7 * 24 * 3600
+
+# KEYS: pairs (guard key, live hash key); ARGV[1] = guard ttl, ARGV[1 + j] = kind of pair j.
+_LIVE_LUA = """
+local n = 0
+for j = 1, #ARGV - 1 do
+  if redis.call('SET', KEYS[2 * j - 1], '1', 'NX', 'EX', ARGV[1]) then
+    redis.call('HINCRBY', KEYS[2 * j], ARGV[j + 1], 1)
+    redis.call('HINCRBY', KEYS[2 * j], 'events', 1)
+    n = n + 1
+  end
+end
+return n
+"""
+
+
+def counters_key(prefix: str) -> str:
+    return f"{prefix}:ingest:counters"
+
+
+def live_key(prefix: str, policy_version: int) -> str:
+    return f"{prefix}:live:{policy_version}"
+
+
+def counted_key(prefix: str, feedback_id: str) -> str:
+    return f"{prefix}:counted:{feedback_id}"
+
+
+@dataclass
+class Tally:
+    """Increments gathered while one batch is processed; applied once the batch's output is durable."""
+
+    counts: _Counter = field(default_factory=_Counter)
+    # (feedback_id, policy_version, kind) of every join, and of every redelivered duplicate of one
+    # (re-applying the guarded increment heals a crash between the join and the Redis write).
+    live: list[tuple[str, int, str]] = field(default_factory=list)
+    joined_kinds: _Counter = field(default_factory=_Counter)
+    feedback_delays_s: list[float] = field(default_factory=list)
+
+    def inc(self, name: str, n: int = 1) -> None:
+        self.counts[name] += n
+
+    def __bool__(self) -> bool:
+        return bool(self.counts or self.live)
+
+
+class IngestMetrics:
+    """Prometheus metrics (private registry, so several apps in one process do not clash) + Redis sink."""
+
+    def __init__(self, prefix: str, redis_url: str):
+        self.prefix = prefix
+        self.redis_url = redis_url
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.feedback = Counter("liverl_ingest_feedback", "Feedback records consumed (valid or not).", registry=r)
+        self.generations = Counter("liverl_ingest_generations", "Generation records consumed (valid or not).", registry=r)
+        self.joined = Counter("liverl_ingest_joined", "Generations joined with their feedback.", ["kind"], registry=r)
+        self.samples = Counter("liverl_ingest_samples", "Training samples acknowledged by the broker.", registry=r)
+        self.duplicates = Counter(
+            "liverl_ingest_duplicates", "Redelivered inputs dropped (same feedback_id or generation_id).",
+            ["source"], registry=r,
+        )
+        self.dead_letters = Counter(
+            "liverl_ingest_dead_letters", "Inputs refused and sent to the dead-letter topic.", ["reason"], registry=r
+        )
+        self.expired = Counter(
+            "liverl_ingest_generations_expired", "Generation records dropped unjudged after their TTL.", registry=r
+        )
+        self.pending = Gauge("liverl_ingest_pending_feedback", "Feedback waiting for its generation record.", registry=r)
+        self.tracked = Gauge(
+            "liverl_ingest_tracked_generations", "Generations in the join table (waiting or judged).", registry=r
+        )
+        self.feedback_delay = Histogram(
+            "liverl_ingest_feedback_to_sample_seconds",
+            "Wall time from the user's feedback (event ts) to the joined sample.",
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            registry=r,
+        )
+        self._redis = None
+        self._script = None
+
+    # -- Prometheus --------------------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def _observe(self, tally: Tally) -> None:
+        c = tally.counts
+        self.feedback.inc(c.get("feedback_in", 0))
+        self.generations.inc(c.get("generations_in", 0))
+        self.samples.inc(c.get("samples_out", 0))
+        self.duplicates.labels("feedback").inc(c.get("duplicates", 0))
+        self.duplicates.labels("generations").inc(c.get("generation_duplicates", 0))
+        self.expired.inc(c.get("generations_expired", 0))
+        for name, n in c.items():
+            if name.startswith("dlq:"):
+                self.dead_letters.labels(name[4:]).inc(n)
+        for kind, n in tally.joined_kinds.items():
+            self.joined.labels(kind).inc(n)
+        for d in tally.feedback_delays_s:
+            self.feedback_delay.observe(max(d, 0.0))
+
+    # -- Redis -------------------------------------------------------------------------------------
+
+    async def _client(self):
+        if self._redis is None:
+            import redis.asyncio as aioredis
+
+            self._redis = aioredis.Redis.from_url(self.redis_url, socket_connect_timeout=5, socket_timeout=10)
+            self._script = self._redis.register_script(_LIVE_LUA)
+        return self._redis
+
+    async def apply(self, tally: Tally, attempts: int = 5) -> None:
+        """Write one batch's increments to Redis (retrying transient errors), then to Prometheus.
+
+        Raises the last Redis error after ``attempts`` tries: the caller's batch is then not acknowledged
+        and is redelivered, which the idempotent live counters absorb.
+        """
+        if not tally:
+            return
+        import redis
+
+        client = await self._client()
+        ckey = counters_key(self.prefix)
+        delay = 0.2
+        for attempt in range(1, attempts + 1):
+            pipe = client.pipeline(transaction=False)
+            for name, n in tally.counts.items():
+                if n:
+                    pipe.hincrby(ckey, name, n)
+            if tally.live:
+                keys: list[str] = []
+                args: list[str | int] = [COUNTED_TTL_S]
+                for feedback_id, version, kind in tally.live:
+                    keys += [counted_key(self.prefix, feedback_id), live_key(self.prefix, version)]
+                    args.append(kind)
+                await self._script(keys=keys, args=args, client=pipe)
+            try:
+                await pipe.execute()
+                break
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                if attempt == attempts:
+                    raise
+                log.warning("Redis at %s failed (%s); retry %d/%d in %.1f s", self.redis_url, e, attempt,
+                            attempts - 1, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 3.0)
+        self._observe(tally)
+
+    async def close(self) -> None:
+        if self._redis is not None:
+            await self._redis.aclose()
+            self._redis = None

@@ -1,0 +1,138 @@
+"""Feedback SDK: how the product backend reports a user's judgement of a generation.
+
+    from ingest.sdk import FeedbackClient
+
+    with FeedbackClient("127.0.0.1:9092", "liverl.feedback") as fb:
+        fid = fb.accept(generation_id)            # or fb.reject(...), fb.edit(generation_id, "fixed text")
+        fb.flush()                                # block until the broker has it (acks=all)
+
+``generation_id`` is what the gateway returned (``X-Liverl-Generation-Id`` header, or ``liverl.generation_id``
+in the JSON body). Each call builds a ``FeedbackEvent`` with a fresh ``feedback_id`` (a uuid4 hex) unless you
+pass one. Pass your own when you may retry: the ``feedback_id`` is the idempotency key, so a retried event
+with the same id is counted and trained on once.
+
+Wire format (any Kafka client can publish): topic ``<prefix>.feedback``, key = the generation id (UTF-8),
+value = one JSON object (schema: ``liverl.schemas.FeedbackEvent``, or ``liverl schema``)::
+
+    {"schema_version": 1, "feedback_id": "f-123", "generation_id": "<id>", "kind": "accept",
+     "edited_text": null, "segment": "free", "ts": 1760000000.0}
+
+With kcat (use the Java client's murmur2 partitioner so the record lands on the same partition as its
+generation record — librdkafka's default partitioner differs)::
+
+    echo 'GEN_ID|{"feedback_id":"f-123","generation_id":"GEN_ID","kind":"reject"}' | \\
+      kcat -P -b 127.0.0.1:9092 -t liverl.feedback -K '|' -X partitioner=murmur2_random
+
+``kind`` is ``accept`` | ``reject`` | ``edit``; ``edited_text`` is required with ``edit`` and forbidden
+otherwise. Invalid events are not lost: the ingest worker dead-letters them to ``<prefix>.dead-letters``
+with a reason.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Self
+
+from liverl.bus import make_producer
+from liverl.schemas import FeedbackEvent, new_id
+
+if TYPE_CHECKING:
+    from kafka.producer.future import FutureRecordMetadata
+
+    from liverl.config import LiverlConfig
+
+
+class FeedbackClient:
+    """A thread-safe feedback publisher (kafka-python; idempotent producer, acks=all).
+
+    ``send``/``accept``/... return once the event is buffered; call ``flush()`` (or wait on the future
+    ``send`` returns) when the caller needs to know the broker has it.
+    """
+
+    def __init__(self, bootstrap: str, topic: str, **producer_kw: Any):
+        if not bootstrap or not isinstance(bootstrap, str):
+            raise ValueError(f"bootstrap must be 'host:port[,host:port]', got {bootstrap!r}")
+        if not topic or not isinstance(topic, str):
+            raise ValueError(f"topic must be the feedback topic name (cfg.topics.feedback), got {topic!r}")
+        self.topic = topic
+        self._producer = make_producer(bootstrap, **producer_kw)
+
+    # -- typed events ------------------------------------------------------------------------------
+
+    def send(self, event: FeedbackEvent) -> FutureRecordMetadata:
+        """Publish one event, keyed by its generation id; returns kafka-python's future of the record."""
+        if not isinstance(event, FeedbackEvent):
+            raise TypeError(f"send() takes a FeedbackEvent, got {type(event).__name__}; "
+                            "use send_raw() for bytes")
+        return self._live().send(self.topic, key=event.generation_id, value=event.to_bytes())
+
+    def _judge(self, generation_id: str, kind: str, *, edited_text: str | None = None, segment: str | None = None,
+               feedback_id: str | None = None, ts: float | None = None) -> str:
+        fields: dict[str, Any] = {"feedback_id": feedback_id or new_id(), "generation_id": generation_id, "kind": kind,
+                                      "edited_text": edited_text, "segment": segment}
+        if ts is not None:
+            fields["ts"] = ts
+        event = FeedbackEvent(**fields)  # pydantic ValidationError (a ValueError) names the bad field
+        self.send(event)
+        return event.feedback_id
+
+    def accept(self, generation_id: str, segment: str | None = None, feedback_id: str | None = None,
+               ts: float | None = None) -> str:
+        """The user accepted the generation. Returns the feedback_id."""
+        return self._judge(generation_id, "accept", segment=segment, feedback_id=feedback_id, ts=ts)
+
+    def reject(self, generation_id: str, segment: str | None = None, feedback_id: str | None = None,
+               ts: float | None = None) -> str:
+        """The user rejected (dismissed) the generation. Returns the feedback_id."""
+        return self._judge(generation_id, "reject", segment=segment, feedback_id=feedback_id, ts=ts)
+
+    def edit(self, generation_id: str, edited_text: str, segment: str | None = None,
+             feedback_id: str | None = None, ts: float | None = None) -> str:
+        """The user kept the generation after correcting it to ``edited_text``. Returns the feedback_id."""
+        if not isinstance(edited_text, str):
+            raise TypeError(f"edited_text must be a str, got {type(edited_text).__name__}")
+        return self._judge(generation_id, "edit", edited_text=edited_text, segment=segment,
+                           feedback_id=feedback_id, ts=ts)
+
+    # -- raw ---------------------------------------------------------------------------------------
+
+    def send_raw(self, value: bytes, key: str | None = None) -> FutureRecordMetadata:
+        """Publish arbitrary bytes, unvalidated (tests, and the simulator's bad-input injection)."""
+        if not isinstance(value, (bytes, bytearray)):
+            raise TypeError(f"send_raw() takes bytes, got {type(value).__name__}")
+        if key is not None and not isinstance(key, str):
+            raise TypeError(f"key must be a str or None, got {type(key).__name__}")
+        return self._live().send(self.topic, key=key, value=bytes(value))
+
+    def _live(self):
+        if self._producer is None:
+            raise RuntimeError("this FeedbackClient is closed; create a new one")
+        return self._producer
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until every buffered event is acknowledged by the broker (acks=all)."""
+        self._live().flush(timeout=timeout)
+
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Flush, then stop the producer's I/O thread. Idempotent."""
+        if self._producer is not None:
+            try:
+                self._producer.flush(timeout=timeout)
+            finally:
+                self._producer.close(timeout=timeout)
+                self._producer = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def from_config(cfg: LiverlConfig, bootstrap: str | None = None, **producer_kw: Any) -> FeedbackClient:
+    """A client for ``cfg.topics.feedback`` at ``bootstrap`` (default ``cfg.broker.bootstrap``)."""
+    bootstrap = bootstrap or cfg.broker.bootstrap
+    if not bootstrap:
+        raise ValueError("no Kafka bootstrap: pass bootstrap= (e.g. Stack.bootstrap) or set broker.bootstrap")
+    return FeedbackClient(bootstrap, cfg.topics.feedback, **producer_kw)

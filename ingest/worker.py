@@ -1,0 +1,65 @@
+"""Run the ingest stream processor as a process: the body of ``liverl ingest`` and of the demo's subprocess.
+
+    python -m ingest.worker [--config liverl.toml] [--loglevel info] [--web-port 6066]
+
+Configuration comes from ``load_config`` (the TOML file, then ``LIVERL__SECTION__FIELD`` environment
+variables); ``broker.bootstrap`` and ``redis.url`` must name running services (``liverl`` starts the
+embedded stack and passes them on). SIGTERM and SIGINT stop the worker cleanly: the consumer stops, the
+producer is flushed, offsets of finished batches are committed, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from liverl.config import LiverlConfig, load_config
+
+
+def run_worker(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, loglevel: str = "info",
+               web_port: int | None = None, web_bind: str = "127.0.0.1") -> int:
+    """Create the topics, then run the faust worker in this thread until SIGTERM/SIGINT; returns the exit code.
+
+    Blocks, owns the (main) thread's event loop, and installs the signal handlers, so call it from the
+    main thread of a process dedicated to ingest. ``web_port`` (default ``cfg.ingest.web_port``; 0 = off)
+    and ``web_bind`` place the ``/metrics`` + ``/healthz`` server (bind 0.0.0.0 for a remote Prometheus).
+    """
+    import faust
+
+    from ingest.app import build_app
+    from liverl.bus import all_topics, ensure_topics
+
+    ensure_topics(bootstrap, all_topics(cfg), cfg.broker.partitions)
+    app = build_app(cfg, bootstrap, redis_url, web_port=web_port, web_bind=web_bind)
+    worker = faust.Worker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
+    # faust's terminal spinner sets the root logger to DEBUG (to spin on every record), which makes
+    # aiokafka build a debug LogRecord for every message: ~4 per event, a large share of the CPU.
+    worker.spinner = None
+    try:
+        worker.execute_from_commandline()
+    except SystemExit as e:
+        code = e.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ingest.worker", description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=None, help="TOML config file (default: $LIVERL_CONFIG, else defaults)")
+    ap.add_argument("--loglevel", default="info", help="debug | info | warning | error")
+    ap.add_argument("--web-port", type=int, default=None,
+                    help="port of /metrics (default: ingest.web_port; 0 disables the web server)")
+    ap.add_argument("--web-bind", default="127.0.0.1", help="interface of the web server (0.0.0.0: all)")
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config)
+    if not cfg.broker.bootstrap:
+        ap.error("broker.bootstrap is not set: pass a config or LIVERL__BROKER__BOOTSTRAP=host:port "
+                 "(the ingest worker does not start an embedded broker of its own)")
+    if not cfg.redis.url:
+        ap.error("redis.url is not set: pass a config or LIVERL__REDIS__URL=redis://host:port/0")
+    return run_worker(cfg, cfg.broker.bootstrap, cfg.redis.url, loglevel=args.loglevel, web_port=args.web_port,
+                      web_bind=args.web_bind)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""The ingest worker end to end: real embedded broker, real Redis, the worker in its own process.
+
+One worker serves the whole module; every test uses fresh generation ids (and its own policy version for
+the live counters) and asserts on counter *deltas*, so the tests do not depend on each other's order.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+
+import pytest
+
+from ingest.sdk import from_config
+from liverl.schemas import DeadLetter, FeedbackEvent, TrainingSample
+from tests.ingest.conftest import make_generation, new_gid, wait_until
+
+
+def _version() -> int:
+    return random.randrange(1_000, 900_000)
+
+
+def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before) if after.get(k, 0) != before.get(k, 0)}
+
+
+def test_join_shapes_rewards_and_carries_behaviour_logprobs(harness):
+    cfg, v = harness.cfg, _version()
+    gens = {kind: make_generation(new_gid(), v, n_tokens=3 + i) for i, kind in enumerate(["accept", "reject", "edit"])}
+    for rec in gens.values():
+        harness.send_generation(rec, flush=False)
+    harness.producer.flush()
+    fids = {}
+    with from_config(cfg) as sdk:
+        fids["accept"] = sdk.accept(gens["accept"].generation_id, segment="pro")
+        fids["reject"] = sdk.reject(gens["reject"].generation_id)
+        fids["edit"] = sdk.edit(gens["edit"].generation_id, "12+30=42", segment="free")
+
+    with harness.tail("samples") as tail:
+        recs = tail.wait_for(tail.keys({g.generation_id for g in gens.values()}), n=3)
+    samples = {r.key.decode(): TrainingSample.from_bytes(r.value) for r in recs}
+    assert len(recs) == 3 and len(samples) == 3
+    rewards = cfg.ingest.rewards
+    for kind, rec in gens.items():
+        s = samples[rec.generation_id]
+        assert s.sample_id == s.generation_id == rec.generation_id
+        assert s.feedback_id == fids[kind] and s.kind == kind
+        assert s.reward == getattr(rewards, kind)
+        assert s.policy_version == v
+        assert s.behaviour_logprobs == rec.completion_logprobs
+        assert s.completion_token_ids == rec.completion_token_ids
+        assert s.prompt_token_ids == rec.prompt_token_ids
+        assert s.ts_generation == rec.ts and s.ts_feedback <= time.time()
+    assert (samples[gens["accept"].generation_id].reward, samples[gens["reject"].generation_id].reward,
+            samples[gens["edit"].generation_id].reward) == (0.75, -0.25, 0.0)
+    assert samples[gens["accept"].generation_id].segment == "pro"
+    assert samples[gens["edit"].generation_id].edited_text == "12+30=42"
+    assert samples[gens["reject"].generation_id].edited_text is None
+
+    live = wait_until(lambda: harness.live(v).get("events") == 3 and harness.live(v), 10, what="live counters")
+    assert live == {"accept": 1, "reject": 1, "edit": 1, "events": 3}
+
+
+def test_feedback_before_its_generation_still_joins(harness):
+    v, gid = _version(), new_gid()
+    with from_config(harness.cfg) as sdk:
+        fid = sdk.reject(gid)
+    # Wait until the worker holds the feedback as pending, so the order is really feedback-first.
+    wait_until(lambda: (harness.worker.metric("liverl_ingest_pending_feedback ") or 0) >= 1, 10,
+               what="the feedback to be pending")
+    rec = make_generation(gid, v)
+    harness.send_generation(rec)
+    with harness.tail("samples") as tail:
+        (r,) = tail.wait_for(tail.keys({gid}))
+    s = TrainingSample.from_bytes(r.value)
+    assert (s.feedback_id, s.kind, s.reward, s.behaviour_logprobs) == (fid, "reject", -0.25, rec.completion_logprobs)
+    assert wait_until(lambda: harness.live(v) == {"reject": 1, "events": 1}, 10, what="live counters")
+
+
+def test_bad_inputs_are_dead_lettered_with_reasons_and_counted(harness):
+    cfg = harness.cfg
+    before = harness.counters()
+    unknown = new_gid()
+    cases = {  # key -> (raw value, expected reason, topic)
+        "bad-json": (b'{"feedback_id": "x", ', "malformed_json", cfg.topics.feedback),
+        "bad-utf8": (b"\xff\xfe{}", "malformed_json", cfg.topics.feedback),
+        "bad-array": (b"[1, 2]", "not_an_object", cfg.topics.feedback),
+        "bad-kind": (json.dumps({"feedback_id": "f1", "generation_id": "g1", "kind": "maybe"}).encode(),
+                     "invalid_field", cfg.topics.feedback),
+        "bad-edit": (json.dumps({"feedback_id": "f2", "generation_id": "g2", "kind": "edit"}).encode(),
+                     "invalid_field", cfg.topics.feedback),
+        "bad-version": (json.dumps({"schema_version": 2, "feedback_id": "f3", "generation_id": "g3",
+                                    "kind": "accept"}).encode(), "unsupported_schema_version", cfg.topics.feedback),
+        "bad-gen": (b"not json at all", "malformed_json", cfg.topics.generations),
+        "bad-gen-logprobs": (make_generation("g4", 1).model_dump_json().replace('"completion_logprobs":[',
+                                                                                '"completion_logprobs":[0.0,')
+                             .encode(), "invalid_field", cfg.topics.generations),
+    }
+    with from_config(cfg) as sdk:
+        for key, (value, _, topic) in cases.items():
+            if topic == cfg.topics.feedback:
+                sdk.send_raw(value, key=key)
+            else:
+                harness.send_generation_raw(value, key=key)
+        unknown_fid = sdk.accept(unknown)  # valid, but its generation never comes
+        with pytest.raises(TypeError):
+            sdk.send_raw("not bytes")  # type: ignore[arg-type]
+    t0 = time.monotonic()
+
+    with harness.tail("dead_letters") as tail:
+        recs = tail.wait_for(tail.keys(set(cases) | {unknown}), n=len(cases) + 1, timeout=30)
+    elapsed = time.monotonic() - t0
+    letters = {r.key.decode(): DeadLetter.from_bytes(r.value) for r in recs}
+    assert len(recs) == len(cases) + 1, [(r.key, r.value[:80]) for r in recs]
+    for key, (value, reason, topic) in cases.items():
+        d = letters[key]
+        assert (d.reason, d.source_topic) == (reason, topic), (key, d)
+        assert d.value == value.decode("utf-8", "replace")
+        assert d.partition is not None and d.offset is not None and d.detail
+    d = letters[unknown]
+    assert d.reason == "unknown_generation" and d.source_topic == cfg.topics.feedback
+    assert FeedbackEvent.from_bytes(d.value).feedback_id == unknown_fid
+    assert elapsed >= cfg.ingest.pending_ttl_s * 0.5  # it waited for the generation before giving up
+
+    want = {"dlq:malformed_json": 3, "dlq:not_an_object": 1, "dlq:invalid_field": 3,
+            "dlq:unsupported_schema_version": 1, "dlq:unknown_generation": 1, "feedback_in": 7, "generations_in": 2}
+    got = wait_until(lambda: (d := _delta(harness.counters(), before)) == want and d, 10,
+                     what=f"counters {want}, have {_delta(harness.counters(), before)}")
+    assert got == want
+    assert harness.worker.metric('liverl_ingest_dead_letters_total{reason="unknown_generation"}') >= 1
+
+
+def test_duplicates_are_dropped_and_a_second_judgement_dead_lettered(harness):
+    cfg, v = harness.cfg, _version()
+    before = harness.counters()
+    judged, early = new_gid(), new_gid()
+    harness.send_generation(make_generation(judged, v))
+    with from_config(cfg) as sdk:
+        fid = sdk.accept(judged)
+        sdk.flush()
+        for _ in range(2):  # at-least-once redelivery of the same feedback_id
+            sdk.send(FeedbackEvent(feedback_id=fid, generation_id=judged, kind="accept"))
+        other = sdk.reject(judged)  # a different judgement of an already-judged generation
+        # feedback-first, duplicated while it waits for its generation
+        early_fid = sdk.edit(early, "fixed")
+        sdk.edit(early, "fixed", feedback_id=early_fid)
+        sdk.flush()
+    wait_until(lambda: _delta(harness.counters(), before).get("feedback_in") == 6, 15, what="6 feedback consumed")
+    harness.send_generation(make_generation(early, v))
+
+    with harness.tail("dead_letters") as tail:
+        (r,) = tail.wait_for(tail.keys({judged}))
+    d = DeadLetter.from_bytes(r.value)
+    assert d.reason == "already_judged" and FeedbackEvent.from_bytes(d.value).feedback_id == other
+    with harness.tail("samples") as tail:
+        tail.wait_for(tail.keys({judged, early}), n=2)
+        time.sleep(0.5)
+        tail.poll()
+        samples = [TrainingSample.from_bytes(r.value) for r in tail.matching(tail.keys({judged, early}))]
+    assert sorted((s.generation_id, s.feedback_id) for s in samples) == sorted([(judged, fid), (early, early_fid)])
+
+    want = {"feedback_in": 6, "generations_in": 2, "joined": 2, "samples_out": 2, "duplicates": 3,
+            "dlq:already_judged": 1}
+    assert wait_until(lambda: _delta(harness.counters(), before) == want, 10,
+                      what=f"counters {want}, have {_delta(harness.counters(), before)}")
+    assert harness.live(v) == {"accept": 1, "edit": 1, "events": 2}
+
+
+def test_live_counters_count_each_feedback_id_once(harness):
+    """The Lua guard: replaying a batch's increments (a crash before the offset commit) changes nothing."""
+    import asyncio
+
+    from ingest.metrics import IngestMetrics, Tally
+
+    v = _version()
+
+    async def apply_twice():
+        m = IngestMetrics(harness.cfg.topics.prefix, harness.cfg.redis.url)
+        try:
+            for _ in range(2):
+                t = Tally()
+                t.live += [("fid-a", v, "accept"), ("fid-b", v, "reject"), ("fid-a", v, "accept")]
+                t.inc("joined", 2)
+                await m.apply(t)
+        finally:
+            await m.close()
+
+    before = harness.counters()
+    asyncio.run(apply_twice())
+    assert harness.live(v) == {"accept": 1, "reject": 1, "events": 2}
+    assert _delta(harness.counters(), before) == {"joined": 4}  # operational counters are at-least-once
+
+
+def test_metrics_endpoint_speaks_prometheus(harness):
+    status, ctype, body = harness.worker.get("/metrics")
+    assert status == 200 and ctype.startswith("text/plain")
+    for name in ("liverl_ingest_feedback_total", "liverl_ingest_generations_total", "liverl_ingest_samples_total",
+                 'liverl_ingest_joined_total{kind="accept"}', "liverl_ingest_pending_feedback",
+                 "liverl_ingest_feedback_to_sample_seconds_bucket"):
+        assert name in body, name
+    status, _, health = harness.worker.get("/healthz")
+    assert status == 200 and json.loads(health)["ok"] is True
+
+
+def test_throughput(harness, record_property):
+    """Publish N generations + N feedback as fast as the clients can and time until every sample is out."""
+    n, v = 2000, _version()
+    gids = [new_gid() for _ in range(n)]
+    recs = [make_generation(g, v, n_tokens=16) for g in gids]
+    t0 = time.monotonic()
+    with from_config(harness.cfg) as sdk:
+        for i, rec in enumerate(recs):
+            harness.send_generation(rec, flush=False)
+            (sdk.accept if i % 3 else sdk.reject)(rec.generation_id)
+        harness.producer.flush()
+        sdk.flush()
+    t_pub = time.monotonic() - t0
+    with harness.tail("samples") as tail:
+        recs_out = tail.wait_for(tail.keys(set(gids)), n=n, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert len({r.key for r in recs_out}) == n
+    rate = n / elapsed
+    record_property("joined_per_s", round(rate, 1))
+    print(f"\ningest throughput: {n} generations + {n} feedback -> {n} samples in {elapsed:.2f} s "
+          f"(publishing took {t_pub:.2f} s): {rate:.0f} joins/s, {2 * rate:.0f} input events/s")
+    assert wait_until(lambda: harness.live(v).get("events") == n, 10, what="live counters")
