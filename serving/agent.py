@@ -1,0 +1,470 @@
+"""The serving agent: keeps the node on the version the release gate wants, and reports what it serves.
+
+Runs as an asyncio task inside the gateway process. Every ``cfg.serving.swap_poll_s`` it reads
+``<prefix>:desired`` (a ``VersionAnnouncement``) from Redis; when it differs from the served version it
+1. plans the delta(s) that move the node there, OUTSIDE the pause: stored registry deltas along the version tree
+   (``Registry.deltas_between``; XOR deltas apply in either direction, so a rollback to the parent uses the current
+   version's own delta) when the chain is short, else one delta encoded on the fly from registry-materialized
+   weights (logged), and checks the first delta's header against the served checksum;
+2. closes the gateway's swap gate (new requests wait, in-flight ones drain), ``POST /pause?mode=wait``, applies
+   each delta in the worker (``collective_rpc liverl_apply_delta <file>``, verified before any weight changes),
+   ``POST /reset_prefix_cache`` (no old-weight KV is reused), reads back the served checksum
+   (``liverl_checksum``) and compares it with the announcement; on any failure it re-applies the deltas already
+   applied (an XOR delta is its own inverse) so the old version keeps serving, and records the failure in
+   ``<prefix>:swap_errors``; then ``POST /resume`` and reopens the gate.
+Each swap is appended to ``<prefix>:swaps`` (JSON: from, to, pause_ms, drain_ms, apply_ms, verify_ok, ...), and a
+heartbeat ``<prefix>:served:<node>`` = {version, checksum, ts, last_swap_pause_ms} is refreshed every poll.
+
+``run_serving`` starts node + gateway + agent and serves until SIGTERM; ``ServingThread`` does the same on a
+background thread (tests, demo).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from liverl.config import LiverlConfig
+from liverl.schemas import VersionAnnouncement, WireError
+from serving.gateway import Gateway, NodeClient
+
+log = logging.getLogger("liverl.serving.agent")
+
+LIST_CAP = 1000  # entries kept in the swaps / swap_errors lists
+
+
+class SwapError(RuntimeError):
+    """A swap that could not be done; the node still serves the previous version unless ``restored`` is False."""
+
+    def __init__(self, message: str, restored: bool = True):
+        super().__init__(message)
+        self.restored = restored
+
+
+class Agent:
+    def __init__(self, cfg: LiverlConfig, gateway: Gateway, redis, registry=None, work_dir: Path | None = None,
+                 max_chain: int = 4, retry_failed_after_s: float = 60.0):
+        self.cfg = cfg
+        self.gw = gateway
+        self.node: NodeClient = gateway.node
+        self.redis = redis
+        self.registry = registry
+        self.prefix = cfg.topics.prefix
+        self.name = gateway.node_name
+        self.work_dir = Path(work_dir or cfg.state_path / "serving" / self.name / "deltas")
+        self.max_chain = max_chain
+        self.retry_failed_after_s = retry_failed_after_s
+        self._failed: dict[tuple[int, str], float] = {}  # (version, checksum) -> when it failed
+        self.swaps: list[dict] = []
+
+    # ------------------------------------------------------------------------------------------ setup
+
+    async def init(self) -> None:
+        """Learn what the node serves (read back from the live weights) and check it against the registry."""
+        r = await self.node.rpc("liverl_checksum")
+        if not r.get("ok"):
+            raise RuntimeError(f"cannot read the served weights' checksum: {r.get('error')}")
+        self.gw.set_served(int(r["version"]), r["checksum"])
+        log.info("node %s serves version %s (checksum %s)", self.name, r["version"], r["checksum"][:12])
+        if self.registry is not None:
+            try:
+                row = await asyncio.to_thread(self.registry.get, int(r["version"]))
+            except Exception as e:  # registry not initialised yet: serve, swaps will say what is missing
+                log.warning("registry has no version %s yet (%s); serving the model dir as is", r["version"], e)
+                return
+            if row.checksum != r["checksum"]:
+                msg = (f"served weights (checksum {r['checksum'][:12]}) are not registry version {row.version} "
+                       f"(checksum {row.checksum[:12]}); refusing to label generations with that version")
+                self.gw.unhealthy_reason = msg
+                await self._report_error(row.version, row.version, msg, restored=True)
+                log.error(msg)
+        await self.heartbeat()
+
+    # ------------------------------------------------------------------------------------------ loop
+
+    async def run(self, stop: asyncio.Event, node_alive=lambda: True) -> None:
+        """Poll, swap, heartbeat until ``stop`` is set. Errors are logged and reported, never fatal."""
+        while not stop.is_set():
+            if not node_alive():
+                raise RuntimeError("the vLLM node process died")
+            try:
+                await self.step()
+            except Exception:
+                log.exception("agent step failed")
+            try:
+                await asyncio.wait_for(stop.wait(), self.cfg.serving.swap_poll_s)
+            except TimeoutError:
+                pass
+
+    async def step(self) -> dict | None:
+        """One poll: swap if the desired version differs from the served one; heartbeat. Returns the swap record."""
+        ann = await self.desired()
+        record = None
+        if ann is not None and (ann.version != self.gw.version or ann.checksum != self.gw.checksum):
+            key = (ann.version, ann.checksum)
+            failed_at = self._failed.get(key)
+            if failed_at is None or time.monotonic() - failed_at > self.retry_failed_after_s:
+                try:
+                    record = await self.swap_to(ann)
+                    self._failed.pop(key, None)
+                except SwapError as e:
+                    self._failed[key] = time.monotonic()
+                    log.error("swap to version %d failed: %s", ann.version, e)
+        await self.heartbeat()
+        return record
+
+    async def desired(self) -> VersionAnnouncement | None:
+        raw = await self.redis.get(f"{self.prefix}:desired")
+        if raw is None:
+            return None
+        try:
+            return VersionAnnouncement.from_bytes(raw)
+        except WireError as e:
+            log.error("ignoring malformed %s:desired: %s", self.prefix, e)
+            return None
+
+    async def heartbeat(self) -> None:
+        beat = {"version": self.gw.version, "checksum": self.gw.checksum, "ts": time.time(),
+                "last_swap_pause_ms": self.gw.last_swap_pause_ms, "healthy": self.gw.unhealthy_reason is None}
+        ttl = max(10, int(20 * self.cfg.serving.swap_poll_s))
+        await self.redis.set(f"{self.prefix}:served:{self.name}", json.dumps(beat), ex=ttl)
+
+    # ------------------------------------------------------------------------------------------ swapping
+
+    async def swap_to(self, ann: VersionAnnouncement) -> dict:
+        """Move the node to ``ann`` (plan outside the pause, then apply under the gate). Raises SwapError."""
+        cur_v, cur_sum = self.gw.version, self.gw.checksum
+        try:
+            blobs, how = await asyncio.to_thread(self._plan, cur_v, cur_sum, ann)
+        except Exception as e:
+            msg = f"cannot plan the swap {cur_v} -> {ann.version}: {e}"
+            await self._report_error(cur_v, ann.version, msg, restored=True)
+            self.gw.m_swaps.labels(outcome="refused").inc()
+            raise SwapError(msg) from e
+        return await self.apply_blobs(blobs, ann.version, ann.checksum, how=how)
+
+    def _plan(self, cur_v: int, cur_sum: str, ann: VersionAnnouncement) -> tuple[list[bytes], str]:
+        """(delta blobs in order, how they were obtained). Runs in a thread: registry and codec calls block."""
+        from deploy.delta import encode_delta
+
+        if self.registry is None:
+            raise RuntimeError("no registry configured")
+        row = self.registry.get(ann.version)
+        if row.checksum != ann.checksum:
+            raise RuntimeError(f"announced checksum {ann.checksum[:12]} differs from the registry's "
+                               f"{row.checksum[:12]} for version {ann.version}")
+        path_len = len(self._version_path(cur_v, ann.version))
+        if path_len <= self.max_chain:
+            return self.registry.deltas_between(cur_v, ann.version), f"stored x{path_len}"
+        log.info("no short chain of stored deltas from %d to %d (%d steps): encoding one delta from "
+                 "registry-materialized weights", cur_v, ann.version, path_len)
+        base, target = self.registry.materialize(cur_v), self.registry.materialize(ann.version)
+        return [encode_delta(base, target, cur_v, ann.version)], "encoded"
+
+    def _version_path(self, a: int, b: int) -> list[int]:
+        def chain(v: int) -> list[int]:
+            out = [v]
+            while (p := self.registry.get(out[-1]).parent) is not None:
+                out.append(p)
+            return out
+
+        up, down = chain(a), chain(b)
+        common = set(up) & set(down)
+        return [v for v in up if v not in common] + [v for v in down if v not in common]
+
+    async def apply_blobs(self, blobs: list[bytes], target_version: int, target_checksum: str,
+                          how: str = "given") -> dict:
+        """Apply delta blobs under the swap gate and verify the served checksum; restore on failure."""
+        from deploy.delta import DeltaError
+
+        from_v, from_sum = self.gw.version, self.gw.checksum
+        try:  # cheap refusal before pausing: the chain must start at the served weights and end at the target
+            ends = chain_ends(blobs, from_sum, target_checksum)
+        except DeltaError as e:
+            msg = f"delta refused before pausing: {e}"
+            await self._report_error(from_v, target_version, msg, restored=True)
+            self.gw.m_swaps.labels(outcome="refused").inc()
+            raise SwapError(msg) from e
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for i, blob in enumerate(blobs):
+            p = self.work_dir / f"{os.getpid()}-{from_v}-{target_version}-{i}.delta"
+            p.write_bytes(blob)
+            paths.append(p)
+        rec: dict[str, Any] = {"node": self.name, "from": from_v, "to": target_version, "how": how,
+                               "deltas": len(paths), "verify_ok": False}
+        error: SwapError | None = None
+        t_close = time.perf_counter()
+        try:
+            async with self.gw.gate.closed() as drain_ms:
+                rec["drain_ms"] = round(drain_ms, 3)
+                t_apply = time.perf_counter()
+                try:
+                    await self.node.pause("wait")
+                    rec["vllm_pause_ms"] = round((time.perf_counter() - t_apply) * 1e3, 3)
+                except Exception as e:
+                    error = SwapError(f"vLLM /pause failed, nothing applied: {e}", restored=True)
+                else:
+                    try:
+                        error = await self._apply_verify(paths, ends, target_version, target_checksum, from_v,
+                                                         from_sum, rec)
+                    finally:
+                        try:
+                            await self.node.resume()
+                        except Exception as e:
+                            self.gw.unhealthy_reason = f"vLLM /resume failed after a swap: {e}"
+                            error = error or SwapError(self.gw.unhealthy_reason, restored=False)
+                rec["apply_ms"] = round((time.perf_counter() - t_apply) * 1e3, 3)
+        finally:
+            for p in paths:
+                p.unlink(missing_ok=True)
+        rec["pause_ms"] = round((time.perf_counter() - t_close) * 1e3, 3)
+        rec["ts"] = time.time()
+        self.gw.last_swap_pause_ms = rec["pause_ms"]
+        self.gw.m_pause.observe(rec["pause_ms"] / 1e3)
+        self.gw.m_swaps.labels(outcome="ok" if error is None else "failed").inc()
+        self.swaps.append(rec)
+        await self.redis.rpush(f"{self.prefix}:swaps", json.dumps(rec))
+        await self.redis.ltrim(f"{self.prefix}:swaps", -LIST_CAP, -1)
+        if error is not None:
+            await self._report_error(from_v, target_version, str(error), restored=error.restored)
+            raise error
+        log.info("swapped %d -> %d (%s): pause %.1f ms (drain %.1f, apply %.1f)", from_v, target_version, how,
+                 rec["pause_ms"], rec["drain_ms"], rec["apply_ms"])
+        await self.heartbeat()
+        if self.registry is not None:
+            try:
+                await asyncio.to_thread(self.registry.update_fleet, self.name, target_version, target_checksum)
+            except Exception as e:
+                log.warning("could not record node %s in the registry's fleet table: %s", self.name, e)
+        return rec
+
+    async def _apply_verify(self, paths: list[Path], ends: list[str], target_version: int, target_checksum: str,
+                            from_v: int, from_sum: str, rec: dict) -> SwapError | None:
+        """Inside the pause: apply, reset caches, verify. Returns the error (after restoring), or None."""
+        applied: list[tuple[Path, str]] = []  # (delta, checksum before it)
+        try:
+            for p, before, after in zip(paths, [from_sum, *ends[:-1]], ends):
+                r = await self.node.rpc("liverl_apply_delta", str(p), after)
+                if not r.get("ok"):
+                    raise SwapError(f"worker refused delta {p.name}: {r.get('error')}")
+                applied.append((p, before))
+                rec.setdefault("worker_ms", []).append(r.get("rpc_ms"))
+            t = time.perf_counter()
+            await self.node.reset_prefix_cache()
+            rec["reset_cache_ms"] = round((time.perf_counter() - t) * 1e3, 3)
+            t = time.perf_counter()
+            ck = await self.node.rpc("liverl_checksum")
+            rec["verify_ms"] = round((time.perf_counter() - t) * 1e3, 3)
+            if not ck.get("ok"):
+                raise SwapError(f"cannot read back the served checksum: {ck.get('error')}")
+            if ck["checksum"] != target_checksum or int(ck["version"]) != target_version:
+                log.error("SERVED CHECKSUM MISMATCH after swap %d -> %d: served %s (version %s), expected %s",
+                          from_v, target_version, ck["checksum"][:12], ck["version"], target_checksum[:12])
+                raise SwapError(f"served checksum {ck['checksum'][:12]} (version {ck['version']}) does not match "
+                                f"version {target_version}'s {target_checksum[:12]}")
+            rec["verify_ok"] = True
+            self.gw.set_served(target_version, ck["checksum"])
+            return None
+        except Exception as e:  # whatever went wrong, put the old weights back before reopening
+            restored = await self._restore(applied, from_v, from_sum)
+            rec["restored"] = restored
+            return SwapError(str(e), restored=restored)
+
+    async def _restore(self, applied: list[tuple[Path, str]], from_v: int, from_sum: str) -> bool:
+        """Undo applied deltas (each XOR delta is its own inverse) and check the old checksum is served again."""
+        try:
+            for p, before in reversed(applied):
+                r = await self.node.rpc("liverl_apply_delta", str(p), before)
+                if not r.get("ok"):
+                    raise RuntimeError(f"re-applying {p.name} failed: {r.get('error')}")
+            await self.node.reset_prefix_cache()
+            ck = await self.node.rpc("liverl_checksum")
+            if ck.get("ok") and ck["checksum"] == from_sum:
+                self.gw.set_served(from_v, from_sum)
+                return True
+            raise RuntimeError(f"after restoring, the node serves {ck.get('checksum', '?')[:12]}, not {from_sum[:12]}")
+        except Exception as e:
+            self.gw.unhealthy_reason = f"swap failed and the previous weights could not be restored: {e}"
+            log.critical("node %s: %s", self.name, self.gw.unhealthy_reason)
+            return False
+
+    async def _report_error(self, from_v: int | None, to_v: int, error: str, restored: bool) -> None:
+        entry = {"node": self.name, "from": from_v, "to": to_v, "error": error, "restored": restored,
+                 "ts": time.time()}
+        try:
+            await self.redis.rpush(f"{self.prefix}:swap_errors", json.dumps(entry))
+            await self.redis.ltrim(f"{self.prefix}:swap_errors", -LIST_CAP, -1)
+        except Exception as e:
+            log.error("could not report swap error to Redis (%s): %s", e, entry)
+
+
+def chain_ends(blobs: list[bytes], start_checksum: str, target_checksum: str) -> list[str]:
+    """Checksum reached after each delta of a chain that starts at ``start_checksum``; raises DeltaError if the
+    chain is empty, does not connect, or does not end at ``target_checksum`` (headers only: cheap)."""
+    from deploy.delta import DeltaError, read_header
+
+    if not blobs:
+        raise DeltaError("no deltas to apply")
+    cur, ends = start_checksum, []
+    for i, blob in enumerate(blobs):
+        h = read_header(blob)
+        if cur == h.base_checksum:
+            cur = h.target_checksum
+        elif cur == h.target_checksum:
+            cur = h.base_checksum
+        else:
+            raise DeltaError(f"delta #{i} ({h.base_version}<->{h.target_version}) does not apply to weights at "
+                             f"checksum {cur[:12]} (it joins {h.base_checksum[:12]} and {h.target_checksum[:12]})")
+        ends.append(cur)
+    if cur != target_checksum:
+        raise DeltaError(f"the deltas lead to checksum {cur[:12]}, not the target {target_checksum[:12]}")
+    return ends
+
+
+# ---------------------------------------------------------------------------------------------- entry points
+
+
+async def _bounded_executor(loop: asyncio.AbstractEventLoop, n: int) -> None:
+    """Give the loop a fixed pool of ``n`` worker threads, all started now (registry, codec and DNS calls run
+    there): the thread count stays bounded and constant while serving, rather than growing on demand."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="liverl-serving")
+    loop.set_default_executor(pool)
+    barrier = threading.Barrier(n)
+    await asyncio.gather(*[loop.run_in_executor(pool, barrier.wait, 10) for _ in range(n)])
+
+
+async def serve(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str, redis_url: str,
+                registry_url: str | None, stop: asyncio.Event, on_ready=None, base_version: int = 0) -> None:
+    """Start node + gateway + agent, serve until ``stop`` is set, then shut everything down."""
+    import redis.asyncio as aioredis
+    from aiohttp import web
+
+    from serving.node import start_node
+
+    await _bounded_executor(asyncio.get_running_loop(), 4)
+    log_path = cfg.state_path / "logs" / f"vllm-{cfg.serving.node_name}.log"
+    node = await asyncio.to_thread(start_node, cfg, model_dir, log_path, base_version=base_version)
+    client = NodeClient(node.url, max_connections=max(64, 2 * cfg.serving.max_num_seqs))
+    gw = Gateway(cfg, client, cfg.serving.node_name, bootstrap)
+    rds = aioredis.from_url(redis_url)
+    registry = runner = None
+    agent_task = None
+    try:
+        await client.start()
+        await gw.start()
+        if registry_url:
+            from deploy.blobstore import LocalBlobStore
+            from deploy.registry import Registry
+
+            registry = Registry(registry_url, LocalBlobStore(cfg.blob_path))
+        agent = Agent(cfg, gw, rds, registry)
+        await agent.init()
+        runner = web.AppRunner(gw.app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, cfg.serving.host, cfg.serving.gateway_port).start()
+        agent_task = asyncio.create_task(agent.run(stop, node_alive=lambda: node.alive))
+        log.info("gateway on http://%s:%d (node %s, engine start %.1f s)", cfg.serving.host,
+                 cfg.serving.gateway_port, node.url, node.start_s)
+        if on_ready is not None:
+            on_ready(gw, agent, node)
+        stop_task = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({agent_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        stop_task.cancel()
+        if agent_task in done and agent_task.exception() is not None:
+            raise RuntimeError(f"serving stopped: {agent_task.exception()}; vLLM log tail:\n{node.log_tail()}")
+    finally:
+        if agent_task is not None and not agent_task.done():
+            agent_task.cancel()
+            await asyncio.gather(agent_task, return_exceptions=True)
+        if runner is not None:
+            await runner.cleanup()
+        await gw.close()
+        await client.close()
+        await rds.aclose()
+        if registry is not None:
+            registry.close()
+        await asyncio.to_thread(node.stop)
+
+
+def run_serving(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str, redis_url: str,
+                registry_url: str | None) -> None:
+    """Blocking entry point (``liverl serve``): serve until SIGTERM or SIGINT."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(cfg, model_dir, bootstrap, redis_url, registry_url, stop)
+
+    asyncio.run(main())
+
+
+class ServingThread:
+    """``serve`` on a daemon thread with its own event loop (tests, demo). ``start()`` blocks until ready."""
+
+    def __init__(self, cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str, redis_url: str,
+                 registry_url: str | None, base_version: int = 0):
+        self.args = (cfg, model_dir, bootstrap, redis_url, registry_url)
+        self.base_version = base_version
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.gateway: Gateway | None = None
+        self.agent: Agent | None = None
+        self.node = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="liverl-serving", daemon=True)
+
+    @property
+    def url(self) -> str:
+        cfg = self.args[0]
+        return f"http://{cfg.serving.host}:{cfg.serving.gateway_port}"
+
+    def _main(self) -> None:
+        async def main() -> None:
+            self.loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+
+            def ready(gw, agent, node) -> None:
+                self.gateway, self.agent, self.node = gw, agent, node
+                self._ready.set()
+
+            await serve(*self.args, self._stop, on_ready=ready, base_version=self.base_version)
+
+        try:
+            asyncio.run(main())
+        except BaseException as e:
+            self._error = e
+            log.exception("serving thread failed")
+        finally:
+            self._ready.set()
+
+    def start(self, timeout_s: float = 300.0) -> ServingThread:
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise TimeoutError(f"serving not ready after {timeout_s:.0f} s")
+        if self._error is not None:
+            raise RuntimeError(f"serving failed to start: {self._error}") from self._error
+        return self
+
+    def call(self, coro_fn, *args, timeout_s: float = 120.0):
+        """Run ``coro_fn(*args)`` on the serving loop and return its result (e.g. ``agent.apply_blobs``)."""
+        return asyncio.run_coroutine_threadsafe(coro_fn(*args), self.loop).result(timeout_s)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.loop is not None and self._stop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise RuntimeError("serving thread did not stop")

@@ -1,0 +1,378 @@
+"""The serving tier against real parts: vLLM on CPU (one engine for the module), Kafka, Redis, the registry.
+
+Order of the tests does not matter: each reads the version being served and moves from there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import types
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+from liverl.config import load_config
+from liverl.schemas import GenerationRecord, VersionAnnouncement
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["[a]23+45=", "[b]17+61=", "[a]90+9=", "[b]50+44="]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def srv(stack, tmp_path_factory):
+    """One node + gateway + agent for the module, with a registry whose version 0 is the base policy."""
+    import redis
+
+    from deploy.blobstore import LocalBlobStore
+    from deploy.registry import Registry
+    from learner.policy import ensure_base_policy, load_state_dict
+    from serving.agent import ServingThread
+
+    cache = Path(os.environ.get("LIVERL_TEST_MODEL_CACHE") or tmp_path_factory.mktemp("models"))
+    model_dir = ensure_base_policy(cache, seed=0, progress=False)
+    cfg = load_config(env={}, state_dir=str(tmp_path_factory.mktemp("serving")), broker__bootstrap=stack.bootstrap,
+                      redis__url=stack.redis_url, topics__prefix=f"t{uuid.uuid4().hex[:10]}",
+                      serving__gateway_port=_free_port(), serving__vllm_port=_free_port(),
+                      serving__swap_poll_s=0.1, serving__max_num_seqs=32)
+    registry = Registry(cfg.registry_url, LocalBlobStore(cfg.blob_path))
+    base = load_state_dict(model_dir)
+    registry.init_base(base, str(model_dir))
+    serving = ServingThread(cfg, model_dir, stack.bootstrap, stack.redis_url, cfg.registry_url).start()
+    ns = types.SimpleNamespace(cfg=cfg, url=serving.url, node_url=serving.node.url, model_dir=model_dir,
+                               registry=registry, base=base, serving=serving,
+                               redis=redis.Redis.from_url(stack.redis_url), bootstrap=stack.bootstrap)
+    yield ns
+    serving.stop()
+    ns.redis.close()
+    registry.close()
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def _post(url: str, body, raw: bytes | None = None, timeout: float = 60) -> tuple[int, dict, dict]:
+    data = raw if raw is not None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _served(srv) -> dict:
+    return json.loads(_get(srv.url + "/liverl/version")[1])
+
+
+def _node_checksum(srv) -> dict:
+    """What the worker reads back from the live weights (bypassing the gateway's bookkeeping)."""
+    status, _, body = _post(srv.node_url + "/collective_rpc", {"method": "liverl_checksum"})
+    assert status == 200, body
+    return body["results"][0]
+
+
+def _records(srv, ids: set[str], timeout_s: float = 30) -> dict[str, GenerationRecord]:
+    """Generation records with the given ids, read from every partition of the generations topic."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    topic = srv.cfg.topics.generations
+    consumer = KafkaConsumer(bootstrap_servers=srv.bootstrap, enable_auto_commit=False, consumer_timeout_ms=500)
+    try:
+        parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        consumer.assign(parts)
+        consumer.seek_to_beginning(*parts)
+        found: dict[str, GenerationRecord] = {}
+        deadline = time.monotonic() + timeout_s
+        while ids - set(found) and time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=500).values():
+                for msg in batch:
+                    rec = GenerationRecord.from_bytes(msg.value)
+                    assert msg.key.decode() == rec.generation_id
+                    if rec.generation_id in ids:
+                        found[rec.generation_id] = rec
+        return found
+    finally:
+        consumer.close()
+
+
+def _hf_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
+    """Log-probs of ``completion_ids`` under a transformers model (fp32 compute on the same bf16 weights)."""
+    ids = torch.tensor([prompt_ids + completion_ids])
+    with torch.no_grad():
+        logp_TV = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+    p = len(prompt_ids)
+    return [logp_TV[p - 1 + i, t].item() for i, t in enumerate(completion_ids)]
+
+
+def _perturbed(state: dict, seed: int, scale: float = 0.08) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {k: (v.float() + scale * v.float().std() * torch.randn(v.shape, generator=g)).to(torch.bfloat16)
+            for k, v in state.items()}
+
+
+def _announce(srv, version: int, checksum: str) -> None:
+    srv.redis.set(f"{srv.cfg.topics.prefix}:desired",
+                  VersionAnnouncement(version=version, checksum=checksum, reason="test").to_bytes())
+
+
+def _wait_version(srv, version: int, timeout_s: float = 30) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        info = _served(srv)
+        if info["version"] == version:
+            return info
+        time.sleep(0.05)
+    raise AssertionError(f"node never served version {version}; swap errors: "
+                         f"{srv.redis.lrange(srv.cfg.topics.prefix + ':swap_errors', 0, -1)}")
+
+
+def _greedy(srv, prompt: str) -> dict:
+    status, _, out = _post(srv.url + "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                                                 "logprobs": 0, "return_token_ids": True})
+    assert status == 200, out
+    c = out["choices"][0]
+    return {"version": out["liverl"]["policy_version"], "tokens": c["token_ids"], "prompt_ids": c["prompt_token_ids"],
+            "logprobs": c["logprobs"]["token_logprobs"]}
+
+
+# ---------------------------------------------------------------------------------------------- tests
+
+
+def test_completion_is_logged_with_tokens_logprobs_and_version(srv):
+    status, headers, out = _post(srv.url + "/v1/completions",
+                                 {"prompt": PROMPTS[0], "max_tokens": 5, "temperature": 1.0,
+                                  "logprobs": 0, "return_token_ids": True})
+    assert status == 200, out
+    gid, version = out["liverl"]["generation_id"], out["liverl"]["policy_version"]
+    assert headers["X-Liverl-Generation-Id"] == gid and headers["X-Liverl-Version"] == str(version)
+    assert version == _served(srv)["version"] and len(gid) == 32
+    choice = out["choices"][0]
+    rec = _records(srv, {gid})[gid]
+    assert rec.policy_version == version and rec.node == srv.cfg.serving.node_name
+    assert rec.prompt == PROMPTS[0] and rec.completion == choice["text"]
+    assert rec.prompt_token_ids == choice["prompt_token_ids"] and len(rec.prompt_token_ids) == len(PROMPTS[0])
+    assert rec.completion_token_ids == choice["token_ids"] and 1 <= len(rec.completion_token_ids) <= 5
+    assert rec.completion_logprobs == pytest.approx(choice["logprobs"]["token_logprobs"])
+    assert all(lp <= 0 for lp in rec.completion_logprobs)
+    assert rec.sampling.temperature == 1.0 and rec.sampling.max_tokens == 5 and rec.finish_reason in ("stop", "length")
+
+    # without logprobs / return_token_ids the client sees a plain OpenAI response, the record is complete anyway
+    status, _, plain = _post(srv.url + "/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 3})
+    assert status == 200 and "logprobs" not in plain["choices"][0] and "token_ids" not in plain["choices"][0]
+    rec = _records(srv, {plain["liverl"]["generation_id"]})[plain["liverl"]["generation_id"]]
+    assert len(rec.completion_logprobs) == len(rec.completion_token_ids) >= 1
+
+
+def test_bad_requests_get_400_with_a_clear_message(srv):
+    url = srv.url + "/v1/completions"
+    cases = [
+        (None, b"{not json"),
+        ([1, 2], None),
+        ({"max_tokens": 5}, None),
+        ({"prompt": PROMPTS[0], "n": 2}, None),
+        ({"prompt": PROMPTS[0], "stream": True}, None),
+        ({"prompt": PROMPTS[0], "max_tokens": -1}, None),
+        ({"prompt": PROMPTS[0], "temperature": "hot"}, None),
+        ({"prompt": PROMPTS[0], "max_tokens": 10_000}, None),  # beyond the model's context: vLLM's own 400
+    ]
+    for body, raw in cases:
+        status, _, out = _post(url, body, raw=raw)
+        assert status == 400, (body, out)
+        message = out["error"]["message"] if isinstance(out.get("error"), dict) else out.get("message", out)
+        assert isinstance(message, str) and len(message) > 5, out
+    status, _, out = _post(url, {"prompt": PROMPTS[0], "n": 2})
+    assert "n" in out["error"]["message"] and out["error"]["param"] == "n"
+    assert _get(srv.url + "/healthz")[0] == 200
+    status, body = _get(srv.url + "/v1/models")
+    assert status == 200 and json.loads(body)["data"][0]["id"] == "liverl"
+
+
+def test_hot_swap_under_load_is_exact(srv):
+    """Swap while 12 clients generate: nothing fails, versions are exact, the served weights are the target's."""
+    from deploy.delta import checksum
+
+    old = _served(srv)
+    old_state = srv.registry.materialize(old["version"])
+    refs = {old["version"]: {p: _greedy(srv, p) for p in PROMPTS}}
+    new_state = _perturbed(old_state, seed=old["version"] + 1, scale=0.3)  # clearly different weights
+    row = srv.registry.add_candidate(new_state, parent=old["version"], metrics={}, sample_offsets={}, learner_step=1)
+    assert row.checksum == checksum(new_state)
+
+    results: list[dict] = []
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            prompt = PROMPTS[i % len(PROMPTS)]
+            t0 = time.time()
+            status, _, out = _post(srv.url + "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                                                   "logprobs": 0, "return_token_ids": True})
+            item = {"t0": t0, "t1": time.time(), "status": status, "prompt": prompt}
+            if status == 200:
+                c = out["choices"][0]
+                item.update(version=out["liverl"]["policy_version"], gid=out["liverl"]["generation_id"],
+                            tokens=c["token_ids"], logprobs=c["logprobs"]["token_logprobs"])
+            with lock:
+                results.append(item)
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(12)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    _announce(srv, row.version, row.checksum)
+    info = _wait_version(srv, row.version)
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join(30)
+
+    # no request failed or was dropped, and the swap was verified against the target checksum
+    assert results and all(r["status"] == 200 for r in results), [r for r in results if r["status"] != 200][:3]
+    swap = json.loads(srv.redis.lrange(f"{srv.cfg.topics.prefix}:swaps", -1, -1)[0])
+    assert swap["from"] == old["version"] and swap["to"] == row.version and swap["verify_ok"]
+    assert info["checksum"] == row.checksum == _node_checksum(srv)["checksum"] == checksum(new_state)
+    versions = {r["version"] for r in results}
+    assert versions == {old["version"], row.version}, versions
+    assert all(r["version"] == row.version for r in results if r["t0"] > swap["ts"])
+    assert all(r["version"] == old["version"] for r in results if r["t1"] < swap["ts"] - swap["pause_ms"] / 1e3)
+
+    # each response was produced entirely by the version it names: its greedy tokens and log-probs are that
+    # version's (log-probs within bf16 batch-to-batch noise), and the logged record says the same version
+    refs[row.version] = {p: _greedy(srv, p) for p in PROMPTS}
+    for r in results:
+        ref = refs[r["version"]][r["prompt"]]
+        assert r["tokens"] == ref["tokens"], (r, ref)
+        assert r["logprobs"] == pytest.approx(ref["logprobs"], abs=0.05)
+    sample = {r["gid"]: r for r in results[:: max(1, len(results) // 40)]}
+    for gid, rec in _records(srv, set(sample)).items():
+        assert rec.policy_version == sample[gid]["version"]
+
+    # the new log-probs are the new weights' (transformers on the same bf16 weights), not the old ones'
+    from learner.policy import load_model
+
+    model_new = load_model(srv.model_dir, state_dict=new_state, dtype=torch.float32)
+    model_old = load_model(srv.model_dir, state_dict=old_state, dtype=torch.float32)
+    gap_to_old = 0.0
+    for prompt in PROMPTS:
+        ref = refs[row.version][prompt]
+        hf_new = _hf_logprobs(model_new, ref["prompt_ids"], ref["tokens"])
+        hf_old = _hf_logprobs(model_old, ref["prompt_ids"], ref["tokens"])
+        assert ref["logprobs"] == pytest.approx(hf_new, abs=0.05)
+        gap_to_old = max(gap_to_old, *(abs(a - b) for a, b in zip(ref["logprobs"], hf_old)))
+    assert gap_to_old > 0.2
+
+
+def test_rollback_and_on_the_fly_delta(srv):
+    """Back to the parent with the current version's own delta inverted, then forward with an encoded delta."""
+    from deploy.delta import checksum
+
+    cur = _served(srv)
+    state = srv.registry.materialize(cur["version"])
+    row = srv.registry.add_candidate(_perturbed(state, seed=100 + cur["version"]), parent=cur["version"],
+                                     metrics={}, sample_offsets={}, learner_step=2)
+    _announce(srv, row.version, row.checksum)
+    _wait_version(srv, row.version)
+    _announce(srv, cur["version"], cur["checksum"])  # rollback
+    info = _wait_version(srv, cur["version"])
+    swap = json.loads(srv.redis.lrange(f"{srv.cfg.topics.prefix}:swaps", -1, -1)[0])
+    assert swap["how"] == "stored x1" and swap["verify_ok"] and info["checksum"] == cur["checksum"]
+    assert _node_checksum(srv)["checksum"] == checksum(state)
+
+    agent = srv.serving.agent
+    agent.max_chain = 0  # force the agent to encode its own delta from registry-materialized weights
+    try:
+        _announce(srv, row.version, row.checksum)
+        assert _wait_version(srv, row.version)["checksum"] == row.checksum
+        swap = json.loads(srv.redis.lrange(f"{srv.cfg.topics.prefix}:swaps", -1, -1)[0])
+        assert swap["how"] == "encoded" and swap["verify_ok"]
+    finally:
+        agent.max_chain = 4
+    deadline = time.monotonic() + 10  # the heartbeat follows the swap (written right after the gate reopens)
+    while True:
+        beat = json.loads(srv.redis.get(f"{srv.cfg.topics.prefix}:served:{srv.cfg.serving.node_name}"))
+        if beat["version"] == row.version or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert beat["version"] == row.version and beat["checksum"] == row.checksum and beat["last_swap_pause_ms"] > 0
+    assert beat["healthy"] is True
+
+
+def test_corrupt_and_wrong_base_deltas_are_refused(srv):
+    from deploy.delta import checksum, encode_delta
+    from serving.agent import SwapError
+
+    cur = _served(srv)
+    before = _node_checksum(srv)["checksum"]
+    assert before == cur["checksum"]
+    state = srv.registry.materialize(cur["version"])
+    target = _perturbed(state, seed=7)
+    good = encode_delta(state, target, cur["version"], 999)
+    corrupt = bytearray(good)
+    corrupt[-20] ^= 0xFF  # payload damage: the header still parses, the worker's verification must catch it
+    other = _perturbed(state, seed=8)
+    wrong_base = encode_delta(other, target, 998, 999)
+    errors_key = f"{srv.cfg.topics.prefix}:swap_errors"
+    n_errors = srv.redis.llen(errors_key)
+
+    agent = srv.serving.agent
+    with pytest.raises(SwapError, match="refused"):
+        srv.serving.call(agent.apply_blobs, [bytes(corrupt)], 999, checksum(target))
+    with pytest.raises(SwapError, match="does not apply"):
+        srv.serving.call(agent.apply_blobs, [wrong_base], 999, checksum(target))
+    assert srv.redis.llen(errors_key) == n_errors + 2
+    last = json.loads(srv.redis.lrange(errors_key, -2, -2)[0])
+    assert last["restored"] and last["to"] == 999
+
+    # the worker refuses a bad delta on its own too (nothing changes before verification)
+    bad_file = srv.cfg.state_path / "wrong-base.delta"
+    bad_file.write_bytes(wrong_base)
+    status, _, body = _post(srv.node_url + "/collective_rpc", {"method": "liverl_apply_delta", "args": [str(bad_file)]})
+    assert status == 200 and not body["results"][0]["ok"] and "DeltaError" in body["results"][0]["error"]
+
+    assert _node_checksum(srv)["checksum"] == before
+    info = _served(srv)
+    assert info["version"] == cur["version"] and info["checksum"] == before
+    status, _, out = _post(srv.url + "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 3})
+    assert status == 200 and out["liverl"]["policy_version"] == cur["version"]
+
+
+def test_metrics_parse_as_prometheus_text(srv):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _post(srv.url + "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2})
+    _post(srv.url + "/v1/completions", {"prompt": PROMPTS[0], "n": 3})
+    status, body = _get(srv.url + "/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    for name in ("liverl_gateway_requests", "liverl_gateway_request_seconds", "liverl_gateway_policy_version",
+                 "liverl_gateway_swaps", "liverl_gateway_swap_pause_seconds"):
+        assert name in families, sorted(families)
+    by_status = {s.labels.get("status"): s.value for s in families["liverl_gateway_requests"].samples
+                 if s.name.endswith("_total")}
+    assert by_status.get("200", 0) >= 1 and by_status.get("400", 0) >= 1
+    version = next(s.value for s in families["liverl_gateway_policy_version"].samples)
+    assert version == _served(srv)["version"]
