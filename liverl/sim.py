@@ -173,7 +173,7 @@ async def _user(idx: int, session, url: str, sdk: FeedbackSDK, stop_event: StopF
         t0 = time.monotonic()
         try:
             text, generation_id, version = await _complete(session, url, p, timeout_s)
-        except (GatewayError, aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
+        except (TimeoutError, GatewayError, aiohttp.ClientError, OSError, ValueError) as e:
             stats.errors += 1
             stats.last_error = f"gateway: {e!r}"[:300]
             await asyncio.sleep(backoff * (0.5 + rng.random()))
@@ -187,7 +187,7 @@ async def _user(idx: int, session, url: str, sdk: FeedbackSDK, stop_event: StopF
         stats.record(version, p.segment, truth, judged)
         try:
             _send_feedback(sdk, rng, stats, p, generation_id, judged, bad_event_rate)
-        except Exception as e:  # retry boundary: count it, show it, keep the user alive
+        except Exception as e:  # noqa: BLE001 -- retry boundary: counted, shown, the user keeps going
             stats.sdk_errors += 1
             stats.last_error = f"sdk: {e!r}"[:300]
             await asyncio.sleep(backoff)

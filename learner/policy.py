@@ -1,0 +1,373 @@
+"""The base policy: a tiny Qwen3-MoE with its own character tokenizer, warm-started on the task.
+
+Why built here rather than downloaded: the demo must run offline on 2 CPU cores, so the policy is a
+~0.25M-parameter Qwen3-MoE (8 experts, top-2) whose weights come from a short supervised warm start on
+``liverl.task``. The warm start stops as soon as the policy's exact expected acceptance (computed on
+the bf16-rounded weights, which is what vLLM serves) reaches ``RECIPE["target_acceptance"]``, so the
+base leaves a real but learnable gap for online RL whatever the seed.
+
+The model dir is a normal HF dir (config.json, generation_config.json, bf16 model.safetensors,
+tokenizer.json, tokenizer_config.json) that both ``transformers`` and vLLM load. In model.safetensors the
+experts are stored per expert (``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``, the names vLLM
+reads); transformers 5 keeps them fused in memory (``experts.gate_up_proj`` / ``experts.down_proj``).
+``load_model`` and ``state_dict_from_model`` translate between the two, so the rest of liverl only ever
+sees the file names ("the weights convention" in contracts.md).
+
+Builds are cached in ``cache_dir/<hash of seed + recipe>``, are bit-reproducible from the seed (one
+thread, deterministic algorithms), and are safe when two processes build at once (file lock, build in
+a temp dir, atomic rename).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from liverl import task
+
+if TYPE_CHECKING:  # heavy imports stay inside functions (``liverl --help`` must not import torch)
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+PAD_TOKEN = "<|pad|>"
+EOS_TOKEN = "<|endoftext|>"
+UNK_TOKEN = "<|unk|>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, EOS_TOKEN, UNK_TOKEN)
+"""Ids 0, 1, 2. EOS (id 1) ends every completion; there is no BOS and encoding adds no special tokens."""
+PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+VOCAB: tuple[str, ...] = SPECIAL_TOKENS + tuple(task.ALPHABET)
+CHAR_TO_ID: dict[str, int] = {c: i for i, c in enumerate(VOCAB)}
+
+RECIPE: dict = {
+    "recipe_version": 3,
+    "model": {
+        "vocab_size": len(VOCAB), "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "num_experts": 8,
+        "num_experts_per_tok": 2, "norm_topk_prob": True, "max_position_embeddings": 32, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+    },
+    "sft": {"lr": 3e-3, "betas": (0.9, 0.98), "weight_decay": 0.0, "batch_size": 256, "max_steps": 1500,
+            "eval_every": 10, "eval_prompts": 512, "eval_seed": 777, "target_acceptance": 0.35},
+    "task": {"alphabet": task.ALPHABET, "suffixes": list(task.SFT_SUFFIXES),
+             "preferred_rate": task.SFT_PREFERRED_RATE, "max_tokens": task.MAX_TOKENS},
+}
+"""Everything that determines the built weights; its hash (with the seed) names the cache entry."""
+
+_EXPERT_FILE_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+# ----------------------------------------------------------------------------------------------- tokenizer
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: every character is one token, decoding concatenates (no spaces)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab=dict(CHAR_TO_ID), unk_token=UNK_TOKEN))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=UNK_TOKEN,
+        clean_up_tokenization_spaces=False, model_max_length=RECIPE["model"]["max_position_embeddings"],
+    )
+
+
+def _save_tokenizer(tokenizer, out: Path) -> None:
+    tokenizer.save_pretrained(out)
+    # Name the class explicitly: otherwise AutoTokenizer picks the model type's tokenizer (Qwen2Tokenizer).
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.update(tokenizer_class="PreTrainedTokenizerFast", add_bos_token=False, add_eos_token=False,
+               clean_up_tokenization_spaces=False)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    (out / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "unk_token": UNK_TOKEN}, indent=2))
+
+
+def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
+    """The model dir's tokenizer, as transformers (and vLLM) load it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def encode_text(text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens (same as the tokenizer, without loading it)."""
+    try:
+        return [CHAR_TO_ID[c] for c in text]
+    except KeyError as e:
+        raise ValueError(f"character {e.args[0]!r} is not in the task alphabet {task.ALPHABET!r}") from None
+
+
+# ------------------------------------------------------------------------------------------------ weights
+def _model_config():
+    from transformers import Qwen3MoeConfig
+
+    m = dict(RECIPE["model"])
+    rope_theta = m.pop("rope_theta")
+    return Qwen3MoeConfig(
+        **m, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, tie_word_embeddings=False,
+        bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, decoder_sparse_step=1, mlp_only_layers=[],
+        use_sliding_window=False, output_router_logits=False,
+    )
+
+
+def to_module_state(state_dict: dict[str, torch.Tensor], dtype=None) -> dict[str, torch.Tensor]:
+    """File names (per-expert) → the in-memory transformers names (fused experts); optional cast."""
+    import torch
+
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, t in state_dict.items():
+        m = _EXPERT_FILE_RE.match(name)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+        else:
+            out[name] = t
+    for prefix, by_e in experts.items():
+        idx = sorted(by_e)
+        if idx != list(range(len(idx))):
+            raise ValueError(f"{prefix}: expert indices {idx} are not 0..{len(idx) - 1}")
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([by_e[e]["gate_proj"], by_e[e]["up_proj"]], dim=0) for e in idx])
+        out[f"{prefix}.down_proj"] = torch.stack([by_e[e]["down_proj"] for e in idx])
+    if dtype is not None:
+        out = {k: v.to(dtype) for k, v in out.items()}
+    return out
+
+
+def state_dict_from_model(model, dtype=None) -> dict[str, torch.Tensor]:
+    """A transformers model's weights under the file names (per-expert), detached, contiguous, on CPU.
+
+    ``dtype`` defaults to bfloat16 (the served dtype); pass ``torch.float32`` for fp32 master weights.
+    """
+    import torch
+
+    dtype = torch.bfloat16 if dtype is None else dtype
+    out: dict[str, torch.Tensor] = {}
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu")
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name[: -len(".gate_up_proj")]
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :inter]
+                out[f"{prefix}.{e}.up_proj.weight"] = t[e, inter:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name[: -len(".down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return {k: v.to(dtype).contiguous().clone() for k, v in sorted(out.items())}
+
+
+def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The weights of a model dir exactly as stored (bf16, file names)."""
+    from safetensors.torch import load_file
+
+    path = Path(model_dir) / "model.safetensors"
+    if not path.exists():
+        raise ValueError(f"{path} does not exist; build the base with learner.policy.ensure_base_policy")
+    return {k: v.contiguous() for k, v in load_file(str(path)).items()}
+
+
+def load_model(model_dir: Path, state_dict: dict | None = None, dtype=None):
+    """A ``Qwen3MoeForCausalLM`` in ``dtype`` (default float32) with the dir's or the given weights.
+
+    ``state_dict`` uses the file names (as ``load_state_dict`` returns); it must cover every weight.
+    """
+    import torch
+    from transformers import AutoConfig, Qwen3MoeForCausalLM
+
+    dtype = torch.float32 if dtype is None else dtype
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with _seeded(0):  # initial values are overwritten; seeding keeps construction side-effect free
+        model = Qwen3MoeForCausalLM(config)
+    sd = load_state_dict(model_dir) if state_dict is None else state_dict
+    module_sd = to_module_state(sd, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(module_sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
+    return model.to(dtype).eval()
+
+
+def save_model_dir(src_dir: Path, state_dict: dict, dst_dir: Path) -> Path:
+    """Write a model dir: config, generation config and tokenizer from ``src_dir``, weights from ``state_dict``.
+
+    Weights are written as given (callers pass bf16 for served versions); written to a temp file and
+    renamed so a reader never sees a half-written model.safetensors.
+    """
+    from safetensors.torch import save_file
+
+    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+    dst_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json"):
+        if (src_dir / name).exists() and src_dir.resolve() != dst_dir.resolve():
+            shutil.copyfile(src_dir / name, dst_dir / name)
+    tmp = dst_dir / "model.safetensors.tmp"
+    save_file({k: v.contiguous() for k, v in sorted(state_dict.items())}, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, dst_dir / "model.safetensors")
+    return dst_dir
+
+
+# ------------------------------------------------------------------------------------------------- build
+def recipe_hash(seed: int) -> str:
+    blob = json.dumps({"seed": seed, "recipe": RECIPE}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def ensure_base_policy(cache_dir: Path, seed: int = 0, progress: bool = True) -> Path:
+    """Build (or load from the cache) the base policy model dir for ``seed``; returns its path.
+
+    The same seed and recipe give bit-identical weights. Concurrent callers wait on a file lock, and the
+    entry appears atomically (rename), so nobody ever reads a half-built dir.
+    """
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    final = cache_dir / f"base-{recipe_hash(seed)}"
+    if (final / "model.safetensors").exists():
+        return final
+    with open(cache_dir / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second builder waits here, then finds the finished dir
+        if (final / "model.safetensors").exists():
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
+        try:
+            _build(tmp, seed, progress)
+            os.chmod(tmp, 0o755)
+            for f in tmp.iterdir():
+                os.chmod(f, 0o644)
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return final
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    import torch
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+@contextlib.contextmanager
+def _deterministic() -> Iterator[None]:
+    """One thread and deterministic kernels for the build, restoring the caller's settings after."""
+    import torch
+
+    threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(det)
+        torch.set_num_threads(threads)
+
+
+def sft_batch(prompts: list, completions: list[str]):
+    """Teacher-forcing tensors for prompt+completion+EOS: (input_ids_BT, labels_BT, attention_mask_BT).
+
+    Labels are -100 on the prompt and padding, so only completion tokens (and EOS) are learned.
+    """
+    import torch
+
+    seqs, n_prompt = [], []
+    for p, c in zip(prompts, completions):
+        ids_p = encode_text(p.text)
+        seqs.append(ids_p + encode_text(c) + [EOS_ID])
+        n_prompt.append(len(ids_p))
+    T = max(len(s) for s in seqs)
+    ids_BT = torch.full((len(seqs), T), PAD_ID, dtype=torch.long)
+    labels_BT = torch.full((len(seqs), T), -100, dtype=torch.long)
+    mask_BT = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, (s, n) in enumerate(zip(seqs, n_prompt)):
+        ids_BT[i, : len(s)] = torch.tensor(s)
+        labels_BT[i, n: len(s)] = torch.tensor(s[n:])
+        mask_BT[i, : len(s)] = 1
+    return ids_BT, labels_BT, mask_BT
+
+
+def _bf16_rounded(model, into):
+    """Copy ``model``'s weights, rounded to bf16, into the fp32 model ``into`` (what vLLM will serve)."""
+    import torch
+
+    with torch.no_grad():
+        for (_, p), (_, q) in zip(model.named_parameters(), into.named_parameters()):
+            q.copy_(p.to(torch.bfloat16).to(torch.float32))
+    return into
+
+
+def _build(out: Path, seed: int, progress: bool) -> None:
+    import torch
+    from transformers import GenerationConfig, Qwen3MoeForCausalLM
+
+    from learner.evaluate import score_model
+
+    sft = RECIPE["sft"]
+    t0 = time.monotonic()
+    with _deterministic():
+        with _seeded(seed):
+            model = Qwen3MoeForCausalLM(_model_config())
+            eval_model = Qwen3MoeForCausalLM(_model_config()).eval()
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=sft["lr"], betas=tuple(sft["betas"]), weight_decay=sft["weight_decay"])
+        rng = random.Random(seed * 1_000_003 + 17)
+        eval_set = task.heldout_prompts(sft["eval_prompts"], seed=sft["eval_seed"])
+        score = {"expected_acceptance": 0.0}
+        step = 0
+        for step in range(1, sft["max_steps"] + 1):
+            prompts = [task.sample_prompt(rng) for _ in range(sft["batch_size"])]
+            ids_BT, labels_BT, mask_BT = sft_batch(prompts, [task.sft_completion(p, rng) for p in prompts])
+            loss = model(input_ids=ids_BT, attention_mask=mask_BT, labels=labels_BT).loss
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if step % sft["eval_every"] == 0:
+                score = score_model(_bf16_rounded(model, eval_model), eval_set)
+                if progress:
+                    print(f"\rbuilding base policy (seed {seed}): step {step:4d}  loss {loss.item():.3f}  "
+                          f"acceptance {score['expected_acceptance']:.3f} → target {sft['target_acceptance']:.2f}  "
+                          f"{time.monotonic() - t0:5.1f}s", end="", file=sys.stderr, flush=True)
+                if score["expected_acceptance"] >= sft["target_acceptance"]:
+                    break
+        if progress:
+            print(file=sys.stderr)
+        if score["expected_acceptance"] < sft["target_acceptance"]:
+            raise RuntimeError(
+                f"warm start for seed {seed} reached only {score['expected_acceptance']:.3f} expected acceptance "
+                f"after {step} steps (target {sft['target_acceptance']}); use another seed or raise max_steps")
+        sd = state_dict_from_model(model, dtype=torch.bfloat16)
+
+    config = _model_config()
+    config.dtype = "bfloat16"
+    config.architectures = ["Qwen3MoeForCausalLM"]  # without it vLLM falls back to its Transformers backend
+    config.save_pretrained(out)
+    GenerationConfig(bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=True,
+                     temperature=task.TEMPERATURE, top_p=1.0, top_k=0, max_new_tokens=task.MAX_TOKENS
+                     ).save_pretrained(out)
+    _save_tokenizer(build_tokenizer(), out)
+    save_model_dir(out, sd, out)
+    (out / "liverl_base.json").write_text(json.dumps({
+        "seed": seed, "recipe": RECIPE, "recipe_hash": recipe_hash(seed), "sft_steps": step,
+        "build_seconds": round(time.monotonic() - t0, 2), "sft_eval": score,
+    }, indent=2, sort_keys=True))
