@@ -190,6 +190,16 @@ class PolicyTrainer:
         if reset_optimizer:
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lcfg.lr, weight_decay=0.0)
 
+    def set_reference(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Move the KL anchor (file names, any dtype): the learner stays near what is served, not only near the base."""
+        from learner.policy import to_module_state
+
+        if self.ref is None:
+            return
+        missing, unexpected = self.ref.load_state_dict(to_module_state(state_dict, dtype=torch.float32), strict=False)
+        if missing or unexpected:
+            raise ValueError(f"reference state dict does not match the model: missing {missing}, unexpected {unexpected}")
+
     def state(self) -> dict[str, Any]:
         return {"model": self.weights(torch.float32), "optimizer": self.opt.state_dict(),
                 "baseline": self.baseline.state_dict()}
@@ -226,6 +236,8 @@ class Learner(ConsumerRebalanceListener):
         self.read_pos: dict[int, int] = {}  # next offset to classify per partition
         self._consumer = None
         self._last_rebase_check = 0.0
+        self._last_ref_check = 0.0
+        self.ref_version = 0  # the KL reference starts at the base policy (version 0)
         if self.ckpt_path.exists():
             self._load_checkpoint()
         else:
@@ -403,6 +415,21 @@ class Learner(ConsumerRebalanceListener):
         log.info("learner: step %d -> candidate v%d (parent v%d, %d samples trained, reward %.3f since last)",
                  self.step, row.version, parent, metrics["samples_trained"], metrics["reward_mean"])
 
+    def _maybe_move_reference(self) -> None:
+        """With ``kl_reference = "stable"``, anchor the KL penalty to the version being served once it changes."""
+        if self.lcfg.kl_reference != "stable":
+            return
+        now = time.monotonic()
+        if now - self._last_ref_check < STALE_REBASE_CHECK_S:
+            return
+        self._last_ref_check = now
+        stable = int(self.registry.stable().version)
+        if stable == self.ref_version:
+            return
+        self.trainer.set_reference(self.registry.materialize(stable))
+        log.info("learner: KL reference moved from v%s to stable v%d", self.ref_version, stable)
+        self.ref_version = stable
+
     def _maybe_rebase(self) -> None:
         """Restart from the stable weights when the fleet stopped following this learner (see module doc)."""
         now = time.monotonic()
@@ -449,6 +476,7 @@ class Learner(ConsumerRebalanceListener):
                 self._classify()
                 if self.counters["dropped:stale"] and self._consumer.assignment():
                     self._maybe_rebase()
+                self._maybe_move_reference()
                 if len(self.pending) >= self.lcfg.batch_size:
                     if self._update():
                         self._maybe_candidate()

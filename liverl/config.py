@@ -104,6 +104,10 @@ class LearnerConfig(_Section):
     kl_coef: float = Field(default=0.05, description="Weight of the KL penalty to the base policy.")
     candidate_every_steps: int = Field(default=10, description="Emit a candidate version every this many updates.")
     max_staleness: int = Field(default=8, description="Drop samples whose policy version lags the learner by more.")
+    kl_reference: str = Field(
+        default="stable", pattern="^(stable|base)$",
+        description="KL anchor: 'stable' (the version being served, moved on each promotion) or 'base' (version 0).",
+    )
     kl_estimator: str = Field(
         default="full", pattern="^(full|k3)$",
         description="KL to the base policy: 'full' (exact over the vocabulary, per position) or 'k3' (sampled tokens).",

@@ -319,7 +319,10 @@ class LiveView:
         except Exception:  # noqa: BLE001 - a busy SQLite read only delays the display
             versions = []
         by_v = {v.version: v for v in versions}
-        for v in sorted(set(live) | set(by_v))[-8:]:
+        # the base, every version users have judged (latest few), and the newest candidate
+        judged = sorted(v for v, c in live.items() if c.get("events"))
+        shown = {0, *judged[-6:], *([max(by_v)] if by_v else []), *([served] if served is not None else [])}
+        for v in sorted(shown):
             row = by_v.get(v)
             acc = rate(live.get(v))
             rows.append((v, row.status if row else "?", live.get(v, {}).get("events", 0), acc))
@@ -401,7 +404,7 @@ def plot_timeline(timeline: Timeline, summary: dict, path: Path, window_s: float
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 5))
+    fig, ax = plt.subplots(figsize=(12, 5))
     pts = timeline.points
     versions = sorted({v for p in pts for v in p["live"]})
     cmap = plt.get_cmap("viridis", max(2, len(versions)))
@@ -435,7 +438,8 @@ def plot_timeline(timeline: Timeline, summary: dict, path: Path, window_s: float
                  f"{summary['last_promoted_acceptance']:.0%})"
     ax.set_title(title)
     if versions:
-        ax.legend(loc="upper left", fontsize=8, ncol=2)
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, ncol=1 if len(versions) <= 16 else 2,
+                  title="served version")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
