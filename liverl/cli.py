@@ -86,7 +86,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())  # finish the update, checkpoint, commit, exit
-    run_learner(cfg, stop_event=stop, max_steps=args.max_steps)
+    run_learner(cfg, stop_event=stop, max_steps=args.max_steps, metrics_port=args.metrics_port)
     return 0
 
 
@@ -177,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.set_defaults(fn=fn)
     s = sub.add_parser("learn", help="run the continuous learner (learner.*)", description="run the continuous learner")
     s.add_argument("--max-steps", type=int, help="stop after this many updates")
+    s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (liverl_learner_*) on this port")
     s.set_defaults(fn=cmd_learn)
     s = sub.add_parser("gate", help="run the release gate (deploy.gate)", description="run the release gate loop")
     s.add_argument("--once", action="store_true", help="process pending candidates once and exit")

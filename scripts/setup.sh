@@ -25,11 +25,23 @@ else
   # `transformers` imports ("operator torchvision::nms does not exist"); liverl needs none of them.
   pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-# Second resolve on purpose: faust-streaming pins click<8.4 while huggingface-hub asks for >=8.4.2;
-# pip then keeps click 8.3 with a warning, which both work with.
-pip install -q --disable-pip-version-check -e ".[test]" 2>&1 \
+# Second resolve on purpose, without the packages vLLM already brought (transformers, tokenizers,
+# safetensors): faust-streaming pins click<8.4 while huggingface-hub 2.x asks for click>=8.4.2, and a joint
+# resolve would downgrade huggingface-hub below what vLLM needs. Apart, pip keeps hub and takes click 8.3
+# (with a warning); both work with it.
+deps=$(python - <<'PY'
+import re, tomllib
+d = tomllib.load(open("pyproject.toml", "rb"))["project"]
+skip = {"torch", "transformers", "tokenizers", "safetensors"}
+reqs = d["dependencies"] + d["optional-dependencies"]["test"]
+print("\n".join(r for r in reqs if re.split(r"[<>=\[ ;]", r, maxsplit=1)[0].lower() not in skip))
+PY
+)
+mapfile -t deplist <<<"$deps"
+pip install -q --disable-pip-version-check "${deplist[@]}" 2>&1 \
   | grep -v "^WARNING: Location\|dependency conflicts\|requires click\|click<9.0.0,>=8.4.2\|^ERROR: pip's dependency resolver\|^$" || true
-python -c "import faust, liverl" || { echo "[setup] install failed (see pip output above)" >&2; exit 1; }
-python -c "import liverl.cli, torch, vllm, faust, kafka, transformers" 2>&1 | grep -v Warning || true
+pipq --no-deps -e .
+python -W ignore -c "import liverl.cli, torch, vllm, faust, kafka, transformers, huggingface_hub" \
+  || { echo "[setup] install failed (see the pip output above)" >&2; exit 1; }
 echo "$want" > "$stamp"
 echo "[setup] done" >&2

@@ -188,7 +188,10 @@ class IngestHarness:
                     tail.poll()
                     return tail.matching(tail.keys({gid}))
 
-                wait_until(probe, ready_timeout, interval=0.05, what="the worker's first sample")
+                try:
+                    wait_until(probe, ready_timeout, interval=0.05, what="the worker's first sample")
+                except AssertionError as e:
+                    raise AssertionError(f"{e}; probe {gid}; {self.consumer_state()}") from None
             # The counters are written just after the sample is acknowledged: wait for them too, so that
             # a test's "before" snapshot never misses the probe's increments.
             wait_until(lambda: self.live(PROBE_VERSION).get("events", 0) > probes, 10, what="the probe's counters")
@@ -196,6 +199,29 @@ class IngestHarness:
             self.worker.stop(signal.SIGKILL)
             raise
         return self.worker
+
+    def consumer_state(self) -> str:
+        """Committed offsets of the ingest group against the log ends of its inputs (for failure messages)."""
+        from kafka import KafkaAdminClient
+
+        try:
+            topics = [self.cfg.topics.generations, self.cfg.topics.feedback]
+            tps = [TopicPartition(t, p) for t in topics for p in range(self.cfg.broker.partitions)]
+            admin = KafkaAdminClient(bootstrap_servers=self.cfg.broker.bootstrap)
+            try:
+                group = f"{self.cfg.topics.prefix}-ingest"
+                committed = admin.list_group_offsets({group: tps}).get(group, {})
+            finally:
+                admin.close()
+            c = KafkaConsumer(bootstrap_servers=self.cfg.broker.bootstrap, enable_auto_commit=False)
+            try:
+                ends = c.end_offsets(tps)
+            finally:
+                c.close()
+            return "; ".join(f"{tp.topic}[{tp.partition}] committed "
+                             f"{getattr(committed.get(tp), 'offset', None)} end {ends.get(tp)}" for tp in tps)
+        except Exception as e:  # diagnostics only
+            return f"(consumer state unavailable: {e!r})"
 
     def send_generation(self, rec: GenerationRecord, flush: bool = True) -> None:
         self.producer.send(self.cfg.topics.generations, key=rec.generation_id, value=rec.to_bytes())
