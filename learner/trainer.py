@@ -39,6 +39,8 @@ from kafka import ConsumerRebalanceListener, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
 from learner.loss import RunningBaseline, advantages, full_kl, pg_loss
+from kafka.errors import CommitFailedError
+
 from liverl.bus import make_consumer
 from liverl.config import LearnerConfig, LiverlConfig
 from liverl.schemas import TrainingSample, WireError
@@ -340,9 +342,18 @@ class Learner(ConsumerRebalanceListener):
                 self.offsets[part] = off + 1  # nothing waiting below it in this partition
 
     def _commit(self) -> None:
+        """Commit what the checkpoint already holds. A failed commit (this consumer was dropped from its
+        group, e.g. a long pause between polls) loses nothing: the next commit carries the same offsets, and
+        a reassignment seeks to the checkpoint's positions. It is counted and logged, not fatal."""
         offs = {TopicPartition(self.topic, p): OffsetAndMetadata(o, "", -1) for p, o in self.offsets.items()}
-        if offs:
+        if not offs:
+            return
+        try:
             self._consumer.commit(offs)
+        except CommitFailedError as e:
+            self.counters["commit_failed"] += 1
+            log.warning("learner: offset commit failed at step %d (%s); the checkpoint holds the offsets, "
+                        "the next commit retries", self.step, e)
 
     # -- the loop -----------------------------------------------------------------------------------
     def frozen(self) -> bool:
@@ -464,8 +475,10 @@ class Learner(ConsumerRebalanceListener):
 
     def run(self, stop_event: threading.Event | None = None, max_steps: int | None = None) -> dict[str, Any]:
         """Consume and train until ``stop_event`` is set or ``max_steps`` updates were made in this call."""
+        # a candidate (encode + registry write) can keep the loop from polling for seconds on a busy machine:
+        # allow 10 s between polls before the group drops this consumer
         self._consumer = make_consumer(self.bootstrap, self.group, [self.topic],
-                                       rebalance_timeout_s=self.cfg.broker.rebalance_timeout_s)
+                                       rebalance_timeout_s=max(self.cfg.broker.rebalance_timeout_s, 10.0))
         self._consumer.subscribe([self.topic], listener=self)  # seek to the checkpoint on every assignment
         start_step, last_pub = self.step, 0.0
         try:

@@ -208,11 +208,13 @@ def run_demo(cfg: LiverlConfig, summary_path: str | None = None, plot_path: str 
         print(f"[4/4] simulated users for {cfg.demo.duration_s:.0f} s ...", flush=True)
         timeline = Timeline()
         sdk = FeedbackClient(stack.bootstrap, cfg.topics.feedback)
-        stats, failure = _drive(cfg, gateway, sdk, r, registry, children, timeline, live)
+        restarts: dict[str, int] = {}
+        stats, failure = _drive(cfg, gateway, sdk, r, registry, children, timeline, live, env, restarts)
         sdk.flush()
         time.sleep(3.0)  # let ingest count the last feedback
         summary = build_summary(cfg, r, registry, timeline, stats, base_row)
         summary["failure"] = failure
+        summary["process_restarts"] = restarts
         sdk.close()
     finally:
         stop_children(children)
@@ -225,7 +227,10 @@ def run_demo(cfg: LiverlConfig, summary_path: str | None = None, plot_path: str 
     return summary
 
 
-def _drive(cfg, gateway, sdk, r, registry, children, timeline, live) -> tuple[object, str | None]:
+MAX_RESTARTS = 3
+
+
+def _drive(cfg, gateway, sdk, r, registry, children, timeline, live, env, restarts) -> tuple[object, str | None]:
     """Run the users in an asyncio loop on a thread while this thread watches and displays."""
     from liverl.sim import SimStats, run_users
 
@@ -252,11 +257,19 @@ def _drive(cfg, gateway, sdk, r, registry, children, timeline, live) -> tuple[ob
     try:
         with view:
             while (elapsed := time.time() - t0) < cfg.demo.duration_s:
-                dead = [c for c in children if c.proc.poll() is not None]
-                if dead:
-                    c = dead[0]
-                    failure = f"{c.role} exited with code {c.proc.returncode}"
-                    log.error("%s; last log lines:\n%s", failure, c.tail())
+                for i, c in enumerate(children):
+                    if c.proc.poll() is None:
+                        continue
+                    # a supervisor restarts what crashed: each process resumes from its durable state
+                    # (learner checkpoint, committed offsets, registry), so nothing accepted is lost
+                    restarts[c.role] = restarts.get(c.role, 0) + 1
+                    log.error("%s exited with code %s (restart %d of %d); last log lines:\n%s", c.role,
+                              c.proc.returncode, restarts[c.role], MAX_RESTARTS, c.tail())
+                    if restarts[c.role] > MAX_RESTARTS:
+                        failure = f"{c.role} exited with code {c.proc.returncode} {restarts[c.role]} times"
+                        break
+                    children[i] = start_child(c.role, env, c.log_path.parent)
+                if failure:
                     break
                 if not froze and elapsed >= cfg.demo.duration_s - cfg.demo.final_window_s:
                     r.set(f"{prefix}:learner:frozen", "1")
@@ -468,6 +481,8 @@ def print_summary(summary: dict, summary_path: Path, plot_path: Path) -> None:
         print(f"delta ratio (raw/delta)        median {sorted(ratios)[len(ratios) // 2]:.1f}x")
     if summary["dead_letters"]:
         print(f"dead letters                   {summary['dead_letters']}")
+    if summary.get("process_restarts"):
+        print(f"process restarts               {summary['process_restarts']} (see .liverl/logs/)")
     if summary.get("failure"):
         print(f"FAILURE: {summary['failure']}")
     print(f"goals met (>=3 promoted, +15 points on >=300 events each): {'yes' if summary['ok'] else 'NO'}")
