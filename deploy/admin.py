@@ -32,12 +32,9 @@ def open_redis(cfg: LiverlConfig) -> redis.Redis:
     """Redis at ``cfg.redis.url``; without one, the local 6379, else the embedded port (as ``liverl.stack`` picks)."""
     import redis
 
-    from liverl.stack import port_open
+    from liverl.stack import redis_url_for
 
-    url = cfg.redis.url
-    if url is None:
-        port = 6379 if port_open("127.0.0.1", 6379) else cfg.redis.embedded_port
-        url = f"redis://127.0.0.1:{port}/0"
+    url = redis_url_for(cfg) or f"redis://127.0.0.1:{cfg.redis.embedded_port}/0"
     return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=3)
 
 

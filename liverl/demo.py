@@ -80,9 +80,9 @@ def child_env(cfg: LiverlConfig, stack: Stack) -> dict[str, str]:
 
 def start_child(role: str, env: dict[str, str], log_dir: Path) -> Child:
     log_path = log_dir / f"{role}.log"
-    out = open(log_path, "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "liverl.cli", role], env=env, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    with open(log_path, "ab") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "liverl.cli", role], env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
     return Child(role, proc, log_path)
 
 

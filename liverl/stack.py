@@ -86,11 +86,12 @@ def start_broker(port: int, log_dir: Path) -> subprocess.Popen:
                          "or broker.bootstrap")
     url = f"tcp://127.0.0.1:{port}"
     log_dir.mkdir(parents=True, exist_ok=True)
-    out = open(log_dir / "broker.log", "ab")
-    proc = subprocess.Popen(
-        [binary, "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"],
-        stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-    )
+    with open(log_dir / "broker.log", "ab") as out:
+        proc = subprocess.Popen(
+            [binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
+             "--storage-engine", "memory://tansu/"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
     wait_port("127.0.0.1", port, 20, "embedded Kafka broker (Tansu)", proc)
     return proc
 
@@ -101,10 +102,11 @@ def start_redis(port: int, log_dir: Path) -> subprocess.Popen:
         raise StackError("Redis: nothing answers on 127.0.0.1:6379 and redis-server is not installed "
                          "(Debian: apt-get install redis-server), or set redis.url")
     log_dir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
-        stdout=open(log_dir / "redis.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True,
-    )
+    with open(log_dir / "redis.log", "ab") as out:
+        proc = subprocess.Popen(
+            [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
     wait_port("127.0.0.1", port, 10, "Redis", proc)
     return proc
 
@@ -121,11 +123,8 @@ def start_stack(cfg: LiverlConfig) -> Stack:
         else:
             procs.append(("broker", start_broker(cfg.broker.embedded_port, logs)))
             stack.bootstrap = f"127.0.0.1:{cfg.broker.embedded_port}"
-        if cfg.redis.url:
-            stack.redis_url = cfg.redis.url
-        elif port_open("127.0.0.1", 6379):
-            stack.redis_url = "redis://127.0.0.1:6379/0"
-        else:
+        stack.redis_url = redis_url_for(cfg)
+        if stack.redis_url is None:
             procs.append(("redis", start_redis(cfg.redis.embedded_port, logs)))
             stack.redis_url = f"redis://127.0.0.1:{cfg.redis.embedded_port}/0"
         check_redis(stack.redis_url)
@@ -136,6 +135,15 @@ def start_stack(cfg: LiverlConfig) -> Stack:
         stack.close()
         raise
     return stack
+
+
+def redis_url_for(cfg: LiverlConfig) -> str | None:
+    """The Redis every process uses: ``redis.url``, else the local 127.0.0.1:6379 when it answers, else None."""
+    if cfg.redis.url:
+        return cfg.redis.url
+    if port_open("127.0.0.1", 6379):
+        return "redis://127.0.0.1:6379/0"
+    return None
 
 
 def check_redis(url: str) -> None:
@@ -155,8 +163,7 @@ def resolve_services(cfg: LiverlConfig) -> tuple[str, str]:
     if not cfg.broker.bootstrap:
         raise ValueError("broker.bootstrap is not set: point it at your Kafka (LIVERL__BROKER__BOOTSTRAP=host:9092), "
                          "or run `liverl demo`, which starts the embedded broker")
-    if cfg.redis.url:
-        return cfg.broker.bootstrap, cfg.redis.url
-    if port_open("127.0.0.1", 6379):
-        return cfg.broker.bootstrap, "redis://127.0.0.1:6379/0"
+    url = redis_url_for(cfg)
+    if url is not None:
+        return cfg.broker.bootstrap, url
     raise ValueError("redis.url is not set and nothing answers on 127.0.0.1:6379 (LIVERL__REDIS__URL=redis://host:6379/0)")
