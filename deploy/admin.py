@@ -18,14 +18,27 @@ from liverl.config import LiverlConfig
 if TYPE_CHECKING:
     import redis
 
+    from deploy.blobstore import BlobStore
     from deploy.registry import Registry
+
+
+def blob_location(cfg: LiverlConfig) -> str:
+    """Where the blobs live: ``registry.blob_dir`` as written (a folder, ``file://`` or ``s3://`` URL; not
+    through ``cfg.blob_path``, which would turn ``s3://b/p`` into a path), else ``<state_dir>/blobs``."""
+    return cfg.registry.blob_dir or str(cfg.blob_path)
+
+
+def open_blobs(cfg: LiverlConfig) -> BlobStore:
+    """The configured blob store (``deploy.blobstore.open_blob_store`` on ``blob_location(cfg)``)."""
+    from deploy.blobstore import open_blob_store
+
+    return open_blob_store(blob_location(cfg))
 
 
 def open_registry(cfg: LiverlConfig) -> Registry:
-    from deploy.blobstore import LocalBlobStore
     from deploy.registry import Registry
 
-    return Registry(cfg.registry_url, LocalBlobStore(cfg.blob_path))
+    return Registry(cfg.registry_url, open_blobs(cfg))
 
 
 def open_redis(cfg: LiverlConfig) -> redis.Redis:
@@ -233,3 +246,31 @@ def cmd_promote(cfg: LiverlConfig, version: int, reason: str = "manual promote",
 def cmd_rollback(cfg: LiverlConfig, to: int | None = None, reason: str = "manual rollback", actor: str = "admin") -> int:
     """Serve the previous stable version (or ``to``) again and announce it."""
     return _change(cfg, "rollback", lambda reg: reg.rollback(actor=actor, reason=reason, to=to))
+
+
+def gc_command(cfg: LiverlConfig, dry_run: bool, grace_s: float = 3600.0) -> int:
+    """Delete blobs no version references (older than ``grace_s``), or with ``dry_run`` only list them."""
+    from rich.table import Table
+
+    reg = open_registry(cfg)
+    try:
+        res = reg.gc(dry_run=dry_run, grace_s=grace_s)
+        store = blob_location(cfg)
+    finally:
+        reg.close()
+    con = _console()
+    verb = "would remove" if dry_run else "removed"
+    t = Table(title=f"garbage collection of {store}" + (" (dry run: nothing deleted)" if dry_run else ""))
+    for col in ("blob", "size", "age", "action"):
+        t.add_column(col, justify="right" if col in ("size", "age") else "left")
+    for b in res.removed:
+        t.add_row(b.key, _size(b.size), _age(b.modified_at), verb)
+    for b in res.recent:
+        t.add_row(b.key, _size(b.size), _age(b.modified_at), f"kept: younger than {grace_s:.0f} s")
+    con.print(t)
+    con.print(f"{verb} {len(res.removed)} unreferenced blobs ({_size(res.removed_bytes)}); "
+              f"{len(res.recent)} recent unreferenced kept; {res.referenced} referenced kept")
+    if res.missing:
+        return _err(f"{len(res.missing)} blobs referenced by the registry are missing from {store}: "
+                    + ", ".join(k[:12] + "…" for k in res.missing[:10]))
+    return 0

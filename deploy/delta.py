@@ -1,57 +1,85 @@
 """Lossless weight deltas and snapshots: the bytes that move a policy version from the learner to the fleet.
 
-Why this codec: between consecutive RL versions most bf16 elements are bit-identical (FIELD_NOTES: >98%
-per step at small learning rates), so ``base XOR target`` is mostly zero bytes. Splitting each element's
-bytes into planes (all high bytes, then all low bytes: "byte grouping", as in ZipNN) puts the sign/exponent
-bytes together and the noisy mantissa bytes together, which zstd compresses much better than interleaved.
-Unchanged tensors are skipped outright. XOR is its own inverse, so one delta takes A→B and B→A: a rollback
-needs no second blob.
+Every receiver already holds one end of a delta, so the codec models the change *given that end*
+(``deploy.kernels`` explains the model): elements are grouped by their exponent, which decides how likely
+an optimizer step is to survive rounding, and each group codes which of its elements changed (gaps, Rice
+codes) and by how many steps on the ordered-integer line. On real RL steps that beats XOR + zstd several
+times over and the order-0 entropy bound too (BENCHMARKS.md). A chunk where most elements changed is
+coded the classic way when that is smaller: XOR with the base, bytes split into planes, zstd. One delta
+takes A to B and B back to A, so a rollback needs no download.
 
-Container (format version 1, all integers little-endian)::
+Container (format version 2, integers little-endian)::
 
-    prefix  : magic (8 bytes) | format_version u16 | flags u16 (0) | header_len u32 | sha256(header) (32 bytes)
-    header  : UTF-8 JSON, see ``encode_delta`` / ``encode_snapshot``
-    payload : one zstd frame per changed tensor, at the header's offset/length
-    trailer : sha256(payload) (32 bytes)
+    prefix  : magic (8 bytes) | format_version u16 | flags u16 (0) | header_len u32 | blake3(header) (32 bytes)
+    header  : zstd-compressed UTF-8 JSON: versions, checksums, chunk size, and per tensor its name, dtype,
+              shape, 32-bit digests of both ends and, per chunk, (method, length, changed elements)
+    payload : one frame per changed chunk, back to back in header order
+    trailer : blake3(payload) (32 bytes)
 
-Verification happens before anything is built: container framing and both checksums, then that the input
-weights are exactly at one end of the delta (names, dtypes, shapes, per-tensor sha256), then each decoded
-tensor against its recorded sha256. Only then is the output assembled. Inputs are never mutated.
+Tensors are coded in chunks of ``CHUNK_ELEMENTS`` elements, each independently (threads code chunks in
+parallel and memory stays bounded by a few chunks plus the output, not the model).
 
-Checksums: ``tensor_checksum`` is sha256 over the dtype name, the shape and the raw little-endian bytes;
-``checksum`` (THE checksum of a version) is sha256 over the sorted ``name<TAB>tensor_checksum`` lines, so
-it covers names, dtypes, shapes and bytes and can be recomputed from a delta header without the weights.
+Safety. Before any weight changes: the container's framing and both hashes, that the weights are exactly
+at one end of the delta (names, dtypes, shapes, and the whole-state checksum, or, for a caller that
+already knows its checksum, the digests of the tensors the delta touches). Decoding writes nothing until
+a chunk decoded consistently; after applying, the touched tensors are hashed against the other end, and
+any mismatch undoes every applied chunk (the same frames run backwards) before ``DeltaError`` is raised.
+
+Checksums. ``tensor_checksum``: xxh3-128 over the dtype name, the shape and the raw little-endian bytes
+(~25 GB/s; an integrity check against corruption and mix-ups, not a signature; blobs at rest are also
+keyed by sha256 in the blob store). ``checksum`` (THE checksum of a version): blake3 over the sorted
+``name<TAB>tensor_checksum`` lines, so it covers names, dtypes, shapes and bytes.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import blake3
 import numpy as np
 import torch
+import xxhash
 import zstandard
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DELTA_MAGIC = b"LRLDELTA"
 SNAPSHOT_MAGIC = b"LRLSNAPS"
+CHUNK_ELEMENTS = 1 << 22  # elements per independently coded chunk (8 MiB of bf16)
 _PREFIX = struct.Struct("<8sHHI32s")
 _TRAILER = 32
-_THREADED_ABOVE = 8 << 20  # bytes of one tensor above which zstd compresses with worker threads
+_THREADED_ABOVE = 8 << 20  # bytes above which zstd compresses one frame with its own worker threads
+_DIGEST_CHARS = 8  # hex chars of each per-tensor digest kept in a delta header (32 bits: they locate a
+# mismatch; the full 256-bit checksums of both ends are in the header too)
+_TRY_XOR_ABOVE = 0.2  # changed share of a chunk above which the XOR + planes + zstd coding is also tried
 
-# dtype name -> (torch dtype, unsigned int numpy type of the same width, used to count changed elements)
-DTYPES: dict[str, tuple[torch.dtype, type]] = {
-    "bfloat16": (torch.bfloat16, np.uint16),
-    "float16": (torch.float16, np.uint16),
-    "float32": (torch.float32, np.uint32),
-    "float8_e4m3fn": (torch.float8_e4m3fn, np.uint8),
-    "float8_e5m2": (torch.float8_e5m2, np.uint8),
+# method codes in the header
+COND, XORZ = "c", "x"
+METHOD_NAMES = {COND: "base-conditioned", XORZ: "xor+planes+zstd"}
+
+
+@dataclass(frozen=True)
+class _Dt:
+    torch: torch.dtype
+    uint: type  # unsigned numpy type of the same width
+    bits: int
+    mbits: int  # mantissa bits (the exponent field starts here)
+    ebits: int  # exponent bits
+
+
+DTYPES: dict[str, _Dt] = {
+    "bfloat16": _Dt(torch.bfloat16, np.uint16, 16, 7, 8),
+    "float16": _Dt(torch.float16, np.uint16, 16, 10, 5),
+    "float32": _Dt(torch.float32, np.uint32, 32, 23, 8),
+    "float8_e4m3fn": _Dt(torch.float8_e4m3fn, np.uint8, 8, 3, 4),
+    "float8_e5m2": _Dt(torch.float8_e5m2, np.uint8, 8, 2, 5),
 }
-_NAME_OF = {dt: name for name, (dt, _) in DTYPES.items()}
+_NAME_OF = {d.torch: name for name, d in DTYPES.items()}
 
 if sys.byteorder != "little":  # the format stores raw little-endian bytes
     raise ImportError("deploy.delta supports little-endian hosts only")
@@ -59,6 +87,10 @@ if sys.byteorder != "little":  # the format stores raw little-endian bytes
 
 class DeltaError(ValueError):
     """A delta or snapshot that cannot be applied: wrong base, truncated, corrupted or malformed."""
+
+
+def _threads() -> int:
+    return max(1, min(os.cpu_count() or 1, 8))
 
 
 # ---------------------------------------------------------------------------------------------- checksums
@@ -79,15 +111,20 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
+def _elements(t: torch.Tensor) -> np.ndarray:
+    """The tensor's elements as unsigned integers of the same width (a view; writes go to the tensor)."""
+    return _raw(t).view(DTYPES[_dtype_name(t)].uint)
+
+
 def tensor_checksum(t: torch.Tensor) -> str:
-    """sha256 hex over the dtype name, the shape and the raw bytes of one tensor."""
-    h = hashlib.sha256(f"{_dtype_name(t)}:{','.join(map(str, t.shape))}\n".encode())
+    """xxh3-128 hex over the dtype name, the shape and the raw bytes of one tensor."""
+    h = xxhash.xxh3_128(f"{_dtype_name(t)}:{','.join(map(str, t.shape))}\n".encode())
     h.update(_raw(t))
     return h.hexdigest()
 
 
 def _combine(tensor_sums: Mapping[str, str]) -> str:
-    h = hashlib.sha256(b"liverl-weights-v1\n")
+    h = blake3.blake3(b"liverl-weights-v2\n")
     for name in sorted(tensor_sums):
         if "\t" in name or "\n" in name:
             raise ValueError(f"tensor name {name!r} contains a tab or newline")
@@ -96,11 +133,59 @@ def _combine(tensor_sums: Mapping[str, str]) -> str:
 
 
 def checksum(state_dict: Mapping[str, torch.Tensor]) -> str:
-    """THE checksum of a set of weights: sha256 over sorted names and each tensor's ``tensor_checksum``."""
+    """THE checksum of a set of weights: blake3 over sorted names and each tensor's ``tensor_checksum``."""
     return _combine({name: tensor_checksum(t) for name, t in state_dict.items()})
 
 
-# ---------------------------------------------------------------------------------------------- planes
+def _short(s: str) -> str:
+    return s[:12] + "…"
+
+
+# ---------------------------------------------------------------------------------------------- container
+
+
+def _pack(magic: bytes, header: dict, frames: list[bytes]) -> bytes:
+    payload = b"".join(frames)
+    header["payload_bytes"] = len(payload)
+    hjson = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    hz = zstandard.ZstdCompressor(level=19).compress(hjson)
+    prefix = _PREFIX.pack(magic, FORMAT_VERSION, 0, len(hz), blake3.blake3(hz).digest())
+    return b"".join([prefix, hz, payload, blake3.blake3(payload).digest()])
+
+
+def _open(blob: bytes, magic: bytes, what: str, check_payload: bool = True) -> tuple[dict, memoryview]:
+    """Check framing and hashes; return (header, payload). With ``check_payload=False`` only the header."""
+    view = memoryview(blob)
+    if len(view) < _PREFIX.size:
+        raise DeltaError(f"{what} truncated: expected at least {_PREFIX.size} bytes, got {len(view)}")
+    got_magic, version, _flags, hlen, hsum = _PREFIX.unpack_from(view)
+    if got_magic != magic:
+        other = {DELTA_MAGIC: "a delta", SNAPSHOT_MAGIC: "a snapshot"}.get(got_magic, "unknown data")
+        raise DeltaError(f"not {what}: magic {got_magic!r} ({other})")
+    if version != FORMAT_VERSION:
+        raise DeltaError(f"{what} format version {version} is not supported by this build (reads {FORMAT_VERSION})")
+    start = _PREFIX.size + hlen
+    if len(view) < start:
+        raise DeltaError(f"{what} truncated: expected at least {start} bytes, got {len(view)}")
+    hz = view[_PREFIX.size:start]
+    if blake3.blake3(hz).digest() != hsum:
+        raise DeltaError(f"{what} corrupted: header checksum mismatch")
+    try:
+        header = json.loads(zstandard.ZstdDecompressor().decompress(hz, max_output_size=1 << 30))
+        expected = start + int(header["payload_bytes"]) + _TRAILER
+    except (zstandard.ZstdError, ValueError, KeyError, TypeError) as e:
+        raise DeltaError(f"{what} corrupted: malformed header ({e})") from None
+    if len(view) < expected:
+        raise DeltaError(f"{what} truncated: expected {expected} bytes, got {len(view)}")
+    if len(view) > expected:
+        raise DeltaError(f"{what} corrupted: {len(view) - expected} unexpected bytes after the end (expected {expected})")
+    payload = view[start:expected - _TRAILER]
+    if check_payload and blake3.blake3(payload).digest() != bytes(view[expected - _TRAILER:]):
+        raise DeltaError(f"{what} corrupted: payload checksum mismatch")
+    return header, payload
+
+
+# ---------------------------------------------------------------------------------------------- chunk codecs
 
 
 def _to_planes(raw: np.ndarray, itemsize: int) -> np.ndarray:
@@ -116,88 +201,88 @@ def _from_planes(planes: np.ndarray, itemsize: int) -> np.ndarray:
     return np.ascontiguousarray(planes.reshape(itemsize, -1)[::-1].T).reshape(-1)
 
 
-def _compress(data: np.ndarray, level: int) -> bytes:
+def _zstd(data: np.ndarray, level: int) -> bytes:
     threads = -1 if data.nbytes > _THREADED_ABOVE else 0
     return zstandard.ZstdCompressor(level=level, threads=threads).compress(data)
 
 
-def _decompress(frame: bytes | memoryview, nbytes: int, what: str) -> np.ndarray:
-    try:
-        out = zstandard.ZstdDecompressor().decompress(frame, max_output_size=nbytes)
-    except zstandard.ZstdError as e:
-        raise DeltaError(f"delta corrupted: tensor {what!r} does not decompress ({e})") from None
-    if len(out) != nbytes:
-        raise DeltaError(f"delta corrupted: tensor {what!r} decompressed to {len(out)} bytes, expected {nbytes}")
-    return np.frombuffer(out, dtype=np.uint8)
+def _encode_chunk(b: np.ndarray, t: np.ndarray, dt: _Dt, level: int) -> tuple[str, bytes, int]:
+    """(method, frame, changed elements) for one chunk that differs; the smaller of the codings tried."""
+    from deploy import kernels
+
+    changed = int(kernels.count_changes(b, t))
+    best: tuple[str, bytes] | None = None
+    out = np.empty(b.nbytes + 4096, np.uint8)  # pages are only touched as the coder writes them
+    nb = kernels.cond_encode(b, t, dt.bits, dt.mbits, dt.ebits, out)
+    if nb >= 0:
+        best = (COND, out[:nb].tobytes())
+    del out
+    if best is None or changed > _TRY_XOR_ABOVE * b.size:
+        frame = _zstd(_to_planes(np.bitwise_xor(b, t).view(np.uint8), b.itemsize), level)
+        if best is None or len(frame) < len(best[1]):
+            best = (XORZ, frame)
+    return best[0], best[1], changed
 
 
-def _build(raw: np.ndarray, dtype_name: str, shape: list[int]) -> torch.Tensor:
-    """A fresh, writable, contiguous tensor from raw bytes (copies, so the result owns its memory)."""
-    dtype = DTYPES[dtype_name][0]
-    if raw.size == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.from_numpy(raw.copy()).view(dtype).reshape(shape)
+def _decode_chunk(x: np.ndarray, method: str, frame: memoryview, changed: int, dt: _Dt, forward: bool,
+                  what: str) -> tuple[np.ndarray, np.ndarray, int] | np.ndarray:
+    """Decode one chunk against ``x`` (not modified): (positions, xor values, count) or a dense XOR array."""
+    from deploy import kernels
+
+    if method == COND:
+        pos = np.empty(changed, np.int64)
+        val = np.empty(changed, dt.uint)
+        m = kernels.cond_decode(x, np.frombuffer(frame, np.uint8), dt.bits, dt.mbits, dt.ebits, forward, pos, val)
+        if m < 0:
+            why = {kernels.E_TRUNCATED: "the stream ends early", kernels.E_POSITION: "a position lies outside it",
+                   kernels.E_COUNTS: "its counts do not add up", kernels.E_TRAILING: "bytes are left over"}.get(m, m)
+            raise DeltaError(f"delta corrupted or not for these weights: {what} does not decode ({why})")
+        if m != changed:
+            raise DeltaError(f"delta corrupted: {what} decodes {m} changed elements, the header says {changed}")
+        return pos, val, m
+    if method == XORZ:
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=x.nbytes)
+        except zstandard.ZstdError as e:
+            raise DeltaError(f"delta corrupted: {what} does not decompress ({e})") from None
+        if len(raw) != x.nbytes:
+            raise DeltaError(f"delta corrupted: {what} decompressed to {len(raw)} bytes, expected {x.nbytes}")
+        return _from_planes(np.frombuffer(raw, np.uint8), x.itemsize).view(x.dtype)
+    raise DeltaError(f"delta uses unknown chunk method {method!r} ({what})")
 
 
-# ---------------------------------------------------------------------------------------------- container
+def _apply_chunk(x: np.ndarray, decoded) -> None:
+    """XOR a decoded chunk into ``x`` in place (doing it twice undoes it)."""
+    from deploy import kernels
+
+    if isinstance(decoded, tuple):
+        pos, val, m = decoded
+        kernels.xor_scatter(x, pos, val, m)
+    else:
+        np.bitwise_xor(x, decoded, out=x)
 
 
-def _pack(magic: bytes, header: dict, chunks: list[bytes]) -> bytes:
-    payload = b"".join(chunks)
-    header["payload_bytes"] = len(payload)
-    hjson = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
-    prefix = _PREFIX.pack(magic, FORMAT_VERSION, 0, len(hjson), hashlib.sha256(hjson).digest())
-    return b"".join([prefix, hjson, payload, hashlib.sha256(payload).digest()])
+# ---------------------------------------------------------------------------------------------- header model
 
 
-def _unpack_header(blob: bytes, magic: bytes, what: str) -> tuple[dict, int]:
-    """Check the prefix and header checksum; return (header, payload offset). Does not read the payload."""
-    if len(blob) < _PREFIX.size:
-        raise DeltaError(f"{what} truncated: expected at least {_PREFIX.size} bytes, got {len(blob)}")
-    got_magic, version, _flags, hlen, hsum = _PREFIX.unpack_from(blob)
-    if got_magic != magic:
-        other = {DELTA_MAGIC: "a delta", SNAPSHOT_MAGIC: "a snapshot"}.get(got_magic, "unknown data")
-        raise DeltaError(f"not {what}: magic {got_magic!r} ({other})")
-    if version != FORMAT_VERSION:
-        raise DeltaError(f"{what} format version {version} is not supported by this build (reads {FORMAT_VERSION})")
-    end = _PREFIX.size + hlen
-    if len(blob) < end:
-        raise DeltaError(f"{what} truncated: expected at least {end} bytes, got {len(blob)}")
-    hjson = bytes(blob[_PREFIX.size:end])
-    if hashlib.sha256(hjson).digest() != hsum:
-        raise DeltaError(f"{what} corrupted: header checksum mismatch")
-    return json.loads(hjson), end
-
-
-def _payload(blob: bytes, header: dict, start: int, what: str) -> memoryview:
-    """Check total length and the payload checksum; return the payload."""
-    expected = start + header["payload_bytes"] + _TRAILER
-    if len(blob) < expected:
-        raise DeltaError(f"{what} truncated: expected {expected} bytes, got {len(blob)}")
-    if len(blob) > expected:
-        raise DeltaError(f"{what} corrupted: {len(blob) - expected} unexpected bytes after the end (expected {expected})")
-    view = memoryview(blob)
-    payload = view[start:start + header["payload_bytes"]]
-    if hashlib.sha256(payload).digest() != bytes(view[expected - _TRAILER:]):
-        raise DeltaError(f"{what} corrupted: payload checksum mismatch")
-    return payload
-
-
-# ---------------------------------------------------------------------------------------------- deltas
+@dataclass(frozen=True)
+class Chunk:
+    method: str
+    offset: int
+    length: int
+    changed: int
 
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One tensor of a delta. ``offset`` is None when the tensor is bit-identical at both ends."""
+    """One tensor of a delta. ``chunks`` is empty when the tensor is bit-identical at both ends."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
-    base_sha256: str
-    target_sha256: str
-    offset: int | None
-    length: int
-    changed_elements: int
+    base_digest: str  # first 8 hex chars of tensor_checksum at the base
+    target_digest: str
+    chunks: tuple[Chunk, ...]
 
     @property
     def numel(self) -> int:
@@ -205,7 +290,15 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * DTYPES[self.dtype][0].itemsize
+        return self.numel * DTYPES[self.dtype].bits // 8
+
+    @property
+    def changed_elements(self) -> int:
+        return sum(c.changed for c in self.chunks)
+
+    @property
+    def length(self) -> int:
+        return sum(c.length for c in self.chunks)
 
 
 @dataclass(frozen=True)
@@ -215,12 +308,13 @@ class DeltaHeader:
     target_version: int
     base_checksum: str
     target_checksum: str
+    chunk_elements: int
     tensors: tuple[TensorEntry, ...]
     payload_bytes: int
 
     @property
     def changed(self) -> tuple[TensorEntry, ...]:
-        return tuple(e for e in self.tensors if e.offset is not None)
+        return tuple(e for e in self.tensors if e.chunks)
 
     @property
     def raw_bytes(self) -> int:
@@ -233,64 +327,224 @@ class DeltaHeader:
         total = sum(e.numel for e in self.tensors)
         return sum(e.changed_elements for e in self.tensors) / total if total else 0.0
 
-
-def encode_delta(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], base_version: int,
-                 target_version: int, level: int = 3) -> bytes:
-    """Encode target as (base XOR target) in byte planes, zstd per changed tensor; unchanged tensors cost only a header line.
-
-    Both ends must have the same names, dtypes and shapes (an architecture change needs a snapshot).
-    """
-    if set(base) != set(target):
-        missing, extra = sorted(set(base) - set(target)), sorted(set(target) - set(base))
-        raise ValueError(f"base and target differ in tensor names: only in base {missing[:5]}, only in target {extra[:5]}")
-    entries, chunks, offset = [], [], 0
-    base_sums, target_sums = {}, {}
-    for name in sorted(base):
-        b, t = base[name], target[name]
-        if b.dtype != t.dtype or tuple(b.shape) != tuple(t.shape):
-            raise ValueError(f"tensor {name!r}: base is {b.dtype}{tuple(b.shape)}, target is {t.dtype}{tuple(t.shape)}")
-        dtype = _dtype_name(b)
-        bsum, tsum = tensor_checksum(b), tensor_checksum(t)
-        base_sums[name], target_sums[name] = bsum, tsum
-        entry = {"name": name, "dtype": dtype, "shape": list(b.shape), "base_sha256": bsum, "target_sha256": tsum,
-                 "offset": None, "length": 0, "changed_elements": 0}
-        if bsum != tsum:
-            xor = np.bitwise_xor(_raw(b), _raw(t))
-            frame = _compress(_to_planes(xor, b.element_size()), level)
-            entry.update(offset=offset, length=len(frame),
-                         changed_elements=int(np.count_nonzero(xor.view(DTYPES[dtype][1]))))
-            chunks.append(frame)
-            offset += len(frame)
-        entries.append(entry)
-    header = {"kind": "delta", "codec": "xor-byteplanes-zstd", "base_version": int(base_version),
-              "target_version": int(target_version), "base_checksum": _combine(base_sums),
-              "target_checksum": _combine(target_sums), "tensors": entries}
-    return _pack(DELTA_MAGIC, header, chunks)
-
-
-def read_header(blob: bytes) -> DeltaHeader:
-    """Parse and verify a delta's header (not its payload): cheap, for deciding whether a delta fits."""
-    h, _ = _unpack_header(blob, DELTA_MAGIC, "delta")
-    return _delta_header(h)
+    @property
+    def method_bytes(self) -> dict[str, int]:
+        """Payload bytes per coding method (names from METHOD_NAMES)."""
+        out: dict[str, int] = {}
+        for e in self.tensors:
+            for c in e.chunks:
+                out[METHOD_NAMES[c.method]] = out.get(METHOD_NAMES[c.method], 0) + c.length
+        return out
 
 
 def _delta_header(h: dict) -> DeltaHeader:
     try:
-        tensors = tuple(TensorEntry(name=e["name"], dtype=e["dtype"], shape=tuple(e["shape"]),
-                                    base_sha256=e["base_sha256"], target_sha256=e["target_sha256"],
-                                    offset=e["offset"], length=e["length"], changed_elements=e["changed_elements"])
-                        for e in h["tensors"])
-        header = DeltaHeader(FORMAT_VERSION, h["base_version"], h["target_version"], h["base_checksum"],
-                             h["target_checksum"], tensors, h["payload_bytes"])
-    except (KeyError, TypeError) as e:
+        tensors, offset = [], 0
+        for e in h["tensors"]:
+            chunks = []
+            for method, length, changed in e.get("k", ()):  # frames follow each other in header order
+                chunks.append(Chunk(str(method), offset, int(length), int(changed)))
+                offset += int(length)
+            tensors.append(TensorEntry(name=e["n"], dtype=e["d"], shape=tuple(int(x) for x in e["s"]),
+                                       base_digest=e["b"], target_digest=e.get("t", e["b"]), chunks=tuple(chunks)))
+        tensors = tuple(tensors)
+        header = DeltaHeader(FORMAT_VERSION, int(h["base_version"]), int(h["target_version"]), h["base_checksum"],
+                             h["target_checksum"], int(h["chunk_elements"]), tensors, int(h["payload_bytes"]))
+    except (KeyError, TypeError, ValueError, IndexError) as e:
         raise DeltaError(f"delta corrupted: malformed header ({e!r})") from None
-    bad = [e.dtype for e in tensors if e.dtype not in DTYPES]
+    bad = sorted({e.dtype for e in tensors if e.dtype not in DTYPES})
     if bad:
-        raise DeltaError(f"delta uses unsupported dtypes {sorted(set(bad))}")
-    if (_combine({e.name: e.base_sha256 for e in tensors}) != header.base_checksum
-            or _combine({e.name: e.target_sha256 for e in tensors}) != header.target_checksum):
-        raise DeltaError("delta corrupted: per-tensor checksums do not add up to the base/target checksums")
+        raise DeltaError(f"delta uses unsupported dtypes {bad}")
+    for e in tensors:
+        n_chunks = -(-e.numel // header.chunk_elements) if e.chunks else 0
+        if len(e.chunks) != n_chunks or any(c.length < 0 or c.changed < 0 or c.offset + c.length > header.payload_bytes
+                                            for c in e.chunks):
+            raise DeltaError(f"delta corrupted: tensor {e.name!r} has inconsistent chunks")
     return header
+
+
+def read_header(blob: bytes) -> DeltaHeader:
+    """Parse and verify a delta's header (not its payload): cheap, for deciding whether a delta fits."""
+    h, _ = _open(blob, DELTA_MAGIC, "delta", check_payload=False)
+    return _delta_header(h)
+
+
+# ---------------------------------------------------------------------------------------------- encode
+
+
+def _chunks(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
+    for lo in range(0, numel, chunk):
+        yield lo, min(numel, lo + chunk)
+
+
+def encode_delta(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], base_version: int,
+                 target_version: int, level: int = 3, chunk_elements: int = CHUNK_ELEMENTS) -> bytes:
+    """The delta between two versions of the same architecture (same names, dtypes and shapes).
+
+    Tensors are read chunk by chunk (views, no copies): memory is a few chunks plus the delta itself.
+    """
+    if set(base) != set(target):
+        missing, extra = sorted(set(base) - set(target)), sorted(set(target) - set(base))
+        raise ValueError(f"base and target differ in tensor names: only in base {missing[:5]}, only in target {extra[:5]}")
+    if chunk_elements < 1:
+        raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
+    entries, frames = [], []
+    base_sums, target_sums = {}, {}
+    with ThreadPoolExecutor(_threads()) as pool:
+        for name in sorted(base):
+            b, t = base[name], target[name]
+            if b.dtype != t.dtype or tuple(b.shape) != tuple(t.shape):
+                raise ValueError(f"tensor {name!r}: base is {b.dtype}{tuple(b.shape)}, target is {t.dtype}{tuple(t.shape)}")
+            dtype = _dtype_name(b)
+            dt = DTYPES[dtype]
+            base_sums[name], target_sums[name] = bsum, tsum = tensor_checksum(b), tensor_checksum(t)
+            entry = {"n": name, "d": dtype, "s": list(b.shape), "b": bsum[:_DIGEST_CHARS]}
+            if bsum != tsum:
+                xb, xt = _elements(b), _elements(t)
+                chunks = []
+                window = []
+                for lo, hi in _chunks(xb.size, chunk_elements):  # at most 2x threads chunks in flight
+                    window.append(pool.submit(_encode_chunk, xb[lo:hi], xt[lo:hi], dt, level))
+                    if len(window) >= 2 * _threads():
+                        chunks.append(window.pop(0).result())
+                chunks += [f.result() for f in window]
+                entry["t"] = tsum[:_DIGEST_CHARS]
+                entry["k"] = []
+                for method, frame, changed in chunks:
+                    entry["k"].append([method, len(frame), changed])
+                    frames.append(frame)
+            entries.append(entry)
+    header = {"kind": "delta", "codec": "liverl-delta-2", "base_version": int(base_version),
+              "target_version": int(target_version), "base_checksum": _combine(base_sums),
+              "target_checksum": _combine(target_sums), "chunk_elements": chunk_elements, "tensors": entries}
+    return _pack(DELTA_MAGIC, header, frames)
+
+
+# ---------------------------------------------------------------------------------------------- decode
+
+
+@dataclass(frozen=True)
+class _Ends:
+    forward: bool  # the weights are at the base (apply base -> target)
+    sums: dict  # every tensor's checksum when the whole state was hashed, else empty
+    version: int  # where they will be
+    checksum: str
+    from_version: int
+
+
+def _locate(state: Mapping[str, torch.Tensor], header: DeltaHeader, known_checksum: str | None) -> _Ends:
+    """Which end of the delta ``state`` is at; DeltaError if neither (nothing is modified)."""
+    ends = (f"delta is for base version {header.base_version} (checksum {_short(header.base_checksum)}) "
+            f"and target version {header.target_version} (checksum {_short(header.target_checksum)})")
+    names = {e.name for e in header.tensors}
+    if known_checksum is None:  # check the whole state: names, dtypes, shapes, bytes
+        missing, extra = sorted(names - set(state)), sorted(set(state) - names)
+        if missing or extra:
+            raise DeltaError(f"{ends} but the weights have different tensors: missing {missing[:5]}, unexpected {extra[:5]}")
+    for e in header.changed:
+        if e.name not in state:
+            raise DeltaError(f"{ends} but the weights lack tensor {e.name!r}")
+    for e in header.tensors:
+        t = state.get(e.name)
+        if t is not None and (t.dtype != DTYPES[e.dtype].torch or tuple(t.shape) != e.shape):
+            raise DeltaError(f"{ends} but tensor {e.name!r} is {t.dtype}{tuple(t.shape)}, not {e.dtype}{e.shape}")
+    if known_checksum is None:
+        sums = {e.name: tensor_checksum(state[e.name]) for e in header.tensors}
+        state_sum = _combine(sums)
+    else:
+        state_sum, sums = known_checksum, {}
+    if state_sum == header.base_checksum:
+        fwd = True
+    elif state_sum == header.target_checksum:
+        fwd = False
+    else:
+        raise DeltaError(f"{ends} but the weights are at checksum {_short(state_sum)}")
+    if known_checksum is not None:  # the caller vouches for the state; still check what the delta touches
+        for e in header.changed:
+            want = e.base_digest if fwd else e.target_digest
+            if tensor_checksum(state[e.name])[:_DIGEST_CHARS] != want:
+                raise DeltaError(f"{ends} but tensor {e.name!r} does not match (the weights are not at checksum "
+                                 f"{_short(known_checksum)} as claimed)")
+    if fwd:
+        return _Ends(True, sums, header.target_version, header.target_checksum, header.base_version)
+    return _Ends(False, sums, header.base_version, header.base_checksum, header.target_version)
+
+
+def _run(state: Mapping[str, torch.Tensor], header: DeltaHeader, payload: memoryview, ends: _Ends,
+         sums: dict[str, str]) -> None:
+    """Apply every chunk in place, then verify; on any failure undo what was applied and raise DeltaError."""
+    applied: list[tuple[np.ndarray, TensorEntry, Chunk, bool]] = []  # (chunk view, entry, chunk, forward)
+    jobs = []
+    for e in header.changed:
+        t = state[e.name]
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise DeltaError(f"tensor {e.name!r} is not a contiguous CPU tensor; it cannot be updated in place")
+        x = _elements(t)
+        for (lo, hi), c in zip(_chunks(e.numel, header.chunk_elements), e.chunks):
+            jobs.append((x[lo:hi], e, c))
+
+    def decode(job):
+        x, e, c = job
+        return _decode_chunk(x, c.method, payload[c.offset:c.offset + c.length], c.changed, DTYPES[e.dtype],
+                             ends.forward, f"tensor {e.name!r} chunk at {c.offset}")
+
+    try:
+        with ThreadPoolExecutor(_threads()) as pool:
+            window: list = []
+            for job in jobs:  # bounded look-ahead: decoded chunks wait at most 2x threads deep
+                window.append((job, pool.submit(decode, job)))
+                if len(window) >= 2 * _threads():
+                    (x, e, c), fut = window.pop(0)
+                    _apply_chunk(x, fut.result())
+                    applied.append((x, e, c, ends.forward))
+            for (x, e, c), fut in window:
+                _apply_chunk(x, fut.result())
+                applied.append((x, e, c, ends.forward))
+        for e in header.changed:
+            want = e.target_digest if ends.forward else e.base_digest
+            digest = tensor_checksum(state[e.name])
+            if digest[:_DIGEST_CHARS] != want:
+                raise DeltaError(f"delta corrupted: tensor {e.name!r} decodes to the wrong checksum")
+            if sums:
+                sums[e.name] = digest
+        if sums and _combine(sums) != ends.checksum:
+            raise DeltaError("delta corrupted: the weights do not add up to the checksum of the end they reached")
+    except BaseException:
+        _undo(applied, payload)
+        raise
+
+
+def _undo(applied: list, payload: memoryview) -> None:
+    """Run applied chunks backwards (XOR deltas are their own inverse; conditioned ones decode from the new end)."""
+    for x, e, c, forward in reversed(applied):
+        decoded = _decode_chunk(x, c.method, payload[c.offset:c.offset + c.length], c.changed, DTYPES[e.dtype],
+                                not forward, f"tensor {e.name!r} (undo)")
+        _apply_chunk(x, decoded)
+
+
+@dataclass(frozen=True)
+class DeltaResult:
+    """Where ``apply_delta_inplace`` left the weights."""
+
+    version: int
+    checksum: str
+    from_version: int
+    changed: tuple[str, ...]
+
+
+def apply_delta_inplace(state: Mapping[str, torch.Tensor], blob: bytes,
+                        known_checksum: str | None = None) -> DeltaResult:
+    """Move ``state`` (contiguous CPU tensors) to the other end of the delta, in place, chunk by chunk.
+
+    Everything is verified first (see the module doc); ``known_checksum``: a caller that already knows the
+    state's checksum passes it to skip hashing tensors the delta does not touch. Raises DeltaError with the
+    weights unchanged when the delta is corrupt, truncated or for other weights.
+    """
+    raw_header, payload = _open(blob, DELTA_MAGIC, "delta")
+    header = _delta_header(raw_header)
+    ends = _locate(state, header, known_checksum)
+    _run(state, header, payload, ends, dict(ends.sums))
+    return DeltaResult(ends.version, ends.checksum, ends.from_version, tuple(e.name for e in header.changed))
 
 
 class DeltaPlan(list):
@@ -304,61 +558,18 @@ class DeltaPlan(list):
         self.version, self.checksum, self.from_version = version, checksum, from_version
 
 
-def _short(s: str) -> str:
-    return s[:12] + "…"
-
-
 def plan_delta(state: Mapping[str, torch.Tensor], blob: bytes, known_checksum: str | None = None) -> DeltaPlan:
-    """Verify everything and decode the changed tensors, without touching ``state``.
+    """Verify everything and decode the changed tensors into fresh copies, without touching ``state``.
 
-    ``state`` may be at either end of the delta. ``known_checksum``: a caller that already knows ``state``'s
-    checksum (a serving worker that verified it at load time) passes it to skip hashing every tensor; the
-    tensors the delta touches are still checked against their recorded sha256, and the results always are.
-    Returns the changed tensors only (freshly allocated), for in-place application.
+    For callers that write the new tensors themselves (a serving worker pushing them through the model's
+    ``load_weights``). ``known_checksum`` as in ``apply_delta_inplace``.
     """
-    raw_header, start = _unpack_header(blob, DELTA_MAGIC, "delta")
+    raw_header, payload = _open(blob, DELTA_MAGIC, "delta")
     header = _delta_header(raw_header)
-    payload = _payload(blob, raw_header, start, "delta")
-    ends = (f"delta is for base version {header.base_version} (checksum {_short(header.base_checksum)}) "
-            f"and target version {header.target_version} (checksum {_short(header.target_checksum)})")
-
-    by_name = {e.name: e for e in header.tensors}
-    if known_checksum is None:  # check the whole state: names, dtypes, shapes, bytes
-        missing, extra = sorted(set(by_name) - set(state)), sorted(set(state) - set(by_name))
-        if missing or extra:
-            raise DeltaError(f"{ends} but the weights have different tensors: missing {missing[:5]}, unexpected {extra[:5]}")
-        for name, e in by_name.items():
-            t = state[name]
-            if t.dtype != DTYPES[e.dtype][0] or tuple(t.shape) != e.shape:
-                raise DeltaError(f"{ends} but tensor {name!r} is {t.dtype}{tuple(t.shape)}, not {e.dtype}{e.shape}")
-        state_sum = checksum(state)
-    else:
-        state_sum = known_checksum
-    if state_sum == header.base_checksum:
-        from_sha, to_sha = "base_sha256", "target_sha256"
-        version, now_sum, from_version = header.target_version, header.target_checksum, header.base_version
-    elif state_sum == header.target_checksum:
-        from_sha, to_sha = "target_sha256", "base_sha256"
-        version, now_sum, from_version = header.base_version, header.base_checksum, header.target_version
-    else:
-        raise DeltaError(f"{ends} but the weights are at checksum {_short(state_sum)}")
-
-    plan = []
-    for e in header.changed:
-        if e.name not in state:
-            raise DeltaError(f"{ends} but the weights lack tensor {e.name!r}")
-        t = state[e.name]
-        if known_checksum is not None and tensor_checksum(t) != getattr(e, from_sha):
-            raise DeltaError(f"{ends} but tensor {e.name!r} does not match (the weights are not at checksum "
-                             f"{_short(known_checksum)} as claimed)")
-        if e.offset + e.length > len(payload):
-            raise DeltaError(f"delta corrupted: tensor {e.name!r} lies outside the payload")
-        xor = _from_planes(_decompress(payload[e.offset:e.offset + e.length], e.nbytes, e.name), DTYPES[e.dtype][0].itemsize)
-        new = _build(np.bitwise_xor(_raw(t), xor), e.dtype, list(e.shape))
-        if tensor_checksum(new) != getattr(e, to_sha):
-            raise DeltaError(f"delta corrupted: tensor {e.name!r} decodes to the wrong checksum")
-        plan.append((e.name, new))
-    return DeltaPlan(plan, version, now_sum, from_version)
+    ends = _locate(state, header, known_checksum)
+    copies = {e.name: state[e.name].detach().cpu().contiguous().clone() for e in header.changed}
+    _run(copies, header, payload, ends, dict(ends.sums))
+    return DeltaPlan(list(copies.items()), ends.version, ends.checksum, ends.from_version)
 
 
 def apply_delta(state: Mapping[str, torch.Tensor], blob: bytes) -> tuple[dict[str, torch.Tensor], int]:
@@ -378,85 +589,54 @@ def apply_delta(state: Mapping[str, torch.Tensor], blob: bytes) -> tuple[dict[st
 
 def encode_snapshot(state: Mapping[str, torch.Tensor], version: int | None = None, level: int = 3) -> bytes:
     """Full weights: byte planes + zstd per tensor, per-tensor and whole-state checksums."""
-    entries, chunks, offset, sums = [], [], 0, {}
+    entries, frames, offset, sums = [], [], 0, {}
     for name in sorted(state):
         t = state[name]
         dtype = _dtype_name(t)
         sums[name] = tensor_checksum(t)
-        frame = _compress(_to_planes(_raw(t), t.element_size()), level)
-        entries.append({"name": name, "dtype": dtype, "shape": list(t.shape), "sha256": sums[name],
+        frame = _zstd(_to_planes(_raw(t), t.element_size()), level)
+        entries.append({"name": name, "dtype": dtype, "shape": list(t.shape), "digest": sums[name],
                         "offset": offset, "length": len(frame)})
-        chunks.append(frame)
+        frames.append(frame)
         offset += len(frame)
     header = {"kind": "snapshot", "codec": "byteplanes-zstd", "version": version, "checksum": _combine(sums),
               "tensors": entries}
-    return _pack(SNAPSHOT_MAGIC, header, chunks)
+    return _pack(SNAPSHOT_MAGIC, header, frames)
 
 
 def snapshot_info(blob: bytes) -> dict:
     """The verified header of a snapshot (version, checksum, tensors) without decoding it."""
-    return _unpack_header(blob, SNAPSHOT_MAGIC, "snapshot")[0]
+    return _open(blob, SNAPSHOT_MAGIC, "snapshot", check_payload=False)[0]
 
 
 def decode_snapshot(blob: bytes) -> dict[str, torch.Tensor]:
     """Decode and verify a snapshot; every tensor and the whole-state checksum are checked."""
-    header, start = _unpack_header(blob, SNAPSHOT_MAGIC, "snapshot")
-    payload = _payload(blob, header, start, "snapshot")
+    header, payload = _open(blob, SNAPSHOT_MAGIC, "snapshot")
     out, sums = {}, {}
     try:
         for e in header["tensors"]:
-            dtype, shape = e["dtype"], list(e["shape"])
+            dtype, shape = e["dtype"], [int(x) for x in e["shape"]]
             if dtype not in DTYPES:
                 raise DeltaError(f"snapshot uses unsupported dtype {dtype!r}")
-            nbytes = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype][0].itemsize
+            dt = DTYPES[dtype]
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dt.bits // 8
             if e["offset"] + e["length"] > len(payload):
                 raise DeltaError(f"snapshot corrupted: tensor {e['name']!r} lies outside the payload")
-            raw = _from_planes(_decompress(payload[e["offset"]:e["offset"] + e["length"]], nbytes, e["name"]),
-                               DTYPES[dtype][0].itemsize)
-            out[e["name"]] = t = _build(raw, dtype, shape)
+            try:
+                raw = zstandard.ZstdDecompressor().decompress(payload[e["offset"]:e["offset"] + e["length"]],
+                                                              max_output_size=nbytes)
+            except zstandard.ZstdError as err:
+                raise DeltaError(f"snapshot corrupted: tensor {e['name']!r} does not decompress ({err})") from None
+            if len(raw) != nbytes:
+                raise DeltaError(f"snapshot corrupted: tensor {e['name']!r} decompressed to {len(raw)} bytes")
+            flat = _from_planes(np.frombuffer(raw, np.uint8), dt.bits // 8).copy()
+            t = torch.from_numpy(flat).view(dt.torch).reshape(shape) if nbytes else torch.empty(shape, dtype=dt.torch)
+            out[e["name"]] = t
             sums[e["name"]] = tensor_checksum(t)
-            if sums[e["name"]] != e["sha256"]:
+            if sums[e["name"]] != e["digest"]:
                 raise DeltaError(f"snapshot corrupted: tensor {e['name']!r} decodes to the wrong checksum")
         if _combine(sums) != header["checksum"]:
             raise DeltaError("snapshot corrupted: tensors do not add up to the recorded checksum")
     except (KeyError, TypeError) as e:
         raise DeltaError(f"snapshot corrupted: malformed header ({e!r})") from None
     return out
-
-
-# ---------------------------------------------------------------------------------------------- benchmark
-
-
-def _bench() -> None:
-    """Print delta ratios on synthetic bf16 RL-like updates. Run: ``python -m deploy.delta``."""
-    import time
-
-    from rich.console import Console
-    from rich.table import Table
-
-    torch.manual_seed(0)
-    shapes = [(4096, 1024), (1024, 4096), (8, 1024, 512), (151936 // 16, 1024), (1024,)]
-    master = {f"w{i}": torch.randn(s) * 0.02 for i, s in enumerate(shapes)}
-    base = {k: v.to(torch.bfloat16) for k, v in master.items()}
-    raw_bytes = sum(t.numel() * 2 for t in base.values())
-    table = Table(title=f"bf16 delta codec, {raw_bytes / 2**20:.0f} MiB of weights (python -m deploy.delta)")
-    for col in ("rel. step", "changed", "zstd(3)", "xor+zstd", "xor+planes", "enc s", "apply s"):
-        table.add_column(col, justify="right")
-    for rel in (1e-4, 3e-4, 7e-4, 3e-3):
-        target = {k: (v + v.abs() * rel * torch.randn_like(v)).to(torch.bfloat16) for k, v in master.items()}
-        plain = sum(len(zstandard.ZstdCompressor(level=3).compress(_raw(t))) for t in target.values())
-        xor_only = sum(len(zstandard.ZstdCompressor(level=3).compress(np.bitwise_xor(_raw(base[k]), _raw(t))))
-                       for k, t in target.items())
-        t0 = time.perf_counter()
-        blob = encode_delta(base, target, 0, 1)
-        t1 = time.perf_counter()
-        apply_delta(base, blob)
-        t2 = time.perf_counter()
-        h = read_header(blob)
-        table.add_row(f"{rel:g}", f"{h.changed_fraction:.1%}", f"{raw_bytes / plain:.2f}x", f"{raw_bytes / xor_only:.1f}x",
-                      f"{raw_bytes / len(blob):.1f}x", f"{t1 - t0:.2f}", f"{t2 - t1:.2f}")
-    Console().print(table)
-
-
-if __name__ == "__main__":
-    _bench()

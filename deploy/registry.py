@@ -12,6 +12,16 @@ on a WAL database with a busy timeout), so concurrent writers never get the same
 allocation and insert leaves a gap, as a sequence would. Status changes take the same lock, so two
 concurrent promotions cannot leave two stable versions.
 
+Schema: Alembic migrations in ``deploy.migrations``; opening a registry upgrades its database to head (under a
+lock, so several processes may open one database at once) and stamps a database made before migrations existed.
+
+Garbage collection (``gc``): a blob no version row references is deleted once it is older than a grace period
+(default one hour). Writers store blobs *before* committing the row that references them, so a young
+unreferenced blob may be a version being added right now; age is the store's last-write time, which a re-put
+of the same content refreshes. Deltas and snapshots name their version in their bytes and version numbers
+are never reused, so a new version's blobs are always new content. The one remaining window: re-putting the
+exact bytes of an old orphan (e.g. ``init_base`` after a crash) between a collector's age check and its delete.
+
 Statuses: candidate | rejected | stable (the served one) | retired (was stable before) | rolled_back.
 """
 
@@ -20,6 +30,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -27,8 +38,17 @@ import torch
 from sqlalchemy import event, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from deploy.blobstore import BlobStore
-from deploy.delta import checksum, decode_snapshot, encode_delta, encode_snapshot, plan_delta, read_header
+from deploy.blobstore import BlobError, BlobInfo, BlobStore
+from deploy.delta import (
+    apply_delta,
+    checksum,
+    decode_snapshot,
+    encode_delta,
+    encode_snapshot,
+    plan_delta,
+    read_header,
+)
+from deploy.migrations import upgrade_connection
 
 STATUSES = ("candidate", "rejected", "stable", "retired", "rolled_back")
 
@@ -115,7 +135,25 @@ class Counter(Base):
     value: Mapped[int] = mapped_column(sa.BigInteger)
 
 
-def _make_engine(url: str) -> sa.Engine:
+@dataclass
+class GcResult:
+    """What a garbage collection found. ``removed``: deleted (or, on a dry run, would be)."""
+
+    dry_run: bool
+    grace_s: float
+    removed: list[BlobInfo] = field(default_factory=list)
+    recent: list[BlobInfo] = field(default_factory=list)  # unreferenced but younger than the grace period: kept
+    referenced: int = 0  # blobs the registry references (kept)
+    missing: list[str] = field(default_factory=list)  # referenced by a row but not in the store (a problem)
+
+    @property
+    def removed_bytes(self) -> int:
+        return sum(b.size for b in self.removed)
+
+
+def make_engine(url: str) -> sa.Engine:
+    """An engine for the registry; on SQLite a WAL database whose writers begin with ``BEGIN IMMEDIATE`` when
+    the connection has the ``sqlite_begin="IMMEDIATE"`` execution option."""
     if not url.startswith("sqlite"):
         return sa.create_engine(url, pool_pre_ping=True)
     db = sa.engine.make_url(url).database
@@ -146,14 +184,12 @@ class Registry:
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
         self.url, self.blobs, self.snapshot_every = url, blobs, snapshot_every
-        self.engine = _make_engine(url)
+        self.engine = make_engine(url)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)  # reads
         writer = self.engine.execution_options(sqlite_begin="IMMEDIATE")
         self._write_sessions = sessionmaker(writer, expire_on_commit=False)
-        with writer.begin() as conn:
-            if conn.dialect.name == "postgresql":  # serialise concurrent create_all from several processes
-                conn.execute(sa.text("SELECT pg_advisory_xact_lock(74210001)"))
-            Base.metadata.create_all(conn)
+        with writer.begin() as conn:  # one locked transaction: migrate (or stamp) and seed the counter
+            upgrade_connection(conn)
             if conn.execute(select(Counter.value).where(Counter.name == "version")).first() is None:
                 conn.execute(sa.insert(Counter).values(name="version", value=1))  # 0 is the base's
 
@@ -407,3 +443,69 @@ class Registry:
         if final != target.checksum:
             raise RegistryError(f"version {version} rebuilt to checksum {final[:12]}…, registry says {target.checksum[:12]}…")
         return state
+
+    def compose(self, from_version: int, to_version: int) -> bytes:
+        """One delta taking ``from_version``'s weights to ``to_version``'s (either direction along the lineage).
+
+        Rebuilds ``from_version``, walks ``deltas_between`` (each step checked against the registry), verifies
+        the result against ``to_version``'s recorded checksum, then encodes a single delta between the ends.
+        """
+        src, dst = self.get(from_version), self.get(to_version)
+        base = self.materialize(from_version)
+        up, down = self._chain(from_version), self._chain(to_version)
+        common = {r.version for r in up} & {r.version for r in down}
+        # (row whose delta to apply, the version it lands on): up to the common ancestor, then down to the target
+        steps = ([(r, r.parent) for r in up if r.version not in common]
+                 + [(r, r.version) for r in down if r.version not in common][::-1])
+        state = base
+        for row, expect in steps:
+            state, at = apply_delta(state, self.blobs.get(row.blob_key))
+            if at != expect:
+                raise RegistryError(f"the delta of version {row.version} led to version {at}, expected {expect}")
+        final = checksum(state)
+        if final != dst.checksum:
+            raise RegistryError(f"composing {from_version}->{to_version} gave checksum {final[:12]}…, the registry "
+                                f"says {dst.checksum[:12]}…")
+        blob = encode_delta(base, state, from_version, to_version)
+        header = read_header(blob)
+        assert header.base_checksum == src.checksum and header.target_checksum == dst.checksum
+        return blob
+
+    # ------------------------------------------------------------------------------------------ housekeeping
+
+    def referenced_blobs(self) -> set[str]:
+        """Every blob key a version row references (its delta or base snapshot, and its snapshot)."""
+        with self._sessions() as s:
+            rows = s.execute(select(Version.blob_key, Version.snapshot_key)).all()
+        return {k for row in rows for k in row if k is not None}
+
+    def gc(self, dry_run: bool = False, grace_s: float = 3600.0, actor: str = "admin") -> GcResult:
+        """Delete blobs no version references and older than ``grace_s`` seconds (see the module doc).
+
+        Order matters for concurrent writers: the store is listed *before* the referenced keys are read, so a
+        row committed meanwhile protects its blobs; each candidate's age is read just before deleting it.
+        A real collection (not ``dry_run``) that removes something writes an audit entry.
+        """
+        if grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+        stored = set(self.blobs.list_keys())
+        referenced = self.referenced_blobs()
+        result = GcResult(dry_run=dry_run, grace_s=grace_s, referenced=len(stored & referenced))
+        result.missing = sorted(k for k in referenced - stored if not self.blobs.exists(k))
+        cutoff = time.time() - grace_s
+        for key in sorted(stored - referenced):
+            try:
+                info = self.blobs.stat(key)
+            except BlobError:  # deleted meanwhile (another collector)
+                continue
+            if info.modified_at > cutoff:
+                result.recent.append(info)
+                continue
+            if not dry_run:
+                self.blobs.delete(key)
+            result.removed.append(info)
+        if result.removed and not dry_run:
+            with self._tx() as s:
+                self._audit(s, actor, "gc", None,
+                            f"removed {len(result.removed)} unreferenced blobs ({result.removed_bytes} bytes)")
+        return result

@@ -547,7 +547,7 @@ def run_learner(cfg: LiverlConfig, stop_event: threading.Event | None = None, ma
     """
     import redis as redis_lib
 
-    from deploy.blobstore import LocalBlobStore
+    from deploy.admin import open_blobs
     from deploy.registry import Registry, RegistryError
     from learner.policy import ensure_base_policy, load_state_dict
     from liverl.bus import ensure_topics
@@ -555,7 +555,7 @@ def run_learner(cfg: LiverlConfig, stop_event: threading.Event | None = None, ma
     bootstrap = cfg.broker.bootstrap or f"127.0.0.1:{cfg.broker.embedded_port}"
     ensure_topics(bootstrap, [cfg.topics.samples], cfg.broker.partitions)
     model_dir = ensure_base_policy(cfg.model_cache_path, cfg.model.seed)
-    registry = Registry(cfg.registry_url, LocalBlobStore(cfg.blob_path))
+    registry = Registry(cfg.registry_url, open_blobs(cfg))
     try:
         registry.stable()
     except RegistryError:  # an empty registry: this process is the first to need version 0

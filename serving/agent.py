@@ -363,10 +363,10 @@ async def serve(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str,
         await client.start()
         await gw.start()
         if registry_url:
-            from deploy.blobstore import LocalBlobStore
+            from deploy.admin import open_blobs
             from deploy.registry import Registry
 
-            registry = Registry(registry_url, LocalBlobStore(cfg.blob_path))
+            registry = Registry(registry_url, open_blobs(cfg))
         agent = Agent(cfg, gw, rds, registry)
         await agent.init()
         runner = web.AppRunner(gw.app, access_log=None)

@@ -46,3 +46,42 @@ def rds(cfg):
     for key in r.scan_iter(match=f"{cfg.topics.prefix}:*"):
         r.delete(key)
     r.close()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """An S3 endpoint for the session: moto's ThreadedMotoServer on a free local port.
+
+    A stand-in for S3: this machine has no S3 service (and reaches no network), while moto's server speaks
+    the S3 HTTP wire protocol, so boto3's real request path (signing, HTTP, XML, errors, pagination) runs.
+    """
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_endpoint, monkeypatch):
+    """Fake AWS credentials and the moto endpoint in the environment (as a deployment would set them)."""
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
+                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_endpoint}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return s3_endpoint
+
+
+@pytest.fixture
+def s3_bucket(s3_env):
+    """A fresh bucket of the test's own (name unique to the test) on the moto endpoint."""
+    import uuid
+
+    import boto3
+
+    name = f"liverl-test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_env).create_bucket(Bucket=name)
+    return name

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from deploy.delta import (
     DeltaError,
     apply_delta,
+    apply_delta_inplace,
     checksum,
     decode_snapshot,
     encode_delta,
@@ -90,7 +91,9 @@ def test_unchanged_tensors_cost_nothing_and_header_reports_sizes():
     assert h.raw_bytes == sum(t.numel() * 2 for t in a.values())
     assert 0 < h.changed_fraction < 0.1
     e = {e.name: e for e in h.tensors}["lm_head.weight"]
-    assert e.base_sha256 == tensor_checksum(a["lm_head.weight"]) and e.target_sha256 == tensor_checksum(b["lm_head.weight"])
+    assert e.base_digest == tensor_checksum(a["lm_head.weight"])[:8]
+    assert e.target_digest == tensor_checksum(b["lm_head.weight"])[:8]
+    assert h.method_bytes and sum(h.method_bytes.values()) == h.payload_bytes
 
 
 def test_delta_beats_plain_zstd_on_sparse_bf16_updates():
@@ -156,7 +159,7 @@ def test_truncated_is_refused(pair):
 def test_corrupted_is_refused(pair, where):
     a, _, blob = pair
     hlen = int.from_bytes(blob[12:16], "little")
-    pos = {"header": 48 + hlen // 2, "payload": 48 + hlen + 5, "trailer": len(blob) - 3}[where]
+    pos = {"header": 48 + hlen // 2, "payload": 48 + hlen + 1, "trailer": len(blob) - 3}[where]
     bad = bytearray(blob)
     bad[pos] ^= 0x40
     _refused(a, bytes(bad), f"delta corrupted: {where if where != 'trailer' else 'payload'} checksum mismatch")
@@ -194,3 +197,128 @@ def test_checksum_covers_names_dtypes_shapes_and_bits():
     assert base != checksum({"a": t.to(torch.float16)})
     assert checksum({"a": torch.tensor([0.0])}) != checksum({"a": torch.tensor([-0.0])})
     assert checksum({"a": t[::2]}) == checksum({"a": t[::2].contiguous()})  # layout does not matter, bits do
+
+
+# ------------------------------------------------------------------------------- base-conditioned coding
+
+SPECIAL = {  # bit patterns every float format has trouble with: ±0, ±inf / max, NaN payloads, subnormals
+    torch.bfloat16: [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC1, 0xFF81, 0x7F81, 0x0001, 0x807F, 0x7F7F],
+    torch.float16: [0x0000, 0x8000, 0x7C00, 0xFC00, 0x7E01, 0xFD55, 0x0001, 0x83FF, 0x7BFF],
+    torch.float32: [0, 0x80000000, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFFBFFFFF, 1, 0x807FFFFF, 0x7F7FFFFF],
+    torch.float8_e4m3fn: [0x00, 0x80, 0x7F, 0xFF, 0x01, 0x87, 0x7E],
+    torch.float8_e5m2: [0x00, 0x80, 0x7C, 0xFC, 0x7D, 0xFF, 0x01, 0x83],
+}
+
+
+def _steps(bits: np.ndarray, width: int, steps: np.ndarray) -> np.ndarray:
+    """Move float bit patterns ``steps`` places along the ordered-integer line (how optimizer steps look)."""
+    sign, allm = 1 << (width - 1), (1 << width) - 1
+    key = np.where(bits & sign, ~bits & allm, bits | sign)
+    key = (key + steps) & allm
+    return np.where(key & sign, key ^ sign, ~key & allm)
+
+
+@settings(max_examples=80, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), n=st.integers(0, 700), frac=st.sampled_from([0.0, 0.01, 0.1, 0.6, 1.0]),
+       special=st.floats(0, 1), chunk=st.sampled_from([7, 64, 1 << 22]), seed=st.integers(0, 2**31))
+def test_round_trip_realistic_steps_in_place_and_chunked(dtype, n, frac, special, chunk, seed):
+    """Optimizer-like changes (a few ulps, exponent and sign crossings, specials) round-trip in place, both ways."""
+    rng = np.random.default_rng(seed)
+    width = 8 * torch.empty((), dtype=dtype).element_size()
+    a_bits = rng.integers(0, 2 ** width, size=n, dtype=np.uint64)
+    if dtype is not torch.float32:  # weight-like magnitudes for the wide formats; all patterns for narrow ones
+        a_bits = np.where(rng.random(n) < special, rng.choice(SPECIAL[dtype], size=n), a_bits).astype(np.uint64)
+    steps = rng.choice([-3, -2, -1, 1, 1, 2, 5, 200], size=n).astype(np.uint64)
+    moved = rng.random(n) < frac
+    b_bits = np.where(moved, _steps(a_bits, width, steps), a_bits)
+    b_bits = np.where(rng.random(n) < special * frac, rng.choice(SPECIAL[dtype], size=n), b_bits).astype(np.uint64)
+    a = {"t": from_bits(a_bits, dtype, (n,)), "same": torch.ones(2, dtype=dtype)}
+    b = {"t": from_bits(b_bits, dtype, (n,)), "same": a["same"].clone()}
+    blob = encode_delta(a, b, 7, 8, chunk_elements=chunk)
+    h = read_header(blob)
+    assert h.changed_fraction == pytest.approx(int((a_bits != b_bits).sum()) / (n + 2))
+    state = {k: v.clone() for k, v in a.items()}
+    r = apply_delta_inplace(state, blob)
+    assert same_bits(state, b) and (r.version, r.checksum, r.from_version) == (8, checksum(b), 7)
+    r = apply_delta_inplace(state, blob)  # and back (identical ends: the weights are at both, "target" wins)
+    back = (8, checksum(b), 7) if (a_bits == b_bits).all() else (7, checksum(a), 8)
+    assert same_bits(state, a) and (r.version, r.checksum, r.from_version) == back
+
+
+def test_conditioned_coding_beats_xor_zstd_on_optimizer_like_steps():
+    """The bf16 change of an Adam-like step: the base-conditioned coder is picked and is several times smaller."""
+    import zstandard
+
+    g = torch.Generator().manual_seed(0)
+    master = {f"w{i}": torch.randn(256, 512, generator=g) * 0.02 for i in range(4)}
+    a = {k: v.to(torch.bfloat16) for k, v in master.items()}
+    b = {k: (v + 5e-7 * torch.randn(v.shape, generator=g).sign()).to(torch.bfloat16) for k, v in master.items()}
+    blob = encode_delta(a, b, 0, 1)
+    h = read_header(blob)
+    assert 0.005 < h.changed_fraction < 0.05
+    assert set(h.method_bytes) == {"base-conditioned"}
+    xor_zstd = sum(len(zstandard.ZstdCompressor(level=3).compress(
+        np.bitwise_xor(a[k].view(torch.int16).numpy(), b[k].view(torch.int16).numpy()).tobytes())) for k in a)
+    assert len(blob) * 2 < xor_zstd
+
+
+def test_dense_change_falls_back_to_xor_planes_when_smaller():
+    g = torch.Generator().manual_seed(1)
+    a = {"w": torch.randn(4096, generator=g).to(torch.bfloat16)}
+    b = {"w": torch.randn(4096, generator=g).to(torch.bfloat16)}  # unrelated: nothing to condition on
+    blob = encode_delta(a, b, 0, 1)
+    assert set(read_header(blob).method_bytes) <= {"xor+planes+zstd", "base-conditioned"}
+    assert same_bits(apply_delta(a, blob)[0], b) and same_bits(apply_delta(b, blob)[0], a)
+
+
+def _repacked(blob: bytes, mutate) -> bytes:
+    """A blob with valid hashes whose content was changed by ``mutate(header, payload_bytearray)``."""
+    import json
+
+    import zstandard
+
+    from deploy import delta
+
+    hlen = int.from_bytes(blob[12:16], "little")
+    header = json.loads(zstandard.ZstdDecompressor().decompress(blob[48:48 + hlen]))
+    payload = bytearray(blob[48 + hlen:-32])
+    mutate(header, payload)
+    header.pop("payload_bytes")
+    return delta._pack(delta.DELTA_MAGIC, header, [bytes(payload)])
+
+
+@pytest.mark.parametrize("how", ["flip a payload bit", "swap the digests", "wrong changed count"])
+def test_consistent_looking_but_wrong_delta_is_undone(how):
+    """A blob whose hashes are valid but whose content is wrong (an encoder bug) never leaves weights changed."""
+    g = torch.Generator().manual_seed(2)
+    master = torch.randn(3, 4096, generator=g) * 0.02
+    a = {f"w{i}": master[i].to(torch.bfloat16) for i in range(3)}
+    b = {k: (master[i] + 3e-6 * torch.randn(4096, generator=g).sign()).to(torch.bfloat16)
+         for i, k in enumerate(a)}
+    blob = encode_delta(a, b, 0, 1, chunk_elements=1024)
+
+    def mutate(header, payload):
+        last = header["tensors"][-1]
+        if how == "flip a payload bit":
+            payload[-3] ^= 0x10  # inside the last chunk
+        elif how == "swap the digests":
+            last["t"], last["b"] = last["b"], last["t"]
+        else:
+            last["k"][-1][2] += 1
+
+    bad = _repacked(blob, mutate)
+    state = {k: v.clone() for k, v in a.items()}
+    with pytest.raises(DeltaError, match="delta corrupted"):
+        apply_delta_inplace(state, bad)
+    assert same_bits(state, a)  # the chunks applied before the failure were undone
+
+
+def test_in_place_refuses_wrong_base_before_touching():
+    a = tiny_model(0)
+    b = perturb(a, 0.05)
+    blob = encode_delta(a, b, 3, 4)
+    other = {k: v.clone() for k, v in perturb(a, 0.05, seed=9).items()}
+    before = {k: bits_of(v) for k, v in other.items()}
+    with pytest.raises(DeltaError, match="but the weights are at checksum"):
+        apply_delta_inplace(other, blob)
+    assert {k: bits_of(v) for k, v in other.items()} == before

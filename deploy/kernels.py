@@ -1,0 +1,456 @@
+"""Per-element kernels of the base-conditioned delta coder (numba; called by ``deploy.delta``).
+
+The model. Every receiver already holds one end of the delta (the base, or the target when rolling back),
+and whether a float element changes depends on its exponent: an update survives rounding only when it
+is larger than about half an ulp, and the ulp doubles with each exponent step. So elements are grouped by
+their exponent field, read from the end the decoder holds, and each group gets its own statistics:
+
+- **Which elements changed**: per group, the number of changes ``k_g`` among its ``n_g`` elements (Elias
+  gamma), then the gaps between changes inside the group (Rice codes, parameter from ``n_g`` and ``k_g``,
+  which both sides know). A group where most elements changed codes the gaps between *unchanged* ones.
+- **How they changed**: the difference of the two ends on the ordered-integer line (float bits mapped to a
+  monotone integer; -0 and +0 are neighbours, NaN payloads and infinities are just integers), zigzagged,
+  Rice-coded with one parameter per group. A one-ulp step costs about one and a half bits.
+- **Inversion**: the grouping must come out the same from either end, so elements whose exponent differs
+  between the ends (the rare crossings of a power of two) are coded first, apart, by position; every other
+  element has the same exponent at both ends. The difference is added going forward and subtracted going
+  back, so one delta takes A to B and B to A.
+
+All codes go into one bit stream per chunk, in the order a single forward scan of the chunk reads them, so
+decoding is one pass over the elements after a histogram pass. Rice quotients longer than ``LIMIT`` escape
+to a fixed-width field, so no code is ever longer than about 70 bits. The decoders are written for data
+that already passed the container's checksum, yet they never read or write outside their arrays and
+report inconsistent streams as an error code rather than crashing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+LIMIT = 24  # Rice quotient at or above which a code escapes to a fixed-width field
+GAP_BITS = 40  # fixed width of an escaped gap (chunks hold fewer than 2**40 elements)
+
+# error codes returned by the decoders (negative), turned into DeltaError messages by deploy.delta
+E_TRUNCATED, E_POSITION, E_COUNTS, E_TRAILING = -1, -2, -3, -4
+
+
+# ------------------------------------------------------------------------------------------------ bit I/O
+# The writer/reader state lives in a small uint64 array: [accumulator, bits in accumulator, byte position].
+@njit(inline="always")
+def _put(buf, st, value, nbits):
+    """Append the low ``nbits`` (<= 32) of ``value``, least significant bit first."""
+    if nbits == 0:
+        return
+    acc = st[0] | ((np.uint64(value) & ((np.uint64(1) << np.uint64(nbits)) - np.uint64(1))) << st[1])
+    fill = st[1] + np.uint64(nbits)
+    pos = st[2]
+    while fill >= np.uint64(8):
+        buf[pos] = np.uint8(acc & np.uint64(0xFF))
+        acc >>= np.uint64(8)
+        fill -= np.uint64(8)
+        pos += np.uint64(1)
+    st[0], st[1], st[2] = acc, fill, pos
+
+
+@njit(inline="always")
+def _put_wide(buf, st, value, nbits):
+    if nbits > 32:
+        _put(buf, st, value & np.uint64(0xFFFFFFFF), 32)
+        _put(buf, st, np.uint64(value) >> np.uint64(32), nbits - 32)
+    else:
+        _put(buf, st, value, nbits)
+
+
+@njit(inline="always")
+def _flush(buf, st):
+    if st[1] > 0:
+        buf[st[2]] = np.uint8(st[0] & np.uint64(0xFF))
+        st[2] += np.uint64(1)
+        st[0], st[1] = np.uint64(0), np.uint64(0)
+    return st[2]
+
+
+@njit(inline="always")
+def _refill(buf, st):
+    """Top the accumulator up to at least 57 bits. Past the end it shifts in zeros; the caller checks at the
+    end that the bits consumed match the stream's length (``_consumed``), which catches truncation."""
+    acc, fill, pos = st[0], st[1], st[2]
+    size = np.uint64(buf.size)
+    while fill <= np.uint64(56):
+        if pos < size:
+            acc |= np.uint64(buf[pos]) << fill
+        pos += np.uint64(1)
+        fill += np.uint64(8)
+    st[0], st[1], st[2] = acc, fill, pos
+
+
+@njit(inline="always")
+def _get(buf, st, nbits):
+    """Read ``nbits`` (<= 56)."""
+    if nbits == 0:
+        return np.uint64(0)
+    if st[1] < np.uint64(nbits):
+        _refill(buf, st)
+    out = st[0] & ((np.uint64(1) << np.uint64(nbits)) - np.uint64(1))
+    st[0] >>= np.uint64(nbits)
+    st[1] -= np.uint64(nbits)
+    return out
+
+
+@njit(inline="always")
+def _get_wide(buf, st, nbits):
+    if nbits > 32:
+        lo = _get(buf, st, 32)
+        return lo | (_get(buf, st, nbits - 32) << np.uint64(32))
+    return _get(buf, st, nbits)
+
+
+@njit(inline="always")
+def _consumed(st):
+    """Bytes of the stream actually used (the reader may have fetched a few ahead)."""
+    bits = st[2] * np.uint64(8) - st[1]
+    return (bits + np.uint64(7)) // np.uint64(8)
+
+
+@njit(inline="always")
+def _put_rice(buf, st, v, r, esc_bits):
+    q = np.uint64(v) >> np.uint64(r)
+    if q < LIMIT:
+        _put(buf, st, (np.uint64(1) << q) - np.uint64(1), int(q) + 1)  # q ones then a zero
+        _put_wide(buf, st, v, r)
+    else:
+        _put(buf, st, (np.uint64(1) << np.uint64(LIMIT)) - np.uint64(1), LIMIT + 1)  # escape: LIMIT ones, a zero
+        _put_wide(buf, st, v, esc_bits)
+
+
+@njit(inline="always")
+def _get_rice(buf, st, r, esc_bits):
+    if st[1] < np.uint64(LIMIT + 1):
+        _refill(buf, st)
+    acc = st[0]
+    q = 0
+    while acc & np.uint64(1) and q < LIMIT:  # count the unary ones (all within the 57 fetched bits)
+        acc >>= np.uint64(1)
+        q += 1
+    st[0] = acc >> np.uint64(1)  # drop the terminating zero (or, at LIMIT, the escape's zero)
+    st[1] -= np.uint64(q + 1)
+    if q == LIMIT:  # escape: LIMIT ones, a zero, then the value in full
+        return _get_wide(buf, st, esc_bits)
+    return (np.uint64(q) << np.uint64(r)) | _get(buf, st, r)
+
+
+@njit(inline="always")
+def _put_gamma(buf, st, v):
+    """Elias gamma of v >= 1."""
+    nb = 0
+    x = np.uint64(v)
+    while x > 1:
+        x >>= np.uint64(1)
+        nb += 1
+    _put_wide(buf, st, 0, nb)
+    _put(buf, st, 1, 1)
+    _put_wide(buf, st, v, nb)
+
+
+@njit(inline="always")
+def _get_gamma(buf, st):
+    nb = 0
+    while _get(buf, st, 1) == 0:
+        nb += 1
+        if nb > 63:
+            st[3] = np.uint64(1)
+            return np.uint64(1)
+    return (np.uint64(1) << np.uint64(nb)) | _get_wide(buf, st, nb)
+
+
+@njit(inline="always")
+def _rice_param(total, count):
+    """Smallest r with count * 2**r >= total (the JPEG-LS rule): the Rice parameter for values averaging total/count."""
+    r = 0
+    if count == 0:
+        return 0
+    while (np.uint64(count) << np.uint64(r)) < np.uint64(total) and r < 40:
+        r += 1
+    return r
+
+
+# ------------------------------------------------------------------------------------ ordered integers
+@njit(inline="always")
+def _ord(u, sign, allm):
+    """Float bits -> a monotone unsigned integer (negatives below positives, -0 next to +0)."""
+    return (~u) & allm if u & sign else u | sign
+
+
+@njit(inline="always")
+def _unord(k, sign, allm):
+    return k ^ sign if k & sign else (~k) & allm
+
+
+@njit(inline="always")
+def _diff_code(b, t, sign, allm, w):
+    """(target - base) on the ordered line, wrapped to w bits, zigzagged, minus one (the elements differ)."""
+    d = np.int64((_ord(t, sign, allm) - _ord(b, sign, allm)) & allm)
+    if d >= np.int64(sign):
+        d -= np.int64(allm) + 1
+    zz = (d << 1) ^ (d >> 63)
+    return np.uint64(zz - 1)
+
+
+@njit(inline="always")
+def _apply_code(x, v, forward, sign, allm):
+    zz = np.int64(v + np.uint64(1))
+    d = (zz >> 1) ^ -(zz & 1)
+    k = _ord(x, sign, allm)
+    k = (k + np.uint64(d & np.int64(allm))) & allm if forward else (k - np.uint64(d & np.int64(allm))) & allm
+    return _unord(k, sign, allm)
+
+
+# --------------------------------------------------------------------------------------------- encoder
+@njit(cache=True, nogil=True)
+def cond_encode(b, t, w, mbits, ebits, out):
+    """Code the change from ``b`` to ``t`` (same-size unsigned arrays of w-bit float patterns) into ``out``.
+
+    Returns the number of bytes written, or -1 when ``out`` is too small (the caller retries larger).
+    """
+    n = b.size
+    G = 1 << ebits
+    emask = np.uint64(G - 1)
+    sign = np.uint64(1) << np.uint64(w - 1)
+    allm = (np.uint64(1) << np.uint64(w)) - np.uint64(1)
+    sh = np.uint64(mbits)
+    big = np.uint64(1) << np.uint64(40)
+    n_g = np.zeros(G, np.int64)
+    k_g = np.zeros(G, np.int64)
+    vsum_g = np.zeros(G, np.uint64)
+    n_exc, exc_vsum, last_exc = 0, np.uint64(0), -1
+    for i in range(n):
+        bi = np.uint64(b[i])
+        gb = (bi >> sh) & emask
+        if b[i] == t[i]:
+            n_g[gb] += 1
+            continue
+        ti = np.uint64(t[i])
+        if gb != ((ti >> sh) & emask):
+            n_exc += 1
+            exc_vsum += min(_diff_code(bi, ti, sign, allm, w), big)
+            last_exc = i
+            continue
+        n_g[gb] += 1
+        k_g[gb] += 1
+        vsum_g[gb] += min(_diff_code(bi, ti, sign, allm, w), big)
+    # events per group: the changed elements, or in a mostly-changed group the unchanged ones
+    dense = 2 * k_g > n_g
+    e_g = np.where(dense, n_g - k_g, k_g)
+    n_events = 0
+    any_dense = False
+    for g in range(G):
+        n_events += e_g[g]
+        any_dense |= dense[g] and e_g[g] > 0
+    # backward scan: for each event, the number of same-group non-events before the group's next event
+    gap_after = np.zeros(max(n_events, 1), np.int64)
+    run = np.zeros(G, np.int64)
+    j = n_events
+    for i in range(n - 1, -1, -1):
+        g = (np.uint64(b[i]) >> sh) & emask
+        same = b[i] == t[i]
+        if same:
+            if not dense[g]:
+                run[g] += 1
+                continue
+        elif g != ((np.uint64(t[i]) >> sh) & emask):
+            continue
+        if same == dense[g]:  # an event: changed in a sparse group, unchanged in a dense one
+            j -= 1
+            gap_after[j] = run[g]
+            run[g] = 0
+        else:
+            run[g] += 1
+    # run[g] now holds, for each group, the non-events before its first event: the first gap
+
+    st = np.zeros(4, np.uint64)
+    buf = out
+    cap = out.size
+    _put_gamma(buf, st, n_exc + 1)
+    r_exc_gap = _rice_param(last_exc + 1 - n_exc, n_exc)
+    r_exc_val = _rice_param(exc_vsum, n_exc)
+    if n_exc > 0:
+        _put(buf, st, r_exc_gap, 6)
+        _put(buf, st, r_exc_val, 6)
+        prev = -1
+        for i in range(last_exc + 1):
+            if b[i] == t[i]:
+                continue
+            bi, ti = np.uint64(b[i]), np.uint64(t[i])
+            if ((bi >> sh) & emask) != ((ti >> sh) & emask):
+                if st[2] + 32 > cap:
+                    return np.int64(-1)
+                _put_rice(buf, st, np.uint64(i - prev - 1), r_exc_gap, GAP_BITS)
+                _put_rice(buf, st, _diff_code(bi, ti, sign, allm, w), r_exc_val, w)
+                prev = i
+    r_val = np.zeros(G, np.int64)
+    for g in range(G):
+        if st[2] + 64 > cap:
+            return np.int64(-1)
+        if n_g[g] > 0:
+            _put_gamma(buf, st, k_g[g] + 1)
+        if k_g[g] > 0:
+            r_val[g] = _rice_param(vsum_g[g], k_g[g])
+            _put(buf, st, r_val[g], 6)
+        if e_g[g] > 0:  # the first gap of each group with events, up front
+            _put_rice(buf, st, np.uint64(run[g]), _rice_param(n_g[g] - e_g[g], e_g[g]), GAP_BITS)
+    # forward scan, writing the codes in the order the decoder reads them
+    done = np.zeros(G, np.int64)
+    j = 0
+    for i in range(n):
+        if b[i] == t[i] and not any_dense:
+            continue
+        bi, ti = np.uint64(b[i]), np.uint64(t[i])
+        g = (bi >> sh) & emask
+        changed = bi != ti
+        if changed:
+            if g != ((ti >> sh) & emask):
+                continue
+        elif not dense[g]:
+            continue
+        if st[2] + 32 > cap:
+            return np.int64(-1)
+        if changed != dense[g]:  # an event
+            done[g] += 1
+            if done[g] < e_g[g]:
+                _put_rice(buf, st, np.uint64(gap_after[j]), _rice_param(n_g[g] - e_g[g], e_g[g]), GAP_BITS)
+            j += 1
+        if changed:
+            _put_rice(buf, st, _diff_code(bi, ti, sign, allm, w), r_val[g], w)
+    if st[2] + 16 > cap:
+        return np.int64(-1)
+    return np.int64(_flush(buf, st))
+
+
+# --------------------------------------------------------------------------------------------- decoder
+@njit(cache=True, nogil=True)
+def cond_decode(x, buf, w, mbits, ebits, forward, pos_out, val_out):
+    """Decode a chunk's stream against ``x`` (the end the caller holds) without writing to ``x``.
+
+    Fills ``pos_out``/``val_out`` with the changed positions and their XOR with ``x`` (so applying is
+    ``x[pos] ^= val`` and undoing is the same). Returns the number of changed elements, or a negative error.
+    """
+    n = x.size
+    G = 1 << ebits
+    emask = np.uint64(G - 1)
+    sign = np.uint64(1) << np.uint64(w - 1)
+    allm = (np.uint64(1) << np.uint64(w)) - np.uint64(1)
+    sh = np.uint64(mbits)
+    st = np.zeros(4, np.uint64)
+    cap = pos_out.size
+    m = 0
+    n_exc = np.int64(_get_gamma(buf, st)) - 1
+    if st[3] or _consumed(st) > np.uint64(buf.size) or n_exc < 0 or n_exc > n:
+        return np.int64(E_TRUNCATED)
+    r_exc_gap, r_exc_val = 0, 0
+    if n_exc > 0:
+        r_exc_gap = int(_get(buf, st, 6))
+        r_exc_val = int(_get(buf, st, 6))
+    exc_pos = np.empty(n_exc + 1, np.int64)
+    exc_pos[n_exc] = n  # sentinel
+    prev = -1
+    for e in range(n_exc):
+        p = prev + 1 + np.int64(_get_rice(buf, st, r_exc_gap, GAP_BITS))
+        v = _get_rice(buf, st, r_exc_val, w)
+        if _consumed(st) > np.uint64(buf.size):
+            return np.int64(E_TRUNCATED)
+        if p >= n or m >= cap:
+            return np.int64(E_POSITION)
+        xp = np.uint64(x[p])
+        new = _apply_code(xp, v, forward, sign, allm)
+        if ((new >> sh) & emask) == ((xp >> sh) & emask):
+            return np.int64(E_COUNTS)  # not an exponent crossing: the stream does not belong to this end
+        exc_pos[e] = p
+        pos_out[m] = p
+        val_out[m] = new ^ xp
+        m += 1
+        prev = p
+    # group sizes from the end we hold (exceptions excluded: their exponent differs between the ends)
+    n_g = np.zeros(G, np.int64)
+    for i in range(n):
+        n_g[(np.uint64(x[i]) >> sh) & emask] += 1
+    for e in range(n_exc):
+        n_g[(np.uint64(x[exc_pos[e]]) >> sh) & emask] -= 1
+    k_g = np.zeros(G, np.int64)
+    r_val = np.zeros(G, np.int64)
+    r_gap = np.zeros(G, np.int64)
+    dense = np.zeros(G, np.bool_)
+    left = np.zeros(G, np.int64)  # events still to come per group
+    counter = np.full(G, np.int64(1) << 62)  # same-group non-events before the next event
+    for g in range(G):
+        if n_g[g] > 0:
+            k_g[g] = np.int64(_get_gamma(buf, st)) - 1
+            if k_g[g] > n_g[g] or k_g[g] < 0:
+                return np.int64(E_COUNTS)
+        if k_g[g] > 0:
+            r_val[g] = int(_get(buf, st, 6))
+        dense[g] = 2 * k_g[g] > n_g[g]
+        left[g] = n_g[g] - k_g[g] if dense[g] else k_g[g]
+        if left[g] > 0:
+            r_gap[g] = _rice_param(n_g[g] - left[g], left[g])
+            counter[g] = np.int64(_get_rice(buf, st, r_gap[g], GAP_BITS))
+    if st[3] or _consumed(st) > np.uint64(buf.size):
+        return np.int64(E_TRUNCATED)
+    next_exc = exc_pos[0]
+    e = 0
+    for i in range(n):
+        if i == next_exc:
+            e += 1
+            next_exc = exc_pos[e]
+            continue
+        xi = np.uint64(x[i])
+        g = (xi >> sh) & emask
+        c = counter[g]
+        if c > 0 and not dense[g]:  # the common case: an unchanged element of a sparse group
+            counter[g] = c - 1
+            continue
+        event = False
+        if c == 0:
+            event = True
+            left[g] -= 1
+            if left[g] > 0:
+                counter[g] = np.int64(_get_rice(buf, st, r_gap[g], GAP_BITS))
+            else:
+                counter[g] = np.int64(1) << 62
+        elif c < (np.int64(1) << 61):
+            counter[g] = c - 1
+        if event != dense[g]:  # changed
+            v = _get_rice(buf, st, r_val[g], w)
+            if m >= cap:
+                return np.int64(E_COUNTS)
+            new = _apply_code(xi, v, forward, sign, allm)
+            if ((new >> sh) & emask) != g:
+                return np.int64(E_COUNTS)
+            pos_out[m] = i
+            val_out[m] = new ^ xi
+            m += 1
+    if st[3] or _consumed(st) > np.uint64(buf.size):
+        return np.int64(E_TRUNCATED)
+    for g in range(G):
+        if left[g] != 0:
+            return np.int64(E_COUNTS)
+    if _consumed(st) != np.uint64(buf.size):
+        return np.int64(E_TRUNCATED if _consumed(st) > np.uint64(buf.size) else E_TRAILING)
+    return np.int64(m)
+
+
+@njit(cache=True, nogil=True)
+def xor_scatter(x, pos, val, m):
+    """x[pos[:m]] ^= val[:m] (applies a decoded chunk; applying it twice undoes it)."""
+    for j in range(m):
+        x[pos[j]] ^= val[j]
+
+
+@njit(cache=True, nogil=True)
+def count_changes(b, t):
+    """Number of elements whose bits differ."""
+    c = 0
+    for i in range(b.size):
+        if b[i] != t[i]:
+            c += 1
+    return c

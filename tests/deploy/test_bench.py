@@ -1,0 +1,101 @@
+"""The delta benchmark: its rows, its entropy bounds on hand-made changes, and the CLI path on the demo model."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from deploy.bench import ROW_KEYS, ChangeCounter, measure, step_lr_for, synthetic_cases, synthetic_layout
+from tests.deploy.conftest import perturb, tiny_model
+
+
+def h2(p: float) -> float:
+    return -p * math.log2(p) - (1 - p) * math.log2(1 - p)
+
+
+def test_bounds_one_change_in_four():
+    base = np.array([0x3F80, 0x3F80, 0x4000, 0x0001], dtype=np.uint16)
+    target = base.copy()
+    target[2] ^= 0x0005
+    c = ChangeCounter()
+    c.add(base, target)
+    bits = c.bits()
+    assert (bits["n"], bits["k"]) == (4, 1)
+    assert bits["order0"] == pytest.approx(4 * h2(1 / 4))  # which one changed; one XOR symbol costs 0 bits
+    assert bits["conditional"] == pytest.approx(0.0)  # its exponent group {0x4000} has a single element
+
+
+def test_bounds_by_hand_with_exponent_groups():
+    # exponent field (bits >> 7) & 0xFF: 0x3F80 -> 127, 0x4000 -> 128; both groups have 4 elements
+    base = np.array([0x3F80] * 4 + [0x4000] * 4, dtype=np.uint16)
+    target = base.copy()
+    target[0] ^= 1  # group 127: 2 of 4 changed, XORs {1, 2}
+    target[1] ^= 2
+    target[4] ^= 1  # group 128: 1 of 4 changed, XOR {1}
+    c = ChangeCounter()
+    c.add(base[:5], target[:5])  # in two pieces: counts accumulate
+    c.add(base[5:], target[5:])
+    bits = c.bits()
+    assert (bits["n"], bits["k"]) == (8, 3)
+    # order 0: 8*H2(3/8) + 3*H({1: 2/3, 2: 1/3})
+    assert bits["order0"] == pytest.approx(8 * h2(3 / 8) + 3 * h2(1 / 3))
+    # per group: (4*H2(2/4) + 2*H({1, 2})) + (4*H2(1/4) + 0)
+    assert bits["conditional"] == pytest.approx(4 * 1 + 2 * 1 + 4 * h2(1 / 4))
+
+
+def test_bounds_nothing_changed():
+    base = np.arange(1000, dtype=np.uint16)
+    bits = ChangeCounter()
+    bits.add(base, base.copy())
+    assert bits.bits() == {"n": 1000, "k": 0, "order0": 0.0, "conditional": 0.0}
+
+
+def test_measure_row():
+    base = tiny_model()
+    target = perturb(base, 0.05)
+    row = measure("tiny", base, target)
+    assert set(ROW_KEYS) <= set(row)
+    assert row["case"] == "tiny"
+    changed = sum(int((base[k].view(torch.int16) != target[k].view(torch.int16)).sum()) for k in base)
+    total = sum(t.numel() for t in base.values())
+    assert row["changed_fraction"] == pytest.approx(changed / total)
+    for key in ROW_KEYS[2:9]:
+        assert row[key] > 0, key
+    assert row["ratio_conditional_bound"] >= row["ratio_entropy_bound"]  # conditioning never costs bits
+    assert row["peak_rss_bytes"] >= 0
+    assert row["raw_bytes"] == 2 * total
+
+
+def test_synthetic_hits_the_changed_fraction():
+    layout = synthetic_layout(0.005)
+    assert sum(math.prod(s) for _, s, _ in layout) * 2 >= 0.005 * (1 << 30)
+    assert step_lr_for(0.01, layout) < step_lr_for(0.05, layout)
+    (name, base, target), = synthetic_cases(0.005, fractions=(0.02,))
+    assert name == "synthetic 0.005 GiB 2% changed"
+    changed = sum(int((base[k].view(torch.int16) != target[k].view(torch.int16)).sum()) for k in base)
+    assert changed / sum(t.numel() for t in base.values()) == pytest.approx(0.02, rel=0.1)
+
+
+def test_cli_demo_json(tmp_path, capsys, monkeypatch):
+    """The demo cases through the real CLI: ~20 s, plus ~25 s the first time the base policy is built."""
+    from liverl.cli import main
+
+    out = tmp_path / "bench.json"
+    cache = os.environ.get("LIVERL_TEST_MODEL_CACHE") or os.path.join(tempfile.gettempdir(), "liverl-test-models")
+    monkeypatch.setenv("LIVERL__MODEL__CACHE_DIR", cache)
+    assert main(["bench", "delta", "--skip-synthetic", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["case"] for r in rows][:3] == ["demo lr=1e-06 every 1", "demo lr=1e-06 every 10", "demo lr=1e-06 every 50"]
+    assert len(rows) == 9
+    for r in rows:
+        assert set(ROW_KEYS) <= set(r)
+        assert r["ratio_liverl"] > 0 and r["encode_gbps"] > 0
+    printed = capsys.readouterr().out
+    assert "reproduce: liverl bench delta --skip-synthetic" in printed
+    assert "machine: " in printed
