@@ -10,11 +10,14 @@ takes A to B and B back to A, so a rollback needs no download.
 
 Container (format version 2, integers little-endian)::
 
-    prefix  : magic (8 bytes) | format_version u16 | flags u16 (0) | header_len u32 | blake3(header) (32 bytes)
+    prefix  : magic (8 bytes) | format_version u16 | flags u16 (0) | header_len u32 | payload_len u64
+              | blake3(header) (32 bytes)
+    payload : one frame per changed chunk, back to back in header order
     header  : zstd-compressed UTF-8 JSON: versions, checksums, chunk size, and per tensor its name, dtype,
               shape, 32-bit digests of both ends and, per chunk, (method, length, changed elements)
-    payload : one frame per changed chunk, back to back in header order
     trailer : blake3(payload) (32 bytes)
+
+The header follows the payload so that an encoder streams frames into one buffer and never copies it.
 
 Tensors are coded in chunks of ``CHUNK_ELEMENTS`` elements, each independently (threads code chunks in
 parallel and memory stays bounded by a few chunks plus the output, not the model).
@@ -34,9 +37,11 @@ keyed by sha256 in the blob store). ``checksum`` (THE checksum of a version): bl
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 import sys
+import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -51,7 +56,7 @@ FORMAT_VERSION = 2
 DELTA_MAGIC = b"LRLDELTA"
 SNAPSHOT_MAGIC = b"LRLSNAPS"
 CHUNK_ELEMENTS = 1 << 22  # elements per independently coded chunk (8 MiB of bf16)
-_PREFIX = struct.Struct("<8sHHI32s")
+_PREFIX = struct.Struct("<8sHHIQ32s")  # magic, version, flags, header bytes, payload bytes, blake3(header)
 _TRAILER = 32
 _THREADED_ABOVE = 8 << 20  # bytes above which zstd compresses one frame with its own worker threads
 _DIGEST_CHARS = 8  # hex chars of each per-tensor digest kept in a delta header (32 bits: they locate a
@@ -144,13 +149,67 @@ def _short(s: str) -> str:
 # ---------------------------------------------------------------------------------------------- container
 
 
-def _pack(magic: bytes, header: dict, frames: list[bytes]) -> bytes:
-    payload = b"".join(frames)
-    header["payload_bytes"] = len(payload)
+def _pack(magic: bytes, header: dict, payload: bytearray | list[bytes]) -> bytearray:
+    """prefix | payload | header | trailer, framed around a payload that was built in place.
+
+    ``payload`` is a bytearray that starts with ``_PREFIX.size`` reserved bytes (see ``_payload_buffer``)
+    or a list of frames. The header goes after the payload so that nothing is copied to make room for it.
+    """
+    if not isinstance(payload, bytearray):
+        frames, payload = payload, _payload_buffer()
+        for f in frames:
+            payload += f
+    body = memoryview(payload)[_PREFIX.size:]
+    header["payload_bytes"] = len(body)
+    trailer = blake3.blake3(body).digest()
+    body.release()
     hjson = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     hz = zstandard.ZstdCompressor(level=19).compress(hjson)
-    prefix = _PREFIX.pack(magic, FORMAT_VERSION, 0, len(hz), blake3.blake3(hz).digest())
-    return b"".join([prefix, hz, payload, blake3.blake3(payload).digest()])
+    payload[:_PREFIX.size] = _PREFIX.pack(magic, FORMAT_VERSION, 0, len(hz), header["payload_bytes"],
+                                          blake3.blake3(hz).digest())
+    payload += hz
+    payload += trailer
+    return payload
+
+
+def _payload_buffer() -> bytearray:
+    return bytearray(_PREFIX.size)
+
+
+class _Output:
+    """The growing payload of an encoder: one bytearray written in place behind a write index.
+
+    Appending to a bytearray one frame at a time reallocates and copies it, and glibc keeps the pages of
+    every old copy: resident memory reaches several times the output. Here the buffer is reserved large
+    (a fresh mapping: its pages cost nothing until written), grows by doubling through ``realloc`` (which
+    moves mappings without copying) and is cut to size at the end.
+    """
+
+    _RESERVE = 64 << 20
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        _resize(self.buf, self._RESERVE)
+        self.n = _PREFIX.size
+
+    def write(self, frame: bytes) -> None:
+        end = self.n + len(frame)
+        if end > len(self.buf):
+            _resize(self.buf, max(end, 2 * len(self.buf)))
+        self.buf[self.n:end] = frame
+        self.n = end
+
+    def finish(self) -> bytearray:
+        _resize(self.buf, self.n)
+        return self.buf
+
+
+def _resize(buf: bytearray, size: int) -> None:
+    """Resize a bytearray without initialising new bytes (CPython's PyByteArray_Resize)."""
+    import ctypes
+
+    if ctypes.pythonapi.PyByteArray_Resize(ctypes.py_object(buf), ctypes.c_ssize_t(size)) != 0:
+        raise MemoryError(f"cannot resize the delta buffer to {size} bytes")
 
 
 def _open(blob: bytes, magic: bytes, what: str, check_payload: bool = True) -> tuple[dict, memoryview]:
@@ -158,28 +217,28 @@ def _open(blob: bytes, magic: bytes, what: str, check_payload: bool = True) -> t
     view = memoryview(blob)
     if len(view) < _PREFIX.size:
         raise DeltaError(f"{what} truncated: expected at least {_PREFIX.size} bytes, got {len(view)}")
-    got_magic, version, _flags, hlen, hsum = _PREFIX.unpack_from(view)
+    got_magic, version, _flags, hlen, plen, hsum = _PREFIX.unpack_from(view)
     if got_magic != magic:
         other = {DELTA_MAGIC: "a delta", SNAPSHOT_MAGIC: "a snapshot"}.get(got_magic, "unknown data")
         raise DeltaError(f"not {what}: magic {got_magic!r} ({other})")
     if version != FORMAT_VERSION:
         raise DeltaError(f"{what} format version {version} is not supported by this build (reads {FORMAT_VERSION})")
-    start = _PREFIX.size + hlen
-    if len(view) < start:
-        raise DeltaError(f"{what} truncated: expected at least {start} bytes, got {len(view)}")
-    hz = view[_PREFIX.size:start]
-    if blake3.blake3(hz).digest() != hsum:
-        raise DeltaError(f"{what} corrupted: header checksum mismatch")
-    try:
-        header = json.loads(zstandard.ZstdDecompressor().decompress(hz, max_output_size=1 << 30))
-        expected = start + int(header["payload_bytes"]) + _TRAILER
-    except (zstandard.ZstdError, ValueError, KeyError, TypeError) as e:
-        raise DeltaError(f"{what} corrupted: malformed header ({e})") from None
+    expected = _PREFIX.size + plen + hlen + _TRAILER
     if len(view) < expected:
         raise DeltaError(f"{what} truncated: expected {expected} bytes, got {len(view)}")
     if len(view) > expected:
         raise DeltaError(f"{what} corrupted: {len(view) - expected} unexpected bytes after the end (expected {expected})")
-    payload = view[start:expected - _TRAILER]
+    hstart = _PREFIX.size + plen
+    hz = view[hstart:hstart + hlen]
+    if blake3.blake3(hz).digest() != hsum:
+        raise DeltaError(f"{what} corrupted: header checksum mismatch")
+    try:
+        header = json.loads(zstandard.ZstdDecompressor().decompress(hz, max_output_size=1 << 30))
+        if int(header["payload_bytes"]) != plen:
+            raise ValueError("payload length differs from the prefix")
+    except (zstandard.ZstdError, ValueError, KeyError, TypeError) as e:
+        raise DeltaError(f"{what} corrupted: malformed header ({e})") from None
+    payload = view[_PREFIX.size:hstart]
     if check_payload and blake3.blake3(payload).digest() != bytes(view[expected - _TRAILER:]):
         raise DeltaError(f"{what} corrupted: payload checksum mismatch")
     return header, payload
@@ -206,40 +265,65 @@ def _zstd(data: np.ndarray, level: int) -> bytes:
     return zstandard.ZstdCompressor(level=level, threads=threads).compress(data)
 
 
+_scratch = threading.local()
+
+
+def _work(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A per-thread buffer reused from chunk to chunk, in its own anonymous mapping.
+
+    Reuse avoids fresh large allocations per chunk (which fragment the heap and keep touched pages
+    resident), and a plain mapping only costs the pages actually written: numpy's own large arrays ask
+    for transparent huge pages, which makes a few written bytes cost megabytes.
+    """
+    buf = getattr(_scratch, name, None)
+    if buf is None or buf.shape[:-1] != shape[:-1] or buf.shape[-1] < shape[-1] or buf.dtype != dtype:
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        buf = np.frombuffer(mmap.mmap(-1, max(size, 1)), dtype, count=int(np.prod(shape))).reshape(shape)
+        setattr(_scratch, name, buf)
+    return buf
+
+
 def _encode_chunk(b: np.ndarray, t: np.ndarray, dt: _Dt, level: int) -> tuple[str, bytes, int]:
     """(method, frame, changed elements) for one chunk that differs; the smaller of the codings tried."""
     from deploy import kernels
 
-    changed = int(kernels.count_changes(b, t))
+    n = b.size
     best: tuple[str, bytes] | None = None
-    out = np.empty(b.nbytes + 4096, np.uint8)  # pages are only touched as the coder writes them
-    nb = kernels.cond_encode(b, t, dt.bits, dt.mbits, dt.ebits, out)
+    out = _work("out", (n * dt.bits // 8 + 4096,), np.uint8)
+    stats = np.zeros(1, np.int64)
+    nb = kernels.cond_encode(b, t, dt.bits, dt.mbits, dt.ebits, out, stats, _work("rec", (4, n), np.int32),
+                             _work("dense", (2 * n + 64,), np.uint8))
+    changed = int(stats[0])
     if nb >= 0:
         best = (COND, out[:nb].tobytes())
-    del out
-    if best is None or changed > _TRY_XOR_ABOVE * b.size:
+    if best is None or changed > _TRY_XOR_ABOVE * n:
         frame = _zstd(_to_planes(np.bitwise_xor(b, t).view(np.uint8), b.itemsize), level)
         if best is None or len(frame) < len(best[1]):
             best = (XORZ, frame)
     return best[0], best[1], changed
 
 
-def _decode_chunk(x: np.ndarray, method: str, frame: memoryview, changed: int, dt: _Dt, forward: bool,
-                  what: str) -> tuple[np.ndarray, np.ndarray, int] | np.ndarray:
-    """Decode one chunk against ``x`` (not modified): (positions, xor values, count) or a dense XOR array."""
+def _xor_chunk(x: np.ndarray, method: str, frame: memoryview, changed: int, dt: _Dt, forward: bool,
+               what: str) -> None:
+    """Decode one chunk against ``x`` and, only once it decoded consistently, XOR the change into ``x``.
+
+    Running it again with ``forward`` flipped undoes it. Raises DeltaError with ``x`` untouched.
+    """
     from deploy import kernels
 
     if method == COND:
-        pos = np.empty(changed, np.int64)
-        val = np.empty(changed, dt.uint)
-        m = kernels.cond_decode(x, np.frombuffer(frame, np.uint8), dt.bits, dt.mbits, dt.ebits, forward, pos, val)
+        pos = _work("pos", (max(changed, 1),), np.int64)
+        val = _work("val" + dt.uint.__name__, (max(changed, 1),), dt.uint)
+        m = kernels.cond_decode(x, np.frombuffer(frame, np.uint8), dt.bits, dt.mbits, dt.ebits, forward,
+                                pos[:changed], val[:changed])
         if m < 0:
             why = {kernels.E_TRUNCATED: "the stream ends early", kernels.E_POSITION: "a position lies outside it",
                    kernels.E_COUNTS: "its counts do not add up", kernels.E_TRAILING: "bytes are left over"}.get(m, m)
             raise DeltaError(f"delta corrupted or not for these weights: {what} does not decode ({why})")
         if m != changed:
             raise DeltaError(f"delta corrupted: {what} decodes {m} changed elements, the header says {changed}")
-        return pos, val, m
+        kernels.xor_scatter(x, pos, val, m)
+        return
     if method == XORZ:
         try:
             raw = zstandard.ZstdDecompressor().decompress(frame, max_output_size=x.nbytes)
@@ -247,19 +331,9 @@ def _decode_chunk(x: np.ndarray, method: str, frame: memoryview, changed: int, d
             raise DeltaError(f"delta corrupted: {what} does not decompress ({e})") from None
         if len(raw) != x.nbytes:
             raise DeltaError(f"delta corrupted: {what} decompressed to {len(raw)} bytes, expected {x.nbytes}")
-        return _from_planes(np.frombuffer(raw, np.uint8), x.itemsize).view(x.dtype)
+        np.bitwise_xor(x, _from_planes(np.frombuffer(raw, np.uint8), x.itemsize).view(x.dtype), out=x)
+        return
     raise DeltaError(f"delta uses unknown chunk method {method!r} ({what})")
-
-
-def _apply_chunk(x: np.ndarray, decoded) -> None:
-    """XOR a decoded chunk into ``x`` in place (doing it twice undoes it)."""
-    from deploy import kernels
-
-    if isinstance(decoded, tuple):
-        pos, val, m = decoded
-        kernels.xor_scatter(x, pos, val, m)
-    else:
-        np.bitwise_xor(x, decoded, out=x)
 
 
 # ---------------------------------------------------------------------------------------------- header model
@@ -378,7 +452,7 @@ def _chunks(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
 
 
 def encode_delta(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], base_version: int,
-                 target_version: int, level: int = 3, chunk_elements: int = CHUNK_ELEMENTS) -> bytes:
+                 target_version: int, level: int = 3, chunk_elements: int = CHUNK_ELEMENTS) -> bytearray:
     """The delta between two versions of the same architecture (same names, dtypes and shapes).
 
     Tensors are read chunk by chunk (views, no copies): memory is a few chunks plus the delta itself.
@@ -388,7 +462,7 @@ def encode_delta(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Te
         raise ValueError(f"base and target differ in tensor names: only in base {missing[:5]}, only in target {extra[:5]}")
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
-    entries, frames = [], []
+    entries, out = [], _Output()
     base_sums, target_sums = {}, {}
     with ThreadPoolExecutor(_threads()) as pool:
         for name in sorted(base):
@@ -401,23 +475,26 @@ def encode_delta(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Te
             entry = {"n": name, "d": dtype, "s": list(b.shape), "b": bsum[:_DIGEST_CHARS]}
             if bsum != tsum:
                 xb, xt = _elements(b), _elements(t)
-                chunks = []
-                window = []
-                for lo, hi in _chunks(xb.size, chunk_elements):  # at most 2x threads chunks in flight
-                    window.append(pool.submit(_encode_chunk, xb[lo:hi], xt[lo:hi], dt, level))
-                    if len(window) >= 2 * _threads():
-                        chunks.append(window.pop(0).result())
-                chunks += [f.result() for f in window]
                 entry["t"] = tsum[:_DIGEST_CHARS]
                 entry["k"] = []
-                for method, frame, changed in chunks:
+
+                def take(fut, entry=entry):
+                    method, frame, changed = fut.result()
                     entry["k"].append([method, len(frame), changed])
-                    frames.append(frame)
+                    out.write(frame)
+
+                window = []
+                for lo, hi in _chunks(xb.size, chunk_elements):  # at most threads + 1 chunks in flight
+                    window.append(pool.submit(_encode_chunk, xb[lo:hi], xt[lo:hi], dt, level))
+                    if len(window) > _threads():
+                        take(window.pop(0))
+                for fut in window:
+                    take(fut)
             entries.append(entry)
     header = {"kind": "delta", "codec": "liverl-delta-2", "base_version": int(base_version),
               "target_version": int(target_version), "base_checksum": _combine(base_sums),
               "target_checksum": _combine(target_sums), "chunk_elements": chunk_elements, "tensors": entries}
-    return _pack(DELTA_MAGIC, header, frames)
+    return _pack(DELTA_MAGIC, header, out.finish())
 
 
 # ---------------------------------------------------------------------------------------------- decode
@@ -473,7 +550,6 @@ def _locate(state: Mapping[str, torch.Tensor], header: DeltaHeader, known_checks
 def _run(state: Mapping[str, torch.Tensor], header: DeltaHeader, payload: memoryview, ends: _Ends,
          sums: dict[str, str]) -> None:
     """Apply every chunk in place, then verify; on any failure undo what was applied and raise DeltaError."""
-    applied: list[tuple[np.ndarray, TensorEntry, Chunk, bool]] = []  # (chunk view, entry, chunk, forward)
     jobs = []
     for e in header.changed:
         t = state[e.name]
@@ -483,23 +559,35 @@ def _run(state: Mapping[str, torch.Tensor], header: DeltaHeader, payload: memory
         for (lo, hi), c in zip(_chunks(e.numel, header.chunk_elements), e.chunks):
             jobs.append((x[lo:hi], e, c))
 
-    def decode(job):
+    def run(job, forward):
         x, e, c = job
-        return _decode_chunk(x, c.method, payload[c.offset:c.offset + c.length], c.changed, DTYPES[e.dtype],
-                             ends.forward, f"tensor {e.name!r} chunk at {c.offset}")
+        _xor_chunk(x, c.method, payload[c.offset:c.offset + c.length], c.changed, DTYPES[e.dtype], forward,
+                   f"tensor {e.name!r} chunk at {c.offset}")
 
+    applied: list = []
+    failure: BaseException | None = None
+    with ThreadPoolExecutor(_threads()) as pool:  # chunks are disjoint: threads decode and apply in parallel
+        window: list = []
+
+        def settle(job, fut):
+            nonlocal failure
+            try:
+                fut.result()
+                applied.append(job)
+            except BaseException as err:  # noqa: BLE001 -- collect all: every chunk that did apply must be known
+                failure = failure or err
+
+        for job in jobs:  # bounded look-ahead
+            if failure is not None:
+                break
+            window.append((job, pool.submit(run, job, ends.forward)))
+            if len(window) > _threads():
+                settle(*window.pop(0))
+        for job, fut in window:
+            settle(job, fut)
     try:
-        with ThreadPoolExecutor(_threads()) as pool:
-            window: list = []
-            for job in jobs:  # bounded look-ahead: decoded chunks wait at most 2x threads deep
-                window.append((job, pool.submit(decode, job)))
-                if len(window) >= 2 * _threads():
-                    (x, e, c), fut = window.pop(0)
-                    _apply_chunk(x, fut.result())
-                    applied.append((x, e, c, ends.forward))
-            for (x, e, c), fut in window:
-                _apply_chunk(x, fut.result())
-                applied.append((x, e, c, ends.forward))
+        if failure is not None:
+            raise failure
         for e in header.changed:
             want = e.target_digest if ends.forward else e.base_digest
             digest = tensor_checksum(state[e.name])
@@ -510,16 +598,9 @@ def _run(state: Mapping[str, torch.Tensor], header: DeltaHeader, payload: memory
         if sums and _combine(sums) != ends.checksum:
             raise DeltaError("delta corrupted: the weights do not add up to the checksum of the end they reached")
     except BaseException:
-        _undo(applied, payload)
+        for job in reversed(applied):  # undo: the same frames, run the other way
+            run(job, not ends.forward)
         raise
-
-
-def _undo(applied: list, payload: memoryview) -> None:
-    """Run applied chunks backwards (XOR deltas are their own inverse; conditioned ones decode from the new end)."""
-    for x, e, c, forward in reversed(applied):
-        decoded = _decode_chunk(x, c.method, payload[c.offset:c.offset + c.length], c.changed, DTYPES[e.dtype],
-                                not forward, f"tensor {e.name!r} (undo)")
-        _apply_chunk(x, decoded)
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,10 @@ their exponent field, read from the end the decoder holds, and each group gets i
   element has the same exponent at both ends. The difference is added going forward and subtracted going
   back, so one delta takes A to B and B to A.
 
-All codes go into one bit stream per chunk, in the order a single forward scan of the chunk reads them, so
-decoding is one pass over the elements after a histogram pass. Rice quotients longer than ``LIMIT`` escape
-to a fixed-width field, so no code is ever longer than about 70 bits. The decoders are written for data
+Codes go into one stream per chunk (layout in ``cond_encode``), in the order a single forward scan of the
+chunk reads them, so decoding is one pass over the elements (small chunks add a histogram pass; big ones
+carry their group sizes). Rice quotients longer than ``LIMIT`` escape to a fixed-width field, so no code
+is ever longer than about 70 bits. The decoders are written for data
 that already passed the container's checksum, yet they never read or write outside their arrays and
 report inconsistent streams as an error code rather than crashing.
 """
@@ -29,7 +30,8 @@ import numpy as np
 from numba import njit
 
 LIMIT = 24  # Rice quotient at or above which a code escapes to a fixed-width field
-GAP_BITS = 40  # fixed width of an escaped gap (chunks hold fewer than 2**40 elements)
+GAP_BITS = 32  # fixed width of an escaped gap (chunks hold fewer than 2**31 elements)
+BIG_CHUNK = 1 << 16  # chunks of at least this many elements carry their group sizes in the stream
 
 # error codes returned by the decoders (negative), turned into DeltaError messages by deploy.delta
 E_TRUNCATED, E_POSITION, E_COUNTS, E_TRAILING = -1, -2, -3, -4
@@ -175,6 +177,85 @@ def _rice_param(total, count):
     return r
 
 
+# Register-resident variants for the hot loops: the state travels as (acc, fill, pos) values, which numba
+# keeps in registers (an array-held state is reloaded after every byte store, as arrays may alias).
+@njit(inline="always")
+def _wr(buf, acc, fill, pos, value, nbits):
+    """Append the low ``nbits`` (<= 32) of ``value``; returns the new (acc, fill, pos)."""
+    acc |= (np.uint64(value) & ((np.uint64(1) << np.uint64(nbits)) - np.uint64(1))) << fill
+    fill += np.uint64(nbits)
+    while fill >= np.uint64(8):
+        buf[pos] = np.uint8(acc & np.uint64(0xFF))
+        acc >>= np.uint64(8)
+        fill -= np.uint64(8)
+        pos += 1
+    return acc, fill, pos
+
+
+@njit(inline="always")
+def _wr_rice(buf, acc, fill, pos, v, r, esc_bits):
+    q = np.uint64(v) >> np.uint64(r)
+    if q < LIMIT:
+        acc, fill, pos = _wr(buf, acc, fill, pos, (np.uint64(1) << q) - np.uint64(1), int(q) + 1)
+        if r > 32:
+            acc, fill, pos = _wr(buf, acc, fill, pos, v, 32)
+            acc, fill, pos = _wr(buf, acc, fill, pos, np.uint64(v) >> np.uint64(32), r - 32)
+        else:
+            acc, fill, pos = _wr(buf, acc, fill, pos, v, r)
+    else:
+        acc, fill, pos = _wr(buf, acc, fill, pos, (np.uint64(1) << np.uint64(LIMIT)) - np.uint64(1), LIMIT + 1)
+        if esc_bits > 32:
+            acc, fill, pos = _wr(buf, acc, fill, pos, v, 32)
+            acc, fill, pos = _wr(buf, acc, fill, pos, np.uint64(v) >> np.uint64(32), esc_bits - 32)
+        else:
+            acc, fill, pos = _wr(buf, acc, fill, pos, v, esc_bits)
+    return acc, fill, pos
+
+
+@njit(inline="always")
+def _rd(buf, acc, fill, pos, nbits):
+    """Read ``nbits`` (<= 32); returns (value, acc, fill, pos). Past the end it reads zeros."""
+    if fill < np.uint64(nbits):
+        size = buf.size
+        while fill <= np.uint64(56):
+            if pos < size:
+                acc |= np.uint64(buf[pos]) << fill
+            pos += 1
+            fill += np.uint64(8)
+    out = acc & ((np.uint64(1) << np.uint64(nbits)) - np.uint64(1))
+    return out, acc >> np.uint64(nbits), fill - np.uint64(nbits), pos
+
+
+@njit(inline="always")
+def _rd_rice(buf, acc, fill, pos, r, esc_bits):
+    if fill < np.uint64(LIMIT + 1):
+        size = buf.size
+        while fill <= np.uint64(56):
+            if pos < size:
+                acc |= np.uint64(buf[pos]) << fill
+            pos += 1
+            fill += np.uint64(8)
+    q = 0
+    while acc & np.uint64(1) and q < LIMIT:
+        acc >>= np.uint64(1)
+        q += 1
+    acc >>= np.uint64(1)
+    fill -= np.uint64(q + 1)
+    if q == LIMIT:
+        n1 = min(esc_bits, 32)
+        lo, acc, fill, pos = _rd(buf, acc, fill, pos, n1)
+        if esc_bits > 32:
+            hi, acc, fill, pos = _rd(buf, acc, fill, pos, esc_bits - 32)
+            lo |= hi << np.uint64(32)
+        return lo, acc, fill, pos
+    if r > 32:
+        lo, acc, fill, pos = _rd(buf, acc, fill, pos, 32)
+        hi, acc, fill, pos = _rd(buf, acc, fill, pos, r - 32)
+        return (np.uint64(q) << np.uint64(r)) | lo | (hi << np.uint64(32)), acc, fill, pos
+    lo, acc, fill, pos = _rd(buf, acc, fill, pos, r)
+    return (np.uint64(q) << np.uint64(r)) | lo, acc, fill, pos
+
+
 # ------------------------------------------------------------------------------------ ordered integers
 @njit(inline="always")
 def _ord(u, sign, allm):
@@ -208,10 +289,24 @@ def _apply_code(x, v, forward, sign, allm):
 
 # --------------------------------------------------------------------------------------------- encoder
 @njit(cache=True, nogil=True)
-def cond_encode(b, t, w, mbits, ebits, out):
+def cond_encode(b, t, w, mbits, ebits, out, stats, scratch, dense_buf):
     """Code the change from ``b`` to ``t`` (same-size unsigned arrays of w-bit float patterns) into ``out``.
 
-    Returns the number of bytes written, or -1 when ``out`` is too small (the caller retries larger).
+    Returns the number of bytes written, or -1 when ``out`` is too small (the caller then uses another
+    coding). ``stats[0]`` receives the number of changed elements. ``scratch`` (int32, shape (4, >= n)) and
+    ``dense_buf`` (uint8, >= 2n + 64) are working memory the caller keeps and reuses across chunks.
+
+    Stream layout (bit-packed, least significant bit first)::
+
+        prefix : exceptions (count, then gap + value each), group sizes (big chunks only), per present
+                 group its number of changes and value parameter, the first gap of each group with events,
+                 the byte length of each dense group's gap stream; padded to a byte
+        dense  : per dense group with more than one event, its gaps in order (byte-aligned each)
+        main   : in element order, per changed element: the gap to its group's next change (sparse
+                 groups) and its value code
+
+    One pass over the elements collects the changed ones with their rank inside their group; everything
+    after works on those records only.
     """
     n = b.size
     G = 1 << ebits
@@ -223,105 +318,147 @@ def cond_encode(b, t, w, mbits, ebits, out):
     n_g = np.zeros(G, np.int64)
     k_g = np.zeros(G, np.int64)
     vsum_g = np.zeros(G, np.uint64)
-    n_exc, exc_vsum, last_exc = 0, np.uint64(0), -1
+    rec_pos = scratch[0]  # changed elements (not exceptions): position, rank in their group
+    rec_rank = scratch[1]
+    exc = scratch[2]
+    n_rec, n_exc, exc_vsum = 0, 0, np.uint64(0)
     for i in range(n):
         bi = np.uint64(b[i])
-        gb = (bi >> sh) & emask
+        g = (bi >> sh) & emask
         if b[i] == t[i]:
-            n_g[gb] += 1
+            n_g[g] += 1
             continue
         ti = np.uint64(t[i])
-        if gb != ((ti >> sh) & emask):
+        if g != ((ti >> sh) & emask):
+            exc[n_exc] = i
             n_exc += 1
             exc_vsum += min(_diff_code(bi, ti, sign, allm, w), big)
-            last_exc = i
             continue
-        n_g[gb] += 1
-        k_g[gb] += 1
-        vsum_g[gb] += min(_diff_code(bi, ti, sign, allm, w), big)
+        rec_pos[n_rec] = i
+        rec_rank[n_rec] = n_g[g]
+        n_rec += 1
+        n_g[g] += 1
+        k_g[g] += 1
+        vsum_g[g] += min(_diff_code(bi, ti, sign, allm, w), big)
+    stats[0] = n_rec + n_exc
+    if n_rec + n_exc == 0:
+        return np.int64(0)  # an empty stream: nothing changed in this chunk
     # events per group: the changed elements, or in a mostly-changed group the unchanged ones
     dense = 2 * k_g > n_g
     e_g = np.where(dense, n_g - k_g, k_g)
-    n_events = 0
+    r_gap = np.zeros(G, np.int64)
+    r_val = np.zeros(G, np.int64)
+    for g in range(G):
+        r_gap[g] = _rice_param(n_g[g] - e_g[g], e_g[g])
+        r_val[g] = _rice_param(vsum_g[g], k_g[g])
+    # sparse groups: gap after each change = rank of the group's next change - its rank - 1
+    gap_after = np.full(max(n_rec, 1), -1, np.int32)
+    next_rank = np.full(G, -1, np.int64)
+    first_rank = np.full(G, -1, np.int64)
+    for j in range(n_rec - 1, -1, -1):
+        g = (np.uint64(b[rec_pos[j]]) >> sh) & emask
+        if next_rank[g] >= 0:
+            gap_after[j] = next_rank[g] - rec_rank[j] - 1
+        next_rank[g] = rec_rank[j]
+        first_rank[g] = rec_rank[j]
+    # dense groups: events are the unchanged elements, whose ranks are the complement of the changed ones
+    dense_len = np.zeros(G, np.int64)
+    first_gap = np.where(dense, 0, first_rank)
+    dst = np.zeros(4, np.uint64)
     any_dense = False
     for g in range(G):
-        n_events += e_g[g]
-        any_dense |= dense[g] and e_g[g] > 0
-    # backward scan: for each event, the number of same-group non-events before the group's next event
-    gap_after = np.zeros(max(n_events, 1), np.int64)
-    run = np.zeros(G, np.int64)
-    j = n_events
-    for i in range(n - 1, -1, -1):
-        g = (np.uint64(b[i]) >> sh) & emask
-        same = b[i] == t[i]
-        if same:
-            if not dense[g]:
-                run[g] += 1
+        if dense[g] and e_g[g] > 0:
+            any_dense = True
+    if any_dense:
+        ranks = scratch[3]  # changed ranks of one dense group, in order
+        order_g = np.empty(n_rec, np.int32)
+        cnt = np.zeros(G + 1, np.int64)  # records grouped by group (counting sort, stable)
+        for j in range(n_rec):
+            cnt[((np.uint64(b[rec_pos[j]]) >> sh) & emask) + np.uint64(1)] += 1
+        for g in range(G):
+            cnt[g + 1] += cnt[g]
+        fill = cnt.copy()
+        for j in range(n_rec):
+            g = (np.uint64(b[rec_pos[j]]) >> sh) & emask
+            order_g[fill[g]] = j
+            fill[g] += 1
+        for g in range(G):
+            if not dense[g] or e_g[g] == 0:
                 continue
-        elif g != ((np.uint64(t[i]) >> sh) & emask):
-            continue
-        if same == dense[g]:  # an event: changed in a sparse group, unchanged in a dense one
-            j -= 1
-            gap_after[j] = run[g]
-            run[g] = 0
-        else:
-            run[g] += 1
-    # run[g] now holds, for each group, the non-events before its first event: the first gap
+            nr = 0
+            for q in range(cnt[g], cnt[g + 1]):
+                ranks[nr] = rec_rank[order_g[q]]
+                nr += 1
+            start = dst[2]
+            p, prev_u, seen = 0, -1, 0
+            for r in range(n_g[g]):
+                if p < nr and ranks[p] == r:
+                    p += 1
+                    continue
+                if seen == 0:
+                    first_gap[g] = r
+                else:
+                    _put_rice(dense_buf, dst, np.uint64(r - prev_u - 1), r_gap[g], GAP_BITS)
+                prev_u = r
+                seen += 1
+            _flush(dense_buf, dst)
+            dense_len[g] = dst[2] - start
 
     st = np.zeros(4, np.uint64)
     buf = out
     cap = out.size
+    if cap < 1024 + dst[2]:
+        return np.int64(-1)
     _put_gamma(buf, st, n_exc + 1)
-    r_exc_gap = _rice_param(last_exc + 1 - n_exc, n_exc)
-    r_exc_val = _rice_param(exc_vsum, n_exc)
     if n_exc > 0:
+        r_exc_gap = _rice_param(exc[n_exc - 1] + 1 - n_exc, n_exc)
+        r_exc_val = _rice_param(exc_vsum, n_exc)
         _put(buf, st, r_exc_gap, 6)
         _put(buf, st, r_exc_val, 6)
         prev = -1
-        for i in range(last_exc + 1):
-            if b[i] == t[i]:
-                continue
-            bi, ti = np.uint64(b[i]), np.uint64(t[i])
-            if ((bi >> sh) & emask) != ((ti >> sh) & emask):
-                if st[2] + 32 > cap:
-                    return np.int64(-1)
-                _put_rice(buf, st, np.uint64(i - prev - 1), r_exc_gap, GAP_BITS)
-                _put_rice(buf, st, _diff_code(bi, ti, sign, allm, w), r_exc_val, w)
-                prev = i
-    r_val = np.zeros(G, np.int64)
+        for e in range(n_exc):
+            if st[2] + 32 > cap:
+                return np.int64(-1)
+            i = exc[e]
+            _put_rice(buf, st, np.uint64(i - prev - 1), r_exc_gap, GAP_BITS)
+            _put_rice(buf, st, _diff_code(np.uint64(b[i]), np.uint64(t[i]), sign, allm, w), r_exc_val, w)
+            prev = i
+    if n >= BIG_CHUNK:  # big chunks carry their group sizes, sparing the decoder a histogram pass
+        for g in range(G):
+            if st[2] + 64 > cap:
+                return np.int64(-1)
+            _put_gamma(buf, st, n_g[g] + 1)
     for g in range(G):
         if st[2] + 64 > cap:
             return np.int64(-1)
         if n_g[g] > 0:
             _put_gamma(buf, st, k_g[g] + 1)
         if k_g[g] > 0:
-            r_val[g] = _rice_param(vsum_g[g], k_g[g])
             _put(buf, st, r_val[g], 6)
         if e_g[g] > 0:  # the first gap of each group with events, up front
-            _put_rice(buf, st, np.uint64(run[g]), _rice_param(n_g[g] - e_g[g], e_g[g]), GAP_BITS)
-    # forward scan, writing the codes in the order the decoder reads them
+            _put_rice(buf, st, np.uint64(first_gap[g]), r_gap[g], GAP_BITS)
+            if dense[g]:
+                _put_gamma(buf, st, dense_len[g] + 1)
+    _flush(buf, st)
+    if st[2] + dst[2] + 64 > cap:
+        return np.int64(-1)
+    buf[st[2]:st[2] + dst[2]] = dense_buf[:dst[2]]
+    st[2] += dst[2]
+    # main stream, in element order: sparse gaps and values
     done = np.zeros(G, np.int64)
-    j = 0
-    for i in range(n):
-        if b[i] == t[i] and not any_dense:
-            continue
-        bi, ti = np.uint64(b[i]), np.uint64(t[i])
-        g = (bi >> sh) & emask
-        changed = bi != ti
-        if changed:
-            if g != ((ti >> sh) & emask):
-                continue
-        elif not dense[g]:
-            continue
-        if st[2] + 32 > cap:
+    acc, fill, pos = st[0], st[1], np.int64(st[2])
+    for j in range(n_rec):
+        if pos + 32 > cap:
             return np.int64(-1)
-        if changed != dense[g]:  # an event
+        i = rec_pos[j]
+        bi = np.uint64(b[i])
+        g = (bi >> sh) & emask
+        if not dense[g]:
             done[g] += 1
             if done[g] < e_g[g]:
-                _put_rice(buf, st, np.uint64(gap_after[j]), _rice_param(n_g[g] - e_g[g], e_g[g]), GAP_BITS)
-            j += 1
-        if changed:
-            _put_rice(buf, st, _diff_code(bi, ti, sign, allm, w), r_val[g], w)
+                acc, fill, pos = _wr_rice(buf, acc, fill, pos, np.uint64(gap_after[j]), r_gap[g], GAP_BITS)
+        acc, fill, pos = _wr_rice(buf, acc, fill, pos, _diff_code(bi, np.uint64(t[i]), sign, allm, w), r_val[g], w)
+    st[0], st[1], st[2] = acc, fill, np.uint64(pos)
     if st[2] + 16 > cap:
         return np.int64(-1)
     return np.int64(_flush(buf, st))
@@ -341,11 +478,14 @@ def cond_decode(x, buf, w, mbits, ebits, forward, pos_out, val_out):
     sign = np.uint64(1) << np.uint64(w - 1)
     allm = (np.uint64(1) << np.uint64(w)) - np.uint64(1)
     sh = np.uint64(mbits)
+    if buf.size == 0:
+        return np.int64(0)  # nothing changed in this chunk
+    size = np.uint64(buf.size)
     st = np.zeros(4, np.uint64)
     cap = pos_out.size
     m = 0
     n_exc = np.int64(_get_gamma(buf, st)) - 1
-    if st[3] or _consumed(st) > np.uint64(buf.size) or n_exc < 0 or n_exc > n:
+    if st[3] or _consumed(st) > size or n_exc < 0 or n_exc > n:
         return np.int64(E_TRUNCATED)
     r_exc_gap, r_exc_val = 0, 0
     if n_exc > 0:
@@ -357,7 +497,7 @@ def cond_decode(x, buf, w, mbits, ebits, forward, pos_out, val_out):
     for e in range(n_exc):
         p = prev + 1 + np.int64(_get_rice(buf, st, r_exc_gap, GAP_BITS))
         v = _get_rice(buf, st, r_exc_val, w)
-        if _consumed(st) > np.uint64(buf.size):
+        if _consumed(st) > size:
             return np.int64(E_TRUNCATED)
         if p >= n or m >= cap:
             return np.int64(E_POSITION)
@@ -370,18 +510,30 @@ def cond_decode(x, buf, w, mbits, ebits, forward, pos_out, val_out):
         val_out[m] = new ^ xp
         m += 1
         prev = p
-    # group sizes from the end we hold (exceptions excluded: their exponent differs between the ends)
+    # group sizes (exceptions excluded: their exponent differs between the ends): counted from the end we
+    # hold, or for big chunks read from the stream
     n_g = np.zeros(G, np.int64)
-    for i in range(n):
-        n_g[(np.uint64(x[i]) >> sh) & emask] += 1
-    for e in range(n_exc):
-        n_g[(np.uint64(x[exc_pos[e]]) >> sh) & emask] -= 1
+    if n >= BIG_CHUNK:
+        total = 0
+        for g in range(G):
+            n_g[g] = np.int64(_get_gamma(buf, st)) - 1
+            total += n_g[g]
+        if total != n - n_exc:
+            return np.int64(E_COUNTS)
+    else:
+        for i in range(n):
+            n_g[(np.uint64(x[i]) >> sh) & emask] += 1
+        for e in range(n_exc):
+            n_g[(np.uint64(x[exc_pos[e]]) >> sh) & emask] -= 1
     k_g = np.zeros(G, np.int64)
     r_val = np.zeros(G, np.int64)
     r_gap = np.zeros(G, np.int64)
-    dense = np.zeros(G, np.bool_)
     left = np.zeros(G, np.int64)  # events still to come per group
-    counter = np.full(G, np.int64(1) << 62)  # same-group non-events before the next event
+    dense_len = np.zeros(G, np.int64)
+    # counter[g]: same-group non-events before the group's next event; stored as -1 - count in dense groups,
+    # so that the common case (an unchanged element of a sparse group) is one test: counter > 0
+    never = np.int64(1) << 62
+    counter = np.full(G, never)
     for g in range(G):
         if n_g[g] > 0:
             k_g[g] = np.int64(_get_gamma(buf, st)) - 1
@@ -389,13 +541,29 @@ def cond_decode(x, buf, w, mbits, ebits, forward, pos_out, val_out):
                 return np.int64(E_COUNTS)
         if k_g[g] > 0:
             r_val[g] = int(_get(buf, st, 6))
-        dense[g] = 2 * k_g[g] > n_g[g]
-        left[g] = n_g[g] - k_g[g] if dense[g] else k_g[g]
+        dense = 2 * k_g[g] > n_g[g]
+        left[g] = n_g[g] - k_g[g] if dense else k_g[g]
+        r_gap[g] = _rice_param(n_g[g] - left[g], left[g])
         if left[g] > 0:
-            r_gap[g] = _rice_param(n_g[g] - left[g], left[g])
             counter[g] = np.int64(_get_rice(buf, st, r_gap[g], GAP_BITS))
-    if st[3] or _consumed(st) > np.uint64(buf.size):
+            if dense:
+                dense_len[g] = np.int64(_get_gamma(buf, st)) - 1
+        if dense:
+            counter[g] = -1 - counter[g]
+    if st[3] or _consumed(st) > size:
         return np.int64(E_TRUNCATED)
+    # dense groups' gap streams follow the byte-aligned prefix
+    at = np.int64(_consumed(st))
+    dstart = np.zeros(G, np.int64)
+    dend = np.zeros(G, np.int64)
+    for g in range(G):
+        dstart[g] = at
+        at += dense_len[g]
+        dend[g] = at
+    if at > buf.size or dense_len.min() < 0:
+        return np.int64(E_TRUNCATED)
+    drd = np.zeros((G, 4), np.uint64)
+    acc, fill, pos = np.uint64(0), np.uint64(0), at  # the main stream
     next_exc = exc_pos[0]
     e = 0
     for i in range(n):
@@ -406,21 +574,27 @@ def cond_decode(x, buf, w, mbits, ebits, forward, pos_out, val_out):
         xi = np.uint64(x[i])
         g = (xi >> sh) & emask
         c = counter[g]
-        if c > 0 and not dense[g]:  # the common case: an unchanged element of a sparse group
+        if c > 0:  # the common case: an unchanged element of a sparse group
             counter[g] = c - 1
             continue
-        event = False
-        if c == 0:
-            event = True
+        is_dense = c < 0
+        if is_dense:
+            c = -1 - c
+        event = c == 0
+        if event:
             left[g] -= 1
-            if left[g] > 0:
-                counter[g] = np.int64(_get_rice(buf, st, r_gap[g], GAP_BITS))
+            if left[g] <= 0:
+                c = never
+            elif is_dense:
+                c = np.int64(_get_rice(buf[dstart[g]:dend[g]], drd[g], r_gap[g], GAP_BITS))
             else:
-                counter[g] = np.int64(1) << 62
-        elif c < (np.int64(1) << 61):
-            counter[g] = c - 1
-        if event != dense[g]:  # changed
-            v = _get_rice(buf, st, r_val[g], w)
+                gap, acc, fill, pos = _rd_rice(buf, acc, fill, pos, r_gap[g], GAP_BITS)
+                c = np.int64(gap)
+        else:
+            c -= 1
+        counter[g] = -1 - c if is_dense else c
+        if event != is_dense:  # changed
+            v, acc, fill, pos = _rd_rice(buf, acc, fill, pos, r_val[g], w)
             if m >= cap:
                 return np.int64(E_COUNTS)
             new = _apply_code(xi, v, forward, sign, allm)
@@ -429,13 +603,16 @@ def cond_decode(x, buf, w, mbits, ebits, forward, pos_out, val_out):
             pos_out[m] = i
             val_out[m] = new ^ xi
             m += 1
-    if st[3] or _consumed(st) > np.uint64(buf.size):
+    st[0], st[1], st[2] = acc, fill, np.uint64(pos)
+    if st[3] or _consumed(st) > size:
         return np.int64(E_TRUNCATED)
     for g in range(G):
         if left[g] != 0:
             return np.int64(E_COUNTS)
-    if _consumed(st) != np.uint64(buf.size):
-        return np.int64(E_TRUNCATED if _consumed(st) > np.uint64(buf.size) else E_TRAILING)
+        if dense_len[g] and (drd[g, 3] or _consumed(drd[g]) != np.uint64(dense_len[g])):
+            return np.int64(E_COUNTS)
+    if _consumed(st) != size:
+        return np.int64(E_TRUNCATED if _consumed(st) > size else E_TRAILING)
     return np.int64(m)
 
 
@@ -446,11 +623,3 @@ def xor_scatter(x, pos, val, m):
         x[pos[j]] ^= val[j]
 
 
-@njit(cache=True, nogil=True)
-def count_changes(b, t):
-    """Number of elements whose bits differ."""
-    c = 0
-    for i in range(b.size):
-        if b[i] != t[i]:
-            c += 1
-    return c

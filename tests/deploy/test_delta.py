@@ -158,8 +158,8 @@ def test_truncated_is_refused(pair):
 @pytest.mark.parametrize("where", ["header", "payload", "trailer"])
 def test_corrupted_is_refused(pair, where):
     a, _, blob = pair
-    hlen = int.from_bytes(blob[12:16], "little")
-    pos = {"header": 48 + hlen // 2, "payload": 48 + hlen + 1, "trailer": len(blob) - 3}[where]
+    hlen, plen = int.from_bytes(blob[12:16], "little"), int.from_bytes(blob[16:24], "little")
+    pos = {"header": 56 + plen + hlen // 2, "payload": 56 + 1, "trailer": len(blob) - 3}[where]
     bad = bytearray(blob)
     bad[pos] ^= 0x40
     _refused(a, bytes(bad), f"delta corrupted: {where if where != 'trailer' else 'payload'} checksum mismatch")
@@ -183,7 +183,7 @@ def test_snapshot_corruption_and_truncation_are_refused():
     with pytest.raises(DeltaError, match="snapshot truncated"):
         decode_snapshot(snap[:-5])
     bad = bytearray(snap)
-    bad[-40] ^= 1
+    bad[56 + 1] ^= 1  # inside the payload
     with pytest.raises(DeltaError, match="snapshot corrupted: payload checksum mismatch"):
         decode_snapshot(bytes(bad))
 
@@ -260,6 +260,23 @@ def test_conditioned_coding_beats_xor_zstd_on_optimizer_like_steps():
     xor_zstd = sum(len(zstandard.ZstdCompressor(level=3).compress(
         np.bitwise_xor(a[k].view(torch.int16).numpy(), b[k].view(torch.int16).numpy()).tobytes())) for k in a)
     assert len(blob) * 2 < xor_zstd
+    state = {k: v.clone() for k, v in a.items()}  # big chunks carry their group sizes: round-trip them too
+    apply_delta_inplace(state, blob)
+    assert same_bits(state, b)
+    apply_delta_inplace(state, blob)
+    assert same_bits(state, a)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_big_chunks_round_trip_every_dtype(dtype):
+    """Chunks of >= 64Ki elements take the stream's group sizes instead of counting: both ways, every dtype."""
+    g = torch.Generator().manual_seed(3)
+    master = torch.randn(70_001, generator=g) * 0.05
+    a = {"w": master.to(dtype)}
+    b = {"w": (master + 1e-3 * torch.randn(70_001, generator=g)).to(dtype)}
+    blob = encode_delta(a, b, 0, 1, chunk_elements=65_536)  # one big chunk and one small one
+    assert len(read_header(blob).tensors[0].chunks) == 2
+    assert same_bits(apply_delta(a, blob)[0], b) and same_bits(apply_delta(b, blob)[0], a)
 
 
 def test_dense_change_falls_back_to_xor_planes_when_smaller():
@@ -279,9 +296,9 @@ def _repacked(blob: bytes, mutate) -> bytes:
 
     from deploy import delta
 
-    hlen = int.from_bytes(blob[12:16], "little")
-    header = json.loads(zstandard.ZstdDecompressor().decompress(blob[48:48 + hlen]))
-    payload = bytearray(blob[48 + hlen:-32])
+    hlen, plen = int.from_bytes(blob[12:16], "little"), int.from_bytes(blob[16:24], "little")
+    header = json.loads(zstandard.ZstdDecompressor().decompress(blob[56 + plen:56 + plen + hlen]))
+    payload = bytearray(blob[56:56 + plen])
     mutate(header, payload)
     header.pop("payload_bytes")
     return delta._pack(delta.DELTA_MAGIC, header, [bytes(payload)])
