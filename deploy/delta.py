@@ -665,6 +665,22 @@ def apply_delta(state: Mapping[str, torch.Tensor], blob: bytes) -> tuple[dict[st
     return out, plan.version
 
 
+def warm_up(dtypes: tuple[str, ...] = ("bfloat16",)) -> None:
+    """Compile (or load from numba's on-disk cache) the coder's kernels for ``dtypes`` by coding a small delta.
+
+    The first use in a fresh checkout compiles for tens of seconds per dtype; processes that apply deltas
+    on a latency budget (a serving worker mid-swap) call this at start so no swap ever pays for it.
+    """
+    for name in dtypes:
+        dt = DTYPES[name]
+        bits = np.arange(1 << 17, dtype=np.uint64) % (1 << dt.bits)
+        a = {"w": torch.from_numpy(bits.astype(dt.uint)).view(dt.torch)}
+        b = {"w": torch.from_numpy(np.roll(bits, 1).astype(dt.uint)).view(dt.torch)}
+        b["w"][: 1 << 16] = a["w"][: 1 << 16]
+        blob = encode_delta(a, b, 0, 1, chunk_elements=1 << 16)  # one big chunk and one small: both decoders
+        apply_delta_inplace({"w": a["w"].clone()}, blob)
+
+
 # ---------------------------------------------------------------------------------------------- snapshots
 
 

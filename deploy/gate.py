@@ -227,7 +227,9 @@ def run_gate(cfg: LiverlConfig, once: bool = False) -> None:
     import signal
 
     from deploy.admin import open_redis, open_registry
+    from deploy.delta import warm_up
 
+    warm_up()  # the delta codec's kernels (cached on disk after the first compile)
     registry = open_registry(cfg)
     r = open_redis(cfg)
     try:

@@ -562,7 +562,9 @@ def cond_decode(x, buf, w, mbits, ebits, forward, pos_out, val_out):
         dend[g] = at
     if at > buf.size or dense_len.min() < 0:
         return np.int64(E_TRUNCATED)
-    drd = np.zeros((G, 4), np.uint64)
+    drd = np.zeros((G, 4), np.uint64)  # per dense group: its gap stream's reader (acc, fill, byte position)
+    for g in range(G):
+        drd[g, 2] = np.uint64(dstart[g])
     acc, fill, pos = np.uint64(0), np.uint64(0), at  # the main stream
     next_exc = exc_pos[0]
     e = 0
@@ -586,7 +588,9 @@ def cond_decode(x, buf, w, mbits, ebits, forward, pos_out, val_out):
             if left[g] <= 0:
                 c = never
             elif is_dense:
-                c = np.int64(_get_rice(buf[dstart[g]:dend[g]], drd[g], r_gap[g], GAP_BITS))
+                gap, da, df, dp = _rd_rice(buf[:dend[g]], drd[g, 0], drd[g, 1], np.int64(drd[g, 2]), r_gap[g], GAP_BITS)
+                drd[g, 0], drd[g, 1], drd[g, 2] = da, df, np.uint64(dp)
+                c = np.int64(gap)
             else:
                 gap, acc, fill, pos = _rd_rice(buf, acc, fill, pos, r_gap[g], GAP_BITS)
                 c = np.int64(gap)
@@ -609,7 +613,7 @@ def cond_decode(x, buf, w, mbits, ebits, forward, pos_out, val_out):
     for g in range(G):
         if left[g] != 0:
             return np.int64(E_COUNTS)
-        if dense_len[g] and (drd[g, 3] or _consumed(drd[g]) != np.uint64(dense_len[g])):
+        if dense_len[g] and _consumed(drd[g]) != np.uint64(dend[g]):
             return np.int64(E_COUNTS)
     if _consumed(st) != size:
         return np.int64(E_TRUNCATED if _consumed(st) > size else E_TRAILING)

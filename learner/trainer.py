@@ -36,11 +36,10 @@ from typing import Any
 
 import torch
 from kafka import ConsumerRebalanceListener, TopicPartition
+from kafka.errors import CommitFailedError
 from kafka.structs import OffsetAndMetadata
 
 from learner.loss import RunningBaseline, advantages, full_kl, pg_loss
-from kafka.errors import CommitFailedError
-
 from liverl.bus import make_consumer
 from liverl.config import LearnerConfig, LiverlConfig
 from liverl.schemas import TrainingSample, WireError
@@ -548,6 +547,7 @@ def run_learner(cfg: LiverlConfig, stop_event: threading.Event | None = None, ma
     import redis as redis_lib
 
     from deploy.admin import open_blobs
+    from deploy.delta import warm_up
     from deploy.registry import Registry, RegistryError
     from learner.policy import ensure_base_policy, load_state_dict
     from liverl.bus import ensure_topics
@@ -555,6 +555,7 @@ def run_learner(cfg: LiverlConfig, stop_event: threading.Event | None = None, ma
     bootstrap = cfg.broker.bootstrap or f"127.0.0.1:{cfg.broker.embedded_port}"
     ensure_topics(bootstrap, [cfg.topics.samples], cfg.broker.partitions)
     model_dir = ensure_base_policy(cfg.model_cache_path, cfg.model.seed)
+    warm_up()  # the delta codec's kernels, before the first candidate is due
     registry = Registry(cfg.registry_url, open_blobs(cfg))
     try:
         registry.stable()

@@ -181,6 +181,12 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     return run(_cfg(args), to=args.to, reason=args.reason, actor=args.actor)
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    from deploy.admin import gc_command
+
+    return gc_command(_cfg(args), dry_run=args.dry_run, grace_s=args.grace)
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from liverl.schemas import json_schemas
 
@@ -261,6 +267,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reason", default="manual rollback", help="recorded in the audit log")
     s.add_argument("--actor", default=os.environ.get("USER", "admin"), help="who (default: $USER)")
     s.set_defaults(fn=cmd_rollback)
+
+    s = sub.add_parser("gc", help="delete snapshot/delta blobs that no version references", epilog=ADMIN_EPILOG,
+                       description="Delete blobs in the blob store that no registry version references (left by "
+                                   "crashed writers or removed versions). Blobs younger than --grace are kept: a "
+                                   "writer may be about to commit the version that references them. Use --dry-run "
+                                   "first to see what would go.")
+    s.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
+    s.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
+                   help="keep unreferenced blobs younger than this (default 3600)")
+    s.set_defaults(fn=cmd_gc)
 
     s = sub.add_parser("schema", help="print the JSON Schemas of the wire messages (for non-Python producers)")
     s.add_argument("name", nargs="?", choices=["feedback", "generation", "sample", "dead_letter", "version"])

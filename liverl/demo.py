@@ -394,6 +394,8 @@ def build_summary(cfg, r, registry, timeline: Timeline, stats, base_row) -> dict
         "versions_rejected": sum(1 for v in candidates if v.status == "rejected"),
         "delta_bytes": {str(v.version): v.delta_bytes for v in candidates},
         "delta_ratio": {str(v.version): v.ratio for v in candidates},
+        "delta_changed_fraction": {str(v.version): v.changed_fraction for v in candidates},
+        "delta_codec": codec_report(registry, candidates),
         "hot_swap_pause_ms": [s.get("pause_ms") for s in swaps],
         "swaps": swaps,
         "live_by_version": {str(v): {**c, "acceptance": rate(c)} for v, c in sorted(live.items())},
@@ -408,6 +410,46 @@ def build_summary(cfg, r, registry, timeline: Timeline, stats, base_row) -> dict
         and summary["base_feedback_events"] >= 300 and summary["last_promoted_feedback_events"] >= 300
     )
     return summary
+
+
+def codec_report(registry, candidates, sample: int = 12) -> dict:
+    """How the stored deltas compare with the obvious alternatives, on the last ``sample`` versions.
+
+    For each, the same parent -> child change as XOR + zstd(3) and as plain zstd(3) of the child's weights,
+    next to the registry's delta (header and checksums included). Medians of the ratios (raw / bytes).
+    """
+    import numpy as np
+    import torch
+    import zstandard
+
+    from deploy.delta import read_header
+
+    def raw(t):
+        return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+    rows = []
+    for v in [c for c in candidates if c.parent is not None and c.delta_bytes][-sample:]:
+        try:
+            parent, child = registry.materialize(v.parent), registry.materialize(v.version)
+            methods = read_header(registry.delta_for(v.version)).method_bytes
+        except Exception as e:  # noqa: BLE001 -- a report; a missing blob is shown, not fatal
+            rows.append({"version": v.version, "error": str(e)})
+            continue
+        zc = zstandard.ZstdCompressor(level=3)
+        xor_zstd = sum(len(zc.compress(np.bitwise_xor(raw(parent[k]), raw(t)).tobytes())) for k, t in child.items())
+        plain = sum(len(zc.compress(raw(t).tobytes())) for t in child.values())
+        rows.append({"version": v.version, "changed_fraction": v.changed_fraction, "raw_bytes": v.raw_bytes,
+                     "delta_bytes": v.delta_bytes, "ratio_liverl": v.raw_bytes / v.delta_bytes,
+                     "ratio_xor_zstd": v.raw_bytes / xor_zstd, "ratio_zstd": v.raw_bytes / plain,
+                     "method_bytes": methods})
+
+    def median(key):
+        xs = sorted(r[key] for r in rows if key in r)
+        return xs[len(xs) // 2] if xs else None
+
+    return {"versions": rows, "median_ratio_liverl": median("ratio_liverl"),
+            "median_ratio_xor_zstd": median("ratio_xor_zstd"), "median_ratio_zstd": median("ratio_zstd"),
+            "median_changed_fraction": median("changed_fraction")}
 
 
 def plot_timeline(timeline: Timeline, summary: dict, path: Path, window_s: float = 10.0) -> None:
@@ -478,7 +520,12 @@ def print_summary(summary: dict, summary_path: Path, plot_path: Path) -> None:
         print(f"hot-swap pause ms              median {sorted(pauses)[len(pauses) // 2]:.1f}, max {max(pauses):.1f}")
     ratios = [r for r in summary["delta_ratio"].values() if r]
     if ratios:
-        print(f"delta ratio (raw/delta)        median {sorted(ratios)[len(ratios) // 2]:.1f}x")
+        print(f"delta ratio (raw/delta)        median {sorted(ratios)[len(ratios) // 2]:.1f}x over {len(ratios)} deltas")
+    codec = summary.get("delta_codec") or {}
+    if codec.get("median_ratio_liverl"):
+        print(f"  same changes, last {len(codec['versions'])}: liverl {codec['median_ratio_liverl']:.1f}x, "
+              f"xor+zstd {codec['median_ratio_xor_zstd']:.1f}x, plain zstd {codec['median_ratio_zstd']:.2f}x "
+              f"(median {codec['median_changed_fraction']:.1%} of elements changed)")
     if summary["dead_letters"]:
         print(f"dead letters                   {summary['dead_letters']}")
     if summary.get("process_restarts"):

@@ -314,8 +314,9 @@ class LiverlWorkerExtension:
         """Read the model dir's weights, check that they are exactly what the engine serves, keep them as shadow."""
         from safetensors.torch import load_file
 
-        from deploy.delta import checksum
+        from deploy.delta import DTYPES, checksum, warm_up
 
+        dtype_names = {d.torch: name for name, d in DTYPES.items()}
         model_dir = Path(self.vllm_config.model_config.model)
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
@@ -337,6 +338,7 @@ class LiverlWorkerExtension:
         bad = [n for n in shadow if served[n].dtype != shadow[n].dtype or not torch.equal(served[n], shadow[n])]
         if bad:
             raise RuntimeError(f"served weights differ from {model_dir} right after load (read-back broken?): {bad[:5]}")
+        warm_up(tuple(sorted({dtype_names[t.dtype] for t in shadow.values() if t.dtype in dtype_names})))  # not mid-swap
         st = _State(shadow, version, checksum(shadow), layouts)
         log.info("liverl shadow loaded: %d tensors, version %d, checksum %s", len(shadow), version, st.checksum[:12])
         return st

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 import sqlalchemy as sa
 
 from deploy.blobstore import BlobError, LocalBlobStore, S3BlobStore
@@ -316,3 +317,19 @@ def test_gc_command_prints_what_it_would_remove_then_removes_it(cfg, capsys):
         reg.close()
     assert gc_command(cfg, dry_run=True) == 1
     assert "missing" in capsys.readouterr().err
+
+
+def test_demo_codec_report_compares_stored_deltas_with_xor_zstd(registry):
+    """The demo summary's codec report: real stored deltas, next to XOR + zstd of the same changes."""
+    from liverl.demo import codec_report
+
+    g = torch.Generator().manual_seed(5)
+    master = {f"w{i}": torch.randn(128, 256, generator=g) * 0.02 for i in range(3)}
+    registry.init_base({k: v.to(torch.bfloat16) for k, v in master.items()}, "base")
+    for step in range(3):
+        master = {k: v + 1e-6 * torch.randn(v.shape, generator=g).sign() for k, v in master.items()}
+        registry.add_candidate({k: v.to(torch.bfloat16) for k, v in master.items()}, parent=step)
+    rep = codec_report(registry, [v for v in registry.list() if v.version != 0][::-1])
+    assert [r["version"] for r in rep["versions"]] == [1, 2, 3]
+    assert all(r["method_bytes"] for r in rep["versions"])
+    assert rep["median_ratio_liverl"] > 2 * rep["median_ratio_xor_zstd"] > 2 * rep["median_ratio_zstd"]
