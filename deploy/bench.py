@@ -288,22 +288,6 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def _apply_fn() -> tuple[Callable, bool]:
-    """(deploy.delta's in-place apply if it has one, else apply_delta; whether it is the fallback)."""
-    from deploy import delta
-
-    fn = getattr(delta, "apply_delta_inplace", None)
-    return (fn, False) if fn is not None else (delta.apply_delta, True)
-
-
-def _applied_state(result, state: dict) -> Mapping:
-    if isinstance(result, tuple) and result and isinstance(result[0], Mapping):
-        return result[0]
-    if isinstance(result, Mapping):
-        return result
-    return state  # applied in place
-
-
 def _check_bit_exact(case: str, got: Mapping, target: Mapping) -> None:
     import torch
 
@@ -352,17 +336,16 @@ def measure(case_name: str, base: Mapping[str, torch.Tensor], target: Mapping[st
     header = delta.read_header(blob)
 
     phase("decode-apply")
-    apply, fallback = _apply_fn()
     decode_s, decode_peak = math.inf, 0
     for _ in range(repeat):
         state = {k: v.clone() for k, v in base.items()}
         with PeakRss() as mem:
             t0 = time.perf_counter()
-            result = apply(state, blob)
+            delta.apply_delta_inplace(state, blob)
             seconds = time.perf_counter() - t0
         decode_s, decode_peak = min(decode_s, seconds), max(decode_peak, mem.peak_above)
-        _check_bit_exact(case_name, _applied_state(result, state), target)
-        del state, result
+        _check_bit_exact(case_name, state, target)
+        del state
 
     phase("baselines")
     zc = zstandard.ZstdCompressor(level=3, threads=-1)
@@ -406,7 +389,7 @@ def measure(case_name: str, base: Mapping[str, torch.Tensor], target: Mapping[st
         "decode_apply_s": decode_s,
         "peak_rss_encode_bytes": encode_peak,
         "peak_rss_decode_apply_bytes": decode_peak,
-        "apply_function": "apply_delta" if fallback else "apply_delta_inplace",
+        "method_bytes": header.method_bytes,
         "repeat": repeat,
     }
     return row
@@ -486,17 +469,10 @@ def _json_safe(row: dict) -> dict:
 
 
 def _warm_up() -> None:
-    """Encode and apply a tiny delta once, so one-time costs (imports, JIT compilation) stay out of the timings."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    base = {"w": torch.randn(4096, generator=g).to(torch.bfloat16)}
-    target = {"w": (base["w"].float() + 1e-3).to(torch.bfloat16)}
+    """Load (or compile) the codec's kernels first, so one-time costs stay out of the timings."""
     from deploy import delta
 
-    blob = delta.encode_delta(base, target, 0, 1)
-    apply, _ = _apply_fn()
-    apply({k: v.clone() for k, v in base.items()}, blob)
+    delta.warm_up()
 
 
 def run(cache_dir: Path | None = None, seed: int = 0, synthetic_gb: float = 1.0, skip_demo: bool = False,
@@ -550,24 +526,18 @@ def run(cache_dir: Path | None = None, seed: int = 0, synthetic_gb: float = 1.0,
                 progress.advance(task)
 
     console.print(table(rows, "liverl delta codec: compression ratio (raw bytes / compressed bytes) and speed"))
-    chunk = getattr(delta, "CHUNK_ELEMENTS", None)
-    notes = []
-    if chunk is not None:
-        notes.append(f"codec chunk: {chunk:,} elements ({_size(chunk * 2)} of bf16); working memory should stay "
-                     f"under 2 x chunk bytes + delta bytes")
-    else:
-        notes.append("codec chunk: deploy.delta exposes no CHUNK_ELEMENTS (it works tensor by tensor)")
-    if _apply_fn()[1]:
-        notes.append("apply: deploy.delta has no apply_delta_inplace yet, so 'apply' times apply_delta "
-                     "(verifies the whole base, returns new tensors for the changed ones)")
+    chunk = delta.CHUNK_ELEMENTS
+    notes = [(f"codec chunk: {chunk:,} elements ({_size(chunk * 2)} of bf16); working memory should stay "
+              f"under 2 x chunk bytes + delta bytes"),
+             ("apply: apply_delta_inplace, the full safe path: verify the container and the whole base, decode "
+              "and apply chunk by chunk, verify every touched tensor")]
     notes.append("peak RSS: anonymous resident memory above the level before the call (encode / decode-apply), "
                  "sampled every 2 ms; every decoded row was checked bit-exact against its target")
     if any(math.isinf(r["ratio_entropy_bound"]) for r in rows):
         notes.append("inf: nothing changed, so the bound is 0 bits (written as null in JSON)")
     for n in notes:
         console.print(f"[dim]{n}[/dim]")
-    console.print(f"reproduce: [bold]{command}[/bold]  ({_commit()}, delta format "
-                  f"{getattr(delta, 'FORMAT_VERSION', '?')})")
+    console.print(f"reproduce: [bold]{command}[/bold]  ({_commit()}, delta format {delta.FORMAT_VERSION})")
     console.print(f"machine: {machine()}")
     if json_path:
         Path(json_path).write_text(json.dumps([_json_safe(r) for r in rows], indent=2) + "\n")

@@ -54,7 +54,7 @@ Columns (a ratio is raw bytes / compressed bytes; higher is better):
   liverl vs order-0    order-0 bound bytes / codec bytes (1.0 = at the bound; above 1 = beats it)
   encode GB/s    raw bytes / seconds of encode_delta
   apply GB/s     raw bytes / seconds of decoding and applying the delta to a copy of the base
-                 (apply_delta_inplace, or apply_delta where deploy.delta has no in-place apply)
+                 (apply_delta_inplace: container and whole-base verification, decode, apply, verify)
   peak RSS       the most anonymous resident memory above the level before the call, sampled every
                  2 ms, during encode / during decode-apply: the codec's working memory
   delta          bytes of the encoded delta

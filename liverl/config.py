@@ -44,7 +44,9 @@ class RegistryConfig(_Section):
     url: str | None = Field(
         default=None, description="SQLAlchemy URL of the version registry. None: SQLite in <state_dir>/registry.db."
     )
-    blob_dir: str | None = Field(default=None, description="Folder of the blob store. None: <state_dir>/blobs.")
+    blob_dir: str | None = Field(
+        default=None, description="Where snapshots and deltas live: a folder, or an S3-compatible store as "
+        "s3://bucket/prefix (endpoint from AWS_ENDPOINT_URL or ?endpoint_url=...). None: <state_dir>/blobs.")
 
 
 class TopicsConfig(_Section):

@@ -189,7 +189,8 @@ def run_demo(cfg: LiverlConfig, summary_path: str | None = None, plot_path: str 
     try:
         r = redis.Redis.from_url(stack.redis_url)
         reset_state(cfg, r)
-        stack.blob_dir.mkdir(parents=True, exist_ok=True)
+        if "://" not in stack.blob_dir:
+            Path(stack.blob_dir).mkdir(parents=True, exist_ok=True)
         ensure_topics(stack.bootstrap, all_topics(cfg), cfg.broker.partitions)
         registry = open_registry(cfg)
         base = load_state_dict(model_dir)
@@ -428,7 +429,8 @@ def codec_report(registry, candidates, sample: int = 12) -> dict:
         return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
     rows = []
-    for v in [c for c in candidates if c.parent is not None and c.delta_bytes][-sample:]:
+    recent = sorted((c for c in candidates if c.parent is not None and c.delta_bytes), key=lambda c: c.version)
+    for v in recent[-sample:]:
         try:
             parent, child = registry.materialize(v.parent), registry.materialize(v.version)
             methods = read_header(registry.delta_for(v.version)).method_bytes

@@ -50,7 +50,7 @@ class Stack:
     bootstrap: str
     redis_url: str
     registry_url: str
-    blob_dir: Path
+    blob_dir: str  # a folder, or an object-store URL (s3://bucket/prefix)
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
 
     def close(self) -> None:
@@ -116,7 +116,7 @@ def start_stack(cfg: LiverlConfig) -> Stack:
     state = cfg.state_path
     logs = state / "logs"
     procs: list[tuple[str, subprocess.Popen]] = []
-    stack = Stack(bootstrap="", redis_url="", registry_url=cfg.registry_url, blob_dir=cfg.blob_path, procs=procs)
+    stack = Stack(bootstrap="", redis_url="", registry_url=cfg.registry_url, blob_dir=cfg.registry.blob_dir or str(cfg.blob_path), procs=procs)
     try:
         if cfg.broker.bootstrap:
             stack.bootstrap = cfg.broker.bootstrap
@@ -128,7 +128,8 @@ def start_stack(cfg: LiverlConfig) -> Stack:
             procs.append(("redis", start_redis(cfg.redis.embedded_port, logs)))
             stack.redis_url = f"redis://127.0.0.1:{cfg.redis.embedded_port}/0"
         check_redis(stack.redis_url)
-        stack.blob_dir.mkdir(parents=True, exist_ok=True)
+        if "://" not in stack.blob_dir:
+            Path(stack.blob_dir).mkdir(parents=True, exist_ok=True)
         if stack.registry_url.startswith("sqlite:///"):
             Path(stack.registry_url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
     except BaseException:

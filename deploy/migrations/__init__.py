@@ -21,6 +21,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+# Alembic narrates every step (and its plugin set-up at import) at INFO; a registry opened by a CLI verb or
+# a demo process should not print migration chatter. Set before alembic is imported.
+logging.getLogger("alembic").setLevel(logging.WARNING)
+
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
@@ -63,10 +67,6 @@ def _lock(conn: sa.Connection) -> None:
         conn.execute(sa.text("SELECT pg_advisory_xact_lock(:id)"), {"id": _PG_LOCK_ID})
     # SQLite: the transaction already holds the database's write lock, because engines made by
     # ``deploy.registry.make_engine`` begin with BEGIN IMMEDIATE when asked to (``upgrade`` asks).
-
-
-# Alembic narrates every step at INFO; a registry opened by a CLI verb should not print migration chatter.
-logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
 def upgrade_connection(conn: sa.Connection, revision: str = "head") -> str:

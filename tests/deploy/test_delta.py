@@ -339,3 +339,25 @@ def test_in_place_refuses_wrong_base_before_touching():
     with pytest.raises(DeltaError, match="but the weights are at checksum"):
         apply_delta_inplace(other, blob)
     assert {k: bits_of(v) for k, v in other.items()} == before
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=st.sampled_from(DTYPES), cut=st.floats(0, 1, exclude_max=True), flip=st.floats(0, 1, exclude_max=True),
+       bit=st.integers(0, 7), seed=st.integers(0, 2**31))
+def test_any_flipped_bit_or_truncation_is_refused_untouched(dtype, cut, flip, bit, seed):
+    """Whatever byte is damaged or wherever the blob is cut, apply refuses and the weights stay as they were."""
+    rng = np.random.default_rng(seed)
+    width = 8 * torch.empty((), dtype=dtype).element_size()
+    a_bits = rng.integers(0, 2 ** width, size=300, dtype=np.uint64)
+    b_bits = np.where(rng.random(300) < 0.2, _steps(a_bits, width, np.ones(300, np.uint64)), a_bits)
+    a = {"t": from_bits(a_bits, dtype, (300,))}
+    b = {"t": from_bits(b_bits, dtype, (300,))}
+    blob = bytes(encode_delta(a, b, 1, 2, chunk_elements=128))
+    for bad in (blob[:int(cut * len(blob))],
+                blob[:int(flip * len(blob))] + bytes([blob[int(flip * len(blob))] ^ (1 << bit)])
+                + blob[int(flip * len(blob)) + 1:]):
+        for state in ({"t": a["t"].clone()}, {"t": b["t"].clone()}):
+            before = bits_of(state["t"])
+            with pytest.raises(DeltaError):
+                apply_delta_inplace(state, bad)
+            assert bits_of(state["t"]) == before
