@@ -239,11 +239,17 @@ class ChangeCounter:
 
 
 def _rss_anon() -> int:
+    """Resident anonymous memory: private (RssAnon) plus shared anonymous mappings (RssShmem)."""
+    found, total = set(), 0
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise BenchError("/proc/self/status has no RssAnon line (peak memory needs Linux)")
+            key = line.split(":", 1)[0]
+            if key in ("RssAnon", "RssShmem"):
+                found.add(key)
+                total += int(line.split()[1]) * 1024
+    if "RssAnon" not in found:
+        raise BenchError("/proc/self/status has no RssAnon line (peak memory needs Linux)")
+    return total
 
 
 def _trim() -> None:

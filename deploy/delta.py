@@ -278,7 +278,8 @@ def _work(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
     buf = getattr(_scratch, name, None)
     if buf is None or buf.shape[:-1] != shape[:-1] or buf.shape[-1] < shape[-1] or buf.dtype != dtype:
         size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        buf = np.frombuffer(mmap.mmap(-1, max(size, 1)), dtype, count=int(np.prod(shape))).reshape(shape)
+        mem = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf = np.frombuffer(mem, dtype, count=int(np.prod(shape))).reshape(shape)
         setattr(_scratch, name, buf)
     return buf
 
