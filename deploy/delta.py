@@ -682,6 +682,36 @@ def warm_up(dtypes: tuple[str, ...] = ("bfloat16",)) -> None:
         apply_delta_inplace({"w": a["w"].clone()}, blob)
 
 
+def open_safetensors(path: str | os.PathLike, writable: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of a ``.safetensors`` file as memory-mapped CPU tensors: nothing is read until used.
+
+    This is how a model larger than RAM goes through the codec: ``encode_delta`` and
+    ``apply_delta_inplace`` walk tensors chunk by chunk, so only the chunks in flight are resident and
+    the page cache holds the rest. ``writable=True`` maps the file for ``apply_delta_inplace`` to update in
+    place (writes go to the file); otherwise the mapping is copy-on-write and the file never changes.
+    """
+    with open(path, "rb") as f:
+        (hlen,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(hlen))
+    kinds = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+    out: dict[str, torch.Tensor] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        if meta["dtype"] not in kinds:
+            raise TypeError(f"{path}: tensor {name!r} is {meta['dtype']}; deltas support {sorted(kinds)}")
+        dt = DTYPES[kinds[meta["dtype"]]]
+        lo, hi = meta["data_offsets"]
+        shape = tuple(meta["shape"])
+        if hi == lo:
+            out[name] = torch.empty(shape, dtype=dt.torch)
+            continue
+        arr = np.memmap(path, dtype=dt.uint, mode="r+" if writable else "c", offset=8 + hlen + lo,
+                        shape=((hi - lo) // (dt.bits // 8),))
+        out[name] = torch.from_numpy(arr).view(dt.torch).reshape(shape)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- snapshots
 
 

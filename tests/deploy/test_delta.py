@@ -361,3 +361,30 @@ def test_any_flipped_bit_or_truncation_is_refused_untouched(dtype, cut, flip, bi
             with pytest.raises(DeltaError):
                 apply_delta_inplace(state, bad)
             assert bits_of(state["t"]) == before
+
+
+def test_memory_mapped_safetensors_code_and_apply_in_place(tmp_path):
+    """A model larger than RAM: tensors mapped from .safetensors files, coded and updated chunk by chunk."""
+    from safetensors.torch import save_file
+
+    from deploy.delta import open_safetensors
+
+    g = torch.Generator().manual_seed(4)
+    master = {"a": torch.randn(300_000, generator=g) * 0.02, "b": torch.randn(64, 33, generator=g)}
+    base = {k: v.to(torch.bfloat16) for k, v in master.items()}
+    target = {k: (v + 3e-6 * torch.randn(v.shape, generator=g).sign()).to(torch.bfloat16) for k, v in master.items()}
+    base["f"], target["f"] = torch.ones(5, dtype=torch.float32), torch.ones(5, dtype=torch.float32)
+    save_file(base, str(tmp_path / "base.safetensors"))
+    save_file(target, str(tmp_path / "target.safetensors"))
+    before = (tmp_path / "base.safetensors").read_bytes()
+    mapped = open_safetensors(tmp_path / "base.safetensors")
+    blob = encode_delta(mapped, open_safetensors(tmp_path / "target.safetensors"), 0, 1, chunk_elements=65_536)
+    assert same_bits(apply_delta(mapped, blob)[0], target)
+    apply_delta_inplace(mapped, blob)  # a copy-on-write mapping: the file stays as it was
+    assert (tmp_path / "base.safetensors").read_bytes() == before
+    served = open_safetensors(tmp_path / "base.safetensors", writable=True)
+    apply_delta_inplace(served, blob)
+    del served
+    from safetensors.torch import load_file
+
+    assert same_bits(load_file(str(tmp_path / "base.safetensors")), target)  # the file itself moved to B

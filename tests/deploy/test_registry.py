@@ -7,8 +7,8 @@ import threading
 import time
 
 import pytest
-import torch
 import sqlalchemy as sa
+import torch
 
 from deploy.blobstore import BlobError, LocalBlobStore, S3BlobStore
 from deploy.delta import apply_delta, checksum, read_header
