@@ -39,16 +39,9 @@ from sqlalchemy import event, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from deploy.blobstore import BlobError, BlobInfo, BlobStore
-from deploy.delta import (
-    apply_delta,
-    checksum,
-    decode_snapshot,
-    encode_delta,
-    encode_snapshot,
-    plan_delta,
-    read_header,
-)
+from deploy.delta import apply_delta, checksum, encode_delta, plan_delta, read_header
 from deploy.migrations import upgrade_connection
+from deploy.snapshot import decode_snapshot, encode_snapshot
 
 STATUSES = ("candidate", "rejected", "stable", "retired", "rolled_back")
 

@@ -13,13 +13,12 @@ from deploy.delta import (
     apply_delta,
     apply_delta_inplace,
     checksum,
-    decode_snapshot,
     encode_delta,
-    encode_snapshot,
     plan_delta,
     read_header,
     tensor_checksum,
 )
+from deploy.snapshot import decode_snapshot, encode_snapshot
 from tests.deploy.conftest import perturb, tiny_model
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -294,14 +293,14 @@ def _repacked(blob: bytes, mutate) -> bytes:
 
     import zstandard
 
-    from deploy import delta
+    from deploy import container
 
     hlen, plen = int.from_bytes(blob[12:16], "little"), int.from_bytes(blob[16:24], "little")
     header = json.loads(zstandard.ZstdDecompressor().decompress(blob[56 + plen:56 + plen + hlen]))
     payload = bytearray(blob[56:56 + plen])
     mutate(header, payload)
     header.pop("payload_bytes")
-    return delta._pack(delta.DELTA_MAGIC, header, [bytes(payload)])
+    return container._pack(container.DELTA_MAGIC, header, [bytes(payload)])
 
 
 @pytest.mark.parametrize("how", ["flip a payload bit", "swap the digests", "wrong changed count"])
@@ -367,7 +366,7 @@ def test_memory_mapped_safetensors_code_and_apply_in_place(tmp_path):
     """A model larger than RAM: tensors mapped from .safetensors files, coded and updated chunk by chunk."""
     from safetensors.torch import save_file
 
-    from deploy.delta import open_safetensors
+    from deploy.snapshot import open_safetensors
 
     g = torch.Generator().manual_seed(4)
     master = {"a": torch.randn(300_000, generator=g) * 0.02, "b": torch.randn(64, 33, generator=g)}
