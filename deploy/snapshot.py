@@ -95,8 +95,13 @@ def open_safetensors(path: str | os.PathLike, writable: bool = False) -> dict[st
     place (writes go to the file); otherwise the mapping is copy-on-write and the file never changes.
     """
     with open(path, "rb") as f:
-        (hlen,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(hlen))
+        try:
+            (hlen,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(hlen))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")  # noqa: TRY004 -- bad file content, caught below
+        except (struct.error, ValueError, MemoryError) as e:
+            raise ValueError(f"{path} is not a safetensors file ({e})") from None
     kinds = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
     out: dict[str, torch.Tensor] = {}
     for name, meta in header.items():

@@ -387,3 +387,6 @@ def test_memory_mapped_safetensors_code_and_apply_in_place(tmp_path):
     from safetensors.torch import load_file
 
     assert same_bits(load_file(str(tmp_path / "base.safetensors")), target)  # the file itself moved to B
+    (tmp_path / "junk.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{oops")
+    with pytest.raises(ValueError, match="is not a safetensors file"):
+        open_safetensors(tmp_path / "junk.safetensors")
