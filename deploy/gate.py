@@ -30,9 +30,9 @@ import redis as redis_lib
 
 from deploy.blobstore import BlobError
 from deploy.delta import DeltaError, apply_delta, checksum
-from deploy.registry import Registry, RegistryError, Version
-from liverl.config import LiverlConfig
-from liverl.schemas import VersionAnnouncement
+from deploy.registry import Registry, RegistryError, Version, open_registry
+from liverl.core.config import LiverlConfig
+from liverl.core.schemas import VersionAnnouncement
 
 log = logging.getLogger("liverl.gate")
 
@@ -60,7 +60,7 @@ class Verdict:
 
 
 def _default_evaluate(model_dir: Path, state_dict: Mapping[str, Any], n_prompts: int) -> dict:
-    from learner.evaluate import (
+    from liverl.demo.score import (
         heldout_score,  # heavy (torch/transformers): imported only when the gate evaluates
     )
 
@@ -68,7 +68,7 @@ def _default_evaluate(model_dir: Path, state_dict: Mapping[str, Any], n_prompts:
 
 
 class Gate:
-    """Evaluates pending candidates. ``evaluate`` defaults to ``learner.evaluate.heldout_score``.
+    """Evaluates pending candidates. ``evaluate`` defaults to ``liverl.demo.score.heldout_score``.
 
     ``model_dir``: the HF model dir the eval loads weights into (None: the base version's ``model_dir``).
     ``entropy_floor``: collapse threshold in nats (None: ``cfg.gate.min_entropy`` if the config has it, else 0.05).
@@ -226,12 +226,12 @@ def run_gate(cfg: LiverlConfig, once: bool = False) -> None:
     """Entry point of ``liverl gate``: the gate loop until SIGINT/SIGTERM (``once``: one step, then return)."""
     import signal
 
-    from deploy.admin import open_redis, open_registry
+    from liverl.core.services import setup_redis
     from deploy.delta import warm_up
 
     warm_up()  # the delta codec's kernels (cached on disk after the first compile)
     registry = open_registry(cfg)
-    r = open_redis(cfg)
+    r = setup_redis(cfg, decode_responses=True)
     try:
         gate = Gate(cfg, registry, r)
         if once:

@@ -38,10 +38,11 @@ import torch
 from sqlalchemy import event, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from deploy.blobstore import BlobError, BlobInfo, BlobStore
+from deploy.blobstore import BlobError, BlobInfo, BlobStore, open_blob_store
 from deploy.delta import apply_delta, checksum, encode_delta, plan_delta, read_header
 from deploy.migrations import upgrade_connection
 from deploy.snapshot import decode_snapshot, encode_snapshot
+from liverl.core.config import LiverlConfig
 
 STATUSES = ("candidate", "rejected", "stable", "retired", "rolled_back")
 
@@ -502,3 +503,8 @@ class Registry:
                 self._audit(s, actor, "gc", None,
                             f"removed {len(result.removed)} unreferenced blobs ({result.removed_bytes} bytes)")
         return result
+
+
+def open_registry(cfg: LiverlConfig) -> Registry:
+    """The registry the config names (``cfg.registry_url``), with its blobs at ``cfg.blob_location``."""
+    return Registry(cfg.registry_url, open_blob_store(cfg.blob_location))

@@ -1,6 +1,6 @@
 """The ingest stream processor: join live feedback with the generation it judges, shape a reward, emit samples.
 
-Inputs (raw bytes, JSON per ``liverl.schemas``), both keyed by ``generation_id`` so they are co-partitioned:
+Inputs (raw bytes, JSON per ``liverl.core.schemas``), both keyed by ``generation_id`` so they are co-partitioned:
 ``<prefix>.generations`` (the serving tier logs every generation) and ``<prefix>.feedback`` (the product
 reports a user's accept / reject / edit). Outputs: ``<prefix>.samples`` (one ``TrainingSample`` per judged
 generation, ``sample_id = generation_id``) and ``<prefix>.dead-letters`` (every refused input, with why).
@@ -38,8 +38,8 @@ from typing import Any
 import faust
 
 from ingest.metrics import IngestMetrics, Tally
-from liverl.config import LiverlConfig
-from liverl.schemas import DeadLetter, FeedbackEvent, GenerationRecord, TrainingSample, WireError
+from liverl.core.config import LiverlConfig
+from liverl.core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, TrainingSample, WireError
 
 log = logging.getLogger("liverl.ingest")
 

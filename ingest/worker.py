@@ -1,6 +1,6 @@
 """Run the ingest stream processor as a process: the body of ``liverl ingest`` and of the demo's subprocess.
 
-    python -m ingest.worker [--config liverl.toml] [--loglevel info] [--web-port 6066]
+    liverl ingest [--config liverl.toml]
 
 Configuration comes from ``load_config`` (the TOML file, then ``LIVERL__SECTION__FIELD`` environment
 variables); ``broker.bootstrap`` and ``redis.url`` must name running services (``liverl`` starts the
@@ -10,10 +10,7 @@ producer is flushed, offsets of finished batches are committed, and the process 
 
 from __future__ import annotations
 
-import argparse
-import sys
-
-from liverl.config import LiverlConfig, load_config
+from liverl.core.config import LiverlConfig
 
 
 def run_worker(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, loglevel: str = "info",
@@ -27,7 +24,7 @@ def run_worker(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, loglevel: s
     import faust
 
     from ingest.app import build_app
-    from liverl.bus import all_topics, ensure_topics
+    from liverl.core.bus import all_topics, ensure_topics
 
     ensure_topics(bootstrap, all_topics(cfg), cfg.broker.partitions)
     app = build_app(cfg, bootstrap, redis_url, web_port=web_port, web_bind=web_bind)
@@ -42,24 +39,3 @@ def run_worker(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, loglevel: s
         return code if isinstance(code, int) else (0 if code is None else 1)
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ingest.worker", description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=None, help="TOML config file (default: $LIVERL_CONFIG, else defaults)")
-    ap.add_argument("--loglevel", default="info", help="debug | info | warning | error")
-    ap.add_argument("--web-port", type=int, default=None,
-                    help="port of /metrics (default: ingest.web_port; 0 disables the web server)")
-    ap.add_argument("--web-bind", default="127.0.0.1", help="interface of the web server (0.0.0.0: all)")
-    args = ap.parse_args(argv)
-    cfg = load_config(args.config)
-    if not cfg.broker.bootstrap:
-        ap.error("broker.bootstrap is not set: pass a config or LIVERL__BROKER__BOOTSTRAP=host:port "
-                 "(the ingest worker does not start an embedded broker of its own)")
-    if not cfg.redis.url:
-        ap.error("redis.url is not set: pass a config or LIVERL__REDIS__URL=redis://host:port/0")
-    return run_worker(cfg, cfg.broker.bootstrap, cfg.redis.url, loglevel=args.loglevel, web_port=args.web_port,
-                      web_bind=args.web_bind)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,9 +23,7 @@ The learner is a singleton per deployment (one consumer in group ``<prefix>.lear
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import logging
 import math
 import os
@@ -40,9 +38,9 @@ from kafka.errors import CommitFailedError
 from kafka.structs import OffsetAndMetadata
 
 from learner.loss import RunningBaseline, advantages, full_kl, pg_loss
-from liverl.bus import make_consumer
-from liverl.config import LearnerConfig, LiverlConfig
-from liverl.schemas import TrainingSample, WireError
+from liverl.core.bus import make_consumer
+from liverl.core.config import LearnerConfig, LiverlConfig
+from liverl.core.schemas import TrainingSample, WireError
 
 log = logging.getLogger("liverl.learner")
 
@@ -60,7 +58,7 @@ class PolicyTrainer:
 
     def __init__(self, model_dir: Path, lcfg: LearnerConfig, state_dict: dict[str, torch.Tensor] | None = None,
                  normalize_adv: bool = False, kl_estimator: str | None = None):
-        from learner.policy import load_model
+        from learner.model import load_model
 
         torch.set_num_threads(1)  # 2 cores shared with vLLM, ingest and the gate
         self.lcfg = lcfg
@@ -173,7 +171,7 @@ class PolicyTrainer:
     # -- weights & state ---------------------------------------------------------------------------
     def weights(self, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
         """The current weights under the file names (the weights convention); bf16 is the served form."""
-        from learner.policy import state_dict_from_model
+        from learner.model import state_dict_from_model
 
         return state_dict_from_model(self.model, dtype=dtype)
 
@@ -182,7 +180,7 @@ class PolicyTrainer:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], reset_optimizer: bool) -> None:
         """Overwrite the weights in place (file names, any dtype) so the optimizer keeps its parameters."""
-        from learner.policy import to_module_state
+        from learner.model import to_module_state
 
         module_sd = to_module_state(state_dict, dtype=torch.float32)
         missing, unexpected = self.model.load_state_dict(module_sd, strict=False)
@@ -193,7 +191,7 @@ class PolicyTrainer:
 
     def set_reference(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Move the KL anchor (file names, any dtype): the learner stays near what is served, not only near the base."""
-        from learner.policy import to_module_state
+        from learner.model import to_module_state
 
         if self.ref is None:
             return
@@ -538,31 +536,29 @@ class PrometheusCollector:
                 yield GaugeMetricFamily(f"liverl_learner_{k}", f"Last update's {k}.", value=lr.last_metrics[k])
 
 
-def run_learner(cfg: LiverlConfig, stop_event: threading.Event | None = None, max_steps: int | None = None,
+def run_learner(cfg: LiverlConfig, model_dir: Path, stop_event: threading.Event | None = None, max_steps: int | None = None,
                 metrics_port: int | None = None) -> dict:
     """The learner process: connect to the configured stack, build/load the base policy, train until stopped.
 
     ``metrics_port``: serve Prometheus metrics on 127.0.0.1:port (``serving.host``) while it runs.
     """
-    import redis as redis_lib
-
-    from deploy.admin import open_blobs
     from deploy.delta import warm_up
-    from deploy.registry import Registry, RegistryError
-    from learner.policy import ensure_base_policy, load_state_dict
-    from liverl.bus import ensure_topics
+    from deploy.registry import RegistryError, open_registry
+    from learner.model import load_state_dict
+    from liverl.core.bus import ensure_topics
 
-    bootstrap = cfg.broker.bootstrap or f"127.0.0.1:{cfg.broker.embedded_port}"
+    from liverl.core.services import kafka_bootstrap, setup_redis
+
+    bootstrap = kafka_bootstrap(cfg)
     ensure_topics(bootstrap, [cfg.topics.samples], cfg.broker.partitions)
-    model_dir = ensure_base_policy(cfg.model_cache_path, cfg.model.seed)
     warm_up()  # the delta codec's kernels, before the first candidate is due
-    registry = Registry(cfg.registry_url, open_blobs(cfg))
+    registry = open_registry(cfg)
     try:
         registry.stable()
     except RegistryError:  # an empty registry: this process is the first to need version 0
         log.info("learner: registry has no stable version; registering the base policy as v0")
         registry.init_base(load_state_dict(model_dir), str(model_dir))
-    r = redis_lib.Redis.from_url(cfg.redis.url or "redis://127.0.0.1:6379/0")
+    r = setup_redis(cfg)
     learner = Learner(cfg, model_dir, bootstrap, registry, redis=r)
     server = None
     if metrics_port is not None:
@@ -580,26 +576,3 @@ def run_learner(cfg: LiverlConfig, stop_event: threading.Event | None = None, ma
         r.close()
         registry.close()
 
-
-def main(argv: list[str] | None = None) -> int:
-    import signal
-
-    from liverl.config import load_config
-
-    ap = argparse.ArgumentParser(description="liverl continuous learner")
-    ap.add_argument("--config", default=None, help="TOML config file (else $LIVERL_CONFIG and LIVERL__* env)")
-    ap.add_argument("--max-steps", type=int, default=None, help="stop after this many updates")
-    ap.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())  # finish the current update, checkpoint, commit, exit
-    stats = run_learner(load_config(args.config), stop_event=stop, max_steps=args.max_steps,
-                        metrics_port=args.metrics_port)
-    print(json.dumps(stats, default=str))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

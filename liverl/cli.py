@@ -12,7 +12,8 @@ import logging
 import os
 import sys
 
-from liverl.config import LiverlConfig, load_config
+from liverl.core.config import LiverlConfig, load_config
+from liverl.core.services import LiverlError
 
 DESCRIPTION = """\
 liverl turns live product feedback (accept / reject / edit) into a better served model, safely.
@@ -71,7 +72,7 @@ def _cfg(args: argparse.Namespace) -> LiverlConfig:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from liverl.demo import run_demo
+    from liverl.demo.run import run_demo
 
     cfg = _cfg(args)
     if args.duration is not None:
@@ -84,25 +85,32 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if summary.get("ok", False) or not args.strict else 1
 
 
+def model_dir_for(cfg: LiverlConfig):
+    """The base model directory: ``model.path``, else the built-in demo policy (built once, then cached)."""
+    from pathlib import Path
+
+    if cfg.model.path:
+        return Path(cfg.model.path).resolve()
+    from liverl.demo.base_policy import ensure_base_policy
+
+    return ensure_base_policy(cfg.model_cache_path, seed=cfg.model.seed)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    from learner.policy import ensure_base_policy
-    from liverl.stack import resolve_services
+    from liverl.core.services import kafka_bootstrap, redis_url
     from serving.agent import run_serving
 
     cfg = _cfg(args)
-    bootstrap, redis_url = resolve_services(cfg)
-    model_dir = ensure_base_policy(cfg.model_cache_path, seed=cfg.model.seed)
-    run_serving(cfg, model_dir, bootstrap, redis_url, cfg.registry_url)
+    run_serving(cfg, model_dir_for(cfg), kafka_bootstrap(cfg), redis_url(cfg), cfg.registry_url)
     return 0
 
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     from ingest.worker import run_worker
-    from liverl.stack import resolve_services
+    from liverl.core.services import kafka_bootstrap, redis_url
 
     cfg = _cfg(args)
-    bootstrap, redis_url = resolve_services(cfg)
-    return run_worker(cfg, bootstrap, redis_url)
+    return run_worker(cfg, kafka_bootstrap(cfg), redis_url(cfg))
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
@@ -110,14 +118,13 @@ def cmd_learn(args: argparse.Namespace) -> int:
     import threading
 
     from learner.trainer import run_learner
-    from liverl.stack import resolve_services
 
     cfg = _cfg(args)
-    resolve_services(cfg)
+    model_dir = model_dir_for(cfg)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())  # finish the update, checkpoint, commit, exit
-    run_learner(cfg, stop_event=stop, max_steps=args.max_steps, metrics_port=args.metrics_port)
+    run_learner(cfg, model_dir, stop_event=stop, max_steps=args.max_steps, metrics_port=args.metrics_port)
     return 0
 
 
@@ -130,7 +137,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
 
 def cmd_build_policy(args: argparse.Namespace) -> int:
-    from learner.policy import ensure_base_policy
+    from liverl.demo.base_policy import ensure_base_policy
 
     cfg = _cfg(args)
     path = ensure_base_policy(cfg.model_cache_path, seed=cfg.model.seed if args.seed is None else args.seed)
@@ -139,7 +146,7 @@ def cmd_build_policy(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_delta(args: argparse.Namespace) -> int:
-    from deploy.bench import run
+    from liverl.bench.delta import run
 
     cfg = _cfg(args)
     command = "liverl bench delta" + "".join(
@@ -152,43 +159,43 @@ def cmd_bench_delta(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from deploy.admin import cmd_status as run
+    from liverl.admin import cmd_status as run
 
     return run(_cfg(args))
 
 
 def cmd_versions(args: argparse.Namespace) -> int:
-    from deploy.admin import cmd_versions as run
+    from liverl.admin import cmd_versions as run
 
     return run(_cfg(args), limit=args.limit)
 
 
 def cmd_history(args: argparse.Namespace) -> int:
-    from deploy.admin import cmd_history as run
+    from liverl.admin import cmd_history as run
 
     return run(_cfg(args))
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    from deploy.admin import cmd_promote as run
+    from liverl.admin import cmd_promote as run
 
     return run(_cfg(args), version=args.version, reason=args.reason, actor=args.actor, force=args.force)
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
-    from deploy.admin import cmd_rollback as run
+    from liverl.admin import cmd_rollback as run
 
     return run(_cfg(args), to=args.to, reason=args.reason, actor=args.actor)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from deploy.admin import gc_command
+    from liverl.admin import gc_command
 
     return gc_command(_cfg(args), dry_run=args.dry_run, grace_s=args.grace)
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from liverl.schemas import json_schemas
+    from liverl.core.schemas import json_schemas
 
     schemas = json_schemas()
     print(json.dumps(schemas if args.name is None else schemas[args.name], indent=2))
@@ -305,11 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"liverl: error: {e}", file=sys.stderr)
         return 2
-    except RuntimeError as e:  # StackError and friends: a part that could not start, named in the message
-        if type(e).__module__.startswith(("liverl", "serving", "ingest", "learner", "deploy")):
-            print(f"liverl: error: {e}", file=sys.stderr)
-            return 1
-        raise
+    except LiverlError as e:  # a part that could not start or a refused operation, named in the message
+        print(f"liverl: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

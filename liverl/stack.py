@@ -9,27 +9,20 @@ from __future__ import annotations
 
 import logging
 import shutil
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from liverl.config import LiverlConfig
+from liverl.core.config import LiverlConfig
+from liverl.core.services import LiverlError, check_redis, local_redis_url, port_open
 
 log = logging.getLogger("liverl.stack")
 
 
-class StackError(RuntimeError):
+class StackError(LiverlError):
     """A part of the stack could not start or be reached."""
 
-
-def port_open(host: str, port: int, timeout: float = 0.3) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def wait_port(host: str, port: int, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
@@ -116,14 +109,14 @@ def start_stack(cfg: LiverlConfig) -> Stack:
     state = cfg.state_path
     logs = state / "logs"
     procs: list[tuple[str, subprocess.Popen]] = []
-    stack = Stack(bootstrap="", redis_url="", registry_url=cfg.registry_url, blob_dir=cfg.registry.blob_dir or str(cfg.blob_path), procs=procs)
+    stack = Stack(bootstrap="", redis_url="", registry_url=cfg.registry_url, blob_dir=cfg.blob_location, procs=procs)
     try:
         if cfg.broker.bootstrap:
             stack.bootstrap = cfg.broker.bootstrap
         else:
             procs.append(("broker", start_broker(cfg.broker.embedded_port, logs)))
             stack.bootstrap = f"127.0.0.1:{cfg.broker.embedded_port}"
-        stack.redis_url = redis_url_for(cfg)
+        stack.redis_url = local_redis_url(cfg)
         if stack.redis_url is None:
             procs.append(("redis", start_redis(cfg.redis.embedded_port, logs)))
             stack.redis_url = f"redis://127.0.0.1:{cfg.redis.embedded_port}/0"
@@ -138,33 +131,3 @@ def start_stack(cfg: LiverlConfig) -> Stack:
     return stack
 
 
-def redis_url_for(cfg: LiverlConfig) -> str | None:
-    """The Redis every process uses: ``redis.url``, else the local 127.0.0.1:6379 when it answers, else None."""
-    if cfg.redis.url:
-        return cfg.redis.url
-    if port_open("127.0.0.1", 6379):
-        return "redis://127.0.0.1:6379/0"
-    return None
-
-
-def check_redis(url: str) -> None:
-    import redis
-
-    try:
-        redis.Redis.from_url(url, socket_connect_timeout=2).ping()
-    except redis.RedisError as e:
-        raise StackError(f"Redis at {url} does not answer: {e}") from e
-
-
-def resolve_services(cfg: LiverlConfig) -> tuple[str, str]:
-    """Bootstrap and Redis URL for a pipeline process (`liverl serve|ingest|learn|gate`), which never starts them.
-
-    A process run on its own needs ``broker.bootstrap``; Redis falls back to 127.0.0.1:6379 when it answers.
-    """
-    if not cfg.broker.bootstrap:
-        raise ValueError("broker.bootstrap is not set: point it at your Kafka (LIVERL__BROKER__BOOTSTRAP=host:9092), "
-                         "or run `liverl demo`, which starts the embedded broker")
-    url = redis_url_for(cfg)
-    if url is not None:
-        return cfg.broker.bootstrap, url
-    raise ValueError("redis.url is not set and nothing answers on 127.0.0.1:6379 (LIVERL__REDIS__URL=redis://host:6379/0)")

@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from liverl.config import LiverlConfig
-from liverl.schemas import VersionAnnouncement, WireError
+from liverl.core.config import LiverlConfig
+from liverl.core.schemas import VersionAnnouncement, WireError
 from serving.gateway import Gateway, NodeClient
 
 log = logging.getLogger("liverl.serving.agent")
@@ -363,10 +363,10 @@ async def serve(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str,
         await client.start()
         await gw.start()
         if registry_url:
-            from deploy.admin import open_blobs
+            from deploy.blobstore import open_blob_store
             from deploy.registry import Registry
 
-            registry = Registry(registry_url, open_blobs(cfg))
+            registry = Registry(registry_url, open_blob_store(cfg.blob_location))
         agent = Agent(cfg, gw, rds, registry)
         await agent.init()
         runner = web.AppRunner(gw.app, access_log=None)

@@ -25,8 +25,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from liverl.config import LiverlConfig
-from liverl.schemas import GenerationRecord, SamplingParams
+from liverl.core.config import LiverlConfig
+from liverl.core.schemas import GenerationRecord, SamplingParams
 
 log = logging.getLogger("liverl.serving.gateway")
 
@@ -285,7 +285,7 @@ class Gateway:
         Tansu broker (UnknownError), kafka-python's works. Its sends are non-blocking (a background I/O thread);
         acks are bridged back to the event loop.
         """
-        from liverl.bus import ensure_topics, make_producer
+        from liverl.core.bus import ensure_topics, make_producer
 
         topic = self.cfg.topics.generations
         await asyncio.to_thread(ensure_topics, self.bootstrap, [topic], self.cfg.broker.partitions)

@@ -34,7 +34,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from liverl.config import LiverlConfig
+from liverl.core.config import LiverlConfig
 
 log = logging.getLogger("liverl.serving.node")
 

@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-from liverl.config import LiverlConfig, load_config
+from liverl.core.config import LiverlConfig, load_config
 from liverl.stack import Stack, port_open, start_stack
 
 

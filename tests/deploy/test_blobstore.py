@@ -14,8 +14,8 @@ import time
 import boto3
 import pytest
 
-from deploy.admin import blob_location, open_blobs
-from deploy.blobstore import BlobError, LocalBlobStore, S3BlobStore, open_blob_store
+from deploy.blobstore import open_blob_store
+from deploy.blobstore import BlobError, LocalBlobStore, S3BlobStore
 
 
 def test_local_list_keys_stat_and_reput_refreshes_mtime(tmp_path):
@@ -115,7 +115,7 @@ def test_open_blob_store_picks_the_store(tmp_path, s3_bucket, s3_env, monkeypatc
 
 def test_config_blob_dir_goes_through_the_factory(cfg, s3_bucket, s3_env):
     """``registry.blob_dir`` (the existing field) may now be an s3:// URL; unset, blobs stay in the state folder."""
-    assert blob_location(cfg) == str(cfg.blob_path) and isinstance(open_blobs(cfg), LocalBlobStore)
+    assert isinstance(open_blob_store(cfg.blob_location), LocalBlobStore)
     cfg.registry.blob_dir = f"s3://{s3_bucket}/liverl"
-    store = open_blobs(cfg)
+    store = open_blob_store(cfg.blob_location)
     assert isinstance(store, S3BlobStore) and (store.bucket, store.prefix) == (s3_bucket, "liverl")

@@ -1,7 +1,7 @@
 """The release gate against a real Redis and a real (SQLite) registry.
 
 The held-out evaluation is a stand-in that reads a "probe" tensor planted in the weights, so each test
-chooses what a candidate scores; the real ``learner.evaluate.heldout_score`` is exercised by the slow test.
+chooses what a candidate scores; the real ``liverl.demo.score.heldout_score`` is exercised by the slow test.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from deploy.admin import open_registry
+from liverl.admin import open_registry
 from deploy.gate import Gate
-from liverl.schemas import VersionAnnouncement
+from liverl.core.schemas import VersionAnnouncement
 from tests.deploy.conftest import perturb, tiny_model
 
 
@@ -153,7 +153,7 @@ def test_run_loop_promotes_then_stops(cfg, setup):
 @pytest.mark.slow
 def test_gate_with_the_real_heldout_eval(cfg, rds):
     """The real evaluator on the real base policy: a lightly perturbed candidate gets all three checks recorded."""
-    from learner.policy import ensure_base_policy, load_state_dict
+    from liverl.demo.base_policy import ensure_base_policy, load_state_dict
 
     cfg.gate.eval_prompts = 32
     model_dir = ensure_base_policy(cfg.model_cache_path, seed=0, progress=False)

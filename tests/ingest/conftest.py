@@ -23,9 +23,9 @@ import pytest
 import redis
 from kafka import KafkaConsumer, TopicPartition
 
-from liverl.bus import all_topics, ensure_topics, make_producer
-from liverl.config import LiverlConfig, load_config
-from liverl.schemas import GenerationRecord, SamplingParams
+from liverl.core.bus import all_topics, ensure_topics, make_producer
+from liverl.core.config import LiverlConfig, load_config
+from liverl.core.schemas import GenerationRecord, SamplingParams
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]

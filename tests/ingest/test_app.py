@@ -13,7 +13,7 @@ import time
 import pytest
 
 from ingest.sdk import from_config
-from liverl.schemas import DeadLetter, FeedbackEvent, TrainingSample
+from liverl.core.schemas import DeadLetter, FeedbackEvent, TrainingSample
 from tests.ingest.conftest import make_generation, new_gid, wait_until
 
 

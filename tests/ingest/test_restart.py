@@ -9,7 +9,7 @@ import time
 import pytest
 
 from ingest.sdk import from_config
-from liverl.schemas import TrainingSample
+from liverl.core.schemas import TrainingSample
 from tests.ingest.conftest import IngestHarness, ingest_config, make_generation, new_gid, wait_until
 
 

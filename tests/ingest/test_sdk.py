@@ -7,8 +7,8 @@ import json
 import pytest
 
 from ingest.sdk import FeedbackClient, from_config
-from liverl.bus import all_topics, ensure_topics
-from liverl.schemas import FeedbackEvent
+from liverl.core.bus import all_topics, ensure_topics
+from liverl.core.schemas import FeedbackEvent
 from tests.ingest.conftest import TopicTail, new_gid
 
 

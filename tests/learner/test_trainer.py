@@ -2,7 +2,7 @@
 
 Samples are synthetic but valid: completions sampled from the real base policy (weights rounded to
 bf16, as served) on the task's prompts, its log-probs recorded as the behaviour policy, rewards from
-``liverl.task.user_accepts``. No mocks: a "crash" is an exception raised inside the real loop.
+``liverl.demo.task.user_accepts``. No mocks: a "crash" is an exception raised inside the real loop.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from liverl import task
-from liverl.config import LiverlConfig
-from liverl.schemas import TrainingSample
+from liverl.demo import task
+from liverl.core.config import LiverlConfig
+from liverl.core.schemas import TrainingSample
 
 ACCEPT, REJECT = 0.75, -0.25
 
@@ -31,7 +31,7 @@ def model_cache() -> Path:
 
 @pytest.fixture(scope="module")
 def model_dir() -> Path:
-    from learner.policy import ensure_base_policy
+    from liverl.demo.base_policy import ensure_base_policy
 
     return ensure_base_policy(model_cache(), seed=0, progress=False)
 
@@ -50,7 +50,7 @@ def served_copy(model):
 @torch.no_grad()
 def generate(model, prompts: list[task.TaskPrompt], gen: torch.Generator) -> list[tuple[list[int], list[float], str]]:
     """Sample completions at the task temperature: (completion ids incl. EOS, their log-probs, decoded text)."""
-    from learner.policy import EOS_ID, VOCAB, encode_text
+    from liverl.demo.base_policy import EOS_ID, VOCAB, encode_text
 
     ids_BL = torch.tensor([encode_text(p.text) for p in prompts])  # every prompt has the same length
     B = len(prompts)
@@ -78,7 +78,7 @@ def generate(model, prompts: list[task.TaskPrompt], gen: torch.Generator) -> lis
 
 def make_samples(model, n: int, seed: int, policy_version: int = 0, id_prefix: str = "g") -> list[TrainingSample]:
     """``n`` TrainingSamples sampled from ``model`` (served as bf16), judged by the hidden preference."""
-    from learner.policy import encode_text
+    from liverl.demo.base_policy import encode_text
 
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -96,7 +96,7 @@ def make_samples(model, n: int, seed: int, policy_version: int = 0, id_prefix: s
 
 
 def produce(cfg: LiverlConfig, values: list[bytes], keys: list[str]) -> None:
-    from liverl.bus import ensure_topics, make_producer
+    from liverl.core.bus import ensure_topics, make_producer
 
     ensure_topics(cfg.broker.bootstrap, [cfg.topics.samples], cfg.broker.partitions)
     prod = make_producer(cfg.broker.bootstrap)
@@ -127,9 +127,9 @@ def committed_offsets(cfg: LiverlConfig) -> dict[int, int]:
 def make_registry(cfg: LiverlConfig, model_dir: Path):
     from deploy.blobstore import LocalBlobStore
     from deploy.registry import Registry
-    from learner.policy import load_state_dict
+    from learner.model import load_state_dict
 
-    reg = Registry(cfg.registry_url, LocalBlobStore(cfg.blob_path))
+    reg = Registry(cfg.registry_url, LocalBlobStore(cfg.blob_location))
     reg.init_base(load_state_dict(model_dir), str(model_dir))
     return reg
 
@@ -151,7 +151,7 @@ def read_checkpoint(path: Path) -> dict:
 @pytest.fixture(scope="module")
 def base_samples(model_dir) -> list[TrainingSample]:
     """112 distinct valid samples from the real base policy (7 batches of 16)."""
-    from learner.policy import load_model
+    from learner.model import load_model
 
     return make_samples(load_model(model_dir), 112, seed=1)
 
@@ -327,7 +327,7 @@ def online_rl(model_dir: Path, lcfg, samples_total: int, eval_every: int, seed: 
     """
     import copy
 
-    from learner.evaluate import heldout_score
+    from liverl.demo.score import heldout_score
     from learner.trainer import PolicyTrainer
 
     tr = PolicyTrainer(model_dir, lcfg)
@@ -353,7 +353,7 @@ def test_online_rl_lifts_expected_acceptance_by_15_points(model_dir):
     Measured on the recipe-3 base (0.363): lr 3e-4, full KL 0.05, batch 64, behaviour refreshed every 10
     updates: +15 points after 2,560 samples (3 of 3 seeds, 3,840 at worst), ~0.66 after 10k samples.
     """
-    from liverl.config import LearnerConfig
+    from liverl.core.config import LearnerConfig
 
     lcfg = LearnerConfig(lr=3e-4, batch_size=64, kl_coef=0.05, tis_cap=2.0, micro_epochs=1)
     curve = online_rl(model_dir, lcfg, samples_total=6400, eval_every=1280, seed=0)

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from liverl.config import load_config
-from liverl.schemas import GenerationRecord, VersionAnnouncement
+from liverl.core.config import load_config
+from liverl.core.schemas import GenerationRecord, VersionAnnouncement
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def srv(stack, tmp_path_factory):
 
     from deploy.blobstore import LocalBlobStore
     from deploy.registry import Registry
-    from learner.policy import ensure_base_policy, load_state_dict
+    from liverl.demo.base_policy import ensure_base_policy, load_state_dict
     from serving.agent import ServingThread
 
     cache = Path(os.environ.get("LIVERL_TEST_MODEL_CACHE") or tmp_path_factory.mktemp("models"))
@@ -49,7 +49,7 @@ def srv(stack, tmp_path_factory):
                       redis__url=stack.redis_url, topics__prefix=f"t{uuid.uuid4().hex[:10]}",
                       serving__gateway_port=_free_port(), serving__vllm_port=_free_port(),
                       serving__swap_poll_s=0.1, serving__max_num_seqs=32)
-    registry = Registry(cfg.registry_url, LocalBlobStore(cfg.blob_path))
+    registry = Registry(cfg.registry_url, LocalBlobStore(cfg.blob_location))
     base = load_state_dict(model_dir)
     registry.init_base(base, str(model_dir))
     serving = ServingThread(cfg, model_dir, stack.bootstrap, stack.redis_url, cfg.registry_url).start()
@@ -272,7 +272,7 @@ def test_hot_swap_under_load_is_exact(srv):
         assert rec.policy_version == sample[gid]["version"]
 
     # the new log-probs are the new weights' (transformers on the same bf16 weights), not the old ones'
-    from learner.policy import load_model
+    from learner.model import load_model
 
     model_new = load_model(srv.model_dir, state_dict=new_state, dtype=torch.float32)
     model_old = load_model(srv.model_dir, state_dict=old_state, dtype=torch.float32)

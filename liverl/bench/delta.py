@@ -59,7 +59,7 @@ def demo_cases(cache_dir: Path, seed: int = 0, lrs: tuple[float, ...] = DEMO_LRS
     """
     import torch
 
-    from learner.policy import ensure_base_policy, load_model, state_dict_from_model
+    from liverl.demo.base_policy import ensure_base_policy, load_model, state_dict_from_model
 
     model_dir = ensure_base_policy(cache_dir, seed=seed)
     for lr in lrs:

@@ -15,7 +15,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from liverl import task
+from liverl.demo import task
 
 
 @contextlib.contextmanager
@@ -33,12 +33,12 @@ def _one_thread() -> Iterator[None]:
 def score_model(model, prompts: list[task.TaskPrompt]) -> dict:
     """Exact expected acceptance, greedy acceptance and first-token entropy of ``model`` on ``prompts``.
 
-    ``model`` is a transformers causal LM over the ``learner.policy`` tokenizer (any dtype). Returns
+    ``model`` is a transformers causal LM over the ``liverl.demo.base_policy`` tokenizer (any dtype). Returns
     ``{"expected_acceptance", "greedy_acceptance", "entropy", "n_prompts", "per_segment": {seg: {...}}}``.
     """
     import torch
 
-    from learner.policy import sft_batch
+    from liverl.demo.base_policy import sft_batch
 
     if not prompts:
         raise ValueError("score_model needs at least one prompt")
@@ -88,7 +88,7 @@ def heldout_score(model_dir: Path, state_dict: dict | None, n_prompts: int = 256
     ``expected_acceptance`` (exact P(accept) under sampling at ``task.TEMPERATURE``), ``greedy_acceptance``,
     ``entropy`` (mean entropy in nats of the first completion token), ``n_prompts`` and ``per_segment``.
     """
-    from learner.policy import load_model
+    from learner.model import load_model
 
     if n_prompts <= 0:
         raise ValueError(f"n_prompts must be positive, got {n_prompts}")
@@ -106,7 +106,7 @@ def sample_completions(model, prompts: list[task.TaskPrompt], seed: int = 0) -> 
     """
     import torch
 
-    from learner.policy import EOS_ID, VOCAB, encode_text
+    from liverl.demo.base_policy import EOS_ID, VOCAB, encode_text
 
     gen = torch.Generator().manual_seed(seed)
     ids_BT = torch.tensor([encode_text(p.text) for p in prompts])  # all prompts have the same length

@@ -1,7 +1,7 @@
 """The operator verbs behind ``liverl status | versions | history | promote | rollback``.
 
 Each returns a process exit code and prints rich tables. They read the registry (``cfg.registry_url``, blobs in
-``cfg.blob_path``) and Redis (live acceptance ``<prefix>:live:<version>``, heartbeats ``<prefix>:served:<node>``);
+``cfg.blob_location``) and Redis (live acceptance ``<prefix>:live:<version>``, heartbeats ``<prefix>:served:<node>``);
 promote/rollback change the registry (audited) and then write ``<prefix>:desired`` so the serving agents swap.
 Heavy modules (torch via the registry) are imported inside the functions: ``liverl --help`` stays light.
 """
@@ -13,42 +13,24 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from liverl.config import LiverlConfig
+from liverl.core.config import LiverlConfig
 
 if TYPE_CHECKING:
     import redis
 
-    from deploy.blobstore import BlobStore
     from deploy.registry import Registry
-
-
-def blob_location(cfg: LiverlConfig) -> str:
-    """Where the blobs live: ``registry.blob_dir`` as written (a folder, ``file://`` or ``s3://`` URL; not
-    through ``cfg.blob_path``, which would turn ``s3://b/p`` into a path), else ``<state_dir>/blobs``."""
-    return cfg.registry.blob_dir or str(cfg.blob_path)
-
-
-def open_blobs(cfg: LiverlConfig) -> BlobStore:
-    """The configured blob store (``deploy.blobstore.open_blob_store`` on ``blob_location(cfg)``)."""
-    from deploy.blobstore import open_blob_store
-
-    return open_blob_store(blob_location(cfg))
-
-
-def open_registry(cfg: LiverlConfig) -> Registry:
-    from deploy.registry import Registry
-
-    return Registry(cfg.registry_url, open_blobs(cfg))
 
 
 def open_redis(cfg: LiverlConfig) -> redis.Redis:
-    """Redis at ``cfg.redis.url``; without one, the local 6379, else the embedded port (as ``liverl.stack`` picks)."""
-    import redis
+    from liverl.core.services import setup_redis
 
-    from liverl.stack import redis_url_for
+    return setup_redis(cfg, decode_responses=True)
 
-    url = redis_url_for(cfg) or f"redis://127.0.0.1:{cfg.redis.embedded_port}/0"
-    return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=3)
+
+def open_registry(cfg: LiverlConfig) -> Registry:
+    from deploy.registry import open_registry
+
+    return open_registry(cfg)
 
 
 def _console():
@@ -255,7 +237,7 @@ def gc_command(cfg: LiverlConfig, dry_run: bool, grace_s: float = 3600.0) -> int
     reg = open_registry(cfg)
     try:
         res = reg.gc(dry_run=dry_run, grace_s=grace_s)
-        store = blob_location(cfg)
+        store = cfg.blob_location
     finally:
         reg.close()
     con = _console()

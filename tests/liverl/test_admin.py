@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from deploy.admin import cmd_history, cmd_promote, cmd_rollback, cmd_status, cmd_versions, open_registry
-from liverl.schemas import VersionAnnouncement
+from liverl.admin import cmd_history, cmd_promote, cmd_rollback, cmd_status, cmd_versions, open_registry
+from liverl.core.schemas import VersionAnnouncement
 from tests.deploy.conftest import perturb, tiny_model
 
 

@@ -70,6 +70,9 @@ class TopicsConfig(_Section):
 
 
 class ModelConfig(_Section):
+    path: str | None = Field(
+        default=None, description="A Hugging Face causal-LM directory (config.json, safetensors, tokenizer with a chat "
+        "template) that transformers and vLLM both load. None: the built-in demo policy (built from model.seed).")
     seed: int = Field(default=0, description="Seed of the base policy (weights, tokenizer, warm start).")
     cache_dir: str | None = Field(default=None, description="Where built base policies are cached. None: <state_dir>/models.")
 
@@ -155,8 +158,10 @@ class LiverlConfig(_Section):
         return self.registry.url or f"sqlite:///{self.state_path / 'registry.db'}"
 
     @property
-    def blob_path(self) -> Path:
-        return Path(self.registry.blob_dir) if self.registry.blob_dir else self.state_path / "blobs"
+    def blob_location(self) -> str:
+        """Where the blobs live: ``registry.blob_dir`` as written (a folder, ``file://`` or ``s3://`` URL), else
+        ``<state_dir>/blobs``."""
+        return self.registry.blob_dir or str(self.state_path / "blobs")
 
     @property
     def model_cache_path(self) -> Path:

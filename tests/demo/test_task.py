@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from liverl import task
-from liverl.schemas import FeedbackEvent, WireError
-from liverl.sim import SimStats, run_users
+from liverl.demo import task
+from liverl.core.schemas import FeedbackEvent, WireError
+from liverl.demo.sim import SimStats, run_users
 
 
 # ------------------------------------------------------------------------------------------------ task

@@ -2,7 +2,7 @@
 
 Why built here rather than downloaded: the demo must run offline on 2 CPU cores, so the policy is a
 ~0.25M-parameter Qwen3-MoE (8 experts, top-2) whose weights come from a short supervised warm start on
-``liverl.task``. The warm start stops as soon as the policy's exact expected acceptance (computed on
+``liverl.demo.task``. The warm start stops as soon as the policy's exact expected acceptance (computed on
 the bf16-rounded weights, which is what vLLM serves) reaches ``RECIPE["target_acceptance"]``, so the
 base leaves a real but learnable gap for online RL whatever the seed.
 
@@ -26,7 +26,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import shutil
 import sys
 import tempfile
@@ -35,10 +34,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from liverl import task
+from learner.model import _seeded, load_model, load_state_dict, save_model_dir, state_dict_from_model  # noqa: F401
+from liverl.demo import task
 
 if TYPE_CHECKING:  # heavy imports stay inside functions (``liverl --help`` must not import torch)
-    import torch
     from transformers import PreTrainedTokenizerFast
 
 PAD_TOKEN = "<|pad|>"
@@ -65,7 +64,6 @@ RECIPE: dict = {
 }
 """Everything that determines the built weights; its hash (with the seed) names the cache entry."""
 
-_EXPERT_FILE_RE = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 # ----------------------------------------------------------------------------------------------- tokenizer
@@ -96,13 +94,6 @@ def _save_tokenizer(tokenizer, out: Path) -> None:
         json.dumps({"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "unk_token": UNK_TOKEN}, indent=2))
 
 
-def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
-    """The model dir's tokenizer, as transformers (and vLLM) load it."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir))
-
-
 def encode_text(text: str) -> list[int]:
     """Token ids of ``text`` without special tokens (same as the tokenizer, without loading it)."""
     try:
@@ -122,106 +113,6 @@ def _model_config():
         bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, decoder_sparse_step=1, mlp_only_layers=[],
         use_sliding_window=False, output_router_logits=False,
     )
-
-
-def to_module_state(state_dict: dict[str, torch.Tensor], dtype=None) -> dict[str, torch.Tensor]:
-    """File names (per-expert) → the in-memory transformers names (fused experts); optional cast."""
-    import torch
-
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    for name, t in state_dict.items():
-        m = _EXPERT_FILE_RE.match(name)
-        if m:
-            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
-        else:
-            out[name] = t
-    for prefix, by_e in experts.items():
-        idx = sorted(by_e)
-        if idx != list(range(len(idx))):
-            raise ValueError(f"{prefix}: expert indices {idx} are not 0..{len(idx) - 1}")
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([by_e[e]["gate_proj"], by_e[e]["up_proj"]], dim=0) for e in idx])
-        out[f"{prefix}.down_proj"] = torch.stack([by_e[e]["down_proj"] for e in idx])
-    if dtype is not None:
-        out = {k: v.to(dtype) for k, v in out.items()}
-    return out
-
-
-def state_dict_from_model(model, dtype=None) -> dict[str, torch.Tensor]:
-    """A transformers model's weights under the file names (per-expert), detached, contiguous, on CPU.
-
-    ``dtype`` defaults to bfloat16 (the served dtype); pass ``torch.float32`` for fp32 master weights.
-    """
-    import torch
-
-    dtype = torch.bfloat16 if dtype is None else dtype
-    out: dict[str, torch.Tensor] = {}
-    for name, t in model.state_dict().items():
-        t = t.detach().to("cpu")
-        if name.endswith(".mlp.experts.gate_up_proj"):
-            prefix = name[: -len(".gate_up_proj")]
-            inter = t.shape[1] // 2
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :inter]
-                out[f"{prefix}.{e}.up_proj.weight"] = t[e, inter:]
-        elif name.endswith(".mlp.experts.down_proj"):
-            prefix = name[: -len(".down_proj")]
-            for e in range(t.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
-        else:
-            out[name] = t
-    return {k: v.to(dtype).contiguous().clone() for k, v in sorted(out.items())}
-
-
-def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    """The weights of a model dir exactly as stored (bf16, file names)."""
-    from safetensors.torch import load_file
-
-    path = Path(model_dir) / "model.safetensors"
-    if not path.exists():
-        raise ValueError(f"{path} does not exist; build the base with learner.policy.ensure_base_policy")
-    return {k: v.contiguous() for k, v in load_file(str(path)).items()}
-
-
-def load_model(model_dir: Path, state_dict: dict | None = None, dtype=None):
-    """A ``Qwen3MoeForCausalLM`` in ``dtype`` (default float32) with the dir's or the given weights.
-
-    ``state_dict`` uses the file names (as ``load_state_dict`` returns); it must cover every weight.
-    """
-    import torch
-    from transformers import AutoConfig, Qwen3MoeForCausalLM
-
-    dtype = torch.float32 if dtype is None else dtype
-    config = AutoConfig.from_pretrained(str(model_dir))
-    with _seeded(0):  # initial values are overwritten; seeding keeps construction side-effect free
-        model = Qwen3MoeForCausalLM(config)
-    sd = load_state_dict(model_dir) if state_dict is None else state_dict
-    module_sd = to_module_state(sd, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(module_sd, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
-    return model.to(dtype).eval()
-
-
-def save_model_dir(src_dir: Path, state_dict: dict, dst_dir: Path) -> Path:
-    """Write a model dir: config, generation config and tokenizer from ``src_dir``, weights from ``state_dict``.
-
-    Weights are written as given (callers pass bf16 for served versions); written to a temp file and
-    renamed so a reader never sees a half-written model.safetensors.
-    """
-    from safetensors.torch import save_file
-
-    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
-    dst_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json"):
-        if (src_dir / name).exists() and src_dir.resolve() != dst_dir.resolve():
-            shutil.copyfile(src_dir / name, dst_dir / name)
-    tmp = dst_dir / "model.safetensors.tmp"
-    save_file({k: v.contiguous() for k, v in sorted(state_dict.items())}, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, dst_dir / "model.safetensors")
-    return dst_dir
 
 
 # ------------------------------------------------------------------------------------------------- build
@@ -258,15 +149,6 @@ def ensure_base_policy(cache_dir: Path, seed: int = 0, progress: bool = True) ->
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
-
-
-@contextlib.contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    import torch
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
 
 
 @contextlib.contextmanager
@@ -321,7 +203,7 @@ def _build(out: Path, seed: int, progress: bool) -> None:
     import torch
     from transformers import GenerationConfig, Qwen3MoeForCausalLM
 
-    from learner.evaluate import score_model
+    from liverl.demo.score import score_model
 
     sft = RECIPE["sft"]
     t0 = time.monotonic()

@@ -14,9 +14,9 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 from kafka.serializer import Serializer
 
-from liverl.config import LiverlConfig
+from liverl.core.config import LiverlConfig
 
-log = logging.getLogger("liverl.bus")
+log = logging.getLogger("liverl.core.bus")
 
 
 def ensure_topics(bootstrap: str, names: list[str], partitions: int, timeout_s: float = 30.0) -> None:

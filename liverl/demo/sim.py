@@ -2,7 +2,7 @@
 
 Each user is an asyncio loop that does what a real product backend would do, through public
 interfaces only: ask the gateway for a completion (OpenAI completions API over HTTP), judge it with
-the task's hidden per-segment preference (``liverl.task.user_accepts``), flip the judgement with
+the task's hidden per-segment preference (``liverl.demo.task.user_accepts``), flip the judgement with
 probability ``noise`` (real users misclick), and report it through the feedback SDK object it was given
 (``accept`` / ``reject`` / ``edit``). Users of segment ``b`` who reject sometimes type the answer they
 wanted instead (an ``edit`` carrying the preferred completion), as users of a real product do.
@@ -25,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from liverl import task
+from liverl.demo import task
 
 EDIT_SEGMENTS: dict[str, float] = {"b": 0.3}
 """Per segment, the share of rejecting users who edit the completion into the one they wanted."""

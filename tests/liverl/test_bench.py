@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from deploy.bench import ROW_KEYS, ChangeCounter, measure, step_lr_for, synthetic_cases, synthetic_layout
+from liverl.bench.delta import ROW_KEYS, ChangeCounter, measure, step_lr_for, synthetic_cases, synthetic_layout
 from tests.deploy.conftest import perturb, tiny_model
 
 

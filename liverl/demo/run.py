@@ -22,7 +22,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from liverl.config import LiverlConfig
+from liverl.core.config import LiverlConfig
 from liverl.stack import Stack, StackError, start_stack
 
 log = logging.getLogger("liverl.demo")
@@ -160,12 +160,12 @@ def rate(c: dict[str, int] | None) -> float | None:
 def run_demo(cfg: LiverlConfig, summary_path: str | None = None, plot_path: str | None = None, live: bool = True) -> dict:
     import redis
 
-    from deploy.admin import open_registry
+    from liverl.admin import open_registry
     from deploy.delta import checksum
     from ingest.sdk import FeedbackClient
-    from learner.policy import ensure_base_policy, load_state_dict
-    from liverl.bus import all_topics, ensure_topics
-    from liverl.schemas import VersionAnnouncement
+    from liverl.demo.base_policy import ensure_base_policy, load_state_dict
+    from liverl.core.bus import all_topics, ensure_topics
+    from liverl.core.schemas import VersionAnnouncement
 
     # the SDK's producer shares this process with the users' event loop; its "slow task" warnings are noise here
     logging.getLogger("kafka.net.selector").setLevel(logging.ERROR)
@@ -233,7 +233,7 @@ MAX_RESTARTS = 3
 
 def _drive(cfg, gateway, sdk, r, registry, children, timeline, live, env, restarts) -> tuple[object, str | None]:
     """Run the users in an asyncio loop on a thread while this thread watches and displays."""
-    from liverl.sim import SimStats, run_users
+    from liverl.demo.sim import SimStats, run_users
 
     stats = SimStats()
     loop = asyncio.new_event_loop()

@@ -18,8 +18,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch")
 
 from learner import policy
-from learner.evaluate import heldout_score, sample_completions, score_model
-from liverl import task
+from liverl.demo.score import heldout_score, sample_completions, score_model
+from liverl.demo import task
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,78 @@
+"""Where each shared service is: the one place every process and command asks.
+
+A process never starts a service; ``liverl up`` and ``liverl demo`` start the embedded stack
+(``liverl.stack``) and pass its URLs down through the config. The rules:
+
+- Kafka: ``broker.bootstrap``, else the embedded broker's port on 127.0.0.1.
+- Redis: ``redis.url``, else 127.0.0.1:6379 when it answers, else the embedded port.
+- Registry: ``cfg.registry_url`` (``registry.url``, else SQLite in ``<state_dir>/registry.db``).
+- Blobs: ``cfg.blob_location`` (``registry.blob_dir`` as written: a folder or ``s3://`` URL; else ``<state_dir>/blobs``).
+
+The registry and blob store themselves are opened by the library that owns them
+(``deploy.registry.open_registry``); this module is torch-free and imports no process package.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import TYPE_CHECKING
+
+from liverl.core.config import LiverlConfig
+
+if TYPE_CHECKING:
+    import redis
+
+
+class LiverlError(RuntimeError):
+    """Base of liverl's operational errors (a service down, a node that fails, a swap refused).
+
+    ``liverl``'s CLI turns these into a one-line message and exit code 1 instead of a traceback.
+    """
+
+
+class ServiceError(LiverlError):
+    """A configured service does not answer."""
+
+
+def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def kafka_bootstrap(cfg: LiverlConfig) -> str:
+    """Kafka bootstrap servers: ``broker.bootstrap``, else the embedded broker on 127.0.0.1."""
+    return cfg.broker.bootstrap or f"127.0.0.1:{cfg.broker.embedded_port}"
+
+
+def local_redis_url(cfg: LiverlConfig) -> str | None:
+    """``redis.url``, else the standard local Redis when one answers, else None (the stack starts one)."""
+    if cfg.redis.url:
+        return cfg.redis.url
+    if port_open("127.0.0.1", 6379):
+        return "redis://127.0.0.1:6379/0"
+    return None
+
+
+def redis_url(cfg: LiverlConfig) -> str:
+    """The Redis every process uses: ``redis.url``, else 127.0.0.1:6379 when it answers, else the embedded port."""
+    return local_redis_url(cfg) or f"redis://127.0.0.1:{cfg.redis.embedded_port}/0"
+
+
+def setup_redis(cfg: LiverlConfig, decode_responses: bool = False) -> redis.Redis:
+    """A client for the configured Redis (``redis_url``); connects lazily."""
+    import redis
+
+    return redis.Redis.from_url(redis_url(cfg), decode_responses=decode_responses, socket_connect_timeout=3)
+
+
+def check_redis(url: str) -> None:
+    import redis
+
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=2).ping()
+    except redis.RedisError as e:
+        raise ServiceError(f"Redis at {url} does not answer: {e}") from e
+
