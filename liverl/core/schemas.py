@@ -93,8 +93,19 @@ class FeedbackEvent(_Wire):
 
 
 class SamplingParams(_Wire):
+    """The decoding a generation used: which distribution the behaviour log-probs belong to.
+
+    Additive fields default to vLLM's neutral values, so older records still parse.
+    """
+
     temperature: float
     top_p: float = 1.0
+    top_k: int = Field(default=-1, description="-1 (or 0): no top-k truncation.")
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
     max_tokens: int
 
 
@@ -115,6 +126,10 @@ class GenerationRecord(_Wire):
     completion_logprobs: list[float] = Field(description="Sampling log-prob of each completion token (behaviour policy).")
     sampling: SamplingParams
     finish_reason: str | None = None
+    trainable: bool = Field(
+        default=True, description="False when the learner cannot treat this generation as a sample of the policy "
+        "(greedy decoding, for one); it is served and logged, but never trained on.")
+    untrainable_reason: str | None = Field(default=None, max_length=64, description="Why not trainable, e.g. greedy.")
     ts: float = Field(default_factory=time.time)
 
     @model_validator(mode="after")
@@ -144,6 +159,7 @@ class TrainingSample(_Wire):
     prompt_token_ids: list[int]
     completion_token_ids: list[int]
     behaviour_logprobs: list[float]
+    sampling: SamplingParams | None = Field(default=None, description="The decoding that produced the completion.")
     edited_text: str | None = None
     ts_generation: float
     ts_feedback: float
