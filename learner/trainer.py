@@ -180,24 +180,19 @@ class PolicyTrainer:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], reset_optimizer: bool) -> None:
         """Overwrite the weights in place (file names, any dtype) so the optimizer keeps its parameters."""
-        from learner.model import to_module_state
+        from learner.model import assign_weights
 
-        module_sd = to_module_state(state_dict, dtype=torch.float32)
-        missing, unexpected = self.model.load_state_dict(module_sd, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
+        assign_weights(self.model, state_dict)
         if reset_optimizer:
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lcfg.lr, weight_decay=0.0)
 
     def set_reference(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Move the KL anchor (file names, any dtype): the learner stays near what is served, not only near the base."""
-        from learner.model import to_module_state
+        from learner.model import assign_weights
 
         if self.ref is None:
             return
-        missing, unexpected = self.ref.load_state_dict(to_module_state(state_dict, dtype=torch.float32), strict=False)
-        if missing or unexpected:
-            raise ValueError(f"reference state dict does not match the model: missing {missing}, unexpected {unexpected}")
+        assign_weights(self.ref, state_dict)
 
     def state(self) -> dict[str, Any]:
         return {"model": self.weights(torch.float32), "optimizer": self.opt.state_dict(),
