@@ -115,7 +115,7 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (
         (".block_sparse_moe.input_linear.weight", ".block_sparse_moe.experts.gate_up_proj"),
         (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),
         (".block_sparse_moe.router.layer.weight", ".block_sparse_moe.router.weight"))),
-    Family("phimoe", "PhimoeForCausalLM", moe=True, experts=_MIXTRAL_EXPERT,
+    Family("phimoe", "PhiMoEForCausalLM", moe=True, experts=_MIXTRAL_EXPERT,
            renames=((".block_sparse_moe.", ".mlp."), (".mlp.gate.weight", ".mlp.router.weight"))),
     Family("qwen3", "Qwen3ForCausalLM", moe=False),
     Family("llama", "LlamaForCausalLM", moe=False),
@@ -133,7 +133,7 @@ def family_for(config: Mapping | object) -> Family:
         raise ValueError(
             f"model family {model_type!r} ({', '.join(archs) or 'no architectures listed'}) is not handled by liverl "
             f"yet; handled families: {', '.join(f'{f.model_type} ({f.architecture})' for f in FAMILIES.values())}")
-    if archs and archs[0] != fam.architecture:
+    if archs and archs[0].lower() != fam.architecture.lower():  # PhiMoE / Phimoe: vLLM's and transformers' spelling
         raise ValueError(f"config.json names architecture {archs[0]!r} for model_type {model_type!r}; liverl handles "
                          f"{model_type!r} only as {fam.architecture!r} (a causal LM)")
     return fam

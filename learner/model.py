@@ -71,7 +71,7 @@ def weight_files(model_dir: Path) -> dict[str, str]:
         from safetensors import safe_open
 
         with safe_open(str(single), "pt") as f:
-            return {name: SINGLE_FILE for name in f.keys()}
+            return {name: SINGLE_FILE for name in f.keys()}  # noqa: SIM118 - a safetensors handle, not a dict
     raise ValueError(f"{model_dir} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 

@@ -131,6 +131,13 @@ class PolicyTrainer:
         logp_BT = torch.gather(logprobs_BTV, 2, x["tgt_BT"][..., None]).squeeze(-1)
         return logp_BT, logprobs_BTV
 
+    @torch.no_grad()
+    def token_logprobs(self, samples: list[TrainingSample]) -> list[list[float]]:
+        """The current policy's log-prob of each completion token, as the loss computes it (fp32)."""
+        x = self._collate(samples)
+        logp_BT, _ = self._token_logp(self.model, x)
+        return [logp_BT[b, : len(s.completion_token_ids)].tolist() for b, s in enumerate(samples)]
+
     def train_step(self, samples: list[TrainingSample]) -> dict[str, float]:
         """One update on ``samples`` (already validated): ``micro_epochs`` AdamW steps, grad-norm clip 1.0."""
         if not samples:

@@ -50,7 +50,8 @@ SPECS: dict[str, dict] = {
               "rms_norm_eps": 1e-6},
     "granitemoe": {"model_type": "granitemoe", "num_local_experts": 4, "num_experts_per_tok": 2,
                    "intermediate_size": 64, "rms_norm_eps": 1e-6},
-    "phimoe": {"model_type": "phimoe", "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64},
+    "phimoe": {"model_type": "phimoe", "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
+               "attention_bias": True, "lm_head_bias": True},  # as Phi-3.5-MoE (vLLM's PhiMoE always has them)
     "qwen3": {"model_type": "qwen3", "head_dim": 32, "intermediate_size": 128, "rms_norm_eps": 1e-6},
     "llama": {"model_type": "llama", "head_dim": 32, "intermediate_size": 128, "rms_norm_eps": 1e-6},
 }
@@ -68,7 +69,9 @@ CHAT_TEMPLATE = (
 
 
 def spec_hash(family: str, seed: int) -> str:
-    blob = json.dumps({"v": BUILD_VERSION, "family": family, "seed": seed, "common": COMMON, "lm_head": LM_HEAD_STD,
+    from learner.families import FAMILIES
+
+    blob = json.dumps({"v": BUILD_VERSION, "family": family, "architecture": FAMILIES[family].architecture, "seed": seed, "common": COMMON, "lm_head": LM_HEAD_STD,
                        "spec": SPECS[family], "chat_template": CHAT_TEMPLATE}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 

@@ -1,0 +1,187 @@
+"""Your model, family by family, on the full path: served, logged, trained on, stored, hot-swapped, verified.
+
+For each tested architecture family (Qwen3-MoE, Mixtral, Qwen2-MoE, dense Qwen3: ``liverl.testing.models``),
+a tiny model dir built locally (random weights, locally trained tokenizer with a chat template) goes through
+the real parts, one vLLM start per family:
+1. the serving stack (vLLM node + gateway + agent) serves chat-templated prompts;
+2. the gateway logs every generation to Kafka; the learner's log-probs of the served tokens are close to the
+   ones vLLM recorded;
+3. the learner (the Kafka consumer, ``Learner.run``) makes one update on samples built from those records and
+   emits a candidate, stored in the registry as a delta;
+4. the release is announced; the agent hot-swaps the node to it;
+5. the weights the node serves, read back from its live parameters, have the candidate's checksum, which is
+   the learner's own bf16 weights'; and what the node computes now is the new weights' distribution.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+import pytest
+import torch
+
+from liverl.core.config import load_config
+from liverl.core.schemas import GenerationRecord, TrainingSample, VersionAnnouncement
+from liverl.testing.models import TESTED, default_cache, ensure_test_model
+from tests.conftest import free_port
+
+N_PROMPTS = 8
+MAX_TOKENS = 12
+
+
+def _post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def _generate(url: str, prompts: list[str], seed: int) -> list[dict]:
+    out = []
+    for i, p in enumerate(prompts):
+        status, body = _post(url + "/v1/completions", {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 1.0,
+                                                       "seed": seed + i, "logprobs": 0, "return_token_ids": True})
+        assert status == 200, body
+        c = body["choices"][0]
+        out.append({"gid": body["liverl"]["generation_id"], "version": body["liverl"]["policy_version"],
+                    "prompt_token_ids": c["prompt_token_ids"], "completion_token_ids": c["token_ids"],
+                    "logprobs": c["logprobs"]["token_logprobs"]})
+    return out
+
+
+def _records(bootstrap: str, topic: str, ids: set[str], timeout_s: float = 30) -> dict[str, GenerationRecord]:
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, consumer_timeout_ms=500)
+    try:
+        parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        consumer.assign(parts)
+        consumer.seek_to_beginning(*parts)
+        found: dict[str, GenerationRecord] = {}
+        deadline = time.monotonic() + timeout_s
+        while ids - set(found) and time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=500).values():
+                for msg in batch:
+                    rec = GenerationRecord.from_bytes(msg.value)
+                    if rec.generation_id in ids:
+                        found[rec.generation_id] = rec
+        return found
+    finally:
+        consumer.close()
+
+
+def _logprobs(model, gens: list[dict]) -> list[float]:
+    """A transformers model's log-prob of every served completion token (fp32 compute), flattened."""
+    out = []
+    for g in gens:
+        ids = torch.tensor([g["prompt_token_ids"] + g["completion_token_ids"]])
+        with torch.no_grad():
+            logp_TV = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
+        p = len(g["prompt_token_ids"])
+        out += [logp_TV[p - 1 + i, t].item() for i, t in enumerate(g["completion_token_ids"])]
+    return out
+
+
+def _mean_abs(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) and a
+    return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", TESTED)
+def test_full_path(family, stack, tmp_path):
+    import redis
+
+    from deploy.blobstore import LocalBlobStore
+    from deploy.delta import checksum
+    from deploy.registry import Registry
+    from learner.model import load_model, load_state_dict
+    from learner.trainer import Learner
+    from liverl.bench.logprobs import chat_prompts
+    from liverl.core.bus import ensure_topics, make_producer
+    from serving.agent import ServingThread
+
+    model_dir = ensure_test_model(family, default_cache())
+    cfg = load_config(env={}, state_dir=str(tmp_path / "state"), broker__bootstrap=stack.bootstrap,
+                      redis__url=stack.redis_url, topics__prefix=f"t{uuid.uuid4().hex[:10]}",
+                      serving__gateway_port=free_port(), serving__vllm_port=free_port(), serving__swap_poll_s=0.1,
+                      serving__max_num_seqs=16, learner__batch_size=N_PROMPTS, learner__candidate_every_steps=1,
+                      learner__lr=0.05)  # one big step: the new version's distribution is far from the base's
+    cfg.state_path.mkdir(parents=True, exist_ok=True)
+    registry = Registry(cfg.registry_url, LocalBlobStore(cfg.blob_location))
+    base = load_state_dict(model_dir)
+    registry.init_base(base, str(model_dir))
+    r = redis.Redis.from_url(stack.redis_url)
+    serving = ServingThread(cfg, model_dir, stack.bootstrap, stack.redis_url, cfg.registry_url).start()
+    try:
+        # 1-2. served through the gateway, logged to Kafka with the tokens and log-probs vLLM sampled
+        prompts = chat_prompts(model_dir, N_PROMPTS, seed=0)
+        gens = _generate(serving.url, prompts, seed=0)
+        recs = _records(stack.bootstrap, cfg.topics.generations, {g["gid"] for g in gens})
+        assert len(recs) == len(gens)
+        for g in gens:
+            rec = recs[g["gid"]]
+            assert rec.policy_version == g["version"] == 0 and rec.trainable
+            assert rec.prompt_token_ids == g["prompt_token_ids"] and rec.completion_token_ids == g["completion_token_ids"]
+            assert rec.completion_logprobs == pytest.approx(g["logprobs"])
+        base_model = load_model(model_dir)
+        served = [x for g in gens for x in g["logprobs"]]
+        assert _mean_abs(_logprobs(base_model, gens), served) < 0.1  # bf16 noise (see BENCHMARKS.md), not a mix-up
+
+        # 3. one learner update on samples made of those records, emitted as a candidate (a delta in the registry)
+        now = time.time()
+        samples = [TrainingSample(sample_id=rec.generation_id, generation_id=rec.generation_id, feedback_id=f"f{i}",
+                                  policy_version=rec.policy_version, kind="accept" if i % 2 else "reject",
+                                  reward=0.75 if i % 2 else -0.25, prompt_token_ids=rec.prompt_token_ids,
+                                  completion_token_ids=rec.completion_token_ids,
+                                  behaviour_logprobs=rec.completion_logprobs, sampling=rec.sampling,
+                                  ts_generation=rec.ts, ts_feedback=now)
+                   for i, rec in enumerate(recs[g["gid"]] for g in gens)]
+        ensure_topics(stack.bootstrap, [cfg.topics.samples], cfg.broker.partitions)
+        prod = make_producer(stack.bootstrap)
+        try:
+            for s in samples:
+                prod.send(cfg.topics.samples, key=s.generation_id, value=s.to_bytes())
+            prod.flush()
+        finally:
+            prod.close()
+        learner = Learner(cfg, model_dir, stack.bootstrap, registry)
+        stats = learner.run(max_steps=1)
+        assert stats["step"] == 1 and stats["samples_trained"] == N_PROMPTS and stats["counters"].get("dropped:bad_logprob", 0) == 0
+        row = registry.get(stats["last_candidate"])
+        assert row.parent == 0 and registry.delta_for(row.version)  # stored as a delta from the base
+        trained = learner.trainer.bf16_state_dict()
+        assert row.checksum == checksum(trained) == checksum(registry.materialize(row.version))
+        assert row.checksum != checksum(base)
+
+        # 4. released: the agent hot-swaps the node
+        r.set(f"{cfg.topics.prefix}:desired",
+              VersionAnnouncement(version=row.version, checksum=row.checksum, reason="test").to_bytes())
+        deadline = time.monotonic() + 60
+        while serving.gateway.version != row.version and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert serving.gateway.version == row.version, r.lrange(f"{cfg.topics.prefix}:swap_errors", 0, -1)
+        swap = json.loads(r.lrange(f"{cfg.topics.prefix}:swaps", -1, -1)[0])
+        assert swap["to"] == row.version and swap["verify_ok"]
+
+        # 5. the node's live weights, read back under the file names, are the learner's bit for bit ...
+        status, body = _post(serving.node.url + "/collective_rpc", {"method": "liverl_checksum"})
+        assert status == 200 and body["results"][0]["ok"], body
+        assert body["results"][0]["checksum"] == row.checksum
+        # ... and the node computes with them: its log-probs are the new weights', far from the base's
+        after = _generate(serving.url, prompts[:4], seed=100)
+        assert all(g["version"] == row.version for g in after)
+        served_after = [x for g in after for x in g["logprobs"]]
+        new_model = load_model(model_dir, state_dict=trained)
+        assert _mean_abs(_logprobs(new_model, after), served_after) < 0.1
+        assert _mean_abs(_logprobs(base_model, after), served_after) > 0.3
+    finally:
+        serving.stop()
+        r.close()
+        registry.close()
