@@ -17,7 +17,6 @@ import shlex
 import socket
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
@@ -29,7 +28,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("logprobs", help="learner vs vLLM log-probs of the served tokens, per model family",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", nargs="+", metavar="FAMILY",
-                   help="test-model families to measure (default: the tested ones; see liverl.testing.models)")
+                   help="test-model families to measure, or 'all' (default: the four tested on the full path)")
     p.add_argument("--model", action="append", metavar="DIR", help="measure this model dir (repeatable) instead")
     p.add_argument("--prompts", type=int, default=DEFAULTS["prompts"], help="completions sampled per model")
     p.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"], help="tokens per completion at most")
@@ -56,14 +55,17 @@ def command_line(args: argparse.Namespace) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Measure every model, print the table and the command that reproduces it."""
-    from liverl.testing.models import TESTED, ensure_test_model
+    from liverl.testing.models import SPECS, TESTED, ensure_test_model
 
     if args.prompts < 1 or args.max_tokens < 1:
         raise ValueError("--prompts and --max-tokens must be >= 1")
     if args.model:
         targets = [(Path(m).name, Path(m)) for m in args.model]
     else:
-        targets = [(f, ensure_test_model(f, args.cache, seed=0)) for f in (args.families or TESTED)]
+        from learner.families import FAMILIES
+
+        families = sorted(FAMILIES, key=list(SPECS).index) if args.families == ["all"] else args.families or TESTED
+        targets = [(f, ensure_test_model(f, args.cache, seed=0)) for f in families]
     rows = []
     for label, model_dir in targets:
         print(f"measuring {label} ({model_dir}) ...", file=sys.stderr, flush=True)
@@ -76,11 +78,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("model", "architecture", "completions", "tokens", "mean |Δ logp|", "max |Δ logp|", "mean logp")
+    head = ("model", "architecture", "completions", "tokens", "mean |Δ logp|", "p99 |Δ logp|", "max |Δ logp|",
+            "mean logp", "node start s")
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['architecture']} | {r['completions']} | {r['tokens']} | "
-                     f"{r['mean_abs_diff']:.2e} | {r['max_abs_diff']:.2e} | {r['mean_logp']:.3f} |")
+                     f"{r['mean_abs_diff']:.4f} | {r['p99_abs_diff']:.4f} | {r['max_abs_diff']:.4f} | "
+                     f"{r['mean_logp']:.3f} | {r['node_s']:.0f} |")
     return "\n".join(lines)
 
 
@@ -132,8 +136,10 @@ def compare(model_dir: Path, completions: list[dict]) -> dict:
     ours = trainer.token_logprobs(samples)
     diffs = [abs(a - b) for s, mine in zip(samples, ours) for a, b in zip(mine, s.behaviour_logprobs)]
     served = [x for s in samples for x in s.behaviour_logprobs]
+    ranked = sorted(diffs)
     return {"completions": len(samples), "tokens": len(diffs), "mean_abs_diff": sum(diffs) / len(diffs),
-            "max_abs_diff": max(diffs), "mean_logp": sum(served) / len(served),
+            "p99_abs_diff": ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))], "max_abs_diff": ranked[-1],
+            "mean_logp": sum(served) / len(served),
             "architecture": type(trainer.model).__name__}
 
 
@@ -146,14 +152,12 @@ def measure(model_dir: Path, n_prompts: int, max_tokens: int, seed: int) -> dict
     prompts = chat_prompts(model_dir, n_prompts, seed)
     with tempfile.TemporaryDirectory(prefix="liverl-bench-logprobs-") as tmp:
         cfg = load_config(env={}, state_dir=tmp, serving__vllm_port=_free_port())
-        t0 = time.monotonic()
         node = start_node(cfg, model_dir, Path(tmp) / "vllm.log")
         try:
             completions = sample(node.url, prompts, max_tokens, seed)
         finally:
             node.stop()
-        start_s = time.monotonic() - t0
-    return dict(compare(model_dir, completions), node_s=round(start_s, 1))
+    return dict(compare(model_dir, completions), node_s=round(node.start_s, 1))
 
 
 def _free_port() -> int:

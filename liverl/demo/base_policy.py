@@ -34,7 +34,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from learner.model import _seeded, load_model, load_state_dict, save_model_dir, state_dict_from_model  # noqa: F401
+from learner.model import (  # noqa: F401 - re-exported for the demo and its tests
+    _seeded,
+    load_model,
+    load_state_dict,
+    load_tokenizer,
+    save_model_dir,
+    state_dict_from_model,
+)
 from liverl.demo import task
 
 if TYPE_CHECKING:  # heavy imports stay inside functions (``liverl --help`` must not import torch)

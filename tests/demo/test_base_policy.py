@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 torch = pytest.importorskip("torch")
 
-from learner import policy
+from liverl.demo import base_policy as policy
 from liverl.demo.score import heldout_score, sample_completions, score_model
 from liverl.demo import task
 
