@@ -39,7 +39,7 @@ def install_cpu_patches() -> None:
     """
     try:
         from vllm.platforms import current_platform
-    except Exception:  # pragma: no cover - vLLM absent: nothing to patch
+    except ImportError:  # pragma: no cover - vLLM absent: nothing to patch
         return
     if not current_platform.is_cpu():
         return
