@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack")  # never copied
 
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
@@ -98,7 +99,7 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def save_model_dir(src_dir: Path, state_dict: Mapping[str, torch.Tensor], dst_dir: Path) -> Path:
-    """Write a model dir: every other file of ``src_dir`` (config, tokenizer...), weights from ``state_dict``.
+    """Write a model dir: the other files of ``src_dir`` (config, tokenizer...), weights from ``state_dict``.
 
     The weights keep ``src_dir``'s layout: one ``model.safetensors``, or the same shard files with the same
     names in each and a new index. Written as given (callers pass bf16 for served versions), each file to a
@@ -116,7 +117,7 @@ def save_model_dir(src_dir: Path, state_dict: Mapping[str, torch.Tensor], dst_di
                          f"extra {sorted(set(state_dict) - set(where))[:3]}")
     if not same:
         for p in sorted(src_dir.iterdir()):
-            if p.is_file() and not p.name.endswith(".safetensors") and p.name != INDEX_FILE:
+            if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES) and p.name != INDEX_FILE:
                 shutil.copyfile(p, dst_dir / p.name)
     total = 0
     for shard in sorted(set(where.values())):

@@ -132,10 +132,13 @@ class PolicyTrainer:
         return logp_BT, logprobs_BTV
 
     @torch.no_grad()
-    def token_logprobs(self, samples: list[TrainingSample]) -> list[list[float]]:
-        """The current policy's log-prob of each completion token, as the loss computes it (fp32)."""
+    def token_logprobs(self, samples: list[TrainingSample], model=None) -> list[list[float]]:
+        """The current policy's log-prob of each completion token, as the loss computes it (fp32).
+
+        ``model``: another transformers model to score with the same code (e.g. a bf16 copy, for reference).
+        """
         x = self._collate(samples)
-        logp_BT, _ = self._token_logp(self.model, x)
+        logp_BT, _ = self._token_logp(self.model if model is None else model, x)
         return [logp_BT[b, : len(s.completion_token_ids)].tolist() for b, s in enumerate(samples)]
 
     def train_step(self, samples: list[TrainingSample]) -> dict[str, float]:

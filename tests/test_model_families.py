@@ -63,6 +63,17 @@ def _generate(url: str, prompts: list[str], seed: int) -> list[dict]:
     return out
 
 
+def _node_scores(node_url: str, gen: dict) -> list[float]:
+    """The node's log-probs of a generation's completion tokens, scored as a prompt (``prompt_logprobs``)."""
+    ids = gen["prompt_token_ids"] + gen["completion_token_ids"]
+    status, body = _post(node_url + "/v1/completions", {"model": "liverl", "prompt": ids, "max_tokens": 1,
+                                                        "temperature": 1.0, "prompt_logprobs": 0})
+    assert status == 200, body
+    per_pos = body["choices"][0]["prompt_logprobs"]
+    return [per_pos[len(gen["prompt_token_ids"]) + i][str(t)]["logprob"]
+            for i, t in enumerate(gen["completion_token_ids"])]
+
+
 def _records(bootstrap: str, topic: str, ids: set[str], timeout_s: float = 30) -> dict[str, GenerationRecord]:
     from kafka import KafkaConsumer, TopicPartition
 
@@ -96,9 +107,11 @@ def _logprobs(model, gens: list[dict]) -> list[float]:
     return out
 
 
-def _mean_abs(a: list[float], b: list[float]) -> float:
+def _median_abs(a: list[float], b: list[float]) -> float:
+    """Median |a - b|: robust to the few tokens a near-tie in a MoE router sends elsewhere (see BENCHMARKS.md)."""
     assert len(a) == len(b) and a
-    return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+    d = sorted(abs(x - y) for x, y in zip(a, b))
+    return d[len(d) // 2]
 
 
 @pytest.mark.slow
@@ -140,7 +153,7 @@ def test_full_path(family, stack, tmp_path):
             assert rec.completion_logprobs == pytest.approx(g["logprobs"])
         base_model = load_model(model_dir)
         served = [x for g in gens for x in g["logprobs"]]
-        assert _mean_abs(_logprobs(base_model, gens), served) < 0.1  # bf16 noise (see BENCHMARKS.md), not a mix-up
+        assert _median_abs(_logprobs(base_model, gens), served) < 0.05  # bf16 noise (BENCHMARKS.md), not a mix-up
 
         # 3. one learner update on samples made of those records, emitted as a candidate (a delta in the registry)
         now = time.time()
@@ -182,13 +195,15 @@ def test_full_path(family, stack, tmp_path):
         status, body = _post(serving.node.url + "/collective_rpc", {"method": "liverl_checksum"})
         assert status == 200 and body["results"][0]["ok"], body
         assert body["results"][0]["checksum"] == row.checksum
-        # ... and the node computes with them: its log-probs are the new weights', far from the base's
-        after = _generate(serving.url, prompts[:4], seed=100)
+        # ... and the node computes with them: scoring the base's samples again, its log-probs are the new
+        # weights' and clearly not the base's
+        after = _generate(serving.url, prompts[:2], seed=100)
         assert all(g["version"] == row.version for g in after)
-        served_after = [x for g in after for x in g["logprobs"]]
+        rescored = [x for g in gens for x in _node_scores(serving.node.url, g)]
         new_model = load_model(model_dir, state_dict=trained)
-        assert _mean_abs(_logprobs(new_model, after), served_after) < 0.1
-        assert _mean_abs(_logprobs(base_model, after), served_after) > 0.3
+        to_new = _median_abs(_logprobs(new_model, gens), rescored)
+        to_base = _median_abs(_logprobs(base_model, gens), rescored)
+        assert to_new < 0.05 and to_base > 3 * to_new, (to_new, to_base)
     finally:
         serving.stop()
         r.close()

@@ -5,7 +5,9 @@ serves it exactly as liverl does (``serving.node``: bf16, the liverl worker exte
 completions are sampled at temperature 1 for chat-templated prompts, and the log-prob vLLM recorded for each
 sampled token is compared with the learner's (``PolicyTrainer.token_logprobs``: transformers, fp32 compute on
 the same bf16 weights). The table gives the mean and max absolute difference per token: the gap between the
-behaviour policy the learner's importance ratios assume and the one that ran.
+behaviour policy the learner's importance ratios assume and the one that ran. For scale, the reference column
+is the same difference between transformers in bf16 and in fp32: in a MoE model a near-tie in the router
+can send one token to other experts under either rounding, which moves that token's log-prob by whole nats.
 """
 
 from __future__ import annotations
@@ -79,12 +81,13 @@ def run(args: argparse.Namespace) -> int:
 
 def format_table(rows: list[dict]) -> str:
     head = ("model", "architecture", "completions", "tokens", "mean |Δ logp|", "p99 |Δ logp|", "max |Δ logp|",
-            "mean logp", "node start s")
+            "ref: HF bf16 vs fp32 mean / max", "mean logp", "node start s")
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         lines.append(f"| {r['model']} | {r['architecture']} | {r['completions']} | {r['tokens']} | "
                      f"{r['mean_abs_diff']:.4f} | {r['p99_abs_diff']:.4f} | {r['max_abs_diff']:.4f} | "
-                     f"{r['mean_logp']:.3f} | {r['node_s']:.0f} |")
+                     f"{r['ref_mean_abs_diff']:.4f} / {r['ref_max_abs_diff']:.4f} | {r['mean_logp']:.3f} | "
+                     f"{r['node_s']:.0f} |")
     return "\n".join(lines)
 
 
@@ -124,6 +127,9 @@ def sample(node_url: str, prompts: list[str], max_tokens: int, seed: int) -> lis
 
 def compare(model_dir: Path, completions: list[dict]) -> dict:
     """The learner's log-probs of the sampled tokens against vLLM's: mean / max absolute difference per token."""
+    import torch
+
+    from learner.model import load_model
     from learner.trainer import PolicyTrainer
     from liverl.core.config import LearnerConfig
     from liverl.core.schemas import TrainingSample
@@ -136,9 +142,13 @@ def compare(model_dir: Path, completions: list[dict]) -> dict:
     ours = trainer.token_logprobs(samples)
     diffs = [abs(a - b) for s, mine in zip(samples, ours) for a, b in zip(mine, s.behaviour_logprobs)]
     served = [x for s in samples for x in s.behaviour_logprobs]
+    # reference: how far transformers itself moves when it computes in bf16 (vLLM's dtype) instead of fp32
+    bf16 = trainer.token_logprobs(samples, model=load_model(model_dir, dtype=torch.bfloat16))
+    ref = [abs(a - b) for mine, theirs in zip(ours, bf16) for a, b in zip(mine, theirs)]
     ranked = sorted(diffs)
     return {"completions": len(samples), "tokens": len(diffs), "mean_abs_diff": sum(diffs) / len(diffs),
             "p99_abs_diff": ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))], "max_abs_diff": ranked[-1],
+            "ref_mean_abs_diff": sum(ref) / len(ref), "ref_max_abs_diff": max(ref),
             "mean_logp": sum(served) / len(served),
             "architecture": type(trainer.model).__name__}
 

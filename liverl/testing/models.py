@@ -49,10 +49,12 @@ SPECS: dict[str, dict] = {
     "olmoe": {"model_type": "olmoe", "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
               "rms_norm_eps": 1e-6},
     "granitemoe": {"model_type": "granitemoe", "num_local_experts": 4, "num_experts_per_tok": 2,
-                   "intermediate_size": 64, "rms_norm_eps": 1e-6},
+                   "intermediate_size": 64, "rms_norm_eps": 1e-6,
+                   "attention_multiplier": 32 ** -0.5},  # the config's default (1.0) skips the 1/sqrt(d) scaling
     "phimoe": {"model_type": "phimoe", "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
                "attention_bias": True, "lm_head_bias": True},  # as Phi-3.5-MoE (vLLM's PhiMoE always has them)
-    "qwen3": {"model_type": "qwen3", "head_dim": 32, "intermediate_size": 128, "rms_norm_eps": 1e-6},
+    "qwen3": {"model_type": "qwen3", "head_dim": 32, "intermediate_size": 128, "rms_norm_eps": 1e-6,
+              "tie_word_embeddings": True},  # as the small Qwen3 models: the LM head is the embedding
     "llama": {"model_type": "llama", "head_dim": 32, "intermediate_size": 128, "rms_norm_eps": 1e-6},
 }
 """Per family: the transformers config fields (``shards``: how many safetensors files hold the weights)."""
@@ -182,7 +184,8 @@ def _build(out: Path, family: str, seed: int) -> None:
     model_type = spec.pop("model_type")
     tokenizer = build_tokenizer(seed, COMMON["vocab_size"])
     pad_id, eos_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN), tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    config = CONFIG_MAPPING[model_type](**COMMON, **spec, pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None)
+    config = CONFIG_MAPPING[model_type](**{**COMMON, **spec}, pad_token_id=pad_id, eos_token_id=eos_id,
+                                        bos_token_id=None)
     config.architectures = [FAMILIES[model_type].architecture]  # without it vLLM falls back to its Transformers backend
     config.dtype = "bfloat16"
     with _one_thread(), _seeded(seed):

@@ -80,7 +80,8 @@ def test_sharded_dir_stays_sharded(cache, tmp_path):
 def test_tied_embeddings_are_one_weight(cache, tmp_path):
     from transformers import AutoConfig
 
-    src = ensure_test_model("qwen3", cache)
+    assert json.loads((ensure_test_model("qwen3", cache) / "config.json").read_text())["tie_word_embeddings"]
+    src = ensure_test_model("llama", cache)  # untied: tie it here
     cfg = json.loads((src / "config.json").read_text())
     cfg["tie_word_embeddings"] = True
     tied = tmp_path / "tied"
