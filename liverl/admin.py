@@ -115,7 +115,7 @@ def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str
     for node, s in (_served(r, prefix) if r is not None else {}).items():
         served_by.setdefault(s.get("version"), []).append(node)
     t = Table(title=title)
-    for col in ("version", "status", "parent", "age", "delta", "ratio", "changed", "eval", "entropy",
+    for col in ("version", "status", "parent", "age", "delta", "ratio", "changed", "KL", "entropy", "suite",
                 "live acceptance", "served by"):
         t.add_column(col, justify="left" if col in ("status", "served by") else "right")
     for v in rows:
@@ -125,8 +125,9 @@ def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str
                   _size(v.delta_bytes if v.blob_kind == "delta" else v.snapshot_bytes) + (" snap" if v.blob_kind == "snapshot" else ""),
                   "-" if v.ratio is None else f"{v.ratio:.1f}x",
                   "-" if v.changed_fraction is None else f"{v.changed_fraction:.1%}",
-                  "-" if sc.get("heldout") is None else f"{sc['heldout']:.3f}",
+                  "-" if sc.get("drift") is None else f"{sc['drift']:.3f}",
                   "-" if sc.get("collapse") is None else f"{sc['collapse']:.2f}",
+                  "-" if sc.get("suite") is None else f"{sc['suite']:.3f}",
                   _acc(live.get(v.version)), ",".join(served_by.get(v.version, [])) or "-")
     return t
 

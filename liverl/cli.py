@@ -130,9 +130,13 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
 def cmd_gate(args: argparse.Namespace) -> int:
     from deploy.gate import run_gate
+    from learner.evaluate import PolicyEvaluator
+    from liverl.core.product import load_product
 
     cfg = _cfg(args)
-    run_gate(cfg, once=args.once)
+    model_dir, suite = model_dir_for(cfg), load_product(cfg).eval_suite()
+    run_gate(cfg, lambda probes: PolicyEvaluator(model_dir, suite, probes, max_probes=cfg.gate.probe_generations),
+             once=args.once)
     return 0
 
 
