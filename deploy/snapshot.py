@@ -48,11 +48,6 @@ def encode_snapshot(state: Mapping[str, torch.Tensor], version: int | None = Non
     return _pack(SNAPSHOT_MAGIC, header, frames)
 
 
-def snapshot_info(blob: bytes) -> dict:
-    """The verified header of a snapshot (version, checksum, tensors) without decoding it."""
-    return _open(blob, SNAPSHOT_MAGIC, "snapshot", check_payload=False)[0]
-
-
 def decode_snapshot(blob: bytes) -> dict[str, torch.Tensor]:
     """Decode and verify a snapshot; every tensor and the whole-state checksum are checked."""
     header, payload = _open(blob, SNAPSHOT_MAGIC, "snapshot")

@@ -38,6 +38,7 @@ from kafka.errors import CommitFailedError
 from kafka.structs import OffsetAndMetadata
 
 from learner.loss import RunningBaseline, advantages, full_kl, pg_loss
+from liverl.core import keys
 from liverl.core.bus import make_consumer
 from liverl.core.config import LearnerConfig, LiverlConfig
 from liverl.core.schemas import TrainingSample, WireError
@@ -220,7 +221,7 @@ class Learner(ConsumerRebalanceListener):
         self.model_dir, self.bootstrap, self.registry, self.redis = Path(model_dir), bootstrap, registry, redis
         self.topic = cfg.topics.samples
         self.group = f"{cfg.topics.prefix}.learner"
-        self.key = f"{cfg.topics.prefix}:learner"
+        self.key = keys.learner(cfg.topics.prefix)
         self.ckpt_path = Path(checkpoint_path or cfg.state_path / "learner" / f"{cfg.topics.prefix}.ckpt")
         self.trainer = PolicyTrainer(self.model_dir, self.lcfg)
         self.step = 0
@@ -354,11 +355,12 @@ class Learner(ConsumerRebalanceListener):
 
     # -- the loop -----------------------------------------------------------------------------------
     def frozen(self) -> bool:
-        """The demo's freeze flag; an unreadable flag counts as frozen (no candidate we cannot account for)."""
+        """The hold flag (``keys.learner_hold``, set by ``liverl hold`` or a demo measuring its last version): the
+        learner trains but emits no candidates. An unreadable flag counts as set (no candidate we cannot account for)."""
         if self.redis is None:
             return False
         try:
-            return self.redis.get(f"{self.cfg.topics.prefix}:learner:frozen") in (b"1", "1")
+            return self.redis.get(keys.learner_hold(self.cfg.topics.prefix)) in (b"1", "1")
         except Exception as e:  # noqa: BLE001 - redis-py raises several families; training goes on either way
             log.warning("learner: cannot read the freeze flag (%s); holding back candidates", e)
             return True

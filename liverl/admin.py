@@ -8,12 +8,13 @@ Heavy modules (torch via the registry) are imported inside the functions: ``live
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from liverl.core import keys
 from liverl.core.config import LiverlConfig
+from liverl.core.schemas import VersionAnnouncement
 
 if TYPE_CHECKING:
     import redis
@@ -67,22 +68,22 @@ def _size(n: int | None) -> str:
 def _live(r: redis.Redis, prefix: str, versions: list[int]) -> dict[int, dict[str, int]]:
     pipe = r.pipeline()
     for v in versions:
-        pipe.hgetall(f"{prefix}:live:{v}")
+        pipe.hgetall(keys.live(prefix, v))
     return {v: {k: int(x) for k, x in h.items()} for v, h in zip(versions, pipe.execute()) if h}
 
 
 def _served(r: redis.Redis, prefix: str) -> dict[str, dict[str, Any]]:
     out = {}
-    for key in sorted(r.scan_iter(match=f"{prefix}:served:*")):
+    for key in sorted(r.scan_iter(match=keys.served_pattern(prefix))):
         raw = r.get(key)
         if raw:
-            out[key.removeprefix(f"{prefix}:served:")] = json.loads(raw)
+            out[keys.node_of_served(prefix, key)] = keys.ServedHeartbeat.from_json(raw).model_dump()
     return out
 
 
 def _desired(r: redis.Redis, prefix: str) -> dict[str, Any] | None:
-    raw = r.get(f"{prefix}:desired")
-    return json.loads(raw) if raw else None
+    raw = r.get(keys.desired(prefix))
+    return VersionAnnouncement.from_bytes(raw).model_dump() if raw else None
 
 
 def _acc(c: dict[str, int] | None) -> str:
@@ -229,6 +230,23 @@ def cmd_promote(cfg: LiverlConfig, version: int, reason: str = "manual promote",
 def cmd_rollback(cfg: LiverlConfig, to: int | None = None, reason: str = "manual rollback", actor: str = "admin") -> int:
     """Serve the previous stable version (or ``to``) again and announce it."""
     return _change(cfg, "rollback", lambda reg: reg.rollback(actor=actor, reason=reason, to=to))
+
+
+def cmd_hold(cfg: LiverlConfig, hold: bool, reason: str, actor: str = "admin") -> int:
+    """Hold the learner's candidates (it keeps training) or release them; audited."""
+    r = open_redis(cfg)
+    reg = open_registry(cfg)
+    try:
+        reg.log_action(actor, "hold" if hold else "release", reason)
+        if hold:
+            r.set(keys.learner_hold(cfg.topics.prefix), "1")
+        else:
+            r.delete(keys.learner_hold(cfg.topics.prefix))
+    finally:
+        reg.close()
+        r.close()
+    _console().print(("holding" if hold else "released") + f" the learner's candidates ({actor}: {reason})")
+    return 0
 
 
 def gc_command(cfg: LiverlConfig, dry_run: bool, grace_s: float = 3600.0) -> int:

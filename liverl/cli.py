@@ -22,10 +22,11 @@ The pipeline, one process each:
   serve    vLLM node + OpenAI-compatible gateway that logs every generation + hot-swap agent
   ingest   faust worker: joins feedback with generations, dedupes, shapes rewards -> samples
   learn    continuous learner: policy-gradient micro-epochs on the MoE policy -> candidates
-  gate     release gate: integrity + held-out eval -> promote (the agent then hot-swaps)
+  gate     release gate: integrity, drift, collapse, product suite -> promote (the agents hot-swap)
 
 Start here:
   liverl demo                 the whole loop on the embedded stack, ~10 minutes, with a live view
+  liverl up --model DIR       the whole pipeline for your model, until Ctrl-C
   liverl status               what is served, what is pending, live acceptance per version
   liverl versions             every version with its lineage, delta size and gate verdict
 
@@ -68,7 +69,14 @@ ADMIN_EPILOG = "The admin verbs read the registry (registry.url) and Redis (redi
 
 
 def _cfg(args: argparse.Namespace) -> LiverlConfig:
-    return load_config(args.config)
+    cfg = load_config(args.config)
+    if getattr(args, "model", None):
+        cfg.model.path = args.model
+    if getattr(args, "product", None):
+        cfg.product = args.product
+    if getattr(args, "state_dir", None):
+        cfg.state_dir = args.state_dir
+    return cfg
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -79,10 +87,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
         cfg.demo.duration_s = args.duration
     if args.users is not None:
         cfg.demo.users = args.users
-    if args.state_dir is not None:
-        cfg.state_dir = args.state_dir
-    summary = run_demo(cfg, summary_path=args.summary, plot_path=args.plot, live=not args.no_live)
+    summary = run_demo(cfg, model_dir_for(cfg), summary_path=args.summary, plot_path=args.plot, live=not args.no_live)
     return 0 if summary.get("ok", False) or not args.strict else 1
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from liverl.up import run_up
+
+    cfg = _cfg(args)
+    return run_up(cfg, model_dir_for(cfg), fresh=args.fresh)
+
+
+def cmd_hold(args: argparse.Namespace) -> int:
+    from liverl.admin import cmd_hold as run
+
+    return run(_cfg(args), hold=not args.release, reason=args.reason, actor=args.actor)
 
 
 def model_dir_for(cfg: LiverlConfig):
@@ -211,6 +230,28 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+UP_HELP = """\
+Run the whole pipeline for your model on this machine until Ctrl-C: the embedded Kafka-compatible broker,
+Redis (the local one, or a private one), the SQLite registry, then `serve` (vLLM + gateway + hot-swap agent),
+`ingest`, `learn` and `gate` as supervised processes. It prints the OpenAI endpoint, how to send feedback
+(SDK, HTTP, kcat) and where the logs and metrics are. State (registry, blobs, checkpoints, logs) stays in
+--state-dir, so a second `liverl up` resumes where the first stopped (--fresh starts over).
+
+  liverl up --model ./my-moe --product my_product.liverl:PRODUCT
+
+--model is a Hugging Face causal-LM directory (config.json, safetensors, tokenizer with a chat template) that
+transformers and vLLM both load; an architecture family liverl does not handle yet is refused at start.
+Without --model the built-in demo policy is served.
+"""
+
+
+def _model_args(p: argparse.ArgumentParser, product_help: str | None = None) -> None:
+    p.add_argument("--model", metavar="DIR", help="Hugging Face causal-LM directory to serve and train "
+                   "(default: model.path, else the built-in demo policy)")
+    p.add_argument("--product", metavar="MODULE:ATTR", help=product_help or "your product's liverl interface "
+                   "(rewards, evaluation suite; default: product, else rewards from [ingest.rewards] and no suite)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="liverl", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE", help="TOML config file (default: $LIVERL_CONFIG, else built-in defaults)")
@@ -227,21 +268,34 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--plot", metavar="PATH", help="write the acceptance plot here (default: <state_dir>/demo/acceptance.png)")
     d.add_argument("--state-dir", help="state folder (default: state_dir = .liverl)")
     d.add_argument("--no-live", action="store_true", help="plain log lines instead of the live display")
-    d.add_argument("--strict", action="store_true", help="exit 1 unless the run met its goals (>=3 promotions, +15 points)")
+    d.add_argument("--strict", action="store_true",
+                   help="exit 1 unless the run met its goals (>=3 promotions, +25 points on >=300 events each)")
+    _model_args(d, product_help="product (default: the demo's, liverl.demo.product:PRODUCT)")
     d.set_defaults(fn=cmd_demo)
+
+    u = sub.add_parser("up", help="run the whole pipeline for your model on the embedded stack until Ctrl-C",
+                       description=UP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_args(u)
+    u.add_argument("--state-dir", help="state folder (default: state_dir = .liverl)")
+    u.add_argument("--fresh", action="store_true",
+                   help="start from scratch: delete this state dir's registry, blobs, checkpoints and Redis keys")
+    u.set_defaults(fn=cmd_up)
 
     for name, fn, text in [
         ("serve", cmd_serve, "run a vLLM node + gateway + hot-swap agent (serving.*)"),
         ("ingest", cmd_ingest, "run the faust ingest worker (ingest.*)"),
     ]:
         s = sub.add_parser(name, help=text, description=text)
+        _model_args(s)
         s.set_defaults(fn=fn)
     s = sub.add_parser("learn", help="run the continuous learner (learner.*)", description="run the continuous learner")
     s.add_argument("--max-steps", type=int, help="stop after this many updates")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (liverl_learner_*) on this port")
+    _model_args(s)
     s.set_defaults(fn=cmd_learn)
     s = sub.add_parser("gate", help="run the release gate (deploy.gate)", description="run the release gate loop")
     s.add_argument("--once", action="store_true", help="process pending candidates once and exit")
+    _model_args(s)
     s.set_defaults(fn=cmd_gate)
     s = sub.add_parser("build-policy", help="build (or find cached) the base policy and print its folder")
     s.add_argument("--seed", type=int, help="seed (default: model.seed)")
@@ -278,6 +332,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reason", default="manual rollback", help="recorded in the audit log")
     s.add_argument("--actor", default=os.environ.get("USER", "admin"), help="who (default: $USER)")
     s.set_defaults(fn=cmd_rollback)
+
+    s = sub.add_parser("hold", help="stop (or --release: resume) the learner emitting candidates; it keeps training",
+                       epilog=ADMIN_EPILOG)
+    s.add_argument("--release", action="store_true", help="let the learner emit candidates again")
+    s.add_argument("--reason", required=True, help="recorded in the audit log")
+    s.add_argument("--actor", default=os.environ.get("USER", "admin"), help="who (default: $USER)")
+    s.set_defaults(fn=cmd_hold)
 
     s = sub.add_parser("gc", help="delete snapshot/delta blobs that no version references", epilog=ADMIN_EPILOG,
                        description="Delete blobs in the blob store that no registry version references (left by "

@@ -24,7 +24,8 @@ from deploy.migrations import (
     head_revision,
     upgrade,
 )
-from deploy.registry import Base, Counter, Registry, make_engine
+from deploy.registry import Registry
+from deploy.tables import Base, Counter, make_engine
 from tests.deploy.conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -321,7 +321,7 @@ def test_gc_command_prints_what_it_would_remove_then_removes_it(cfg, capsys):
 
 def test_demo_codec_report_compares_stored_deltas_with_xor_zstd(registry):
     """The demo summary's codec report: real stored deltas, next to XOR + zstd of the same changes."""
-    from liverl.demo.run import codec_report
+    from liverl.demo.report import codec_report
 
     g = torch.Generator().manual_seed(5)
     master = {f"w{i}": torch.randn(128, 256, generator=g) * 0.02 for i in range(3)}

@@ -304,7 +304,7 @@ def test_frozen_flag_blocks_candidates_but_not_training(cfg, model_dir, base_sam
     cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=1)
     reg = make_registry(cfg, model_dir)
     r = redis.Redis.from_url(cfg.redis.url)
-    key = f"{cfg.topics.prefix}:learner:frozen"
+    key = f"{cfg.topics.prefix}:learner:hold"
     try:
         r.set(key, "1")
         produce_samples(cfg, base_samples[:32])

@@ -20,7 +20,7 @@ def fleet(cfg, rds):
     base = tiny_model()
     reg.init_base(base, "/models/base")
     v1 = reg.add_candidate(perturb(base, 0.05, seed=1), parent=0)
-    reg.record_gate(v1.version, "heldout", 0.612, 0.48, True, "ok")
+    reg.record_gate(v1.version, "suite", 0.612, 0.48, True, "ok")
     reg.promote(v1.version, actor="gate", reason="gate passed")
     v2 = reg.add_candidate(perturb(base, 0.05, seed=2), parent=1)
     reg.set_status(v2.version, "rejected", actor="gate", reason="failed collapse")
