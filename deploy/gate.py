@@ -305,8 +305,12 @@ def run_gate(cfg: LiverlConfig, make_evaluator: Callable[[Callable[[], list[Logg
     registry = open_registry(cfg)
     r = setup_redis(cfg, decode_responses=True)
     tail = GenerationTail(kafka_bootstrap(cfg), cfg.topics.generations, cfg.gate.probe_generations).start()
+    server = None
     try:
         gate = Gate(cfg, registry, r, make_evaluator(tail))
+        if cfg.gate.metrics_port and not once:
+            server, _ = prom.start_http_server(cfg.gate.metrics_port, addr=cfg.serving.host, registry=gate.metrics)
+            log.info("gate: Prometheus metrics on http://%s:%d/metrics", cfg.serving.host, cfg.gate.metrics_port)
         if once:
             for v in gate.step():
                 print(f"version {v.version}: {v.verdict} ({v.reason})")
@@ -316,6 +320,9 @@ def run_gate(cfg: LiverlConfig, make_evaluator: Callable[[Callable[[], list[Logg
             signal.signal(sig, lambda *_: stop.set())
         gate.run(stop)
     finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
         tail.close()
         r.close()
         registry.close()

@@ -89,7 +89,8 @@ liverl is up: model {model_dir}
                                     | kcat -P -b {s.bootstrap} -t {t.feedback} -K'|' -X partitioner=murmur2_random
   Kafka              {s.bootstrap}  topics {t.feedback}, {t.generations}, {t.samples}, {t.dead_letters}
   Redis / registry   {s.redis_url}  /  {s.registry_url}
-  metrics            {gw}/metrics (gateway), http://127.0.0.1:{cfg.ingest.web_port}/metrics (ingest)
+  metrics            {gw}/metrics (gateway), http://127.0.0.1:{cfg.ingest.web_port}/metrics (ingest),
+                     http://{cfg.serving.host}:{cfg.gate.metrics_port}/metrics (gate)
   logs               {cfg.state_path / 'logs'}/{{serve,ingest,learn,gate}}.log
   operate            liverl status | versions | history | promote N | rollback   (another shell)
 Ctrl-C stops everything."""

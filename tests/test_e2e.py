@@ -30,7 +30,7 @@ def test_demo_acceptance_goes_up(tmp_path):
         "LIVERL__REDIS__EMBEDDED_PORT": str(free_port()),
         "LIVERL__SERVING__GATEWAY_PORT": str(free_port()),
         "LIVERL__SERVING__VLLM_PORT": str(free_port()),
-        "LIVERL__INGEST__WEB_PORT": str(free_port()),
+        "LIVERL__INGEST__WEB_PORT": str(free_port()), "LIVERL__GATE__METRICS_PORT": str(free_port()),
         "LIVERL__TOPICS__PREFIX": f"e2e{os.getpid()}",
         "LIVERL__DEMO__FINAL_WINDOW_S": "60",
         "HF_HUB_OFFLINE": "1",

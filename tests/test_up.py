@@ -33,7 +33,8 @@ def test_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
     env.update({
         "LIVERL__BROKER__EMBEDDED_PORT": str(broker), "LIVERL__REDIS__EMBEDDED_PORT": str(free_port()),
         "LIVERL__SERVING__GATEWAY_PORT": str(gw), "LIVERL__SERVING__VLLM_PORT": str(node),
-        "LIVERL__INGEST__WEB_PORT": str(free_port()), "LIVERL__TOPICS__PREFIX": f"up{os.getpid()}",
+        "LIVERL__INGEST__WEB_PORT": str(free_port()), "LIVERL__GATE__METRICS_PORT": str(free_port()),
+        "LIVERL__TOPICS__PREFIX": f"up{os.getpid()}",
         "HF_HUB_OFFLINE": "1",
     })
     if os.environ.get("LIVERL_TEST_MODEL_CACHE"):

@@ -134,6 +134,8 @@ class GateConfig(_Section):
     probe_generations: int = Field(
         default=256, ge=1, description="How many recent logged generations the drift and collapse checks use.")
     poll_s: float = Field(default=1.0, gt=0, description="How often the gate looks for new candidates.")
+    metrics_port: int = Field(default=6067, ge=0, description="Port of the gate's Prometheus /metrics "
+                              "(liverl_gate_*) on serving.host; 0: off.")
 
 
 class DemoConfig(_Section):
