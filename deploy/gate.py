@@ -38,7 +38,7 @@ import redis as redis_lib
 
 from deploy.blobstore import BlobError
 from deploy.delta import DeltaError, apply_delta, checksum
-from deploy.registry import Registry, RegistryError, Version, open_registry
+from deploy.registry import Registry, RegistryConflict, RegistryError, Version, open_registry
 from liverl.core import keys
 from liverl.core.config import LiverlConfig
 from liverl.core.schemas import GenerationRecord, VersionAnnouncement, WireError
@@ -112,12 +112,24 @@ class Gate:
                 log.exception("gate: step failed; retrying in %.1f s", self.cfg.gate.poll_s)
             stop_event.wait(self.cfg.gate.poll_s)
 
+    def reconcile(self, stable: Version) -> None:
+        """The fleet follows ``<prefix>:desired``; make it name the registry's stable version (after a crash between
+        a promotion and its announcement, or a lost Redis key). The registry is the truth."""
+        raw = self.redis.get(keys.desired(self.prefix))
+        try:
+            ann = VersionAnnouncement.from_bytes(raw) if raw is not None else None
+        except WireError:
+            ann = None
+        if ann is None or (ann.version, ann.checksum) != (stable.version, stable.checksum):
+            was = "nothing" if ann is None else f"v{ann.version}"
+            announce(self.redis, self.prefix, stable.version, stable.checksum, f"reconciled with the registry (was {was})")
+            log.warning("gate: desired version was %s; announced the registry's stable v%d", was, stable.version)
+
     def step(self) -> list[Verdict]:
         """Process the pending candidates: the newest is evaluated, older ones are superseded."""
         stable = self.registry.stable()
         self._stable.set(stable.version)
-        if self.redis.get(keys.desired(self.prefix)) is None:
-            announce(self.redis, self.prefix, stable.version, stable.checksum, "initial stable version")
+        self.reconcile(stable)
         pending = self.registry.candidates()
         if not pending:
             return []
@@ -125,12 +137,21 @@ class Gate:
         verdicts = []
         for row in older:
             reason = f"superseded by {newest.version}"
-            self.registry.set_status(row.version, "rejected", actor="gate", reason=reason)
-            log.info("gate: version %d rejected: %s", row.version, reason)
-            self._verdicts.labels("superseded").inc()
-            verdicts.append(Verdict(row.version, "superseded", reason))
+            if self._refuse(row.version, reason):
+                self._verdicts.labels("superseded").inc()
+                verdicts.append(Verdict(row.version, "superseded", reason))
         verdicts.append(self._judge(newest, stable))
         return verdicts
+
+    def _refuse(self, version: int, reason: str) -> bool:
+        """Reject a version that is still a candidate (an operator may have promoted it meanwhile)."""
+        try:
+            self.registry.set_status(version, "rejected", actor="gate", reason=reason, expect="candidate")
+        except RegistryConflict as e:
+            log.info("gate: version %d not rejected: %s", version, e)
+            return False
+        log.warning("gate: version %d rejected: %s", version, reason)
+        return True
 
     # ------------------------------------------------------------------------------------------ checks
 
@@ -200,6 +221,14 @@ class Gate:
 
     def _judge(self, row: Version, stable: Version) -> Verdict:
         checks: dict[str, bool] = {}
+        _, rolled_back_at = self.registry.last_rollback()
+        if row.created_at <= rolled_back_at:  # it may carry the change an operator just rolled back
+            reason = "emitted before the last rollback"
+            checks["after_rollback"] = self._record(row.version, "after_rollback", 0.0, 1.0, False,
+                                                    f"{reason} (the learner rebases onto the stable version)")
+            self._refuse(row.version, reason)
+            self._verdicts.labels("rejected").inc()
+            return Verdict(row.version, "rejected", reason, checks)
         state = self._integrity(row)
         checks["integrity"] = state is not None
         if state is not None:
@@ -207,15 +236,16 @@ class Gate:
         failed = [c for c, ok in checks.items() if not ok]
         if failed:
             reason = "failed " + ", ".join(failed)
-            self.registry.set_status(row.version, "rejected", actor="gate", reason=reason)
-            log.warning("gate: version %d rejected: %s", row.version, reason)
+            self._refuse(row.version, reason)
             self._verdicts.labels("rejected").inc()
             return Verdict(row.version, "rejected", reason, checks)
-        if self.registry.stable().version != stable.version:  # an operator changed the stable version meanwhile
-            log.info("gate: stable changed while version %d was evaluated; re-evaluating next step", row.version)
-            return Verdict(row.version, "deferred", "stable version changed during evaluation", checks)
         reason = f"gate passed ({', '.join(checks)})"
-        self.registry.promote(row.version, actor="gate", reason=reason)
+        try:
+            self.registry.promote(row.version, actor="gate", reason=reason, expected_stable=stable.version,
+                                  from_candidate=True)
+        except RegistryConflict as e:  # an operator promoted or rolled back meanwhile: their word stands
+            log.info("gate: version %d not promoted: %s; re-evaluating next step", row.version, e)
+            return Verdict(row.version, "deferred", str(e), checks)
         announce(self.redis, self.prefix, row.version, row.checksum, reason)
         log.info("gate: version %d promoted and announced", row.version)
         self._verdicts.labels("promoted").inc()

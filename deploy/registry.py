@@ -48,6 +48,10 @@ class RegistryError(ValueError):
     """A registry operation that cannot be done as asked (unknown version, wrong status, ...)."""
 
 
+class RegistryConflict(RegistryError):
+    """The registry changed under a compare-and-set (another gate or an operator got there first)."""
+
+
 @dataclass
 class GcResult:
     """What a garbage collection found. ``removed``: deleted (or, on a dry run, would be)."""
@@ -177,28 +181,49 @@ class Registry:
             s.add(GateResult(version=version, check=check, value=value, threshold=threshold, passed=bool(passed),
                              detail=detail, at=time.time()))
 
-    def set_status(self, version: int, status: str, actor: str, reason: str | None = None) -> Version:
-        """Low-level status change with an audit entry (use ``promote``/``rollback`` for stable changes)."""
+    def set_status(self, version: int, status: str, actor: str, reason: str | None = None,
+                   expect: str | None = None) -> Version:
+        """Low-level status change with an audit entry (use ``promote``/``rollback`` for stable changes).
+
+        ``expect``: compare-and-set, raising ``RegistryConflict`` unless the row still has that status (the gate
+        rejects only what is still a candidate). The stable version's status never changes here.
+        """
         if status not in STATUSES:
             raise RegistryError(f"unknown status {status!r}; one of {STATUSES}")
         with self._tx() as s:
             self._lock(s)
             row = self._row(s, version)
+            if expect is not None and row.status != expect:
+                raise RegistryConflict(f"version {version} is {row.status}, not {expect}: left as it is")
+            if row.status == "stable" and status != "stable":
+                raise RegistryConflict(f"version {version} is the stable version; use promote or rollback to change that")
             row.status, row.status_reason = status, reason
             self._audit(s, actor, status if status == "rejected" else f"set_{status}", version, reason)
         return row
 
-    def promote(self, version: int, actor: str, reason: str | None = None, force: bool = False) -> Version:
-        """Make ``version`` the stable one; the previous stable becomes retired."""
+    def promote(self, version: int, actor: str, reason: str | None = None, force: bool = False,
+                expected_stable: int | None = None, from_candidate: bool = False) -> Version:
+        """Make ``version`` the stable one; the previous stable becomes retired.
+
+        A version the gate rejected needs ``force``. ``expected_stable`` and
+        ``from_candidate`` make it a compare-and-set (the gate's promotion): ``RegistryConflict`` unless the stable
+        version is still ``expected_stable`` and ``version`` is still a candidate, so an operator's promote or
+        rollback during an evaluation is never overridden.
+        """
         with self._tx() as s:
             self._lock(s)
             row = self._row(s, version)
             if row.status == "stable":
                 raise RegistryError(f"version {version} is already stable")
+            old = s.execute(select(Version).where(Version.status == "stable")).scalars().all()
+            if expected_stable is not None and [o.version for o in old] != [expected_stable]:
+                raise RegistryConflict(f"the stable version changed to {','.join(str(o.version) for o in old) or 'none'} "
+                                       f"(expected {expected_stable}); version {version} left as it is")
+            if from_candidate and row.status != "candidate":
+                raise RegistryConflict(f"version {version} is {row.status}, no longer a candidate")
             if row.status == "rejected" and not force:
                 raise RegistryError(f"version {version} was rejected ({row.status_reason or 'no reason recorded'}); "
                                     "pass --force to promote it anyway")
-            old = s.execute(select(Version).where(Version.status == "stable")).scalars().all()
             for o in old:
                 o.status, o.status_reason = "retired", f"replaced by {version}"
             row.status, row.status_reason, row.promoted_at = "stable", reason, time.time()
@@ -268,6 +293,14 @@ class Registry:
             q = q.where(GateResult.version == version)
         with self._sessions() as s:
             return list(s.execute(q).scalars())
+
+    def last_rollback(self) -> tuple[int, float]:
+        """``(audit id, time)`` of the most recent rollback, or ``(0, 0.0)``: the learner rebases and the gate
+        refuses candidates emitted before it, so a rolled-back change does not come back."""
+        with self._sessions() as s:
+            row = s.execute(select(AuditEntry.id, AuditEntry.at).where(AuditEntry.action == "rollback")
+                            .order_by(AuditEntry.id.desc()).limit(1)).first()
+        return (int(row[0]), float(row[1])) if row else (0, 0.0)
 
     def log_action(self, actor: str, action: str, reason: str, version: int | None = None) -> None:
         """Record an operator action that changes no version row (e.g. holding the learner) in the audit log."""

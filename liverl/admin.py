@@ -223,8 +223,18 @@ def _change(cfg: LiverlConfig, verb: str, do) -> int:
 
 def cmd_promote(cfg: LiverlConfig, version: int, reason: str = "manual promote", actor: str = "admin",
                 force: bool = False) -> int:
-    """Make ``version`` stable (``force`` to override a gate rejection) and announce it."""
-    return _change(cfg, "promote", lambda reg: reg.promote(version, actor=actor, reason=reason, force=force))
+    """Make ``version`` stable and announce it. A version the gate rejected, or a candidate it has not judged
+    yet, needs ``force``."""
+    from deploy.registry import RegistryError
+
+    def promote(reg):
+        row = reg.get(version)
+        if row.status == "candidate" and not force:
+            raise RegistryError(f"version {version} is a candidate the gate has not judged yet; wait for the gate "
+                                "(liverl versions), or pass --force to promote it unjudged")
+        return reg.promote(version, actor=actor, reason=reason, force=force)
+
+    return _change(cfg, "promote", promote)
 
 
 def cmd_rollback(cfg: LiverlConfig, to: int | None = None, reason: str = "manual rollback", actor: str = "admin") -> int:

@@ -161,6 +161,9 @@ class Agent:
         if row.checksum != ann.checksum:
             raise RuntimeError(f"announced checksum {ann.checksum[:12]} differs from the registry's "
                                f"{row.checksum[:12]} for version {ann.version}")
+        if row.status != "stable":  # Redis says what to serve; the registry says what may be served
+            raise RuntimeError(f"version {ann.version} is {row.status} in the registry, not stable: refusing to serve "
+                               "it (only a promotion or a rollback makes a version servable)")
         path_len = sum(map(len, self.registry.path(cur_v, ann.version)))
         if path_len <= self.max_chain:
             return self.registry.deltas_between(cur_v, ann.version), f"stored x{path_len}"

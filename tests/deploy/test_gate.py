@@ -254,3 +254,68 @@ def test_gate_with_the_real_evaluator_and_the_demo_suite(cfg, rds):
         assert {g.check for g in registry.gate_results(row.version)} == set(ALL)
     finally:
         registry.close()
+
+
+class MeddlingEval(ProbeEval):
+    """Evaluates like ProbeEval, but runs ``meddle`` (an operator's action) in the middle of the evaluation."""
+
+    def __init__(self, meddle):
+        super().__init__()
+        self.meddle = meddle
+
+    def drift(self, candidate, stable):
+        if self.meddle is not None:
+            self.meddle()
+            self.meddle = None
+        return super().drift(candidate, stable)
+
+
+def test_operator_promote_during_a_failing_evaluation_keeps_a_stable_version(cfg, rds):
+    """Finding: the gate rejected a version an operator had just promoted, leaving no stable version."""
+    registry = open_registry(cfg)
+    try:
+        registry.init_base(weights(0.5, 1.0), "/nonexistent/model")
+        row = registry.add_candidate(weights(0.1, 1.0, seed=1), parent=0)  # fails the suite
+        gate = Gate(cfg, registry, rds, MeddlingEval(lambda: registry.promote(row.version, actor="alice",
+                                                                               reason="hand-checked")))
+        [v] = gate.step()
+        assert v.verdict == "rejected" and v.checks["suite"] is False
+        assert registry.get(row.version).status == "stable" and registry.stable().version == row.version
+        gate.step()  # and the gate keeps working, announcing the operator's choice
+        assert desired(rds, cfg).version == row.version
+    finally:
+        registry.close()
+
+
+def test_operator_rollback_during_a_passing_evaluation_is_not_overridden(cfg, rds):
+    registry = open_registry(cfg)
+    try:
+        registry.init_base(weights(0.5, 1.0), "/nonexistent/model")
+        v1 = registry.add_candidate(weights(0.6, 1.0, seed=1), parent=0)
+        registry.promote(v1.version, actor="gate", reason="passed")
+        v2 = registry.add_candidate(weights(0.7, 1.0, seed=2), parent=v1.version)
+        gate = Gate(cfg, registry, rds, MeddlingEval(lambda: registry.rollback(actor="bob", reason="complaints")))
+        [v] = gate.step()
+        assert v.verdict == "deferred" and registry.stable().version == 0
+        [v] = gate.step()  # v2 was emitted before the rollback: it may carry the rolled-back change
+        assert v.verdict == "rejected" and v.reason == "emitted before the last rollback"
+        assert registry.get(v2.version).status == "rejected" and registry.stable().version == 0
+        assert desired(rds, cfg).version == 0
+        time.sleep(0.01)
+        v3 = registry.add_candidate(weights(0.7, 1.0, seed=3), parent=0)  # after the rollback: judged as usual
+        assert gate.step()[0].verdict == "promoted" and registry.stable().version == v3.version
+    finally:
+        registry.close()
+
+
+def test_gate_reconciles_the_announcement_with_the_registry(cfg, setup):
+    """Finding: a crash between promote and announce left the fleet on the old version indefinitely."""
+    gate, registry, rds, _ev = setup
+    row = registry.add_candidate(weights(0.6, 1.0, seed=1), parent=0)
+    registry.promote(row.version, actor="gate", reason="promoted, then the gate died before announcing")
+    rds.set(f"{cfg.topics.prefix}:desired", VersionAnnouncement(version=0, checksum=registry.get(0).checksum).to_bytes())
+    gate.step()
+    assert desired(rds, cfg).version == row.version
+    rds.set(f"{cfg.topics.prefix}:desired", b"garbage")
+    gate.step()
+    assert desired(rds, cfg).version == row.version
