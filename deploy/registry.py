@@ -27,6 +27,8 @@ The tables and the engine are in ``deploy.tables``; statuses are listed there.
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -41,11 +43,16 @@ from deploy.blobstore import BlobError, BlobInfo, BlobStore, open_blob_store
 from deploy.delta import apply_delta, checksum, encode_delta, plan_delta, read_header
 from deploy.migrations import upgrade_connection
 from deploy.snapshot import decode_snapshot, encode_snapshot
-from deploy.tables import STATUSES, AuditEntry, Base, Counter, FleetNode, GateResult, Version, make_engine  # noqa: F401
+from deploy.tables import (  # noqa: F401
+    ROLES, STATUSES, AuditEntry, Base, Counter, FleetNode, GateResult, Operator, Version, audit_hash, make_engine)
 from liverl.core.config import LiverlConfig
 
 class RegistryError(ValueError):
     """A registry operation that cannot be done as asked (unknown version, wrong status, ...)."""
+
+
+class AuthError(RegistryError):
+    """No operator with that token, a disabled one, or a role that may not do what was asked."""
 
 
 class RegistryConflict(RegistryError):
@@ -99,7 +106,12 @@ class Registry:
 
     @staticmethod
     def _audit(s: Session, actor: str, action: str, version: int | None, reason: str | None) -> None:
-        s.add(AuditEntry(actor=actor, action=action, version=version, reason=reason, at=time.time()))
+        """Append one audit entry, chained to the previous one (under the registry lock, so the chain is linear)."""
+        Registry._lock(s)
+        last = s.execute(select(AuditEntry.entry_hash).order_by(AuditEntry.id.desc()).limit(1)).scalar()
+        prev, at = last or "", time.time()
+        s.add(AuditEntry(actor=actor, action=action, version=version, reason=reason, at=at, prev_hash=prev,
+                         entry_hash=audit_hash(prev, actor, action, version, reason, at)))
 
     @staticmethod
     def _row(s: Session, version: int) -> Version:
@@ -302,6 +314,61 @@ class Registry:
                             .order_by(AuditEntry.id.desc()).limit(1)).first()
         return (int(row[0]), float(row[1])) if row else (0, 0.0)
 
+    # ------------------------------------------------------------------------------------------ identity
+
+    def add_operator(self, name: str, role: str, by: str, reason: str) -> str:
+        """Create an operator and return their token (shown once; only its sha256 is stored)."""
+        if role not in ROLES:
+            raise RegistryError(f"unknown role {role!r}; one of {ROLES}")
+        if not name or len(name) > 64:
+            raise RegistryError("an operator name is 1 to 64 characters")
+        token = "lvr_" + secrets.token_urlsafe(32)
+        with self._tx() as s:
+            self._lock(s)
+            if s.get(Operator, name) is not None:
+                raise RegistryError(f"operator {name!r} exists already (disable it first to re-issue a token)")
+            s.add(Operator(name=name, role=role, token_hash=hash_token(token), created_at=time.time(), created_by=by,
+                           disabled=False))
+            self._audit(s, by, "add_operator", None, f"{name} as {role}: {reason}")
+        return token
+
+    def disable_operator(self, name: str, by: str, reason: str) -> None:
+        with self._tx() as s:
+            op = s.get(Operator, name)
+            if op is None:
+                raise RegistryError(f"no operator {name!r}")
+            op.disabled = True
+            op.token_hash = f"disabled:{op.token_hash}"[:64]
+            self._audit(s, by, "disable_operator", None, f"{name}: {reason}")
+
+    def operators(self) -> list[Operator]:
+        with self._sessions() as s:
+            return list(s.execute(select(Operator).order_by(Operator.name)).scalars())
+
+    def authenticate(self, token: str | None, need: str = "operator") -> Operator:
+        """The operator whose token this is, if their role is at least ``need``; ``AuthError`` otherwise."""
+        if not token:
+            raise AuthError("this command changes the registry and needs an operator token: set LIVERL_TOKEN or "
+                            "pass --token-file (an admin creates one with `liverl operator add NAME`)")
+        with self._sessions() as s:
+            op = s.execute(select(Operator).where(Operator.token_hash == hash_token(token.strip()))).scalar()
+        if op is None or op.disabled:
+            raise AuthError("the operator token is unknown or disabled")
+        if ROLES.index(op.role) < ROLES.index(need):
+            raise AuthError(f"operator {op.name} is a {op.role}; this needs the {need} role")
+        return op
+
+    def verify_audit(self) -> tuple[int, int | None]:
+        """Walk the audit chain: ``(entries checked, id of the first entry that does not match or None)``."""
+        prev, n = "", 0
+        with self._sessions() as s:
+            for e in s.execute(select(AuditEntry).order_by(AuditEntry.id)).scalars():
+                n += 1
+                if e.prev_hash != prev or e.entry_hash != audit_hash(prev, e.actor, e.action, e.version, e.reason, e.at):
+                    return n, e.id
+                prev = e.entry_hash
+        return n, None
+
     def log_action(self, actor: str, action: str, reason: str, version: int | None = None) -> None:
         """Record an operator action that changes no version row (e.g. holding the learner) in the audit log."""
         if not reason:
@@ -440,6 +507,10 @@ class Registry:
                 self._audit(s, actor, "gc", None,
                             f"removed {len(result.removed)} unreferenced blobs ({result.removed_bytes} bytes)")
         return result
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def open_registry(cfg: LiverlConfig) -> Registry:

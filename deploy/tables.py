@@ -5,6 +5,8 @@ Statuses of a version: candidate | rejected | stable (the served one) | retired 
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -62,6 +64,9 @@ class GateResult(Base):
 
 
 class AuditEntry(Base):
+    """Append-only and chained: ``entry_hash`` = sha256 over the previous entry's hash and this entry's fields
+    (``audit_hash``), so an edited, removed or reordered entry breaks the chain (``Registry.verify_audit``)."""
+
     __tablename__ = "audit_log"
 
     id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
@@ -70,6 +75,32 @@ class AuditEntry(Base):
     version: Mapped[int | None] = mapped_column(sa.Integer, index=True)
     reason: Mapped[str | None] = mapped_column(sa.Text)
     at: Mapped[float] = mapped_column(sa.Float)
+    prev_hash: Mapped[str | None] = mapped_column(sa.String(64))
+    entry_hash: Mapped[str | None] = mapped_column(sa.String(64))
+
+
+def audit_hash(prev: str, actor: str, action: str, version: int | None, reason: str | None, at: float) -> str:
+    """The chain link of one audit entry (canonical JSON of the previous hash and the entry's fields)."""
+    blob = json.dumps([prev, actor, action, version, reason, repr(float(at))], separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+ROLES = ("viewer", "operator", "admin")
+"""viewer: read; operator: promote, rollback, hold; admin: also manage operators and collect garbage."""
+
+
+class Operator(Base):
+    """A person (or a CI job) allowed to change the registry. Only the sha256 of the token is stored: tokens are
+    256-bit random strings handed out once, so a fast hash is enough and a leaked table gives nothing away."""
+
+    __tablename__ = "operators"
+
+    name: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    role: Mapped[str] = mapped_column(sa.String(16))
+    token_hash: Mapped[str] = mapped_column(sa.String(64), unique=True, index=True)
+    created_at: Mapped[float] = mapped_column(sa.Float)
+    created_by: Mapped[str] = mapped_column(sa.String(64))
+    disabled: Mapped[bool] = mapped_column(sa.Boolean, default=False)
 
 
 class FleetNode(Base):

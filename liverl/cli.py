@@ -65,7 +65,9 @@ Every decoded result is checked bit-exact against the target (the command fails 
 reproduces the table and the machine are printed under it. Takes a few minutes with the 1 GiB model.
 """
 
-ADMIN_EPILOG = "The admin verbs read the registry (registry.url) and Redis (redis.url) named by the config."
+ADMIN_EPILOG = ("The admin verbs read the registry (registry.url) and Redis (redis.url) named by the config. Verbs "
+                "that change anything need an operator token ($LIVERL_TOKEN or --token-file; `liverl operator`) and "
+                "a --reason; both land in the hash-chained audit log (`liverl history --verify`).")
 
 
 def _cfg(args: argparse.Namespace) -> LiverlConfig:
@@ -101,7 +103,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 def cmd_hold(args: argparse.Namespace) -> int:
     from liverl.admin import cmd_hold as run
 
-    return run(_cfg(args), hold=not args.release, reason=args.reason, actor=args.actor)
+    return run(_cfg(args), hold=not args.release, reason=args.reason, token=_token(args))
 
 
 def model_dir_for(cfg: LiverlConfig):
@@ -196,25 +198,40 @@ def cmd_versions(args: argparse.Namespace) -> int:
 def cmd_history(args: argparse.Namespace) -> int:
     from liverl.admin import cmd_history as run
 
-    return run(_cfg(args))
+    return run(_cfg(args), verify=args.verify)
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    """The operator's token: --token-file, else $LIVERL_TOKEN."""
+    if getattr(args, "token_file", None):
+        from pathlib import Path
+
+        return Path(args.token_file).read_text().strip()
+    return os.environ.get("LIVERL_TOKEN")
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    from liverl.admin import cmd_operator as run
+
+    return run(_cfg(args), args.action, args.name, args.role, args.reason, _token(args))
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
     from liverl.admin import cmd_promote as run
 
-    return run(_cfg(args), version=args.version, reason=args.reason, actor=args.actor, force=args.force)
+    return run(_cfg(args), version=args.version, reason=args.reason, token=_token(args), force=args.force)
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
     from liverl.admin import cmd_rollback as run
 
-    return run(_cfg(args), to=args.to, reason=args.reason, actor=args.actor)
+    return run(_cfg(args), reason=args.reason, token=_token(args), to=args.to)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from liverl.admin import gc_command
 
-    return gc_command(_cfg(args), dry_run=args.dry_run, grace_s=args.grace)
+    return gc_command(_cfg(args), dry_run=args.dry_run, grace_s=args.grace, token=_token(args))
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -243,6 +260,10 @@ Redis (the local one, or a private one), the SQLite registry, then `serve` (vLLM
 transformers and vLLM both load; an architecture family liverl does not handle yet is refused at start.
 Without --model the built-in demo policy is served.
 """
+
+
+def _token_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", metavar="FILE", help="file holding your operator token (default: $LIVERL_TOKEN)")
 
 
 def _model_args(p: argparse.ArgumentParser, product_help: str | None = None) -> None:
@@ -320,25 +341,37 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=int, default=20, help="most recent N versions (default 20)")
     s.set_defaults(fn=cmd_versions)
     s = sub.add_parser("history", help="the audit log: who promoted or rolled back what, and why", epilog=ADMIN_EPILOG)
+    s.add_argument("--verify", action="store_true", help="first check the log's hash chain (exit 1 if tampered with)")
     s.set_defaults(fn=cmd_history)
     s = sub.add_parser("promote", help="make VERSION the served version (the agents hot-swap to it)", epilog=ADMIN_EPILOG)
     s.add_argument("version", type=int)
-    s.add_argument("--reason", default="manual promote", help="recorded in the audit log")
-    s.add_argument("--actor", default=os.environ.get("USER", "admin"), help="who (default: $USER)")
-    s.add_argument("--force", action="store_true", help="promote even a version the gate rejected")
+    s.add_argument("--reason", required=True, help="why (recorded in the audit log with who you are)")
+    _token_arg(s)
+    s.add_argument("--force", action="store_true", help="promote even a version the gate rejected or has not judged")
     s.set_defaults(fn=cmd_promote)
     s = sub.add_parser("rollback", help="serve the previous stable version again (or --to VERSION)", epilog=ADMIN_EPILOG)
     s.add_argument("--to", type=int, help="version to return to (default: the one before the current stable)")
-    s.add_argument("--reason", default="manual rollback", help="recorded in the audit log")
-    s.add_argument("--actor", default=os.environ.get("USER", "admin"), help="who (default: $USER)")
+    s.add_argument("--reason", required=True, help="why (recorded in the audit log with who you are)")
+    _token_arg(s)
     s.set_defaults(fn=cmd_rollback)
 
     s = sub.add_parser("hold", help="stop (or --release: resume) the learner emitting candidates; it keeps training",
                        epilog=ADMIN_EPILOG)
     s.add_argument("--release", action="store_true", help="let the learner emit candidates again")
-    s.add_argument("--reason", required=True, help="recorded in the audit log")
-    s.add_argument("--actor", default=os.environ.get("USER", "admin"), help="who (default: $USER)")
+    s.add_argument("--reason", required=True, help="why (recorded in the audit log with who you are)")
+    _token_arg(s)
     s.set_defaults(fn=cmd_hold)
+
+    s = sub.add_parser("operator", help="operator identities: add NAME --role R, disable NAME, list", epilog=ADMIN_EPILOG,
+                       description="Who may change the registry. Each operator has a role (viewer < operator < admin) "
+                       "and a token, shown once when added; only its hash is stored. The first operator of a registry "
+                       "is added without a token; after that, adding or disabling needs an admin token.")
+    s.add_argument("action", choices=["add", "disable", "list"])
+    s.add_argument("name", nargs="?")
+    s.add_argument("--role", default="operator", choices=["viewer", "operator", "admin"])
+    s.add_argument("--reason", help="why (recorded in the audit log)")
+    _token_arg(s)
+    s.set_defaults(fn=cmd_operator)
 
     s = sub.add_parser("gc", help="delete snapshot/delta blobs that no version references", epilog=ADMIN_EPILOG,
                        description="Delete blobs in the blob store that no registry version references (left by "
@@ -348,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
     s.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
                    help="keep unreferenced blobs younger than this (default 3600)")
+    _token_arg(s)
     s.set_defaults(fn=cmd_gc)
 
     s = sub.add_parser("schema", help="print the JSON Schemas of the wire messages (for non-Python producers)")
