@@ -38,6 +38,7 @@ import redis as redis_lib
 
 from deploy.blobstore import BlobError
 from deploy.delta import DeltaError, apply_delta, checksum
+from deploy.signing import Signer, announce
 from deploy.registry import Registry, RegistryConflict, RegistryError, Version, open_registry
 from liverl.core import keys
 from liverl.core.config import LiverlConfig
@@ -57,13 +58,6 @@ class Evaluator(Protocol):
         """``{"name", "score", ...}`` on the product's evaluation suite, or None without one."""
 
 
-def announce(r: redis_lib.Redis, prefix: str, version: int, checksum_: str, reason: str) -> VersionAnnouncement:
-    """Tell the fleet which version to serve (``<prefix>:desired``)."""
-    ann = VersionAnnouncement(version=version, checksum=checksum_, reason=reason)
-    r.set(keys.desired(prefix), ann.to_bytes())
-    return ann
-
-
 @dataclass
 class Verdict:
     version: int
@@ -76,8 +70,9 @@ class Verdict:
 class Gate:
     """Evaluates pending candidates with the ``evaluator`` it is given (drift, collapse, optional suite)."""
 
-    def __init__(self, cfg: LiverlConfig, registry: Registry, redis: redis_lib.Redis, evaluator: Evaluator):
-        self.cfg, self.registry, self.redis = cfg, registry, redis
+    def __init__(self, cfg: LiverlConfig, registry: Registry, redis: redis_lib.Redis, evaluator: Evaluator,
+                 signer: Signer | None = None):
+        self.cfg, self.registry, self.redis, self.signer = cfg, registry, redis, signer
         self.prefix = cfg.topics.prefix
         self.evaluator = evaluator
         self._stable_suite: dict[tuple[int, str], dict | None] = {}
@@ -120,9 +115,11 @@ class Gate:
             ann = VersionAnnouncement.from_bytes(raw) if raw is not None else None
         except WireError:
             ann = None
-        if ann is None or (ann.version, ann.checksum) != (stable.version, stable.checksum):
+        unsigned = self.signer is not None and ann is not None and not ann.signature
+        if ann is None or unsigned or (ann.version, ann.checksum) != (stable.version, stable.checksum):
             was = "nothing" if ann is None else f"v{ann.version}"
-            announce(self.redis, self.prefix, stable.version, stable.checksum, f"reconciled with the registry (was {was})")
+            announce(self.redis, self.prefix, stable.version, stable.checksum,
+                     f"reconciled with the registry (was {was}{', unsigned' if unsigned else ''})", self.signer)
             log.warning("gate: desired version was %s; announced the registry's stable v%d", was, stable.version)
 
     def step(self) -> list[Verdict]:
@@ -246,7 +243,7 @@ class Gate:
         except RegistryConflict as e:  # an operator promoted or rolled back meanwhile: their word stands
             log.info("gate: version %d not promoted: %s; re-evaluating next step", row.version, e)
             return Verdict(row.version, "deferred", str(e), checks)
-        announce(self.redis, self.prefix, row.version, row.checksum, reason)
+        announce(self.redis, self.prefix, row.version, row.checksum, reason, self.signer)
         log.info("gate: version %d promoted and announced", row.version)
         self._verdicts.labels("promoted").inc()
         self._stable.set(row.version)
@@ -329,7 +326,7 @@ def run_gate(cfg: LiverlConfig, make_evaluator: Callable[[Callable[[], list[Logg
     import signal
 
     from deploy.delta import warm_up
-    from liverl.core.services import kafka_bootstrap, setup_redis
+    from liverl.core.services import kafka_bootstrap, setup_redis, signing_key_path
 
     warm_up()  # the delta codec's kernels (cached on disk after the first compile)
     registry = open_registry(cfg)
@@ -337,7 +334,9 @@ def run_gate(cfg: LiverlConfig, make_evaluator: Callable[[Callable[[], list[Logg
     tail = GenerationTail(kafka_bootstrap(cfg), cfg.topics.generations, cfg.gate.probe_generations).start()
     server = None
     try:
-        gate = Gate(cfg, registry, r, make_evaluator(tail))
+        key = signing_key_path(cfg)
+        gate = Gate(cfg, registry, r, make_evaluator(tail), signer=Signer(key) if key else None)
+        log.info("gate: announcements %s", f"signed with {key}" if key else "unsigned (no security.signing_key)")
         if cfg.gate.metrics_port and not once:
             server, _ = prom.start_http_server(cfg.gate.metrics_port, addr=cfg.serving.host, registry=gate.metrics)
             log.info("gate: Prometheus metrics on http://%s:%d/metrics", cfg.serving.host, cfg.gate.metrics_port)

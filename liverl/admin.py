@@ -207,8 +207,9 @@ def _change(cfg: LiverlConfig, verb: str, token: str | None, do) -> int:
     should the announcement still fail, the gate reconciles it with the registry on its next step."""
     import redis
 
-    from deploy.gate import announce
     from deploy.registry import RegistryError
+    from deploy.signing import Signer, announce
+    from liverl.core.services import signing_key_path
 
     r = open_redis(cfg)
     try:
@@ -224,7 +225,9 @@ def _change(cfg: LiverlConfig, verb: str, token: str | None, do) -> int:
     finally:
         reg.close()
     with r:
-        announce(r, cfg.topics.prefix, row.version, row.checksum, f"{verb}: {row.status_reason or ''}".strip())
+        key = signing_key_path(cfg)
+        announce(r, cfg.topics.prefix, row.version, row.checksum, f"{verb}: {row.status_reason or ''}".strip(),
+                 Signer(key) if key else None)
     print(f"{verb}: v{row.version} is now stable (checksum {row.checksum[:12]}…); announced to the fleet")
     return 0
 

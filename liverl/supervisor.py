@@ -110,12 +110,22 @@ def wait_http(url: str, timeout: float, children: list[Child], what: str) -> Non
     raise SupervisorError(f"{what} not ready at {url} after {timeout:.0f} s")
 
 
+def ensure_keys(cfg: LiverlConfig) -> None:
+    """Announcements are signed on one machine too: make ``<state_dir>/keys`` once, unless keys are configured."""
+    from deploy.signing import generate_keypair
+    from liverl.core.services import signing_key_path, verify_key_path
+
+    if signing_key_path(cfg) is None and verify_key_path(cfg) is None:
+        generate_keypair(cfg.state_path / "keys")
+
+
 def init_registry(cfg: LiverlConfig, model_dir: Path, redis) -> int:
     """Register the model dir's weights as version 0 when the registry is empty, and announce the stable version
     when nothing is announced yet. Returns the stable version."""
     from deploy.registry import RegistryError, open_registry
+    from deploy.signing import Signer, announce
     from learner.model import load_state_dict
-    from liverl.core.schemas import VersionAnnouncement
+    from liverl.core.services import signing_key_path
 
     registry = open_registry(cfg)
     try:
@@ -124,8 +134,9 @@ def init_registry(cfg: LiverlConfig, model_dir: Path, redis) -> int:
         except RegistryError:
             stable = registry.init_base(load_state_dict(model_dir), str(model_dir))
         if redis.get(keys.desired(cfg.topics.prefix)) is None:
-            ann = VersionAnnouncement(version=stable.version, checksum=stable.checksum, reason="initial stable version")
-            redis.set(keys.desired(cfg.topics.prefix), ann.to_bytes())
+            key = signing_key_path(cfg)
+            announce(redis, cfg.topics.prefix, stable.version, stable.checksum, "initial stable version",
+                     Signer(key) if key else None)
         return stable.version
     finally:
         registry.close()

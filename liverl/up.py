@@ -12,7 +12,7 @@ from pathlib import Path
 from liverl.core.config import LiverlConfig
 from liverl.core.product import load_product
 from liverl.stack import Stack, start_stack
-from liverl.supervisor import Supervisor, child_env, init_registry, wait_http
+from liverl.supervisor import Supervisor, child_env, ensure_keys, init_registry, wait_http
 
 
 class Pipeline:
@@ -41,6 +41,7 @@ class Pipeline:
             if self.fresh:
                 reset_state(cfg, self.redis)
             ensure_topics(self.stack.bootstrap, all_topics(cfg), cfg.broker.partitions)
+            ensure_keys(cfg)
             init_registry(cfg, self.model_dir, self.redis)
             self.supervisor = Supervisor(child_env(cfg, self.stack, self.model_dir), cfg.state_path / "logs").start()
             wait_http(f"{self.gateway_url}/healthz", 300, self.supervisor.children, "the gateway (vLLM engine start)")

@@ -31,7 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deploy.signing import SignatureError, Verifier
 from liverl.core import keys
+from liverl.core.services import verify_key_path
 from liverl.core.config import LiverlConfig
 from liverl.core.schemas import VersionAnnouncement, WireError
 from serving.gateway import Gateway, NodeClient
@@ -63,6 +65,10 @@ class Agent:
         self.retry_failed_after_s = retry_failed_after_s
         self._failed: dict[tuple[int, str], float] = {}  # (version, checksum) -> when it failed
         self.swaps: collections.deque[dict] = collections.deque(maxlen=keys.LIST_CAP)
+        key = verify_key_path(cfg)
+        self.verifier = Verifier(key) if key else None  # with a key, unsigned announcements are refused
+        self.refused_announcements = 0
+        self._last_refused: tuple[int, str | None] | None = None
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -125,9 +131,15 @@ class Agent:
         if raw is None:
             return None
         try:
-            return VersionAnnouncement.from_bytes(raw)
-        except WireError as e:
-            log.error("ignoring malformed %s:desired: %s", self.prefix, e)
+            ann = VersionAnnouncement.from_bytes(raw)
+            if self.verifier is not None:
+                self.verifier.verify(ann)
+            return ann
+        except (WireError, SignatureError) as e:
+            self.refused_announcements += 1
+            if self._last_refused != (len(raw), str(e)):  # say it once per distinct refusal, not every poll
+                self._last_refused = (len(raw), str(e))
+                log.error("refusing %s: %s", keys.desired(self.prefix), e)
             return None
 
     async def heartbeat(self) -> None:

@@ -138,6 +138,15 @@ class GateConfig(_Section):
                               "(liverl_gate_*) on serving.host; 0: off.")
 
 
+class SecurityConfig(_Section):
+    signing_key: str | None = Field(
+        default=None, description="Ed25519 private key (PEM) that signs version announcements; only the gate and "
+        "operators need it. None: <state_dir>/keys/announce.key when it exists (liverl up makes one).")
+    verify_key: str | None = Field(
+        default=None, description="Ed25519 public key (PEM) serving agents verify announcements with; when set (or "
+        "<state_dir>/keys/announce.pub exists) an unsigned or wrongly signed announcement is refused.")
+
+
 class DemoConfig(_Section):
     duration_s: float = Field(default=600.0, description="How long the demo runs (the loop stops then).")
     users: int = Field(default=48, description="Concurrent simulated users.")
@@ -167,6 +176,7 @@ class LiverlConfig(BaseSettings):
     ingest: IngestConfig = Field(default_factory=IngestConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
     demo: DemoConfig = Field(default_factory=DemoConfig)
 
     @classmethod
