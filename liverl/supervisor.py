@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from liverl.core import keys
+from liverl.core import keys, procs
 from liverl.core.config import LiverlConfig
 from liverl.core.services import LiverlError
 from liverl.stack import Stack
@@ -40,10 +39,7 @@ class Child:
     log_path: Path
 
     def tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
+        return "\n".join(procs.tail(self.log_path, 200 * n).splitlines()[-n:])
 
 
 def child_env(cfg: LiverlConfig, stack: Stack, model_dir: Path) -> dict[str, str]:
@@ -68,30 +64,11 @@ def child_env(cfg: LiverlConfig, stack: Stack, model_dir: Path) -> dict[str, str
 
 def start_child(role: str, env: dict[str, str], log_dir: Path) -> Child:
     log_path = log_dir / f"{role}.log"
-    with open(log_path, "ab") as out:  # the child keeps its own descriptor
-        proc = subprocess.Popen([sys.executable, "-m", "liverl.cli", role], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    return Child(role, proc, log_path)
+    return Child(role, procs.spawn([sys.executable, "-m", "liverl.cli", role], log_path, env), log_path)
 
 
 def stop_children(children: list[Child], timeout: float = 20.0) -> None:
-    for c in children:
-        if c.proc.poll() is None:
-            try:
-                os.killpg(c.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + timeout
-    for c in children:
-        try:
-            c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop on SIGTERM; killing it", c.role)
-            try:
-                os.killpg(c.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            c.proc.wait()
+    procs.stop([(c.role, c.proc) for c in children], timeout)
 
 
 def wait_http(url: str, timeout: float, children: list[Child], what: str) -> None:
