@@ -18,7 +18,7 @@ def test_sdk_publishes_plain_json_keyed_by_generation_id(cfg):
     with FeedbackClient(cfg.broker.bootstrap, cfg.topics.feedback) as sdk:
         f1 = sdk.accept(g1, segment="pro")
         f2 = sdk.reject(g2, feedback_id="my-own-id-1")
-        f3 = sdk.edit(g3, "corrected", ts=1234.5)
+        f3 = sdk.edit(g3, "corrected", ts=1_790_000_000.5)
         fut = sdk.send(FeedbackEvent(feedback_id="f-4", generation_id=g4, kind="accept"))
         sdk.send_raw(b"\x00 anything", key="raw-key")
         sdk.flush()
@@ -33,7 +33,7 @@ def test_sdk_publishes_plain_json_keyed_by_generation_id(cfg):
     assert set(events) == {g1, g2, g3, g4}
     assert (events[g1].kind, events[g1].feedback_id, events[g1].segment) == ("accept", f1, "pro")
     assert (events[g2].kind, events[g2].feedback_id) == ("reject", "my-own-id-1")
-    assert (events[g3].kind, events[g3].edited_text, events[g3].ts) == ("edit", "corrected", 1234.5)
+    assert (events[g3].kind, events[g3].edited_text, events[g3].ts) == ("edit", "corrected", 1_790_000_000.5)
     assert all(e.generation_id == k for k, e in events.items())
     # Plain JSON: what any Kafka client (kcat) publishes is the same message.
     assert json.loads(by_key[g1])["kind"] == "accept"
