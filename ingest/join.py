@@ -80,6 +80,7 @@ class _Batch:
     futs: list[Any] = field(default_factory=list)
     samples: int = 0
     writes: dict[str, bytes | None] = field(default_factory=dict)  # table writes, applied once futs are done
+    new_pending: int = 0
 
 
 def pack(kind: bytes, t: float, meta: dict | None = None, payload: bytes = b"") -> bytes:
@@ -248,13 +249,14 @@ class Ingest:
             else:
                 await self._dead(out, "already_judged",
                                  f"generation {gid} already has feedback {meta['f']} waiting for it", src, value)
-        elif len(self._pending) >= self.ic.max_pending:
+        elif len(self._pending) + out.new_pending >= self.ic.max_pending:
             await self._dead(out, "pending_full", f"{len(self._pending)} feedback events already wait for their "
                              f"generation (ingest.max_pending)", src, value)
         else:
             kts = src.ts or now
             meta = {"f": fid, "kts": kts, "src": [src.topic, src.partition, src.offset, src.key]}
             out.writes[gid] = pack(PENDING, now, meta, fb.model_dump_json().encode())
+            out.new_pending += 1
 
     async def _join(self, rec: GenerationRecord, fb: FeedbackEvent, out: _Batch, now: float, src: Source) -> None:
         gid = rec.generation_id
@@ -315,7 +317,7 @@ class Ingest:
         out.writes.clear()
         out.tally.inc("samples_out", out.samples)
         try:
-            await self.metrics.apply(out.tally)
+            await self.metrics.apply(out.tally, retry_s=self.ic.redis_retry_s)
         except Exception as e:
             raise InfraError(f"Redis at {self.metrics.redis_url} failed: {type(e).__name__}: {e}") from e
         self.metrics.pending.set(len(self._pending))

@@ -112,6 +112,9 @@ class IngestConfig(_Section):
         "more are dead-lettered (pending_full), so a flood of feedback for unknown generations cannot exhaust memory.")
     generation_ttl_s: float = Field(
         default=6 * 3600.0, gt=0, description="A generation record nobody judged within this is dropped (counted).")
+    redis_retry_s: float = Field(
+        default=20.0, gt=0, description="How long a batch retries Redis before the ingest worker stops (exit code 75) "
+        "without acknowledging it, to replay it after a restart.")
     judged_ttl_s: float = Field(
         default=24 * 3600.0, gt=0, description="How long a judgement is remembered, so redelivered feedback is a "
         "duplicate and a second judgement is dead-lettered (already_judged).")

@@ -111,6 +111,7 @@ class WorkerProc:
             "LIVERL__INGEST__PENDING_TTL_S": str(cfg.ingest.pending_ttl_s),
             "LIVERL__INGEST__REWARDS": json.dumps(cfg.ingest.rewards.model_dump()),
             "LIVERL__INGEST__WEB_PORT": str(web_port),
+            "LIVERL__INGEST__REDIS_RETRY_S": str(cfg.ingest.redis_retry_s),
             "PYTHONUNBUFFERED": "1",
         })
         self.web_port = web_port

@@ -215,6 +215,13 @@ def test_metrics_endpoint_speaks_prometheus(harness):
         assert name in body, name
     status, _, health = harness.worker.get("/healthz")
     assert status == 200 and json.loads(health)["ok"] is True
+    # faust's table and router views would show prompts and feedback to anyone who reaches the port: off.
+    import urllib.error
+
+    for path in ("/table/join/", "/router/"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            harness.worker.get(path)
+        assert e.value.code == 404, path
 
 
 def test_throughput(harness, record_property):

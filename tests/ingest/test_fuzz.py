@@ -123,7 +123,7 @@ def _mutate(doc: dict, how: str, rng: random.Random) -> bytes:
             if f in d:
                 d[f] = rng.choice(NONFINITE)
         for f in ("completion_logprobs", "behaviour_logprobs"):
-            if f in d and d[f]:
+            if d.get(f):
                 d[f] = [rng.choice(NONFINITE)] + d[f][1:]
         if "sampling" in d:
             d["sampling"] = dict(d["sampling"], temperature=rng.choice(NONFINITE))

@@ -203,3 +203,34 @@ def test_restart_loop_resumes_fast(stack, tmp_path):
         assert sorted(times)[len(times) // 2] < RESUME_LIMIT_S and max(times) < 2 * RESUME_LIMIT_S, times
     finally:
         h.close()
+
+
+def test_redis_down_stops_the_worker_unacknowledged_and_the_restart_replays(stack, tmp_path):
+    """An infrastructure failure mid-batch ends the process (exit 75) before faust can acknowledge the batch; the
+    next worker replays it, so its live counters are not lost."""
+    from ingest.app import EXIT_INFRA
+    from tests.conftest import free_port
+    from tests.ingest.conftest import WorkerProc
+
+    good = ingest_config(stack, tmp_path / "state", ingest__redis_retry_s=1.0)
+    h = IngestHarness(good, tmp_path)
+    try:
+        h.start_worker()
+        h.worker.stop(signal.SIGTERM)
+        v, gid = 313_131, new_gid()
+        h.send_generation(make_generation(gid, v))
+        with from_config(h.cfg) as sdk:
+            sdk.reject(gid)
+        bad = good.model_copy(update={"redis": good.redis.model_copy(update={"url": f"redis://127.0.0.1:{free_port()}/0"})})
+        w = WorkerProc(bad, free_port(), tmp_path / "worker-no-redis.log")
+        try:
+            code = w.proc.wait(timeout=90)
+        finally:
+            w.stop(signal.SIGKILL)
+        assert code == EXIT_INFRA, w.log_tail()
+        assert "without acknowledging" in w.log_tail()
+        assert h.live(v) == {}
+        h.start_worker()
+        assert wait_until(lambda: h.live(v) == {"reject": 1, "events": 1}, 30, what=f"replayed counters, have {h.live(v)}")
+    finally:
+        h.close()

@@ -66,3 +66,25 @@ def test_sdk_refuses_bad_input_with_actionable_errors(cfg):
         sdk.accept(new_gid())
     with pytest.raises(ValueError, match="bootstrap"):
         from_config(cfg.model_copy(update={"broker": cfg.broker.model_copy(update={"bootstrap": None})}))
+
+
+def test_flush_names_events_the_broker_did_not_take(cfg):
+    """A delivery failure is raised by flush(), never swallowed. The broker's refusal is simulated on a future of
+    kafka-python's own type (a real one needs a broker that fails after accepting the request)."""
+    from kafka.errors import KafkaError
+    from kafka.future import Future
+
+    from ingest.sdk import DeliveryError
+
+    ensure_topics(cfg.broker.bootstrap, all_topics(cfg), cfg.broker.partitions)
+    with FeedbackClient(cfg.broker.bootstrap, cfg.topics.feedback, max_request_size=2000) as sdk:
+        assert sdk.accept(new_gid())
+        sdk.flush()  # delivered: nothing to report
+        with pytest.raises(KafkaError):  # too big for the producer: refused at once, not later
+            sdk.send_raw(b"x" * 5000, key="too-big")
+        fut = sdk._track(Future(), "f-lost")
+        fut.failure(KafkaError("NOT_ENOUGH_REPLICAS"))
+        with pytest.raises(DeliveryError, match="f-lost") as e:
+            sdk.flush()
+        assert [k for k, _ in e.value.failed] == ["f-lost"]
+        sdk.flush()  # reported once
