@@ -98,7 +98,7 @@ async def _log_end_offsets(bootstrap: str, reported: Mapping[Any, int | None]) -
         await consumer.stop()
 
 
-def _use_true_end_offsets(app: faust.App, bootstrap: str) -> None:
+def _use_true_end_offsets(app: faust.App, bootstrap: str, on_ends=None) -> None:
     """Make the app's consumer report fetch-based end offsets to table recovery (see ``_log_end_offsets``)."""
     make_consumer = app._new_consumer
 
@@ -109,7 +109,10 @@ def _use_true_end_offsets(app: faust.App, bootstrap: str) -> None:
         _shorter_fetch_wait(consumer)
 
         async def highwaters(*partitions):
-            return await _log_end_offsets(bootstrap, await broker_end_offsets(*partitions))
+            ends = await _log_end_offsets(bootstrap, await broker_end_offsets(*partitions))
+            if on_ends is not None:
+                on_ends(ends)
+            return ends
 
         consumer.highwaters = highwaters
         return consumer
@@ -239,7 +242,8 @@ def build_app(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: in
         web_tables_enabled=False,
         web_router_enabled=False,
     )
-    _use_true_end_offsets(app, bootstrap)
+    tables: list = []  # the join table, once built (the end-offset check below needs it)
+    _use_true_end_offsets(app, bootstrap, on_ends=lambda ends: [_drop_foreign_state(app, t, ends) for t in tables])
     metrics = IngestMetrics(prefix, redis_url)
     t = cfg.topics
     n = cfg.broker.partitions
@@ -252,6 +256,8 @@ def build_app(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: in
                       key_type=str, value_type=bytes, partitions=n, use_partitioner=True,
                       schema=faust.Schema(key_type=str, key_serializer="raw", value_serializer="raw"),
                       options=options if ic.store == "rocksdb" else None)
+    if ic.store == "rocksdb":
+        tables.append(table)
 
     async def send(topic: str, key: str, value: bytes):
         return await outputs[topic].send(key=key, value=value)
@@ -373,6 +379,35 @@ async def _guarded(metrics: IngestMetrics, name: str, lock: asyncio.Lock | None,
     except Exception:
         log.exception("timer %s failed; it runs again at its next interval", name)
         metrics.timer_errors.labels(name).inc()
+
+
+def _drop_foreign_state(app: faust.App, table, ends: Mapping[Any, int | None]) -> None:
+    """Empty a local partition database that is ahead of its changelog: it belongs to another history.
+
+    A worker's RocksDB files outlive the broker's data when the broker is replaced or reset (the embedded broker
+    keeps its log in memory, and a demo reuses its state folder). Its stored changelog offset is then past the
+    changelog's end; its entries would be joined against generations that no longer exist, and its pending
+    feedback dead-lettered for nothing (faust itself refuses to start: ConsistencyError). The changelog is the
+    truth: such a database is emptied, and recovery reads the changelog from its start. Called with the end
+    offsets table recovery asked for, before it compares them with the stored ones.
+    """
+    store = table.data
+    for tp, end in ends.items():
+        if tp.topic != table.changelog_topic_name or end is None:
+            continue
+        last = end - 1
+        db = store._dbs.get(tp.partition)
+        persisted = store.persisted_offset(tp) if db is not None else None
+        if persisted is None or persisted <= last:
+            continue
+        keys = [k for k in db.keys() if k != store.offset_key]  # noqa: SIM118 - a RocksDB handle, not a dict
+        for k in keys:
+            db.delete(k)
+        db.delete(store.offset_key)
+        app.tables.recovery.active_offsets[tp] = None
+        log.warning("join table partition %d: local state (changelog offset %d) is ahead of the changelog (last "
+                    "offset %d), so it is from another broker history; dropped its %d entries", tp.partition,
+                    persisted, last, len(keys))
 
 
 def _forget_unassigned(app: faust.App, table) -> None:

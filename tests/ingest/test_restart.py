@@ -234,3 +234,28 @@ def test_redis_down_stops_the_worker_unacknowledged_and_the_restart_replays(stac
         assert wait_until(lambda: h.live(v) == {"reject": 1, "events": 1}, 30, what=f"replayed counters, have {h.live(v)}")
     finally:
         h.close()
+
+
+def test_local_state_from_another_broker_history_is_dropped(stack, tmp_path):
+    """The RocksDB files outlive a broker reset (the demo's embedded broker keeps its log in memory): a database
+    ahead of its changelog is emptied rather than trusted."""
+    from kafka import KafkaAdminClient
+
+    h = IngestHarness(ingest_config(stack, tmp_path / "state"), tmp_path)
+    try:
+        h.start_worker()
+        for _ in range(20):  # table history the new changelog will not have
+            h.send_generation(make_generation(new_gid(), 1), flush=False)
+        h.producer.flush()
+        wait_until(lambda: h.counters().get("generations_in", 0) >= 21, 20, what="generations consumed")
+        assert h.worker.stop(signal.SIGTERM) == 0
+        changelog = f"{h.cfg.topics.prefix}-ingest-join-changelog"
+        admin = KafkaAdminClient(bootstrap_servers=h.cfg.broker.bootstrap)
+        try:
+            admin.delete_topics([changelog])
+        finally:
+            admin.close()
+        h.start_worker()
+        assert "from another broker history" in h.worker.log_tail(200_000)
+    finally:
+        h.close()
