@@ -39,7 +39,7 @@ _THREADED_ABOVE = 8 << 20  # bytes above which zstd compresses one frame with it
 
 
 @dataclass(frozen=True)
-class _Dt:
+class ElementType:
     torch: torch.dtype
     uint: type  # unsigned numpy type of the same width
     bits: int
@@ -47,12 +47,12 @@ class _Dt:
     ebits: int  # exponent bits
 
 
-DTYPES: dict[str, _Dt] = {
-    "bfloat16": _Dt(torch.bfloat16, np.uint16, 16, 7, 8),
-    "float16": _Dt(torch.float16, np.uint16, 16, 10, 5),
-    "float32": _Dt(torch.float32, np.uint32, 32, 23, 8),
-    "float8_e4m3fn": _Dt(torch.float8_e4m3fn, np.uint8, 8, 3, 4),
-    "float8_e5m2": _Dt(torch.float8_e5m2, np.uint8, 8, 2, 5),
+DTYPES: dict[str, ElementType] = {
+    "bfloat16": ElementType(torch.bfloat16, np.uint16, 16, 7, 8),
+    "float16": ElementType(torch.float16, np.uint16, 16, 10, 5),
+    "float32": ElementType(torch.float32, np.uint32, 32, 23, 8),
+    "float8_e4m3fn": ElementType(torch.float8_e4m3fn, np.uint8, 8, 3, 4),
+    "float8_e5m2": ElementType(torch.float8_e5m2, np.uint8, 8, 2, 5),
 }
 _NAME_OF = {d.torch: name for name, d in DTYPES.items()}
 
@@ -67,14 +67,14 @@ class DeltaError(ValueError):
 # ---------------------------------------------------------------------------------------------- checksums
 
 
-def _dtype_name(t: torch.Tensor) -> str:
+def dtype_name(t: torch.Tensor) -> str:
     try:
         return _NAME_OF[t.dtype]
     except KeyError:
         raise TypeError(f"unsupported dtype {t.dtype}; deltas support {sorted(DTYPES)}") from None
 
 
-def _raw(t: torch.Tensor) -> np.ndarray:
+def byte_view(t: torch.Tensor) -> np.ndarray:
     """The tensor's bytes as a flat uint8 array (a view when the tensor is already contiguous on CPU)."""
     t = t.detach()
     if t.device.type != "cpu":
@@ -82,19 +82,19 @@ def _raw(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def _elements(t: torch.Tensor) -> np.ndarray:
+def element_view(t: torch.Tensor) -> np.ndarray:
     """The tensor's elements as unsigned integers of the same width (a view; writes go to the tensor)."""
-    return _raw(t).view(DTYPES[_dtype_name(t)].uint)
+    return byte_view(t).view(DTYPES[dtype_name(t)].uint)
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
     """xxh3-128 hex over the dtype name, the shape and the raw bytes of one tensor."""
-    h = xxhash.xxh3_128(f"{_dtype_name(t)}:{','.join(map(str, t.shape))}\n".encode())
-    h.update(_raw(t))
+    h = xxhash.xxh3_128(f"{dtype_name(t)}:{','.join(map(str, t.shape))}\n".encode())
+    h.update(byte_view(t))
     return h.hexdigest()
 
 
-def _combine(tensor_sums: Mapping[str, str]) -> str:
+def combine_checksums(tensor_sums: Mapping[str, str]) -> str:
     h = blake3.blake3(b"liverl-weights-v2\n")
     for name in sorted(tensor_sums):
         if "\t" in name or "\n" in name:
@@ -105,13 +105,13 @@ def _combine(tensor_sums: Mapping[str, str]) -> str:
 
 def checksum(state_dict: Mapping[str, torch.Tensor]) -> str:
     """THE checksum of a set of weights: blake3 over sorted names and each tensor's ``tensor_checksum``."""
-    return _combine({name: tensor_checksum(t) for name, t in state_dict.items()})
+    return combine_checksums({name: tensor_checksum(t) for name, t in state_dict.items()})
 
 
 # ---------------------------------------------------------------------------------------------- container
 
 
-def _pack(magic: bytes, header: dict, payload: bytearray | list[bytes]) -> bytearray:
+def pack_container(magic: bytes, header: dict, payload: bytearray | list[bytes]) -> bytearray:
     """prefix | payload | header | trailer, framed around a payload that was built in place.
 
     ``payload`` is a bytearray that starts with ``_PREFIX.size`` reserved bytes (see ``_payload_buffer``)
@@ -138,7 +138,7 @@ def _payload_buffer() -> bytearray:
     return bytearray(_PREFIX.size)
 
 
-class _Output:
+class Output:
     """The growing payload of an encoder: one bytearray written in place behind a write index.
 
     Appending to a bytearray one frame at a time reallocates and copies it, and glibc keeps the pages of
@@ -174,7 +174,7 @@ def _resize(buf: bytearray, size: int) -> None:
         raise MemoryError(f"cannot resize the delta buffer to {size} bytes")
 
 
-def _open(blob: bytes, magic: bytes, what: str, check_payload: bool = True) -> tuple[dict, memoryview]:
+def open_container(blob: bytes, magic: bytes, what: str, check_payload: bool = True) -> tuple[dict, memoryview]:
     """Check framing and hashes; return (header, payload). With ``check_payload=False`` only the header."""
     view = memoryview(blob)
     if len(view) < _PREFIX.size:
@@ -209,19 +209,19 @@ def _open(blob: bytes, magic: bytes, what: str, check_payload: bool = True) -> t
 # ---------------------------------------------------------------------------------------------- byte planes
 
 
-def _to_planes(raw: np.ndarray, itemsize: int) -> np.ndarray:
+def to_planes(raw: np.ndarray, itemsize: int) -> np.ndarray:
     """Bytes of n elements -> itemsize planes, most significant byte plane first."""
     if itemsize == 1:
         return raw
     return np.ascontiguousarray(raw.reshape(-1, itemsize)[:, ::-1].T).reshape(-1)
 
 
-def _from_planes(planes: np.ndarray, itemsize: int) -> np.ndarray:
+def from_planes(planes: np.ndarray, itemsize: int) -> np.ndarray:
     if itemsize == 1:
         return planes
     return np.ascontiguousarray(planes.reshape(itemsize, -1)[::-1].T).reshape(-1)
 
 
-def _zstd(data: np.ndarray, level: int) -> bytes:
+def zstd_compress(data: np.ndarray, level: int) -> bytes:
     threads = -1 if data.nbytes > _THREADED_ABOVE else 0
     return zstandard.ZstdCompressor(level=level, threads=threads).compress(data)

@@ -39,16 +39,16 @@ from deploy.container import (
     DTYPES,
     FORMAT_VERSION,
     DeltaError,
-    _combine,
-    _Dt,
-    _dtype_name,
-    _elements,
-    _from_planes,
-    _open,
-    _Output,
-    _pack,
-    _to_planes,
-    _zstd,
+    combine_checksums,
+    ElementType,
+    dtype_name,
+    element_view,
+    from_planes,
+    open_container,
+    Output,
+    pack_container,
+    to_planes,
+    zstd_compress,
     checksum,
     tensor_checksum,
 )
@@ -98,7 +98,7 @@ def _work(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
     return buf
 
 
-def _encode_chunk(b: np.ndarray, t: np.ndarray, dt: _Dt, level: int) -> tuple[str, bytes, int]:
+def _encode_chunk(b: np.ndarray, t: np.ndarray, dt: ElementType, level: int) -> tuple[str, bytes, int]:
     """(method, frame, changed elements) for one chunk that differs; the smaller of the codings tried."""
     from deploy import kernels
 
@@ -112,13 +112,13 @@ def _encode_chunk(b: np.ndarray, t: np.ndarray, dt: _Dt, level: int) -> tuple[st
     if nb >= 0:
         best = (COND, out[:nb].tobytes())
     if best is None or changed > _TRY_XOR_ABOVE * n:
-        frame = _zstd(_to_planes(np.bitwise_xor(b, t).view(np.uint8), b.itemsize), level)
+        frame = zstd_compress(to_planes(np.bitwise_xor(b, t).view(np.uint8), b.itemsize), level)
         if best is None or len(frame) < len(best[1]):
             best = (XORZ, frame)
     return best[0], best[1], changed
 
 
-def _xor_chunk(x: np.ndarray, method: str, frame: memoryview, changed: int, dt: _Dt, forward: bool,
+def _xor_chunk(x: np.ndarray, method: str, frame: memoryview, changed: int, dt: ElementType, forward: bool,
                what: str) -> None:
     """Decode one chunk against ``x`` and, only once it decoded consistently, XOR the change into ``x``.
 
@@ -146,7 +146,7 @@ def _xor_chunk(x: np.ndarray, method: str, frame: memoryview, changed: int, dt: 
             raise DeltaError(f"delta corrupted: {what} does not decompress ({e})") from None
         if len(raw) != x.nbytes:
             raise DeltaError(f"delta corrupted: {what} decompressed to {len(raw)} bytes, expected {x.nbytes}")
-        np.bitwise_xor(x, _from_planes(np.frombuffer(raw, np.uint8), x.itemsize).view(x.dtype), out=x)
+        np.bitwise_xor(x, from_planes(np.frombuffer(raw, np.uint8), x.itemsize).view(x.dtype), out=x)
         return
     raise DeltaError(f"delta uses unknown chunk method {method!r} ({what})")
 
@@ -254,7 +254,7 @@ def _delta_header(h: dict) -> DeltaHeader:
 
 def read_header(blob: bytes) -> DeltaHeader:
     """Parse and verify a delta's header (not its payload): cheap, for deciding whether a delta fits."""
-    h, _ = _open(blob, DELTA_MAGIC, "delta", check_payload=False)
+    h, _ = open_container(blob, DELTA_MAGIC, "delta", check_payload=False)
     return _delta_header(h)
 
 
@@ -277,19 +277,19 @@ def encode_delta(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Te
         raise ValueError(f"base and target differ in tensor names: only in base {missing[:5]}, only in target {extra[:5]}")
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
-    entries, out = [], _Output()
+    entries, out = [], Output()
     base_sums, target_sums = {}, {}
     with ThreadPoolExecutor(_threads()) as pool:
         for name in sorted(base):
             b, t = base[name], target[name]
             if b.dtype != t.dtype or tuple(b.shape) != tuple(t.shape):
                 raise ValueError(f"tensor {name!r}: base is {b.dtype}{tuple(b.shape)}, target is {t.dtype}{tuple(t.shape)}")
-            dtype = _dtype_name(b)
+            dtype = dtype_name(b)
             dt = DTYPES[dtype]
             base_sums[name], target_sums[name] = bsum, tsum = tensor_checksum(b), tensor_checksum(t)
             entry = {"n": name, "d": dtype, "s": list(b.shape), "b": bsum[:_DIGEST_CHARS]}
             if bsum != tsum:
-                xb, xt = _elements(b), _elements(t)
+                xb, xt = element_view(b), element_view(t)
                 entry["t"] = tsum[:_DIGEST_CHARS]
                 entry["k"] = []
 
@@ -307,9 +307,9 @@ def encode_delta(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Te
                     take(fut)
             entries.append(entry)
     header = {"kind": "delta", "codec": "liverl-delta-2", "base_version": int(base_version),
-              "target_version": int(target_version), "base_checksum": _combine(base_sums),
-              "target_checksum": _combine(target_sums), "chunk_elements": chunk_elements, "tensors": entries}
-    return _pack(DELTA_MAGIC, header, out.finish())
+              "target_version": int(target_version), "base_checksum": combine_checksums(base_sums),
+              "target_checksum": combine_checksums(target_sums), "chunk_elements": chunk_elements, "tensors": entries}
+    return pack_container(DELTA_MAGIC, header, out.finish())
 
 
 # ---------------------------------------------------------------------------------------------- decode
@@ -342,7 +342,7 @@ def _locate(state: Mapping[str, torch.Tensor], header: DeltaHeader, known_checks
             raise DeltaError(f"{ends} but tensor {e.name!r} is {t.dtype}{tuple(t.shape)}, not {e.dtype}{e.shape}")
     if known_checksum is None:
         sums = {e.name: tensor_checksum(state[e.name]) for e in header.tensors}
-        state_sum = _combine(sums)
+        state_sum = combine_checksums(sums)
     else:
         state_sum, sums = known_checksum, {}
     if state_sum == header.base_checksum:
@@ -370,7 +370,7 @@ def _run(state: Mapping[str, torch.Tensor], header: DeltaHeader, payload: memory
         t = state[e.name]
         if t.device.type != "cpu" or not t.is_contiguous():
             raise DeltaError(f"tensor {e.name!r} is not a contiguous CPU tensor; it cannot be updated in place")
-        x = _elements(t)
+        x = element_view(t)
         for (lo, hi), c in zip(_chunks(e.numel, header.chunk_elements), e.chunks):
             jobs.append((x[lo:hi], e, c))
 
@@ -410,7 +410,7 @@ def _run(state: Mapping[str, torch.Tensor], header: DeltaHeader, payload: memory
                 raise DeltaError(f"delta corrupted: tensor {e.name!r} decodes to the wrong checksum")
             if sums:
                 sums[e.name] = digest
-        if sums and _combine(sums) != ends.checksum:
+        if sums and combine_checksums(sums) != ends.checksum:
             raise DeltaError("delta corrupted: the weights do not add up to the checksum of the end they reached")
     except BaseException:
         for job in reversed(applied):  # undo: the same frames, run the other way
@@ -436,7 +436,7 @@ def apply_delta_inplace(state: Mapping[str, torch.Tensor], blob: bytes,
     state's checksum passes it to skip hashing tensors the delta does not touch. Raises DeltaError with the
     weights unchanged when the delta is corrupt, truncated or for other weights.
     """
-    raw_header, payload = _open(blob, DELTA_MAGIC, "delta")
+    raw_header, payload = open_container(blob, DELTA_MAGIC, "delta")
     header = _delta_header(raw_header)
     ends = _locate(state, header, known_checksum)
     _run(state, header, payload, ends, dict(ends.sums))
@@ -460,7 +460,7 @@ def plan_delta(state: Mapping[str, torch.Tensor], blob: bytes, known_checksum: s
     For callers that write the new tensors themselves (a serving worker pushing them through the model's
     ``load_weights``). ``known_checksum`` as in ``apply_delta_inplace``.
     """
-    raw_header, payload = _open(blob, DELTA_MAGIC, "delta")
+    raw_header, payload = open_container(blob, DELTA_MAGIC, "delta")
     header = _delta_header(raw_header)
     ends = _locate(state, header, known_checksum)
     copies = {e.name: state[e.name].detach().cpu().contiguous().clone() for e in header.changed}

@@ -1,6 +1,6 @@
 """The version registry: every policy version, how to rebuild its weights, what the gate said, who did what.
 
-Storage plan (Fireworks-style, see FIELD_NOTES): version 0 is a full snapshot; every other version stores a
+Storage plan (as Fireworks does for RL checkpoints): version 0 is a full snapshot; every other version stores a
 lossless delta from its parent, and every ``snapshot_every``-th version along a parent chain also stores a
 full snapshot, so rebuilding any version costs one snapshot decode plus at most ``snapshot_every - 1`` deltas.
 Blobs live in a content-addressed ``BlobStore``; the database (SQLAlchemy 2.x, SQLite or PostgreSQL) holds the
@@ -22,111 +22,41 @@ of the same content refreshes. Deltas and snapshots name their version in their 
 are never reused, so a new version's blobs are always new content. The one remaining window: re-putting the
 exact bytes of an old orphan (e.g. ``init_base`` after a crash) between a collector's age check and its delete.
 
-Statuses: candidate | rejected | stable (the served one) | retired (was stable before) | rolled_back.
+The tables and the engine are in ``deploy.tables``; statuses are listed there.
 """
 
 from __future__ import annotations
 
+import hashlib
+import secrets
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import sqlalchemy as sa
 import torch
-from sqlalchemy import event, select
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
 
 from deploy.blobstore import BlobError, BlobInfo, BlobStore, open_blob_store
 from deploy.delta import apply_delta, checksum, encode_delta, plan_delta, read_header
 from deploy.migrations import upgrade_connection
 from deploy.snapshot import decode_snapshot, encode_snapshot
+from deploy.tables import (  # noqa: F401
+    ROLES, STATUSES, AuditEntry, Base, Counter, FleetNode, GateResult, Operator, Version, audit_hash, make_engine)
 from liverl.core.config import LiverlConfig
-
-STATUSES = ("candidate", "rejected", "stable", "retired", "rolled_back")
-
 
 class RegistryError(ValueError):
     """A registry operation that cannot be done as asked (unknown version, wrong status, ...)."""
 
 
-class Base(DeclarativeBase):
-    pass
+class AuthError(RegistryError):
+    """No operator with that token, a disabled one, or a role that may not do what was asked."""
 
 
-class Version(Base):
-    __tablename__ = "versions"
-
-    version: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=False)
-    parent: Mapped[int | None] = mapped_column(sa.Integer, sa.ForeignKey("versions.version"), index=True)
-    status: Mapped[str] = mapped_column(sa.String(16), index=True)
-    status_reason: Mapped[str | None] = mapped_column(sa.Text)
-    created_at: Mapped[float] = mapped_column(sa.Float)
-    promoted_at: Mapped[float | None] = mapped_column(sa.Float)
-    checksum: Mapped[str] = mapped_column(sa.String(64))
-    blob_key: Mapped[str] = mapped_column(sa.String(64), doc="delta from the parent, or the snapshot for version 0")
-    blob_kind: Mapped[str] = mapped_column(sa.String(8), doc="delta | snapshot")
-    snapshot_key: Mapped[str | None] = mapped_column(sa.String(64), doc="full snapshot of this version, if stored")
-    snapshot_base: Mapped[int] = mapped_column(sa.Integer, doc="nearest version up the chain with a snapshot")
-    chain_depth: Mapped[int] = mapped_column(sa.Integer, doc="deltas between snapshot_base and this version")
-    raw_bytes: Mapped[int] = mapped_column(sa.BigInteger)
-    delta_bytes: Mapped[int | None] = mapped_column(sa.BigInteger)
-    snapshot_bytes: Mapped[int | None] = mapped_column(sa.BigInteger)
-    ratio: Mapped[float | None] = mapped_column(sa.Float, doc="raw_bytes / delta_bytes")
-    changed_fraction: Mapped[float | None] = mapped_column(sa.Float, doc="fraction of elements whose bits changed")
-    learner_step: Mapped[int | None] = mapped_column(sa.Integer)
-    model_dir: Mapped[str | None] = mapped_column(sa.Text)
-    metrics: Mapped[dict] = mapped_column(sa.JSON, default=dict)
-    sample_offsets: Mapped[dict] = mapped_column(sa.JSON, default=dict)
-
-    def __repr__(self) -> str:
-        return f"Version({self.version}, parent={self.parent}, status={self.status!r}, checksum={self.checksum[:12]}…)"
-
-
-VersionRow = Version
-
-
-class GateResult(Base):
-    __tablename__ = "gate_results"
-
-    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
-    version: Mapped[int] = mapped_column(sa.Integer, sa.ForeignKey("versions.version"), index=True)
-    check: Mapped[str] = mapped_column(sa.String(64))
-    value: Mapped[float | None] = mapped_column(sa.Float)
-    threshold: Mapped[float | None] = mapped_column(sa.Float)
-    passed: Mapped[bool] = mapped_column(sa.Boolean)
-    detail: Mapped[str | None] = mapped_column(sa.Text)
-    at: Mapped[float] = mapped_column(sa.Float)
-
-
-class AuditEntry(Base):
-    __tablename__ = "audit_log"
-
-    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
-    actor: Mapped[str] = mapped_column(sa.String(64))
-    action: Mapped[str] = mapped_column(sa.String(32))
-    version: Mapped[int | None] = mapped_column(sa.Integer, index=True)
-    reason: Mapped[str | None] = mapped_column(sa.Text)
-    at: Mapped[float] = mapped_column(sa.Float)
-
-
-class FleetNode(Base):
-    __tablename__ = "fleet"
-
-    node: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
-    version: Mapped[int] = mapped_column(sa.Integer)
-    checksum: Mapped[str] = mapped_column(sa.String(64))
-    updated_at: Mapped[float] = mapped_column(sa.Float)
-
-
-class Counter(Base):
-    """One row per counter; the 'version' row is also the registry-wide lock for status changes."""
-
-    __tablename__ = "counters"
-
-    name: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
-    value: Mapped[int] = mapped_column(sa.BigInteger)
+class RegistryConflict(RegistryError):
+    """The registry changed under a compare-and-set (another gate or an operator got there first)."""
 
 
 @dataclass
@@ -143,32 +73,6 @@ class GcResult:
     @property
     def removed_bytes(self) -> int:
         return sum(b.size for b in self.removed)
-
-
-def make_engine(url: str) -> sa.Engine:
-    """An engine for the registry; on SQLite a WAL database whose writers begin with ``BEGIN IMMEDIATE`` when
-    the connection has the ``sqlite_begin="IMMEDIATE"`` execution option."""
-    if not url.startswith("sqlite"):
-        return sa.create_engine(url, pool_pre_ping=True)
-    db = sa.engine.make_url(url).database
-    if db and db != ":memory:":
-        Path(db).parent.mkdir(parents=True, exist_ok=True)
-    engine = sa.create_engine(url, connect_args={"timeout": 30})
-
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn, _record):  # WAL: readers never block the writer; one writer at a time
-        dbapi_conn.isolation_level = None  # let the "begin" hook below issue BEGIN itself
-        cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA busy_timeout=30000")
-        cur.execute("PRAGMA foreign_keys=ON")
-        cur.close()
-
-    @event.listens_for(engine, "begin")
-    def _on_begin(conn):  # writers take the write lock up front (see Registry._tx): no busy-upgrade failures
-        conn.exec_driver_sql("BEGIN " + conn.get_execution_options().get("sqlite_begin", "DEFERRED"))
-
-    return engine
 
 
 class Registry:
@@ -202,7 +106,12 @@ class Registry:
 
     @staticmethod
     def _audit(s: Session, actor: str, action: str, version: int | None, reason: str | None) -> None:
-        s.add(AuditEntry(actor=actor, action=action, version=version, reason=reason, at=time.time()))
+        """Append one audit entry, chained to the previous one (under the registry lock, so the chain is linear)."""
+        Registry._lock(s)
+        last = s.execute(select(AuditEntry.entry_hash).order_by(AuditEntry.id.desc()).limit(1)).scalar()
+        prev, at = last or "", time.time()
+        s.add(AuditEntry(actor=actor, action=action, version=version, reason=reason, at=at, prev_hash=prev,
+                         entry_hash=audit_hash(prev, actor, action, version, reason, at)))
 
     @staticmethod
     def _row(s: Session, version: int) -> Version:
@@ -284,28 +193,49 @@ class Registry:
             s.add(GateResult(version=version, check=check, value=value, threshold=threshold, passed=bool(passed),
                              detail=detail, at=time.time()))
 
-    def set_status(self, version: int, status: str, actor: str, reason: str | None = None) -> Version:
-        """Low-level status change with an audit entry (use ``promote``/``rollback`` for stable changes)."""
+    def set_status(self, version: int, status: str, actor: str, reason: str | None = None,
+                   expect: str | None = None) -> Version:
+        """Low-level status change with an audit entry (use ``promote``/``rollback`` for stable changes).
+
+        ``expect``: compare-and-set, raising ``RegistryConflict`` unless the row still has that status (the gate
+        rejects only what is still a candidate). The stable version's status never changes here.
+        """
         if status not in STATUSES:
             raise RegistryError(f"unknown status {status!r}; one of {STATUSES}")
         with self._tx() as s:
             self._lock(s)
             row = self._row(s, version)
+            if expect is not None and row.status != expect:
+                raise RegistryConflict(f"version {version} is {row.status}, not {expect}: left as it is")
+            if row.status == "stable" and status != "stable":
+                raise RegistryConflict(f"version {version} is the stable version; use promote or rollback to change that")
             row.status, row.status_reason = status, reason
             self._audit(s, actor, status if status == "rejected" else f"set_{status}", version, reason)
         return row
 
-    def promote(self, version: int, actor: str, reason: str | None = None, force: bool = False) -> Version:
-        """Make ``version`` the stable one; the previous stable becomes retired."""
+    def promote(self, version: int, actor: str, reason: str | None = None, force: bool = False,
+                expected_stable: int | None = None, from_candidate: bool = False) -> Version:
+        """Make ``version`` the stable one; the previous stable becomes retired.
+
+        A version the gate rejected needs ``force``. ``expected_stable`` and
+        ``from_candidate`` make it a compare-and-set (the gate's promotion): ``RegistryConflict`` unless the stable
+        version is still ``expected_stable`` and ``version`` is still a candidate, so an operator's promote or
+        rollback during an evaluation is never overridden.
+        """
         with self._tx() as s:
             self._lock(s)
             row = self._row(s, version)
             if row.status == "stable":
                 raise RegistryError(f"version {version} is already stable")
+            old = s.execute(select(Version).where(Version.status == "stable")).scalars().all()
+            if expected_stable is not None and [o.version for o in old] != [expected_stable]:
+                raise RegistryConflict(f"the stable version changed to {','.join(str(o.version) for o in old) or 'none'} "
+                                       f"(expected {expected_stable}); version {version} left as it is")
+            if from_candidate and row.status != "candidate":
+                raise RegistryConflict(f"version {version} is {row.status}, no longer a candidate")
             if row.status == "rejected" and not force:
                 raise RegistryError(f"version {version} was rejected ({row.status_reason or 'no reason recorded'}); "
                                     "pass --force to promote it anyway")
-            old = s.execute(select(Version).where(Version.status == "stable")).scalars().all()
             for o in old:
                 o.status, o.status_reason = "retired", f"replaced by {version}"
             row.status, row.status_reason, row.promoted_at = "stable", reason, time.time()
@@ -376,6 +306,76 @@ class Registry:
         with self._sessions() as s:
             return list(s.execute(q).scalars())
 
+    def last_rollback(self) -> tuple[int, float]:
+        """``(audit id, time)`` of the most recent rollback, or ``(0, 0.0)``: the learner rebases and the gate
+        refuses candidates emitted before it, so a rolled-back change does not come back."""
+        with self._sessions() as s:
+            row = s.execute(select(AuditEntry.id, AuditEntry.at).where(AuditEntry.action == "rollback")
+                            .order_by(AuditEntry.id.desc()).limit(1)).first()
+        return (int(row[0]), float(row[1])) if row else (0, 0.0)
+
+    # ------------------------------------------------------------------------------------------ identity
+
+    def add_operator(self, name: str, role: str, by: str, reason: str) -> str:
+        """Create an operator and return their token (shown once; only its sha256 is stored)."""
+        if role not in ROLES:
+            raise RegistryError(f"unknown role {role!r}; one of {ROLES}")
+        if not name or len(name) > 64:
+            raise RegistryError("an operator name is 1 to 64 characters")
+        token = "lvr_" + secrets.token_urlsafe(32)
+        with self._tx() as s:
+            self._lock(s)
+            if s.get(Operator, name) is not None:
+                raise RegistryError(f"operator {name!r} exists already (disable it first to re-issue a token)")
+            s.add(Operator(name=name, role=role, token_hash=hash_token(token), created_at=time.time(), created_by=by,
+                           disabled=False))
+            self._audit(s, by, "add_operator", None, f"{name} as {role}: {reason}")
+        return token
+
+    def disable_operator(self, name: str, by: str, reason: str) -> None:
+        with self._tx() as s:
+            op = s.get(Operator, name)
+            if op is None:
+                raise RegistryError(f"no operator {name!r}")
+            op.disabled = True
+            op.token_hash = f"disabled:{op.token_hash}"[:64]
+            self._audit(s, by, "disable_operator", None, f"{name}: {reason}")
+
+    def operators(self) -> list[Operator]:
+        with self._sessions() as s:
+            return list(s.execute(select(Operator).order_by(Operator.name)).scalars())
+
+    def authenticate(self, token: str | None, need: str = "operator") -> Operator:
+        """The operator whose token this is, if their role is at least ``need``; ``AuthError`` otherwise."""
+        if not token:
+            raise AuthError("this command changes the registry and needs an operator token: set LIVERL_TOKEN or "
+                            "pass --token-file (an admin creates one with `liverl operator add NAME`)")
+        with self._sessions() as s:
+            op = s.execute(select(Operator).where(Operator.token_hash == hash_token(token.strip()))).scalar()
+        if op is None or op.disabled:
+            raise AuthError("the operator token is unknown or disabled")
+        if ROLES.index(op.role) < ROLES.index(need):
+            raise AuthError(f"operator {op.name} is a {op.role}; this needs the {need} role")
+        return op
+
+    def verify_audit(self) -> tuple[int, int | None]:
+        """Walk the audit chain: ``(entries checked, id of the first entry that does not match or None)``."""
+        prev, n = "", 0
+        with self._sessions() as s:
+            for e in s.execute(select(AuditEntry).order_by(AuditEntry.id)).scalars():
+                n += 1
+                if e.prev_hash != prev or e.entry_hash != audit_hash(prev, e.actor, e.action, e.version, e.reason, e.at):
+                    return n, e.id
+                prev = e.entry_hash
+        return n, None
+
+    def log_action(self, actor: str, action: str, reason: str, version: int | None = None) -> None:
+        """Record an operator action that changes no version row (e.g. holding the learner) in the audit log."""
+        if not reason:
+            raise RegistryError(f"{action} needs a reason for the audit log")
+        with self._write_sessions() as s, s.begin():
+            self._audit(s, actor, action, version, reason)
+
     def audit(self, version: int | None = None, limit: int | None = None) -> list[AuditEntry]:
         """Audit entries, oldest first (the last ``limit`` when given)."""
         q = select(AuditEntry).order_by(AuditEntry.id.desc())
@@ -406,15 +406,21 @@ class Registry:
             chain.append(self.get(chain[-1].parent))
         return chain
 
+    def path(self, from_version: int, to_version: int) -> tuple[list[Version], list[Version]]:
+        """The lineage walk between two versions: ``(up, down)``. ``up`` are the rows from ``from_version`` up to
+        (not including) the common ancestor, whose deltas are applied backwards; ``down`` the rows from below the
+        common ancestor down to ``to_version``, applied forwards. Their deltas, in ``up + down`` order, take
+        ``from_version``'s weights to ``to_version``'s."""
+        up, down = self._chain(from_version), self._chain(to_version)
+        common = {r.version for r in up} & {r.version for r in down}
+        return [r for r in up if r.version not in common], [r for r in down if r.version not in common][::-1]
+
     def deltas_between(self, from_version: int, to_version: int) -> list[bytes]:
         """Deltas that take ``from_version``'s weights to ``to_version``'s, in order (up to the common ancestor, then down).
 
         Apply each with ``apply_delta``/``plan_delta``: they detect the direction themselves.
         """
-        up, down = self._chain(from_version), self._chain(to_version)
-        common = {r.version for r in up} & {r.version for r in down}
-        up = [r for r in up if r.version not in common]
-        down = [r for r in down if r.version not in common][::-1]
+        up, down = self.path(from_version, to_version)
         return [self.blobs.get(r.blob_key) for r in up + down]
 
     def materialize(self, version: int) -> dict[str, torch.Tensor]:
@@ -446,11 +452,9 @@ class Registry:
         """
         src, dst = self.get(from_version), self.get(to_version)
         base = self.materialize(from_version)
-        up, down = self._chain(from_version), self._chain(to_version)
-        common = {r.version for r in up} & {r.version for r in down}
+        up, down = self.path(from_version, to_version)
         # (row whose delta to apply, the version it lands on): up to the common ancestor, then down to the target
-        steps = ([(r, r.parent) for r in up if r.version not in common]
-                 + [(r, r.version) for r in down if r.version not in common][::-1])
+        steps = [(r, r.parent) for r in up] + [(r, r.version) for r in down]
         state = base
         for row, expect in steps:
             state, at = apply_delta(state, self.blobs.get(row.blob_key))
@@ -503,6 +507,10 @@ class Registry:
                 self._audit(s, actor, "gc", None,
                             f"removed {len(result.removed)} unreferenced blobs ({result.removed_bytes} bytes)")
         return result
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def open_registry(cfg: LiverlConfig) -> Registry:

@@ -19,14 +19,14 @@ from deploy.container import (
     DTYPES,
     SNAPSHOT_MAGIC,
     DeltaError,
-    _combine,
-    _dtype_name,
-    _from_planes,
-    _open,
-    _pack,
-    _raw,
-    _to_planes,
-    _zstd,
+    combine_checksums,
+    dtype_name,
+    from_planes,
+    open_container,
+    pack_container,
+    byte_view,
+    to_planes,
+    zstd_compress,
     tensor_checksum,
 )
 
@@ -36,26 +36,21 @@ def encode_snapshot(state: Mapping[str, torch.Tensor], version: int | None = Non
     entries, frames, offset, sums = [], [], 0, {}
     for name in sorted(state):
         t = state[name]
-        dtype = _dtype_name(t)
+        dtype = dtype_name(t)
         sums[name] = tensor_checksum(t)
-        frame = _zstd(_to_planes(_raw(t), t.element_size()), level)
+        frame = zstd_compress(to_planes(byte_view(t), t.element_size()), level)
         entries.append({"name": name, "dtype": dtype, "shape": list(t.shape), "digest": sums[name],
                         "offset": offset, "length": len(frame)})
         frames.append(frame)
         offset += len(frame)
-    header = {"kind": "snapshot", "codec": "byteplanes-zstd", "version": version, "checksum": _combine(sums),
+    header = {"kind": "snapshot", "codec": "byteplanes-zstd", "version": version, "checksum": combine_checksums(sums),
               "tensors": entries}
-    return _pack(SNAPSHOT_MAGIC, header, frames)
-
-
-def snapshot_info(blob: bytes) -> dict:
-    """The verified header of a snapshot (version, checksum, tensors) without decoding it."""
-    return _open(blob, SNAPSHOT_MAGIC, "snapshot", check_payload=False)[0]
+    return pack_container(SNAPSHOT_MAGIC, header, frames)
 
 
 def decode_snapshot(blob: bytes) -> dict[str, torch.Tensor]:
     """Decode and verify a snapshot; every tensor and the whole-state checksum are checked."""
-    header, payload = _open(blob, SNAPSHOT_MAGIC, "snapshot")
+    header, payload = open_container(blob, SNAPSHOT_MAGIC, "snapshot")
     out, sums = {}, {}
     try:
         for e in header["tensors"]:
@@ -73,13 +68,13 @@ def decode_snapshot(blob: bytes) -> dict[str, torch.Tensor]:
                 raise DeltaError(f"snapshot corrupted: tensor {e['name']!r} does not decompress ({err})") from None
             if len(raw) != nbytes:
                 raise DeltaError(f"snapshot corrupted: tensor {e['name']!r} decompressed to {len(raw)} bytes")
-            flat = _from_planes(np.frombuffer(raw, np.uint8), dt.bits // 8).copy()
+            flat = from_planes(np.frombuffer(raw, np.uint8), dt.bits // 8).copy()
             t = torch.from_numpy(flat).view(dt.torch).reshape(shape) if nbytes else torch.empty(shape, dtype=dt.torch)
             out[e["name"]] = t
             sums[e["name"]] = tensor_checksum(t)
             if sums[e["name"]] != e["digest"]:
                 raise DeltaError(f"snapshot corrupted: tensor {e['name']!r} decodes to the wrong checksum")
-        if _combine(sums) != header["checksum"]:
+        if combine_checksums(sums) != header["checksum"]:
             raise DeltaError("snapshot corrupted: tensors do not add up to the recorded checksum")
     except (KeyError, TypeError) as e:
         raise DeltaError(f"snapshot corrupted: malformed header ({e!r})") from None

@@ -38,6 +38,7 @@ from kafka.errors import CommitFailedError
 from kafka.structs import OffsetAndMetadata
 
 from learner.loss import RunningBaseline, advantages, full_kl, pg_loss
+from liverl.core import keys
 from liverl.core.bus import make_consumer
 from liverl.core.config import LearnerConfig, LiverlConfig
 from liverl.core.schemas import TrainingSample, WireError
@@ -220,7 +221,7 @@ class Learner(ConsumerRebalanceListener):
         self.model_dir, self.bootstrap, self.registry, self.redis = Path(model_dir), bootstrap, registry, redis
         self.topic = cfg.topics.samples
         self.group = f"{cfg.topics.prefix}.learner"
-        self.key = f"{cfg.topics.prefix}:learner"
+        self.key = keys.learner(cfg.topics.prefix)
         self.ckpt_path = Path(checkpoint_path or cfg.state_path / "learner" / f"{cfg.topics.prefix}.ckpt")
         self.trainer = PolicyTrainer(self.model_dir, self.lcfg)
         self.step = 0
@@ -235,6 +236,7 @@ class Learner(ConsumerRebalanceListener):
         self.read_pos: dict[int, int] = {}  # next offset to classify per partition
         self._consumer = None
         self._last_rebase_check = 0.0
+        self.rollback_seen: int | None = None  # audit id of the last rollback this learner rebased for
         self._last_ref_check = 0.0
         self.ref_version = 0  # the KL reference starts at the base policy (version 0)
         if self.ckpt_path.exists():
@@ -251,7 +253,7 @@ class Learner(ConsumerRebalanceListener):
         st = dict(self.trainer.state(), format=CHECKPOINT_FORMAT, step=self.step, offsets=dict(self.offsets),
                   trained_ids=sorted(self.trained_ids), last_emitted=self.last_emitted,
                   last_candidate=self.last_candidate, counters=dict(self.counters),
-                  since_candidate=dict(self.since_candidate), topic=self.topic)
+                  since_candidate=dict(self.since_candidate), topic=self.topic, rollback_seen=self.rollback_seen)
         self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.ckpt_path.with_name(self.ckpt_path.name + f".tmp{os.getpid()}")
         with open(tmp, "wb") as f:
@@ -278,6 +280,7 @@ class Learner(ConsumerRebalanceListener):
         self.last_candidate = st["last_candidate"]
         self.counters = collections.Counter(st["counters"])
         self.since_candidate = dict(st["since_candidate"])
+        self.rollback_seen = st.get("rollback_seen")
         log.info("learner: resumed from %s at step %d, %d samples trained, offsets %s, last emitted v%d",
                  self.ckpt_path, self.step, len(self.trained_ids), self.offsets, self.last_emitted)
 
@@ -354,11 +357,12 @@ class Learner(ConsumerRebalanceListener):
 
     # -- the loop -----------------------------------------------------------------------------------
     def frozen(self) -> bool:
-        """The demo's freeze flag; an unreadable flag counts as frozen (no candidate we cannot account for)."""
+        """The hold flag (``keys.learner_hold``, set by ``liverl hold`` or a demo measuring its last version): the
+        learner trains but emits no candidates. An unreadable flag counts as set (no candidate we cannot account for)."""
         if self.redis is None:
             return False
         try:
-            return self.redis.get(f"{self.cfg.topics.prefix}:learner:frozen") in (b"1", "1")
+            return self.redis.get(keys.learner_hold(self.cfg.topics.prefix)) in (b"1", "1")
         except Exception as e:  # noqa: BLE001 - redis-py raises several families; training goes on either way
             log.warning("learner: cannot read the freeze flag (%s); holding back candidates", e)
             return True
@@ -445,10 +449,16 @@ class Learner(ConsumerRebalanceListener):
             return
         self._last_rebase_check = now
         stable = int(self.registry.stable().version)
-        if self.last_emitted - stable <= self.lcfg.max_staleness:
-            return
-        log.warning("learner: stable v%d lags last emitted v%d by more than %d: rebasing onto v%d",
-                    stable, self.last_emitted, self.lcfg.max_staleness, stable)
+        rollback, _ = self.registry.last_rollback()
+        if self.rollback_seen is None or rollback <= self.rollback_seen:
+            self.rollback_seen = rollback
+            if self.last_emitted - stable <= self.lcfg.max_staleness:
+                return
+            log.warning("learner: stable v%d lags last emitted v%d by more than %d: rebasing onto v%d",
+                        stable, self.last_emitted, self.lcfg.max_staleness, stable)
+        else:  # an operator rolled back: whatever this lineage learned since must not come back in a candidate
+            self.rollback_seen = rollback
+            log.warning("learner: the registry was rolled back to v%d: rebasing onto it", stable)
         self.trainer.load_weights(self.registry.materialize(stable), reset_optimizer=True)
         self.last_emitted = stable
         self.counters["rebases"] += 1

@@ -8,12 +8,13 @@ Heavy modules (torch via the registry) are imported inside the functions: ``live
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from liverl.core import keys
 from liverl.core.config import LiverlConfig
+from liverl.core.schemas import VersionAnnouncement
 
 if TYPE_CHECKING:
     import redis
@@ -67,22 +68,22 @@ def _size(n: int | None) -> str:
 def _live(r: redis.Redis, prefix: str, versions: list[int]) -> dict[int, dict[str, int]]:
     pipe = r.pipeline()
     for v in versions:
-        pipe.hgetall(f"{prefix}:live:{v}")
+        pipe.hgetall(keys.live(prefix, v))
     return {v: {k: int(x) for k, x in h.items()} for v, h in zip(versions, pipe.execute()) if h}
 
 
 def _served(r: redis.Redis, prefix: str) -> dict[str, dict[str, Any]]:
     out = {}
-    for key in sorted(r.scan_iter(match=f"{prefix}:served:*")):
+    for key in sorted(r.scan_iter(match=keys.served_pattern(prefix))):
         raw = r.get(key)
         if raw:
-            out[key.removeprefix(f"{prefix}:served:")] = json.loads(raw)
+            out[keys.node_of_served(prefix, key)] = keys.ServedHeartbeat.from_json(raw).model_dump()
     return out
 
 
 def _desired(r: redis.Redis, prefix: str) -> dict[str, Any] | None:
-    raw = r.get(f"{prefix}:desired")
-    return json.loads(raw) if raw else None
+    raw = r.get(keys.desired(prefix))
+    return VersionAnnouncement.from_bytes(raw).model_dump() if raw else None
 
 
 def _acc(c: dict[str, int] | None) -> str:
@@ -115,7 +116,7 @@ def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str
     for node, s in (_served(r, prefix) if r is not None else {}).items():
         served_by.setdefault(s.get("version"), []).append(node)
     t = Table(title=title)
-    for col in ("version", "status", "parent", "age", "delta", "ratio", "changed", "eval", "entropy",
+    for col in ("version", "status", "parent", "age", "delta", "ratio", "changed", "KL", "entropy", "suite",
                 "live acceptance", "served by"):
         t.add_column(col, justify="left" if col in ("status", "served by") else "right")
     for v in rows:
@@ -125,8 +126,9 @@ def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str
                   _size(v.delta_bytes if v.blob_kind == "delta" else v.snapshot_bytes) + (" snap" if v.blob_kind == "snapshot" else ""),
                   "-" if v.ratio is None else f"{v.ratio:.1f}x",
                   "-" if v.changed_fraction is None else f"{v.changed_fraction:.1%}",
-                  "-" if sc.get("heldout") is None else f"{sc['heldout']:.3f}",
+                  "-" if sc.get("drift") is None else f"{sc['drift']:.3f}",
                   "-" if sc.get("collapse") is None else f"{sc['collapse']:.2f}",
+                  "-" if sc.get("suite") is None else f"{sc['suite']:.3f}",
                   _acc(live.get(v.version)), ",".join(served_by.get(v.version, [])) or "-")
     return t
 
@@ -176,12 +178,18 @@ def cmd_versions(cfg: LiverlConfig, limit: int | None = 20) -> int:
         reg.close()
 
 
-def cmd_history(cfg: LiverlConfig, limit: int | None = 50) -> int:
-    """The audit log: who did what to which version, and why."""
+def cmd_history(cfg: LiverlConfig, limit: int | None = 50, verify: bool = False) -> int:
+    """The audit log: who did what to which version, and why (``verify``: check the hash chain first)."""
     from rich.table import Table
 
     reg = open_registry(cfg)
     try:
+        if verify:
+            n, bad = reg.verify_audit()
+            if bad is not None:
+                return _err(f"the audit log was tampered with: entry {bad} does not match the chain "
+                            f"({n - 1} entries before it are intact)")
+            _console().print(f"audit log intact: {n} entries, every one chained to the one before")
         t = Table(title="history (audit log)")
         for col in ("when", "actor", "action", "version", "reason"):
             t.add_column(col)
@@ -194,12 +202,14 @@ def cmd_history(cfg: LiverlConfig, limit: int | None = 50) -> int:
         reg.close()
 
 
-def _change(cfg: LiverlConfig, verb: str, do) -> int:
-    """Run a registry change, then announce the new stable; Redis is checked first so both happen or neither."""
+def _change(cfg: LiverlConfig, verb: str, token: str | None, do) -> int:
+    """Authenticate, run a registry change as that operator, then announce the new stable. Redis is checked first;
+    should the announcement still fail, the gate reconciles it with the registry on its next step."""
     import redis
 
-    from deploy.gate import announce
     from deploy.registry import RegistryError
+    from deploy.signing import Signer, announce
+    from liverl.core.services import signing_key_path
 
     r = open_redis(cfg)
     try:
@@ -208,35 +218,79 @@ def _change(cfg: LiverlConfig, verb: str, do) -> int:
         return _err(f"Redis unreachable ({e}); nothing changed. The agents follow Redis, so {verb} needs it.")
     reg = open_registry(cfg)
     try:
-        row = do(reg)
+        who = reg.authenticate(token, need="operator")
+        row = do(reg, who.name)
     except RegistryError as e:
         return _err(str(e))
     finally:
         reg.close()
     with r:
-        announce(r, cfg.topics.prefix, row.version, row.checksum, f"{verb}: {row.status_reason or ''}".strip())
+        key = signing_key_path(cfg)
+        announce(r, cfg.topics.prefix, row.version, row.checksum, f"{verb}: {row.status_reason or ''}".strip(),
+                 Signer(key) if key else None)
     print(f"{verb}: v{row.version} is now stable (checksum {row.checksum[:12]}…); announced to the fleet")
     return 0
 
 
-def cmd_promote(cfg: LiverlConfig, version: int, reason: str = "manual promote", actor: str = "admin",
-                force: bool = False) -> int:
-    """Make ``version`` stable (``force`` to override a gate rejection) and announce it."""
-    return _change(cfg, "promote", lambda reg: reg.promote(version, actor=actor, reason=reason, force=force))
+def cmd_promote(cfg: LiverlConfig, version: int, reason: str, token: str | None, force: bool = False) -> int:
+    """Make ``version`` stable and announce it. A version the gate rejected, or a candidate it has not judged
+    yet, needs ``force``."""
+    from deploy.registry import RegistryError
+
+    def promote(reg, actor):
+        row = reg.get(version)
+        if row.status == "candidate" and not force:
+            raise RegistryError(f"version {version} is a candidate the gate has not judged yet; wait for the gate "
+                                "(liverl versions), or pass --force to promote it unjudged")
+        return reg.promote(version, actor=actor, reason=reason, force=force)
+
+    return _change(cfg, "promote", token, promote)
 
 
-def cmd_rollback(cfg: LiverlConfig, to: int | None = None, reason: str = "manual rollback", actor: str = "admin") -> int:
+def cmd_rollback(cfg: LiverlConfig, reason: str, token: str | None, to: int | None = None) -> int:
     """Serve the previous stable version (or ``to``) again and announce it."""
-    return _change(cfg, "rollback", lambda reg: reg.rollback(actor=actor, reason=reason, to=to))
+    return _change(cfg, "rollback", token, lambda reg, actor: reg.rollback(actor=actor, reason=reason, to=to))
 
 
-def gc_command(cfg: LiverlConfig, dry_run: bool, grace_s: float = 3600.0) -> int:
-    """Delete blobs no version references (older than ``grace_s``), or with ``dry_run`` only list them."""
+def cmd_hold(cfg: LiverlConfig, hold: bool, reason: str, token: str | None) -> int:
+    """Hold the learner's candidates (it keeps training) or release them; audited."""
+    from deploy.registry import RegistryError
+
+    r = open_redis(cfg)
+    reg = open_registry(cfg)
+    try:
+        try:
+            actor = reg.authenticate(token, need="operator").name
+        except RegistryError as e:
+            return _err(str(e))
+        reg.log_action(actor, "hold" if hold else "release", reason)
+        if hold:
+            r.set(keys.learner_hold(cfg.topics.prefix), "1")
+        else:
+            r.delete(keys.learner_hold(cfg.topics.prefix))
+    finally:
+        reg.close()
+        r.close()
+    _console().print(("holding" if hold else "released") + f" the learner's candidates ({actor}: {reason})")
+    return 0
+
+
+def gc_command(cfg: LiverlConfig, dry_run: bool, grace_s: float = 3600.0, token: str | None = None) -> int:
+    """Delete blobs no version references (older than ``grace_s``), or with ``dry_run`` only list them. Deleting
+    needs an admin token."""
     from rich.table import Table
+
+    from deploy.registry import RegistryError
 
     reg = open_registry(cfg)
     try:
-        res = reg.gc(dry_run=dry_run, grace_s=grace_s)
+        actor = "dry-run"
+        if not dry_run:
+            try:
+                actor = reg.authenticate(token, need="admin").name
+            except RegistryError as e:
+                return _err(str(e))
+        res = reg.gc(dry_run=dry_run, grace_s=grace_s, actor=actor)
         store = cfg.blob_location
     finally:
         reg.close()
@@ -256,3 +310,44 @@ def gc_command(cfg: LiverlConfig, dry_run: bool, grace_s: float = 3600.0) -> int
         return _err(f"{len(res.missing)} blobs referenced by the registry are missing from {store}: "
                     + ", ".join(k[:12] + "…" for k in res.missing[:10]))
     return 0
+
+
+def cmd_operator(cfg: LiverlConfig, action: str, name: str | None, role: str, reason: str | None,
+                 token: str | None) -> int:
+    """Manage operator identities. The very first operator of a registry can be added without a token (whoever
+    can write the registry database already controls it); every later change needs an admin token."""
+    import getpass
+
+    from rich.table import Table
+
+    from deploy.registry import RegistryError
+
+    reg = open_registry(cfg)
+    try:
+        if action == "list":
+            t = Table(title="operators")
+            for col in ("name", "role", "created", "by", "state"):
+                t.add_column(col)
+            for o in reg.operators():
+                t.add_row(o.name, o.role, _age(o.created_at), o.created_by, "disabled" if o.disabled else "active")
+            _console().print(t)
+            return 0
+        if not name or not reason:
+            return _err(f"operator {action} needs a NAME and --reason")
+        try:
+            if action == "add" and not reg.operators():
+                by = f"bootstrap:{getpass.getuser()}"
+            else:
+                by = reg.authenticate(token, need="admin").name
+            if action == "add":
+                new = reg.add_operator(name, role, by=by, reason=reason)
+                print(f"operator {name} ({role}) added by {by}. Their token, shown only now:\n{new}\n"
+                      "Keep it in a secret store; use it as LIVERL_TOKEN or with --token-file.")
+            else:
+                reg.disable_operator(name, by=by, reason=reason)
+                print(f"operator {name} disabled by {by}")
+        except RegistryError as e:
+            return _err(str(e))
+        return 0
+    finally:
+        reg.close()

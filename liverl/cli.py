@@ -22,10 +22,11 @@ The pipeline, one process each:
   serve    vLLM node + OpenAI-compatible gateway that logs every generation + hot-swap agent
   ingest   faust worker: joins feedback with generations, dedupes, shapes rewards -> samples
   learn    continuous learner: policy-gradient micro-epochs on the MoE policy -> candidates
-  gate     release gate: integrity + held-out eval -> promote (the agent then hot-swaps)
+  gate     release gate: integrity, drift, collapse, product suite -> promote (the agents hot-swap)
 
 Start here:
   liverl demo                 the whole loop on the embedded stack, ~10 minutes, with a live view
+  liverl up --model DIR       the whole pipeline for your model, until Ctrl-C
   liverl status               what is served, what is pending, live acceptance per version
   liverl versions             every version with its lineage, delta size and gate verdict
 
@@ -64,11 +65,20 @@ Every decoded result is checked bit-exact against the target (the command fails 
 reproduces the table and the machine are printed under it. Takes a few minutes with the 1 GiB model.
 """
 
-ADMIN_EPILOG = "The admin verbs read the registry (registry.url) and Redis (redis.url) named by the config."
+ADMIN_EPILOG = ("The admin verbs read the registry (registry.url) and Redis (redis.url) named by the config. Verbs "
+                "that change anything need an operator token ($LIVERL_TOKEN or --token-file; `liverl operator`) and "
+                "a --reason; both land in the hash-chained audit log (`liverl history --verify`).")
 
 
 def _cfg(args: argparse.Namespace) -> LiverlConfig:
-    return load_config(args.config)
+    cfg = load_config(args.config)
+    if getattr(args, "model", None):
+        cfg.model.path = args.model
+    if getattr(args, "product", None):
+        cfg.product = args.product
+    if getattr(args, "state_dir", None):
+        cfg.state_dir = args.state_dir
+    return cfg
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -79,10 +89,21 @@ def cmd_demo(args: argparse.Namespace) -> int:
         cfg.demo.duration_s = args.duration
     if args.users is not None:
         cfg.demo.users = args.users
-    if args.state_dir is not None:
-        cfg.state_dir = args.state_dir
-    summary = run_demo(cfg, summary_path=args.summary, plot_path=args.plot, live=not args.no_live)
+    summary = run_demo(cfg, model_dir_for(cfg), summary_path=args.summary, plot_path=args.plot, live=not args.no_live)
     return 0 if summary.get("ok", False) or not args.strict else 1
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from liverl.up import run_up
+
+    cfg = _cfg(args)
+    return run_up(cfg, model_dir_for(cfg), fresh=args.fresh)
+
+
+def cmd_hold(args: argparse.Namespace) -> int:
+    from liverl.admin import cmd_hold as run
+
+    return run(_cfg(args), hold=not args.release, reason=args.reason, token=_token(args))
 
 
 def model_dir_for(cfg: LiverlConfig):
@@ -130,9 +151,13 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
 def cmd_gate(args: argparse.Namespace) -> int:
     from deploy.gate import run_gate
+    from learner.evaluate import PolicyEvaluator
+    from liverl.core.product import load_product
 
     cfg = _cfg(args)
-    run_gate(cfg, once=args.once)
+    model_dir, suite = model_dir_for(cfg), load_product(cfg).eval_suite()
+    run_gate(cfg, lambda probes: PolicyEvaluator(model_dir, suite, probes, max_probes=cfg.gate.probe_generations),
+             once=args.once)
     return 0
 
 
@@ -173,25 +198,40 @@ def cmd_versions(args: argparse.Namespace) -> int:
 def cmd_history(args: argparse.Namespace) -> int:
     from liverl.admin import cmd_history as run
 
-    return run(_cfg(args))
+    return run(_cfg(args), verify=args.verify)
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    """The operator's token: --token-file, else $LIVERL_TOKEN."""
+    if getattr(args, "token_file", None):
+        from pathlib import Path
+
+        return Path(args.token_file).read_text().strip()
+    return os.environ.get("LIVERL_TOKEN")
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    from liverl.admin import cmd_operator as run
+
+    return run(_cfg(args), args.action, args.name, args.role, args.reason, _token(args))
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
     from liverl.admin import cmd_promote as run
 
-    return run(_cfg(args), version=args.version, reason=args.reason, actor=args.actor, force=args.force)
+    return run(_cfg(args), version=args.version, reason=args.reason, token=_token(args), force=args.force)
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
     from liverl.admin import cmd_rollback as run
 
-    return run(_cfg(args), to=args.to, reason=args.reason, actor=args.actor)
+    return run(_cfg(args), reason=args.reason, token=_token(args), to=args.to)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from liverl.admin import gc_command
 
-    return gc_command(_cfg(args), dry_run=args.dry_run, grace_s=args.grace)
+    return gc_command(_cfg(args), dry_run=args.dry_run, grace_s=args.grace, token=_token(args))
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -205,6 +245,32 @@ def cmd_schema(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     print(json.dumps(_cfg(args).model_dump(), indent=2))
     return 0
+
+
+UP_HELP = """\
+Run the whole pipeline for your model on this machine until Ctrl-C: the embedded Kafka-compatible broker,
+Redis (the local one, or a private one), the SQLite registry, then `serve` (vLLM + gateway + hot-swap agent),
+`ingest`, `learn` and `gate` as supervised processes. It prints the OpenAI endpoint, how to send feedback
+(SDK, HTTP, kcat) and where the logs and metrics are. State (registry, blobs, checkpoints, logs) stays in
+--state-dir, so a second `liverl up` resumes where the first stopped (--fresh starts over).
+
+  liverl up --model ./my-moe --product my_product.liverl:PRODUCT
+
+--model is a Hugging Face causal-LM directory (config.json, safetensors, tokenizer with a chat template) that
+transformers and vLLM both load; an architecture family liverl does not handle yet is refused at start.
+Without --model the built-in demo policy is served.
+"""
+
+
+def _token_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", metavar="FILE", help="file holding your operator token (default: $LIVERL_TOKEN)")
+
+
+def _model_args(p: argparse.ArgumentParser, product_help: str | None = None) -> None:
+    p.add_argument("--model", metavar="DIR", help="Hugging Face causal-LM directory to serve and train "
+                   "(default: model.path, else the built-in demo policy)")
+    p.add_argument("--product", metavar="MODULE:ATTR", help=product_help or "your product's liverl interface "
+                   "(rewards, evaluation suite; default: product, else rewards from [ingest.rewards] and no suite)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,21 +289,34 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--plot", metavar="PATH", help="write the acceptance plot here (default: <state_dir>/demo/acceptance.png)")
     d.add_argument("--state-dir", help="state folder (default: state_dir = .liverl)")
     d.add_argument("--no-live", action="store_true", help="plain log lines instead of the live display")
-    d.add_argument("--strict", action="store_true", help="exit 1 unless the run met its goals (>=3 promotions, +15 points)")
+    d.add_argument("--strict", action="store_true",
+                   help="exit 1 unless the run met its goals (>=3 promotions, +25 points on >=300 events each)")
+    _model_args(d, product_help="product (default: the demo's, liverl.demo.product:PRODUCT)")
     d.set_defaults(fn=cmd_demo)
+
+    u = sub.add_parser("up", help="run the whole pipeline for your model on the embedded stack until Ctrl-C",
+                       description=UP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_args(u)
+    u.add_argument("--state-dir", help="state folder (default: state_dir = .liverl)")
+    u.add_argument("--fresh", action="store_true",
+                   help="start from scratch: delete this state dir's registry, blobs, checkpoints and Redis keys")
+    u.set_defaults(fn=cmd_up)
 
     for name, fn, text in [
         ("serve", cmd_serve, "run a vLLM node + gateway + hot-swap agent (serving.*)"),
         ("ingest", cmd_ingest, "run the faust ingest worker (ingest.*)"),
     ]:
         s = sub.add_parser(name, help=text, description=text)
+        _model_args(s)
         s.set_defaults(fn=fn)
     s = sub.add_parser("learn", help="run the continuous learner (learner.*)", description="run the continuous learner")
     s.add_argument("--max-steps", type=int, help="stop after this many updates")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (liverl_learner_*) on this port")
+    _model_args(s)
     s.set_defaults(fn=cmd_learn)
     s = sub.add_parser("gate", help="run the release gate (deploy.gate)", description="run the release gate loop")
     s.add_argument("--once", action="store_true", help="process pending candidates once and exit")
+    _model_args(s)
     s.set_defaults(fn=cmd_gate)
     s = sub.add_parser("build-policy", help="build (or find cached) the base policy and print its folder")
     s.add_argument("--seed", type=int, help="seed (default: model.seed)")
@@ -262,18 +341,37 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=int, default=20, help="most recent N versions (default 20)")
     s.set_defaults(fn=cmd_versions)
     s = sub.add_parser("history", help="the audit log: who promoted or rolled back what, and why", epilog=ADMIN_EPILOG)
+    s.add_argument("--verify", action="store_true", help="first check the log's hash chain (exit 1 if tampered with)")
     s.set_defaults(fn=cmd_history)
     s = sub.add_parser("promote", help="make VERSION the served version (the agents hot-swap to it)", epilog=ADMIN_EPILOG)
     s.add_argument("version", type=int)
-    s.add_argument("--reason", default="manual promote", help="recorded in the audit log")
-    s.add_argument("--actor", default=os.environ.get("USER", "admin"), help="who (default: $USER)")
-    s.add_argument("--force", action="store_true", help="promote even a version the gate rejected")
+    s.add_argument("--reason", required=True, help="why (recorded in the audit log with who you are)")
+    _token_arg(s)
+    s.add_argument("--force", action="store_true", help="promote even a version the gate rejected or has not judged")
     s.set_defaults(fn=cmd_promote)
     s = sub.add_parser("rollback", help="serve the previous stable version again (or --to VERSION)", epilog=ADMIN_EPILOG)
     s.add_argument("--to", type=int, help="version to return to (default: the one before the current stable)")
-    s.add_argument("--reason", default="manual rollback", help="recorded in the audit log")
-    s.add_argument("--actor", default=os.environ.get("USER", "admin"), help="who (default: $USER)")
+    s.add_argument("--reason", required=True, help="why (recorded in the audit log with who you are)")
+    _token_arg(s)
     s.set_defaults(fn=cmd_rollback)
+
+    s = sub.add_parser("hold", help="stop (or --release: resume) the learner emitting candidates; it keeps training",
+                       epilog=ADMIN_EPILOG)
+    s.add_argument("--release", action="store_true", help="let the learner emit candidates again")
+    s.add_argument("--reason", required=True, help="why (recorded in the audit log with who you are)")
+    _token_arg(s)
+    s.set_defaults(fn=cmd_hold)
+
+    s = sub.add_parser("operator", help="operator identities: add NAME --role R, disable NAME, list", epilog=ADMIN_EPILOG,
+                       description="Who may change the registry. Each operator has a role (viewer < operator < admin) "
+                       "and a token, shown once when added; only its hash is stored. The first operator of a registry "
+                       "is added without a token; after that, adding or disabling needs an admin token.")
+    s.add_argument("action", choices=["add", "disable", "list"])
+    s.add_argument("name", nargs="?")
+    s.add_argument("--role", default="operator", choices=["viewer", "operator", "admin"])
+    s.add_argument("--reason", help="why (recorded in the audit log)")
+    _token_arg(s)
+    s.set_defaults(fn=cmd_operator)
 
     s = sub.add_parser("gc", help="delete snapshot/delta blobs that no version references", epilog=ADMIN_EPILOG,
                        description="Delete blobs in the blob store that no registry version references (left by "
@@ -283,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
     s.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
                    help="keep unreferenced blobs younger than this (default 3600)")
+    _token_arg(s)
     s.set_defaults(fn=cmd_gc)
 
     s = sub.add_parser("schema", help="print the JSON Schemas of the wire messages (for non-Python producers)")

@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 import shutil
 import subprocess
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from liverl.core import procs
 from liverl.core.config import LiverlConfig
 from liverl.core.services import LiverlError, check_redis, local_redis_url, port_open
 
@@ -23,17 +23,6 @@ log = logging.getLogger("liverl.stack")
 class StackError(LiverlError):
     """A part of the stack could not start or be reached."""
 
-
-
-def wait_port(host: str, port: int, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if port_open(host, port):
-            return
-        if proc is not None and proc.poll() is not None:
-            raise StackError(f"{what} exited with code {proc.returncode} before listening on {host}:{port}")
-        time.sleep(0.1)
-    raise StackError(f"{what} did not listen on {host}:{port} within {timeout:.0f} s")
 
 
 @dataclass
@@ -47,15 +36,7 @@ class Stack:
     procs: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
 
     def close(self) -> None:
-        for name, proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    log.warning("%s did not stop on SIGTERM; killing it", name)
-                    proc.kill()
-                    proc.wait()
+        procs.stop(list(reversed(self.procs)), timeout=10)
         self.procs.clear()
 
     def __enter__(self) -> Stack:
@@ -63,6 +44,14 @@ class Stack:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _wait(port: int, timeout: float, what: str, proc: subprocess.Popen) -> None:
+    try:
+        procs.wait_port("127.0.0.1", port, timeout, what, proc)
+    except procs.ProcessError as e:
+        procs.stop([(what, proc)], timeout=5)
+        raise StackError(str(e)) from None
 
 
 def start_broker(port: int, log_dir: Path) -> subprocess.Popen:
@@ -78,14 +67,9 @@ def start_broker(port: int, log_dir: Path) -> subprocess.Popen:
         raise StackError(f"embedded Kafka broker: port {port} is already in use; set broker.embedded_port "
                          "or broker.bootstrap")
     url = f"tcp://127.0.0.1:{port}"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with open(log_dir / "broker.log", "ab") as out:
-        proc = subprocess.Popen(
-            [binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
-             "--storage-engine", "memory://tansu/"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    wait_port("127.0.0.1", port, 20, "embedded Kafka broker (Tansu)", proc)
+    proc = procs.spawn([binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
+                        "--storage-engine", "memory://tansu/"], log_dir / "broker.log")
+    _wait(port, 20, "embedded Kafka broker (Tansu)", proc)
     return proc
 
 
@@ -94,13 +78,9 @@ def start_redis(port: int, log_dir: Path) -> subprocess.Popen:
     if binary is None:
         raise StackError("Redis: nothing answers on 127.0.0.1:6379 and redis-server is not installed "
                          "(Debian: apt-get install redis-server), or set redis.url")
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with open(log_dir / "redis.log", "ab") as out:
-        proc = subprocess.Popen(
-            [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    wait_port("127.0.0.1", port, 10, "Redis", proc)
+    proc = procs.spawn([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+                       log_dir / "redis.log")
+    _wait(port, 10, "Redis", proc)
     return proc
 
 

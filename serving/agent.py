@@ -22,7 +22,7 @@ background thread (tests, demo).
 from __future__ import annotations
 
 import asyncio
-import json
+import collections
 import logging
 import os
 import signal
@@ -31,13 +31,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deploy.signing import SignatureError, Verifier
+from liverl.core import keys
+from liverl.core.services import verify_key_path
 from liverl.core.config import LiverlConfig
 from liverl.core.schemas import VersionAnnouncement, WireError
 from serving.gateway import Gateway, NodeClient
 
 log = logging.getLogger("liverl.serving.agent")
 
-LIST_CAP = 1000  # entries kept in the swaps / swap_errors lists
 
 
 class SwapError(RuntimeError):
@@ -62,7 +64,11 @@ class Agent:
         self.max_chain = max_chain
         self.retry_failed_after_s = retry_failed_after_s
         self._failed: dict[tuple[int, str], float] = {}  # (version, checksum) -> when it failed
-        self.swaps: list[dict] = []
+        self.swaps: collections.deque[dict] = collections.deque(maxlen=keys.LIST_CAP)
+        key = verify_key_path(cfg)
+        self.verifier = Verifier(key) if key else None  # with a key, unsigned announcements are refused
+        self.refused_announcements = 0
+        self._last_refused: tuple[int, str | None] | None = None
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -121,20 +127,27 @@ class Agent:
         return record
 
     async def desired(self) -> VersionAnnouncement | None:
-        raw = await self.redis.get(f"{self.prefix}:desired")
+        raw = await self.redis.get(keys.desired(self.prefix))
         if raw is None:
             return None
         try:
-            return VersionAnnouncement.from_bytes(raw)
-        except WireError as e:
-            log.error("ignoring malformed %s:desired: %s", self.prefix, e)
+            ann = VersionAnnouncement.from_bytes(raw)
+            if self.verifier is not None:
+                self.verifier.verify(ann)
+            return ann
+        except (WireError, SignatureError) as e:
+            self.refused_announcements += 1
+            if self._last_refused != (len(raw), str(e)):  # say it once per distinct refusal, not every poll
+                self._last_refused = (len(raw), str(e))
+                log.error("refusing %s: %s", keys.desired(self.prefix), e)
             return None
 
     async def heartbeat(self) -> None:
-        beat = {"version": self.gw.version, "checksum": self.gw.checksum, "ts": time.time(),
-                "last_swap_pause_ms": self.gw.last_swap_pause_ms, "healthy": self.gw.unhealthy_reason is None}
+        beat = keys.ServedHeartbeat(version=self.gw.version, checksum=self.gw.checksum,
+                                    last_swap_pause_ms=self.gw.last_swap_pause_ms,
+                                    healthy=self.gw.unhealthy_reason is None)
         ttl = max(10, int(20 * self.cfg.serving.swap_poll_s))
-        await self.redis.set(f"{self.prefix}:served:{self.name}", json.dumps(beat), ex=ttl)
+        await self.redis.set(keys.served(self.prefix, self.name), beat.to_json(), ex=ttl)
 
     # ------------------------------------------------------------------------------------------ swapping
 
@@ -160,24 +173,16 @@ class Agent:
         if row.checksum != ann.checksum:
             raise RuntimeError(f"announced checksum {ann.checksum[:12]} differs from the registry's "
                                f"{row.checksum[:12]} for version {ann.version}")
-        path_len = len(self._version_path(cur_v, ann.version))
+        if row.status != "stable":  # Redis says what to serve; the registry says what may be served
+            raise RuntimeError(f"version {ann.version} is {row.status} in the registry, not stable: refusing to serve "
+                               "it (only a promotion or a rollback makes a version servable)")
+        path_len = sum(map(len, self.registry.path(cur_v, ann.version)))
         if path_len <= self.max_chain:
             return self.registry.deltas_between(cur_v, ann.version), f"stored x{path_len}"
         log.info("no short chain of stored deltas from %d to %d (%d steps): encoding one delta from "
                  "registry-materialized weights", cur_v, ann.version, path_len)
         base, target = self.registry.materialize(cur_v), self.registry.materialize(ann.version)
         return [encode_delta(base, target, cur_v, ann.version)], "encoded"
-
-    def _version_path(self, a: int, b: int) -> list[int]:
-        def chain(v: int) -> list[int]:
-            out = [v]
-            while (p := self.registry.get(out[-1]).parent) is not None:
-                out.append(p)
-            return out
-
-        up, down = chain(a), chain(b)
-        common = set(up) & set(down)
-        return [v for v in up if v not in common] + [v for v in down if v not in common]
 
     async def apply_blobs(self, blobs: list[bytes], target_version: int, target_checksum: str,
                           how: str = "given") -> dict:
@@ -231,8 +236,8 @@ class Agent:
         self.gw.m_pause.observe(rec["pause_ms"] / 1e3)
         self.gw.m_swaps.labels(outcome="ok" if error is None else "failed").inc()
         self.swaps.append(rec)
-        await self.redis.rpush(f"{self.prefix}:swaps", json.dumps(rec))
-        await self.redis.ltrim(f"{self.prefix}:swaps", -LIST_CAP, -1)
+        await self.redis.rpush(keys.swaps(self.prefix), keys.SwapRecord.model_validate(rec).to_json())
+        await self.redis.ltrim(keys.swaps(self.prefix), -keys.LIST_CAP, -1)
         if error is not None:
             await self._report_error(from_v, target_version, str(error), restored=error.restored)
             raise error
@@ -297,11 +302,11 @@ class Agent:
             return False
 
     async def _report_error(self, from_v: int | None, to_v: int, error: str, restored: bool) -> None:
-        entry = {"node": self.name, "from": from_v, "to": to_v, "error": error, "restored": restored,
-                 "ts": time.time()}
+        entry = keys.SwapErrorRecord.model_validate(
+            {"node": self.name, "from": from_v, "to": to_v, "error": error, "restored": restored})
         try:
-            await self.redis.rpush(f"{self.prefix}:swap_errors", json.dumps(entry))
-            await self.redis.ltrim(f"{self.prefix}:swap_errors", -LIST_CAP, -1)
+            await self.redis.rpush(keys.swap_errors(self.prefix), entry.to_json())
+            await self.redis.ltrim(keys.swap_errors(self.prefix), -keys.LIST_CAP, -1)
         except Exception as e:
             log.error("could not report swap error to Redis (%s): %s", e, entry)
 

@@ -14,9 +14,11 @@ import threading
 import uuid
 
 import pytest
+import redis
 
 from liverl.core.config import LiverlConfig, load_config
-from liverl.stack import Stack, port_open, start_stack
+from liverl.core.services import port_open
+from liverl.stack import Stack, start_stack
 
 
 def free_port() -> int:
@@ -77,3 +79,13 @@ def no_leaked_threads():
         t.join(timeout=5)
     leaked = [t.name for t in leaked if t.is_alive()]
     assert not leaked, f"test leaked threads: {leaked}"
+
+
+@pytest.fixture
+def rds(cfg):
+    """The test's Redis (decoded strings); every key under the test's prefix is deleted afterwards."""
+    r = redis.Redis.from_url(cfg.redis.url, decode_responses=True)
+    yield r
+    for key in r.scan_iter(match=f"{cfg.topics.prefix}:*"):
+        r.delete(key)
+    r.close()

@@ -30,7 +30,7 @@ def test_demo_acceptance_goes_up(tmp_path):
         "LIVERL__REDIS__EMBEDDED_PORT": str(free_port()),
         "LIVERL__SERVING__GATEWAY_PORT": str(free_port()),
         "LIVERL__SERVING__VLLM_PORT": str(free_port()),
-        "LIVERL__INGEST__WEB_PORT": str(free_port()),
+        "LIVERL__INGEST__WEB_PORT": str(free_port()), "LIVERL__GATE__METRICS_PORT": str(free_port()),
         "LIVERL__TOPICS__PREFIX": f"e2e{os.getpid()}",
         "LIVERL__DEMO__FINAL_WINDOW_S": "60",
         "HF_HUB_OFFLINE": "1",
@@ -52,3 +52,6 @@ def test_demo_acceptance_goes_up(tmp_path):
     assert summary["last_promoted_acceptance"] > summary["base_acceptance"] + 0.05, summary
     assert all(p is not None and p < 5000 for p in summary["hot_swap_pause_ms"]), summary
     assert summary["samples_trained"] > 0
+    # the gate judged on evidence a product has (traffic, its own suite), never on the users' hidden preferences
+    assert set(summary["gate_checks"]) == {"integrity", "drift", "collapse", "suite"}, summary["gate_checks"]
+    assert summary["product"].startswith("demo-arithmetic")

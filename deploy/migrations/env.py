@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from deploy.registry import Base, make_engine
+from deploy.tables import Base, make_engine
 
 config = context.config
 target_metadata = Base.metadata

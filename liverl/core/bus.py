@@ -55,7 +55,7 @@ class KeySerializer(Serializer):
 
 
 def make_producer(bootstrap: str, **kw) -> KafkaProducer:
-    """Idempotent, acks=all, zstd producer whose values are bytes and keys str."""
+    """Idempotent, acks=all producer whose values are bytes and keys str (uncompressed: every consumer reads it)."""
     opts = dict(
         bootstrap_servers=bootstrap,
         acks="all",

@@ -1,20 +1,22 @@
 """Configuration: one class per component, composed into one root ``LiverlConfig``.
 
-Loaded from one TOML file (``--config PATH`` or ``$LIVERL_CONFIG``) plus environment overrides of the
-form ``LIVERL__SECTION__FIELD=value`` (for example ``LIVERL__LEARNER__LR=1e-4``,
-``LIVERL__BROKER__BOOTSTRAP=kafka:9092``). Values from the environment are parsed as JSON when they
-parse, else kept as strings. This module imports neither torch nor vLLM.
+Loaded (with pydantic-settings) from one TOML file (``--config PATH`` or ``$LIVERL_CONFIG``) plus environment
+overrides of the form ``LIVERL__SECTION__FIELD=value`` (for example ``LIVERL__LEARNER__LR=1e-4``,
+``LIVERL__BROKER__BOOTSTRAP=kafka:9092``; sections and lists as JSON, ``null`` for None). Every field is
+documented where it is declared; ``configs/`` holds example files, and ``liverl config`` prints the effective
+values. This module imports neither torch nor vLLM.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 
 class _Section(BaseModel):
@@ -122,29 +124,46 @@ class IngestConfig(_Section):
 
 class LearnerConfig(_Section):
     lr: float = Field(default=3e-4, description="AdamW learning rate.")
-    batch_size: int = Field(default=64, description="Samples per policy-gradient update.")
-    micro_epochs: int = Field(default=1, description="Passes over each batch.")
+    batch_size: int = Field(default=64, ge=1, description="Samples per policy-gradient update.")
+    micro_epochs: int = Field(default=1, ge=1, description="Passes over each batch.")
     tis_cap: float = Field(default=2.0, description="Truncated importance sampling cap C on pi/mu per token.")
-    kl_coef: float = Field(default=0.05, description="Weight of the KL penalty to the base policy.")
+    kl_coef: float = Field(default=0.05, description="Weight of the KL penalty to the anchor (learner.kl_reference).")
     candidate_every_steps: int = Field(default=10, description="Emit a candidate version every this many updates.")
     max_staleness: int = Field(default=8, description="Drop samples whose policy version lags the learner by more.")
-    kl_reference: str = Field(
-        default="stable", pattern="^(stable|base)$",
+    kl_reference: Literal["stable", "base"] = Field(
+        default="stable",
         description="KL anchor: 'stable' (the version being served, moved on each promotion) or 'base' (version 0).",
     )
-    kl_estimator: str = Field(
-        default="full", pattern="^(full|k3)$",
+    kl_estimator: Literal["full", "k3"] = Field(
+        default="full",
         description="KL to the base policy: 'full' (exact over the vocabulary, per position) or 'k3' (sampled tokens).",
     )
 
 
 class GateConfig(_Section):
-    eval_prompts: int = Field(default=256, description="Held-out prompts per evaluation.")
-    max_regression: float = Field(default=0.02, description="Refuse a candidate whose eval score drops more than this.")
-    poll_s: float = Field(default=1.0, description="How often the gate looks for new candidates.")
+    max_kl: float = Field(
+        default=0.5, gt=0, description="Refuse a candidate whose mean per-token KL from the stable version, on recent "
+        "logged generations, exceeds this (nats/token): one release moves the policy only so far.")
     min_entropy: float = Field(
-        default=0.05, description="Refuse a candidate whose mean first-token entropy (nats) is below this: a collapsed policy."
-    )
+        default=0.05, ge=0, description="Refuse a candidate whose mean per-token entropy (nats) on recent logged "
+        "generations is below this: a collapsed policy.")
+    max_regression: float = Field(
+        default=0.02, ge=0, description="With a product evaluation suite: refuse a candidate whose mean grade drops "
+        "more than this below the stable version's.")
+    probe_generations: int = Field(
+        default=256, ge=1, description="How many recent logged generations the drift and collapse checks use.")
+    poll_s: float = Field(default=1.0, gt=0, description="How often the gate looks for new candidates.")
+    metrics_port: int = Field(default=6067, ge=0, description="Port of the gate's Prometheus /metrics "
+                              "(liverl_gate_*) on serving.host; 0: off.")
+
+
+class SecurityConfig(_Section):
+    signing_key: str | None = Field(
+        default=None, description="Ed25519 private key (PEM) that signs version announcements; only the gate and "
+        "operators need it. None: <state_dir>/keys/announce.key when it exists (liverl up makes one).")
+    verify_key: str | None = Field(
+        default=None, description="Ed25519 public key (PEM) serving agents verify announcements with; when set (or "
+        "<state_dir>/keys/announce.pub exists) an unsigned or wrongly signed announcement is refused.")
 
 
 class DemoConfig(_Section):
@@ -155,7 +174,17 @@ class DemoConfig(_Section):
     )
 
 
-class LiverlConfig(_Section):
+ENV_PREFIX = "LIVERL__"
+
+
+class LiverlConfig(BaseSettings):
+    """The root config of every liverl process (see ``load_config`` for where values come from)."""
+
+    model_config = SettingsConfigDict(extra="forbid", validate_assignment=True)
+
+    product: str | None = Field(
+        default=None, description="Your product's liverl interface as 'module:attr' (a liverl.core.product.Product): "
+        "reward shaping, an optional evaluation suite for the gate. None: rewards from [ingest.rewards], no suite.")
     state_dir: str = Field(default=".liverl", description="Where logs, the registry, blobs and checkpoints live.")
     broker: BrokerConfig = Field(default_factory=BrokerConfig)
     redis: RedisConfig = Field(default_factory=RedisConfig)
@@ -166,7 +195,13 @@ class LiverlConfig(_Section):
     ingest: IngestConfig = Field(default_factory=IngestConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
+    security: SecurityConfig = Field(default_factory=SecurityConfig)
     demo: DemoConfig = Field(default_factory=DemoConfig)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,
+                                   file_secret_settings):
+        return (init_settings,)  # load_config composes TOML, environment and overrides, in that order
 
     @property
     def state_path(self) -> Path:
@@ -187,17 +222,25 @@ class LiverlConfig(_Section):
         return Path(self.model.cache_dir) if self.model.cache_dir else self.state_path / "models"
 
 
-ENV_PREFIX = "LIVERL__"
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
-def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
-    for part in path[:-1]:
-        tree = tree.setdefault(part, {})
-    tree[path[-1]] = value
+def _nulls(tree: dict[str, Any]) -> dict[str, Any]:
+    """``null`` from the environment means None (pydantic-settings leaves nested ones as the string)."""
+    return {k: _nulls(v) if isinstance(v, dict) else (None if v == "null" else v) for k, v in tree.items()}
 
 
-def load_config(path: str | os.PathLike | None = None, env: dict[str, str] | None = None, **overrides: Any) -> LiverlConfig:
-    """Build the root config from a TOML file, then ``LIVERL__A__B`` environment variables, then overrides."""
+def load_config(path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None, **overrides: Any) -> LiverlConfig:
+    """The root config: the TOML file (``path``, else ``$LIVERL_CONFIG``), then ``LIVERL__A__B`` environment
+    variables (``env``, default ``os.environ``), then keyword ``overrides`` (``learner__lr=1e-4``).
+
+    Parsing is pydantic-settings': TOML through ``TomlConfigSettingsSource``, the environment through
+    ``EnvSettingsSource`` (nested by ``__``, case-insensitive, JSON for sections and lists, ``null`` for None).
+    """
     env = os.environ if env is None else env
     path = path or env.get("LIVERL_CONFIG")
     data: dict[str, Any] = {}
@@ -205,17 +248,18 @@ def load_config(path: str | os.PathLike | None = None, env: dict[str, str] | Non
         p = Path(path)
         if not p.is_file():
             raise ValueError(f"config file {p} does not exist")
-        with p.open("rb") as f:
-            data = tomllib.load(f)
-    for key, raw in env.items():
-        if not key.startswith(ENV_PREFIX):
-            continue
-        parts = [s.lower() for s in key[len(ENV_PREFIX):].split("__")]
         try:
-            value = json.loads(raw)
-        except json.JSONDecodeError:
-            value = raw
-        _set_path(data, parts, value)
+            data = TomlConfigSettingsSource(LiverlConfig, toml_file=p)()
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {p} is not valid TOML: {e}") from None
+    source = EnvSettingsSource(LiverlConfig, case_sensitive=False, env_prefix=ENV_PREFIX, env_nested_delimiter="__")
+    source.env_vars = {k.lower(): v for k, v in env.items() if k.upper().startswith(ENV_PREFIX)}
+    data = _merge(data, _nulls(source()))
+    tree: dict[str, Any] = {}
     for dotted, value in overrides.items():
-        _set_path(data, dotted.split("__"), value)
-    return LiverlConfig.model_validate(data)
+        node = tree
+        *parents, leaf = dotted.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return LiverlConfig(**_merge(data, tree))

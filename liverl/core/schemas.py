@@ -205,8 +205,11 @@ class VersionAnnouncement(_Wire):
     schema_version: Literal[1] = SCHEMA_VERSION
     version: int = Field(ge=0)
     checksum: str = Field(description="sha256 of the version's canonical weights (see deploy.delta).")
-    reason: str = ""
+    reason: str = Field(default="", max_length=1024)
     ts: float = Field(default_factory=time.time)
+    signature: str | None = Field(
+        default=None, max_length=256, description="Ed25519 signature (base64) by the release tier; agents that hold "
+        "the public key serve nothing unsigned (see deploy.signing).")
 
 
 WIRE_MODELS: dict[str, type[_Wire]] = {

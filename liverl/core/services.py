@@ -15,6 +15,7 @@ The registry and blob store themselves are opened by the library that owns them
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from liverl.core.config import LiverlConfig
@@ -66,6 +67,22 @@ def setup_redis(cfg: LiverlConfig, decode_responses: bool = False) -> redis.Redi
     import redis
 
     return redis.Redis.from_url(redis_url(cfg), decode_responses=decode_responses, socket_connect_timeout=3)
+
+
+def signing_key_path(cfg: LiverlConfig) -> Path | None:
+    """The announcement signing key: ``security.signing_key``, else ``<state_dir>/keys/announce.key`` if present."""
+    if cfg.security.signing_key:
+        return Path(cfg.security.signing_key)
+    default = cfg.state_path / "keys" / "announce.key"
+    return default if default.exists() else None
+
+
+def verify_key_path(cfg: LiverlConfig) -> Path | None:
+    """The announcement verify key: ``security.verify_key``, else ``<state_dir>/keys/announce.pub`` if present."""
+    if cfg.security.verify_key:
+        return Path(cfg.security.verify_key)
+    default = cfg.state_path / "keys" / "announce.pub"
+    return default if default.exists() else None
 
 
 def check_redis(url: str) -> None:

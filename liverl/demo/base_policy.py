@@ -10,8 +10,7 @@ The model dir is a normal HF dir (config.json, generation_config.json, bf16 mode
 tokenizer.json, tokenizer_config.json) that both ``transformers`` and vLLM load. In model.safetensors the
 experts are stored per expert (``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight``, the names vLLM
 reads); transformers 5 keeps them fused in memory (``experts.gate_up_proj`` / ``experts.down_proj``).
-``load_model`` and ``state_dict_from_model`` translate between the two, so the rest of liverl only ever
-sees the file names ("the weights convention" in contracts.md).
+``learner.model`` translates between the two, so the rest of liverl only ever sees the file names.
 
 Builds are cached in ``cache_dir/<hash of seed + recipe>``, are bit-reproducible from the seed (one
 thread, deterministic algorithms), and are safe when two processes build at once (file lock, build in

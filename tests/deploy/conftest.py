@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import redis
 import torch
 
 from deploy.blobstore import LocalBlobStore
@@ -36,16 +35,6 @@ def registry(request, tmp_path):
     reg = Registry(url, LocalBlobStore(tmp_path / "blobs"), snapshot_every=3)
     yield reg
     reg.close()
-
-
-@pytest.fixture
-def rds(cfg):
-    """The test's Redis (decoded strings); every key under the test's prefix is deleted afterwards."""
-    r = redis.Redis.from_url(cfg.redis.url, decode_responses=True)
-    yield r
-    for key in r.scan_iter(match=f"{cfg.topics.prefix}:*"):
-        r.delete(key)
-    r.close()
 
 
 @pytest.fixture(scope="session")

@@ -300,7 +300,7 @@ def _repacked(blob: bytes, mutate) -> bytes:
     payload = bytearray(blob[56:56 + plen])
     mutate(header, payload)
     header.pop("payload_bytes")
-    return container._pack(container.DELTA_MAGIC, header, [bytes(payload)])
+    return container.pack_container(container.DELTA_MAGIC, header, [bytes(payload)])
 
 
 @pytest.mark.parametrize("how", ["flip a payload bit", "swap the digests", "wrong changed count"])

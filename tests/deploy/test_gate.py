@@ -1,7 +1,8 @@
 """The release gate against a real Redis and a real (SQLite) registry.
 
-The held-out evaluation is a stand-in that reads a "probe" tensor planted in the weights, so each test
-chooses what a candidate scores; the real ``liverl.demo.score.heldout_score`` is exercised by the slow test.
+The evaluator is a stand-in that reads a "probe" tensor planted in the weights, so each test chooses a
+candidate's drift, entropy and suite score; the real ``learner.evaluate.PolicyEvaluator`` on the real demo
+policy and its product's suite is exercised by the slow test at the end.
 """
 
 from __future__ import annotations
@@ -12,27 +13,36 @@ import time
 import pytest
 import torch
 
-from liverl.admin import open_registry
-from deploy.gate import Gate
+from deploy.gate import Gate, GenerationTail
+from deploy.registry import open_registry
 from liverl.core.schemas import VersionAnnouncement
 from tests.deploy.conftest import perturb, tiny_model
 
 
-def weights(acceptance: float, entropy: float, seed: int = 0) -> dict[str, torch.Tensor]:
+def weights(suite: float, entropy: float, kl: float = 0.01, seed: int = 0) -> dict[str, torch.Tensor]:
     state = perturb(tiny_model(), 0.05, seed=seed) if seed else tiny_model()
-    return {**state, "probe": torch.tensor([acceptance, entropy], dtype=torch.float32)}
+    return {**state, "probe": torch.tensor([suite, entropy, kl], dtype=torch.float32)}
 
 
 class ProbeEval:
-    """Stand-in for heldout_score: the scores are whatever the weights' probe tensor says."""
+    """Stand-in evaluator: the figures are whatever the weights' probe tensor says."""
 
-    def __init__(self):
-        self.calls = 0
+    def __init__(self, with_suite: bool = True, with_probes: bool = True):
+        self.suite_calls = self.drift_calls = 0
+        self.with_suite, self.with_probes = with_suite, with_probes
 
-    def __call__(self, model_dir, state_dict, n_prompts):
-        self.calls += 1
-        ea, ent = state_dict["probe"].tolist()
-        return {"expected_acceptance": ea, "greedy_acceptance": ea, "entropy": ent, "n_prompts": n_prompts}
+    def drift(self, candidate, stable):
+        self.drift_calls += 1
+        if not self.with_probes:
+            return None
+        _, ent, kl = candidate["probe"].tolist()
+        return {"kl": kl, "entropy": ent, "stable_entropy": stable["probe"].tolist()[1], "tokens": 100, "probes": 20}
+
+    def suite_score(self, weights):
+        if not self.with_suite:
+            return None
+        self.suite_calls += 1
+        return {"name": "probe", "score": weights["probe"].tolist()[0], "cases": 10, "completions": 10}
 
 
 @pytest.fixture
@@ -40,7 +50,7 @@ def setup(cfg, rds):
     registry = open_registry(cfg)
     registry.init_base(weights(0.50, 1.0), "/nonexistent/model")
     ev = ProbeEval()
-    gate = Gate(cfg, registry, rds, evaluate=ev)
+    gate = Gate(cfg, registry, rds, ev)
     yield gate, registry, rds, ev
     registry.close()
 
@@ -49,25 +59,29 @@ def desired(rds, cfg) -> VersionAnnouncement:
     return VersionAnnouncement.from_bytes(rds.get(f"{cfg.topics.prefix}:desired"))
 
 
+ALL = {"integrity": True, "drift": True, "collapse": True, "suite": True}
+
+
 def test_good_candidate_is_promoted_and_announced(cfg, setup):
     gate, registry, rds, ev = setup
     assert gate.step() == []
     assert desired(rds, cfg).version == 0  # the gate announces the stable version when nothing is announced yet
     row = registry.add_candidate(weights(0.49, 0.8, seed=1), parent=0)  # within max_regression (0.02)
     [v] = gate.step()
-    assert (v.version, v.verdict, v.checks) == (row.version, "promoted", {"integrity": True, "heldout": True, "collapse": True})
+    assert (v.version, v.verdict, v.checks) == (row.version, "promoted", ALL)
     assert registry.stable().version == row.version and registry.get(0).status == "retired"
     ann = desired(rds, cfg)
     assert (ann.version, ann.checksum) == (row.version, row.checksum)
     results = {(g.version, g.check): g for g in registry.gate_results()}
-    assert results[(0, "heldout")].value == pytest.approx(0.50)  # the stable's reference score, recorded once
-    assert results[(row.version, "heldout")].threshold == pytest.approx(0.48)
+    assert results[(0, "suite")].value == pytest.approx(0.50)  # the stable's reference score, recorded once
+    assert results[(row.version, "suite")].threshold == pytest.approx(0.48)
     assert results[(row.version, "collapse")].value == pytest.approx(0.8)
+    assert results[(row.version, "drift")].threshold == pytest.approx(cfg.gate.max_kl)
     assert registry.audit(version=row.version)[-1].actor == "gate"
 
     row2 = registry.add_candidate(weights(0.70, 0.8, seed=2), parent=row.version)
     assert gate.step()[0].verdict == "promoted"
-    assert ev.calls == 4  # v0 reference, v1, v1 as the new stable's reference, v2
+    assert ev.suite_calls == 4  # v0 reference, v1, v1 as the new stable's reference, v2
     assert gate.step() == [] and desired(rds, cfg).version == row2.version
     text = gate.metrics_text().decode()
     assert 'liverl_gate_verdicts_total{verdict="promoted"} 2.0' in text
@@ -108,17 +122,48 @@ def test_delta_that_leads_elsewhere_is_refused(cfg, setup):
     assert not g.passed and f"rebuilds version {a.version}" in g.detail
 
 
-def test_collapsed_and_regressed_candidates_are_refused(cfg, setup):
+def test_collapsed_drifted_and_regressed_candidates_are_refused(cfg, setup):
     gate, registry, rds, _ev = setup
     collapsed = registry.add_candidate(weights(0.95, 0.01, seed=1), parent=0)
     [v] = gate.step()
-    assert (v.verdict, v.checks) == ("rejected", {"integrity": True, "heldout": True, "collapse": False})
+    assert (v.verdict, v.checks) == ("rejected", {**ALL, "collapse": False})
     assert registry.get(collapsed.version).status_reason == "failed collapse"
-    worse = registry.add_candidate(weights(0.40, 1.0, seed=2), parent=0)
+    drifted = registry.add_candidate(weights(0.95, 1.0, kl=cfg.gate.max_kl * 2, seed=2), parent=0)
     [v] = gate.step()
-    assert (v.verdict, v.checks["heldout"]) == ("rejected", False)
+    assert (v.verdict, v.checks) == ("rejected", {**ALL, "drift": False})
+    assert "nats/token" in registry.gate_results(drifted.version)[1].detail
+    worse = registry.add_candidate(weights(0.40, 1.0, seed=3), parent=0)
+    [v] = gate.step()
+    assert (v.verdict, v.checks["suite"]) == ("rejected", False)
     assert registry.get(worse.version).status == "rejected" and registry.stable().version == 0
     assert desired(rds, cfg).version == 0
+
+
+def test_without_a_suite_the_gate_checks_integrity_drift_and_collapse(cfg, rds):
+    registry = open_registry(cfg)
+    try:
+        registry.init_base(weights(0.5, 1.0), "/nonexistent/model")
+        gate = Gate(cfg, registry, rds, ProbeEval(with_suite=False))
+        registry.add_candidate(weights(0.0, 0.9, seed=1), parent=0)  # a suite score of 0 is never looked at
+        [v] = gate.step()
+        assert (v.verdict, v.checks) == ("promoted", {"integrity": True, "drift": True, "collapse": True})
+        assert {g.check for g in registry.gate_results()} == {"integrity", "drift", "collapse"}
+    finally:
+        registry.close()
+
+
+def test_no_logged_generations_means_no_promotion(cfg, rds):
+    """Drift cannot be measured before any traffic was logged: the candidate is refused, saying why."""
+    registry = open_registry(cfg)
+    try:
+        registry.init_base(weights(0.5, 1.0), "/nonexistent/model")
+        gate = Gate(cfg, registry, rds, ProbeEval(with_probes=False))
+        row = registry.add_candidate(weights(0.9, 0.9, seed=1), parent=0)
+        [v] = gate.step()
+        assert v.verdict == "rejected" and v.checks["drift"] is False
+        assert "no logged generations" in [g for g in registry.gate_results(row.version) if g.check == "drift"][0].detail
+    finally:
+        registry.close()
 
 
 def test_only_newest_pending_is_evaluated(cfg, setup):
@@ -130,7 +175,7 @@ def test_only_newest_pending_is_evaluated(cfg, setup):
                                                           (new.version, "promoted")]
     assert registry.get(old[0].version).status_reason == f"superseded by {new.version}"
     assert [(a.actor, a.action) for a in registry.audit(version=old[1].version)][-1] == ("gate", "rejected")
-    assert ev.calls == 2
+    assert ev.suite_calls == 2 and ev.drift_calls == 1
 
 
 def test_run_loop_promotes_then_stops(cfg, setup):
@@ -150,20 +195,127 @@ def test_run_loop_promotes_then_stops(cfg, setup):
     assert not t.is_alive() and registry.stable().version == row.version
 
 
-@pytest.mark.slow
-def test_gate_with_the_real_heldout_eval(cfg, rds):
-    """The real evaluator on the real base policy: a lightly perturbed candidate gets all three checks recorded."""
-    from liverl.demo.base_policy import ensure_base_policy, load_state_dict
+def test_generation_tail_keeps_the_latest_trainable_records(cfg, stack):
+    """The probe source: the last N trainable records of the generations topic, on the real broker."""
+    from liverl.core.bus import ensure_topics, make_producer
+    from liverl.core.schemas import GenerationRecord, SamplingParams
 
-    cfg.gate.eval_prompts = 32
+    topic = cfg.topics.generations
+    ensure_topics(stack.bootstrap, [topic], 2)
+    prod = make_producer(stack.bootstrap)
+
+    def rec(i, trainable=True):
+        return GenerationRecord(generation_id=f"g{i}", policy_version=0, node="n", prompt="p", completion="c",
+                                prompt_token_ids=[3, 4], completion_token_ids=[5, i % 7 + 1], completion_logprobs=[-1.0, -1.0],
+                                sampling=SamplingParams(temperature=1.0 if trainable else 0.0, max_tokens=4),
+                                trainable=trainable, untrainable_reason=None if trainable else "greedy").to_bytes()
+
+    for i in range(30):
+        prod.send(topic, key=f"g{i}", value=rec(i, trainable=i % 5 != 0))
+    prod.send(topic, key="bad", value=b"{not json")
+    prod.flush()
+    tail = GenerationTail(stack.bootstrap, topic, size=10).start()
+    try:
+        deadline = time.monotonic() + 20
+        while tail.refused == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        got = tail()
+        assert 0 < len(got) <= 10 and all(g.prompt_ids == (3, 4) for g in got)
+        assert tail.refused == 1
+    finally:
+        tail.close()
+        prod.close()
+
+
+@pytest.mark.slow
+def test_gate_with_the_real_evaluator_and_the_demo_suite(cfg, rds):
+    """The real evaluator on the real demo policy and the demo product's suite (sums right, nothing else)."""
+    from learner.evaluate import PolicyEvaluator, Probe
+    from learner.model import load_state_dict
+    from liverl.demo import task
+    from liverl.demo.base_policy import encode_text, ensure_base_policy
+    from liverl.demo.product import ArithmeticProduct
+
     model_dir = ensure_base_policy(cfg.model_cache_path, seed=0, progress=False)
+    rng = __import__("random").Random(0)
+    probes = [Probe(tuple(encode_text(p.text)), tuple(encode_text(task.preferred_completion(p)) + [1]))
+              for p in (task.sample_prompt(rng) for _ in range(64))]
+    suite = ArithmeticProduct(suite_size=64).eval_suite()
+    ev = PolicyEvaluator(model_dir, suite, lambda: probes)
     registry = open_registry(cfg)
     try:
         base = load_state_dict(model_dir)
+        assert ev.drift(base, base)["kl"] == pytest.approx(0.0, abs=1e-6)
+        assert 0.0 <= ev.suite_score(base)["score"] <= 1.0
         registry.init_base(base, str(model_dir))
         row = registry.add_candidate(perturb(base, 0.02, seed=1), parent=0)
-        [v] = Gate(cfg, registry, rds).step()
-        assert v.version == row.version and set(v.checks) == {"integrity", "heldout", "collapse"}
-        assert {g.check for g in registry.gate_results(row.version)} == {"integrity", "heldout", "collapse"}
+        [v] = Gate(cfg, registry, rds, ev).step()
+        assert v.version == row.version and set(v.checks) == set(ALL)
+        assert {g.check for g in registry.gate_results(row.version)} == set(ALL)
     finally:
         registry.close()
+
+
+class MeddlingEval(ProbeEval):
+    """Evaluates like ProbeEval, but runs ``meddle`` (an operator's action) in the middle of the evaluation."""
+
+    def __init__(self, meddle):
+        super().__init__()
+        self.meddle = meddle
+
+    def drift(self, candidate, stable):
+        if self.meddle is not None:
+            self.meddle()
+            self.meddle = None
+        return super().drift(candidate, stable)
+
+
+def test_operator_promote_during_a_failing_evaluation_keeps_a_stable_version(cfg, rds):
+    """Finding: the gate rejected a version an operator had just promoted, leaving no stable version."""
+    registry = open_registry(cfg)
+    try:
+        registry.init_base(weights(0.5, 1.0), "/nonexistent/model")
+        row = registry.add_candidate(weights(0.1, 1.0, seed=1), parent=0)  # fails the suite
+        gate = Gate(cfg, registry, rds, MeddlingEval(lambda: registry.promote(row.version, actor="alice",
+                                                                               reason="hand-checked")))
+        [v] = gate.step()
+        assert v.verdict == "rejected" and v.checks["suite"] is False
+        assert registry.get(row.version).status == "stable" and registry.stable().version == row.version
+        gate.step()  # and the gate keeps working, announcing the operator's choice
+        assert desired(rds, cfg).version == row.version
+    finally:
+        registry.close()
+
+
+def test_operator_rollback_during_a_passing_evaluation_is_not_overridden(cfg, rds):
+    registry = open_registry(cfg)
+    try:
+        registry.init_base(weights(0.5, 1.0), "/nonexistent/model")
+        v1 = registry.add_candidate(weights(0.6, 1.0, seed=1), parent=0)
+        registry.promote(v1.version, actor="gate", reason="passed")
+        v2 = registry.add_candidate(weights(0.7, 1.0, seed=2), parent=v1.version)
+        gate = Gate(cfg, registry, rds, MeddlingEval(lambda: registry.rollback(actor="bob", reason="complaints")))
+        [v] = gate.step()
+        assert v.verdict == "deferred" and registry.stable().version == 0
+        [v] = gate.step()  # v2 was emitted before the rollback: it may carry the rolled-back change
+        assert v.verdict == "rejected" and v.reason == "emitted before the last rollback"
+        assert registry.get(v2.version).status == "rejected" and registry.stable().version == 0
+        assert desired(rds, cfg).version == 0
+        time.sleep(0.01)
+        v3 = registry.add_candidate(weights(0.7, 1.0, seed=3), parent=0)  # after the rollback: judged as usual
+        assert gate.step()[0].verdict == "promoted" and registry.stable().version == v3.version
+    finally:
+        registry.close()
+
+
+def test_gate_reconciles_the_announcement_with_the_registry(cfg, setup):
+    """Finding: a crash between promote and announce left the fleet on the old version indefinitely."""
+    gate, registry, rds, _ev = setup
+    row = registry.add_candidate(weights(0.6, 1.0, seed=1), parent=0)
+    registry.promote(row.version, actor="gate", reason="promoted, then the gate died before announcing")
+    rds.set(f"{cfg.topics.prefix}:desired", VersionAnnouncement(version=0, checksum=registry.get(0).checksum).to_bytes())
+    gate.step()
+    assert desired(rds, cfg).version == row.version
+    rds.set(f"{cfg.topics.prefix}:desired", b"garbage")
+    gate.step()
+    assert desired(rds, cfg).version == row.version

@@ -292,11 +292,12 @@ def test_compose_refuses_a_chain_that_misses_the_recorded_checksum(registry):
 
 
 def test_gc_command_prints_what_it_would_remove_then_removes_it(cfg, capsys):
-    """The admin verb behind ``liverl gc`` (tests/deploy/test_admin.py belongs to the CLI's owner)."""
+    """The admin verb behind ``liverl gc``: a dry run needs no identity, deleting needs an admin's token."""
     from liverl.admin import gc_command, open_registry
 
     reg = open_registry(cfg)
     try:
+        token = reg.add_operator("root", "admin", by="test", reason="set-up")
         chain(reg, 2)
         orphan = reg.blobs.put(b"orphan")
         age(reg.blobs, orphan, 7200)
@@ -307,7 +308,9 @@ def test_gc_command_prints_what_it_would_remove_then_removes_it(cfg, capsys):
     out = capsys.readouterr().out
     assert "dry run" in out and orphan in out and "would remove" in out and young in out and "kept" in out
     assert LocalBlobStore(cfg.blob_location).exists(orphan)
-    assert gc_command(cfg, dry_run=False) == 0
+    assert gc_command(cfg, dry_run=False) == 1
+    assert "needs an operator token" in capsys.readouterr().err
+    assert gc_command(cfg, dry_run=False, token=token) == 0
     out = capsys.readouterr().out
     assert "removed 1 unreferenced blobs" in out and not LocalBlobStore(cfg.blob_location).exists(orphan)
     reg = open_registry(cfg)
@@ -321,7 +324,7 @@ def test_gc_command_prints_what_it_would_remove_then_removes_it(cfg, capsys):
 
 def test_demo_codec_report_compares_stored_deltas_with_xor_zstd(registry):
     """The demo summary's codec report: real stored deltas, next to XOR + zstd of the same changes."""
-    from liverl.demo.run import codec_report
+    from liverl.demo.report import codec_report
 
     g = torch.Generator().manual_seed(5)
     master = {f"w{i}": torch.randn(128, 256, generator=g) * 0.02 for i in range(3)}

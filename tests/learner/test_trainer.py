@@ -304,7 +304,7 @@ def test_frozen_flag_blocks_candidates_but_not_training(cfg, model_dir, base_sam
     cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=1)
     reg = make_registry(cfg, model_dir)
     r = redis.Redis.from_url(cfg.redis.url)
-    key = f"{cfg.topics.prefix}:learner:frozen"
+    key = f"{cfg.topics.prefix}:learner:hold"
     try:
         r.set(key, "1")
         produce_samples(cfg, base_samples[:32])
@@ -313,6 +313,39 @@ def test_frozen_flag_blocks_candidates_but_not_training(cfg, model_dir, base_sam
         assert stats["counters"]["candidates_skipped_frozen"] == 2
     finally:
         r.delete(key, f"{cfg.topics.prefix}:learner")
+        r.close()
+        reg.close()
+
+
+def test_a_rollback_makes_the_learner_rebase_onto_the_stable_version(cfg, model_dir, base_samples):
+    """Finding: after an operator's rollback the learner kept training the rolled-back lineage, and its next
+    candidate brought the change back. Now it rebases onto the stable weights as soon as it sees the rollback."""
+    import redis
+
+    from learner.trainer import Learner
+
+    cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=1)
+    reg = make_registry(cfg, model_dir)
+    r = redis.Redis.from_url(cfg.redis.url)
+    try:
+        produce_samples(cfg, base_samples[:48])
+        learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg, redis=r)
+        learner.run(max_steps=1)
+        [c] = reg.candidates()
+        reg.promote(c.version, actor="gate", reason="passed")
+        learner._last_rebase_check = 0.0
+        learner._maybe_rebase()  # sees no rollback yet: nothing happens
+        assert learner.counters["rebases"] == 0
+        reg.rollback(actor="bob", reason="complaints")
+        learner._last_rebase_check = 0.0
+        learner._maybe_rebase()
+        assert learner.counters["rebases"] == 1 and learner.last_emitted == 0
+        from deploy.delta import checksum
+
+        assert checksum(learner.trainer.bf16_state_dict()) == reg.get(0).checksum
+        assert read_checkpoint(learner.ckpt_path)["rollback_seen"] == reg.last_rollback()[0]
+    finally:
+        r.delete(f"{cfg.topics.prefix}:learner")
         r.close()
         reg.close()
 

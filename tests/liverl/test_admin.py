@@ -20,7 +20,7 @@ def fleet(cfg, rds):
     base = tiny_model()
     reg.init_base(base, "/models/base")
     v1 = reg.add_candidate(perturb(base, 0.05, seed=1), parent=0)
-    reg.record_gate(v1.version, "heldout", 0.612, 0.48, True, "ok")
+    reg.record_gate(v1.version, "suite", 0.612, 0.48, True, "ok")
     reg.promote(v1.version, actor="gate", reason="gate passed")
     v2 = reg.add_candidate(perturb(base, 0.05, seed=2), parent=1)
     reg.set_status(v2.version, "rejected", actor="gate", reason="failed collapse")
@@ -48,34 +48,100 @@ def test_versions_and_status_tables(cfg, fleet, capsys):
     assert "pending candidates: none" in out
 
 
+def _operators(cfg) -> tuple[str, str, str]:
+    """An admin (the bootstrap operator), an operator and a viewer; their tokens."""
+    import re
+
+    from liverl.admin import cmd_operator
+
+    tokens = []
+    for name, role in (("root", "admin"), ("alice", "operator"), ("vic", "viewer")):
+        reg = open_registry(cfg)
+        try:
+            by_token = tokens[0] if tokens else None
+        finally:
+            reg.close()
+        import io
+        from contextlib import redirect_stdout
+
+        buf = io.StringIO()
+        with redirect_stdout(buf):
+            assert cmd_operator(cfg, "add", name, role, "test set-up", by_token) == 0
+        tokens.append(re.search(r"(lvr_\S+)", buf.getvalue()).group(1))
+    return tuple(tokens)
+
+
 def test_promote_and_rollback_update_registry_audit_and_redis(cfg, rds, fleet, capsys):
     _v1, v2 = fleet
-    assert cmd_promote(cfg, v2.version, reason="try it", actor="alice") == 1
+    admin, alice, vic = _operators(cfg)
+    capsys.readouterr()
+    assert cmd_promote(cfg, v2.version, reason="try it", token=None, force=True) == 1
+    assert "needs an operator token" in capsys.readouterr().err
+    assert cmd_promote(cfg, v2.version, reason="try it", token=vic, force=True) == 1
+    assert "vic is a viewer" in capsys.readouterr().err
+    assert cmd_promote(cfg, v2.version, reason="try it", token="lvr_forged", force=True) == 1
+    assert "unknown or disabled" in capsys.readouterr().err
+    assert cmd_promote(cfg, v2.version, reason="try it", token=alice) == 1
     assert "pass --force" in capsys.readouterr().err
-    assert cmd_promote(cfg, 99, reason="x", actor="alice") == 1
+    assert cmd_promote(cfg, 99, reason="x", token=alice) == 1
     assert "unknown version 99" in capsys.readouterr().err
     assert desired(rds, cfg) == 1
 
-    assert cmd_promote(cfg, v2.version, reason="try it", actor="alice", force=True) == 0
+    assert cmd_promote(cfg, v2.version, reason="try it", token=alice, force=True) == 0
     assert "v2 is now stable" in capsys.readouterr().out
     assert desired(rds, cfg) == 2
-    assert cmd_rollback(cfg, reason="acceptance dropped", actor="bob") == 0
+    assert cmd_rollback(cfg, reason="acceptance dropped", token=admin) == 0
     assert desired(rds, cfg) == 1
-    assert cmd_rollback(cfg, to=0, reason="back to base", actor="bob") == 0
+    assert cmd_rollback(cfg, to=0, reason="back to base", token=admin) == 0
     assert desired(rds, cfg) == 0
     ann = VersionAnnouncement.from_bytes(rds.get(f"{cfg.topics.prefix}:desired"))
     assert "back to base" in ann.reason
     capsys.readouterr()
 
-    assert cmd_history(cfg) == 0
+    assert cmd_history(cfg, verify=True) == 0
     out = capsys.readouterr().out
-    for text in ("alice", "promote", "bob", "rollback", "acceptance dropped", "init"):
+    assert "audit log intact" in out
+    for text in ("alice", "promote", "root", "rollback", "acceptance dropped", "init", "add_operator"):
         assert text in out, text
     reg = open_registry(cfg)
     try:
         assert {r.version: r.status for r in reg.list()} == {0: "stable", 1: "rolled_back", 2: "rolled_back"}
+        assert all(len(o.token_hash) == 64 and not o.token_hash.startswith("lvr_") for o in reg.operators())
     finally:
         reg.close()
+
+
+def test_a_tampered_audit_log_is_detected(cfg, fleet, capsys):
+    import sqlalchemy as sa
+
+    from deploy.tables import AuditEntry
+
+    assert cmd_history(cfg, verify=True) == 0
+    reg = open_registry(cfg)
+    try:
+        with reg.engine.begin() as c:  # someone with database access rewrites who promoted v1
+            c.execute(sa.update(AuditEntry).where(AuditEntry.action == "promote").values(actor="gate-impostor"))
+        n, bad = reg.verify_audit()
+        assert bad is not None
+    finally:
+        reg.close()
+    capsys.readouterr()
+    assert cmd_history(cfg, verify=True) == 1
+    assert "tampered with" in capsys.readouterr().err
+
+
+def test_operator_management_needs_an_admin(cfg, fleet, capsys):
+    from liverl.admin import cmd_operator
+
+    admin, alice, _vic = _operators(cfg)
+    capsys.readouterr()
+    assert cmd_operator(cfg, "add", "mallory", "admin", "me", alice) == 1
+    assert "needs the admin role" in capsys.readouterr().err
+    assert cmd_operator(cfg, "disable", "alice", "operator", "left the team", admin) == 0
+    assert cmd_operator(cfg, "list", None, "operator", None, None) == 0
+    assert "disabled" in capsys.readouterr().out
+    assert cmd_promote(cfg, 0, reason="x", token=alice) == 1
+    assert "unknown or disabled" in capsys.readouterr().err
 
 
 def test_status_without_a_registered_base_says_so(cfg, rds, capsys):

@@ -1,0 +1,147 @@
+"""The registry's tables (SQLAlchemy ORM) and its engine; the schema the Alembic migrations manage.
+
+Statuses of a version: candidate | rejected | stable (the served one) | retired (was stable before) | rolled_back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+STATUSES = ("candidate", "rejected", "stable", "retired", "rolled_back")
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Version(Base):
+    __tablename__ = "versions"
+
+    version: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=False)
+    parent: Mapped[int | None] = mapped_column(sa.Integer, sa.ForeignKey("versions.version"), index=True)
+    status: Mapped[str] = mapped_column(sa.String(16), index=True)
+    status_reason: Mapped[str | None] = mapped_column(sa.Text)
+    created_at: Mapped[float] = mapped_column(sa.Float)
+    promoted_at: Mapped[float | None] = mapped_column(sa.Float)
+    checksum: Mapped[str] = mapped_column(sa.String(64))
+    blob_key: Mapped[str] = mapped_column(sa.String(64), doc="delta from the parent, or the snapshot for version 0")
+    blob_kind: Mapped[str] = mapped_column(sa.String(8), doc="delta | snapshot")
+    snapshot_key: Mapped[str | None] = mapped_column(sa.String(64), doc="full snapshot of this version, if stored")
+    snapshot_base: Mapped[int] = mapped_column(sa.Integer, doc="nearest version up the chain with a snapshot")
+    chain_depth: Mapped[int] = mapped_column(sa.Integer, doc="deltas between snapshot_base and this version")
+    raw_bytes: Mapped[int] = mapped_column(sa.BigInteger)
+    delta_bytes: Mapped[int | None] = mapped_column(sa.BigInteger)
+    snapshot_bytes: Mapped[int | None] = mapped_column(sa.BigInteger)
+    ratio: Mapped[float | None] = mapped_column(sa.Float, doc="raw_bytes / delta_bytes")
+    changed_fraction: Mapped[float | None] = mapped_column(sa.Float, doc="fraction of elements whose bits changed")
+    learner_step: Mapped[int | None] = mapped_column(sa.Integer)
+    model_dir: Mapped[str | None] = mapped_column(sa.Text)
+    metrics: Mapped[dict] = mapped_column(sa.JSON, default=dict)
+    sample_offsets: Mapped[dict] = mapped_column(sa.JSON, default=dict)
+
+    def __repr__(self) -> str:
+        return f"Version({self.version}, parent={self.parent}, status={self.status!r}, checksum={self.checksum[:12]}…)"
+
+
+
+class GateResult(Base):
+    __tablename__ = "gate_results"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    version: Mapped[int] = mapped_column(sa.Integer, sa.ForeignKey("versions.version"), index=True)
+    check: Mapped[str] = mapped_column(sa.String(64))
+    value: Mapped[float | None] = mapped_column(sa.Float)
+    threshold: Mapped[float | None] = mapped_column(sa.Float)
+    passed: Mapped[bool] = mapped_column(sa.Boolean)
+    detail: Mapped[str | None] = mapped_column(sa.Text)
+    at: Mapped[float] = mapped_column(sa.Float)
+
+
+class AuditEntry(Base):
+    """Append-only and chained: ``entry_hash`` = sha256 over the previous entry's hash and this entry's fields
+    (``audit_hash``), so an edited, removed or reordered entry breaks the chain (``Registry.verify_audit``)."""
+
+    __tablename__ = "audit_log"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    actor: Mapped[str] = mapped_column(sa.String(64))
+    action: Mapped[str] = mapped_column(sa.String(32))
+    version: Mapped[int | None] = mapped_column(sa.Integer, index=True)
+    reason: Mapped[str | None] = mapped_column(sa.Text)
+    at: Mapped[float] = mapped_column(sa.Float)
+    prev_hash: Mapped[str | None] = mapped_column(sa.String(64))
+    entry_hash: Mapped[str | None] = mapped_column(sa.String(64))
+
+
+def audit_hash(prev: str, actor: str, action: str, version: int | None, reason: str | None, at: float) -> str:
+    """The chain link of one audit entry (canonical JSON of the previous hash and the entry's fields)."""
+    blob = json.dumps([prev, actor, action, version, reason, repr(float(at))], separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+ROLES = ("viewer", "operator", "admin")
+"""viewer: read; operator: promote, rollback, hold; admin: also manage operators and collect garbage."""
+
+
+class Operator(Base):
+    """A person (or a CI job) allowed to change the registry. Only the sha256 of the token is stored: tokens are
+    256-bit random strings handed out once, so a fast hash is enough and a leaked table gives nothing away."""
+
+    __tablename__ = "operators"
+
+    name: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    role: Mapped[str] = mapped_column(sa.String(16))
+    token_hash: Mapped[str] = mapped_column(sa.String(64), unique=True, index=True)
+    created_at: Mapped[float] = mapped_column(sa.Float)
+    created_by: Mapped[str] = mapped_column(sa.String(64))
+    disabled: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+
+
+class FleetNode(Base):
+    __tablename__ = "fleet"
+
+    node: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
+    version: Mapped[int] = mapped_column(sa.Integer)
+    checksum: Mapped[str] = mapped_column(sa.String(64))
+    updated_at: Mapped[float] = mapped_column(sa.Float)
+
+
+class Counter(Base):
+    """One row per counter; the 'version' row is also the registry-wide lock for status changes."""
+
+    __tablename__ = "counters"
+
+    name: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    value: Mapped[int] = mapped_column(sa.BigInteger)
+
+
+def make_engine(url: str) -> sa.Engine:
+    """An engine for the registry; on SQLite a WAL database whose writers begin with ``BEGIN IMMEDIATE`` when
+    the connection has the ``sqlite_begin="IMMEDIATE"`` execution option."""
+    if not url.startswith("sqlite"):
+        return sa.create_engine(url, pool_pre_ping=True)
+    db = sa.engine.make_url(url).database
+    if db and db != ":memory:":
+        Path(db).parent.mkdir(parents=True, exist_ok=True)
+    engine = sa.create_engine(url, connect_args={"timeout": 30})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn, _record):  # WAL: readers never block the writer; one writer at a time
+        dbapi_conn.isolation_level = None  # let the "begin" hook below issue BEGIN itself
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):  # writers take the write lock up front (see Registry._tx): no busy-upgrade failures
+        conn.exec_driver_sql("BEGIN " + conn.get_execution_options().get("sqlite_begin", "DEFERRED"))
+
+    return engine

@@ -1,0 +1,232 @@
+"""The demo's report: per-second timeline of live counters, the summary (JSON), the plot (PNG), the printout."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from liverl.core import keys
+
+GOAL_LIFT_POINTS = 25
+"""The demo's goal: the last promoted version at least this many points of live acceptance above the base."""
+
+
+@dataclass
+class Timeline:
+    """Per-second snapshots of the live counters, for the plot and the summary."""
+
+    t0: float = field(default_factory=time.time)
+    points: list[dict] = field(default_factory=list)
+
+    def add(self, served: int | None, live: dict[int, dict[str, int]]) -> None:
+        self.points.append({"t": time.time() - self.t0, "served": served,
+                            "live": {v: (c.get("accept", 0), c.get("events", 0)) for v, c in live.items()}})
+
+
+def read_live(r, prefix: str) -> dict[int, dict[str, int]]:
+    out: dict[int, dict[str, int]] = {}
+    for key in r.scan_iter(keys.live_pattern(prefix), count=1000):
+        v = keys.version_of_live(key)
+        if v is not None:
+            out[v] = {k.decode(): int(v) for k, v in r.hgetall(key).items()}
+    return out
+
+
+def read_hash(r, key: str) -> dict[str, str]:
+    return {k.decode(): v.decode() for k, v in r.hgetall(key).items()}
+
+
+def feedback_sent(stats) -> int:
+    return sum(stats.feedback.get(k, 0) for k in ("accept", "reject", "edit"))
+
+
+def rate(c: dict[str, int] | None) -> float | None:
+    if not c or not c.get("events"):
+        return None
+    return c.get("accept", 0) / c["events"]
+
+
+def build_summary(cfg, r, registry, timeline: Timeline, stats, product_name: str) -> dict:
+    prefix = cfg.topics.prefix
+    live = read_live(r, prefix)
+    rows = registry.list()
+    promoted = [v for v in rows if v.version != 0 and v.promoted_at is not None]
+    promoted.sort(key=lambda v: v.promoted_at)
+    last = promoted[-1] if promoted else None
+    base_c = live.get(0, {})
+    last_c = live.get(last.version, {}) if last else {}
+    ingest = read_hash(r, keys.ingest_counters(prefix))
+    learner = read_hash(r, keys.learner(prefix))
+    swaps = [keys.SwapRecord.from_json(x).model_dump(by_alias=True) for x in r.lrange(keys.swaps(prefix), 0, -1)]
+    candidates = [v for v in rows if v.version != 0]
+    base_acc, last_acc = rate(base_c), rate(last_c)
+    summary = {
+        "base_acceptance": base_acc,
+        "last_promoted_acceptance": last_acc,
+        "base_feedback_events": base_c.get("events", 0),
+        "last_promoted_feedback_events": last_c.get("events", 0),
+        "last_promoted_version": last.version if last else None,
+        "lift_points": None if base_acc is None or last_acc is None else round(100 * (last_acc - base_acc), 2),
+        "feedback_events": int(ingest.get("feedback_in", 0)),
+        "feedback_sent": feedback_sent(stats),
+        "users_view": stats.snapshot(),
+        "requests": stats.requests,
+        "request_errors": stats.errors,
+        "samples_trained": int(learner.get("samples_trained", 0)),
+        "learner_steps": int(learner.get("step", 0)),
+        "versions_produced": len(candidates),
+        "versions_promoted": len(promoted),
+        "versions_rejected": sum(1 for v in candidates if v.status == "rejected"),
+        "delta_bytes": {str(v.version): v.delta_bytes for v in candidates},
+        "delta_ratio": {str(v.version): v.ratio for v in candidates},
+        "delta_changed_fraction": {str(v.version): v.changed_fraction for v in candidates},
+        "delta_codec": codec_report(registry, candidates),
+        "hot_swap_pause_ms": [s.get("pause_ms") for s in swaps],
+        "swaps": swaps,
+        "live_by_version": {str(v): {**c, "acceptance": rate(c)} for v, c in sorted(live.items())},
+        "dead_letters": {k.removeprefix("dlq:"): int(v) for k, v in ingest.items() if k.startswith("dlq:")},
+        "duplicates_dropped": int(ingest.get("duplicates", 0)),
+        "gate_checks": gate_checks(registry),
+        "product": product_name,
+        "duration_s": cfg.demo.duration_s,
+        "users": cfg.demo.users,
+    }
+    summary["ok"] = bool(
+        summary["versions_promoted"] >= 3
+        and summary["lift_points"] is not None and summary["lift_points"] >= GOAL_LIFT_POINTS
+        and summary["base_feedback_events"] >= 300 and summary["last_promoted_feedback_events"] >= 300
+    )
+    return summary
+
+
+def codec_report(registry, candidates, sample: int = 12) -> dict:
+    """How the stored deltas compare with the obvious alternatives, on the last ``sample`` versions.
+
+    For each, the same parent -> child change as XOR + zstd(3) and as plain zstd(3) of the child's weights
+    (``liverl.bench.delta.baseline_bytes``), next to the registry's delta (header and checksums included).
+    Medians of the ratios (raw / bytes).
+    """
+    from deploy.delta import read_header
+    from liverl.bench.delta import baseline_bytes
+
+    rows = []
+    recent = sorted((c for c in candidates if c.parent is not None and c.delta_bytes), key=lambda c: c.version)
+    for v in recent[-sample:]:
+        try:
+            parent, child = registry.materialize(v.parent), registry.materialize(v.version)
+            methods = read_header(registry.delta_for(v.version)).method_bytes
+        except Exception as e:  # noqa: BLE001 -- a report; a missing blob is shown, not fatal
+            rows.append({"version": v.version, "error": str(e)})
+            continue
+        plain, xor_zstd = baseline_bytes(parent, child)
+        rows.append({"version": v.version, "changed_fraction": v.changed_fraction, "raw_bytes": v.raw_bytes,
+                     "delta_bytes": v.delta_bytes, "ratio_liverl": v.raw_bytes / v.delta_bytes,
+                     "ratio_xor_zstd": v.raw_bytes / xor_zstd, "ratio_zstd": v.raw_bytes / plain,
+                     "method_bytes": methods})
+
+    def median(key):
+        xs = sorted(r[key] for r in rows if key in r)
+        return xs[len(xs) // 2] if xs else None
+
+    return {"versions": rows, "median_ratio_liverl": median("ratio_liverl"),
+            "median_ratio_xor_zstd": median("ratio_xor_zstd"), "median_ratio_zstd": median("ratio_zstd"),
+            "median_changed_fraction": median("changed_fraction")}
+
+
+def gate_checks(registry) -> dict[str, dict[str, int]]:
+    """Which checks the gate ran on candidates, with how many passed and failed (reference rows excluded)."""
+    out: dict[str, dict[str, int]] = {}
+    for g in registry.gate_results():
+        if g.version == 0 or (g.threshold is None and g.passed and (g.detail or "").startswith("reference")):
+            continue
+        c = out.setdefault(g.check, {"passed": 0, "failed": 0})
+        c["passed" if g.passed else "failed"] += 1
+    return out
+
+
+def plot_timeline(timeline: Timeline, summary: dict, path: Path, window_s: float = 10.0) -> None:
+    """Live acceptance per version over time: the rate over each `window_s` window of feedback, colour by version."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 5))
+    pts = timeline.points
+    versions = sorted({v for p in pts for v in p["live"]})
+    cmap = plt.get_cmap("viridis", max(2, len(versions)))
+    for i, v in enumerate(versions):
+        xs, ys = [], []
+        prev = None
+        for p in pts:
+            cur = p["live"].get(v)
+            if cur is None:
+                continue
+            if prev is None:
+                prev = (p["t"], *cur)
+                continue
+            if p["t"] - prev[0] >= window_s:
+                d_acc, d_ev = cur[0] - prev[1], cur[1] - prev[2]
+                if d_ev >= 10:
+                    xs.append((p["t"] + prev[0]) / 2)
+                    ys.append(d_acc / d_ev)
+                prev = (p["t"], *cur)
+        if xs:
+            final = summary["live_by_version"].get(str(v), {}).get("acceptance")
+            label = f"v{v}" + ("" if final is None else f" ({final:.0%} overall)")
+            ax.plot(xs, ys, "o-", color=cmap(i), label=label, markersize=3)
+    ax.set_xlabel("demo time (s)")
+    ax.set_ylabel(f"live acceptance (per {window_s:.0f} s window)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    title = "liverl demo: live acceptance by served version"
+    if summary.get("lift_points") is not None:
+        title += f"  (base {summary['base_acceptance']:.0%} -> v{summary['last_promoted_version']} " \
+                 f"{summary['last_promoted_acceptance']:.0%})"
+    ax.set_title(title)
+    if versions:
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8, ncol=1 if len(versions) <= 16 else 2,
+                  title="served version")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def print_summary(summary: dict, summary_path: Path, plot_path: Path) -> None:
+    def pct(x):
+        return "-" if x is None else f"{x:.1%}"
+
+    print()
+    print("liverl demo summary")
+    print("-------------------")
+    print(f"base (v0) live acceptance      {pct(summary['base_acceptance'])} on {summary['base_feedback_events']} events")
+    print(f"last promoted (v{summary['last_promoted_version']}) acceptance "
+          f"{pct(summary['last_promoted_acceptance'])} on {summary['last_promoted_feedback_events']} events")
+    print(f"lift                           {summary['lift_points']} points")
+    print(f"feedback events                {summary['feedback_events']}  (samples trained {summary['samples_trained']})")
+    print(f"versions produced / promoted / rejected   {summary['versions_produced']} / "
+          f"{summary['versions_promoted']} / {summary['versions_rejected']}")
+    pauses = [p for p in summary["hot_swap_pause_ms"] if p is not None]
+    if pauses:
+        print(f"hot-swap pause ms              median {sorted(pauses)[len(pauses) // 2]:.1f}, max {max(pauses):.1f}")
+    ratios = [r for r in summary["delta_ratio"].values() if r]
+    if ratios:
+        print(f"delta ratio (raw/delta)        median {sorted(ratios)[len(ratios) // 2]:.1f}x over {len(ratios)} deltas")
+    codec = summary.get("delta_codec") or {}
+    if codec.get("median_ratio_liverl"):
+        print(f"  same changes, last {len(codec['versions'])}: liverl {codec['median_ratio_liverl']:.1f}x, "
+              f"xor+zstd {codec['median_ratio_xor_zstd']:.1f}x, plain zstd {codec['median_ratio_zstd']:.2f}x "
+              f"(median {codec['median_changed_fraction']:.1%} of elements changed)")
+    if summary["dead_letters"]:
+        print(f"dead letters                   {summary['dead_letters']}")
+    if summary.get("process_restarts"):
+        print(f"process restarts               {summary['process_restarts']} (see .liverl/logs/)")
+    if summary.get("gate_checks"):
+        checks = ", ".join(f"{k} ({c['passed']} passed, {c['failed']} failed)" for k, c in summary["gate_checks"].items())
+        print(f"gate checks run                {checks}")
+    if summary.get("failure"):
+        print(f"FAILURE: {summary['failure']}")
+    print(f"goals met (>=3 promoted, +{GOAL_LIFT_POINTS} points on >=300 events each): {'yes' if summary['ok'] else 'NO'}")
+    print(f"summary: {summary_path}\nplot:    {plot_path}")

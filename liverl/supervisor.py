@@ -1,0 +1,152 @@
+"""Run the pipeline's processes on one machine: what ``liverl up`` and ``liverl demo`` share.
+
+A supervisor, not a shortcut: it starts the processes an operator would run (``liverl serve``,
+``liverl ingest``, ``liverl learn``, ``liverl gate``), each with the whole resolved config in its environment,
+writes their logs to ``<state_dir>/logs/<role>.log``, restarts one that exits (each resumes from its durable
+state: learner checkpoint, committed offsets, registry), and stops them all on the way out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from liverl.core import keys, procs
+from liverl.core.config import LiverlConfig
+from liverl.core.services import LiverlError
+from liverl.stack import Stack
+
+log = logging.getLogger("liverl.supervisor")
+
+ROLES = ("serve", "ingest", "learn", "gate")
+SECTIONS = ("broker", "redis", "registry", "topics", "model", "serving", "ingest", "learner", "gate", "demo")
+
+
+class SupervisorError(LiverlError):
+    """A supervised process failed to start or kept crashing."""
+
+
+@dataclass
+class Child:
+    role: str
+    proc: subprocess.Popen
+    log_path: Path
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(procs.tail(self.log_path, 200 * n).splitlines()[-n:])
+
+
+def child_env(cfg: LiverlConfig, stack: Stack, model_dir: Path) -> dict[str, str]:
+    """The environment of a supervised process: the whole resolved config, one JSON value per section (so the
+    child sees exactly what this process resolved from file, environment and flags), plus the live addresses."""
+    resolved = cfg.model_copy(deep=True)
+    resolved.broker.bootstrap = stack.bootstrap
+    resolved.redis.url = stack.redis_url
+    resolved.registry.url = stack.registry_url
+    resolved.registry.blob_dir = str(stack.blob_dir)
+    resolved.model.path = str(model_dir)
+    resolved.model.cache_dir = str(cfg.model_cache_path)
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LIVERL__")}
+    env.pop("LIVERL_CONFIG", None)
+    for section in SECTIONS:
+        env[f"LIVERL__{section.upper()}"] = getattr(resolved, section).model_dump_json()
+    env["LIVERL__STATE_DIR"] = str(cfg.state_path)
+    env["LIVERL__PRODUCT"] = resolved.product or "null"
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def start_child(role: str, env: dict[str, str], log_dir: Path) -> Child:
+    log_path = log_dir / f"{role}.log"
+    return Child(role, procs.spawn([sys.executable, "-m", "liverl.cli", role], log_path, env), log_path)
+
+
+def stop_children(children: list[Child], timeout: float = 20.0) -> None:
+    procs.stop([(c.role, c.proc) for c in children], timeout)
+
+
+def wait_http(url: str, timeout: float, children: list[Child], what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for c in children:
+            if c.proc.poll() is not None:
+                raise SupervisorError(f"{c.role} exited with code {c.proc.returncode} while waiting for {what}:\n{c.tail()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise SupervisorError(f"{what} not ready at {url} after {timeout:.0f} s")
+
+
+def ensure_keys(cfg: LiverlConfig) -> None:
+    """Announcements are signed on one machine too: make ``<state_dir>/keys`` once, unless keys are configured."""
+    from deploy.signing import generate_keypair
+    from liverl.core.services import signing_key_path, verify_key_path
+
+    if signing_key_path(cfg) is None and verify_key_path(cfg) is None:
+        generate_keypair(cfg.state_path / "keys")
+
+
+def init_registry(cfg: LiverlConfig, model_dir: Path, redis) -> int:
+    """Register the model dir's weights as version 0 when the registry is empty, and announce the stable version
+    when nothing is announced yet. Returns the stable version."""
+    from deploy.registry import RegistryError, open_registry
+    from deploy.signing import Signer, announce
+    from learner.model import load_state_dict
+    from liverl.core.services import signing_key_path
+
+    registry = open_registry(cfg)
+    try:
+        try:
+            stable = registry.stable()
+        except RegistryError:
+            stable = registry.init_base(load_state_dict(model_dir), str(model_dir))
+        if redis.get(keys.desired(cfg.topics.prefix)) is None:
+            key = signing_key_path(cfg)
+            announce(redis, cfg.topics.prefix, stable.version, stable.checksum, "initial stable version",
+                     Signer(key) if key else None)
+        return stable.version
+    finally:
+        registry.close()
+
+
+@dataclass
+class Supervisor:
+    """The pipeline's processes, restarted when one exits (at most ``max_restarts`` times per role)."""
+
+    env: dict[str, str]
+    log_dir: Path
+    roles: tuple[str, ...] = ROLES
+    max_restarts: int = 3
+    children: list[Child] = field(default_factory=list)
+    restarts: dict[str, int] = field(default_factory=dict)
+
+    def start(self) -> Supervisor:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.children = [start_child(role, self.env, self.log_dir) for role in self.roles]
+        return self
+
+    def check(self) -> str | None:
+        """Restart what exited; returns a failure message once a role exceeded its restarts."""
+        for i, c in enumerate(self.children):
+            if c.proc.poll() is None:
+                continue
+            self.restarts[c.role] = self.restarts.get(c.role, 0) + 1
+            log.error("%s exited with code %s (restart %d of %d); last log lines:\n%s", c.role, c.proc.returncode,
+                      self.restarts[c.role], self.max_restarts, c.tail())
+            if self.restarts[c.role] > self.max_restarts:
+                return f"{c.role} exited with code {c.proc.returncode} {self.restarts[c.role]} times"
+            self.children[i] = start_child(c.role, self.env, self.log_dir)
+        return None
+
+    def stop(self) -> None:
+        stop_children(self.children)

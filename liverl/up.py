@@ -1,0 +1,114 @@
+"""``liverl up``: the whole pipeline (serve, ingest, learn, gate) for your model, on the embedded stack, until
+stopped. It prints where the endpoint is, how to send feedback (SDK, HTTP, kcat), and where the logs and metrics
+are; Ctrl-C stops everything cleanly. ``liverl demo`` is this plus simulated users, for a bounded time.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+from liverl.core.config import LiverlConfig
+from liverl.core.product import load_product
+from liverl.stack import Stack, start_stack
+from liverl.supervisor import Supervisor, child_env, ensure_keys, init_registry, wait_http
+
+
+class Pipeline:
+    """The embedded stack plus the supervised processes, as a context manager."""
+
+    def __init__(self, cfg: LiverlConfig, model_dir: Path, fresh: bool = False):
+        self.cfg, self.model_dir, self.fresh = cfg, Path(model_dir), fresh
+        self.stack: Stack | None = None
+        self.supervisor: Supervisor | None = None
+        self.redis = None
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.cfg.serving.host}:{self.cfg.serving.gateway_port}"
+
+    def __enter__(self) -> Pipeline:
+        import redis
+
+        from liverl.core.bus import all_topics, ensure_topics
+
+        cfg = self.cfg
+        load_product(cfg)  # a product that cannot load is refused here, before anything starts
+        self.stack = start_stack(cfg)
+        try:
+            self.redis = redis.Redis.from_url(self.stack.redis_url)
+            if self.fresh:
+                reset_state(cfg, self.redis)
+            ensure_topics(self.stack.bootstrap, all_topics(cfg), cfg.broker.partitions)
+            ensure_keys(cfg)
+            init_registry(cfg, self.model_dir, self.redis)
+            self.supervisor = Supervisor(child_env(cfg, self.stack, self.model_dir), cfg.state_path / "logs").start()
+            wait_http(f"{self.gateway_url}/healthz", 300, self.supervisor.children, "the gateway (vLLM engine start)")
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        if self.redis is not None:
+            self.redis.close()
+        if self.stack is not None:
+            self.stack.close()
+
+
+def reset_state(cfg: LiverlConfig, r) -> None:
+    """A fresh start: registry, blobs, checkpoints and Redis keys of this prefix go (the model cache stays)."""
+    import shutil
+
+    from liverl.core import keys
+
+    state = cfg.state_path
+    for name in ("registry.db", "registry.db-wal", "registry.db-shm"):
+        (state / name).unlink(missing_ok=True)
+    for name in ("blobs", "learner", "logs", "serving", "gate"):
+        shutil.rmtree(state / name, ignore_errors=True)
+    stale = list(r.scan_iter(keys.everything(cfg.topics.prefix), count=1000))
+    if stale:
+        r.delete(*stale)
+
+
+def usage(cfg: LiverlConfig, pipe: Pipeline, model_dir: Path) -> str:
+    s, t = pipe.stack, cfg.topics
+    gw = pipe.gateway_url
+    return f"""\
+liverl is up: model {model_dir}
+  product            {load_product(cfg).describe()}
+  OpenAI endpoint    {gw}/v1   (chat/completions, completions, models; the response carries
+                     the generation id and the policy version in its body and X-Liverl-* headers)
+  send feedback      Python SDK:  FeedbackClient("{s.bootstrap}", "{t.feedback}").accept(generation_id)
+                     HTTP:        curl -X POST {gw}/v1/feedback -H 'content-type: application/json' \\
+                                    -d '{{"feedback_id": "fb-1", "generation_id": "<id>", "kind": "accept"}}'
+                     kcat:        echo '<id>|{{"feedback_id":"fb-1","generation_id":"<id>","kind":"reject"}}' \\
+                                    | kcat -P -b {s.bootstrap} -t {t.feedback} -K'|' -X partitioner=murmur2_random
+  Kafka              {s.bootstrap}  topics {t.feedback}, {t.generations}, {t.samples}, {t.dead_letters}
+  Redis / registry   {s.redis_url}  /  {s.registry_url}
+  metrics            {gw}/metrics (gateway), http://127.0.0.1:{cfg.ingest.web_port}/metrics (ingest),
+                     http://{cfg.serving.host}:{cfg.gate.metrics_port}/metrics (gate)
+  logs               {cfg.state_path / 'logs'}/{{serve,ingest,learn,gate}}.log
+  operate            liverl status | versions | history | promote N | rollback   (another shell)
+Ctrl-C stops everything."""
+
+
+def run_up(cfg: LiverlConfig, model_dir: Path, fresh: bool = False) -> int:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"liverl up: starting the embedded stack and the pipeline (state in {cfg.state_path}) ...", flush=True)
+    with Pipeline(cfg, model_dir, fresh=fresh) as pipe:
+        print(usage(cfg, pipe, model_dir), flush=True)
+        while not stop.is_set():
+            failure = pipe.supervisor.check()
+            if failure:
+                print(f"liverl up: {failure}; stopping (logs in {cfg.state_path / 'logs'})", flush=True)
+                return 1
+            stop.wait(1.0)
+        print("liverl up: stopping ...", flush=True)
+    return 0

@@ -1,0 +1,65 @@
+"""Config: every example TOML in configs/ loads, environment overrides win, bad values are refused clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from liverl.core.config import LiverlConfig, load_config
+
+CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
+
+
+def test_there_are_example_configs():
+    assert {p.name for p in CONFIGS} >= {"demo.toml", "production.example.toml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_example_config_loads(path):
+    cfg = load_config(path, env={})
+    assert isinstance(cfg, LiverlConfig)
+
+
+def test_demo_toml_is_the_demo_defaults():
+    cfg = load_config(Path(__file__).parents[2] / "configs" / "demo.toml", env={})
+    defaults = LiverlConfig()
+    assert cfg.learner == defaults.learner and cfg.gate == defaults.gate and cfg.demo == defaults.demo
+    assert cfg.product == "liverl.demo.product:PRODUCT"
+
+
+def test_environment_overrides_file_and_keywords_override_both(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('[learner]\nlr = 0.1\nbatch_size = 8\n[topics]\nprefix = "file"\n')
+    env = {"LIVERL__LEARNER__LR": "0.2", "LIVERL__TOPICS__PREFIX": "env", "LIVERL__BROKER__BOOTSTRAP": "k:9092",
+           "LIVERL__INGEST__REWARDS": '{"accept": 1.0}', "LIVERL__PRODUCT": "null", "UNRELATED": "x"}
+    cfg = load_config(f, env=env, learner__batch_size=16)
+    assert (cfg.learner.lr, cfg.learner.batch_size, cfg.topics.prefix) == (0.2, 16, "env")
+    assert cfg.broker.bootstrap == "k:9092" and cfg.ingest.rewards.accept == 1.0 and cfg.product is None
+
+
+def test_a_whole_section_as_json_is_what_the_supervisor_passes():
+    c = LiverlConfig()
+    c.learner.lr = 1e-5
+    cfg = load_config(env={"LIVERL__LEARNER": c.learner.model_dump_json()})
+    assert cfg.learner == c.learner
+
+
+@pytest.mark.parametrize("env, where", [
+    ({"LIVERL__LEARNER__BATCH_SIZE": "0"}, "batch_size"),
+    ({"LIVERL__LEARNER__KL_ESTIMATOR": "k9"}, "kl_estimator"),
+    ({"LIVERL__LEARNER__NOPE": "1"}, "nope"),
+])
+def test_bad_values_are_refused_naming_the_field(env, where):
+    with pytest.raises(ValidationError, match=where):
+        load_config(env=env)
+
+
+def test_missing_or_broken_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "nope.toml", env={})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[learner\n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_config(bad, env={})

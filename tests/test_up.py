@@ -1,0 +1,69 @@
+"""`liverl up` as a user runs it: the whole pipeline comes up, tells where everything is, serves the OpenAI
+API, takes feedback, and stops cleanly on Ctrl-C (SIGINT) leaving no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from liverl.core.services import port_open
+from tests.conftest import free_port
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+@pytest.mark.slow
+def test_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
+    gw, node, broker = free_port(), free_port(), free_port()
+    env = dict(os.environ)
+    env.update({
+        "LIVERL__BROKER__EMBEDDED_PORT": str(broker), "LIVERL__REDIS__EMBEDDED_PORT": str(free_port()),
+        "LIVERL__SERVING__GATEWAY_PORT": str(gw), "LIVERL__SERVING__VLLM_PORT": str(node),
+        "LIVERL__INGEST__WEB_PORT": str(free_port()), "LIVERL__GATE__METRICS_PORT": str(free_port()),
+        "LIVERL__TOPICS__PREFIX": f"up{os.getpid()}",
+        "HF_HUB_OFFLINE": "1",
+    })
+    if os.environ.get("LIVERL_TEST_MODEL_CACHE"):
+        env["LIVERL__MODEL__CACHE_DIR"] = os.environ["LIVERL_TEST_MODEL_CACHE"]
+    out = tmp_path / "up.log"
+    with open(out, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "liverl.cli", "up", "--state-dir", str(tmp_path / "state")],
+                                env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 420
+        while "Ctrl-C stops everything" not in out.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, out.read_text()[-3000:]
+            time.sleep(1)
+        text = out.read_text()
+        assert "Ctrl-C stops everything" in text, text[-3000:]
+        for what in (f"http://127.0.0.1:{gw}/v1", "/v1/feedback", "kcat", "partitioner=murmur2_random", "logs",
+                     "/metrics"):
+            assert what in text, (what, text[-3000:])
+        status, body = _post(f"http://127.0.0.1:{gw}/v1/completions",
+                             {"model": "liverl", "prompt": "[a]12+34=", "max_tokens": 5, "temperature": 1.0})
+        assert status == 200 and body["choices"], body
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rc = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert rc == 0, out.read_text()[-3000:]
+    time.sleep(1)
+    listening = [p for p in (gw, node, broker) if port_open("127.0.0.1", p)]
+    assert not listening, f"still listening after Ctrl-C (gateway {gw}, vLLM {node}, broker {broker}): {listening}"
