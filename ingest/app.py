@@ -46,6 +46,8 @@ log = logging.getLogger("liverl.ingest")
 BATCH_MAX = 200  # events per processing batch (one Redis round trip and one ack wait per batch)
 BATCH_WITHIN_S = 0.05  # the most a batch waits to fill: the added latency at low load
 FETCH_MAX_WAIT_MS = 200  # consumer long-poll wait (faust's own is 1.5 s, see _shorter_fetch_wait)
+STALL_CHECK_S = 2.0  # how often the stall watchdog looks
+STALL_AFTER_S = 5.0  # input waiting beyond the committed offsets, and nothing processed for this long: re-seek
 EVICT_INTERVAL_S = 60.0  # how often the table is scanned for expiry
 PRODUCER_DELIVERY_TIMEOUT_S = 120.0  # kafka-python's default delivery_timeout_ms, what generation producers use
 EXIT_INFRA = 75  # exit code when the broker or Redis failed mid-batch (EX_TEMPFAIL: restart me)
@@ -303,6 +305,18 @@ def build_app(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: in
             batch = [(Source(ev.message.topic, ev.message.partition, ev.message.offset, key_text(ev.message.key),
                              ev.message.timestamp), ev.message.value) for ev in events]
             await _run_batch(ingest, batch)
+            watchdog.last_batch = time.monotonic()
+
+    watchdog = _StallWatchdog(app, {t.generations, t.feedback})
+
+    @table.on_recover
+    async def _watch_from_now():
+        watchdog.last_batch = time.monotonic()
+
+    @app.timer(interval=STALL_CHECK_S, name="stall_watchdog")
+    async def stall_watchdog():
+        if not _idle():
+            await _guarded(metrics, "stall_watchdog", None, watchdog.check)
 
     sweep_s = max(0.1, min(1.0, ic.pending_ttl_s / 4))
 
@@ -333,6 +347,45 @@ def build_app(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: in
         await metrics.close()
 
     return app
+
+
+class _StallWatchdog:
+    """Re-seek the inputs to their committed offsets when records wait there but nothing is processed.
+
+    Why: faust 0.15 can lose the records fetched while a rebalance's recovery completes (the stream buffers are
+    cleared when flow resumes, after the fetcher has already moved past them), and the worker then reports
+    "Worker ready" and consumes nothing until new records arrive; the records in between are never processed or
+    committed. Seen on the embedded broker after a kill -9 with changelog to recover. Checking the effect rather
+    than the cause: if an input partition's end is past its committed offset and no batch ran for
+    ``STALL_AFTER_S``, the inputs are sought back to their committed offsets (a replay, absorbed as duplicates).
+    """
+
+    def __init__(self, app: faust.App, topics: set[str]):
+        self.app = app
+        self.topics = topics
+        self.last_batch = time.monotonic()
+        self.reseeks = 0
+
+    async def check(self) -> None:
+        if time.monotonic() - self.last_batch < STALL_AFTER_S:
+            return
+        consumer = self.app.consumer
+        tps = [tp for tp in consumer.assignment() if tp.topic in self.topics]
+        behind = {}
+        for tp in tps:
+            end = consumer.highwater(tp)
+            committed = consumer._committed_offset.get(tp) or 0
+            if end is not None and end > committed:
+                behind[tp] = (committed, end)
+        if not behind:
+            return
+        self.reseeks += 1
+        log.warning("input stalled for %.0f s with records waiting (%s); seeking the inputs back to their committed "
+                    "offsets", time.monotonic() - self.last_batch,
+                    ", ".join(f"{tp.topic}[{tp.partition}] {c}..{e}" for tp, (c, e) in sorted(behind.items())))
+        for tp in tps:
+            await consumer.seek(tp, consumer._committed_offset.get(tp) or 0)
+        self.last_batch = time.monotonic()
 
 
 async def _run_batch(ingest: Ingest, batch: list[tuple[Source, bytes | None]]) -> None:
