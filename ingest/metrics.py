@@ -101,10 +101,6 @@ class IngestMetrics:
             "liverl_ingest_dropped", "Joined feedback that makes no training sample, by reason (e.g. not_trainable).",
             ["reason"], registry=r,
         )
-        self.reemitted = Counter(
-            "liverl_ingest_samples_reemitted",
-            "Samples sent again because the input that completed their join was replayed (after a crash).", registry=r,
-        )
         self.timer_errors = Counter(
             "liverl_ingest_timer_errors", "Exceptions in the periodic sweeps (logged; the sweep runs again).",
             ["timer"], registry=r,
@@ -135,7 +131,6 @@ class IngestMetrics:
         self.duplicates.labels("feedback").inc(c.get("duplicates", 0))
         self.duplicates.labels("generations").inc(c.get("generation_duplicates", 0))
         self.expired.inc(c.get("generations_expired", 0))
-        self.reemitted.inc(c.get("samples_reemitted", 0))
         for name, n in c.items():
             if name.startswith("dlq:"):
                 self.dead_letters.labels(name[4:]).inc(n)

@@ -2,7 +2,7 @@
 changelog is partitioned.
 
 Why a subclass: faust's store puts a key written by the stream into the database of the *current event's*
-partition, and refuses writes made outside an event (the timers settle and expire entries). The join table uses
+partition, and refuses writes made outside an event (the timers expire entries). The join table uses
 the producer's partitioner (``use_partitioner=True``: murmur2 of the generation id, the same function the
 generation and feedback producers use), so the database of a key is computed from the key, the same way its
 changelog partition is. A restart then opens the databases under ``<state_dir>/faust`` and reads only the

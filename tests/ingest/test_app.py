@@ -159,8 +159,7 @@ def test_duplicates_are_dropped_and_a_second_judgement_dead_lettered(harness):
         time.sleep(0.5)
         tail.poll()
         recs = tail.matching(tail.keys({judged, early}))
-    # A duplicate that arrives before the join's input offset is committed re-sends the same sample (what makes a
-    # crash between the table write and the sample safe); the learner keeps one per sample_id.
+    # A replay after a crash may send a sample again (the learner keeps one per sample_id): count ids, not records.
     by_id: dict[str, set[bytes]] = {}
     for r in recs:
         by_id.setdefault(r.key.decode(), set()).add(r.value)
@@ -172,12 +171,9 @@ def test_duplicates_are_dropped_and_a_second_judgement_dead_lettered(harness):
             "dlq:already_judged": 1}
 
     def counted():
-        d = _delta(harness.counters(), before)
-        d.pop("samples_reemitted", None)
-        return d
+        return _delta(harness.counters(), before)
 
     assert wait_until(lambda: counted() == want, 10, what=f"counters {want}, have {counted()}")
-    assert _delta(harness.counters(), before).get("samples_reemitted", 0) == len(recs) - 2
     assert harness.live(v) == {"accept": 1, "edit": 1, "events": 2}
 
 
