@@ -8,5 +8,6 @@ bash scripts/services.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export LIVERL_TEST_MODEL_CACHE=${LIVERL_TEST_MODEL_CACHE:-$PWD/.liverl/models}
+bash scripts/lint.sh
 bash scripts/compile.sh
 python -m pytest "$@"

@@ -17,7 +17,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 torch = pytest.importorskip("torch")
 
-from learner import policy
+from learner import model as model_io
+from liverl.demo import base_policy as policy
 from liverl.demo.score import heldout_score, sample_completions, score_model
 from liverl.demo import task
 
@@ -38,7 +39,7 @@ def quick_recipe(monkeypatch):
 
 # --------------------------------------------------------------------------------------------- tokenizer
 def test_tokenizer_round_trip_in_transformers(base_dir):
-    tok = policy.load_tokenizer(base_dir)
+    tok = model_io.load_tokenizer(base_dir)
     texts = ["[a]23+45=68", "[b]99+99=198!", "0123456789+=![]ab"]
     for text in texts:
         ids = tok(text)["input_ids"]
@@ -53,11 +54,11 @@ def test_tokenizer_round_trip_in_transformers(base_dir):
 
 # ----------------------------------------------------------------------------------------------- weights
 def test_state_dict_conversion_round_trips(base_dir):
-    sd = policy.load_state_dict(base_dir)
+    sd = model_io.load_state_dict(base_dir)
     assert all(v.dtype == torch.bfloat16 and v.is_contiguous() for v in sd.values())
     assert "model.layers.0.mlp.experts.7.down_proj.weight" in sd and "lm_head.weight" in sd
-    model = policy.load_model(base_dir)
-    back = policy.state_dict_from_model(model)
+    model = model_io.load_model(base_dir)
+    back = model_io.state_dict_from_model(model)
     assert back.keys() == sd.keys()
     assert all(torch.equal(back[k], sd[k]) for k in sd)
     # the in-memory (fused experts) model matches transformers' own loading of the dir
@@ -70,17 +71,17 @@ def test_state_dict_conversion_round_trips(base_dir):
 
 
 def test_save_model_dir_and_load_with_given_weights(base_dir, tmp_path):
-    sd = policy.load_state_dict(base_dir)
+    sd = model_io.load_state_dict(base_dir)
     sd2 = {k: (v * 0 if k == "lm_head.weight" else v) for k, v in sd.items()}
-    out = policy.save_model_dir(base_dir, sd2, tmp_path / "v1")
+    out = model_io.save_model_dir(base_dir, sd2, tmp_path / "v1")
     assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json",
                                                "tokenizer_config.json", "generation_config.json"}
-    loaded = policy.load_state_dict(out)
+    loaded = model_io.load_state_dict(out)
     assert torch.equal(loaded["lm_head.weight"], sd2["lm_head.weight"])
-    m = policy.load_model(base_dir, sd2)
+    m = model_io.load_model(base_dir, sd2)
     assert float(m.lm_head.weight.detach().abs().sum()) == 0.0
     with pytest.raises(ValueError, match="missing"):
-        policy.load_model(base_dir, {k: v for k, v in sd.items() if k != "lm_head.weight"})
+        model_io.load_model(base_dir, {k: v for k, v in sd.items() if k != "lm_head.weight"})
 
 
 # ------------------------------------------------------------------------------------------------- build
@@ -127,13 +128,13 @@ def test_base_is_reproducible_and_records_its_recipe(base_dir):
 
 
 def test_sampled_acceptance_of_base_is_in_range_and_matches_exact_eval(base_dir):
-    model = policy.load_model(base_dir)  # bf16 weights, as served
+    model = model_io.load_model(base_dir)  # bf16 weights, as served
     prompts = task.heldout_prompts(256) * 4
     samples = sample_completions(model, prompts, seed=1)
     sampled = sum(t is not None and task.user_accepts(p, t) for p, (_, t) in zip(prompts, samples)) / len(prompts)
     assert 0.2 <= sampled <= 0.6, f"base sampled acceptance {sampled:.3f} outside [0.2, 0.6]"
     t0 = time.monotonic()
-    score = heldout_score(base_dir, policy.load_state_dict(base_dir), n_prompts=256)
+    score = heldout_score(base_dir, model_io.load_state_dict(base_dir), n_prompts=256)
     elapsed = time.monotonic() - t0
     assert abs(score["expected_acceptance"] - sampled) < 0.05, (score, sampled)
     assert 0.2 <= score["expected_acceptance"] <= 0.6
@@ -144,13 +145,13 @@ def test_sampled_acceptance_of_base_is_in_range_and_matches_exact_eval(base_dir)
 
 def test_exact_eval_is_exact_on_a_sharpened_policy(base_dir):
     """Scaling the logits up makes the policy nearly greedy: expected acceptance → greedy acceptance."""
-    sd = policy.load_state_dict(base_dir)
+    sd = model_io.load_state_dict(base_dir)
     sharp = dict(sd, **{"lm_head.weight": (sd["lm_head.weight"].float() * 50).to(torch.bfloat16)})
     s = heldout_score(base_dir, sharp, n_prompts=64)
     assert abs(s["expected_acceptance"] - s["greedy_acceptance"]) < 0.02
     assert s["entropy"] < 0.05
     with pytest.raises(ValueError):
-        score_model(policy.load_model(base_dir), [])
+        score_model(model_io.load_model(base_dir), [])
 
 
 # ------------------------------------------------------------------------------------------------- vLLM
@@ -189,8 +190,8 @@ def test_vllm_serves_the_base_exactly(base_dir, tmp_path):
     assert out["arch"] == "Qwen3MoeForCausalLM"  # the native vLLM model, not the Transformers fallback
     res = out["results"]
 
-    tok = policy.load_tokenizer(base_dir)
-    model = policy.load_model(base_dir, dtype=torch.bfloat16)
+    tok = model_io.load_tokenizer(base_dir)
+    model = model_io.load_model(base_dir, dtype=torch.bfloat16)
     diffs, accepted = [], 0
     for p, r in zip(prompts, res):
         assert r["prompt_token_ids"] == policy.encode_text(p.text)

@@ -134,6 +134,12 @@ def _perturbed(state: dict, seed: int, scale: float = 0.08) -> dict:
 
 
 def _announce(srv, version: int, checksum: str) -> None:
+    """What the gate (promote) or an operator (rollback) does: the registry first, then the announcement."""
+    row = srv.registry.get(version)
+    if row.status == "candidate":
+        srv.registry.promote(version, actor="test", reason="test")
+    elif row.status != "stable":
+        srv.registry.rollback(actor="test", reason="test", to=version)
     srv.redis.set(f"{srv.cfg.topics.prefix}:desired",
                   VersionAnnouncement(version=version, checksum=checksum, reason="test").to_bytes())
 
@@ -307,7 +313,12 @@ def test_rollback_and_on_the_fly_delta(srv):
     try:
         _announce(srv, row.version, row.checksum)
         assert _wait_version(srv, row.version)["checksum"] == row.checksum
-        swap = json.loads(srv.redis.lrange(f"{srv.cfg.topics.prefix}:swaps", -1, -1)[0])
+        deadline = time.monotonic() + 10  # the swap record is pushed right after the gate reopens
+        while True:
+            swap = json.loads(srv.redis.lrange(f"{srv.cfg.topics.prefix}:swaps", -1, -1)[0])
+            if swap["to"] == row.version or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert swap["how"] == "encoded" and swap["verify_ok"]
     finally:
         agent.max_chain = 4
@@ -319,6 +330,26 @@ def test_rollback_and_on_the_fly_delta(srv):
         time.sleep(0.05)
     assert beat["version"] == row.version and beat["checksum"] == row.checksum and beat["last_swap_pause_ms"] > 0
     assert beat["healthy"] is True
+
+
+def test_a_version_the_registry_does_not_call_stable_is_not_served(srv):
+    """Finding: one Redis write put any registered version live, rejected ones included."""
+    cur = _served(srv)
+    state = srv.registry.materialize(cur["version"])
+    row = srv.registry.add_candidate(_perturbed(state, seed=55), parent=cur["version"], metrics={},
+                                     sample_offsets={}, learner_step=3)
+    srv.registry.set_status(row.version, "rejected", actor="gate", reason="failed suite")
+    srv.redis.set(f"{srv.cfg.topics.prefix}:desired",
+                  VersionAnnouncement(version=row.version, checksum=row.checksum, reason="forged").to_bytes())
+    deadline = time.monotonic() + 5
+    errors = []
+    while time.monotonic() < deadline and not errors:
+        errors = [e for e in srv.redis.lrange(f"{srv.cfg.topics.prefix}:swap_errors", 0, -1)
+                  if f'"to":{row.version}'.encode() in e]
+        time.sleep(0.1)
+    assert errors and b"rejected in the registry, not stable" in errors[-1]
+    assert _served(srv)["version"] == cur["version"]
+    _announce(srv, cur["version"], cur["checksum"])
 
 
 def test_corrupt_and_wrong_base_deltas_are_refused(srv):

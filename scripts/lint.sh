@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Lint: ruff with the rules in pyproject.toml ([tool.ruff.lint]). scripts/test.sh (and so CI) runs it first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+ruff check ingest learner serving deploy liverl tests
