@@ -156,3 +156,26 @@ def test_pending_ttl_default_outlasts_a_producers_delivery_timeout():
     from ingest.app import PRODUCER_DELIVERY_TIMEOUT_S
 
     assert IngestConfig().pending_ttl_s >= PRODUCER_DELIVERY_TIMEOUT_S + 30
+
+
+def test_a_timer_that_raises_is_counted_and_runs_again(env):
+    """A faust timer that raises would crash the whole worker: the sweeps log and count instead (an infrastructure
+    failure still stops the worker, see test_restart.py)."""
+    from ingest.app import _guarded
+
+    cfg, metrics = env
+    calls = []
+
+    async def sweep():
+        calls.append(1)
+        raise ValueError("a bug in a sweep")
+
+    async def run():
+        lock = asyncio.Lock()
+        await _guarded(metrics, "expire_pending", lock, sweep)
+        await _guarded(metrics, "expire_pending", lock, sweep)
+        assert not lock.locked()
+
+    asyncio.run(run())
+    assert len(calls) == 2
+    assert metrics.timer_errors.labels("expire_pending")._value.get() == 2
