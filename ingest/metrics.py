@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from collections import Counter as _Counter
 from dataclasses import dataclass, field
 
@@ -95,6 +97,14 @@ class IngestMetrics:
         self.expired = Counter(
             "liverl_ingest_generations_expired", "Generation records dropped unjudged after their TTL.", registry=r
         )
+        self.dropped = Counter(
+            "liverl_ingest_dropped", "Joined feedback that makes no training sample, by reason (e.g. not_trainable).",
+            ["reason"], registry=r,
+        )
+        self.timer_errors = Counter(
+            "liverl_ingest_timer_errors", "Exceptions in the periodic sweeps (logged; the sweep runs again).",
+            ["timer"], registry=r,
+        )
         self.pending = Gauge("liverl_ingest_pending_feedback", "Feedback waiting for its generation record.", registry=r)
         self.tracked = Gauge(
             "liverl_ingest_tracked_generations", "Generations in the join table (waiting or judged).", registry=r
@@ -124,10 +134,13 @@ class IngestMetrics:
         for name, n in c.items():
             if name.startswith("dlq:"):
                 self.dead_letters.labels(name[4:]).inc(n)
+            elif name.startswith("drop:"):
+                self.dropped.labels(name[5:]).inc(n)
         for kind, n in tally.joined_kinds.items():
             self.joined.labels(kind).inc(n)
         for d in tally.feedback_delays_s:
-            self.feedback_delay.observe(max(d, 0.0))
+            if math.isfinite(d):  # a NaN would poison the histogram's sum for good
+                self.feedback_delay.observe(max(d, 0.0))
 
     # -- Redis -------------------------------------------------------------------------------------
 
@@ -139,11 +152,12 @@ class IngestMetrics:
             self._script = self._redis.register_script(_LIVE_LUA)
         return self._redis
 
-    async def apply(self, tally: Tally, attempts: int = 5) -> None:
-        """Write one batch's increments to Redis (retrying transient errors), then to Prometheus.
+    async def apply(self, tally: Tally, retry_s: float = 20.0) -> None:
+        """Write one batch's increments to Redis (retrying connection errors for ``retry_s``), then to Prometheus.
 
-        Raises the last Redis error after ``attempts`` tries: the caller's batch is then not acknowledged
-        and is redelivered, which the idempotent live counters absorb.
+        Raises the last Redis error after that: the ingest worker then stops without acknowledging the batch
+        (faust acknowledges a batch even when its agent raises), and the replay is absorbed by the idempotent
+        live counters.
         """
         if not tally:
             return
@@ -152,7 +166,10 @@ class IngestMetrics:
         client = await self._client()
         ckey = counters_key(self.prefix)
         delay = 0.2
-        for attempt in range(1, attempts + 1):
+        deadline = time.monotonic() + retry_s
+        attempt = 0
+        while True:
+            attempt += 1
             pipe = client.pipeline(transaction=False)
             for name, n in tally.counts.items():
                 if n:
@@ -168,10 +185,9 @@ class IngestMetrics:
                 await pipe.execute()
                 break
             except (redis.ConnectionError, redis.TimeoutError) as e:
-                if attempt == attempts:
+                if time.monotonic() + delay > deadline:
                     raise
-                log.warning("Redis at %s failed (%s); retry %d/%d in %.1f s", self.redis_url, e, attempt,
-                            attempts - 1, delay)
+                log.warning("Redis at %s failed (%s); retry %d in %.1f s", self.redis_url, e, attempt, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 3.0)
         self._observe(tally)

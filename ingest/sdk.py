@@ -30,6 +30,7 @@ with a reason.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any, Self
 
 from liverl.core.bus import make_producer
@@ -41,11 +42,23 @@ if TYPE_CHECKING:
     from liverl.core.config import LiverlConfig
 
 
+class DeliveryError(RuntimeError):
+    """Events the broker did not acknowledge; ``failed`` holds ``(feedback_id or key, exception)`` pairs."""
+
+    def __init__(self, failed: list[tuple[str | None, BaseException]]):
+        first = failed[0]
+        super().__init__(f"{len(failed)} feedback event(s) were not delivered (first: {first[0]}: {first[1]!r}); "
+                         "send them again with the same feedback_id")
+        self.failed = failed
+
+
 class FeedbackClient:
     """A thread-safe feedback publisher (kafka-python; idempotent producer, acks=all).
 
-    ``send``/``accept``/... return once the event is buffered; call ``flush()`` (or wait on the future
-    ``send`` returns) when the caller needs to know the broker has it.
+    ``send``/``accept``/... return once the event is buffered (blocking at most ``max_block_ms``, 5 s by default,
+    when the buffer is full or the broker is unknown); ``flush()`` blocks until every event is acknowledged and
+    raises ``DeliveryError`` naming the events the broker did not take, so nothing is lost silently. Resending an
+    event with the same ``feedback_id`` is safe.
     """
 
     def __init__(self, bootstrap: str, topic: str, **producer_kw: Any):
@@ -54,7 +67,10 @@ class FeedbackClient:
         if not topic or not isinstance(topic, str):
             raise ValueError(f"topic must be the feedback topic name (cfg.topics.feedback), got {topic!r}")
         self.topic = topic
+        producer_kw.setdefault("max_block_ms", 5000)
         self._producer = make_producer(bootstrap, **producer_kw)
+        self._lock = threading.Lock()
+        self._failed: list[tuple[str | None, BaseException]] = []
 
     # -- typed events ------------------------------------------------------------------------------
 
@@ -63,7 +79,16 @@ class FeedbackClient:
         if not isinstance(event, FeedbackEvent):
             raise TypeError(f"send() takes a FeedbackEvent, got {type(event).__name__}; "
                             "use send_raw() for bytes")
-        return self._live().send(self.topic, key=event.generation_id, value=event.to_bytes())
+        return self._track(self._live().send(self.topic, key=event.generation_id, value=event.to_bytes()),
+                           event.feedback_id)
+
+    def _track(self, fut: FutureRecordMetadata, name: str | None) -> FutureRecordMetadata:
+        def failed(exc: BaseException) -> None:
+            with self._lock:
+                self._failed.append((name, exc))
+
+        fut.add_errback(failed)
+        return fut
 
     def _judge(self, generation_id: str, kind: str, *, edited_text: str | None = None, segment: str | None = None,
                feedback_id: str | None = None, ts: float | None = None) -> str:
@@ -101,7 +126,7 @@ class FeedbackClient:
             raise TypeError(f"send_raw() takes bytes, got {type(value).__name__}")
         if key is not None and not isinstance(key, str):
             raise TypeError(f"key must be a str or None, got {type(key).__name__}")
-        return self._live().send(self.topic, key=key, value=bytes(value))
+        return self._track(self._live().send(self.topic, key=key, value=bytes(value)), key)
 
     def _live(self):
         if self._producer is None:
@@ -111,14 +136,19 @@ class FeedbackClient:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def flush(self, timeout: float | None = None) -> None:
-        """Block until every buffered event is acknowledged by the broker (acks=all)."""
+        """Block until every buffered event is acknowledged by the broker (acks=all); raises ``DeliveryError`` for
+        the events that failed since the last ``flush``."""
         self._live().flush(timeout=timeout)
+        with self._lock:
+            failed, self._failed = self._failed, []
+        if failed:
+            raise DeliveryError(failed)
 
     def close(self, timeout: float | None = 10.0) -> None:
-        """Flush, then stop the producer's I/O thread. Idempotent."""
+        """Flush (raising ``DeliveryError`` for undelivered events), then stop the producer's I/O thread. Idempotent."""
         if self._producer is not None:
             try:
-                self._producer.flush(timeout=timeout)
+                self.flush(timeout=timeout)
             finally:
                 self._producer.close(timeout=timeout)
                 self._producer = None

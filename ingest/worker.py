@@ -5,10 +5,14 @@
 Configuration comes from ``load_config`` (the TOML file, then ``LIVERL__SECTION__FIELD`` environment
 variables); ``broker.bootstrap`` and ``redis.url`` must name running services (``liverl`` starts the
 embedded stack and passes them on). SIGTERM and SIGINT stop the worker cleanly: the consumer stops, the
-producer is flushed, offsets of finished batches are committed, and the process exits 0.
+producer is flushed, offsets of finished batches are committed, and the process exits 0. When the broker or
+Redis fails mid-batch the process exits 75 (``ingest.app.EXIT_INFRA``) without acknowledging the batch: restart it
+(the demo's supervisor does), and the batch is replayed.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 from liverl.core.config import LiverlConfig
 
@@ -23,10 +27,11 @@ def run_worker(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, loglevel: s
     """
     import faust
 
-    from ingest.app import build_app
+    from ingest.app import build_app, leave_previous_member
     from liverl.core.bus import all_topics, ensure_topics
 
     ensure_topics(bootstrap, all_topics(cfg), cfg.broker.partitions)
+    asyncio.run(leave_previous_member(cfg, bootstrap))
     app = build_app(cfg, bootstrap, redis_url, web_port=web_port, web_bind=web_bind)
     worker = faust.Worker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False)
     # faust's terminal spinner sets the root logger to DEBUG (to spin on every record), which makes

@@ -98,9 +98,28 @@ class RewardConfig(_Section):
 class IngestConfig(_Section):
     rewards: RewardConfig = Field(default_factory=RewardConfig)
     pending_ttl_s: float = Field(
-        default=60.0, description="How long feedback waits for its generation record before it is dead-lettered."
-    )
+        default=150.0, gt=0, description="How long feedback waits for its generation record before it is "
+        "dead-lettered (unknown_generation). Keep it above the generation producers' delivery timeout (kafka-python's "
+        "delivery_timeout_ms, 120 s by default) plus a margin, or a record still being retried is given up on.")
     web_port: int = Field(default=6066, description="Port of the faust worker's web server (metrics).")
+    store: str = Field(
+        default="rocksdb", pattern="^(rocksdb|memory)$", description="Where the join table lives: 'rocksdb' (on disk "
+        "under <state_dir>/faust; a restart reads only the changelog's tail) or 'memory' (rebuilt from the whole "
+        "changelog on every start).")
+    max_event_bytes: int = Field(
+        default=512 * 1024, ge=1024, le=900_000, description="Inputs larger than this are dead-lettered (too_large) "
+        "unparsed, with their first bytes and a sha256. Bounds every table entry and sample below the 1 MB record limit.")
+    max_pending: int = Field(
+        default=100_000, ge=1, description="Most feedback events waiting for their generation at once (per worker); "
+        "more are dead-lettered (pending_full), so a flood of feedback for unknown generations cannot exhaust memory.")
+    generation_ttl_s: float = Field(
+        default=6 * 3600.0, gt=0, description="A generation record nobody judged within this is dropped (counted).")
+    redis_retry_s: float = Field(
+        default=20.0, gt=0, description="How long a batch retries Redis before the ingest worker stops (exit code 75) "
+        "without acknowledging it, to replay it after a restart.")
+    judged_ttl_s: float = Field(
+        default=24 * 3600.0, gt=0, description="How long a judgement is remembered, so redelivered feedback is a "
+        "duplicate and a second judgement is dead-lettered (already_judged).")
 
 
 class LearnerConfig(_Section):

@@ -24,6 +24,11 @@ SCHEMA_VERSION = 1
 FeedbackKind = Literal["accept", "reject", "edit"]
 
 _Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+# Unix seconds in 2000..2100: no NaN, no infinities, nothing a clock could not have said.
+_Time = Annotated[float, Field(allow_inf_nan=False, ge=946_684_800.0, le=4_102_444_800.0)]
+_Finite = Annotated[float, Field(allow_inf_nan=False)]
+_TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+_Version = Annotated[int, Field(ge=0, lt=2**63)]
 
 
 class _Wire(BaseModel):
@@ -34,22 +39,33 @@ class _Wire(BaseModel):
 
     @classmethod
     def from_bytes(cls, raw: bytes | str):
-        """Parse one wire message; raises ``WireError`` with a machine-readable reason."""
+        """Parse one wire message; raises ``WireError`` with a machine-readable reason.
+
+        Only UTF-8 without a byte order mark is JSON here (RFC 8259): other encodings, nesting too deep for
+        the parser and integers too long to convert are ``malformed_json``, never an exception of another kind.
+        """
         try:
-            data = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise WireError("malformed_json", str(e)) from None
+            text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
+            if text.startswith("\ufeff"):
+                raise WireError("malformed_json", "a byte order mark before the JSON (send UTF-8 without one)")
+            data = json.loads(text)
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+            if isinstance(e, WireError):
+                raise
+            raise WireError("malformed_json", f"{type(e).__name__}: {str(e)[:200]}") from None
         if not isinstance(data, dict):
             raise WireError("not_an_object", f"expected a JSON object, got {type(data).__name__}")
         version = data.get("schema_version", SCHEMA_VERSION)
-        if version != SCHEMA_VERSION:
-            raise WireError("unsupported_schema_version", f"schema_version {version!r} (this build reads {SCHEMA_VERSION})")
+        if type(version) is not int or version != SCHEMA_VERSION:  # strict: true and 1.0 are not 1
+            shown = repr(version) if isinstance(version, (int, float, bool)) else type(version).__name__
+            raise WireError("unsupported_schema_version",
+                            f"schema_version {shown[:40]} (this build reads {SCHEMA_VERSION})")
         try:
             return cls.model_validate(data)
         except ValidationError as e:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "<root>"
-            raise WireError("invalid_field", f"{where}: {first['msg']}") from None
+            raise WireError("invalid_field", f"{where[:200]}: {first['msg'][:300]}") from None
 
 
 class WireError(ValueError):
@@ -81,7 +97,7 @@ class FeedbackEvent(_Wire):
     segment: str | None = Field(
         default=None, max_length=64, description="Optional coarse user segment (never a user id)."
     )
-    ts: float = Field(default_factory=time.time, description="Unix seconds when the user gave the feedback.")
+    ts: _Time = Field(default_factory=time.time, description="Unix seconds when the user gave the feedback.")
 
     @model_validator(mode="after")
     def _edit_needs_text(self):
@@ -98,13 +114,13 @@ class SamplingParams(_Wire):
     Additive fields default to vLLM's neutral values, so older records still parse.
     """
 
-    temperature: float
-    top_p: float = 1.0
+    temperature: _Finite
+    top_p: _Finite = 1.0
     top_k: int = Field(default=-1, description="-1 (or 0): no top-k truncation.")
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    min_p: _Finite = 0.0
+    presence_penalty: _Finite = 0.0
+    frequency_penalty: _Finite = 0.0
+    repetition_penalty: _Finite = 1.0
     seed: int | None = None
     max_tokens: int
 
@@ -117,20 +133,20 @@ class GenerationRecord(_Wire):
 
     schema_version: Literal[1] = SCHEMA_VERSION
     generation_id: _Id
-    policy_version: int = Field(ge=0, description="The registry version whose weights produced every token.")
+    policy_version: _Version = Field(description="The registry version whose weights produced every token.")
     node: str = Field(description="Which serving node produced it.")
     prompt: str
     completion: str
-    prompt_token_ids: list[int]
-    completion_token_ids: list[int]
-    completion_logprobs: list[float] = Field(description="Sampling log-prob of each completion token (behaviour policy).")
+    prompt_token_ids: list[_TokenId]
+    completion_token_ids: list[_TokenId]
+    completion_logprobs: list[_Finite] = Field(description="Sampling log-prob of each completion token (behaviour policy).")
     sampling: SamplingParams
     finish_reason: str | None = None
     trainable: bool = Field(
         default=True, description="False when the learner cannot treat this generation as a sample of the policy "
         "(greedy decoding, for one); it is served and logged, but never trained on.")
     untrainable_reason: str | None = Field(default=None, max_length=64, description="Why not trainable, e.g. greedy.")
-    ts: float = Field(default_factory=time.time)
+    ts: _Time = Field(default_factory=time.time)
 
     @model_validator(mode="after")
     def _aligned(self):
@@ -152,17 +168,17 @@ class TrainingSample(_Wire):
     sample_id: _Id
     generation_id: _Id
     feedback_id: _Id
-    policy_version: int = Field(ge=0)
+    policy_version: _Version
     kind: FeedbackKind
-    reward: float
+    reward: _Finite
     segment: str | None = None
-    prompt_token_ids: list[int]
-    completion_token_ids: list[int]
-    behaviour_logprobs: list[float]
+    prompt_token_ids: list[_TokenId]
+    completion_token_ids: list[_TokenId]
+    behaviour_logprobs: list[_Finite]
     sampling: SamplingParams | None = Field(default=None, description="The decoding that produced the completion.")
     edited_text: str | None = None
-    ts_generation: float
-    ts_feedback: float
+    ts_generation: _Time
+    ts_feedback: _Time
 
 
 class DeadLetter(_Wire):
@@ -175,7 +191,11 @@ class DeadLetter(_Wire):
     partition: int | None = None
     offset: int | None = None
     key: str | None = None
-    value: str = Field(description="The refused value, decoded as UTF-8 with replacement characters.")
+    value: str = Field(description="The refused value, decoded as UTF-8 with replacement characters "
+                       "(cut to its first characters when value_truncated).")
+    value_truncated: bool = Field(default=False, description="value holds only the start of the refused value.")
+    value_size: int | None = Field(default=None, description="Size of the refused value in bytes.")
+    value_sha256: str | None = Field(default=None, description="sha256 of the refused value's bytes (hex).")
     ts: float = Field(default_factory=time.time)
 
 

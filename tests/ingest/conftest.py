@@ -1,7 +1,6 @@
 """Helpers for the ingest tests: a real faust worker in a subprocess, topic tails, Redis counters.
 
-The worker runs as ``python -m ingest.worker`` (its own process and event loop, exactly as ``liverl ingest``
-runs it), configured through ``LIVERL__*`` environment variables, and is stopped with SIGTERM.
+The worker runs as ``liverl ingest`` (``python -m liverl.cli ingest``: its own process and event loop), configured through ``LIVERL__*`` environment variables, and is stopped with SIGTERM.
 """
 
 from __future__ import annotations
@@ -98,7 +97,7 @@ class TopicTail:
 
 
 class WorkerProc:
-    """``python -m ingest.worker`` for one config; ``stop()`` sends SIGTERM and returns the exit code."""
+    """``liverl ingest`` for one config; ``stop()`` sends SIGTERM and returns the exit code."""
 
     def __init__(self, cfg: LiverlConfig, web_port: int, log_path: Path):
         env = {k: v for k, v in os.environ.items() if not k.startswith("LIVERL")}
@@ -111,13 +110,15 @@ class WorkerProc:
             "LIVERL__STATE_DIR": cfg.state_dir,
             "LIVERL__INGEST__PENDING_TTL_S": str(cfg.ingest.pending_ttl_s),
             "LIVERL__INGEST__REWARDS": json.dumps(cfg.ingest.rewards.model_dump()),
+            "LIVERL__INGEST__WEB_PORT": str(web_port),
+            "LIVERL__INGEST__REDIS_RETRY_S": str(cfg.ingest.redis_retry_s),
             "PYTHONUNBUFFERED": "1",
         })
         self.web_port = web_port
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - the worker writes to it until stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ingest.worker", "--loglevel", "info", "--web-port", str(web_port)],
+            [sys.executable, "-m", "liverl.cli", "ingest"],
             cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
         )
 

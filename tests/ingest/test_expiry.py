@@ -1,48 +1,49 @@
-"""When early feedback gives up on its generation: after the TTL, but not while generations lag behind."""
+"""When early feedback gives up on its generation: after the TTL, but not while generations lag behind, and not
+because this worker was down or stalled."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
-from ingest.app import PENDING_HARD_LIMIT_X, Ingest
+from ingest.join import PENDING_HARD_LIMIT_X, Ingest
 
-TTL = 60.0
-
-
-def _ingest(clock: dict[int, float], seen: dict[int, float], started: float = 0.0):
-    return SimpleNamespace(_gen_clock=clock, _gen_seen=seen, _started=started)
+TTL = 150.0
 
 
-def _pending(t: float, kts: float, partition: int = 0) -> dict:
-    return {"t": t, "kts": kts, "f": "fid", "raw": "{}", "src": ["x.feedback", partition, 7, "gid"]}
+def _ingest(clock: dict[int, float], gen_next: dict[int, int] | None = None, resumed: float = 0.0, end: int = 0):
+    async def end_offset(partition):
+        return end
+
+    return SimpleNamespace(_gen_clock=clock, _gen_next=gen_next or {}, _resumed=resumed, _end_offset=end_offset)
 
 
 def test_not_before_the_ttl():
-    ing = _ingest({0: 10_000.0}, {0: 0.0})
-    assert not Ingest._expired(ing, _pending(t=1000.0, kts=1000.0), now=1000.0 + TTL - 1, ttl=TTL)
+    ing = _ingest({0: 10_000.0})
+    assert Ingest._waited(ing, t=1000.0, kts=1000.0, part=0, now=1000.0 + TTL - 1, ttl=TTL) is None
 
 
 def test_after_the_ttl_when_generations_have_moved_past_the_feedback():
-    ing = _ingest({0: 1000.0 + TTL}, {0: 1000.0 + TTL})
-    assert Ingest._expired(ing, _pending(t=1000.0, kts=1000.0), now=1000.0 + TTL, ttl=TTL)
+    ing = _ingest({0: 1000.0 + TTL})
+    assert Ingest._waited(ing, t=1000.0, kts=1000.0, part=0, now=1000.0 + TTL, ttl=TTL) == "clock"
 
 
-def test_after_the_ttl_when_the_generations_partition_is_quiet():
-    ing = _ingest({}, {0: 900.0})  # nothing newer arrived: caught up, the generation is not coming
-    assert Ingest._expired(ing, _pending(t=1000.0, kts=1000.0), now=1000.0 + TTL, ttl=TTL)
+def test_otherwise_only_once_the_generations_partition_is_read_to_its_end():
+    ing = _ingest({0: 1000.0 + TTL / 2}, gen_next={0: 41}, end=42)
+    assert Ingest._waited(ing, t=1000.0, kts=1000.0, part=0, now=1000.0 + 5 * TTL, ttl=TTL) == "caught_up"
+    assert not asyncio.run(Ingest._caught_up(ing, 0))  # one generation record not read yet: keep waiting
+    ing = _ingest({0: 1000.0 + TTL / 2}, gen_next={0: 42}, end=42)
+    assert asyncio.run(Ingest._caught_up(ing, 0))
 
 
-def test_not_while_the_generations_partition_lags_behind_the_feedback():
-    now = 1000.0 + 5 * TTL
-    # Generations keep arriving (a backlog) but their timestamps are still behind the feedback's.
-    ing = _ingest({0: 1000.0 + TTL / 2}, {0: now - 0.1})
-    assert not Ingest._expired(ing, _pending(t=1000.0, kts=1000.0), now=now, ttl=TTL)
-    # The other partition being current does not matter: the generation is co-partitioned with its feedback.
-    ing = _ingest({0: 1000.0 + TTL / 2, 1: now}, {0: now - 0.1, 1: now})
-    assert not Ingest._expired(ing, _pending(t=1000.0, kts=1000.0), now=now, ttl=TTL)
+def test_a_restart_or_stall_gives_waiting_feedback_a_whole_ttl_again():
+    # Pending since t=1000; this worker resumed at 1100 (a restart): the TTL counts from 1100.
+    ing = _ingest({}, resumed=1100.0)
+    assert Ingest._waited(ing, t=1000.0, kts=1000.0, part=0, now=1000.0 + TTL + 50, ttl=TTL) is None
+    assert Ingest._waited(ing, t=1000.0, kts=1000.0, part=0, now=1100.0 + TTL, ttl=TTL) == "caught_up"
 
 
 def test_hard_limit_bounds_memory_even_when_lagging():
     limit = max(PENDING_HARD_LIMIT_X * TTL, 600.0)
-    ing = _ingest({0: 0.0}, {0: 1000.0 + limit})
-    assert Ingest._expired(ing, _pending(t=1000.0, kts=1000.0), now=1000.0 + limit, ttl=TTL)
+    ing = _ingest({0: 0.0})
+    assert Ingest._waited(ing, t=1000.0, kts=1000.0, part=0, now=1000.0 + limit, ttl=TTL) == "hard"

@@ -1,24 +1,39 @@
-"""A restarted worker recovers its join state from the changelog topics, and signals stop it cleanly."""
+"""Restarts of the real ``liverl ingest`` process: state recovered, nothing lost under kill -9, and fast.
+
+- SIGTERM then restart: waiting generations, pending feedback and judgements come back from the join table.
+- SIGKILL mid-stream, several times, while feedback keeps coming: every published feedback ends in exactly one
+  sample (one ``sample_id``, whatever the re-sends) or one dead letter; none lost, none judged twice.
+- A loop of restarts (``LIVERL_RESTART_LOOPS``, default 3; 20 for the long run), alternating SIGKILL and SIGTERM:
+  each restarted worker joins again within ``RESUME_LIMIT_S``.
+"""
 
 from __future__ import annotations
 
 import os
+import random
 import signal
+import threading
 import time
 
-import pytest
-
 from ingest.sdk import from_config
-from liverl.core.schemas import TrainingSample
+from liverl.core.schemas import DeadLetter, FeedbackEvent, TrainingSample
 from tests.ingest.conftest import IngestHarness, ingest_config, make_generation, new_gid, wait_until
 
+# From a restarted process's start to its first joined sample, on the embedded broker: the target is 10 s. The
+# median of the restarts must meet it; a single restart may take twice that on a loaded machine (the limit can be
+# raised with LIVERL_RESUME_LIMIT_S for a slow CI box).
+RESUME_LIMIT_S = float(os.environ.get("LIVERL_RESUME_LIMIT_S", "10"))
 
-@pytest.mark.skipif(
-    os.environ.get("LIVERL_TEST_INGEST_RESTART") != "1",
-    reason="known intermittent hang: a faust worker restarted on the embedded Tansu broker sometimes reports "
-    "'Worker ready' and then consumes nothing (cause not yet found; see the closing note of issue #2). "
-    "Run it with LIVERL_TEST_INGEST_RESTART=1.",
-)
+
+def _samples_by_id(records) -> dict[str, TrainingSample]:
+    """One sample per sample_id; re-sent copies (after a replay) must be identical."""
+    out: dict[str, bytes] = {}
+    for r in records:
+        prev = out.setdefault(r.key.decode(), r.value)
+        assert prev == r.value, f"two different samples for {r.key.decode()}"
+    return {k: TrainingSample.from_bytes(v) for k, v in out.items()}
+
+
 def test_restart_recovers_waiting_generations_pending_feedback_and_judgements(stack, tmp_path):
     h = IngestHarness(ingest_config(stack, tmp_path / "state", ingest__pending_ttl_s=120.0), tmp_path)
     try:
@@ -39,30 +54,241 @@ def test_restart_recovers_waiting_generations_pending_feedback_and_judgements(st
         assert h.worker.stop(signal.SIGTERM) == 0, h.worker.log_tail()
         stop_s = time.monotonic() - t0
 
-        h.start_worker()  # same consumer group: resumes from committed offsets, tables from changelogs
+        t0 = time.monotonic()
+        h.start_worker()  # same consumer group: resumes from committed offsets, table from disk + changelog tail
+        resume_s = time.monotonic() - t0
         with from_config(h.cfg) as sdk:
             waiting_fid = sdk.reject(waiting)  # needs the recovered generation record
             sdk.accept(judged, feedback_id=judged_fid)  # needs the recovered judgement to be a duplicate
         h.send_generation(make_generation(early, v))  # needs the recovered pending feedback
 
         with h.tail("samples") as tail:
+            ids = {waiting, judged, early}
             try:
-                tail.wait_for(tail.keys({waiting, early}), n=2)
+                wait_until(lambda: (tail.poll(), {r.key.decode() for r in tail.matching(tail.keys(ids))} == ids)[1],
+                           30, what="all three samples")
             except AssertionError as e:
-                raise AssertionError(f"{e}; counters {h.counters()}; pending "
-                                     f"{h.worker.metric('liverl_ingest_pending_feedback ')}; tracked "
-                                     f"{h.worker.metric('liverl_ingest_tracked_generations ')}; "
-                                     f"samples {[(r.key, r.partition) for r in tail.records]}; "
-                                     f"ids {waiting, judged, early}") from None
+                raise AssertionError(f"{e}; counters {h.counters()}; samples {[(r.key, r.partition) for r in tail.records]}"
+                                     f"; ids {waiting, judged, early}") from None
             time.sleep(0.5)
             tail.poll()
-            samples = [TrainingSample.from_bytes(r.value) for r in tail.matching(tail.keys({waiting, judged, early}))]
-        assert sorted((s.generation_id, s.feedback_id, s.kind) for s in samples) == sorted(
+            samples = _samples_by_id(tail.matching(tail.keys(ids)))
+        assert sorted((s.generation_id, s.feedback_id, s.kind) for s in samples.values()) == sorted(
             [(waiting, waiting_fid, "reject"), (judged, judged_fid, "accept"), (early, early_fid, "edit")])
         assert wait_until(lambda: h.live(v) == {"accept": 1, "reject": 1, "edit": 1, "events": 3}, 10,
                           what=f"live counters, have {h.live(v)}")
         assert h.counters().get("duplicates", 0) - before.get("duplicates", 0) >= 1
         assert h.worker.stop(signal.SIGINT) == 0, h.worker.log_tail()
         assert stop_s < 20, f"SIGTERM took {stop_s:.1f} s"
+        assert resume_s < 2 * RESUME_LIMIT_S, f"the restarted worker joined again only after {resume_s:.1f} s"
     finally:
         h.close()
+
+
+class _Traffic:
+    """Publishes generation + feedback pairs (some feedback first, some for generations never logged) in a thread."""
+
+    def __init__(self, h: IngestHarness, version: int, seed: int = 0):
+        self.h, self.v = h, version
+        self.rng = random.Random(seed)
+        self.fids: dict[str, str] = {}  # feedback_id -> generation_id, every feedback acknowledged by the broker
+        self.unknown: set[str] = set()  # feedback ids whose generation is never published
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="traffic", daemon=True)
+
+    def _run(self) -> None:
+        with from_config(self.h.cfg) as sdk:
+            while not self._stop.is_set():
+                for _ in range(10):
+                    gid = new_gid()
+                    r = self.rng.random()
+                    if r < 0.05:
+                        fid = sdk.accept(gid)
+                        self.unknown.add(fid)
+                    elif r < 0.25:  # feedback first
+                        fid = sdk.reject(gid)
+                        self.h.send_generation(make_generation(gid, self.v), flush=False)
+                    else:
+                        self.h.send_generation(make_generation(gid, self.v), flush=False)
+                        fid = sdk.accept(gid)
+                    self.fids[fid] = gid
+                self.h.producer.flush()
+                sdk.flush()
+                time.sleep(0.2)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+def test_kill_9_mid_stream_loses_nothing_and_judges_nothing_twice(stack, tmp_path):
+    kills = int(os.environ.get("LIVERL_KILL9_ROUNDS", "3"))
+    h = IngestHarness(ingest_config(stack, tmp_path / "state", ingest__pending_ttl_s=4.0), tmp_path)
+    rng = random.Random(7)
+    v = 777_001
+    try:
+        h.start_worker()
+        with _Traffic(h, v) as traffic:
+            for _ in range(kills):
+                time.sleep(rng.uniform(1.0, 3.0))  # a random moment in the stream
+                h.worker.assert_alive()
+                h.worker.stop(signal.SIGKILL)
+                h.start_worker()
+            time.sleep(1.0)
+        fids = dict(traffic.fids)
+        assert len(fids) > 100, "too little traffic to mean anything"
+
+        # Drain: every feedback is either a sample or (its generation never came) a dead letter.
+        with h.tail("samples") as st, h.tail("dead_letters") as dt:
+            def accounted():
+                st.poll()
+                dt.poll()
+                judged = {TrainingSample.from_bytes(r.value).feedback_id for r in st.records}
+                dead = {FeedbackEvent.from_bytes(DeadLetter.from_bytes(r.value).value).feedback_id
+                        for r in dt.records if DeadLetter.from_bytes(r.value).reason == "unknown_generation"}
+                return (judged | dead) >= set(fids)
+
+            try:
+                wait_until(accounted, 60, interval=0.5, what="every feedback to end in a sample or a dead letter")
+            finally:
+                st.poll()
+                dt.poll()
+            ours = [r for r in st.records if TrainingSample.from_bytes(r.value).policy_version == v]
+            samples = _samples_by_id(ours)
+            letters = [DeadLetter.from_bytes(r.value) for r in dt.records]
+        assert not [d for d in letters if d.reason not in ("unknown_generation",)], \
+            [(d.reason, d.detail) for d in letters if d.reason != "unknown_generation"]
+        dead = {FeedbackEvent.from_bytes(d.value).feedback_id for d in letters}
+        judged = {s.feedback_id: s.generation_id for s in samples.values()}
+        assert set(judged) | dead == set(fids), "lost feedback"
+        assert not set(judged) & dead, "feedback both trained and dead-lettered"
+        assert dead == traffic.unknown, "dead-lettered feedback whose generation was published"
+        assert all(fids[f] == g for f, g in judged.items())
+        assert len(samples) == len(fids) - len(traffic.unknown)  # one sample per judged generation
+        live = wait_until(lambda: (d := h.live(v)).get("events") == len(judged) and d, 20,
+                          what=f"live events == {len(judged)}, have {h.live(v)}")
+        assert live["events"] == len(judged)
+        print(f"\nkill -9 x{kills}: {len(fids)} feedback -> {len(samples)} samples, {len(dead)} dead letters, "
+              f"{len(ours) - len(samples)} samples re-sent after a replay")
+    finally:
+        h.close()
+
+
+def test_restart_loop_resumes_fast(stack, tmp_path):
+    """``LIVERL_RESTART_LOOPS=20 pytest tests/ingest/test_restart.py -k loop`` is the long run."""
+    loops = int(os.environ.get("LIVERL_RESTART_LOOPS", "3"))
+    h = IngestHarness(ingest_config(stack, tmp_path / "state"), tmp_path)
+    times = []
+    try:
+        h.start_worker()
+        for i in range(loops):
+            # Some state for the next worker to recover: a waiting generation, judged by feedback after the restart.
+            gid = new_gid()
+            h.send_generation(make_generation(gid, 5000 + i))
+            time.sleep(0.2)
+            h.worker.stop(signal.SIGKILL if i % 2 == 0 else signal.SIGTERM)
+            t0 = time.monotonic()
+            h.start_worker()  # returns once the new worker has joined a probe generation with its feedback
+            times.append(time.monotonic() - t0)
+            with from_config(h.cfg) as sdk:
+                sdk.accept(gid)
+            with h.tail("samples") as tail:
+                tail.wait_for(tail.keys({gid}), timeout=20)
+        print(f"\n{loops} restarts: resumed joining in {min(times):.1f}-{max(times):.1f} s "
+              f"(median {sorted(times)[len(times) // 2]:.1f} s; {sum(t < RESUME_LIMIT_S for t in times)} under "
+              f"{RESUME_LIMIT_S:g} s): {' '.join(f'{t:.1f}' for t in times)}")
+        assert sorted(times)[len(times) // 2] < RESUME_LIMIT_S and max(times) < 2 * RESUME_LIMIT_S, times
+    finally:
+        h.close()
+
+
+def test_redis_down_stops_the_worker_unacknowledged_and_the_restart_replays(stack, tmp_path):
+    """An infrastructure failure mid-batch ends the process (exit 75) before faust can acknowledge the batch; the
+    next worker replays it, so its live counters are not lost."""
+    from ingest.app import EXIT_INFRA
+    from tests.conftest import free_port
+    from tests.ingest.conftest import WorkerProc
+
+    good = ingest_config(stack, tmp_path / "state", ingest__redis_retry_s=1.0)
+    h = IngestHarness(good, tmp_path)
+    try:
+        h.start_worker()
+        h.worker.stop(signal.SIGTERM)
+        v, gid = 313_131, new_gid()
+        h.send_generation(make_generation(gid, v))
+        with from_config(h.cfg) as sdk:
+            sdk.reject(gid)
+        bad = good.model_copy(update={"redis": good.redis.model_copy(update={"url": f"redis://127.0.0.1:{free_port()}/0"})})
+        w = WorkerProc(bad, free_port(), tmp_path / "worker-no-redis.log")
+        try:
+            code = w.proc.wait(timeout=90)
+        finally:
+            w.stop(signal.SIGKILL)
+        assert code == EXIT_INFRA, w.log_tail()
+        assert "without acknowledging" in w.log_tail()
+        assert h.live(v) == {}
+        h.start_worker()
+        assert wait_until(lambda: h.live(v) == {"reject": 1, "events": 1}, 30, what=f"replayed counters, have {h.live(v)}")
+    finally:
+        h.close()
+
+
+def test_local_state_from_another_broker_history_is_dropped(stack, tmp_path):
+    """The RocksDB files outlive a broker reset (the demo's embedded broker keeps its log in memory): a database
+    ahead of its changelog is emptied rather than trusted."""
+    from kafka import KafkaAdminClient
+
+    h = IngestHarness(ingest_config(stack, tmp_path / "state"), tmp_path)
+    try:
+        h.start_worker()
+        for _ in range(20):  # table history the new changelog will not have
+            h.send_generation(make_generation(new_gid(), 1), flush=False)
+        h.producer.flush()
+        wait_until(lambda: h.counters().get("generations_in", 0) >= 21, 20, what="generations consumed")
+        assert h.worker.stop(signal.SIGTERM) == 0
+        changelog = f"{h.cfg.topics.prefix}-ingest-join-changelog"
+        admin = KafkaAdminClient(bootstrap_servers=h.cfg.broker.bootstrap)
+        try:
+            admin.delete_topics([changelog])
+        finally:
+            admin.close()
+        h.start_worker()
+        assert "from another broker history" in h.worker.log_tail(200_000)
+    finally:
+        h.close()
+
+
+def test_stall_watchdog_reseeks_inputs_left_behind(monkeypatch):
+    """The guard against faust losing the records fetched while recovery completes: records wait past the committed
+    offset and no batch ran for STALL_AFTER_S, so the inputs are sought back to their committed offsets."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from faust.types import TP
+
+    from ingest import app as ingest_app
+
+    seeks = []
+    tps = [TP("p.generations", 0), TP("p.feedback", 0), TP("p-ingest-join-changelog", 0)]
+    ends = {tps[0]: 40, tps[1]: 12, tps[2]: 99}
+
+    async def seek(tp, offset):
+        seeks.append((tp, offset))
+
+    consumer = SimpleNamespace(assignment=lambda: set(tps), highwater=ends.get, seek=seek,
+                               _committed_offset={tps[0]: 40, tps[1]: 10})
+    w = ingest_app._StallWatchdog(SimpleNamespace(consumer=consumer), {"p.generations", "p.feedback"})
+    asyncio.run(w.check())
+    assert not seeks  # batches ran recently
+    w.last_batch -= ingest_app.STALL_AFTER_S + 1
+    asyncio.run(w.check())
+    assert sorted(seeks) == sorted([(tps[0], 40), (tps[1], 10)]) and w.reseeks == 1
+    seeks.clear()
+    consumer._committed_offset[tps[1]] = 12  # caught up: idle is not stalled
+    w.last_batch -= ingest_app.STALL_AFTER_S + 1
+    asyncio.run(w.check())
+    assert not seeks

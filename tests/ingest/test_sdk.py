@@ -18,7 +18,7 @@ def test_sdk_publishes_plain_json_keyed_by_generation_id(cfg):
     with FeedbackClient(cfg.broker.bootstrap, cfg.topics.feedback) as sdk:
         f1 = sdk.accept(g1, segment="pro")
         f2 = sdk.reject(g2, feedback_id="my-own-id-1")
-        f3 = sdk.edit(g3, "corrected", ts=1234.5)
+        f3 = sdk.edit(g3, "corrected", ts=1_790_000_000.5)
         fut = sdk.send(FeedbackEvent(feedback_id="f-4", generation_id=g4, kind="accept"))
         sdk.send_raw(b"\x00 anything", key="raw-key")
         sdk.flush()
@@ -33,7 +33,7 @@ def test_sdk_publishes_plain_json_keyed_by_generation_id(cfg):
     assert set(events) == {g1, g2, g3, g4}
     assert (events[g1].kind, events[g1].feedback_id, events[g1].segment) == ("accept", f1, "pro")
     assert (events[g2].kind, events[g2].feedback_id) == ("reject", "my-own-id-1")
-    assert (events[g3].kind, events[g3].edited_text, events[g3].ts) == ("edit", "corrected", 1234.5)
+    assert (events[g3].kind, events[g3].edited_text, events[g3].ts) == ("edit", "corrected", 1_790_000_000.5)
     assert all(e.generation_id == k for k, e in events.items())
     # Plain JSON: what any Kafka client (kcat) publishes is the same message.
     assert json.loads(by_key[g1])["kind"] == "accept"
@@ -66,3 +66,25 @@ def test_sdk_refuses_bad_input_with_actionable_errors(cfg):
         sdk.accept(new_gid())
     with pytest.raises(ValueError, match="bootstrap"):
         from_config(cfg.model_copy(update={"broker": cfg.broker.model_copy(update={"bootstrap": None})}))
+
+
+def test_flush_names_events_the_broker_did_not_take(cfg):
+    """A delivery failure is raised by flush(), never swallowed. The broker's refusal is simulated on a future of
+    kafka-python's own type (a real one needs a broker that fails after accepting the request)."""
+    from kafka.errors import KafkaError
+    from kafka.future import Future
+
+    from ingest.sdk import DeliveryError
+
+    ensure_topics(cfg.broker.bootstrap, all_topics(cfg), cfg.broker.partitions)
+    with FeedbackClient(cfg.broker.bootstrap, cfg.topics.feedback, max_request_size=2000) as sdk:
+        assert sdk.accept(new_gid())
+        sdk.flush()  # delivered: nothing to report
+        with pytest.raises(KafkaError):  # too big for the producer: refused at once, not later
+            sdk.send_raw(b"x" * 5000, key="too-big")
+        fut = sdk._track(Future(), "f-lost")
+        fut.failure(KafkaError("NOT_ENOUGH_REPLICAS"))
+        with pytest.raises(DeliveryError, match="f-lost") as e:
+            sdk.flush()
+        assert [k for k, _ in e.value.failed] == ["f-lost"]
+        sdk.flush()  # reported once

@@ -1,0 +1,436 @@
+"""The join of the ingest stage: one table entry per generation id, one decision per input event.
+
+The logic here knows nothing of faust: it reads and writes a ``MutableMapping[str, bytes]`` (the faust table in
+production, a dict in the property tests) and hands its output to a ``send(topic, key, value)`` coroutine that
+returns a future resolved once the broker has the record. ``ingest.app`` wires it to faust.
+
+One entry per generation id, so that every state change of a generation is one write to one changelog
+partition (ordered, all or nothing):
+
+==========  =========================================================================================
+``W``       waiting: the generation record (canonical JSON), no feedback yet
+``P``       pending: feedback that came before its record (canonical JSON) and where it came from
+``J``       judged: the judgement only (feedback id, version, kind), so redelivered feedback is a duplicate
+            and a different judgement of the same generation is dead-lettered ``already_judged``
+==========  =========================================================================================
+
+A batch's table writes are held back until the broker has acknowledged the batch's samples and dead letters
+(later events of the batch see them). So the table never says "judged" for a sample the broker does not have:
+a kill -9 before the writes leaves the entry waiting or pending, and the replayed input joins again (the learner
+dedupes the re-sent sample by ``sample_id``); a kill -9 after them replays inputs that are now duplicates.
+
+An entry is ``kind|t|meta-json\\npayload-json``: the kind and the time it was written are read without parsing
+JSON, so the timers scan cheaply. Entries are built from re-serialised, validated models (never the raw input
+bytes), and every entry is checked against ``MAX_RECORD_BYTES`` before it is written.
+
+Failure handling, per event: an input that does not parse or validate is dead-lettered with the parser's reason;
+an input larger than ``ingest.max_event_bytes`` is dead-lettered ``too_large`` unparsed; any other exception while
+handling one event dead-letters that event ``internal_error`` (counted) and the batch goes on. Failures of the
+infrastructure (the broker refusing output, Redis unreachable) raise ``InfraError``: the caller must then stop the
+worker without acknowledging the batch, so the uncommitted offsets are replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ingest.metrics import IngestMetrics, Tally
+from liverl.core.config import LiverlConfig
+from liverl.core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, TrainingSample, WireError
+
+log = logging.getLogger("liverl.ingest")
+
+WAITING, PENDING, JUDGED = b"W", b"P", b"J"
+# Largest record ingest writes (table entry, sample, dead letter): under the 1,000,000-byte produce request limit
+# of faust's producer (and the broker's default 1 MiB message limit), with room for the record's framing.
+MAX_RECORD_BYTES = 950_000
+DEAD_VALUE_BYTES = 16 * 1024  # how much of a refused value a dead letter carries (plus its size and sha256)
+DEAD_DETAIL_CHARS = 1000
+KEY_CHARS = 256
+PENDING_HARD_LIMIT_X = 10  # early feedback is dropped after this many TTLs even if generations still lag
+
+Send = Callable[[str, str, bytes], Awaitable[Awaitable[Any]]]
+
+
+class InfraError(RuntimeError):
+    """The broker or Redis failed: the batch must not be acknowledged (the worker stops and replays it)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an input came from (for dead letters, and to know when its offset is committed)."""
+
+    topic: str
+    partition: int | None
+    offset: int | None
+    key: str | None = None
+    ts: float | None = None  # the record's Kafka timestamp, seconds
+
+
+@dataclass
+class _Batch:
+    tally: Tally = field(default_factory=Tally)
+    futs: list[Any] = field(default_factory=list)
+    samples: int = 0
+    writes: dict[str, bytes | None] = field(default_factory=dict)  # table writes, applied once futs are done
+    new_pending: int = 0
+
+
+def pack(kind: bytes, t: float, meta: dict | None = None, payload: bytes = b"") -> bytes:
+    head = kind + b"|" + repr(float(t)).encode() + b"|"
+    return head + (json.dumps(meta, separators=(",", ":")).encode() if meta is not None else b"") + b"\n" + payload
+
+
+def head(value: bytes) -> tuple[bytes, float]:
+    """(kind, time written) of an entry, without parsing its JSON."""
+    end = value.index(b"|", 2)
+    return value[:1], float(value[2:end])
+
+
+def unpack(value: bytes) -> tuple[bytes, float, dict, bytes]:
+    end = value.index(b"|", 2)
+    nl = value.index(b"\n", end)
+    meta = value[end + 1:nl]
+    return value[:1], float(value[2:end]), (json.loads(meta) if meta else {}), value[nl + 1:]
+
+
+def key_text(key: Any) -> str | None:
+    if key is None:
+        return None
+    text = key.decode("utf-8", "replace") if isinstance(key, (bytes, bytearray)) else str(key)
+    return text[:KEY_CHARS]
+
+
+def dead_letter(reason: str, detail: str, src: Source, value: bytes | None) -> DeadLetter:
+    """A dead letter whose size is bounded whatever the input: value cut to ``DEAD_VALUE_BYTES``, with its size
+    and sha256 so the original can still be matched."""
+    raw = value or b""
+    cut = len(raw) > DEAD_VALUE_BYTES
+    return DeadLetter(reason=reason, detail=detail[:DEAD_DETAIL_CHARS], source_topic=src.topic,
+                      partition=src.partition, offset=src.offset, key=src.key,
+                      value=raw[:DEAD_VALUE_BYTES].decode("utf-8", "replace"), value_truncated=cut,
+                      value_size=len(raw), value_sha256=hashlib.sha256(raw).hexdigest())
+
+
+class Ingest:
+    """Join state and decisions. Every coroutine runs under ``self.lock`` (agent batch or timer)."""
+
+    def __init__(self, cfg: LiverlConfig, metrics: IngestMetrics, table: MutableMapping[str, bytes], send: Send, *,
+                 end_offset: Callable[[int], Awaitable[int | None]] | None = None,
+                 assigned: Callable[[int], bool] = lambda partition: True):
+        self.cfg = cfg
+        self.ic = cfg.ingest
+        self.topics = cfg.topics
+        self.metrics = metrics
+        self.table = table
+        self._send = send
+        self._end_offset = end_offset
+        self._assigned = assigned
+        self.lock = asyncio.Lock()
+        # In-memory index of the pending entries, rebuilt by ``recovered()`` after every rebalance; bounded by
+        # ``max_pending``.
+        self._pending: dict[str, tuple[float, float, int | None]] = {}  # gid -> (t, kafka ts, input partition)
+        # Progress of the generations stream per partition (bounded by the partition count): Kafka timestamp of
+        # the newest record processed, and the offset after the last one processed.
+        self._gen_clock: dict[int, float] = {}
+        self._gen_next: dict[int, int] = {}
+        self._resumed = time.time()
+        self.ready = False
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def recovered(self, entries: Callable[[], Any] | None = None) -> None:
+        """The table holds this worker's partitions again (after a start or a rebalance): rebuild the indexes.
+
+        Waiting starts over from now: feedback that was pending before a restart gets a whole TTL again, and
+        the generations stream counts as quiet only after a TTL of this worker's own reading.
+        """
+        items = entries() if entries is not None else list(self.table.items())
+        self._pending.clear()
+        for gid, value in items:
+            if value[:1] == PENDING:
+                _, t, meta, _ = unpack(value)
+                self._pending[gid] = (t, meta["kts"], meta["src"][1])
+        self._gen_clock.clear()
+        self._gen_next.clear()
+        self._resumed = time.time()
+        self.ready = True
+        self.metrics.pending.set(len(self._pending))
+
+    # -- per event ---------------------------------------------------------------------------------
+
+    async def process(self, events: Sequence[tuple[Source, bytes | None]], now: float | None = None) -> None:
+        """Handle a batch; raises ``InfraError`` (and only that) when the batch must not be acknowledged."""
+        out = _Batch()
+        now = time.time() if now is None else now
+        for src, value in events:
+            try:
+                if src.topic == self.topics.generations:
+                    await self._on_generation(src, value, out, now)
+                else:
+                    await self._on_feedback(src, value, out, now)
+            except InfraError:
+                raise
+            except Exception as e:
+                log.exception("internal error on %s[%s]@%s; dead-lettered", src.topic, src.partition, src.offset)
+                await self._dead(out, "internal_error", f"{type(e).__name__}: {e}", src, value)
+        await self._settle(out)
+
+    def _parse(self, model, value: bytes | None):
+        if value is None:
+            return WireError("empty", "a record without a value (tombstone)")
+        if len(value) > self.ic.max_event_bytes:
+            return WireError("too_large", f"{len(value)} bytes > ingest.max_event_bytes {self.ic.max_event_bytes}")
+        try:
+            return model.from_bytes(value)
+        except WireError as e:
+            return e
+
+    async def _on_generation(self, src: Source, value: bytes | None, out: _Batch, now: float) -> None:
+        out.tally.inc("generations_in")
+        if src.partition is not None:
+            self._gen_clock[src.partition] = max(self._gen_clock.get(src.partition, 0.0), src.ts or now)
+            if src.offset is not None:
+                self._gen_next[src.partition] = max(self._gen_next.get(src.partition, 0), src.offset + 1)
+        rec = self._parse(GenerationRecord, value)
+        if isinstance(rec, WireError):
+            await self._dead(out, rec.reason, rec.detail, src, value)
+            return
+        gid = rec.generation_id
+        entry = self._get(gid, out)
+        kind = entry[:1] if entry else None
+        if kind in (WAITING, JUDGED):  # a redelivery (or a reused id: never trained on twice)
+            out.tally.inc("generation_duplicates")
+            if kind == JUDGED:  # the replay of a join whose counters a crash may have lost: idempotent
+                _, _, meta, _ = unpack(entry)
+                out.tally.live.append((meta["f"], meta["v"], meta["k"]))
+            return
+        if kind == PENDING:
+            _, _, meta, payload = unpack(entry)
+            await self._join(rec, FeedbackEvent.model_validate_json(payload), out, now, src)
+            return
+        new = pack(WAITING, now, None, rec.model_dump_json().encode())
+        if len(new) > MAX_RECORD_BYTES:
+            await self._dead(out, "too_large", f"the canonical record is {len(new)} bytes", src, value)
+            return
+        out.writes[gid] = new
+
+    async def _on_feedback(self, src: Source, value: bytes | None, out: _Batch, now: float) -> None:
+        out.tally.inc("feedback_in")
+        fb = self._parse(FeedbackEvent, value)
+        if isinstance(fb, WireError):
+            await self._dead(out, fb.reason, fb.detail, src, value)
+            return
+        gid, fid = fb.generation_id, fb.feedback_id
+        entry = self._get(gid, out)
+        kind = entry[:1] if entry else None
+        if kind == JUDGED:
+            _, _, meta, _ = unpack(entry)
+            if meta["f"] == fid:
+                out.tally.inc("duplicates")
+                out.tally.live.append((fid, meta["v"], meta["k"]))  # idempotent; heals a crash before Redis
+            else:
+                await self._dead(out, "already_judged", f"generation {gid} was already judged by feedback {meta['f']}",
+                                 src, value)
+        elif kind == WAITING:
+            _, _, _, payload = unpack(entry)
+            await self._join(GenerationRecord.model_validate_json(payload), fb, out, now, src)
+        elif kind == PENDING:
+            _, _, meta, _ = unpack(entry)
+            if meta["f"] == fid:
+                out.tally.inc("duplicates")
+            else:
+                await self._dead(out, "already_judged",
+                                 f"generation {gid} already has feedback {meta['f']} waiting for it", src, value)
+        elif len(self._pending) + out.new_pending >= self.ic.max_pending:
+            await self._dead(out, "pending_full", f"{len(self._pending)} feedback events already wait for their "
+                             f"generation (ingest.max_pending)", src, value)
+        else:
+            kts = src.ts or now
+            meta = {"f": fid, "kts": kts, "src": [src.topic, src.partition, src.offset, src.key]}
+            out.writes[gid] = pack(PENDING, now, meta, fb.model_dump_json().encode())
+            out.new_pending += 1
+
+    async def _join(self, rec: GenerationRecord, fb: FeedbackEvent, out: _Batch, now: float, src: Source) -> None:
+        gid = rec.generation_id
+        meta = {"f": fb.feedback_id, "v": rec.policy_version, "k": fb.kind}
+        sample = b""
+        if rec.trainable:
+            sample = TrainingSample(
+                sample_id=gid, generation_id=gid, feedback_id=fb.feedback_id, policy_version=rec.policy_version,
+                kind=fb.kind, reward=float(getattr(self.ic.rewards, fb.kind)), segment=fb.segment,
+                prompt_token_ids=rec.prompt_token_ids, completion_token_ids=rec.completion_token_ids,
+                behaviour_logprobs=rec.completion_logprobs, sampling=rec.sampling, edited_text=fb.edited_text,
+                ts_generation=rec.ts, ts_feedback=fb.ts,
+            ).model_dump_json().encode()
+            if len(sample) > MAX_RECORD_BYTES:
+                await self._dead(out, "sample_too_large", f"the joined sample of {gid} would be {len(sample)} bytes",
+                                 src, fb.model_dump_json().encode())
+                sample = b""
+        else:
+            out.tally.inc("drop:not_trainable")
+        out.writes[gid] = pack(JUDGED, now, meta)
+        if sample:
+            out.futs.append(await self._emit(self.topics.samples, gid, sample))
+            out.samples += 1
+        out.tally.inc("joined")
+        out.tally.joined_kinds[fb.kind] += 1
+        out.tally.live.append((fb.feedback_id, rec.policy_version, fb.kind))
+        out.tally.feedback_delays_s.append(now - fb.ts)
+
+    def _get(self, gid: str, out: _Batch) -> bytes | None:
+        return out.writes[gid] if gid in out.writes else self.table.get(gid)
+
+    async def _dead(self, out: _Batch, reason: str, detail: str, src: Source, value: bytes | None) -> None:
+        letter = dead_letter(reason, detail, src, value)
+        log.debug("dead letter %s: %s (%s[%s]@%s)", reason, letter.detail, src.topic, src.partition, src.offset)
+        out.futs.append(await self._emit(self.topics.dead_letters, src.key or "", letter.to_bytes()))
+        out.tally.inc(f"dlq:{reason}")
+
+    async def _emit(self, topic: str, key: str, value: bytes) -> Awaitable[Any]:
+        try:
+            return await self._send(topic, key, value)
+        except Exception as e:
+            raise InfraError(f"producing to {topic} failed: {type(e).__name__}: {e}") from e
+
+    async def _settle(self, out: _Batch) -> None:
+        """Wait until the broker has the batch's output, then write the table, then count (Redis + Prometheus)."""
+        await self._settle_futures(out)
+        for gid, entry in out.writes.items():
+            if entry is None:
+                self.table.pop(gid, None)
+                self._pending.pop(gid, None)
+                continue
+            self.table[gid] = entry
+            if entry[:1] == PENDING:
+                _, t, meta, _ = unpack(entry)
+                self._pending[gid] = (t, meta["kts"], meta["src"][1])
+            else:
+                self._pending.pop(gid, None)
+        out.writes.clear()
+        out.tally.inc("samples_out", out.samples)
+        try:
+            await self.metrics.apply(out.tally, retry_s=self.ic.redis_retry_s)
+        except Exception as e:
+            raise InfraError(f"Redis at {self.metrics.redis_url} failed: {type(e).__name__}: {e}") from e
+        self.metrics.pending.set(len(self._pending))
+
+    # -- timers ------------------------------------------------------------------------------------
+
+    def _waited(self, t: float, kts: float, part: int | None, now: float, ttl: float) -> str | None:
+        """Has this feedback waited long enough for its generation? None, "hard", "clock" or "caught_up".
+
+        Waiting ``ttl`` of wall time (counted from when this worker resumed, if later; ``ttl`` is at least the
+        producers' delivery timeout) is not enough on its own: when the generations stream lags the feedback stream
+        (a backlog after a restart, a stalled worker, a slow partition) the record may still be unread. So either
+        the generations partition co-partitioned with the feedback has moved ``ttl`` past the feedback's own
+        timestamp ("clock"), or this worker has read that partition to its end ("caught_up": checked against the
+        broker by the caller). A hard limit of ``PENDING_HARD_LIMIT_X`` x ``ttl`` (at least 10 min) bounds memory
+        if a partition never catches up.
+        """
+        if now - t >= max(PENDING_HARD_LIMIT_X * ttl, 600.0):
+            return "hard"
+        if now - max(t, self._resumed) < ttl:
+            return None
+        clock = self._gen_clock.get(part) if part is not None else None
+        if clock is not None and clock >= kts + ttl:
+            return "clock"
+        return "caught_up"
+
+    async def _caught_up(self, part: int | None) -> bool:
+        """Has this worker processed every generation record the broker has on ``part``, as of now?"""
+        if part is None or self._end_offset is None:
+            return True
+        end = await self._end_offset(part)
+        return end is not None and self._gen_next.get(part, 0) >= end
+
+    async def expire_pending(self, now: float | None = None) -> int:
+        """Dead-letter feedback whose generation did not arrive within ``pending_ttl_s`` (assigned partitions only)."""
+        now = time.time() if now is None else now
+        ttl = self.ic.pending_ttl_s
+        expired = []
+        caught_up: dict[int | None, bool] = {}
+        for gid, (t, kts, part) in list(self._pending.items()):
+            if part is not None and not self._assigned(part):
+                continue
+            why = self._waited(t, kts, part, now, ttl)
+            if why == "caught_up":
+                if part not in caught_up:
+                    caught_up[part] = await self._caught_up(part)
+                if not caught_up[part]:
+                    continue
+            if why is not None:
+                expired.append(gid)
+        if not expired:
+            return 0
+        out = _Batch()
+        gone = []
+        for gid in expired:
+            entry = self.table.get(gid)
+            if entry is None or entry[:1] != PENDING:  # joined meanwhile (the index is only a hint)
+                self._pending.pop(gid, None)
+                continue
+            _, _, meta, payload = unpack(entry)
+            topic, partition, offset, key = meta["src"]
+            await self._dead(out, "unknown_generation", f"no generation record {gid} arrived within {ttl:g} s of "
+                             "the feedback", Source(topic, partition, offset, key), payload)
+            gone.append(gid)
+        # Dead letters first, deletion after: a crash in between repeats the dead letter, never loses it.
+        await self._settle_futures(out)
+        for gid in gone:
+            self.table.pop(gid, None)
+            self._pending.pop(gid, None)
+        await self._settle(out)
+        return len(gone)
+
+    async def _settle_futures(self, out: _Batch) -> None:
+        if out.futs:
+            try:
+                await asyncio.gather(*out.futs)
+            except Exception as e:
+                raise InfraError(f"the broker did not take the dead letters: {type(e).__name__}: {e}") from e
+            out.futs.clear()
+
+    async def evict_old(self, now: float | None = None, chunk: int = 2000) -> int:
+        """Drop unjudged generations and old judgements past their TTLs (bounded memory).
+
+        Takes the lock itself, one chunk of keys at a time (each entry re-checked under it), so a large table
+        does not hold up the join. Pending feedback is the other timer's.
+        """
+        now = time.time() if now is None else now
+        async with self.lock:
+            keys = list(self.table.keys())
+        unjudged = judged = 0
+        for i in range(0, len(keys), chunk):
+            async with self.lock:
+                for gid in keys[i:i + chunk]:
+                    entry = self.table.get(gid)
+                    if entry is None:
+                        continue
+                    kind, t = head(entry)
+                    if kind == WAITING and now - t >= self.ic.generation_ttl_s:
+                        unjudged += 1
+                    elif kind == JUDGED and now - t >= self.ic.judged_ttl_s:
+                        judged += 1
+                    else:
+                        continue
+                    self.table.pop(gid, None)
+            await asyncio.sleep(0)
+        if unjudged or judged:
+            tally = Tally()
+            tally.inc("generations_expired", unjudged)
+            tally.inc("judgements_expired", judged)
+            try:
+                await self.metrics.apply(tally)
+            except Exception as e:
+                raise InfraError(f"Redis at {self.metrics.redis_url} failed: {type(e).__name__}: {e}") from e
+        self.metrics.tracked.set(len(keys) - unjudged - judged)
+        return unjudged + judged
+
