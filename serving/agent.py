@@ -36,7 +36,8 @@ from liverl.core import keys
 from liverl.core.services import verify_key_path
 from liverl.core.config import LiverlConfig
 from liverl.core.schemas import VersionAnnouncement, WireError
-from serving.gateway import Gateway, NodeClient
+from serving.gateway import Gateway, event_loop_factory
+from serving.node import NodeClient
 
 log = logging.getLogger("liverl.serving.agent")
 
@@ -412,7 +413,8 @@ def run_serving(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str,
             loop.add_signal_handler(sig, stop.set)
         await serve(cfg, model_dir, bootstrap, redis_url, registry_url, stop)
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(main())
 
 
 class ServingThread:

@@ -1,46 +1,45 @@
 """The product's front door: an OpenAI-compatible gateway that logs every generation with its exact policy version.
 
-``POST /v1/completions`` forwards to the vLLM node with the sampled-token log-prob (``logprobs=0``) and
-``return_token_ids=true``, assigns a ``generation_id``, publishes a ``GenerationRecord`` to the generations topic
-(keyed by generation id; idempotent producer, acks=all) and answers with the node's OpenAI response plus
-``"liverl": {"generation_id", "policy_version"}`` and the ``X-Liverl-Generation-Id`` / ``X-Liverl-Version`` headers.
+Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (plain or streamed, any ``n``; the chat template
+is the model's, applied by the node, so a record's prompt token ids are exactly what the model read),
+``GET /v1/models``, and ``POST /v1/feedback`` (the feedback JSON of the topic, for backends that cannot speak
+Kafka). Request validation and response shaping are in ``serving.openai_api``.
+
+Each choice of a response is one generation: it gets a ``generation_id``, and a ``GenerationRecord`` (prompt and
+completion token ids, the sampled tokens' log-probs, the sampling parameters, trainable or why not) goes to the
+generations topic, keyed by generation id, before the response ends (the wait for the broker's ack is bounded by
+``ack_wait_s`` and counted when it expires). The client finds the ids and the version in the body (``liverl`` and
+each choice's ``generation_id``), in every chunk of a stream, and in the ``X-Liverl-Generation-Id`` (comma-separated,
+in choice order) and ``X-Liverl-Version`` headers.
 
 Exact version attribution: the gateway owns a ``SwapGate``. A hot-swap closes it: new requests wait (they are not
-dropped), in-flight requests drain, the weights change, the gate reopens. A request is admitted only while the gate
-is open and the swap waits for every admitted request to finish, so the version read at admission produced every
-token of that request. Only ``n=1`` non-streaming completions are accepted (one record per generation).
+dropped), admitted ones drain, the weights change, the gate reopens. A request, streamed or not, holds its admission
+until the node's last byte, so the version read at admission produced every token of it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import math
+import os
+import random
 import time
-import uuid
 from contextlib import asynccontextmanager
-from typing import Any
 
 import aiohttp
 from aiohttp import web
+from pydantic_core import from_json, to_json
 
 from liverl.core.config import LiverlConfig
-from liverl.core.schemas import GenerationRecord, SamplingParams
+from liverl.core.schemas import FeedbackEvent, GenerationRecord, WireError
+from serving import openai_api as oa
+from serving.node import NodeClient
 
 log = logging.getLogger("liverl.serving.gateway")
 
-SERVED_MODEL_NAME = "liverl"  # the node's --served-model-name (serving.node)
-MAX_PROMPT_CHARS = 100_000
-MAX_LOGPROBS = 20
-
-
-class BadRequest(ValueError):
-    """A client error, answered with HTTP 400 and an OpenAI-style error body."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+ROUTES = {oa.CompletionRequest.route: (oa.CompletionRequest, oa.add_completion_chunk),
+          oa.ChatCompletionRequest.route: (oa.ChatCompletionRequest, oa.add_chat_chunk)}
 
 
 class SwapGate:
@@ -70,7 +69,7 @@ class SwapGate:
     @asynccontextmanager
     async def admit(self, timeout_s: float):
         deadline = time.monotonic() + timeout_s
-        while not self._open.is_set():
+        while not self._open.is_set():  # a loop: the gate may close again before this waiter runs
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError("a weight swap is in progress; retry shortly")
@@ -100,132 +99,27 @@ class SwapGate:
                 self._open.set()
 
 
-class NodeClient:
-    """HTTP client of one vLLM node: OpenAI routes plus the dev/RL routes used for hot-swaps."""
-
-    def __init__(self, url: str, timeout_s: float = 120.0, max_connections: int = 256):
-        self.url = url.rstrip("/")
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._max_connections = max_connections
-        self.session: aiohttp.ClientSession | None = None
-
-    async def start(self) -> None:
-        self.session = aiohttp.ClientSession(
-            timeout=self._timeout,
-            connector=aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=30),  # < node's 75 s
-        )
-
-    async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
-
-    async def request(self, method: str, path: str, retry: bool = True, **kw) -> tuple[int, Any]:
-        """One HTTP call; retried once (unless ``retry`` is False: calls that must not run twice) when a pooled
-        connection turns out closed before any response came."""
-        assert self.session is not None, "NodeClient.start() first"
-        for attempt in (0, 1) if retry else (1,):
-            try:
-                async with self.session.request(method, self.url + path, **kw) as r:
-                    raw = await r.read()
-                    try:
-                        return r.status, json.loads(raw) if raw else None
-                    except ValueError:
-                        return r.status, {"raw": raw.decode(errors="replace")}
-            except aiohttp.ServerDisconnectedError:
-                if attempt:
-                    raise
-                log.warning("vLLM node closed a pooled connection; retrying %s %s once", method, path)
-        raise AssertionError("unreachable")
-
-    async def _ok(self, method: str, path: str, retry: bool = True, **kw) -> Any:
-        status, body = await self.request(method, path, retry=retry, **kw)
-        if status != 200:
-            raise RuntimeError(f"vLLM node {method} {path} -> HTTP {status}: {body}")
-        return body
-
-    async def pause(self, mode: str = "wait") -> None:
-        await self._ok("POST", f"/pause?mode={mode}")
-
-    async def resume(self) -> None:
-        await self._ok("POST", "/resume")
-
-    async def reset_prefix_cache(self, attempts: int = 50) -> None:
-        """Reset the prefix cache; vLLM refuses while blocks are held, so retry briefly."""
-        for _ in range(attempts):
-            body = await self._ok("POST", "/reset_prefix_cache")
-            if body and body.get("success"):
-                return
-            await asyncio.sleep(0.01)
-        raise RuntimeError("vLLM did not reset its prefix cache (blocks still held)")
-
-    async def rpc(self, method: str, *args: str, timeout_s: float = 120.0) -> dict:
-        """``collective_rpc`` of a LiverlWorkerExtension method; returns the (single) worker's result dict."""
-        body = await self._ok("POST", "/collective_rpc", retry=False,  # an XOR delta applied twice is undone
-                              json={"method": method, "args": list(args), "timeout": timeout_s})
-        results = (body or {}).get("results") or []
-        if len(results) != 1 or not isinstance(results[0], dict):
-            raise RuntimeError(f"collective_rpc {method}: expected one worker result, got {body}")
-        return results[0]
+def event_loop_factory():
+    """uvloop's loop when it is installed (vLLM depends on it), else asyncio's: the gateway's HTTP server and client
+    spend less CPU per request on it."""
+    try:
+        import uvloop
+    except ImportError:
+        log.info("uvloop is not installed; the gateway runs on asyncio's default event loop")
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
 
 
-def _openai_error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                             status=status)
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> web.Response:
+    return web.Response(body=to_json(oa.error_body(status, message, param, kind)), status=status,
+                        content_type="application/json")
 
 
-def _number(body: dict, key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise BadRequest(f"'{key}' must be a number", key)
-    if v < lo or v > hi or (lo_open and v == lo):
-        raise BadRequest(f"'{key}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", key)
-    return float(v)
+class ClientLeft(Exception):
+    """The client closed the connection mid-stream (the node's stream was closed too, so vLLM aborted)."""
 
-
-def validate_completion_request(body: Any) -> tuple[dict, dict]:
-    """Check a /v1/completions body; return (body to forward, what the client asked to see). Raises BadRequest."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise BadRequest("'prompt' is required and must be one string (batched or token-id prompts are not "
-                         "supported: each generation is logged separately)", "prompt")
-    if not prompt or len(prompt) > MAX_PROMPT_CHARS:
-        raise BadRequest(f"'prompt' must have 1..{MAX_PROMPT_CHARS} characters", "prompt")
-    for key in ("n", "best_of"):
-        v = body.get(key)
-        if v is not None and v != 1:
-            raise BadRequest(f"'{key}' must be 1: the gateway logs one generation per request (got {v!r}); "
-                             "send separate requests instead", key)
-    if body.get("stream"):
-        raise BadRequest("'stream' is not supported: every generation is logged whole", "stream")
-    if body.get("echo"):
-        raise BadRequest("'echo' is not supported", "echo")
-    if body.get("use_beam_search"):
-        raise BadRequest("'use_beam_search' is not supported (it is not sampling from the policy)", "use_beam_search")
-    max_tokens = body.get("max_tokens", 16)
-    if max_tokens is None:
-        max_tokens = 16
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise BadRequest(f"'max_tokens' must be a positive integer, got {max_tokens!r}", "max_tokens")
-    temperature = _number(body, "temperature", 1.0, 0.0, 100.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
-    logprobs = body.get("logprobs")
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
-                                 or not 0 <= logprobs <= MAX_LOGPROBS):
-        raise BadRequest(f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}]", "logprobs")
-    wants = {"logprobs": logprobs is not None, "token_ids": bool(body.get("return_token_ids"))}
-    fwd = dict(body)
-    fwd.update(model=SERVED_MODEL_NAME, prompt=prompt, n=1, stream=False, max_tokens=max_tokens,
-               temperature=temperature, top_p=top_p, logprobs=logprobs if logprobs is not None else 0,
-               return_token_ids=True)
-    fwd.pop("best_of", None)
-    return fwd, wants
+    def __init__(self, resp: web.StreamResponse):
+        self.resp = resp
 
 
 class Gateway:
@@ -246,12 +140,13 @@ class Gateway:
         self.checksum: str | None = None
         self.unhealthy_reason: str | None = "not initialised"
         self.last_swap_pause_ms: float | None = None
+        self.max_model_len = 0
         self.producer = None
-        self._pending_acks: set[asyncio.Future] = set()
+        self._ids = random.Random(os.urandom(32))  # generation ids: 128 random bits, no syscall per id
         r = self.metrics_registry = CollectorRegistry()
-        self.m_requests = Counter("liverl_gateway_requests", "Completion requests by HTTP status", ["status"],
-                                  registry=r)
-        self.m_seconds = Histogram("liverl_gateway_request_seconds", "Completion latency, admission wait included",
+        self.m_requests = Counter("liverl_gateway_requests", "Requests by route and HTTP status (499: the client "
+                                  "left mid-stream)", ["route", "status"], registry=r)
+        self.m_seconds = Histogram("liverl_gateway_request_seconds", "Generation latency, admission wait included",
                                    registry=r, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
         self.m_version = Gauge("liverl_gateway_policy_version", "Policy version being served", registry=r)
         self.m_swaps = Counter("liverl_gateway_swaps", "Hot-swaps attempted", ["outcome"], registry=r)
@@ -260,18 +155,24 @@ class Gateway:
         self.m_inflight = Gauge("liverl_gateway_inflight_requests", "Requests being generated", registry=r)
         self.m_logged = Counter("liverl_gateway_generations_logged", "Generation records acknowledged by Kafka",
                                 registry=r)
+        self.m_untrainable = Counter("liverl_gateway_untrainable_generations",
+                                     "Generations logged as not trainable, by reason", ["reason"], registry=r)
         self.m_log_fail = Counter("liverl_gateway_generation_log_failures",
-                                  "Generation records Kafka did not acknowledge (error)", registry=r)
+                                  "Generation records Kafka did not take (error), or choices the node never finished",
+                                  registry=r)
         self.m_log_slow = Counter("liverl_gateway_generation_log_slow",
                                   "Responses sent before Kafka acknowledged the record (bounded wait expired)",
                                   registry=r)
+        self.m_feedback = Counter("liverl_gateway_feedback", "POST /v1/feedback by HTTP status", ["status"], registry=r)
         self.app = self._make_app()
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
     def _make_app(self) -> web.Application:
         app = web.Application(client_max_size=4 << 20)
-        app.router.add_post("/v1/completions", self.completions)
+        for route in ROUTES:
+            app.router.add_post(route, self.generate)
+        app.router.add_post("/v1/feedback", self.feedback)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/liverl/version", self.version_info)
         app.router.add_get("/healthz", self.healthz)
@@ -279,124 +180,134 @@ class Gateway:
         return app
 
     async def start(self) -> None:
-        """Create the generations topic if needed and start the producer (kafka-python, idempotent, acks=all).
+        """Create the generations and feedback topics if needed, start the producer, read the context length."""
+        from liverl.core.bus import ensure_topics
+        from serving.producer import AsyncProducer
 
-        kafka-python rather than aiokafka: aiokafka's idempotent producer fails InitProducerId against the embedded
-        Tansu broker (UnknownError), kafka-python's works. Its sends are non-blocking (a background I/O thread);
-        acks are bridged back to the event loop.
-        """
-        from liverl.core.bus import ensure_topics, make_producer
-
-        topic = self.cfg.topics.generations
-        await asyncio.to_thread(ensure_topics, self.bootstrap, [topic], self.cfg.broker.partitions)
-
-        def connect():
-            producer = make_producer(self.bootstrap, client_id=f"liverl-gateway-{self.node_name}", max_block_ms=2000)
-            producer.partitions_for(topic)  # fetch metadata now, so send() never blocks the loop on it
-            return producer
-
-        self.producer = await asyncio.to_thread(connect)
+        topics = [self.cfg.topics.generations, self.cfg.topics.feedback]
+        await asyncio.to_thread(ensure_topics, self.bootstrap, topics, self.cfg.broker.partitions)
+        producer = AsyncProducer(self.bootstrap, client_id=f"liverl-gateway-{self.node_name}")
+        await producer.start(topics)
+        self.producer = producer
+        self.max_model_len = await self.node.max_model_len()
 
     async def close(self) -> None:
-        if self._pending_acks:
-            await asyncio.wait(list(self._pending_acks), timeout=10)
         if self.producer is not None:
             producer, self.producer = self.producer, None
-            await asyncio.to_thread(producer.close, 10)  # flushes what is still buffered
+            await producer.close()
 
     def set_served(self, version: int, checksum: str) -> None:
         self.version, self.checksum, self.unhealthy_reason = version, checksum, None
         self.m_version.set(version)
 
-    # ------------------------------------------------------------------------------------------ handlers
+    # ------------------------------------------------------------------------------------------ generations
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def generate(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
-        resp = await self._completions(request)
-        self.m_requests.labels(status=str(resp.status)).inc()
+        route = request.path
+        try:
+            resp = await self._generate(request, route)
+        except oa.BadRequest as e:
+            resp = _error(e.status, str(e), e.param)
+        except TimeoutError as e:
+            resp = _error(503, str(e), kind="service_unavailable")
+        except aiohttp.ClientError as e:
+            resp = _error(502, f"vLLM node unreachable: {e}", kind="bad_gateway")
+        except ClientLeft as e:
+            self.m_requests.labels(route=route, status="499").inc()
+            return e.resp
+        self.m_requests.labels(route=route, status=str(resp.status)).inc()
         self.m_seconds.observe(time.perf_counter() - t0)
         return resp
 
-    async def _completions(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError) as e:
-            return _openai_error(400, f"the request body is not valid JSON: {e}")
-        try:
-            fwd, wants = validate_completion_request(body)
-        except BadRequest as e:
-            return _openai_error(400, str(e), e.param)
+    async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
+        model, add_chunk = ROUTES[route]
+        req = model.parse(await request.read())
         if self.unhealthy_reason is not None:
-            return _openai_error(503, f"node not serving: {self.unhealthy_reason}", kind="service_unavailable")
-        try:
-            async with self.gate.admit(self.admit_timeout_s):
-                version = self.version
-                self.m_inflight.inc()
-                try:
-                    status, out = await self.node.request("POST", "/v1/completions", json=fwd)
-                finally:
-                    self.m_inflight.dec()
-                if version != self.version:  # cannot happen while the gate works; refuse to mislabel
-                    return _openai_error(500, "policy version changed during generation", kind="internal_error")
-        except TimeoutError as e:
-            return _openai_error(503, str(e), kind="service_unavailable")
-        except aiohttp.ClientError as e:
-            return _openai_error(502, f"vLLM node unreachable: {e}", kind="bad_gateway")
+            raise oa.BadRequest(f"node not serving: {self.unhealthy_reason}", status=503)
+        body = to_json(req.node_body())
+        ids = [f"{self._ids.getrandbits(128):032x}" for _ in range(req.n_choices)]
+        async with self.gate.admit(self.admit_timeout_s):
+            version = self.version
+            self.m_inflight.inc()
+            try:
+                if req.stream:
+                    return await self._stream(request, req, add_chunk, body, ids, version)
+                status, raw = await self.node.post(route, body)
+            finally:
+                self.m_inflight.dec()
+            assert version == self.version, "the swap gate let the version change under a request"
         if status != 200:  # vLLM's own validation errors keep their status and message
-            return web.json_response(out if isinstance(out, dict) else {"error": out}, status=status)
+            return web.Response(body=raw, status=status, content_type="application/json")
+        out = from_json(raw)
+        choices: dict[int, oa.Choice] = {}
+        add_chunk(req, out, choices)
+        acks = [self._log(req, choices[i], ids[i], version) for i in range(req.n_choices)]
+        await self._wait_acks(acks)
+        return web.Response(body=to_json(oa.for_client(req, out, ids, version)), content_type="application/json",
+                            headers=self._headers(ids, version))
+
+    async def _stream(self, request: web.Request, req: oa._GenerationRequest, add_chunk, body: bytes,
+                      ids: list[str], version: int) -> web.StreamResponse:
+        """Relay the node's SSE stream chunk by chunk; log each choice when it finishes, ``[DONE]`` after the acks."""
+        async with self.node.stream(req.route, body) as r:
+            if r.status != 200:
+                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+            resp = web.StreamResponse(headers={**SSE_HEADERS, **self._headers(ids, version)})
+            await resp.prepare(request)
+            choices: dict[int, oa.Choice] = {}
+            acks: list[asyncio.Future | None] = []
+            try:
+                async for line in r.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    data = line[6:].rstrip()
+                    if data == b"[DONE]":
+                        break
+                    chunk = from_json(data)
+                    if "choices" in chunk:
+                        for i in add_chunk(req, chunk, choices):
+                            acks.append(self._log(req, choices[i], ids[i], version))
+                        data = to_json(oa.for_client(req, chunk, ids, version))
+                    await resp.write(b"data: " + data + b"\n\n")
+                self.m_log_fail.inc(req.n_choices - len(acks))  # choices the node never finished (an error came)
+                await self._wait_acks(acks)
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+            except ConnectionResetError:
+                raise ClientLeft(resp) from None
+            except aiohttp.ClientError as e:  # the node's stream broke: tell the client in the stream
+                error = oa.error_body(502, f"vLLM node stream broke: {e}", kind="bad_gateway")
+                await resp.write(b"data: " + to_json(error) + b"\n\n")
+                await resp.write_eof()
+        return resp
+
+    @staticmethod
+    def _headers(ids: list[str], version: int) -> dict[str, str]:
+        return {"X-Liverl-Generation-Id": ",".join(ids), "X-Liverl-Version": str(version)}
+
+    def _log(self, req: oa._GenerationRequest, choice: oa.Choice, generation_id: str,
+             version: int) -> asyncio.Future | None:
+        """Publish one generation's record; returns the broker's ack (None when it could not even be queued)."""
         try:
-            choice = out["choices"][0]
+            reason = req.untrainable_reason()
             record = GenerationRecord(
-                generation_id=uuid.uuid4().hex, policy_version=version, node=self.node_name,
-                prompt=fwd["prompt"], completion=choice["text"],
-                prompt_token_ids=choice["prompt_token_ids"], completion_token_ids=choice["token_ids"],
-                completion_logprobs=[float(x) for x in choice["logprobs"]["token_logprobs"]],
-                sampling=SamplingParams(temperature=fwd["temperature"], top_p=fwd["top_p"],
-                                        max_tokens=fwd["max_tokens"]),
-                finish_reason=choice.get("finish_reason"),
-            )
-        except (KeyError, IndexError, TypeError, ValueError) as e:
-            log.error("unexpected vLLM response %s: %s", out, e)
-            return _openai_error(502, f"unexpected response from the vLLM node: {e}", kind="bad_gateway")
-        await self._log_record(record)
-        if not wants["logprobs"]:
-            choice.pop("logprobs", None)
-        if not wants["token_ids"]:
-            choice.pop("token_ids", None)
-            choice.pop("prompt_token_ids", None)
-        out["liverl"] = {"generation_id": record.generation_id, "policy_version": version}
-        return web.json_response(out, headers={"X-Liverl-Generation-Id": record.generation_id,
-                                               "X-Liverl-Version": str(version)})
-
-    async def _log_record(self, record: GenerationRecord) -> None:
-        """Publish the record; wait for the broker's ack at most ``ack_wait_s``, count every failure."""
-        loop = asyncio.get_running_loop()
-        ack: asyncio.Future = loop.create_future()
-
-        def settle(result=None, error: BaseException | None = None) -> None:
-            if ack.done():
-                return
-            if error is not None:
-                ack.set_exception(error)
-            else:
-                ack.set_result(result)
-
-        try:
-            kfut = self.producer.send(self.cfg.topics.generations, value=record.to_bytes(), key=record.generation_id)
-        except Exception as e:  # buffer full past max_block_ms, producer closed, ...
+                generation_id=generation_id, policy_version=version, node=self.node_name, prompt=choice.prompt,
+                completion="".join(choice.text), prompt_token_ids=choice.prompt_token_ids,
+                completion_token_ids=choice.token_ids, completion_logprobs=choice.logprobs,
+                sampling=req.sampling(req.max_tokens_for(self.max_model_len, len(choice.prompt_token_ids))),
+                finish_reason=choice.finish_reason, trainable=reason is None, untrainable_reason=reason)
+            ack = self.producer.produce(self.cfg.topics.generations, generation_id, record.to_bytes())
+        except Exception as e:  # a malformed node response, or the producer's queue is full: count, serve anyway
             self.m_log_fail.inc()
-            log.error("generation %s not logged: %s", record.generation_id, e)
-            return
-        self._pending_acks.add(ack)
+            log.error("generation %s not logged: %s", generation_id, e)
+            return None
+        if reason is not None:
+            self.m_untrainable.labels(reason=reason).inc()
         ack.add_done_callback(self._on_ack)
-        kfut.add_callback(lambda md: loop.call_soon_threadsafe(settle, md))
-        kfut.add_errback(lambda e: loop.call_soon_threadsafe(settle, None, e))
-        done, _ = await asyncio.wait([ack], timeout=self.ack_wait_s)
-        if not done:
-            self.m_log_slow.inc()
+        return ack
 
     def _on_ack(self, fut: asyncio.Future) -> None:
-        self._pending_acks.discard(fut)
         if fut.cancelled() or fut.exception() is not None:
             self.m_log_fail.inc()
             log.error("generation record not acknowledged by Kafka: %s",
@@ -404,11 +315,44 @@ class Gateway:
         else:
             self.m_logged.inc()
 
+    async def _wait_acks(self, acks: list[asyncio.Future | None]) -> None:
+        pending = [a for a in acks if a is not None and not a.done()]
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=self.ack_wait_s)
+            self.m_log_slow.inc(len(late))
+
+    # ------------------------------------------------------------------------------------------ feedback
+
+    async def feedback(self, request: web.Request) -> web.Response:
+        """The feedback topic's JSON over HTTP: 202 once the broker has it, 400 with the reason when invalid."""
+        resp = await self._feedback(await request.read())
+        self.m_feedback.labels(status=str(resp.status)).inc()
+        return resp
+
+    async def _feedback(self, raw: bytes) -> web.Response:
+        try:
+            event = FeedbackEvent.from_bytes(raw)
+        except WireError as e:
+            param = e.detail.split(":", 1)[0] if e.reason == "invalid_field" and ":" in e.detail else None
+            return _error(400, str(e), param if param != "<root>" else None)
+        if self.producer is None:
+            return _error(503, "the gateway is not connected to Kafka", kind="service_unavailable")
+        try:
+            ack = self.producer.produce(self.cfg.topics.feedback, event.generation_id, event.to_bytes())
+            await asyncio.wait_for(ack, timeout=max(self.ack_wait_s, 10.0))
+        except (BufferError, RuntimeError, TimeoutError) as e:
+            return _error(503, f"Kafka did not take the feedback: {e}; retry with the same feedback_id",
+                          kind="service_unavailable")
+        return web.json_response({"feedback_id": event.feedback_id, "generation_id": event.generation_id,
+                                  "topic": self.cfg.topics.feedback}, status=202)
+
+    # ------------------------------------------------------------------------------------------ the rest
+
     async def models(self, request: web.Request) -> web.Response:
         try:
             status, out = await self.node.request("GET", "/v1/models")
         except aiohttp.ClientError as e:
-            return _openai_error(502, f"vLLM node unreachable: {e}", kind="bad_gateway")
+            return _error(502, f"vLLM node unreachable: {e}", kind="bad_gateway")
         return web.json_response(out, status=status)
 
     async def version_info(self, request: web.Request) -> web.Response:

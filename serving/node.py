@@ -17,11 +17,13 @@ Options that matter (all exact vLLM 0.32 names):
   overhead-bound anyway), ``OMP_NUM_THREADS`` = ``threads`` (default 1) and ``VLLM_CPU_OMP_THREADS_BIND=nobind``
   so the engine neither pins nor spins both cores of a small machine.
 
-This module imports neither torch nor vLLM at import time.
+``NodeClient`` is the node's HTTP client (the OpenAI routes the gateway forwards to, and the dev/RL routes the
+hot-swap agent drives). This module imports neither torch nor vLLM at import time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -31,8 +33,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+import aiohttp
 
 from liverl.core.config import LiverlConfig
 
@@ -40,7 +47,7 @@ log = logging.getLogger("liverl.serving.node")
 
 SERVED_MODEL_NAME = "liverl"
 WORKER_EXTENSION = "serving.worker_ext.LiverlWorkerExtension"
-NODE_KEEPALIVE_S = 75  # the gateway's client pool keeps idle connections for less (serving.gateway)
+NODE_KEEPALIVE_S = 75  # NodeClient's pool keeps idle connections for less (30 s)
 
 
 class NodeError(RuntimeError):
@@ -229,3 +236,103 @@ def _wait_ready(handle: NodeHandle, timeout_s: float) -> None:
             raise NodeError(f"vLLM node not ready after {timeout_s:.0f} s; log {handle.log_path}, last lines:\n"
                             f"{handle.log_tail()}")
         time.sleep(0.25)
+
+
+class NodeClient:
+    """HTTP client of one vLLM node: the OpenAI routes (raw bytes in and out, for the gateway's hot path) and the
+    dev/RL routes the hot-swap agent drives (JSON)."""
+
+    JSON = {"Content-Type": "application/json"}
+
+    def __init__(self, url: str, timeout_s: float = 120.0, max_connections: int = 256):
+        self.url = url.rstrip("/")
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._max_connections = max_connections
+        self.session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession(
+            timeout=self._timeout, skip_auto_headers=("User-Agent",),
+            connector=aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=30),  # < NODE_KEEPALIVE_S
+        )
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """POST a JSON body, return (status, raw body). Retried once when a pooled connection turns out closed
+        before any response came (the node never saw the request)."""
+        assert self.session is not None, "NodeClient.start() first"
+        for attempt in (0, 1):
+            try:
+                async with self.session.post(self.url + path, data=body, headers=self.JSON) as r:
+                    return r.status, await r.read()
+            except aiohttp.ServerDisconnectedError:
+                if attempt:
+                    raise
+                log.warning("vLLM node closed a pooled connection; retrying POST %s once", path)
+        raise AssertionError("unreachable")
+
+    @asynccontextmanager
+    async def stream(self, path: str, body: bytes) -> AsyncIterator[aiohttp.ClientResponse]:
+        """POST a streaming request; yields the open response (leaving the block closes it, which makes vLLM
+        abort the request if it is still generating)."""
+        assert self.session is not None, "NodeClient.start() first"
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=self._timeout.total)  # a stream may last long
+        async with self.session.post(self.url + path, data=body, headers=self.JSON, timeout=timeout) as r:
+            yield r
+
+    async def request(self, method: str, path: str, retry: bool = True, **kw) -> tuple[int, Any]:
+        """One JSON call; retried once (unless ``retry`` is False: calls that must not run twice) when a pooled
+        connection turns out closed before any response came."""
+        assert self.session is not None, "NodeClient.start() first"
+        for attempt in (0, 1) if retry else (1,):
+            try:
+                async with self.session.request(method, self.url + path, **kw) as r:
+                    raw = await r.read()
+                    try:
+                        return r.status, json.loads(raw) if raw else None
+                    except ValueError:
+                        return r.status, {"raw": raw.decode(errors="replace")}
+            except aiohttp.ServerDisconnectedError:
+                if attempt:
+                    raise
+                log.warning("vLLM node closed a pooled connection; retrying %s %s once", method, path)
+        raise AssertionError("unreachable")
+
+    async def _ok(self, method: str, path: str, retry: bool = True, **kw) -> Any:
+        status, body = await self.request(method, path, retry=retry, **kw)
+        if status != 200:
+            raise RuntimeError(f"vLLM node {method} {path} -> HTTP {status}: {body}")
+        return body
+
+    async def max_model_len(self) -> int:
+        """The served model's context length, from the node's ``/v1/models``."""
+        body = await self._ok("GET", "/v1/models")
+        return int(body["data"][0]["max_model_len"])
+
+    async def pause(self, mode: str = "wait") -> None:
+        await self._ok("POST", f"/pause?mode={mode}")
+
+    async def resume(self) -> None:
+        await self._ok("POST", "/resume")
+
+    async def reset_prefix_cache(self, attempts: int = 50) -> None:
+        """Reset the prefix cache; vLLM refuses while blocks are held, so retry briefly."""
+        for _ in range(attempts):
+            body = await self._ok("POST", "/reset_prefix_cache")
+            if body and body.get("success"):
+                return
+            await asyncio.sleep(0.01)
+        raise RuntimeError("vLLM did not reset its prefix cache (blocks still held)")
+
+    async def rpc(self, method: str, *args: str, timeout_s: float = 120.0) -> dict:
+        """``collective_rpc`` of a LiverlWorkerExtension method; returns the (single) worker's result dict."""
+        body = await self._ok("POST", "/collective_rpc", retry=False,  # an XOR delta applied twice is undone
+                              json={"method": method, "args": list(args), "timeout": timeout_s})
+        results = (body or {}).get("results") or []
+        if len(results) != 1 or not isinstance(results[0], dict):
+            raise RuntimeError(f"collective_rpc {method}: expected one worker result, got {body}")
+        return results[0]

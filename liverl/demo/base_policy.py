@@ -47,6 +47,9 @@ SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, EOS_TOKEN, UNK_TOKEN)
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 VOCAB: tuple[str, ...] = SPECIAL_TOKENS + tuple(task.ALPHABET)
 CHAR_TO_ID: dict[str, int] = {c: i for i, c in enumerate(VOCAB)}
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+"""The chat template: the messages' contents, concatenated. The model has no role tokens, so a chat request with
+one user message reads exactly the tokens of the same text sent as a completion prompt."""
 
 RECIPE: dict = {
     "recipe_version": 3,
@@ -78,6 +81,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=UNK_TOKEN,
         clean_up_tokenization_spaces=False, model_max_length=RECIPE["model"]["max_position_embeddings"],
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -131,11 +135,12 @@ def ensure_base_policy(cache_dir: Path, seed: int = 0, progress: bool = True) ->
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     final = cache_dir / f"base-{recipe_hash(seed)}"
-    if (final / "model.safetensors").exists():
+    if (final / "model.safetensors").exists() and (final / "chat_template.jinja").exists():
         return final
     with open(cache_dir / f".{final.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second builder waits here, then finds the finished dir
         if (final / "model.safetensors").exists():
+            _add_chat_template(final)
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
         try:
@@ -148,6 +153,18 @@ def ensure_base_policy(cache_dir: Path, seed: int = 0, progress: bool = True) ->
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return final
+
+
+def _add_chat_template(model_dir: Path) -> None:
+    """Give a dir cached before the tokenizer had a chat template one (the template is not part of the weights,
+    so it does not change the cache key). Atomic: a reader sees no file or the whole file."""
+    path = model_dir / "chat_template.jinja"
+    if path.exists():
+        return
+    tmp = model_dir / ".chat_template.jinja.tmp"
+    tmp.write_text(CHAT_TEMPLATE)
+    os.chmod(tmp, 0o644)
+    os.rename(tmp, path)
 
 
 @contextlib.contextmanager

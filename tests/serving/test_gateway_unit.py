@@ -1,8 +1,10 @@
-"""Fast tests of the serving pieces that need no vLLM: request validation, the swap gate, delta chains, node errors."""
+"""Fast tests of the serving pieces that need no vLLM: request validation, response folding, the swap gate,
+delta chains, node errors."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 
@@ -11,42 +13,104 @@ import torch
 
 from deploy.delta import checksum, encode_delta
 from serving.agent import chain_ends
-from serving.gateway import BadRequest, SwapGate, validate_completion_request
+from liverl.core.schemas import SamplingParams
+from serving.gateway import SwapGate
+from serving.openai_api import (BadRequest, ChatCompletionRequest, CompletionRequest, add_chat_chunk,
+                                add_completion_chunk, for_client)
 from serving.node import NodeError, NodeHandle, _wait_ready, node_command
 
 
+def _parse(model, body) -> object:
+    return model.parse(json.dumps(body).encode())
+
+
 def test_validation_accepts_and_normalises():
-    fwd, wants = validate_completion_request({"prompt": ["[a]1+2="], "max_tokens": 5, "model": "whatever"})
-    assert fwd["prompt"] == "[a]1+2=" and fwd["model"] == "liverl" and fwd["n"] == 1
-    assert fwd["logprobs"] == 0 and fwd["return_token_ids"] is True and fwd["temperature"] == 1.0
-    assert wants == {"logprobs": False, "token_ids": False}
-    fwd, wants = validate_completion_request({"prompt": "x", "logprobs": 3, "return_token_ids": True,
-                                              "temperature": 0, "top_p": 0.5})
-    assert fwd["logprobs"] == 3 and fwd["temperature"] == 0.0 and fwd["top_p"] == 0.5
-    assert wants == {"logprobs": True, "token_ids": True}
+    req = _parse(CompletionRequest, {"prompt": ["[a]1+2="], "max_tokens": 5, "model": "whatever", "stop": ["!"]})
+    fwd = req.node_body()
+    assert fwd["prompt"] == ["[a]1+2="] and fwd["model"] == "liverl" and fwd["stop"] == ["!"]  # unknown: passed on
+    assert fwd["logprobs"] == 0 and fwd["return_token_ids"] is True and "temperature" not in fwd
+    assert req.untrainable_reason() is None and req.sampling(5).temperature == 1.0 and req.n_choices == 1
+    req = _parse(CompletionRequest, {"prompt": ["x", "y"], "n": 3, "logprobs": 3, "temperature": 0, "top_p": 0.5,
+                                     "seed": 7})
+    assert req.node_body()["logprobs"] == 3 and req.n_choices == 6 and req.untrainable_reason() == "greedy"
+    assert req.sampling(16) == SamplingParams(temperature=0.0, top_p=0.5, seed=7, max_tokens=16)
+    assert _parse(CompletionRequest, {"prompt": "x", "top_k": 1}).untrainable_reason() == "greedy"
+    chat = _parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "[a]1+2="}], "n": 2})
+    fwd = chat.node_body()
+    assert fwd["logprobs"] is True and fwd["top_logprobs"] == 0 and fwd["return_prompt_text"] is True
+    assert chat.max_tokens_for(32, 7) == 25 and chat.n_choices == 2  # vLLM's default: the rest of the context
 
 
 @pytest.mark.parametrize("body, param", [
     ([1, 2], None),
     ({}, "prompt"),
     ({"prompt": ""}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": [1, 2, 3]}, "prompt"),
-    ({"prompt": "a", "n": 2}, "n"),
+    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": ["a"] * 40, "n": 2}, "n"),
     ({"prompt": "a", "best_of": 3}, "best_of"),
-    ({"prompt": "a", "stream": True}, "stream"),
+    ({"prompt": "a", "use_beam_search": True}, "use_beam_search"),
     ({"prompt": "a", "echo": True}, "echo"),
+    ({"prompt": "a", "stream": "yes"}, "stream"),
     ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "a", "max_tokens": "5"}, "max_tokens"),
+    ({"prompt": "a", "max_tokens": True}, "max_tokens"),
     ({"prompt": "a", "temperature": "hot"}, "temperature"),
     ({"prompt": "a", "temperature": -1}, "temperature"),
     ({"prompt": "a", "top_p": 0}, "top_p"),
     ({"prompt": "a", "logprobs": 99}, "logprobs"),
+    ({"prompt": "a", "logprob_token_ids": [1]}, "logprob_token_ids"),
 ])
 def test_validation_rejects(body, param):
     with pytest.raises(BadRequest) as e:
-        validate_completion_request(body)
-    assert e.value.param == param and str(e.value)
+        _parse(CompletionRequest, body)
+    assert e.value.param == param and e.value.status == 400 and len(str(e.value)) > 10
+    if param:
+        assert param in str(e.value)
+
+
+def test_chat_validation_rejects():
+    for body, param in [({"messages": []}, "messages"), ({"messages": "hi"}, "messages"),
+                        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 50}, "top_logprobs")]:
+        with pytest.raises(BadRequest) as e:
+            _parse(ChatCompletionRequest, body)
+        assert e.value.param == param
+    with pytest.raises(BadRequest, match="not valid JSON") as e:
+        ChatCompletionRequest.parse(b"{nope")
+    assert e.value.param is None
+
+
+def test_stream_chunks_fold_into_records_and_the_client_sees_only_what_it_asked_for():
+    req = _parse(CompletionRequest, {"prompt": "[a]1+2=", "n": 2, "stream": True})
+    acc: dict = {}
+    chunks = [
+        {"choices": [{"index": 0, "text": "3", "token_ids": [5], "prompt_token_ids": [1, 2],
+                      "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": None}]},
+        {"choices": [{"index": 1, "text": "4", "token_ids": [6], "prompt_token_ids": [1, 2],
+                      "logprobs": {"token_logprobs": [-1.5]}, "finish_reason": "length"}]},
+        {"choices": [{"index": 0, "text": "!", "token_ids": [7],
+                      "logprobs": {"token_logprobs": [-0.25]}, "finish_reason": "stop"}]},
+    ]
+    finished = [add_completion_chunk(req, c, acc) for c in chunks]
+    assert finished == [[], [1], [0]]
+    assert "".join(acc[0].text) == "3!" and acc[0].token_ids == [5, 7] and acc[0].logprobs == [-0.5, -0.25]
+    assert acc[0].prompt == "[a]1+2=" and acc[0].prompt_token_ids == [1, 2] and acc[1].finish_reason == "length"
+    out = for_client(req, chunks[2], ["g0", "g1"], 3)
+    assert out["liverl"] == {"generation_id": "g0", "policy_version": 3}
+    assert out["choices"][0]["generation_id"] == "g0" and "logprobs" not in out["choices"][0]
+    assert "token_ids" not in out["choices"][0]
+
+    chat = _parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True})
+    acc = {}
+    body = {"prompt_token_ids": [1, 2], "prompt_text": "hi",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "yo"}, "token_ids": [8, 9],
+                         "logprobs": {"content": [{"token": "y", "logprob": -1.0}, {"token": "o", "logprob": -2.0}]},
+                         "finish_reason": "stop"}]}
+    assert add_chat_chunk(chat, body, acc) == [0]
+    assert (acc[0].prompt, acc[0].prompt_token_ids, acc[0].logprobs) == ("hi", [1, 2], [-1.0, -2.0])
+    out = for_client(chat, body, ["g0"], 1)
+    assert "prompt_token_ids" not in out and "prompt_text" not in out and "logprobs" in out["choices"][0]
+    assert out["liverl"] == {"generation_id": "g0", "generation_ids": ["g0"], "policy_version": 1}
 
 
 def test_swap_gate_holds_new_requests_and_drains_inflight():

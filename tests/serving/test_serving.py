@@ -1,4 +1,4 @@
-"""The serving tier against real parts: vLLM on CPU (one engine for the module), Kafka, Redis, the registry.
+"""The serving tier against real parts: vLLM on CPU (one engine for the package, see conftest.py), Kafka, Redis, the registry.
 
 Order of the tests does not matter: each reads the version being served and moves from there.
 """
@@ -6,60 +6,20 @@ Order of the tests does not matter: each reads the version being served and move
 from __future__ import annotations
 
 import json
-import os
-import socket
 import threading
 import time
-import types
 import urllib.error
 import urllib.request
-import uuid
-from pathlib import Path
 
 import pytest
 import torch
 
-from liverl.core.config import load_config
-from liverl.core.schemas import GenerationRecord, VersionAnnouncement
+from liverl.core.schemas import VersionAnnouncement
+from tests.serving.conftest import records as _records
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = ["[a]23+45=", "[b]17+61=", "[a]90+9=", "[b]50+44="]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def srv(stack, tmp_path_factory):
-    """One node + gateway + agent for the module, with a registry whose version 0 is the base policy."""
-    import redis
-
-    from deploy.blobstore import LocalBlobStore
-    from deploy.registry import Registry
-    from liverl.demo.base_policy import ensure_base_policy, load_state_dict
-    from serving.agent import ServingThread
-
-    cache = Path(os.environ.get("LIVERL_TEST_MODEL_CACHE") or tmp_path_factory.mktemp("models"))
-    model_dir = ensure_base_policy(cache, seed=0, progress=False)
-    cfg = load_config(env={}, state_dir=str(tmp_path_factory.mktemp("serving")), broker__bootstrap=stack.bootstrap,
-                      redis__url=stack.redis_url, topics__prefix=f"t{uuid.uuid4().hex[:10]}",
-                      serving__gateway_port=_free_port(), serving__vllm_port=_free_port(),
-                      serving__swap_poll_s=0.1, serving__max_num_seqs=32)
-    registry = Registry(cfg.registry_url, LocalBlobStore(cfg.blob_location))
-    base = load_state_dict(model_dir)
-    registry.init_base(base, str(model_dir))
-    serving = ServingThread(cfg, model_dir, stack.bootstrap, stack.redis_url, cfg.registry_url).start()
-    ns = types.SimpleNamespace(cfg=cfg, url=serving.url, node_url=serving.node.url, model_dir=model_dir,
-                               registry=registry, base=base, serving=serving,
-                               redis=redis.Redis.from_url(stack.redis_url), bootstrap=stack.bootstrap)
-    yield ns
-    serving.stop()
-    ns.redis.close()
-    registry.close()
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -92,30 +52,6 @@ def _node_checksum(srv) -> dict:
     status, _, body = _post(srv.node_url + "/collective_rpc", {"method": "liverl_checksum"})
     assert status == 200, body
     return body["results"][0]
-
-
-def _records(srv, ids: set[str], timeout_s: float = 30) -> dict[str, GenerationRecord]:
-    """Generation records with the given ids, read from every partition of the generations topic."""
-    from kafka import KafkaConsumer, TopicPartition
-
-    topic = srv.cfg.topics.generations
-    consumer = KafkaConsumer(bootstrap_servers=srv.bootstrap, enable_auto_commit=False, consumer_timeout_ms=500)
-    try:
-        parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
-        consumer.assign(parts)
-        consumer.seek_to_beginning(*parts)
-        found: dict[str, GenerationRecord] = {}
-        deadline = time.monotonic() + timeout_s
-        while ids - set(found) and time.monotonic() < deadline:
-            for batch in consumer.poll(timeout_ms=500).values():
-                for msg in batch:
-                    rec = GenerationRecord.from_bytes(msg.value)
-                    assert msg.key.decode() == rec.generation_id
-                    if rec.generation_id in ids:
-                        found[rec.generation_id] = rec
-        return found
-    finally:
-        consumer.close()
 
 
 def _hf_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
@@ -198,8 +134,8 @@ def test_bad_requests_get_400_with_a_clear_message(srv):
         (None, b"{not json"),
         ([1, 2], None),
         ({"max_tokens": 5}, None),
-        ({"prompt": PROMPTS[0], "n": 2}, None),
-        ({"prompt": PROMPTS[0], "stream": True}, None),
+        ({"prompt": PROMPTS[0], "n": 100}, None),
+        ({"prompt": PROMPTS[0], "best_of": 3}, None),
         ({"prompt": PROMPTS[0], "max_tokens": -1}, None),
         ({"prompt": PROMPTS[0], "temperature": "hot"}, None),
         ({"prompt": PROMPTS[0], "max_tokens": 10_000}, None),  # beyond the model's context: vLLM's own 400
@@ -209,7 +145,7 @@ def test_bad_requests_get_400_with_a_clear_message(srv):
         assert status == 400, (body, out)
         message = out["error"]["message"] if isinstance(out.get("error"), dict) else out.get("message", out)
         assert isinstance(message, str) and len(message) > 5, out
-    status, _, out = _post(url, {"prompt": PROMPTS[0], "n": 2})
+    status, _, out = _post(url, {"prompt": PROMPTS[0], "n": 100})
     assert "n" in out["error"]["message"] and out["error"]["param"] == "n"
     assert _get(srv.url + "/healthz")[0] == 200
     status, body = _get(srv.url + "/v1/models")
@@ -395,7 +331,7 @@ def test_metrics_parse_as_prometheus_text(srv):
     from prometheus_client.parser import text_string_to_metric_families
 
     _post(srv.url + "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2})
-    _post(srv.url + "/v1/completions", {"prompt": PROMPTS[0], "n": 3})
+    _post(srv.url + "/v1/completions", {"prompt": PROMPTS[0], "best_of": 3})
     status, body = _get(srv.url + "/metrics")
     assert status == 200
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}

@@ -1,0 +1,284 @@
+"""``liverl bench serve``: generations/s through the gateway against the vLLM node alone, same load, one run.
+
+The stack is started once (embedded broker and Redis, one vLLM node, the gateway with its agent, in a child
+process as ``liverl serve`` runs them). Then ``--rounds`` rounds, each one run of ``--clients`` closed-loop
+clients for ``--duration`` seconds against the gateway and one against the node's own OpenAI server, in
+alternating order (gateway first in even rounds, node first in odd ones), so drift of the machine's load hits
+both sides alike. Every client sends the same request to both: the demo product's (one prompt, its
+``max_tokens`` and temperature), plain or streamed. A generation counts when its response is complete (HTTP 200,
+or the stream's ``[DONE]``) inside the measured window; a ``--warmup`` before each window is not counted.
+
+Nothing is pinned: the node, the gateway, the broker and the clients share the machine's cores, which is what a
+single-box deployment sees; the gateway's own CPU per generation is read from its process and printed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+DEFAULTS = {"clients": 64, "duration": 20.0, "rounds": 3, "warmup": 3.0, "api": "completions"}
+
+
+# ------------------------------------------------------------------------------------------------ the stack
+
+
+def _serve_child(cfg_json: str, model_dir: str, bootstrap: str, redis_url: str) -> None:
+    """The serving process: node + gateway + agent, as ``liverl serve`` runs them (no registry: nothing swaps)."""
+    import logging
+
+    from liverl.core.config import LiverlConfig
+    from serving.agent import run_serving
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_serving(LiverlConfig.model_validate_json(cfg_json), model_dir, bootstrap, redis_url, None)
+
+
+def _wait_http(url: str, proc: multiprocessing.Process, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not proc.is_alive():
+            raise RuntimeError(f"the serving process exited with code {proc.exitcode} before it served")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ------------------------------------------------------------------------------------------------ the load
+
+
+def _requests(api: str, stream: bool, n_prompts: int = 64) -> list[tuple[str, bytes]]:
+    """(path, body) pairs: the demo product's request on distinct prompts."""
+    from liverl.demo import task
+
+    out = []
+    for p in task.heldout_prompts(n_prompts, seed=1):
+        body: dict[str, Any] = {"model": "liverl", "max_tokens": task.MAX_TOKENS, "temperature": task.TEMPERATURE}
+        if api == "chat":
+            path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": p.text}]
+        else:
+            path, body["prompt"] = "/v1/completions", p.text
+        if stream:
+            body["stream"] = True
+        out.append((path, json.dumps(body).encode()))
+    return out
+
+
+async def _load(base_url: str, requests: list[tuple[str, bytes]], clients: int, warmup_s: float,
+                duration_s: float) -> dict:
+    """``clients`` closed-loop clients for ``warmup_s + duration_s``; counts what completes in the window."""
+    import aiohttp
+
+    stream = b'"stream": true' in requests[0][1]
+    done = errors = total_ok = 0
+    latencies: list[float] = []
+    counting = False
+    stop = False
+    headers = {"Content-Type": "application/json"}
+
+    async def client(i: int, session: aiohttp.ClientSession) -> None:
+        nonlocal done, errors, total_ok
+        k = i
+        while not stop:
+            path, body = requests[k % len(requests)]
+            k += clients
+            t0 = time.perf_counter()
+            try:
+                async with session.post(base_url + path, data=body, headers=headers) as r:
+                    if stream:
+                        ok = r.status == 200
+                        async for line in r.content:
+                            if line.startswith(b"data: [DONE]"):
+                                break
+                        else:
+                            ok = False
+                    else:
+                        await r.read()
+                        ok = r.status == 200
+            except aiohttp.ClientError:
+                ok = False
+            total_ok += ok
+            if counting and not stop:
+                if ok:
+                    done += 1
+                    latencies.append(time.perf_counter() - t0)
+                else:
+                    errors += 1
+
+    connector = aiohttp.TCPConnector(limit=clients, keepalive_timeout=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+        tasks = [asyncio.create_task(client(i, session)) for i in range(clients)]
+        await asyncio.sleep(warmup_s)
+        counting, t0 = True, time.perf_counter()
+        await asyncio.sleep(duration_s)
+        stop, elapsed = True, time.perf_counter() - t0
+        await asyncio.wait(tasks, timeout=60)  # let in-flight requests finish: the next run starts on an idle node
+        for t in tasks:
+            t.cancel()
+    latencies.sort()
+    return {"generations": done, "errors": errors, "total_ok": total_ok, "seconds": elapsed, "gen_per_s": done / elapsed,
+            "p50_ms": 1e3 * latencies[len(latencies) // 2] if latencies else None}
+
+
+# ------------------------------------------------------------------------------------------------ the bench
+
+
+def run(clients: int = DEFAULTS["clients"], duration_s: float = DEFAULTS["duration"],
+        rounds: int = DEFAULTS["rounds"], warmup_s: float = DEFAULTS["warmup"], api: str = DEFAULTS["api"],
+        stream: bool = False, config: str | None = None, model: str | None = None, json_path: str | None = None,
+        command: str = "liverl bench serve") -> dict:
+    """Start the stack, measure, print the table and the command; returns the rows and the median ratio."""
+    from liverl.core.config import load_config
+    from liverl.stack import start_stack
+
+    if clients < 1 or duration_s <= 0 or rounds < 1 or warmup_s < 0:
+        raise ValueError("clients and rounds must be >= 1, duration > 0 and warmup >= 0")
+    if api not in ("completions", "chat"):
+        raise ValueError(f"api must be completions or chat, not {api!r}")
+    user_cfg = load_config(config)
+    model_dir = Path(model or user_cfg.model.path or _demo_model(user_cfg)).resolve()
+    user_cfg.state_path.mkdir(parents=True, exist_ok=True)
+    state = Path(tempfile.mkdtemp(prefix="bench-serve-", dir=user_cfg.state_path))
+    cfg = load_config(config, state_dir=str(state), topics__prefix=f"bench{os.getpid()}",
+                      broker__embedded_port=_free_port(), redis__embedded_port=_free_port(),
+                      serving__gateway_port=_free_port(), serving__vllm_port=_free_port())
+    gateway_url = f"http://{cfg.serving.host}:{cfg.serving.gateway_port}"
+    node_url = f"http://{cfg.serving.host}:{cfg.serving.vllm_port}"
+    requests = _requests(api, stream)
+    print(f"bench serve: {clients} clients, {rounds} rounds of {duration_s:g} s (+{warmup_s:g} s warm-up) per side, "
+          f"{api}{' streamed' if stream else ''}, model {model_dir}; logs in {state / 'logs'}", flush=True)
+
+    stack = start_stack(cfg)
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_serve_child, args=(cfg.model_dump_json(), str(model_dir), stack.bootstrap, stack.redis_url),
+        name="liverl-serving")
+    rows: list[dict] = []
+    try:
+        proc.start()
+        _wait_http(gateway_url + "/healthz", proc, timeout_s=600)
+        for r in range(rounds):
+            order = [("gateway", gateway_url), ("node", node_url)]
+            row: dict[str, Any] = {"round": r + 1, "first": order[r % 2][0]}
+            for side, url in order if r % 2 == 0 else order[::-1]:
+                cpu0 = _cpu_seconds(proc.pid)
+                res = _run_loop(_load(url, requests, clients, warmup_s, duration_s))
+                res["gateway_cpu_s"] = _cpu_seconds(proc.pid) - cpu0
+                row[side] = res
+            row["ratio"] = row["gateway"]["gen_per_s"] / max(row["node"]["gen_per_s"], 1e-9)
+            rows.append(row)
+            print(f"  round {r + 1}: gateway {row['gateway']['gen_per_s']:.1f} gen/s, "
+                  f"node {row['node']['gen_per_s']:.1f} gen/s, ratio {row['ratio']:.3f}", flush=True)
+    finally:
+        if proc.pid is not None:
+            proc.terminate()  # SIGTERM: the serving process stops its node and flushes its producer
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+        stack.close()
+    summary = {"rows": rows, "median_ratio": statistics.median(r["ratio"] for r in rows), "clients": clients,
+               "duration_s": duration_s, "api": api, "stream": stream, "command": command, "machine": _machine()}
+    print(_table(summary))
+    if json_path:
+        Path(json_path).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _run_loop(coro):
+    try:
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coro)
+    except ImportError:
+        return asyncio.run(coro)
+
+
+def _demo_model(cfg) -> Path:
+    from liverl.demo.base_policy import ensure_base_policy
+
+    return ensure_base_policy(cfg.model_cache_path, seed=cfg.model.seed)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+
+
+def _table(summary: dict) -> str:
+    lines = ["", "| round | first | gateway gen/s | node gen/s | ratio | gateway p50 ms | node p50 ms | "
+                 "gateway CPU ms/gen | errors (gw/node) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        g, n = r["gateway"], r["node"]
+        cpu = 1e3 * g["gateway_cpu_s"] / max(g["total_ok"], 1)
+        lines.append(f"| {r['round']} | {r['first']} | {g['gen_per_s']:.1f} | {n['gen_per_s']:.1f} | "
+                     f"**{r['ratio']:.3f}** | {g['p50_ms']:.0f} | {n['p50_ms']:.0f} | {cpu:.2f} | "
+                     f"{g['errors']}/{n['errors']} |")
+    lines += ["", f"median ratio (gateway / node): **{summary['median_ratio']:.3f}**",
+              f"machine: {summary['machine']}", f"reproduce: `{summary['command']}`"]
+    return "\n".join(lines)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``serve`` under ``liverl bench``."""
+    s = subparsers.add_parser("serve", help="generations/s through the gateway vs the vLLM node alone (ratio)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--clients", type=int, default=DEFAULTS["clients"], help="concurrent clients (default 64)")
+    s.add_argument("--duration", type=float, default=DEFAULTS["duration"], metavar="S",
+                   help="measured seconds per run (default 20)")
+    s.add_argument("--rounds", type=int, default=DEFAULTS["rounds"], help="gateway/node pairs (default 3)")
+    s.add_argument("--warmup", type=float, default=DEFAULTS["warmup"], metavar="S",
+                   help="unmeasured seconds before each run (default 3)")
+    s.add_argument("--api", choices=["completions", "chat"], default=DEFAULTS["api"], help="which route (default completions)")
+    s.add_argument("--stream", action="store_true", help="streamed (SSE) requests")
+    s.add_argument("--model", metavar="DIR", help="model directory (default: model.path, else the demo policy)")
+    s.add_argument("--json", metavar="PATH", help="also write the rows and the summary as JSON")
+    s.set_defaults(fn=_cmd)
+    return s
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    command = "liverl bench serve" + "".join(
+        f" --{name} {getattr(args, name)}" for name in ("clients", "duration", "rounds", "warmup", "api")
+        if getattr(args, name) != DEFAULTS[name]) + (" --stream" if args.stream else "")
+    run(clients=args.clients, duration_s=args.duration, rounds=args.rounds, warmup_s=args.warmup, api=args.api,
+        stream=args.stream, config=getattr(args, "config", None), model=args.model, json_path=args.json,
+        command=command)
+    return 0
+
+
+if __name__ == "__main__":  # the spawned serving process imports this module; only a direct run parses argv
+    parser = argparse.ArgumentParser(prog="liverl bench")
+    add_parser(parser.add_subparsers(dest="bench"))
+    ns = parser.parse_args(["serve", *sys.argv[1:]])
+    sys.exit(ns.fn(ns))
