@@ -43,6 +43,7 @@ from typing import Any
 
 from ingest.metrics import IngestMetrics, Tally
 from liverl.core.config import LiverlConfig
+from liverl.core.product import load_product
 from liverl.core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, TrainingSample, WireError
 
 log = logging.getLogger("liverl.ingest")
@@ -127,6 +128,7 @@ class Ingest:
                  assigned: Callable[[int], bool] = lambda partition: True):
         self.cfg = cfg
         self.ic = cfg.ingest
+        self.product = load_product(cfg)  # reward shaping is the product's (default: [ingest.rewards])
         self.topics = cfg.topics
         self.metrics = metrics
         self.table = table
@@ -265,7 +267,7 @@ class Ingest:
         if rec.trainable:
             sample = TrainingSample(
                 sample_id=gid, generation_id=gid, feedback_id=fb.feedback_id, policy_version=rec.policy_version,
-                kind=fb.kind, reward=float(getattr(self.ic.rewards, fb.kind)), segment=fb.segment,
+                kind=fb.kind, reward=float(self.product.reward(fb.kind, fb.segment)), segment=fb.segment,
                 prompt_token_ids=rec.prompt_token_ids, completion_token_ids=rec.completion_token_ids,
                 behaviour_logprobs=rec.completion_logprobs, sampling=rec.sampling, edited_text=fb.edited_text,
                 ts_generation=rec.ts, ts_feedback=fb.ts,

@@ -286,3 +286,31 @@ def test_hostile_inputs_through_the_worker(harness):
     harness.worker.assert_alive()
     got = _delta(harness.counters(), before)
     assert got.get("dlq:internal_error", 0) == 0 and got["feedback_in"] == len(cases) + 1
+
+
+def test_rewards_come_from_the_product(cfg):
+    """The product names the reward of each kind, per segment if it wishes; ingest asks it, not a constant."""
+    from liverl.core.product import Product, load_product
+
+    class Strict(Product):
+        def reward(self, kind, segment):
+            return {"accept": 1.0, "reject": -1.0, "edit": -0.5}[kind] * (2.0 if segment == "vip" else 1.0)
+
+    import sys
+    import types
+
+    mod = types.ModuleType("liverl_test_product")
+    mod.PRODUCT = Strict
+    sys.modules["liverl_test_product"] = mod
+    cfg.product = "liverl_test_product:PRODUCT"
+    p = load_product(cfg)
+    assert p.reward("reject", "vip") == -2.0 and p.reward("accept", None) == 1.0
+    from ingest.join import Ingest
+
+    ing = Ingest(cfg, metrics=None, table={}, send=None)
+    assert ing.product.reward("edit", "vip") == -1.0
+    cfg.product = "liverl_test_product:NOPE"
+    import pytest
+
+    with pytest.raises(ValueError, match="has no attribute 'NOPE'"):
+        load_product(cfg)
