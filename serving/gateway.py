@@ -6,9 +6,10 @@ is the model's, applied by the node, so a record's prompt token ids are exactly 
 Kafka). Request validation and response shaping are in ``serving.openai_api``.
 
 Each choice of a response is one generation: it gets a ``generation_id``, and a ``GenerationRecord`` (prompt and
-completion token ids, the sampled tokens' log-probs, the sampling parameters, trainable or why not) goes to the
-generations topic, keyed by generation id, before the response ends (the wait for the broker's ack is bounded by
-``ack_wait_s`` and counted when it expires). The client finds the ids and the version in the body (``liverl`` and
+completion token ids, the sampled tokens' log-probs, the sampling parameters, trainable or why not) is queued for
+the generations topic, keyed by generation id, before the response ends. The response does not wait for the
+broker's ack unless ``serving.log_wait_s`` > 0 (a bounded wait, counted when it expires); a record Kafka refuses is
+counted and logged. ``POST /v1/feedback`` always answers after the broker's ack. The client finds the ids and the version in the body (``liverl`` and
 each choice's ``generation_id``), in every chunk of a stream, and in the ``X-Liverl-Generation-Id`` (comma-separated,
 in choice order) and ``X-Liverl-Version`` headers.
 
@@ -25,6 +26,7 @@ import os
 import random
 import time
 from contextlib import asynccontextmanager
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -33,7 +35,7 @@ from pydantic_core import from_json, to_json
 from liverl.core.config import LiverlConfig
 from liverl.core.schemas import FeedbackEvent, GenerationRecord, WireError
 from serving import openai_api as oa
-from serving.node import NodeClient
+from serving.node import NodeClient, NodeUnreachable
 
 log = logging.getLogger("liverl.serving.gateway")
 
@@ -126,14 +128,15 @@ class Gateway:
     """The aiohttp app plus the served-version state the agent updates."""
 
     def __init__(self, cfg: LiverlConfig, node: NodeClient, node_name: str, bootstrap: str,
-                 ack_wait_s: float = 2.0, admit_timeout_s: float = 60.0):
+                 admit_timeout_s: float = 60.0, feedback_wait_s: float = 10.0):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.cfg = cfg
         self.node = node
         self.node_name = node_name
         self.bootstrap = bootstrap
-        self.ack_wait_s = ack_wait_s
+        self.log_wait_s = cfg.serving.log_wait_s
+        self.feedback_wait_s = feedback_wait_s
         self.admit_timeout_s = admit_timeout_s
         self.gate = SwapGate()
         self.version: int | None = None
@@ -163,6 +166,7 @@ class Gateway:
         self.m_log_slow = Counter("liverl_gateway_generation_log_slow",
                                   "Responses sent before Kafka acknowledged the record (bounded wait expired)",
                                   registry=r)
+        self._request_counters: dict[tuple[str, int], Any] = {}
         self.m_feedback = Counter("liverl_gateway_feedback", "POST /v1/feedback by HTTP status", ["status"], registry=r)
         self.app = self._make_app()
 
@@ -211,14 +215,20 @@ class Gateway:
             resp = _error(e.status, str(e), e.param)
         except TimeoutError as e:
             resp = _error(503, str(e), kind="service_unavailable")
-        except aiohttp.ClientError as e:
+        except NodeUnreachable as e:
             resp = _error(502, f"vLLM node unreachable: {e}", kind="bad_gateway")
         except ClientLeft as e:
-            self.m_requests.labels(route=route, status="499").inc()
+            self._count(route, 499)
             return e.resp
-        self.m_requests.labels(route=route, status=str(resp.status)).inc()
+        self._count(route, resp.status)
         self.m_seconds.observe(time.perf_counter() - t0)
         return resp
+
+    def _count(self, route: str, status: int) -> None:
+        counter = self._request_counters.get((route, status))
+        if counter is None:
+            counter = self._request_counters[route, status] = self.m_requests.labels(route=route, status=str(status))
+        counter.inc()
 
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
         model, add_chunk = ROUTES[route]
@@ -242,7 +252,7 @@ class Gateway:
         out = from_json(raw)
         choices: dict[int, oa.Choice] = {}
         add_chunk(req, out, choices)
-        acks = [self._log(req, choices[i], ids[i], version) for i in range(req.n_choices)]
+        acks = [self._log(req, choices.get(i), ids[i], version) for i in range(req.n_choices)]
         await self._wait_acks(acks)
         return web.Response(body=to_json(oa.for_client(req, out, ids, version)), content_type="application/json",
                             headers=self._headers(ids, version))
@@ -252,16 +262,13 @@ class Gateway:
         """Relay the node's SSE stream chunk by chunk; log each choice when it finishes, ``[DONE]`` after the acks."""
         async with self.node.stream(req.route, body) as r:
             if r.status != 200:
-                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+                return web.Response(body=await r.body(), status=r.status, content_type="application/json")
             resp = web.StreamResponse(headers={**SSE_HEADERS, **self._headers(ids, version)})
             await resp.prepare(request)
             choices: dict[int, oa.Choice] = {}
             acks: list[asyncio.Future | None] = []
             try:
-                async for line in r.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    data = line[6:].rstrip()
+                async for data in r.events():
                     if data == b"[DONE]":
                         break
                     chunk = from_json(data)
@@ -274,22 +281,24 @@ class Gateway:
                 await self._wait_acks(acks)
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
-            except ConnectionResetError:
-                raise ClientLeft(resp) from None
-            except aiohttp.ClientError as e:  # the node's stream broke: tell the client in the stream
+            except NodeUnreachable as e:  # the node's stream broke: tell the client in the stream
                 error = oa.error_body(502, f"vLLM node stream broke: {e}", kind="bad_gateway")
                 await resp.write(b"data: " + to_json(error) + b"\n\n")
                 await resp.write_eof()
+            except ConnectionResetError:
+                raise ClientLeft(resp) from None
         return resp
 
     @staticmethod
     def _headers(ids: list[str], version: int) -> dict[str, str]:
         return {"X-Liverl-Generation-Id": ",".join(ids), "X-Liverl-Version": str(version)}
 
-    def _log(self, req: oa._GenerationRequest, choice: oa.Choice, generation_id: str,
+    def _log(self, req: oa._GenerationRequest, choice: oa.Choice | None, generation_id: str,
              version: int) -> asyncio.Future | None:
         """Publish one generation's record; returns the broker's ack (None when it could not even be queued)."""
         try:
+            if choice is None:
+                raise ValueError("the node's response has no such choice")
             reason = req.untrainable_reason()
             record = GenerationRecord(
                 generation_id=generation_id, policy_version=version, node=self.node_name, prompt=choice.prompt,
@@ -298,7 +307,7 @@ class Gateway:
                 sampling=req.sampling(req.max_tokens_for(self.max_model_len, len(choice.prompt_token_ids))),
                 finish_reason=choice.finish_reason, trainable=reason is None, untrainable_reason=reason)
             ack = self.producer.produce(self.cfg.topics.generations, generation_id, record.to_bytes())
-        except Exception as e:  # a malformed node response, or the producer's queue is full: count, serve anyway
+        except (ValueError, TypeError, BufferError) as e:  # a malformed node response, or Kafka refused: count, serve
             self.m_log_fail.inc()
             log.error("generation %s not logged: %s", generation_id, e)
             return None
@@ -316,10 +325,8 @@ class Gateway:
             self.m_logged.inc()
 
     async def _wait_acks(self, acks: list[asyncio.Future | None]) -> None:
-        pending = [a for a in acks if a is not None and not a.done()]
-        if pending:
-            _, late = await asyncio.wait(pending, timeout=self.ack_wait_s)
-            self.m_log_slow.inc(len(late))
+        if self.log_wait_s > 0:
+            self.m_log_slow.inc(await self.producer.wait([a for a in acks if a is not None], self.log_wait_s))
 
     # ------------------------------------------------------------------------------------------ feedback
 
@@ -339,9 +346,14 @@ class Gateway:
             return _error(503, "the gateway is not connected to Kafka", kind="service_unavailable")
         try:
             ack = self.producer.produce(self.cfg.topics.feedback, event.generation_id, event.to_bytes())
-            await asyncio.wait_for(ack, timeout=max(self.ack_wait_s, 10.0))
-        except (BufferError, RuntimeError, TimeoutError) as e:
-            return _error(503, f"Kafka did not take the feedback: {e}; retry with the same feedback_id",
+        except BufferError as e:
+            ack = None
+            problem = str(e)
+        else:
+            late = await self.producer.wait([ack], self.feedback_wait_s)
+            problem = f"no ack within {self.feedback_wait_s:g} s" if late else ack.exception()
+        if problem:
+            return _error(503, f"Kafka did not take the feedback ({problem}); retry with the same feedback_id",
                           kind="service_unavailable")
         return web.json_response({"feedback_id": event.feedback_id, "generation_id": event.generation_id,
                                   "topic": self.cfg.topics.feedback}, status=202)

@@ -32,9 +32,9 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,12 +42,13 @@ from typing import Any
 import aiohttp
 
 from liverl.core.config import LiverlConfig
+from serving.node_http import NodeHTTP, NodeStream, NodeUnreachable  # noqa: F401  (NodeUnreachable: re-exported)
 
 log = logging.getLogger("liverl.serving.node")
 
 SERVED_MODEL_NAME = "liverl"
 WORKER_EXTENSION = "serving.worker_ext.LiverlWorkerExtension"
-NODE_KEEPALIVE_S = 75  # NodeClient's pool keeps idle connections for less (30 s)
+NODE_KEEPALIVE_S = 75  # > NodeClient's aiohttp pool (30 s); its raw pool retries a request the node closed on unread
 
 
 class NodeError(RuntimeError):
@@ -239,50 +240,39 @@ def _wait_ready(handle: NodeHandle, timeout_s: float) -> None:
 
 
 class NodeClient:
-    """HTTP client of one vLLM node: the OpenAI routes (raw bytes in and out, for the gateway's hot path) and the
-    dev/RL routes the hot-swap agent drives (JSON)."""
-
-    JSON = {"Content-Type": "application/json"}
+    """HTTP client of one vLLM node: the OpenAI routes for the gateway's hot path (raw bytes in and out, over
+    ``serving.node_http``) and the dev/RL routes the hot-swap agent drives (JSON, over aiohttp)."""
 
     def __init__(self, url: str, timeout_s: float = 120.0, max_connections: int = 256):
         self.url = url.rstrip("/")
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._timeout_s = timeout_s
         self._max_connections = max_connections
         self.session: aiohttp.ClientSession | None = None
+        self.http: NodeHTTP | None = None
 
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
-            timeout=self._timeout, skip_auto_headers=("User-Agent",),
-            connector=aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=30),  # < NODE_KEEPALIVE_S
+            timeout=aiohttp.ClientTimeout(total=self._timeout_s),
+            connector=aiohttp.TCPConnector(limit=8, keepalive_timeout=30),  # < NODE_KEEPALIVE_S
         )
+        host, port = urllib.parse.urlsplit(self.url).hostname, urllib.parse.urlsplit(self.url).port
+        self.http = NodeHTTP(host, port, self._timeout_s, self._max_connections)
 
     async def close(self) -> None:
         if self.session is not None:
             await self.session.close()
             self.session = None
+        if self.http is not None:
+            await self.http.close()
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        """POST a JSON body, return (status, raw body). Retried once when a pooled connection turns out closed
-        before any response came (the node never saw the request)."""
-        assert self.session is not None, "NodeClient.start() first"
-        for attempt in (0, 1):
-            try:
-                async with self.session.post(self.url + path, data=body, headers=self.JSON) as r:
-                    return r.status, await r.read()
-            except aiohttp.ServerDisconnectedError:
-                if attempt:
-                    raise
-                log.warning("vLLM node closed a pooled connection; retrying POST %s once", path)
-        raise AssertionError("unreachable")
+        """POST a JSON body to an OpenAI route, return (status, raw body). Raises ``NodeUnreachable``."""
+        return await self.http.post(path, body)
 
-    @asynccontextmanager
-    async def stream(self, path: str, body: bytes) -> AsyncIterator[aiohttp.ClientResponse]:
-        """POST a streaming request; yields the open response (leaving the block closes it, which makes vLLM
-        abort the request if it is still generating)."""
-        assert self.session is not None, "NodeClient.start() first"
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=self._timeout.total)  # a stream may last long
-        async with self.session.post(self.url + path, data=body, headers=self.JSON, timeout=timeout) as r:
-            yield r
+    def stream(self, path: str, body: bytes) -> AbstractAsyncContextManager[NodeStream]:
+        """POST a streaming request; the block gets the open ``NodeStream`` (leaving it early closes the
+        connection, which makes vLLM abort the request)."""
+        return self.http.stream(path, body)
 
     async def request(self, method: str, path: str, retry: bool = True, **kw) -> tuple[int, Any]:
         """One JSON call; retried once (unless ``retry`` is False: calls that must not run twice) when a pooled

@@ -2,9 +2,9 @@
 
 Why not kafka-python here: its producer does its network I/O in a Python thread, which holds the GIL while the
 event loop wants it; under load every socket call of the gateway then waits for that thread, and the gateway's
-latency doubled (measured with ``liverl bench serve``). librdkafka's threads run without the GIL, ``produce`` is a
-C call, and the delivery callbacks run on the event loop's own thread, from ``poll(0)`` called by a task while
-anything is in flight: no thread hand-offs.
+latency doubled (measured with ``liverl bench serve``). librdkafka's threads run without the GIL and ``produce`` is
+a C call. Delivery reports are served on the event loop's thread by a task calling ``poll(0)``: every
+``IDLE_POLL_S`` normally (the reports only settle counters), every ``WAIT_POLL_S`` while someone awaits an ack.
 
 Settings: idempotent (``enable.idempotence``, which implies ``acks=all``), so a retried batch is written once;
 ``partitioner=murmur2_random``, the Java client's and kafka-python's partitioner, so a record lands on the
@@ -19,7 +19,8 @@ import logging
 
 log = logging.getLogger("liverl.serving.producer")
 
-POLL_INTERVAL_S = 0.001
+IDLE_POLL_S = 0.05
+WAIT_POLL_S = 0.001
 
 
 class AsyncProducer:
@@ -29,7 +30,8 @@ class AsyncProducer:
         self._producer = Producer({
             "bootstrap.servers": bootstrap, "client.id": client_id, "enable.idempotence": True, "acks": "all",
             "partitioner": "murmur2_random", "linger.ms": linger_ms, "logger": log, **config})
-        self._pending: set[asyncio.Future] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiting = 0  # callers inside wait(): poll fast
         self._wake = asyncio.Event()
         self._poller: asyncio.Task | None = None
 
@@ -39,44 +41,62 @@ class AsyncProducer:
         missing = [t for t in topics if t not in md.topics or md.topics[t].error is not None]
         if missing:
             raise RuntimeError(f"topics {missing} are not on the broker")
+        self._loop = asyncio.get_running_loop()
         self._poller = asyncio.create_task(self._poll(), name="liverl-producer-poll")
 
     def produce(self, topic: str, key: str, value: bytes) -> asyncio.Future:
         """Queue one record; the future resolves when the broker has it (or fails with the KafkaError).
-        Raises ``BufferError`` when the local queue is full."""
-        fut = asyncio.get_running_loop().create_future()
+        Raises ``BufferError`` when the local queue is full, ``ValueError`` when librdkafka refuses the record."""
+        from confluent_kafka import KafkaException
 
-        def delivered(err, _msg) -> None:
-            self._pending.discard(fut)
-            if fut.done():
-                return
-            if err is not None:
-                fut.set_exception(RuntimeError(f"Kafka did not take the record: {err}"))
-            else:
-                fut.set_result(None)
-
-        self._producer.produce(topic, value=value, key=key, on_delivery=delivered)
-        self._pending.add(fut)
-        self._wake.set()
+        fut = self._loop.create_future()
+        try:
+            self._producer.produce(topic, value=value, key=key, on_delivery=lambda err, _msg: _settle(fut, err))
+        except KafkaException as e:
+            raise ValueError(f"Kafka refused the record: {e}") from None
         return fut
+
+    async def wait(self, acks: list[asyncio.Future], timeout_s: float) -> int:
+        """Wait until every ack is settled, at most ``timeout_s``; returns how many were still pending."""
+        pending = [a for a in acks if not a.done()]
+        if not pending:
+            return 0
+        self._waiting += 1
+        self._wake.set()
+        try:
+            _, late = await asyncio.wait(pending, timeout=timeout_s)
+        finally:
+            self._waiting -= 1
+        return len(late)
 
     async def _poll(self) -> None:
         while True:
-            await self._wake.wait()
+            self._producer.poll(0)  # runs the delivery callbacks, here on the loop's thread
             self._wake.clear()
-            while self._pending:
-                self._producer.poll(0)
-                await asyncio.sleep(POLL_INTERVAL_S)
+            try:
+                async with asyncio.timeout(WAIT_POLL_S if self._waiting else IDLE_POLL_S):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Deliver what is queued (at most ``timeout_s``), then stop polling."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while len(self._producer) and asyncio.get_running_loop().time() < deadline:
-            self._producer.poll(0)  # callbacks run here, on the loop's thread (flush() would run them elsewhere)
-            await asyncio.sleep(0.005)
+        deadline = self._loop.time() + timeout_s
+        while len(self._producer) and self._loop.time() < deadline:
+            self._producer.poll(0)
+            await asyncio.sleep(0.01)
         self._producer.poll(0)
         if len(self._producer):
             log.error("%d records were not delivered to Kafka before shutdown", len(self._producer))
         if self._poller is not None:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
+
+
+def _settle(fut: asyncio.Future, err) -> None:
+    if fut.done():
+        return
+    if err is not None:
+        fut.set_exception(RuntimeError(f"Kafka did not take the record: {err}"))
+    else:
+        fut.set_result(None)

@@ -235,9 +235,9 @@ def _machine() -> str:
 
 
 def _table(summary: dict) -> str:
-    lines = ["", "| round | first | gateway gen/s | node gen/s | ratio | gateway p50 ms | node p50 ms | "
-                 "gateway CPU ms/gen | errors (gw/node) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    header = ("| round | first | gateway gen/s | node gen/s | ratio | gateway p50 ms | node p50 ms | "
+              "gateway CPU ms/gen | errors (gw/node) |")
+    lines = ["", header, "|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         g, n = r["gateway"], r["node"]
         cpu = 1e3 * g["gateway_cpu_s"] / max(g["total_ok"], 1)

@@ -87,6 +87,10 @@ class ServingConfig(_Section):
     max_num_seqs: int = Field(default=64, description="vLLM's concurrent sequence limit.")
     device: str = Field(default="auto", description="auto | cpu | cuda: which vLLM build serves.")
     swap_poll_s: float = Field(default=0.5, description="How often the agent checks the desired version.")
+    log_wait_s: float = Field(
+        default=0.0, ge=0.0, description="How long a response may wait for the broker to acknowledge its generation "
+        "records. 0: it does not wait (records are queued before the response and delivered within milliseconds; "
+        "a record Kafka refuses is counted in liverl_gateway_generation_log_failures).")
 
 
 class RewardConfig(_Section):

@@ -12,12 +12,18 @@ import pytest
 import torch
 
 from deploy.delta import checksum, encode_delta
-from serving.agent import chain_ends
 from liverl.core.schemas import SamplingParams
+from serving.agent import chain_ends
 from serving.gateway import SwapGate
-from serving.openai_api import (BadRequest, ChatCompletionRequest, CompletionRequest, add_chat_chunk,
-                                add_completion_chunk, for_client)
 from serving.node import NodeError, NodeHandle, _wait_ready, node_command
+from serving.openai_api import (
+    BadRequest,
+    ChatCompletionRequest,
+    CompletionRequest,
+    add_chat_chunk,
+    add_completion_chunk,
+    for_client,
+)
 
 
 def _parse(model, body) -> object:
