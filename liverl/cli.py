@@ -111,7 +111,11 @@ def model_dir_for(cfg: LiverlConfig):
     from pathlib import Path
 
     if cfg.model.path:
-        return Path(cfg.model.path).resolve()
+        from learner.model import model_family
+
+        path = Path(cfg.model.path).resolve()
+        model_family(path)  # a family liverl does not translate yet is refused here, before anything starts
+        return path
     from liverl.demo.base_policy import ensure_base_policy
 
     return ensure_base_policy(cfg.model_cache_path, seed=cfg.model.seed)

@@ -67,3 +67,17 @@ def test_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
     time.sleep(1)
     listening = [p for p in (gw, node, broker) if port_open("127.0.0.1", p)]
     assert not listening, f"still listening after Ctrl-C (gateway {gw}, vLLM {node}, broker {broker}): {listening}"
+
+
+def test_up_refuses_a_model_family_it_does_not_handle_before_starting_anything(tmp_path):
+    model = tmp_path / "my-model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]}')
+    r = subprocess.run([sys.executable, "-m", "liverl.cli", "up", "--model", str(model), "--state-dir",
+                        str(tmp_path / "state")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "'gpt_oss'" in r.stderr and "not handled by liverl yet" in r.stderr and "qwen3_moe" in r.stderr
+    assert not (tmp_path / "state" / "logs").exists()  # nothing was started
+    r = subprocess.run([sys.executable, "-m", "liverl.cli", "up", "--model", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "no config.json" in r.stderr
