@@ -17,15 +17,15 @@ Guarantees (the checkpoint is the source of truth, Kafka offsets only mirror it)
 - Bad samples (token/logprob length mismatch, out-of-vocab ids, non-finite values, too long) are refused
   with a counted reason; the loop never crashes on input.
 
-Run as a process: ``liverl learn`` or ``python -m learner.trainer [--config FILE] [--max-steps N]``.
+Run as a process: ``liverl learn [--config FILE] [--max-steps N]``.
 The learner is a singleton per deployment (one consumer in group ``<prefix>.learner``).
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import logging
-import math
 import os
 import threading
 import time
@@ -36,183 +36,95 @@ import torch
 from kafka import ConsumerRebalanceListener, TopicPartition
 from kafka.errors import CommitFailedError
 from kafka.structs import OffsetAndMetadata
+from sqlalchemy.exc import SQLAlchemyError
 
-from learner.loss import RunningBaseline, advantages, full_kl, pg_loss
+from deploy.registry import RegistryError
+from learner.metrics import PrometheusCollector
+from learner.policy_trainer import BatchFailed, PolicyTrainer
 from liverl.core import keys
 from liverl.core.bus import make_consumer
-from liverl.core.config import LearnerConfig, LiverlConfig
+from liverl.core.config import LiverlConfig
 from liverl.core.schemas import TrainingSample, WireError
 
 log = logging.getLogger("liverl.learner")
 
 CHECKPOINT_FORMAT = 1
-DEFAULT_KL_ESTIMATOR = "full"  # see learner.loss: k3-as-a-loss stalls the lift on the demo task
 STALE_REBASE_CHECK_S = 5.0
+# what a registry call may raise when the database or the blob store is unreachable or refuses
+REGISTRY_ERRORS = (RegistryError, SQLAlchemyError, OSError)
 
 
-class PolicyTrainer:
-    """The learner's model half: fp32 master weights, frozen reference, AdamW, baseline. No I/O.
+class Ledger:
+    """The learner's account of every sample record it consumed: trained at a step, or refused with a reason.
 
-    ``train_step(samples)`` runs ``micro_epochs`` passes of the loss in ``learner.loss`` over one batch.
-    Used by ``Learner`` (Kafka) and directly by in-process experiments.
+    An append-only JSON-lines file beside the checkpoint, one line per update (``trained``: partition, offset,
+    sample id) or per checkpoint's worth of refusals (``refused``: partition, offset, sample id or null, reason).
+    Lines are buffered and written, fsynced, just before the checkpoint that makes them true, tagged with that
+    checkpoint's ``seq``; on restart the lines past the loaded checkpoint's seq are cut off, so the ledger says
+    exactly what the checkpointed weights were trained on. ``liverl audit`` reads it to prove that no sample was
+    trained twice. Bounded: past ``max_bytes`` the file rolls over to ``<name>.1`` (one previous file is kept).
     """
 
-    def __init__(self, model_dir: Path, lcfg: LearnerConfig, state_dict: dict[str, torch.Tensor] | None = None,
-                 normalize_adv: bool = False, kl_estimator: str | None = None):
-        from learner.model import load_model
+    def __init__(self, path: Path, max_bytes: int):
+        self.path, self.max_bytes = path, max_bytes
+        self._buf: list[dict] = []
 
-        torch.set_num_threads(1)  # 2 cores shared with vLLM, ingest and the gate
-        self.lcfg = lcfg
-        self.normalize_adv = normalize_adv
-        self.kl_estimator = kl_estimator or getattr(lcfg, "kl_estimator", DEFAULT_KL_ESTIMATOR)
-        if self.kl_estimator not in ("full", "k3"):
-            raise ValueError(f"kl_estimator must be 'full' or 'k3', got {self.kl_estimator!r}")
-        self.model = load_model(Path(model_dir), state_dict=state_dict, dtype=torch.float32)
-        self.model.train()
-        self.ref = load_model(Path(model_dir), dtype=torch.float32)  # the base: KL penalty and KL metric
-        self.ref.eval()
-        self.ref.requires_grad_(False)
-        conf = self.model.config
-        self.vocab_size = int(conf.vocab_size)
-        self.max_len = int(getattr(conf, "max_position_embeddings", 1 << 30))
-        self.pad_id = int(getattr(conf, "pad_token_id", None) or 0)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lcfg.lr, weight_decay=0.0)
-        self.baseline = RunningBaseline()
+    @property
+    def buffered(self) -> bool:
+        return bool(self._buf)
 
-    # -- input checks ---------------------------------------------------------------------------
-    def refusal(self, s: TrainingSample) -> str | None:
-        """Why this sample cannot be trained on (a short countable code), or None when it can."""
-        c, lp = s.completion_token_ids, s.behaviour_logprobs
-        if not c:
-            return "empty_completion"
-        if not s.prompt_token_ids:
-            return "empty_prompt"
-        if len(c) != len(lp):
-            return "shape_mismatch"
-        if len(c) + len(s.prompt_token_ids) > self.max_len:
-            return "too_long"
-        if any(not 0 <= t < self.vocab_size for t in s.prompt_token_ids) or any(not 0 <= t < self.vocab_size for t in c):
-            return "out_of_vocab"
-        if any(not math.isfinite(x) or x > 1e-3 for x in lp):
-            return "bad_logprob"
-        if not math.isfinite(s.reward):
-            return "bad_reward"
-        return None
+    def trained(self, step: int, records: list[tuple[int, int, str]]) -> None:
+        self._buf.append({"step": step, "trained": records})
 
-    # -- forward ----------------------------------------------------------------------------------
-    def _collate(self, samples: list[TrainingSample]) -> dict[str, torch.Tensor]:
-        B = len(samples)
-        L = max(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples)
-        T = max(len(s.completion_token_ids) for s in samples)
-        ids_BL = torch.full((B, L), self.pad_id, dtype=torch.long)
-        attn_BL = torch.zeros((B, L), dtype=torch.long)
-        pos_BT = torch.zeros((B, T), dtype=torch.long)
-        tgt_BT = torch.zeros((B, T), dtype=torch.long)
-        mask_BT = torch.zeros((B, T))
-        beh_BT = torch.zeros((B, T))
-        for b, s in enumerate(samples):
-            P, C = len(s.prompt_token_ids), len(s.completion_token_ids)
-            ids_BL[b, : P + C] = torch.tensor(s.prompt_token_ids + s.completion_token_ids)
-            attn_BL[b, : P + C] = 1
-            pos_BT[b, :C] = torch.arange(P - 1, P + C - 1)  # logits at position i predict token i+1
-            tgt_BT[b, :C] = torch.tensor(s.completion_token_ids)
-            mask_BT[b, :C] = 1.0
-            beh_BT[b, :C] = torch.tensor(s.behaviour_logprobs)
-        reward_B = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        return {"ids_BL": ids_BL, "attn_BL": attn_BL, "pos_BT": pos_BT, "tgt_BT": tgt_BT, "mask_BT": mask_BT,
-                "beh_BT": beh_BT, "reward_B": reward_B}
+    def refused(self, partition: int, offset: int, sample_id: str | None, reason: str) -> None:
+        if self._buf and "refused" in self._buf[-1]:
+            self._buf[-1]["refused"].append((partition, offset, sample_id, reason))
+        else:
+            self._buf.append({"refused": [(partition, offset, sample_id, reason)]})
+
+    def flush(self, seq: int) -> None:
+        if not self._buf:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() and self.path.stat().st_size > self.max_bytes:
+            os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps({"seq": seq, **line}, separators=(",", ":")) + "\n" for line in self._buf))
+            f.flush()
+            os.fsync(f.fileno())
+        self._buf.clear()
+
+    def truncate_after(self, seq: int) -> None:
+        """Drop the lines of checkpoints that never landed (seq > ``seq``), and anything still buffered."""
+        self._buf.clear()
+        if not self.path.exists():
+            return
+        keep, cut = [], 0
+        with open(self.path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    ok = json.loads(line)["seq"] <= seq
+                except (ValueError, KeyError, TypeError):  # a line torn by the crash
+                    ok = False
+                if ok:
+                    keep.append(line)
+                else:
+                    cut += 1
+        if cut:
+            log.info("learner: ledger: cut %d line(s) past checkpoint seq %d", cut, seq)
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(keep), encoding="utf-8")
+            os.replace(tmp, self.path)
 
     @staticmethod
-    def _token_logp(model, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of the completion tokens ``logp_BT`` and the full distributions ``logprobs_BTV``."""
-        logits_BLV = model(input_ids=x["ids_BL"], attention_mask=x["attn_BL"]).logits.float()
-        V = logits_BLV.shape[-1]
-        logits_BTV = torch.gather(logits_BLV, 1, x["pos_BT"][..., None].expand(-1, -1, V))
-        logprobs_BTV = torch.log_softmax(logits_BTV, dim=-1)
-        logp_BT = torch.gather(logprobs_BTV, 2, x["tgt_BT"][..., None]).squeeze(-1)
-        return logp_BT, logprobs_BTV
-
-    @torch.no_grad()
-    def token_logprobs(self, samples: list[TrainingSample], model=None) -> list[list[float]]:
-        """The current policy's log-prob of each completion token, as the loss computes it (fp32).
-
-        ``model``: another transformers model to score with the same code (e.g. a bf16 copy, for reference).
-        """
-        x = self._collate(samples)
-        logp_BT, _ = self._token_logp(self.model if model is None else model, x)
-        return [logp_BT[b, : len(s.completion_token_ids)].tolist() for b, s in enumerate(samples)]
-
-    def train_step(self, samples: list[TrainingSample]) -> dict[str, float]:
-        """One update on ``samples`` (already validated): ``micro_epochs`` AdamW steps, grad-norm clip 1.0."""
-        if not samples:
-            raise ValueError("train_step needs at least one sample")
-        x = self._collate(samples)
-        adv_B = advantages(x["reward_B"], [s.segment for s in samples], self.baseline, self.normalize_adv)
-        ref_BT = ref_BTV = None
-        if self.ref is not None:
-            with torch.no_grad():
-                ref_BT, ref_BTV = self._token_logp(self.ref, x)
-        first: dict[str, float] = {}
-        out = None
-        for epoch in range(max(1, self.lcfg.micro_epochs)):
-            logp_BT, logprobs_BTV = self._token_logp(self.model, x)
-            with torch.no_grad():
-                ent_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
-            kl_BT = full_kl(logprobs_BTV, ref_BTV) if ref_BTV is not None and self.kl_estimator == "full" else None
-            out = pg_loss(logp_BT, x["beh_BT"], adv_B, x["mask_BT"], tis_cap=self.lcfg.tis_cap,
-                          ref_logp_BT=ref_BT, kl_coef=self.lcfg.kl_coef, kl_BT=kl_BT, entropy_BT=ent_BT)
-            if not torch.isfinite(out.loss):
-                raise FloatingPointError(f"non-finite loss {float(out.loss)} (metrics {out.metrics})")
-            self.opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            if not torch.isfinite(gnorm):
-                self.opt.zero_grad(set_to_none=True)
-                raise FloatingPointError(f"non-finite gradient norm {float(gnorm)}")
-            self.opt.step()
-            if epoch == 0:
-                first = dict(out.metrics, grad_norm=float(gnorm))
-        metrics = dict(first)
-        metrics["reward_mean"] = float(x["reward_B"].mean())
-        metrics["samples"] = float(len(samples))
-        if out is not None and self.lcfg.micro_epochs > 1:
-            metrics["loss_last"] = out.metrics["loss"]
-        return metrics
-
-    # -- weights & state ---------------------------------------------------------------------------
-    def weights(self, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
-        """The current weights under the file names (the weights convention); bf16 is the served form."""
-        from learner.model import state_dict_from_model
-
-        return state_dict_from_model(self.model, dtype=dtype)
-
-    def bf16_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.weights(torch.bfloat16)
-
-    def load_weights(self, state_dict: dict[str, torch.Tensor], reset_optimizer: bool) -> None:
-        """Overwrite the weights in place (file names, any dtype) so the optimizer keeps its parameters."""
-        from learner.model import assign_weights
-
-        assign_weights(self.model, state_dict)
-        if reset_optimizer:
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lcfg.lr, weight_decay=0.0)
-
-    def set_reference(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Move the KL anchor (file names, any dtype): the learner stays near what is served, not only near the base."""
-        from learner.model import assign_weights
-
-        if self.ref is None:
-            return
-        assign_weights(self.ref, state_dict)
-
-    def state(self) -> dict[str, Any]:
-        return {"model": self.weights(torch.float32), "optimizer": self.opt.state_dict(),
-                "baseline": self.baseline.state_dict()}
-
-    def load_state(self, st: dict[str, Any]) -> None:
-        self.load_weights(st["model"], reset_optimizer=True)
-        self.opt.load_state_dict(st["optimizer"])
-        self.baseline.load_state_dict(st["baseline"])
+    def read(path: Path):
+        """Every line of the ledger (the rolled-over file first), as dicts."""
+        for p in (path.with_name(path.name + ".1"), path):
+            if p.exists():
+                with open(p, encoding="utf-8") as f:
+                    for line in f:
+                        if line.strip():
+                            yield json.loads(line)
 
 
 class Learner(ConsumerRebalanceListener):
@@ -221,17 +133,19 @@ class Learner(ConsumerRebalanceListener):
     def __init__(self, cfg: LiverlConfig, model_dir: Path, bootstrap: str, registry, redis=None,
                  checkpoint_path: Path | None = None):
         self.cfg, self.lcfg = cfg, cfg.learner
-        if self.lcfg.batch_size < 1 or self.lcfg.candidate_every_steps < 1 or self.lcfg.max_staleness < 0:
-            raise ValueError("learner.batch_size and candidate_every_steps must be >= 1, max_staleness >= 0")
         self.model_dir, self.bootstrap, self.registry, self.redis = Path(model_dir), bootstrap, registry, redis
         self.topic = cfg.topics.samples
         self.group = f"{cfg.topics.prefix}.learner"
         self.key = keys.learner(cfg.topics.prefix)
         self.ckpt_path = Path(checkpoint_path or cfg.state_path / "learner" / f"{cfg.topics.prefix}.ckpt")
+        self.ledger = Ledger(self.ckpt_path.with_name(self.ckpt_path.stem + ".ledger.jsonl"),
+                             max_bytes=self.lcfg.ledger_max_mb << 20)
         self.trainer = PolicyTrainer(self.model_dir, self.lcfg)
         self.step = 0
+        self.seq = 0  # checkpoints written; the ledger's lines carry the seq of the checkpoint that made them durable
         self.offsets: dict[int, int] = {}  # durable watermark: next offset per partition
-        self.trained_ids: set[str] = set()
+        self.trained_ids: dict[str, None] = {}  # the last ``dedupe_window`` trained sample ids, oldest first
+        self._candidate_due = False
         self.counters: collections.Counter[str] = collections.Counter()
         self.since_candidate: dict[str, float] = {"reward_sum": 0.0, "samples": 0.0, "steps": 0.0, "loss_sum": 0.0}
         self.last_candidate: int | None = None
@@ -247,6 +161,7 @@ class Learner(ConsumerRebalanceListener):
         if self.ckpt_path.exists():
             self._load_checkpoint()
         else:
+            self.ledger.truncate_after(0)  # lines of a run whose first checkpoint never landed
             stable = self.registry.stable()
             self.last_emitted = int(stable.version)
             if stable.version != 0:
@@ -255,8 +170,12 @@ class Learner(ConsumerRebalanceListener):
 
     # -- checkpoint ---------------------------------------------------------------------------------
     def _save_checkpoint(self) -> None:
+        """Ledger lines first (tagged with the new seq), then the checkpoint: a crash in between leaves lines
+        whose seq the checkpoint never reached, and the restart cuts them off (``Ledger.truncate_after``)."""
+        self.seq += 1
+        self.ledger.flush(self.seq)
         st = dict(self.trainer.state(), format=CHECKPOINT_FORMAT, step=self.step, offsets=dict(self.offsets),
-                  trained_ids=sorted(self.trained_ids), last_emitted=self.last_emitted,
+                  seq=self.seq, trained_ids=list(self.trained_ids), last_emitted=self.last_emitted,
                   last_candidate=self.last_candidate, counters=dict(self.counters),
                   since_candidate=dict(self.since_candidate), topic=self.topic, rollback_seen=self.rollback_seen)
         self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
@@ -280,7 +199,9 @@ class Learner(ConsumerRebalanceListener):
         self.trainer.load_state(st)
         self.step = int(st["step"])
         self.offsets = {int(p): int(o) for p, o in st["offsets"].items()}
-        self.trained_ids = set(st["trained_ids"])
+        self.seq = int(st.get("seq", 0))
+        self.ledger.truncate_after(self.seq)
+        self.trained_ids = dict.fromkeys(st["trained_ids"][-self.lcfg.dedupe_window:])
         self.last_emitted = int(st["last_emitted"])
         self.last_candidate = st["last_candidate"]
         self.counters = collections.Counter(st["counters"])
@@ -322,29 +243,50 @@ class Learner(ConsumerRebalanceListener):
 
     def _classify(self) -> None:
         """Move fetched records into ``pending`` (accepted) or refuse them, until a batch is full."""
-        while self.queue and len(self.pending) < self.lcfg.batch_size:
+        while self.queue and not self._batch_ready():
             part, off, raw = self.queue.popleft()
             self.read_pos[part] = off + 1
-            reason = None
+            s = None
             try:
                 s = TrainingSample.from_bytes(raw if raw is not None else b"")
+                reason = self._refusal(s)
             except WireError as e:
-                reason, s = f"wire_{e.reason}", None
-            if s is not None:
-                if s.sample_id in self.trained_ids or any(p[2].sample_id == s.sample_id for p in self.pending):
-                    reason = "duplicate"
-                elif self.last_emitted - s.policy_version > self.lcfg.max_staleness:
-                    reason = "stale"
-                else:
-                    reason = self.trainer.refusal(s)
+                reason = f"wire_{e.reason}"
+            except Exception as e:  # noqa: BLE001 - one record must never stop the learner (it would crash-loop on it)
+                reason = "internal_error"
+                log.exception("learner: refusing the record at %s[%d]@%d: %s: %s", self.topic, part, off,
+                              type(e).__name__, e)
             if reason is None:
                 self.pending.append((part, off, s))
                 continue
             self.counters[f"dropped:{reason}"] += 1
+            self.ledger.refused(part, off, s.sample_id if s is not None else None, reason)
             if reason not in ("duplicate", "stale"):
                 log.warning("learner: refused sample at %s[%d]@%d: %s", self.topic, part, off, reason)
             if not any(p[0] == part for p in self.pending):
                 self.offsets[part] = off + 1  # nothing waiting below it in this partition
+
+    def _refusal(self, s: TrainingSample) -> str | None:
+        if s.sample_id in self.trained_ids or any(p[2].sample_id == s.sample_id for p in self.pending):
+            return "duplicate"
+        if self.last_emitted - s.policy_version > self.lcfg.max_staleness:
+            return "stale"
+        return self.trainer.refusal(s)
+
+    def _batch_size(self) -> int:
+        """How many of the pending samples make the next batch: ``batch_size``, or fewer when their padded size
+        would pass ``max_batch_tokens`` (at least one: a single sample longer than the cap is refused as too_long
+        by the trainer only past the model's context, so it trains alone)."""
+        n, longest = 0, 0
+        for _, _, s in self.pending[: self.lcfg.batch_size]:
+            longest = max(longest, len(s.prompt_token_ids) + len(s.completion_token_ids))
+            if n and (n + 1) * longest > self.lcfg.max_batch_tokens:
+                break
+            n += 1
+        return n
+
+    def _batch_ready(self) -> bool:
+        return len(self.pending) >= self.lcfg.batch_size or 0 < self._batch_size() < len(self.pending)
 
     def _commit(self) -> None:
         """Commit what the checkpoint already holds. A failed commit (this consumer was dropped from its
@@ -374,19 +316,24 @@ class Learner(ConsumerRebalanceListener):
 
     def _update(self) -> bool:
         """Train on the oldest full batch; True when the weights changed."""
-        batch = self.pending[: self.lcfg.batch_size]
-        self.pending = self.pending[self.lcfg.batch_size:]
+        n = self._batch_size()
+        batch, self.pending = self.pending[:n], self.pending[n:]
         samples = [e[2] for e in batch]
         t0 = time.monotonic()
         try:
             m = self.trainer.train_step(samples)
-        except FloatingPointError as e:  # keep the loop alive; the batch is skipped, loudly
-            log.error("learner: step %d skipped: %s", self.step + 1, e)
-            self.counters["dropped:nonfinite_update"] += len(samples)
+        except BatchFailed as e:  # the trainer is as before; the batch is refused, counted and logged
+            log.error("learner: step %d skipped, %d samples refused: %s", self.step + 1, len(samples), e)
+            self.counters[f"dropped:{e.reason}"] += len(samples)
+            for part, off, s in batch:
+                self.ledger.refused(part, off, s.sample_id, e.reason)
             m = None
-        for part, off, s in batch:
-            if m is not None:
-                self.trained_ids.add(s.sample_id)
+        if m is not None:
+            self.ledger.trained(self.step + 1, [(part, off, s.sample_id) for part, off, s in batch])
+            for _, _, s in batch:
+                self.trained_ids[s.sample_id] = None
+            while len(self.trained_ids) > self.lcfg.dedupe_window:
+                del self.trained_ids[next(iter(self.trained_ids))]
         waiting = {}
         for part, off, _ in self.pending:
             waiting.setdefault(part, off)
@@ -410,9 +357,12 @@ class Learner(ConsumerRebalanceListener):
         return True
 
     def _maybe_candidate(self) -> None:
-        if self.step % self.lcfg.candidate_every_steps != 0 or self.step == 0:
+        if self.step % self.lcfg.candidate_every_steps == 0 and self.step:
+            self._candidate_due = True
+        if not self._candidate_due:
             return
         if self.frozen():
+            self._candidate_due = False
             self.counters["candidates_skipped_frozen"] += 1
             log.info("learner: step %d: frozen, no candidate", self.step)
             return
@@ -423,10 +373,17 @@ class Learner(ConsumerRebalanceListener):
                    "loss_mean": sc["loss_sum"] / max(sc["steps"], 1.0),
                    **{k: self.last_metrics[k] for k in ("kl", "entropy", "ratio_mean", "clipped_frac", "masked_frac")
                       if k in self.last_metrics}}
-        parent = int(self.registry.stable().version)
-        row = self.registry.add_candidate(self.trainer.bf16_state_dict(), parent=parent, metrics=metrics,
-                                          sample_offsets={str(p): o for p, o in sorted(self.offsets.items())},
-                                          learner_step=self.step)
+        try:
+            parent = int(self.registry.stable().version)
+            row = self.registry.add_candidate(self.trainer.bf16_state_dict(), parent=parent, metrics=metrics,
+                                              sample_offsets={str(p): o for p, o in sorted(self.offsets.items())},
+                                              learner_step=self.step)
+        except REGISTRY_ERRORS as e:  # the weights are in the checkpoint; the candidate is tried again next step
+            self.counters["registry_errors"] += 1
+            log.error("learner: step %d: cannot register a candidate (%s: %s); retrying after the next step",
+                      self.step, type(e).__name__, e)
+            return
+        self._candidate_due = False
         self.last_emitted = self.last_candidate = int(row.version)
         self.since_candidate = {k: 0.0 for k in sc}
         log.info("learner: step %d -> candidate v%d (parent v%d, %d samples trained, reward %.3f since last)",
@@ -499,10 +456,14 @@ class Learner(ConsumerRebalanceListener):
                     break
                 self._poll(timeout_ms=200)
                 self._classify()
-                if self.counters["dropped:stale"] and self._consumer.assignment():
-                    self._maybe_rebase()
-                self._maybe_move_reference()
-                if len(self.pending) >= self.lcfg.batch_size:
+                try:
+                    if self.counters["dropped:stale"] and self._consumer.assignment():
+                        self._maybe_rebase()
+                    self._maybe_move_reference()
+                except REGISTRY_ERRORS as e:  # both are retried every few seconds; training goes on meanwhile
+                    self.counters["registry_errors"] += 1
+                    log.error("learner: cannot read the registry (%s: %s); retrying", type(e).__name__, e)
+                if self._batch_ready():
                     if self._update():
                         self._maybe_candidate()
                     self._save_checkpoint()
@@ -510,6 +471,9 @@ class Learner(ConsumerRebalanceListener):
                     self.publish()
                     last_pub = time.monotonic()
                 elif time.monotonic() - last_pub > 1.0:
+                    if self.ledger.buffered:  # refusals while idle: make them (and their offsets) durable
+                        self._save_checkpoint()
+                        self._commit()
                     self.publish("waiting")
                     last_pub = time.monotonic()
         finally:
@@ -523,32 +487,6 @@ class Learner(ConsumerRebalanceListener):
                 "unique_trained": len(self.trained_ids), "last_candidate": self.last_candidate,
                 "last_emitted": self.last_emitted, "offsets": dict(self.offsets),
                 "counters": dict(self.counters), "last_metrics": dict(self.last_metrics)}
-
-
-class PrometheusCollector:
-    """Exposes a learner's live state at scrape time (``liverl_learner_*``; counters end in ``_total``)."""
-
-    def __init__(self, learner: Learner):
-        self.learner = learner
-
-    def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        lr = self.learner
-        yield CounterMetricFamily("liverl_learner_steps", "Policy updates made.", value=lr.step)
-        yield CounterMetricFamily("liverl_learner_samples_trained", "Samples trained on.",
-                                  value=lr.counters["samples_trained"])
-        dropped = CounterMetricFamily("liverl_learner_samples_dropped", "Samples refused, by reason.", labels=["reason"])
-        for k, v in sorted(lr.counters.items()):
-            if k.startswith("dropped:"):
-                dropped.add_metric([k.split(":", 1)[1]], v)
-        yield dropped
-        yield CounterMetricFamily("liverl_learner_rebases", "Restarts from the stable weights.", value=lr.counters["rebases"])
-        yield GaugeMetricFamily("liverl_learner_last_candidate_version", "Last candidate version emitted (-1: none).",
-                                value=-1 if lr.last_candidate is None else lr.last_candidate)
-        for k in ("reward_mean", "kl", "entropy", "ratio_mean", "clipped_frac", "masked_frac", "loss"):
-            if k in lr.last_metrics:
-                yield GaugeMetricFamily(f"liverl_learner_{k}", f"Last update's {k}.", value=lr.last_metrics[k])
 
 
 def run_learner(cfg: LiverlConfig, model_dir: Path, stop_event: threading.Event | None = None, max_steps: int | None = None,

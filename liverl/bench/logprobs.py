@@ -130,7 +130,7 @@ def compare(model_dir: Path, completions: list[dict]) -> dict:
     import torch
 
     from learner.model import load_model
-    from learner.trainer import PolicyTrainer
+    from learner.policy_trainer import PolicyTrainer
     from liverl.core.config import LearnerConfig
     from liverl.core.schemas import TrainingSample
 

@@ -132,8 +132,17 @@ class LearnerConfig(_Section):
     micro_epochs: int = Field(default=1, ge=1, description="Passes over each batch.")
     tis_cap: float = Field(default=2.0, description="Truncated importance sampling cap C on pi/mu per token.")
     kl_coef: float = Field(default=0.05, description="Weight of the KL penalty to the anchor (learner.kl_reference).")
-    candidate_every_steps: int = Field(default=10, description="Emit a candidate version every this many updates.")
-    max_staleness: int = Field(default=8, description="Drop samples whose policy version lags the learner by more.")
+    candidate_every_steps: int = Field(default=10, ge=1, description="Emit a candidate version every this many updates.")
+    max_staleness: int = Field(default=8, ge=0, description="Drop samples whose policy version lags the learner by more.")
+    max_batch_tokens: int = Field(
+        default=65536, ge=1, description="Cap on a batch's padded size (samples x longest sequence): a batch is cut "
+        "short rather than run out of memory on long contexts.")
+    dedupe_window: int = Field(
+        default=100_000, ge=1, description="How many recently trained sample ids the learner remembers (and "
+        "checkpoints) to refuse a redelivered sample as a duplicate; older ones are behind the offset watermark.")
+    ledger_max_mb: int = Field(
+        default=256, ge=1, description="Size at which the learner's ledger (every sample's fate, for liverl audit) "
+        "rolls over; one previous file is kept.")
     kl_reference: Literal["stable", "base"] = Field(
         default="stable",
         description="KL anchor: 'stable' (the version being served, moved on each promotion) or 'base' (version 0).",

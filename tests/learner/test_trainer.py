@@ -7,6 +7,7 @@ bf16, as served) on the task's prompts, its log-probs recorded as the behaviour 
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import tempfile
@@ -263,6 +264,117 @@ def test_crash_and_restart_lose_nothing_and_train_nothing_twice(cfg, model_dir, 
         assert sum(stats["offsets"].values()) == len(values)
         assert committed_offsets(cfg) == stats["offsets"]
         assert [v.learner_step for v in reg.candidates()] == [3, 6]
+        # the ledger tells the same story: the crashed run's uncheckpointed lines are gone
+        trained_lines, refused = ledger_fates(third)
+        assert sorted(trained_lines) == sorted(s.sample_id for s in valid)
+        assert collections.Counter(r for _, r in refused) == {"duplicate": len(dupes), "shape_mismatch": 1,
+                                                               "out_of_vocab": 1, "wire_malformed_json": 1}
+    finally:
+        reg.close()
+
+
+def ledger_fates(learner) -> tuple[list[str], list[tuple[str | None, str]]]:
+    """(sample ids trained, in ledger order; (sample id, reason) refused) from a learner's ledger file."""
+    from learner.trainer import Ledger
+
+    trained, refused = [], []
+    for line in Ledger.read(learner.ledger.path):
+        trained += [sid for _, _, sid in line.get("trained", [])]
+        refused += [(sid, reason) for _, _, sid, reason in line.get("refused", [])]
+    return trained, refused
+
+
+def test_a_record_that_breaks_the_checks_or_a_batch_that_fails_is_refused_and_the_loop_goes_on(cfg, model_dir,
+                                                                                               base_samples):
+    """Finding 15: an unexpected exception on one record, or a batch that runs out of memory, crash-looped the
+    learner. Now the record or the batch is refused with a counted reason, the weights are as before the batch,
+    and training goes on."""
+    from deploy.delta import checksum
+    from learner.trainer import Learner
+
+    cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=100)
+    produce_samples(cfg, base_samples[:49])
+    reg = make_registry(cfg, model_dir)
+    poison = base_samples[7].sample_id
+    calls = {"n": 0}
+
+    class Hostile(Learner):
+        def _refusal(self, s):
+            if s.sample_id == poison:
+                raise RecursionError("maximum recursion depth exceeded")
+            return super()._refusal(s)
+
+    try:
+        learner = Hostile(cfg, model_dir, cfg.broker.bootstrap, reg)
+        real_step = learner.trainer._train_step
+
+        before = checksum(learner.trainer.bf16_state_dict())
+        after_failure = []
+
+        def oom_once(samples):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise torch.OutOfMemoryError("CPU out of memory")
+            after_failure.append(checksum(learner.trainer.bf16_state_dict()))
+            return real_step(samples)
+
+        learner.trainer._train_step = oom_once
+        stats = learner.run(max_steps=2)
+        assert after_failure[0] == before
+        c = stats["counters"]
+        assert c["dropped:internal_error"] == 1 and c["dropped:out_of_memory"] == 16
+        assert stats["step"] == 2 and stats["samples_trained"] == 32
+        assert sum(stats["offsets"].values()) == 49  # every record accounted for: 1 + 16 refused, 32 trained
+        trained, refused = ledger_fates(learner)
+        assert len(trained) == 32 and poison not in trained
+        assert collections.Counter(r for _, r in refused) == {"internal_error": 1, "out_of_memory": 16}
+        assert checksum(learner.trainer.bf16_state_dict()) != before
+    finally:
+        reg.close()
+
+
+def test_a_failed_epoch_puts_the_weights_and_the_optimizer_back(model_dir, base_samples):
+    """Finding 26: with micro_epochs > 1, a failure in epoch 2 left epoch 1's update in the weights."""
+    from deploy.delta import checksum
+    from learner.policy_trainer import BatchFailed, PolicyTrainer
+    from liverl.core.config import LearnerConfig
+
+    tr = PolicyTrainer(model_dir, LearnerConfig(micro_epochs=3, lr=1e-3))
+    tr.train_step(base_samples[:8])  # optimizer state exists
+    before, opt_before = checksum(tr.bf16_state_dict()), tr.opt.state_dict()["state"][0]["exp_avg"].clone()
+    real, n = tr._token_logp, {"calls": 0}
+
+    def nan_in_epoch_two(model, x):
+        n["calls"] += 1
+        logp, logprobs = real(model, x)
+        return (logp * float("nan"), logprobs) if n["calls"] == 3 else (logp, logprobs)  # 1: ref, 2: epoch 1
+
+    tr._token_logp = nan_in_epoch_two
+    with pytest.raises(BatchFailed, match="nonfinite_update"):
+        tr.train_step(base_samples[8:16])
+    assert checksum(tr.bf16_state_dict()) == before
+    assert torch.equal(tr.opt.state_dict()["state"][0]["exp_avg"], opt_before)
+
+
+def test_the_dedupe_window_and_the_batch_token_cap_hold(cfg, model_dir, base_samples):
+    """Finding 16: trained ids grew without bound and went into every checkpoint. Now the learner remembers
+    the last ``dedupe_window`` ids (older ones are below the offset watermark), and a batch is cut short
+    when its padded size would pass ``max_batch_tokens``."""
+    from learner.trainer import Learner
+
+    longest = max(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in base_samples[:48])
+    cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=100, dedupe_window=10,
+                      max_batch_tokens=8 * longest)
+    produce_samples(cfg, base_samples[:48])
+    reg = make_registry(cfg, model_dir)
+    try:
+        learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
+        stats = learner.run(max_steps=3)
+        assert stats["samples_trained"] <= 24 and stats["step"] == 3  # batches of at most 8
+        assert len(learner.trained_ids) == 10
+        assert len(read_checkpoint(learner.ckpt_path)["trained_ids"]) == 10
+        trained, _ = ledger_fates(learner)
+        assert list(learner.trained_ids) == trained[-10:]  # the newest ids are the ones remembered
     finally:
         reg.close()
 
@@ -361,7 +473,7 @@ def online_rl(model_dir: Path, lcfg, samples_total: int, eval_every: int, seed: 
     import copy
 
     from liverl.demo.score import heldout_score
-    from learner.trainer import PolicyTrainer
+    from learner.policy_trainer import PolicyTrainer
 
     tr = PolicyTrainer(model_dir, lcfg)
     curve = [(0, heldout_score(model_dir, tr.bf16_state_dict())["expected_acceptance"])]

@@ -1,0 +1,33 @@
+"""The learner's Prometheus metrics (``liverl_learner_*``), read from a live ``Learner`` at scrape time."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from learner.trainer import Learner
+
+class PrometheusCollector:
+    """Exposes a learner's live state at scrape time (``liverl_learner_*``; counters end in ``_total``)."""
+
+    def __init__(self, learner: Learner):
+        self.learner = learner
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        lr = self.learner
+        yield CounterMetricFamily("liverl_learner_steps", "Policy updates made.", value=lr.step)
+        yield CounterMetricFamily("liverl_learner_samples_trained", "Samples trained on.",
+                                  value=lr.counters["samples_trained"])
+        dropped = CounterMetricFamily("liverl_learner_samples_dropped", "Samples refused, by reason.", labels=["reason"])
+        for k, v in sorted(lr.counters.items()):
+            if k.startswith("dropped:"):
+                dropped.add_metric([k.split(":", 1)[1]], v)
+        yield dropped
+        yield CounterMetricFamily("liverl_learner_rebases", "Restarts from the stable weights.", value=lr.counters["rebases"])
+        yield GaugeMetricFamily("liverl_learner_last_candidate_version", "Last candidate version emitted (-1: none).",
+                                value=-1 if lr.last_candidate is None else lr.last_candidate)
+        for k in ("reward_mean", "kl", "entropy", "ratio_mean", "clipped_frac", "masked_frac", "loss"):
+            if k in lr.last_metrics:
+                yield GaugeMetricFamily(f"liverl_learner_{k}", f"Last update's {k}.", value=lr.last_metrics[k])

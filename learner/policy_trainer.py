@@ -1,0 +1,226 @@
+"""The learner's model half: fp32 master weights, a KL reference, AdamW and the reward baseline. No I/O.
+
+``PolicyTrainer.train_step(samples)`` runs ``micro_epochs`` passes of ``learner.loss`` over one batch and leaves the
+weights untouched when the batch fails (non-finite loss or gradient, out of memory). ``refusal(sample)`` is the
+input check the learner applies to every record before it may reach a batch. Used by ``learner.trainer.Learner``
+(Kafka, checkpoints) and directly by ``liverl bench logprobs`` and in-process experiments.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from learner.loss import RunningBaseline, advantages, full_kl, pg_loss
+from liverl.core.config import LearnerConfig
+from liverl.core.schemas import TrainingSample
+
+
+
+class BatchFailed(RuntimeError):
+    """A batch could not be trained on; the trainer's state is as before it. ``reason`` is a countable code."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+class PolicyTrainer:
+    """The learner's model half: fp32 master weights, frozen reference, AdamW, baseline. No I/O.
+
+    ``train_step(samples)`` runs ``micro_epochs`` passes of the loss in ``learner.loss`` over one batch.
+    Used by ``Learner`` (Kafka) and directly by in-process experiments.
+    """
+
+    def __init__(self, model_dir: Path, lcfg: LearnerConfig, state_dict: dict[str, torch.Tensor] | None = None,
+                 normalize_adv: bool = False, kl_estimator: str | None = None):
+        from learner.model import load_model
+
+        torch.set_num_threads(1)  # 2 cores shared with vLLM, ingest and the gate
+        self.lcfg = lcfg
+        self.normalize_adv = normalize_adv
+        self.kl_estimator = kl_estimator or lcfg.kl_estimator
+        if self.kl_estimator not in ("full", "k3"):
+            raise ValueError(f"kl_estimator must be 'full' or 'k3', got {self.kl_estimator!r}")
+        self.model = load_model(Path(model_dir), state_dict=state_dict, dtype=torch.float32)
+        self.model.train()
+        self.ref = load_model(Path(model_dir), dtype=torch.float32)  # the base: KL penalty and KL metric
+        self.ref.eval()
+        self.ref.requires_grad_(False)
+        conf = self.model.config
+        self.vocab_size = int(conf.vocab_size)
+        self.max_len = int(getattr(conf, "max_position_embeddings", 1 << 30))
+        self.pad_id = int(getattr(conf, "pad_token_id", None) or 0)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lcfg.lr, weight_decay=0.0)
+        self.baseline = RunningBaseline()
+
+    # -- input checks ---------------------------------------------------------------------------
+    def refusal(self, s: TrainingSample) -> str | None:
+        """Why this sample cannot be trained on (a short countable code), or None when it can."""
+        c, lp = s.completion_token_ids, s.behaviour_logprobs
+        if not c:
+            return "empty_completion"
+        if not s.prompt_token_ids:
+            return "empty_prompt"
+        if len(c) != len(lp):
+            return "shape_mismatch"
+        if len(c) + len(s.prompt_token_ids) > self.max_len:
+            return "too_long"
+        if any(not 0 <= t < self.vocab_size for t in s.prompt_token_ids) or any(not 0 <= t < self.vocab_size for t in c):
+            return "out_of_vocab"
+        if any(not math.isfinite(x) or x > 1e-3 for x in lp):
+            return "bad_logprob"
+        if not math.isfinite(s.reward):
+            return "bad_reward"
+        return None
+
+    # -- forward ----------------------------------------------------------------------------------
+    def _collate(self, samples: list[TrainingSample]) -> dict[str, torch.Tensor]:
+        B = len(samples)
+        L = max(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples)
+        T = max(len(s.completion_token_ids) for s in samples)
+        ids_BL = torch.full((B, L), self.pad_id, dtype=torch.long)
+        attn_BL = torch.zeros((B, L), dtype=torch.long)
+        pos_BT = torch.zeros((B, T), dtype=torch.long)
+        tgt_BT = torch.zeros((B, T), dtype=torch.long)
+        mask_BT = torch.zeros((B, T))
+        beh_BT = torch.zeros((B, T))
+        for b, s in enumerate(samples):
+            P, C = len(s.prompt_token_ids), len(s.completion_token_ids)
+            ids_BL[b, : P + C] = torch.tensor(s.prompt_token_ids + s.completion_token_ids)
+            attn_BL[b, : P + C] = 1
+            pos_BT[b, :C] = torch.arange(P - 1, P + C - 1)  # logits at position i predict token i+1
+            tgt_BT[b, :C] = torch.tensor(s.completion_token_ids)
+            mask_BT[b, :C] = 1.0
+            beh_BT[b, :C] = torch.tensor(s.behaviour_logprobs)
+        reward_B = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        return {"ids_BL": ids_BL, "attn_BL": attn_BL, "pos_BT": pos_BT, "tgt_BT": tgt_BT, "mask_BT": mask_BT,
+                "beh_BT": beh_BT, "reward_B": reward_B}
+
+    @staticmethod
+    def _token_logp(model, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs of the completion tokens ``logp_BT`` and the full distributions ``logprobs_BTV``."""
+        logits_BLV = model(input_ids=x["ids_BL"], attention_mask=x["attn_BL"]).logits.float()
+        V = logits_BLV.shape[-1]
+        logits_BTV = torch.gather(logits_BLV, 1, x["pos_BT"][..., None].expand(-1, -1, V))
+        logprobs_BTV = torch.log_softmax(logits_BTV, dim=-1)
+        logp_BT = torch.gather(logprobs_BTV, 2, x["tgt_BT"][..., None]).squeeze(-1)
+        return logp_BT, logprobs_BTV
+
+    @torch.no_grad()
+    def token_logprobs(self, samples: list[TrainingSample], model=None) -> list[list[float]]:
+        """The current policy's log-prob of each completion token, as the loss computes it (fp32).
+
+        ``model``: another transformers model to score with the same code (e.g. a bf16 copy, for reference).
+        """
+        x = self._collate(samples)
+        logp_BT, _ = self._token_logp(self.model if model is None else model, x)
+        return [logp_BT[b, : len(s.completion_token_ids)].tolist() for b, s in enumerate(samples)]
+
+    def padded_tokens(self, samples: list[TrainingSample]) -> int:
+        """The size a batch of ``samples`` is padded to (what its activations scale with)."""
+        return len(samples) * max((len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples), default=0)
+
+    def train_step(self, samples: list[TrainingSample]) -> dict[str, float]:
+        """One update on ``samples`` (already validated): ``micro_epochs`` AdamW steps, grad-norm clip 1.0.
+
+        All or nothing: if any epoch fails (a non-finite loss or gradient, out of memory, any other error), the
+        weights, the optimizer and the baseline are put back as they were and ``BatchFailed`` names the reason.
+        """
+        if not samples:
+            raise ValueError("train_step needs at least one sample")
+        undo = self._undo_point()
+        try:
+            return self._train_step(samples)
+        except Exception as e:
+            self.opt.zero_grad(set_to_none=True)
+            undo()
+            if isinstance(e, FloatingPointError):
+                raise BatchFailed("nonfinite_update", str(e)) from e
+            if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
+                raise BatchFailed("out_of_memory", f"{len(samples)} samples, {self.padded_tokens(samples)} padded "
+                                  "tokens") from e
+            raise BatchFailed("train_error", f"{type(e).__name__}: {e}") from e
+
+    def _undo_point(self):
+        """A callable that restores the state ``train_step`` may change. The weights and the optimizer are only
+        copied when more than one epoch runs: a single epoch fails before ``opt.step()`` or not at all."""
+        baseline = copy.deepcopy(self.baseline.state_dict())
+        saved = None
+        if self.lcfg.micro_epochs > 1:
+            saved = ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                     copy.deepcopy(self.opt.state_dict()))
+
+        def undo() -> None:
+            self.baseline.load_state_dict(baseline)
+            if saved is not None:
+                self.model.load_state_dict(saved[0])
+                self.opt.load_state_dict(saved[1])
+        return undo
+
+    def _train_step(self, samples: list[TrainingSample]) -> dict[str, float]:
+        x = self._collate(samples)
+        adv_B = advantages(x["reward_B"], [s.segment for s in samples], self.baseline, self.normalize_adv)
+        with torch.no_grad():
+            ref_BT, ref_BTV = self._token_logp(self.ref, x)
+        first: dict[str, float] = {}
+        out = None
+        for epoch in range(self.lcfg.micro_epochs):
+            logp_BT, logprobs_BTV = self._token_logp(self.model, x)
+            with torch.no_grad():
+                ent_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
+            kl_BT = full_kl(logprobs_BTV, ref_BTV) if self.kl_estimator == "full" else None
+            out = pg_loss(logp_BT, x["beh_BT"], adv_B, x["mask_BT"], tis_cap=self.lcfg.tis_cap,
+                          ref_logp_BT=ref_BT, kl_coef=self.lcfg.kl_coef, kl_BT=kl_BT, entropy_BT=ent_BT)
+            if not torch.isfinite(out.loss):
+                raise FloatingPointError(f"non-finite loss {float(out.loss)} (metrics {out.metrics})")
+            self.opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            if not torch.isfinite(gnorm):
+                raise FloatingPointError(f"non-finite gradient norm {float(gnorm)}")
+            self.opt.step()
+            if epoch == 0:
+                first = dict(out.metrics, grad_norm=float(gnorm))
+        metrics = dict(first)
+        metrics["reward_mean"] = float(x["reward_B"].mean())
+        metrics["samples"] = float(len(samples))
+        if out is not None and self.lcfg.micro_epochs > 1:
+            metrics["loss_last"] = out.metrics["loss"]
+        return metrics
+
+    # -- weights & state ---------------------------------------------------------------------------
+    def weights(self, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+        """The current weights under the file names (the weights convention); bf16 is the served form."""
+        from learner.model import state_dict_from_model
+
+        return state_dict_from_model(self.model, dtype=dtype)
+
+    def bf16_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.weights(torch.bfloat16)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], reset_optimizer: bool) -> None:
+        """Overwrite the weights in place (file names, any dtype) so the optimizer keeps its parameters."""
+        from learner.model import assign_weights
+
+        assign_weights(self.model, state_dict)
+        if reset_optimizer:
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lcfg.lr, weight_decay=0.0)
+
+    def set_reference(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Move the KL anchor (file names, any dtype): the learner stays near what is served, not only near the base."""
+        from learner.model import assign_weights
+
+        assign_weights(self.ref, state_dict)
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.weights(torch.float32), "optimizer": self.opt.state_dict(),
+                "baseline": self.baseline.state_dict()}
+
+    def load_state(self, st: dict[str, Any]) -> None:
+        self.load_weights(st["model"], reset_optimizer=True)
+        self.opt.load_state_dict(st["optimizer"])
+        self.baseline.load_state_dict(st["baseline"])
