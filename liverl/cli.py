@@ -238,6 +238,25 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return gc_command(_cfg(args), dry_run=args.dry_run, grace_s=args.grace, token=_token(args))
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    from deploy.registry import open_registry
+    from liverl.audit import print_report, run_audit
+    from liverl.core.services import kafka_bootstrap, setup_redis
+
+    cfg = _cfg(args)
+    r, registry = setup_redis(cfg), open_registry(cfg)
+    try:
+        rep = run_audit(cfg, kafka_bootstrap(cfg), r, registry)
+    finally:
+        r.close()
+        registry.close()
+    if args.json:
+        print(json.dumps(rep.as_dict(), indent=2))
+    else:
+        print_report(rep)
+    return 0 if not rep.problems() else 1
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from liverl.core.schemas import json_schemas
 
@@ -250,6 +269,19 @@ def cmd_config(args: argparse.Namespace) -> int:
     print(json.dumps(_cfg(args).model_dump(), indent=2))
     return 0
 
+
+AUDIT_HELP = """\
+Reconcile a deployment's accounts: the feedback, generations, samples and dead-letter topics, the learner's
+ledger (every sample it trained on or refused, beside its checkpoint), the live counters in Redis, the registry
+and the serving nodes' heartbeats. Every acknowledged feedback event must end in exactly one place: trained
+once, refused by the learner with a reason, dead-lettered with a reason, or dropped as not trainable; events
+still queued or in flight are shown as such. Exit code 1 when anything is lost, trained twice, counted wrong,
+or when the registry or the fleet disagree about the stable version.
+
+Run it where the learner runs (it reads <state_dir>/learner), with the deployment's config:
+  liverl audit --state-dir .liverl          # after `liverl up` / `liverl demo`
+  liverl audit --json > audit.json
+"""
 
 UP_HELP = """\
 Run the whole pipeline for your model on this machine until Ctrl-C: the embedded Kafka-compatible broker,
@@ -393,6 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep unreferenced blobs younger than this (default 3600)")
     _token_arg(s)
     s.set_defaults(fn=cmd_gc)
+
+    s = sub.add_parser(
+        "audit", help="where every feedback event went: trained once, refused or dead-lettered with a reason, or lost",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=AUDIT_HELP)
+    s.add_argument("--state-dir", help="state folder of the deployment (default: state_dir = .liverl)")
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.set_defaults(fn=cmd_audit)
 
     s = sub.add_parser("schema", help="print the JSON Schemas of the wire messages (for non-Python producers)")
     s.add_argument("name", nargs="?", choices=["feedback", "generation", "sample", "dead_letter", "version"])

@@ -275,7 +275,7 @@ def test_crash_and_restart_lose_nothing_and_train_nothing_twice(cfg, model_dir, 
 
 def ledger_fates(learner) -> tuple[list[str], list[tuple[str | None, str]]]:
     """(sample ids trained, in ledger order; (sample id, reason) refused) from a learner's ledger file."""
-    from learner.trainer import Ledger
+    from learner.ledger import Ledger
 
     trained, refused = [], []
     for line in Ledger.read(learner.ledger.path):

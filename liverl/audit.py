@@ -1,0 +1,261 @@
+"""``liverl audit``: where every feedback event went, reconciled from the topics, the learner's ledger and the registry.
+
+The unit is one feedback event: a distinct ``feedback_id`` (every redelivered copy of it is the same event), or one
+record of the feedback topic that does not parse (it has no id of its own). Every event in the topic was
+acknowledged by the broker, and each must end in exactly one place:
+
+- ``trained``: its sample is in the learner's ledger as trained, exactly once (more is ``trained_twice``);
+- ``refused_by_learner:<reason>``: its sample was refused by the learner with a counted reason (stale, ...);
+- ``dead_letter:<reason>``: ingest dead-lettered it (the dead letter names the event's partition and offset);
+- ``dropped:not_trainable``: it judged a generation logged as not trainable (greedy decoding, ...);
+- still moving, not yet a verdict: ``queued_for_learner`` (its sample is past the learner's committed offset),
+  ``in_flight`` (ingest has not committed its offset), ``waiting_for_generation`` (its generation record has not
+  arrived and the pending TTL has not run out);
+- ``lost``: none of the above. ``lost`` and ``trained_twice`` must be 0.
+
+It also checks that the live acceptance counters count each judged generation once, that the registry has exactly
+one stable version, and that every serving node's heartbeat reports that version with its checksum.
+The learner's ledger lives beside its checkpoint (``<state_dir>/learner``): run the audit where the learner runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from liverl.core import keys
+from liverl.core.config import LiverlConfig
+from liverl.core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, TrainingSample, WireError
+
+VERDICT_OK = "ok"
+MOVING = ("queued_for_learner", "in_flight", "waiting_for_generation")
+JOINED = ("trained", "refused_by_learner", "queued_for_learner", "dropped:not_trainable", "dead_letter:sample_too_large")
+
+
+@dataclass
+class Report:
+    feedback_records: int = 0
+    events: int = 0
+    fates: collections.Counter = field(default_factory=collections.Counter)
+    lost_examples: list[str] = field(default_factory=list)
+    trained_twice: list[str] = field(default_factory=list)
+    dead_letters_repeated: int = 0
+    live_events: int = 0
+    joined_events: int = 0
+    stable_versions: list[int] = field(default_factory=list)
+    stable_checksum: str | None = None
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    ledger_lines: int = 0
+
+    @property
+    def lost(self) -> int:
+        return self.fates["lost"]
+
+    @property
+    def moving(self) -> int:
+        return sum(self.fates[k] for k in MOVING)
+
+    @property
+    def converged(self) -> bool:
+        return bool(self.nodes) and all(n["converged"] for n in self.nodes.values())
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.lost:
+            out.append(f"{self.lost} feedback event(s) lost, e.g. {', '.join(self.lost_examples[:3])}")
+        if self.trained_twice:
+            out.append(f"{len(self.trained_twice)} sample(s) trained twice, e.g. {', '.join(self.trained_twice[:3])}")
+        if not self.moving and self.live_events != self.joined_events:
+            out.append(f"live counters hold {self.live_events} events for {self.joined_events} judged generations")
+        if len(self.stable_versions) != 1:
+            out.append(f"the registry has {len(self.stable_versions)} stable versions {self.stable_versions}")
+        for node, n in sorted(self.nodes.items()):
+            if not n["converged"]:
+                out.append(f"node {node} serves v{n['version']} ({n['checksum']}), not the stable version")
+        if not self.nodes:
+            out.append("no serving node reports a heartbeat")
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"feedback_records": self.feedback_records, "events": self.events, "fates": dict(self.fates),
+                "lost": self.lost, "trained_twice": len(self.trained_twice), "moving": self.moving,
+                "dead_letters_repeated": self.dead_letters_repeated, "live_events": self.live_events,
+                "joined_events": self.joined_events, "stable_versions": self.stable_versions,
+                "stable_checksum": self.stable_checksum, "nodes": self.nodes, "converged": self.converged,
+                "ledger_lines": self.ledger_lines, "problems": self.problems(), "ok": not self.problems()}
+
+
+def read_topic(bootstrap: str, topic: str):
+    """Every record of ``topic`` up to its high watermark: (partition, offset, value).
+
+    The end is the high watermark of the fetch responses, not ListOffsets: the embedded Tansu broker's ListOffsets
+    answers the start of the last batch (see ``ingest.app._log_end_offsets``).
+    """
+    from kafka import KafkaConsumer, TopicPartition
+
+    c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                      fetch_max_bytes=64 << 20, max_partition_fetch_bytes=16 << 20)
+    try:
+        tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or ())]
+        if not tps:
+            return
+        c.assign(tps)
+        c.seek_to_beginning(*tps)
+        todo, last_data = set(tps), time.monotonic()
+        while todo:
+            got = c.poll(timeout_ms=300, max_records=5000)
+            for records in got.values():
+                for r in records:
+                    yield r.partition, r.offset, r.value
+            if got:
+                last_data = time.monotonic()
+            todo = {tp for tp in todo if c.highwater(tp) is None or c.position(tp) < c.highwater(tp)}
+            if todo and time.monotonic() - last_data > 30:
+                raise TimeoutError(f"reading {topic}: no records for 30 s with {len(todo)} partition(s) unread")
+    finally:
+        c.close()
+
+
+def committed(bootstrap: str, group: str, topic: str) -> dict[int, int]:
+    from kafka.admin import KafkaAdminClient
+
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="liverl-audit")
+    try:
+        got = admin.list_group_offsets({group: None}).get(group, {})
+    except Exception:  # noqa: BLE001 - a group that never committed reads as nothing committed
+        got = {}
+    finally:
+        admin.close()
+    return {tp.partition: om.offset for tp, om in got.items() if tp.topic == topic and om.offset >= 0}
+
+
+def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | None = None) -> Report:
+    from learner.ledger import Ledger, checkpoint_path_for, ledger_path
+
+    t, rep = cfg.topics, Report()
+    now = time.time() if now is None else now
+    # ingest's verdicts
+    dead: dict[tuple[int, int], str] = {}
+    for _, _, raw in read_topic(bootstrap, t.dead_letters):
+        try:
+            d = DeadLetter.from_bytes(raw or b"")
+        except WireError:
+            continue
+        if d.source_topic == t.feedback and d.partition is not None and d.offset is not None:
+            if (d.partition, d.offset) in dead:
+                rep.dead_letters_repeated += 1
+            dead[(d.partition, d.offset)] = d.reason
+    generations: dict[str, bool] = {}
+    for _, _, raw in read_topic(bootstrap, t.generations):
+        try:
+            g = GenerationRecord.from_bytes(raw or b"")
+        except WireError:
+            continue
+        generations[g.generation_id] = g.trainable
+    samples: dict[str, list[tuple[int, int, str]]] = collections.defaultdict(list)  # feedback id -> records
+    for part, off, raw in read_topic(bootstrap, t.samples):
+        try:
+            s = TrainingSample.from_bytes(raw or b"")
+        except WireError:
+            continue
+        samples[s.feedback_id].append((part, off, s.sample_id))
+    # the learner's verdicts
+    trained: collections.Counter = collections.Counter()
+    refused: dict[tuple[int, int], str] = {}
+    for line in Ledger.read(ledger_path(checkpoint_path_for(cfg))):
+        rep.ledger_lines += 1
+        for _, _, sid in line.get("trained", []):
+            trained[sid] += 1
+        for part, off, _, reason in line.get("refused", []):
+            refused[(part, off)] = reason
+    rep.trained_twice = sorted(sid for sid, n in trained.items() if n > 1)
+    ingest_done = committed(bootstrap, f"{t.prefix}-ingest", t.feedback)
+    learner_done = committed(bootstrap, f"{t.prefix}.learner", t.samples)
+    pending_window = cfg.ingest.pending_ttl_s * 10 + 60  # ingest's hard limit on waiting feedback, plus slack
+
+    events: dict[str, list[tuple[int, int, FeedbackEvent]]] = collections.defaultdict(list)
+    for part, off, raw in read_topic(bootstrap, t.feedback):
+        rep.feedback_records += 1
+        try:
+            fb = FeedbackEvent.from_bytes(raw or b"")
+        except WireError:
+            rep.events += 1
+            if (part, off) in dead:
+                rep.fates[f"dead_letter:{dead[(part, off)]}"] += 1
+            elif off >= ingest_done.get(part, 0):
+                rep.fates["in_flight"] += 1
+            else:
+                rep.fates["lost"] += 1
+                rep.lost_examples.append(f"{t.feedback}[{part}]@{off}")
+            continue
+        events[fb.feedback_id].append((part, off, fb))
+
+    for fid, recs in events.items():
+        rep.events += 1
+        fate = _fate(recs, samples.get(fid, []), trained, refused, learner_done, dead, generations, ingest_done,
+                     now, pending_window)
+        rep.fates[fate] += 1
+        if fate == "lost":
+            rep.lost_examples.append(fid)
+        if fate.startswith(JOINED):
+            rep.joined_events += 1
+    # live counters, registry, fleet
+    for key in redis.scan_iter(keys.live_pattern(t.prefix), count=1000):
+        if keys.version_of_live(key) is not None:
+            rep.live_events += int(redis.hget(key, "events") or 0)
+    rep.stable_versions = sorted(int(v.version) for v in registry.list(status="stable"))
+    if len(rep.stable_versions) == 1:
+        rep.stable_checksum = registry.get(rep.stable_versions[0]).checksum
+    for key in redis.scan_iter(keys.served_pattern(t.prefix), count=1000):
+        raw = redis.get(key)
+        if not raw:
+            continue
+        hb = keys.ServedHeartbeat.from_json(raw)
+        rep.nodes[keys.node_of_served(t.prefix, key)] = {
+            "version": hb.version, "checksum": hb.checksum, "healthy": hb.healthy, "age_s": round(now - hb.ts, 1),
+            "converged": len(rep.stable_versions) == 1 and hb.version == rep.stable_versions[0]
+            and hb.checksum == rep.stable_checksum}
+    return rep
+
+
+def _fate(recs, sample_recs, trained, refused, learner_done, dead, generations, ingest_done, now, pending_window) -> str:
+    if sample_recs:
+        sid = sample_recs[0][2]
+        if trained[sid]:
+            return "trained"
+        reasons = [refused[(p, o)] for p, o, _ in sample_recs if (p, o) in refused]
+        if any(o >= learner_done.get(p, 0) and (p, o) not in refused for p, o, _ in sample_recs):
+            return "queued_for_learner"
+        if reasons:
+            return f"refused_by_learner:{next((r for r in reasons if r != 'duplicate'), reasons[0])}"
+        return "lost"
+    for part, off, _ in recs:
+        if (part, off) in dead:
+            return f"dead_letter:{dead[(part, off)]}"
+    gid = recs[0][2].generation_id
+    if generations.get(gid) is False:
+        return "dropped:not_trainable"
+    if any(off >= ingest_done.get(part, 0) for part, off, _ in recs):
+        return "in_flight"
+    if gid not in generations and now - min(fb.ts for _, _, fb in recs) < pending_window:
+        return "waiting_for_generation"
+    return "lost"
+
+
+def print_report(rep: Report) -> None:
+    rows = [("feedback records in the topic", rep.feedback_records), ("feedback events (distinct)", rep.events)]
+    rows += [(f"  {fate}", n) for fate, n in sorted(rep.fates.items(), key=lambda kv: (-kv[1], kv[0]))]
+    rows += [("lost", rep.lost), ("trained twice", len(rep.trained_twice)),
+             ("still moving (queued, in flight, waiting)", rep.moving),
+             ("live counter events / judged generations", f"{rep.live_events} / {rep.joined_events}"),
+             ("stable versions in the registry", ", ".join(f"v{v}" for v in rep.stable_versions) or "none")]
+    for node, n in sorted(rep.nodes.items()):
+        rows.append((f"node {node}", f"v{n['version']} {'converged' if n['converged'] else 'NOT converged'} "
+                     f"(heartbeat {n['age_s']} s ago)"))
+    width = max(len(r[0]) for r in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    problems = rep.problems()
+    print("verdict: " + ("OK: nothing lost, nothing trained twice" if not problems else "; ".join(problems)))
