@@ -72,6 +72,7 @@ class Learner(ConsumerRebalanceListener):
         self.offsets: dict[int, int] = {}  # durable watermark: next offset per partition
         self.trained_ids: dict[str, None] = {}  # the last ``dedupe_window`` trained sample ids, oldest first
         self._candidate_due = False
+        self._pending_since = 0.0  # when the oldest pending sample was accepted
         self.counters: collections.Counter[str] = collections.Counter()
         self.since_candidate: dict[str, float] = {"reward_sum": 0.0, "samples": 0.0, "steps": 0.0, "loss_sum": 0.0}
         self.last_candidate: int | None = None
@@ -183,6 +184,8 @@ class Learner(ConsumerRebalanceListener):
                 log.exception("learner: refusing the record at %s[%d]@%d: %s: %s", self.topic, part, off,
                               type(e).__name__, e)
             if reason is None:
+                if not self.pending:
+                    self._pending_since = time.monotonic()
                 self.pending.append((part, off, s))
                 continue
             self.counters[f"dropped:{reason}"] += 1
@@ -212,7 +215,11 @@ class Learner(ConsumerRebalanceListener):
         return n
 
     def _batch_ready(self) -> bool:
-        return len(self.pending) >= self.lcfg.batch_size or 0 < self._batch_size() < len(self.pending)
+        if not self.pending:
+            return False
+        if len(self.pending) >= self.lcfg.batch_size or self._batch_size() < len(self.pending):
+            return True
+        return not self.queue and time.monotonic() - self._pending_since > self.lcfg.max_batch_wait_s
 
     def _commit(self) -> None:
         """Commit what the checkpoint already holds. A failed commit (this consumer was dropped from its
@@ -244,6 +251,7 @@ class Learner(ConsumerRebalanceListener):
         """Train on the oldest full batch; True when the weights changed."""
         n = self._batch_size()
         batch, self.pending = self.pending[:n], self.pending[n:]
+        self._pending_since = time.monotonic()  # the rest waits anew (an approximation of its oldest sample's age)
         samples = [e[2] for e in batch]
         t0 = time.monotonic()
         try:

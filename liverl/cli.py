@@ -93,6 +93,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if summary.get("ok", False) or not args.strict else 1
 
 
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from liverl.chaos import run_chaos
+
+    cfg = _cfg(args)
+    cfg.learner.max_batch_wait_s = min(cfg.learner.max_batch_wait_s, 5.0)  # the drain waits for partial batches
+    summary = run_chaos(cfg, model_dir_for(cfg), duration_s=args.duration, kill_every_s=args.kill_every,
+                        seed=args.seed, drain_timeout_s=args.drain_timeout, summary_path=args.summary)
+    return 0 if summary["ok"] else 1
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from liverl.up import run_up
 
@@ -270,6 +280,17 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+CHAOS_HELP = """\
+Prove the delivery claims: run the pipeline under the demo's simulated users and, for --duration seconds, kill -9
+one process every --kill-every seconds (jittered): ingest, learn, gate, serve (gateway + agent), the vLLM node,
+the learner in the middle of a checkpoint write, and the serving process in the middle of a hot-swap. Every kind
+is hit in each shuffled round; the supervisor restarts what dies. Then the load stops, the learner is held, and
+the run drains until `liverl audit` finds every acknowledged feedback event trained once, refused or dead-lettered
+with its reason, and every node serving the stable version (by checksum). Exit code 1 otherwise.
+
+  liverl chaos --duration 600 --kill-every 15 --summary out/chaos.json
+"""
+
 AUDIT_HELP = """\
 Reconcile a deployment's accounts: the feedback, generations, samples and dead-letter topics, the learner's
 ledger (every sample it trained on or refused, beside its checkpoint), the live counters in Redis, the registry
@@ -329,6 +350,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit 1 unless the run met its goals (>=3 promotions, +25 points on >=300 events each)")
     _model_args(d, product_help="product (default: the demo's, liverl.demo.product:PRODUCT)")
     d.set_defaults(fn=cmd_demo)
+
+    c = sub.add_parser("chaos", help="kill -9 every kind of process under the demo's load, then drain and audit",
+                       description=CHAOS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("--duration", type=float, default=600.0, help="seconds of load and kills (default 600)")
+    c.add_argument("--kill-every", type=float, default=15.0, help="mean seconds between kills (default 15)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the kill schedule and the users (default 0)")
+    c.add_argument("--drain-timeout", type=float, default=600.0,
+                   help="seconds to wait after the load for the audit to come out clean (default 600)")
+    c.add_argument("--summary", metavar="PATH", help="write the summary JSON here")
+    c.add_argument("--state-dir", help="state folder (default: state_dir = .liverl; the run starts it fresh)")
+    _model_args(c, product_help="product with simulated users (default: the demo's)")
+    c.set_defaults(fn=cmd_chaos)
 
     u = sub.add_parser("up", help="run the whole pipeline for your model on the embedded stack until Ctrl-C",
                        description=UP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)

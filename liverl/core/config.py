@@ -134,6 +134,9 @@ class LearnerConfig(_Section):
     kl_coef: float = Field(default=0.05, description="Weight of the KL penalty to the anchor (learner.kl_reference).")
     candidate_every_steps: int = Field(default=10, ge=1, description="Emit a candidate version every this many updates.")
     max_staleness: int = Field(default=8, ge=0, description="Drop samples whose policy version lags the learner by more.")
+    max_batch_wait_s: float = Field(
+        default=30.0, gt=0, description="Train on a partial batch once its oldest sample has waited this long, so a "
+        "lull in traffic does not hold samples back (and `liverl audit` sees them trained).")
     max_batch_tokens: int = Field(
         default=65536, ge=1, description="Cap on a batch's padded size (samples x longest sequence): a batch is cut "
         "short rather than run out of memory on long contexts.")

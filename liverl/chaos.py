@@ -1,0 +1,269 @@
+"""``liverl chaos``: the pipeline under the demo's load while its processes are killed with SIGKILL, then an audit.
+
+For ``--duration`` seconds the demo product's simulated users send traffic and feedback, and every ``--kill-every``
+seconds (jittered) one process is killed with ``kill -9``, the kind chosen in shuffled rounds so every kind is hit:
+
+- ``ingest``, ``learn``, ``gate``, ``serve`` (the gateway and the hot-swap agent) and ``vllm`` (the node's server);
+- ``learn@checkpoint``: the learner while its checkpoint's temporary file is being written;
+- ``serve@swap``: the serving process within a fraction of a second of a new version being announced, while the
+  agent drains, pauses vLLM and writes the delta.
+
+A kind is only killed once its process is back up (the supervisor restarts what dies, as ``liverl up`` does).
+Then the users stop, the learner is held (no new candidates), and the run drains: until ``liverl audit`` finds
+nothing queued or in flight and every node serves the stable version, verified by checksum. The summary (printed,
+and JSON with ``--summary``) has the kills by kind, the events, lost, trained twice and the time to converge.
+The feedback client counts what the broker acknowledged, and the audit checks that the topic holds all of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import logging
+import os
+import random
+import signal
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from liverl.core import keys
+from liverl.core.config import LiverlConfig
+from liverl.core.product import load_product
+from liverl.up import Pipeline
+
+log = logging.getLogger("liverl.chaos")
+
+KINDS = ("ingest", "learn", "gate", "serve", "vllm", "learn@checkpoint", "serve@swap")
+ROLE_OF = {"ingest": "ingest", "learn": "learn", "gate": "gate", "serve": "serve", "vllm": "serve",
+           "learn@checkpoint": "learn", "serve@swap": "serve"}
+MIN_UPTIME_S = {"ingest": 20.0, "learn": 15.0, "gate": 10.0, "serve": 5.0}
+
+
+def _acked_client(bootstrap: str, topic: str):
+    """The SDK's client, counting the records the broker acknowledged."""
+    from ingest.sdk import FeedbackClient
+
+    class Counting(FeedbackClient):
+        acked = 0
+        _ack_lock = threading.Lock()
+
+        def _track(self, fut, name):
+            def ok(_metadata) -> None:
+                with self._ack_lock:
+                    Counting.acked += 1
+
+            fut.add_callback(ok)
+            return super()._track(fut, name)
+
+    return Counting(bootstrap, topic)
+
+
+def _vllm_pid(serve_pid: int) -> int | None:
+    """The vLLM server process the serving process started (its child running the OpenAI entrypoint)."""
+    import psutil
+
+    try:
+        for child in psutil.Process(serve_pid).children(recursive=True):
+            if any("vllm.entrypoints" in part for part in child.cmdline()):
+                return child.pid
+    except psutil.Error:
+        return None
+    return None
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+class Killer:
+    """Chooses and performs the kills; every kill is recorded with its kind, time and what it hit."""
+
+    def __init__(self, cfg: LiverlConfig, pipe: Pipeline, rng: random.Random):
+        self.cfg, self.pipe, self.rng = cfg, pipe, rng
+        self.kills: list[dict] = []
+        self.round: list[str] = []
+        self.started: dict[int, float] = {}  # pid -> when first seen
+
+    def _child(self, role: str):
+        for c in self.pipe.supervisor.children:
+            if c.role == role and c.proc.poll() is None:
+                return c
+        return None
+
+    def ready(self, kind: str) -> bool:
+        role = ROLE_OF[kind]
+        c = self._child(role)
+        if c is None:
+            return False
+        first = self.started.setdefault(c.proc.pid, time.monotonic())
+        if time.monotonic() - first < MIN_UPTIME_S[role]:
+            return False
+        if role == "serve":
+            return _healthy(f"{self.pipe.gateway_url}/healthz")
+        return True
+
+    def next_kind(self) -> str | None:
+        if not self.round:
+            self.round = list(KINDS)
+            self.rng.shuffle(self.round)
+        for kind in list(self.round):
+            if self.ready(kind):
+                self.round.remove(kind)
+                return kind
+        return None
+
+    def kill(self, kind: str, t0: float) -> dict:
+        c = self._child(ROLE_OF[kind])
+        note = ""
+        if kind == "learn@checkpoint":
+            note = self._wait_for_checkpoint_write(timeout_s=20.0)
+        elif kind == "serve@swap":
+            note = self._wait_for_announcement(timeout_s=90.0)
+        pid = c.proc.pid
+        if kind == "vllm":
+            pid = _vllm_pid(c.proc.pid)
+            if pid is None:
+                note = "no vLLM child found; killed the serving process"
+                pid = c.proc.pid
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            note = (note + "; " if note else "") + "already gone"
+        rec = {"t": round(time.monotonic() - t0, 1), "kind": kind, "pid": pid, "note": note}
+        self.kills.append(rec)
+        log.warning("chaos: kill -9 %s (pid %d) at %.1f s %s", kind, pid, rec["t"], note)
+        return rec
+
+    def _wait_for_checkpoint_write(self, timeout_s: float) -> str:
+        """Spin until the learner's checkpoint temp file exists (it lives a few milliseconds)."""
+        from learner.ledger import checkpoint_path_for
+
+        pattern = str(checkpoint_path_for(self.cfg)) + ".tmp*"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if glob.glob(pattern):
+                return "while writing the checkpoint"
+            time.sleep(0.001)
+        return "checkpoint write not caught within 20 s"
+
+    def _wait_for_announcement(self, timeout_s: float) -> str:
+        """Wait for the next announced version, then kill within the swap (the agent polls every swap_poll_s)."""
+        r, key = self.pipe.redis, keys.desired(self.cfg.topics.prefix)
+        before = r.get(key)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if r.get(key) != before:
+                time.sleep(self.rng.uniform(0.1, 0.1 + self.cfg.serving.swap_poll_s))
+                return "during a hot-swap (just after an announcement)"
+            time.sleep(0.02)
+        return "no announcement within 90 s"
+
+
+def run_chaos(cfg: LiverlConfig, model_dir: Path, duration_s: float, kill_every_s: float, seed: int = 0,
+              drain_timeout_s: float = 600.0, summary_path: str | None = None) -> dict:
+    from deploy.registry import open_registry
+    from liverl.audit import print_report, run_audit
+    from liverl.demo.run import DEMO_PRODUCT
+    from liverl.demo.sim import SimStats
+
+    logging.getLogger("kafka.net.selector").setLevel(logging.ERROR)
+    if cfg.product is None:
+        cfg.product = DEMO_PRODUCT
+    users = load_product(cfg).simulated_users()
+    if users is None:
+        raise ValueError(f"product {cfg.product!r} has no simulated users to drive the load")
+    rng = random.Random(seed)
+    print(f"liverl chaos: {duration_s:.0f} s of load, a kill -9 every ~{kill_every_s:.0f} s, then drain and audit "
+          f"(state in {cfg.state_path})", flush=True)
+    with Pipeline(cfg, model_dir, fresh=True) as pipe:
+        pipe.supervisor.max_restarts = 1_000_000  # chaos kills on purpose; the supervisor restarts every time
+        sdk = _acked_client(pipe.stack.bootstrap, cfg.topics.feedback)
+        stats = SimStats()
+        stop_users, thread = _start_users(users, pipe, sdk, cfg, stats, seed)
+        killer = Killer(cfg, pipe, rng)
+        t0 = time.monotonic()
+        next_kill = t0 + kill_every_s * rng.uniform(0.5, 1.5)
+        try:
+            while time.monotonic() - t0 < duration_s:
+                failure = pipe.supervisor.check()
+                if failure:
+                    raise RuntimeError(f"chaos: {failure}")
+                if time.monotonic() >= next_kill:
+                    kind = killer.next_kind()
+                    if kind is not None:
+                        rec = killer.kill(kind, t0)
+                        print(f"  {rec['t']:7.1f} s  kill -9 {kind:<17} pid {rec['pid']:<7} {rec['note']}", flush=True)
+                        next_kill = time.monotonic() + kill_every_s * rng.uniform(0.5, 1.5)
+                time.sleep(0.25)
+        finally:
+            stop_users()
+            thread.join(timeout=60)
+        sdk.flush()
+        load_end = time.monotonic()
+        print(f"load stopped after {load_end - t0:.0f} s and {len(killer.kills)} kills; draining ...", flush=True)
+        pipe.redis.set(keys.learner_hold(cfg.topics.prefix), "1")
+        registry = open_registry(cfg)
+        try:
+            report, converge_s = None, None
+            while time.monotonic() - load_end < drain_timeout_s:
+                failure = pipe.supervisor.check()
+                if failure:
+                    raise RuntimeError(f"chaos: {failure}")
+                report = run_audit(cfg, pipe.stack.bootstrap, pipe.redis, registry)
+                pending = [c.version for c in registry.candidates()]
+                if report.moving == 0 and report.converged and not pending:
+                    converge_s = time.monotonic() - load_end
+                    break
+                print(f"  drain {time.monotonic() - load_end:5.0f} s: {report.moving} events moving, candidates "
+                      f"pending {pending}, nodes converged {report.converged}", flush=True)
+                time.sleep(10)
+        finally:
+            registry.close()
+        sdk.close()
+        restarts = dict(pipe.supervisor.restarts)
+    by_kind = {k: sum(1 for x in killer.kills if x["kind"] == k) for k in KINDS}
+    summary = {"duration_s": duration_s, "kill_every_s": kill_every_s, "seed": seed, "kills": len(killer.kills),
+               "kills_by_kind": by_kind, "kill_log": killer.kills, "restarts": restarts,
+               "acked_feedback_records": sdk.acked, "requests": stats.requests, "request_errors": stats.errors,
+               "converge_s": None if converge_s is None else round(converge_s, 1),
+               "audit": report.as_dict() if report is not None else None}
+    missing = sdk.acked - (report.feedback_records if report else 0)
+    summary["acked_not_in_topic"] = max(missing, 0)
+    summary["ok"] = bool(report is not None and not report.problems() and converge_s is not None and missing <= 0)
+    print("\nkills by kind: " + ", ".join(f"{k} {n}" for k, n in by_kind.items()))
+    print(f"restarts by the supervisor: {restarts}")
+    print(f"feedback records acknowledged by the broker: {sdk.acked} (in the topic: "
+          f"{report.feedback_records if report else '?'}); requests {stats.requests}, errors {stats.errors}")
+    if report is not None:
+        print_report(report)
+    print(f"converged {converge_s:.0f} s after the load stopped" if converge_s is not None
+          else f"NOT converged within {drain_timeout_s:.0f} s")
+    if summary_path:
+        Path(summary_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(summary_path).write_text(json.dumps(summary, indent=2))
+        print(f"summary: {summary_path}")
+    return summary
+
+
+def _start_users(users, pipe: Pipeline, sdk, cfg: LiverlConfig, stats, seed: int):
+    loop = asyncio.new_event_loop()
+    box: dict = {}
+    ready = threading.Event()
+
+    def main() -> None:
+        asyncio.set_event_loop(loop)
+        box["stop"] = asyncio.Event()
+        ready.set()
+        loop.run_until_complete(users(pipe.gateway_url, sdk, cfg.demo.users, box["stop"], stats, seed=seed + 1))
+
+    th = threading.Thread(target=main, name="chaos-users", daemon=True)
+    th.start()
+    ready.wait()
+    return (lambda: loop.call_soon_threadsafe(box["stop"].set)), th
