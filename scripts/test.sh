@@ -7,7 +7,8 @@ bash scripts/setup.sh
 bash scripts/services.sh
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
-export LIVERL_TEST_MODEL_CACHE=${LIVERL_TEST_MODEL_CACHE:-$PWD/.liverl/models}
+# models built by tests are content-addressed (a hash of their recipe), so one cache per user serves every clone
+export LIVERL_TEST_MODEL_CACHE=${LIVERL_TEST_MODEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/liverl/models}
 bash scripts/lint.sh
 bash scripts/compile.sh
 python -m pytest "$@"

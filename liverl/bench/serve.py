@@ -1,12 +1,14 @@
 """``liverl bench serve``: generations/s through the gateway against the vLLM node alone, same load, one run.
 
 The stack is started once (embedded broker and Redis, one vLLM node, the gateway with its agent, in a child
-process as ``liverl serve`` runs them). Then ``--rounds`` rounds, each one run of ``--clients`` closed-loop
-clients for ``--duration`` seconds against the gateway and one against the node's own OpenAI server, in
-alternating order (gateway first in even rounds, node first in odd ones), so drift of the machine's load hits
-both sides alike. Every client sends the same request to both: the demo product's (one prompt, its
-``max_tokens`` and temperature), plain or streamed. A generation counts when its response is complete (HTTP 200,
-or the stream's ``[DONE]``) inside the measured window; a ``--warmup`` before each window is not counted.
+process as ``liverl serve`` runs them). Then ``--rounds`` rounds of three runs, each ``--clients`` closed-loop
+clients for ``--duration`` seconds: against the gateway; against the node's own OpenAI server with the same
+request (the demo product's: one prompt, its ``max_tokens`` and temperature, plain or streamed); and against the
+node with the request as the gateway forwards it (token ids and the sampled log-probs asked for, which liverl
+must log). The order rotates each round, so drift of the machine's load hits every side alike. ``ratio`` is
+gateway / node (the issue's measure); ``ratio, same request`` is gateway / node doing the same work, i.e. the
+gateway's own cost. A generation counts when its response is complete (HTTP 200, or the stream's ``[DONE]``)
+inside the measured window; a ``--warmup`` before each window is not counted.
 
 Nothing is pinned: the node, the gateway, the broker and the clients share the machine's cores, which is what a
 single-box deployment sees; the gateway's own CPU per generation is read from its process and printed too.
@@ -84,6 +86,14 @@ def _requests(api: str, stream: bool, n_prompts: int = 64) -> list[tuple[str, by
             body["stream"] = True
         out.append((path, json.dumps(body).encode()))
     return out
+
+
+def _forwarded(requests: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
+    """The same requests as the gateway forwards them to the node (token ids and sampled log-probs asked for)."""
+    from serving.openai_api import ChatCompletionRequest, CompletionRequest
+
+    model = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+    return [(path, json.dumps(model[path].model_validate_json(body).node_body()).encode()) for path, body in requests]
 
 
 async def _load(base_url: str, requests: list[tuple[str, bytes]], clients: int, warmup_s: float,
@@ -167,6 +177,8 @@ def run(clients: int = DEFAULTS["clients"], duration_s: float = DEFAULTS["durati
     gateway_url = f"http://{cfg.serving.host}:{cfg.serving.gateway_port}"
     node_url = f"http://{cfg.serving.host}:{cfg.serving.vllm_port}"
     requests = _requests(api, stream)
+    sides = [("gateway", gateway_url, requests), ("node", node_url, requests),
+             ("node_fwd", node_url, _forwarded(requests))]
     print(f"bench serve: {clients} clients, {rounds} rounds of {duration_s:g} s (+{warmup_s:g} s warm-up) per side, "
           f"{api}{' streamed' if stream else ''}, model {model_dir}; logs in {state / 'logs'}", flush=True)
 
@@ -179,17 +191,19 @@ def run(clients: int = DEFAULTS["clients"], duration_s: float = DEFAULTS["durati
         proc.start()
         _wait_http(gateway_url + "/healthz", proc, timeout_s=600)
         for r in range(rounds):
-            order = [("gateway", gateway_url), ("node", node_url)]
-            row: dict[str, Any] = {"round": r + 1, "first": order[r % 2][0]}
-            for side, url in order if r % 2 == 0 else order[::-1]:
+            order = sides[r % 3:] + sides[:r % 3]  # each side goes first, second and third in turn
+            row: dict[str, Any] = {"round": r + 1, "first": order[0][0]}
+            for side, url, reqs in order:
                 cpu0 = _cpu_seconds(proc.pid)
-                res = _run_loop(_load(url, requests, clients, warmup_s, duration_s))
+                res = _run_loop(_load(url, reqs, clients, warmup_s, duration_s))
                 res["gateway_cpu_s"] = _cpu_seconds(proc.pid) - cpu0
                 row[side] = res
             row["ratio"] = row["gateway"]["gen_per_s"] / max(row["node"]["gen_per_s"], 1e-9)
+            row["ratio_fwd"] = row["gateway"]["gen_per_s"] / max(row["node_fwd"]["gen_per_s"], 1e-9)
             rows.append(row)
-            print(f"  round {r + 1}: gateway {row['gateway']['gen_per_s']:.1f} gen/s, "
-                  f"node {row['node']['gen_per_s']:.1f} gen/s, ratio {row['ratio']:.3f}", flush=True)
+            print(f"  round {r + 1}: gateway {row['gateway']['gen_per_s']:.1f} gen/s, node {row['node']['gen_per_s']:.1f}"
+                  f" gen/s (with the gateway's request {row['node_fwd']['gen_per_s']:.1f}), ratio {row['ratio']:.3f} "
+                  f"({row['ratio_fwd']:.3f})", flush=True)
     finally:
         if proc.pid is not None:
             proc.terminate()  # SIGTERM: the serving process stops its node and flushes its producer
@@ -198,7 +212,8 @@ def run(clients: int = DEFAULTS["clients"], duration_s: float = DEFAULTS["durati
                 proc.kill()
                 proc.join(10)
         stack.close()
-    summary = {"rows": rows, "median_ratio": statistics.median(r["ratio"] for r in rows), "clients": clients,
+    summary = {"rows": rows, "median_ratio": statistics.median(r["ratio"] for r in rows),
+               "median_ratio_fwd": statistics.median(r["ratio_fwd"] for r in rows), "clients": clients,
                "duration_s": duration_s, "api": api, "stream": stream, "command": command, "machine": _machine()}
     print(_table(summary))
     if json_path:
@@ -235,16 +250,17 @@ def _machine() -> str:
 
 
 def _table(summary: dict) -> str:
-    header = ("| round | first | gateway gen/s | node gen/s | ratio | gateway p50 ms | node p50 ms | "
-              "gateway CPU ms/gen | errors (gw/node) |")
-    lines = ["", header, "|---|---|---|---|---|---|---|---|---|"]
+    header = ("| round | first | gateway gen/s | node gen/s | node gen/s, gateway's request | ratio | ratio, same "
+              "request | gateway p50 ms | node p50 ms | gateway CPU ms/gen | errors (gw/node/fwd) |")
+    lines = ["", header, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
-        g, n = r["gateway"], r["node"]
+        g, n, f = r["gateway"], r["node"], r["node_fwd"]
         cpu = 1e3 * g["gateway_cpu_s"] / max(g["total_ok"], 1)
         lines.append(f"| {r['round']} | {r['first']} | {g['gen_per_s']:.1f} | {n['gen_per_s']:.1f} | "
-                     f"**{r['ratio']:.3f}** | {g['p50_ms']:.0f} | {n['p50_ms']:.0f} | {cpu:.2f} | "
-                     f"{g['errors']}/{n['errors']} |")
-    lines += ["", f"median ratio (gateway / node): **{summary['median_ratio']:.3f}**",
+                     f"{f['gen_per_s']:.1f} | **{r['ratio']:.3f}** | {r['ratio_fwd']:.3f} | {g['p50_ms']:.0f} | "
+                     f"{n['p50_ms']:.0f} | {cpu:.2f} | {g['errors']}/{n['errors']}/{f['errors']} |")
+    lines += ["", f"median ratio (gateway / node): **{summary['median_ratio']:.3f}**; the gateway against the node "
+              f"doing the same work (token ids and log-probs asked for): {summary['median_ratio_fwd']:.3f}",
               f"machine: {summary['machine']}", f"reproduce: `{summary['command']}`"]
     return "\n".join(lines)
 
@@ -256,7 +272,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--clients", type=int, default=DEFAULTS["clients"], help="concurrent clients (default 64)")
     s.add_argument("--duration", type=float, default=DEFAULTS["duration"], metavar="S",
                    help="measured seconds per run (default 20)")
-    s.add_argument("--rounds", type=int, default=DEFAULTS["rounds"], help="gateway/node pairs (default 3)")
+    s.add_argument("--rounds", type=int, default=DEFAULTS["rounds"], help="rounds of the three runs (default 3)")
     s.add_argument("--warmup", type=float, default=DEFAULTS["warmup"], metavar="S",
                    help="unmeasured seconds before each run (default 3)")
     s.add_argument("--api", choices=["completions", "chat"], default=DEFAULTS["api"], help="which route (default completions)")
