@@ -19,6 +19,7 @@ import shlex
 import socket
 import sys
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -135,10 +136,11 @@ def compare(model_dir: Path, completions: list[dict]) -> dict:
     from liverl.core.schemas import TrainingSample
 
     trainer = PolicyTrainer(model_dir, LearnerConfig())
+    now = time.time()
     samples = [TrainingSample(sample_id=f"b{i}", generation_id=f"b{i}", feedback_id=f"b{i}", policy_version=0,
                               kind="accept", reward=0.0, prompt_token_ids=c["prompt_token_ids"],
                               completion_token_ids=c["completion_token_ids"], behaviour_logprobs=c["logprobs"],
-                              ts_generation=0.0, ts_feedback=0.0) for i, c in enumerate(completions)]
+                              ts_generation=now, ts_feedback=now) for i, c in enumerate(completions)]
     ours = trainer.token_logprobs(samples)
     diffs = [abs(a - b) for s, mine in zip(samples, ours) for a, b in zip(mine, s.behaviour_logprobs)]
     served = [x for s in samples for x in s.behaviour_logprobs]

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -99,3 +100,32 @@ def test_cli_demo_json(tmp_path, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert "reproduce: liverl bench delta --skip-synthetic" in printed
     assert "machine: " in printed
+
+
+def test_logprobs_compare_scores_the_tokens_it_is_given():
+    """``liverl bench logprobs``'s comparison half, without vLLM: behaviour log-probs set to the learner's own
+    (so the difference is 0) and then shifted by 0.5 nats (so it is 0.5)."""
+    from learner.policy_trainer import PolicyTrainer
+    from liverl.bench.logprobs import compare
+    from liverl.core.config import LearnerConfig
+    from liverl.core.schemas import TrainingSample
+    from liverl.testing.models import ensure_test_model
+
+    model_dir = ensure_test_model("qwen3", os.environ.get("LIVERL_TEST_MODEL_CACHE"))
+    done = [{"prompt_token_ids": [5, 6, 7], "completion_token_ids": [8, 9, 10]},
+            {"prompt_token_ids": [11, 12], "completion_token_ids": [13]}]
+    tr = PolicyTrainer(model_dir, LearnerConfig())
+    probe = [TrainingSample(sample_id=f"p{i}", generation_id=f"p{i}", feedback_id=f"p{i}", policy_version=0,
+                            kind="accept", reward=0.0, prompt_token_ids=c["prompt_token_ids"],
+                            completion_token_ids=c["completion_token_ids"],
+                            behaviour_logprobs=[-1.0] * len(c["completion_token_ids"]),
+                            ts_generation=time.time(), ts_feedback=time.time()) for i, c in enumerate(done)]
+    exact = tr.token_logprobs(probe)
+    for c, lp in zip(done, exact):
+        c["logprobs"] = lp
+    row = compare(model_dir, done)
+    assert row["tokens"] == 4 and row["completions"] == 2 and row["max_abs_diff"] < 1e-5
+    for c in done:
+        c["logprobs"] = [x - 0.5 for x in c["logprobs"]]
+    row = compare(model_dir, done)
+    assert abs(row["mean_abs_diff"] - 0.5) < 1e-4 and row["architecture"] == "Qwen3ForCausalLM"
