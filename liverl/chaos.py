@@ -85,8 +85,8 @@ def _healthy(url: str) -> bool:
 class Killer:
     """Chooses and performs the kills; every kill is recorded with its kind, time and what it hit."""
 
-    def __init__(self, cfg: LiverlConfig, pipe: Pipeline, rng: random.Random):
-        self.cfg, self.pipe, self.rng = cfg, pipe, rng
+    def __init__(self, cfg: LiverlConfig, pipe: Pipeline, rng: random.Random, kinds: tuple[str, ...] = KINDS):
+        self.cfg, self.pipe, self.rng, self.kinds = cfg, pipe, rng, kinds
         self.kills: list[dict] = []
         self.round: list[str] = []
         self.started: dict[int, float] = {}  # pid -> when first seen
@@ -111,7 +111,7 @@ class Killer:
 
     def next_kind(self) -> str | None:
         if not self.round:
-            self.round = list(KINDS)
+            self.round = list(self.kinds)
             self.rng.shuffle(self.round)
         for kind in list(self.round):
             if self.ready(kind):
@@ -167,7 +167,8 @@ class Killer:
 
 
 def run_chaos(cfg: LiverlConfig, model_dir: Path, duration_s: float, kill_every_s: float, seed: int = 0,
-              drain_timeout_s: float = 600.0, summary_path: str | None = None) -> dict:
+              drain_timeout_s: float = 600.0, summary_path: str | None = None,
+              kinds: tuple[str, ...] = KINDS) -> dict:
     from deploy.registry import open_registry
     from liverl.audit import print_report, run_audit
     from liverl.demo.run import DEMO_PRODUCT
@@ -187,7 +188,7 @@ def run_chaos(cfg: LiverlConfig, model_dir: Path, duration_s: float, kill_every_
         sdk = _acked_client(pipe.stack.bootstrap, cfg.topics.feedback)
         stats = SimStats()
         stop_users, thread = _start_users(users, pipe, sdk, cfg, stats, seed)
-        killer = Killer(cfg, pipe, rng)
+        killer = Killer(cfg, pipe, rng, kinds)
         t0 = time.monotonic()
         next_kill = t0 + kill_every_s * rng.uniform(0.5, 1.5)
         try:
@@ -228,7 +229,7 @@ def run_chaos(cfg: LiverlConfig, model_dir: Path, duration_s: float, kill_every_
             registry.close()
         sdk.close()
         restarts = dict(pipe.supervisor.restarts)
-    by_kind = {k: sum(1 for x in killer.kills if x["kind"] == k) for k in KINDS}
+    by_kind = {k: sum(1 for x in killer.kills if x["kind"] == k) for k in kinds}
     summary = {"duration_s": duration_s, "kill_every_s": kill_every_s, "seed": seed, "kills": len(killer.kills),
                "kills_by_kind": by_kind, "kill_log": killer.kills, "restarts": restarts,
                "acked_feedback_records": sdk.acked, "requests": stats.requests, "request_errors": stats.errors,

@@ -15,6 +15,9 @@ import sys
 from liverl.core.config import LiverlConfig, load_config
 from liverl.core.services import LiverlError
 
+# what `liverl chaos` can kill (liverl.chaos.KINDS; spelled here so --help does not import the pipeline)
+KILL_KINDS = ("ingest", "learn", "gate", "serve", "vllm", "learn@checkpoint", "serve@swap")
+
 DESCRIPTION = """\
 liverl turns live product feedback (accept / reject / edit) into a better served model, safely.
 
@@ -99,7 +102,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     cfg = _cfg(args)
     cfg.learner.max_batch_wait_s = min(cfg.learner.max_batch_wait_s, 5.0)  # the drain waits for partial batches
     summary = run_chaos(cfg, model_dir_for(cfg), duration_s=args.duration, kill_every_s=args.kill_every,
-                        seed=args.seed, drain_timeout_s=args.drain_timeout, summary_path=args.summary)
+                        seed=args.seed, drain_timeout_s=args.drain_timeout, summary_path=args.summary,
+                        kinds=tuple(args.kinds))
     return 0 if summary["ok"] else 1
 
 
@@ -359,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--drain-timeout", type=float, default=600.0,
                    help="seconds to wait after the load for the audit to come out clean (default 600)")
     c.add_argument("--summary", metavar="PATH", help="write the summary JSON here")
+    c.add_argument("--kinds", nargs="+", default=list(KILL_KINDS), choices=KILL_KINDS, metavar="KIND",
+                   help=f"what to kill (default: all of {', '.join(KILL_KINDS)})")
     c.add_argument("--state-dir", help="state folder (default: state_dir = .liverl; the run starts it fresh)")
     _model_args(c, product_help="product with simulated users (default: the demo's)")
     c.set_defaults(fn=cmd_chaos)

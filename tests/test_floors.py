@@ -108,3 +108,10 @@ def test_the_checker_catches_a_wrong_way_arrow():
     assert not allowed("serving.agent", "ingest.sdk")
     assert not allowed("liverl.core.config", "deploy.registry")
     assert allowed("serving.agent", "deploy.registry") and allowed("liverl.cli", "learner.trainer")
+
+
+def test_the_cli_names_the_same_chaos_kinds_as_the_chaos_command():
+    from liverl.chaos import KINDS
+    from liverl.cli import KILL_KINDS
+
+    assert KILL_KINDS == KINDS
