@@ -214,7 +214,7 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
             continue
         hb = keys.ServedHeartbeat.from_json(raw)
         rep.nodes[keys.node_of_served(t.prefix, key)] = {
-            "version": hb.version, "checksum": hb.checksum, "healthy": hb.healthy, "age_s": round(now - hb.ts, 1),
+            "version": hb.version, "checksum": hb.checksum, "healthy": hb.healthy, "age_s": round(max(now - hb.ts, 0.0), 1),
             "converged": len(rep.stable_versions) == 1 and hb.version == rep.stable_versions[0]
             and hb.checksum == rep.stable_checksum}
     return rep
