@@ -205,10 +205,14 @@ def start_node(cfg: LiverlConfig, model_dir: str | os.PathLike, log_path: str | 
     log_file = open(log_path, "ab")
     log_file.write(f"\n=== liverl: starting vLLM node: {' '.join(cmd)}\n".encode())
     log_file.flush()
+    pidfile = cfg.state_path / "serving" / f"vllm-{port}.pid"
+    kill_stale_node(pidfile, port)
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env=node_env(device, threads, base_version), start_new_session=True,
-                            cwd=str(Path(__file__).resolve().parent.parent))
+                            preexec_fn=_die_with_parent, cwd=str(Path(__file__).resolve().parent.parent))
+    pidfile.parent.mkdir(parents=True, exist_ok=True)
+    pidfile.write_text(str(proc.pid))
     handle = NodeHandle(url=f"http://{host}:{port}", model_dir=model_dir, log_path=log_path, device=device,
                         proc=proc, start_s=0.0, _log_file=log_file)
     try:
@@ -219,6 +223,74 @@ def start_node(cfg: LiverlConfig, model_dir: str | os.PathLike, log_path: str | 
     handle.start_s = time.monotonic() - t0
     log.info("vLLM node ready at %s on %s in %.1f s (log %s)", handle.url, device, handle.start_s, log_path)
     return handle
+
+
+def _die_with_parent() -> None:
+    """In the node's child process before exec: SIGKILL it when the serving process dies, even by kill -9 (Linux
+    PR_SET_PDEATHSIG), so no node outlives the process that owns it. The engine core's processes are in the node's
+    process group; a restart clears the group of any node that still survived (``kill_stale_node``)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except OSError:  # not glibc Linux: the pidfile check at the next start is what remains
+        pass
+
+
+def kill_stale_node(pidfile: Path, port: int, timeout_s: float = 15.0) -> bool:
+    """Kill the process group of a vLLM node a previous serving process started on ``port`` and left behind
+    (it was killed before it could stop its node). Only a group led by a vLLM server on that port, or, once that
+    leader is gone, a group whose every process is vLLM's (its engine core), is touched. True when one was killed."""
+    try:
+        pid = int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return False
+    members = [m for m in _pids() if _pgid(m) == pid and _running(m)]
+    if not members:
+        return False
+    if pid in members:
+        cmdline = _cmdline(pid).split(b"\0")
+        ours = any(b"vllm.entrypoints" in part for part in cmdline) and str(port).encode() in cmdline
+    else:
+        ours = all(b"vllm" in _cmdline(m).lower() for m in members)
+    if not ours:
+        return False
+    log.warning("a vLLM node left by an earlier serving process (group %d, port %d, %d process(es)) is still "
+                "running; killing it", pid, port, len(members))
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    deadline = time.monotonic() + timeout_s
+    while any(_running(m) for m in members) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return True
+
+
+def _pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie (an orphan's corpse may wait for a reaper)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _wait_ready(handle: NodeHandle, timeout_s: float) -> None:
