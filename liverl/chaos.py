@@ -147,9 +147,13 @@ class Killer:
 
         pattern = str(checkpoint_path_for(self.cfg)) + ".tmp*"
         deadline = time.monotonic() + timeout_s
+        next_check = time.monotonic() + 0.5
         while time.monotonic() < deadline:
             if glob.glob(pattern):
                 return "while writing the checkpoint"
+            if time.monotonic() >= next_check:  # the supervisor keeps restarting what an earlier kill hit
+                self._supervise()
+                next_check = time.monotonic() + 0.5
             time.sleep(0.001)
         return "checkpoint write not caught within 20 s"
 
@@ -162,8 +166,14 @@ class Killer:
             if r.get(key) != before:
                 time.sleep(self.rng.uniform(0.1, 0.1 + self.cfg.serving.swap_poll_s))
                 return "during a hot-swap (just after an announcement)"
-            time.sleep(0.02)
+            self._supervise()
+            time.sleep(0.1)
         return "no announcement within 90 s"
+
+    def _supervise(self) -> None:
+        failure = self.pipe.supervisor.check()
+        if failure:
+            raise RuntimeError(f"chaos: {failure}")
 
 
 def run_chaos(cfg: LiverlConfig, model_dir: Path, duration_s: float, kill_every_s: float, seed: int = 0,
