@@ -129,3 +129,25 @@ def test_logprobs_compare_scores_the_tokens_it_is_given():
         c["logprobs"] = [x - 0.5 for x in c["logprobs"]]
     row = compare(model_dir, done)
     assert abs(row["mean_abs_diff"] - 0.5) < 1e-4 and row["architecture"] == "Qwen3ForCausalLM"
+
+
+def test_serve_bench_forwards_the_gateways_own_request_and_prints_both_ratios():
+    """``liverl bench serve``'s third side sends the node exactly what the gateway forwards, and the table shows the
+    ratio against the plain node (the issue's measure) and against the node doing the same work."""
+    from liverl.bench.serve import _forwarded, _requests, _table
+    from serving.openai_api import CompletionRequest
+
+    plain = _requests("completions", stream=False, n_prompts=3)
+    fwd = _forwarded(plain)
+    for (path, body), (fpath, fbody) in zip(plain, fwd):
+        assert path == fpath == "/v1/completions"
+        assert json.loads(fbody) == CompletionRequest.model_validate_json(body).node_body()
+        assert json.loads(fbody)["return_token_ids"] is True and json.loads(fbody)["logprobs"] == 0
+    chat = _forwarded(_requests("chat", stream=True, n_prompts=1))
+    assert json.loads(chat[0][1])["logprobs"] is True and json.loads(chat[0][1])["stream"] is True
+
+    side = {"gen_per_s": 100.0, "p50_ms": 200.0, "errors": 0, "total_ok": 2000, "gateway_cpu_s": 1.0}
+    rows = [{"round": 1, "first": "gateway", "gateway": side, "node": dict(side, gen_per_s=200.0),
+             "node_fwd": dict(side, gen_per_s=125.0), "ratio": 0.5, "ratio_fwd": 0.8}]
+    out = _table({"rows": rows, "median_ratio": 0.5, "median_ratio_fwd": 0.8, "machine": "m", "command": "c"})
+    assert "**0.500**" in out and "0.800" in out and "| 0.50 |" in out  # gateway CPU ms/gen: 1 s / 2000
