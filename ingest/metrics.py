@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from liverl.core import keys
+
 log = logging.getLogger("liverl.ingest.metrics")
 
 # How long the per-feedback_id guard key lives. Redelivery happens within minutes (the uncommitted tail
@@ -43,18 +45,6 @@ for j = 1, #ARGV - 1 do
 end
 return n
 """
-
-
-def counters_key(prefix: str) -> str:
-    return f"{prefix}:ingest:counters"
-
-
-def live_key(prefix: str, policy_version: int) -> str:
-    return f"{prefix}:live:{policy_version}"
-
-
-def counted_key(prefix: str, feedback_id: str) -> str:
-    return f"{prefix}:counted:{feedback_id}"
 
 
 @dataclass
@@ -164,7 +154,7 @@ class IngestMetrics:
         import redis
 
         client = await self._client()
-        ckey = counters_key(self.prefix)
+        ckey = keys.ingest_counters(self.prefix)
         delay = 0.2
         deadline = time.monotonic() + retry_s
         attempt = 0
@@ -175,12 +165,12 @@ class IngestMetrics:
                 if n:
                     pipe.hincrby(ckey, name, n)
             if tally.live:
-                keys: list[str] = []
+                lua_keys: list[str] = []
                 args: list[str | int] = [COUNTED_TTL_S]
                 for feedback_id, version, kind in tally.live:
-                    keys += [counted_key(self.prefix, feedback_id), live_key(self.prefix, version)]
+                    lua_keys += [keys.counted(self.prefix, feedback_id), keys.live(self.prefix, version)]
                     args.append(kind)
-                await self._script(keys=keys, args=args, client=pipe)
+                await self._script(keys=lua_keys, args=args, client=pipe)
             try:
                 await pipe.execute()
                 break

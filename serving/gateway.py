@@ -7,9 +7,9 @@ Kafka). Request validation and response shaping are in ``serving.openai_api``.
 
 Each choice of a response is one generation: it gets a ``generation_id``, and a ``GenerationRecord`` (prompt and
 completion token ids, the sampled tokens' log-probs, the sampling parameters, trainable or why not) is queued for
-the generations topic, keyed by generation id, before the response ends. The response does not wait for the
-broker's ack unless ``serving.log_wait_s`` > 0 (a bounded wait, counted when it expires); a record Kafka refuses is
-counted and logged. ``POST /v1/feedback`` always answers after the broker's ack. The client finds the ids and the version in the body (``liverl`` and
+the generations topic, keyed by generation id, and the response waits for the broker's ack (at most
+``serving.log_wait_s``, 2 s by default; an expired wait is counted), so a crash cannot leave a client holding the id
+of a record that was never logged; a record Kafka refuses is counted and logged. ``POST /v1/feedback`` always answers after the broker's ack. The client finds the ids and the version in the body (``liverl`` and
 each choice's ``generation_id``), in every chunk of a stream, and in the ``X-Liverl-Generation-Id`` (comma-separated,
 in choice order) and ``X-Liverl-Version`` headers.
 

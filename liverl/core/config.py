@@ -88,9 +88,10 @@ class ServingConfig(_Section):
     device: str = Field(default="auto", description="auto | cpu | cuda: which vLLM build serves.")
     swap_poll_s: float = Field(default=0.5, description="How often the agent checks the desired version.")
     log_wait_s: float = Field(
-        default=0.0, ge=0.0, description="How long a response may wait for the broker to acknowledge its generation "
-        "records. 0: it does not wait (records are queued before the response and delivered within milliseconds; "
-        "a record Kafka refuses is counted in liverl_gateway_generation_log_failures).")
+        default=2.0, ge=0.0, description="How long a response waits for the broker to acknowledge its generation "
+        "records before it is sent (bounded; an expired wait is counted in liverl_gateway_generation_log_slow). A "
+        "client then never holds a generation id whose record a crash lost (feedback on it would be dead-lettered "
+        "unknown_generation: 48 of 29,495 events in a chaos run with 0). 0: answer at once.")
 
 
 class RewardConfig(_Section):
