@@ -137,7 +137,7 @@ def model_dir_for(cfg: LiverlConfig):
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from liverl.core.services import kafka_bootstrap, redis_url
-    from serving.agent import run_serving
+    from serving.main import run_serving
 
     cfg = _cfg(args)
     run_serving(cfg, model_dir_for(cfg), kafka_bootstrap(cfg), redis_url(cfg), cfg.registry_url)

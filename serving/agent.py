@@ -15,8 +15,7 @@ Runs as an asyncio task inside the gateway process. Every ``cfg.serving.swap_pol
 Each swap is appended to ``<prefix>:swaps`` (JSON: from, to, pause_ms, drain_ms, apply_ms, verify_ok, ...), and a
 heartbeat ``<prefix>:served:<node>`` = {version, checksum, ts, last_swap_pause_ms} is refreshed every poll.
 
-``run_serving`` starts node + gateway + agent and serves until SIGTERM; ``ServingThread`` does the same on a
-background thread (tests, demo).
+The process that runs node, gateway and agent together is ``serving.main``.
 """
 
 from __future__ import annotations
@@ -25,21 +24,31 @@ import asyncio
 import collections
 import logging
 import os
-import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from redis.exceptions import RedisError
+from sqlalchemy.exc import SQLAlchemyError
 
 from deploy.signing import SignatureError, Verifier
 from liverl.core import keys
 from liverl.core.services import verify_key_path
 from liverl.core.config import LiverlConfig
 from liverl.core.schemas import VersionAnnouncement, WireError
-from serving.gateway import Gateway, event_loop_factory
+from serving.gateway import Gateway
 from serving.node import NodeClient
 
 log = logging.getLogger("liverl.serving.agent")
+
+
+
+def _registry_errors() -> tuple[type[BaseException], ...]:
+    """What a registry call may raise when the database or the blob store is unreachable or not initialised
+    (``deploy.registry`` is imported on first use: it brings torch, which the gateway needs only for swaps)."""
+    from deploy.registry import RegistryError
+
+    return RegistryError, SQLAlchemyError, OSError
 
 
 
@@ -69,6 +78,7 @@ class Agent:
         key = verify_key_path(cfg)
         self.verifier = Verifier(key) if key else None  # with a key, unsigned announcements are refused
         self.refused_announcements = 0
+        self.registry_errors = _registry_errors() if registry is not None else (SQLAlchemyError, OSError)
         self._last_refused: tuple[int, str | None] | None = None
 
     # ------------------------------------------------------------------------------------------ setup
@@ -83,7 +93,7 @@ class Agent:
         if self.registry is not None:
             try:
                 row = await asyncio.to_thread(self.registry.get, int(r["version"]))
-            except Exception as e:  # registry not initialised yet: serve, swaps will say what is missing
+            except self.registry_errors as e:  # registry not initialised yet: serve, swaps will say what is missing
                 log.warning("registry has no version %s yet (%s); serving the model dir as is", r["version"], e)
                 return
             if row.checksum != r["checksum"]:
@@ -103,7 +113,8 @@ class Agent:
                 raise RuntimeError("the vLLM node process died")
             try:
                 await self.step()
-            except Exception:
+            except Exception as e:  # noqa: BLE001 - the agent outlives any one poll; each failure is counted
+                self.gw.m_agent_errors.labels(kind=type(e).__name__).inc()
                 log.exception("agent step failed")
             try:
                 await asyncio.wait_for(stop.wait(), self.cfg.serving.swap_poll_s)
@@ -248,7 +259,7 @@ class Agent:
         if self.registry is not None:
             try:
                 await asyncio.to_thread(self.registry.update_fleet, self.name, target_version, target_checksum)
-            except Exception as e:
+            except self.registry_errors as e:
                 log.warning("could not record node %s in the registry's fleet table: %s", self.name, e)
         return rec
 
@@ -308,7 +319,7 @@ class Agent:
         try:
             await self.redis.rpush(keys.swap_errors(self.prefix), entry.to_json())
             await self.redis.ltrim(keys.swap_errors(self.prefix), -keys.LIST_CAP, -1)
-        except Exception as e:
+        except (RedisError, OSError) as e:
             log.error("could not report swap error to Redis (%s): %s", e, entry)
 
 
@@ -333,145 +344,3 @@ def chain_ends(blobs: list[bytes], start_checksum: str, target_checksum: str) ->
     if cur != target_checksum:
         raise DeltaError(f"the deltas lead to checksum {cur[:12]}, not the target {target_checksum[:12]}")
     return ends
-
-
-# ---------------------------------------------------------------------------------------------- entry points
-
-
-async def _bounded_executor(loop: asyncio.AbstractEventLoop, n: int) -> None:
-    """Give the loop a fixed pool of ``n`` worker threads, all started now (registry, codec and DNS calls run
-    there): the thread count stays bounded and constant while serving, rather than growing on demand."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="liverl-serving")
-    loop.set_default_executor(pool)
-    barrier = threading.Barrier(n)
-    await asyncio.gather(*[loop.run_in_executor(pool, barrier.wait, 10) for _ in range(n)])
-
-
-async def serve(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str, redis_url: str,
-                registry_url: str | None, stop: asyncio.Event, on_ready=None, base_version: int = 0) -> None:
-    """Start node + gateway + agent, serve until ``stop`` is set, then shut everything down."""
-    import redis.asyncio as aioredis
-    from aiohttp import web
-
-    from serving.node import start_node
-
-    await _bounded_executor(asyncio.get_running_loop(), 4)
-    log_path = cfg.state_path / "logs" / f"vllm-{cfg.serving.node_name}.log"
-    node = await asyncio.to_thread(start_node, cfg, model_dir, log_path, base_version=base_version)
-    client = NodeClient(node.url, max_connections=max(64, 2 * cfg.serving.max_num_seqs))
-    gw = Gateway(cfg, client, cfg.serving.node_name, bootstrap)
-    rds = aioredis.from_url(redis_url)
-    registry = runner = None
-    agent_task = None
-    try:
-        await client.start()
-        await gw.start()
-        if registry_url:
-            from deploy.blobstore import open_blob_store
-            from deploy.registry import Registry
-
-            registry = Registry(registry_url, open_blob_store(cfg.blob_location))
-        agent = Agent(cfg, gw, rds, registry)
-        await agent.init()
-        runner = web.AppRunner(gw.app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, cfg.serving.host, cfg.serving.gateway_port).start()
-        agent_task = asyncio.create_task(agent.run(stop, node_alive=lambda: node.alive))
-        log.info("gateway on http://%s:%d (node %s, engine start %.1f s)", cfg.serving.host,
-                 cfg.serving.gateway_port, node.url, node.start_s)
-        if on_ready is not None:
-            on_ready(gw, agent, node)
-        stop_task = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({agent_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
-        stop_task.cancel()
-        if agent_task in done and agent_task.exception() is not None:
-            raise RuntimeError(f"serving stopped: {agent_task.exception()}; vLLM log tail:\n{node.log_tail()}")
-    finally:
-        if agent_task is not None and not agent_task.done():
-            agent_task.cancel()
-            await asyncio.gather(agent_task, return_exceptions=True)
-        if runner is not None:
-            await runner.cleanup()
-        await gw.close()
-        await client.close()
-        await rds.aclose()
-        if registry is not None:
-            registry.close()
-        await asyncio.to_thread(node.stop)
-
-
-def run_serving(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str, redis_url: str,
-                registry_url: str | None) -> None:
-    """Blocking entry point (``liverl serve``): serve until SIGTERM or SIGINT."""
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await serve(cfg, model_dir, bootstrap, redis_url, registry_url, stop)
-
-    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
-        runner.run(main())
-
-
-class ServingThread:
-    """``serve`` on a daemon thread with its own event loop (tests, demo). ``start()`` blocks until ready."""
-
-    def __init__(self, cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str, redis_url: str,
-                 registry_url: str | None, base_version: int = 0):
-        self.args = (cfg, model_dir, bootstrap, redis_url, registry_url)
-        self.base_version = base_version
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.gateway: Gateway | None = None
-        self.agent: Agent | None = None
-        self.node = None
-        self._stop: asyncio.Event | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, name="liverl-serving", daemon=True)
-
-    @property
-    def url(self) -> str:
-        cfg = self.args[0]
-        return f"http://{cfg.serving.host}:{cfg.serving.gateway_port}"
-
-    def _main(self) -> None:
-        async def main() -> None:
-            self.loop = asyncio.get_running_loop()
-            self._stop = asyncio.Event()
-
-            def ready(gw, agent, node) -> None:
-                self.gateway, self.agent, self.node = gw, agent, node
-                self._ready.set()
-
-            await serve(*self.args, self._stop, on_ready=ready, base_version=self.base_version)
-
-        try:
-            asyncio.run(main())
-        except BaseException as e:
-            self._error = e
-            log.exception("serving thread failed")
-        finally:
-            self._ready.set()
-
-    def start(self, timeout_s: float = 300.0) -> ServingThread:
-        self._thread.start()
-        if not self._ready.wait(timeout_s):
-            raise TimeoutError(f"serving not ready after {timeout_s:.0f} s")
-        if self._error is not None:
-            raise RuntimeError(f"serving failed to start: {self._error}") from self._error
-        return self
-
-    def call(self, coro_fn, *args, timeout_s: float = 120.0):
-        """Run ``coro_fn(*args)`` on the serving loop and return its result (e.g. ``agent.apply_blobs``)."""
-        return asyncio.run_coroutine_threadsafe(coro_fn(*args), self.loop).result(timeout_s)
-
-    def stop(self, timeout_s: float = 60.0) -> None:
-        if self.loop is not None and self._stop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise RuntimeError("serving thread did not stop")

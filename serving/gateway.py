@@ -167,6 +167,8 @@ class Gateway:
                                   "Responses sent before Kafka acknowledged the record (bounded wait expired)",
                                   registry=r)
         self._request_counters: dict[tuple[str, int], Any] = {}
+        self.m_agent_errors = Counter("liverl_gateway_agent_errors", "Hot-swap agent polls that failed, by exception "
+                                      "type (logged; the agent goes on)", ["kind"], registry=r)
         self.m_feedback = Counter("liverl_gateway_feedback", "POST /v1/feedback by HTTP status", ["status"], registry=r)
         self.app = self._make_app()
 

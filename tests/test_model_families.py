@@ -128,7 +128,7 @@ def test_full_path(family, stack, tmp_path):
     from learner.trainer import Learner
     from liverl.bench.logprobs import chat_prompts
     from liverl.core.bus import ensure_topics, make_producer
-    from serving.agent import ServingThread
+    from tests.serving.harness import ServingThread
 
     model_dir = ensure_test_model(family, default_cache())
     cfg = load_config(env={}, state_dir=str(tmp_path / "state"), broker__bootstrap=stack.bootstrap,

@@ -41,7 +41,7 @@ def _serve_child(cfg_json: str, model_dir: str, bootstrap: str, redis_url: str) 
     import logging
 
     from liverl.core.config import LiverlConfig
-    from serving.agent import run_serving
+    from serving.main import run_serving
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_serving(LiverlConfig.model_validate_json(cfg_json), model_dir, bootstrap, redis_url, None)

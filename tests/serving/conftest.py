@@ -24,7 +24,7 @@ def srv(stack, tmp_path_factory):
     from deploy.blobstore import LocalBlobStore
     from deploy.registry import Registry
     from liverl.demo.base_policy import ensure_base_policy, load_state_dict
-    from serving.agent import ServingThread
+    from tests.serving.harness import ServingThread
 
     cache = Path(os.environ.get("LIVERL_TEST_MODEL_CACHE") or tmp_path_factory.mktemp("models"))
     model_dir = ensure_base_policy(cache, seed=0, progress=False)

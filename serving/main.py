@@ -1,0 +1,100 @@
+"""The serving process (``liverl serve``): a vLLM node, the OpenAI gateway in front of it, and the hot-swap agent.
+
+``serve`` starts the three and runs until its stop event is set (or the node dies: the process then exits with the
+node's log tail, and its supervisor restarts it); ``run_serving`` is the blocking entry point that sets the stop
+event on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+
+from liverl.core.config import LiverlConfig
+from serving.agent import Agent
+from serving.gateway import Gateway, event_loop_factory
+from serving.node import NodeClient
+
+log = logging.getLogger("liverl.serving")
+
+
+async def _bounded_executor(loop: asyncio.AbstractEventLoop, n: int) -> None:
+    """Give the loop a fixed pool of ``n`` worker threads, all started now (registry, codec and DNS calls run
+    there): the thread count stays bounded and constant while serving, rather than growing on demand."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="liverl-serving")
+    loop.set_default_executor(pool)
+    barrier = threading.Barrier(n)
+    await asyncio.gather(*[loop.run_in_executor(pool, barrier.wait, 10) for _ in range(n)])
+
+
+async def serve(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str, redis_url: str,
+                registry_url: str | None, stop: asyncio.Event, on_ready=None, base_version: int = 0) -> None:
+    """Start node + gateway + agent, serve until ``stop`` is set, then shut everything down."""
+    import redis.asyncio as aioredis
+    from aiohttp import web
+
+    from serving.node import start_node
+
+    await _bounded_executor(asyncio.get_running_loop(), 4)
+    log_path = cfg.state_path / "logs" / f"vllm-{cfg.serving.node_name}.log"
+    node = await asyncio.to_thread(start_node, cfg, model_dir, log_path, base_version=base_version)
+    client = NodeClient(node.url, max_connections=max(64, 2 * cfg.serving.max_num_seqs))
+    gw = Gateway(cfg, client, cfg.serving.node_name, bootstrap)
+    rds = aioredis.from_url(redis_url)
+    registry = runner = None
+    agent_task = None
+    try:
+        await client.start()
+        await gw.start()
+        if registry_url:
+            from deploy.blobstore import open_blob_store
+            from deploy.registry import Registry
+
+            registry = Registry(registry_url, open_blob_store(cfg.blob_location))
+        agent = Agent(cfg, gw, rds, registry)
+        await agent.init()
+        runner = web.AppRunner(gw.app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, cfg.serving.host, cfg.serving.gateway_port).start()
+        agent_task = asyncio.create_task(agent.run(stop, node_alive=lambda: node.alive))
+        log.info("gateway on http://%s:%d (node %s, engine start %.1f s)", cfg.serving.host,
+                 cfg.serving.gateway_port, node.url, node.start_s)
+        if on_ready is not None:
+            on_ready(gw, agent, node)
+        stop_task = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({agent_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        stop_task.cancel()
+        if agent_task in done and agent_task.exception() is not None:
+            raise RuntimeError(f"serving stopped: {agent_task.exception()}; vLLM log tail:\n{node.log_tail()}")
+    finally:
+        if agent_task is not None and not agent_task.done():
+            agent_task.cancel()
+            await asyncio.gather(agent_task, return_exceptions=True)
+        if runner is not None:
+            await runner.cleanup()
+        await gw.close()
+        await client.close()
+        await rds.aclose()
+        if registry is not None:
+            registry.close()
+        await asyncio.to_thread(node.stop)
+
+
+def run_serving(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str, redis_url: str,
+                registry_url: str | None) -> None:
+    """Blocking entry point (``liverl serve``): serve until SIGTERM or SIGINT."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(cfg, model_dir, bootstrap, redis_url, registry_url, stop)
+
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(main())
