@@ -240,7 +240,8 @@ def _die_with_parent() -> None:
 def kill_stale_node(pidfile: Path, port: int, timeout_s: float = 15.0) -> bool:
     """Kill the process group of a vLLM node a previous serving process started on ``port`` and left behind
     (it was killed before it could stop its node). Only a group led by a vLLM server on that port, or, once that
-    leader is gone, a group whose every process is vLLM's (its engine core), is touched. True when one was killed."""
+    leader is gone, a group holding vLLM's engine processes (``VLLM::EngineCore``, ``VLLM::Worker``, with the
+    multiprocessing resource tracker beside them), is touched. True when one was killed."""
     try:
         pid = int(pidfile.read_text().strip())
     except (OSError, ValueError):
@@ -251,8 +252,8 @@ def kill_stale_node(pidfile: Path, port: int, timeout_s: float = 15.0) -> bool:
     if pid in members:
         cmdline = _cmdline(pid).split(b"\0")
         ours = any(b"vllm.entrypoints" in part for part in cmdline) and str(port).encode() in cmdline
-    else:
-        ours = all(b"vllm" in _cmdline(m).lower() for m in members)
+    else:  # the group start_node made for the server; its engine (and vLLM's resource tracker) outlived it
+        ours = any(_cmdline(m).startswith(b"VLLM::") for m in members)
     if not ours:
         return False
     log.warning("a vLLM node left by an earlier serving process (group %d, port %d, %d process(es)) is still "

@@ -70,9 +70,10 @@ def test_a_node_left_running_is_killed_before_a_new_one_starts(tmp_path):
         assert kill_stale_node(pidfile, port) is True
         orphan.wait(10)
         assert all(_wait_gone(pid) for pid in engine), "the engine process of the stale node survived"
-        # the server died (its parent's death signal) but its engine process lingers in the group: still cleared
-        code2 = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', " \
-                "'import time; time.sleep(120)', 'VLLM::EngineCore']); time.sleep(0.5)"
+        # the server died (its parent's death signal) but its engine process (named as vLLM names it) and a
+        # helper process (vLLM's resource tracker is plain python) linger in the group: all cleared
+        code2 = "import subprocess, sys, time; subprocess.Popen(['bash', '-c', 'exec -a VLLM::EngineCore sleep 120']); " \
+                "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(0.5)"
         leader = subprocess.Popen([sys.executable, "-c", code2], start_new_session=True)
         leader.wait(10)
         lingering = [p for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if _pgid(p) == leader.pid]
