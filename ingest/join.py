@@ -359,9 +359,13 @@ class Ingest:
         ttl = self.ic.pending_ttl_s
         expired = []
         caught_up: dict[int | None, bool] = {}
+        mine: dict[int, bool] = {}  # asked once per partition and sweep (the assignment is a set built per call)
         for gid, (t, kts, part) in list(self._pending.items()):
-            if part is not None and not self._assigned(part):
-                continue
+            if part is not None:
+                if part not in mine:
+                    mine[part] = self._assigned(part)
+                if not mine[part]:
+                    continue
             why = self._waited(t, kts, part, now, ttl)
             if why == "caught_up":
                 if part not in caught_up:

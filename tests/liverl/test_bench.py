@@ -151,3 +151,25 @@ def test_serve_bench_forwards_the_gateways_own_request_and_prints_both_ratios():
              "node_fwd": dict(side, gen_per_s=125.0), "ratio": 0.5, "ratio_fwd": 0.8}]
     out = _table({"rows": rows, "median_ratio": 0.5, "median_ratio_fwd": 0.8, "machine": "m", "command": "c"})
     assert "**0.500**" in out and "0.800" in out and "| 0.50 |" in out  # gateway CPU ms/gen: 1 s / 2000
+
+
+def test_ingest_bench_joins_every_pair_once_and_prints_its_table(stack, tmp_path, monkeypatch, capsys):
+    """``liverl bench ingest`` end to end on a small backlog, on the test broker and Redis: the worker joins every
+    pair exactly once (no dead letter), the ceilings read the whole backlog, and the table names the command."""
+    from liverl.bench.ingest import run
+
+    monkeypatch.setenv("LIVERL__BROKER__BOOTSTRAP", stack.bootstrap)
+    monkeypatch.setenv("LIVERL__REDIS__URL", stack.redis_url)
+    monkeypatch.setenv("LIVERL__STATE_DIR", str(tmp_path))
+    pairs = 400
+    summary = run(pairs=pairs, partitions=2, workers=(1,), timeout_s=180, command="liverl bench ingest --pairs 400")
+    sides = [r["side"] for r in summary["rows"]]
+    assert sides == ["raw consumer", "raw consumer + parse", "faust agent, consume only", "ingest, 1 worker"]
+    for r in summary["rows"][:3]:
+        assert r["records"] == 2 * pairs
+    worker = summary["rows"][3]
+    assert worker["joined"] == pairs and worker["dead_letters"] == 0
+    assert worker["counters"]["samples_out"] == pairs and worker["counters"]["feedback_in"] == pairs
+    assert worker["scaling"] == 1.0
+    out = capsys.readouterr().out
+    assert "| ingest, 1 worker |" in out and "reproduce: `liverl bench ingest --pairs 400`" in out

@@ -1,0 +1,376 @@
+"""``liverl bench ingest``: joined feedback events/s of the ingest worker against a raw consumer, one run.
+
+The issue's measure, on one broker (the embedded one, or ``broker.bootstrap``) and one Redis:
+
+1. A backlog of ``--pairs`` generation records and their feedback (the demo's sizes: a short prompt, a
+   completion with its log-probs; every second user accepts) is written to fresh topics with ``--partitions``
+   partitions, keyed by generation id as the gateway and the SDK write them. Generations first, then feedback:
+   each feedback finds its generation waiting, the common case.
+2. **raw consumer**: an aiokafka consumer (the client faust runs on) reads both topics from the start to the end;
+   **raw + parse** does the same and also validates every record with ``liverl.core.schemas``; **faust agent,
+   consume only** is a faust app that takes the same records in ``take_events`` batches, as ingest does, and does
+   nothing with them. These are the ceilings: what the broker hands one Python process, what is left after
+   parsing, and what faust's own consume path leaves for any faust-based worker.
+3. **ingest, N workers**: ``liverl ingest`` processes (N = each of ``--workers``) start on the same backlog
+   (fresh topics and consumer group per run, so each run does the whole work), and the bench reads the joined
+   count from the live counters in Redis every 100 ms. ``events/s`` is joined feedback events per second from
+   the first joined event to the last (start-up and the group join are reported apart, as ``start s``), and
+   ``CPU us/event`` the workers' CPU time per event (less sensitive to a shared machine's noise).
+
+``scaling`` is the events/s of N workers over 1 worker's, in the same run. A second worker only helps if a core
+is free for it: the table prints the machine's cores, and the broker, Redis and the bench share them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+DEFAULTS = {"pairs": 50_000, "partitions": 4, "workers": "1,2", "timeout": 600.0}
+
+
+# ------------------------------------------------------------------------------------------------ the backlog
+
+
+def _records(n: int, seed: int = 0) -> tuple[list[tuple[bytes, bytes]], list[tuple[bytes, bytes]]]:
+    """``n`` (key, generation record) and (key, feedback event) pairs, valid under the wire schemas."""
+    from liverl.core.schemas import FeedbackEvent, GenerationRecord, SamplingParams
+
+    rng = random.Random(seed)
+    sampling = SamplingParams(temperature=1.0, max_tokens=16)
+    now = time.time()
+    gens, fbs = [], []
+    run = f"{os.getpid()}{rng.randrange(1 << 30):x}"
+    for i in range(n):
+        gid = f"g-{run}-{i}"
+        n_prompt, n_comp = rng.randint(12, 24), rng.randint(3, 8)
+        rec = GenerationRecord(
+            generation_id=gid, policy_version=0, node="bench", prompt="What is 12 + 34?", completion=" 46",
+            prompt_token_ids=[rng.randrange(1, 500) for _ in range(n_prompt)],
+            completion_token_ids=[rng.randrange(1, 500) for _ in range(n_comp)],
+            completion_logprobs=[-rng.random() * 3 for _ in range(n_comp)], sampling=sampling, finish_reason="stop",
+            ts=now)
+        fb = FeedbackEvent(feedback_id=f"f-{run}-{i}", generation_id=gid, kind="accept" if i % 2 else "reject", ts=now)
+        key = gid.encode()
+        gens.append((key, rec.model_dump_json().encode()))
+        fbs.append((key, fb.model_dump_json().encode()))
+    return gens, fbs
+
+
+def _produce(bootstrap: str, topic: str, records: list[tuple[bytes, bytes]]) -> None:
+    """Write records with librdkafka, partitioned like kafka-python and aiokafka (murmur2 of the key)."""
+    from confluent_kafka import Producer
+
+    p = Producer({"bootstrap.servers": bootstrap, "partitioner": "murmur2_random", "linger.ms": 20,
+                  "batch.num.messages": 10_000, "queue.buffering.max.messages": 1_000_000, "acks": "all"})
+    failed: list[str] = []
+
+    def report(err, _msg):
+        if err is not None:
+            failed.append(str(err))
+
+    for key, value in records:
+        while True:
+            try:
+                p.produce(topic, value=value, key=key, on_delivery=report)
+                break
+            except BufferError:
+                p.poll(0.05)
+        p.poll(0)
+    left = p.flush(120)
+    if left or failed:
+        raise RuntimeError(f"writing the backlog to {topic} failed: {left} not delivered, errors {failed[:3]}")
+
+
+# ------------------------------------------------------------------------------------------------ the ceilings
+
+
+async def _raw_consume(bootstrap: str, topics: list[str], partitions: int, expect: int, parse: bool) -> dict:
+    """Read ``expect`` records from the start of ``topics`` with one aiokafka consumer; optionally parse each."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from liverl.core.schemas import FeedbackEvent, GenerationRecord, WireError
+
+    model = {topics[0]: GenerationRecord, topics[1]: FeedbackEvent}
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
+                                fetch_max_wait_ms=200, max_partition_fetch_bytes=4 << 20)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(t, p) for t in topics for p in range(partitions)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        seen = bad = 0
+        t0 = None
+        deadline = time.monotonic() + 300
+        while seen < expect and time.monotonic() < deadline:
+            batch = await consumer.getmany(timeout_ms=500, max_records=10_000)
+            if t0 is None and batch:
+                t0 = time.perf_counter()
+            for tp, msgs in batch.items():
+                seen += len(msgs)
+                if parse:
+                    m = model[tp.topic]
+                    for msg in msgs:
+                        try:
+                            m.from_bytes(msg.value)
+                        except WireError:
+                            bad += 1
+        elapsed = time.perf_counter() - (t0 or time.perf_counter())
+    finally:
+        await consumer.stop()
+    if seen < expect:
+        raise RuntimeError(f"the raw consumer read {seen} of {expect} records within 300 s")
+    if bad:
+        raise RuntimeError(f"{bad} backlog records did not parse")
+    return {"records": seen, "seconds": elapsed, "records_per_s": seen / elapsed, "events_per_s": seen / 2 / elapsed}
+
+
+def _faust_floor_child(bootstrap: str, topics: list[str], partitions: int, expect: int, out_path: str) -> None:
+    """A faust app that only consumes: both topics, ``take_events`` batches as ingest takes them, no work."""
+    import logging
+
+    import faust
+
+    logging.basicConfig(level=logging.WARNING)
+    app = faust.App(f"floor{os.getpid()}", broker=f"kafka://{bootstrap}", store="memory://", autodiscover=False,
+                    web_enabled=False, topic_partitions=partitions, broker_rebalance_timeout=3.0,
+                    broker_session_timeout=6.0, broker_heartbeat_interval=1.0, consumer_auto_offset_reset="earliest",
+                    key_serializer="raw", value_serializer="raw")
+    inputs = app.topic(*topics, key_type=str, key_serializer="raw", value_serializer="raw", partitions=partitions)
+    state = {"n": 0, "t0": None}
+
+    @app.agent(inputs)
+    async def count(stream):
+        async for events in stream.take_events(200, within=0.05):
+            if state["t0"] is None:
+                state["t0"] = time.perf_counter()
+            state["n"] += len(events)
+            if state["n"] >= expect:
+                elapsed = time.perf_counter() - state["t0"]
+                Path(out_path).write_text(json.dumps({"records": state["n"], "seconds": elapsed}))
+                os._exit(0)
+
+    worker = faust.Worker(app, loglevel="warning", quiet=True, redirect_stdouts=False)
+    worker.spinner = None
+    worker.execute_from_commandline()
+
+
+def _faust_floor(bootstrap: str, topics: list[str], partitions: int, expect: int, work_dir: Path) -> dict:
+    """What faust's consume path alone costs: the ceiling of any faust-based worker on this machine."""
+    import multiprocessing
+
+    out = work_dir / "faust-floor.json"
+    out.unlink(missing_ok=True)
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_faust_floor_child, args=(bootstrap, topics, partitions, expect, str(out)), name="faust-floor")
+    proc.start()
+    proc.join(600)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(10)
+    if not out.exists():
+        raise RuntimeError(f"the consume-only faust app did not read {expect} records (exit code {proc.exitcode})")
+    res = json.loads(out.read_text())
+    res["records_per_s"] = res["records"] / res["seconds"]
+    res["events_per_s"] = res["records_per_s"] / 2
+    return res
+
+
+# ------------------------------------------------------------------------------------------------ the workers
+
+
+def _cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_dir: Path) -> dict:
+    """Start ``n_workers`` ``liverl ingest`` processes on the backlog of ``cfg.topics``; time the join."""
+    import redis
+
+    from liverl.core import keys
+
+    env_base = {**os.environ, "LIVERL__BROKER__BOOTSTRAP": stack.bootstrap, "LIVERL__REDIS__URL": stack.redis_url,
+                "LIVERL__TOPICS__PREFIX": cfg.topics.prefix, "LIVERL__BROKER__PARTITIONS": str(cfg.broker.partitions),
+                "LIVERL__INGEST__WEB_PORT": "0", "PYTHONUNBUFFERED": "1"}
+    r = redis.Redis.from_url(stack.redis_url)
+    ckey = keys.ingest_counters(cfg.topics.prefix)
+    procs: list[subprocess.Popen] = []
+    logs = []
+    t_start = time.perf_counter()
+    try:
+        for i in range(n_workers):
+            env = {**env_base, "LIVERL__STATE_DIR": str(Path(cfg.state_dir) / f"worker{n_workers}-{i}")}
+            log = open(log_dir / f"ingest-{n_workers}w-{i}.log", "wb")  # noqa: SIM115 - closed below
+            logs.append(log)
+            procs.append(subprocess.Popen([sys.executable, "-m", "liverl.cli", "ingest"], env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+        t_first = None
+        joined = 0
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            raw = r.hget(ckey, "joined")
+            joined = int(raw or 0)
+            now = time.perf_counter()
+            if joined and t_first is None:
+                t_first = now
+            if joined >= pairs:
+                break
+            for p in procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"an ingest worker exited with code {p.returncode}; see {log_dir}")
+            time.sleep(0.1)
+        t_last = time.perf_counter()
+        cpu = sum(_cpu_seconds(p.pid) for p in procs)
+        counters = {k.decode(): int(v) for k, v in r.hgetall(ckey).items()}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+        for log in logs:
+            log.close()
+        r.close()
+    if joined < pairs:
+        raise RuntimeError(f"{n_workers} worker(s) joined {joined} of {pairs} events within {timeout_s:.0f} s; "
+                           f"see the logs in {log_dir}")
+    dead = sum(v for k, v in counters.items() if k.startswith("dlq:"))
+    span = max(t_last - (t_first or t_last), 1e-9)
+    # the first poll that saw joins happened up to 100 ms after the first batch: the events it saw count in the span
+    return {"workers": n_workers, "joined": joined, "dead_letters": dead, "start_s": (t_first or t_last) - t_start,
+            "seconds": span, "events_per_s": joined / span, "cpu_us_per_event": 1e6 * cpu / max(joined, 1),
+            "counters": counters}
+
+
+# ------------------------------------------------------------------------------------------------ the bench
+
+
+def run(pairs: int = DEFAULTS["pairs"], partitions: int = DEFAULTS["partitions"], workers: tuple[int, ...] = (1, 2),
+        timeout_s: float = DEFAULTS["timeout"], config: str | None = None, json_path: str | None = None,
+        command: str = "liverl bench ingest") -> dict:
+    """Start the stack, write the backlogs, measure the ceilings and the workers; print the table."""
+    from liverl.core.bus import all_topics, ensure_topics
+    from liverl.core.config import load_config
+    from liverl.stack import start_stack
+
+    if pairs < 100 or partitions < 1 or not workers or min(workers) < 1:
+        raise ValueError("pairs must be >= 100, partitions and workers >= 1")
+    user_cfg = load_config(config)
+    user_cfg.state_path.mkdir(parents=True, exist_ok=True)
+    state = Path(tempfile.mkdtemp(prefix="bench-ingest-", dir=user_cfg.state_path))
+    base = f"bi{os.getpid()}"
+    from liverl.bench.serve import _free_port, _machine
+
+    cfg = load_config(config, state_dir=str(state), topics__prefix=base, broker__partitions=partitions,
+                      broker__embedded_port=_free_port(), redis__embedded_port=_free_port())
+    broker_name = cfg.broker.bootstrap or "embedded Tansu"
+    print(f"bench ingest: {pairs:,} pairs on {partitions} partitions, workers {','.join(map(str, workers))}, "
+          f"broker {broker_name}; logs in {state / 'logs'}", flush=True)
+    gens, fbs = _records(pairs)
+    stack = start_stack(cfg)
+    rows: list[dict[str, Any]] = []
+    try:
+        (state / "logs").mkdir(parents=True, exist_ok=True)
+
+        def backlog(prefix: str):
+            run_cfg = load_config(config, state_dir=str(state / prefix), topics__prefix=prefix,
+                                  broker__partitions=partitions)
+            ensure_topics(stack.bootstrap, all_topics(run_cfg), partitions)
+            t0 = time.perf_counter()
+            _produce(stack.bootstrap, run_cfg.topics.generations, gens)
+            _produce(stack.bootstrap, run_cfg.topics.feedback, fbs)
+            print(f"  backlog {prefix}: {2 * pairs:,} records written in {time.perf_counter() - t0:.1f} s", flush=True)
+            return run_cfg
+
+        raw_cfg = backlog(f"{base}raw")
+        topics = [raw_cfg.topics.generations, raw_cfg.topics.feedback]
+        for parse in (False, True):
+            res = asyncio.run(_raw_consume(stack.bootstrap, topics, partitions, 2 * pairs, parse))
+            res["side"] = "raw consumer + parse" if parse else "raw consumer"
+            rows.append(res)
+            print(f"  {res['side']}: {res['records_per_s']:,.0f} records/s ({res['events_per_s']:,.0f} pairs/s)",
+                  flush=True)
+        res = _faust_floor(stack.bootstrap, topics, partitions, 2 * pairs, state)
+        res["side"] = "faust agent, consume only"
+        rows.append(res)
+        print(f"  {res['side']}: {res['records_per_s']:,.0f} records/s ({res['events_per_s']:,.0f} pairs/s)", flush=True)
+        for n in workers:
+            run_cfg = backlog(f"{base}w{n}")
+            res = _run_workers(run_cfg, stack, n, pairs, timeout_s, state / "logs")
+            res["side"] = f"ingest, {n} worker{'s' if n > 1 else ''}"
+            rows.append(res)
+            print(f"  {res['side']}: {res['events_per_s']:,.0f} joined events/s, {res['cpu_us_per_event']:.0f} us CPU "
+                  f"per event, first join after {res['start_s']:.1f} s", flush=True)
+    finally:
+        stack.close()
+    one = next((r for r in rows if r.get("workers") == 1), None)
+    for r in rows:
+        if "workers" in r and one is not None:
+            r["scaling"] = r["events_per_s"] / one["events_per_s"]
+    raw = rows[0]
+    summary = {"rows": rows, "pairs": pairs, "partitions": partitions, "broker": broker_name, "command": command,
+               "machine": _machine(), "raw_events_per_s": raw["events_per_s"]}
+    print(_table(summary))
+    if json_path:
+        Path(json_path).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _table(summary: dict) -> str:
+    raw = summary["raw_events_per_s"]
+    lines = ["", "| side | joined events/s | vs raw consumer | scaling vs 1 worker | CPU us/event | start s | "
+             "dead letters |", "|---|---|---|---|---|---|---|"]
+    for r in summary["rows"]:
+        if "workers" in r:
+            scaling = f"{r['scaling']:.2f}x" if "scaling" in r else ""
+            lines.append(f"| {r['side']} | **{r['events_per_s']:,.0f}** | 1/{raw / r['events_per_s']:.1f} | {scaling} | "
+                         f"{r['cpu_us_per_event']:.0f} | {r['start_s']:.1f} | {r['dead_letters']} |")
+        else:
+            lines.append(f"| {r['side']} | {r['events_per_s']:,.0f} pairs/s ({r['records_per_s']:,.0f} records/s) | "
+                         f"1/{raw / r['events_per_s']:.1f} | | | | |")
+    lines += ["", f"{summary['pairs']:,} generation + feedback pairs, {summary['partitions']} partitions, broker "
+              f"{summary['broker']}; targets: 20,000 events/s per worker, 1.7x with 2 workers",
+              f"machine: {summary['machine']}", f"reproduce: `{summary['command']}`"]
+    return "\n".join(lines)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``ingest`` under ``liverl bench``."""
+    s = subparsers.add_parser("ingest", help="joined feedback events/s of ingest workers vs a raw consumer",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--pairs", type=int, default=DEFAULTS["pairs"], help="generation + feedback pairs (default 50000)")
+    s.add_argument("--partitions", type=int, default=DEFAULTS["partitions"], help="partitions per topic (default 4)")
+    s.add_argument("--workers", default=DEFAULTS["workers"], metavar="N,M",
+                   help="worker counts to run, comma-separated (default 1,2)")
+    s.add_argument("--timeout", type=float, default=DEFAULTS["timeout"], metavar="S",
+                   help="most seconds one worker run may take (default 600)")
+    s.add_argument("--json", metavar="PATH", help="also write the rows and the summary as JSON")
+    s.set_defaults(fn=_cmd)
+    return s
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    workers = tuple(int(w) for w in str(args.workers).split(",") if w.strip())
+    command = "liverl bench ingest" + "".join(
+        f" --{name} {getattr(args, name)}" for name in ("pairs", "partitions", "workers", "timeout")
+        if str(getattr(args, name)) != str(DEFAULTS[name]))
+    run(pairs=args.pairs, partitions=args.partitions, workers=workers, timeout_s=args.timeout,
+        config=getattr(args, "config", None), json_path=args.json, command=command)
+    return 0
