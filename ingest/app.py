@@ -276,7 +276,8 @@ def build_app(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: in
     def assigned(partition: int) -> bool:
         return TP(t.feedback, partition) in app.assignor.assigned_actives()
 
-    ingest = Ingest(cfg, metrics, table, send, end_offset=end_offset, assigned=assigned)
+    ingest = Ingest(cfg, metrics, table, send, end_offset=end_offset, assigned=assigned,
+                    partition_of=lambda gid: _store.partition_of(gid.encode(), n))
     app.liverl_ingest = ingest  # for tests and embedding
 
     @table.on_recover

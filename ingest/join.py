@@ -125,7 +125,8 @@ class Ingest:
 
     def __init__(self, cfg: LiverlConfig, metrics: IngestMetrics, table: MutableMapping[str, bytes], send: Send, *,
                  end_offset: Callable[[int], Awaitable[int | None]] | None = None,
-                 assigned: Callable[[int], bool] = lambda partition: True):
+                 assigned: Callable[[int], bool] = lambda partition: True,
+                 partition_of: Callable[[str], int] | None = None):
         self.cfg = cfg
         self.ic = cfg.ingest
         self.product = load_product(cfg)  # reward shaping is the product's (default: [ingest.rewards])
@@ -135,6 +136,7 @@ class Ingest:
         self._send = send
         self._end_offset = end_offset
         self._assigned = assigned
+        self._partition_of = partition_of  # the input partitioner (murmur2 of the generation id); None: not checked
         self.lock = asyncio.Lock()
         # In-memory index of the pending entries, rebuilt by ``recovered()`` after every rebalance; bounded by
         # ``max_pending``.
@@ -206,6 +208,8 @@ class Ingest:
             await self._dead(out, rec.reason, rec.detail, src, value)
             return
         gid = rec.generation_id
+        if await self._misplaced(gid, src, value, out):
+            return
         entry = self._get(gid, out)
         kind = entry[:1] if entry else None
         if kind in (WAITING, JUDGED):  # a redelivery (or a reused id: never trained on twice)
@@ -231,6 +235,8 @@ class Ingest:
             await self._dead(out, fb.reason, fb.detail, src, value)
             return
         gid, fid = fb.generation_id, fb.feedback_id
+        if await self._misplaced(gid, src, value, out):
+            return
         entry = self._get(gid, out)
         kind = entry[:1] if entry else None
         if kind == JUDGED:
@@ -286,6 +292,24 @@ class Ingest:
         out.tally.joined_kinds[fb.kind] += 1
         out.tally.live.append((fb.feedback_id, rec.policy_version, fb.kind))
         out.tally.feedback_delays_s.append(now - fb.ts)
+
+    async def _misplaced(self, gid: str, src: Source, value: bytes | None, out: _Batch) -> bool:
+        """Dead-letter (``wrong_partition``) an input that is not on the partition its generation id hashes to.
+
+        The join needs a generation and its feedback on the same partition (so one worker sees both): producers must
+        key records by ``generation_id`` with Kafka's default partitioner (murmur2; librdkafka clients need
+        ``partitioner=murmur2_random``). Misplaced input would join only while one worker owns every partition, and
+        expire as ``unknown_generation`` once there are several; refusing it at once names the producer's mistake.
+        """
+        if self._partition_of is None or src.partition is None:
+            return False
+        want = self._partition_of(gid)
+        if want == src.partition:
+            return False
+        await self._dead(out, "wrong_partition", f"generation {gid} belongs on partition {want} (murmur2 of the "
+                         f"generation id), not {src.partition}: key records by generation_id with Kafka's default "
+                         "partitioner (librdkafka: partitioner=murmur2_random)", src, value)
+        return True
 
     def _get(self, gid: str, out: _Batch) -> bytes | None:
         return out.writes[gid] if gid in out.writes else self.table.get(gid)

@@ -18,7 +18,9 @@ Guarantees (the checkpoint is the source of truth, Kafka offsets only mirror it)
   with a counted reason; the loop never crashes on input.
 
 Run as a process: ``liverl learn [--config FILE] [--max-steps N]``.
-The learner is a singleton per deployment (one consumer in group ``<prefix>.learner``).
+The learner is a singleton per deployment (one consumer in group ``<prefix>.learner``), fenced by a lease in
+Redis (``learner.lease``): a second learner waits for the first to go, and a learner that lost its lease stops
+before it writes another checkpoint, candidate or offset commit.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ from typing import Any
 
 import torch
 from kafka import ConsumerRebalanceListener, TopicPartition
-from kafka.errors import CommitFailedError
+from kafka.errors import CommitFailedError, RebalanceInProgressError
 from kafka.structs import OffsetAndMetadata
 from sqlalchemy.exc import SQLAlchemyError
 
 from deploy.registry import RegistryError
+from learner.lease import LearnerLease
 from learner.ledger import Ledger, checkpoint_path_for, ledger_path
 from learner.metrics import PrometheusCollector
 from learner.policy_trainer import BatchFailed, PolicyTrainer
@@ -54,6 +57,10 @@ STALE_REBASE_CHECK_S = 5.0
 REGISTRY_ERRORS = (RegistryError, SQLAlchemyError, OSError)
 
 
+class LeaseLost(RuntimeError):
+    """This learner's lease is gone (another learner may be running): it must not write anything more."""
+
+
 class Learner(ConsumerRebalanceListener):
     """Kafka consumer + PolicyTrainer + checkpoint + registry candidates + live state in Redis."""
 
@@ -65,6 +72,7 @@ class Learner(ConsumerRebalanceListener):
         self.group = f"{cfg.topics.prefix}.learner"
         self.key = keys.learner(cfg.topics.prefix)
         self.ckpt_path = Path(checkpoint_path or checkpoint_path_for(cfg))
+        self.lease = None  # a learner.lease.LearnerLease when run as the deployment's learner (run_learner)
         self.ledger = Ledger(ledger_path(self.ckpt_path), max_bytes=self.lcfg.ledger_max_mb << 20)
         self.trainer = PolicyTrainer(self.model_dir, self.lcfg)
         self.step = 0
@@ -99,6 +107,7 @@ class Learner(ConsumerRebalanceListener):
     def _save_checkpoint(self) -> None:
         """Ledger lines first (tagged with the new seq), then the checkpoint: a crash in between leaves lines
         whose seq the checkpoint never reached, and the restart cuts them off (``Ledger.truncate_after``)."""
+        self._fenced("checkpoint")
         self.seq += 1
         self.ledger.flush(self.seq)
         st = dict(self.trainer.state(), format=CHECKPOINT_FORMAT, step=self.step, offsets=dict(self.offsets),
@@ -223,14 +232,16 @@ class Learner(ConsumerRebalanceListener):
 
     def _commit(self) -> None:
         """Commit what the checkpoint already holds. A failed commit (this consumer was dropped from its
-        group, e.g. a long pause between polls) loses nothing: the next commit carries the same offsets, and
-        a reassignment seeks to the checkpoint's positions. It is counted and logged, not fatal."""
+        group, e.g. a long pause between polls, or the group is rebalancing) loses nothing: the next commit
+        carries the same offsets, and a reassignment seeks to the checkpoint's positions. It is counted and
+        logged, not fatal."""
         offs = {TopicPartition(self.topic, p): OffsetAndMetadata(o, "", -1) for p, o in self.offsets.items()}
         if not offs:
             return
+        self._fenced("offset commit")
         try:
             self._consumer.commit(offs)
-        except CommitFailedError as e:
+        except (CommitFailedError, RebalanceInProgressError) as e:  # the group is moving: nothing is lost
             self.counters["commit_failed"] += 1
             log.warning("learner: offset commit failed at step %d (%s); the checkpoint holds the offsets, "
                         "the next commit retries", self.step, e)
@@ -295,6 +306,7 @@ class Learner(ConsumerRebalanceListener):
             self._candidate_due = True
         if not self._candidate_due:
             return
+        self._fenced("candidate")
         if self.frozen():
             self._candidate_due = False
             self.counters["candidates_skipped_frozen"] += 1
@@ -416,6 +428,10 @@ class Learner(ConsumerRebalanceListener):
             self._consumer = None
         return self.stats()
 
+    def _fenced(self, what: str) -> None:
+        if self.lease is not None and self.lease.lost.is_set():
+            raise LeaseLost(f"the learner lease is lost; no {what} (another learner may be running)")
+
     def stats(self) -> dict[str, Any]:
         return {"step": self.step, "samples_trained": int(self.counters["samples_trained"]),
                 "unique_trained": len(self.trained_ids), "last_candidate": self.last_candidate,
@@ -446,7 +462,15 @@ def run_learner(cfg: LiverlConfig, model_dir: Path, stop_event: threading.Event 
         log.info("learner: registry has no stable version; registering the base policy as v0")
         registry.init_base(load_state_dict(model_dir), str(model_dir))
     r = setup_redis(cfg)
-    learner = Learner(cfg, model_dir, bootstrap, registry, redis=r)
+    lease = LearnerLease(r, cfg.topics.prefix, checkpoint_path_for(cfg).with_suffix(".lease"),
+                         ttl_s=cfg.learner.lease_ttl_s)
+    lease.acquire(wait_s=cfg.learner.lease_wait_s)  # before the checkpoint is read: the previous learner is gone
+    try:
+        learner = Learner(cfg, model_dir, bootstrap, registry, redis=r)
+    except BaseException:
+        lease.release()
+        raise
+    learner.lease = lease
     server = None
     if metrics_port is not None:
         from prometheus_client import CollectorRegistry, start_http_server
@@ -457,6 +481,7 @@ def run_learner(cfg: LiverlConfig, model_dir: Path, stop_event: threading.Event 
     try:
         return learner.run(stop_event=stop_event, max_steps=max_steps)
     finally:
+        lease.release()
         if server is not None:
             server.shutdown()
             server.server_close()

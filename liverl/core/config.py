@@ -147,13 +147,21 @@ class LearnerConfig(_Section):
     ledger_max_mb: int = Field(
         default=256, ge=1, description="Size at which the learner's ledger (every sample's fate, for liverl audit) "
         "rolls over; one previous file is kept.")
+    lease_ttl_s: float = Field(
+        default=10.0, gt=0, description="TTL of the learner's lease in Redis (one learner per deployment): a learner "
+        "that stops renewing it (killed, cut off) is replaced after this; a restart from the same state folder takes "
+        "it over at once.")
+    lease_wait_s: float = Field(
+        default=60.0, ge=0, description="How long a starting learner waits for another holder of the lease to go "
+        "before it gives up, naming the holder.")
     kl_reference: Literal["stable", "base"] = Field(
         default="stable",
         description="KL anchor: 'stable' (the version being served, moved on each promotion) or 'base' (version 0).",
     )
     kl_estimator: Literal["full", "k3"] = Field(
         default="full",
-        description="KL to the base policy: 'full' (exact over the vocabulary, per position) or 'k3' (sampled tokens).",
+        description="KL to the anchor (learner.kl_reference): 'full' (exact over the vocabulary, per position) or "
+        "'k3' (sampled tokens).",
     )
 
 

@@ -83,6 +83,11 @@ def learner_hold(prefix: str) -> str:
     return f"{prefix}:learner:hold"
 
 
+def learner_lease(prefix: str) -> str:
+    """Who is this deployment's learner (a token with a TTL, renewed while it runs; see ``learner.lease``)."""
+    return f"{prefix}:learner:lease"
+
+
 def everything(prefix: str) -> str:
     """The pattern of every key of this prefix (a demo's reset)."""
     return f"{prefix}:*"

@@ -179,3 +179,41 @@ def test_a_timer_that_raises_is_counted_and_runs_again(env):
     asyncio.run(run())
     assert len(calls) == 2
     assert metrics.timer_errors.labels("expire_pending")._value.get() == 2
+
+
+
+def test_input_on_the_wrong_partition_is_dead_lettered_naming_the_right_one(env):
+    """Finding 20: a record keyed or partitioned differently from Kafka's murmur2 of its generation id is refused
+    (``wrong_partition``) instead of waiting for a generation another worker holds; the right partition joins."""
+    import json
+    import random
+
+    from ingest.store import partition_of
+    from tests.ingest.test_fuzz import _feedback, _generation
+
+    cfg, metrics = env
+    n, broker, table = 4, Broker(), {}
+    rng = random.Random(3)
+    gid = "g-wrong-partition"
+    right = partition_of(gid.encode(), n)
+    wrong = (right + 1) % n
+    rec, fb = json.dumps(_generation(rng, gid)).encode(), json.dumps(_feedback(rng, gid)).encode()
+
+    async def run():
+        ing = Ingest(cfg, metrics, table, broker.send, partition_of=lambda g: partition_of(g.encode(), n))
+        ing.recovered()
+        try:
+            await ing.process([(Source(cfg.topics.generations, right, 1, gid), rec),
+                               (Source(cfg.topics.feedback, wrong, 1, gid), fb)])
+            first = list(broker.sent)
+            await ing.process([(Source(cfg.topics.feedback, right, 2, gid), fb)])
+            return first
+        finally:
+            await metrics.close()
+
+    first = asyncio.run(run())
+    dead = [DeadLetter.from_bytes(v) for t, _, v in first if t == cfg.topics.dead_letters]
+    assert [d.reason for d in dead] == ["wrong_partition"]
+    assert f"partition {right}" in dead[0].detail and "murmur2" in dead[0].detail
+    assert not [t for t, _, _ in first if t == cfg.topics.samples]
+    assert len(broker.of(cfg.topics.samples)) == 1
