@@ -191,6 +191,7 @@ def run_chaos(cfg: LiverlConfig, model_dir: Path, duration_s: float, kill_every_
     if users is None:
         raise ValueError(f"product {cfg.product!r} has no simulated users to drive the load")
     rng = random.Random(seed)
+    started = time.time()
     print(f"liverl chaos: {duration_s:.0f} s of load, a kill -9 every ~{kill_every_s:.0f} s, then drain and audit "
           f"(state in {cfg.state_path})", flush=True)
     with Pipeline(cfg, model_dir, fresh=True) as pipe:
@@ -239,6 +240,7 @@ def run_chaos(cfg: LiverlConfig, model_dir: Path, duration_s: float, kill_every_
             registry.close()
         sdk.close()
         restarts = dict(pipe.supervisor.restarts)
+    leftover = _leftover_processes(cfg, started)
     by_kind = {k: sum(1 for x in killer.kills if x["kind"] == k) for k in kinds}
     summary = {"duration_s": duration_s, "kill_every_s": kill_every_s, "seed": seed, "kills": len(killer.kills),
                "kills_by_kind": by_kind, "kill_log": killer.kills, "restarts": restarts,
@@ -247,7 +249,9 @@ def run_chaos(cfg: LiverlConfig, model_dir: Path, duration_s: float, kill_every_
                "audit": report.as_dict() if report is not None else None}
     missing = sdk.acked - (report.feedback_records if report else 0)
     summary["acked_not_in_topic"] = max(missing, 0)
-    summary["ok"] = bool(report is not None and not report.problems() and converge_s is not None and missing <= 0)
+    summary["leftover_processes"] = leftover
+    summary["ok"] = bool(report is not None and not report.problems() and converge_s is not None and missing <= 0
+                         and not leftover)
     print("\nkills by kind: " + ", ".join(f"{k} {n}" for k, n in by_kind.items()))
     print(f"restarts by the supervisor: {restarts}")
     print(f"feedback records acknowledged by the broker: {sdk.acked} (in the topic: "
@@ -256,11 +260,37 @@ def run_chaos(cfg: LiverlConfig, model_dir: Path, duration_s: float, kill_every_
         print_report(report)
     print(f"converged {converge_s:.0f} s after the load stopped" if converge_s is not None
           else f"NOT converged within {drain_timeout_s:.0f} s")
+    print(f"processes left running after the pipeline stopped: {len(leftover)}"
+          + "".join(f"\n  pid {p['pid']} (parent {p['ppid']}): {p['cmd']}" for p in leftover))
     if summary_path:
         Path(summary_path).parent.mkdir(parents=True, exist_ok=True)
         Path(summary_path).write_text(json.dumps(summary, indent=2))
         print(f"summary: {summary_path}")
     return summary
+
+
+def _leftover_processes(cfg: LiverlConfig, since: float, settle_s: float = 10.0) -> list[dict]:
+    """Processes this run started that outlived the pipeline: any naming its state folder, and orphaned vLLM engine
+    processes (``VLLM::...``, reparented to init) started during the run. A kill -9 must not leak them."""
+    import psutil
+
+    me = os.getpid()
+    state = str(cfg.state_path)
+    deadline = time.monotonic() + settle_s  # a stopped node's engine takes a moment to exit
+    while True:
+        found = []
+        for p in psutil.process_iter(["pid", "ppid", "cmdline", "create_time"]):
+            try:
+                cmd = " ".join(p.info["cmdline"] or [])
+                if p.info["pid"] == me or (p.info["create_time"] or 0) < since:
+                    continue
+                if state in cmd or (cmd.startswith("VLLM::") and p.info["ppid"] == 1):
+                    found.append({"pid": p.info["pid"], "ppid": p.info["ppid"], "cmd": cmd[:200]})
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(1.0)
 
 
 def _start_users(users, pipe: Pipeline, sdk, cfg: LiverlConfig, stats, seed: int):
