@@ -398,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_build_policy)
 
     bench = sub.add_parser("bench", help="benchmarks that print a table: delta (the codec), serve (gateway vs "
-                           "vLLM node), logprobs (learner vs vLLM per model family), ingest (workers vs a raw consumer)")
+                           "vLLM node), logprobs (learner vs vLLM per model family), ingest (workers vs a raw consumer), canary (the sequential test)")
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
     bench.set_defaults(fn=lambda _args: bench.print_help() or 2)
     s = bench_sub.add_parser("delta", help="delta codec: ratio vs zstd, xor+zstd and entropy bounds, speed, memory",
@@ -410,13 +410,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--skip-demo", action="store_true", help="only the synthetic cases")
     s.add_argument("--repeat", type=int, default=1, metavar="N", help="time each encode and apply N times, keep the best")
     s.set_defaults(fn=cmd_bench_delta)
-    from liverl.bench import ingest as bench_ingest  # light: heavy imports happen when they run
+    from liverl.bench import canary as bench_canary  # light: heavy imports happen when they run
+    from liverl.bench import ingest as bench_ingest
     from liverl.bench import logprobs as bench_logprobs
     from liverl.bench import serve as bench_serve
 
     bench_serve.add_parser(bench_sub)
     bench_logprobs.add_parser(bench_sub)
     bench_ingest.add_parser(bench_sub)
+    bench_canary.add_parser(bench_sub)
 
     s = sub.add_parser("status", help="served version per node, pending candidates, live acceptance", epilog=ADMIN_EPILOG)
     s.set_defaults(fn=cmd_status)
