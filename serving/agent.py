@@ -37,7 +37,7 @@ from liverl.core.services import verify_key_path
 from liverl.core.config import LiverlConfig
 from liverl.core.schemas import VersionAnnouncement, WireError
 from serving.gateway import Gateway
-from serving.node import NodeClient
+from serving.node import NodeClient, delta_dir
 
 log = logging.getLogger("liverl.serving.agent")
 
@@ -70,7 +70,7 @@ class Agent:
         self.registry = registry
         self.prefix = cfg.topics.prefix
         self.name = gateway.node_name
-        self.work_dir = Path(work_dir or cfg.state_path / "serving" / self.name / "deltas")
+        self.work_dir = Path(work_dir or delta_dir(cfg))  # the only folder the node's worker reads deltas from
         self.max_chain = max_chain
         self.retry_failed_after_s = retry_failed_after_s
         self._failed: dict[tuple[int, str], float] = {}  # (version, checksum) -> when it failed

@@ -43,7 +43,7 @@ async def serve(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str,
     await _bounded_executor(asyncio.get_running_loop(), 4)
     log_path = cfg.state_path / "logs" / f"vllm-{cfg.serving.node_name}.log"
     node = await asyncio.to_thread(start_node, cfg, model_dir, log_path, base_version=base_version)
-    client = NodeClient(node.url, max_connections=max(64, 2 * cfg.serving.max_num_seqs))
+    client = NodeClient(node.url, max_connections=max(64, 2 * cfg.serving.max_num_seqs), key=node.key)
     gw = Gateway(cfg, client, cfg.serving.node_name, bootstrap)
     rds = aioredis.from_url(redis_url)
     registry = runner = None

@@ -8,6 +8,12 @@ Options that matter (all exact vLLM 0.32 names):
 - ``VLLM_SERVER_DEV_MODE=1`` registers the dev and RL routes used for hot-swaps: ``POST /pause?mode=wait``,
   ``POST /resume``, ``POST /collective_rpc``, ``POST /reset_prefix_cache`` (also ``/is_paused``).
 - ``--worker-extension-cls serving.worker_ext.LiverlWorkerExtension``: the hot-swap RPCs inside the worker.
+- ``--middleware serving.node_auth.NodeKeyMiddleware``: every route but ``/health`` needs the key this module
+  generates at each start (``LIVERL_NODE_KEY`` in the node's environment, ``NodeHandle.key`` for its clients, and a
+  file only the user can read, ``node_key_path``, for tools on the same machine); the dev routes above included,
+  which vLLM's own ``--api-key`` leaves open. The node binds ``serving.node_host`` (loopback by default), never the
+  gateway's ``serving.host``, and its worker applies deltas only from the agent's delta folder
+  (``LIVERL_NODE_DELTA_DIR``).
 - ``--logprobs-mode processed_logprobs``: logged log-probs are those of the distribution actually sampled from
   (after temperature / top-p), i.e. the behaviour policy the learner's importance ratios need.
 - ``--generation-config vllm``: ignore sampling defaults in the model dir, so what the gateway logs is what ran.
@@ -48,6 +54,7 @@ log = logging.getLogger("liverl.serving.node")
 
 SERVED_MODEL_NAME = "liverl"
 WORKER_EXTENSION = "serving.worker_ext.LiverlWorkerExtension"
+NODE_MIDDLEWARE = "serving.node_auth.NodeKeyMiddleware"
 NODE_KEEPALIVE_S = 75  # > NodeClient's aiohttp pool (30 s); its raw pool retries a request the node closed on unread
 
 
@@ -83,6 +90,25 @@ def resolve_device(requested: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def delta_dir(cfg: LiverlConfig) -> Path:
+    """The folder the agent writes delta files to, and the only one the node's worker reads them from."""
+    return cfg.state_path / "serving" / cfg.serving.node_name / "deltas"
+
+
+def node_key_path(cfg: LiverlConfig, port: int | None = None) -> Path:
+    """Where the key of the node on ``port`` is kept (mode 0600) while it runs."""
+    return cfg.state_path / "serving" / f"vllm-{port or cfg.serving.vllm_port}.key"
+
+
+def read_node_key(cfg: LiverlConfig, port: int | None = None) -> str:
+    """The running node's key, for a tool on the same machine (a bench, a test) that talks to it directly."""
+    path = node_key_path(cfg, port)
+    try:
+        return path.read_text().strip()
+    except OSError as e:
+        raise NodeError(f"no key for the vLLM node at {path} ({e}): is the node running under this state_dir?") from e
+
+
 def node_command(model_dir: Path, host: str, port: int, device: str, max_num_seqs: int, max_model_len: int,
                  kv_cache_bytes: int) -> list[str]:
     cmd = [
@@ -95,6 +121,7 @@ def node_command(model_dir: Path, host: str, port: int, device: str, max_num_seq
         "--max-num-seqs", str(max_num_seqs),
         "--kv-cache-memory-bytes", str(kv_cache_bytes),
         "--worker-extension-cls", WORKER_EXTENSION,
+        "--middleware", NODE_MIDDLEWARE,
         "--logprobs-mode", "processed_logprobs",
         "--generation-config", "vllm",
         "--disable-log-stats",
@@ -106,9 +133,15 @@ def node_command(model_dir: Path, host: str, port: int, device: str, max_num_seq
     return cmd
 
 
-def node_env(device: str, threads: int, base_version: int) -> dict[str, str]:
+def node_env(device: str, threads: int, base_version: int, key: str = "", deltas: Path | None = None) -> dict[str, str]:
+    from serving.node_auth import ENV_KEY
+    from serving.worker_ext import ENV_DELTA_DIR
+
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    env[ENV_KEY] = key
+    if deltas is not None:
+        env[ENV_DELTA_DIR] = str(deltas)
     env["LIVERL_BASE_VERSION"] = str(base_version)
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     env["PYTHONUNBUFFERED"] = "1"
@@ -128,6 +161,7 @@ class NodeHandle:
     """A running vLLM node. ``url`` is its OpenAI base URL (without ``/v1``)."""
 
     url: str
+    key: str  # what every request but /health must carry (Authorization: Bearer)
     model_dir: Path
     log_path: Path
     device: str
@@ -175,9 +209,10 @@ def _tail(path: Path, n_bytes: int) -> str:
         return f"<cannot read {path}: {e}>"
 
 
-def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+def _get(url: str, timeout: float = 2.0, key: str = "") -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
@@ -197,7 +232,9 @@ def start_node(cfg: LiverlConfig, model_dir: str | os.PathLike, log_path: str | 
     if max_model_len is None:  # the model's own context length (the demo policy has 32), capped
         model_cfg = json.loads((model_dir / "config.json").read_text())
         max_model_len = min(int(model_cfg.get("max_position_embeddings", 512)), 4096)
-    host, port = cfg.serving.host, port or cfg.serving.vllm_port
+    from serving.node_auth import new_key
+
+    host, port = cfg.serving.node_host, port or cfg.serving.vllm_port
     kv = kv_cache_bytes or (256 << 20 if device == "cpu" else 1 << 30)
     cmd = node_command(model_dir, host, port, device, cfg.serving.max_num_seqs, max_model_len, kv)
     log_path = Path(log_path)
@@ -207,13 +244,21 @@ def start_node(cfg: LiverlConfig, model_dir: str | os.PathLike, log_path: str | 
     log_file.flush()
     pidfile = cfg.state_path / "serving" / f"vllm-{port}.pid"
     kill_stale_node(pidfile, port)
+    key = new_key()
+    keyfile = node_key_path(cfg, port)
+    keyfile.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(keyfile, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key)
+    deltas = delta_dir(cfg).resolve()
+    deltas.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=node_env(device, threads, base_version), start_new_session=True,
+                            env=node_env(device, threads, base_version, key, deltas), start_new_session=True,
                             preexec_fn=_die_with_parent, cwd=str(Path(__file__).resolve().parent.parent))
     pidfile.parent.mkdir(parents=True, exist_ok=True)
     pidfile.write_text(str(proc.pid))
-    handle = NodeHandle(url=f"http://{host}:{port}", model_dir=model_dir, log_path=log_path, device=device,
+    handle = NodeHandle(url=f"http://{host}:{port}", key=key, model_dir=model_dir, log_path=log_path, device=device,
                         proc=proc, start_s=0.0, _log_file=log_file)
     try:
         _wait_ready(handle, ready_timeout_s)
@@ -301,7 +346,7 @@ def _wait_ready(handle: NodeHandle, timeout_s: float) -> None:
             raise NodeError(f"vLLM node exited with code {handle.proc.returncode} before it was ready; "
                             f"log {handle.log_path}, last lines:\n{handle.log_tail()}")
         try:
-            status, body = _get(handle.url + "/v1/models")
+            status, body = _get(handle.url + "/v1/models", key=handle.key)
             if status == 200 and SERVED_MODEL_NAME in json.loads(body).get("data", [{}])[0].get("id", ""):
                 return
         except (OSError, ValueError, IndexError):
@@ -316,8 +361,9 @@ class NodeClient:
     """HTTP client of one vLLM node: the OpenAI routes for the gateway's hot path (raw bytes in and out, over
     ``serving.node_http``) and the dev/RL routes the hot-swap agent drives (JSON, over aiohttp)."""
 
-    def __init__(self, url: str, timeout_s: float = 120.0, max_connections: int = 256):
+    def __init__(self, url: str, timeout_s: float = 120.0, max_connections: int = 256, key: str = ""):
         self.url = url.rstrip("/")
+        self.key = key
         self._timeout_s = timeout_s
         self._max_connections = max_connections
         self.session: aiohttp.ClientSession | None = None
@@ -327,9 +373,10 @@ class NodeClient:
         self.session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self._timeout_s),
             connector=aiohttp.TCPConnector(limit=8, keepalive_timeout=30),  # < NODE_KEEPALIVE_S
+            headers={"Authorization": f"Bearer {self.key}"} if self.key else None,
         )
         host, port = urllib.parse.urlsplit(self.url).hostname, urllib.parse.urlsplit(self.url).port
-        self.http = NodeHTTP(host, port, self._timeout_s, self._max_connections)
+        self.http = NodeHTTP(host, port, self._timeout_s, self._max_connections, key=self.key)
 
     async def close(self) -> None:
         if self.session is not None:

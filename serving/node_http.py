@@ -126,15 +126,16 @@ class _Connection(asyncio.Protocol):
 class NodeHTTP:
     """Keep-alive connections to one node (``host:port``), at most ``max_connections`` at a time."""
 
-    def __init__(self, host: str, port: int, timeout_s: float, max_connections: int):
+    def __init__(self, host: str, port: int, timeout_s: float, max_connections: int, key: str = ""):
         self.host, self.port, self.timeout_s = host, port, timeout_s
         self._idle: list[_Connection] = []
         self._slots = asyncio.Semaphore(max_connections)
         self._host_header = f"{host}:{port}".encode()
+        self._auth = b"Authorization: Bearer %s\r\n" % key.encode() if key else b""
 
     def _head(self, path: str, n: int) -> bytes:
-        return (b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                % (path.encode(), self._host_header, n))
+        return (b"POST %s HTTP/1.1\r\nHost: %s\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                % (path.encode(), self._host_header, self._auth, n))
 
     async def _connect(self) -> _Connection:
         while self._idle:

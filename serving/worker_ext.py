@@ -134,21 +134,25 @@ class LiverlWorkerExtension:
     def liverl_apply_delta(self, blob_path: str, expect_checksum: str = "") -> dict[str, Any]:
         """Verify the delta at ``blob_path`` against the shadow, then write the changed tensors into the live model.
 
-        Nothing changes unless verification passes. ``expect_checksum`` (optional) names the weights the caller
-        wants to arrive at: if they are already loaded the call is a no-op (safe to repeat; an XOR delta applied
-        twice would otherwise undo itself), and a delta leading elsewhere is refused. Returns the version and
-        checksum now loaded.
+        Nothing changes unless verification passes. ``blob_path`` must lie in the agent's delta folder (the node's
+        ``LIVERL_NODE_DELTA_DIR``): no other file is opened, and a refusal does not say whether the file exists.
+        ``expect_checksum`` (required) names the weights the caller wants to arrive at: if they are already loaded
+        the call is a no-op (safe to repeat; an XOR delta applied twice would otherwise undo itself), and a delta
+        leading elsewhere is refused. Returns the version and checksum now loaded.
         """
         from deploy.delta import DeltaError, plan_delta
 
+        if not expect_checksum:
+            raise ValueError("expect_checksum is required: name the weights this delta must lead to")
+        path = _delta_file(blob_path)
         st = self._liverl_state()
-        if expect_checksum and expect_checksum == st.checksum:
+        if expect_checksum == st.checksum:
             return {"version": st.version, "from_version": st.version, "checksum": st.checksum,
                     "changed_tensors": 0, "noop": True}
         t0 = time.perf_counter()
-        blob = Path(blob_path).read_bytes()
+        blob = path.read_bytes()
         plan = plan_delta(st.shadow, blob, known_checksum=st.checksum)  # raises DeltaError before any change
-        if expect_checksum and plan.checksum != expect_checksum:
+        if plan.checksum != expect_checksum:
             raise DeltaError(f"delta leads to checksum {plan.checksum[:12]} (version {plan.version}), "
                              f"not the expected {expect_checksum[:12]}")
         t_plan = time.perf_counter()
@@ -195,6 +199,21 @@ class LiverlWorkerExtension:
         if not loaded:
             raise RuntimeError("load_weights loaded nothing for the changed tensors")
         repack_cpu_linears(model, {n.rpartition(".")[0] for n in loaded})
+
+
+ENV_DELTA_DIR = "LIVERL_NODE_DELTA_DIR"
+
+
+def _delta_file(blob_path: str) -> Path:
+    """``blob_path`` resolved, if it is a file inside the delta folder; else a refusal that reveals nothing about it."""
+    root = os.environ.get(ENV_DELTA_DIR, "")
+    if not root:
+        raise PermissionError(f"{ENV_DELTA_DIR} is not set: this node applies no delta files")
+    base = Path(root).resolve()
+    path = Path(blob_path).resolve()
+    if not path.is_relative_to(base) or path == base:
+        raise PermissionError(f"delta files are read only from {base}")
+    return path
 
 
 def _weight_files(model_dir: Path) -> list[Path]:

@@ -42,8 +42,9 @@ N_PROMPTS = 8
 MAX_TOKENS = 12
 
 
-def _post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def _post(url: str, body: dict, timeout: float = 120, key: str = "") -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read())
@@ -64,11 +65,11 @@ def _generate(url: str, prompts: list[str], seed: int) -> list[dict]:
     return out
 
 
-def _node_scores(node_url: str, gen: dict) -> list[float]:
+def _node_scores(node_url: str, gen: dict, key: str) -> list[float]:
     """The node's log-probs of a generation's completion tokens, scored as a prompt (``prompt_logprobs``)."""
     ids = gen["prompt_token_ids"] + gen["completion_token_ids"]
     status, body = _post(node_url + "/v1/completions", {"model": "liverl", "prompt": ids, "max_tokens": 1,
-                                                        "temperature": 1.0, "prompt_logprobs": 0})
+                                                        "temperature": 1.0, "prompt_logprobs": 0}, key=key)
     assert status == 200, body
     per_pos = body["choices"][0]["prompt_logprobs"]
     return [per_pos[len(gen["prompt_token_ids"]) + i][str(t)]["logprob"]
@@ -196,14 +197,14 @@ def test_full_path(family, stack, tmp_path):
         assert swap["to"] == row.version and swap["verify_ok"]
 
         # 5. the node's live weights, read back under the file names, are the learner's bit for bit ...
-        status, body = _post(serving.node.url + "/collective_rpc", {"method": "liverl_checksum"})
+        status, body = _post(serving.node.url + "/collective_rpc", {"method": "liverl_checksum"}, key=serving.node.key)
         assert status == 200 and body["results"][0]["ok"], body
         assert body["results"][0]["checksum"] == row.checksum
         # ... and the node computes with them: scoring the base's samples again, its log-probs are the new
         # weights' and clearly not the base's
         after = _generate(serving.url, prompts[:2], seed=100)
         assert all(g["version"] == row.version for g in after)
-        rescored = [x for g in gens for x in _node_scores(serving.node.url, g)]
+        rescored = [x for g in gens for x in _node_scores(serving.node.url, g, serving.node.key)]
         new_model = load_model(model_dir, state_dict=trained)
         to_new = _median_abs(_logprobs(new_model, gens), rescored)
         to_base = _median_abs(_logprobs(base_model, gens), rescored)

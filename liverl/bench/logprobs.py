@@ -109,14 +109,14 @@ def chat_prompts(model_dir: Path, n: int, seed: int) -> list[str]:
                                     add_generation_prompt=True, tokenize=False) for _ in range(n)]
 
 
-def sample(node_url: str, prompts: list[str], max_tokens: int, seed: int) -> list[dict]:
+def sample(node_url: str, prompts: list[str], max_tokens: int, seed: int, key: str = "") -> list[dict]:
     """One completion per prompt at temperature 1 from the node: prompt/completion token ids and vLLM's log-probs."""
 
     def one(i: int) -> dict:
         body = {"model": "liverl", "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 1.0,
                 "logprobs": 0, "return_token_ids": True, "seed": seed * 100_003 + i}
         req = urllib.request.Request(node_url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
         with urllib.request.urlopen(req, timeout=120) as r:
             c = json.loads(r.read())["choices"][0]
         return {"prompt_token_ids": c["prompt_token_ids"], "completion_token_ids": c["token_ids"],
@@ -166,7 +166,7 @@ def measure(model_dir: Path, n_prompts: int, max_tokens: int, seed: int) -> dict
         cfg = load_config(env={}, state_dir=tmp, serving__vllm_port=_free_port())
         node = start_node(cfg, model_dir, Path(tmp) / "vllm.log")
         try:
-            completions = sample(node.url, prompts, max_tokens, seed)
+            completions = sample(node.url, prompts, max_tokens, seed, key=node.key)
         finally:
             node.stop()
     return dict(compare(model_dir, completions), node_s=round(node.start_s, 1))

@@ -97,7 +97,7 @@ def _forwarded(requests: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
 
 
 async def _load(base_url: str, requests: list[tuple[str, bytes]], clients: int, warmup_s: float,
-                duration_s: float) -> dict:
+                duration_s: float, key: str = "") -> dict:
     """``clients`` closed-loop clients for ``warmup_s + duration_s``; counts what completes in the window."""
     import aiohttp
 
@@ -106,7 +106,7 @@ async def _load(base_url: str, requests: list[tuple[str, bytes]], clients: int, 
     latencies: list[float] = []
     counting = False
     stop = False
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
 
     async def client(i: int, session: aiohttp.ClientSession) -> None:
         nonlocal done, errors, total_ok
@@ -175,7 +175,7 @@ def run(clients: int = DEFAULTS["clients"], duration_s: float = DEFAULTS["durati
                       broker__embedded_port=_free_port(), redis__embedded_port=_free_port(),
                       serving__gateway_port=_free_port(), serving__vllm_port=_free_port())
     gateway_url = f"http://{cfg.serving.host}:{cfg.serving.gateway_port}"
-    node_url = f"http://{cfg.serving.host}:{cfg.serving.vllm_port}"
+    node_url = f"http://{cfg.serving.node_host}:{cfg.serving.vllm_port}"
     requests = _requests(api, stream)
     sides = [("gateway", gateway_url, requests), ("node", node_url, requests),
              ("node_fwd", node_url, _forwarded(requests))]
@@ -190,12 +190,15 @@ def run(clients: int = DEFAULTS["clients"], duration_s: float = DEFAULTS["durati
     try:
         proc.start()
         _wait_http(gateway_url + "/healthz", proc, timeout_s=600)
+        from serving.node import read_node_key
+
+        node_key = read_node_key(cfg)  # the node answers only with its key (the serving process wrote it)
         for r in range(rounds):
             order = sides[r % 3:] + sides[:r % 3]  # each side goes first, second and third in turn
             row: dict[str, Any] = {"round": r + 1, "first": order[0][0]}
             for side, url, reqs in order:
                 cpu0 = _cpu_seconds(proc.pid)
-                res = _run_loop(_load(url, reqs, clients, warmup_s, duration_s))
+                res = _run_loop(_load(url, reqs, clients, warmup_s, duration_s, key="" if side == "gateway" else node_key))
                 res["gateway_cpu_s"] = _cpu_seconds(proc.pid) - cpu0
                 row[side] = res
             row["ratio"] = row["gateway"]["gen_per_s"] / max(row["node"]["gen_per_s"], 1e-9)

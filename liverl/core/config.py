@@ -80,7 +80,10 @@ class ModelConfig(_Section):
 
 
 class ServingConfig(_Section):
-    host: str = Field(default="127.0.0.1", description="Interface the gateway and the vLLM node bind to.")
+    host: str = Field(default="127.0.0.1", description="Interface the gateway binds to (0.0.0.0 to expose it).")
+    node_host: str = Field(
+        default="127.0.0.1", description="Interface the vLLM node binds to. Keep it on loopback: only the serving "
+        "process talks to its node, and every route but /health needs the key that process generates at each start.")
     gateway_port: int = Field(default=8000, description="Port of the OpenAI-compatible gateway.")
     vllm_port: int = Field(default=8100, description="Port of the vLLM node's own OpenAI server.")
     node_name: str = Field(default="node-0", description="Name of this serving node in logs and records.")

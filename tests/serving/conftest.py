@@ -36,7 +36,8 @@ def srv(stack, tmp_path_factory):
     base = load_state_dict(model_dir)
     registry.init_base(base, str(model_dir))
     serving = ServingThread(cfg, model_dir, stack.bootstrap, stack.redis_url, cfg.registry_url).start()
-    ns = types.SimpleNamespace(cfg=cfg, url=serving.url, node_url=serving.node.url, model_dir=model_dir,
+    ns = types.SimpleNamespace(cfg=cfg, url=serving.url, node_url=serving.node.url, node_key=serving.node.key,
+                               model_dir=model_dir,
                                registry=registry, base=base, serving=serving,
                                redis=redis.Redis.from_url(stack.redis_url), bootstrap=stack.bootstrap)
     yield ns

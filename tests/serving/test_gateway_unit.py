@@ -186,8 +186,8 @@ def test_node_death_is_reported_with_log_tail(tmp_path):
     with open(log_path, "wb") as f:
         proc = subprocess.Popen([sys.executable, "-c", "print('engine exploded: bad config'); raise SystemExit(3)"],
                                 stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    handle = NodeHandle(url="http://127.0.0.1:9", model_dir=tmp_path, log_path=log_path, device="cpu", proc=proc,
-                        start_s=0.0)
+    handle = NodeHandle(url="http://127.0.0.1:9", key="k" * 32, model_dir=tmp_path, log_path=log_path, device="cpu",
+                        proc=proc, start_s=0.0)
     with pytest.raises(NodeError, match="(?s)exited with code 3.*engine exploded"):
         _wait_ready(handle, timeout_s=30)
     handle.stop()
@@ -196,5 +196,45 @@ def test_node_death_is_reported_with_log_tail(tmp_path):
 def test_node_command_exposes_what_the_swap_needs(tmp_path):
     cmd = " ".join(node_command(tmp_path, "127.0.0.1", 8100, "cpu", 64, 32, 1 << 28))
     for flag in ("--worker-extension-cls serving.worker_ext.LiverlWorkerExtension", "--enforce-eager",
+                 "--middleware serving.node_auth.NodeKeyMiddleware",
                  "--logprobs-mode processed_logprobs", "--generation-config vllm", "--max-model-len 32"):
         assert flag in cmd
+
+
+def test_the_node_key_middleware_refuses_every_route_but_health_without_the_key(monkeypatch):
+    """The ASGI middleware vLLM loads (finding 6), on its own: which requests reach the app."""
+    import asyncio
+
+    from serving.node_auth import ENV_KEY, NodeKeyMiddleware
+
+    monkeypatch.delenv(ENV_KEY, raising=False)
+    with pytest.raises(RuntimeError, match=ENV_KEY):
+        NodeKeyMiddleware(None)
+    monkeypatch.setenv(ENV_KEY, "s" * 43)
+    reached: list[str] = []
+
+    async def app(scope, receive, send):
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    mw = NodeKeyMiddleware(app)
+
+    def call(path: str, auth: bytes | None = None, kind: str = "http") -> int:
+        sent: list[dict] = []
+
+        async def send(msg):
+            sent.append(msg)
+
+        headers = [(b"authorization", auth)] if auth is not None else []
+        asyncio.run(mw({"type": kind, "path": path, "headers": headers}, None, send))
+        return sent[0].get("status", sent[0].get("code"))
+
+    assert call("/health") == 200
+    for path in ("/v1/models", "/collective_rpc", "/pause", "/resume", "/reset_prefix_cache", "/metrics"):
+        assert call(path) == 401
+        assert call(path, b"Bearer " + b"x" * 43) == 401
+        assert call(path, b"Basic " + b"s" * 43) == 401
+        assert call(path, b"bearer " + b"s" * 43) == 200
+    assert call("/v1/models", kind="websocket") == 1008
+    assert reached == ["/health"] + ["/v1/models", "/collective_rpc", "/pause", "/resume", "/reset_prefix_cache",
+                                     "/metrics"]

@@ -25,9 +25,10 @@ PROMPTS = ["[a]23+45=", "[b]17+61=", "[a]90+9=", "[b]50+44="]
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def _post(url: str, body, raw: bytes | None = None, timeout: float = 60) -> tuple[int, dict, dict]:
+def _post(url: str, body, raw: bytes | None = None, timeout: float = 60, key: str = "") -> tuple[int, dict, dict]:
     data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, data=data, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, dict(r.headers), json.loads(r.read())
@@ -49,7 +50,7 @@ def _served(srv) -> dict:
 
 def _node_checksum(srv) -> dict:
     """What the worker reads back from the live weights (bypassing the gateway's bookkeeping)."""
-    status, _, body = _post(srv.node_url + "/collective_rpc", {"method": "liverl_checksum"})
+    status, _, body = _post(srv.node_url + "/collective_rpc", {"method": "liverl_checksum"}, key=srv.node_key)
     assert status == 200, body
     return body["results"][0]
 
@@ -315,16 +316,56 @@ def test_corrupt_and_wrong_base_deltas_are_refused(srv):
     assert last["restored"] and last["to"] == 999
 
     # the worker refuses a bad delta on its own too (nothing changes before verification)
-    bad_file = srv.cfg.state_path / "wrong-base.delta"
+    from serving.node import delta_dir
+
+    bad_file = delta_dir(srv.cfg) / "wrong-base.delta"
     bad_file.write_bytes(wrong_base)
-    status, _, body = _post(srv.node_url + "/collective_rpc", {"method": "liverl_apply_delta", "args": [str(bad_file)]})
+    rpc = srv.node_url + "/collective_rpc"
+    status, _, body = _post(rpc, {"method": "liverl_apply_delta", "args": [str(bad_file), checksum(target)]},
+                            key=srv.node_key)
     assert status == 200 and not body["results"][0]["ok"] and "DeltaError" in body["results"][0]["error"]
+    # ... and one without the checksum it must lead to, or from outside the agent's delta folder (finding 6)
+    status, _, body = _post(rpc, {"method": "liverl_apply_delta", "args": [str(bad_file)]}, key=srv.node_key)
+    assert not body["results"][0]["ok"] and "expect_checksum is required" in body["results"][0]["error"]
+    outside = srv.cfg.state_path / "secret.txt"
+    outside.write_text("root:x:0:0:secret")
+    for path in (str(outside), "/etc/passwd", str(delta_dir(srv.cfg) / ".." / "secret.txt"), "/no/such/file"):
+        status, _, body = _post(rpc, {"method": "liverl_apply_delta", "args": [path, checksum(target)]},
+                                key=srv.node_key)
+        err = body["results"][0]["error"]
+        assert not body["results"][0]["ok"] and err.startswith("PermissionError: delta files are read only from")
+        assert "root" not in err.replace(str(delta_dir(srv.cfg).resolve()), "")
 
     assert _node_checksum(srv)["checksum"] == before
     info = _served(srv)
     assert info["version"] == cur["version"] and info["checksum"] == before
     status, _, out = _post(srv.url + "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 3})
     assert status == 200 and out["liverl"]["policy_version"] == cur["version"]
+
+
+def test_the_node_answers_only_its_serving_process(srv):
+    """Finding 6: every route of the vLLM node but /health needs the key the serving process generated, the dev and
+    RL routes (pause, collective_rpc) included, which vLLM's --api-key leaves open."""
+    from serving.node import read_node_key
+
+    assert read_node_key(srv.cfg) == srv.node_key and len(srv.node_key) >= 32
+    key_file = srv.cfg.state_path / "serving" / f"vllm-{srv.cfg.serving.vllm_port}.key"
+    assert key_file.stat().st_mode & 0o077 == 0  # only its user can read it
+    assert _get(srv.node_url + "/health")[0] == 200
+    for path, body in [("/v1/models", None), ("/v1/completions", {"model": "liverl", "prompt": "x", "max_tokens": 1}),
+                       ("/pause?mode=abort", {}), ("/collective_rpc", {"method": "liverl_checksum"}),
+                       ("/reset_prefix_cache", {})]:
+        if body is None:
+            status = _get(srv.node_url + path)[0]
+        else:
+            status, _, out = _post(srv.node_url + path, body)
+            assert "unauthorized" in out["error"]
+        assert status == 401, path
+        if body is not None:
+            assert _post(srv.node_url + path, body, key="wrong-" + srv.node_key)[0] == 401
+    assert _node_checksum(srv)["ok"]  # with the key: answered (and nothing above paused the node)
+    status, _, out = _post(srv.url + "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2})
+    assert status == 200, out
 
 
 def test_metrics_parse_as_prometheus_text(srv):
