@@ -36,7 +36,7 @@ from liverl.core import keys
 from liverl.core.services import verify_key_path
 from liverl.core.config import LiverlConfig
 from liverl.core.schemas import VersionAnnouncement, WireError
-from serving.gateway import Gateway
+from serving.gateway import DrainTimeout, Gateway
 from serving.node import NodeClient, delta_dir
 
 log = logging.getLogger("liverl.serving.agent")
@@ -60,6 +60,13 @@ class SwapError(RuntimeError):
         self.restored = restored
 
 
+class SwapPostponed(SwapError):
+    """The requests in flight did not drain before the deadline; nothing changed, and the next poll retries."""
+
+
+MAX_DRAIN_S = 120.0  # the node client's own request timeout: no request outlives it
+
+
 class Agent:
     def __init__(self, cfg: LiverlConfig, gateway: Gateway, redis, registry=None, work_dir: Path | None = None,
                  max_chain: int = 4, retry_failed_after_s: float = 60.0):
@@ -74,6 +81,7 @@ class Agent:
         self.max_chain = max_chain
         self.retry_failed_after_s = retry_failed_after_s
         self._failed: dict[tuple[int, str], float] = {}  # (version, checksum) -> when it failed
+        self.drain_s = cfg.serving.swap_drain_s  # doubled after each postponed swap, reset by a swap that drains
         self.swaps: collections.deque[dict] = collections.deque(maxlen=keys.LIST_CAP)
         key = verify_key_path(cfg)
         self.verifier = Verifier(key) if key else None  # with a key, unsigned announcements are refused
@@ -132,6 +140,8 @@ class Agent:
                 try:
                     record = await self.swap_to(ann)
                     self._failed.pop(key, None)
+                except SwapPostponed:
+                    pass  # logged where it happened; retried at the next poll
                 except SwapError as e:
                     self._failed[key] = time.monotonic()
                     log.error("swap to version %d failed: %s", ann.version, e)
@@ -220,7 +230,7 @@ class Agent:
         error: SwapError | None = None
         t_close = time.perf_counter()
         try:
-            async with self.gw.gate.closed() as drain_ms:
+            async with self.gw.gate.closed(self.drain_s) as drain_ms:
                 rec["drain_ms"] = round(drain_ms, 3)
                 t_apply = time.perf_counter()
                 try:
@@ -239,9 +249,16 @@ class Agent:
                             self.gw.unhealthy_reason = f"vLLM /resume failed after a swap: {e}"
                             error = error or SwapError(self.gw.unhealthy_reason, restored=False)
                 rec["apply_ms"] = round((time.perf_counter() - t_apply) * 1e3, 3)
+        except DrainTimeout as e:  # nothing was touched: admissions resumed, the next poll tries again
+            self.gw.m_swaps.labels(outcome="postponed").inc()
+            log.warning("swap %d -> %d postponed: %s; retrying with a %.0f s drain deadline", from_v, target_version,
+                        e, min(2 * self.drain_s, MAX_DRAIN_S))
+            self.drain_s = min(2 * self.drain_s, MAX_DRAIN_S)
+            raise SwapPostponed(str(e)) from e
         finally:
             for p in paths:
                 p.unlink(missing_ok=True)
+        self.drain_s = self.cfg.serving.swap_drain_s
         rec["pause_ms"] = round((time.perf_counter() - t_close) * 1e3, 3)
         rec["ts"] = time.time()
         self.gw.last_swap_pause_ms = rec["pause_ms"]

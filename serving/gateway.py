@@ -44,12 +44,18 @@ ROUTES = {oa.CompletionRequest.route: (oa.CompletionRequest, oa.add_completion_c
           oa.ChatCompletionRequest.route: (oa.ChatCompletionRequest, oa.add_chat_chunk)}
 
 
+class DrainTimeout(TimeoutError):
+    """Requests still in flight when a swap's drain deadline passed: the swap is postponed, admissions resume."""
+
+
 class SwapGate:
     """Admission control that makes a weight swap atomic with respect to requests.
 
     ``admit()`` waits while a swap is pending, then counts the request in flight. ``closed()`` stops admissions,
     waits until nothing is in flight, and yields; admissions resume when it exits. All on one event loop, so the
-    check-and-increment in ``admit`` cannot interleave with ``closed``.
+    check-and-increment in ``admit`` cannot interleave with ``closed``. A drain that takes longer than its deadline
+    (one long generation in flight) reopens the gate and raises ``DrainTimeout``: new requests never wait on the
+    longest request for more than that deadline.
     """
 
     def __init__(self) -> None:
@@ -89,13 +95,18 @@ class SwapGate:
                 self._idle.set()
 
     @asynccontextmanager
-    async def closed(self):
-        """Close, drain, yield ``drain_ms``; reopen on exit (also on error)."""
+    async def closed(self, drain_timeout_s: float | None = None):
+        """Close, drain (at most ``drain_timeout_s``, else ``DrainTimeout``), yield ``drain_ms``; reopen on exit
+        (also on error)."""
         async with self._lock:
             self._open.clear()
             t0 = time.perf_counter()
             try:
-                await self._idle.wait()
+                try:
+                    await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
+                except TimeoutError:
+                    raise DrainTimeout(f"{self._inflight} request(s) still in flight after {drain_timeout_s:g} s") \
+                        from None
                 yield (time.perf_counter() - t0) * 1e3
             finally:
                 self._open.set()

@@ -90,6 +90,10 @@ class ServingConfig(_Section):
     max_num_seqs: int = Field(default=64, description="vLLM's concurrent sequence limit.")
     device: str = Field(default="auto", description="auto | cpu | cuda: which vLLM build serves.")
     swap_poll_s: float = Field(default=0.5, description="How often the agent checks the desired version.")
+    swap_drain_s: float = Field(
+        default=10.0, gt=0, description="The most a hot-swap waits for requests in flight to finish while new ones "
+        "wait; then it is postponed (admissions resume) and retried at the next poll, each time with twice the "
+        "deadline (up to 120 s), so one long generation never holds every new request.")
     log_wait_s: float = Field(
         default=2.0, ge=0.0, description="How long a response waits for the broker to acknowledge its generation "
         "records before it is sent (bounded; an expired wait is counted in liverl_gateway_generation_log_slow). A "

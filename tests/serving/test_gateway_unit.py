@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -152,6 +153,40 @@ def test_swap_gate_holds_new_requests_and_drains_inflight():
             with pytest.raises(TimeoutError):
                 async with gate.admit(timeout_s=0.05):
                     pass
+
+    asyncio.run(main())
+
+
+def test_a_swap_that_cannot_drain_in_time_is_postponed_and_admissions_resume():
+    """Finding 25: one long generation in flight makes the swap give up after its drain deadline (nothing was
+    touched), not hold every new request until the long one ends."""
+    from serving.gateway import DrainTimeout
+
+    async def main():
+        gate = SwapGate()
+        release = asyncio.Event()
+        served: list[str] = []
+
+        async def request(name: str, hold: asyncio.Event | None = None):
+            async with gate.admit(timeout_s=5):
+                if hold is not None:
+                    await hold.wait()
+                served.append(name)
+
+        long = asyncio.create_task(request("long", release))
+        await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        with pytest.raises(DrainTimeout, match="1 request"):
+            async with gate.closed(drain_timeout_s=0.2):
+                raise AssertionError("the swap body must not run while a request is in flight")
+        waited = time.monotonic() - t0
+        assert 0.2 <= waited < 1.0 and gate.is_open
+        await request("short")  # admitted at once, while the long one still runs
+        assert served == ["short"]
+        release.set()
+        await long
+        async with gate.closed(drain_timeout_s=0.2) as drain_ms:  # drained now: the swap proceeds
+            assert gate.inflight == 0 and drain_ms < 200
 
     asyncio.run(main())
 
