@@ -82,6 +82,7 @@ class Agent:
         self.retry_failed_after_s = retry_failed_after_s
         self._failed: dict[tuple[int, str], float] = {}  # (version, checksum) -> when it failed
         self.drain_s = cfg.serving.swap_drain_s  # doubled after each postponed swap, reset by a swap that drains
+        self._verified_at = time.monotonic()  # the served checksum was last read back then (init, swaps, reverify)
         self.swaps: collections.deque[dict] = collections.deque(maxlen=keys.LIST_CAP)
         key = verify_key_path(cfg)
         self.verifier = Verifier(key) if key else None  # with a key, unsigned announcements are refused
@@ -145,8 +146,33 @@ class Agent:
                 except SwapError as e:
                     self._failed[key] = time.monotonic()
                     log.error("swap to version %d failed: %s", ann.version, e)
+        if record is not None:
+            self._verified_at = time.monotonic()
+        elif self.cfg.serving.reverify_s and time.monotonic() - self._verified_at >= self.cfg.serving.reverify_s:
+            await self.reverify()
         await self.heartbeat()
         return record
+
+    async def reverify(self) -> bool:
+        """Read the served weights back and compare their checksum with the version the gateway labels generations
+        with. A mismatch (weights changed behind the agent's back) marks the node unhealthy: it stops serving until
+        an operator looks, rather than mislabel every generation. True when they match."""
+        self._verified_at = time.monotonic()
+        ck = await self.node.rpc("liverl_checksum")
+        if not ck.get("ok"):
+            self.gw.m_reverify.labels(result="error").inc()
+            log.error("re-verification could not read the served weights back: %s", ck.get("error"))
+            return False
+        if ck["checksum"] == self.gw.checksum:
+            self.gw.m_reverify.labels(result="ok").inc()
+            return True
+        self.gw.m_reverify.labels(result="mismatch").inc()
+        msg = (f"SERVED WEIGHTS CHANGED: the node serves checksum {ck['checksum'][:12]}, not version "
+               f"{self.gw.version}'s {self.gw.checksum[:12]}; the node stops serving")
+        log.critical(msg)
+        self.gw.unhealthy_reason = msg
+        await self._report_error(self.gw.version, self.gw.version, msg, restored=False)
+        return False
 
     async def desired(self) -> VersionAnnouncement | None:
         raw = await self.redis.get(keys.desired(self.prefix))

@@ -164,6 +164,8 @@ class Gateway:
                                    registry=r, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
         self.m_version = Gauge("liverl_gateway_policy_version", "Policy version being served", registry=r)
         self.m_swaps = Counter("liverl_gateway_swaps", "Hot-swaps attempted", ["outcome"], registry=r)
+        self.m_reverify = Counter("liverl_gateway_reverify", "Read-backs of the served weights between swaps, by "
+                                  "result (ok, mismatch, error)", ["result"], registry=r)
         self.m_pause = Histogram("liverl_gateway_swap_pause_seconds", "Time new requests were held by a swap",
                                  registry=r, buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
         self.m_inflight = Gauge("liverl_gateway_inflight_requests", "Requests being generated", registry=r)

@@ -55,6 +55,14 @@ class _State:
         self.checksum = checksum
         self.layout = layout
         self.swaps = 0
+        self._sums: dict[str, str] | None = None  # per-tensor checksums of the shadow, kept current by each swap
+
+    def tensor_sums(self) -> dict[str, str]:
+        if self._sums is None:
+            from deploy.container import tensor_checksum
+
+            self._sums = {n: tensor_checksum(t) for n, t in self.shadow.items()}
+        return self._sums
 
 
 def _rpc(fn):
@@ -93,7 +101,7 @@ class LiverlWorkerExtension:
         """Read the model dir's weights, check that they are exactly what the engine serves, keep them as shadow."""
         from safetensors.torch import load_file
 
-        from deploy.delta import DTYPES, checksum, warm_up
+        from deploy.delta import DTYPES, warm_up
 
         dtype_names = {d.torch: name for name, d in DTYPES.items()}
         model_dir = Path(self.vllm_config.model_config.model)
@@ -108,7 +116,11 @@ class LiverlWorkerExtension:
             raise RuntimeError(f"served weights differ from {model_dir} right after load (read-back broken, or the "
                                f"files are not bf16?): {bad[:5]}")
         warm_up(tuple(sorted({dtype_names[t.dtype] for t in shadow.values() if t.dtype in dtype_names})))  # not mid-swap
-        st = _State(shadow, version, checksum(shadow), layout)
+        from deploy.container import combine_checksums, tensor_checksum
+
+        sums = {n: tensor_checksum(t) for n, t in shadow.items()}
+        st = _State(shadow, version, combine_checksums(sums), layout)
+        st._sums = sums
         log.info("liverl shadow loaded: %d tensors, version %d, checksum %s", len(shadow), version, st.checksum[:12])
         return st
 
@@ -155,12 +167,23 @@ class LiverlWorkerExtension:
         if plan.checksum != expect_checksum:
             raise DeltaError(f"delta leads to checksum {plan.checksum[:12]} (version {plan.version}), "
                              f"not the expected {expect_checksum[:12]}")
+        # The header's claim is not enough (anyone can write a self-consistent header): hash what the weights will
+        # be, the decoded copies with the unchanged shadow, and compare with the caller's checksum before writing.
+        from deploy.container import combine_checksums, tensor_checksum
+
+        sums = dict(st.tensor_sums())
+        sums.update({n: tensor_checksum(t) for n, t in plan})
+        arriving = combine_checksums(sums)
+        if arriving != expect_checksum:
+            raise DeltaError(f"the decoded weights hash to {arriving[:12]}, not the expected {expect_checksum[:12]}: "
+                             "refused before any write")
         t_plan = time.perf_counter()
         from_version = st.version
         changed = [(n, t) for n, t in plan]
         self._liverl_write(changed, st)
         for n, t in changed:
             st.shadow[n] = t
+        st._sums = sums
         st.version, st.checksum = plan.version, plan.checksum
         st.swaps += 1
         t1 = time.perf_counter()

@@ -90,6 +90,9 @@ class ServingConfig(_Section):
     max_num_seqs: int = Field(default=64, description="vLLM's concurrent sequence limit.")
     device: str = Field(default="auto", description="auto | cpu | cuda: which vLLM build serves.")
     swap_poll_s: float = Field(default=0.5, description="How often the agent checks the desired version.")
+    reverify_s: float = Field(
+        default=300.0, ge=0, description="How often the agent reads the served weights back and checks their checksum "
+        "between swaps (a change behind its back marks the node unhealthy). 0: only after each swap.")
     swap_drain_s: float = Field(
         default=10.0, gt=0, description="The most a hot-swap waits for requests in flight to finish while new ones "
         "wait; then it is postponed (admissions resume) and retried at the next poll, each time with twice the "

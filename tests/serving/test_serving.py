@@ -368,6 +368,50 @@ def test_the_node_answers_only_its_serving_process(srv):
     assert status == 200, out
 
 
+def _rpc(srv, method: str, *args: str) -> dict:
+    status, _, body = _post(srv.node_url + "/collective_rpc", {"method": method, "args": list(args)}, key=srv.node_key)
+    assert status == 200, body
+    return body["results"][0]
+
+
+def test_a_crafted_delta_is_refused_before_any_write_and_an_out_of_band_change_is_noticed(srv):
+    """Finding 24: a delta whose header claims the expected checksum but decodes to other weights is refused before
+    the write (the worker hashes what the weights would be); weights changed behind the agent's back are found by
+    the agent's periodic read-back, which takes the node out of service."""
+    from deploy.container import open_container, pack_container
+    from deploy.delta import DELTA_MAGIC, checksum, encode_delta
+    from serving.node import delta_dir
+
+    cur = _served(srv)
+    state = srv.registry.materialize(cur["version"])
+    wanted, evil = _perturbed(state, seed=21), _perturbed(state, seed=22)
+    blob = encode_delta(state, evil, cur["version"], 777)
+    header, payload = open_container(blob, DELTA_MAGIC, "delta")
+    header["target_checksum"] = checksum(wanted)  # self-consistent framing: the container's hashes are recomputed
+    crafted = delta_dir(srv.cfg) / "crafted.delta"
+    crafted.write_bytes(bytes(pack_container(DELTA_MAGIC, header, [bytes(payload)])))
+    r = _rpc(srv, "liverl_apply_delta", str(crafted), checksum(wanted))
+    assert not r["ok"] and "refused before any write" in r["error"], r
+    assert _node_checksum(srv)["checksum"] == cur["checksum"]
+
+    # an out-of-band change (a valid delta applied straight to the worker, bypassing the agent)
+    oob = delta_dir(srv.cfg) / "oob.delta"
+    oob.write_bytes(encode_delta(state, evil, cur["version"], 778))
+    agent, gw = srv.serving.agent, srv.serving.gateway
+    try:
+        assert _rpc(srv, "liverl_apply_delta", str(oob), checksum(evil))["ok"]
+        assert srv.serving.call(agent.reverify) is False
+        assert gw.unhealthy_reason and "SERVED WEIGHTS CHANGED" in gw.unhealthy_reason
+        status, _, out = _post(srv.url + "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2})
+        assert status == 503 and "SERVED WEIGHTS CHANGED" in out["error"]["message"]
+    finally:
+        assert _rpc(srv, "liverl_apply_delta", str(oob), cur["checksum"])["ok"]  # the XOR delta undoes itself
+        assert srv.serving.call(agent.reverify) is True
+        gw.set_served(cur["version"], cur["checksum"])
+    status, _, out = _post(srv.url + "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2})
+    assert status == 200, out
+
+
 def test_metrics_parse_as_prometheus_text(srv):
     from prometheus_client.parser import text_string_to_metric_families
 
