@@ -70,10 +70,15 @@ def repack_cpu_linears(model: torch.nn.Module, module_names: set[str]) -> int:
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     modules = dict(model.named_modules())
+    # a weight shared with a changed module counts as changed: a tied lm_head reads the embedding's parameter
+    changed = {p.data_ptr() for name in module_names if name in modules
+               for p in modules[name].parameters(recurse=False)}
     n = 0
-    for name in module_names:
-        mod = modules.get(name)
-        if mod is not None and hasattr(mod, "cpu_linear") and not getattr(mod, "_cpu_skip_gemm_dispatch", False):
+    for name, mod in modules.items():
+        if not hasattr(mod, "cpu_linear") or getattr(mod, "_cpu_skip_gemm_dispatch", False):
+            continue
+        w = getattr(mod, "weight", None)
+        if name in module_names or (isinstance(w, torch.Tensor) and w.data_ptr() in changed):
             dispatch_cpu_unquantized_gemm(mod, remove_weight=False)
             n += 1
     return n
