@@ -41,7 +41,8 @@ from deploy.delta import DeltaError, apply_delta, checksum
 from deploy.signing import Signer, announce
 from deploy.registry import Registry, RegistryConflict, RegistryError, Version, open_registry
 from liverl.core import keys
-from liverl.core.config import LiverlConfig
+from liverl.core.bus import kafka_python_security
+from liverl.core.config import BrokerConfig, LiverlConfig
 from liverl.core.schemas import GenerationRecord, VersionAnnouncement, WireError
 
 log = logging.getLogger("liverl.gate")
@@ -260,8 +261,8 @@ class GenerationTail:
     topic without a consumer group (it starts ``size`` records back on each partition and never commits).
     These are the gate's probe sequences: real prompts, and completions the served policy sampled."""
 
-    def __init__(self, bootstrap: str, topic: str, size: int):
-        self.bootstrap, self.topic, self.size = bootstrap, topic, size
+    def __init__(self, bootstrap: str, topic: str, size: int, broker: BrokerConfig | None = None):
+        self.bootstrap, self.topic, self.size, self.broker = bootstrap, topic, size, broker
         self._recent: collections.deque[LoggedGeneration] = collections.deque(maxlen=size)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -279,7 +280,8 @@ class GenerationTail:
     def _run(self) -> None:
         from kafka import KafkaConsumer, TopicPartition
 
-        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False, group_id=None)
+        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False, group_id=None,
+                                 **kafka_python_security(self.broker))
         try:
             while not self._stop.is_set():
                 parts = consumer.partitions_for_topic(self.topic)
@@ -331,7 +333,8 @@ def run_gate(cfg: LiverlConfig, make_evaluator: Callable[[Callable[[], list[Logg
     warm_up()  # the delta codec's kernels (cached on disk after the first compile)
     registry = open_registry(cfg)
     r = setup_redis(cfg, decode_responses=True)
-    tail = GenerationTail(kafka_bootstrap(cfg), cfg.topics.generations, cfg.gate.probe_generations).start()
+    tail = GenerationTail(kafka_bootstrap(cfg), cfg.topics.generations, cfg.gate.probe_generations,
+                          broker=cfg.broker).start()
     server = None
     try:
         key = signing_key_path(cfg)

@@ -39,6 +39,7 @@ from faust.types import TP
 from ingest import store as _store
 from ingest.join import InfraError, Ingest, Source, key_text
 from ingest.metrics import IngestMetrics
+from liverl.core.bus import aiokafka_security, faust_credentials
 from liverl.core.config import LiverlConfig
 
 log = logging.getLogger("liverl.ingest")
@@ -66,7 +67,8 @@ def die(reason: str) -> None:
     os._exit(EXIT_INFRA)
 
 
-async def _log_end_offsets(bootstrap: str, reported: Mapping[Any, int | None]) -> dict[Any, int | None]:
+async def _log_end_offsets(bootstrap: str, reported: Mapping[Any, int | None],
+                           security: Mapping[str, Any] | None = None) -> dict[Any, int | None]:
     """The true log end offset of each partition, from a fetch response's high watermark.
 
     Why: the embedded Tansu broker answers ListOffsets(latest) with the base offset of the last record
@@ -80,7 +82,8 @@ async def _log_end_offsets(bootstrap: str, reported: Mapping[Any, int | None]) -
     tps = list(reported)
     if not tps:
         return dict(reported)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=100)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=100,
+                                **(security or {}))
     await consumer.start()
     try:
         consumer.assign(tps)
@@ -100,7 +103,7 @@ async def _log_end_offsets(bootstrap: str, reported: Mapping[Any, int | None]) -
         await consumer.stop()
 
 
-def _use_true_end_offsets(app: faust.App, bootstrap: str, on_ends=None) -> None:
+def _use_true_end_offsets(app: faust.App, bootstrap: str, on_ends=None, security: Mapping[str, Any] | None = None) -> None:
     """Make the app's consumer report fetch-based end offsets to table recovery (see ``_log_end_offsets``)."""
     make_consumer = app._new_consumer
 
@@ -111,7 +114,7 @@ def _use_true_end_offsets(app: faust.App, bootstrap: str, on_ends=None) -> None:
         _shorter_fetch_wait(consumer)
 
         async def highwaters(*partitions):
-            ends = await _log_end_offsets(bootstrap, await broker_end_offsets(*partitions))
+            ends = await _log_end_offsets(bootstrap, await broker_end_offsets(*partitions), security)
             if on_ends is not None:
                 on_ends(ends)
             return ends
@@ -146,7 +149,7 @@ async def leave_previous_member(cfg: LiverlConfig, bootstrap: str) -> bool:
     if not member_id:
         return False
     group = f"{cfg.topics.prefix}-ingest"
-    client = AIOKafkaClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+    client = AIOKafkaClient(bootstrap_servers=bootstrap, request_timeout_ms=5000, **aiokafka_security(cfg.broker))
     try:
         await client.bootstrap()
         node = await client.coordinator_lookup(CoordinationType.GROUP, group)
@@ -220,6 +223,7 @@ def build_app(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: in
     app = faust.App(
         f"{prefix}-ingest",
         broker=f"kafka://{bootstrap}",
+        broker_credentials=faust_credentials(cfg.broker),
         store=store,
         autodiscover=False,
         datadir=str(datadir),
@@ -245,7 +249,8 @@ def build_app(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: in
         web_router_enabled=False,
     )
     tables: list = []  # the join table, once built (the end-offset check below needs it)
-    _use_true_end_offsets(app, bootstrap, on_ends=lambda ends: [_drop_foreign_state(app, t, ends) for t in tables])
+    _use_true_end_offsets(app, bootstrap, on_ends=lambda ends: [_drop_foreign_state(app, t, ends) for t in tables],
+                          security=aiokafka_security(cfg.broker))
     metrics = IngestMetrics(prefix, redis_url)
     t = cfg.topics
     n = cfg.broker.partitions

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ingest.metrics import IngestMetrics, Tally
-from liverl.core.config import LiverlConfig
+from liverl.core.config import LiverlConfig, redact_url
 from liverl.core.product import load_product
 from liverl.core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, TrainingSample, WireError
 
@@ -345,7 +345,7 @@ class Ingest:
         try:
             await self.metrics.apply(out.tally, retry_s=self.ic.redis_retry_s)
         except Exception as e:
-            raise InfraError(f"Redis at {self.metrics.redis_url} failed: {type(e).__name__}: {e}") from e
+            raise InfraError(f"Redis at {redact_url(self.metrics.redis_url)} failed: {type(e).__name__}: {e}") from e
         self.metrics.pending.set(len(self._pending))
 
     # -- timers ------------------------------------------------------------------------------------
@@ -460,7 +460,7 @@ class Ingest:
             try:
                 await self.metrics.apply(tally)
             except Exception as e:
-                raise InfraError(f"Redis at {self.metrics.redis_url} failed: {type(e).__name__}: {e}") from e
+                raise InfraError(f"Redis at {redact_url(self.metrics.redis_url)} failed: {type(e).__name__}: {e}") from e
         self.metrics.tracked.set(len(keys) - unjudged - judged)
         return unjudged + judged
 

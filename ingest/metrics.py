@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from liverl.core import keys
+from liverl.core.config import redact_url
 
 log = logging.getLogger("liverl.ingest.metrics")
 
@@ -177,7 +178,7 @@ class IngestMetrics:
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 if time.monotonic() + delay > deadline:
                     raise
-                log.warning("Redis at %s failed (%s); retry %d in %.1f s", self.redis_url, e, attempt, delay)
+                log.warning("Redis at %s failed (%s); retry %d in %.1f s", redact_url(self.redis_url), e, attempt, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 3.0)
         self._observe(tally)

@@ -39,7 +39,7 @@ from liverl.core.schemas import FeedbackEvent, new_id
 if TYPE_CHECKING:
     from kafka.producer.future import FutureRecordMetadata
 
-    from liverl.core.config import LiverlConfig
+    from liverl.core.config import BrokerConfig, LiverlConfig
 
 
 class DeliveryError(RuntimeError):
@@ -61,14 +61,14 @@ class FeedbackClient:
     event with the same ``feedback_id`` is safe.
     """
 
-    def __init__(self, bootstrap: str, topic: str, **producer_kw: Any):
+    def __init__(self, bootstrap: str, topic: str, broker: BrokerConfig | None = None, **producer_kw: Any):
         if not bootstrap or not isinstance(bootstrap, str):
             raise ValueError(f"bootstrap must be 'host:port[,host:port]', got {bootstrap!r}")
         if not topic or not isinstance(topic, str):
             raise ValueError(f"topic must be the feedback topic name (cfg.topics.feedback), got {topic!r}")
         self.topic = topic
         producer_kw.setdefault("max_block_ms", 5000)
-        self._producer = make_producer(bootstrap, **producer_kw)
+        self._producer = make_producer(bootstrap, broker=broker, **producer_kw)
         self._lock = threading.Lock()
         self._failed: list[tuple[str | None, BaseException]] = []
 
@@ -165,4 +165,4 @@ def from_config(cfg: LiverlConfig, bootstrap: str | None = None, **producer_kw: 
     bootstrap = bootstrap or cfg.broker.bootstrap
     if not bootstrap:
         raise ValueError("no Kafka bootstrap: pass bootstrap= (e.g. Stack.bootstrap) or set broker.bootstrap")
-    return FeedbackClient(bootstrap, cfg.topics.feedback, **producer_kw)
+    return FeedbackClient(bootstrap, cfg.topics.feedback, broker=cfg.broker, **producer_kw)

@@ -30,7 +30,7 @@ def run_worker(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, loglevel: s
     from ingest.app import build_app, leave_previous_member
     from liverl.core.bus import all_topics, ensure_topics
 
-    ensure_topics(bootstrap, all_topics(cfg), cfg.broker.partitions)
+    ensure_topics(bootstrap, all_topics(cfg), cfg.broker.partitions, broker=cfg.broker)
     asyncio.run(leave_previous_member(cfg, bootstrap))
     app = build_app(cfg, bootstrap, redis_url, web_port=web_port, web_bind=web_bind)
     worker = faust.Worker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False)

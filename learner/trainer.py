@@ -392,7 +392,7 @@ class Learner(ConsumerRebalanceListener):
         """Consume and train until ``stop_event`` is set or ``max_steps`` updates were made in this call."""
         # a candidate (encode + registry write) can keep the loop from polling for seconds on a busy machine:
         # allow 10 s between polls before the group drops this consumer
-        self._consumer = make_consumer(self.bootstrap, self.group, [self.topic],
+        self._consumer = make_consumer(self.bootstrap, self.group, [self.topic], broker=self.cfg.broker,
                                        rebalance_timeout_s=max(self.cfg.broker.rebalance_timeout_s, 10.0))
         self._consumer.subscribe([self.topic], listener=self)  # seek to the checkpoint on every assignment
         start_step, last_pub = self.step, 0.0
@@ -453,7 +453,7 @@ def run_learner(cfg: LiverlConfig, model_dir: Path, stop_event: threading.Event 
     from liverl.core.services import kafka_bootstrap, setup_redis
 
     bootstrap = kafka_bootstrap(cfg)
-    ensure_topics(bootstrap, [cfg.topics.samples], cfg.broker.partitions)
+    ensure_topics(bootstrap, [cfg.topics.samples], cfg.broker.partitions, broker=cfg.broker)
     warm_up()  # the delta codec's kernels, before the first candidate is due
     registry = open_registry(cfg)
     try:

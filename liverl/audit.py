@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from liverl.core import keys
-from liverl.core.config import LiverlConfig
+from liverl.core.bus import kafka_python_security
+from liverl.core.config import BrokerConfig, LiverlConfig
 from liverl.core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, TrainingSample, WireError
 
 VERDICT_OK = "ok"
@@ -87,7 +88,7 @@ class Report:
                 "ledger_lines": self.ledger_lines, "problems": self.problems(), "ok": not self.problems()}
 
 
-def read_topic(bootstrap: str, topic: str):
+def read_topic(bootstrap: str, topic: str, broker: BrokerConfig | None = None):
     """Every record of ``topic`` up to its high watermark: (partition, offset, value).
 
     The end is the high watermark of the fetch responses, not ListOffsets: the embedded Tansu broker's ListOffsets
@@ -96,7 +97,7 @@ def read_topic(bootstrap: str, topic: str):
     from kafka import KafkaConsumer, TopicPartition
 
     c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                      fetch_max_bytes=64 << 20, max_partition_fetch_bytes=16 << 20)
+                      fetch_max_bytes=64 << 20, max_partition_fetch_bytes=16 << 20, **kafka_python_security(broker))
     try:
         tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or ())]
         if not tps:
@@ -118,10 +119,10 @@ def read_topic(bootstrap: str, topic: str):
         c.close()
 
 
-def committed(bootstrap: str, group: str, topic: str) -> dict[int, int]:
+def committed(bootstrap: str, group: str, topic: str, broker: BrokerConfig | None = None) -> dict[int, int]:
     from kafka.admin import KafkaAdminClient
 
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="liverl-audit")
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="liverl-audit", **kafka_python_security(broker))
     try:
         got = admin.list_group_offsets({group: None}).get(group, {})
     except Exception:  # noqa: BLE001 - a group that never committed reads as nothing committed
@@ -138,7 +139,7 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
     now = time.time() if now is None else now
     # ingest's verdicts
     dead: dict[tuple[int, int], str] = {}
-    for _, _, raw in read_topic(bootstrap, t.dead_letters):
+    for _, _, raw in read_topic(bootstrap, t.dead_letters, cfg.broker):
         try:
             d = DeadLetter.from_bytes(raw or b"")
         except WireError:
@@ -148,14 +149,14 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
                 rep.dead_letters_repeated += 1
             dead[(d.partition, d.offset)] = d.reason
     generations: dict[str, bool] = {}
-    for _, _, raw in read_topic(bootstrap, t.generations):
+    for _, _, raw in read_topic(bootstrap, t.generations, cfg.broker):
         try:
             g = GenerationRecord.from_bytes(raw or b"")
         except WireError:
             continue
         generations[g.generation_id] = g.trainable
     samples: dict[str, list[tuple[int, int, str]]] = collections.defaultdict(list)  # feedback id -> records
-    for part, off, raw in read_topic(bootstrap, t.samples):
+    for part, off, raw in read_topic(bootstrap, t.samples, cfg.broker):
         try:
             s = TrainingSample.from_bytes(raw or b"")
         except WireError:
@@ -171,12 +172,12 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
         for part, off, _, reason in line.get("refused", []):
             refused[(part, off)] = reason
     rep.trained_twice = sorted(sid for sid, n in trained.items() if n > 1)
-    ingest_done = committed(bootstrap, f"{t.prefix}-ingest", t.feedback)
-    learner_done = committed(bootstrap, f"{t.prefix}.learner", t.samples)
+    ingest_done = committed(bootstrap, f"{t.prefix}-ingest", t.feedback, cfg.broker)
+    learner_done = committed(bootstrap, f"{t.prefix}.learner", t.samples, cfg.broker)
     pending_window = cfg.ingest.pending_ttl_s * 10 + 60  # ingest's hard limit on waiting feedback, plus slack
 
     events: dict[str, list[tuple[int, int, FeedbackEvent]]] = collections.defaultdict(list)
-    for part, off, raw in read_topic(bootstrap, t.feedback):
+    for part, off, raw in read_topic(bootstrap, t.feedback, cfg.broker):
         rep.feedback_records += 1
         try:
             fb = FeedbackEvent.from_bytes(raw or b"")

@@ -42,7 +42,7 @@ ROLE_OF = {"ingest": "ingest", "learn": "learn", "gate": "gate", "serve": "serve
 MIN_UPTIME_S = {"ingest": 20.0, "learn": 15.0, "gate": 10.0, "serve": 5.0}
 
 
-def _acked_client(bootstrap: str, topic: str):
+def _acked_client(bootstrap: str, topic: str, broker=None):
     """The SDK's client, counting the records the broker acknowledged."""
     from ingest.sdk import FeedbackClient
 
@@ -58,7 +58,7 @@ def _acked_client(bootstrap: str, topic: str):
             fut.add_callback(ok)
             return super()._track(fut, name)
 
-    return Counting(bootstrap, topic)
+    return Counting(bootstrap, topic, broker=broker)
 
 
 def _vllm_pid(serve_pid: int) -> int | None:
@@ -196,7 +196,7 @@ def run_chaos(cfg: LiverlConfig, model_dir: Path, duration_s: float, kill_every_
           f"(state in {cfg.state_path})", flush=True)
     with Pipeline(cfg, model_dir, fresh=True) as pipe:
         pipe.supervisor.max_restarts = 1_000_000  # chaos kills on purpose; the supervisor restarts every time
-        sdk = _acked_client(pipe.stack.bootstrap, cfg.topics.feedback)
+        sdk = _acked_client(pipe.stack.bootstrap, cfg.topics.feedback, cfg.broker)
         stats = SimStats()
         stop_users, thread = _start_users(users, pipe, sdk, cfg, stats, seed)
         killer = Killer(cfg, pipe, rng, kinds)

@@ -280,7 +280,13 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
-    print(json.dumps(_cfg(args).model_dump(), indent=2))
+    """The effective config as JSON; passwords in URLs and secrets are masked."""
+    from liverl.core.config import redact_url
+
+    cfg = _cfg(args).model_dump(mode="json")
+    for section, name in (("redis", "url"), ("registry", "url"), ("broker", "bootstrap")):
+        cfg[section][name] = redact_url(cfg[section][name])
+    print(json.dumps(cfg, indent=2))
     return 0
 
 

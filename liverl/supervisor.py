@@ -8,6 +8,7 @@ state: learner checkpoint, committed offsets, registry), and stops them all on t
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -42,6 +43,17 @@ class Child:
         return "\n".join(procs.tail(self.log_path, 200 * n).splitlines()[-n:])
 
 
+def section_json(section) -> str:
+    """A config section as JSON with its secrets in clear (pydantic masks them): the environment of a child only."""
+    from pydantic import SecretStr
+
+    data = section.model_dump(mode="json")
+    for name, value in section:
+        if isinstance(value, SecretStr):
+            data[name] = value.get_secret_value()
+    return json.dumps(data)
+
+
 def child_env(cfg: LiverlConfig, stack: Stack, model_dir: Path) -> dict[str, str]:
     """The environment of a supervised process: the whole resolved config, one JSON value per section (so the
     child sees exactly what this process resolved from file, environment and flags), plus the live addresses."""
@@ -55,7 +67,7 @@ def child_env(cfg: LiverlConfig, stack: Stack, model_dir: Path) -> dict[str, str
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("LIVERL__")}
     env.pop("LIVERL_CONFIG", None)
     for section in SECTIONS:
-        env[f"LIVERL__{section.upper()}"] = getattr(resolved, section).model_dump_json()
+        env[f"LIVERL__{section.upper()}"] = section_json(getattr(resolved, section))
     env["LIVERL__STATE_DIR"] = str(cfg.state_path)
     env["LIVERL__PRODUCT"] = resolved.product or "null"
     env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})

@@ -40,7 +40,7 @@ class Pipeline:
             self.redis = redis.Redis.from_url(self.stack.redis_url)
             if self.fresh:
                 reset_state(cfg, self.redis)
-            ensure_topics(self.stack.bootstrap, all_topics(cfg), cfg.broker.partitions)
+            ensure_topics(self.stack.bootstrap, all_topics(cfg), cfg.broker.partitions, broker=cfg.broker)
             ensure_keys(cfg)
             init_registry(cfg, self.model_dir, self.redis)
             self.supervisor = Supervisor(child_env(cfg, self.stack, self.model_dir), cfg.state_path / "logs").start()

@@ -205,7 +205,10 @@ class Gateway:
 
         topics = [self.cfg.topics.generations, self.cfg.topics.feedback]
         await asyncio.to_thread(ensure_topics, self.bootstrap, topics, self.cfg.broker.partitions)
-        producer = AsyncProducer(self.bootstrap, client_id=f"liverl-gateway-{self.node_name}")
+        from liverl.core.bus import librdkafka_security
+
+        producer = AsyncProducer(self.bootstrap, client_id=f"liverl-gateway-{self.node_name}",
+                                 **librdkafka_security(self.cfg.broker))
         await producer.start(topics)
         self.producer = producer
         self.max_model_len = await self.node.max_model_len()

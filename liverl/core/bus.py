@@ -1,30 +1,103 @@
-"""Kafka plumbing shared by the stages: topic creation and well-configured kafka-python clients.
+"""Kafka plumbing shared by the stages: topic creation, well-configured kafka-python clients, and the one place
+that turns ``broker.*`` security settings into each client library's options.
 
 Every client here works against any Kafka-compatible broker by bootstrap URL. The consumer defaults
 are tuned so that the embedded Tansu broker (whose group join waits for the rebalance timeout) is usable.
+
+Security (TLS, SASL): liverl talks to Kafka through three client libraries, each with its own option names:
+kafka-python (the SDK, the learner, the gate, the admin), aiokafka under faust (ingest) and librdkafka (the
+gateway's producer). ``kafka_python_security``, ``aiokafka_security``, ``librdkafka_security`` and
+``faust_credentials`` map one ``BrokerConfig`` onto each; every client liverl creates goes through them.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 from kafka.serializer import Serializer
 
-from liverl.core.config import LiverlConfig
+from liverl.core.config import BrokerConfig, LiverlConfig
 
 log = logging.getLogger("liverl.core.bus")
 
 
-def ensure_topics(bootstrap: str, names: list[str], partitions: int, timeout_s: float = 30.0) -> None:
+def kafka_python_security(broker: BrokerConfig | None) -> dict[str, Any]:
+    """kafka-python's keyword arguments for the broker's security settings (empty for PLAINTEXT)."""
+    if broker is None or broker.security_protocol == "PLAINTEXT":
+        return {}
+    kw: dict[str, Any] = {"security_protocol": broker.security_protocol}
+    if broker.security_protocol.startswith("SASL"):
+        kw.update(sasl_mechanism=broker.sasl_mechanism, sasl_plain_username=broker.sasl_username,
+                  sasl_plain_password=broker.sasl_password.get_secret_value())
+    if broker.security_protocol.endswith("SSL"):
+        kw.update({k: v for k, v in (("ssl_cafile", broker.ssl_cafile), ("ssl_certfile", broker.ssl_certfile),
+                                     ("ssl_keyfile", broker.ssl_keyfile)) if v})
+    return kw
+
+
+def _ssl_context(broker: BrokerConfig):
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=broker.ssl_cafile)
+    if broker.ssl_certfile:
+        ctx.load_cert_chain(broker.ssl_certfile, broker.ssl_keyfile)
+    return ctx
+
+
+def aiokafka_security(broker: BrokerConfig | None) -> dict[str, Any]:
+    """aiokafka's keyword arguments (it takes an ``ssl.SSLContext`` instead of file names)."""
+    if broker is None or broker.security_protocol == "PLAINTEXT":
+        return {}
+    kw: dict[str, Any] = {"security_protocol": broker.security_protocol}
+    if broker.security_protocol.startswith("SASL"):
+        kw.update(sasl_mechanism=broker.sasl_mechanism, sasl_plain_username=broker.sasl_username,
+                  sasl_plain_password=broker.sasl_password.get_secret_value())
+    if broker.security_protocol.endswith("SSL"):
+        kw["ssl_context"] = _ssl_context(broker)
+    return kw
+
+
+def librdkafka_security(broker: BrokerConfig | None) -> dict[str, str]:
+    """librdkafka's configuration properties (confluent-kafka, kcat)."""
+    if broker is None or broker.security_protocol == "PLAINTEXT":
+        return {}
+    conf = {"security.protocol": broker.security_protocol.lower()}
+    if broker.security_protocol.startswith("SASL"):
+        conf.update({"sasl.mechanism": broker.sasl_mechanism, "sasl.username": broker.sasl_username,
+                     "sasl.password": broker.sasl_password.get_secret_value()})
+    if broker.security_protocol.endswith("SSL"):
+        conf.update({k: v for k, v in (("ssl.ca.location", broker.ssl_cafile),
+                                       ("ssl.certificate.location", broker.ssl_certfile),
+                                       ("ssl.key.location", broker.ssl_keyfile)) if v})
+    return conf
+
+
+def faust_credentials(broker: BrokerConfig | None):
+    """faust's ``broker_credentials`` (None for PLAINTEXT)."""
+    if broker is None or broker.security_protocol == "PLAINTEXT":
+        return None
+    import faust
+
+    ctx = _ssl_context(broker) if broker.security_protocol.endswith("SSL") else None
+    if broker.security_protocol.startswith("SASL"):
+        return faust.SASLCredentials(username=broker.sasl_username, password=broker.sasl_password.get_secret_value(),
+                                     mechanism=broker.sasl_mechanism, ssl_context=ctx)
+    return faust.SSLCredentials(ctx)
+
+
+def ensure_topics(bootstrap: str, names: list[str], partitions: int, timeout_s: float = 30.0,
+                  broker: BrokerConfig | None = None) -> None:
     """Create the topics that do not exist yet (idempotent)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="liverl-admin")
+            admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="liverl-admin",
+                                     **kafka_python_security(broker))
             break
         except KafkaError as e:
             if time.monotonic() > deadline:
@@ -54,7 +127,7 @@ class KeySerializer(Serializer):
         return key.encode() if isinstance(key, str) else key
 
 
-def make_producer(bootstrap: str, **kw) -> KafkaProducer:
+def make_producer(bootstrap: str, broker: BrokerConfig | None = None, **kw) -> KafkaProducer:
     """Idempotent, acks=all producer whose values are bytes and keys str (uncompressed: every consumer reads it)."""
     opts = dict(
         bootstrap_servers=bootstrap,
@@ -62,14 +135,17 @@ def make_producer(bootstrap: str, **kw) -> KafkaProducer:
         enable_idempotence=True,
         linger_ms=5,
         key_serializer=KeySerializer(),
+        **kafka_python_security(broker),
     )
     opts.update(kw)
     return KafkaProducer(**opts)
 
 
-def make_consumer(bootstrap: str, group: str, topics: list[str], rebalance_timeout_s: float = 3.0, **kw) -> KafkaConsumer:
+def make_consumer(bootstrap: str, group: str, topics: list[str], rebalance_timeout_s: float = 3.0,
+                  broker: BrokerConfig | None = None, **kw) -> KafkaConsumer:
     """A consumer that commits by hand (after the work is durable) and starts from the earliest offset."""
     opts = dict(
+        **kafka_python_security(broker),
         bootstrap_servers=bootstrap,
         group_id=group,
         enable_auto_commit=False,

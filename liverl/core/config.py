@@ -15,8 +15,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+
+def redact_url(url: str | None) -> str | None:
+    """``scheme://user:password@host/...`` with the password replaced by ``***`` (for logs and `liverl config`)."""
+    if not url or "://" not in url or "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    creds, at, host = rest.rpartition("@")
+    if ":" in creds:
+        creds = creds.split(":", 1)[0] + ":***"
+    elif creds:
+        creds = "***"  # redis://:password@host puts the password alone
+    return f"{scheme}://{creds}{at}{host}"
 
 
 class _Section(BaseModel):
@@ -32,6 +45,26 @@ class BrokerConfig(_Section):
     rebalance_timeout_s: float = Field(
         default=3.0, description="Consumer-group rebalance timeout; Tansu completes a join only after it (keep small)."
     )
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        default="PLAINTEXT", description="How every liverl Kafka client connects (Kafka's security.protocol).")
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
+        default="SCRAM-SHA-512", description="SASL mechanism, with SASL_PLAINTEXT or SASL_SSL.")
+    sasl_username: str | None = Field(default=None, description="SASL user name.")
+    sasl_password: SecretStr | None = Field(
+        default=None, description="SASL password (shown masked by `liverl config`; LIVERL__BROKER__SASL_PASSWORD).")
+    ssl_cafile: str | None = Field(default=None, description="CA bundle (PEM) the broker's certificate is checked "
+                                   "against, with SSL or SASL_SSL (None: the system's).")
+    ssl_certfile: str | None = Field(default=None, description="Client certificate (PEM), for mutual TLS.")
+    ssl_keyfile: str | None = Field(default=None, description="The client certificate's private key (PEM).")
+
+    @model_validator(mode="after")
+    def _credentials_complete(self):
+        if self.security_protocol.startswith("SASL") and not (self.sasl_username and self.sasl_password):
+            raise ValueError(f"broker.security_protocol {self.security_protocol} needs broker.sasl_username and "
+                             "broker.sasl_password")
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("broker.ssl_certfile and broker.ssl_keyfile go together (mutual TLS)")
+        return self
 
 
 class RedisConfig(_Section):
