@@ -10,7 +10,12 @@ small MoE, measured here, reached 82% accuracy and then collapsed to 0%); Cursor
   (c) collapse    the candidate's mean per-token entropy there >= ``cfg.gate.min_entropy`` (a collapsed,
                   near-deterministic policy has stopped exploring and cannot recover);
   (d) suite       only when the product has an evaluation suite: its mean grade >= the stable version's -
-                  ``cfg.gate.max_regression``.
+                  ``cfg.gate.max_regression``;
+  (e) off-policy  the candidate's acceptance estimated on held-out logged feedback (``<prefix>.heldout``, which
+                  the learner never trains on): clipped, self-normalised importance sampling of the logged
+                  completions (``deploy.offpolicy``), against stable's estimate on the same samples. Refused when
+                  its upper bound is below stable's by more than ``cfg.gate.offpolicy_margin``; recorded without
+                  deciding when its effective sample size is under ``cfg.gate.offpolicy_min_ess``.
 
 The gate judges on evidence a real product has: its logged traffic and, if it has one, its own evaluation
 suite. It never sees an answer key. The figures come from an ``Evaluator`` handed in by the command that
@@ -37,13 +42,14 @@ import prometheus_client as prom
 import redis as redis_lib
 
 from deploy.blobstore import BlobError
+from deploy.canary import CanaryController
 from deploy.delta import DeltaError, apply_delta, checksum
 from deploy.signing import Signer, announce
 from deploy.registry import Registry, RegistryConflict, RegistryError, Version, open_registry
 from liverl.core import keys
 from liverl.core.bus import kafka_python_security
 from liverl.core.config import BrokerConfig, LiverlConfig
-from liverl.core.schemas import GenerationRecord, VersionAnnouncement, WireError
+from liverl.core.schemas import GenerationRecord, TrainingSample, VersionAnnouncement, WireError
 
 log = logging.getLogger("liverl.gate")
 
@@ -57,6 +63,9 @@ class Evaluator(Protocol):
 
     def suite_score(self, weights: Mapping[str, Any]) -> dict | None:
         """``{"name", "score", ...}`` on the product's evaluation suite, or None without one."""
+
+    def sequence_logprobs(self, weights: Mapping[str, Any], probes: list) -> list[float]:
+        """log pi(completion | prompt) of each probe (``prompt_ids``, ``completion_ids``) under ``weights``."""
 
 
 @dataclass
@@ -72,8 +81,9 @@ class Gate:
     """Evaluates pending candidates with the ``evaluator`` it is given (drift, collapse, optional suite)."""
 
     def __init__(self, cfg: LiverlConfig, registry: Registry, redis: redis_lib.Redis, evaluator: Evaluator,
-                 signer: Signer | None = None):
+                 signer: Signer | None = None, heldout: Callable[[], list[HeldoutSample]] | None = None):
         self.cfg, self.registry, self.redis, self.signer = cfg, registry, redis, signer
+        self.heldout = heldout  # the newest held-out samples (``GenerationTail`` on <prefix>.heldout), or None
         self.prefix = cfg.topics.prefix
         self.evaluator = evaluator
         self._stable_suite: dict[tuple[int, str], dict | None] = {}
@@ -89,6 +99,21 @@ class Gate:
                                   registry=self.metrics)
         self._score = prom.Gauge("liverl_gate_last_score", "Last evaluated candidate's figures (kl, entropy, suite)",
                                  ["metric"], registry=self.metrics)
+        self._promoted_at = prom.Gauge("liverl_gate_stable_promoted_timestamp_seconds",
+                                       "When the stable version became stable (Unix time; alert: no promotion for "
+                                       "too long)", registry=self.metrics)
+        self._rolled_back_at = prom.Gauge("liverl_gate_last_rollback_timestamp_seconds",
+                                          "When the registry last rolled back (Unix time, 0: never; alert: rollout "
+                                          "rolled back)", registry=self.metrics)
+        self._refused_in_a_row = prom.Gauge("liverl_gate_refused_in_a_row",
+                                            "Candidates the gate refused since its last promotion (alert: N refused "
+                                            "in a row)", registry=self.metrics)
+        self._in_a_row = 0
+        self._rollouts = prom.Counter("liverl_gate_rollouts", "Canary rollouts ended, by outcome (promoted, aborted)",
+                                      ["outcome"], registry=self.metrics)
+        self._canary_share = prom.Gauge("liverl_gate_canary_share", "Share of users on the canary now (0: none)",
+                                        registry=self.metrics)
+        self.canary = CanaryController(cfg, registry, redis, signer, self._record)
 
     def metrics_text(self) -> bytes:
         """Gate metrics in Prometheus text format."""
@@ -127,7 +152,21 @@ class Gate:
         """Process the pending candidates: the newest is evaluated, older ones are superseded."""
         stable = self.registry.stable()
         self._stable.set(stable.version)
+        self._promoted_at.set(stable.promoted_at or 0.0)
+        self._rolled_back_at.set(self.registry.last_rollback()[1] or 0.0)
         self.reconcile(stable)
+        plan = self.canary.plan()
+        if plan is not None:  # one rollout at a time: new candidates wait until it ends
+            outcome, why = self.canary.watch(plan, stable)
+            self._canary_share.set(plan.share if outcome == "continue" else 0.0)
+            if outcome == "promoted":
+                self._rollouts.labels("promoted").inc()
+                self._promoted(plan.version)
+            elif outcome == "aborted":
+                self._rollouts.labels("aborted").inc()
+                self._rejected()
+            return [Verdict(plan.version, "canary" if outcome == "continue" else outcome, why)]
+        self._canary_share.set(0.0)
         pending = self.registry.candidates()
         if not pending:
             return []
@@ -140,6 +179,18 @@ class Gate:
                 verdicts.append(Verdict(row.version, "superseded", reason))
         verdicts.append(self._judge(newest, stable))
         return verdicts
+
+    def _promoted(self, version: int) -> None:
+        self._verdicts.labels("promoted").inc()
+        self._stable.set(version)
+        self._promoted_at.set(time.time())
+        self._in_a_row = 0
+        self._refused_in_a_row.set(0)
+
+    def _rejected(self) -> None:
+        self._verdicts.labels("rejected").inc()
+        self._in_a_row += 1
+        self._refused_in_a_row.set(self._in_a_row)
 
     def _refuse(self, version: int, reason: str) -> bool:
         """Reject a version that is still a candidate (an operator may have promoted it meanwhile)."""
@@ -205,6 +256,9 @@ class Gate:
             checks["collapse"] = self._record(
                 row.version, "collapse", ent, g.min_entropy, ent >= g.min_entropy,
                 f"entropy {ent:.4f} nats/token (stable {drift.get('stable_entropy', float('nan')):.4f}) vs floor {g.min_entropy}")
+        heldout = self.heldout() if self.heldout is not None and g.heldout_samples else []
+        if heldout:
+            checks["offpolicy"] = self._offpolicy(row, stable, state, heldout)
         ref = self.stable_suite(stable)
         if ref is not None:
             score = self.evaluator.suite_score(state)
@@ -217,6 +271,23 @@ class Gate:
         self._eval_s.observe(time.perf_counter() - t0)
         return checks
 
+    def _offpolicy(self, row: Version, stable: Version, state: Mapping[str, Any], heldout: list[HeldoutSample]) -> bool:
+        from deploy.offpolicy import compare
+
+        g = self.cfg.gate
+        heldout = heldout[-g.heldout_samples:]
+        lp_cand = self.evaluator.sequence_logprobs(state, heldout)
+        lp_stable = self.evaluator.sequence_logprobs(self.registry.materialize(stable.version), heldout)
+        c = compare(lp_cand, lp_stable, [h.behaviour_logprob for h in heldout], [h.reward for h in heldout],
+                    margin=g.offpolicy_margin, min_ess=g.offpolicy_min_ess, clip=g.offpolicy_clip)
+        self._score.labels("offpolicy").set(c.candidate.value)
+        self._score.labels("offpolicy_ess").set(c.candidate.ess)
+        reason = (f"off-policy acceptance v{row.version} {c.candidate.value:.3f} [{c.candidate.lower:.3f}, "
+                  f"{c.candidate.upper:.3f}] vs stable v{stable.version} {c.stable.value:.3f} on {c.candidate.n} "
+                  f"held-out samples (ESS {c.candidate.ess:.0f}): {c.verdict}: {c.reason}")
+        return self._record(row.version, "offpolicy", c.candidate.upper, c.stable.value - g.offpolicy_margin,
+                            c.verdict != "refuse", reason)
+
     def _judge(self, row: Version, stable: Version) -> Verdict:
         checks: dict[str, bool] = {}
         _, rolled_back_at = self.registry.last_rollback()
@@ -225,7 +296,7 @@ class Gate:
             checks["after_rollback"] = self._record(row.version, "after_rollback", 0.0, 1.0, False,
                                                     f"{reason} (the learner rebases onto the stable version)")
             self._refuse(row.version, reason)
-            self._verdicts.labels("rejected").inc()
+            self._rejected()
             return Verdict(row.version, "rejected", reason, checks)
         state = self._integrity(row)
         checks["integrity"] = state is not None
@@ -235,9 +306,17 @@ class Gate:
         if failed:
             reason = "failed " + ", ".join(failed)
             self._refuse(row.version, reason)
-            self._verdicts.labels("rejected").inc()
+            self._rejected()
             return Verdict(row.version, "rejected", reason, checks)
         reason = f"gate passed ({', '.join(checks)})"
+        try:
+            plan = self.canary.start(row, stable, reason)
+        except RegistryConflict as e:  # an operator acted on it meanwhile
+            log.info("gate: version %d not put on canary: %s", row.version, e)
+            return Verdict(row.version, "deferred", str(e), checks)
+        if plan is not None:
+            self._canary_share.set(plan.share)
+            return Verdict(row.version, "canary", f"{reason}; canary on {', '.join(plan.nodes)}", checks)
         try:
             self.registry.promote(row.version, actor="gate", reason=reason, expected_stable=stable.version,
                                   from_candidate=True)
@@ -246,8 +325,7 @@ class Gate:
             return Verdict(row.version, "deferred", str(e), checks)
         announce(self.redis, self.prefix, row.version, row.checksum, reason, self.signer)
         log.info("gate: version %d promoted and announced", row.version)
-        self._verdicts.labels("promoted").inc()
-        self._stable.set(row.version)
+        self._promoted(row.version)
         return Verdict(row.version, "promoted", reason, checks)
 
 
@@ -256,14 +334,47 @@ class LoggedGeneration(NamedTuple):
     completion_ids: tuple[int, ...]
 
 
-class GenerationTail:
-    """The most recent ``size`` trainable generation records, kept by a thread that tails the generations
-    topic without a consumer group (it starts ``size`` records back on each partition and never commits).
-    These are the gate's probe sequences: real prompts, and completions the served policy sampled."""
+class HeldoutSample(NamedTuple):
+    """A held-out joined sample: what was sampled, its behaviour log-prob (summed) and whether it was accepted."""
 
-    def __init__(self, bootstrap: str, topic: str, size: int, broker: BrokerConfig | None = None):
-        self.bootstrap, self.topic, self.size, self.broker = bootstrap, topic, size, broker
-        self._recent: collections.deque[LoggedGeneration] = collections.deque(maxlen=size)
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    behaviour_logprob: float
+    reward: float
+
+
+def _plain_sampling(s) -> bool:
+    """Sampled from the model's own distribution (temperature 1, no truncation or penalties): the only samples whose
+    logged log-probs are comparable with the candidate's plain softmax."""
+    return s is not None and s.temperature == 1.0 and s.top_p == 1.0 and s.top_k in (-1, 0) and s.min_p == 0.0 \
+        and s.presence_penalty == 0.0 and s.frequency_penalty == 0.0 and s.repetition_penalty == 1.0
+
+
+def parse_generation(raw: bytes) -> LoggedGeneration | None:
+    g = GenerationRecord.from_bytes(raw)
+    if g.trainable and g.prompt_token_ids and g.completion_token_ids:
+        return LoggedGeneration(tuple(g.prompt_token_ids), tuple(g.completion_token_ids))
+    return None
+
+
+def parse_heldout(raw: bytes) -> HeldoutSample | None:
+    s = TrainingSample.from_bytes(raw)
+    if not (s.prompt_token_ids and s.completion_token_ids and _plain_sampling(s.sampling)):
+        return None
+    return HeldoutSample(tuple(s.prompt_token_ids), tuple(s.completion_token_ids), float(sum(s.behaviour_logprobs)),
+                         1.0 if s.kind == "accept" else 0.0)
+
+
+class GenerationTail:
+    """The most recent ``size`` records of a topic, parsed by ``parse`` (None: skipped), kept by a thread that tails
+    the topic without a consumer group (it starts ``size`` records back on each partition and never commits).
+    On the generations topic (the default) these are the gate's probe sequences: real prompts, and completions the
+    served policy sampled; on the held-out topic (``parse_heldout``), the off-policy check's samples."""
+
+    def __init__(self, bootstrap: str, topic: str, size: int, broker: BrokerConfig | None = None,
+                 parse: Callable[[bytes], Any] = parse_generation):
+        self.bootstrap, self.topic, self.size, self.broker, self.parse = bootstrap, topic, size, broker, parse
+        self._recent: collections.deque = collections.deque(maxlen=size)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gate-generation-tail", daemon=True)
@@ -304,13 +415,13 @@ class GenerationTail:
 
     def _add(self, raw: bytes) -> None:
         try:
-            g = GenerationRecord.from_bytes(raw)
+            item = self.parse(raw)
         except WireError:
             self.refused += 1
             return
-        if g.trainable and g.prompt_token_ids and g.completion_token_ids:
+        if item is not None:
             with self._lock:
-                self._recent.append(LoggedGeneration(tuple(g.prompt_token_ids), tuple(g.completion_token_ids)))
+                self._recent.append(item)
 
     def close(self) -> None:
         self._stop.set()
@@ -335,10 +446,12 @@ def run_gate(cfg: LiverlConfig, make_evaluator: Callable[[Callable[[], list[Logg
     r = setup_redis(cfg, decode_responses=True)
     tail = GenerationTail(kafka_bootstrap(cfg), cfg.topics.generations, cfg.gate.probe_generations,
                           broker=cfg.broker).start()
+    heldout = GenerationTail(kafka_bootstrap(cfg), cfg.topics.heldout, cfg.gate.heldout_samples, broker=cfg.broker,
+                             parse=parse_heldout).start() if cfg.gate.heldout_samples else None
     server = None
     try:
         key = signing_key_path(cfg)
-        gate = Gate(cfg, registry, r, make_evaluator(tail), signer=Signer(key) if key else None)
+        gate = Gate(cfg, registry, r, make_evaluator(tail), signer=Signer(key) if key else None, heldout=heldout)
         log.info("gate: announcements %s", f"signed with {key}" if key else "unsigned (no security.signing_key)")
         if cfg.gate.metrics_port and not once:
             server, _ = prom.start_http_server(cfg.gate.metrics_port, addr=cfg.serving.host, registry=gate.metrics)
@@ -356,5 +469,7 @@ def run_gate(cfg: LiverlConfig, make_evaluator: Callable[[Callable[[], list[Logg
             server.shutdown()
             server.server_close()
         tail.close()
+        if heldout is not None:
+            heldout.close()
         r.close()
         registry.close()

@@ -22,6 +22,12 @@ of the same content refreshes. Deltas and snapshots name their version in their 
 are never reused, so a new version's blobs are always new content. The one remaining window: re-putting the
 exact bytes of an old orphan (e.g. ``init_base`` after a crash) between a collector's age check and its delete.
 
+Rejected candidates (``gc(prune_rejected_s=...)``): a rejected version whose whole subtree of descendants is
+rejected too, and older than the given age, has its blobs unreferenced (``blob_key``/``snapshot_key`` set to
+NULL, the row, its gate results and its audit entries kept) and then collected as above. A rejected version
+with a descendant that is not rejected keeps its delta: the learner trains on, so later versions are deltas on top
+of it and rebuilding them walks through it.
+
 The tables and the engine are in ``deploy.tables``; statuses are listed there.
 """
 
@@ -69,6 +75,7 @@ class GcResult:
     recent: list[BlobInfo] = field(default_factory=list)  # unreferenced but younger than the grace period: kept
     referenced: int = 0  # blobs the registry references (kept)
     missing: list[str] = field(default_factory=list)  # referenced by a row but not in the store (a problem)
+    pruned: list[int] = field(default_factory=list)  # rejected versions whose blobs were (or would be) unreferenced
 
     @property
     def removed_bytes(self) -> int:
@@ -231,7 +238,7 @@ class Registry:
             if expected_stable is not None and [o.version for o in old] != [expected_stable]:
                 raise RegistryConflict(f"the stable version changed to {','.join(str(o.version) for o in old) or 'none'} "
                                        f"(expected {expected_stable}); version {version} left as it is")
-            if from_candidate and row.status != "candidate":
+            if from_candidate and row.status not in ("candidate", "canary"):
                 raise RegistryConflict(f"version {version} is {row.status}, no longer a candidate")
             if row.status == "rejected" and not force:
                 raise RegistryError(f"version {version} was rejected ({row.status_reason or 'no reason recorded'}); "
@@ -392,12 +399,18 @@ class Registry:
 
     # ------------------------------------------------------------------------------------------ weights
 
+    def _delta(self, row: Version) -> bytes:
+        if row.blob_key is None:
+            raise RegistryError(f"version {row.version} was {row.status} and its delta was pruned by gc "
+                                "(--prune-rejected); it cannot be rebuilt")
+        return self.blobs.get(row.blob_key)
+
     def delta_for(self, version: int) -> bytes:
         """The delta between ``version`` and its parent (applies in either direction)."""
         row = self.get(version)
         if row.blob_kind != "delta":
             raise RegistryError(f"version {version} is the base snapshot and has no delta; use materialize()")
-        return self.blobs.get(row.blob_key)
+        return self._delta(row)
 
     def _chain(self, version: int) -> list[Version]:
         """[version, parent, grandparent, ..., 0]."""
@@ -421,7 +434,7 @@ class Registry:
         Apply each with ``apply_delta``/``plan_delta``: they detect the direction themselves.
         """
         up, down = self.path(from_version, to_version)
-        return [self.blobs.get(r.blob_key) for r in up + down]
+        return [self._delta(r) for r in up + down]
 
     def materialize(self, version: int) -> dict[str, torch.Tensor]:
         """The weights of any version: nearest snapshot up the chain, then deltas forward, checksum-verified."""
@@ -433,7 +446,7 @@ class Registry:
         state = decode_snapshot(self.blobs.get(row.snapshot_key))
         state_sum = row.checksum
         for step in reversed(path):
-            plan = plan_delta(state, self.blobs.get(step.blob_key), known_checksum=state_sum)
+            plan = plan_delta(state, self._delta(step), known_checksum=state_sum)
             if plan.version != step.version or plan.checksum != step.checksum:
                 raise RegistryError(f"delta of version {step.version} leads to version {plan.version} "
                                     f"(checksum {plan.checksum[:12]}…); the registry row says {step.checksum[:12]}…")
@@ -457,7 +470,7 @@ class Registry:
         steps = [(r, r.parent) for r in up] + [(r, r.version) for r in down]
         state = base
         for row, expect in steps:
-            state, at = apply_delta(state, self.blobs.get(row.blob_key))
+            state, at = apply_delta(state, self._delta(row))
             if at != expect:
                 raise RegistryError(f"the delta of version {row.version} led to version {at}, expected {expect}")
         final = checksum(state)
@@ -477,8 +490,30 @@ class Registry:
             rows = s.execute(select(Version.blob_key, Version.snapshot_key)).all()
         return {k for row in rows for k in row if k is not None}
 
-    def gc(self, dry_run: bool = False, grace_s: float = 3600.0, actor: str = "admin") -> GcResult:
+    def prunable_rejected(self, older_than_s: float) -> list[int]:
+        """Rejected versions older than ``older_than_s`` whose every descendant is prunable too (leaves first)."""
+        cutoff = time.time() - older_than_s
+        with self._sessions() as s:
+            rows = s.execute(select(Version.version, Version.parent, Version.status, Version.created_at,
+                                    Version.blob_key)).all()
+        children: dict[int, list[int]] = {}
+        for r in rows:
+            if r.parent is not None:
+                children.setdefault(r.parent, []).append(r.version)
+        info = {r.version: r for r in rows}
+        memo: dict[int, bool] = {}
+        for v in sorted(info, reverse=True):  # children have larger numbers than their parents
+            r = info[v]
+            memo[v] = (r.status == "rejected" and r.created_at < cutoff and v != 0
+                       and all(memo[c] for c in children.get(v, [])))
+        return sorted((v for v, ok in memo.items() if ok and info[v].blob_key is not None), reverse=True)
+
+    def gc(self, dry_run: bool = False, grace_s: float = 3600.0, actor: str = "admin",
+           prune_rejected_s: float | None = None) -> GcResult:
         """Delete blobs no version references and older than ``grace_s`` seconds (see the module doc).
+
+        ``prune_rejected_s``: first unreference the blobs of rejected versions older than this whose descendants
+        are all rejected (``prunable_rejected``), so they are collected in the same pass.
 
         Order matters for concurrent writers: the store is listed *before* the referenced keys are read, so a
         row committed meanwhile protects its blobs; each candidate's age is read just before deleting it.
@@ -486,9 +521,23 @@ class Registry:
         """
         if grace_s < 0:
             raise ValueError(f"grace_s must be >= 0, got {grace_s}")
+        pruned = self.prunable_rejected(prune_rejected_s) if prune_rejected_s is not None else []
+        if pruned and not dry_run:
+            with self._tx() as s:
+                for v in pruned:
+                    row = s.get(Version, v)
+                    if row is None or row.status != "rejected":  # promoted or rejected-then-changed meanwhile
+                        continue
+                    row.blob_key, row.snapshot_key = None, None
+                self._audit(s, actor, "gc", None, f"pruned the deltas of {len(pruned)} rejected versions "
+                            f"(no live descendants): {', '.join(map(str, pruned[:20]))}")
         stored = set(self.blobs.list_keys())
         referenced = self.referenced_blobs()
-        result = GcResult(dry_run=dry_run, grace_s=grace_s, referenced=len(stored & referenced))
+        if dry_run and pruned:
+            with self._sessions() as s:
+                gone = s.execute(select(Version.blob_key, Version.snapshot_key).where(Version.version.in_(pruned))).all()
+            referenced -= {k for row in gone for k in row if k is not None}
+        result = GcResult(dry_run=dry_run, grace_s=grace_s, referenced=len(stored & referenced), pruned=pruned)
         result.missing = sorted(k for k in referenced - stored if not self.blobs.exists(k))
         cutoff = time.time() - grace_s
         for key in sorted(stored - referenced):

@@ -173,8 +173,9 @@ class Canary:
             return ABORT, f"{self.success.name} is worse than stable (p {self.success.p_harm:.3g})"
         pending = [g.name for g in self.guardrails if g.verdict(g.alpha / k) != BETTER]
         if s == BETTER and not pending:
-            return PROMOTE, f"{self.success.name} better than stable (p {self.success.p_pass:.3g}), every guardrail " \
-                            "non-inferior"
+            shown = "better than stable" if self.success.margin == 0 else \
+                f"not worse than stable by more than {self.success.margin:g}"
+            return PROMOTE, f"{self.success.name} {shown} (p {self.success.p_pass:.3g}), every guardrail non-inferior"
         if deadline_passed:
             return ABORT, "deadline passed: " + ("; ".join(
                 ([f"{self.success.name} undecided"] if s != BETTER else []) +

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-STATUSES = ("candidate", "rejected", "stable", "retired", "rolled_back")
+STATUSES = ("candidate", "canary", "rejected", "stable", "retired", "rolled_back")
 
 
 class Base(DeclarativeBase):
@@ -30,7 +30,8 @@ class Version(Base):
     created_at: Mapped[float] = mapped_column(sa.Float)
     promoted_at: Mapped[float | None] = mapped_column(sa.Float)
     checksum: Mapped[str] = mapped_column(sa.String(64))
-    blob_key: Mapped[str] = mapped_column(sa.String(64), doc="delta from the parent, or the snapshot for version 0")
+    blob_key: Mapped[str | None] = mapped_column(
+        sa.String(64), doc="delta from the parent, or the snapshot for version 0; NULL: a rejected version's, pruned")
     blob_kind: Mapped[str] = mapped_column(sa.String(8), doc="delta | snapshot")
     snapshot_key: Mapped[str | None] = mapped_column(sa.String(64), doc="full snapshot of this version, if stored")
     snapshot_base: Mapped[int] = mapped_column(sa.Integer, doc="nearest version up the chain with a snapshot")

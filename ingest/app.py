@@ -3,7 +3,9 @@
 Inputs (raw bytes, JSON per ``liverl.core.schemas``), both keyed by ``generation_id`` so they are co-partitioned:
 ``<prefix>.generations`` (the serving tier logs every generation) and ``<prefix>.feedback`` (the product
 reports a user's accept / reject / edit). Outputs: ``<prefix>.samples`` (one ``TrainingSample`` per judged
-generation, ``sample_id = generation_id``) and ``<prefix>.dead-letters`` (every refused input, with why).
+generation, ``sample_id = generation_id``), ``<prefix>.heldout`` (the same, for a fixed hash-share of generations,
+``ingest.heldout_share``: the gate's off-policy evidence, never trained on) and ``<prefix>.dead-letters`` (every
+refused input, with why).
 
 Why a table rather than a join operator: faust-streaming's stream-stream join raises NotImplementedError, and
 feedback can arrive before the generation record (two producers, two topics). So the join is state keyed by
@@ -256,7 +258,7 @@ def build_app(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: in
     n = cfg.broker.partitions
     raw = {"key_type": str, "key_serializer": "raw", "value_serializer": "raw", "partitions": n}
     inputs = app.topic(t.generations, t.feedback, **raw)
-    outputs = {t.samples: app.topic(t.samples, **raw), t.dead_letters: app.topic(t.dead_letters, **raw)}
+    outputs = {name: app.topic(name, **raw) for name in (t.samples, t.heldout, t.dead_letters)}
     # RocksDB defaults are sized for a dedicated machine (2 GiB block cache); the join table needs far less.
     options = {"block_cache_size": 64 << 20, "write_buffer_size": 16 << 20, "max_write_buffer_number": 2}
     table = app.Table("join", help="generation_id -> waiting record, pending feedback or judgement",

@@ -102,6 +102,15 @@ def unpack(value: bytes) -> tuple[bytes, float, dict, bytes]:
     return value[:1], float(value[2:end]), (json.loads(meta) if meta else {}), value[nl + 1:]
 
 
+def is_heldout(generation_id: str, share: float) -> bool:
+    """Whether a joined sample goes to the held-out stream: a fixed hash-share of generation ids (the same answer on
+    every replay and every worker)."""
+    if share <= 0:
+        return False
+    h = int.from_bytes(hashlib.blake2b(generation_id.encode(), digest_size=8, person=b"liverl-heldout").digest(), "big")
+    return h / 2**64 < share
+
+
 def key_text(key: Any) -> str | None:
     if key is None:
         return None
@@ -239,6 +248,9 @@ class Ingest:
             return
         entry = self._get(gid, out)
         kind = entry[:1] if entry else None
+        if fb.kind == "revert":
+            await self._on_revert(fb, entry, kind, src, value, out, now)
+            return
         if kind == JUDGED:
             _, _, meta, _ = unpack(entry)
             if meta["f"] == fid:
@@ -266,6 +278,30 @@ class Ingest:
             out.writes[gid] = pack(PENDING, now, meta, fb.model_dump_json().encode())
             out.new_pending += 1
 
+    async def _on_revert(self, fb: FeedbackEvent, entry: bytes | None, kind: bytes | None, src: Source,
+                         value: bytes | None, out: _Batch, now: float) -> None:
+        """A follow-up on an accepted generation: counted once per generation in its version's live counters
+        (``revert``), so the gate sees how many accepted answers were kept. It trains nothing."""
+        gid = fb.generation_id
+        if kind != JUDGED:
+            await self._dead(out, "revert_unjudged", f"generation {gid} has no judgement to revert (a revert follows "
+                             f"an accept; judgements are kept ingest.judged_ttl_s)", src, value)
+            return
+        _, t, meta, _ = unpack(entry)
+        if meta.get("r") == fb.feedback_id:
+            out.tally.inc("duplicates")
+            out.tally.live.append((fb.feedback_id, meta["v"], "revert"))  # idempotent; heals a crash before Redis
+        elif meta.get("r") is not None:
+            await self._dead(out, "already_reverted", f"generation {gid} was already reverted by {meta['r']}",
+                             src, value)
+        elif meta["k"] != "accept":
+            await self._dead(out, "revert_unaccepted", f"generation {gid} was judged {meta['k']}, not accept: only an "
+                             "accepted generation can be reverted", src, value)
+        else:
+            out.writes[gid] = pack(JUDGED, t, {**meta, "r": fb.feedback_id})
+            out.tally.inc("reverted")
+            out.tally.live.append((fb.feedback_id, meta["v"], "revert"))
+
     async def _join(self, rec: GenerationRecord, fb: FeedbackEvent, out: _Batch, now: float, src: Source) -> None:
         gid = rec.generation_id
         meta = {"f": fb.feedback_id, "v": rec.policy_version, "k": fb.kind}
@@ -286,8 +322,12 @@ class Ingest:
             out.tally.inc("drop:not_trainable")
         out.writes[gid] = pack(JUDGED, now, meta)
         if sample:
-            out.futs.append(await self._emit(self.topics.samples, gid, sample))
-            out.samples += 1
+            heldout = is_heldout(gid, self.ic.heldout_share)
+            out.futs.append(await self._emit(self.topics.heldout if heldout else self.topics.samples, gid, sample))
+            if heldout:
+                out.tally.inc("heldout_out")
+            else:
+                out.samples += 1
         out.tally.inc("joined")
         out.tally.joined_kinds[fb.kind] += 1
         out.tally.live.append((fb.feedback_id, rec.policy_version, fb.kind))

@@ -40,7 +40,9 @@ local n = 0
 for j = 1, #ARGV - 1 do
   if redis.call('SET', KEYS[2 * j - 1], '1', 'NX', 'EX', ARGV[1]) then
     redis.call('HINCRBY', KEYS[2 * j], ARGV[j + 1], 1)
-    redis.call('HINCRBY', KEYS[2 * j], 'events', 1)
+    if ARGV[j + 1] ~= 'revert' then  -- a follow-up on a judged generation, not another judged event
+      redis.call('HINCRBY', KEYS[2 * j], 'events', 1)
+    end
     n = n + 1
   end
 end
@@ -78,6 +80,10 @@ class IngestMetrics:
         self.generations = Counter("liverl_ingest_generations", "Generation records consumed (valid or not).", registry=r)
         self.joined = Counter("liverl_ingest_joined", "Generations joined with their feedback.", ["kind"], registry=r)
         self.samples = Counter("liverl_ingest_samples", "Training samples acknowledged by the broker.", registry=r)
+        self.reverted = Counter("liverl_ingest_reverted", "Accepted generations the user reverted later (follow-up "
+                                "feedback kind revert; counted per version in the live counters).", registry=r)
+        self.heldout = Counter("liverl_ingest_heldout", "Joined samples set aside for the gate's held-out stream "
+                               "(ingest.heldout_share).", registry=r)
         self.duplicates = Counter(
             "liverl_ingest_duplicates", "Redelivered inputs dropped (same feedback_id or generation_id).",
             ["source"], registry=r,
@@ -119,6 +125,8 @@ class IngestMetrics:
         self.feedback.inc(c.get("feedback_in", 0))
         self.generations.inc(c.get("generations_in", 0))
         self.samples.inc(c.get("samples_out", 0))
+        self.heldout.inc(c.get("heldout_out", 0))
+        self.reverted.inc(c.get("reverted", 0))
         self.duplicates.labels("feedback").inc(c.get("duplicates", 0))
         self.duplicates.labels("generations").inc(c.get("generation_duplicates", 0))
         self.expired.inc(c.get("generations_expired", 0))

@@ -110,6 +110,13 @@ class FeedbackClient:
         """The user rejected (dismissed) the generation. Returns the feedback_id."""
         return self._judge(generation_id, "reject", segment=segment, feedback_id=feedback_id, ts=ts)
 
+    def revert(self, generation_id: str, segment: str | None = None, feedback_id: str | None = None,
+               ts: float | None = None) -> str:
+        """Later, the user undid or rewrote a generation they had accepted (what a product sees after the fact:
+        the change was reverted, the answer replaced). Counted per version (the kept rate the gate guards); it
+        trains nothing by itself. Returns the feedback_id."""
+        return self._judge(generation_id, "revert", segment=segment, feedback_id=feedback_id, ts=ts)
+
     def edit(self, generation_id: str, edited_text: str, segment: str | None = None,
              feedback_id: str | None = None, ts: float | None = None) -> str:
         """The user kept the generation after correcting it to ``edited_text``. Returns the feedback_id."""

@@ -97,6 +97,22 @@ class PolicyEvaluator:
         return {"kl": kl_sum / tokens, "entropy": ent_sum / tokens, "stable_entropy": ref_ent_sum / tokens,
                 "tokens": tokens, "probes": len(probes)}
 
+    def sequence_logprobs(self, weights: Mapping[str, torch.Tensor], probes: Sequence[Probe]) -> list[float]:
+        """log pi(completion | prompt) of each probe under ``weights``: the sum over its completion tokens."""
+        out: list[float] = []
+        if not probes:
+            return out
+        with _threads(self.threads), torch.no_grad():
+            model = self._model(weights)
+            for i in range(0, len(probes), self.batch_size):
+                batch = probes[i: i + self.batch_size]
+                ids_BT, mask_BT, on_BT = _teacher_forcing(batch, pad_id=self._pad_id())
+                logp_BTV = torch.log_softmax(model(input_ids=ids_BT, attention_mask=mask_BT).logits.float(), -1)
+                next_BT = torch.roll(ids_BT, -1, dims=1)  # the token each position predicts
+                tok_BT = logp_BTV.gather(-1, next_BT.unsqueeze(-1)).squeeze(-1)
+                out += [float(x) for x in (tok_BT * on_BT).sum(-1)]
+        return out
+
     def _pad_id(self) -> int:
         tok = self.tokenizer
         for cand in (tok.pad_token_id, tok.eos_token_id, 0):

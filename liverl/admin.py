@@ -153,11 +153,28 @@ def cmd_status(cfg: LiverlConfig) -> int:
         con.print(f"stable: v{stable.version} (checksum {stable.checksum[:12]}…, promoted {_age(stable.promoted_at)} ago)")
         con.print("desired: " + (f"v{desired['version']} ({desired.get('reason', '')})" if desired else "not announced"))
         con.print(f"pending candidates: {', '.join(f'v{c.version}' for c in pending) or 'none'}")
+        from deploy.canary import read_plan
+
+        plan = read_plan(r, prefix) if r is not None else None
+        if plan is None:
+            con.print("rollout: none (a candidate that passes the gate goes on canary when 2+ nodes are in rotation)")
+        else:
+            con.print(f"rollout: canary v{plan.version} on {', '.join(plan.nodes)} for {plan.share:.0%} of users, "
+                      f"{plan.state}, started {_age(plan.started_at)} ago, deadline in "
+                      f"{max(0.0, plan.deadline_at - time.time()):.0f} s")
+            if plan.looks:
+                lk = plan.looks[-1]
+                con.print(f"  evidence: acceptance canary {lk.canary_acceptance:.1%} on {lk.canary_events} vs stable "
+                          f"{lk.stable_acceptance:.1%} on {lk.stable_events}; always-valid p better {lk.p_better:.3g}, "
+                          f"p worse {lk.p_worse:.3g}; {plan.reason}")
         fleet = Table(title="fleet")
         for col in ("node", "version", "checksum", "heartbeat", "in sync"):
             fleet.add_column(col)
         for node, s in (_served(r, prefix) if r is not None else {}).items():
-            sync = desired is not None and s.get("version") == desired["version"] and s.get("checksum") == desired["checksum"]
+            want = desired
+            if plan is not None and node in plan.nodes:
+                want = {"version": plan.version, "checksum": plan.checksum}
+            sync = want is not None and s.get("version") == want["version"] and s.get("checksum") == want["checksum"]
             fleet.add_row(node, f"v{s.get('version')}", str(s.get("checksum", ""))[:12] + "…", _age(s.get("ts")) + " ago",
                           "yes" if sync else "NO")
         con.print(fleet)
@@ -176,6 +193,70 @@ def cmd_versions(cfg: LiverlConfig, limit: int | None = 20) -> int:
         return 0
     finally:
         reg.close()
+
+
+def cmd_diff(cfg: LiverlConfig, a: int, b: int, top: int = 20) -> int:
+    """What changed from version ``a`` to ``b``: both rebuilt from the registry (checksum-verified), per tensor
+    the share of elements whose bits differ, the largest and the relative change; then the gate's evidence for
+    each side by side, and their live acceptance."""
+    import torch
+    from rich.table import Table
+
+    from deploy.registry import RegistryError
+
+    reg = open_registry(cfg)
+    try:
+        try:
+            ra, rb = reg.get(a), reg.get(b)
+            wa, wb = reg.materialize(a), reg.materialize(b)
+        except RegistryError as e:
+            return _err(str(e))
+        checks = {v: {g.check: g for g in reg.gate_results(v)} for v in (a, b)}
+        r = _redis_or_none(cfg)
+        live = _live(r, cfg.topics.prefix, [a, b]) if r is not None else {}
+    finally:
+        reg.close()
+    con = _console()
+    rows, total, changed = [], 0, 0
+    for name in sorted(set(wa) | set(wb)):
+        ta, tb = wa.get(name), wb.get(name)
+        if ta is None or tb is None or ta.shape != tb.shape or ta.dtype != tb.dtype:
+            rows.append((name, 1.0, float("nan"), float("nan"), "only in one" if ta is None or tb is None else "shape"))
+            continue
+        n = ta.numel()
+        diff = ta.contiguous().view(-1).view(torch.uint8).view(n, -1) != tb.contiguous().view(-1).view(torch.uint8).view(n, -1)
+        k = int(diff.any(dim=1).sum())
+        total, changed = total + n, changed + k
+        if k:
+            d = (tb.float() - ta.float())
+            rows.append((name, k / n, float(d.abs().max()), float(d.norm() / ta.float().norm().clamp_min(1e-12)), ""))
+    rows.sort(key=lambda x: -x[3] if x[3] == x[3] else float("-inf"))
+    t = Table(title=f"v{a} -> v{b}: {len(rows)} of {len(set(wa) | set(wb))} tensors changed, "
+                    f"{changed / max(total, 1):.2%} of elements")
+    for col in ("tensor", "elements changed", "max |change|", "relative change (L2)", "note"):
+        t.add_column(col, justify="left" if col in ("tensor", "note") else "right")
+    for name, frac, mx, rel, note in rows[:top]:
+        t.add_row(name, f"{frac:.2%}", f"{mx:.3g}", f"{rel:.3g}", note)
+    if len(rows) > top:
+        t.caption = f"the {top} largest relative changes of {len(rows)} (--top N shows more)"
+    con.print(t)
+    e = Table(title="gate evidence, side by side")
+    e.add_column("")
+    for row in (ra, rb):
+        e.add_column(f"v{row.version}", justify="right")
+    e.add_row("status", *(f"{row.status}" + (f" ({row.status_reason})" if row.status_reason else "") for row in (ra, rb)))
+    e.add_row("parent", *("-" if row.parent is None else f"v{row.parent}" for row in (ra, rb)))
+    e.add_row("live acceptance", *(_acc(live.get(v)) for v in (a, b)))
+    for check in sorted(set(checks[a]) | set(checks[b])):
+        cells = []
+        for v in (a, b):
+            g = checks[v].get(check)
+            cells.append("-" if g is None else
+                         f"{'pass' if g.passed else 'FAIL'} {g.value if g.value is None else format(g.value, '.4g')}"
+                         f" (vs {g.threshold if g.threshold is None else format(g.threshold, '.4g')})")
+        e.add_row(check, *cells)
+    con.print(e)
+    return 0
 
 
 def cmd_history(cfg: LiverlConfig, limit: int | None = 50, verify: bool = False) -> int:
@@ -275,9 +356,46 @@ def cmd_hold(cfg: LiverlConfig, hold: bool, reason: str, token: str | None) -> i
     return 0
 
 
-def gc_command(cfg: LiverlConfig, dry_run: bool, grace_s: float = 3600.0, token: str | None = None) -> int:
+def cmd_rollout(cfg: LiverlConfig, action: str, reason: str, token: str | None) -> int:
+    """``abort``, ``pause`` or ``resume`` the canary in progress (Argo Rollouts' verbs); audited. An abort rejects the
+    canary and sends its nodes back to stable; a paused canary keeps its share but is not promoted (it is still
+    aborted if a metric is shown worse)."""
+    from deploy.canary import CanaryController, read_plan
+    from deploy.registry import RegistryError
+
+    r = open_redis(cfg)
+    reg = open_registry(cfg)
+    try:
+        try:
+            actor = reg.authenticate(token, need="operator").name
+        except RegistryError as e:
+            return _err(str(e))
+        plan = read_plan(r, cfg.topics.prefix)
+        if plan is None:
+            return _err("no canary is in progress (`liverl status` shows the rollout)")
+        if action == "abort":
+            ctl = CanaryController(cfg, reg, r, None, reg.record_gate)
+            ctl.abort(plan, f"aborted by {actor}: {reason}", actor=actor)
+            msg = f"canary v{plan.version} aborted; its nodes ({', '.join(plan.nodes)}) return to stable v{plan.stable_version}"
+        else:
+            want = "paused" if action == "pause" else "running"
+            if plan.state == want:
+                return _err(f"the canary of v{plan.version} is already {want}")
+            r.set(keys.rollout(cfg.topics.prefix), plan.model_copy(update={"state": want}).to_json())
+            reg.log_action(actor, f"canary_{action}", reason, version=plan.version)
+            msg = f"canary v{plan.version} {want}"
+    finally:
+        reg.close()
+        r.close()
+    _console().print(f"{msg} ({actor}: {reason})")
+    return 0
+
+
+def gc_command(cfg: LiverlConfig, dry_run: bool, grace_s: float = 3600.0, token: str | None = None,
+               prune_rejected_s: float | None = None) -> int:
     """Delete blobs no version references (older than ``grace_s``), or with ``dry_run`` only list them. Deleting
-    needs an admin token."""
+    needs an admin token. ``prune_rejected_s``: also drop the deltas of rejected versions older than this that no
+    surviving version descends from."""
     from rich.table import Table
 
     from deploy.registry import RegistryError
@@ -290,7 +408,7 @@ def gc_command(cfg: LiverlConfig, dry_run: bool, grace_s: float = 3600.0, token:
                 actor = reg.authenticate(token, need="admin").name
             except RegistryError as e:
                 return _err(str(e))
-        res = reg.gc(dry_run=dry_run, grace_s=grace_s, actor=actor)
+        res = reg.gc(dry_run=dry_run, grace_s=grace_s, actor=actor, prune_rejected_s=prune_rejected_s)
         store = cfg.blob_location
     finally:
         reg.close()
@@ -304,6 +422,10 @@ def gc_command(cfg: LiverlConfig, dry_run: bool, grace_s: float = 3600.0, token:
     for b in res.recent:
         t.add_row(b.key, _size(b.size), _age(b.modified_at), f"kept: younger than {grace_s:.0f} s")
     con.print(t)
+    if prune_rejected_s is not None:
+        con.print(f"{'would prune' if dry_run else 'pruned'} the deltas of {len(res.pruned)} rejected versions "
+                  f"older than {prune_rejected_s:.0f} s with no surviving descendant"
+                  + (f": {', '.join(map(str, res.pruned[:30]))}" if res.pruned else ""))
     con.print(f"{verb} {len(res.removed)} unreferenced blobs ({_size(res.removed_bytes)}); "
               f"{len(res.recent)} recent unreferenced kept; {res.referenced} referenced kept")
     if res.missing:

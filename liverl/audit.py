@@ -32,7 +32,7 @@ from liverl.core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, Tra
 
 VERDICT_OK = "ok"
 MOVING = ("queued_for_learner", "in_flight", "waiting_for_generation")
-JOINED = ("trained", "refused_by_learner", "queued_for_learner", "dropped:not_trainable", "dead_letter:sample_too_large")
+JOINED = ("trained", "held_out", "refused_by_learner", "queued_for_learner", "dropped:not_trainable", "dead_letter:sample_too_large")
 
 
 @dataclass
@@ -74,7 +74,8 @@ class Report:
             out.append(f"the registry has {len(self.stable_versions)} stable versions {self.stable_versions}")
         for node, n in sorted(self.nodes.items()):
             if not n["converged"]:
-                out.append(f"node {node} serves v{n['version']} ({n['checksum']}), not the stable version")
+                out.append(f"node {node} serves v{n['version']} ({n['checksum']}), not "
+                           + (f"the canary v{n['canary']}" if "canary" in n else "the stable version"))
         if not self.nodes:
             out.append("no serving node reports a heartbeat")
         return out
@@ -162,6 +163,12 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
         except WireError:
             continue
         samples[s.feedback_id].append((part, off, s.sample_id))
+    held_out = set()  # feedback ids whose sample went to the gate's held-out stream (never trained, by design)
+    for _, _, raw in read_topic(bootstrap, t.heldout, cfg.broker):
+        try:
+            held_out.add(TrainingSample.from_bytes(raw or b"").feedback_id)
+        except WireError:
+            continue
     # the learner's verdicts
     trained: collections.Counter = collections.Counter()
     refused: dict[tuple[int, int], str] = {}
@@ -195,8 +202,9 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
 
     for fid, recs in events.items():
         rep.events += 1
-        fate = _fate(recs, samples.get(fid, []), trained, refused, learner_done, dead, generations, ingest_done,
-                     now, pending_window)
+        fate = "held_out" if fid in held_out and fid not in samples else \
+            _fate(recs, samples.get(fid, []), trained, refused, learner_done, dead, generations, ingest_done, now,
+                  pending_window)
         rep.fates[fate] += 1
         if fate == "lost":
             rep.lost_examples.append(fid)
@@ -209,15 +217,23 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
     rep.stable_versions = sorted(int(v.version) for v in registry.list(status="stable"))
     if len(rep.stable_versions) == 1:
         rep.stable_checksum = registry.get(rep.stable_versions[0]).checksum
+    from deploy.canary import read_plan
+
+    plan = read_plan(redis, t.prefix)  # during a canary its nodes should serve the canary, not the stable version
     for key in redis.scan_iter(keys.served_pattern(t.prefix), count=1000):
         raw = redis.get(key)
         if not raw:
             continue
         hb = keys.ServedHeartbeat.from_json(raw)
-        rep.nodes[keys.node_of_served(t.prefix, key)] = {
-            "version": hb.version, "checksum": hb.checksum, "healthy": hb.healthy, "age_s": round(max(now - hb.ts, 0.0), 1),
-            "converged": len(rep.stable_versions) == 1 and hb.version == rep.stable_versions[0]
-            and hb.checksum == rep.stable_checksum}
+        node = keys.node_of_served(t.prefix, key)
+        if plan is not None and node in plan.nodes:
+            converged = (hb.version, hb.checksum) == (plan.version, plan.checksum)
+        else:
+            converged = len(rep.stable_versions) == 1 and (hb.version, hb.checksum) == (rep.stable_versions[0],
+                                                                                        rep.stable_checksum)
+        rep.nodes[node] = {"version": hb.version, "checksum": hb.checksum, "healthy": hb.healthy,
+                           "age_s": round(max(now - hb.ts, 0.0), 1), "converged": converged,
+                           **({"canary": plan.version} if plan is not None and node in plan.nodes else {})}
     return rep
 
 
@@ -235,6 +251,8 @@ def _fate(recs, sample_recs, trained, refused, learner_done, dead, generations, 
     for part, off, _ in recs:
         if (part, off) in dead:
             return f"dead_letter:{dead[(part, off)]}"
+    if recs[0][2].kind == "revert":  # a follow-up: counted in its version's live counters, never a sample
+        return "in_flight" if any(off >= ingest_done.get(part, 0) for part, off, _ in recs) else "counted:revert"
     gid = recs[0][2].generation_id
     if generations.get(gid) is False:
         return "dropped:not_trainable"

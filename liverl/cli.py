@@ -144,6 +144,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_route(args: argparse.Namespace) -> int:
+    from liverl.core.services import redis_url
+    from serving.router import run_router
+
+    cfg = _cfg(args)
+    run_router(cfg, redis_url(cfg), args.host or cfg.serving.host, args.port or cfg.serving.router_port)
+    return 0
+
+
 def cmd_ingest(args: argparse.Namespace) -> int:
     from ingest.worker import run_worker
     from liverl.core.services import kafka_bootstrap, redis_url
@@ -207,6 +216,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     return run(_cfg(args))
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    from liverl.admin import cmd_diff as run
+
+    return run(_cfg(args), args.a, args.b, top=args.top)
+
+
+def cmd_oncall(args: argparse.Namespace) -> int:
+    from liverl.oncall import serve
+
+    cfg = _cfg(args)
+    return serve(cfg, args.host or cfg.serving.host, args.port, refresh_s=args.refresh)
+
+
 def cmd_versions(args: argparse.Namespace) -> int:
     from liverl.admin import cmd_versions as run
 
@@ -246,10 +268,17 @@ def cmd_rollback(args: argparse.Namespace) -> int:
     return run(_cfg(args), reason=args.reason, token=_token(args), to=args.to)
 
 
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from liverl.admin import cmd_rollout as run
+
+    return run(_cfg(args), args.action, reason=args.reason, token=_token(args))
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     from liverl.admin import gc_command
 
-    return gc_command(_cfg(args), dry_run=args.dry_run, grace_s=args.grace, token=_token(args))
+    return gc_command(_cfg(args), dry_run=args.dry_run, grace_s=args.grace, token=_token(args),
+                      prune_rejected_s=args.prune_rejected)
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -390,6 +419,16 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=text, description=text)
         _model_args(s)
         s.set_defaults(fn=fn)
+    s = sub.add_parser("route", help="the fleet's front door: spread requests over the serving nodes, sticky per user",
+                       description="Route the OpenAI-compatible API (/v1/...) over every serving node whose heartbeat "
+                       "is live and healthy, sticky per user (X-Liverl-User header, the body's OpenAI 'user' field, or "
+                       "X-Session-Id; rendezvous hashing, so nodes joining or leaving move only their own users). A "
+                       "node that refuses connections is skipped and the request goes to the next one. Start one "
+                       "`liverl serve` per node, each with its own serving.node_name and ports. GET /fleet lists the "
+                       "nodes in rotation; GET /metrics has liverl_router_*.")
+    s.add_argument("--port", type=int, default=None, help="port (default serving.router_port, 8080)")
+    s.add_argument("--host", default=None, help="address to bind (default serving.host)")
+    s.set_defaults(fn=cmd_route)
     s = sub.add_parser("learn", help="run the continuous learner (learner.*)", description="run the continuous learner")
     s.add_argument("--max-steps", type=int, help="stop after this many updates")
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (liverl_learner_*) on this port")
@@ -428,6 +467,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="served version per node, pending candidates, live acceptance", epilog=ADMIN_EPILOG)
     s.set_defaults(fn=cmd_status)
+    s = sub.add_parser("diff", help="what changed between two versions: tensors, and the gate's evidence side by side",
+                       epilog=ADMIN_EPILOG, description="Rebuild versions A and B from the registry (checksum-verified) "
+                       "and list the tensors that differ (share of elements changed, largest change, relative L2 "
+                       "change), then each version's gate checks and live acceptance side by side.")
+    s.add_argument("a", type=int, help="version A (e.g. the stable version)")
+    s.add_argument("b", type=int, help="version B (e.g. a candidate)")
+    s.add_argument("--top", type=int, default=20, help="how many tensors to list, largest relative change first")
+    s.set_defaults(fn=cmd_diff)
+    s = sub.add_parser("oncall", help="serve the on-call page: release, fleet, live acceptance, gate checks, audit",
+                       epilog=ADMIN_EPILOG, description="Serve a page for on-call, refreshed live: the stable version "
+                       "and whether every node serves it, versions and lineage, live acceptance by version (a chart), "
+                       "every gate check with its value, threshold and reason, and the audit log. Read-only (no token). "
+                       "GET /api/state has the same data as JSON.")
+    s.add_argument("--port", type=int, default=6068, help="port (default 6068; 0: any free port)")
+    s.add_argument("--host", default=None, help="address to bind (default serving.host, loopback)")
+    s.add_argument("--refresh", type=float, default=2.0, metavar="SECONDS", help="page refresh interval (default 2)")
+    s.set_defaults(fn=cmd_oncall)
     s = sub.add_parser("versions", help="list versions: lineage, status, delta size, gate scores", epilog=ADMIN_EPILOG)
     s.add_argument("--limit", type=int, default=20, help="most recent N versions (default 20)")
     s.set_defaults(fn=cmd_versions)
@@ -464,6 +520,14 @@ def build_parser() -> argparse.ArgumentParser:
     _token_arg(s)
     s.set_defaults(fn=cmd_operator)
 
+    for action, text in (("abort", "abort the canary in progress: reject it, its nodes return to stable"),
+                         ("pause", "pause the canary: it keeps its share of users but is not promoted"),
+                         ("resume", "resume a paused canary")):
+        s = sub.add_parser(action, help=text, description=text + ". Needs an operator token and a reason (audited).",
+                           epilog=ADMIN_EPILOG)
+        s.add_argument("--reason", required=True, help="why (recorded in the audit log with who you are)")
+        _token_arg(s)
+        s.set_defaults(fn=cmd_rollout, action=action)
     s = sub.add_parser("gc", help="delete snapshot/delta blobs that no version references", epilog=ADMIN_EPILOG,
                        description="Delete blobs in the blob store that no registry version references (left by "
                                    "crashed writers or removed versions). Blobs younger than --grace are kept: a "
@@ -472,6 +536,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
     s.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
                    help="keep unreferenced blobs younger than this (default 3600)")
+    s.add_argument("--prune-rejected", type=float, default=None, metavar="SECONDS",
+                   help="also delete the deltas of rejected versions older than this whose descendants are all "
+                        "rejected (the rows, gate results and audit entries stay; such a version can no longer be "
+                        "rebuilt). A rejected version that a live version descends from is always kept")
     _token_arg(s)
     s.set_defaults(fn=cmd_gc)
 

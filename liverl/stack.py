@@ -78,8 +78,12 @@ def start_redis(port: int, log_dir: Path) -> subprocess.Popen:
     if binary is None:
         raise StackError("Redis: nothing answers on 127.0.0.1:6379 and redis-server is not installed "
                          "(Debian: apt-get install redis-server), or set redis.url")
-    proc = procs.spawn([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
-                       log_dir / "redis.log")
+    # persistence (append-only file, fsync every second): a restart keeps what the fleet should serve, the live
+    # counters and the feedback guards (without them a replay would count live acceptance twice)
+    data = log_dir.parent / "redis"
+    data.mkdir(parents=True, exist_ok=True)
+    proc = procs.spawn([binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data), "--save", "",
+                        "--appendonly", "yes", "--appendfsync", "everysec"], log_dir / "redis.log")
     _wait(port, 10, "Redis", proc)
     return proc
 

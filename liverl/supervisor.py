@@ -74,9 +74,26 @@ def child_env(cfg: LiverlConfig, stack: Stack, model_dir: Path) -> dict[str, str
     return env
 
 
+def roles_for(cfg: LiverlConfig) -> tuple[str, ...]:
+    """The processes to run: one ``serve`` per node (``serve@<i>`` with several) and, then, the router in front."""
+    n = cfg.serving.nodes
+    if n <= 1:
+        return ROLES
+    return (*(f"serve@{i}" for i in range(n)), "route", "ingest", "learn", "gate")
+
+
+def node_serving(serving: dict, i: int) -> dict:
+    """Node ``i``'s serving section: its own name and ports, counted up from the configured ones."""
+    return {**serving, "node_name": f"node-{i}", "gateway_port": serving["gateway_port"] + i,
+            "vllm_port": serving["vllm_port"] + i, "advertise_url": None}
+
+
 def start_child(role: str, env: dict[str, str], log_dir: Path) -> Child:
-    log_path = log_dir / f"{role}.log"
-    return Child(role, procs.spawn([sys.executable, "-m", "liverl.cli", role], log_path, env), log_path)
+    log_path = log_dir / f"{role.replace('@', '-')}.log"
+    command, _, node = role.partition("@")
+    if node:
+        env = {**env, "LIVERL__SERVING": json.dumps(node_serving(json.loads(env["LIVERL__SERVING"]), int(node)))}
+    return Child(role, procs.spawn([sys.executable, "-m", "liverl.cli", command], log_path, env), log_path)
 
 
 def stop_children(children: list[Child], timeout: float = 20.0) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from liverl.core.config import LiverlConfig
 from liverl.core.product import load_product
 from liverl.stack import Stack, start_stack
-from liverl.supervisor import Supervisor, child_env, ensure_keys, init_registry, wait_http
+from liverl.supervisor import Supervisor, child_env, ensure_keys, init_registry, roles_for, wait_http
 
 
 class Pipeline:
@@ -26,7 +26,9 @@ class Pipeline:
 
     @property
     def gateway_url(self) -> str:
-        return f"http://{self.cfg.serving.host}:{self.cfg.serving.gateway_port}"
+        """Where clients go: the router in front of several nodes, else the one node's gateway."""
+        s = self.cfg.serving
+        return f"http://{s.host}:{s.router_port if s.nodes > 1 else s.gateway_port}"
 
     def __enter__(self) -> Pipeline:
         import redis
@@ -43,8 +45,14 @@ class Pipeline:
             ensure_topics(self.stack.bootstrap, all_topics(cfg), cfg.broker.partitions, broker=cfg.broker)
             ensure_keys(cfg)
             init_registry(cfg, self.model_dir, self.redis)
-            self.supervisor = Supervisor(child_env(cfg, self.stack, self.model_dir), cfg.state_path / "logs").start()
-            wait_http(f"{self.gateway_url}/healthz", 300, self.supervisor.children, "the gateway (vLLM engine start)")
+            self.supervisor = Supervisor(child_env(cfg, self.stack, self.model_dir), cfg.state_path / "logs",
+                                         roles=roles_for(cfg)).start()
+            s = cfg.serving
+            for i in range(s.nodes):
+                wait_http(f"http://{s.host}:{s.gateway_port + i}/healthz", 300, self.supervisor.children,
+                          f"node-{i}'s gateway (vLLM engine start)")
+            if s.nodes > 1:  # every node in the router's rotation
+                wait_http(f"{self.gateway_url}/healthz", 60, self.supervisor.children, "the router")
         except BaseException:
             self.__exit__(None, None, None)
             raise

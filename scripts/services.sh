@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Make sure the services the TESTS talk to are up: Redis on 127.0.0.1:6379 and PostgreSQL on 127.0.0.1:5432.
+# Make sure the services the TESTS talk to are up: Redis on 127.0.0.1:6379 and PostgreSQL on 127.0.0.1:5432,
+# and the tools they run: promtool (the alert rules' check) and Chromium (the on-call page's browser test).
 # Starts them when installed but stopped; installs them (Debian packages) when missing and we are root.
 # (The demo needs neither: it starts its own broker, and Redis if none answers; the registry is SQLite.)
 set -uo pipefail
@@ -13,10 +14,12 @@ fi
 if ! up 5432; then
   if ! ls /etc/postgresql >/dev/null 2>&1; then need_apt+=(postgresql); fi
 fi
+command -v promtool >/dev/null || need_apt+=(prometheus)
+command -v chromium >/dev/null || command -v chromium-browser >/dev/null || need_apt+=(chromium)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "[services] installing ${need_apt[*]}" >&2
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need_apt[@]}" >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
     up 6379 || redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no >/dev/null
   else
     echo "[services] missing: ${need_apt[*]} (install the Debian packages, or run as root)" >&2
@@ -32,5 +35,6 @@ if ! up 5432 && ls /etc/postgresql >/dev/null 2>&1; then
     sed -i 's/^\(host.*127.0.0.1\/32\s*\)\S*$/\1trust/' "$hba" && pg_ctlcluster "$ver" main reload || true
   fi
 fi
+for t in promtool chromium; do command -v $t >/dev/null || echo "[services] $t missing (tests that need it will skip and say why)" >&2; done
 for p in 6379 5432; do up $p && echo "[services] 127.0.0.1:$p up" >&2 || echo "[services] 127.0.0.1:$p NOT up (tests that need it will skip and say why)" >&2; done
 exit 0

@@ -34,7 +34,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from deploy.signing import SignatureError, Verifier
 from liverl.core import keys
 from liverl.core.services import verify_key_path
-from liverl.core.config import LiverlConfig
+from liverl.core.config import LiverlConfig, advertised_url
 from liverl.core.schemas import VersionAnnouncement, WireError
 from serving.gateway import DrainTimeout, Gateway
 from serving.node import NodeClient, delta_dir
@@ -175,7 +175,17 @@ class Agent:
         return False
 
     async def desired(self) -> VersionAnnouncement | None:
-        raw = await self.redis.get(keys.desired(self.prefix))
+        """What this node should serve: the canary when a rollout names this node (``<p>:rollout``), else the
+        fleet's ``<p>:desired``; verified when announcements are signed."""
+        target = keys.desired(self.prefix)
+        raw_plan = await self.redis.get(keys.rollout(self.prefix))
+        if raw_plan is not None:
+            try:
+                if self.name in keys.RolloutPlan.from_json(raw_plan).nodes:
+                    target = keys.canary(self.prefix)
+            except ValueError as e:
+                log.error("unreadable %s (%s): serving %s", keys.rollout(self.prefix), e, target)
+        raw = await self.redis.get(target)
         if raw is None:
             return None
         try:
@@ -187,13 +197,13 @@ class Agent:
             self.refused_announcements += 1
             if self._last_refused != (len(raw), str(e)):  # say it once per distinct refusal, not every poll
                 self._last_refused = (len(raw), str(e))
-                log.error("refusing %s: %s", keys.desired(self.prefix), e)
+                log.error("refusing %s: %s", target, e)
             return None
 
     async def heartbeat(self) -> None:
         beat = keys.ServedHeartbeat(version=self.gw.version, checksum=self.gw.checksum,
                                     last_swap_pause_ms=self.gw.last_swap_pause_ms,
-                                    healthy=self.gw.unhealthy_reason is None)
+                                    healthy=self.gw.unhealthy_reason is None, url=advertised_url(self.cfg.serving))
         ttl = max(10, int(20 * self.cfg.serving.swap_poll_s))
         await self.redis.set(keys.served(self.prefix, self.name), beat.to_json(), ex=ttl)
 
@@ -221,9 +231,9 @@ class Agent:
         if row.checksum != ann.checksum:
             raise RuntimeError(f"announced checksum {ann.checksum[:12]} differs from the registry's "
                                f"{row.checksum[:12]} for version {ann.version}")
-        if row.status != "stable":  # Redis says what to serve; the registry says what may be served
+        if row.status not in ("stable", "canary"):  # Redis says what to serve; the registry what may be served
             raise RuntimeError(f"version {ann.version} is {row.status} in the registry, not stable: refusing to serve "
-                               "it (only a promotion or a rollback makes a version servable)")
+                               "it (only a promotion, a rollback or the gate's canary makes a version servable)")
         path_len = sum(map(len, self.registry.path(cur_v, ann.version)))
         if path_len <= self.max_chain:
             return self.registry.deltas_between(cur_v, ann.version), f"stored x{path_len}"

@@ -117,7 +117,7 @@ def ensure_topics(bootstrap: str, names: list[str], partitions: int, timeout_s: 
 
 def all_topics(cfg: LiverlConfig) -> list[str]:
     t = cfg.topics
-    return [t.feedback, t.generations, t.samples, t.dead_letters]
+    return [t.feedback, t.generations, t.samples, t.dead_letters, t.heldout]
 
 
 class KeySerializer(Serializer):

@@ -103,6 +103,11 @@ class TopicsConfig(_Section):
     def dead_letters(self) -> str:
         return f"{self.prefix}.dead-letters"
 
+    @property
+    def heldout(self) -> str:
+        """Joined samples set aside for the gate's off-policy estimate; the learner never reads them."""
+        return f"{self.prefix}.heldout"
+
 
 class ModelConfig(_Section):
     path: str | None = Field(
@@ -120,6 +125,14 @@ class ServingConfig(_Section):
     gateway_port: int = Field(default=8000, description="Port of the OpenAI-compatible gateway.")
     vllm_port: int = Field(default=8100, description="Port of the vLLM node's own OpenAI server.")
     node_name: str = Field(default="node-0", description="Name of this serving node in logs and records.")
+    advertise_url: str | None = Field(
+        default=None, description="Where the router reaches this node's gateway (its heartbeat carries it). "
+        "Default: http://<serving.host>:<serving.gateway_port> (0.0.0.0 advertised as 127.0.0.1).")
+    router_port: int = Field(default=8080, description="Port of the router (``liverl route``), the fleet's front door.")
+    nodes: int = Field(
+        default=1, ge=1, le=16, description="How many serving nodes `liverl up` and `liverl demo` run on this machine "
+        "(node-0, node-1, ...; gateway and vLLM ports counted up from gateway_port and vllm_port). More than one: "
+        "`liverl route` runs in front on router_port and the gate can canary.")
     max_num_seqs: int = Field(default=64, description="vLLM's concurrent sequence limit.")
     device: str = Field(default="auto", description="auto | cpu | cuda: which vLLM build serves.")
     swap_poll_s: float = Field(default=0.5, description="How often the agent checks the desired version.")
@@ -135,6 +148,13 @@ class ServingConfig(_Section):
         "records before it is sent (bounded; an expired wait is counted in liverl_gateway_generation_log_slow). A "
         "client then never holds a generation id whose record a crash lost (feedback on it would be dead-lettered "
         "unknown_generation: 48 of 29,495 events in a chaos run with 0). 0: answer at once.")
+
+
+def advertised_url(s: ServingConfig) -> str:
+    if s.advertise_url:
+        return s.advertise_url.rstrip("/")
+    host = "127.0.0.1" if s.host in ("0.0.0.0", "::", "") else s.host
+    return f"http://{host}:{s.gateway_port}"
 
 
 class RewardConfig(_Section):
@@ -165,6 +185,10 @@ class IngestConfig(_Section):
     redis_retry_s: float = Field(
         default=20.0, gt=0, description="How long a batch retries Redis before the ingest worker stops (exit code 75) "
         "without acknowledging it, to replay it after a restart.")
+    heldout_share: float = Field(
+        default=0.05, ge=0.0, le=0.5, description="Share of joined samples (by a hash of the generation id, so a "
+        "replay decides the same) sent to <prefix>.heldout instead of <prefix>.samples: the gate estimates each "
+        "candidate's acceptance on them off-policy; the learner never trains on them. 0: none.")
     judged_ttl_s: float = Field(
         default=24 * 3600.0, gt=0, description="How long a judgement is remembered, so redelivered feedback is a "
         "duplicate and a second judgement is dead-lettered (already_judged).")
@@ -221,6 +245,33 @@ class GateConfig(_Section):
     probe_generations: int = Field(
         default=256, ge=1, description="How many recent logged generations the drift and collapse checks use.")
     poll_s: float = Field(default=1.0, gt=0, description="How often the gate looks for new candidates.")
+    heldout_samples: int = Field(
+        default=512, ge=0, description="How many of the newest held-out samples the off-policy check reads (0: off).")
+    offpolicy_margin: float = Field(
+        default=0.02, ge=0, description="A candidate whose estimated acceptance's upper bound is below stable's by "
+        "more than this (same held-out samples) is refused.")
+    offpolicy_min_ess: float = Field(
+        default=50.0, ge=1, description="Below this effective sample size the off-policy estimate is recorded but "
+        "decides nothing (the candidate moved too far from the logged behaviour to be judged off-policy).")
+    offpolicy_clip: float = Field(default=10.0, gt=1, description="Cap on each importance weight.")
+    canary_share: float = Field(
+        default=0.2, ge=0.0, lt=1.0, description="Share of users (a fixed hash bucket each, sticky) a candidate that "
+        "passed the offline checks is shown on the canary nodes before it is promoted. 0, or fewer than 2 serving "
+        "nodes in rotation: no canary, the gate promotes at once.")
+    canary_nodes: int = Field(default=1, ge=1, description="How many serving nodes serve the canary (at least one "
+                              "node always stays on the stable version).")
+    canary_deadline_s: float = Field(default=1800.0, gt=0, description="A canary still undecided after this is "
+                                     "aborted.")
+    canary_alpha: float = Field(default=0.05, gt=0, lt=1, description="Error rate of the canary's always-valid "
+                                "sequential test (mSPRT; deploy.sequential), however often it is peeked at.")
+    canary_tau: float = Field(default=0.03, gt=0, description="Effect size the test is tuned for (acceptance points).")
+    canary_min_events: int = Field(default=100, ge=1, description="Judged events each arm needs before any decision.")
+    canary_margin: float = Field(
+        default=0.0, ge=0.0, description="0: promote only when live acceptance is shown better than stable's; > 0: "
+        "when shown not worse by more than this (non-inferiority).")
+    guardrail_margin: float = Field(
+        default=0.02, ge=0.0, description="Guardrails (the edit rate, the revert rate) must be shown not worse than stable's "
+        "by more than this before a promotion; a guardrail shown worse aborts the canary.")
     metrics_port: int = Field(default=6067, ge=0, description="Port of the gate's Prometheus /metrics "
                               "(liverl_gate_*) on serving.host; 0: off.")
 

@@ -8,6 +8,8 @@ is renamed in one place. Every key starts with the topic prefix (``cfg.topics.pr
 | key                              | type   | written by      | record                                    |
 |----------------------------------|--------|-----------------|-------------------------------------------|
 | ``<p>:desired``                  | string | gate, admin     | ``VersionAnnouncement`` (schemas)         |
+| ``<p>:canary``                   | string | gate            | ``VersionAnnouncement`` of the canary     |
+| ``<p>:rollout``                  | string | gate, admin     | ``RolloutPlan`` (share, nodes, evidence)  |
 | ``<p>:served:<node>``            | string | serving agent   | ``ServedHeartbeat`` (TTL: stale = gone)   |
 | ``<p>:swaps``                    | list   | serving agent   | ``SwapRecord`` (capped, newest last)      |
 | ``<p>:swap_errors``              | list   | serving agent   | ``SwapError`` (capped)                    |
@@ -20,6 +22,7 @@ is renamed in one place. Every key starts with the topic prefix (``cfg.topics.pr
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -55,6 +58,15 @@ def swap_errors(prefix: str) -> str:
 
 def live(prefix: str, version: int) -> str:
     return f"{prefix}:live:{version}"
+
+
+def canary(prefix: str) -> str:
+    """The canary version, announced (and signed) as ``desired`` is; served only by the rollout's nodes."""
+    return f"{prefix}:canary"
+
+
+def rollout(prefix: str) -> str:
+    return f"{prefix}:rollout"
 
 
 def live_pattern(prefix: str) -> str:
@@ -112,6 +124,7 @@ class ServedHeartbeat(_Record):
     ts: float = Field(default_factory=time.time)
     last_swap_pause_ms: float | None = None
     healthy: bool = True
+    url: str | None = None  # the node's gateway, for the router (serving.advertise_url); None: not routable
 
 
 class SwapRecord(_Record):
@@ -147,3 +160,43 @@ class SwapErrorRecord(_Record):
 
     def to_json(self) -> str:
         return self.model_dump_json(by_alias=True)
+
+
+class CanaryLook(_Record):
+    """One look of the canary's sequential test (the page plots them)."""
+
+    at: float
+    canary_events: int
+    stable_events: int
+    canary_acceptance: float
+    stable_acceptance: float
+    p_better: float
+    p_worse: float
+
+
+class RolloutPlan(_Record):
+    """A canary in progress: which version, on which nodes, with what share of users; and the evidence so far.
+
+    The router sends a user to the canary nodes when the user's bucket (``user_bucket``) is below ``share`` and the
+    state is ``running``; the agents of ``nodes`` serve the ``<p>:canary`` announcement instead of ``<p>:desired``.
+    Counts of the stable version are taken from ``stable_baseline`` on (its live counters when the canary began).
+    """
+
+    version: int
+    checksum: str
+    stable_version: int
+    share: float = Field(ge=0.0, le=1.0)
+    nodes: list[str]
+    state: str = "running"  # running | paused
+    started_at: float = Field(default_factory=time.time)
+    deadline_at: float
+    stable_baseline: dict[str, int] = Field(default_factory=dict)
+    max_log_lr: dict[str, float] = Field(default_factory=dict)  # per metric and side: the always-valid tests' state
+    looks: list[CanaryLook] = Field(default_factory=list)
+    verdict: str = "continue"
+    reason: str = "collecting evidence"
+
+
+def user_bucket(key: str) -> float:
+    """A user's fixed place in [0, 1): the router sends buckets below the rollout's share to the canary."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8, person=b"liverl-canary").digest(), "big") / 2**64

@@ -21,7 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 SCHEMA_VERSION = 1
 
-FeedbackKind = Literal["accept", "reject", "edit"]
+FeedbackKind = Literal["accept", "reject", "edit", "revert"]
+"""accept, reject, edit judge a generation (its first judgement trains); revert is a follow-up on an accepted one (the
+user undid or rewrote it later): counted per version as the gate's kept rate, never a training sample itself."""
 
 _Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
 # Unix seconds in 2000..2100: no NaN, no infinities, nothing a clock could not have said.
@@ -90,7 +92,8 @@ class FeedbackEvent(_Wire):
     schema_version: Literal[1] = SCHEMA_VERSION
     feedback_id: _Id = Field(description="Idempotency key: the same feedback_id is counted and trained on once.")
     generation_id: _Id = Field(description="The id the gateway returned with the generation being judged.")
-    kind: FeedbackKind = Field(description="accept | reject | edit")
+    kind: FeedbackKind = Field(description="accept | reject | edit, or revert: a later follow-up on an accepted "
+                               "generation (the user undid it); its own feedback_id, the same generation_id")
     edited_text: str | None = Field(
         default=None, max_length=65536, description="The user's corrected completion; required when kind is edit."
     )

@@ -88,6 +88,8 @@ def build_summary(cfg, r, registry, timeline: Timeline, stats, product_name: str
         "dead_letters": {k.removeprefix("dlq:"): int(v) for k, v in ingest.items() if k.startswith("dlq:")},
         "duplicates_dropped": int(ingest.get("duplicates", 0)),
         "gate_checks": gate_checks(registry),
+        "versions": version_evidence(registry, candidates, live),
+        "marks": release_marks(registry, promoted, timeline.t0),
         "product": product_name,
         "duration_s": cfg.demo.duration_s,
         "users": cfg.demo.users,
@@ -134,6 +136,30 @@ def codec_report(registry, candidates, sample: int = 12) -> dict:
             "median_changed_fraction": median("changed_fraction")}
 
 
+def release_marks(registry, promoted, t0: float) -> list[dict]:
+    """When (seconds into the demo) each version was promoted, and each canary aborted: the plot's markers."""
+    marks = [{"t": v.promoted_at - t0, "version": v.version, "event": "promoted"} for v in promoted]
+    marks += [{"t": g.at - t0, "version": g.version, "event": "canary aborted"}
+              for g in registry.gate_results() if g.check == "canary" and not g.passed]
+    return sorted((m for m in marks if m["t"] >= 0), key=lambda m: m["t"])
+
+
+def version_evidence(registry, candidates, live: dict) -> dict[str, dict]:
+    """Per candidate: its fate, the off-policy estimate and the canary's outcome (with their reasons), and its own
+    live acceptance."""
+    results: dict[int, dict[str, dict]] = {}
+    for g in registry.gate_results():
+        if g.check in ("offpolicy", "canary"):
+            results.setdefault(g.version, {})[g.check] = {"passed": g.passed, "value": g.value,
+                                                         "threshold": g.threshold, "detail": g.detail}
+    out = {}
+    for v in sorted(candidates, key=lambda c: c.version):
+        c = live.get(v.version) or {}
+        out[str(v.version)] = {"status": v.status, "reason": v.status_reason, **results.get(v.version, {}),
+                               "live_events": c.get("events", 0), "live_acceptance": rate(c) if c else None}
+    return out
+
+
 def gate_checks(registry) -> dict[str, dict[str, int]]:
     """Which checks the gate ran on candidates, with how many passed and failed (reference rows excluded)."""
     out: dict[str, dict[str, int]] = {}
@@ -176,6 +202,12 @@ def plot_timeline(timeline: Timeline, summary: dict, path: Path, window_s: float
             final = summary["live_by_version"].get(str(v), {}).get("acceptance")
             label = f"v{v}" + ("" if final is None else f" ({final:.0%} overall)")
             ax.plot(xs, ys, "o-", color=cmap(i), label=label, markersize=3)
+    for m in summary.get("marks", []):
+        promoted = m["event"] == "promoted"
+        ax.axvline(m["t"], color="#0a7d32" if promoted else "#b3261e", linestyle="--" if promoted else ":",
+                   linewidth=1, alpha=0.7)
+        ax.text(m["t"], 0.98, f" v{m['version']} {'promoted' if promoted else 'aborted'}", rotation=90, va="top",
+                fontsize=7, color="#0a7d32" if promoted else "#b3261e")
     ax.set_xlabel("demo time (s)")
     ax.set_ylabel(f"live acceptance (per {window_s:.0f} s window)")
     ax.set_ylim(0, 1)
@@ -226,6 +258,16 @@ def print_summary(summary: dict, summary_path: Path, plot_path: Path) -> None:
     if summary.get("gate_checks"):
         checks = ", ".join(f"{k} ({c['passed']} passed, {c['failed']} failed)" for k, c in summary["gate_checks"].items())
         print(f"gate checks run                {checks}")
+    shown = {v: e for v, e in (summary.get("versions") or {}).items() if "canary" in e or e["status"] == "stable"}
+    if shown:
+        print("versions judged on live evidence (off-policy estimate; canary outcome):")
+        for v, e in shown.items():
+            off = e.get("offpolicy")
+            can = e.get("canary")
+            print(f"  v{v:<4} {e['status']:<9} off-policy "
+                  + ("-" if off is None else f"{off['value']:.3f} ({'pass' if off['passed'] else 'FAIL'})")
+                  + "; canary " + ("-" if can is None else ("promoted" if can["passed"] else "aborted")
+                                   + f": {(can['detail'] or '')[:110]}"))
     if summary.get("failure"):
         print(f"FAILURE: {summary['failure']}")
     print(f"goals met (>=3 promoted, +{GOAL_LIFT_POINTS} points on >=300 events each): {'yes' if summary['ok'] else 'NO'}")

@@ -126,10 +126,11 @@ def _malformed(rng: random.Random, generation_id: str) -> bytes:
             % (generation_id.encode(), generation_id.encode()))  # unsupported_schema_version
 
 
-async def _complete(session, url: str, p: task.TaskPrompt, timeout_s: float) -> tuple[str, str, int]:
+async def _complete(session, url: str, p: task.TaskPrompt, timeout_s: float, user: str) -> tuple[str, str, int]:
     import aiohttp
 
-    body = {"model": "liverl", "prompt": p.text, "max_tokens": task.MAX_TOKENS, "temperature": task.TEMPERATURE}
+    body = {"model": "liverl", "prompt": p.text, "max_tokens": task.MAX_TOKENS, "temperature": task.TEMPERATURE,
+            "user": user}  # the OpenAI field; a router in front keeps each user on one node (and one canary arm)
     async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
         if r.status != 200:
             raise GatewayError(f"HTTP {r.status}: {(await r.text())[:200]}")
@@ -172,7 +173,7 @@ async def _user(idx: int, session, url: str, sdk: FeedbackSDK, stop_event: StopF
         p = task.sample_prompt(rng)
         t0 = time.monotonic()
         try:
-            text, generation_id, version = await _complete(session, url, p, timeout_s)
+            text, generation_id, version = await _complete(session, url, p, timeout_s, f"sim-user-{idx}")
         except (TimeoutError, GatewayError, aiohttp.ClientError, OSError, ValueError) as e:
             stats.errors += 1
             stats.last_error = f"gateway: {e!r}"[:300]

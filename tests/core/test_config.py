@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -63,3 +65,18 @@ def test_missing_or_broken_file_is_a_clear_error(tmp_path):
     bad.write_text("[learner\n")
     with pytest.raises(ValueError, match="not valid TOML"):
         load_config(bad, env={})
+
+
+def test_several_nodes_get_their_own_names_and_ports_and_a_router_in_front():
+    from liverl.supervisor import ROLES, node_serving, roles_for
+    from liverl.up import Pipeline
+
+    cfg = load_config(env={}, serving__nodes=2, serving__gateway_port=9000, serving__vllm_port=9100)
+    assert roles_for(cfg) == ("serve@0", "serve@1", "route", "ingest", "learn", "gate")
+    assert roles_for(load_config(env={})) == ROLES
+    s1 = node_serving(cfg.serving.model_dump(mode="json"), 1)
+    assert (s1["node_name"], s1["gateway_port"], s1["vllm_port"]) == ("node-1", 9001, 9101)
+    node1 = load_config(env={"LIVERL__SERVING": json.dumps(s1)})  # what the child reads back
+    assert node1.serving.node_name == "node-1" and node1.serving.gateway_port == 9001
+    assert Pipeline(cfg, "/m").gateway_url == f"http://127.0.0.1:{cfg.serving.router_port}"
+    assert Pipeline(load_config(env={}), "/m").gateway_url == "http://127.0.0.1:8000"

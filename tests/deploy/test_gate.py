@@ -7,6 +7,8 @@ policy and its product's suite is exercised by the slow test at the end.
 
 from __future__ import annotations
 
+import re
+
 import threading
 import time
 
@@ -86,6 +88,9 @@ def test_good_candidate_is_promoted_and_announced(cfg, setup):
     text = gate.metrics_text().decode()
     assert 'liverl_gate_verdicts_total{verdict="promoted"} 2.0' in text
     assert 'liverl_gate_checks_total{check="integrity",result="pass"} 2.0' in text
+    assert "liverl_gate_refused_in_a_row 0.0" in text and "liverl_gate_last_rollback_timestamp_seconds 0.0" in text
+    promoted_at = float(re.search(r"^liverl_gate_stable_promoted_timestamp_seconds (\S+)$", text, re.M).group(1))
+    assert promoted_at == pytest.approx(registry.stable().promoted_at, abs=5)
 
 
 def test_corrupted_candidate_is_refused(cfg, setup):
@@ -103,6 +108,7 @@ def test_corrupted_candidate_is_refused(cfg, setup):
     assert g.check == "integrity" and not g.passed and "corrupted" in g.detail
     assert desired(rds, cfg).version == 0
     assert 'liverl_gate_verdicts_total{verdict="rejected"} 1.0' in gate.metrics_text().decode()
+    assert "liverl_gate_refused_in_a_row 1.0" in gate.metrics_text().decode()  # the alert rules' input
 
 
 def test_delta_that_leads_elsewhere_is_refused(cfg, setup):
@@ -247,11 +253,26 @@ def test_gate_with_the_real_evaluator_and_the_demo_suite(cfg, rds):
         base = load_state_dict(model_dir)
         assert ev.drift(base, base)["kl"] == pytest.approx(0.0, abs=1e-6)
         assert 0.0 <= ev.suite_score(base)["score"] <= 1.0
+        # batched, right-padded sequence log-probs equal each sequence scored alone
+        from learner.model import load_model
+
+        seq = ev.sequence_logprobs(base, probes[:5])
+        model = load_model(model_dir, dict(base), dtype=torch.float32)
+        for p, got in zip(probes[:5], seq):
+            ids = torch.tensor([list(p.prompt_ids) + list(p.completion_ids)])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]
+            want = sum(float(logp[len(p.prompt_ids) - 1 + i, t]) for i, t in enumerate(p.completion_ids))
+            assert got == pytest.approx(want, abs=1e-4)
         registry.init_base(base, str(model_dir))
         row = registry.add_candidate(perturb(base, 0.02, seed=1), parent=0)
-        [v] = Gate(cfg, registry, rds, ev).step()
-        assert v.version == row.version and set(v.checks) == set(ALL)
-        assert {g.check for g in registry.gate_results(row.version)} == set(ALL)
+        from deploy.gate import HeldoutSample
+
+        heldout = [HeldoutSample(p.prompt_ids, p.completion_ids, lp, float(i % 2))
+                   for i, (p, lp) in enumerate(zip(probes, ev.sequence_logprobs(base, probes)))]
+        [v] = Gate(cfg, registry, rds, ev, heldout=lambda: heldout).step()
+        assert v.version == row.version and set(v.checks) == set(ALL) | {"offpolicy"}
+        assert {g.check for g in registry.gate_results(row.version)} == set(ALL) | {"offpolicy"}
     finally:
         registry.close()
 
@@ -319,3 +340,63 @@ def test_gate_reconciles_the_announcement_with_the_registry(cfg, setup):
     rds.set(f"{cfg.topics.prefix}:desired", b"garbage")
     gate.step()
     assert desired(rds, cfg).version == row.version
+
+
+class OffPolicyEval(ProbeEval):
+    """Log-probs of the held-out completions: the logged behaviour's, moved by the weights' ``op_shift`` towards
+    accepted completions (positive) or away from them (negative)."""
+
+    def __init__(self):
+        super().__init__(with_suite=False)
+        self.logprob_calls = 0
+
+    def sequence_logprobs(self, weights, probes):
+        self.logprob_calls += 1
+        s = float(weights["op_shift"][0])
+        return [p.behaviour_logprob + (s if p.reward else -s) for p in probes]
+
+
+def test_a_candidate_estimated_worse_on_held_out_feedback_is_refused_before_exposure(cfg, rds):
+    """Evidence before exposure (issue #9): the off-policy estimate on held-out samples, against stable's."""
+    from deploy.gate import HeldoutSample
+
+    def state(shift: float, seed: int) -> dict:
+        return {**weights(0.5, 0.8, seed=seed), "op_shift": torch.tensor([shift])}
+
+    registry = open_registry(cfg)
+    registry.init_base(state(0.0, 0), "/nonexistent/model")
+    heldout = [HeldoutSample((1, 2, 3), (4, 5), -2.0, float(i % 2)) for i in range(400)]
+    ev = OffPolicyEval()
+    gate = Gate(cfg, registry, rds, ev, heldout=lambda: heldout)
+    try:
+        gate.step()
+        worse = registry.add_candidate(state(-0.5, 1), parent=0)
+        [v] = gate.step()
+        assert v.verdict == "rejected" and v.checks["offpolicy"] is False, v
+        [g] = [g for g in registry.gate_results(worse.version) if g.check == "offpolicy"]
+        assert "refuse" in g.detail and "stable v0 0.500" in g.detail and g.value < g.threshold
+        better = registry.add_candidate(state(0.5, 2), parent=0)
+        [v] = gate.step()
+        assert v.verdict == "promoted" and v.checks["offpolicy"] is True, v
+        [g] = [g for g in registry.gate_results(better.version) if g.check == "offpolicy"]
+        assert "0.731" in g.detail and "ESS" in g.detail
+        assert ev.logprob_calls == 4  # candidate and stable, per candidate
+    finally:
+        registry.close()
+
+
+def test_held_out_records_are_parsed_only_when_their_log_probs_are_comparable():
+    from deploy.gate import parse_heldout
+    from liverl.core.schemas import SamplingParams, TrainingSample
+
+    def sample(kind: str, **sampling) -> bytes:
+        return TrainingSample(sample_id="g1", generation_id="g1", feedback_id="f1", policy_version=0, kind=kind,
+                              reward=1.0, prompt_token_ids=[1, 2], completion_token_ids=[3, 4],
+                              behaviour_logprobs=[-0.5, -1.0], sampling=SamplingParams(max_tokens=4, **sampling),
+                              ts_generation=1.8e9, ts_feedback=1.8e9).to_bytes()
+
+    h = parse_heldout(sample("accept", temperature=1.0))
+    assert h is not None and h.behaviour_logprob == -1.5 and h.reward == 1.0 and h.completion_ids == (3, 4)
+    assert parse_heldout(sample("edit", temperature=1.0)).reward == 0.0
+    assert parse_heldout(sample("accept", temperature=0.7)) is None  # logged log-probs of a sharpened distribution
+    assert parse_heldout(sample("accept", temperature=1.0, top_p=0.9)) is None

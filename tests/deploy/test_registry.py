@@ -209,6 +209,38 @@ def test_gc_removes_only_old_unreferenced_blobs(registry):
         registry.gc(grace_s=-1)
 
 
+def test_gc_prunes_rejected_versions_no_surviving_version_descends_from(registry):
+    """Finding 16: rejected candidates' deltas no longer stay forever. A rejected version that a live version
+    descends from keeps its delta (rebuilding the descendant walks through it); a rejected subtree goes."""
+    weights = chain(registry, 4)  # 0 <- 1 <- 2 <- 3 <- 4, snapshot at 3
+    side = registry.add_candidate(perturb(weights[2], 0.05, seed=7), parent=2)  # 2 <- 5
+    leaf = registry.add_candidate(perturb(weights[2], 0.05, seed=8), parent=side.version)  # 5 <- 6
+    for v in (1, 2, side.version, leaf.version):
+        registry.set_status(v, "rejected", actor="gate", reason="test")
+    registry.promote(4, actor="gate", reason="test")
+    assert registry.prunable_rejected(3600) == []  # too young
+    assert registry.prunable_rejected(0) == [leaf.version, side.version]  # 1 and 2: version 4 descends from them
+    keys = {v: registry.get(v).blob_key for v in (side.version, leaf.version)}
+    gone = set(keys.values()) | {registry.get(v).snapshot_key for v in keys} - {None}
+    for key in registry.blobs.list_keys():
+        age(registry.blobs, key, 7200)
+
+    dry = registry.gc(dry_run=True, prune_rejected_s=0)
+    assert dry.pruned == [leaf.version, side.version] and {b.key for b in dry.removed} == gone
+    assert registry.get(leaf.version).blob_key == keys[leaf.version]  # a dry run changes nothing
+
+    res = registry.gc(prune_rejected_s=0)
+    assert {b.key for b in res.removed} == gone and not any(registry.blobs.exists(k) for k in gone)
+    row = registry.get(leaf.version)
+    assert row.status == "rejected" and row.blob_key is None and row.checksum  # history stays
+    assert [a.action for a in registry.audit()[-2:]] == ["gc", "gc"] and "pruned the deltas of 2" in registry.audit()[-2].reason
+    with pytest.raises(RegistryError, match="pruned by gc"):
+        registry.materialize(leaf.version)
+    for v in (0, 1, 2, 3, 4):  # everything else still rebuilds exactly
+        assert checksum(registry.materialize(v)) == checksum(weights[v])
+    assert registry.gc(prune_rejected_s=0).pruned == []
+
+
 class PausingStore(LocalBlobStore):
     """Stops the writer after its delta blob is stored and before its row is committed."""
 

@@ -112,6 +112,7 @@ class WorkerProc:
             "LIVERL__INGEST__REWARDS": json.dumps(cfg.ingest.rewards.model_dump()),
             "LIVERL__INGEST__WEB_PORT": str(web_port),
             "LIVERL__INGEST__REDIS_RETRY_S": str(cfg.ingest.redis_retry_s),
+            "LIVERL__INGEST__HELDOUT_SHARE": str(cfg.ingest.heldout_share),
             "PYTHONUNBUFFERED": "1",
         })
         self.web_port = web_port
@@ -265,6 +266,7 @@ def ingest_config(stack, state_dir: Path, **overrides: Any) -> LiverlConfig:
         "topics__prefix": f"t{uuid.uuid4().hex[:10]}",
         "ingest__pending_ttl_s": 2.0,
         "broker__rebalance_timeout_s": 1.0,  # Tansu completes a group join after this: the worker starts faster
+        "ingest__heldout_share": 0.0,  # every joined sample on <prefix>.samples (held-out routing: test_bounds.py)
     }
     opts.update(overrides)
     return load_config(env={}, **opts)

@@ -177,6 +177,38 @@ def test_duplicates_are_dropped_and_a_second_judgement_dead_lettered(harness):
     assert harness.live(v) == {"accept": 1, "edit": 1, "events": 2}
 
 
+def test_a_revert_of_an_accepted_generation_is_counted_once_and_trains_nothing(harness):
+    """The follow-up a product sees later (the user undid an accepted answer): counted per version as ``revert``
+    (the gate's kept rate), never a judged event or a sample; a revert of something not accepted is refused."""
+    cfg, v = harness.cfg, _version()
+    before = harness.counters()
+    accepted, rejected, unknown = new_gid(), new_gid(), new_gid()
+    for gid in (accepted, rejected):
+        harness.send_generation(make_generation(gid, v), flush=False)
+    harness.producer.flush()
+    with from_config(cfg) as sdk:
+        sdk.accept(accepted)
+        sdk.reject(rejected)
+        sdk.flush()
+        wait_until(lambda: harness.live(v).get("events") == 2, 15, what="both judged")
+        rid = sdk.revert(accepted)
+        sdk.revert(accepted, feedback_id=rid)  # redelivered: counted once
+        second = sdk.revert(accepted)  # a second revert of the same generation
+        bad = sdk.revert(rejected)
+        orphan = sdk.revert(unknown)
+        sdk.flush()
+    with harness.tail("dead_letters") as tail:
+        recs = tail.wait_for(tail.keys({accepted, rejected, unknown}), n=3)
+    reasons = {FeedbackEvent.from_bytes(DeadLetter.from_bytes(r.value).value).feedback_id:
+               DeadLetter.from_bytes(r.value).reason for r in recs}
+    assert reasons == {second: "already_reverted", bad: "revert_unaccepted", orphan: "revert_unjudged"}
+    assert wait_until(lambda: harness.live(v) == {"accept": 1, "reject": 1, "revert": 1, "events": 2}, 10,
+                      what=f"live counters with one revert, have {harness.live(v)}")
+    delta = _delta(harness.counters(), before)
+    assert delta.get("reverted") == 1 and delta.get("samples_out") == 2 and delta.get("duplicates") == 1
+    assert harness.worker.metric("liverl_ingest_reverted_total ") >= 1
+
+
 def test_live_counters_count_each_feedback_id_once(harness):
     """The Lua guard: replaying a batch's increments (a crash before the offset commit) changes nothing."""
     import asyncio

@@ -36,7 +36,7 @@ NOW = 1.8e9
 def env(stack, tmp_path):
     prefix = f"t{uuid.uuid4().hex[:10]}"
     cfg = load_config(env={}, state_dir=str(tmp_path), redis__url=stack.redis_url, topics__prefix=prefix,
-                      ingest__max_pending=50, ingest__pending_ttl_s=150.0)
+                      ingest__max_pending=50, ingest__pending_ttl_s=150.0, ingest__heldout_share=0.0)
     metrics = IngestMetrics(prefix, stack.redis_url)
     yield cfg, metrics  # each test closes metrics in the event loop that used it
     r = redis.Redis.from_url(stack.redis_url)
@@ -217,3 +217,41 @@ def test_input_on_the_wrong_partition_is_dead_lettered_naming_the_right_one(env)
     assert f"partition {right}" in dead[0].detail and "murmur2" in dead[0].detail
     assert not [t for t, _, _ in first if t == cfg.topics.samples]
     assert len(broker.of(cfg.topics.samples)) == 1
+
+
+def test_a_fixed_hash_share_of_joined_samples_goes_to_the_held_out_stream(env):
+    """Issue #9: the held-out stream the gate estimates on, which the learner never reads. The share is decided by
+    the generation id alone, so a replay (or another worker) sends a sample the same way."""
+    import json
+    import random
+
+    from ingest.join import is_heldout
+    from tests.ingest.test_fuzz import _feedback, _generation
+
+    cfg, metrics = env
+    cfg = cfg.model_copy(update={"ingest": cfg.ingest.model_copy(update={"heldout_share": 0.25})})
+    gids = [f"g-held-{i}" for i in range(400)]
+    share = sum(is_heldout(g, 0.25) for g in gids) / len(gids)
+    assert 0.18 < share < 0.32 and [is_heldout(g, 0.25) for g in gids] == [is_heldout(g, 0.25) for g in gids]
+    assert not any(is_heldout(g, 0.0) for g in gids)
+    rng = random.Random(5)
+    broker = Broker()
+
+    async def run():
+        ing = Ingest(cfg, metrics, {}, broker.send)
+        ing.recovered()
+        try:
+            for i, g in enumerate(gids):
+                fb = dict(_feedback(rng, g), kind="accept")
+                fb.pop("edited_text", None)
+                await ing.process([(Source(cfg.topics.generations, 0, i, g), json.dumps(_generation(rng, g)).encode()),
+                                   (Source(cfg.topics.feedback, 0, i, g), json.dumps(fb).encode())])
+        finally:
+            await metrics.close()
+
+    asyncio.run(run())
+    held = {k for k, _ in broker.of(cfg.topics.heldout)}
+    trained = {k for k, _ in broker.of(cfg.topics.samples)}
+    assert held == {g for g in gids if is_heldout(g, 0.25)} and trained == set(gids) - held
+    counters = redis.Redis.from_url(cfg.redis.url, decode_responses=True).hgetall(f"{cfg.topics.prefix}:ingest:counters")
+    assert int(counters["heldout_out"]) == len(held) and int(counters["samples_out"]) == len(trained)

@@ -59,7 +59,7 @@ class Broker:
 @pytest.fixture
 def world(stack, tmp_path):
     cfg = load_config(env={}, state_dir=str(tmp_path), redis__url=stack.redis_url,
-                      topics__prefix=f"t{uuid.uuid4().hex[:10]}", ingest__max_event_bytes=MAX_EVENT,
+                      topics__prefix=f"t{uuid.uuid4().hex[:10]}", ingest__max_event_bytes=MAX_EVENT, ingest__heldout_share=0.0,
                       ingest__pending_ttl_s=150.0)
     metrics = IngestMetrics(cfg.topics.prefix, stack.redis_url)
     loop = asyncio.new_event_loop()

@@ -147,3 +147,16 @@ def test_operator_management_needs_an_admin(cfg, fleet, capsys):
 def test_status_without_a_registered_base_says_so(cfg, rds, capsys):
     assert cmd_status(cfg) == 1
     assert "no stable version" in capsys.readouterr().err
+
+
+def test_diff_lists_changed_tensors_and_the_gate_evidence_side_by_side(cfg, fleet, capsys):
+    from liverl.admin import cmd_diff
+
+    v1, v2 = fleet
+    assert cmd_diff(cfg, v1.version, v2.version) == 0
+    out = capsys.readouterr().out
+    assert f"v{v1.version} -> v{v2.version}" in out and "tensors changed" in out
+    assert "gate evidence, side by side" in out and "pass 0.612 (vs 0.48)" in out
+    assert "rejected (failed collapse)" in out and "60.0% of 100" in out
+    assert cmd_diff(cfg, 0, 0) == 0 and "0 of" in capsys.readouterr().out  # nothing differs from itself
+    assert cmd_diff(cfg, 0, 99) == 1 and "99" in capsys.readouterr().err

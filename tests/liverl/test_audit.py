@@ -45,7 +45,7 @@ def _commit(cfg, group: str, topic: str, offsets: dict[int, int]) -> None:
 
 def test_the_audit_names_every_events_fate(cfg, rds):
     t, p = cfg.topics, cfg.topics.prefix
-    ensure_topics(cfg.broker.bootstrap, [t.feedback, t.generations, t.samples, t.dead_letters], 1)
+    ensure_topics(cfg.broker.bootstrap, [t.feedback, t.generations, t.samples, t.dead_letters, t.heldout], 1)
     prod = make_producer(cfg.broker.bootstrap)
     fb = {name: FeedbackEvent(feedback_id=f"f-{name}", generation_id=f"g-{name}", kind="accept")
           for name in ("trained", "twice", "stale", "dead", "greedy", "lost", "queued", "inflight")}
@@ -53,6 +53,10 @@ def test_the_audit_names_every_events_fate(cfg, rds):
     for name in order:
         prod.send(t.feedback, key=fb[name].generation_id, value=fb[name].to_bytes())
     prod.send(t.feedback, key="junk", value=b"\xef\xbb\xbf{not json")  # offset 9: a malformed record, dead-lettered
+    held = FeedbackEvent(feedback_id="f-heldout", generation_id="g-heldout", kind="reject")
+    prod.send(t.feedback, key="g-heldout", value=held.to_bytes())  # offset 10: its sample went to the held-out stream
+    prod.send(t.generations, key="g-heldout", value=_gen("g-heldout").to_bytes())
+    prod.send(t.heldout, key="g-heldout", value=_sample("g-heldout", "f-heldout").to_bytes())
     for name in ("trained", "twice", "stale", "lost", "queued", "inflight"):
         prod.send(t.generations, key=f"g-{name}", value=_gen(f"g-{name}").to_bytes())
     prod.send(t.generations, key="g-greedy", value=_gen("g-greedy", trainable=False).to_bytes())
@@ -74,15 +78,15 @@ def test_the_audit_names_every_events_fate(cfg, rds):
     reg = open_registry(cfg)
     try:
         v0 = reg.init_base(tiny_model(), "/models/base")
-        rds.hset(f"{p}:live:0", mapping={"accept": 5, "events": 5})
+        rds.hset(f"{p}:live:0", mapping={"accept": 5, "reject": 1, "events": 6})
         rds.set(f"{p}:served:node-0", json.dumps({"version": 0, "checksum": v0.checksum, "ts": time.time()}))
         rep = run_audit(cfg, cfg.broker.bootstrap, rds, reg)
-        assert rep.feedback_records == 10 and rep.events == 9
+        assert rep.feedback_records == 11 and rep.events == 10
         assert dict(rep.fates) == {"trained": 2, "refused_by_learner:stale": 1, "dead_letter:unknown_generation": 1,
                                    "dead_letter:malformed_json": 1, "dropped:not_trainable": 1, "lost": 1,
-                                   "queued_for_learner": 1, "in_flight": 1}
+                                   "queued_for_learner": 1, "in_flight": 1, "held_out": 1}
         assert rep.lost_examples == ["f-lost"] and rep.trained_twice == ["g-twice"]
-        assert rep.joined_events == 5 and rep.live_events == 5
+        assert rep.joined_events == 6 and rep.live_events == 6
         assert rep.stable_versions == [0] and rep.converged
         problems = rep.problems()
         assert len(problems) == 2 and "lost" in problems[0] and "trained twice" in problems[1]
@@ -91,5 +95,15 @@ def test_the_audit_names_every_events_fate(cfg, rds):
         rds.set(f"{p}:served:node-1", json.dumps({"version": 3, "checksum": "x", "ts": time.time()}))
         rep = run_audit(cfg, cfg.broker.bootstrap, rds, reg)
         assert not rep.converged and any("node-1" in m for m in rep.problems())
+        # ... unless a canary of that version runs on node-1: then that is what node-1 should serve
+        from liverl.core import keys
+
+        rds.set(keys.rollout(p), keys.RolloutPlan(version=3, checksum="x", stable_version=0, share=0.2,
+                                                  nodes=["node-1"], deadline_at=time.time() + 60).to_json())
+        rep = run_audit(cfg, cfg.broker.bootstrap, rds, reg)
+        assert rep.converged and rep.nodes["node-1"]["canary"] == 3
+        rds.set(f"{p}:served:node-1", json.dumps({"version": 0, "checksum": v0.checksum, "ts": time.time()}))
+        rep = run_audit(cfg, cfg.broker.bootstrap, rds, reg)
+        assert not rep.converged and any("not the canary v3" in m for m in rep.problems())
     finally:
         reg.close()

@@ -289,6 +289,35 @@ def test_a_version_the_registry_does_not_call_stable_is_not_served(srv):
     _announce(srv, cur["version"], cur["checksum"])
 
 
+def test_a_canary_node_serves_the_canary_and_returns_to_stable_when_the_rollout_ends(srv):
+    """The rollout plan names this node: its agent serves <p>:canary (a version the registry has on canary) instead of
+    <p>:desired; when the plan goes (an abort) it swaps back to the stable version by the inverse delta."""
+    from liverl.core import keys
+
+    cur = _served(srv)
+    p = srv.cfg.topics.prefix
+    _announce(srv, cur["version"], cur["checksum"])  # the fleet's desired version (the gate keeps it set)
+    state = srv.registry.materialize(cur["version"])
+    row = srv.registry.add_candidate(_perturbed(state, seed=77), parent=cur["version"], metrics={},
+                                     sample_offsets={}, learner_step=4)
+    srv.registry.set_status(row.version, "canary", actor="gate", reason="passed the offline checks", expect="candidate")
+    srv.redis.set(keys.canary(p), VersionAnnouncement(version=row.version, checksum=row.checksum).to_bytes())
+    time.sleep(1.0)  # announced, but no rollout names this node: it stays on desired
+    assert _served(srv)["version"] == cur["version"]
+    plan = keys.RolloutPlan(version=row.version, checksum=row.checksum, stable_version=cur["version"], share=0.2,
+                            nodes=[srv.cfg.serving.node_name], deadline_at=time.time() + 600)
+    srv.redis.set(keys.rollout(p), plan.to_json())
+    info = _wait_version(srv, row.version)
+    assert info["checksum"] == row.checksum == _node_checksum(srv)["checksum"]
+    swaps_before = srv.redis.llen(f"{p}:swaps")
+    srv.redis.delete(keys.rollout(p), keys.canary(p))  # aborted
+    srv.registry.set_status(row.version, "rejected", actor="gate", reason="canary aborted", expect="canary")
+    info = _wait_version(srv, cur["version"])
+    assert info["checksum"] == cur["checksum"] == _node_checksum(srv)["checksum"]
+    back = keys.SwapRecord.from_json(srv.redis.lrange(f"{p}:swaps", swaps_before, -1)[-1])
+    assert (back.from_, back.to, back.deltas) == (row.version, cur["version"], 1)  # the one delta it holds, inverted
+
+
 def test_corrupt_and_wrong_base_deltas_are_refused(srv):
     from deploy.delta import checksum, encode_delta
     from serving.agent import SwapError

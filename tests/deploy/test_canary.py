@@ -1,0 +1,176 @@
+"""The canary, driven by the real gate on the real registry and Redis: a candidate that passed the offline checks
+goes to the canary nodes, the live counters ingest keeps decide it with the always-valid test, and a promotion or an
+abort leaves the registry, the announcements and the rollout plan consistent. (The serving side of a rollout, the
+canary node swapping and the router's split, is in tests/serving.)"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from deploy.canary import read_plan
+from deploy.gate import Gate
+from deploy.registry import open_registry
+from liverl.core import keys
+from liverl.core.schemas import VersionAnnouncement
+from tests.deploy.test_gate import ProbeEval, desired, weights
+
+
+@pytest.fixture
+def fleet(cfg, rds):
+    """Two serving nodes in rotation, stable v0 with 1,000 judged events at 40% before any canary."""
+    for n in ("node-a", "node-b"):
+        rds.set(keys.served(cfg.topics.prefix, n),
+                keys.ServedHeartbeat(version=0, checksum="x", url=f"http://127.0.0.1/{n}").to_json(),
+                ex=3600)  # long: the first delta encoding in a process may compile kernels for a minute
+    cfg.gate.canary_min_events = 50
+    registry = open_registry(cfg)
+    registry.init_base(weights(0.50, 1.0), "/nonexistent/model")
+    gate = Gate(cfg, registry, rds, ProbeEval())
+    gate.step()
+    live(rds, cfg, 0, 1000, 400)
+    yield gate, registry
+    registry.close()
+
+
+def live(rds, cfg, version: int, events: int, accept: int, edit: int = 0, revert: int = 0) -> None:
+    """What ingest does per judged event, in bulk: the version's live counters grow."""
+    rds.hincrby(keys.live(cfg.topics.prefix, version), "revert", revert)
+    rds.hincrby(keys.live(cfg.topics.prefix, version), "events", events)
+    rds.hincrby(keys.live(cfg.topics.prefix, version), "accept", accept)
+    rds.hincrby(keys.live(cfg.topics.prefix, version), "edit", edit)
+    rds.hincrby(keys.live(cfg.topics.prefix, version), "reject", events - accept - edit)
+
+
+def start(gate, registry, rds, cfg, seed: int = 1):
+    row = registry.add_candidate(weights(0.9, 1.0, seed=seed), parent=registry.stable().version)
+    [v] = gate.step()
+    assert v.verdict == "canary" and "canary on node-b" in v.reason
+    assert registry.get(row.version).status == "canary" and registry.stable().version == 0
+    plan = read_plan(rds, cfg.topics.prefix)
+    assert plan.version == row.version and plan.nodes == ["node-b"] and plan.share == pytest.approx(0.2)
+    assert plan.stable_baseline["events"] == 1000  # stable's history before the canary does not count
+    ann = VersionAnnouncement.from_bytes(rds.get(keys.canary(cfg.topics.prefix)))
+    assert (ann.version, ann.checksum) == (row.version, row.checksum) and desired(rds, cfg).version == 0
+    return row
+
+
+def test_a_better_canary_is_promoted_on_live_evidence(cfg, rds, fleet):
+    gate, registry = fleet
+    row = start(gate, registry, rds, cfg)
+    live(rds, cfg, row.version, 20, 14)
+    live(rds, cfg, 0, 80, 32)
+    [v] = gate.step()
+    assert v.verdict == "canary" and v.reason.startswith("collecting evidence: canary v")  # too few events yet
+    assert registry.get(row.version).status == "canary"
+    live(rds, cfg, row.version, 300, 210)  # 70% against 40%
+    live(rds, cfg, 0, 1200, 480)
+    [v] = gate.step()
+    assert v.verdict == "promoted", v.reason
+    assert registry.stable().version == row.version and desired(rds, cfg).version == row.version
+    assert rds.get(keys.rollout(cfg.topics.prefix)) is None and rds.get(keys.canary(cfg.topics.prefix)) is None
+    [g] = [g for g in registry.gate_results(row.version) if g.check == "canary"]
+    assert g.passed and "acceptance better than stable" in g.detail and "on 320 vs stable v0" in g.detail
+    assert registry.audit(version=row.version)[-1].reason.startswith("canary passed")
+    text = gate.metrics_text().decode()
+    assert 'liverl_gate_rollouts_total{outcome="promoted"} 1.0' in text and "liverl_gate_canary_share 0.0" in text
+
+
+def test_a_worse_canary_is_aborted_and_its_nodes_return_to_stable(cfg, rds, fleet):
+    gate, registry = fleet
+    row = start(gate, registry, rds, cfg)
+    live(rds, cfg, row.version, 300, 60)  # 20% against 40%
+    live(rds, cfg, 0, 1200, 480)
+    [v] = gate.step()
+    assert v.verdict == "aborted" and "acceptance is worse than stable" in v.reason
+    assert registry.get(row.version).status == "rejected" and registry.stable().version == 0
+    assert desired(rds, cfg).version == 0
+    assert rds.get(keys.rollout(cfg.topics.prefix)) is None and rds.get(keys.canary(cfg.topics.prefix)) is None
+    assert 'liverl_gate_rollouts_total{outcome="aborted"} 1.0' in gate.metrics_text().decode()
+    assert "liverl_gate_refused_in_a_row 1.0" in gate.metrics_text().decode()
+    row2 = registry.add_candidate(weights(0.9, 1.0, seed=2), parent=0)  # the next candidate gets its own canary
+    assert gate.step()[0].verdict == "canary" and read_plan(rds, cfg.topics.prefix).version == row2.version
+
+
+def test_a_guardrail_shown_worse_aborts_even_when_acceptance_is_better(cfg, rds, fleet):
+    gate, registry = fleet
+    row = start(gate, registry, rds, cfg)
+    live(rds, cfg, row.version, 400, 240, edit=120)  # accepted more, but users had to edit 30% of answers
+    live(rds, cfg, 0, 1600, 640, edit=32)
+    [v] = gate.step()
+    assert v.verdict == "aborted" and "guardrail edit_rate is worse" in v.reason
+    assert registry.get(row.version).status == "rejected"
+
+
+def test_reward_hacking_shows_as_reverts_and_the_canary_is_aborted(cfg, rds, fleet):
+    """A candidate that learned what users accept but later undo (the trap): more accepts, many reverted."""
+    gate, registry = fleet
+    row = start(gate, registry, rds, cfg)
+    live(rds, cfg, row.version, 400, 280, revert=120)  # 70% accepted, but 30% of all answers reverted later
+    live(rds, cfg, 0, 1600, 640, revert=32)
+    [v] = gate.step()
+    assert v.verdict == "aborted" and "guardrail revert_rate is worse" in v.reason
+    assert registry.get(row.version).status == "rejected"
+
+
+def test_an_undecided_canary_is_aborted_at_its_deadline(cfg, rds, fleet):
+    gate, registry = fleet
+    row = start(gate, registry, rds, cfg)
+    live(rds, cfg, row.version, 100, 40)
+    live(rds, cfg, 0, 400, 160)
+    assert gate.step()[0].verdict == "canary"
+    plan = read_plan(rds, cfg.topics.prefix)
+    assert len(plan.looks) == 1 and plan.looks[0].canary_events == 100
+    rds.set(keys.rollout(cfg.topics.prefix), plan.model_copy(update={"deadline_at": time.time() - 1}).to_json())
+    [v] = gate.step()
+    assert v.verdict == "aborted" and "deadline passed" in v.reason and registry.get(row.version).status == "rejected"
+
+
+def test_peeking_state_survives_a_gate_restart_and_a_rollback_aborts_the_canary(cfg, rds, fleet):
+    gate, registry = fleet
+    row = start(gate, registry, rds, cfg)
+    live(rds, cfg, row.version, 200, 110)
+    live(rds, cfg, 0, 800, 320)
+    gate.step()
+    state = read_plan(rds, cfg.topics.prefix).max_log_lr
+    assert state  # the tests' running maxima are in Redis, not in the gate's memory
+    gate2 = Gate(cfg, registry, rds, ProbeEval())  # a restarted gate goes on where the first one was
+    gate2.step()
+    assert read_plan(rds, cfg.topics.prefix).max_log_lr["acceptance:pass"] >= state["acceptance:pass"]
+    other = registry.add_candidate(weights(0.8, 1.0, seed=4), parent=0)
+    registry.promote(other.version, actor="alice", reason="operator's choice", force=True)
+    [v] = gate2.step()
+    assert v.verdict == "aborted" and "stable version changed" in v.reason
+    assert registry.get(row.version).status == "rejected" and registry.stable().version == other.version
+
+
+def test_operators_pause_resume_and_abort_a_canary_with_identity_and_reason(cfg, rds, fleet, capsys):
+    from liverl.admin import cmd_rollout, cmd_status
+    from tests.liverl.test_admin import _operators
+
+    gate, registry = fleet
+    _admin, alice, vic = _operators(cfg)
+    assert cmd_rollout(cfg, "pause", "no rollout yet", alice) == 1 and "no canary" in capsys.readouterr().err
+    row = start(gate, registry, rds, cfg)
+    assert cmd_status(cfg) == 0
+    out = capsys.readouterr().out
+    assert f"canary v{row.version}" in out and "node-b" in out and "20%" in out
+    assert cmd_rollout(cfg, "pause", "looking at complaints", vic) == 1  # a viewer may not
+    assert cmd_rollout(cfg, "pause", "looking at complaints", alice) == 0
+    assert read_plan(rds, cfg.topics.prefix).state == "paused"
+    live(rds, cfg, row.version, 300, 210)
+    live(rds, cfg, 0, 1200, 480)
+    [v] = gate.step()
+    assert v.verdict == "canary" and "paused" in v.reason and registry.get(row.version).status == "canary"
+    assert cmd_rollout(cfg, "resume", "complaints unrelated", alice) == 0
+    assert gate.step()[0].verdict == "promoted"
+
+    row2 = registry.add_candidate(weights(0.9, 1.0, seed=5), parent=row.version)
+    assert gate.step()[0].verdict == "canary"
+    assert cmd_rollout(cfg, "abort", "incident 7", alice) == 0
+    assert registry.get(row2.version).status == "rejected" and rds.get(keys.rollout(cfg.topics.prefix)) is None
+    actions = [(a.actor, a.action, a.reason) for a in registry.audit()]
+    assert ("alice", "canary_pause", "looking at complaints") in actions
+    assert ("alice", "rejected", "canary aborted: aborted by alice: incident 7") in actions
+    assert gate.step() == [] and registry.stable().version == row.version

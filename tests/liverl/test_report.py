@@ -1,0 +1,61 @@
+"""The demo's summary reports, per version judged on live evidence, the off-policy estimate and the canary outcome."""
+
+from __future__ import annotations
+
+from liverl.admin import open_registry
+from liverl.demo.report import print_summary, version_evidence
+from tests.deploy.conftest import perturb, tiny_model
+
+
+def test_version_evidence_names_offpolicy_and_canary_per_version(cfg, tmp_path, capsys):
+    reg = open_registry(cfg)
+    try:
+        base = tiny_model()
+        reg.init_base(base, "/m")
+        v1 = reg.add_candidate(perturb(base, 0.05, seed=1), parent=0)
+        reg.record_gate(v1.version, "offpolicy", 0.61, 0.40, True, "estimate 0.61 vs stable 0.42")
+        reg.record_gate(v1.version, "canary", 0.59, 0.42, True, "acceptance better than stable (p 1e-20)")
+        reg.promote(v1.version, actor="gate", reason="canary passed")
+        v2 = reg.add_candidate(perturb(base, 0.05, seed=2), parent=v1.version)
+        reg.record_gate(v2.version, "canary", 0.40, 0.60, False, "guardrail revert_rate is worse than stable")
+        reg.set_status(v2.version, "rejected", actor="gate", reason="canary aborted")
+        rows = [reg.get(v1.version), reg.get(v2.version)]
+        ev = version_evidence(reg, rows, {v1.version: {"accept": 59, "events": 100}})
+    finally:
+        reg.close()
+    assert ev[str(v1.version)]["offpolicy"]["value"] == 0.61 and ev[str(v1.version)]["canary"]["passed"]
+    assert ev[str(v1.version)]["live_acceptance"] == 0.59 and ev[str(v1.version)]["status"] == "stable"
+    assert not ev[str(v2.version)]["canary"]["passed"] and ev[str(v2.version)]["live_acceptance"] is None
+    summary = {"base_acceptance": 0.4, "base_feedback_events": 300, "last_promoted_version": v1.version,
+               "last_promoted_acceptance": 0.59, "last_promoted_feedback_events": 100, "lift_points": 19.0,
+               "feedback_events": 400, "samples_trained": 300, "versions_produced": 2, "versions_promoted": 1,
+               "versions_rejected": 1, "hot_swap_pause_ms": [], "delta_ratio": {}, "dead_letters": {},
+               "versions": ev, "ok": False}
+    print_summary(summary, tmp_path / "s.json", tmp_path / "p.png")
+    out = capsys.readouterr().out
+    assert f"v{v1.version}    stable    off-policy 0.610 (pass); canary promoted" in out
+    assert f"v{v2.version}    rejected  off-policy -; canary aborted: guardrail revert_rate is worse" in out
+
+
+def test_the_plot_marks_promotions_and_aborted_canaries(cfg, tmp_path):
+    import time
+
+    from liverl.demo.report import Timeline, plot_timeline, release_marks
+
+    reg = open_registry(cfg)
+    try:
+        t0 = time.time() - 5
+        base = tiny_model()
+        reg.init_base(base, "/m")
+        v1 = reg.add_candidate(perturb(base, 0.05, seed=1), parent=0)
+        reg.promote(v1.version, actor="gate", reason="canary passed")
+        v2 = reg.add_candidate(perturb(base, 0.05, seed=2), parent=v1.version)
+        reg.record_gate(v2.version, "canary", 0.40, 0.60, False, "acceptance is worse")
+        marks = release_marks(reg, [reg.get(v1.version)], t0)
+    finally:
+        reg.close()
+    assert [(m["version"], m["event"]) for m in marks] == [(v1.version, "promoted"), (v2.version, "canary aborted")]
+    assert all(4 < m["t"] < 60 for m in marks)
+    tl = Timeline(t0=t0, points=[{"t": float(i), "served": 0, "live": {0: (4 * i, 10 * i)}} for i in range(0, 40, 2)])
+    plot_timeline(tl, {"marks": marks, "live_by_version": {}}, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 10_000

@@ -1,0 +1,276 @@
+"""The router in front of the fleet, on the real Redis: sticky per user, only live and healthy nodes in rotation,
+nodes joining and leaving move only their own users, a node that refuses connections is skipped invisibly, and
+bodies, headers and streamed chunks pass through unchanged.
+
+The two nodes behind it are small aiohttp apps that answer as a node's gateway does (a body naming the node,
+liverl's headers, an SSE stream), not vLLM: two vLLM engines on this machine's 2 CPU cores take minutes to start and
+would test vLLM, not routing. A real node behind the router is in the serving suite (test_serving.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from liverl.core import keys
+from serving.router import Node, Router, rank, user_key
+from tests.conftest import free_port
+
+
+def test_rendezvous_ranking_is_sticky_and_moves_only_a_leaving_node_s_users():
+    a, b, c = (Node(n, f"http://{n}", 1, True) for n in ("node-a", "node-b", "node-c"))
+    users = [f"user-{i}" for i in range(3000)]
+    before = {u: rank(u, [a, b, c])[0].name for u in users}
+    assert before == {u: rank(u, [c, a, b])[0].name for u in users}  # order of discovery does not matter
+    share = {n: sum(v == n for v in before.values()) / len(users) for n in ("node-a", "node-b", "node-c")}
+    assert all(0.29 < s < 0.38 for s in share.values()), share
+    after = {u: rank(u, [a, c])[0].name for u in users}  # node-b leaves
+    assert all(after[u] == before[u] for u in users if before[u] != "node-b")
+    back = {u: rank(u, [a, b, c])[0].name for u in users}  # and comes back: its users return
+    assert back == before
+
+
+def test_user_key_header_then_openai_user_then_session():
+    assert user_key({"X-Liverl-User": "u1"}, b'{"user": "u2"}') == "u1"
+    assert user_key({}, b'{"prompt": "x", "user": "u2"}') == "u2"
+    assert user_key({"X-Session-Id": "s"}, b'{"prompt": "x"}') == "s"
+    for hostile in (b'{"user": 5}', b'{"user": ["a"]}', b'{"user": ""', b"[1]", b"\xff\xfe", b""):
+        assert user_key({}, hostile) is None
+
+
+def _gateway(name: str) -> web.Application:
+    """Answers as a node's gateway does: JSON naming the node, liverl's headers, or an SSE stream."""
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        headers = {"X-Liverl-Version": "3", "X-Liverl-Generation-Id": f"g-{name}"}
+        if body.get("stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
+            await resp.prepare(request)
+            for i in range(5):
+                await resp.write(f"data: {json.dumps({'node': name, 'i': i})}\n\n".encode())
+                await asyncio.sleep(0.01)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        if body.get("prompt") == "bad":
+            return web.json_response({"error": {"message": "prompt is bad", "param": "prompt"}}, status=400)
+        return web.json_response({"node": name, "echo": body}, headers=headers)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+async def _start(app: web.Application, port: int) -> web.AppRunner:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+async def _settled(router: Router, nodes: set[str], plan: bool | None = None) -> None:
+    """Waits (at most 10 s) until the router's refresh has seen the fleet the test just wrote to Redis: a fixed sleep
+    is too short on a loaded CI machine."""
+    deadline = asyncio.get_running_loop().time() + 10
+    while {n.name for n in router.nodes} != nodes or (plan is not None and (router.plan is not None) != plan):
+        assert asyncio.get_running_loop().time() < deadline, ([n.name for n in router.nodes], router.plan)
+        await asyncio.sleep(0.05)
+
+
+async def _beat(rds, prefix: str, name: str, url: str, healthy: bool = True) -> None:
+    beat = keys.ServedHeartbeat(version=3, checksum="c" * 64, healthy=healthy, url=url)
+    await rds.set(keys.served(prefix, name), beat.to_json(), ex=60)
+
+
+def test_router_routes_sticky_over_live_healthy_nodes_and_fails_over(cfg, rds):
+    prefix = cfg.topics.prefix
+
+    async def main() -> None:
+        ardis = aioredis.from_url(cfg.redis.url)
+        ports = {"node-a": free_port(), "node-b": free_port()}
+        upstream = {n: await _start(_gateway(n), p) for n, p in ports.items()}
+        for n, p in ports.items():
+            await _beat(ardis, prefix, n, f"http://127.0.0.1:{p}")
+        await ardis.set(keys.served(prefix, "node-nourl"), keys.ServedHeartbeat(version=3, checksum="c").to_json())
+        router = Router(cfg, ardis, refresh_s=0.1, down_s=30)
+        rport = free_port()
+        rrunner = await _start(router.app, rport)
+        base = f"http://127.0.0.1:{rport}"
+        try:
+            async with aiohttp.ClientSession() as http:
+                async def ask(user: str | None, **extra) -> tuple[int, dict, dict]:
+                    body = {"prompt": "1+1=", **({"user": user} if user else {}), **extra}
+                    async with http.post(f"{base}/v1/completions", json=body) as r:
+                        return r.status, dict(r.headers), await r.json()
+
+                async with http.get(f"{base}/fleet") as r:
+                    assert {n["node"] for n in await r.json()} == {"node-a", "node-b"}  # no URL: not routable
+                users = [f"u{i}" for i in range(60)]
+                first = {}
+                for u in users:
+                    status, headers, body = await ask(u)
+                    assert status == 200 and body["echo"]["user"] == u  # the body reaches the node unchanged
+                    assert headers["X-Liverl-Node"] == body["node"] and headers["X-Liverl-Version"] == "3"
+                    assert headers["X-Liverl-Generation-Id"] == f"g-{body['node']}"
+                    first[u] = body["node"]
+                assert set(first.values()) == {"node-a", "node-b"}
+                for u in users[:20]:  # sticky
+                    assert (await ask(u))[2]["node"] == first[u]
+                status, _, body = await ask("u0", prompt="bad")  # the node's 4xx passes through as it is
+                assert status == 400 and body["error"]["param"] == "prompt"
+
+                async with http.post(f"{base}/v1/completions", json={"prompt": "x", "stream": True},
+                                     headers={"X-Liverl-User": "u1"}) as r:
+                    assert r.headers["Content-Type"].startswith("text/event-stream")
+                    assert r.headers["X-Liverl-Node"] == first["u1"]
+                    text = (await r.read()).decode()
+                events = [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
+                assert [e["i"] for e in events] == list(range(5)) and text.endswith("data: [DONE]\n\n")
+
+                # node-b reports itself unhealthy (a failed weight check): out of rotation, node-a's users stay put
+                await _beat(ardis, prefix, "node-b", f"http://127.0.0.1:{ports['node-b']}", healthy=False)
+                await _settled(router, {"node-a"})
+                for u in users:
+                    assert (await ask(u))[2]["node"] == "node-a"
+                await _beat(ardis, prefix, "node-b", f"http://127.0.0.1:{ports['node-b']}")
+                await _settled(router, {"node-a", "node-b"})
+                assert {u: (await ask(u))[2]["node"] for u in users} == first  # back: its users return
+
+                # node-a dies without a word (heartbeat still fresh): its users fail over, nobody sees an error
+                await upstream["node-a"].cleanup()
+                for u in users:
+                    status, headers, body = await ask(u)
+                    assert status == 200 and body["node"] == "node-b"
+                # a node that joins takes its share of users (rendezvous: only users it now ranks first move)
+                ports["node-c"] = free_port()
+                upstream["node-c"] = await _start(_gateway("node-c"), ports["node-c"])
+                await ardis.delete(keys.served(prefix, "node-a"))  # node-a's heartbeat expires
+                await _beat(ardis, prefix, "node-c", f"http://127.0.0.1:{ports['node-c']}")
+                await _settled(router, {"node-b", "node-c"})
+                now = {u: (await ask(u))[2]["node"] for u in users}
+                assert set(now.values()) == {"node-b", "node-c"}
+                fleet = [Node(n, "", 3, True) for n in ("node-b", "node-c")]
+                assert now == {u: rank(u, fleet)[0].name for u in users}
+
+                async with http.get(f"{base}/metrics") as r:
+                    text = await r.text()
+                assert 'liverl_router_failovers_total{node="node-a"}' in text
+                assert 'liverl_router_requests_total{node="node-b",status="200"}' in text
+                assert "liverl_router_nodes 2.0" in text
+
+                for n in ("node-b", "node-c"):  # the whole fleet gone
+                    await ardis.delete(keys.served(prefix, n))
+                await _settled(router, set())
+                status, _, body = await ask("u1")
+                assert status == 503 and "no serving node" in body["error"]["message"]
+                async with http.get(f"{base}/healthz") as r:
+                    assert r.status == 503
+        finally:
+            await rrunner.cleanup()
+            for r in upstream.values():
+                await r.cleanup()
+            await ardis.aclose()
+
+    asyncio.run(main())
+
+
+def test_during_a_rollout_the_canary_share_of_users_goes_to_the_canary_nodes(cfg, rds):
+    prefix = cfg.topics.prefix
+
+    async def main() -> None:
+        ardis = aioredis.from_url(cfg.redis.url)
+        ports = {n: free_port() for n in ("node-a", "node-b", "node-c")}
+        upstream = {n: await _start(_gateway(n), p) for n, p in ports.items()}
+        for n, p in ports.items():
+            await _beat(ardis, prefix, n, f"http://127.0.0.1:{p}")
+        plan = keys.RolloutPlan(version=4, checksum="c" * 64, stable_version=3, share=0.3, nodes=["node-c"],
+                                deadline_at=1e12)
+        await ardis.set(keys.rollout(prefix), plan.to_json())
+        router = Router(cfg, ardis, refresh_s=0.1)
+        rport = free_port()
+        rrunner = await _start(router.app, rport)
+        try:
+            async with aiohttp.ClientSession() as http:
+                async def node_of(user: str) -> str:
+                    async with http.post(f"http://127.0.0.1:{rport}/v1/completions",
+                                         json={"prompt": "x", "user": user}) as r:
+                        return (await r.json())["node"]
+
+                users = [f"user-{i}" for i in range(400)]
+                seen = {u: await node_of(u) for u in users}
+                for u in users:  # the canary's users are exactly those whose bucket is below the share
+                    assert (seen[u] == "node-c") == (keys.user_bucket(u) < 0.3), u
+                assert 0.22 < sum(v == "node-c" for v in seen.values()) / len(users) < 0.38
+                assert {v for v in seen.values() if v != "node-c"} == {"node-a", "node-b"}
+                for u in users[:50]:  # sticky
+                    assert await node_of(u) == seen[u]
+
+                await ardis.delete(keys.rollout(prefix))  # the rollout ends: node-c takes ordinary users again
+                await _settled(router, {"node-a", "node-b", "node-c"}, plan=False)
+                after = {u: await node_of(u) for u in users}
+                assert set(after.values()) == {"node-a", "node-b", "node-c"}
+                assert sum(v == "node-c" for v in after.values()) / len(users) < 0.45
+        finally:
+            await rrunner.cleanup()
+            for r in upstream.values():
+                await r.cleanup()
+            await ardis.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_a_real_node_behind_the_router_with_the_openai_client(srv):
+    """The real serving process (vLLM on CPU, gateway, agent) announces its URL in its heartbeat; the OpenAI client
+    talks to the router, plain and streamed, and every generation keeps its id and is logged."""
+    import threading
+
+    import openai
+
+    from tests.serving.conftest import records
+
+    ready, stop = threading.Event(), None
+    port = free_port()
+    holder: dict = {}
+
+    def run() -> None:
+        async def main() -> None:
+            nonlocal stop
+            stop = asyncio.Event()
+            ardis = aioredis.from_url(srv.cfg.redis.url)
+            router = Router(srv.cfg, ardis, refresh_s=0.2)
+            runner = await _start(router.app, port)
+            holder["router"] = router
+            ready.set()
+            await stop.wait()
+            await runner.cleanup()
+            await ardis.aclose()
+
+        holder["loop"] = asyncio.new_event_loop()
+        holder["loop"].run_until_complete(main())
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert ready.wait(30)
+    try:
+        beat = keys.ServedHeartbeat.from_json(srv.redis.get(keys.served(srv.cfg.topics.prefix, srv.cfg.serving.node_name)))
+        assert beat.url == srv.url and beat.healthy
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+            raw = c.completions.with_raw_response.create(model="liverl", prompt="[a]23+45=", max_tokens=4, user="alice")
+            out = raw.parse()
+            assert raw.headers["X-Liverl-Node"] == srv.cfg.serving.node_name
+            gid = out.choices[0].model_extra["generation_id"]
+            assert raw.headers["X-Liverl-Generation-Id"] == gid
+            chunks = list(c.chat.completions.create(model="liverl", messages=[{"role": "user", "content": "[b]1+2="}],
+                                                    max_tokens=4, stream=True, user="bob"))
+            sid = chunks[0].choices[0].model_extra["generation_id"]
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        recs = records(srv, {gid, sid})
+        assert recs[gid].completion == out.choices[0].text and recs[sid].completion == text
+    finally:
+        holder["loop"].call_soon_threadsafe(stop.set)
+        t.join(30)
