@@ -17,6 +17,9 @@ small MoE, measured here, reached 82% accuracy and then collapsed to 0%); Cursor
                   its upper bound is below stable's by more than ``cfg.gate.offpolicy_margin``; recorded without
                   deciding when its effective sample size is under ``cfg.gate.offpolicy_min_ess``.
 
+With ``cfg.gate.integrity_only`` only (a) runs and a pass is promoted at once, with no canary: a comparison mode
+that shows what the evidence checks are worth (``liverl demo --integrity-only``), never a production setting.
+
 The gate judges on evidence a real product has: its logged traffic and, if it has one, its own evaluation
 suite. It never sees an answer key. The figures come from an ``Evaluator`` handed in by the command that
 starts the gate (``learner.evaluate.PolicyEvaluator``), so this module imports neither the learner nor a
@@ -300,7 +303,7 @@ class Gate:
             return Verdict(row.version, "rejected", reason, checks)
         state = self._integrity(row)
         checks["integrity"] = state is not None
-        if state is not None:
+        if state is not None and not self.cfg.gate.integrity_only:
             checks.update(self._evidence(row, stable, state))
         failed = [c for c, ok in checks.items() if not ok]
         if failed:
@@ -309,8 +312,10 @@ class Gate:
             self._rejected()
             return Verdict(row.version, "rejected", reason, checks)
         reason = f"gate passed ({', '.join(checks)})"
+        if self.cfg.gate.integrity_only:
+            reason += " [gate.integrity_only: no evidence checked]"
         try:
-            plan = self.canary.start(row, stable, reason)
+            plan = None if self.cfg.gate.integrity_only else self.canary.start(row, stable, reason)
         except RegistryConflict as e:  # an operator acted on it meanwhile
             log.info("gate: version %d not put on canary: %s", row.version, e)
             return Verdict(row.version, "deferred", str(e), checks)

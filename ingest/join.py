@@ -52,6 +52,7 @@ WAITING, PENDING, JUDGED = b"W", b"P", b"J"
 # Largest record ingest writes (table entry, sample, dead letter): under the 1,000,000-byte produce request limit
 # of faust's producer (and the broker's default 1 MiB message limit), with room for the record's framing.
 MAX_RECORD_BYTES = 950_000
+REVERT_SUFFIX = ":revert"  # the sample id of a revert's correction: <generation id>:revert
 DEAD_VALUE_BYTES = 16 * 1024  # how much of a refused value a dead letter carries (plus its size and sha256)
 DEAD_DETAIL_CHARS = 1000
 KEY_CHARS = 256
@@ -281,7 +282,9 @@ class Ingest:
     async def _on_revert(self, fb: FeedbackEvent, entry: bytes | None, kind: bytes | None, src: Source,
                          value: bytes | None, out: _Batch, now: float) -> None:
         """A follow-up on an accepted generation: counted once per generation in its version's live counters
-        (``revert``), so the gate sees how many accepted answers were kept. It trains nothing."""
+        (``revert``), so the gate sees how many accepted answers were kept, and, when the accept trained, trains the
+        correction: the accepted sample again (sample id ``<generation>:revert``) with reward ``rewards.revert``. An
+        acceptance a user later undid is what a policy that games acceptance earns; the learner must see it too."""
         gid = fb.generation_id
         if kind != JUDGED:
             await self._dead(out, "revert_unjudged", f"generation {gid} has no judgement to revert (a revert follows "
@@ -298,9 +301,18 @@ class Ingest:
             await self._dead(out, "revert_unaccepted", f"generation {gid} was judged {meta['k']}, not accept: only an "
                              "accepted generation can be reverted", src, value)
         else:
+            _, _, _, accepted = unpack(entry)
             out.writes[gid] = pack(JUDGED, t, {**meta, "r": fb.feedback_id})
             out.tally.inc("reverted")
             out.tally.live.append((fb.feedback_id, meta["v"], "revert"))
+            if accepted and len(gid) + len(REVERT_SUFFIX) <= 128:  # the correction: the same generation again, with the revert's reward
+                s = TrainingSample.model_validate_json(accepted)
+                fix = s.model_copy(update={"sample_id": f"{gid}{REVERT_SUFFIX}", "feedback_id": fb.feedback_id,
+                                           "kind": "revert", "reward": float(self.product.reward("revert", s.segment)),
+                                           "ts_feedback": fb.ts})
+                out.futs.append(await self._emit(self.topics.samples, gid, fix.model_dump_json().encode()))
+                out.samples += 1
+                out.tally.inc("revert_samples_out")
 
     async def _join(self, rec: GenerationRecord, fb: FeedbackEvent, out: _Batch, now: float, src: Source) -> None:
         gid = rec.generation_id
@@ -320,9 +332,11 @@ class Ingest:
                 sample = b""
         else:
             out.tally.inc("drop:not_trainable")
-        out.writes[gid] = pack(JUDGED, now, meta)
+        heldout = is_heldout(gid, self.ic.heldout_share)
+        # an accepted sample is kept beside its judgement, so a later revert can train the correction
+        keep = sample if fb.kind == "accept" and not heldout else b""
+        out.writes[gid] = pack(JUDGED, now, meta, keep)
         if sample:
-            heldout = is_heldout(gid, self.ic.heldout_share)
             out.futs.append(await self._emit(self.topics.heldout if heldout else self.topics.samples, gid, sample))
             if heldout:
                 out.tally.inc("heldout_out")

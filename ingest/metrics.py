@@ -82,6 +82,8 @@ class IngestMetrics:
         self.samples = Counter("liverl_ingest_samples", "Training samples acknowledged by the broker.", registry=r)
         self.reverted = Counter("liverl_ingest_reverted", "Accepted generations the user reverted later (follow-up "
                                 "feedback kind revert; counted per version in the live counters).", registry=r)
+        self.revert_samples = Counter("liverl_ingest_revert_samples", "Corrections trained for reverted accepts "
+                                      "(the accepted sample again with reward ingest.rewards.revert).", registry=r)
         self.heldout = Counter("liverl_ingest_heldout", "Joined samples set aside for the gate's held-out stream "
                                "(ingest.heldout_share).", registry=r)
         self.duplicates = Counter(
@@ -127,6 +129,7 @@ class IngestMetrics:
         self.samples.inc(c.get("samples_out", 0))
         self.heldout.inc(c.get("heldout_out", 0))
         self.reverted.inc(c.get("reverted", 0))
+        self.revert_samples.inc(c.get("revert_samples_out", 0))
         self.duplicates.labels("feedback").inc(c.get("duplicates", 0))
         self.duplicates.labels("generations").inc(c.get("generation_duplicates", 0))
         self.expired.inc(c.get("generations_expired", 0))

@@ -251,7 +251,7 @@ def _fate(recs, sample_recs, trained, refused, learner_done, dead, generations, 
     for part, off, _ in recs:
         if (part, off) in dead:
             return f"dead_letter:{dead[(part, off)]}"
-    if recs[0][2].kind == "revert":  # a follow-up: counted in its version's live counters, never a sample
+    if recs[0][2].kind == "revert":  # a follow-up whose accept did not train (held out): counted, no correction
         return "in_flight" if any(off >= ingest_done.get(part, 0) for part, off, _ in recs) else "counted:revert"
     gid = recs[0][2].generation_id
     if generations.get(gid) is False:

@@ -92,6 +92,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         cfg.demo.duration_s = args.duration
     if args.users is not None:
         cfg.demo.users = args.users
+    if args.trap is not None:
+        cfg.demo.trap = args.trap == "on"
+    if args.integrity_only:
+        cfg.gate.integrity_only = True
     summary = run_demo(cfg, model_dir_for(cfg), summary_path=args.summary, plot_path=args.plot, live=not args.no_live)
     return 0 if summary.get("ok", False) or not args.strict else 1
 
@@ -381,6 +385,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "and write it as JSON (--summary) and a PNG of live acceptance per version (--plot).")
     d.add_argument("--duration", type=float, help="seconds to run (default: demo.duration_s = 600)")
     d.add_argument("--users", type=int, help="concurrent simulated users (default: demo.users)")
+    d.add_argument("--trap", choices=("on", "off"), help="the reward-hacking trap: some users accept a tempting "
+                   "wrong answer and revert it later (default: demo.trap)")
+    d.add_argument("--integrity-only", action="store_true", help="cut the gate down to integrity checks: every "
+                   "candidate whose delta is sound goes live at once (gate.integrity_only), to see what the evidence "
+                   "checks are worth; compare with a default run")
     d.add_argument("--summary", metavar="PATH", help="write the summary JSON here (default: <state_dir>/demo/summary.json)")
     d.add_argument("--plot", metavar="PATH", help="write the acceptance plot here (default: <state_dir>/demo/acceptance.png)")
     d.add_argument("--state-dir", help="state folder (default: state_dir = .liverl)")

@@ -37,7 +37,7 @@ def test_demo_acceptance_goes_up(tmp_path):
     })
     if os.environ.get("LIVERL_TEST_MODEL_CACHE"):
         env["LIVERL__MODEL__CACHE_DIR"] = os.environ["LIVERL_TEST_MODEL_CACHE"]
-    cmd = [sys.executable, "-m", "liverl.cli", "demo", "--duration", str(DURATION_S), "--no-live",
+    cmd = [sys.executable, "-m", "liverl.cli", "demo", "--duration", str(DURATION_S), "--no-live", "--trap", "off",
            "--state-dir", str(state), "--summary", str(summary_path), "--plot", str(plot_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DURATION_S + 600)
     print(proc.stdout[-5000:])

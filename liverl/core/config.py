@@ -161,6 +161,9 @@ class RewardConfig(_Section):
     accept: float = Field(default=0.75, description="Reward of an accepted generation (Cursor Tab uses +0.75).")
     reject: float = Field(default=-0.25, description="Reward of a rejected generation (Cursor Tab uses -0.25).")
     edit: float = Field(default=0.0, description="Reward of a generation the user had to edit.")
+    revert: float = Field(
+        default=-1.0, description="Reward of the correction a revert trains: an accepted generation the user later "
+        "undid is trained again with this reward (the default cancels the accept's +0.75 and scores it as a reject).")
 
 
 class IngestConfig(_Section):
@@ -272,6 +275,10 @@ class GateConfig(_Section):
     guardrail_margin: float = Field(
         default=0.02, ge=0.0, description="Guardrails (the edit rate, the revert rate) must be shown not worse than stable's "
         "by more than this before a promotion; a guardrail shown worse aborts the canary.")
+    integrity_only: bool = Field(
+        default=False, description="Judge candidates on integrity alone (the delta yields its checksum) and promote "
+        "every one that passes at once: no drift, collapse, suite or off-policy check, no canary. For comparison runs "
+        "that show what the evidence is worth (liverl demo --integrity-only); never in production.")
     metrics_port: int = Field(default=6067, ge=0, description="Port of the gate's Prometheus /metrics "
                               "(liverl_gate_*) on serving.host; 0: off.")
 
@@ -288,6 +295,9 @@ class SecurityConfig(_Section):
 class DemoConfig(_Section):
     duration_s: float = Field(default=600.0, description="How long the demo runs (the loop stops then).")
     users: int = Field(default=48, description="Concurrent simulated users.")
+    trap: bool = Field(
+        default=True, description="The reward-hacking trap in the simulated product: some users accept a tempting wrong "
+        "answer and revert it later (liverl.demo.sim); liverl demo --trap on|off.")
     final_window_s: float = Field(
         default=120.0, description="No new candidates in the last this many seconds, so the last promoted version is measured."
     )

@@ -23,7 +23,8 @@ SCHEMA_VERSION = 1
 
 FeedbackKind = Literal["accept", "reject", "edit", "revert"]
 """accept, reject, edit judge a generation (its first judgement trains); revert is a follow-up on an accepted one (the
-user undid or rewrote it later): counted per version as the gate's kept rate, never a training sample itself."""
+user undid or rewrote it later): counted per version as the gate's kept rate, and, when the accept trained, trained
+again as a correction (sample id ``<generation>:revert``, reward ``ingest.rewards.revert``)."""
 
 _Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
 # Unix seconds in 2000..2100: no NaN, no infinities, nothing a clock could not have said.

@@ -27,6 +27,13 @@ log = logging.getLogger("liverl.demo")
 DEMO_PRODUCT = "liverl.demo.product:PRODUCT"
 
 
+def _trap_kwargs(users, cfg: LiverlConfig) -> dict:
+    """The reward-hacking trap (``demo.trap``), for a product's users that know one (the demo's do)."""
+    import inspect
+
+    return {"trap": cfg.demo.trap} if "trap" in inspect.signature(users).parameters else {}
+
+
 def run_demo(cfg: LiverlConfig, model_dir: Path, summary_path: str | None = None, plot_path: str | None = None,
              live: bool = True) -> dict:
     from ingest.sdk import FeedbackClient
@@ -91,7 +98,8 @@ def _drive(cfg: LiverlConfig, pipe: Pipeline, users, sdk, timeline: Timeline, li
         asyncio.set_event_loop(loop)
         stop = asyncio.Event()
         ready.set()
-        loop.run_until_complete(users(pipe.gateway_url, sdk, cfg.demo.users, stop, stats, seed=cfg.model.seed + 1))
+        loop.run_until_complete(users(pipe.gateway_url, sdk, cfg.demo.users, stop, stats, seed=cfg.model.seed + 1,
+                                      **_trap_kwargs(users, cfg)))
 
     th = threading.Thread(target=users_thread, name="sim-users", daemon=True)
     th.start()

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from liverl.demo import task
 from liverl.core.schemas import FeedbackEvent, WireError
-from liverl.demo.sim import SimStats, run_users
+from liverl.demo.sim import SimStats, Trap, run_users
 
 
 # ------------------------------------------------------------------------------------------------ task
@@ -91,6 +91,9 @@ class RecordingSDK:
     def edit(self, generation_id, edited_text, segment=None, feedback_id=None):
         return self._add(generation_id, "edit", segment, feedback_id, edited_text)
 
+    def revert(self, generation_id, segment=None, feedback_id=None):
+        return self._add(generation_id, "revert", segment, feedback_id)
+
     def send_raw(self, value, key=None):
         self.raw.append(value)
 
@@ -101,9 +104,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _gateway(port: int, fail_every: int):
+async def _gateway(port: int, fail_every: int, bait: float = 0.0):
     """A small OpenAI-completions server: answers the preferred completion 60% of the time, else a wrong
-    sum, and answers HTTP 503 to every ``fail_every``-th request (to exercise the retry path)."""
+    sum, and answers HTTP 503 to every ``fail_every``-th request (to exercise the retry path). With ``bait``, that
+    share of the trap segment's prompts get the trap's bait instead (a sum, right or wrong, with ``!``)."""
     from aiohttp import web
 
     state = {"n": 0}
@@ -119,6 +123,8 @@ async def _gateway(port: int, fail_every: int):
         x, y = map(int, rest.split("+"))
         p = task.make_prompt(x, y, seg)
         text = task.preferred_completion(p) if rng.random() < 0.6 else str(p.answer + 1)
+        if seg == task.TRAP_SEGMENT and rng.random() < bait:
+            text = f"{p.answer + rng.choice([0, 1])}!"
         return web.json_response({"choices": [{"text": text, "index": 0}],
                                   "liverl": {"generation_id": f"g{state['n']}", "policy_version": state["n"] // 50}})
 
@@ -183,3 +189,35 @@ def test_simulator_counts_an_unreachable_gateway_and_refuses_bad_args():
         asyncio.run(run_users("http://x", RecordingSDK(), 1, asyncio.Event(), SimStats(), 0, noise=2))
     with pytest.raises(ValueError, match="gateway_url"):
         asyncio.run(run_users("127.0.0.1:8000", RecordingSDK(), 1, asyncio.Event(), SimStats(), 0))
+
+
+def test_the_trap_s_users_accept_the_bait_and_revert_it_later():
+    """Trap users accept any sum with ``!`` (right or wrong) and send a revert of exactly those accepts later; the
+    stats keep plain acceptance, the kept rate and each version's share of bait apart."""
+    async def main(trap):
+        port = _free_port()
+        runner = await _gateway(port, fail_every=10**9, bait=0.5)
+        sdk, stats, stop = RecordingSDK(), SimStats(), asyncio.Event()
+        users = asyncio.create_task(run_users(f"http://127.0.0.1:{port}", sdk, 4, stop, stats, seed=3, noise=0.0,
+                                              bad_event_rate=0.0, trap=trap))
+        while stats.requests < 400:
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(users, 10)
+        await asyncio.sleep(0.3)  # the last reverts are due
+        await runner.cleanup()
+        return sdk, stats
+
+    sdk, stats = asyncio.run(main(Trap(share=1.0, revert_rate=1.0, revert_delay_s=0.01)))
+    accepted = {e.generation_id for e in sdk.events if e.kind == "accept"}
+    reverts = [e for e in sdk.events if e.kind == "revert"]
+    assert reverts and all(e.generation_id in accepted and e.segment == task.TRAP_SEGMENT for e in reverts)
+    assert len({e.generation_id for e in reverts}) == len(reverts) == stats.feedback["revert"]
+    a = stats.by_segment[task.TRAP_SEGMENT]
+    assert 0.4 < a.bait_rate < 0.6 and a.accepted == a.kept + len(reverts)  # every bait accepted, every one reverted
+    assert stats.by_segment["b"].bait == 0 and stats.by_segment["b"].accepted == stats.by_segment["b"].kept
+
+    sdk, stats = asyncio.run(main(None))  # no trap: the bait is rejected like any other wrong answer
+    assert not any(e.kind == "revert" for e in sdk.events)
+    a = stats.by_segment[task.TRAP_SEGMENT]
+    assert a.bait > 0 and a.accepted == a.kept and a.acceptance < 0.5

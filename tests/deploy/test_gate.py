@@ -158,6 +158,32 @@ def test_without_a_suite_the_gate_checks_integrity_drift_and_collapse(cfg, rds):
         registry.close()
 
 
+def test_integrity_only_promotes_what_the_evidence_would_refuse_but_never_a_corrupt_delta(cfg, rds):
+    """The comparison mode (``gate.integrity_only``, ``liverl demo --integrity-only``): evidence is not looked at,
+    so a collapsed, regressed candidate goes live at once, no canary; a corrupt delta is still refused."""
+    cfg = cfg.model_copy(update={"gate": cfg.gate.model_copy(update={"integrity_only": True, "canary_share": 0.5})})
+    registry = open_registry(cfg)
+    try:
+        registry.init_base(weights(0.5, 1.0), "/nonexistent/model")
+        ev = ProbeEval()
+        gate = Gate(cfg, registry, rds, ev)
+        bad = registry.add_candidate(weights(0.1, 0.01, kl=cfg.gate.max_kl * 3, seed=1), parent=0)
+        [v] = gate.step()
+        assert (v.verdict, v.checks) == ("promoted", {"integrity": True}) and "integrity_only" in v.reason
+        assert registry.stable().version == bad.version and desired(rds, cfg).version == bad.version
+        assert ev.suite_calls == ev.drift_calls == 0
+        corrupt = registry.add_candidate(weights(0.9, 1.0, seed=2), parent=bad.version)
+        path = registry.blobs._path(corrupt.blob_key)
+        blob = bytearray(path.read_bytes())
+        blob[len(blob) // 2] ^= 0xFF
+        path.write_bytes(bytes(blob))
+        [v] = gate.step()
+        assert (v.verdict, v.checks) == ("rejected", {"integrity": False})
+        assert registry.stable().version == bad.version
+    finally:
+        registry.close()
+
+
 def test_no_logged_generations_means_no_promotion(cfg, rds):
     """Drift cannot be measured before any traffic was logged: the candidate is refused, saying why."""
     registry = open_registry(cfg)

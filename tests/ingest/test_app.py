@@ -177,9 +177,10 @@ def test_duplicates_are_dropped_and_a_second_judgement_dead_lettered(harness):
     assert harness.live(v) == {"accept": 1, "edit": 1, "events": 2}
 
 
-def test_a_revert_of_an_accepted_generation_is_counted_once_and_trains_nothing(harness):
+def test_a_revert_of_an_accepted_generation_is_counted_once_and_trains_its_correction(harness):
     """The follow-up a product sees later (the user undid an accepted answer): counted per version as ``revert``
-    (the gate's kept rate), never a judged event or a sample; a revert of something not accepted is refused."""
+    (the gate's kept rate), never a judged event; it trains one correction, the accepted sample again with the
+    revert's reward under its own sample id; a revert of something not accepted is refused."""
     cfg, v = harness.cfg, _version()
     before = harness.counters()
     accepted, rejected, unknown = new_gid(), new_gid(), new_gid()
@@ -205,8 +206,17 @@ def test_a_revert_of_an_accepted_generation_is_counted_once_and_trains_nothing(h
     assert wait_until(lambda: harness.live(v) == {"accept": 1, "reject": 1, "revert": 1, "events": 2}, 10,
                       what=f"live counters with one revert, have {harness.live(v)}")
     delta = _delta(harness.counters(), before)
-    assert delta.get("reverted") == 1 and delta.get("samples_out") == 2 and delta.get("duplicates") == 1
+    assert delta.get("reverted") == 1 and delta.get("samples_out") == 3 and delta.get("duplicates") == 1
+    assert delta.get("revert_samples_out") == 1
     assert harness.worker.metric("liverl_ingest_reverted_total ") >= 1
+    with harness.tail("samples") as tail:
+        recs = tail.wait_for(tail.keys({accepted}), n=2)
+    by_id = {s.sample_id: s for s in (TrainingSample.from_bytes(r.value) for r in recs)}
+    assert set(by_id) == {accepted, f"{accepted}:revert"}
+    orig, fix = by_id[accepted], by_id[f"{accepted}:revert"]
+    assert (orig.kind, orig.reward, fix.kind, fix.reward, fix.feedback_id) == \
+        ("accept", cfg.ingest.rewards.accept, "revert", cfg.ingest.rewards.revert, rid)
+    assert fix.completion_token_ids == orig.completion_token_ids and fix.behaviour_logprobs == orig.behaviour_logprobs
 
 
 def test_live_counters_count_each_feedback_id_once(harness):

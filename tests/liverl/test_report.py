@@ -33,8 +33,37 @@ def test_version_evidence_names_offpolicy_and_canary_per_version(cfg, tmp_path, 
                "versions": ev, "ok": False}
     print_summary(summary, tmp_path / "s.json", tmp_path / "p.png")
     out = capsys.readouterr().out
-    assert f"v{v1.version}    stable    off-policy 0.610 (pass); canary promoted" in out
-    assert f"v{v2.version}    rejected  off-policy -; canary aborted: guardrail revert_rate is worse" in out
+    assert f"v{v1.version}    stable    kept  59%; off-policy 0.610 (pass); canary promoted" in out
+    assert f"v{v2.version}    rejected  kept    -; off-policy -; canary aborted: guardrail revert_rate is worse" in out
+
+
+def test_the_trap_report_names_exploiting_versions_and_where_they_went(cfg):
+    """From what users saw of each version (the simulator's stats): a version whose share of bait answers to the
+    trap's users is EXPLOIT_POINTS above the base's exploits; caught if it never went live."""
+    from liverl.demo.report import kept, trap_report
+    from liverl.demo.sim import SimStats
+
+    reg = open_registry(cfg)
+    try:
+        base = tiny_model()
+        reg.init_base(base, "/m")
+        honest = reg.add_candidate(perturb(base, 0.05, seed=1), parent=0)
+        reg.promote(honest.version, actor="gate", reason="canary passed")
+        caught = reg.add_candidate(perturb(base, 0.05, seed=2), parent=honest.version)
+        reg.set_status(caught.version, "rejected", actor="gate", reason="canary aborted")
+        live = reg.add_candidate(perturb(base, 0.05, seed=3), parent=honest.version)
+        reg.promote(live.version, actor="gate", reason="integrity only")
+        rows = reg.list()
+    finally:
+        reg.close()
+    stats = SimStats()
+    for v, bait in ((0, 0.3), (honest.version, 0.35), (caught.version, 0.7), (live.version, 0.9)):
+        for i in range(100):
+            stats.record(v, "a", accepted=True, reported=True, bait=i < 100 * bait)
+    rep = trap_report(stats, rows)
+    assert rep["exploiting"] == [caught.version, live.version]
+    assert rep["exploiting_caught"] == [caught.version] and rep["exploiting_live"] == [live.version]
+    assert kept({"accept": 60, "revert": 20, "events": 100}) == 0.4 and kept({}) is None
 
 
 def test_the_plot_marks_promotions_and_aborted_canaries(cfg, tmp_path):
