@@ -142,14 +142,19 @@ class CanaryController:
         tests = build_tests(self.cfg, plan, c, s)
         now = time.time()
         verdict, why = tests.verdict(deadline_passed=now >= plan.deadline_at)
+        settling = now - plan.started_at < self.cfg.gate.canary_min_s
         if plan.state == "paused" and verdict != ABORT:
             verdict, why = "continue", "paused by an operator"
+        elif settling and verdict != ABORT:  # late feedback (reverts) of the canary's answers is still on its way
+            verdict, why = "continue", (f"settling: no promotion in the first gate.canary_min_s "
+                                        f"{self.cfg.gate.canary_min_s:.0f} s ({now - plan.started_at:.0f} s so far)")
         summary = tests.success.summary()
         look = keys.CanaryLook(at=now, canary_events=c.get("events", 0), stable_events=s.get("events", 0),
                                canary_acceptance=summary["canary_mean"], stable_acceptance=summary["stable_mean"],
                                p_better=tests.success.p_pass, p_worse=tests.success.p_harm)
         state = {f"{t.name}:{side}": v for t in (tests.success, *tests.guardrails)
-                 for side, v in (("pass", t.max_log_lr_pass), ("harm", t.max_log_lr_harm)) if v > float("-inf")}
+                 for side, v in (("pass", t.max_log_lr_pass), ("harm", t.max_log_lr_harm))
+                 if v > float("-inf") and not (settling and side == "pass")}  # passing evidence counts after settling
         plan = plan.model_copy(update={"max_log_lr": state, "looks": [*plan.looks, look][-MAX_LOOKS:],
                                        "verdict": verdict, "reason": why})
         evidence = (f"canary v{plan.version} acceptance {summary['canary_mean']:.3f} on {look.canary_events} vs stable "

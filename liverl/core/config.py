@@ -269,6 +269,10 @@ class GateConfig(_Section):
                                 "sequential test (mSPRT; deploy.sequential), however often it is peeked at.")
     canary_tau: float = Field(default=0.03, gt=0, description="Effect size the test is tuned for (acceptance points).")
     canary_min_events: int = Field(default=100, ge=1, description="Judged events each arm needs before any decision.")
+    canary_min_s: float = Field(
+        default=0.0, ge=0, description="Shortest canary: no promotion before it has run this long, and evidence that "
+        "it passes counts only from then on (a harm shown earlier still aborts). Set it above the time your "
+        "follow-up feedback (reverts) takes to arrive, or the revert-rate guardrail passes on reverts not yet sent.")
     canary_margin: float = Field(
         default=0.0, ge=0.0, description="0: promote only when live acceptance is shown better than stable's; > 0: "
         "when shown not worse by more than this (non-inferiority).")

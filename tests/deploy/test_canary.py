@@ -77,6 +77,24 @@ def test_a_better_canary_is_promoted_on_live_evidence(cfg, rds, fleet):
     assert 'liverl_gate_rollouts_total{outcome="promoted"} 1.0' in text and "liverl_gate_canary_share 0.0" in text
 
 
+def test_a_canary_is_not_promoted_before_canary_min_s_and_early_evidence_does_not_count(cfg, rds, fleet):
+    """Reverts arrive late: a canary that looks fine in its first minutes (no revert has come in yet, on either side)
+    must not pass on that. Before gate.canary_min_s it only continues (or aborts), and passing evidence from then
+    is not kept; after it, the evidence gathered from then on decides."""
+    gate, registry = fleet
+    cfg.gate.canary_min_s = 600.0
+    row = start(gate, registry, rds, cfg)
+    live(rds, cfg, row.version, 320, 224)  # 70% against 40%: enough to promote at once without the rule
+    live(rds, cfg, 0, 1280, 512)
+    [v] = gate.step()
+    assert v.verdict == "canary" and "settling: no promotion in the first gate.canary_min_s 600 s" in v.reason
+    plan = read_plan(rds, cfg.topics.prefix)
+    assert not any(k.endswith(":pass") for k in plan.max_log_lr)  # what passed early is not carried
+    rds.set(keys.rollout(cfg.topics.prefix), plan.model_copy(update={"started_at": plan.started_at - 601}).to_json())
+    [v] = gate.step()
+    assert v.verdict == "promoted", v.reason
+
+
 def test_a_worse_canary_is_aborted_and_its_nodes_return_to_stable(cfg, rds, fleet):
     gate, registry = fleet
     row = start(gate, registry, rds, cfg)
