@@ -138,7 +138,11 @@ class CanaryController:
         if stable.version != plan.stable_version:
             return self.abort(plan, f"the stable version changed to v{stable.version} during the canary")
         c = _counts(self.redis, self.prefix, plan.version)
-        s = _since(_counts(self.redis, self.prefix, stable.version), plan.stable_baseline)
+        s_all = _counts(self.redis, self.prefix, stable.version)
+        s = _since(s_all, plan.stable_baseline)
+        # reverts come late: on both arms, count those of answers judged during the canary (the stable arm's reverts
+        # that arrived meanwhile include reverts of answers judged before it; the canary's cannot)
+        s["revert"] = keys.reverts_judged_since(s_all, plan.started_at)
         tests = build_tests(self.cfg, plan, c, s)
         now = time.time()
         verdict, why = tests.verdict(deadline_passed=now >= plan.deadline_at)

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ingest.metrics import IngestMetrics, Tally
+from liverl.core import keys
 from liverl.core.config import LiverlConfig, redact_url
 from liverl.core.product import load_product
 from liverl.core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, TrainingSample, WireError
@@ -291,9 +292,10 @@ class Ingest:
                              f"an accept; judgements are kept ingest.judged_ttl_s)", src, value)
             return
         _, t, meta, _ = unpack(entry)
+        counted = keys.revert_field(t)  # by when the reverted generation was judged
         if meta.get("r") == fb.feedback_id:
             out.tally.inc("duplicates")
-            out.tally.live.append((fb.feedback_id, meta["v"], "revert"))  # idempotent; heals a crash before Redis
+            out.tally.live.append((fb.feedback_id, meta["v"], counted))  # idempotent; heals a crash before Redis
         elif meta.get("r") is not None:
             await self._dead(out, "already_reverted", f"generation {gid} was already reverted by {meta['r']}",
                              src, value)
@@ -304,7 +306,7 @@ class Ingest:
             _, _, _, accepted = unpack(entry)
             out.writes[gid] = pack(JUDGED, t, {**meta, "r": fb.feedback_id})
             out.tally.inc("reverted")
-            out.tally.live.append((fb.feedback_id, meta["v"], "revert"))
+            out.tally.live.append((fb.feedback_id, meta["v"], counted))
             if accepted and len(gid) + len(REVERT_SUFFIX) <= 128:  # the correction: the same generation again, with the revert's reward
                 s = TrainingSample.model_validate_json(accepted)
                 fix = s.model_copy(update={"sample_id": f"{gid}{REVERT_SUFFIX}", "feedback_id": fb.feedback_id,

@@ -34,13 +34,21 @@ log = logging.getLogger("liverl.ingest.metrics")
 # of a partition); a week is far beyond any realistic replay, and it bounds Redis memory.
 COUNTED_TTL_S = 7 * 24 * 3600
 
-# KEYS: pairs (guard key, live hash key); ARGV[1] = guard ttl, ARGV[1 + j] = kind of pair j.
+# KEYS: pairs (guard key, live hash key); ARGV[1] = guard ttl, ARGV[1 + j] = kind of pair j (a revert's kind carries
+# the bucket of its generation's judgement: revert@<bucket>, keys.revert_field).
 _LIVE_LUA = """
 local n = 0
 for j = 1, #ARGV - 1 do
   if redis.call('SET', KEYS[2 * j - 1], '1', 'NX', 'EX', ARGV[1]) then
-    redis.call('HINCRBY', KEYS[2 * j], ARGV[j + 1], 1)
-    if ARGV[j + 1] ~= 'revert' then  -- a follow-up on a judged generation, not another judged event
+    local kind = ARGV[j + 1]
+    local at = string.find(kind, '@', 1, true)  -- revert@<bucket>: also counted per bucket (keys.revert_field)
+    local base = kind
+    if at then
+      base = string.sub(kind, 1, at - 1)
+      redis.call('HINCRBY', KEYS[2 * j], kind, 1)
+    end
+    redis.call('HINCRBY', KEYS[2 * j], base, 1)
+    if base ~= 'revert' then  -- a follow-up on a judged generation, not another judged event
       redis.call('HINCRBY', KEYS[2 * j], 'events', 1)
     end
     n = n + 1

@@ -69,7 +69,7 @@ def _live(r: redis.Redis, prefix: str, versions: list[int]) -> dict[int, dict[st
     pipe = r.pipeline()
     for v in versions:
         pipe.hgetall(keys.live(prefix, v))
-    return {v: {k: int(x) for k, x in h.items()} for v, h in zip(versions, pipe.execute()) if h}
+    return {v: keys.live_totals({k: int(x) for k, x in h.items()}) for v, h in zip(versions, pipe.execute()) if h}
 
 
 def _served(r: redis.Redis, prefix: str) -> dict[str, dict[str, Any]]:

@@ -23,6 +23,7 @@ is renamed in one place. Every key starts with the topic prefix (``cfg.topics.pr
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -57,7 +58,32 @@ def swap_errors(prefix: str) -> str:
 
 
 def live(prefix: str, version: int) -> str:
+    """A version's live counters (a hash): ``accept``, ``reject``, ``edit``, ``events`` (judged generations),
+    ``revert`` and, per ``REVERT_BUCKET_S`` of judgement time, ``revert@<bucket>`` (``revert_field``)."""
     return f"{prefix}:live:{version}"
+
+
+REVERT_BUCKET_S = 10
+"""Reverts are also counted by when the generation they undo was judged, in buckets of this many seconds."""
+
+
+def revert_field(judged_at: float) -> str:
+    """The live-counter field of a revert of a generation judged at ``judged_at``: a revert arrives late, so a canary
+    compares reverts of answers judged during it on both arms (``reverts_judged_since``), not every revert that
+    arrived meanwhile (the stable arm's would include reverts of answers judged before the canary began)."""
+    return f"revert@{int(judged_at // REVERT_BUCKET_S)}"
+
+
+def reverts_judged_since(counts: dict[str, int], since: float) -> int:
+    """Reverts, among ``counts`` (a live hash), of generations judged in the buckets that begin at or after ``since``
+    (the bucket ``since`` falls inside is left out: what it holds was partly judged before)."""
+    first = math.ceil(since / REVERT_BUCKET_S)
+    return sum(n for k, n in counts.items() if k.startswith("revert@") and int(k[7:]) >= first)
+
+
+def live_totals(counts: dict[str, int]) -> dict[str, int]:
+    """A live hash without its per-bucket revert fields: what tables and reports show."""
+    return {k: n for k, n in counts.items() if "@" not in k}
 
 
 def canary(prefix: str) -> str:

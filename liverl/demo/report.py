@@ -29,7 +29,7 @@ def read_live(r, prefix: str) -> dict[int, dict[str, int]]:
     for key in r.scan_iter(keys.live_pattern(prefix), count=1000):
         v = keys.version_of_live(key)
         if v is not None:
-            out[v] = {k.decode(): int(v) for k, v in r.hgetall(key).items()}
+            out[v] = keys.live_totals({k.decode(): int(n) for k, n in r.hgetall(key).items()})
     return out
 
 

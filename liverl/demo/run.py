@@ -27,6 +27,30 @@ log = logging.getLogger("liverl.demo")
 DEMO_PRODUCT = "liverl.demo.product:PRODUCT"
 
 
+DEMO_PROFILE: dict[str, dict[str, float | int]] = {
+    "serving": {"nodes": 2},
+    "gate": {"canary_share": 0.5, "canary_margin": 0.03, "canary_deadline_s": 180.0, "canary_min_events": 50,
+             "canary_min_s": 90.0},
+}
+"""What ``liverl demo`` changes from the production defaults, where the config file, the environment or a flag did not
+set it: two serving nodes behind the router, and canaries sized for a 10-minute run on a laptop's traffic (~50 judged
+events/s): half the users, 50 events per arm before any decision, no promotion in the first 90 s (the trap's reverts
+come ~30 s after the accept), non-inferiority within 3 points, a 3-minute deadline. Production canaries (20% of users,
+30 minutes) would not decide inside the demo."""
+
+
+def apply_demo_profile(cfg: LiverlConfig) -> dict[str, float | int]:
+    """Sets ``DEMO_PROFILE``'s values that ``cfg`` did not set explicitly; returns what it set (section.field: value)."""
+    applied = {}
+    for section, values in DEMO_PROFILE.items():
+        sec = getattr(cfg, section)
+        for name, value in values.items():
+            if name not in sec.model_fields_set:
+                setattr(sec, name, value)
+                applied[f"{section}.{name}"] = value
+    return applied
+
+
 def _trap_kwargs(users, cfg: LiverlConfig) -> dict:
     """The reward-hacking trap (``demo.trap``), for a product's users that know one (the demo's do)."""
     import inspect
@@ -49,11 +73,16 @@ def run_demo(cfg: LiverlConfig, model_dir: Path, summary_path: str | None = None
     state = cfg.state_path
     demo_dir = state / "demo"
     demo_dir.mkdir(parents=True, exist_ok=True)
+    profile = apply_demo_profile(cfg)
     summary_path = Path(summary_path) if summary_path else demo_dir / "summary.json"
     plot_path = Path(plot_path) if plot_path else demo_dir / "acceptance.png"
 
     print(f"liverl demo: {cfg.demo.duration_s:.0f} s, {cfg.demo.users} simulated users, product "
           f"{product.describe()}, state in {state}", flush=True)
+    print(f"  {cfg.serving.nodes} serving node(s); reward-hacking trap {'on' if cfg.demo.trap else 'off'}; gate "
+          + ("INTEGRITY ONLY" if cfg.gate.integrity_only else
+             f"with canaries on {cfg.gate.canary_share:.0%} of users" if cfg.serving.nodes > 1 else "offline checks")
+          + (f"; demo settings: {', '.join(f'{k}={v}' for k, v in profile.items())}" if profile else ""), flush=True)
     print("[1/3] embedded stack (Kafka-compatible broker, Redis, SQLite registry, blob folder) and the pipeline: "
           "serve (vLLM + gateway + agent), ingest (faust), learn, gate ...", flush=True)
     with Pipeline(cfg, model_dir, fresh=True) as pipe:

@@ -34,9 +34,12 @@ def fleet(cfg, rds):
     registry.close()
 
 
-def live(rds, cfg, version: int, events: int, accept: int, edit: int = 0, revert: int = 0) -> None:
-    """What ingest does per judged event, in bulk: the version's live counters grow."""
+def live(rds, cfg, version: int, events: int, accept: int, edit: int = 0, revert: int = 0,
+         judged_at: float | None = None) -> None:
+    """What ingest does per judged event, in bulk: the version's live counters grow (reverts also per bucket of
+    when the generation they undo was judged: now, unless ``judged_at``)."""
     rds.hincrby(keys.live(cfg.topics.prefix, version), "revert", revert)
+    rds.hincrby(keys.live(cfg.topics.prefix, version), keys.revert_field(judged_at or time.time() + 60), revert)
     rds.hincrby(keys.live(cfg.topics.prefix, version), "events", events)
     rds.hincrby(keys.live(cfg.topics.prefix, version), "accept", accept)
     rds.hincrby(keys.live(cfg.topics.prefix, version), "edit", edit)
@@ -130,6 +133,21 @@ def test_reward_hacking_shows_as_reverts_and_the_canary_is_aborted(cfg, rds, fle
     [v] = gate.step()
     assert v.verdict == "aborted" and "guardrail revert_rate is worse" in v.reason
     assert registry.get(row.version).status == "rejected"
+
+
+def test_reverts_that_arrive_during_a_canary_for_answers_judged_before_it_do_not_count_against_stable(cfg, rds, fleet):
+    """Reverts come late. The stable arm's reverts that arrive during the canary include reverts of answers judged
+    before it began; the canary's cannot. Counting those would make stable look worse and pass a canary that reverts
+    more: each arm counts the reverts of answers judged during the canary (keys.revert_field buckets)."""
+    gate, registry = fleet
+    cfg.gate.canary_min_events = 50
+    row = start(gate, registry, rds, cfg)
+    live(rds, cfg, 0, 0, 0, revert=300, judged_at=time.time() - 120)  # old answers of stable, reverted now
+    live(rds, cfg, row.version, 2000, 800, revert=200)  # 10% of the canary's answers reverted
+    live(rds, cfg, 0, 2000, 800, revert=40)  # 2% of stable's answers judged during the canary
+    [v] = gate.step()
+    assert v.verdict == "aborted" and "guardrail revert_rate is worse" in v.reason, v.reason
+    assert "revert rate 0.100 vs 0.020" in v.reason
 
 
 def test_an_undecided_canary_is_aborted_at_its_deadline(cfg, rds, fleet):

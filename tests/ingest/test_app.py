@@ -13,6 +13,7 @@ import time
 import pytest
 
 from ingest.sdk import from_config
+from liverl.core import keys
 from liverl.core.schemas import DeadLetter, FeedbackEvent, TrainingSample
 from tests.ingest.conftest import make_generation, new_gid, wait_until
 
@@ -203,8 +204,10 @@ def test_a_revert_of_an_accepted_generation_is_counted_once_and_trains_its_corre
     reasons = {FeedbackEvent.from_bytes(DeadLetter.from_bytes(r.value).value).feedback_id:
                DeadLetter.from_bytes(r.value).reason for r in recs}
     assert reasons == {second: "already_reverted", bad: "revert_unaccepted", orphan: "revert_unjudged"}
-    assert wait_until(lambda: harness.live(v) == {"accept": 1, "reject": 1, "revert": 1, "events": 2}, 10,
-                      what=f"live counters with one revert, have {harness.live(v)}")
+    assert wait_until(lambda: keys.live_totals(harness.live(v)) == {"accept": 1, "reject": 1, "revert": 1, "events": 2},
+                      10, what=f"live counters with one revert, have {harness.live(v)}")
+    [bucket] = [k for k in harness.live(v) if k.startswith("revert@")]  # by when the reverted answer was judged
+    assert abs(int(bucket[7:]) * keys.REVERT_BUCKET_S - time.time()) < 120
     delta = _delta(harness.counters(), before)
     assert delta.get("reverted") == 1 and delta.get("samples_out") == 3 and delta.get("duplicates") == 1
     assert delta.get("revert_samples_out") == 1

@@ -88,3 +88,18 @@ def test_the_plot_marks_promotions_and_aborted_canaries(cfg, tmp_path):
     tl = Timeline(t0=t0, points=[{"t": float(i), "served": 0, "live": {0: (4 * i, 10 * i)}} for i in range(0, 40, 2)])
     plot_timeline(tl, {"marks": marks, "live_by_version": {}}, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_the_demo_profile_fills_in_only_what_config_did_not_set():
+    """`liverl demo` runs two nodes with demo-sized canaries, unless the file, environment or a flag said otherwise."""
+    from liverl.core.config import load_config
+    from liverl.demo.run import apply_demo_profile
+
+    cfg = load_config(None, env={"LIVERL__SERVING__NODES": "1", "LIVERL__GATE__CANARY_SHARE": "0.3"})
+    applied = apply_demo_profile(cfg)
+    assert (cfg.serving.nodes, cfg.gate.canary_share, cfg.gate.canary_min_s) == (1, 0.3, 90.0)
+    assert "serving.nodes" not in applied and "gate.canary_share" not in applied
+    assert applied["gate.canary_deadline_s"] == 180.0
+    cfg = load_config(None, env={})
+    apply_demo_profile(cfg)
+    assert cfg.serving.nodes == 2 and cfg.gate.canary_share == 0.5
