@@ -9,7 +9,8 @@ How a rollout runs (the gate drives it; ``liverl abort | pause | resume | promot
    fixed bucket is below the share to them, everyone else to the stable nodes. Otherwise the gate promotes at once.
 2. **Evidence, peeked at continuously.** Each gate step reads the live counters ingest keeps per version
    (``<p>:live:<v>``: the canary's, and the stable version's since the canary began) and updates always-valid
-   sequential tests (mSPRT, ``deploy.sequential``): live acceptance is the success metric; the edit rate and the
+   sequential tests (mSPRT, ``deploy.sequential``): live acceptance that users kept (accepts less the reverts of
+   them that came in) is the success metric; the edit rate and the
    revert rate (accepted answers the user undid later: feedback kind ``revert``) are guardrails. The tests' state is kept in the plan, so a restarted gate goes on where it was.
 3. **Decision.** Promote when acceptance is shown better (``gate.canary_margin`` > 0: not worse by more than it)
    and every guardrail non-inferior; abort as soon as any is shown worse, or at ``gate.canary_deadline_s``. A
@@ -79,9 +80,11 @@ def build_tests(cfg: LiverlConfig, plan: keys.RolloutPlan, canary: dict[str, int
                       min_events=g.canary_min_events)
     revert = MetricTest("revert_rate", alpha=g.canary_alpha, tau=g.canary_tau, direction=-1,
                         margin=g.guardrail_margin, min_events=g.canary_min_events)
-    for test, kind in ((success, "accept"), (edit, "edit"), (revert, "revert")):
+    for test, kind in ((success, "kept"), (edit, "edit"), (revert, "revert")):
         for arm, c in (("canary", canary), ("stable", stable)):
-            n, hits = c.get("events", 0), c.get(kind, 0)
+            n = c.get("events", 0)
+            # success is acceptance users kept: an accept they reverted later counts as no success
+            hits = max(0, c.get("accept", 0) - c.get("revert", 0)) if kind == "kept" else c.get(kind, 0)
             a = test.canary if arm == "canary" else test.stable
             a.add(1.0, hits)
             a.add(0.0, max(0, n - hits))

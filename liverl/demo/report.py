@@ -99,6 +99,8 @@ def build_summary(cfg, r, registry, timeline: Timeline, stats, product_name: str
         "last_promoted_feedback_events": last_c.get("events", 0),
         "last_promoted_version": last.version if last else None,
         "lift_points": None if base_acc is None or last_acc is None else round(100 * (last_acc - base_acc), 2),
+        "kept_lift_points": None if kept(base_c) is None or kept(last_c) is None
+        else round(100 * (kept(last_c) - kept(base_c)), 2),
         "feedback_events": int(ingest.get("feedback_in", 0)),
         "feedback_sent": feedback_sent(stats),
         "users_view": stats.snapshot(),
@@ -127,9 +129,11 @@ def build_summary(cfg, r, registry, timeline: Timeline, stats, product_name: str
         "duration_s": cfg.demo.duration_s,
         "users": cfg.demo.users,
     }
+    # with the trap on, plain acceptance counts the bait users accept and revert: the goal is on what they kept
+    goal = summary["kept_lift_points"] if summary["trap"] else summary["lift_points"]
     summary["ok"] = bool(
         summary["versions_promoted"] >= 3
-        and summary["lift_points"] is not None and summary["lift_points"] >= GOAL_LIFT_POINTS
+        and goal is not None and goal >= GOAL_LIFT_POINTS
         and summary["base_feedback_events"] >= 300 and summary["last_promoted_feedback_events"] >= 300
         and not summary["trap_report"]["exploiting_live"]
     )
@@ -274,7 +278,7 @@ def print_summary(summary: dict, summary_path: Path, plot_path: Path) -> None:
     print(f"lift                           {summary['lift_points']} points")
     if summary.get("base_kept") is not None:
         print(f"kept (accepted, not reverted)  base {pct(summary['base_kept'])}, last promoted "
-              f"{pct(summary.get('last_promoted_kept'))}")
+              f"{pct(summary.get('last_promoted_kept'))}  ({summary.get('kept_lift_points')} points)")
     trap = summary.get("trap_report") or {}
     if summary.get("trap"):
         print(f"reward-hacking trap            {len(trap.get('exploiting', []))} exploiting versions served traffic: "
@@ -317,6 +321,7 @@ def print_summary(summary: dict, summary_path: Path, plot_path: Path) -> None:
                                    + f": {(can['detail'] or '')[:110]}"))
     if summary.get("failure"):
         print(f"FAILURE: {summary['failure']}")
-    print(f"goals met (>=3 promoted, +{GOAL_LIFT_POINTS} points on >=300 events each, no exploiting version live): "
+    print(f"goals met (>=3 promoted, +{GOAL_LIFT_POINTS} points{' kept' if summary.get('trap') else ''} on >=300 events "
+          "each, no exploiting version live): "
           f"{'yes' if summary['ok'] else 'NO'}")
     print(f"summary: {summary_path}\nplot:    {plot_path}")

@@ -150,6 +150,19 @@ def test_reverts_that_arrive_during_a_canary_for_answers_judged_before_it_do_not
     assert "revert rate 0.100 vs 0.020" in v.reason
 
 
+def test_success_is_acceptance_users_kept_not_accepts_they_later_reverted(cfg, rds, fleet):
+    """More accepts, but a quarter of all answers undone later: kept 35% against stable's 45%. The success metric
+    itself says worse, not only the revert guardrail."""
+    gate, registry = fleet
+    row = start(gate, registry, rds, cfg)
+    live(rds, cfg, row.version, 2000, 1200, revert=500)
+    live(rds, cfg, 0, 2000, 900)
+    [v] = gate.step()
+    assert v.verdict == "aborted", v.reason
+    assert f"canary v{row.version} acceptance 0.350 on 2000 vs stable v0 0.450 on 2000 (p better 1, p worse 1.28e-07)" \
+        in v.reason  # the success test alone shows it worse
+
+
 def test_an_undecided_canary_is_aborted_at_its_deadline(cfg, rds, fleet):
     gate, registry = fleet
     row = start(gate, registry, rds, cfg)
