@@ -291,7 +291,7 @@ class Ingest:
             await self._dead(out, "revert_unjudged", f"generation {gid} has no judgement to revert (a revert follows "
                              f"an accept; judgements are kept ingest.judged_ttl_s)", src, value)
             return
-        _, t, meta, _ = unpack(entry)
+        _, t, meta, accepted = unpack(entry)  # accepted: the sample its accept trained, kept for this correction
         counted = keys.revert_field(t)  # by when the reverted generation was judged
         if meta.get("r") == fb.feedback_id:
             out.tally.inc("duplicates")
@@ -303,11 +303,10 @@ class Ingest:
             await self._dead(out, "revert_unaccepted", f"generation {gid} was judged {meta['k']}, not accept: only an "
                              "accepted generation can be reverted", src, value)
         else:
-            _, _, _, accepted = unpack(entry)
             out.writes[gid] = pack(JUDGED, t, {**meta, "r": fb.feedback_id})
             out.tally.inc("reverted")
             out.tally.live.append((fb.feedback_id, meta["v"], counted))
-            if accepted and len(gid) + len(REVERT_SUFFIX) <= 128:  # the correction: the same generation again, with the revert's reward
+            if accepted and len(gid) + len(REVERT_SUFFIX) <= 128:  # (ids are at most 128 characters) the correction
                 s = TrainingSample.model_validate_json(accepted)
                 fix = s.model_copy(update={"sample_id": f"{gid}{REVERT_SUFFIX}", "feedback_id": fb.feedback_id,
                                            "kind": "revert", "reward": float(self.product.reward("revert", s.segment)),
