@@ -179,12 +179,14 @@ def open_container(blob: bytes, magic: bytes, what: str, check_payload: bool = T
     view = memoryview(blob)
     if len(view) < _PREFIX.size:
         raise DeltaError(f"{what} truncated: expected at least {_PREFIX.size} bytes, got {len(view)}")
-    got_magic, version, _flags, hlen, plen, hsum = _PREFIX.unpack_from(view)
+    got_magic, version, flags, hlen, plen, hsum = _PREFIX.unpack_from(view)
     if got_magic != magic:
         other = {DELTA_MAGIC: "a delta", SNAPSHOT_MAGIC: "a snapshot"}.get(got_magic, "unknown data")
         raise DeltaError(f"not {what}: magic {got_magic!r} ({other})")
     if version != FORMAT_VERSION:
         raise DeltaError(f"{what} format version {version} is not supported by this build (reads {FORMAT_VERSION})")
+    if flags != 0:  # no flag is defined in this version: a set bit is damage (hypothesis found one applying fine)
+        raise DeltaError(f"{what} corrupted: flags {flags:#06x} set in the prefix (format {FORMAT_VERSION} defines none)")
     expected = _PREFIX.size + plen + hlen + _TRAILER
     if len(view) < expected:
         raise DeltaError(f"{what} truncated: expected {expected} bytes, got {len(view)}")

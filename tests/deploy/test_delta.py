@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from deploy.delta import (
@@ -341,6 +341,7 @@ def test_in_place_refuses_wrong_base_before_touching():
 
 
 @settings(max_examples=60, deadline=None)
+@example(dtype=torch.bfloat16, cut=0.0, flip=0.0234375, bit=0, seed=0)  # a bit of the prefix's flags (CI found it)
 @given(dtype=st.sampled_from(DTYPES), cut=st.floats(0, 1, exclude_max=True), flip=st.floats(0, 1, exclude_max=True),
        bit=st.integers(0, 7), seed=st.integers(0, 2**31))
 def test_any_flipped_bit_or_truncation_is_refused_untouched(dtype, cut, flip, bit, seed):
