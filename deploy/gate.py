@@ -9,8 +9,9 @@ small MoE, measured here, reached 82% accuracy and then collapsed to 0%); Cursor
                   (one release moves the policy only so far from what users have seen work);
   (c) collapse    the candidate's mean per-token entropy there >= ``cfg.gate.min_entropy`` (a collapsed,
                   near-deterministic policy has stopped exploring and cannot recover);
-  (d) suite       only when the product has an evaluation suite: its mean grade >= the stable version's -
-                  ``cfg.gate.max_regression``;
+  (d) suite       only when the product has an evaluation suite: refused when its mean grade is below the stable
+                  version's by more than ``cfg.gate.max_regression`` and the paired sign test on the cases that
+                  changed grade (McNemar's for pass/fail) shows the drop at ``cfg.gate.suite_alpha``;
   (e) off-policy  the candidate's acceptance estimated on held-out logged feedback (``<prefix>.heldout``, which
                   the learner never trains on): clipped, self-normalised importance sampling of the logged
                   completions (``deploy.offpolicy``), against stable's estimate on the same samples. Refused when
@@ -35,6 +36,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -65,10 +67,24 @@ class Evaluator(Protocol):
         """``{"kl", "entropy", "tokens", ...}`` on the current probes, or None when there are none yet."""
 
     def suite_score(self, weights: Mapping[str, Any]) -> dict | None:
-        """``{"name", "score", ...}`` on the product's evaluation suite, or None without one."""
+        """``{"name", "score", "grades", ...}`` on the product's evaluation suite (``grades``: each completion's, in
+        case order; optional, without it the drop alone decides), or None without one."""
 
     def sequence_logprobs(self, weights: Mapping[str, Any], probes: list) -> list[float]:
         """log pi(completion | prompt) of each probe (``prompt_ids``, ``completion_ids``) under ``weights``."""
+
+
+def paired_sign_test(candidate: list[float], stable: list[float]) -> tuple[int, int, float]:
+    """(cases worse, cases better, one-sided p) for "the candidate is worse on the suite", pairing each case's grade
+    under both versions: the exact sign test on the cases whose grade changed (McNemar's exact test when grades are
+    pass/fail). Unchanged cases carry no evidence either way."""
+    if len(candidate) != len(stable):
+        raise ValueError(f"{len(candidate)} candidate grades against {len(stable)} stable grades")
+    worse = sum(c < s for c, s in zip(candidate, stable))
+    better = sum(c > s for c, s in zip(candidate, stable))
+    n = worse + better
+    p = sum(math.comb(n, k) for k in range(worse, n + 1)) / 2 ** n if n else 1.0
+    return worse, better, p
 
 
 @dataclass
@@ -234,8 +250,9 @@ class Gate:
         if key not in self._stable_suite:
             score = self.evaluator.suite_score(self.registry.materialize(stable.version))
             if score is not None:
+                shown = {k: v for k, v in score.items() if k != "grades"}
                 self.registry.record_gate(stable.version, "suite", score["score"], None, True,
-                                          "reference score of the stable version " + json.dumps(score, sort_keys=True))
+                                          "reference score of the stable version " + json.dumps(shown, sort_keys=True))
             self._stable_suite[key] = score
         return self._stable_suite[key]
 
@@ -266,13 +283,25 @@ class Gate:
         if ref is not None:
             score = self.evaluator.suite_score(state)
             self._score.labels("suite").set(score["score"])
-            floor = ref["score"] - g.max_regression
-            checks["suite"] = self._record(
-                row.version, "suite", score["score"], floor, score["score"] >= floor,
-                f"suite {score['name']!r} {score['score']:.4f} vs stable v{stable.version} {ref['score']:.4f} "
-                f"(max regression {g.max_regression}, {score['completions']} completions)")
+            checks["suite"] = self._suite(row, stable, score, ref)
         self._eval_s.observe(time.perf_counter() - t0)
         return checks
+
+    def _suite(self, row: Version, stable: Version, score: dict, ref: dict) -> bool:
+        g = self.cfg.gate
+        floor = ref["score"] - g.max_regression
+        text = (f"suite {score['name']!r} {score['score']:.4f} vs stable v{stable.version} {ref['score']:.4f} "
+                f"(max regression {g.max_regression}, {score['completions']} completions)")
+        dropped = score["score"] < floor
+        if dropped and score.get("grades") is not None and ref.get("grades") is not None \
+                and len(score["grades"]) == len(ref["grades"]):
+            worse, better, p = paired_sign_test(score["grades"], ref["grades"])
+            shown = p < g.suite_alpha
+            text += (f"; paired: {worse} cases worse, {better} better, sign test p {p:.3g} "
+                     f"{'<' if shown else '>='} suite_alpha {g.suite_alpha}"
+                     + ("" if shown else ": the drop is within what the cases that flipped either way explain"))
+            dropped = shown
+        return self._record(row.version, "suite", score["score"], floor, not dropped, text)
 
     def _offpolicy(self, row: Version, stable: Version, state: Mapping[str, Any], heldout: list[HeldoutSample]) -> bool:
         from deploy.offpolicy import compare

@@ -122,7 +122,8 @@ class PolicyEvaluator:
 
     # ------------------------------------------------------------------------------------------- suite
     def suite_score(self, weights: Mapping[str, torch.Tensor]) -> dict | None:
-        """``{"name", "score", "cases"}``: the mean grade of the suite's completions; None without a suite."""
+        """``{"name", "score", "cases", "completions", "grades"}``: the mean grade of the suite's completions, and each
+        completion's grade in case order (the gate pairs them with the stable version's); None without a suite."""
         if self.suite is None:
             return None
         suite = self.suite
@@ -136,7 +137,7 @@ class PolicyEvaluator:
                     raise ValueError(f"suite {suite.name!r}: the grader returned {g}, outside [0, 1]")
                 grades.append(g)
         return {"name": suite.name, "score": sum(grades) / len(grades), "cases": len(suite.cases),
-                "completions": len(grades)}
+                "completions": len(grades), "grades": grades}
 
     def _prompt_ids(self, case: EvalCase) -> list[int]:
         tok = self.tokenizer

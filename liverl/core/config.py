@@ -244,7 +244,12 @@ class GateConfig(_Section):
         "generations is below this: a collapsed policy.")
     max_regression: float = Field(
         default=0.02, ge=0, description="With a product evaluation suite: refuse a candidate whose mean grade drops "
-        "more than this below the stable version's.")
+        "more than this below the stable version's, when the drop is also significant (suite_alpha).")
+    suite_alpha: float = Field(
+        default=0.05, gt=0, le=1, description="The suite check pairs each case's grade under the candidate with the "
+        "stable version's and refuses only a drop the paired sign test (McNemar's, for pass/fail grades) shows at "
+        "this level: a few cases flipping either way on a small suite is noise, not a regression. 1: refuse on the "
+        "drop alone.")
     probe_generations: int = Field(
         default=256, ge=1, description="How many recent logged generations the drift and collapse checks use.")
     poll_s: float = Field(default=1.0, gt=0, description="How often the gate looks for new candidates.")

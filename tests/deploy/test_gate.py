@@ -145,6 +145,70 @@ def test_collapsed_drifted_and_regressed_candidates_are_refused(cfg, setup):
     assert desired(rds, cfg).version == 0
 
 
+def test_paired_sign_test_counts_flipped_cases():
+    from deploy.gate import paired_sign_test
+
+    stable = [1.0] * 200 + [0.0] * 56
+    cand = stable.copy()
+    for i in range(10):  # 10 cases the candidate gets wrong, 4 it gets right that stable did not
+        cand[i] = 0.0
+    for i in range(4):
+        cand[200 + i] = 1.0
+    worse, better, p = paired_sign_test(cand, stable)
+    assert (worse, better) == (10, 4)
+    assert p == pytest.approx(1471 / 16384)  # P(Binomial(14, 1/2) >= 10), exact
+    assert paired_sign_test(stable, stable) == (0, 0, 1.0)
+    with pytest.raises(ValueError):
+        paired_sign_test(cand, stable[:-1])
+
+
+class GradedEval(ProbeEval):
+    """The probe's suite value names a list of per-case grades (pass/fail), so the paired test has cases to pair."""
+
+    def __init__(self, grades: dict[float, list[float]]):
+        super().__init__()
+        self.grades = grades
+
+    def suite_score(self, weights):
+        out = super().suite_score(weights)
+        g = self.grades[round(out["score"], 2)]
+        return {**out, "score": sum(g) / len(g), "grades": g, "completions": len(g)}
+
+
+def test_suite_refuses_a_significant_drop_not_a_few_flipped_cases(cfg, rds):
+    """Both candidates drop more than max_regression (0.02) on a 256-case suite; only the one whose drop the flipped
+    cases show (sign test p < suite_alpha) is refused."""
+    base = [1.0] * 200 + [0.0] * 56
+
+    def flipped(worse: int, better: int) -> list[float]:
+        g = base.copy()
+        g[:worse] = [0.0] * worse
+        g[200:200 + better] = [1.0] * better
+        return g
+
+    registry = open_registry(cfg)
+    try:
+        registry.init_base(weights(0.10, 1.0), "/nonexistent/model")
+        gate = Gate(cfg, registry, rds, GradedEval({0.10: base, 0.20: flipped(10, 4), 0.30: flipped(30, 7),
+                                                 0.40: flipped(20, 8)}))
+        noisy = registry.add_candidate(weights(0.20, 1.0, seed=1), parent=0)  # -6 cases: -0.023, p 0.09
+        [v] = gate.step()
+        assert v.checks["suite"] and v.verdict == "promoted"
+        [g] = [g for g in registry.gate_results(noisy.version) if g.check == "suite"]
+        assert "10 cases worse, 4 better" in g.detail and "sign test p 0.0898" in g.detail
+        worse = registry.add_candidate(weights(0.30, 1.0, seed=2), parent=noisy.version)  # 20 worse, 3 better
+        [v] = gate.step()
+        assert v.verdict == "rejected" and not v.checks["suite"]
+        [g] = [g for g in registry.gate_results(worse.version) if g.check == "suite"]
+        assert "sign test p" in g.detail and "< suite_alpha 0.05" in g.detail
+        cfg.gate.suite_alpha = 1.0  # the drop alone decides, as before the paired test
+        registry.add_candidate(weights(0.40, 1.0, seed=3), parent=noisy.version)  # 10 worse, 4 better, as noisy was
+        [v] = gate.step()
+        assert v.verdict == "rejected" and not v.checks["suite"]
+    finally:
+        registry.close()
+
+
 def test_without_a_suite_the_gate_checks_integrity_drift_and_collapse(cfg, rds):
     registry = open_registry(cfg)
     try:
