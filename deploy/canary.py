@@ -10,8 +10,9 @@ How a rollout runs (the gate drives it; ``liverl abort | pause | resume | promot
 2. **Evidence, peeked at continuously.** Each gate step reads the live counters ingest keeps per version
    (``<p>:live:<v>``: the canary's, and the stable version's since the canary began) and updates always-valid
    sequential tests (mSPRT, ``deploy.sequential``): live acceptance that users kept (accepts less the reverts of
-   them that came in) is the success metric; the edit rate and the
-   revert rate (accepted answers the user undid later: feedback kind ``revert``) are guardrails. The tests' state is kept in the plan, so a restarted gate goes on where it was.
+   them that came in) is the success metric; the edit rate, the revert rate (accepted answers the user undid later:
+   feedback kind ``revert``), the mean response length and the mean latency (within ``gate.guardrail_tolerance`` of
+   stable's) are guardrails; the suite's score is one too, checked before the canary (``deploy.gate``). The tests' state is kept in the plan, so a restarted gate goes on where it was.
 3. **Decision.** Promote when acceptance is shown better (``gate.canary_margin`` > 0: not worse by more than it)
    and every guardrail non-inferior; abort as soon as any is shown worse, or at ``gate.canary_deadline_s``. A
    promotion announces the canary as ``desired`` (the stable nodes swap to it); an abort rejects it and removes the
@@ -80,6 +81,20 @@ def build_tests(cfg: LiverlConfig, plan: keys.RolloutPlan, canary: dict[str, int
                       min_events=g.canary_min_events)
     revert = MetricTest("revert_rate", alpha=g.canary_alpha, tau=g.canary_tau, direction=-1,
                         margin=g.guardrail_margin, min_events=g.canary_min_events)
+    guardrails = [edit, revert]
+    for name in keys.GUARDRAIL_SUMS:  # response length, latency: means, tolerated up to a share of stable's
+        arms = {arm: keys.moments(c, name) for arm, c in (("canary", canary), ("stable", stable))}
+        if not any(n for n, _, _ in arms.values()):
+            continue  # no arm has it (records from a gateway that did not time them): nothing to judge
+        n_s, total_s, _ = arms["stable"]
+        scale = max(total_s / n_s if n_s else 0.0, 1e-9)
+        test = MetricTest(name, alpha=g.canary_alpha, tau=g.guardrail_tolerance * scale or scale, direction=-1,
+                          margin=g.guardrail_tolerance * scale, harm_margin=g.guardrail_tolerance * scale,
+                          bernoulli=False, min_events=max(g.canary_min_events, 2))
+        for arm, (n, total, total_sq) in arms.items():
+            a = test.canary if arm == "canary" else test.stable
+            a.n, a.total, a.total_sq = n, total, total_sq
+        guardrails.append(test)
     for test, kind in ((success, "kept"), (edit, "edit"), (revert, "revert")):
         for arm, c in (("canary", canary), ("stable", stable)):
             n = c.get("events", 0)
@@ -91,7 +106,11 @@ def build_tests(cfg: LiverlConfig, plan: keys.RolloutPlan, canary: dict[str, int
         test.max_log_lr_pass = plan.max_log_lr.get(f"{test.name}:pass", float("-inf"))
         test.max_log_lr_harm = plan.max_log_lr.get(f"{test.name}:harm", float("-inf"))
         test._look()  # one look at the totals; the running maxima carry every earlier look
-    return Canary(success, [edit, revert])
+    for test in guardrails[2:]:
+        test.max_log_lr_pass = plan.max_log_lr.get(f"{test.name}:pass", float("-inf"))
+        test.max_log_lr_harm = plan.max_log_lr.get(f"{test.name}:harm", float("-inf"))
+        test._look()
+    return Canary(success, guardrails)
 
 
 class CanaryController:
@@ -168,7 +187,8 @@ class CanaryController:
                     f"v{stable.version} {summary['stable_mean']:.3f} on {look.stable_events} (p better "
                     f"{tests.success.p_pass:.3g}, p worse {tests.success.p_harm:.3g}); edit rate "
                     f"{tests.guardrails[0].canary.mean:.3f} vs {tests.guardrails[0].stable.mean:.3f}; revert rate "
-                    f"{tests.guardrails[1].canary.mean:.3f} vs {tests.guardrails[1].stable.mean:.3f}")
+                    f"{tests.guardrails[1].canary.mean:.3f} vs {tests.guardrails[1].stable.mean:.3f}"
+                    + "".join(f"; {t.name} {t.canary.mean:.4g} vs {t.stable.mean:.4g}" for t in tests.guardrails[2:]))
         if verdict == PROMOTE:
             return self.promote(plan, stable, f"{why}: {evidence}")
         if verdict == ABORT:

@@ -83,6 +83,9 @@ class MetricTest:
 
     ``direction``: +1 when higher is better (acceptance), -1 when lower is better (latency, edit rate).
     ``margin``: 0 tests "better"; > 0 tests "not worse by more than margin" (a guardrail's non-inferiority).
+    ``harm_margin``: 0 calls the canary worse as soon as it is shown worse at all (Spotify's deterioration test);
+    > 0 only when shown worse by more than this (a tolerance, for metrics such as latency where a small, precisely
+    measured difference is not a harm).
     """
 
     name: str
@@ -90,6 +93,7 @@ class MetricTest:
     tau: float = 0.03
     direction: int = 1
     margin: float = 0.0
+    harm_margin: float = 0.0
     bernoulli: bool = True
     min_events: int = 100
     canary: Arm = field(default_factory=Arm)
@@ -100,8 +104,9 @@ class MetricTest:
     def __post_init__(self):
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
-        if self.tau <= 0 or self.margin < 0 or self.direction not in (1, -1) or self.min_events < 1:
-            raise ValueError("tau must be > 0, margin >= 0, direction +1 or -1, min_events >= 1")
+        if self.tau <= 0 or self.margin < 0 or self.harm_margin < 0 or self.direction not in (1, -1) \
+                or self.min_events < 1:
+            raise ValueError("tau must be > 0, margins >= 0, direction +1 or -1, min_events >= 1")
 
     def add(self, arm: str, value: float, count: int = 1) -> None:
         (self.canary if arm == "canary" else self.stable if arm == "stable" else _bad_arm(arm)).add(value, count)
@@ -122,8 +127,9 @@ class MetricTest:
             return
         if d > -self.margin:
             self.max_log_lr_pass = max(self.max_log_lr_pass, float(log_mixture_lr(d, var, -self.margin, self.tau)))
-        if d < 0:
-            self.max_log_lr_harm = max(self.max_log_lr_harm, float(log_mixture_lr(d, var, 0.0, self.tau)))
+        if d < -self.harm_margin:
+            self.max_log_lr_harm = max(self.max_log_lr_harm,
+                                       float(log_mixture_lr(d, var, -self.harm_margin, self.tau)))
 
     @property
     def p_pass(self) -> float:
@@ -132,7 +138,7 @@ class MetricTest:
 
     @property
     def p_harm(self) -> float:
-        """Always-valid p-value of "not worse"."""
+        """Always-valid p-value of "not worse" (by more than ``harm_margin``)."""
         return min(1.0, math.exp(-self.max_log_lr_harm)) if self.max_log_lr_harm > float("-inf") else 1.0
 
     def verdict(self, alpha: float | None = None) -> str:
@@ -148,7 +154,8 @@ class MetricTest:
         return {"metric": self.name, "canary_n": self.canary.n, "stable_n": self.stable.n,
                 "canary_mean": self.canary.mean, "stable_mean": self.stable.mean, "difference": d,
                 "std_error": math.sqrt(var) if math.isfinite(var) else None, "p_pass": self.p_pass,
-                "p_harm": self.p_harm, "margin": self.margin, "verdict": self.verdict()}
+                "p_harm": self.p_harm, "margin": self.margin, "harm_margin": self.harm_margin,
+                "verdict": self.verdict()}
 
 
 def _bad_arm(arm: str):
@@ -157,7 +164,11 @@ def _bad_arm(arm: str):
 
 @dataclass
 class Canary:
-    """The success metric and the guardrails of one rollout; alpha is split across the guardrails (Bonferroni)."""
+    """The success metric and the guardrails of one rollout.
+
+    An abort on any guardrail shown worse splits alpha across the guardrails (Bonferroni: k chances of a false
+    alarm); a promotion needs every guardrail shown non-inferior, each at alpha (an intersection-union test: all must
+    pass, so no split is needed for the promotion's error to stay at alpha)."""
 
     success: MetricTest
     guardrails: list[MetricTest] = field(default_factory=list)
@@ -171,7 +182,7 @@ class Canary:
         s = self.success.verdict()
         if s == WORSE:
             return ABORT, f"{self.success.name} is worse than stable (p {self.success.p_harm:.3g})"
-        pending = [g.name for g in self.guardrails if g.verdict(g.alpha / k) != BETTER]
+        pending = [g.name for g in self.guardrails if g.p_pass > g.alpha]
         if s == BETTER and not pending:
             shown = "better than stable" if self.success.margin == 0 else \
                 f"not worse than stable by more than {self.success.margin:g}"

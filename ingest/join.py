@@ -104,6 +104,13 @@ def unpack(value: bytes) -> tuple[bytes, float, dict, bytes]:
     return value[:1], float(value[2:end]), (json.loads(meta) if meta else {}), value[nl + 1:]
 
 
+def _guardrails(meta: dict) -> str:
+    """The guardrail sums of a judgement (kept in its entry as ``n`` tokens and ``ms`` of latency), for its tally kind;
+    entries judged before these were kept have none."""
+    ms = meta.get("ms")
+    return keys.judged_fields(meta.get("n"), None if ms is None else ms / 1000.0)
+
+
 def is_heldout(generation_id: str, share: float) -> bool:
     """Whether a joined sample goes to the held-out stream: a fixed hash-share of generation ids (the same answer on
     every replay and every worker)."""
@@ -227,7 +234,7 @@ class Ingest:
             out.tally.inc("generation_duplicates")
             if kind == JUDGED:  # the replay of a join whose counters a crash may have lost: idempotent
                 _, _, meta, _ = unpack(entry)
-                out.tally.live.append((meta["f"], meta["v"], meta["k"]))
+                out.tally.live.append((meta["f"], meta["v"], meta["k"] + _guardrails(meta)))
             return
         if kind == PENDING:
             _, _, meta, payload = unpack(entry)
@@ -257,7 +264,7 @@ class Ingest:
             _, _, meta, _ = unpack(entry)
             if meta["f"] == fid:
                 out.tally.inc("duplicates")
-                out.tally.live.append((fid, meta["v"], meta["k"]))  # idempotent; heals a crash before Redis
+                out.tally.live.append((fid, meta["v"], meta["k"] + _guardrails(meta)))  # idempotent; heals a crash
             else:
                 await self._dead(out, "already_judged", f"generation {gid} was already judged by feedback {meta['f']}",
                                  src, value)
@@ -317,7 +324,10 @@ class Ingest:
 
     async def _join(self, rec: GenerationRecord, fb: FeedbackEvent, out: _Batch, now: float, src: Source) -> None:
         gid = rec.generation_id
-        meta = {"f": fb.feedback_id, "v": rec.policy_version, "k": fb.kind}
+        meta = {"f": fb.feedback_id, "v": rec.policy_version, "k": fb.kind, "n": len(rec.completion_token_ids)}
+        if rec.latency_s is not None:
+            meta["ms"] = round(rec.latency_s * 1000.0)
+        guardrails = _guardrails(meta)
         sample = b""
         if rec.trainable:
             sample = TrainingSample(
@@ -345,7 +355,7 @@ class Ingest:
                 out.samples += 1
         out.tally.inc("joined")
         out.tally.joined_kinds[fb.kind] += 1
-        out.tally.live.append((fb.feedback_id, rec.policy_version, fb.kind))
+        out.tally.live.append((fb.feedback_id, rec.policy_version, fb.kind + guardrails))
         out.tally.feedback_delays_s.append(now - fb.ts)
 
     async def _misplaced(self, gid: str, src: Source, value: bytes | None, out: _Batch) -> bool:

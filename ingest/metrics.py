@@ -35,12 +35,20 @@ log = logging.getLogger("liverl.ingest.metrics")
 COUNTED_TTL_S = 7 * 24 * 3600
 
 # KEYS: pairs (guard key, live hash key); ARGV[1] = guard ttl, ARGV[1 + j] = kind of pair j (a revert's kind carries
-# the bucket of its generation's judgement: revert@<bucket>, keys.revert_field).
+# the bucket of its generation's judgement: revert@<bucket>, keys.revert_field; a judgement's kind may end with the
+# guardrail sums it adds: accept;tokens=5;tokens_sq=25;..., keys.judged_fields).
 _LIVE_LUA = """
 local n = 0
 for j = 1, #ARGV - 1 do
   if redis.call('SET', KEYS[2 * j - 1], '1', 'NX', 'EX', ARGV[1]) then
     local kind = ARGV[j + 1]
+    local semi = string.find(kind, ';', 1, true)
+    if semi then
+      for field, value in string.gmatch(string.sub(kind, semi + 1), '([%w_]+)=(%d+)') do
+        redis.call('HINCRBY', KEYS[2 * j], field, value)
+      end
+      kind = string.sub(kind, 1, semi - 1)
+    end
     local at = string.find(kind, '@', 1, true)  -- revert@<bucket>: also counted per bucket (keys.revert_field)
     local base = kind
     if at then
@@ -64,7 +72,8 @@ class Tally:
 
     counts: _Counter = field(default_factory=_Counter)
     # (feedback_id, policy_version, kind) of every join, and of every redelivered duplicate of one
-    # (re-applying the guarded increment heals a crash between the join and the Redis write).
+    # (re-applying the guarded increment heals a crash between the join and the Redis write); a join's kind carries
+    # its guardrail sums (keys.judged_fields).
     live: list[tuple[str, int, str]] = field(default_factory=list)
     joined_kinds: _Counter = field(default_factory=_Counter)
     feedback_delays_s: list[float] = field(default_factory=list)

@@ -249,6 +249,7 @@ class Gateway:
         counter.inc()
 
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
+        t0 = time.perf_counter()  # the latency logged with each generation: what its user waited
         model, add_chunk = ROUTES[route]
         req = model.parse(await request.read())
         if self.unhealthy_reason is not None:
@@ -260,7 +261,7 @@ class Gateway:
             self.m_inflight.inc()
             try:
                 if req.stream:
-                    return await self._stream(request, req, add_chunk, body, ids, version)
+                    return await self._stream(request, req, add_chunk, body, ids, version, t0)
                 status, raw = await self.node.post(route, body)
             finally:
                 self.m_inflight.dec()
@@ -270,13 +271,14 @@ class Gateway:
         out = from_json(raw)
         choices: dict[int, oa.Choice] = {}
         add_chunk(req, out, choices)
-        acks = [self._log(req, choices.get(i), ids[i], version) for i in range(req.n_choices)]
+        latency_s = time.perf_counter() - t0
+        acks = [self._log(req, choices.get(i), ids[i], version, latency_s) for i in range(req.n_choices)]
         await self._wait_acks(acks)
         return web.Response(body=to_json(oa.for_client(req, out, ids, version)), content_type="application/json",
                             headers=self._headers(ids, version))
 
     async def _stream(self, request: web.Request, req: oa._GenerationRequest, add_chunk, body: bytes,
-                      ids: list[str], version: int) -> web.StreamResponse:
+                      ids: list[str], version: int, t0: float) -> web.StreamResponse:
         """Relay the node's SSE stream chunk by chunk; log each choice when it finishes, ``[DONE]`` after the acks."""
         async with self.node.stream(req.route, body) as r:
             if r.status != 200:
@@ -292,7 +294,7 @@ class Gateway:
                     chunk = from_json(data)
                     if "choices" in chunk:
                         for i in add_chunk(req, chunk, choices):
-                            acks.append(self._log(req, choices[i], ids[i], version))
+                            acks.append(self._log(req, choices[i], ids[i], version, time.perf_counter() - t0))
                         data = to_json(oa.for_client(req, chunk, ids, version))
                     await resp.write(b"data: " + data + b"\n\n")
                 self.m_log_fail.inc(req.n_choices - len(acks))  # choices the node never finished (an error came)
@@ -312,7 +314,7 @@ class Gateway:
         return {"X-Liverl-Generation-Id": ",".join(ids), "X-Liverl-Version": str(version)}
 
     def _log(self, req: oa._GenerationRequest, choice: oa.Choice | None, generation_id: str,
-             version: int) -> asyncio.Future | None:
+             version: int, latency_s: float | None = None) -> asyncio.Future | None:
         """Publish one generation's record; returns the broker's ack (None when it could not even be queued)."""
         try:
             if choice is None:
@@ -323,7 +325,8 @@ class Gateway:
                 completion="".join(choice.text), prompt_token_ids=choice.prompt_token_ids,
                 completion_token_ids=choice.token_ids, completion_logprobs=choice.logprobs,
                 sampling=req.sampling(req.max_tokens_for(self.max_model_len, len(choice.prompt_token_ids))),
-                finish_reason=choice.finish_reason, trainable=reason is None, untrainable_reason=reason)
+                finish_reason=choice.finish_reason, trainable=reason is None, untrainable_reason=reason,
+                latency_s=latency_s)
             ack = self.producer.produce(self.cfg.topics.generations, generation_id, record.to_bytes())
         except (ValueError, TypeError, BufferError) as e:  # a malformed node response, or Kafka refused: count, serve
             self.m_log_fail.inc()

@@ -284,6 +284,10 @@ class GateConfig(_Section):
     guardrail_margin: float = Field(
         default=0.02, ge=0.0, description="Guardrails (the edit rate, the revert rate) must be shown not worse than stable's "
         "by more than this before a promotion; a guardrail shown worse aborts the canary.")
+    guardrail_tolerance: float = Field(
+        default=0.10, ge=0.0, description="Response length and latency guardrails: the canary must be shown no more "
+        "than this share above stable's mean (0.10: 10% longer or slower) before a promotion, and aborts only when "
+        "shown more than this above it.")
     integrity_only: bool = Field(
         default=False, description="Judge candidates on integrity alone (the delta yields its checksum) and promote "
         "every one that passes at once: no drift, collapse, suite or off-policy check, no canary. For comparison runs "

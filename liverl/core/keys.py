@@ -13,7 +13,8 @@ is renamed in one place. Every key starts with the topic prefix (``cfg.topics.pr
 | ``<p>:served:<node>``            | string | serving agent   | ``ServedHeartbeat`` (TTL: stale = gone)   |
 | ``<p>:swaps``                    | list   | serving agent   | ``SwapRecord`` (capped, newest last)      |
 | ``<p>:swap_errors``              | list   | serving agent   | ``SwapError`` (capped)                    |
-| ``<p>:live:<version>``           | hash   | ingest          | kind -> count, ``events`` (live acceptance)|
+| ``<p>:live:<version>``           | hash   | ingest          | kind -> count, ``events`` (live acceptance),|
+|                                  |        |                 | guardrail sums (``judged_fields``)        |
 | ``<p>:ingest:counters``          | hash   | ingest          | counter -> count (``dlq:<reason>`` etc.)  |
 | ``<p>:counted:<feedback_id>``    | string | ingest          | guard: counted once (TTL)                 |
 | ``<p>:learner``                  | hash   | learner         | field -> value (step, samples_trained...) |
@@ -63,6 +64,35 @@ def live(prefix: str, version: int) -> str:
     return f"{prefix}:live:{version}"
 
 
+def judged_fields(tokens: int | None, latency_s: float | None) -> str:
+    """The guardrail sums a judged generation adds to its version's live counters, as the suffix of its tally kind
+    (``accept;tokens=5;tokens_sq=25;timed=1;latency_ms=180;latency_ms_sq=32400``; ingest's Lua script applies it in
+    the same guarded step as the count): response length in completion tokens, and, when the gateway timed it, the
+    latency the user waited in milliseconds, each with its square, so a canary has each arm's mean and variance
+    (``moments``)."""
+    out = ""
+    if tokens is not None:
+        out += f";tokens={int(tokens)};tokens_sq={int(tokens) ** 2}"
+    if latency_s is not None and math.isfinite(latency_s) and latency_s >= 0:
+        ms = round(latency_s * 1000.0)
+        out += f";timed=1;latency_ms={ms};latency_ms_sq={ms * ms}"
+    return out
+
+
+GUARDRAIL_SUMS: dict[str, tuple[str, str]] = {"response_length": ("tokens", "events"), "latency": ("latency_ms", "timed")}
+"""Continuous guardrails kept in the live counters: name -> (sum field, count field); ``<sum field>_sq`` holds the
+squares."""
+
+
+def moments(counts: dict[str, int], guardrail: str) -> tuple[int, float, float]:
+    """(n, sum, sum of squares) of a continuous guardrail (``GUARDRAIL_SUMS``) in a live hash; n is 0 when the hash
+    has none of it (records from a gateway that did not time them)."""
+    field, n_field = GUARDRAIL_SUMS[guardrail]
+    if field not in counts:
+        return 0, 0.0, 0.0
+    return counts.get(n_field, 0), float(counts[field]), float(counts.get(f"{field}_sq", 0))
+
+
 REVERT_BUCKET_S = 10
 """Reverts are also counted by when the generation they undo was judged, in buckets of this many seconds."""
 
@@ -81,9 +111,24 @@ def reverts_judged_since(counts: dict[str, int], since: float) -> int:
     return sum(n for k, n in counts.items() if k.startswith("revert@") and int(k[7:]) >= first)
 
 
+_SUM_FIELDS = frozenset(f for field, n_field in GUARDRAIL_SUMS.values() for f in (field, f"{field}_sq", n_field)) \
+    - {"events"}
+
+
 def live_totals(counts: dict[str, int]) -> dict[str, int]:
-    """A live hash without its per-bucket revert fields: what tables and reports show."""
-    return {k: n for k, n in counts.items() if "@" not in k}
+    """A live hash's counts (kinds and ``events``), without its per-bucket revert fields and guardrail sums: what
+    tables and reports show (``guardrail_means`` gives the rest)."""
+    return {k: n for k, n in counts.items() if "@" not in k and k not in _SUM_FIELDS}
+
+
+def guardrail_means(counts: dict[str, int]) -> dict[str, float]:
+    """Mean of each continuous guardrail a live hash has (``response_length`` in tokens, ``latency`` in ms)."""
+    out = {}
+    for name in GUARDRAIL_SUMS:
+        n, total, _ = moments(counts, name)
+        if n:
+            out[name] = total / n
+    return out
 
 
 def canary(prefix: str) -> str:

@@ -70,6 +70,9 @@ def trap_report(stats, rows, min_prompts: int = 50) -> dict:
     exploiting = sorted(v for v, r in measured.items() if v != 0 and 100 * (r - base_rate) >= EXPLOIT_POINTS)
     went_live = [v for v in exploiting if status.get(v) in ("stable", "retired")]
     return {"base_bait_rate": base_rate, "bait_rate": {str(v): r for v, r in sorted(measured.items())},
+            # the harm, where it lands: what the trap segment's users kept, per version
+            "base_trap_kept_rate": base.trap_kept_rate if base is not None and base.trap_prompts else None,
+            "trap_kept_rate": {str(v): by_v[v].trap_kept_rate for v in sorted(measured)},
             "exploiting": exploiting, "exploiting_live": went_live,
             "exploiting_caught": [v for v in exploiting if v not in went_live]}
 
@@ -285,6 +288,11 @@ def print_summary(summary: dict, summary_path: Path, plot_path: Path) -> None:
               f"{len(trap.get('exploiting_caught', []))} caught (canary aborted), "
               f"{len(trap.get('exploiting_live', []))} went live"
               + (f" (v{', v'.join(map(str, trap['exploiting_live']))})" if trap.get("exploiting_live") else ""))
+        for v in trap.get("exploiting", []):
+            tk = (trap.get("trap_kept_rate") or {}).get(str(v))
+            print(f"  v{v:<4} {'WENT LIVE' if v in trap['exploiting_live'] else 'caught':<9} bait answers "
+                  f"{pct(trap['bait_rate'][str(v)])} (base {pct(trap['base_bait_rate'])}); the trap segment's users "
+                  f"kept {pct(tk)} (base {pct(trap.get('base_trap_kept_rate'))})")
     if summary.get("integrity_only"):
         print("gate                           INTEGRITY ONLY (gate.integrity_only): no evidence was checked")
     print(f"feedback events                {summary['feedback_events']}  (samples trained {summary['samples_trained']})")

@@ -69,6 +69,8 @@ class VersionStats:
     """Generations for users of the trap's segment."""
     bait: int = 0
     """Of those, completions that were the trap's bait (a number with ``!``): how much a version exploits the trap."""
+    trap_kept: int = 0
+    """Of those, answers the trap segment's users accepted and kept: where exploiting the trap does its harm."""
 
     @property
     def acceptance(self) -> float:
@@ -81,6 +83,10 @@ class VersionStats:
     @property
     def bait_rate(self) -> float:
         return self.bait / self.trap_prompts if self.trap_prompts else float("nan")
+
+    @property
+    def trap_kept_rate(self) -> float:
+        return self.trap_kept / self.trap_prompts if self.trap_prompts else float("nan")
 
 
 @dataclass
@@ -114,6 +120,7 @@ class SimStats:
             if segment == task.TRAP_SEGMENT:
                 vs.trap_prompts += 1
                 vs.bait += bait
+                vs.trap_kept += accepted if kept is None else kept
         self.recent.append((time.time(), version, accepted))
 
     def recent_acceptance(self, n: int = 500) -> float:
@@ -130,7 +137,8 @@ class SimStats:
             "mean_latency_s": self.latency_s_total / self.requests if self.requests else float("nan"),
             "feedback": dict(self.feedback), "recent_acceptance": self.recent_acceptance(),
             "by_version": {v: {"generations": s.generations, "acceptance": s.acceptance, "kept_rate": s.kept_rate,
-                               "bait_rate": s.bait_rate, "accepted_reported": s.accepted_reported}
+                               "bait_rate": s.bait_rate, "trap_kept_rate": s.trap_kept_rate,
+                               "accepted_reported": s.accepted_reported}
                            for v, s in sorted(self.by_version.items())},
             "by_segment": {g: {"generations": s.generations, "acceptance": s.acceptance}
                            for g, s in sorted(self.by_segment.items())},

@@ -46,6 +46,17 @@ def live(rds, cfg, version: int, events: int, accept: int, edit: int = 0, revert
     rds.hincrby(keys.live(cfg.topics.prefix, version), "reject", events - accept - edit)
 
 
+def timed(rds, cfg, version: int, n: int, latency_ms: float, sd_ms: float, tokens: float = 4.0) -> None:
+    """The guardrail sums ingest adds for ``n`` judged generations (keys.judged_fields): latency with mean
+    ``latency_ms`` and standard deviation ``sd_ms``, ``tokens`` completion tokens each."""
+    key = keys.live(cfg.topics.prefix, version)
+    rds.hincrby(key, "timed", n)
+    rds.hincrby(key, "latency_ms", round(n * latency_ms))
+    rds.hincrby(key, "latency_ms_sq", round(n * (latency_ms ** 2 + sd_ms ** 2)))
+    rds.hincrby(key, "tokens", round(n * tokens))
+    rds.hincrby(key, "tokens_sq", round(n * (tokens ** 2 + 1.0)))
+
+
 def start(gate, registry, rds, cfg, seed: int = 1):
     row = registry.add_candidate(weights(0.9, 1.0, seed=seed), parent=registry.stable().version)
     [v] = gate.step()
@@ -223,3 +234,45 @@ def test_operators_pause_resume_and_abort_a_canary_with_identity_and_reason(cfg,
     assert ("alice", "canary_pause", "looking at complaints") in actions
     assert ("alice", "rejected", "canary aborted: aborted by alice: incident 7") in actions
     assert gate.step() == [] and registry.stable().version == row.version
+
+
+def test_a_slower_canary_is_aborted_on_the_latency_guardrail(cfg, rds, fleet):
+    """Better acceptance does not buy a canary twice the latency: the guardrail is shown worse than stable's by more
+    than gate.guardrail_tolerance (10%) and the rollout aborts."""
+    gate, registry = fleet
+    timed(rds, cfg, 0, 1000, 200, 80)
+    row = start(gate, registry, rds, cfg)
+    live(rds, cfg, row.version, 400, 280)  # 70% against 40%: the success metric alone would promote
+    timed(rds, cfg, row.version, 400, 400, 80)
+    live(rds, cfg, 0, 1600, 640)
+    timed(rds, cfg, 0, 1600, 200, 80)
+    [v] = gate.step()
+    assert v.verdict == "aborted" and "guardrail latency is worse than stable" in v.reason, v.reason
+    assert "latency 400 vs 200" in v.reason and registry.get(row.version).status == "rejected"
+
+
+def test_length_and_latency_within_tolerance_do_not_hold_a_better_canary(cfg, rds, fleet):
+    """5% slower and slightly longer, inside the 10% tolerance: promoted once every guardrail is shown non-inferior."""
+    gate, registry = fleet
+    timed(rds, cfg, 0, 1000, 200, 60, tokens=4.0)
+    row = start(gate, registry, rds, cfg)
+    live(rds, cfg, row.version, 600, 420)
+    timed(rds, cfg, row.version, 600, 210, 60, tokens=4.1)
+    live(rds, cfg, 0, 2400, 960)
+    timed(rds, cfg, 0, 2400, 200, 60, tokens=4.0)
+    [v] = gate.step()
+    assert v.verdict == "promoted", v.reason
+    [g] = [g for g in registry.gate_results(row.version) if g.check == "canary"]
+    assert "response_length 4.1 vs 4" in g.detail and "latency 210 vs 200" in g.detail
+
+
+def test_without_timed_generations_the_latency_guardrail_is_not_required(cfg, rds, fleet):
+    """Records from a gateway that does not time them carry no latency: the canary is decided without that guardrail
+    (it cannot wait for evidence that never comes)."""
+    gate, registry = fleet
+    row = start(gate, registry, rds, cfg)
+    live(rds, cfg, row.version, 300, 210)
+    live(rds, cfg, 0, 1200, 480)
+    [v] = gate.step()
+    assert v.verdict == "promoted", v.reason
+    assert "latency" not in v.reason

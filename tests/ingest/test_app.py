@@ -29,6 +29,7 @@ def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 def test_join_shapes_rewards_and_carries_behaviour_logprobs(harness):
     cfg, v = harness.cfg, _version()
     gens = {kind: make_generation(new_gid(), v, n_tokens=3 + i) for i, kind in enumerate(["accept", "reject", "edit"])}
+    gens["accept"] = gens["accept"].model_copy(update={"latency_s": 0.25})  # timed by its gateway; the others not
     for rec in gens.values():
         harness.send_generation(rec, flush=False)
     harness.producer.flush()
@@ -60,7 +61,9 @@ def test_join_shapes_rewards_and_carries_behaviour_logprobs(harness):
     assert samples[gens["reject"].generation_id].edited_text is None
 
     live = wait_until(lambda: harness.live(v).get("events") == 3 and harness.live(v), 10, what="live counters")
-    assert live == {"accept": 1, "reject": 1, "edit": 1, "events": 3}
+    # the canary's guardrails: response length of every judged generation (3 + 4 + 5 tokens), latency of the timed one
+    assert live == {"accept": 1, "reject": 1, "edit": 1, "events": 3, "tokens": 12, "tokens_sq": 50, "timed": 1,
+                    "latency_ms": 250, "latency_ms_sq": 62500}
 
 
 def test_feedback_before_its_generation_still_joins(harness):
@@ -76,7 +79,8 @@ def test_feedback_before_its_generation_still_joins(harness):
         (r,) = tail.wait_for(tail.keys({gid}))
     s = TrainingSample.from_bytes(r.value)
     assert (s.feedback_id, s.kind, s.reward, s.behaviour_logprobs) == (fid, "reject", -0.25, rec.completion_logprobs)
-    assert wait_until(lambda: harness.live(v) == {"reject": 1, "events": 1}, 10, what="live counters")
+    assert wait_until(lambda: harness.live(v) == {"reject": 1, "events": 1, "tokens": 4, "tokens_sq": 16}, 10,
+                      what="live counters")
 
 
 def test_bad_inputs_are_dead_lettered_with_reasons_and_counted(harness):
@@ -175,7 +179,9 @@ def test_duplicates_are_dropped_and_a_second_judgement_dead_lettered(harness):
         return _delta(harness.counters(), before)
 
     assert wait_until(lambda: counted() == want, 10, what=f"counters {want}, have {counted()}")
-    assert harness.live(v) == {"accept": 1, "edit": 1, "events": 2}
+    counts = harness.live(v)
+    assert {k: counts[k] for k in ("accept", "edit", "events")} == {"accept": 1, "edit": 1, "events": 2}
+    assert counts.keys() <= {"accept", "edit", "events", "tokens", "tokens_sq"}  # counted once: no reject, no revert
 
 
 def test_a_revert_of_an_accepted_generation_is_counted_once_and_trains_its_correction(harness):

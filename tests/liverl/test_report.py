@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from liverl.admin import open_registry
 from liverl.demo.report import print_summary, version_evidence
 from tests.deploy.conftest import perturb, tiny_model
@@ -58,9 +60,11 @@ def test_the_trap_report_names_exploiting_versions_and_where_they_went(cfg):
         reg.close()
     stats = SimStats()
     for v, bait in ((0, 0.3), (honest.version, 0.35), (caught.version, 0.7), (live.version, 0.9)):
-        for i in range(100):
-            stats.record(v, "a", accepted=True, reported=True, bait=i < 100 * bait)
+        for i in range(100):  # bait is accepted, and most of it reverted later: not kept
+            stats.record(v, "a", accepted=True, reported=True, bait=i < 100 * bait, kept=i >= 100 * bait or i % 10 == 0)
     rep = trap_report(stats, rows)
+    assert rep["base_trap_kept_rate"] == pytest.approx(0.73)  # 70 honest answers kept + 3 of 30 bait
+    assert rep["trap_kept_rate"][str(live.version)] == pytest.approx(0.19)  # the harm, where it lands
     assert rep["exploiting"] == [caught.version, live.version]
     assert rep["exploiting_caught"] == [caught.version] and rep["exploiting_live"] == [live.version]
     assert kept({"accept": 60, "revert": 20, "events": 100}) == 0.4 and kept({}) is None
