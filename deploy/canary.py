@@ -11,8 +11,8 @@ How a rollout runs (the gate drives it; ``liverl abort | pause | resume | promot
    (``<p>:live:<v>``: the canary's, and the stable version's since the canary began) and updates always-valid
    sequential tests (mSPRT, ``deploy.sequential``): live acceptance that users kept (accepts less the reverts of
    them that came in) is the success metric; the edit rate, the revert rate (accepted answers the user undid later:
-   feedback kind ``revert``), the mean response length and the mean latency (within ``gate.guardrail_tolerance`` of
-   stable's) are guardrails; the suite's score is one too, checked before the canary (``deploy.gate``). The tests' state is kept in the plan, so a restarted gate goes on where it was.
+   feedback kind ``revert``), the mean response length and the mean latency (within ``gate.guardrail_tolerance`` and
+   ``gate.latency_tolerance`` of stable's) are guardrails; the suite's score is one too, checked before the canary (``deploy.gate``). The tests' state is kept in the plan, so a restarted gate goes on where it was.
 3. **Decision.** Promote when acceptance is shown better (``gate.canary_margin`` > 0: not worse by more than it)
    and every guardrail non-inferior; abort as soon as any is shown worse, or at ``gate.canary_deadline_s``. A
    promotion announces the canary as ``desired`` (the stable nodes swap to it); an abort rejects it and removes the
@@ -82,14 +82,15 @@ def build_tests(cfg: LiverlConfig, plan: keys.RolloutPlan, canary: dict[str, int
     revert = MetricTest("revert_rate", alpha=g.canary_alpha, tau=g.canary_tau, direction=-1,
                         margin=g.guardrail_margin, min_events=g.canary_min_events)
     guardrails = [edit, revert]
+    tolerance = {"response_length": g.guardrail_tolerance, "latency": g.latency_tolerance}
     for name in keys.GUARDRAIL_SUMS:  # response length, latency: means, tolerated up to a share of stable's
         arms = {arm: keys.moments(c, name) for arm, c in (("canary", canary), ("stable", stable))}
         if not any(n for n, _, _ in arms.values()):
             continue  # no arm has it (records from a gateway that did not time them): nothing to judge
         n_s, total_s, _ = arms["stable"]
         scale = max(total_s / n_s if n_s else 0.0, 1e-9)
-        test = MetricTest(name, alpha=g.canary_alpha, tau=g.guardrail_tolerance * scale or scale, direction=-1,
-                          margin=g.guardrail_tolerance * scale, harm_margin=g.guardrail_tolerance * scale,
+        band = tolerance[name] * scale
+        test = MetricTest(name, alpha=g.canary_alpha, tau=band or scale, direction=-1, margin=band, harm_margin=band,
                           bernoulli=False, min_events=max(g.canary_min_events, 2))
         for arm, (n, total, total_sq) in arms.items():
             a = test.canary if arm == "canary" else test.stable
@@ -163,8 +164,11 @@ class CanaryController:
         s_all = _counts(self.redis, self.prefix, stable.version)
         s = _since(s_all, plan.stable_baseline)
         # reverts come late: on both arms, count those of answers judged during the canary (the stable arm's reverts
-        # that arrived meanwhile include reverts of answers judged before it; the canary's cannot)
+        # that arrived meanwhile include reverts of answers judged before it), from the same first whole bucket (the
+        # stable arm cannot tell the part of the canary's first bucket before it began; counting the canary's there
+        # would make its revert rate look worse than stable's early on)
         s["revert"] = keys.reverts_judged_since(s_all, plan.started_at)
+        c["revert"] = keys.reverts_judged_since(c, plan.started_at)
         tests = build_tests(self.cfg, plan, c, s)
         now = time.time()
         verdict, why = tests.verdict(deadline_passed=now >= plan.deadline_at)

@@ -28,9 +28,9 @@ def run_worker(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, loglevel: s
     import faust
 
     from ingest.app import build_app, leave_previous_member
-    from liverl.core.bus import all_topics, ensure_topics
+    from liverl.core.bus import all_topics, ensure_topics, topic_configs
 
-    ensure_topics(bootstrap, all_topics(cfg), cfg.broker.partitions, broker=cfg.broker)
+    ensure_topics(bootstrap, all_topics(cfg), cfg.broker.partitions, broker=cfg.broker, configs=topic_configs(cfg))
     asyncio.run(leave_previous_member(cfg, bootstrap))
     app = build_app(cfg, bootstrap, redis_url, web_port=web_port, web_bind=web_bind)
     worker = faust.Worker(app, loglevel=loglevel, quiet=True, redirect_stdouts=False)

@@ -448,12 +448,13 @@ def run_learner(cfg: LiverlConfig, model_dir: Path, stop_event: threading.Event 
     from deploy.delta import warm_up
     from deploy.registry import RegistryError, open_registry
     from learner.model import load_state_dict
-    from liverl.core.bus import ensure_topics
+    from liverl.core.bus import ensure_topics, topic_configs
 
     from liverl.core.services import kafka_bootstrap, setup_redis
 
     bootstrap = kafka_bootstrap(cfg)
-    ensure_topics(bootstrap, [cfg.topics.samples], cfg.broker.partitions, broker=cfg.broker)
+    ensure_topics(bootstrap, [cfg.topics.samples], cfg.broker.partitions, broker=cfg.broker,
+                  configs=topic_configs(cfg))
     warm_up()  # the delta codec's kernels, before the first candidate is due
     registry = open_registry(cfg)
     try:

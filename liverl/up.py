@@ -33,7 +33,7 @@ class Pipeline:
     def __enter__(self) -> Pipeline:
         import redis
 
-        from liverl.core.bus import all_topics, ensure_topics
+        from liverl.core.bus import all_topics, ensure_topics, topic_configs
 
         cfg = self.cfg
         load_product(cfg)  # a product that cannot load is refused here, before anything starts
@@ -42,7 +42,8 @@ class Pipeline:
             self.redis = redis.Redis.from_url(self.stack.redis_url)
             if self.fresh:
                 reset_state(cfg, self.redis)
-            ensure_topics(self.stack.bootstrap, all_topics(cfg), cfg.broker.partitions, broker=cfg.broker)
+            ensure_topics(self.stack.bootstrap, all_topics(cfg), cfg.broker.partitions, broker=cfg.broker,
+                          configs=topic_configs(cfg))
             ensure_keys(cfg)
             init_registry(cfg, self.model_dir, self.redis)
             self.supervisor = Supervisor(child_env(cfg, self.stack, self.model_dir), cfg.state_path / "logs",

@@ -200,11 +200,12 @@ class Gateway:
 
     async def start(self) -> None:
         """Create the generations and feedback topics if needed, start the producer, read the context length."""
-        from liverl.core.bus import ensure_topics
+        from liverl.core.bus import ensure_topics, topic_configs
         from serving.producer import AsyncProducer
 
         topics = [self.cfg.topics.generations, self.cfg.topics.feedback]
-        await asyncio.to_thread(ensure_topics, self.bootstrap, topics, self.cfg.broker.partitions)
+        await asyncio.to_thread(ensure_topics, self.bootstrap, topics, self.cfg.broker.partitions,
+                                broker=self.cfg.broker, configs=topic_configs(self.cfg))
         from liverl.core.bus import librdkafka_security
 
         producer = AsyncProducer(self.bootstrap, client_id=f"liverl-gateway-{self.node_name}",

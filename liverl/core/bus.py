@@ -90,9 +90,16 @@ def faust_credentials(broker: BrokerConfig | None):
     return faust.SSLCredentials(ctx)
 
 
+def topic_configs(cfg: LiverlConfig) -> dict[str, str]:
+    """The configs liverl sets on the topics it creates: retention (``topics.retention_s``), which bounds how long
+    users' content stays on the broker."""
+    r = cfg.topics.retention_s
+    return {} if r is None else {"retention.ms": str(int(r * 1000))}
+
+
 def ensure_topics(bootstrap: str, names: list[str], partitions: int, timeout_s: float = 30.0,
-                  broker: BrokerConfig | None = None) -> None:
-    """Create the topics that do not exist yet (idempotent)."""
+                  broker: BrokerConfig | None = None, configs: dict[str, str] | None = None) -> None:
+    """Create the topics that do not exist yet (idempotent), with ``configs`` (``topic_configs``)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -105,7 +112,8 @@ def ensure_topics(bootstrap: str, names: list[str], partitions: int, timeout_s: 
             time.sleep(0.5)
     try:
         existing = set(admin.list_topics())
-        missing = [NewTopic(n, num_partitions=partitions, replication_factor=1) for n in names if n not in existing]
+        missing = [NewTopic(n, num_partitions=partitions, replication_factor=1, topic_configs=dict(configs or {}))
+                   for n in names if n not in existing]
         if missing:
             try:
                 admin.create_topics(missing)

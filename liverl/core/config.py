@@ -86,6 +86,12 @@ class RegistryConfig(_Section):
 
 class TopicsConfig(_Section):
     prefix: str = Field(default="liverl", description="Every topic and consumer group name starts with this.")
+    retention_s: float | None = Field(
+        default=7 * 24 * 3600.0, gt=0, description="How long the broker keeps the records of the topics liverl "
+        "creates (feedback, generations with users' prompts and completions, samples, held-out samples, dead letters "
+        "with the refused input): user content is deleted after this (Kafka's retention.ms, set when liverl creates a "
+        "topic; an existing topic keeps its own). It must exceed the longest a consumer may stay down. None: the "
+        "broker's default.")
 
     @property
     def feedback(self) -> str:
@@ -285,9 +291,13 @@ class GateConfig(_Section):
         default=0.02, ge=0.0, description="Guardrails (the edit rate, the revert rate) must be shown not worse than stable's "
         "by more than this before a promotion; a guardrail shown worse aborts the canary.")
     guardrail_tolerance: float = Field(
-        default=0.10, ge=0.0, description="Response length and latency guardrails: the canary must be shown no more "
-        "than this share above stable's mean (0.10: 10% longer or slower) before a promotion, and aborts only when "
-        "shown more than this above it.")
+        default=0.10, ge=0.0, description="Response length guardrail: the canary's mean completion length must be "
+        "shown no more than this share above stable's (0.10: 10% longer) before a promotion; it aborts only when shown "
+        "more than this above it.")
+    latency_tolerance: float = Field(
+        default=0.25, ge=0.0, description="Latency guardrail, as guardrail_tolerance for the mean time users waited "
+        "(timed by the gateway). Wider: the canary and stable arms run on different nodes, so node load shows in it "
+        "as much as the version does.")
     integrity_only: bool = Field(
         default=False, description="Judge candidates on integrity alone (the delta yields its checksum) and promote "
         "every one that passes at once: no drift, collapse, suite or off-policy check, no canary. For comparison runs "

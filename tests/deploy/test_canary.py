@@ -161,6 +161,19 @@ def test_reverts_that_arrive_during_a_canary_for_answers_judged_before_it_do_not
     assert "revert rate 0.100 vs 0.020" in v.reason
 
 
+def test_both_arms_count_reverts_from_the_same_first_whole_bucket(cfg, rds, fleet):
+    """The stable arm cannot tell which of its reverts in the canary's first (partial) 10 s bucket undo answers judged
+    before the canary, so it skips that bucket; the canary's reverts there are skipped too. Counting them made honest
+    canaries look worse early on (measured in the demo: revert rate 0.030 vs 0.000 fifteen seconds in, aborted)."""
+    gate, registry = fleet
+    row = start(gate, registry, rds, cfg)
+    started = read_plan(rds, cfg.topics.prefix).started_at  # inside the first bucket: it is partial
+    live(rds, cfg, row.version, 400, 160, revert=30, judged_at=started)
+    live(rds, cfg, 0, 1600, 640)
+    [v] = gate.step()
+    assert v.verdict == "canary" and "revert rate 0.000 vs 0.000" in v.reason, v.reason
+
+
 def test_success_is_acceptance_users_kept_not_accepts_they_later_reverted(cfg, rds, fleet):
     """More accepts, but a quarter of all answers undone later: kept 35% against stable's 45%. The success metric
     itself says worse, not only the revert guardrail."""
