@@ -10,10 +10,13 @@ Guarantees (the checkpoint is the source of truth, Kafka offsets only mirror it)
   so "next offset" is an exact watermark: everything below it was trained on or refused.
 - A sample id already trained on (or already waiting in the batch being built) is refused as a
   ``duplicate``: ingest is at-least-once, the learner makes it exactly-once.
-- A sample whose ``policy_version`` lags the learner's last emitted version by more than
-  ``max_staleness`` is refused as ``stale``. If the served (stable) version itself falls that far
-  behind — the gate keeps refusing this lineage, or an operator rolled back — every new sample would be
-  stale and the learner would starve, so it rebases: it restarts from the stable weights.
+- A sample whose ``policy_version`` is more than ``max_staleness`` candidates' worth of updates
+  (``max_staleness * candidate_every_steps`` learner steps) behind the learner's weights is refused as
+  ``stale``. Lag is counted in the learner's own updates since its weights were that version (a version
+  number says nothing of it: the registry numbers every candidate, rejected ones included). While a canary
+  runs, the stable version's samples may all be stale; the canary's keep the learner fed. If only stale
+  samples come for ``STARVE_S`` (the gate refuses this lineage, or an operator rolled back), the learner
+  would starve, so it rebases: it restarts from the stable weights.
 - Bad samples (token/logprob length mismatch, out-of-vocab ids, non-finite values, too long) are refused
   with a counted reason; the loop never crashes on input.
 
@@ -53,6 +56,8 @@ log = logging.getLogger("liverl.learner")
 
 CHECKPOINT_FORMAT = 1
 STALE_REBASE_CHECK_S = 5.0
+STARVE_S = 30.0  # only stale samples for this long (the fleet stopped following this learner): rebase onto stable
+VERSION_STEPS_KEPT = 512  # versions whose learner step the checkpoint remembers
 # what a registry call may raise when the database or the blob store is unreachable or refuses
 REGISTRY_ERRORS = (RegistryError, SQLAlchemyError, OSError)
 
@@ -93,12 +98,15 @@ class Learner(ConsumerRebalanceListener):
         self.rollback_seen: int | None = None  # audit id of the last rollback this learner rebased for
         self._last_ref_check = 0.0
         self.ref_version = 0  # the KL reference starts at the base policy (version 0)
+        self.version_steps: dict[int, int] = {}  # version -> learner step at which these weights were that version
+        self._fresh_at = time.monotonic()  # when a sample last passed the staleness check
         if self.ckpt_path.exists():
             self._load_checkpoint()
         else:
             self.ledger.truncate_after(0)  # lines of a run whose first checkpoint never landed
             stable = self.registry.stable()
             self.last_emitted = int(stable.version)
+            self.version_steps = {int(stable.version): self.step}
             if stable.version != 0:
                 self.trainer.load_weights(self.registry.materialize(stable.version), reset_optimizer=True)
             log.info("learner: no checkpoint at %s; starting from stable version %d", self.ckpt_path, stable.version)
@@ -113,7 +121,8 @@ class Learner(ConsumerRebalanceListener):
         st = dict(self.trainer.state(), format=CHECKPOINT_FORMAT, step=self.step, offsets=dict(self.offsets),
                   seq=self.seq, trained_ids=list(self.trained_ids), last_emitted=self.last_emitted,
                   last_candidate=self.last_candidate, counters=dict(self.counters),
-                  since_candidate=dict(self.since_candidate), topic=self.topic, rollback_seen=self.rollback_seen)
+                  since_candidate=dict(self.since_candidate), topic=self.topic, rollback_seen=self.rollback_seen,
+                  version_steps=dict(sorted(self.version_steps.items())[-VERSION_STEPS_KEPT:]))
         self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.ckpt_path.with_name(self.ckpt_path.name + f".tmp{os.getpid()}")
         with open(tmp, "wb") as f:
@@ -143,6 +152,7 @@ class Learner(ConsumerRebalanceListener):
         self.counters = collections.Counter(st["counters"])
         self.since_candidate = dict(st["since_candidate"])
         self.rollback_seen = st.get("rollback_seen")
+        self.version_steps = {int(v): int(n) for v, n in (st.get("version_steps") or {}).items()}
         log.info("learner: resumed from %s at step %d, %d samples trained, offsets %s, last emitted v%d",
                  self.ckpt_path, self.step, len(self.trained_ids), self.offsets, self.last_emitted)
 
@@ -193,8 +203,9 @@ class Learner(ConsumerRebalanceListener):
                 log.exception("learner: refusing the record at %s[%d]@%d: %s: %s", self.topic, part, off,
                               type(e).__name__, e)
             if reason is None:
+                self._fresh_at = time.monotonic()
                 if not self.pending:
-                    self._pending_since = time.monotonic()
+                    self._pending_since = self._fresh_at
                 self.pending.append((part, off, s))
                 continue
             self.counters[f"dropped:{reason}"] += 1
@@ -207,9 +218,23 @@ class Learner(ConsumerRebalanceListener):
     def _refusal(self, s: TrainingSample) -> str | None:
         if s.sample_id in self.trained_ids or any(p[2].sample_id == s.sample_id for p in self.pending):
             return "duplicate"
-        if self.last_emitted - s.policy_version > self.lcfg.max_staleness:
+        if self.lag(s.policy_version) > self.max_lag:
             return "stale"
         return self.trainer.refusal(s)
+
+    @property
+    def max_lag(self) -> int:
+        """The most learner updates a sample's policy may be behind the weights it trains (``max_staleness``
+        candidates' worth)."""
+        return self.lcfg.max_staleness * self.lcfg.candidate_every_steps
+
+    def lag(self, version: int) -> int:
+        """Learner updates since these weights were ``version``; for a version this learner never held (an
+        operator's, or one from before its checkpoints kept the steps), an estimate from the version numbers."""
+        at = self.version_steps.get(version)
+        if at is not None:
+            return self.step - at
+        return max(0, self.last_emitted - version) * self.lcfg.candidate_every_steps
 
     def _batch_size(self) -> int:
         """How many of the pending samples make the next batch: ``batch_size``, or fewer when their padded size
@@ -331,6 +356,7 @@ class Learner(ConsumerRebalanceListener):
             return
         self._candidate_due = False
         self.last_emitted = self.last_candidate = int(row.version)
+        self.version_steps[int(row.version)] = self.step
         self.since_candidate = {k: 0.0 for k in sc}
         log.info("learner: step %d -> candidate v%d (parent v%d, %d samples trained, reward %.3f since last)",
                  self.step, row.version, parent, metrics["samples_trained"], metrics["reward_mean"])
@@ -360,15 +386,18 @@ class Learner(ConsumerRebalanceListener):
         rollback, _ = self.registry.last_rollback()
         if self.rollback_seen is None or rollback <= self.rollback_seen:
             self.rollback_seen = rollback
-            if self.last_emitted - stable <= self.lcfg.max_staleness:
-                return
-            log.warning("learner: stable v%d lags last emitted v%d by more than %d: rebasing onto v%d",
-                        stable, self.last_emitted, self.lcfg.max_staleness, stable)
+            starved_s = now - self._fresh_at
+            if starved_s < STARVE_S or self.lag(stable) <= self.max_lag:
+                return  # still fed (a canary's samples), or the stable version's samples are fresh: no reason
+            log.warning("learner: only stale samples for %.0f s; stable v%d is %d updates behind (max %d): rebasing "
+                        "onto v%d", starved_s, stable, self.lag(stable), self.max_lag, stable)
         else:  # an operator rolled back: whatever this lineage learned since must not come back in a candidate
             self.rollback_seen = rollback
             log.warning("learner: the registry was rolled back to v%d: rebasing onto it", stable)
         self.trainer.load_weights(self.registry.materialize(stable), reset_optimizer=True)
         self.last_emitted = stable
+        self.version_steps[stable] = self.step
+        self._fresh_at = time.monotonic()
         self.counters["rebases"] += 1
         self._save_checkpoint()
 

@@ -250,7 +250,6 @@ class Gateway:
         counter.inc()
 
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
-        t0 = time.perf_counter()  # the latency logged with each generation: what its user waited
         model, add_chunk = ROUTES[route]
         req = model.parse(await request.read())
         if self.unhealthy_reason is not None:
@@ -258,6 +257,9 @@ class Gateway:
         body = to_json(req.node_body())
         ids = [f"{self._ids.getrandbits(128):032x}" for _ in range(req.n_choices)]
         async with self.gate.admit(self.admit_timeout_s):
+            # the latency logged with each generation runs from here: the version's own serving time, without a wait
+            # behind a hot-swap (a deployment's cost, in liverl_gateway_swap_pause_seconds, not the version's)
+            t0 = time.perf_counter()
             version = self.version
             self.m_inflight.inc()
             try:

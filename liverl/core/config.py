@@ -210,7 +210,9 @@ class LearnerConfig(_Section):
     tis_cap: float = Field(default=2.0, description="Truncated importance sampling cap C on pi/mu per token.")
     kl_coef: float = Field(default=0.05, description="Weight of the KL penalty to the anchor (learner.kl_reference).")
     candidate_every_steps: int = Field(default=10, ge=1, description="Emit a candidate version every this many updates.")
-    max_staleness: int = Field(default=8, ge=0, description="Drop samples whose policy version lags the learner by more.")
+    max_staleness: int = Field(
+        default=8, ge=0, description="Drop samples whose policy is more than this many candidates' worth of updates "
+        "(max_staleness x candidate_every_steps learner steps) behind the learner's weights.")
     max_batch_wait_s: float = Field(
         default=30.0, gt=0, description="Train on a partial batch once its oldest sample has waited this long, so a "
         "lull in traffic does not hold samples back (and `liverl audit` sees them trained).")
@@ -295,7 +297,7 @@ class GateConfig(_Section):
         "shown no more than this share above stable's (0.10: 10% longer) before a promotion; it aborts only when shown "
         "more than this above it.")
     latency_tolerance: float = Field(
-        default=0.25, ge=0.0, description="Latency guardrail, as guardrail_tolerance for the mean time users waited "
+        default=0.25, ge=0.0, description="Latency guardrail, as guardrail_tolerance for the mean serving latency "
         "(timed by the gateway). Wider: the canary and stable arms run on different nodes, so node load shows in it "
         "as much as the version does.")
     integrity_only: bool = Field(

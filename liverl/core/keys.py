@@ -68,7 +68,7 @@ def judged_fields(tokens: int | None, latency_s: float | None) -> str:
     """The guardrail sums a judged generation adds to its version's live counters, as the suffix of its tally kind
     (``accept;tokens=5;tokens_sq=25;timed=1;latency_ms=180;latency_ms_sq=32400``; ingest's Lua script applies it in
     the same guarded step as the count): response length in completion tokens, and, when the gateway timed it, the
-    latency the user waited in milliseconds, each with its square, so a canary has each arm's mean and variance
+    serving latency in milliseconds, each with its square, so a canary has each arm's mean and variance
     (``moments``)."""
     out = ""
     if tokens is not None:

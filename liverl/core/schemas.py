@@ -151,8 +151,9 @@ class GenerationRecord(_Wire):
         "(greedy decoding, for one); it is served and logged, but never trained on.")
     untrainable_reason: str | None = Field(default=None, max_length=64, description="Why not trainable, e.g. greedy.")
     latency_s: _Finite | None = Field(
-        default=None, ge=0, le=86400, description="Seconds the user waited: from the gateway receiving the request to "
-        "this completion being done (the canary's latency guardrail). None: not timed.")
+        default=None, ge=0, le=86400, description="Seconds the version took to serve it: from the gateway admitting "
+        "the request (after any wait behind a hot-swap, a deployment's cost) to this completion being done (the "
+        "canary's latency guardrail). None: not timed.")
     ts: _Time = Field(default_factory=time.time)
 
     @model_validator(mode="after")

@@ -33,6 +33,16 @@ def read_live(r, prefix: str) -> dict[int, dict[str, int]]:
     return out
 
 
+def read_guardrails(r, prefix: str) -> dict[int, dict[str, float]]:
+    """Per version, the mean response length (tokens) and latency (ms) of its judged generations (keys.guardrail_means)."""
+    out: dict[int, dict[str, float]] = {}
+    for key in r.scan_iter(keys.live_pattern(prefix), count=1000):
+        v = keys.version_of_live(key)
+        if v is not None:
+            out[v] = keys.guardrail_means({k.decode(): int(n) for k, n in r.hgetall(key).items()})
+    return out
+
+
 def read_hash(r, key: str) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in r.hgetall(key).items()}
 
@@ -80,6 +90,7 @@ def trap_report(stats, rows, min_prompts: int = 50) -> dict:
 def build_summary(cfg, r, registry, timeline: Timeline, stats, product_name: str) -> dict:
     prefix = cfg.topics.prefix
     live = read_live(r, prefix)
+    guardrails = read_guardrails(r, prefix)
     rows = registry.list()
     promoted = [v for v in rows if v.version != 0 and v.promoted_at is not None]
     promoted.sort(key=lambda v: v.promoted_at)
@@ -120,7 +131,8 @@ def build_summary(cfg, r, registry, timeline: Timeline, stats, product_name: str
         "delta_codec": codec_report(registry, candidates),
         "hot_swap_pause_ms": [s.get("pause_ms") for s in swaps],
         "swaps": swaps,
-        "live_by_version": {str(v): {**c, "acceptance": rate(c), "kept": kept(c)} for v, c in sorted(live.items())},
+        "live_by_version": {str(v): {**c, "acceptance": rate(c), "kept": kept(c), **guardrails.get(v, {})}
+                            for v, c in sorted(live.items())},
         "trap_report": trap_report(stats, rows),
         "promoted_through_canary": sum(1 for g in registry.gate_results() if g.check == "canary" and g.passed),
         "dead_letters": {k.removeprefix("dlq:"): int(v) for k, v in ingest.items() if k.startswith("dlq:")},

@@ -379,13 +379,16 @@ def test_the_dedupe_window_and_the_batch_token_cap_hold(cfg, model_dir, base_sam
         reg.close()
 
 
-def test_stale_samples_are_dropped_and_a_stalled_fleet_triggers_a_rebase(cfg, model_dir, base_samples):
+def test_stale_samples_are_dropped_and_a_stalled_fleet_triggers_a_rebase(cfg, model_dir, base_samples, monkeypatch):
+    from learner import trainer
     from learner.trainer import Learner
 
+    monkeypatch.setattr(trainer, "STARVE_S", 0.0)  # production waits 30 s of nothing but stale samples
     cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=100, max_staleness=2)
     reg = make_registry(cfg, model_dir)
     learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
     learner.last_emitted = 5  # as if v1..v5 had been emitted while the fleet kept serving v0
+    learner.version_steps = {0: -learner.max_lag - 1}  # v0's weights are more updates behind than allowed
     produce_samples(cfg, base_samples[:20])
 
     def later_traffic():  # the fleet's (v0) traffic keeps coming after the rebase
@@ -405,6 +408,36 @@ def test_stale_samples_are_dropped_and_a_stalled_fleet_triggers_a_rebase(cfg, mo
         assert c["dropped:stale"] + stats["samples_trained"] <= 36
     finally:
         feeder.join()
+        reg.close()
+
+
+def test_a_learner_ahead_of_a_slow_canary_keeps_training_and_does_not_rebase(cfg, model_dir, base_samples):
+    """Staleness is the learner's own updates since its weights were a version, not the gap in version numbers: the
+    registry numbers every candidate, so after 12 candidates (most refused or superseded) the version numbers said
+    "12 behind" and the learner threw its weights away every few seconds while a canary ran (42 rebases in one
+    10-minute demo). Samples of its recent candidate (the canary's) are fresh; stable's are stale; it rebases only
+    when nothing but stale samples has come for STARVE_S."""
+    from learner import trainer
+    from learner.trainer import Learner
+
+    cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=10, max_staleness=8)
+    reg = make_registry(cfg, model_dir)
+    try:
+        learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
+        learner.step, learner.last_emitted = 100, 12
+        learner.version_steps = {0: 0, 12: 95}  # v12 (on canary) emitted 5 updates ago; stable v0 100 updates ago
+        canary_sample = base_samples[0].model_copy(update={"policy_version": 12})
+        assert learner._refusal(canary_sample) is None
+        assert learner._refusal(base_samples[1]) == "stale" and learner.lag(0) == 100 > learner.max_lag == 80
+        learner._fresh_at = time.monotonic()  # the canary's samples keep coming
+        learner._maybe_rebase()
+        assert learner.counters["rebases"] == 0
+        learner._fresh_at = time.monotonic() - trainer.STARVE_S - 1  # nothing fresh for longer than STARVE_S
+        learner._last_rebase_check = 0.0
+        learner._maybe_rebase()
+        assert learner.counters["rebases"] == 1 and learner.lag(0) == 0  # back on stable: its samples are fresh
+        assert learner._refusal(base_samples[2]) is None
+    finally:
         reg.close()
 
 

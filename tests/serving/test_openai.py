@@ -36,7 +36,7 @@ def _check_record(rec, version: int, text: str, *, trainable: bool = True, tempe
     assert all(lp <= 0 for lp in rec.completion_logprobs) and rec.prompt_token_ids
     assert rec.sampling.temperature == temperature and rec.trainable is trainable
     assert rec.untrainable_reason == (None if trainable else "greedy")
-    assert rec.latency_s is not None and 0 < rec.latency_s < 120  # what the user waited: the latency guardrail's input
+    assert rec.latency_s is not None and 0 < rec.latency_s < 120  # served in: the latency guardrail's input
 
 
 def test_completions_plain(srv, client):
