@@ -72,8 +72,11 @@ def _since(now: dict[str, int], base: dict[str, int]) -> dict[str, int]:
     return {k: max(0, v - base.get(k, 0)) for k, v in now.items()}
 
 
-def build_tests(cfg: LiverlConfig, plan: keys.RolloutPlan, canary: dict[str, int], stable: dict[str, int]) -> Canary:
-    """The rollout's tests on the counts so far, their always-valid state restored from the plan."""
+def build_tests(cfg: LiverlConfig, plan: keys.RolloutPlan, canary: dict[str, int], stable: dict[str, int],
+                settling: bool = False) -> Canary:
+    """The rollout's tests on the counts so far, their always-valid state restored from the plan. While ``settling``
+    (the first ``gate.canary_min_s``) latency and length are not judged worse: a node that has just swapped runs hot
+    for a few seconds (the delta's apply shares its CPU, its caches are cold)."""
     g = cfg.gate
     success = MetricTest("acceptance", alpha=g.canary_alpha, tau=g.canary_tau, direction=1, margin=g.canary_margin,
                          min_events=g.canary_min_events)
@@ -111,6 +114,8 @@ def build_tests(cfg: LiverlConfig, plan: keys.RolloutPlan, canary: dict[str, int
         test.max_log_lr_pass = plan.max_log_lr.get(f"{test.name}:pass", float("-inf"))
         test.max_log_lr_harm = plan.max_log_lr.get(f"{test.name}:harm", float("-inf"))
         test._look()
+        if settling:
+            test.max_log_lr_harm = float("-inf")
     return Canary(success, guardrails)
 
 
@@ -169,10 +174,10 @@ class CanaryController:
         # would make its revert rate look worse than stable's early on)
         s["revert"] = keys.reverts_judged_since(s_all, plan.started_at)
         c["revert"] = keys.reverts_judged_since(c, plan.started_at)
-        tests = build_tests(self.cfg, plan, c, s)
         now = time.time()
-        verdict, why = tests.verdict(deadline_passed=now >= plan.deadline_at)
         settling = now - plan.started_at < self.cfg.gate.canary_min_s
+        tests = build_tests(self.cfg, plan, c, s, settling)
+        verdict, why = tests.verdict(deadline_passed=now >= plan.deadline_at)
         if plan.state == "paused" and verdict != ABORT:
             verdict, why = "continue", "paused by an operator"
         elif settling and verdict != ABORT:  # late feedback (reverts) of the canary's answers is still on its way

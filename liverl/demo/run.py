@@ -31,6 +31,7 @@ DEMO_PROFILE: dict[str, dict[str, float | int]] = {
     "serving": {"nodes": 2},
     "gate": {"canary_share": 0.5, "canary_margin": 0.03, "canary_deadline_s": 180.0, "canary_min_events": 50,
              "canary_min_s": 90.0, "latency_tolerance": 1.0},
+    "learner": {"max_staleness": 40},
 }
 """What ``liverl demo`` changes from the production defaults, where the config file, the environment or a flag did not
 set it: two serving nodes behind the router, and canaries sized for a 10-minute run on a laptop's traffic (~50 judged
@@ -39,7 +40,9 @@ come ~30 s after the accept), non-inferiority within 3 points, a 3-minute deadli
 30 minutes) would not decide inside the demo. Latency is tolerated up to twice stable's: both vLLM nodes share two
 cores with the learner and the gate, and within one run the canary node's mean latency ranged from 0.6x to 1.25x the
 stable node's, for versions answering at the same length (measured: a canary 41% better on kept acceptance was
-aborted as 25% slower under the production tolerance)."""
+aborted as 25% slower under the production tolerance). The learner accepts samples up to 40 candidates' worth of updates
+(400) behind its weights, not 8: one gate cycle (evaluation, then a 90-180 s canary) is 150-250 of its updates here, so
+with 8 most of the stable arm's samples were dropped as stale and it starved (23,552 of 55,841 trained in one run)."""
 
 
 def apply_demo_profile(cfg: LiverlConfig) -> dict[str, float | int]:
