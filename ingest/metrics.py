@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from liverl.core import keys
 from liverl.core.config import redact_url
+from liverl.core.services import is_cluster_url, redis_from_url
 
 log = logging.getLogger("liverl.ingest.metrics")
 
@@ -85,12 +86,20 @@ class Tally:
         return bool(self.counts or self.live)
 
 
+def _by_version(live: list[tuple[str, int, str]]) -> dict[int, list[tuple[str, str]]]:
+    out: dict[int, list[tuple[str, str]]] = {}
+    for feedback_id, version, kind in live:
+        out.setdefault(version, []).append((feedback_id, kind))
+    return out
+
+
 class IngestMetrics:
     """Prometheus metrics (private registry, so several apps in one process do not clash) + Redis sink."""
 
     def __init__(self, prefix: str, redis_url: str):
         self.prefix = prefix
         self.redis_url = redis_url
+        self._cluster = is_cluster_url(redis_url)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.feedback = Counter("liverl_ingest_feedback", "Feedback records consumed (valid or not).", registry=r)
@@ -165,9 +174,7 @@ class IngestMetrics:
 
     async def _client(self):
         if self._redis is None:
-            import redis.asyncio as aioredis
-
-            self._redis = aioredis.Redis.from_url(self.redis_url, socket_connect_timeout=5, socket_timeout=10)
+            self._redis = redis_from_url(self.redis_url, asyncio=True, socket_connect_timeout=5, socket_timeout=10)
             self._script = self._redis.register_script(_LIVE_LUA)
         return self._redis
 
@@ -193,15 +200,23 @@ class IngestMetrics:
             for name, n in tally.counts.items():
                 if n:
                     pipe.hincrby(ckey, name, n)
-            if tally.live:
+            calls = []  # one script call per version: its keys share the version's hash tag (one Cluster slot)
+            for version, entries in _by_version(tally.live).items():
                 lua_keys: list[str] = []
                 args: list[str | int] = [COUNTED_TTL_S]
-                for feedback_id, version, kind in tally.live:
-                    lua_keys += [keys.counted(self.prefix, feedback_id), keys.live(self.prefix, version)]
+                for feedback_id, kind in entries:
+                    lua_keys += [keys.counted(self.prefix, version, feedback_id), keys.live(self.prefix, version)]
                     args.append(kind)
-                await self._script(keys=lua_keys, args=args, client=pipe)
+                calls.append((lua_keys, args))
             try:
-                await pipe.execute()
+                if self._cluster:  # a cluster pipeline takes no scripts: each call goes to its slot's node
+                    await pipe.execute()
+                    for lua_keys, args in calls:
+                        await self._script(keys=lua_keys, args=args)
+                else:
+                    for lua_keys, args in calls:
+                        await self._script(keys=lua_keys, args=args, client=pipe)
+                    await pipe.execute()
                 break
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 if time.monotonic() + delay > deadline:

@@ -66,7 +66,7 @@ def _size(n: int | None) -> str:
 
 
 def _live(r: redis.Redis, prefix: str, versions: list[int]) -> dict[int, dict[str, int]]:
-    pipe = r.pipeline()
+    pipe = r.pipeline(transaction=False)  # the versions' hashes live in different Cluster slots
     for v in versions:
         pipe.hgetall(keys.live(prefix, v))
     return {v: keys.live_totals({k: int(x) for k, x in h.items()}) for v, h in zip(versions, pipe.execute()) if h}

@@ -31,7 +31,7 @@ class Pipeline:
         return f"http://{s.host}:{s.router_port if s.nodes > 1 else s.gateway_port}"
 
     def __enter__(self) -> Pipeline:
-        import redis
+        from liverl.core.services import redis_from_url
 
         from liverl.core.bus import all_topics, ensure_topics, topic_configs
 
@@ -39,7 +39,7 @@ class Pipeline:
         load_product(cfg)  # a product that cannot load is refused here, before anything starts
         self.stack = start_stack(cfg)
         try:
-            self.redis = redis.Redis.from_url(self.stack.redis_url)
+            self.redis = redis_from_url(self.stack.redis_url)
             if self.fresh:
                 reset_state(cfg, self.redis)
             ensure_topics(self.stack.bootstrap, all_topics(cfg), cfg.broker.partitions, broker=cfg.broker,

@@ -35,7 +35,7 @@ async def _bounded_executor(loop: asyncio.AbstractEventLoop, n: int) -> None:
 async def serve(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str, redis_url: str,
                 registry_url: str | None, stop: asyncio.Event, on_ready=None, base_version: int = 0) -> None:
     """Start node + gateway + agent, serve until ``stop`` is set, then shut everything down."""
-    import redis.asyncio as aioredis
+    from liverl.core.services import redis_from_url
     from aiohttp import web
 
     from serving.node import start_node
@@ -45,7 +45,7 @@ async def serve(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str,
     node = await asyncio.to_thread(start_node, cfg, model_dir, log_path, base_version=base_version)
     client = NodeClient(node.url, max_connections=max(64, 2 * cfg.serving.max_num_seqs), key=node.key)
     gw = Gateway(cfg, client, cfg.serving.node_name, bootstrap)
-    rds = aioredis.from_url(redis_url)
+    rds = redis_from_url(redis_url, asyncio=True)
     registry = runner = None
     agent_task = None
     try:

@@ -223,10 +223,10 @@ class Router:
 
 def run_router(cfg: LiverlConfig, redis_url: str, host: str, port: int) -> None:
     """Blocking entry point (``liverl route``)."""
-    import redis.asyncio as aioredis
+    from liverl.core.services import redis_from_url
 
     async def main() -> None:
-        rds = aioredis.from_url(redis_url)
+        rds = redis_from_url(redis_url, asyncio=True)
         router = Router(cfg, rds)
         runner = web.AppRunner(router.app, access_log=None)
         await runner.setup()

@@ -70,7 +70,8 @@ class BrokerConfig(_Section):
 class RedisConfig(_Section):
     url: str | None = Field(
         default=None,
-        description="redis:// URL. None: use 127.0.0.1:6379 when it answers, else start a private redis-server.",
+        description="redis:// (rediss:// with TLS) URL of one Redis, or redis+cluster://host:port of any node of a "
+        "Redis Cluster. None: use 127.0.0.1:6379 when it answers, else start a private redis-server.",
     )
     embedded_port: int = Field(default=16379, description="Port for a private redis-server when one is started.")
 

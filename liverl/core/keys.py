@@ -5,6 +5,10 @@ fleet what to serve, agents report what they serve, ingest keeps live counters, 
 state. Every process builds its keys here and parses what it reads with these models, so a key or a field
 is renamed in one place. Every key starts with the topic prefix (``cfg.topics.prefix``).
 
+Redis Cluster: keys one step writes together share a hash tag, so they live in one slot: ingest's script counts a
+judgement in ``live:{<v>}`` and sets its guard ``counted:{<v>}:<feedback>`` atomically, one call per version
+(``redis.url = "redis+cluster://host:port"``, ``liverl.core.services.redis_from_url``).
+
 | key                              | type   | written by      | record                                    |
 |----------------------------------|--------|-----------------|-------------------------------------------|
 | ``<p>:desired``                  | string | gate, admin     | ``VersionAnnouncement`` (schemas)         |
@@ -13,10 +17,10 @@ is renamed in one place. Every key starts with the topic prefix (``cfg.topics.pr
 | ``<p>:served:<node>``            | string | serving agent   | ``ServedHeartbeat`` (TTL: stale = gone)   |
 | ``<p>:swaps``                    | list   | serving agent   | ``SwapRecord`` (capped, newest last)      |
 | ``<p>:swap_errors``              | list   | serving agent   | ``SwapError`` (capped)                    |
-| ``<p>:live:<version>``           | hash   | ingest          | kind -> count, ``events`` (live acceptance),|
+| ``<p>:live:{<version>}``         | hash   | ingest          | kind -> count, ``events`` (live acceptance),|
 |                                  |        |                 | guardrail sums (``judged_fields``)        |
 | ``<p>:ingest:counters``          | hash   | ingest          | counter -> count (``dlq:<reason>`` etc.)  |
-| ``<p>:counted:<feedback_id>``    | string | ingest          | guard: counted once (TTL)                 |
+| ``<p>:counted:{<v>}:<feedback>`` | string | ingest          | guard: counted once (TTL)                 |
 | ``<p>:learner``                  | hash   | learner         | field -> value (step, samples_trained...) |
 | ``<p>:learner:hold``             | string | operator, demo  | "1": the learner trains but emits no candidates |
 """
@@ -60,8 +64,9 @@ def swap_errors(prefix: str) -> str:
 
 def live(prefix: str, version: int) -> str:
     """A version's live counters (a hash): ``accept``, ``reject``, ``edit``, ``events`` (judged generations),
-    ``revert`` and, per ``REVERT_BUCKET_S`` of judgement time, ``revert@<bucket>`` (``revert_field``)."""
-    return f"{prefix}:live:{version}"
+    ``revert`` and, per ``REVERT_BUCKET_S`` of judgement time, ``revert@<bucket>`` (``revert_field``). The version
+    is the key's hash tag: its guards (``counted``) share its Redis Cluster slot."""
+    return f"{prefix}:live:{{{int(version)}}}"
 
 
 def judged_fields(tokens: int | None, latency_s: float | None) -> str:
@@ -146,7 +151,7 @@ def live_pattern(prefix: str) -> str:
 
 def version_of_live(key: str | bytes) -> int | None:
     key = key.decode() if isinstance(key, bytes) else key
-    tail = key.rsplit(":", 1)[-1]
+    tail = key.rsplit(":", 1)[-1].removeprefix("{").removesuffix("}")
     return int(tail) if tail.isdigit() else None
 
 
@@ -154,8 +159,9 @@ def ingest_counters(prefix: str) -> str:
     return f"{prefix}:ingest:counters"
 
 
-def counted(prefix: str, feedback_id: str) -> str:
-    return f"{prefix}:counted:{feedback_id}"
+def counted(prefix: str, version: int, feedback_id: str) -> str:
+    """The guard that a feedback event was counted in ``version``'s live counters (same hash tag: same slot)."""
+    return f"{prefix}:counted:{{{int(version)}}}:{feedback_id}"
 
 
 def learner(prefix: str) -> str:

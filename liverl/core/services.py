@@ -62,11 +62,33 @@ def redis_url(cfg: LiverlConfig) -> str:
     return local_redis_url(cfg) or f"redis://127.0.0.1:{cfg.redis.embedded_port}/0"
 
 
-def setup_redis(cfg: LiverlConfig, decode_responses: bool = False) -> redis.Redis:
-    """A client for the configured Redis (``redis_url``); connects lazily."""
+CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+
+
+def is_cluster_url(url: str) -> bool:
+    return url.startswith(CLUSTER_SCHEMES)
+
+
+def redis_from_url(url: str, *, asyncio: bool = False, **kw):
+    """A client for ``url``: ``redis+cluster://host:port`` (``rediss+cluster://`` with TLS) is a Redis Cluster,
+    reached through any of its nodes (``redis.cluster.RedisCluster``); any other URL one Redis server. Every process
+    builds its clients here, so both work everywhere (keys used together share a hash tag: ``liverl.core.keys``)."""
+    cluster = is_cluster_url(url)
+    if cluster:
+        url = url.replace("+cluster", "", 1)
+    if asyncio:
+        import redis.asyncio as aioredis
+        from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+
+        return (AsyncRedisCluster if cluster else aioredis.Redis).from_url(url, **kw)
     import redis
 
-    return redis.Redis.from_url(redis_url(cfg), decode_responses=decode_responses, socket_connect_timeout=3)
+    return (redis.RedisCluster if cluster else redis.Redis).from_url(url, **kw)
+
+
+def setup_redis(cfg: LiverlConfig, decode_responses: bool = False) -> redis.Redis:
+    """A client for the configured Redis (``redis_url``); connects lazily."""
+    return redis_from_url(redis_url(cfg), decode_responses=decode_responses, socket_connect_timeout=3)
 
 
 def signing_key_path(cfg: LiverlConfig) -> Path | None:
@@ -89,7 +111,7 @@ def check_redis(url: str) -> None:
     import redis
 
     try:
-        redis.Redis.from_url(url, socket_connect_timeout=2).ping()
+        redis_from_url(url, socket_connect_timeout=2).ping()
     except redis.RedisError as e:
         raise ServiceError(f"Redis at {url} does not answer: {e}") from e
 

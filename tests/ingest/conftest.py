@@ -22,6 +22,7 @@ import pytest
 import redis
 from kafka import KafkaConsumer, TopicPartition
 
+from liverl.core import keys
 from liverl.core.bus import all_topics, ensure_topics, make_producer
 from liverl.core.config import LiverlConfig, load_config
 from liverl.core.schemas import GenerationRecord, SamplingParams
@@ -243,7 +244,7 @@ class IngestHarness:
         return {k: int(v) for k, v in self.redis.hgetall(f"{self.cfg.topics.prefix}:ingest:counters").items()}
 
     def live(self, version: int) -> dict[str, int]:
-        return {k: int(v) for k, v in self.redis.hgetall(f"{self.cfg.topics.prefix}:live:{version}").items()}
+        return {k: int(v) for k, v in self.redis.hgetall(keys.live(self.cfg.topics.prefix, version)).items()}
 
     def close(self) -> None:
         try:

@@ -25,6 +25,7 @@ import redis
 
 from ingest.join import JUDGED, PENDING, WAITING, Ingest, Source, head, pack
 from ingest.metrics import COUNTED_TTL_S, IngestMetrics, Tally
+from liverl.core import keys
 from liverl.core.config import IngestConfig, load_config
 from liverl.core.schemas import DeadLetter, FeedbackEvent
 from tests.ingest.test_fuzz import Broker
@@ -146,7 +147,7 @@ def test_redis_guard_keys_expire(env):
     asyncio.run(run())
     r = redis.Redis.from_url(cfg.redis.url)
     try:
-        ttl = r.ttl(f"{cfg.topics.prefix}:counted:fid-ttl")
+        ttl = r.ttl(keys.counted(cfg.topics.prefix, 9, "fid-ttl"))
     finally:
         r.close()
     assert 0 < ttl <= COUNTED_TTL_S == 7 * 24 * 3600

@@ -308,7 +308,7 @@ def test_not_trainable_records_are_judged_and_counted_but_make_no_sample(world):
     r = redis.Redis.from_url(cfg.redis.url, decode_responses=True)
     try:
         counters = r.hgetall(f"{cfg.topics.prefix}:ingest:counters")
-        live = r.hgetall(f"{cfg.topics.prefix}:live:3")
+        live = r.hgetall(keys.live(cfg.topics.prefix, 3))
     finally:
         r.close()
     assert counters["drop:not_trainable"] == "1" and counters["joined"] == "2" and counters["samples_out"] == "1"

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from liverl.admin import cmd_history, cmd_promote, cmd_rollback, cmd_status, cmd_versions, open_registry
+from liverl.core import keys
 from liverl.core.schemas import VersionAnnouncement
 from tests.deploy.conftest import perturb, tiny_model
 
@@ -25,8 +26,8 @@ def fleet(cfg, rds):
     v2 = reg.add_candidate(perturb(base, 0.05, seed=2), parent=1)
     reg.set_status(v2.version, "rejected", actor="gate", reason="failed collapse")
     reg.close()
-    rds.hset(f"{p}:live:0", mapping={"accept": 40, "reject": 60, "edit": 0, "events": 100})
-    rds.hset(f"{p}:live:1", mapping={"accept": 60, "reject": 40, "edit": 0, "events": 100})
+    rds.hset(keys.live(p, 0), mapping={"accept": 40, "reject": 60, "edit": 0, "events": 100})
+    rds.hset(keys.live(p, 1), mapping={"accept": 60, "reject": 40, "edit": 0, "events": 100})
     rds.set(f"{p}:served:node-0", json.dumps({"version": 1, "checksum": v1.checksum, "ts": time.time()}))
     rds.set(f"{p}:desired", VersionAnnouncement(version=1, checksum=v1.checksum, reason="gate").to_bytes())
     return v1, v2

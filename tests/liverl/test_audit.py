@@ -13,6 +13,7 @@ import time
 from learner.ledger import Ledger, checkpoint_path_for, ledger_path
 from liverl.admin import open_registry
 from liverl.audit import run_audit
+from liverl.core import keys
 from liverl.core.bus import ensure_topics, make_producer
 from liverl.core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, SamplingParams, TrainingSample
 from tests.deploy.conftest import tiny_model
@@ -78,7 +79,7 @@ def test_the_audit_names_every_events_fate(cfg, rds):
     reg = open_registry(cfg)
     try:
         v0 = reg.init_base(tiny_model(), "/models/base")
-        rds.hset(f"{p}:live:0", mapping={"accept": 5, "reject": 1, "events": 6})
+        rds.hset(keys.live(p, 0), mapping={"accept": 5, "reject": 1, "events": 6})
         rds.set(f"{p}:served:node-0", json.dumps({"version": 0, "checksum": v0.checksum, "ts": time.time()}))
         rep = run_audit(cfg, cfg.broker.bootstrap, rds, reg)
         assert rep.feedback_records == 11 and rep.events == 10
@@ -96,7 +97,6 @@ def test_the_audit_names_every_events_fate(cfg, rds):
         rep = run_audit(cfg, cfg.broker.bootstrap, rds, reg)
         assert not rep.converged and any("node-1" in m for m in rep.problems())
         # ... unless a canary of that version runs on node-1: then that is what node-1 should serve
-        from liverl.core import keys
 
         rds.set(keys.rollout(p), keys.RolloutPlan(version=3, checksum="x", stable_version=0, share=0.2,
                                                   nodes=["node-1"], deadline_at=time.time() + 60).to_json())
