@@ -357,7 +357,9 @@ class ServedLayout:
                 if data.numel() == 0:
                     raise RuntimeError(f"parameter {s.param} holds no data (packed away by the backend)")
                 end = data.shape[0] if s.size is None else s.start + s.size
-                out[name] = data[s.start:end].contiguous().cpu()
+                # the CPU backend's small-GEMM kernels (sgl, on AMX CPUs) keep a linear's bias in fp32: converted
+                # from the bf16 file, so casting back is exact
+                out[name] = data[s.start:end].to(torch.bfloat16).contiguous().cpu()
                 continue
             t = experts[s.moe][s.which]
             if s.expert is not None:

@@ -6,7 +6,9 @@ built by liverl.core.services.redis_from_url from a redis+cluster:// URL."""
 from __future__ import annotations
 
 import asyncio
+import random
 import shutil
+import socket
 import subprocess
 import time
 
@@ -16,7 +18,6 @@ import redis
 from ingest.metrics import _LIVE_LUA, COUNTED_TTL_S, IngestMetrics, Tally
 from liverl.core import keys
 from liverl.core.services import redis_from_url
-from tests.conftest import free_port
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def cluster_url(tmp_path_factory):
     if not (shutil.which("redis-server") and shutil.which("redis-cli")):
         pytest.skip("redis-server / redis-cli not installed (Debian: redis-server), so no Redis Cluster can start here")
     folder = tmp_path_factory.mktemp("redis-cluster")
-    ports = [free_port() for _ in range(3)]
+    ports = _cluster_ports(3)
     for p in ports:
         subprocess.run(["redis-server", "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
                         "--cluster-config-file", f"nodes-{p}.conf", "--dir", str(folder), "--save", "",
@@ -57,6 +58,25 @@ def cluster_url(tmp_path_factory):
     finally:
         for p in ports:
             subprocess.run(["redis-cli", "-p", str(p), "shutdown", "nosave"], capture_output=True)
+
+
+def _cluster_ports(n: int) -> list[int]:
+    """Free ports whose cluster bus port (port + 10000) is free too, so at most 55535."""
+    rng, out = random.Random(), []
+    while len(out) < n:
+        p = rng.randrange(20000, 55535)
+        if p not in out and _free(p) and _free(p + 10000):
+            out.append(p)
+    return out
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
 
 
 def _pings(port: int) -> bool:

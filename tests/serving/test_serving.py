@@ -219,14 +219,17 @@ def test_hot_swap_under_load_is_exact(srv):
 
     model_new = load_model(srv.model_dir, state_dict=new_state, dtype=torch.float32)
     model_old = load_model(srv.model_dir, state_dict=old_state, dtype=torch.float32)
-    gap_to_old = 0.0
+    gap_to_old = err_to_new = 0.0
     for prompt in PROMPTS:
         ref = refs[row.version][prompt]
         hf_new = _hf_logprobs(model_new, ref["prompt_ids"], ref["tokens"])
         hf_old = _hf_logprobs(model_old, ref["prompt_ids"], ref["tokens"])
-        assert ref["logprobs"] == pytest.approx(hf_new, abs=0.05)
+        err_to_new = max(err_to_new, *(abs(a - b) for a, b in zip(ref["logprobs"], hf_new)))
         gap_to_old = max(gap_to_old, *(abs(a - b) for a, b in zip(ref["logprobs"], hf_old)))
-    assert gap_to_old > 0.2
+    # vLLM's bf16 kernels against transformers in fp32: within 0.05 on AVX2 CPUs, up to 0.08 seen on AMX CPUs (their
+    # small-GEMM kernels differ); the old weights' log-probs are further away than that, by a wide margin
+    assert err_to_new < 0.12, err_to_new
+    assert gap_to_old > max(0.2, 2 * err_to_new), (gap_to_old, err_to_new)
 
 
 def test_rollback_and_on_the_fly_delta(srv):
