@@ -24,23 +24,19 @@ class Timeline:
                             "live": {v: (c.get("accept", 0), c.get("events", 0)) for v, c in live.items()}})
 
 
-def read_live(r, prefix: str) -> dict[int, dict[str, int]]:
+def read_live_hashes(r, prefix: str) -> dict[int, dict[str, int]]:
+    """Every version's live hash as stored (counts, revert buckets, guardrail sums)."""
     out: dict[int, dict[str, int]] = {}
     for key in r.scan_iter(keys.live_pattern(prefix), count=1000):
         v = keys.version_of_live(key)
         if v is not None:
-            out[v] = keys.live_totals({k.decode(): int(n) for k, n in r.hgetall(key).items()})
+            out[v] = {k.decode(): int(n) for k, n in r.hgetall(key).items()}
     return out
 
 
-def read_guardrails(r, prefix: str) -> dict[int, dict[str, float]]:
-    """Per version, the mean response length (tokens) and latency (ms) of its judged generations (keys.guardrail_means)."""
-    out: dict[int, dict[str, float]] = {}
-    for key in r.scan_iter(keys.live_pattern(prefix), count=1000):
-        v = keys.version_of_live(key)
-        if v is not None:
-            out[v] = keys.guardrail_means({k.decode(): int(n) for k, n in r.hgetall(key).items()})
-    return out
+def read_live(r, prefix: str) -> dict[int, dict[str, int]]:
+    """Per version, its live counts (``keys.live_totals``)."""
+    return {v: keys.live_totals(h) for v, h in read_live_hashes(r, prefix).items()}
 
 
 def read_hash(r, key: str) -> dict[str, str]:
@@ -89,8 +85,9 @@ def trap_report(stats, rows, min_prompts: int = 50) -> dict:
 
 def build_summary(cfg, r, registry, timeline: Timeline, stats, product_name: str) -> dict:
     prefix = cfg.topics.prefix
-    live = read_live(r, prefix)
-    guardrails = read_guardrails(r, prefix)
+    hashes = read_live_hashes(r, prefix)
+    live = {v: keys.live_totals(h) for v, h in hashes.items()}
+    guardrails = {v: keys.guardrail_means(h) for v, h in hashes.items()}  # mean response length and latency
     rows = registry.list()
     promoted = [v for v in rows if v.version != 0 and v.promoted_at is not None]
     promoted.sort(key=lambda v: v.promoted_at)
