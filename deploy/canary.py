@@ -107,14 +107,11 @@ def build_tests(cfg: LiverlConfig, plan: keys.RolloutPlan, canary: dict[str, int
             a = test.canary if arm == "canary" else test.stable
             a.add(1.0, hits)
             a.add(0.0, max(0, n - hits))
+    for test in (success, *guardrails):
         test.max_log_lr_pass = plan.max_log_lr.get(f"{test.name}:pass", float("-inf"))
         test.max_log_lr_harm = plan.max_log_lr.get(f"{test.name}:harm", float("-inf"))
         test._look()  # one look at the totals; the running maxima carry every earlier look
-    for test in guardrails[2:]:
-        test.max_log_lr_pass = plan.max_log_lr.get(f"{test.name}:pass", float("-inf"))
-        test.max_log_lr_harm = plan.max_log_lr.get(f"{test.name}:harm", float("-inf"))
-        test._look()
-        if settling:
+        if settling and test.name in keys.GUARDRAIL_SUMS:
             test.max_log_lr_harm = float("-inf")
     return Canary(success, guardrails)
 
