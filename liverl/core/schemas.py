@@ -17,7 +17,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 SCHEMA_VERSION = 1
 
@@ -37,6 +37,14 @@ _Version = Annotated[int, Field(ge=0, lt=2**63)]
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    @field_validator("schema_version", mode="before", check_fields=False)
+    @classmethod
+    def _exact_version(cls, v):
+        # pydantic's Literal[1] takes true and 1.0 too (strict mode included): the version is the integer 1, nothing else
+        if type(v) is not int or v != SCHEMA_VERSION:
+            raise ValueError(f"schema_version must be the integer {SCHEMA_VERSION}")
+        return v
+
     def to_bytes(self) -> bytes:
         return self.model_dump_json().encode()
 
@@ -46,7 +54,15 @@ class _Wire(BaseModel):
 
         Only UTF-8 without a byte order mark is JSON here (RFC 8259): other encodings, nesting too deep for
         the parser and integers too long to convert are ``malformed_json``, never an exception of another kind.
+
+        Fast path: pydantic's own JSON parser in strict mode (a third of the time of ``json.loads`` plus validation;
+        the ingest join parses every record). Whatever it refuses goes through the lax path below, which accepts what
+        it always did and names the reason; what strict mode accepts, the lax path would accept with the same value.
         """
+        try:
+            return cls.model_validate_json(raw, strict=True)
+        except (ValidationError, ValueError, RecursionError):
+            pass
         try:
             text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
             if text.startswith("\ufeff"):
