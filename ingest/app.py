@@ -1,4 +1,4 @@
-"""The ingest stream processor: join live feedback with the generation it judges, shape a reward, emit samples.
+"""The ingest worker: join live feedback with the generation it judges, shape a reward, emit samples.
 
 Inputs (raw bytes, JSON per ``liverl.core.schemas``), both keyed by ``generation_id`` so they are co-partitioned:
 ``<prefix>.generations`` (the serving tier logs every generation) and ``<prefix>.feedback`` (the product
@@ -7,58 +7,62 @@ generation, ``sample_id = generation_id``), ``<prefix>.heldout`` (the same, for 
 ``ingest.heldout_share``: the gate's off-policy evidence, never trained on) and ``<prefix>.dead-letters`` (every
 refused input, with why).
 
-Why a table rather than a join operator: faust-streaming's stream-stream join raises NotImplementedError, and
-feedback can arrive before the generation record (two producers, two topics). So the join is state keyed by
-``generation_id`` in one faust table, ``join`` (``ingest.join`` describes its entries and decisions), kept in
-RocksDB under ``<state_dir>/faust`` (``ingest.store = "rocksdb"``, the default: a restart reads only the tail of
-the changelog) or in memory (rebuilt from the whole changelog on every start).
+How it runs: one Kafka consumer group, ``<prefix>-ingest`` (aiokafka; the range assignor gives a worker the same
+partition numbers of both inputs, so a generation and its feedback meet in one worker). The worker takes records
+in batches of up to ``BATCH_MAX`` (``getmany``) and, per batch:
 
-Guarantee: at-least-once, nothing dropped silently. One agent consumes both topics in batches; a batch's samples
-and dead letters are acknowledged by the broker and its counters written to Redis before its offsets are
-acknowledged. An event that fails is dead-lettered on its own (``internal_error``), the batch goes on. When the
-broker or Redis fails, the worker exits at once (code ``EXIT_INFRA``) without acknowledging the batch, because
-faust acknowledges a batch whose agent raises: the uncommitted offsets are replayed after the restart. The
-batch's table writes wait for the broker to have its samples, so a kill -9 at any moment loses nothing: a replayed
-input either joins again (the learner dedupes the re-sent sample by ``sample_id``) or is a duplicate of a judgement
-whose sample the broker has; the live counters dedupe by ``feedback_id``. The table uses the producer's partitioner (murmur2 of
-the generation id, as kafka-python and aiokafka use for the inputs), so its changelog partitions line up with the
-input partitions; the timers look only at partitions this worker is assigned.
+1. ``ingest.join`` decides every event against the join table (``ingest.table``: one database per partition,
+   RocksDB by default, kept by a compacted changelog topic);
+2. the batch's samples and dead letters go to the broker as one record batch per partition, and are acknowledged;
+3. the batch's table changes go to the changelog, are acknowledged, then to the databases (with the changelog
+   offset they reach, in the same write);
+4. its counters go to Redis (the live counters exactly once per ``feedback_id``);
+5. its input offsets are committed.
+
+Why not faust's stream and table machinery (the first design): faust hands records to an agent one by one and
+produces one by one; on the demo's records its consume path alone tops out near 6,000 pairs/s on one core, a
+third of the target (``liverl bench ingest`` measures it beside this worker). Batches cost a few microseconds a
+record at each step.
+
+Guarantee: at-least-once delivery, effects exactly once. A kill -9 at any step replays the uncommitted batch: an
+input either joins again (the learner dedupes the re-sent sample by ``sample_id``) or is a duplicate of a
+judgement whose sample the broker has (the table never says "judged" before the broker has the sample); the live
+counters dedupe by ``feedback_id``. When the broker or Redis fails, the worker exits at once (code
+``EXIT_INFRA``) without committing, so a supervisor restarts it and the batch is replayed. An event that fails on
+its own is dead-lettered ``internal_error`` and the batch goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import os
+import signal
 import sys
 import time
-from collections.abc import Mapping
 from typing import Any
 
-import faust
-from faust.types import TP
-
-from ingest import store as _store
 from ingest.join import InfraError, Ingest, Source, key_text
 from ingest.metrics import IngestMetrics
-from liverl.core.bus import aiokafka_security, faust_credentials
+from ingest.table import MAX_BATCH_BYTES, MAX_REQUEST_BYTES, JoinTable, Outbox, changelog_topic
+from liverl.core.bus import aiokafka_security
 from liverl.core.config import LiverlConfig
 
 log = logging.getLogger("liverl.ingest")
 
-BATCH_MAX = 200  # events per processing batch (one Redis round trip and one ack wait per batch)
-BATCH_WITHIN_S = 0.05  # the most a batch waits to fill: the added latency at low load
-FETCH_MAX_WAIT_MS = 200  # consumer long-poll wait (faust's own is 1.5 s, see _shorter_fetch_wait)
-STALL_CHECK_S = 1.0  # how often the stall watchdog looks
-STALL_AFTER_S = 3.0  # input waiting beyond the committed offsets, and no batch for this long: re-seek
+BATCH_MAX = 5000  # input records per batch: one produce round trip per output topic-partition, one Redis script call
+POLL_TIMEOUT_MS = 100  # the most a poll waits for records (then the timers run)
+FETCH_MAX_WAIT_MS = 100  # the broker's long-poll wait: the added latency at low load
 EVICT_INTERVAL_S = 60.0  # how often the table is scanned for expiry
 PRODUCER_DELIVERY_TIMEOUT_S = 120.0  # kafka-python's default delivery_timeout_ms, what generation producers use
 EXIT_INFRA = 75  # exit code when the broker or Redis failed mid-batch (EX_TEMPFAIL: restart me)
-STOP_GRACE_S = 30.0  # on shutdown, how long a batch in progress may take to finish
+MEMBER_FILE = "group-member-id"
+LOCK_FILE = "LOCK"
 
 
 def die(reason: str) -> None:
-    """Stop the process now, acknowledging nothing: the batch in hand and everything uncommitted is replayed."""
+    """Stop the process now, committing nothing: the batch in hand and everything uncommitted is replayed."""
     log.critical("ingest worker stops without acknowledging its batch: %s", reason)
     for h in logging.getLogger().handlers + log.handlers:
         try:
@@ -69,65 +73,8 @@ def die(reason: str) -> None:
     os._exit(EXIT_INFRA)
 
 
-async def _log_end_offsets(bootstrap: str, reported: Mapping[Any, int | None],
-                           security: Mapping[str, Any] | None = None) -> dict[Any, int | None]:
-    """The true log end offset of each partition, from a fetch response's high watermark.
-
-    Why: the embedded Tansu broker answers ListOffsets(latest) with the base offset of the last record
-    *batch* + 1, not the offset after its last record; faust's table recovery reads changelogs up to that
-    answer, so the tail of the last batch (several table updates when the producer batched them) would be
-    silently lost on restart. A fetch response carries the correct high watermark. On Apache Kafka the two
-    agree and this costs one short fetch per changelog partition at rebalance time.
-    """
-    from aiokafka import AIOKafkaConsumer
-
-    tps = list(reported)
-    if not tps:
-        return dict(reported)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=100,
-                                **(security or {}))
-    await consumer.start()
-    try:
-        consumer.assign(tps)
-        for tp in tps:
-            consumer.seek(tp, max((reported[tp] or 0) - 1, 0))
-        deadline = time.monotonic() + 10.0
-        while any(consumer.highwater(tp) is None for tp in tps) and time.monotonic() < deadline:
-            await consumer.getmany(timeout_ms=200, max_records=1)
-        out: dict[Any, int | None] = {}
-        for tp in tps:
-            hw = consumer.highwater(tp)
-            if hw is None:
-                log.warning("no high watermark for %s within 10 s; using the broker's end offset %s", tp, reported[tp])
-            out[tp] = reported[tp] if hw is None else max(hw, reported[tp] or 0)
-        return out
-    finally:
-        await consumer.stop()
-
-
-def _use_true_end_offsets(app: faust.App, bootstrap: str, on_ends=None, security: Mapping[str, Any] | None = None) -> None:
-    """Make the app's consumer report fetch-based end offsets to table recovery (see ``_log_end_offsets``)."""
-    make_consumer = app._new_consumer
-
-    def new_consumer():
-        consumer = make_consumer()
-        broker_end_offsets = consumer.highwaters
-        consumer.liverl_listed_end_offsets = broker_end_offsets
-        _shorter_fetch_wait(consumer)
-
-        async def highwaters(*partitions):
-            ends = await _log_end_offsets(bootstrap, await broker_end_offsets(*partitions), security)
-            if on_ends is not None:
-                on_ends(ends)
-            return ends
-
-        consumer.highwaters = highwaters
-        return consumer
-
-    app._new_consumer = new_consumer
-
-
-MEMBER_FILE = "group-member-id"
+def state_dir(cfg: LiverlConfig):
+    return cfg.state_path / "ingest"
 
 
 async def leave_previous_member(cfg: LiverlConfig, bootstrap: str) -> bool:
@@ -135,15 +82,15 @@ async def leave_previous_member(cfg: LiverlConfig, bootstrap: str) -> bool:
 
     Why: a worker that died without leaving the group (kill -9, OOM, power) stays a member until its session times
     out, and the group's next join waits for it: on the embedded broker a restarted worker then sat ~12 s before it
-    was given partitions. The member id is kept in the worker's state folder (``remember_member``), which no two
-    workers share (RocksDB locks it). A member that is already gone is answered with an error, which is fine.
+    was given partitions. The member id is kept in the worker's state folder (``MEMBER_FILE``), which no two
+    workers share (``LOCK_FILE``). A member that is already gone is answered with an error, which is fine.
     Returns True when a leave was sent. Static membership (group.instance.id) would do this in the protocol, but
     the embedded broker does not shorten the wait for it.
     """
     from aiokafka.client import AIOKafkaClient, CoordinationType
     from aiokafka.protocol.group import LeaveGroupRequest
 
-    path = cfg.state_path / "faust" / MEMBER_FILE
+    path = state_dir(cfg) / MEMBER_FILE
     try:
         member_id = path.read_text().strip()
     except OSError:
@@ -166,326 +113,294 @@ async def leave_previous_member(cfg: LiverlConfig, bootstrap: str) -> bool:
         await client.close()
 
 
-def _remember_member(app: faust.App, cfg: LiverlConfig) -> None:
-    try:
-        member_id = app.consumer._thread._consumer._coordinator.member_id
-    except AttributeError:
-        return
-    if member_id:
-        path = cfg.state_path / "faust" / MEMBER_FILE
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(member_id)
-        os.replace(tmp, path)
+class IngestWorker:
+    """One ingest worker: its consumer-group member, producer, join table, web server and timers.
 
-
-def _shorter_fetch_wait(consumer) -> None:
-    """Fetch with a ``FETCH_MAX_WAIT_MS`` long poll instead of faust's fixed 1.5 s.
-
-    Why: a broker that holds a fetch for its whole wait (the embedded Tansu broker does) makes every round of
-    table recovery and every quiet-time event wait up to that long; a restarted worker pays it several times before
-    it joins again. The cost is a few more (empty) fetch requests per second when idle.
+    ``web_port``: None uses ``cfg.ingest.web_port``; 0 disables the web server (``/metrics``, ``/healthz``).
     """
-    thread = getattr(consumer, "_thread", None)
-    make = getattr(thread, "_create_worker_consumer", None)
-    if make is None:
-        log.warning("faust's consumer has no _create_worker_consumer; keeping its 1.5 s fetch wait")
-        return
 
-    def create(transport):
-        client = make(transport)
-        client._fetch_max_wait_ms = FETCH_MAX_WAIT_MS  # read when the consumer starts its fetcher
-        return client
+    def __init__(self, cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: int | None = None,
+                 web_bind: str = "127.0.0.1", evict_interval_s: float = EVICT_INTERVAL_S):
+        if not bootstrap:
+            raise ValueError("ingest needs a Kafka bootstrap (host:port); start the stack or set broker.bootstrap")
+        if not redis_url:
+            raise ValueError("ingest needs a Redis URL (redis://host:port/db); start the stack or set redis.url")
+        ic = cfg.ingest
+        if ic.pending_ttl_s < PRODUCER_DELIVERY_TIMEOUT_S:
+            log.warning("ingest.pending_ttl_s=%g s is shorter than a generation producer's delivery timeout (%g s): "
+                        "feedback whose record is still being retried may be dead-lettered unknown_generation",
+                        ic.pending_ttl_s, PRODUCER_DELIVERY_TIMEOUT_S)
+        self.cfg = cfg
+        self.bootstrap = bootstrap
+        self.security = aiokafka_security(cfg.broker)
+        self.group = f"{cfg.topics.prefix}-ingest"
+        self.inputs = (cfg.topics.generations, cfg.topics.feedback)
+        self.web_port = ic.web_port if web_port is None else int(web_port)
+        self.web_bind = web_bind
+        self.evict_interval_s = evict_interval_s
+        self.sweep_s = max(0.1, min(1.0, ic.pending_ttl_s / 4))
+        self.state = state_dir(cfg)
+        self.metrics = IngestMetrics(cfg.topics.prefix, redis_url)
+        self.table = JoinTable(changelog_topic(cfg.topics.prefix), cfg.broker.partitions,
+                               self.state if ic.store == "rocksdb" else None)
+        self.ingest = Ingest(cfg, self.metrics, self.table, self._send, end_offset=self._end_offset,
+                             assigned=self._assigned, partition_of=self.table.partition, flush=self._flush_outputs)
+        self.consumer: Any = None
+        self.producer: Any = None
+        self.outbox: Outbox | None = None
+        self.busy = asyncio.Lock()  # a batch, a timer or a rebalance callback: one at a time
+        self.epoch = 0  # bumped by every rebalance: a batch fetched before one is not processed
+        self.done: dict[Any, int] = {}  # next offset to commit, per input partition
+        self.committed: dict[Any, int] = {}
+        self.stopping = False
+        self._next_sweep = 0.0
+        self._next_evict = time.monotonic() + evict_interval_s
+        self._lock_fd: int | None = None
 
-    thread._create_worker_consumer = create
+    # -- the join's ports --------------------------------------------------------------------------
 
+    async def _send(self, topic: str, key: str, value: bytes):
+        return await self.outbox.send(topic, key, value)
 
-def build_app(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: int | None = None,
-              web_bind: str = "127.0.0.1", evict_interval_s: float = EVICT_INTERVAL_S) -> faust.App:
-    """The faust app of the ingest stage (consumer group ``<prefix>-ingest``).
+    async def _flush_outputs(self) -> None:
+        await self.outbox.flush()
 
-    ``web_port``: None uses ``cfg.ingest.web_port``; 0 disables the web server (and ``/metrics``). The web server
-    serves only ``/metrics`` and ``/healthz``: faust's table and router views are off (they would show prompts and
-    feedback to anyone who can reach the port).
-    """
-    if not bootstrap:
-        raise ValueError("ingest needs a Kafka bootstrap (host:port); start the stack or set broker.bootstrap")
-    if not redis_url:
-        raise ValueError("ingest needs a Redis URL (redis://host:port/db); start the stack or set redis.url")
-    ic = cfg.ingest
-    if ic.pending_ttl_s < PRODUCER_DELIVERY_TIMEOUT_S:
-        log.warning("ingest.pending_ttl_s=%g s is shorter than a generation producer's delivery timeout (%g s): "
-                    "feedback whose record is still being retried may be dead-lettered unknown_generation",
-                    ic.pending_ttl_s, PRODUCER_DELIVERY_TIMEOUT_S)
-    prefix = cfg.topics.prefix
-    port = ic.web_port if web_port is None else int(web_port)
-    rebalance_s = float(cfg.broker.rebalance_timeout_s)
-    datadir = cfg.state_path / "faust"
-    datadir.mkdir(parents=True, exist_ok=True)  # faust creates only the last level
-    store = f"{_store.register()}://" if ic.store == "rocksdb" else "memory://"
-    app = faust.App(
-        f"{prefix}-ingest",
-        broker=f"kafka://{bootstrap}",
-        broker_credentials=faust_credentials(cfg.broker),
-        store=store,
-        autodiscover=False,
-        datadir=str(datadir),
-        topic_partitions=cfg.broker.partitions,
-        topic_replication_factor=1,
-        # Tansu completes a group join only after the rebalance timeout: keep it short or the first poll
-        # waits minutes. Session timeout must not be shorter than the heartbeat cadence allows.
-        broker_rebalance_timeout=rebalance_s,
-        broker_session_timeout=max(rebalance_s, 6.0),
-        broker_heartbeat_interval=1.0,
-        processing_guarantee="at_least_once",
-        # Batch produce requests a little: a batch's output is awaited as a whole anyway, and fewer
-        # requests is most of what a small machine can save per event.
-        producer_linger=0.005,
-        consumer_auto_offset_reset="earliest",
-        key_serializer="raw",
-        value_serializer="raw",
-        web_enabled=port > 0,
-        web_port=port if port > 0 else 6066,
-        web_bind=web_bind,
-        web_host=web_bind,
-        web_tables_enabled=False,
-        web_router_enabled=False,
-    )
-    tables: list = []  # the join table, once built (the end-offset check below needs it)
-    _use_true_end_offsets(app, bootstrap, on_ends=lambda ends: [_drop_foreign_state(app, t, ends) for t in tables],
-                          security=aiokafka_security(cfg.broker))
-    metrics = IngestMetrics(prefix, redis_url)
-    t = cfg.topics
-    n = cfg.broker.partitions
-    raw = {"key_type": str, "key_serializer": "raw", "value_serializer": "raw", "partitions": n}
-    inputs = app.topic(t.generations, t.feedback, **raw)
-    outputs = {name: app.topic(name, **raw) for name in (t.samples, t.heldout, t.dead_letters)}
-    # RocksDB defaults are sized for a dedicated machine (2 GiB block cache); the join table needs far less.
-    options = {"block_cache_size": 64 << 20, "write_buffer_size": 16 << 20, "max_write_buffer_number": 2}
-    table = app.Table("join", help="generation_id -> waiting record, pending feedback or judgement",
-                      key_type=str, value_type=bytes, partitions=n, use_partitioner=True,
-                      schema=faust.Schema(key_type=str, key_serializer="raw", value_serializer="raw"),
-                      options=options if ic.store == "rocksdb" else None)
-    if ic.store == "rocksdb":
-        tables.append(table)
+    def _assigned(self, partition: int) -> bool:
+        from aiokafka import TopicPartition
 
-    async def send(topic: str, key: str, value: bytes):
-        return await outputs[topic].send(key=key, value=value)
+        return TopicPartition(self.cfg.topics.feedback, partition) in self.consumer.assignment()
 
-    async def end_offset(partition: int) -> int | None:
+    async def _end_offset(self, partition: int) -> int | None:
         """The generations partition's end: the larger of the last fetch's high watermark and the broker's
-        ListOffsets answer (Tansu's can fall short of the end, see ``_log_end_offsets``)."""
-        tp = TP(t.generations, partition)
-        consumer = app.consumer
-        ends = [consumer.highwater(tp), (await consumer.liverl_listed_end_offsets(tp)).get(tp)]
+        ListOffsets answer (the embedded broker's can fall short of the end, see ``ingest.table``)."""
+        from aiokafka import TopicPartition
+
+        tp = TopicPartition(self.cfg.topics.generations, partition)
+        ends = [self.consumer.highwater(tp) if tp in self.consumer.assignment() else None,
+                (await self.consumer.end_offsets([tp])).get(tp)]
         ends = [e for e in ends if e is not None]
         return max(ends) if ends else None
 
-    def assigned(partition: int) -> bool:
-        return TP(t.feedback, partition) in app.assignor.assigned_actives()
+    # -- lifecycle ---------------------------------------------------------------------------------
 
-    ingest = Ingest(cfg, metrics, table, send, end_offset=end_offset, assigned=assigned,
-                    partition_of=lambda gid: _store.partition_of(gid.encode(), n))
-    app.liverl_ingest = ingest  # for tests and embedding
-
-    @table.on_recover
-    async def _recovered():
-        if ic.store == "memory":
-            _forget_unassigned(app, table)
-        t0 = time.monotonic()
-        async with ingest.lock:
-            ingest.recovered()
-        log.info("join table ready: %d feedback pending (%.2f s)", len(ingest._pending), time.monotonic() - t0)
-
-    @app.on_partitions_revoked.connect
-    async def _revoked(sender, revoked, **kwargs):
-        ingest.ready = False
-
-    @app.on_partitions_assigned.connect
-    async def _assigned(sender, assigned, **kwargs):
-        _remember_member(app, cfg)
-
-    @app.agent(inputs, name="join")
-    async def join(stream):
-        # A batch writes up to ~BATCH_MAX changelog records before it yields; faust's default buffer bound
-        # (100) would make it stall and warn on every batch. The bound stays: 4 batches' worth.
-        app.producer.buffer.max_messages = max(app.producer.buffer.max_messages, 4 * BATCH_MAX)
-        async for events in stream.take_events(BATCH_MAX, within=BATCH_WITHIN_S):
-            batch = [(Source(ev.message.topic, ev.message.partition, ev.message.offset, key_text(ev.message.key),
-                             ev.message.timestamp), ev.message.value) for ev in events]
-            watchdog.busy = True
-            try:
-                await _run_batch(ingest, batch)
-            finally:
-                watchdog.busy = False
-                watchdog.last_batch = time.monotonic()
-
-    watchdog = _StallWatchdog(app, {t.generations, t.feedback})
-
-    @table.on_recover
-    async def _watch_from_now():
-        watchdog.last_batch = time.monotonic()
-
-    @app.timer(interval=STALL_CHECK_S, name="stall_watchdog")
-    async def stall_watchdog():
-        if not _idle():
-            await _guarded(metrics, "stall_watchdog", None, watchdog.check)
-
-    sweep_s = max(0.1, min(1.0, ic.pending_ttl_s / 4))
-
-    def _idle() -> bool:
-        return app.rebalancing or not ingest.ready
-
-    @app.timer(interval=sweep_s, name="expire_pending")
-    async def expire_pending():
-        if not _idle():
-            await _guarded(metrics, "expire_pending", ingest.lock, ingest.expire_pending)
-
-    @app.timer(interval=evict_interval_s, name="evict_old")
-    async def evict_old():
-        if not _idle():
-            await _guarded(metrics, "evict_old", None, ingest.evict_old)  # takes the lock chunk by chunk
-
-    @app.page("/metrics")
-    async def metrics_view(web, request):
-        return web.bytes(metrics.exposition(), content_type="text/plain; version=0.0.4")
-
-    @app.page("/healthz")
-    async def healthz(web, request):
-        return web.json({"ok": True, "app": app.conf.id, "rebalancing": bool(app.rebalancing),
-                         "ready": ingest.ready})
-
-    @app.on_before_shutdown.connect
-    async def _close_redis(sender, **kwargs):
-        await metrics.close()
-
-    return app
-
-
-class _StallWatchdog:
-    """Re-seek the inputs to their committed offsets when records wait there but nothing is processed.
-
-    Why: faust 0.15 can lose the records fetched while a rebalance's recovery completes (the stream buffers are
-    cleared when flow resumes, after the fetcher has already moved past them), and the worker then reports
-    "Worker ready" and consumes nothing until new records arrive; the records in between are never processed or
-    committed. Seen on the embedded broker after restarts (about 1 in 20 in the restart loop). Checking the effect rather
-    than the cause: if an input partition's end is past its committed offset and no batch ran for
-    ``STALL_AFTER_S``, the inputs are sought back to their committed offsets (a replay, absorbed as duplicates).
-    """
-
-    def __init__(self, app: faust.App, topics: set[str]):
-        self.app = app
-        self.topics = topics
-        self.last_batch = time.monotonic()
-        self.busy = False  # a batch is being processed (however long it takes, that is not a stall)
-        self.reseeks = 0
-
-    async def check(self) -> None:
-        if self.busy or time.monotonic() - self.last_batch < STALL_AFTER_S:
-            return
-        consumer = self.app.consumer
-        tps = [tp for tp in consumer.assignment() if tp.topic in self.topics]
-        behind = {}
-        for tp in tps:
-            end = consumer.highwater(tp)
-            committed = consumer._committed_offset.get(tp) or 0
-            if end is not None and end > committed:
-                behind[tp] = (committed, end)
-        if not behind:
-            return
-        self.reseeks += 1
-        log.warning("input stalled for %.0f s with records waiting (%s); seeking the inputs back to their committed "
-                    "offsets", time.monotonic() - self.last_batch,
-                    ", ".join(f"{tp.topic}[{tp.partition}] {c}..{e}" for tp, (c, e) in sorted(behind.items())))
-        for tp in tps:
-            await consumer.seek(tp, consumer._committed_offset.get(tp) or 0)
-        self.last_batch = time.monotonic()
-
-
-async def _run_batch(ingest: Ingest, batch: list[tuple[Source, bytes | None]]) -> None:
-    """Process one batch to the end, or stop the process; never return with the batch half done.
-
-    faust acknowledges the batch when this returns *or raises* (``Stream.take_events`` acks in a ``finally``),
-    so a failure here must not propagate: it ends the process before the acknowledgement. A shutdown that
-    cancels the agent mid-batch waits for the batch to finish first.
-    """
-
-    async def work():
-        async with ingest.lock:
-            await ingest.process(batch)
-
-    task = asyncio.ensure_future(work())
-    try:
-        await asyncio.shield(task)
-    except asyncio.CancelledError:
+    def _lock_state(self) -> None:
+        """One worker per state folder: its databases and its remembered group member are its own."""
+        self.state.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.state / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            await asyncio.wait_for(asyncio.shield(task), STOP_GRACE_S)
-        except BaseException as e:  # noqa: BLE001 - anything here means the batch is not done
-            die(f"shutdown interrupted a batch ({type(e).__name__}: {e})")
-        raise
-    except InfraError as e:
-        die(str(e))
-    except BaseException as e:
-        log.exception("batch failed")
-        die(f"{type(e).__name__}: {e}")
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise RuntimeError(f"another ingest worker uses {self.state}: give each worker its own state_dir") from None
+        self._lock_fd = fd
 
+    async def run(self) -> int:
+        """Consume until SIGTERM / SIGINT (then finish the batch, commit, leave the group: exit 0)."""
+        from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+        from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
-async def _guarded(metrics: IngestMetrics, name: str, lock: asyncio.Lock | None, fn) -> None:
-    """Run a timer body: an infrastructure failure stops the worker, anything else is logged and counted (a faust
-    timer that raises would crash the whole app)."""
-    try:
-        if lock is None:
+        self._lock_state()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+        rebalance_ms = int(float(self.cfg.broker.rebalance_timeout_s) * 1000)
+        self.producer = AIOKafkaProducer(
+            bootstrap_servers=self.bootstrap, client_id=self.group, acks="all", linger_ms=0,
+            max_batch_size=MAX_BATCH_BYTES, max_request_size=MAX_REQUEST_BYTES,
+            request_timeout_ms=30_000, **self.security)
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap, group_id=self.group, client_id=self.group, enable_auto_commit=False,
+            auto_offset_reset="earliest", fetch_max_wait_ms=FETCH_MAX_WAIT_MS, max_partition_fetch_bytes=4 << 20,
+            # Tansu completes a group join only after the rebalance timeout: keep it short or the first poll waits
+            # minutes. The session timeout must not be shorter than the heartbeat cadence allows.
+            rebalance_timeout_ms=rebalance_ms, session_timeout_ms=max(rebalance_ms, 6000), heartbeat_interval_ms=1000,
+            partition_assignment_strategy=(RangePartitionAssignor,), **self.security)
+        web = None
+        await self.producer.start()
+        try:
+            self.outbox = Outbox(self.producer)
+            self.consumer.subscribe(list(self.inputs), listener=_listener(self))
+            await self.consumer.start()
+            web = await self._start_web()
+            log.info("ingest worker up: group %s, inputs %s, store %s", self.group, ", ".join(self.inputs),
+                     self.cfg.ingest.store)
+            while not self.stopping:
+                epoch = self.epoch
+                try:
+                    got = await self.consumer.getmany(timeout_ms=POLL_TIMEOUT_MS, max_records=BATCH_MAX)
+                except Exception as e:  # noqa: BLE001 - the broker failed: restart and replay
+                    die(f"consuming failed: {type(e).__name__}: {e}")
+                async with self.busy:
+                    if got and epoch == self.epoch and self.ingest.ready:
+                        await self._batch(got)
+                    if self.ingest.ready:
+                        await self._timers()
+            async with self.busy:
+                await self._commit()
+            log.info("ingest worker stopping: offsets committed")
+        finally:
+            await self._close(web)
+        return 0
+
+    def stop(self) -> None:
+        self.stopping = True
+
+    async def _close(self, web) -> None:
+        for what, fn in (("consumer", self.consumer.stop if self.consumer else None),
+                         ("producer", self.producer.stop), ("web", web.cleanup if web else None),
+                         ("redis", self.metrics.close)):
+            if fn is None:
+                continue
+            try:
+                await asyncio.wait_for(fn(), 15)
+            except Exception as e:  # noqa: BLE001 - stopping anyway
+                log.warning("stopping the %s failed: %s: %s", what, type(e).__name__, e)
+        self.table.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+
+    # -- the batch ---------------------------------------------------------------------------------
+
+    async def _batch(self, got: dict) -> None:
+        assignment = self.consumer.assignment()
+        gens: list[tuple[Source, bytes | None]] = []
+        fbs: list[tuple[Source, bytes | None]] = []
+        ends = {}
+        for tp, msgs in got.items():
+            if tp not in assignment or not msgs:
+                continue
+            into = gens if tp.topic == self.cfg.topics.generations else fbs
+            for m in msgs:
+                into.append((Source(tp.topic, tp.partition, m.offset, key_text(m.key),
+                                    m.timestamp / 1000.0 if m.timestamp is not None and m.timestamp >= 0 else None),
+                             m.value))
+            ends[tp] = msgs[-1].offset + 1
+        if not ends:
+            return
+        try:
+            # generations first: feedback in the same batch then finds its record waiting instead of pending
+            await self.ingest.process(gens + fbs)
+            await self.table.flush(self.outbox)
+        except InfraError as e:
+            die(str(e))
+        except Exception as e:  # noqa: BLE001 - process() dead-letters per event; anything here is the worker's
+            log.exception("batch failed")
+            die(f"{type(e).__name__}: {e}")
+        self.done.update(ends)
+        await self._commit()
+
+    async def _commit(self) -> None:
+        todo = {tp: off for tp, off in self.done.items() if self.committed.get(tp) != off}
+        if not todo or self.consumer is None:
+            return
+        try:
+            await self.consumer.commit(todo)
+            self.committed.update(todo)
+        except Exception as e:  # noqa: BLE001 - a rebalance in progress: the revoke callback commits again
+            log.info("offset commit deferred (%s: %s)", type(e).__name__, e)
+
+    async def _timers(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_sweep:
+            self._next_sweep = now + self.sweep_s
+            await self._guarded("expire_pending", self.ingest.expire_pending)
+        if now >= self._next_evict:
+            self._next_evict = now + self.evict_interval_s
+            await self._guarded("evict_old", self.ingest.evict_old)
+
+    async def _guarded(self, name: str, fn) -> None:
+        """Run a timer body and write what it changed: an infrastructure failure stops the worker, anything else is
+        logged and counted (the timer runs again at its next interval)."""
+        try:
             await fn()
-        else:
-            async with lock:
-                await fn()
-    except InfraError as e:
-        die(f"{name}: {e}")
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.exception("timer %s failed; it runs again at its next interval", name)
-        metrics.timer_errors.labels(name).inc()
+            await self.table.flush(self.outbox)
+        except InfraError as e:
+            die(f"{name}: {e}")
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            if self.table.dirty:  # changes half made: replaying from the committed offsets is the safe way out
+                log.exception("timer %s failed with table changes unwritten", name)
+                die(f"timer {name} failed with table changes unwritten")
+            log.exception("timer %s failed; it runs again at its next interval", name)
+            self.metrics.timer_errors.labels(name).inc()
+
+    # -- rebalances --------------------------------------------------------------------------------
+
+    async def revoked(self, revoked) -> None:
+        async with self.busy:
+            self.epoch += 1
+            self.ingest.ready = False
+            await self._commit()
+
+    async def assigned(self, assigned) -> None:
+        async with self.busy:
+            self.epoch += 1
+            t0 = time.monotonic()
+            mine = set(assigned)
+            parts = {tp.partition for tp in mine if tp.topic in self.inputs}
+            gens = {tp.partition for tp in mine if tp.topic == self.cfg.topics.generations}
+            fbs = {tp.partition for tp in mine if tp.topic == self.cfg.topics.feedback}
+            if gens != fbs:
+                log.error("this worker holds generations %s but feedback %s: the inputs must have the same partition "
+                          "count (broker.partitions) and every worker the same subscription", sorted(gens), sorted(fbs))
+            self.done = {tp: off for tp, off in self.done.items() if tp in mine}
+            self.committed = {tp: off for tp, off in self.committed.items() if tp in mine}
+            self.table.hold(parts)
+            try:
+                stats = await self.table.recover(self.bootstrap, self.security)
+            except Exception as e:  # noqa: BLE001 - without its table the worker must not join anything
+                die(f"reading the join table's changelog failed: {type(e).__name__}: {e}")
+            self.ingest.recovered()
+            self._remember_member()
+            log.info("join table ready: partitions %s, %d changelog records read, %d feedback pending (%.2f s)",
+                     stats["partitions"], stats["read"], len(self.ingest._pending), time.monotonic() - t0)
+
+    def _remember_member(self) -> None:
+        try:
+            member_id = self.consumer._coordinator.member_id
+        except AttributeError:
+            return
+        if member_id:
+            path = self.state / MEMBER_FILE
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(member_id)
+            os.replace(tmp, path)
+
+    # -- web ---------------------------------------------------------------------------------------
+
+    async def _start_web(self):
+        """``/metrics`` (Prometheus) and ``/healthz``; nothing else (no view of prompts or feedback)."""
+        if self.web_port <= 0:
+            return None
+        from aiohttp import web
+
+        async def metrics_view(request):
+            return web.Response(body=self.metrics.exposition(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+        async def healthz(request):
+            return web.json_response({"ok": True, "app": self.group, "rebalancing": not self.ingest.ready,
+                                      "ready": self.ingest.ready,
+                                      "partitions": sorted(self.table.parts)})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics_view)
+        app.router.add_get("/healthz", healthz)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, self.web_bind, self.web_port).start()
+        return runner
 
 
-def _drop_foreign_state(app: faust.App, table, ends: Mapping[Any, int | None]) -> None:
-    """Empty a local partition database that is ahead of its changelog: it belongs to another history.
+def _listener(worker: IngestWorker):
+    from aiokafka.abc import ConsumerRebalanceListener
 
-    A worker's RocksDB files outlive the broker's data when the broker is replaced or reset (the embedded broker
-    keeps its log in memory, and a demo reuses its state folder). Its stored changelog offset is then past the
-    changelog's end; its entries would be joined against generations that no longer exist, and its pending
-    feedback dead-lettered for nothing (faust itself refuses to start: ConsistencyError). The changelog is the
-    truth: such a database is emptied, and recovery reads the changelog from its start. Called with the end
-    offsets table recovery asked for, before it compares them with the stored ones.
-    """
-    store = table.data
-    for tp, end in ends.items():
-        if tp.topic != table.changelog_topic_name or end is None:
-            continue
-        last = end - 1
-        db = store._dbs.get(tp.partition)
-        persisted = store.persisted_offset(tp) if db is not None else None
-        if persisted is None or persisted <= last:
-            continue
-        keys = [k for k in db.keys() if k != store.offset_key]  # noqa: SIM118 - a RocksDB handle, not a dict
-        for k in keys:
-            db.delete(k)
-        db.delete(store.offset_key)
-        app.tables.recovery.active_offsets[tp] = None
-        log.warning("join table partition %d: local state (changelog offset %d) is ahead of the changelog (last "
-                    "offset %d), so it is from another broker history; dropped its %d entries", tp.partition,
-                    persisted, last, len(keys))
+    class Listener(ConsumerRebalanceListener):
+        async def on_partitions_revoked(self, revoked):
+            await worker.revoked(revoked)
 
+        async def on_partitions_assigned(self, assigned):
+            await worker.assigned(assigned)
 
-def _forget_unassigned(app: faust.App, table) -> None:
-    """Drop, locally and without tombstones, memory-store keys of partitions this worker no longer owns.
+    return Listener()
 
-    faust's memory store forgets only keys it recovered from the changelog; keys this worker wrote itself for a
-    partition that a rebalance gave to another worker would linger (and be acted on) otherwise.
-    """
-    mine = {tp.partition for tp in app.assignor.assigned_actives() if tp.topic == table.changelog_topic_name}
-    n = table.partitions
-    stale = [k for k in list(table.data.keys()) if _store.partition_of(k.encode(), n) not in mine]
-    for k in stale:
-        del table.data[k]
-    if stale:
-        log.info("forgot %d join entries of partitions now owned by other workers", len(stale))

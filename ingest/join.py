@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from pydantic_core import from_json, to_json  # compact JSON, a fifth of the json module's time
 
 from ingest.metrics import IngestMetrics, Tally
 from liverl.core import keys
@@ -88,7 +89,7 @@ class _Batch:
 
 def pack(kind: bytes, t: float, meta: dict | None = None, payload: bytes = b"") -> bytes:
     head = kind + b"|" + repr(float(t)).encode() + b"|"
-    return head + (json.dumps(meta, separators=(",", ":")).encode() if meta is not None else b"") + b"\n" + payload
+    return head + (to_json(meta) if meta is not None else b"") + b"\n" + payload
 
 
 def head(value: bytes) -> tuple[bytes, float]:
@@ -101,7 +102,7 @@ def unpack(value: bytes) -> tuple[bytes, float, dict, bytes]:
     end = value.index(b"|", 2)
     nl = value.index(b"\n", end)
     meta = value[end + 1:nl]
-    return value[:1], float(value[2:end]), (json.loads(meta) if meta else {}), value[nl + 1:]
+    return value[:1], float(value[2:end]), (from_json(meta) if meta else {}), value[nl + 1:]
 
 
 def _guardrails(meta: dict) -> str:
@@ -144,7 +145,8 @@ class Ingest:
     def __init__(self, cfg: LiverlConfig, metrics: IngestMetrics, table: MutableMapping[str, bytes], send: Send, *,
                  end_offset: Callable[[int], Awaitable[int | None]] | None = None,
                  assigned: Callable[[int], bool] = lambda partition: True,
-                 partition_of: Callable[[str], int] | None = None):
+                 partition_of: Callable[[str], int] | None = None,
+                 flush: Callable[[], Awaitable[Any]] | None = None):
         self.cfg = cfg
         self.ic = cfg.ingest
         self.product = load_product(cfg)  # reward shaping is the product's (default: [ingest.rewards])
@@ -155,6 +157,7 @@ class Ingest:
         self._end_offset = end_offset
         self._assigned = assigned
         self._partition_of = partition_of  # the input partitioner (murmur2 of the generation id); None: not checked
+        self._flush = flush  # sends what ``send`` queued (a batching sender); None: ``send`` sends at once
         self.lock = asyncio.Lock()
         # In-memory index of the pending entries, rebuilt by ``recovered()`` after every rebalance; bounded by
         # ``max_pending``.
@@ -488,6 +491,8 @@ class Ingest:
     async def _settle_futures(self, out: _Batch) -> None:
         if out.futs:
             try:
+                if self._flush is not None:
+                    await self._flush()
                 await asyncio.gather(*out.futs)
             except Exception as e:
                 raise InfraError(f"the broker did not take the dead letters: {type(e).__name__}: {e}") from e

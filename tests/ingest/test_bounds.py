@@ -119,20 +119,25 @@ def test_timers_touch_only_assigned_partitions(env):
     assert [head(v)[0] for v in table.values()] == [PENDING] and "g1" in table  # partition 1: another worker's
 
 
-def test_memory_store_forgets_keys_of_partitions_now_owned_elsewhere():
-    from faust.types import TP
+def test_the_table_forgets_partitions_now_owned_elsewhere(tmp_path):
+    """After a rebalance the table answers only for the partitions this worker holds (in memory and on disk): an
+    entry of a partition another worker took is not acted on here, and comes back from disk when it returns."""
+    from ingest.table import JoinTable, partition_of
 
-    from ingest.app import _forget_unassigned
-    from ingest.store import partition_of
-
-    keys = [f"gen-{i}" for i in range(200)]
-    data = dict.fromkeys(keys, b"x")
-    table = SimpleNamespace(data=data, partitions=4, changelog_topic_name="p-ingest-join-changelog")
-    app = SimpleNamespace(assignor=SimpleNamespace(assigned_actives=lambda: {TP("p-ingest-join-changelog", 1),
-                                                                             TP("p.feedback", 2)}))
-    _forget_unassigned(app, table)
-    assert data and all(partition_of(k.encode(), 4) == 1 for k in data)
-    assert len(data) == sum(partition_of(k.encode(), 4) == 1 for k in keys)
+    keys_ = [f"gen-{i}" for i in range(200)]
+    for state in (None, tmp_path / "ingest"):
+        table = JoinTable("p-ingest-join-changelog", 4, state)
+        table.hold({0, 1, 2, 3})
+        for p, part in table.parts.items():
+            part.apply([(k.encode(), b"x") for k in keys_ if partition_of(k.encode(), 4) == p], 7)
+        assert len(table) == len(keys_)
+        table.hold({1})
+        assert set(table) == {k for k in keys_ if partition_of(k.encode(), 4) == 1}
+        assert all(table.get(k) is None for k in keys_ if partition_of(k.encode(), 4) != 1)
+        table.hold({0, 1})
+        back = {k for k in keys_ if partition_of(k.encode(), 4) in (0, 1)}
+        assert set(table) == (back if state is not None else {k for k in back if partition_of(k.encode(), 4) == 1})
+        table.close()
 
 
 def test_redis_guard_keys_expire(env):
@@ -160,11 +165,12 @@ def test_pending_ttl_default_outlasts_a_producers_delivery_timeout():
 
 
 def test_a_timer_that_raises_is_counted_and_runs_again(env):
-    """A faust timer that raises would crash the whole worker: the sweeps log and count instead (an infrastructure
+    """A sweep that raises must not end the worker's loop: the sweeps log and count instead (an infrastructure
     failure still stops the worker, see test_restart.py)."""
-    from ingest.app import _guarded
+    from ingest.app import IngestWorker
 
-    cfg, metrics = env
+    cfg, _ = env
+    worker = IngestWorker(cfg, "127.0.0.1:9", cfg.redis.url, web_port=0)
     calls = []
 
     async def sweep():
@@ -172,15 +178,13 @@ def test_a_timer_that_raises_is_counted_and_runs_again(env):
         raise ValueError("a bug in a sweep")
 
     async def run():
-        lock = asyncio.Lock()
-        await _guarded(metrics, "expire_pending", lock, sweep)
-        await _guarded(metrics, "expire_pending", lock, sweep)
-        assert not lock.locked()
+        await worker._guarded("expire_pending", sweep)
+        await worker._guarded("expire_pending", sweep)
+        await worker.metrics.close()
 
     asyncio.run(run())
     assert len(calls) == 2
-    assert metrics.timer_errors.labels("expire_pending")._value.get() == 2
-
+    assert worker.metrics.timer_errors.labels("expire_pending")._value.get() == 2
 
 
 def test_input_on_the_wrong_partition_is_dead_lettered_naming_the_right_one(env):
@@ -189,7 +193,7 @@ def test_input_on_the_wrong_partition_is_dead_lettered_naming_the_right_one(env)
     import json
     import random
 
-    from ingest.store import partition_of
+    from ingest.table import partition_of
     from tests.ingest.test_fuzz import _feedback, _generation
 
     cfg, metrics = env

@@ -208,7 +208,7 @@ def test_restart_loop_resumes_fast(stack, tmp_path):
 
 
 def test_redis_down_stops_the_worker_unacknowledged_and_the_restart_replays(stack, tmp_path):
-    """An infrastructure failure mid-batch ends the process (exit 75) before faust can acknowledge the batch; the
+    """An infrastructure failure mid-batch ends the process (exit 75) before it commits the batch's offsets; the
     next worker replays it, so its live counters are not lost."""
     from ingest.app import EXIT_INFRA
     from tests.conftest import free_port
@@ -261,35 +261,3 @@ def test_local_state_from_another_broker_history_is_dropped(stack, tmp_path):
         assert "from another broker history" in h.worker.log_tail(200_000)
     finally:
         h.close()
-
-
-def test_stall_watchdog_reseeks_inputs_left_behind(monkeypatch):
-    """The guard against faust losing the records fetched while recovery completes: records wait past the committed
-    offset and no batch ran for STALL_AFTER_S, so the inputs are sought back to their committed offsets."""
-    import asyncio
-    from types import SimpleNamespace
-
-    from faust.types import TP
-
-    from ingest import app as ingest_app
-
-    seeks = []
-    tps = [TP("p.generations", 0), TP("p.feedback", 0), TP("p-ingest-join-changelog", 0)]
-    ends = {tps[0]: 40, tps[1]: 12, tps[2]: 99}
-
-    async def seek(tp, offset):
-        seeks.append((tp, offset))
-
-    consumer = SimpleNamespace(assignment=lambda: set(tps), highwater=ends.get, seek=seek,
-                               _committed_offset={tps[0]: 40, tps[1]: 10})
-    w = ingest_app._StallWatchdog(SimpleNamespace(consumer=consumer), {"p.generations", "p.feedback"})
-    asyncio.run(w.check())
-    assert not seeks  # batches ran recently
-    w.last_batch -= ingest_app.STALL_AFTER_S + 1
-    asyncio.run(w.check())
-    assert sorted(seeks) == sorted([(tps[0], 40), (tps[1], 10)]) and w.reseeks == 1
-    seeks.clear()
-    consumer._committed_offset[tps[1]] = 12  # caught up: idle is not stalled
-    w.last_batch -= ingest_app.STALL_AFTER_S + 1
-    asyncio.run(w.check())
-    assert not seeks
