@@ -1,8 +1,9 @@
 """The join of the ingest stage: one table entry per generation id, one decision per input event.
 
-The logic here knows nothing of faust: it reads and writes a ``MutableMapping[str, bytes]`` (the faust table in
+The logic here knows nothing of Kafka: it reads and writes a ``MutableMapping[str, bytes]`` (``ingest.table`` in
 production, a dict in the property tests) and hands its output to a ``send(topic, key, value)`` coroutine that
-returns a future resolved once the broker has the record. ``ingest.app`` wires it to faust.
+returns a future resolved once the broker has the record (after ``flush``, for a batching sender).
+``ingest.app`` wires it to the broker.
 
 One entry per generation id, so that every state change of a generation is one write to one changelog
 partition (ordered, all or nothing):
@@ -52,7 +53,7 @@ log = logging.getLogger("liverl.ingest")
 
 WAITING, PENDING, JUDGED = b"W", b"P", b"J"
 # Largest record ingest writes (table entry, sample, dead letter): under the 1,000,000-byte produce request limit
-# of faust's producer (and the broker's default 1 MiB message limit), with room for the record's framing.
+# of the worker's producer (and the broker's default 1 MiB message limit), with room for the record's framing.
 MAX_RECORD_BYTES = 950_000
 REVERT_SUFFIX = ":revert"  # the sample id of a revert's correction: <generation id>:revert
 DEAD_VALUE_BYTES = 16 * 1024  # how much of a refused value a dead letter carries (plus its size and sha256)

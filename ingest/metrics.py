@@ -2,7 +2,7 @@
 
 Two audiences, two stores:
 
-- Prometheus (``/metrics`` on the faust web server) for operators: per-process counters with the
+- Prometheus (``/metrics`` on the ingest worker's web server) for operators: per-process counters with the
   ``liverl_ingest_`` prefix, ``_total`` suffix and no per-user labels (Prometheus naming practice).
 - Redis, for the demo and the CLI, which read one place for the whole fleet:
   ``<prefix>:ingest:counters`` (operational counts, at-least-once: a redelivered input is counted again)
@@ -181,9 +181,8 @@ class IngestMetrics:
     async def apply(self, tally: Tally, retry_s: float = 20.0) -> None:
         """Write one batch's increments to Redis (retrying connection errors for ``retry_s``), then to Prometheus.
 
-        Raises the last Redis error after that: the ingest worker then stops without acknowledging the batch
-        (faust acknowledges a batch even when its agent raises), and the replay is absorbed by the idempotent
-        live counters.
+        Raises the last Redis error after that: the ingest worker then stops without committing the batch's offsets,
+        and the replay is absorbed by the idempotent live counters.
         """
         if not tally:
             return

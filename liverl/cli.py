@@ -1,7 +1,7 @@
 """The `liverl` command: one subcommand per process of the pipeline, plus the admin verbs.
 
 This module parses arguments and loads config only; each subcommand imports its heavy modules
-(torch, vLLM, faust) when it runs, so `liverl --help` stays instant.
+(torch, vLLM, aiokafka) when it runs, so `liverl --help` stays instant.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ liverl turns live product feedback (accept / reject / edit) into a better served
 
 The pipeline, one process each:
   serve    vLLM node + OpenAI-compatible gateway that logs every generation + hot-swap agent
-  ingest   faust worker: joins feedback with generations, dedupes, shapes rewards -> samples
+  ingest   ingest worker: joins feedback with generations, dedupes, shapes rewards -> samples
   learn    continuous learner: policy-gradient micro-epochs on the MoE policy -> candidates
   gate     release gate: integrity, drift, collapse, product suite -> promote (the agents hot-swap)
 
@@ -423,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, fn, text in [
         ("serve", cmd_serve, "run a vLLM node + gateway + hot-swap agent (serving.*)"),
-        ("ingest", cmd_ingest, "run the faust ingest worker (ingest.*)"),
+        ("ingest", cmd_ingest, "run an ingest worker: the join of feedback with generations (ingest.*)"),
     ]:
         s = sub.add_parser(name, help=text, description=text)
         _model_args(s)

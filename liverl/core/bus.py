@@ -5,9 +5,9 @@ Every client here works against any Kafka-compatible broker by bootstrap URL. Th
 are tuned so that the embedded Tansu broker (whose group join waits for the rebalance timeout) is usable.
 
 Security (TLS, SASL): liverl talks to Kafka through three client libraries, each with its own option names:
-kafka-python (the SDK, the learner, the gate, the admin), aiokafka under faust (ingest) and librdkafka (the
-gateway's producer). ``kafka_python_security``, ``aiokafka_security``, ``librdkafka_security`` and
-``faust_credentials`` map one ``BrokerConfig`` onto each; every client liverl creates goes through them.
+kafka-python (the SDK, the learner, the gate, the admin), aiokafka (the ingest worker) and librdkafka (the
+gateway's producer). ``kafka_python_security``, ``aiokafka_security`` and ``librdkafka_security`` map one
+``BrokerConfig`` onto each; every client liverl creates goes through them.
 """
 
 from __future__ import annotations
@@ -75,19 +75,6 @@ def librdkafka_security(broker: BrokerConfig | None) -> dict[str, str]:
                                        ("ssl.certificate.location", broker.ssl_certfile),
                                        ("ssl.key.location", broker.ssl_keyfile)) if v})
     return conf
-
-
-def faust_credentials(broker: BrokerConfig | None):
-    """faust's ``broker_credentials`` (None for PLAINTEXT)."""
-    if broker is None or broker.security_protocol == "PLAINTEXT":
-        return None
-    import faust
-
-    ctx = _ssl_context(broker) if broker.security_protocol.endswith("SSL") else None
-    if broker.security_protocol.startswith("SASL"):
-        return faust.SASLCredentials(username=broker.sasl_username, password=broker.sasl_password.get_secret_value(),
-                                     mechanism=broker.sasl_mechanism, ssl_context=ctx)
-    return faust.SSLCredentials(ctx)
 
 
 def topic_configs(cfg: LiverlConfig) -> dict[str, str]:

@@ -179,10 +179,10 @@ class IngestConfig(_Section):
         default=150.0, gt=0, description="How long feedback waits for its generation record before it is "
         "dead-lettered (unknown_generation). Keep it above the generation producers' delivery timeout (kafka-python's "
         "delivery_timeout_ms, 120 s by default) plus a margin, or a record still being retried is given up on.")
-    web_port: int = Field(default=6066, description="Port of the faust worker's web server (metrics).")
+    web_port: int = Field(default=6066, description="Port of the ingest worker's web server (/metrics, /healthz; 0: off).")
     store: str = Field(
         default="rocksdb", pattern="^(rocksdb|memory)$", description="Where the join table lives: 'rocksdb' (on disk "
-        "under <state_dir>/faust; a restart reads only the changelog's tail) or 'memory' (rebuilt from the whole "
+        "under <state_dir>/ingest; a restart reads only the changelog's tail) or 'memory' (rebuilt from the whole "
         "changelog on every start).")
     max_event_bytes: int = Field(
         default=512 * 1024, ge=1024, le=900_000, description="Inputs larger than this are dead-lettered (too_large) "

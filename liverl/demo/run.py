@@ -90,7 +90,7 @@ def run_demo(cfg: LiverlConfig, model_dir: Path, summary_path: str | None = None
              f"with canaries on {cfg.gate.canary_share:.0%} of users" if cfg.serving.nodes > 1 else "offline checks")
           + (f"; demo settings: {', '.join(f'{k}={v}' for k, v in profile.items())}" if profile else ""), flush=True)
     print("[1/3] embedded stack (Kafka-compatible broker, Redis, SQLite registry, blob folder) and the pipeline: "
-          "serve (vLLM + gateway + agent), ingest (faust), learn, gate ...", flush=True)
+          "serve (vLLM + gateway + agent), ingest, learn, gate ...", flush=True)
     with Pipeline(cfg, model_dir, fresh=True) as pipe:
         print(f"[2/3] gateway ready at {pipe.gateway_url}; logs in {state / 'logs'}", flush=True)
         print(f"[3/3] simulated users for {cfg.demo.duration_s:.0f} s ...", flush=True)

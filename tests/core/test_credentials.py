@@ -1,5 +1,5 @@
 """Credentials: Redis with an ACL user (the real Redis of this machine) and Kafka TLS/SASL settings mapped onto
-every client library liverl uses (kafka-python, aiokafka and faust, librdkafka)."""
+every client library liverl uses (kafka-python, aiokafka, librdkafka)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import uuid
 import pytest
 import redis
 
-from liverl.core.bus import aiokafka_security, faust_credentials, kafka_python_security, librdkafka_security
+from liverl.core.bus import aiokafka_security, kafka_python_security, librdkafka_security
 from liverl.core.config import BrokerConfig, load_config, redact_url
 from tests.conftest import free_port
 
@@ -83,12 +83,11 @@ SASL = dict(security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-256", sasl_u
 
 
 def test_kafka_security_maps_onto_every_client_library(tmp_path):
-    """One BrokerConfig, four libraries' spellings; each library accepts what it is given."""
+    """One BrokerConfig, three libraries' spellings; each library accepts what it is given."""
     from confluent_kafka import Producer
     from kafka import KafkaProducer
 
     assert kafka_python_security(BrokerConfig()) == aiokafka_security(None) == librdkafka_security(BrokerConfig()) == {}
-    assert faust_credentials(BrokerConfig()) is None
     b = BrokerConfig(**SASL)
     assert kafka_python_security(b) == {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-256",
                                         "sasl_plain_username": "svc", "sasl_plain_password": "s3cret"}
@@ -96,8 +95,6 @@ def test_kafka_security_maps_onto_every_client_library(tmp_path):
                                       "sasl.username": "svc", "sasl.password": "s3cret"}
     a = aiokafka_security(b)
     assert a["sasl_plain_password"] == "s3cret" and a["ssl_context"].verify_mode.name == "CERT_REQUIRED"
-    creds = faust_credentials(b)
-    assert creds.username == "svc" and creds.mechanism.value == "SCRAM-SHA-256" and creds.protocol.value == "SASL_SSL"
     tls = BrokerConfig(security_protocol="SSL", ssl_cafile="/etc/ssl/certs/ca-certificates.crt")
     assert kafka_python_security(tls) == {"security_protocol": "SSL", "ssl_cafile": "/etc/ssl/certs/ca-certificates.crt"}
     assert librdkafka_security(tls) == {"security.protocol": "ssl", "ssl.ca.location": "/etc/ssl/certs/ca-certificates.crt"}
