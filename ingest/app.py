@@ -144,7 +144,8 @@ class IngestWorker:
         self.table = JoinTable(changelog_topic(cfg.topics.prefix), cfg.broker.partitions,
                                self.state if ic.store == "rocksdb" else None)
         self.ingest = Ingest(cfg, self.metrics, self.table, self._send, end_offset=self._end_offset,
-                             assigned=self._assigned, partition_of=self.table.partition, flush=self._flush_outputs)
+                             assigned=self._assigned, partition_of=self.table.partition, flush=self._flush_outputs,
+                             write_table=self._write_table)
         self.consumer: Any = None
         self.producer: Any = None
         self.outbox: Outbox | None = None
@@ -152,6 +153,7 @@ class IngestWorker:
         self.epoch = 0  # bumped by every rebalance: a batch fetched before one is not processed
         self.done: dict[Any, int] = {}  # next offset to commit, per input partition
         self.committed: dict[Any, int] = {}
+        self._committing: asyncio.Task | None = None
         self.stopping = False
         self._next_sweep = 0.0
         self._next_evict = time.monotonic() + evict_interval_s
@@ -164,6 +166,12 @@ class IngestWorker:
 
     async def _flush_outputs(self) -> None:
         await self.outbox.flush()
+
+    async def _write_table(self) -> None:
+        try:
+            await self.table.flush(self.outbox)
+        except Exception as e:
+            raise InfraError(f"writing the join table's changelog failed: {type(e).__name__}: {e}") from e
 
     def _assigned(self, partition: int) -> bool:
         from aiokafka import TopicPartition
@@ -236,7 +244,7 @@ class IngestWorker:
                     if self.ingest.ready:
                         await self._timers()
             async with self.busy:
-                await self._commit()
+                await self._commit_now()
             log.info("ingest worker stopping: offsets committed")
         finally:
             await self._close(web)
@@ -287,6 +295,13 @@ class IngestWorker:
             log.exception("batch failed")
             die(f"{type(e).__name__}: {e}")
         self.done.update(ends)
+        if self._committing is None or self._committing.done():  # in the background: the next batch need not wait
+            self._committing = asyncio.ensure_future(self._commit())
+
+    async def _commit_now(self) -> None:
+        """Commit what is done, after any commit still in flight (a rebalance or a stop)."""
+        if self._committing is not None:
+            await asyncio.wait([self._committing])
         await self._commit()
 
     async def _commit(self) -> None:
@@ -331,7 +346,7 @@ class IngestWorker:
         async with self.busy:
             self.epoch += 1
             self.ingest.ready = False
-            await self._commit()
+            await self._commit_now()
 
     async def assigned(self, assigned) -> None:
         async with self.busy:

@@ -36,10 +36,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic_core import from_json, to_json  # compact JSON, a fifth of the json module's time
 
@@ -47,7 +48,7 @@ from ingest.metrics import IngestMetrics, Tally
 from liverl.core import keys
 from liverl.core.config import LiverlConfig, redact_url
 from liverl.core.product import load_product
-from liverl.core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, TrainingSample, WireError
+from liverl.core.schemas import SCHEMA_VERSION, DeadLetter, FeedbackEvent, GenerationRecord, TrainingSample, WireError
 
 log = logging.getLogger("liverl.ingest")
 
@@ -68,9 +69,9 @@ class InfraError(RuntimeError):
     """The broker or Redis failed: the batch must not be acknowledged (the worker stops and replays it)."""
 
 
-@dataclass(frozen=True)
-class Source:
-    """Where an input came from (for dead letters, and to know when its offset is committed)."""
+class Source(NamedTuple):
+    """Where an input came from (for dead letters, and to know when its offset is committed). A tuple: one is made
+    per input record, and a frozen dataclass costs several times as much to build."""
 
     topic: str
     partition: int | None
@@ -122,6 +123,31 @@ def is_heldout(generation_id: str, share: float) -> bool:
     return h / 2**64 < share
 
 
+def record_data(rec: GenerationRecord) -> dict[str, Any]:
+    """What the join reads of a parsed record, in the form of its canonical JSON data (``model_dump`` costs more)."""
+    return {"generation_id": rec.generation_id, "policy_version": rec.policy_version, "ts": rec.ts,
+            "prompt_token_ids": rec.prompt_token_ids, "completion_token_ids": rec.completion_token_ids,
+            "completion_logprobs": rec.completion_logprobs, "sampling": rec.sampling, "latency_s": rec.latency_s,
+            "trainable": rec.trainable}
+
+
+def sample_json(rec: dict[str, Any], fb: FeedbackEvent, reward: float) -> bytes:
+    """The ``TrainingSample`` of a judged generation, as its wire JSON: byte for byte what
+    ``TrainingSample(...).model_dump_json()`` gives (tests/ingest/test_fuzz.py checks it), built from data already
+    validated (the record, the feedback) without validating it again: that would cost the join a fifth of its time.
+    The reward is the product's code, so it is checked here."""
+    if not math.isfinite(reward):
+        raise ValueError(f"the product's reward for {fb.kind!r} is {reward}: rewards must be finite")
+    gid = rec["generation_id"]
+    return to_json({
+        "schema_version": SCHEMA_VERSION, "sample_id": gid, "generation_id": gid, "feedback_id": fb.feedback_id,
+        "policy_version": rec["policy_version"], "kind": fb.kind, "reward": reward, "segment": fb.segment,
+        "prompt_token_ids": rec["prompt_token_ids"], "completion_token_ids": rec["completion_token_ids"],
+        "behaviour_logprobs": rec["completion_logprobs"], "sampling": rec["sampling"], "edited_text": fb.edited_text,
+        "ts_generation": rec["ts"], "ts_feedback": fb.ts,
+    })
+
+
 def key_text(key: Any) -> str | None:
     if key is None:
         return None
@@ -147,7 +173,8 @@ class Ingest:
                  end_offset: Callable[[int], Awaitable[int | None]] | None = None,
                  assigned: Callable[[int], bool] = lambda partition: True,
                  partition_of: Callable[[str], int] | None = None,
-                 flush: Callable[[], Awaitable[Any]] | None = None):
+                 flush: Callable[[], Awaitable[Any]] | None = None,
+                 write_table: Callable[[], Awaitable[Any]] | None = None):
         self.cfg = cfg
         self.ic = cfg.ingest
         self.product = load_product(cfg)  # reward shaping is the product's (default: [ingest.rewards])
@@ -159,6 +186,7 @@ class Ingest:
         self._assigned = assigned
         self._partition_of = partition_of  # the input partitioner (murmur2 of the generation id); None: not checked
         self._flush = flush  # sends what ``send`` queued (a batching sender); None: ``send`` sends at once
+        self._write_table = write_table  # makes the table's buffered writes durable (beside the Redis write); or None
         self.lock = asyncio.Lock()
         # In-memory index of the pending entries, rebuilt by ``recovered()`` after every rebalance; bounded by
         # ``max_pending``.
@@ -242,7 +270,7 @@ class Ingest:
             return
         if kind == PENDING:
             _, _, meta, payload = unpack(entry)
-            await self._join(rec, FeedbackEvent.model_validate_json(payload), out, now, src)
+            await self._join(record_data(rec), FeedbackEvent.model_validate_json(payload), out, now, src)
             return
         new = pack(WAITING, now, None, rec.model_dump_json().encode())
         if len(new) > MAX_RECORD_BYTES:
@@ -274,7 +302,7 @@ class Ingest:
                                  src, value)
         elif kind == WAITING:
             _, _, _, payload = unpack(entry)
-            await self._join(GenerationRecord.model_validate_json(payload), fb, out, now, src)
+            await self._join(from_json(payload), fb, out, now, src)  # our own canonical JSON of a validated record
         elif kind == PENDING:
             _, _, meta, _ = unpack(entry)
             if meta["f"] == fid:
@@ -326,21 +354,17 @@ class Ingest:
                 out.samples += 1
                 out.tally.inc("revert_samples_out")
 
-    async def _join(self, rec: GenerationRecord, fb: FeedbackEvent, out: _Batch, now: float, src: Source) -> None:
-        gid = rec.generation_id
-        meta = {"f": fb.feedback_id, "v": rec.policy_version, "k": fb.kind, "n": len(rec.completion_token_ids)}
-        if rec.latency_s is not None:
-            meta["ms"] = round(rec.latency_s * 1000.0)
+    async def _join(self, rec: dict[str, Any], fb: FeedbackEvent, out: _Batch, now: float, src: Source) -> None:
+        """Judge a generation: ``rec`` is its validated record as JSON data (``GenerationRecord``'s fields)."""
+        gid = rec["generation_id"]
+        version = rec["policy_version"]
+        meta = {"f": fb.feedback_id, "v": version, "k": fb.kind, "n": len(rec["completion_token_ids"])}
+        if rec.get("latency_s") is not None:
+            meta["ms"] = round(rec["latency_s"] * 1000.0)
         guardrails = _guardrails(meta)
         sample = b""
-        if rec.trainable:
-            sample = TrainingSample(
-                sample_id=gid, generation_id=gid, feedback_id=fb.feedback_id, policy_version=rec.policy_version,
-                kind=fb.kind, reward=float(self.product.reward(fb.kind, fb.segment)), segment=fb.segment,
-                prompt_token_ids=rec.prompt_token_ids, completion_token_ids=rec.completion_token_ids,
-                behaviour_logprobs=rec.completion_logprobs, sampling=rec.sampling, edited_text=fb.edited_text,
-                ts_generation=rec.ts, ts_feedback=fb.ts,
-            ).model_dump_json().encode()
+        if rec.get("trainable", True):
+            sample = sample_json(rec, fb, float(self.product.reward(fb.kind, fb.segment)))
             if len(sample) > MAX_RECORD_BYTES:
                 await self._dead(out, "sample_too_large", f"the joined sample of {gid} would be {len(sample)} bytes",
                                  src, fb.model_dump_json().encode())
@@ -359,7 +383,7 @@ class Ingest:
                 out.samples += 1
         out.tally.inc("joined")
         out.tally.joined_kinds[fb.kind] += 1
-        out.tally.live.append((fb.feedback_id, rec.policy_version, fb.kind + guardrails))
+        out.tally.live.append((fb.feedback_id, version, fb.kind + guardrails))
         out.tally.feedback_delays_s.append(now - fb.ts)
 
     async def _misplaced(self, gid: str, src: Source, value: bytes | None, out: _Batch) -> bool:
@@ -411,10 +435,17 @@ class Ingest:
                 self._pending.pop(gid, None)
         out.writes.clear()
         out.tally.inc("samples_out", out.samples)
-        try:
-            await self.metrics.apply(out.tally, retry_s=self.ic.redis_retry_s)
-        except Exception as e:
-            raise InfraError(f"Redis at {redact_url(self.metrics.redis_url)} failed: {type(e).__name__}: {e}") from e
+
+        async def count() -> None:
+            try:
+                await self.metrics.apply(out.tally, retry_s=self.ic.redis_retry_s)
+            except Exception as e:
+                raise InfraError(f"Redis at {redact_url(self.metrics.redis_url)} failed: {type(e).__name__}: {e}") from e
+
+        if self._write_table is None:
+            await count()
+        else:  # both only after the broker has the output; neither needs the other (a replay heals either way)
+            await asyncio.gather(self._write_table(), count())
         self.metrics.pending.set(len(self._pending))
 
     # -- timers ------------------------------------------------------------------------------------

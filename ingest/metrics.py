@@ -35,18 +35,19 @@ log = logging.getLogger("liverl.ingest.metrics")
 # of a partition); a week is far beyond any realistic replay, and it bounds Redis memory.
 COUNTED_TTL_S = 7 * 24 * 3600
 
-# KEYS: pairs (guard key, live hash key); ARGV[1] = guard ttl, ARGV[1 + j] = kind of pair j (a revert's kind carries
-# the bucket of its generation's judgement: revert@<bucket>, keys.revert_field; a judgement's kind may end with the
-# guardrail sums it adds: accept;tokens=5;tokens_sq=25;..., keys.judged_fields).
+# KEYS[1] = the version's live hash, KEYS[1 + j] = guard key of event j; ARGV[1] = guard ttl, ARGV[1 + j] = kind of
+# event j (a revert's kind carries the bucket of its generation's judgement: revert@<bucket>, keys.revert_field; a
+# judgement's kind may end with the guardrail sums it adds: accept;tokens=5;tokens_sq=25;..., keys.judged_fields).
 _LIVE_LUA = """
 local n = 0
-for j = 1, #ARGV - 1 do
-  if redis.call('SET', KEYS[2 * j - 1], '1', 'NX', 'EX', ARGV[1]) then
-    local kind = ARGV[j + 1]
+local live = KEYS[1]
+for j = 2, #KEYS do
+  if redis.call('SET', KEYS[j], '1', 'NX', 'EX', ARGV[1]) then
+    local kind = ARGV[j]
     local semi = string.find(kind, ';', 1, true)
     if semi then
       for field, value in string.gmatch(string.sub(kind, semi + 1), '([%w_]+)=(%d+)') do
-        redis.call('HINCRBY', KEYS[2 * j], field, value)
+        redis.call('HINCRBY', live, field, value)
       end
       kind = string.sub(kind, 1, semi - 1)
     end
@@ -54,11 +55,11 @@ for j = 1, #ARGV - 1 do
     local base = kind
     if at then
       base = string.sub(kind, 1, at - 1)
-      redis.call('HINCRBY', KEYS[2 * j], kind, 1)
+      redis.call('HINCRBY', live, kind, 1)
     end
-    redis.call('HINCRBY', KEYS[2 * j], base, 1)
+    redis.call('HINCRBY', live, base, 1)
     if base ~= 'revert' then  -- a follow-up on a judged generation, not another judged event
-      redis.call('HINCRBY', KEYS[2 * j], 'events', 1)
+      redis.call('HINCRBY', live, 'events', 1)
     end
     n = n + 1
   end
@@ -201,10 +202,10 @@ class IngestMetrics:
                     pipe.hincrby(ckey, name, n)
             calls = []  # one script call per version: its keys share the version's hash tag (one Cluster slot)
             for version, entries in _by_version(tally.live).items():
-                lua_keys: list[str] = []
+                lua_keys: list[str] = [keys.live(self.prefix, version)]
                 args: list[str | int] = [COUNTED_TTL_S]
                 for feedback_id, kind in entries:
-                    lua_keys += [keys.counted(self.prefix, version, feedback_id), keys.live(self.prefix, version)]
+                    lua_keys.append(keys.counted(self.prefix, version, feedback_id))
                     args.append(kind)
                 calls.append((lua_keys, args))
             try:

@@ -1,6 +1,6 @@
 """Hostile input, fuzzed: the ingest parse/join path never crashes, and every refusal is dead-lettered with its reason.
 
-Hypothesis drives ``ingest.join.Ingest`` (the decisions the faust worker makes per event) with feedback,
+Hypothesis drives ``ingest.join.Ingest`` (the decisions the ingest worker makes per event) with feedback,
 generation and sample records: sizes at and past the limits, deep nesting, huge integers, NaN and infinities,
 byte order marks and other encodings, unknown fields and wrong types. The join state is a dict and the broker a
 list here, because thousands of examples through a real broker would take hours; Redis is the real one. The same
@@ -326,7 +326,7 @@ def test_an_exception_inside_one_event_dead_letters_that_event_only(world, monke
     real = ing._join
 
     async def flaky(rec, fb, out, now, src):
-        if rec.generation_id == "g2":
+        if rec["generation_id"] == "g2":
             raise RuntimeError("a bug")
         return await real(rec, fb, out, now, src)
 
@@ -381,3 +381,36 @@ def test_a_redis_failure_raises(stack, tmp_path):
 
     with pytest.raises(InfraError, match="Redis"):
         asyncio.run(run())
+
+
+@FUZZ
+@given(seed=st.integers(0, 2**32 - 1), reward=st.floats(allow_nan=False, allow_infinity=False, width=64),
+       text=st.one_of(st.none(), st.text(max_size=40)), segment=st.one_of(st.none(), st.text(max_size=20)))
+def test_the_joins_sample_json_is_the_models_own(seed, reward, text, segment):
+    """The join builds a sample's JSON from the validated record without validating it again (``sample_json``): it
+    must be byte for byte ``TrainingSample(...).model_dump_json()``, whatever the floats, text and optional fields; a
+    non-finite reward from the product is refused, as the model refuses it."""
+    from ingest.join import record_data, sample_json
+    from liverl.core.schemas import SamplingParams
+
+    rng = random.Random(seed)
+    g = _generation(rng)
+    g["sampling"] = SamplingParams(temperature=rng.choice([0.7, 1.0, 1e-7]), top_p=rng.random(), top_k=rng.randrange(-1, 50),
+                                   seed=rng.choice([None, rng.getrandbits(40)]), max_tokens=rng.randrange(1, 4096)).model_dump()
+    g["completion_logprobs"] = [rng.choice([-rng.random() * 30, -0.0, -1e-300, -5e-324]) for _ in g["completion_token_ids"]]
+    g["latency_s"] = rng.choice([None, rng.random() * 10])
+    rec = GenerationRecord.model_validate(g)
+    fb = FeedbackEvent(feedback_id=f"f{seed}", generation_id=rec.generation_id, kind="edit" if text is not None else "accept",
+                       edited_text=text, segment=segment, ts=1.79e9 + rng.random())
+    want = TrainingSample(sample_id=rec.generation_id, generation_id=rec.generation_id, feedback_id=fb.feedback_id,
+                          policy_version=rec.policy_version, kind=fb.kind, reward=reward, segment=fb.segment,
+                          prompt_token_ids=rec.prompt_token_ids, completion_token_ids=rec.completion_token_ids,
+                          behaviour_logprobs=rec.completion_logprobs, sampling=rec.sampling, edited_text=fb.edited_text,
+                          ts_generation=rec.ts, ts_feedback=fb.ts).model_dump_json().encode()
+    from pydantic_core import from_json
+
+    assert sample_json(from_json(rec.model_dump_json()), fb, reward) == want  # the waiting record's path
+    assert sample_json(record_data(rec), fb, reward) == want  # the pending feedback's path
+    for bad in NONFINITE:
+        with pytest.raises(ValueError, match="finite"):
+            sample_json(rec.model_dump(mode="json"), fb, bad)
