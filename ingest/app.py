@@ -161,8 +161,8 @@ class IngestWorker:
 
     # -- the join's ports --------------------------------------------------------------------------
 
-    async def _send(self, topic: str, key: str, value: bytes):
-        return await self.outbox.send(topic, key, value)
+    def _send(self, topic: str, key: str, value: bytes):
+        return self.outbox.send(topic, key, value)
 
     async def _flush_outputs(self) -> None:
         await self.outbox.flush()

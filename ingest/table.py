@@ -26,7 +26,7 @@ from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
-from aiokafka.partitioner import murmur2
+import struct
 
 log = logging.getLogger("liverl.ingest")
 
@@ -34,6 +34,34 @@ OFFSET_KEY = b"\x00liverl:changelog-offset"  # a key no generation id can be (id
 MAX_BATCH_BYTES = 256 * 1024  # one produce batch; a single larger record still goes alone (up to the request size)
 MAX_REQUEST_BYTES = 1_048_576  # the broker's default message.max.bytes
 RECOVERY_READ_TIMEOUT_S = 120.0
+
+
+_M = 0x5BD1E995
+_MASK = 0xFFFFFFFF
+
+
+def murmur2(data: bytes) -> int:
+    """Kafka's murmur2 (org.apache.kafka.common.utils.Utils.murmur2), as aiokafka and kafka-python compute it, in half
+    their time: four bytes at a time from one ``struct`` call (tests/ingest/test_bounds.py checks it against both)."""
+    n = len(data)
+    h = (0x9747B28C ^ n) & _MASK
+    n4 = n >> 2
+    if n4:
+        for k in struct.unpack_from(f"<{n4}I", data):
+            k = (k * _M) & _MASK
+            k ^= k >> 24
+            h = ((h * _M) & _MASK) ^ ((k * _M) & _MASK)
+    rest = n & 3
+    if rest:
+        tail = n & ~3
+        if rest >= 3:
+            h ^= data[tail + 2] << 16
+        if rest >= 2:
+            h ^= data[tail + 1] << 8
+        h = ((h ^ data[tail]) * _M) & _MASK
+    h ^= h >> 13
+    h = (h * _M) & _MASK
+    return h ^ (h >> 15)
 
 
 _HASHES: dict[bytes, int] = {}  # murmur2 is pure Python (~3 us); a batch asks for the same keys several times
@@ -141,7 +169,7 @@ class Outbox:
             self._partitions[topic] = n
         return n
 
-    async def send(self, topic: str, key: str, value: bytes) -> asyncio.Future:
+    def send(self, topic: str, key: str, value: bytes) -> asyncio.Future:
         """Queue a record (partitioned by murmur2 of its key); the future resolves when ``flush`` has it acked (one
         future for everything queued before the flush)."""
         self._queued.append((topic, None, key.encode(), value))

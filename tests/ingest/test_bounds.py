@@ -260,3 +260,19 @@ def test_a_fixed_hash_share_of_joined_samples_goes_to_the_held_out_stream(env):
     assert held == {g for g in gids if is_heldout(g, 0.25)} and trained == set(gids) - held
     counters = redis.Redis.from_url(cfg.redis.url, decode_responses=True).hgetall(f"{cfg.topics.prefix}:ingest:counters")
     assert int(counters["heldout_out"]) == len(held) and int(counters["samples_out"]) == len(trained)
+
+
+def test_murmur2_is_kafkas():
+    """The join's partitioner must agree with the producers' (aiokafka, kafka-python: Kafka's murmur2) on every key,
+    or a generation and its feedback would be judged on different partitions."""
+    import random
+
+    from aiokafka.partitioner import murmur2 as aiokafka_murmur2
+    from kafka.partitioner.default import murmur2 as kafka_murmur2
+
+    from ingest.table import murmur2
+
+    rng = random.Random(5)
+    keys_ = [b"", b"a", b"ab", b"abc", "généré-ü".encode()] + [rng.randbytes(rng.randrange(0, 200)) for _ in range(5000)]
+    for k in keys_:
+        assert murmur2(k) == aiokafka_murmur2(k) == kafka_murmur2(k) & 0xFFFFFFFF, k

@@ -44,7 +44,7 @@ class Broker:
         self.sent: list[tuple[str, str, bytes]] = []
         self.fail = False
 
-    async def send(self, topic: str, key: str, value: bytes):
+    def send(self, topic: str, key: str, value: bytes):
         if self.fail:
             raise ConnectionError("broker down")
         assert len(value) <= MAX_RECORD_BYTES, (topic, len(value))
@@ -325,10 +325,10 @@ def test_an_exception_inside_one_event_dead_letters_that_event_only(world, monke
     fbs = [FeedbackEvent(feedback_id=f"f{i}", generation_id=f"g{i}", kind="accept") for i in range(5)]
     real = ing._join
 
-    async def flaky(rec, fb, out, now, src):
+    def flaky(rec, fb, out, now, src):
         if rec["generation_id"] == "g2":
             raise RuntimeError("a bug")
-        return await real(rec, fb, out, now, src)
+        return real(rec, fb, out, now, src)
 
     monkeypatch.setattr(ing, "_join", flaky)
     batch = [(Source(cfg.topics.generations, 0, i, f"g{i}"), g.to_bytes()) for i, g in enumerate(gens)]
