@@ -9,9 +9,12 @@
 | one dead letter                   | value cut to ``DEAD_VALUE_BYTES``, detail and key cut        |
 | Redis guard keys ``counted:*``    | ``COUNTED_TTL_S`` (7 days) each                              |
 | Redis/Prometheus counter names    | fixed reason codes (never input text)                        |
-| RocksDB memory                    | 64 MiB block cache + 2 x 16 MiB write buffers per partition  |
+| RocksDB memory                    | 16 MiB block cache + 2 x 16 MiB write buffers per partition  |
+| the partitioner's hash cache      | ``ingest.table._HASHES_MAX`` keys (65,536), then emptied      |
+| one batch (records, outputs)      | ``ingest.app.BATCH_MAX`` input records                       |
 
-The join table's dict stands in for the faust table here (the decisions are the same code); Redis is the real one.
+The join table's dict stands in for ``ingest.table.JoinTable`` here (the decisions are the same code); Redis is the
+real one.
 """
 
 from __future__ import annotations
@@ -276,3 +279,13 @@ def test_murmur2_is_kafkas():
     keys_ = [b"", b"a", b"ab", b"abc", "généré-ü".encode()] + [rng.randbytes(rng.randrange(0, 200)) for _ in range(5000)]
     for k in keys_:
         assert murmur2(k) == aiokafka_murmur2(k) == kafka_murmur2(k) & 0xFFFFFFFF, k
+
+
+def test_the_partitioners_hash_cache_is_bounded():
+    from ingest import table
+
+    table._HASHES.clear()
+    for i in range(table._HASHES_MAX + 1000):
+        table.partition_of(f"gen-{i}".encode(), 4)
+        assert len(table._HASHES) <= table._HASHES_MAX
+    assert table.partition_of(b"gen-1", 4) == (table.murmur2(b"gen-1") & 0x7FFFFFFF) % 4
