@@ -329,7 +329,10 @@ def run(pairs: int = DEFAULTS["pairs"], partitions: int = DEFAULTS["partitions"]
             res["side"] = f"ingest, {n} worker{'s' if n > 1 else ''}"
             rows.append(res)
     finally:
-        stack.close()
+        try:
+            _forget(stack.redis_url, base)
+        finally:
+            stack.close()
     one = next((r for r in rows if r.get("workers") == 1), None)
     for r in rows:
         if "workers" in r and one is not None:
@@ -360,6 +363,25 @@ def _table(summary: dict) -> str:
               f"{summary['broker']}; targets: 20,000 events/s per worker, 1.7x with 2 workers",
               f"machine: {summary['machine']}", f"reproduce: `{summary['command']}`"]
     return "\n".join(lines)
+
+
+def _forget(redis_url: str, prefix: str) -> None:
+    """Delete the bench's keys (counters, and a guard key per joined event: 50,000 a run) from the Redis it used,
+    which may be the user's own: left there, they make every later scan of the keyspace slow for a week."""
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        batch = []
+        for k in r.scan_iter(f"{prefix}*", count=5000):
+            batch.append(k)
+            if len(batch) >= 1000:
+                r.delete(*batch)
+                batch.clear()
+        if batch:
+            r.delete(*batch)
+    finally:
+        r.close()
 
 
 def _spread(runs: list[float]) -> str:

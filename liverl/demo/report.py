@@ -83,6 +83,9 @@ def trap_report(stats, rows, min_prompts: int = 50) -> dict:
             "exploiting_caught": [v for v in exploiting if v not in went_live]}
 
 
+MIN_JUDGED = 100  # events before a promoted version's live acceptance is the run's result
+
+
 def build_summary(cfg, r, registry, timeline: Timeline, stats, product_name: str) -> dict:
     prefix = cfg.topics.prefix
     hashes = read_live_hashes(r, prefix)
@@ -91,7 +94,10 @@ def build_summary(cfg, r, registry, timeline: Timeline, stats, product_name: str
     rows = registry.list()
     promoted = [v for v in rows if v.version != 0 and v.promoted_at is not None]
     promoted.sort(key=lambda v: v.promoted_at)
-    last = promoted[-1] if promoted else None
+    # the last promoted version users have judged enough to measure: one promoted in the run's last seconds has no
+    # traffic yet (the registry still shows it as stable)
+    judged = [v for v in promoted if live.get(v.version, {}).get("events", 0) >= MIN_JUDGED]
+    last = judged[-1] if judged else (promoted[-1] if promoted else None)
     base_c = live.get(0, {})
     last_c = live.get(last.version, {}) if last else {}
     ingest = read_hash(r, keys.ingest_counters(prefix))
