@@ -287,8 +287,7 @@ class IngestWorker:
             return
         try:
             # generations first: feedback in the same batch then finds its record waiting instead of pending
-            await self.ingest.process(gens + fbs)
-            await self.table.flush(self.outbox)
+            await self.ingest.process(gens + fbs)  # its end writes the table (the write_table hook) beside Redis
         except InfraError as e:
             die(str(e))
         except Exception as e:  # noqa: BLE001 - process() dead-letters per event; anything here is the worker's

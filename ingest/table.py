@@ -330,17 +330,14 @@ class JoinTable(MutableMapping[str, bytes]):
     def _path(self, p: int) -> Path | None:
         return None if self.state_dir is None else self.state_dir / f"join-{p}"
 
-    def hold(self, partitions: set[int]) -> tuple[set[int], set[int]]:
-        """Open the databases of ``partitions`` and close the others; returns (opened, closed)."""
-        closed = set(self.parts) - partitions
-        for p in closed:
+    def hold(self, partitions: set[int]) -> None:
+        """Open the databases of ``partitions`` and close the others."""
+        for p in set(self.parts) - partitions:
             self.parts.pop(p).close()
-        opened = partitions - set(self.parts)
-        for p in opened:
+        for p in partitions - set(self.parts):
             if self.state_dir is not None:
                 self.state_dir.mkdir(parents=True, exist_ok=True)
             self.parts[p] = _Part(self._path(p))
-        return opened, closed
 
     async def recover(self, bootstrap: str, security: dict[str, Any]) -> dict[str, Any]:
         """Read each held partition's changelog from the offset its database has applied to the changelog's end.
