@@ -12,12 +12,15 @@ partition numbers of both inputs, so a generation and its feedback meet in one w
 in batches of up to ``BATCH_MAX`` (``getmany``) and, per batch:
 
 1. ``ingest.join`` decides every event against the join table (``ingest.table``: one database per partition,
-   RocksDB by default, kept by a compacted changelog topic);
+   RocksDB by default, kept by a compacted changelog topic) and the table writes of batches decided before it;
 2. the batch's samples and dead letters go to the broker as one record batch per partition, and are acknowledged;
-3. the batch's table changes go to the changelog, are acknowledged, then to the databases (with the changelog
-   offset they reach, in the same write);
-4. its counters go to Redis (the live counters exactly once per ``feedback_id``);
-5. its input offsets are committed.
+3. once the batch before it is settled, the batch's table changes go to the changelog, are acknowledged, then to
+   the databases (with the changelog offset they reach, in the same write), and its counters go to Redis (the live
+   counters exactly once per ``feedback_id``);
+4. its input offsets are committed.
+
+Steps 2-4 run in the background while the next batch is decided (``SETTLING_MAX`` batches at most): the worker's
+CPU decides while the broker and Redis answer. Batches settle in the order they were decided.
 
 Why not faust's stream and table machinery (the first design): faust hands records to an agent one by one and
 produces one by one; on the demo's records its consume path alone tops out near 6,000 pairs/s on one core, a
@@ -56,6 +59,7 @@ POLL_TIMEOUT_MS = 100  # the most a poll waits for records (then the timers run)
 FETCH_MAX_WAIT_MS = 100  # the broker's long-poll wait: the added latency at low load
 EVICT_INTERVAL_S = 60.0  # how often the table is scanned for expiry
 PRODUCER_DELIVERY_TIMEOUT_S = 120.0  # kafka-python's default delivery_timeout_ms, what generation producers use
+SETTLING_MAX = 2  # batches settling at once: decisions run ahead of the broker's acknowledgements by this much
 EXIT_INFRA = 75  # exit code when the broker or Redis failed mid-batch (EX_TEMPFAIL: restart me)
 MEMBER_FILE = "group-member-id"
 LOCK_FILE = "LOCK"
@@ -154,6 +158,7 @@ class IngestWorker:
         self.done: dict[Any, int] = {}  # next offset to commit, per input partition
         self.committed: dict[Any, int] = {}
         self._committing: asyncio.Task | None = None
+        self._settling: list[asyncio.Future] = []  # batches decided and not yet settled, oldest first
         self.stopping = False
         self._next_sweep = 0.0
         self._next_evict = time.monotonic() + evict_interval_s
@@ -241,9 +246,11 @@ class IngestWorker:
                 async with self.busy:
                     if got and epoch == self.epoch and self.ingest.ready:
                         await self._batch(got)
-                    if self.ingest.ready:
+                    if self.ingest.ready and self._timers_due():
+                        await self._drain()
                         await self._timers()
             async with self.busy:
+                await self._drain()
                 await self._commit_now()
             log.info("ingest worker stopping: offsets committed")
         finally:
@@ -270,6 +277,8 @@ class IngestWorker:
     # -- the batch ---------------------------------------------------------------------------------
 
     async def _batch(self, got: dict) -> None:
+        """Decide a batch now and settle it in the background: its broker and Redis round trips overlap the next
+        batch's decisions (at most ``SETTLING_MAX`` batches settle at once, in order)."""
         assignment = self.consumer.assignment()
         gens: list[tuple[Source, bytes | None]] = []
         fbs: list[tuple[Source, bytes | None]] = []
@@ -285,17 +294,42 @@ class IngestWorker:
             ends[tp] = msgs[-1].offset + 1
         if not ends:
             return
+        while len(self._settling) >= SETTLING_MAX:
+            await self._settling[0]
         try:
             # generations first: feedback in the same batch then finds its record waiting instead of pending
-            await self.ingest.process(gens + fbs)  # its end writes the table (the write_table hook) beside Redis
+            out = self.ingest.decide(gens + fbs)
         except InfraError as e:
             die(str(e))
-        except Exception as e:  # noqa: BLE001 - process() dead-letters per event; anything here is the worker's
+        except Exception as e:  # noqa: BLE001 - decide() dead-letters per event; anything here is the worker's
             log.exception("batch failed")
+            die(f"{type(e).__name__}: {e}")
+        self.outbox.flush()  # the batch's samples and dead letters leave now, while the previous batch settles
+        prev = self._settling[-1] if self._settling else None
+        task = asyncio.ensure_future(self._settle(prev, out, ends))
+        self._settling.append(task)
+        task.add_done_callback(self._settling.remove)
+
+    async def _settle(self, prev: asyncio.Future | None, out, ends: dict) -> None:
+        """After the batch decided before this one: wait for the broker to have this batch's output, write its table
+        changes and counters (``Ingest.settle``), then commit its input offsets in the background."""
+        try:
+            if prev is not None:
+                await prev
+            await self.ingest.settle(out)  # writes the table (the write_table hook) beside Redis
+        except InfraError as e:
+            die(str(e))
+        except Exception as e:  # noqa: BLE001 - anything here is the worker's
+            log.exception("settling a batch failed")
             die(f"{type(e).__name__}: {e}")
         self.done.update(ends)
         if self._committing is None or self._committing.done():  # in the background: the next batch need not wait
             self._committing = asyncio.ensure_future(self._commit())
+
+    async def _drain(self) -> None:
+        """Wait until every decided batch is settled (before a timer, a rebalance or a stop)."""
+        while self._settling:
+            await self._settling[-1]
 
     async def _commit_now(self) -> None:
         """Commit what is done, after any commit still in flight (a rebalance or a stop)."""
@@ -312,6 +346,13 @@ class IngestWorker:
             self.committed.update(todo)
         except Exception as e:  # noqa: BLE001 - a rebalance in progress: the revoke callback commits again
             log.info("offset commit deferred (%s: %s)", type(e).__name__, e)
+
+    def _timers_due(self) -> bool:
+        """Whether a timer has work (the caller then settles every batch first: timers read the table)."""
+        now = time.monotonic()
+        if now >= self._next_sweep and not self.ingest.pending:  # nothing can expire: no need to stop the pipeline
+            self._next_sweep = now + self.sweep_s
+        return now >= self._next_sweep or now >= self._next_evict
 
     async def _timers(self) -> None:
         now = time.monotonic()
@@ -345,11 +386,13 @@ class IngestWorker:
         async with self.busy:
             self.epoch += 1
             self.ingest.ready = False
+            await self._drain()
             await self._commit_now()
 
     async def assigned(self, assigned) -> None:
         async with self.busy:
             self.epoch += 1
+            await self._drain()
             t0 = time.monotonic()
             mine = set(assigned)
             parts = {tp.partition for tp in mine if tp.topic in self.inputs}

@@ -11,7 +11,7 @@ One entry per generation id, so that every state change of a generation is one w
 partition (ordered, all or nothing):
 
 ==========  =========================================================================================
-``W``       waiting: the generation record (canonical JSON), no feedback yet
+``W``       waiting: what a join needs of the generation record (``record_parts``), no feedback yet
 ``P``       pending: feedback that came before its record (canonical JSON) and where it came from
 ``J``       judged: the judgement only (feedback id, version, kind), so redelivered feedback is a duplicate
             and a different judgement of the same generation is dead-lettered ``already_judged``
@@ -125,29 +125,46 @@ def is_heldout(generation_id: str, share: float) -> bool:
     return h / 2**64 < share
 
 
-def record_data(rec: GenerationRecord) -> dict[str, Any]:
-    """What the join reads of a parsed record, in the form of its canonical JSON data (``model_dump`` costs more)."""
-    return {"generation_id": rec.generation_id, "policy_version": rec.policy_version, "ts": rec.ts,
-            "prompt_token_ids": rec.prompt_token_ids, "completion_token_ids": rec.completion_token_ids,
-            "completion_logprobs": rec.completion_logprobs, "sampling": rec.sampling, "latency_s": rec.latency_s,
-            "trainable": rec.trainable}
+def record_parts(rec: GenerationRecord) -> tuple[dict[str, Any], bytes]:
+    """What a join needs of a validated record, as a waiting entry keeps it: the few values the judgement and the
+    sample read (``meta``: version ``v``, time ``ts``, completion length ``n``, latency ``ms``, ``x`` when not
+    trainable) and ``body``, the sample's middle fields already serialised (``sample_json`` splices them in, so a join
+    neither parses the record again nor serialises its token lists)."""
+    meta: dict[str, Any] = {"v": rec.policy_version, "ts": rec.ts, "n": len(rec.completion_token_ids)}
+    if rec.latency_s is not None:
+        meta["ms"] = round(rec.latency_s * 1000.0)
+    if not rec.trainable:
+        meta["x"] = 1
+    body = to_json({"prompt_token_ids": rec.prompt_token_ids, "completion_token_ids": rec.completion_token_ids,
+                    "behaviour_logprobs": rec.completion_logprobs, "sampling": rec.sampling})
+    return meta, body[1:-1]
 
 
-def sample_json(rec: dict[str, Any], fb: FeedbackEvent, reward: float) -> bytes:
+def legacy_parts(record_json: bytes) -> tuple[dict[str, Any], bytes]:
+    """``record_parts`` of a waiting entry written before entries kept parts: the record's own canonical JSON."""
+    rec = from_json(record_json)
+    meta: dict[str, Any] = {"v": rec["policy_version"], "ts": rec["ts"], "n": len(rec["completion_token_ids"])}
+    if rec.get("latency_s") is not None:
+        meta["ms"] = round(rec["latency_s"] * 1000.0)
+    if not rec.get("trainable", True):
+        meta["x"] = 1
+    body = to_json({"prompt_token_ids": rec["prompt_token_ids"], "completion_token_ids": rec["completion_token_ids"],
+                    "behaviour_logprobs": rec["completion_logprobs"], "sampling": rec["sampling"]})
+    return meta, body[1:-1]
+
+
+def sample_json(gid: str, meta: dict[str, Any], body: bytes, fb: FeedbackEvent, reward: float) -> bytes:
     """The ``TrainingSample`` of a judged generation, as its wire JSON: byte for byte what
     ``TrainingSample(...).model_dump_json()`` gives (tests/ingest/test_fuzz.py checks it), built from data already
-    validated (the record, the feedback) without validating it again: that would cost the join a fifth of its time.
-    The reward is the product's code, so it is checked here."""
+    validated (the record's ``record_parts``, the feedback) without validating it again: that would cost the join a
+    fifth of its time. The reward is the product's code, so it is checked here."""
     if not math.isfinite(reward):
         raise ValueError(f"the product's reward for {fb.kind!r} is {reward}: rewards must be finite")
-    gid = rec["generation_id"]
-    return to_json({
-        "schema_version": SCHEMA_VERSION, "sample_id": gid, "generation_id": gid, "feedback_id": fb.feedback_id,
-        "policy_version": rec["policy_version"], "kind": fb.kind, "reward": reward, "segment": fb.segment,
-        "prompt_token_ids": rec["prompt_token_ids"], "completion_token_ids": rec["completion_token_ids"],
-        "behaviour_logprobs": rec["completion_logprobs"], "sampling": rec["sampling"], "edited_text": fb.edited_text,
-        "ts_generation": rec["ts"], "ts_feedback": fb.ts,
-    })
+    head = to_json({"schema_version": SCHEMA_VERSION, "sample_id": gid, "generation_id": gid,
+                    "feedback_id": fb.feedback_id, "policy_version": meta["v"], "kind": fb.kind, "reward": reward,
+                    "segment": fb.segment})
+    tail = to_json({"edited_text": fb.edited_text, "ts_generation": meta["ts"], "ts_feedback": fb.ts})
+    return b"".join((head[:-1], b",", body, b",", tail[1:]))
 
 
 def key_text(key: Any) -> str | None:
@@ -197,6 +214,10 @@ class Ingest:
         # the newest record processed, and the offset after the last one processed.
         self._gen_clock: dict[int, float] = {}
         self._gen_next: dict[int, int] = {}
+        # Table writes of batches decided but not settled, newest value per generation id (None: a deletion), and
+        # how many of them are new pending feedback; empty whenever no batch is in flight.
+        self._ahead: dict[str, bytes | None] = {}
+        self._ahead_pending = 0
         self._resumed = time.time()
         self.ready = False
 
@@ -216,6 +237,8 @@ class Ingest:
                 self._pending[gid] = (t, meta["kts"], meta["src"][1])
         self._gen_clock.clear()
         self._gen_next.clear()
+        self._ahead.clear()  # (empty: the worker settles every batch before a rebalance)
+        self._ahead_pending = 0
         self._resumed = time.time()
         self.ready = True
         self.metrics.pending.set(len(self._pending))
@@ -224,6 +247,16 @@ class Ingest:
 
     async def process(self, events: Sequence[tuple[Source, bytes | None]], now: float | None = None) -> None:
         """Handle a batch; raises ``InfraError`` (and only that) when the batch must not be acknowledged."""
+        await self.settle(self.decide(events, now))
+
+    def decide(self, events: Sequence[tuple[Source, bytes | None]], now: float | None = None) -> _Batch:
+        """Decide every event of a batch (plain calls, no waiting); ``settle`` then makes the batch's effects durable.
+
+        Batches may be decided ahead of their settling (the worker decides batch N+1 while N's output and table
+        writes are on their way): a decided batch's table writes are read by later decisions (``_ahead``) until its
+        ``settle`` has put them in the table. Settle batches in the order they were decided, one at a time.
+        Raises ``InfraError`` when an output could not be queued.
+        """
         out = _Batch()
         now = time.time() if now is None else now
         for src, value in events:
@@ -237,7 +270,9 @@ class Ingest:
             except Exception as e:
                 log.exception("internal error on %s[%s]@%s; dead-lettered", src.topic, src.partition, src.offset)
                 self._dead(out, "internal_error", f"{type(e).__name__}: {e}", src, value)
-        await self._settle(out)
+        self._ahead.update(out.writes)
+        self._ahead_pending += out.new_pending
+        return out
 
     def _parse(self, model, value: bytes | None):
         if value is None:
@@ -270,13 +305,14 @@ class Ingest:
                 _, _, meta, _ = unpack(entry)
                 out.tally.live.append((meta["f"], meta["v"], meta["k"] + _guardrails(meta)))
             return
+        parts = record_parts(rec)
         if kind == PENDING:
             _, _, meta, payload = unpack(entry)
-            self._join(record_data(rec), FeedbackEvent.model_validate_json(payload), out, now, src)
+            self._join(gid, *parts, FeedbackEvent.model_validate_json(payload), out, now, src)
             return
-        new = pack(WAITING, now, None, rec.model_dump_json().encode())
+        new = pack(WAITING, now, *parts)
         if len(new) > MAX_RECORD_BYTES:
-            self._dead(out, "too_large", f"the canonical record is {len(new)} bytes", src, value)
+            self._dead(out, "too_large", f"the record's waiting entry is {len(new)} bytes", src, value)
             return
         out.writes[gid] = new
 
@@ -303,8 +339,10 @@ class Ingest:
                 self._dead(out, "already_judged", f"generation {gid} was already judged by feedback {meta['f']}",
                                  src, value)
         elif kind == WAITING:
-            _, _, _, payload = unpack(entry)
-            self._join(from_json(payload), fb, out, now, src)  # our own canonical JSON of a validated record
+            _, _, meta, body = unpack(entry)
+            if "v" not in meta:  # an entry from before entries kept parts: our own canonical JSON of the record
+                meta, body = legacy_parts(body)
+            self._join(gid, meta, body, fb, out, now, src)
         elif kind == PENDING:
             _, _, meta, _ = unpack(entry)
             if meta["f"] == fid:
@@ -312,7 +350,7 @@ class Ingest:
             else:
                 self._dead(out, "already_judged",
                                  f"generation {gid} already has feedback {meta['f']} waiting for it", src, value)
-        elif len(self._pending) + out.new_pending >= self.ic.max_pending:
+        elif len(self._pending) + self._ahead_pending + out.new_pending >= self.ic.max_pending:
             self._dead(out, "pending_full", f"{len(self._pending)} feedback events already wait for their "
                              f"generation (ingest.max_pending)", src, value)
         else:
@@ -356,17 +394,17 @@ class Ingest:
                 out.samples += 1
                 out.tally.inc("revert_samples_out")
 
-    def _join(self, rec: dict[str, Any], fb: FeedbackEvent, out: _Batch, now: float, src: Source) -> None:
-        """Judge a generation: ``rec`` is its validated record as JSON data (``GenerationRecord``'s fields)."""
-        gid = rec["generation_id"]
-        version = rec["policy_version"]
-        meta = {"f": fb.feedback_id, "v": version, "k": fb.kind, "n": len(rec["completion_token_ids"])}
-        if rec.get("latency_s") is not None:
-            meta["ms"] = round(rec["latency_s"] * 1000.0)
+    def _join(self, gid: str, rec: dict[str, Any], body: bytes, fb: FeedbackEvent, out: _Batch, now: float,
+              src: Source) -> None:
+        """Judge a generation: ``rec`` and ``body`` are its validated record's ``record_parts``."""
+        version = rec["v"]
+        meta = {"f": fb.feedback_id, "v": version, "k": fb.kind, "n": rec["n"]}
+        if "ms" in rec:
+            meta["ms"] = rec["ms"]
         guardrails = _guardrails(meta)
         sample = b""
-        if rec.get("trainable", True):
-            sample = sample_json(rec, fb, float(self.product.reward(fb.kind, fb.segment)))
+        if "x" not in rec:
+            sample = sample_json(gid, rec, body, fb, float(self.product.reward(fb.kind, fb.segment)))
             if len(sample) > MAX_RECORD_BYTES:
                 self._dead(out, "sample_too_large", f"the joined sample of {gid} would be {len(sample)} bytes",
                                  src, fb.model_dump_json().encode())
@@ -407,7 +445,16 @@ class Ingest:
         return True
 
     def _get(self, gid: str, out: _Batch) -> bytes | None:
-        return out.writes[gid] if gid in out.writes else self.table.get(gid)
+        if gid in out.writes:
+            return out.writes[gid]
+        if gid in self._ahead:  # decided in an earlier batch that is not settled yet (None: deleted there)
+            return self._ahead[gid]
+        return self.table.get(gid)
+
+    @property
+    def pending(self) -> int:
+        """Feedback waiting for its generation (settled batches)."""
+        return len(self._pending)
 
     def _dead(self, out: _Batch, reason: str, detail: str, src: Source, value: bytes | None) -> None:
         letter = dead_letter(reason, detail, src, value)
@@ -421,10 +468,13 @@ class Ingest:
         except Exception as e:
             raise InfraError(f"producing to {topic} failed: {type(e).__name__}: {e}") from e
 
-    async def _settle(self, out: _Batch) -> None:
+    async def settle(self, out: _Batch) -> None:
         """Wait until the broker has the batch's output, then write the table, then count (Redis + Prometheus)."""
         await self._settle_futures(out)
+        ahead = self._ahead
         for gid, entry in out.writes.items():
+            if gid in ahead and ahead[gid] is entry:  # no later decided batch changed it since: the table has it now
+                del ahead[gid]
             if entry is None:
                 self.table.pop(gid, None)
                 self._pending.pop(gid, None)
@@ -436,6 +486,8 @@ class Ingest:
             else:
                 self._pending.pop(gid, None)
         out.writes.clear()
+        self._ahead_pending -= out.new_pending
+        out.new_pending = 0
         out.tally.inc("samples_out", out.samples)
 
         async def count() -> None:
@@ -519,7 +571,7 @@ class Ingest:
         for gid in gone:
             self.table.pop(gid, None)
             self._pending.pop(gid, None)
-        await self._settle(out)
+        await self.settle(out)
         return len(gone)
 
     async def _settle_futures(self, out: _Batch) -> None:

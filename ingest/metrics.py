@@ -20,6 +20,7 @@ import asyncio
 import logging
 import math
 import time
+from bisect import bisect_left
 from collections import Counter as _Counter
 from dataclasses import dataclass, field
 
@@ -85,6 +86,35 @@ class Tally:
 
     def __bool__(self) -> bool:
         return bool(self.counts or self.live)
+
+
+def observe_many(hist: Histogram, values: list[float]) -> None:
+    """``hist.observe(v)`` for every finite ``v`` (negatives as 0; a NaN would poison the sum for good), with one
+    increment per bucket instead of two locked increments per value: a batch observes thousands. Reaches into the
+    histogram's buckets (prometheus_client has no bulk observe); tests/ingest/test_bounds.py checks the exposition
+    is the one ``observe`` gives, and a client without these internals falls back to ``observe``."""
+    bounds = getattr(hist, "_upper_bounds", None)
+    buckets = getattr(hist, "_buckets", None)
+    total = getattr(hist, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for v in values:
+            if math.isfinite(v):
+                hist.observe(max(v, 0.0))
+        return
+    counts = [0] * len(bounds)
+    s = 0.0
+    for v in values:
+        if not math.isfinite(v):
+            continue
+        if v < 0.0:
+            v = 0.0
+        counts[bisect_left(bounds, v)] += 1
+        s += v
+    if s:
+        total.inc(s)
+    for i, n in enumerate(counts):
+        if n:
+            buckets[i].inc(n)
 
 
 def _by_version(live: list[tuple[str, int, str]]) -> dict[int, list[tuple[str, str]]]:
@@ -167,9 +197,7 @@ class IngestMetrics:
                 self.dropped.labels(name[5:]).inc(n)
         for kind, n in tally.joined_kinds.items():
             self.joined.labels(kind).inc(n)
-        for d in tally.feedback_delays_s:
-            if math.isfinite(d):  # a NaN would poison the histogram's sum for good
-                self.feedback_delay.observe(max(d, 0.0))
+        observe_many(self.feedback_delay, tally.feedback_delays_s)
 
     # -- Redis -------------------------------------------------------------------------------------
 

@@ -165,6 +165,7 @@ class Outbox:
         self._queued: list[tuple[str, int | None, bytes, bytes | None]] = []
         self._partitions: dict[str, int] = {}
         self._done: asyncio.Future | None = None  # what every queued record's sender waits on (one per flush)
+        self._sending: set[asyncio.Future] = set()  # flushes in flight
 
     async def partitions(self, topic: str) -> int:
         n = self._partitions.get(topic)
@@ -186,11 +187,18 @@ class Outbox:
     def put(self, topic: str, partition: int, key: bytes, value: bytes | None) -> None:
         self._queued.append((topic, partition, key, value))
 
-    async def flush(self) -> dict[tuple[str, int], int]:
-        """Send everything queued; returns the last offset written per (topic, partition). Raises if the broker
-        refused any of it (the queued futures get the error too)."""
+    def flush(self) -> asyncio.Future:
+        """Send everything queued so far (records queued after this call wait for the next flush). The future resolves
+        to the last offset written per (topic, partition), or raises if the broker refused any of it (the queued
+        records' futures get the error too)."""
         queued, self._queued = self._queued, []
         done, self._done = self._done, None
+        task = asyncio.ensure_future(self._send(queued, done))
+        self._sending.add(task)  # the loop holds tasks weakly: one nobody awaits could vanish mid-send
+        task.add_done_callback(self._sending.discard)
+        return task
+
+    async def _send(self, queued, done: asyncio.Future | None) -> dict[tuple[str, int], int]:
         if not queued:
             return {}
         by_tp: dict[tuple[str, int], list[tuple[bytes, bytes | None]]] = {}
@@ -241,6 +249,7 @@ class JoinTable(MutableMapping[str, bytes]):
         self.state_dir = state_dir  # None: in memory
         self.parts: dict[int, _Part] = {}
         self._writes: dict[str, bytes | None] = {}
+        self._flushing: dict[str, bytes | None] = {}  # writes on their way to the changelog: still read from here
 
     def partition(self, key: str) -> int:
         return partition_of(key.encode(), self.partitions)
@@ -250,6 +259,8 @@ class JoinTable(MutableMapping[str, bytes]):
     def __getitem__(self, key: str) -> bytes:
         if key in self._writes:
             v = self._writes[key]
+        elif key in self._flushing:
+            v = self._flushing[key]
         else:
             part = self.parts.get(self.partition(key))
             v = None if part is None else part.get(key.encode())
@@ -276,13 +287,14 @@ class JoinTable(MutableMapping[str, bytes]):
 
     def __iter__(self) -> Iterator[str]:
         seen = set()
+        over = {**self._flushing, **self._writes}
         for part in list(self.parts.values()):
             for k in part.keys():
                 key = k.decode()
                 seen.add(key)
-                if self._writes.get(key, b"") is not None:
+                if over.get(key, b"") is not None:
                     yield key
-        for key, v in list(self._writes.items()):
+        for key, v in over.items():
             if v is not None and key not in seen:
                 yield key
 
@@ -290,7 +302,7 @@ class JoinTable(MutableMapping[str, bytes]):
         return sum(1 for _ in self)
 
     def items(self):  # one pass over each database (the join rebuilds its indexes from this)
-        if self._writes:
+        if self._writes or self._flushing:
             return [(k, self[k]) for k in self]
         return [(k.decode(), v) for part in self.parts.values() for k, v in part.items()]
 
@@ -304,7 +316,10 @@ class JoinTable(MutableMapping[str, bytes]):
         """Write this batch's changes to the changelog, then, once the broker has them, to the databases."""
         if not self._writes:
             return 0
+        if self._flushing:
+            raise RuntimeError("join table: a flush while another is in flight (flushes must be one at a time)")
         writes, self._writes = self._writes, {}
+        self._flushing = writes  # readable until the databases have them
         by_part: dict[int, list[tuple[bytes, bytes | None]]] = {}
         for key, value in writes.items():
             k = key.encode()
@@ -315,14 +330,18 @@ class JoinTable(MutableMapping[str, bytes]):
             offsets = await outbox.flush()
         except BaseException:
             self._writes = {**writes, **self._writes}  # not written anywhere: the caller stops the worker anyway
+            self._flushing = {}
             raise
-        for p, changes in by_part.items():
-            part = self.parts.get(p)
-            if part is None:  # a partition a rebalance took away: its new owner reads the changelog
-                log.warning("join table: %d changes to partition %d, which this worker no longer holds, went to the "
-                            "changelog only", len(changes), p)
-                continue
-            part.apply(changes, offsets.get((self.topic, p)))
+        try:
+            for p, changes in by_part.items():
+                part = self.parts.get(p)
+                if part is None:  # a partition a rebalance took away: its new owner reads the changelog
+                    log.warning("join table: %d changes to partition %d, which this worker no longer holds, went to "
+                                "the changelog only", len(changes), p)
+                    continue
+                part.apply(changes, offsets.get((self.topic, p)))
+        finally:
+            self._flushing = {}
         return len(writes)
 
     # -- assignment --------------------------------------------------------------------------------

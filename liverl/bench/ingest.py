@@ -273,6 +273,7 @@ def run(pairs: int = DEFAULTS["pairs"], partitions: int = DEFAULTS["partitions"]
     from liverl.core.bus import all_topics, ensure_topics
     from liverl.core.config import load_config
     from liverl.stack import start_stack
+    from liverl.core.services import forget_prefix
 
     if pairs < 100 or partitions < 1 or not workers or min(workers) < 1:
         raise ValueError("pairs must be >= 100, partitions and workers >= 1")
@@ -330,7 +331,7 @@ def run(pairs: int = DEFAULTS["pairs"], partitions: int = DEFAULTS["partitions"]
             rows.append(res)
     finally:
         try:
-            _forget(stack.redis_url, base)
+            forget_prefix(stack.redis_url, base)
         finally:
             stack.close()
     one = next((r for r in rows if r.get("workers") == 1), None)
@@ -363,25 +364,6 @@ def _table(summary: dict) -> str:
               f"{summary['broker']}; targets: 20,000 events/s per worker, 1.7x with 2 workers",
               f"machine: {summary['machine']}", f"reproduce: `{summary['command']}`"]
     return "\n".join(lines)
-
-
-def _forget(redis_url: str, prefix: str) -> None:
-    """Delete the bench's keys (counters, and a guard key per joined event: 50,000 a run) from the Redis it used,
-    which may be the user's own: left there, they make every later scan of the keyspace slow for a week."""
-    import redis
-
-    r = redis.Redis.from_url(redis_url)
-    try:
-        batch = []
-        for k in r.scan_iter(f"{prefix}*", count=5000):
-            batch.append(k)
-            if len(batch) >= 1000:
-                r.delete(*batch)
-                batch.clear()
-        if batch:
-            r.delete(*batch)
-    finally:
-        r.close()
 
 
 def _spread(runs: list[float]) -> str:

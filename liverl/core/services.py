@@ -86,6 +86,31 @@ def redis_from_url(url: str, *, asyncio: bool = False, **kw):
     return (redis.RedisCluster if cluster else redis.Redis).from_url(url, **kw)
 
 
+def forget_prefix(url: str, prefix: str) -> int:
+    """Delete every key of a run's namespace (``<prefix>*``) from the Redis at ``url`` (a bench's or a test's, which
+    may be the user's own: a run leaves a guard key per joined event, and millions of them slow every later scan of
+    the keyspace). Returns how many keys went."""
+    r = redis_from_url(url)
+    per_key = is_cluster_url(url)  # a cluster deletes several keys at once only within one slot
+
+    def delete(batch: list[bytes]) -> int:
+        return sum(r.delete(k) for k in batch) if per_key else r.delete(*batch)
+
+    gone = 0
+    try:
+        batch: list[bytes] = []
+        for k in r.scan_iter(f"{prefix}*", count=5000):
+            batch.append(k)
+            if len(batch) >= 1000:
+                gone += delete(batch)
+                batch.clear()
+        if batch:
+            gone += delete(batch)
+    finally:
+        r.close()
+    return gone
+
+
 def setup_redis(cfg: LiverlConfig, decode_responses: bool = False) -> redis.Redis:
     """A client for the configured Redis (``redis_url``); connects lazily."""
     return redis_from_url(redis_url(cfg), decode_responses=decode_responses, socket_connect_timeout=3)

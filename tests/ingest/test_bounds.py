@@ -288,3 +288,40 @@ def test_the_partitioners_hash_cache_is_bounded():
         table.partition_of(f"gen-{i}".encode(), 4)
         assert len(table._HASHES) <= table._HASHES_MAX
     assert table.partition_of(b"gen-1", 4) == (table.murmur2(b"gen-1") & 0x7FFFFFFF) % 4
+
+
+def test_table_writes_stay_readable_while_the_changelog_has_them_in_flight(stack, tmp_path):
+    """The worker decides the next batch while the previous batch's table writes are on their way to the changelog
+    (real broker): a read in that window must see them. A miss there made feedback wait as if its generation were
+    unknown, and expire as ``unknown_generation``."""
+    from aiokafka import AIOKafkaProducer
+
+    from ingest.table import JoinTable, Outbox, changelog_topic
+    from liverl.core.bus import ensure_topics
+
+    topic = changelog_topic(f"t{uuid.uuid4().hex[:10]}")
+    ensure_topics(stack.bootstrap, [topic], 2)
+    keys_ = [f"gen-{i}" for i in range(50)]
+    entry = pack(WAITING, NOW)
+
+    async def run():
+        producer = AIOKafkaProducer(bootstrap_servers=stack.bootstrap, acks="all")
+        await producer.start()
+        table = JoinTable(topic, 2, tmp_path / "ingest")
+        try:
+            table.hold({0, 1})
+            for k in keys_:
+                table[k] = entry
+            flushing = asyncio.ensure_future(table.flush(Outbox(producer)))
+            await asyncio.sleep(0)  # the flush has handed the changes to the producer and waits for the broker
+            assert not flushing.done()
+            assert all(table.get(k) == entry for k in keys_)
+            assert set(table) == set(keys_)
+            assert await flushing == len(keys_)
+            assert all(table.get(k) == entry for k in keys_) and not table.dirty
+            assert sum(1 for p in table.parts.values() for _ in p.keys()) == len(keys_)  # in the databases now
+        finally:
+            await producer.stop()
+            table.close()
+
+    asyncio.run(run())

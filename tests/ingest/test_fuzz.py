@@ -325,10 +325,10 @@ def test_an_exception_inside_one_event_dead_letters_that_event_only(world, monke
     fbs = [FeedbackEvent(feedback_id=f"f{i}", generation_id=f"g{i}", kind="accept") for i in range(5)]
     real = ing._join
 
-    def flaky(rec, fb, out, now, src):
-        if rec["generation_id"] == "g2":
+    def flaky(gid, rec, body, fb, out, now, src):
+        if gid == "g2":
             raise RuntimeError("a bug")
-        return real(rec, fb, out, now, src)
+        return real(gid, rec, body, fb, out, now, src)
 
     monkeypatch.setattr(ing, "_join", flaky)
     batch = [(Source(cfg.topics.generations, 0, i, f"g{i}"), g.to_bytes()) for i, g in enumerate(gens)]
@@ -390,7 +390,7 @@ def test_the_joins_sample_json_is_the_models_own(seed, reward, text, segment):
     """The join builds a sample's JSON from the validated record without validating it again (``sample_json``): it
     must be byte for byte ``TrainingSample(...).model_dump_json()``, whatever the floats, text and optional fields; a
     non-finite reward from the product is refused, as the model refuses it."""
-    from ingest.join import record_data, sample_json
+    from ingest.join import WAITING, legacy_parts, pack, record_parts, sample_json, unpack
     from liverl.core.schemas import SamplingParams
 
     rng = random.Random(seed)
@@ -407,10 +407,49 @@ def test_the_joins_sample_json_is_the_models_own(seed, reward, text, segment):
                           prompt_token_ids=rec.prompt_token_ids, completion_token_ids=rec.completion_token_ids,
                           behaviour_logprobs=rec.completion_logprobs, sampling=rec.sampling, edited_text=fb.edited_text,
                           ts_generation=rec.ts, ts_feedback=fb.ts).model_dump_json().encode()
-    from pydantic_core import from_json
-
-    assert sample_json(from_json(rec.model_dump_json()), fb, reward) == want  # the waiting record's path
-    assert sample_json(record_data(rec), fb, reward) == want  # the pending feedback's path
+    gid = rec.generation_id
+    _, _, meta, body = unpack(pack(WAITING, 1.79e9, *record_parts(rec)))
+    assert sample_json(gid, meta, body, fb, reward) == want  # the waiting entry's path (its parts through the table)
+    assert sample_json(gid, *record_parts(rec), fb, reward) == want  # the pending feedback's path
+    assert sample_json(gid, *legacy_parts(rec.model_dump_json().encode()), fb, reward) == want  # an older entry
     for bad in NONFINITE:
         with pytest.raises(ValueError, match="finite"):
-            sample_json(rec.model_dump(mode="json"), fb, bad)
+            sample_json(gid, *record_parts(rec), fb, bad)
+
+
+@FUZZ
+@given(values=st.lists(st.one_of(st.floats(), st.sampled_from([0.0, -0.0, 0.01, 0.05, 60.0, 300.0, 301.0, 1e308])),
+                       max_size=200))
+def test_a_batch_of_observations_is_what_one_by_one_gives(values):
+    """The worker observes a batch's feedback delays at once (``observe_many``: one increment per bucket); the
+    exposition must be the one ``Histogram.observe`` per value gives, non-finite values left out, negatives as 0."""
+    import math
+
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from ingest.metrics import observe_many
+
+    buckets = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+    one, many = CollectorRegistry(), CollectorRegistry()
+    h1 = Histogram("d", "d", buckets=buckets, registry=one)
+    h2 = Histogram("d", "d", buckets=buckets, registry=many)
+    for v in values:
+        if math.isfinite(v):
+            h1.observe(max(v, 0.0))
+    observe_many(h2, values)
+    assert _sums_agree(one, many)
+
+
+def _sums_agree(one, many) -> bool:
+    """Same buckets and counts; the sum equal up to float rounding (one addition per batch, not per value)."""
+    a = {s.name + repr(sorted(s.labels.items())): s.value for m in one.collect() for s in m.samples}
+    b = {s.name + repr(sorted(s.labels.items())): s.value for m in many.collect() for s in m.samples}
+    if a.keys() != b.keys():
+        return False
+    for k, v in a.items():
+        if "_sum" in k:
+            if v != b[k] and not abs(v - b[k]) <= 1e-9 * max(1.0, abs(v)):
+                return False
+        elif "_created" not in k and v != b[k]:
+            return False
+    return True
