@@ -46,7 +46,7 @@ import sys
 import time
 from typing import Any
 
-from ingest.join import InfraError, Ingest, Source, key_text
+from ingest.join import InfraError, Ingest, Source
 from ingest.metrics import IngestMetrics
 from ingest.table import MAX_BATCH_BYTES, MAX_REQUEST_BYTES, JoinTable, Outbox, changelog_topic
 from liverl.core.bus import aiokafka_security
@@ -288,7 +288,7 @@ class IngestWorker:
                 continue
             into = gens if tp.topic == self.cfg.topics.generations else fbs
             for m in msgs:
-                into.append((Source(tp.topic, tp.partition, m.offset, key_text(m.key),
+                into.append((Source(tp.topic, tp.partition, m.offset, m.key,
                                     m.timestamp / 1000.0 if m.timestamp is not None and m.timestamp >= 0 else None),
                              m.value))
             ends[tp] = msgs[-1].offset + 1

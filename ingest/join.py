@@ -78,7 +78,7 @@ class Source(NamedTuple):
     topic: str
     partition: int | None
     offset: int | None
-    key: str | None = None
+    key: str | bytes | None = None  # the record's key as it came (``key_text`` where it is shown)
     ts: float | None = None  # the record's Kafka timestamp, seconds
 
 
@@ -180,7 +180,7 @@ def dead_letter(reason: str, detail: str, src: Source, value: bytes | None) -> D
     raw = value or b""
     cut = len(raw) > DEAD_VALUE_BYTES
     return DeadLetter(reason=reason, detail=detail[:DEAD_DETAIL_CHARS], source_topic=src.topic,
-                      partition=src.partition, offset=src.offset, key=src.key,
+                      partition=src.partition, offset=src.offset, key=key_text(src.key),
                       value=raw[:DEAD_VALUE_BYTES].decode("utf-8", "replace"), value_truncated=cut,
                       value_size=len(raw), value_sha256=hashlib.sha256(raw).hexdigest())
 
@@ -210,6 +210,8 @@ class Ingest:
         # In-memory index of the pending entries, rebuilt by ``recovered()`` after every rebalance; bounded by
         # ``max_pending``.
         self._pending: dict[str, tuple[float, float, int | None]] = {}  # gid -> (t, kafka ts, input partition)
+        self._pending_in_order = True  # whether ``_pending`` runs oldest first (it does unless a caller's clock jumps)
+        self._pending_newest = 0.0
         # Progress of the generations stream per partition (bounded by the partition count): Kafka timestamp of
         # the newest record processed, and the offset after the last one processed.
         self._gen_clock: dict[int, float] = {}
@@ -231,10 +233,16 @@ class Ingest:
         """
         items = entries() if entries is not None else list(self.table.items())
         self._pending.clear()
+        found = []
         for gid, value in items:
             if value[:1] == PENDING:
                 _, t, meta, _ = unpack(value)
-                self._pending[gid] = (t, meta["kts"], meta["src"][1])
+                found.append((t, gid, meta["kts"], meta["src"][1]))
+        found.sort(key=lambda f: f[0])  # oldest first: the sweep stops at the first entry too young to expire
+        for t, gid, kts, part in found:
+            self._pending[gid] = (t, kts, part)
+        self._pending_newest = found[-1][0] if found else 0.0
+        self._pending_in_order = True
         self._gen_clock.clear()
         self._gen_next.clear()
         self._ahead.clear()  # (empty: the worker settles every batch before a rebalance)
@@ -355,7 +363,7 @@ class Ingest:
                              f"generation (ingest.max_pending)", src, value)
         else:
             kts = src.ts or now
-            meta = {"f": fid, "kts": kts, "src": [src.topic, src.partition, src.offset, src.key]}
+            meta = {"f": fid, "kts": kts, "src": [src.topic, src.partition, src.offset, key_text(src.key)]}
             out.writes[gid] = pack(PENDING, now, meta, fb.model_dump_json().encode())
             out.new_pending += 1
 
@@ -459,7 +467,7 @@ class Ingest:
     def _dead(self, out: _Batch, reason: str, detail: str, src: Source, value: bytes | None) -> None:
         letter = dead_letter(reason, detail, src, value)
         log.debug("dead letter %s: %s (%s[%s]@%s)", reason, letter.detail, src.topic, src.partition, src.offset)
-        out.futs.append(self._emit(self.topics.dead_letters, src.key or "", letter.to_bytes()))
+        out.futs.append(self._emit(self.topics.dead_letters, letter.key or "", letter.to_bytes()))
         out.tally.inc(f"dlq:{reason}")
 
     def _emit(self, topic: str, key: str, value: bytes) -> Awaitable[Any]:
@@ -482,6 +490,9 @@ class Ingest:
             self.table[gid] = entry
             if entry[:1] == PENDING:
                 _, t, meta, _ = unpack(entry)
+                if gid in self._pending or t < self._pending_newest:  # (only a caller's own clock goes back)
+                    self._pending_in_order = False
+                self._pending_newest = max(self._pending_newest, t)
                 self._pending[gid] = (t, meta["kts"], meta["src"][1])
             else:
                 self._pending.pop(gid, None)
@@ -500,6 +511,8 @@ class Ingest:
             await count()
         else:  # both only after the broker has the output; neither needs the other (a replay heals either way)
             await asyncio.gather(self._write_table(), count())
+        if not self._pending:
+            self._pending_in_order = True
         self.metrics.pending.set(len(self._pending))
 
     # -- timers ------------------------------------------------------------------------------------
@@ -524,6 +537,18 @@ class Ingest:
             return "clock"
         return "caught_up"
 
+    def _due(self, now: float, ttl: float) -> list[tuple[str, tuple[float, float, int | None]]]:
+        """The pending entries old enough to be considered: all of them, or, while they are kept oldest first, those
+        before the first one that has not waited ``ttl`` yet (a sweep per second need not visit every entry)."""
+        if not self._pending_in_order:
+            return list(self._pending.items())
+        due = []
+        for item in self._pending.items():
+            if now - item[1][0] < ttl:
+                break
+            due.append(item)
+        return due
+
     async def _caught_up(self, part: int | None) -> bool:
         """Has this worker processed every generation record the broker has on ``part``, as of now?"""
         if part is None or self._end_offset is None:
@@ -538,7 +563,7 @@ class Ingest:
         expired = []
         caught_up: dict[int | None, bool] = {}
         mine: dict[int, bool] = {}  # asked once per partition and sweep (the assignment is a set built per call)
-        for gid, (t, kts, part) in list(self._pending.items()):
+        for gid, (t, kts, part) in list(self._due(now, ttl)):
             if part is not None:
                 if part not in mine:
                     mine[part] = self._assigned(part)

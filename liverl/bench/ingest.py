@@ -17,7 +17,9 @@ The issue's measure, on one broker (the embedded one, or ``broker.bootstrap``) a
    ``feedback_id`` (the operational ``joined`` counter is at-least-once: a batch replayed after a rebalance
    counts again, which would flatter several workers). ``events/s`` is joined feedback events per second from
    the first joined event to the last (start-up and the group join are reported apart, as ``start s``), and
-   ``CPU us/event`` the workers' CPU time per event (less sensitive to a shared machine's noise).
+   ``CPU us/event`` the workers' CPU time per event while they join (less sensitive to a shared machine's noise;
+   start-up imports and the group join left out), ``core use`` how much of a core each worker kept busy meanwhile
+   (under 100%: it waited for the broker, Redis or a core the machine did not give it).
 
 ``scaling`` is the events/s of N workers over 1 worker's, in the same run. A second worker only helps if a core
 is free for it: the table prints the machine's cores, and the broker, Redis and the bench share them.
@@ -221,14 +223,16 @@ def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_d
             procs.append(subprocess.Popen([sys.executable, "-m", "liverl.cli", "ingest"], env=env, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True))
         t_first = None
-        joined = 0
+        joined = joined_first = 0
+        cpu_first = 0.0
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             raw = r.hget(lkey, "events")
             joined = int(raw or 0)
             now = time.perf_counter()
             if joined and t_first is None:
-                t_first = now
+                t_first, joined_first = now, joined
+                cpu_first = sum(_cpu_seconds(p.pid) for p in procs)
             if joined >= pairs:
                 break
             for p in procs:
@@ -257,9 +261,13 @@ def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_d
     dead = sum(v for k, v in counters.items() if k.startswith("dlq:"))
     span = max(t_last - (t_first or t_last), 1e-9)
     # the first poll that saw joins happened up to 100 ms after the first batch: the events it saw count in the span
-    return {"workers": n_workers, "joined": joined, "replayed": counters.get("joined", 0) - joined, "dead_letters": dead, "start_s": (t_first or t_last) - t_start,
-            "seconds": span, "events_per_s": joined / span, "cpu_us_per_event": 1e6 * cpu / max(joined, 1),
-            "counters": counters}
+    # CPU while joining (start-up imports and the group join left out): what a worker costs per event, and how much
+    # of a core each worker kept busy (below 100%: it waited for the broker or Redis)
+    cpu_join = cpu - cpu_first
+    return {"workers": n_workers, "joined": joined, "replayed": counters.get("joined", 0) - joined,
+            "dead_letters": dead, "start_s": (t_first or t_last) - t_start, "seconds": span,
+            "events_per_s": joined / span, "cpu_us_per_event": 1e6 * cpu_join / max(joined - joined_first, 1),
+            "core_use": cpu_join / span / n_workers, "counters": counters}
 
 
 # ------------------------------------------------------------------------------------------------ the bench
@@ -323,7 +331,8 @@ def run(pairs: int = DEFAULTS["pairs"], partitions: int = DEFAULTS["partitions"]
                 res = _run_workers(run_cfg, stack, n, pairs, timeout_s, state / "logs")
                 runs.append(res)
                 print(f"  ingest, {n} worker(s), run {k + 1}: {res['events_per_s']:,.0f} joined events/s, "
-                      f"{res['cpu_us_per_event']:.0f} us CPU per event, first join after {res['start_s']:.1f} s, "
+                      f"{res['cpu_us_per_event']:.0f} us CPU per event, {res['core_use']:.0%} of a core per worker, "
+                      f"first join after {res['start_s']:.1f} s, "
                       f"{res['replayed']} joins replayed", flush=True)
             res = sorted(runs, key=lambda r: r["events_per_s"])[len(runs) // 2]  # the median run
             res = {**res, "runs": [r["events_per_s"] for r in runs]}
@@ -349,17 +358,17 @@ def run(pairs: int = DEFAULTS["pairs"], partitions: int = DEFAULTS["partitions"]
 
 def _table(summary: dict) -> str:
     raw = summary["raw_events_per_s"]
-    lines = ["", "| side | joined events/s | vs raw consumer | scaling vs 1 worker | CPU us/event | start s | "
-             "dead letters | joins replayed | runs (min-max) |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["", "| side | joined events/s | vs raw consumer | scaling vs 1 worker | CPU us/event | core use | start s | "
+             "dead letters | joins replayed | runs (min-max) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         if "workers" in r:
             scaling = f"{r['scaling']:.2f}x" if "scaling" in r else ""
             lines.append(f"| {r['side']} | **{r['events_per_s']:,.0f}** | 1/{raw / r['events_per_s']:.1f} | {scaling} | "
-                         f"{r['cpu_us_per_event']:.0f} | {r['start_s']:.1f} | {r['dead_letters']} | {r.get('replayed', 0)} | "
+                         f"{r['cpu_us_per_event']:.0f} | {r['core_use']:.0%} | {r['start_s']:.1f} | {r['dead_letters']} | {r.get('replayed', 0)} | "
                          f"{_spread(r.get('runs', []))} |")
         else:
             lines.append(f"| {r['side']} | {r['events_per_s']:,.0f} pairs/s ({r['records_per_s']:,.0f} records/s) | "
-                         f"1/{raw / r['events_per_s']:.1f} | | | | | | |")
+                         f"1/{raw / r['events_per_s']:.1f} | | | | | | | |")
     lines += ["", f"{summary['pairs']:,} generation + feedback pairs, {summary['partitions']} partitions, broker "
               f"{summary['broker']}; targets: 20,000 events/s per worker, 1.7x with 2 workers",
               f"machine: {summary['machine']}", f"reproduce: `{summary['command']}`"]

@@ -99,6 +99,43 @@ def test_pending_feedback_is_capped_and_expires(env):
     assert sum(d.reason == "unknown_generation" for d in letters) == 50
 
 
+@pytest.mark.parametrize("order", ["in time order", "clock went back", "after a restart"])
+def test_the_sweep_expires_exactly_the_feedback_that_waited_its_ttl(env, order):
+    """The sweep (once a second) visits pending feedback oldest first and stops at the first entry that has not
+    waited its TTL; entries written out of time order (a caller's clock going back) or rebuilt from the table after a
+    restart (any order) must still expire exactly when due."""
+    cfg, metrics = env
+    ttl = cfg.ingest.pending_ttl_s
+    broker = Broker()
+    table: dict = {}
+    times = [NOW + 10.0 * i for i in range(10)]
+    if order == "clock went back":
+        times = times[5:] + times[:5]
+
+    async def run():
+        ing = Ingest(cfg, metrics, table, broker.send)
+        ing.recovered()
+        for i, t in enumerate(times):
+            fb = FeedbackEvent(feedback_id=f"f{i}", generation_id=f"g{i}", kind="accept", ts=NOW)
+            await ing.process([(Source(cfg.topics.feedback, 0, i, f"g{i}"), fb.to_bytes())], now=t)
+        if order == "after a restart":
+            shuffled = list(table.items())
+            shuffled.reverse()
+            ing.recovered(lambda: shuffled)
+        ing._resumed = 0.0
+        ing._gen_clock[0] = NOW + 100 * ttl  # the generations stream is far ahead: waiting long enough is enough
+        first = await ing.expire_pending(now=NOW + 45.0 + ttl)  # entries written at NOW .. NOW + 40 are due
+        second = await ing.expire_pending(now=NOW + 90.0 + ttl)
+        await metrics.close()
+        return first, second, sorted(ing._pending)
+
+    first, second, left = asyncio.run(run())
+    assert (first, second, left) == (5, 5, [])
+    letters = [DeadLetter.from_bytes(v) for _, v in broker.of(cfg.topics.dead_letters)]
+    assert [d.key for d in letters[:5]] and {d.key for d in letters[:5]} == {f"g{i}" for i, t in enumerate(times)
+                                                                          if t <= NOW + 45.0}
+
+
 def test_timers_touch_only_assigned_partitions(env):
     cfg, metrics = env
     broker = Broker()
