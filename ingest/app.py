@@ -48,7 +48,7 @@ from typing import Any
 
 from ingest.join import InfraError, Ingest, Source
 from ingest.metrics import IngestMetrics
-from ingest.table import MAX_BATCH_BYTES, MAX_REQUEST_BYTES, JoinTable, Outbox, changelog_topic
+from ingest.table import MAX_BATCH_BYTES, MAX_REQUEST_BYTES, JoinTable, Outbox, changelog_topic, warm_hashes
 from liverl.core.bus import aiokafka_security
 from liverl.core.config import LiverlConfig
 
@@ -294,6 +294,7 @@ class IngestWorker:
             ends[tp] = msgs[-1].offset + 1
         if not ends:
             return
+        warm_hashes([m.key for msgs in got.values() for m in msgs if m.key is not None])  # the join checks each
         while len(self._settling) >= SETTLING_MAX:
             await self._settling[0]
         try:

@@ -309,12 +309,16 @@ def test_murmur2_is_kafkas():
     from aiokafka.partitioner import murmur2 as aiokafka_murmur2
     from kafka.partitioner.default import murmur2 as kafka_murmur2
 
-    from ingest.table import murmur2
+    from ingest.table import murmur2, murmur2_many
 
     rng = random.Random(5)
     keys_ = [b"", b"a", b"ab", b"abc", "généré-ü".encode()] + [rng.randbytes(rng.randrange(0, 200)) for _ in range(5000)]
     for k in keys_:
         assert murmur2(k) == aiokafka_murmur2(k) == kafka_murmur2(k) & 0xFFFFFFFF, k
+    assert murmur2_many(keys_) == [murmur2(k) for k in keys_]  # the batch path (numpy, keys grouped by length)
+    same_length = [rng.randbytes(37) for _ in range(1000)] + [k[:3] for k in keys_ if len(k) >= 3]
+    assert murmur2_many(same_length) == [aiokafka_murmur2(k) for k in same_length]
+    assert murmur2_many([]) == []
 
 
 def test_the_partitioners_hash_cache_is_bounded():
@@ -325,6 +329,10 @@ def test_the_partitioners_hash_cache_is_bounded():
         table.partition_of(f"gen-{i}".encode(), 4)
         assert len(table._HASHES) <= table._HASHES_MAX
     assert table.partition_of(b"gen-1", 4) == (table.murmur2(b"gen-1") & 0x7FFFFFFF) % 4
+    for start in (0, table._HASHES_MAX // 2, table._HASHES_MAX):  # a batch's keys hashed at once: the same bound
+        table.warm_hashes([f"batch-{i}".encode() for i in range(start, start + table._HASHES_MAX // 2 + 1000)])
+        assert len(table._HASHES) <= table._HASHES_MAX
+    assert table.partition_of(b"batch-70000", 4) == (table.murmur2(b"batch-70000") & 0x7FFFFFFF) % 4
 
 
 def test_table_writes_stay_readable_while_the_changelog_has_them_in_flight(stack, tmp_path):
