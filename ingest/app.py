@@ -59,6 +59,7 @@ POLL_TIMEOUT_MS = 100  # the most a poll waits for records (then the timers run)
 FETCH_MAX_WAIT_MS = 100  # the broker's long-poll wait: the added latency at low load
 EVICT_INTERVAL_S = 60.0  # how often the table is scanned for expiry
 PRODUCER_DELIVERY_TIMEOUT_S = 120.0  # kafka-python's default delivery_timeout_ms, what generation producers use
+FEEDBACK_LEAD_S = 1.0  # how far (record timestamps) feedback may be read ahead of a generations backlog
 SETTLING_MAX = 2  # batches settling at once: decisions run ahead of the broker's acknowledgements by this much
 EXIT_INFRA = 75  # exit code when the broker or Redis failed mid-batch (EX_TEMPFAIL: restart me)
 MEMBER_FILE = "group-member-id"
@@ -159,6 +160,7 @@ class IngestWorker:
         self.committed: dict[Any, int] = {}
         self._committing: asyncio.Task | None = None
         self._settling: list[asyncio.Future] = []  # batches decided and not yet settled, oldest first
+        self._held: dict[int, float] = {}  # feedback partitions _hold_back paused: the first held record's time
         self.stopping = False
         self._next_sweep = 0.0
         self._next_evict = time.monotonic() + evict_interval_s
@@ -246,6 +248,8 @@ class IngestWorker:
                 async with self.busy:
                     if got and epoch == self.epoch and self.ingest.ready:
                         await self._batch(got)
+                    if epoch == self.epoch and self.ingest.ready:
+                        await self._pace()
                     if self.ingest.ready and self._timers_due():
                         await self._drain()
                         await self._timers()
@@ -283,6 +287,7 @@ class IngestWorker:
         gens: list[tuple[Source, bytes | None]] = []
         fbs: list[tuple[Source, bytes | None]] = []
         ends = {}
+        got = await self._hold_back(got, assignment)
         for tp, msgs in got.items():
             if tp not in assignment or not msgs:
                 continue
@@ -310,6 +315,80 @@ class IngestWorker:
         task = asyncio.ensure_future(self._settle(prev, out, ends))
         self._settling.append(task)
         task.add_done_callback(self._settling.remove)
+
+    async def _hold_back(self, got: dict, assignment) -> dict:
+        """Read the two inputs of a partition in step: feedback more than ``FEEDBACK_LEAD_S`` newer (Kafka timestamps)
+        than the generations read on its partition waits while that generations partition has records not read
+        yet. The batch keeps the feedback up to the first such record; the consumer goes back to that record and
+        pauses the partition until ``_pace`` resumes it.
+
+        Why: feedback records are a fifth of a generation record's size, so on a backlog (a worker restarted after an
+        outage, a new worker catching up) a fetch brings feedback far ahead of the generations it judges. Each such
+        event then waits as pending (written, read back and parsed again), and a backlog longer than
+        ``ingest.max_pending`` would dead-letter feedback ``pending_full`` only because of the read order. Kafka
+        Streams synchronises a join's inputs by timestamp for the same reason. Nothing is skipped (the held records
+        are fetched again from their offset), and a generations partition read to its end never holds feedback.
+        """
+        from aiokafka import TopicPartition
+
+        fb_topic, gen_topic = self.cfg.topics.feedback, self.cfg.topics.generations
+        gens_read: dict[int, tuple[float | None, int | None]] = {}
+        for tp, msgs in got.items():
+            if tp.topic == gen_topic and msgs:
+                gen_t, _ = self.ingest.generations_read(tp.partition)
+                newest = max((m.timestamp for m in msgs if m.timestamp is not None and m.timestamp >= 0), default=-1)
+                if newest >= 0:
+                    gen_t = max(gen_t or 0.0, newest / 1000.0)
+                gens_read[tp.partition] = (gen_t, msgs[-1].offset + 1)
+        out = dict(got)
+        for tp, msgs in got.items():
+            if tp.topic != fb_topic or not msgs or tp not in assignment:
+                continue
+            gen_tp = TopicPartition(gen_topic, tp.partition)
+            end = self.consumer.highwater(gen_tp)
+            gen_t, gen_next = gens_read.get(tp.partition) or self.ingest.generations_read(tp.partition)
+            if end is None:  # not fetched yet
+                continue
+            if gen_next is None:  # none decided since the assignment: where the consumer stands
+                gen_next = await self.consumer.position(gen_tp)
+            if end <= gen_next:  # read to its end
+                continue
+            limit = -1.0 if gen_t is None else (gen_t + FEEDBACK_LEAD_S) * 1000.0
+            cut = next((i for i, m in enumerate(msgs) if m.timestamp is not None and m.timestamp > limit), None)
+            if cut is None:
+                continue
+            self.consumer.seek(tp, msgs[cut].offset)
+            self.consumer.pause(tp)
+            self._held[tp.partition] = msgs[cut].timestamp / 1000.0
+            log.debug("feedback partition %d held at offset %d: its generations are read up to %s", tp.partition,
+                      msgs[cut].offset, gen_t)
+            out[tp] = msgs[:cut]
+        return out
+
+    async def _pace(self) -> None:
+        """Resume held feedback partitions whose generations have caught up (``_hold_back``)."""
+        if not self._held:
+            return
+        from aiokafka import TopicPartition
+
+        fb_topic, gen_topic = self.cfg.topics.feedback, self.cfg.topics.generations
+        assignment = self.consumer.assignment()
+        resume = []
+        for p, held_t in list(self._held.items()):
+            tp, gen_tp = TopicPartition(fb_topic, p), TopicPartition(gen_topic, p)
+            if tp not in assignment:
+                self._held.pop(p)
+                continue
+            gen_t, gen_next = self.ingest.generations_read(p)
+            if gen_next is None:
+                gen_next = await self.consumer.position(gen_tp)
+            end = self.consumer.highwater(gen_tp)
+            if end is None or gen_next >= end or (gen_t is not None and gen_t + FEEDBACK_LEAD_S >= held_t):
+                resume.append(tp)
+                self._held.pop(p)
+        if resume:
+            self.consumer.resume(*resume)
+        self.metrics.paced.set(len(self._held))
 
     async def _settle(self, prev: asyncio.Future | None, out, ends: dict) -> None:
         """After the batch decided before this one: wait for the broker to have this batch's output, write its table
@@ -403,6 +482,11 @@ class IngestWorker:
                 log.error("this worker holds generations %s but feedback %s: the inputs must have the same partition "
                           "count (broker.partitions) and every worker the same subscription", sorted(gens), sorted(fbs))
             self.done = {tp: off for tp, off in self.done.items() if tp in mine}
+            self._held.clear()
+            paused = self.consumer.paused() & mine
+            if paused:
+                self.consumer.resume(*paused)
+            self.metrics.paced.set(0)
             self.committed = {tp: off for tp, off in self.committed.items() if tp in mine}
             self.table.hold(parts)
             try:

@@ -370,6 +370,7 @@ class Ingest:
             meta = {"f": fid, "kts": kts, "src": [src.topic, src.partition, src.offset, key_text(src.key)]}
             out.writes[gid] = pack(PENDING, now, meta, fb.model_dump_json().encode())
             out.new_pending += 1
+            out.tally.inc("pended")
 
     def _on_revert(self, fb: FeedbackEvent, entry: bytes | None, kind: bytes | None, src: Source,
                          value: bytes | None, out: _Batch, now: float) -> None:
@@ -462,6 +463,11 @@ class Ingest:
         if gid in self._ahead:  # decided in an earlier batch that is not settled yet (None: deleted there)
             return self._ahead[gid]
         return self.table.get(gid)
+
+    def generations_read(self, partition: int) -> tuple[float | None, int | None]:
+        """(timestamp of the newest generation record, offset after the last one) decided on ``partition`` since the
+        last rebalance; None where none was."""
+        return self._gen_clock.get(partition), self._gen_next.get(partition)
 
     @property
     def pending(self) -> int:

@@ -141,6 +141,8 @@ class IngestMetrics:
                                 "feedback kind revert; counted per version in the live counters).", registry=r)
         self.revert_samples = Counter("liverl_ingest_revert_samples", "Corrections trained for reverted accepts "
                                       "(the accepted sample again with reward ingest.rewards.revert).", registry=r)
+        self.pended = Counter("liverl_ingest_feedback_pended", "Feedback that arrived before its generation record "
+                              "and waited for it (pending).", registry=r)
         self.heldout = Counter("liverl_ingest_heldout", "Joined samples set aside for the gate's held-out stream "
                                "(ingest.heldout_share).", registry=r)
         self.duplicates = Counter(
@@ -162,6 +164,8 @@ class IngestMetrics:
             ["timer"], registry=r,
         )
         self.pending = Gauge("liverl_ingest_pending_feedback", "Feedback waiting for its generation record.", registry=r)
+        self.paced = Gauge("liverl_ingest_feedback_partitions_paused", "Feedback partitions paused because they ran "
+                           "ahead of their generations partition's backlog (ingest.app FEEDBACK_LEAD_S).", registry=r)
         self.tracked = Gauge(
             "liverl_ingest_tracked_generations", "Generations in the join table (waiting or judged).", registry=r
         )
@@ -185,6 +189,7 @@ class IngestMetrics:
         self.generations.inc(c.get("generations_in", 0))
         self.samples.inc(c.get("samples_out", 0))
         self.heldout.inc(c.get("heldout_out", 0))
+        self.pended.inc(c.get("pended", 0))
         self.reverted.inc(c.get("reverted", 0))
         self.revert_samples.inc(c.get("revert_samples_out", 0))
         self.duplicates.labels("feedback").inc(c.get("duplicates", 0))

@@ -4,8 +4,10 @@ The issue's measure, on one broker (the embedded one, or ``broker.bootstrap``) a
 
 1. A backlog of ``--pairs`` generation records and their feedback (the demo's sizes: a short prompt, a
    completion with its log-probs; every second user accepts) is written to fresh topics with ``--partitions``
-   partitions, keyed by generation id as the gateway and the SDK write them. Generations first, then feedback:
-   each feedback finds its generation waiting, the common case.
+   partitions, keyed by generation id as the gateway and the SDK write them, with a product's timestamps
+   (``GENERATIONS_PER_S``, each judged ``FEEDBACK_DELAY_S`` after it was served): the backlog a worker catches up
+   on after an outage. Generations first, then feedback; the worker reads the two in step by timestamp
+   (``ingest.app`` ``_pace``), so each feedback finds its generation waiting, the common case.
 2. **raw consumer**: an aiokafka consumer (the client faust runs on) reads both topics from the start to the end;
    **raw + parse** does the same and also validates every record with ``liverl.core.schemas``; **faust agent,
    consume only** is a faust app that takes the same records in ``take_events`` batches, as ingest does, and does
@@ -45,32 +47,42 @@ DEFAULTS = {"pairs": 50_000, "partitions": 4, "workers": "1,2", "timeout": 600.0
 # ------------------------------------------------------------------------------------------------ the backlog
 
 
-def _records(n: int, seed: int = 0) -> tuple[list[tuple[bytes, bytes]], list[tuple[bytes, bytes]]]:
-    """``n`` (key, generation record) and (key, feedback event) pairs, valid under the wire schemas."""
+GENERATIONS_PER_S = 200  # the backlog's pace: the last GENERATIONS_PER_S x seconds of a product's traffic
+FEEDBACK_DELAY_S = (2.0, 30.0)  # a user judges a generation this long after it was served
+
+
+def _records(n: int, seed: int = 0) -> tuple[list[tuple[bytes, bytes, int]], list[tuple[bytes, bytes, int]]]:
+    """``n`` (key, generation record, timestamp ms) and (key, feedback event, timestamp ms) pairs, valid under the wire
+    schemas. The timestamps are a product's: generations ``GENERATIONS_PER_S`` a second, each judged
+    ``FEEDBACK_DELAY_S`` later, all in the past (a backlog a worker catches up on)."""
     from liverl.core.schemas import FeedbackEvent, GenerationRecord, SamplingParams
 
     rng = random.Random(seed)
     sampling = SamplingParams(temperature=1.0, max_tokens=16)
     now = time.time()
     gens, fbs = [], []
+    start = now - n / GENERATIONS_PER_S - FEEDBACK_DELAY_S[1]
     run = f"{os.getpid()}{rng.randrange(1 << 30):x}"
     for i in range(n):
         gid = f"g-{run}-{i}"
+        t_gen = start + i / GENERATIONS_PER_S
+        t_fb = t_gen + rng.uniform(*FEEDBACK_DELAY_S)
         n_prompt, n_comp = rng.randint(12, 24), rng.randint(3, 8)
         rec = GenerationRecord(
             generation_id=gid, policy_version=0, node="bench", prompt="What is 12 + 34?", completion=" 46",
             prompt_token_ids=[rng.randrange(1, 500) for _ in range(n_prompt)],
             completion_token_ids=[rng.randrange(1, 500) for _ in range(n_comp)],
             completion_logprobs=[-rng.random() * 3 for _ in range(n_comp)], sampling=sampling, finish_reason="stop",
-            ts=now)
-        fb = FeedbackEvent(feedback_id=f"f-{run}-{i}", generation_id=gid, kind="accept" if i % 2 else "reject", ts=now)
+            ts=t_gen)
+        fb = FeedbackEvent(feedback_id=f"f-{run}-{i}", generation_id=gid, kind="accept" if i % 2 else "reject",
+                           ts=t_fb)
         key = gid.encode()
-        gens.append((key, rec.model_dump_json().encode()))
-        fbs.append((key, fb.model_dump_json().encode()))
+        gens.append((key, rec.model_dump_json().encode(), int(t_gen * 1000)))
+        fbs.append((key, fb.model_dump_json().encode(), int(t_fb * 1000)))
     return gens, fbs
 
 
-def _produce(bootstrap: str, topic: str, records: list[tuple[bytes, bytes]]) -> None:
+def _produce(bootstrap: str, topic: str, records: list[tuple[bytes, bytes, int]]) -> None:
     """Write records with librdkafka, partitioned like kafka-python and aiokafka (murmur2 of the key)."""
     from confluent_kafka import Producer
 
@@ -82,10 +94,10 @@ def _produce(bootstrap: str, topic: str, records: list[tuple[bytes, bytes]]) -> 
         if err is not None:
             failed.append(str(err))
 
-    for key, value in records:
+    for key, value, ts_ms in records:
         while True:
             try:
-                p.produce(topic, value=value, key=key, on_delivery=report)
+                p.produce(topic, value=value, key=key, timestamp=ts_ms, on_delivery=report)
                 break
             except BufferError:
                 p.poll(0.05)

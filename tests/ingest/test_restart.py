@@ -261,3 +261,27 @@ def test_local_state_from_another_broker_history_is_dropped(stack, tmp_path):
         assert "from another broker history" in h.worker.log_tail(200_000)
     finally:
         h.close()
+
+
+def test_a_backlog_is_read_in_step_so_feedback_finds_its_generation(stack, tmp_path):
+    """A worker that starts on a backlog (after an outage) reads feedback no further ahead of the generations it
+    judges than ``FEEDBACK_LEAD_S`` (Kafka timestamps). Feedback records are a fifth of a generation's size, so a fetch
+    brings them far ahead: without pacing nearly every event waited as pending (written, read back, parsed again), and
+    a backlog longer than ``ingest.max_pending`` would be dead-lettered ``pending_full``. Here max_pending is a tenth
+    of the backlog: every pair must still join, none wait, nothing is dead-lettered."""
+    from liverl.bench.ingest import _produce, _records
+
+    n = 20_000
+    h = IngestHarness(ingest_config(stack, tmp_path / "state", ingest__max_pending=n // 10), tmp_path)
+    try:
+        gens, fbs = _records(n, seed=11)  # a product's timestamps: each judged 2-30 s after it was served
+        _produce(stack.bootstrap, h.cfg.topics.generations, gens)
+        _produce(stack.bootstrap, h.cfg.topics.feedback, fbs)
+        h.start_worker(ready_timeout=120)
+        wait_until(lambda: h.live(0).get("events") == n, 120, what=f"{n} joins")
+        got = h.counters()
+        assert got.get("joined") == got.get("feedback_in") == n + 1  # (+ the start-up probe)
+        assert got.get("pended", 0) <= 1, got  # (the probe's feedback may beat its generation)
+        assert not {k: v for k, v in got.items() if k.startswith("dlq:")}, got
+    finally:
+        h.close()
