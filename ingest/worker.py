@@ -13,8 +13,14 @@ supervisor does), and the batch is replayed.
 from __future__ import annotations
 
 import asyncio
+import gc
 
 from liverl.core.config import LiverlConfig
+
+# The worker allocates a few dozen short-lived objects per event, nearly all freed by reference counting; Python's
+# default cycle-collection threshold (700 allocations) then runs the collector several times per batch, about a tenth
+# of the join's time. Collect 30x less often, and leave the objects of the start-up (modules, clients) out of it.
+GC_THRESHOLD = (20_000, 10, 10)
 
 
 def run_worker(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: int | None = None,
@@ -36,6 +42,10 @@ def run_worker(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: i
 
     async def main() -> int:
         await leave_previous_member(cfg, bootstrap)
-        return await IngestWorker(cfg, bootstrap, redis_url, web_port=web_port, web_bind=web_bind).run()
+        worker = IngestWorker(cfg, bootstrap, redis_url, web_port=web_port, web_bind=web_bind)
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(*GC_THRESHOLD)
+        return await worker.run()
 
     return asyncio.run(main())
