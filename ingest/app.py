@@ -342,9 +342,9 @@ class IngestWorker:
                 gens_read[tp.partition] = (gen_t, msgs[-1].offset + 1)
         out = dict(got)
         for tp, msgs in got.items():
-            if tp.topic != fb_topic or not msgs or tp not in assignment:
-                continue
             gen_tp = TopicPartition(gen_topic, tp.partition)
+            if tp.topic != fb_topic or not msgs or tp not in assignment or gen_tp not in assignment:
+                continue  # (a worker given feedback without its generations partition: logged at assignment)
             end = self.consumer.highwater(gen_tp)
             gen_t, gen_next = gens_read.get(tp.partition) or self.ingest.generations_read(tp.partition)
             if end is None:  # not fetched yet
@@ -376,8 +376,10 @@ class IngestWorker:
         resume = []
         for p, held_t in list(self._held.items()):
             tp, gen_tp = TopicPartition(fb_topic, p), TopicPartition(gen_topic, p)
-            if tp not in assignment:
+            if tp not in assignment or gen_tp not in assignment:
                 self._held.pop(p)
+                if tp in assignment:
+                    resume.append(tp)
                 continue
             gen_t, gen_next = self.ingest.generations_read(p)
             if gen_next is None:

@@ -134,26 +134,26 @@ def record_parts(rec: GenerationRecord) -> tuple[dict[str, Any], bytes]:
     sample read (``meta``: version ``v``, time ``ts``, completion length ``n``, latency ``ms``, ``x`` when not
     trainable) and ``body``, the sample's middle fields already serialised (``sample_json`` splices them in, so a join
     neither parses the record again nor serialises its token lists)."""
-    meta: dict[str, Any] = {"v": rec.policy_version, "ts": rec.ts, "n": len(rec.completion_token_ids)}
-    if rec.latency_s is not None:
-        meta["ms"] = round(rec.latency_s * 1000.0)
-    if not rec.trainable:
-        meta["x"] = 1
-    body = to_json({"prompt_token_ids": rec.prompt_token_ids, "completion_token_ids": rec.completion_token_ids,
-                    "behaviour_logprobs": rec.completion_logprobs, "sampling": rec.sampling})
-    return meta, body[1:-1]
+    return _parts(rec.policy_version, rec.ts, rec.latency_s, rec.trainable, rec.prompt_token_ids,
+                  rec.completion_token_ids, rec.completion_logprobs, rec.sampling)
 
 
 def legacy_parts(record_json: bytes) -> tuple[dict[str, Any], bytes]:
     """``record_parts`` of a waiting entry written before entries kept parts: the record's own canonical JSON."""
-    rec = from_json(record_json)
-    meta: dict[str, Any] = {"v": rec["policy_version"], "ts": rec["ts"], "n": len(rec["completion_token_ids"])}
-    if rec.get("latency_s") is not None:
-        meta["ms"] = round(rec["latency_s"] * 1000.0)
-    if not rec.get("trainable", True):
+    r = from_json(record_json)
+    return _parts(r["policy_version"], r["ts"], r.get("latency_s"), r.get("trainable", True), r["prompt_token_ids"],
+                  r["completion_token_ids"], r["completion_logprobs"], r["sampling"])
+
+
+def _parts(version: int, ts: float, latency_s: float | None, trainable: bool, prompt_ids: list, completion_ids: list,
+           logprobs: list, sampling: Any) -> tuple[dict[str, Any], bytes]:
+    meta: dict[str, Any] = {"v": version, "ts": ts, "n": len(completion_ids)}
+    if latency_s is not None:
+        meta["ms"] = round(latency_s * 1000.0)
+    if not trainable:
         meta["x"] = 1
-    body = to_json({"prompt_token_ids": rec["prompt_token_ids"], "completion_token_ids": rec["completion_token_ids"],
-                    "behaviour_logprobs": rec["completion_logprobs"], "sampling": rec["sampling"]})
+    body = to_json({"prompt_token_ids": prompt_ids, "completion_token_ids": completion_ids,
+                    "behaviour_logprobs": logprobs, "sampling": sampling})
     return meta, body[1:-1]
 
 
