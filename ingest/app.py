@@ -60,6 +60,7 @@ FETCH_MAX_WAIT_MS = 100  # the broker's long-poll wait: the added latency at low
 EVICT_INTERVAL_S = 60.0  # how often the table is scanned for expiry
 PRODUCER_DELIVERY_TIMEOUT_S = 120.0  # kafka-python's default delivery_timeout_ms, what generation producers use
 FEEDBACK_LEAD_S = 1.0  # how far (record timestamps) feedback may be read ahead of a generations backlog
+HOLD_MAX_S = 60.0  # the longest a feedback partition is held at once; then it is read freely as long again
 SETTLING_MAX = 2  # batches settling at once: decisions run ahead of the broker's acknowledgements by this much
 EXIT_INFRA = 75  # exit code when the broker or Redis failed mid-batch (EX_TEMPFAIL: restart me)
 MEMBER_FILE = "group-member-id"
@@ -160,7 +161,8 @@ class IngestWorker:
         self.committed: dict[Any, int] = {}
         self._committing: asyncio.Task | None = None
         self._settling: list[asyncio.Future] = []  # batches decided and not yet settled, oldest first
-        self._held: dict[int, float] = {}  # feedback partitions _hold_back paused: the first held record's time
+        self._held: dict[int, tuple[float, float]] = {}  # partitions _hold_back paused: (held record's time, since)
+        self._free_until: dict[int, float] = {}  # partitions released after HOLD_MAX_S: not held again until then
         self.stopping = False
         self._next_sweep = 0.0
         self._next_evict = time.monotonic() + evict_interval_s
@@ -327,7 +329,9 @@ class IngestWorker:
         event then waits as pending (written, read back and parsed again), and a backlog longer than
         ``ingest.max_pending`` would dead-letter feedback ``pending_full`` only because of the read order. Kafka
         Streams synchronises a join's inputs by timestamp for the same reason. Nothing is skipped (the held records
-        are fetched again from their offset), and a generations partition read to its end never holds feedback.
+        are fetched again from their offset), and a generations partition read to its end never holds feedback. A
+        partition is held ``HOLD_MAX_S`` at most and then read freely as long again, so a record with a wrong clock
+        (a timestamp far ahead) cannot stall its partition's feedback while the generations never catch up.
         """
         from aiokafka import TopicPartition
 
@@ -341,10 +345,13 @@ class IngestWorker:
                     gen_t = max(gen_t or 0.0, newest / 1000.0)
                 gens_read[tp.partition] = (gen_t, msgs[-1].offset + 1)
         out = dict(got)
+        now = time.monotonic()
         for tp, msgs in got.items():
             gen_tp = TopicPartition(gen_topic, tp.partition)
             if tp.topic != fb_topic or not msgs or tp not in assignment or gen_tp not in assignment:
                 continue  # (a worker given feedback without its generations partition: logged at assignment)
+            if self._free_until.get(tp.partition, 0.0) > now:
+                continue
             end = self.consumer.highwater(gen_tp)
             gen_t, gen_next = gens_read.get(tp.partition) or self.ingest.generations_read(tp.partition)
             if end is None:  # not fetched yet
@@ -359,7 +366,7 @@ class IngestWorker:
                 continue
             self.consumer.seek(tp, msgs[cut].offset)
             self.consumer.pause(tp)
-            self._held[tp.partition] = msgs[cut].timestamp / 1000.0
+            self._held[tp.partition] = (msgs[cut].timestamp / 1000.0, now)
             log.debug("feedback partition %d held at offset %d: its generations are read up to %s", tp.partition,
                       msgs[cut].offset, gen_t)
             out[tp] = msgs[:cut]
@@ -374,7 +381,8 @@ class IngestWorker:
         fb_topic, gen_topic = self.cfg.topics.feedback, self.cfg.topics.generations
         assignment = self.consumer.assignment()
         resume = []
-        for p, held_t in list(self._held.items()):
+        now = time.monotonic()
+        for p, (held_t, since) in list(self._held.items()):
             tp, gen_tp = TopicPartition(fb_topic, p), TopicPartition(gen_topic, p)
             if tp not in assignment or gen_tp not in assignment:
                 self._held.pop(p)
@@ -385,9 +393,14 @@ class IngestWorker:
             if gen_next is None:
                 gen_next = await self.consumer.position(gen_tp)
             end = self.consumer.highwater(gen_tp)
-            if end is None or gen_next >= end or (gen_t is not None and gen_t + FEEDBACK_LEAD_S >= held_t):
-                resume.append(tp)
-                self._held.pop(p)
+            if now - since >= HOLD_MAX_S:
+                log.warning("feedback partition %d held %.0f s behind a generations backlog that does not catch up "
+                            "(record time %.3f): read freely for %.0f s", p, now - since, held_t, HOLD_MAX_S)
+                self._free_until[p] = now + HOLD_MAX_S
+            elif not (end is None or gen_next >= end or (gen_t is not None and gen_t + FEEDBACK_LEAD_S >= held_t)):
+                continue
+            resume.append(tp)
+            self._held.pop(p)
         if resume:
             self.consumer.resume(*resume)
         self.metrics.paced.set(len(self._held))
@@ -485,6 +498,7 @@ class IngestWorker:
                           "count (broker.partitions) and every worker the same subscription", sorted(gens), sorted(fbs))
             self.done = {tp: off for tp, off in self.done.items() if tp in mine}
             self._held.clear()
+            self._free_until.clear()
             paused = self.consumer.paused() & mine
             if paused:
                 self.consumer.resume(*paused)
