@@ -12,6 +12,8 @@
 | RocksDB memory                    | 16 MiB block cache + 2 x 16 MiB write buffers per partition  |
 | the partitioner's hash cache      | ``ingest.table._HASHES_MAX`` keys (65,536), then emptied      |
 | one batch (records, outputs)      | ``ingest.app.BATCH_MAX`` input records                       |
+| batches decided, not yet settled  | ``ingest.app.SETTLING_MAX`` + the one being decided          |
+| held feedback partitions          | the partitions assigned (one entry each)                     |
 
 The join table's dict stands in for ``ingest.table.JoinTable`` here (the decisions are the same code); Redis is the
 real one.
