@@ -302,8 +302,8 @@ class IngestWorker:
         if not ends:
             return
         warm_hashes([m.key for msgs in got.values() for m in msgs if m.key is not None])  # the join checks each
-        while len(self._settling) >= SETTLING_MAX:
-            await self._settling[0]
+        while len(self._unsettled()) >= SETTLING_MAX:
+            await asyncio.wait([self._settling[0]])
         try:
             # generations first: feedback in the same batch then finds its record waiting instead of pending
             out = self.ingest.decide(gens + fbs)
@@ -314,9 +314,7 @@ class IngestWorker:
             die(f"{type(e).__name__}: {e}")
         self.outbox.flush()  # the batch's samples and dead letters leave now, while the previous batch settles
         prev = self._settling[-1] if self._settling else None
-        task = asyncio.ensure_future(self._settle(prev, out, ends))
-        self._settling.append(task)
-        task.add_done_callback(self._settling.remove)
+        self._settling.append(asyncio.ensure_future(self._settle(prev, out, ends)))
 
     async def _hold_back(self, got: dict, assignment) -> dict:
         """Read the two inputs of a partition in step: feedback more than ``FEEDBACK_LEAD_S`` newer (Kafka timestamps)
@@ -421,10 +419,16 @@ class IngestWorker:
         if self._committing is None or self._committing.done():  # in the background: the next batch need not wait
             self._committing = asyncio.ensure_future(self._commit())
 
+    def _unsettled(self) -> list[asyncio.Future]:
+        """The settling batches, oldest first (the finished ones dropped here, not by a done callback: awaiting a
+        finished task does not yield to the loop, so a loop waiting for such a callback would spin forever)."""
+        self._settling = [t for t in self._settling if not t.done()]
+        return self._settling
+
     async def _drain(self) -> None:
         """Wait until every decided batch is settled (before a timer, a rebalance or a stop)."""
-        while self._settling:
-            await self._settling[-1]
+        while self._unsettled():
+            await asyncio.wait(self._settling)
 
     async def _commit_now(self) -> None:
         """Commit what is done, after any commit still in flight (a rebalance or a stop)."""

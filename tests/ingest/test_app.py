@@ -366,3 +366,34 @@ def test_rewards_come_from_the_product(cfg):
 
     with pytest.raises(ValueError, match="has no attribute 'NOPE'"):
         load_product(cfg)
+
+
+def test_waiting_for_settled_batches_yields_and_ends(cfg):
+    """The worker waits for settling batches before deciding a third, and for all of them before a timer, a
+    rebalance or a stop. A batch that has just settled must count as settled at once: awaiting a finished task does
+    not yield to the event loop, so a wait that relied on the task's done callback to drop it spun forever (the demo's
+    ingest worker hung that way, SIGTERM included). Run in a thread so a regression fails here instead of hanging."""
+    import asyncio
+    import threading
+
+    from ingest.app import IngestWorker
+
+    finished: list[bool] = []
+
+    def run():
+        async def main():
+            w = IngestWorker(cfg, cfg.broker.bootstrap, cfg.redis.url, web_port=0)
+            loop = asyncio.get_running_loop()
+            settled = [loop.create_future(), loop.create_future()]
+            for f in settled:
+                f.set_result(None)  # finished; their done callbacks (none here) would run only at the next yield
+            w._settling = list(settled)
+            await w._drain()
+            finished.append(w._unsettled() == [])
+
+        asyncio.run(main())
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(10)
+    assert finished == [True], "waiting for settled batches did not end"
