@@ -350,13 +350,8 @@ class IngestWorker:
                 continue  # (a worker given feedback without its generations partition: logged at assignment)
             if self._free_until.get(tp.partition, 0.0) > now:
                 continue
-            end = self.consumer.highwater(gen_tp)
-            gen_t, gen_next = gens_read.get(tp.partition) or self.ingest.generations_read(tp.partition)
-            if end is None:  # not fetched yet
-                continue
-            if gen_next is None:  # none decided since the assignment: where the consumer stands
-                gen_next = await self.consumer.position(gen_tp)
-            if end <= gen_next:  # read to its end
+            gen_t, gen_next, end = await self._generations_progress(gen_tp, gens_read.get(tp.partition))
+            if end is None or end <= gen_next:  # not fetched yet, or read to its end
                 continue
             limit = -1.0 if gen_t is None else (gen_t + FEEDBACK_LEAD_S) * 1000.0
             cut = next((i for i, m in enumerate(msgs) if m.timestamp is not None and m.timestamp > limit), None)
@@ -369,6 +364,15 @@ class IngestWorker:
                       msgs[cut].offset, gen_t)
             out[tp] = msgs[:cut]
         return out
+
+    async def _generations_progress(self, gen_tp, read: tuple[float | None, int | None] | None = None
+                                    ) -> tuple[float | None, int, int | None]:
+        """(newest generation time read, next offset to read, end offset: None until the partition is fetched) of a
+        generations partition; ``read`` overrides what the join has decided (a batch not decided yet)."""
+        gen_t, gen_next = read or self.ingest.generations_read(gen_tp.partition)
+        if gen_next is None:  # none decided since the assignment: where the consumer stands
+            gen_next = await self.consumer.position(gen_tp)
+        return gen_t, gen_next, self.consumer.highwater(gen_tp)
 
     async def _pace(self) -> None:
         """Resume held feedback partitions whose generations have caught up (``_hold_back``)."""
@@ -387,10 +391,7 @@ class IngestWorker:
                 if tp in assignment:
                     resume.append(tp)
                 continue
-            gen_t, gen_next = self.ingest.generations_read(p)
-            if gen_next is None:
-                gen_next = await self.consumer.position(gen_tp)
-            end = self.consumer.highwater(gen_tp)
+            gen_t, gen_next, end = await self._generations_progress(gen_tp)
             if now - since >= HOLD_MAX_S:
                 log.warning("feedback partition %d held %.0f s behind a generations backlog that does not catch up "
                             "(record time %.3f): read freely for %.0f s", p, now - since, held_t, HOLD_MAX_S)

@@ -91,7 +91,7 @@ class Tally:
 def observe_many(hist: Histogram, values: list[float]) -> None:
     """``hist.observe(v)`` for every finite ``v`` (negatives as 0; a NaN would poison the sum for good), with one
     increment per bucket instead of two locked increments per value: a batch observes thousands. Reaches into the
-    histogram's buckets (prometheus_client has no bulk observe); tests/ingest/test_bounds.py checks the exposition
+    histogram's buckets (prometheus_client has no bulk observe); tests/ingest/test_fuzz.py checks the exposition
     is the one ``observe`` gives, and a client without these internals falls back to ``observe``."""
     bounds = getattr(hist, "_upper_bounds", None)
     buckets = getattr(hist, "_buckets", None)

@@ -7,7 +7,7 @@ The issue's measure, on one broker (the embedded one, or ``broker.bootstrap``) a
    partitions, keyed by generation id as the gateway and the SDK write them, with a product's timestamps
    (``GENERATIONS_PER_S``, each judged ``FEEDBACK_DELAY_S`` after it was served): the backlog a worker catches up
    on after an outage. Generations first, then feedback; the worker reads the two in step by timestamp
-   (``ingest.app`` ``_pace``), so each feedback finds its generation waiting, the common case.
+   (``ingest.app`` ``_hold_back``), so each feedback finds its generation waiting, the common case.
 2. **raw consumer**: an aiokafka consumer (the client faust runs on) reads both topics from the start to the end;
    **raw + parse** does the same and also validates every record with ``liverl.core.schemas``; **faust agent,
    consume only** is a faust app that takes the same records in ``take_events`` batches, as ingest does, and does
