@@ -14,13 +14,18 @@ in batches of up to ``BATCH_MAX`` (``getmany``) and, per batch:
 1. ``ingest.join`` decides every event against the join table (``ingest.table``: one database per partition,
    RocksDB by default, kept by a compacted changelog topic) and the table writes of batches decided before it;
 2. the batch's samples and dead letters go to the broker as one record batch per partition, and are acknowledged;
-3. once the batch before it is settled, the batch's table changes go to the changelog, are acknowledged, then to
-   the databases (with the changelog offset they reach, in the same write), and its counters go to Redis (the live
-   counters exactly once per ``feedback_id``);
-4. its input offsets are committed.
+3. once the batch before it is settled, its counters go to Redis (the live counters exactly once per
+   ``feedback_id``) and its table changes join the table's write buffer;
+4. about once a second (``TABLE_FLUSH_S``, or sooner when the buffer holds ``TABLE_BUFFER_WRITES`` entries or
+   ``TABLE_BUFFER_BYTES``), the buffer goes to the changelog, is acknowledged, then to the databases (with the
+   changelog offset it reaches, in the same write); only then are the input offsets of the batches it holds
+   committed.
 
 Steps 2-4 run in the background while the next batch is decided (``SETTLING_MAX`` batches at most): the worker's
-CPU decides while the broker and Redis answer. Batches settle in the order they were decided.
+CPU decides while the broker and Redis answer. Batches settle in the order they were decided. The write buffer is
+Kafka Streams' record cache: a generation written waiting and judged within the same second reaches the changelog
+and the database once, as judged (on a backlog, most of them: half the changelog records and database writes). A
+kill -9 replays at most the input of the unflushed buffer, as it replays an unsettled batch.
 
 Why not faust's stream and table machinery (the first design): faust hands records to an agent one by one and
 produces one by one; on the demo's records its consume path alone tops out near 6,000 pairs/s on one core, a
@@ -62,6 +67,9 @@ PRODUCER_DELIVERY_TIMEOUT_S = 120.0  # kafka-python's default delivery_timeout_m
 FEEDBACK_LEAD_S = 1.0  # how far (record timestamps) feedback may be read ahead of a generations backlog
 HOLD_MAX_S = 60.0  # the longest a feedback partition is held at once; then it is read freely as long again
 SETTLING_MAX = 2  # batches settling at once: decisions run ahead of the broker's acknowledgements by this much
+TABLE_FLUSH_S = 1.0  # how often the table's write buffer goes to the changelog (then the input offsets are committed)
+TABLE_BUFFER_WRITES = 50_000  # ... or sooner, once it holds this many entries
+TABLE_BUFFER_BYTES = 32 << 20  # ... or this many bytes of values
 EXIT_INFRA = 75  # exit code when the broker or Redis failed mid-batch (EX_TEMPFAIL: restart me)
 MEMBER_FILE = "group-member-id"
 LOCK_FILE = "LOCK"
@@ -158,6 +166,8 @@ class IngestWorker:
         self.busy = asyncio.Lock()  # a batch, a timer or a rebalance callback: one at a time
         self.epoch = 0  # bumped by every rebalance: a batch fetched before one is not processed
         self.done: dict[Any, int] = {}  # next offset to commit, per input partition
+        self._unflushed: dict[Any, int] = {}  # next offsets of settled batches whose table writes are still buffered
+        self._flush_at = 0.0  # when the table's write buffer is next written (monotonic)
         self.committed: dict[Any, int] = {}
         self._committing: asyncio.Task | None = None
         self._settling: list[asyncio.Future] = []  # batches decided and not yet settled, oldest first
@@ -176,9 +186,16 @@ class IngestWorker:
     async def _flush_outputs(self) -> None:
         await self.outbox.flush()
 
-    async def _write_table(self) -> None:
+    async def _write_table(self, force: bool = False) -> None:
+        """Write the table's buffered changes when the buffer is due (``TABLE_FLUSH_S``) or full, or ``force``."""
+        t = self.table
+        now = time.monotonic()
+        if not t.dirty or not (force or now >= self._flush_at or len(t.buffered) >= TABLE_BUFFER_WRITES
+                               or t.buffered_bytes >= TABLE_BUFFER_BYTES):
+            return
+        self._flush_at = now + TABLE_FLUSH_S
         try:
-            await self.table.flush(self.outbox)
+            await t.flush(self.outbox)
         except Exception as e:
             raise InfraError(f"writing the join table's changelog failed: {type(e).__name__}: {e}") from e
 
@@ -416,8 +433,17 @@ class IngestWorker:
         except Exception as e:  # noqa: BLE001 - anything here is the worker's
             log.exception("settling a batch failed")
             die(f"{type(e).__name__}: {e}")
-        self.done.update(ends)
-        if self._committing is None or self._committing.done():  # in the background: the next batch need not wait
+        self._unflushed.update(ends)
+        self._release()
+
+    def _release(self) -> None:
+        """Once the table holds no buffered change, the input offsets of every settled batch may be committed: in
+        the background, the next batch need not wait."""
+        if self.table.dirty or not self._unflushed:
+            return
+        self.done.update(self._unflushed)
+        self._unflushed.clear()
+        if self._committing is None or self._committing.done():
             self._committing = asyncio.ensure_future(self._commit())
 
     def _unsettled(self) -> list[asyncio.Future]:
@@ -427,9 +453,15 @@ class IngestWorker:
         return self._settling
 
     async def _drain(self) -> None:
-        """Wait until every decided batch is settled (before a timer, a rebalance or a stop)."""
+        """Wait until every decided batch is settled and the table's write buffer is written (before a timer, a
+        rebalance or a stop)."""
         while self._unsettled():
             await asyncio.wait(self._settling)
+        try:
+            await self._write_table(force=True)
+        except InfraError as e:
+            die(str(e))
+        self._release()
 
     async def _commit_now(self) -> None:
         """Commit what is done, after any commit still in flight (a rebalance or a stop)."""
@@ -452,6 +484,8 @@ class IngestWorker:
         now = time.monotonic()
         if now >= self._next_sweep and not self.ingest.pending:  # nothing can expire: no need to stop the pipeline
             self._next_sweep = now + self.sweep_s
+        if self.table.dirty and now >= self._flush_at and not self._unsettled():  # no batch came to write the buffer
+            return True
         return now >= self._next_sweep or now >= self._next_evict
 
     async def _timers(self) -> None:

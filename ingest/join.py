@@ -92,8 +92,16 @@ class _Batch:
 
 
 def pack(kind: bytes, t: float, meta: dict | None = None, payload: bytes = b"") -> bytes:
-    head = kind + b"|" + repr(float(t)).encode() + b"|"
+    got = _HEADS.get(kind)
+    if got is not None and got[0] == t:  # a batch writes its entries at one time: the head is the same
+        head = got[1]
+    else:
+        head = kind + b"|" + repr(float(t)).encode() + b"|"
+        _HEADS[kind] = (t, head)
     return head + (to_json(meta) if meta is not None else b"") + b"\n" + payload
+
+
+_HEADS: dict[bytes, tuple[float, bytes]] = {}  # the last head made per kind
 
 
 def head(value: bytes) -> tuple[bytes, float]:
@@ -202,6 +210,9 @@ class Ingest:
         self.ic = cfg.ingest
         self.product = load_product(cfg)  # reward shaping is the product's (default: [ingest.rewards])
         self.topics = cfg.topics
+        # (the topic names are properties that format a string: read once, not per event)
+        self._topic_generations, self._topic_samples = cfg.topics.generations, cfg.topics.samples
+        self._topic_heldout, self._topic_dead = cfg.topics.heldout, cfg.topics.dead_letters
         self.metrics = metrics
         self.table = table
         self._send = send
@@ -271,9 +282,12 @@ class Ingest:
         """
         out = _Batch()
         now = time.time() if now is None else now
+        gen_topic = self._topic_generations
+        gens = 0
         for src, value in events:
             try:
-                if src.topic == self.topics.generations:
+                if src.topic == gen_topic:
+                    gens += 1
                     self._on_generation(src, value, out, now)
                 else:
                     self._on_feedback(src, value, out, now)
@@ -284,6 +298,10 @@ class Ingest:
                 self._dead(out, "internal_error", f"{type(e).__name__}: {e}", src, value)
         self._ahead.update(out.writes)
         self._ahead_pending += out.new_pending
+        for name, n in (("generations_in", gens), ("feedback_in", len(events) - gens),
+                        ("joined", sum(out.tally.joined_kinds.values()))):
+            if n:
+                out.tally.inc(name, n)
         return out
 
     def _parse(self, model, value: bytes | None):
@@ -297,7 +315,6 @@ class Ingest:
             return e
 
     def _on_generation(self, src: Source, value: bytes | None, out: _Batch, now: float) -> None:
-        out.tally.inc("generations_in")
         if src.partition is not None:
             self._gen_clock[src.partition] = max(self._gen_clock.get(src.partition, 0.0), src.ts or now)
             if src.offset is not None:
@@ -329,7 +346,6 @@ class Ingest:
         out.writes[gid] = new
 
     def _on_feedback(self, src: Source, value: bytes | None, out: _Batch, now: float) -> None:
-        out.tally.inc("feedback_in")
         fb = self._parse(FeedbackEvent, value)
         if isinstance(fb, WireError):
             self._dead(out, fb.reason, fb.detail, src, value)
@@ -429,13 +445,12 @@ class Ingest:
         keep = sample if fb.kind == "accept" and not heldout else b""
         out.writes[gid] = pack(JUDGED, now, meta, keep)
         if sample:
-            out.futs.append(self._emit(self.topics.heldout if heldout else self.topics.samples, gid, sample))
+            out.futs.append(self._emit(self._topic_heldout if heldout else self._topic_samples, gid, sample))
             if heldout:
                 out.tally.inc("heldout_out")
             else:
                 out.samples += 1
-        out.tally.inc("joined")
-        out.tally.joined_kinds[fb.kind] += 1
+        out.tally.joined_kinds[fb.kind] += 1  # ("joined" is their sum, counted once per batch)
         out.tally.live.append((fb.feedback_id, version, fb.kind + guardrails))
         out.tally.feedback_delays_s.append(now - fb.ts)
 

@@ -107,27 +107,41 @@ def murmur2_many(keys: list[bytes]) -> list[int]:
 
 
 _HASHES: dict[bytes, int] = {}  # murmur2 is pure Python (~3 us); a batch asks for the same keys several times
-_HASHES_MAX = 65_536
+_HASHES_OLD: dict[bytes, int] = {}  # the previous generation of the cache: a key hashed just before it filled still hits
+_HASHES_MAX = 65_536  # keys per generation (two generations)
+
+
+def _cached_hash(key: bytes) -> int | None:
+    h = _HASHES.get(key)
+    return _HASHES_OLD.get(key) if h is None else h
+
+
+def _new_generation() -> None:
+    global _HASHES, _HASHES_OLD
+    _HASHES_OLD, _HASHES = _HASHES, {}
 
 
 def partition_of(key: bytes, partitions: int) -> int:
     """The partition Kafka's default (murmur2) partitioner gives ``key``: Java client, aiokafka, kafka-python."""
     h = _HASHES.get(key)
     if h is None:
-        if len(_HASHES) >= _HASHES_MAX:
-            _HASHES.clear()
-        h = _HASHES[key] = murmur2(key) & 0x7FFFFFFF
+        h = _HASHES_OLD.get(key)
+        if h is None:
+            if len(_HASHES) >= _HASHES_MAX:
+                _new_generation()
+            h = _HASHES[key] = murmur2(key) & 0x7FFFFFFF
     return h % partitions
 
 
 def warm_hashes(keys: list[bytes]) -> None:
-    """Put the hashes of a batch's keys in the partitioner's cache in one pass (``murmur2_many``)."""
-    todo = list({k for k in keys if k not in _HASHES})
+    """Put the hashes of many keys in the partitioner's cache in one pass (``murmur2_many``)."""
+    todo = list({k for k in keys if _cached_hash(k) is None})
     if len(todo) < 64:  # the per-key path is as fast for a few
         return
+    todo = todo[:_HASHES_MAX]
     if len(_HASHES) + len(todo) > _HASHES_MAX:
-        _HASHES.clear()
-    for k, h in zip(todo[:_HASHES_MAX], murmur2_many(todo[:_HASHES_MAX]), strict=True):
+        _new_generation()
+    for k, h in zip(todo, murmur2_many(todo), strict=True):
         _HASHES[k] = h & 0x7FFFFFFF
 
 
@@ -214,6 +228,7 @@ class Outbox:
     def __init__(self, producer):
         self.producer = producer
         self._queued: list[tuple[str, int | None, bytes, bytes | None]] = []
+        self._grouped: list[tuple[str, int, list[tuple[bytes, bytes | None]]]] = []  # put_many: a partition's records
         self._partitions: dict[str, int] = {}
         self._done: asyncio.Future | None = None  # what every queued record's sender waits on (one per flush)
         self._sending: set[asyncio.Future] = set()  # flushes in flight
@@ -238,25 +253,32 @@ class Outbox:
     def put(self, topic: str, partition: int, key: bytes, value: bytes | None) -> None:
         self._queued.append((topic, partition, key, value))
 
+    def put_many(self, topic: str, partition: int, records: list[tuple[bytes, bytes | None]]) -> None:
+        """Queue (key, value) records for one partition, in order (after what ``put`` and ``send`` queued)."""
+        self._grouped.append((topic, partition, records))
+
     def flush(self) -> asyncio.Future:
         """Send everything queued so far (records queued after this call wait for the next flush). The future resolves
         to the last offset written per (topic, partition), or raises if the broker refused any of it (the queued
         records' futures get the error too)."""
         queued, self._queued = self._queued, []
+        grouped, self._grouped = self._grouped, []
         done, self._done = self._done, None
-        task = asyncio.ensure_future(self._send(queued, done))
+        task = asyncio.ensure_future(self._send(queued, done, grouped))
         self._sending.add(task)  # the loop holds tasks weakly: one nobody awaits could vanish mid-send
         task.add_done_callback(self._sending.discard)
         return task
 
-    async def _send(self, queued, done: asyncio.Future | None) -> dict[tuple[str, int], int]:
-        if not queued:
+    async def _send(self, queued, done: asyncio.Future | None, grouped=()) -> dict[tuple[str, int], int]:
+        if not queued and not grouped:
             return {}
         by_tp: dict[tuple[str, int], list[tuple[bytes, bytes | None]]] = {}
         for topic, partition, key, value in queued:
             if partition is None:
                 partition = partition_of(key, await self.partitions(topic))
             by_tp.setdefault((topic, partition), []).append((key, value))
+        for topic, partition, records in grouped:
+            by_tp.setdefault((topic, partition), []).extend(records)
         sent: list[tuple[tuple[str, int], int, asyncio.Future]] = []  # (tp, records in the batch, batch future)
         try:
             now_ms = int(time.time() * 1000)
@@ -288,7 +310,7 @@ class Outbox:
         return last
 
     def __len__(self) -> int:
-        return len(self._queued)
+        return len(self._queued) + sum(len(r) for _, _, r in self._grouped)
 
 
 class JoinTable(MutableMapping[str, bytes]):
@@ -299,7 +321,8 @@ class JoinTable(MutableMapping[str, bytes]):
         self.partitions = partitions
         self.state_dir = state_dir  # None: in memory
         self.parts: dict[int, _Part] = {}
-        self._writes: dict[str, bytes | None] = {}
+        self._writes: dict[str, bytes | None] = {}  # the write buffer: changes not yet sent to the changelog
+        self._write_bytes = 0
         self._flushing: dict[str, bytes | None] = {}  # writes on their way to the changelog: still read from here
 
     def partition(self, key: str) -> int:
@@ -330,6 +353,7 @@ class JoinTable(MutableMapping[str, bytes]):
 
     def __setitem__(self, key: str, value: bytes) -> None:
         self._writes[key] = value
+        self._write_bytes += len(value)
 
     def __delitem__(self, key: str) -> None:
         if key not in self:
@@ -363,6 +387,16 @@ class JoinTable(MutableMapping[str, bytes]):
     def dirty(self) -> bool:
         return bool(self._writes)
 
+    @property
+    def buffered(self) -> dict[str, bytes | None]:
+        """The changes not yet sent to the changelog (read-only: write through the mapping)."""
+        return self._writes
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of values written to the buffer since it was last flushed (an overwrite counts again: a bound)."""
+        return self._write_bytes
+
     async def flush(self, outbox: Outbox) -> int:
         """Write this batch's changes to the changelog, then, once the broker has them, to the databases."""
         if not self._writes:
@@ -370,13 +404,20 @@ class JoinTable(MutableMapping[str, bytes]):
         if self._flushing:
             raise RuntimeError("join table: a flush while another is in flight (flushes must be one at a time)")
         writes, self._writes = self._writes, {}
+        self._write_bytes = 0
         self._flushing = writes  # readable until the databases have them
         by_part: dict[int, list[tuple[bytes, bytes | None]]] = {}
-        for key, value in writes.items():
-            k = key.encode()
-            p = partition_of(k, self.partitions)
-            by_part.setdefault(p, []).append((k, value))
-            outbox.put(self.topic, p, k, value)
+        keys = [key.encode() for key in writes]
+        warm_hashes(keys)
+        n = self.partitions
+        for k, value in zip(keys, writes.values(), strict=True):
+            p = partition_of(k, n)
+            if p in by_part:
+                by_part[p].append((k, value))
+            else:
+                by_part[p] = [(k, value)]
+        for p, changes in by_part.items():
+            outbox.put_many(self.topic, p, changes)
         try:
             offsets = await outbox.flush()
         except BaseException:

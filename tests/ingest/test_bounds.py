@@ -10,7 +10,8 @@
 | Redis guard keys ``counted:*``    | ``COUNTED_TTL_S`` (7 days) each                              |
 | Redis/Prometheus counter names    | fixed reason codes (never input text)                        |
 | RocksDB memory                    | 16 MiB block cache + 2 x 16 MiB write buffers per partition  |
-| the partitioner's hash cache      | ``ingest.table._HASHES_MAX`` keys (65,536), then emptied      |
+| the partitioner's hash cache      | two generations of ``ingest.table._HASHES_MAX`` keys (65,536)  |
+| the join table's write buffer     | ``ingest.app.TABLE_BUFFER_WRITES`` / ``TABLE_BUFFER_BYTES``, ``TABLE_FLUSH_S`` |
 | one batch (records, outputs)      | ``ingest.app.BATCH_MAX`` input records                       |
 | batches decided, not yet settled  | ``ingest.app.SETTLING_MAX`` + the one being decided          |
 | held feedback partitions          | the partitions assigned (one entry each)                     |
@@ -333,14 +334,20 @@ def test_murmur2_is_kafkas():
 def test_the_partitioners_hash_cache_is_bounded():
     from ingest import table
 
+    def bounded() -> bool:
+        return len(table._HASHES) <= table._HASHES_MAX and len(table._HASHES_OLD) <= table._HASHES_MAX
+
     table._HASHES.clear()
-    for i in range(table._HASHES_MAX + 1000):
+    table._HASHES_OLD.clear()
+    for i in range(2 * table._HASHES_MAX + 1000):
         table.partition_of(f"gen-{i}".encode(), 4)
-        assert len(table._HASHES) <= table._HASHES_MAX
+        assert bounded()
+    assert table._cached_hash(b"gen-1") is None  # two generations ago: dropped
+    assert table._cached_hash(f"gen-{table._HASHES_MAX + 10}".encode()) is not None  # the previous one still hits
     assert table.partition_of(b"gen-1", 4) == (table.murmur2(b"gen-1") & 0x7FFFFFFF) % 4
     for start in (0, table._HASHES_MAX // 2, table._HASHES_MAX):  # a batch's keys hashed at once: the same bound
         table.warm_hashes([f"batch-{i}".encode() for i in range(start, start + table._HASHES_MAX // 2 + 1000)])
-        assert len(table._HASHES) <= table._HASHES_MAX
+        assert bounded()
     assert table.partition_of(b"batch-70000", 4) == (table.murmur2(b"batch-70000") & 0x7FFFFFFF) % 4
 
 
