@@ -66,7 +66,8 @@ EVICT_INTERVAL_S = 60.0  # how often the table is scanned for expiry
 PRODUCER_DELIVERY_TIMEOUT_S = 120.0  # kafka-python's default delivery_timeout_ms, what generation producers use
 FEEDBACK_LEAD_S = 1.0  # how far (record timestamps) feedback may be read ahead of a generations backlog
 HOLD_MAX_S = 60.0  # the longest a feedback partition is held at once; then it is read freely as long again
-SETTLING_MAX = 2  # batches settling at once: decisions run ahead of the broker's acknowledgements by this much
+SETTLING_MAX = 3  # batches settling at once: decisions run ahead of the broker's acknowledgements by this much
+DECIDE_SLICE = 500  # input records decided between two yields to the event loop (earlier batches settle meanwhile)
 TABLE_FLUSH_S = 1.0  # how often the table's write buffer goes to the changelog (then the input offsets are committed)
 TABLE_BUFFER_WRITES = 50_000  # ... or sooner, once it holds this many entries
 TABLE_BUFFER_BYTES = 32 << 20  # ... or this many bytes of values
@@ -159,15 +160,20 @@ class IngestWorker:
                                self.state if ic.store == "rocksdb" else None)
         self.ingest = Ingest(cfg, self.metrics, self.table, self._send, end_offset=self._end_offset,
                              assigned=self._assigned, partition_of=self.table.partition, flush=self._flush_outputs,
-                             write_table=self._write_table)
+                             write_table=None)  # the worker writes the table itself (``_write_table``)
         self.consumer: Any = None
-        self.producer: Any = None
+        self.producer: Any = None  # samples, held-out samples, dead letters
         self.outbox: Outbox | None = None
+        # The join table's changelog has its own producer: a client sends one produce request per broker at a time,
+        # so a second of table changes (megabytes) would hold up the next batches' samples behind it.
+        self.table_producer: Any = None
+        self.table_outbox: Outbox | None = None
         self.busy = asyncio.Lock()  # a batch, a timer or a rebalance callback: one at a time
         self.epoch = 0  # bumped by every rebalance: a batch fetched before one is not processed
         self.done: dict[Any, int] = {}  # next offset to commit, per input partition
         self._unflushed: dict[Any, int] = {}  # next offsets of settled batches whose table writes are still buffered
         self._flush_at = 0.0  # when the table's write buffer is next written (monotonic)
+        self._table_flush: asyncio.Task | None = None  # the buffer on its way to the changelog and the databases
         self.committed: dict[Any, int] = {}
         self._committing: asyncio.Task | None = None
         self._settling: list[asyncio.Future] = []  # batches decided and not yet settled, oldest first
@@ -186,18 +192,41 @@ class IngestWorker:
     async def _flush_outputs(self) -> None:
         await self.outbox.flush()
 
-    async def _write_table(self, force: bool = False) -> None:
-        """Write the table's buffered changes when the buffer is due (``TABLE_FLUSH_S``) or full, or ``force``."""
+    def _buffer_full(self) -> bool:
         t = self.table
+        return len(t.buffered) >= TABLE_BUFFER_WRITES or t.buffered_bytes >= TABLE_BUFFER_BYTES
+
+    def _table_flushing(self) -> bool:
+        return self._table_flush is not None and not self._table_flush.done()
+
+    async def _write_table(self, force: bool = False) -> None:
+        """Start writing the table's write buffer when it is due (``TABLE_FLUSH_S``) or full: in the background, so
+        batches go on settling into a new buffer meanwhile (one write at a time: a full buffer waits for the one in
+        flight). ``force``: write it now and wait until the databases have it."""
+        if self._table_flushing():
+            if not (force or self._buffer_full()):
+                return
+            await self._table_flush
         now = time.monotonic()
-        if not t.dirty or not (force or now >= self._flush_at or len(t.buffered) >= TABLE_BUFFER_WRITES
-                               or t.buffered_bytes >= TABLE_BUFFER_BYTES):
+        if not self.table.dirty or not (force or now >= self._flush_at or self._buffer_full()):
             return
         self._flush_at = now + TABLE_FLUSH_S
+        # the settled batches whose changes this write holds: their input offsets may be committed once it is done
+        self._table_flush = asyncio.ensure_future(self._flush_table(dict(self._unflushed)))
+        if force:
+            await self._table_flush
+
+    async def _flush_table(self, covered: dict) -> None:
         try:
-            await t.flush(self.outbox)
-        except Exception as e:
-            raise InfraError(f"writing the join table's changelog failed: {type(e).__name__}: {e}") from e
+            await self.table.flush(self.table_outbox)
+        except Exception as e:  # noqa: BLE001 - the broker failed: restart and replay
+            die(f"writing the join table's changelog failed: {type(e).__name__}: {e}")
+        self.done.update(covered)
+        for tp, off in covered.items():
+            if self._unflushed.get(tp) == off:
+                del self._unflushed[tp]
+        self._table_flush = None
+        self._release(committed=bool(covered))
 
     def _assigned(self, partition: int) -> bool:
         from aiokafka import TopicPartition
@@ -238,10 +267,10 @@ class IngestWorker:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop)
         rebalance_ms = int(float(self.cfg.broker.rebalance_timeout_s) * 1000)
-        self.producer = AIOKafkaProducer(
-            bootstrap_servers=self.bootstrap, client_id=self.group, acks="all", linger_ms=0,
+        self.producer, self.table_producer = (AIOKafkaProducer(
+            bootstrap_servers=self.bootstrap, client_id=f"{self.group}{suffix}", acks="all", linger_ms=0,
             max_batch_size=MAX_BATCH_BYTES, max_request_size=MAX_REQUEST_BYTES,
-            request_timeout_ms=30_000, **self.security)
+            request_timeout_ms=30_000, **self.security) for suffix in ("", "-table"))
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap, group_id=self.group, client_id=self.group, enable_auto_commit=False,
             auto_offset_reset="earliest", fetch_max_wait_ms=FETCH_MAX_WAIT_MS, max_partition_fetch_bytes=4 << 20,
@@ -252,7 +281,9 @@ class IngestWorker:
         web = None
         await self.producer.start()
         try:
+            await self.table_producer.start()
             self.outbox = Outbox(self.producer)
+            self.table_outbox = Outbox(self.table_producer)
             self.consumer.subscribe(list(self.inputs), listener=_listener(self))
             await self.consumer.start()
             web = await self._start_web()
@@ -285,7 +316,8 @@ class IngestWorker:
 
     async def _close(self, web) -> None:
         for what, fn in (("consumer", self.consumer.stop if self.consumer else None),
-                         ("producer", self.producer.stop), ("web", web.cleanup if web else None),
+                         ("producer", self.producer.stop), ("table producer", self.table_producer.stop),
+                         ("web", web.cleanup if web else None),
                          ("redis", self.metrics.close)):
             if fn is None:
                 continue
@@ -319,11 +351,20 @@ class IngestWorker:
         if not ends:
             return
         warm_hashes([m.key for msgs in got.values() for m in msgs if m.key is not None])  # the join checks each
-        while len(self._unsettled()) >= SETTLING_MAX:
-            await asyncio.wait([self._settling[0]])
+        if len(self._unsettled()) >= SETTLING_MAX:
+            t0 = time.monotonic()
+            while len(self._unsettled()) >= SETTLING_MAX:
+                await asyncio.wait([self._settling[0]])
+            self.metrics.settle_wait.inc(time.monotonic() - t0)
         try:
             # generations first: feedback in the same batch then finds its record waiting instead of pending
-            out = self.ingest.decide(gens + fbs)
+            events = gens + fbs
+            out = self.ingest.begin()
+            for i in range(0, len(events), DECIDE_SLICE):
+                if i:  # the settling batches' acknowledgements and round trips are handled now, not after the batch
+                    await asyncio.sleep(0)
+                self.ingest.decide_some(out, events[i:i + DECIDE_SLICE])
+            self.ingest.end(out)
         except InfraError as e:
             die(str(e))
         except Exception as e:  # noqa: BLE001 - decide() dead-letters per event; anything here is the worker's
@@ -422,28 +463,35 @@ class IngestWorker:
         self.metrics.paced.set(len(self._held))
 
     async def _settle(self, prev: asyncio.Future | None, out, ends: dict) -> None:
-        """After the batch decided before this one: wait for the broker to have this batch's output, write its table
-        changes and counters (``Ingest.settle``), then commit its input offsets in the background."""
+        """Wait for the broker to have this batch's output and count it in Redis (both while earlier batches settle),
+        then, after the batch decided before this one, put its changes in the table (``Ingest.apply``; the table's
+        write buffer is written when due), then commit its input offsets in the background."""
         try:
-            if prev is not None:
-                await prev
-            await self.ingest.settle(out)  # writes the table (the write_table hook) beside Redis
+            await self.ingest.acknowledged(out)
+            counting = asyncio.ensure_future(self.ingest.count(out))
+            try:
+                if prev is not None:
+                    await prev
+                self.ingest.apply(out)
+                await self._write_table()
+            finally:
+                await counting
         except InfraError as e:
             die(str(e))
         except Exception as e:  # noqa: BLE001 - anything here is the worker's
             log.exception("settling a batch failed")
             die(f"{type(e).__name__}: {e}")
-        self._unflushed.update(ends)
+        self._unflushed.update(ends)  # (after the count: an offset is committed only once Redis has the batch)
         self._release()
 
-    def _release(self) -> None:
-        """Once the table holds no buffered change, the input offsets of every settled batch may be committed: in
-        the background, the next batch need not wait."""
-        if self.table.dirty or not self._unflushed:
-            return
-        self.done.update(self._unflushed)
-        self._unflushed.clear()
-        if self._committing is None or self._committing.done():
+    def _release(self, committed: bool = False) -> None:
+        """Once the table holds no buffered change and none is on its way, the input offsets of every settled batch
+        may be committed (in the background: the next batch need not wait). ``committed``: ``done`` just grew."""
+        if self._unflushed and not self.table.dirty and not self._table_flushing():
+            self.done.update(self._unflushed)
+            self._unflushed.clear()
+            committed = True
+        if committed and (self._committing is None or self._committing.done()):
             self._committing = asyncio.ensure_future(self._commit())
 
     def _unsettled(self) -> list[asyncio.Future]:
@@ -457,10 +505,9 @@ class IngestWorker:
         rebalance or a stop)."""
         while self._unsettled():
             await asyncio.wait(self._settling)
-        try:
-            await self._write_table(force=True)
-        except InfraError as e:
-            die(str(e))
+        await self._write_table(force=True)
+        if self._table_flushing():  # (nothing was buffered, one was still on its way)
+            await self._table_flush
         self._release()
 
     async def _commit_now(self) -> None:
@@ -502,7 +549,7 @@ class IngestWorker:
         logged and counted (the timer runs again at its next interval)."""
         try:
             await fn()
-            await self.table.flush(self.outbox)
+            await self.table.flush(self.table_outbox)
         except InfraError as e:
             die(f"{name}: {e}")
         except asyncio.CancelledError:

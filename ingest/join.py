@@ -89,6 +89,9 @@ class _Batch:
     samples: int = 0
     writes: dict[str, bytes | None] = field(default_factory=dict)  # table writes, applied once futs are done
     new_pending: int = 0
+    now: float = 0.0  # the time the batch's decisions count as made (one for the batch)
+    generations_in: int = 0
+    feedback_in: int = 0
 
 
 def pack(kind: bytes, t: float, meta: dict | None = None, payload: bytes = b"") -> bytes:
@@ -279,9 +282,19 @@ class Ingest:
         writes are on their way): a decided batch's table writes are read by later decisions (``_ahead``) until its
         ``settle`` has put them in the table. Settle batches in the order they were decided, one at a time.
         Raises ``InfraError`` when an output could not be queued.
+
+        In parts: ``begin``, ``decide_some`` for each slice of the events, ``end``. Between slices the caller may
+        yield to the event loop (earlier batches settle meanwhile; no other decision may run).
         """
-        out = _Batch()
-        now = time.time() if now is None else now
+        out = self.begin(now)
+        self.decide_some(out, events)
+        return self.end(out)
+
+    def begin(self, now: float | None = None) -> _Batch:
+        return _Batch(now=time.time() if now is None else now)
+
+    def decide_some(self, out: _Batch, events: Sequence[tuple[Source, bytes | None]]) -> None:
+        now = out.now
         gen_topic = self._topic_generations
         gens = 0
         for src, value in events:
@@ -296,9 +309,14 @@ class Ingest:
             except Exception as e:
                 log.exception("internal error on %s[%s]@%s; dead-lettered", src.topic, src.partition, src.offset)
                 self._dead(out, "internal_error", f"{type(e).__name__}: {e}", src, value)
+        out.generations_in += gens
+        out.feedback_in += len(events) - gens
+
+    def end(self, out: _Batch) -> _Batch:
+        """The batch is decided: later batches read its table writes until it is settled."""
         self._ahead.update(out.writes)
         self._ahead_pending += out.new_pending
-        for name, n in (("generations_in", gens), ("feedback_in", len(events) - gens),
+        for name, n in (("generations_in", out.generations_in), ("feedback_in", out.feedback_in),
                         ("joined", sum(out.tally.joined_kinds.values()))):
             if n:
                 out.tally.inc(name, n)
@@ -502,8 +520,26 @@ class Ingest:
             raise InfraError(f"producing to {topic} failed: {type(e).__name__}: {e}") from e
 
     async def settle(self, out: _Batch) -> None:
-        """Wait until the broker has the batch's output, then write the table, then count (Redis + Prometheus)."""
+        """Wait until the broker has the batch's output, then write the table, then count (Redis + Prometheus).
+
+        In parts, for a caller that overlaps batches (``ingest.app``): ``acknowledged``, then ``apply`` (in the order
+        the batches were decided) with the ``write_table`` hook, and ``count`` once acknowledged (any order: the live
+        counters are guarded by feedback id, the rest are operational)."""
+        await self.acknowledged(out)
+        self.apply(out)
+        if self._write_table is None:
+            await self.count(out)
+        else:  # both only after the broker has the output; neither needs the other (a replay heals either way)
+            await asyncio.gather(self._write_table(), self.count(out))
+
+    async def acknowledged(self, out: _Batch) -> None:
+        """Wait until the broker has the batch's samples and dead letters."""
         await self._settle_futures(out)
+        out.tally.inc("samples_out", out.samples)
+        out.samples = 0
+
+    def apply(self, out: _Batch) -> None:
+        """Put an acknowledged batch's writes in the table (its write buffer) and the pending index."""
         ahead = self._ahead
         for gid, entry in out.writes.items():
             if gid in ahead and ahead[gid] is entry:  # no later decided batch changed it since: the table has it now
@@ -524,21 +560,16 @@ class Ingest:
         out.writes.clear()
         self._ahead_pending -= out.new_pending
         out.new_pending = 0
-        out.tally.inc("samples_out", out.samples)
-
-        async def count() -> None:
-            try:
-                await self.metrics.apply(out.tally, retry_s=self.ic.redis_retry_s)
-            except Exception as e:
-                raise InfraError(f"Redis at {redact_url(self.metrics.redis_url)} failed: {type(e).__name__}: {e}") from e
-
-        if self._write_table is None:
-            await count()
-        else:  # both only after the broker has the output; neither needs the other (a replay heals either way)
-            await asyncio.gather(self._write_table(), count())
         if not self._pending:
             self._pending_in_order = True
         self.metrics.pending.set(len(self._pending))
+
+    async def count(self, out: _Batch) -> None:
+        """Write an acknowledged batch's counters to Redis (the live counters once per feedback id) and Prometheus."""
+        try:
+            await self.metrics.apply(out.tally, retry_s=self.ic.redis_retry_s)
+        except Exception as e:
+            raise InfraError(f"Redis at {redact_url(self.metrics.redis_url)} failed: {type(e).__name__}: {e}") from e
 
     # -- timers ------------------------------------------------------------------------------------
 

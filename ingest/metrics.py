@@ -163,6 +163,9 @@ class IngestMetrics:
             "liverl_ingest_timer_errors", "Exceptions in the periodic sweeps (logged; the sweep runs again).",
             ["timer"], registry=r,
         )
+        self.settle_wait = Counter(
+            "liverl_ingest_settle_wait_seconds", "Time the worker waited, with a batch in hand, for earlier batches "
+            "to settle (the broker, the changelog and Redis behind the decisions: ingest.app SETTLING_MAX).", registry=r)
         self.pending = Gauge("liverl_ingest_pending_feedback", "Feedback waiting for its generation record.", registry=r)
         self.paced = Gauge("liverl_ingest_feedback_partitions_paused", "Feedback partitions paused because they ran "
                            "ahead of their generations partition's backlog (ingest.app FEEDBACK_LEAD_S).", registry=r)
