@@ -133,6 +133,21 @@ def partition_of(key: bytes, partitions: int) -> int:
     return h % partitions
 
 
+def partitions_of(keys: list[bytes], partitions: int) -> list[int]:
+    """``partition_of`` of many keys: cached ones looked up in place, the rest hashed at once (``murmur2_many``)."""
+    cur, old = _HASHES, _HASHES_OLD
+    hashes = [cur.get(k) for k in keys]
+    if None in hashes:
+        for i, h in enumerate(hashes):
+            if h is None:
+                hashes[i] = old.get(keys[i])
+        if None in hashes:
+            warm_hashes([k for k, h in zip(keys, hashes, strict=True) if h is None])
+            hashes = [h if h is not None else _cached_hash(k) for k, h in zip(keys, hashes, strict=True)]
+            hashes = [h if h is not None else murmur2(k) & 0x7FFFFFFF for k, h in zip(keys, hashes, strict=True)]
+    return [h % partitions for h in hashes]
+
+
 def warm_hashes(keys: list[bytes]) -> None:
     """Put the hashes of many keys in the partitioner's cache in one pass (``murmur2_many``)."""
     todo = list({k for k in keys if _cached_hash(k) is None})
@@ -168,6 +183,14 @@ class _Part:
             table_opts.set_block_cache(Cache(BLOCK_CACHE_BYTES))
             opts.set_block_based_table_factory(table_opts)
             self.db = Rdict(str(path), options=opts)
+            # No write-ahead log (Kafka Streams runs its RocksDB stores the same way): the changelog is the log. A
+            # crash loses at most the writes still in the memtables, together with the changelog offset written in
+            # the same batch, so the database reopens at an earlier offset and ``JoinTable.recover`` reads the
+            # changelog from there. A clean close flushes the memtables.
+            from rocksdict import WriteOptions
+
+            self._write_opts = WriteOptions()
+            self._write_opts.disable_wal = True
         raw = self.db.get(OFFSET_KEY)
         self.offset: int | None = int(raw) if raw is not None else None  # the last changelog offset applied
 
@@ -203,7 +226,7 @@ class _Part:
                     wb.put(k, v)
             if offset is not None:
                 wb.put(OFFSET_KEY, str(offset).encode())
-            self.db.write(wb)
+            self.db.write(wb, self._write_opts)
         if offset is not None:
             self.offset = offset
 
@@ -408,10 +431,7 @@ class JoinTable(MutableMapping[str, bytes]):
         self._flushing = writes  # readable until the databases have them
         by_part: dict[int, list[tuple[bytes, bytes | None]]] = {}
         keys = [key.encode() for key in writes]
-        warm_hashes(keys)
-        n = self.partitions
-        for k, value in zip(keys, writes.values(), strict=True):
-            p = partition_of(k, n)
+        for k, value, p in zip(keys, writes.values(), partitions_of(keys, self.partitions), strict=True):
             if p in by_part:
                 by_part[p].append((k, value))
             else:

@@ -272,13 +272,14 @@ def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_d
                            f"see the logs in {log_dir}")
     dead = sum(v for k, v in counters.items() if k.startswith("dlq:"))
     span = max(t_last - (t_first or t_last), 1e-9)
-    # the first poll that saw joins happened up to 100 ms after the first batch: the events it saw count in the span
+    # events/s counts the events joined between the first poll that saw joins and the last one (those the first poll
+    # saw were joined before the span began: counting them in it flattered a worker whose first count came late)
     # CPU while joining (start-up imports and the group join left out): what a worker costs per event, and how much
     # of a core each worker kept busy (below 100%: it waited for the broker or Redis)
     cpu_join = cpu - cpu_first
     return {"workers": n_workers, "joined": joined, "replayed": counters.get("joined", 0) - joined,
             "dead_letters": dead, "start_s": (t_first or t_last) - t_start, "seconds": span,
-            "events_per_s": joined / span, "cpu_us_per_event": 1e6 * cpu_join / max(joined - joined_first, 1),
+            "events_per_s": (joined - joined_first) / span, "cpu_us_per_event": 1e6 * cpu_join / max(joined - joined_first, 1),
             "core_use": cpu_join / span / n_workers, "counters": counters}
 
 

@@ -349,6 +349,10 @@ def test_the_partitioners_hash_cache_is_bounded():
         table.warm_hashes([f"batch-{i}".encode() for i in range(start, start + table._HASHES_MAX // 2 + 1000)])
         assert bounded()
     assert table.partition_of(b"batch-70000", 4) == (table.murmur2(b"batch-70000") & 0x7FFFFFFF) % 4
+    # many keys at once (the changelog's writes): cached in either generation or not at all, the same partitions
+    keys_ = [f"gen-{i}".encode() for i in range(0, 3 * table._HASHES_MAX, 97)] + [b"", b"x" * 300]
+    assert table.partitions_of(keys_, 7) == [(table.murmur2(k) & 0x7FFFFFFF) % 7 for k in keys_]
+    assert bounded()
 
 
 def test_table_writes_stay_readable_while_the_changelog_has_them_in_flight(stack, tmp_path):
