@@ -47,6 +47,7 @@ DEFAULTS = {"pairs": 50_000, "partitions": 4, "workers": "1,2", "timeout": 600.0
 # ------------------------------------------------------------------------------------------------ the backlog
 
 
+POLL_S = 0.1  # how often the bench reads the joined count from Redis
 GENERATIONS_PER_S = 200  # the backlog's pace: the last GENERATIONS_PER_S x seconds of a product's traffic
 FEEDBACK_DELAY_S = (2.0, 30.0)  # a user judges a generation this long after it was served
 
@@ -250,7 +251,7 @@ def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_d
             for p in procs:
                 if p.poll() is not None:
                     raise RuntimeError(f"an ingest worker exited with code {p.returncode}; see {log_dir}")
-            time.sleep(0.1)
+            time.sleep(POLL_S)
         t_last = time.perf_counter()
         cpu = sum(_cpu_seconds(p.pid) for p in procs)
         counters = {k.decode(): int(v) for k, v in r.hgetall(ckey).items()}
@@ -273,13 +274,15 @@ def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_d
     dead = sum(v for k, v in counters.items() if k.startswith("dlq:"))
     span = max(t_last - (t_first or t_last), 1e-9)
     # events/s counts the events joined between the first poll that saw joins and the last one (those the first poll
-    # saw were joined before the span began: counting them in it flattered a worker whose first count came late)
+    # saw were joined before the span began: counting them in it flattered a worker whose first count came late); a
+    # backlog joined before the second poll has no span: its rate is shown as at least what one poll interval gives
     # CPU while joining (start-up imports and the group join left out): what a worker costs per event, and how much
     # of a core each worker kept busy (below 100%: it waited for the broker or Redis)
     cpu_join = cpu - cpu_first
     return {"workers": n_workers, "joined": joined, "replayed": counters.get("joined", 0) - joined,
             "dead_letters": dead, "start_s": (t_first or t_last) - t_start, "seconds": span,
-            "events_per_s": (joined - joined_first) / span, "cpu_us_per_event": 1e6 * cpu_join / max(joined - joined_first, 1),
+            "events_per_s": (joined - joined_first) / span if joined > joined_first else joined / max(span, POLL_S),
+            "cpu_us_per_event": 1e6 * cpu_join / max(joined - joined_first, 1),
             "core_use": cpu_join / span / n_workers, "counters": counters}
 
 
