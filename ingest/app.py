@@ -65,7 +65,6 @@ FETCH_MAX_WAIT_MS = 100  # the broker's long-poll wait: the added latency at low
 EVICT_INTERVAL_S = 60.0  # how often the table is scanned for expiry
 PRODUCER_DELIVERY_TIMEOUT_S = 120.0  # kafka-python's default delivery_timeout_ms, what generation producers use
 FEEDBACK_LEAD_S = 1.0  # how far (record timestamps) feedback may be read ahead of a generations backlog
-GENERATIONS_LEAD_S = 30.0  # ... and generations ahead of a feedback backlog (users judge seconds to minutes later)
 HOLD_MAX_S = 60.0  # the longest a feedback partition is held at once; then it is read freely as long again
 SETTLING_MAX = 3  # batches settling at once: decisions run ahead of the broker's acknowledgements by this much
 DECIDE_SLICE = 500  # input records decided between two yields to the event loop (earlier batches settle meanwhile)
@@ -178,9 +177,8 @@ class IngestWorker:
         self.committed: dict[Any, int] = {}
         self._committing: asyncio.Task | None = None
         self._settling: list[asyncio.Future] = []  # batches decided and not yet settled, oldest first
-        self._held: dict[Any, tuple[float, float]] = {}  # inputs _hold_back paused: (held record's time, since)
-        self._free_until: dict[Any, float] = {}  # inputs released after HOLD_MAX_S: not held again until then
-        self._read: dict[Any, tuple[float | None, int]] = {}  # per input: (newest record time, next offset) decided
+        self._held: dict[int, tuple[float, float]] = {}  # partitions _hold_back paused: (held record's time, since)
+        self._free_until: dict[int, float] = {}  # partitions released after HOLD_MAX_S: not held again until then
         self.stopping = False
         self._next_sweep = 0.0
         self._next_evict = time.monotonic() + evict_interval_s
@@ -350,7 +348,6 @@ class IngestWorker:
                                     m.timestamp / 1000.0 if m.timestamp is not None and m.timestamp >= 0 else None),
                              m.value))
             ends[tp] = msgs[-1].offset + 1
-            self._read[tp] = _progress(msgs, self._read.get(tp))
         if not ends:
             return
         warm_hashes([m.key for msgs in got.values() for m in msgs if m.key is not None])  # the join checks each
@@ -378,74 +375,65 @@ class IngestWorker:
         self._settling.append(asyncio.ensure_future(self._settle(prev, out, ends)))
 
     async def _hold_back(self, got: dict, assignment) -> dict:
-        """Read the two inputs of a partition in step (Kafka timestamps): feedback no more than ``FEEDBACK_LEAD_S``
-        ahead of the generations read on its partition, generations no more than ``GENERATIONS_LEAD_S`` ahead of the
-        feedback, each while the other input has records not read yet. The batch keeps an input's records up to the
-        first one past its limit; the consumer goes back to that record and pauses the input until ``_pace`` resumes
-        it.
+        """Read the two inputs of a partition in step: feedback more than ``FEEDBACK_LEAD_S`` newer (Kafka timestamps)
+        than the generations read on its partition waits while that generations partition has records not read
+        yet. The batch keeps the feedback up to the first such record; the consumer goes back to that record and
+        pauses the partition until ``_pace`` resumes it.
 
-        Why: on a backlog (a worker restarted after an outage, a new worker catching up) a fetch brings one input far
-        ahead of the other (a feedback record is a fifth of a generation's size). Feedback ahead of its generation
-        waits as pending (written, read back and parsed again), and a backlog longer than ``ingest.max_pending`` would
-        dead-letter feedback ``pending_full`` only because of the read order; a generation far ahead of its feedback
-        waits in the table, so its waiting entry and its judgement reach the changelog in different writes instead of
-        one (the table's write buffer). Kafka Streams reads a join's inputs in timestamp order for the same reasons.
-        Nothing is skipped (the held records are fetched again from their offset), an input whose counterpart is read
-        to its end is never held, and the two limits cannot hold both inputs at once. An input is held ``HOLD_MAX_S``
-        at most and then read freely as long again, so a record with a wrong clock (a timestamp far ahead) cannot
-        stall its partition while the other input never catches up.
+        Why: feedback records are a fifth of a generation record's size, so on a backlog (a worker restarted after an
+        outage, a new worker catching up) a fetch brings feedback far ahead of the generations it judges. Each such
+        event then waits as pending (written, read back and parsed again), and a backlog longer than
+        ``ingest.max_pending`` would dead-letter feedback ``pending_full`` only because of the read order. Kafka
+        Streams synchronises a join's inputs by timestamp for the same reason. Nothing is skipped (the held records
+        are fetched again from their offset), and a generations partition read to its end never holds feedback. A
+        partition is held ``HOLD_MAX_S`` at most and then read freely as long again, so a record with a wrong clock
+        (a timestamp far ahead) cannot stall its partition's feedback while the generations never catch up.
         """
         from aiokafka import TopicPartition
 
         fb_topic, gen_topic = self.cfg.topics.feedback, self.cfg.topics.generations
+        gens_read: dict[int, tuple[float | None, int | None]] = {}
+        for tp, msgs in got.items():
+            if tp.topic == gen_topic and msgs:
+                gen_t, _ = self.ingest.generations_read(tp.partition)
+                newest = max((m.timestamp for m in msgs if m.timestamp is not None and m.timestamp >= 0), default=-1)
+                if newest >= 0:
+                    gen_t = max(gen_t or 0.0, newest / 1000.0)
+                gens_read[tp.partition] = (gen_t, msgs[-1].offset + 1)
         out = dict(got)
         now = time.monotonic()
-        # feedback first, against the generations this batch brings; then generations, against the feedback kept
-        for topic, other_topic, lead in ((fb_topic, gen_topic, FEEDBACK_LEAD_S), (gen_topic, fb_topic,
-                                                                                 GENERATIONS_LEAD_S)):
-            for tp, msgs in got.items():
-                other = TopicPartition(other_topic, tp.partition)
-                if tp.topic != topic or not msgs or tp not in assignment or other not in assignment:
-                    continue  # (a worker given one input of a partition without the other: logged at assignment)
-                if self._free_until.get(tp, 0.0) > now:
-                    continue
-                brought = out.get(other)
-                other_t, other_next, end = await self._input_progress(
-                    other, _progress(brought, self._read.get(other)) if brought else None)
-                if end is None or end <= other_next:  # not fetched yet, or read to its end
-                    continue
-                other_t = self._not_before(other, other_t)
-                limit = -1.0 if other_t is None else (other_t + lead) * 1000.0
-                cut = next((i for i, m in enumerate(msgs) if m.timestamp is not None and m.timestamp > limit), None)
-                if cut is None:
-                    continue
-                self.consumer.seek(tp, msgs[cut].offset)
-                self.consumer.pause(tp)
-                self._held[tp] = (msgs[cut].timestamp / 1000.0, now)
-                log.debug("%s held at offset %d: %s is read up to %s", tp, msgs[cut].offset, other_topic, other_t)
-                out[tp] = msgs[:cut]
+        for tp, msgs in got.items():
+            gen_tp = TopicPartition(gen_topic, tp.partition)
+            if tp.topic != fb_topic or not msgs or tp not in assignment or gen_tp not in assignment:
+                continue  # (a worker given feedback without its generations partition: logged at assignment)
+            if self._free_until.get(tp.partition, 0.0) > now:
+                continue
+            gen_t, gen_next, end = await self._generations_progress(gen_tp, gens_read.get(tp.partition))
+            if end is None or end <= gen_next:  # not fetched yet, or read to its end
+                continue
+            limit = -1.0 if gen_t is None else (gen_t + FEEDBACK_LEAD_S) * 1000.0
+            cut = next((i for i, m in enumerate(msgs) if m.timestamp is not None and m.timestamp > limit), None)
+            if cut is None:
+                continue
+            self.consumer.seek(tp, msgs[cut].offset)
+            self.consumer.pause(tp)
+            self._held[tp.partition] = (msgs[cut].timestamp / 1000.0, now)
+            log.debug("feedback partition %d held at offset %d: its generations are read up to %s", tp.partition,
+                      msgs[cut].offset, gen_t)
+            out[tp] = msgs[:cut]
         return out
 
-    async def _input_progress(self, tp, read: tuple[float | None, int] | None = None
-                              ) -> tuple[float | None, int, int | None]:
-        """(newest record time decided, next offset to read, end offset: None until the partition is fetched) of an
-        input partition; ``read`` overrides what was decided (a batch not decided yet)."""
-        got = read or self._read.get(tp)
-        if got is None:  # none decided since the assignment: where the consumer stands
-            return None, await self.consumer.position(tp), self.consumer.highwater(tp)
-        return got[0], got[1], self.consumer.highwater(tp)
-
-    def _not_before(self, tp, t: float | None) -> float | None:
-        """How far input ``tp`` has read, in record time: at least up to its held record when it is held (nothing
-        before that record is left unread). Without it both inputs of a partition could wait for each other: each
-        held ahead of what the other has read, the other's next record later still."""
-        held = self._held.get(tp)
-        if held is None:
-            return t
-        return held[0] if t is None else max(t, held[0])
+    async def _generations_progress(self, gen_tp, read: tuple[float | None, int | None] | None = None
+                                    ) -> tuple[float | None, int, int | None]:
+        """(newest generation time read, next offset to read, end offset: None until the partition is fetched) of a
+        generations partition; ``read`` overrides what the join has decided (a batch not decided yet)."""
+        gen_t, gen_next = read or self.ingest.generations_read(gen_tp.partition)
+        if gen_next is None:  # none decided since the assignment: where the consumer stands
+            gen_next = await self.consumer.position(gen_tp)
+        return gen_t, gen_next, self.consumer.highwater(gen_tp)
 
     async def _pace(self) -> None:
-        """Resume held inputs whose counterpart has caught up (``_hold_back``)."""
+        """Resume held feedback partitions whose generations have caught up (``_hold_back``)."""
         if not self._held:
             return
         from aiokafka import TopicPartition
@@ -454,24 +442,22 @@ class IngestWorker:
         assignment = self.consumer.assignment()
         resume = []
         now = time.monotonic()
-        for tp, (held_t, since) in list(self._held.items()):
-            other = TopicPartition(gen_topic if tp.topic == fb_topic else fb_topic, tp.partition)
-            lead = FEEDBACK_LEAD_S if tp.topic == fb_topic else GENERATIONS_LEAD_S
-            if tp not in assignment or other not in assignment:
-                self._held.pop(tp)
+        for p, (held_t, since) in list(self._held.items()):
+            tp, gen_tp = TopicPartition(fb_topic, p), TopicPartition(gen_topic, p)
+            if tp not in assignment or gen_tp not in assignment:
+                self._held.pop(p)
                 if tp in assignment:
                     resume.append(tp)
                 continue
-            other_t, other_next, end = await self._input_progress(other)
-            other_t = self._not_before(other, other_t)
+            gen_t, gen_next, end = await self._generations_progress(gen_tp)
             if now - since >= HOLD_MAX_S:
-                log.warning("%s held %.0f s behind a backlog of %s that does not catch up (record time %.3f): read "
-                            "freely for %.0f s", tp, now - since, other.topic, held_t, HOLD_MAX_S)
-                self._free_until[tp] = now + HOLD_MAX_S
-            elif not (end is None or other_next >= end or (other_t is not None and other_t + lead >= held_t)):
+                log.warning("feedback partition %d held %.0f s behind a generations backlog that does not catch up "
+                            "(record time %.3f): read freely for %.0f s", p, now - since, held_t, HOLD_MAX_S)
+                self._free_until[p] = now + HOLD_MAX_S
+            elif not (end is None or gen_next >= end or (gen_t is not None and gen_t + FEEDBACK_LEAD_S >= held_t)):
                 continue
             resume.append(tp)
-            self._held.pop(tp)
+            self._held.pop(p)
         if resume:
             self.consumer.resume(*resume)
         self.metrics.paced.set(len(self._held))
@@ -599,7 +585,6 @@ class IngestWorker:
             self.done = {tp: off for tp, off in self.done.items() if tp in mine}
             self._held.clear()
             self._free_until.clear()
-            self._read.clear()
             paused = self.consumer.paused() & mine
             if paused:
                 self.consumer.resume(*paused)
@@ -649,15 +634,6 @@ class IngestWorker:
         await runner.setup()
         await web.TCPSite(runner, self.web_bind, self.web_port).start()
         return runner
-
-
-def _progress(msgs: list, before: tuple[float | None, int] | None) -> tuple[float | None, int]:
-    """(newest record time in seconds, next offset) of an input after ``msgs``, from ``before``."""
-    newest = max((m.timestamp for m in msgs if m.timestamp is not None and m.timestamp >= 0), default=-1)
-    t = before[0] if before else None
-    if newest >= 0:
-        t = max(t or 0.0, newest / 1000.0)
-    return t, msgs[-1].offset + 1
 
 
 def _listener(worker: IngestWorker):

@@ -497,6 +497,11 @@ class Ingest:
             return self._ahead[gid]
         return self.table.get(gid)
 
+    def generations_read(self, partition: int) -> tuple[float | None, int | None]:
+        """(timestamp of the newest generation record, offset after the last one) decided on ``partition`` since the
+        last rebalance; None where none was."""
+        return self._gen_clock.get(partition), self._gen_next.get(partition)
+
     @property
     def pending(self) -> int:
         """Feedback waiting for its generation (settled batches)."""

@@ -167,9 +167,8 @@ class IngestMetrics:
             "liverl_ingest_settle_wait_seconds", "Time the worker waited, with a batch in hand, for earlier batches "
             "to settle (the broker, the changelog and Redis behind the decisions: ingest.app SETTLING_MAX).", registry=r)
         self.pending = Gauge("liverl_ingest_pending_feedback", "Feedback waiting for its generation record.", registry=r)
-        self.paced = Gauge("liverl_ingest_partitions_paused", "Input partitions paused because they ran ahead of the "
-                           "other input's backlog on their partition (ingest.app FEEDBACK_LEAD_S, GENERATIONS_LEAD_S).",
-                           registry=r)
+        self.paced = Gauge("liverl_ingest_feedback_partitions_paused", "Feedback partitions paused because they ran "
+                           "ahead of their generations partition's backlog (ingest.app FEEDBACK_LEAD_S).", registry=r)
         self.tracked = Gauge(
             "liverl_ingest_tracked_generations", "Generations in the join table (waiting or judged).", registry=r
         )

@@ -14,7 +14,7 @@
 | the join table's write buffer     | ``ingest.app.TABLE_BUFFER_WRITES`` / ``TABLE_BUFFER_BYTES``, ``TABLE_FLUSH_S`` |
 | one batch (records, outputs)      | ``ingest.app.BATCH_MAX`` input records                       |
 | batches decided, not yet settled  | ``ingest.app.SETTLING_MAX`` + the one being decided          |
-| held inputs, read progress        | the input partitions assigned (one entry each)               |
+| held feedback partitions          | the partitions assigned (one entry each)                     |
 
 The join table's dict stands in for ``ingest.table.JoinTable`` here (the decisions are the same code); Redis is the
 real one.
