@@ -24,8 +24,8 @@ in batches of up to ``BATCH_MAX`` (``getmany``) and, per batch:
 Steps 2-4 run in the background while the next batch is decided (``SETTLING_MAX`` batches at most): the worker's
 CPU decides while the broker and Redis answer. Batches settle in the order they were decided. The write buffer is
 Kafka Streams' record cache: a generation written waiting and judged within the same second reaches the changelog
-and the database once, as judged (on a backlog, most of them: half the changelog records and database writes). A
-kill -9 replays at most the input of the unflushed buffer, as it replays an unsettled batch.
+and the database once, as judged (on the bench's backlog 1.4-1.9 changelog records per judged generation instead of
+2). A kill -9 replays at most the input of the unflushed buffer, as it replays an unsettled batch.
 
 Why not faust's stream and table machinery (the first design): faust hands records to an agent one by one and
 produces one by one; on the demo's records its consume path alone tops out near 6,000 pairs/s on one core, a
