@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import uuid
 
@@ -22,9 +21,9 @@ from liverl.stack import Stack, start_stack
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from liverl.core.services import free_port as pick
+
+    return pick()
 
 
 @pytest.fixture(scope="session")

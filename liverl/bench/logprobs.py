@@ -16,7 +16,6 @@ import argparse
 import concurrent.futures
 import json
 import shlex
-import socket
 import sys
 import tempfile
 import time
@@ -173,9 +172,9 @@ def measure(model_dir: Path, n_prompts: int, max_tokens: int, seed: int) -> dict
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from liverl.core.services import free_port as pick
+
+    return pick()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -241,11 +241,9 @@ def _demo_model(cfg) -> Path:
 
 
 def _free_port() -> int:
-    import socket
+    from liverl.core.services import free_port as pick
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return pick()
 
 
 def _machine() -> str:

@@ -35,6 +35,36 @@ class ServiceError(LiverlError):
     """A configured service does not answer."""
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free to listen on now, outside the kernel's range for outgoing connections.
+
+    Why not the kernel's pick (bind to port 0): that comes from the ephemeral range, the same range every outgoing
+    connection (Kafka, Redis, vLLM's own sockets) draws its local port from, and a server that binds tens of seconds
+    later (a gateway after vLLM's start) found its port taken (a CI run failed so). Below the range only listeners
+    compete for a port, and they are ours.
+    """
+    import random
+
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    first = 10_000 if low > 12_000 else 1024
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(first, max(low, first + 1))
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # (a crowded machine: the kernel's pick after all)
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout):

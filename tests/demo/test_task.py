@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 from collections import Counter
 
 import pytest
@@ -99,9 +98,9 @@ class RecordingSDK:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from liverl.core.services import free_port as pick
+
+    return pick()
 
 
 async def _gateway(port: int, fail_every: int, bait: float = 0.0):

@@ -33,3 +33,20 @@ def test_embedded_redis_keeps_acknowledged_writes_across_kill_9(tmp_path):
         assert (tmp_path / "redis").is_dir()
     finally:
         procs.stop([("redis", proc)], timeout=5)
+
+
+def test_free_ports_come_from_outside_the_outgoing_connections_range():
+    """A port handed to a server that binds it later is not one an outgoing connection can take meanwhile: the
+    kernel's own pick (port 0) comes from the ephemeral range, where a gateway binding after vLLM's 30 s start found
+    its port taken by a client's socket (a CI run). The helper picks below that range, and the port binds."""
+    import socket
+    from pathlib import Path
+
+    from liverl.core.services import free_port
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(50)}
+    assert all(p < low for p in ports), sorted(ports)
+    assert len(ports) > 40  # random, so two tests starting at once do not get the same one
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))
