@@ -159,8 +159,7 @@ class IngestWorker:
         self.table = JoinTable(changelog_topic(cfg.topics.prefix), cfg.broker.partitions,
                                self.state if ic.store == "rocksdb" else None)
         self.ingest = Ingest(cfg, self.metrics, self.table, self._send, end_offset=self._end_offset,
-                             assigned=self._assigned, partition_of=self.table.partition, flush=self._flush_outputs,
-                             write_table=None)  # the worker writes the table itself (``_write_table``)
+                             assigned=self._assigned, partition_of=self.table.partition, flush=self._flush_outputs)
         self.consumer: Any = None
         self.producer: Any = None  # samples, held-out samples, dead letters
         self.outbox: Outbox | None = None

@@ -207,8 +207,7 @@ class Ingest:
                  end_offset: Callable[[int], Awaitable[int | None]] | None = None,
                  assigned: Callable[[int], bool] = lambda partition: True,
                  partition_of: Callable[[str], int] | None = None,
-                 flush: Callable[[], Awaitable[Any]] | None = None,
-                 write_table: Callable[[], Awaitable[Any]] | None = None):
+                 flush: Callable[[], Awaitable[Any]] | None = None):
         self.cfg = cfg
         self.ic = cfg.ingest
         self.product = load_product(cfg)  # reward shaping is the product's (default: [ingest.rewards])
@@ -223,7 +222,6 @@ class Ingest:
         self._assigned = assigned
         self._partition_of = partition_of  # the input partitioner (murmur2 of the generation id); None: not checked
         self._flush = flush  # sends what ``send`` queued (a batching sender); None: ``send`` sends at once
-        self._write_table = write_table  # makes the table's buffered writes durable (beside the Redis write); or None
         self.lock = asyncio.Lock()
         # In-memory index of the pending entries, rebuilt by ``recovered()`` after every rebalance; bounded by
         # ``max_pending``.
@@ -520,17 +518,15 @@ class Ingest:
             raise InfraError(f"producing to {topic} failed: {type(e).__name__}: {e}") from e
 
     async def settle(self, out: _Batch) -> None:
-        """Wait until the broker has the batch's output, then write the table, then count (Redis + Prometheus).
+        """Wait until the broker has the batch's output, then put its writes in the table, then count (Redis +
+        Prometheus). Making the table's writes durable is the caller's (``JoinTable.flush``, after this).
 
         In parts, for a caller that overlaps batches (``ingest.app``): ``acknowledged``, then ``apply`` (in the order
-        the batches were decided) with the ``write_table`` hook, and ``count`` once acknowledged (any order: the live
-        counters are guarded by feedback id, the rest are operational)."""
+        the batches were decided), and ``count`` once acknowledged (any order: the live counters are guarded by
+        feedback id, the rest are operational; neither needs the table's write: a replay heals either way)."""
         await self.acknowledged(out)
         self.apply(out)
-        if self._write_table is None:
-            await self.count(out)
-        else:  # both only after the broker has the output; neither needs the other (a replay heals either way)
-            await asyncio.gather(self._write_table(), self.count(out))
+        await self.count(out)
 
     async def acknowledged(self, out: _Batch) -> None:
         """Wait until the broker has the batch's samples and dead letters."""
