@@ -135,17 +135,13 @@ def partition_of(key: bytes, partitions: int) -> int:
 
 def partitions_of(keys: list[bytes], partitions: int) -> list[int]:
     """``partition_of`` of many keys: cached ones looked up in place, the rest hashed at once (``murmur2_many``)."""
-    cur, old = _HASHES, _HASHES_OLD
+    cur = _HASHES
     hashes = [cur.get(k) for k in keys]
-    if None in hashes:
-        for i, h in enumerate(hashes):
-            if h is None:
-                hashes[i] = old.get(keys[i])
-        if None in hashes:
-            warm_hashes([k for k, h in zip(keys, hashes, strict=True) if h is None])
-            hashes = [h if h is not None else _cached_hash(k) for k, h in zip(keys, hashes, strict=True)]
-            hashes = [h if h is not None else murmur2(k) & 0x7FFFFFFF for k, h in zip(keys, hashes, strict=True)]
-    return [h % partitions for h in hashes]
+    if None not in hashes:
+        return [h % partitions for h in hashes]
+    warm_hashes([k for k, h in zip(keys, hashes, strict=True) if h is None])
+    return [h % partitions if h is not None else partition_of(k, partitions)
+            for k, h in zip(keys, hashes, strict=True)]
 
 
 def warm_hashes(keys: list[bytes]) -> None:
@@ -250,7 +246,7 @@ class Outbox:
 
     def __init__(self, producer):
         self.producer = producer
-        self._queued: list[tuple[str, int | None, bytes, bytes | None]] = []
+        self._queued: list[tuple[str, bytes, bytes | None]] = []  # send: (topic, key, value), partitioned by key
         self._grouped: list[tuple[str, int, list[tuple[bytes, bytes | None]]]] = []  # put_many: a partition's records
         self._partitions: dict[str, int] = {}
         self._done: asyncio.Future | None = None  # what every queued record's sender waits on (one per flush)
@@ -268,16 +264,13 @@ class Outbox:
     def send(self, topic: str, key: str, value: bytes) -> asyncio.Future:
         """Queue a record (partitioned by murmur2 of its key); the future resolves when ``flush`` has it acked (one
         future for everything queued before the flush)."""
-        self._queued.append((topic, None, key.encode(), value))
+        self._queued.append((topic, key.encode(), value))
         if self._done is None:
             self._done = asyncio.get_running_loop().create_future()
         return self._done
 
-    def put(self, topic: str, partition: int, key: bytes, value: bytes | None) -> None:
-        self._queued.append((topic, partition, key, value))
-
     def put_many(self, topic: str, partition: int, records: list[tuple[bytes, bytes | None]]) -> None:
-        """Queue (key, value) records for one partition, in order (after what ``put`` and ``send`` queued)."""
+        """Queue (key, value) records for one partition, in order (after what ``send`` queued)."""
         self._grouped.append((topic, partition, records))
 
     def flush(self) -> asyncio.Future:
@@ -296,9 +289,8 @@ class Outbox:
         if not queued and not grouped:
             return {}
         by_tp: dict[tuple[str, int], list[tuple[bytes, bytes | None]]] = {}
-        for topic, partition, key, value in queued:
-            if partition is None:
-                partition = partition_of(key, await self.partitions(topic))
+        for topic, key, value in queued:
+            partition = partition_of(key, await self.partitions(topic))
             by_tp.setdefault((topic, partition), []).append((key, value))
         for topic, partition, records in grouped:
             by_tp.setdefault((topic, partition), []).extend(records)
