@@ -13,15 +13,19 @@ The issue's measure, on one broker (the embedded one, or ``broker.bootstrap``) a
    consume only** is a faust app that takes the same records in ``take_events`` batches, as ingest does, and does
    nothing with them. These are the ceilings: what the broker hands one Python process, what is left after
    parsing, and what faust's own consume path leaves for any faust-based worker.
-3. **ingest, N workers**: ``liverl ingest`` processes (N = each of ``--workers``) start on the same backlog
-   (fresh topics and consumer group per run, so each run does the whole work), and the bench reads the joined
-   count from the live counters in Redis every 100 ms: the per-version ``events``, counted exactly once per
-   ``feedback_id`` (the operational ``joined`` counter is at-least-once: a batch replayed after a rebalance
-   counts again, which would flatter several workers). ``events/s`` is joined feedback events per second from
-   the first joined event to the last (start-up and the group join are reported apart, as ``start s``), and
-   ``CPU us/event`` the workers' CPU time per event while they join (less sensitive to a shared machine's noise;
-   start-up imports and the group join left out), ``core use`` how much of a core each worker kept busy meanwhile
-   (under 100%: it waited for the broker, Redis or a core the machine did not give it).
+3. **ingest, N workers**: ``liverl ingest`` processes (N = each of ``--workers``) start on fresh topics and a
+   fresh consumer group per run, so each run does the whole work. Once every worker's ``/healthz`` says it is
+   ready and together they hold every partition (``start s`` after their start), the backlog is written, and the
+   bench reads the joined count from the live counters in Redis every 100 ms: the per-version ``events``, counted
+   exactly once per ``feedback_id`` (the operational ``joined`` counter is at-least-once: a batch replayed after a
+   rebalance counts again, which would flatter several workers). Writing the backlog only then measures N running
+   workers: started on a waiting backlog, one of two workers came up a second after the other, which meanwhile
+   took half the backlog alone. ``events/s`` is joined feedback events per second from the first joined event to
+   the last, ``CPU us/event`` the workers' CPU time per event meanwhile (less sensitive to a shared machine's
+   noise), ``core use`` how much of a core each worker kept busy (under 100%: it waited for the broker, Redis or
+   a core the machine did not give it). ``broker + Redis us/event`` is the CPU the broker and Redis spent per
+   event meanwhile (where they run on this machine), and ``machine busy`` the share of all the machine's cores in
+   use: near 100%, the figure is the machine's, not the workers'.
 
 ``scaling`` is the events/s of N workers over 1 worker's, in the same run. A second worker only helps if a core
 is free for it: the table prints the machine's cores, and the broker, Redis and the bench share them.
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import subprocess
@@ -213,31 +218,97 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_dir: Path) -> dict:
-    """Start ``n_workers`` ``liverl ingest`` processes on the backlog of ``cfg.topics``; time the join."""
+def _machine_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of all the machine's cores so far, from ``/proc/stat``."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # guest time is already inside user time
+    return total - idle, total
+
+
+def _helper_pids(stack, r) -> dict[str, int]:
+    """The broker's and Redis's processes, where they run on this machine (their CPU is part of each event's cost)."""
+    pids = {name: proc.pid for name, proc in stack.procs if name in ("broker", "redis")}
+    if "redis" not in pids:
+        try:
+            pid = int(r.info("server")["process_id"])
+            if Path(f"/proc/{pid}/comm").read_text().strip().startswith("redis"):
+                pids["redis"] = pid
+        except (OSError, KeyError, ValueError):
+            pass  # Redis elsewhere: its CPU is not this machine's
+    return pids
+
+
+def _wait_ready(ports: list[int], procs: list[subprocess.Popen], partitions: int, timeout_s: float,
+                log_dir: Path) -> None:
+    """Until every worker's ``/healthz`` says its join table is ready and together they hold every partition."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        held: list[int] = []
+        ready = 0
+        for port, p in zip(ports, procs):
+            if p.poll() is not None:
+                raise RuntimeError(f"an ingest worker exited with code {p.returncode}; see {log_dir}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
+                    health = json.loads(resp.read())
+            except (OSError, ValueError):
+                continue  # not listening yet
+            if health.get("ready") and health.get("partitions"):
+                ready += 1
+                held += health["partitions"]
+        if ready == len(ports) and sorted(held) == list(range(partitions)):
+            return
+        time.sleep(POLL_S)
+    raise RuntimeError(f"{len(ports)} ingest worker(s) did not share the {partitions} partitions within "
+                       f"{timeout_s:.0f} s; see the logs in {log_dir}")
+
+
+def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_dir: Path, write) -> dict:
+    """Start ``n_workers`` ``liverl ingest`` processes on the empty topics of ``cfg.topics``; once every one is
+    ready, ``write()`` the backlog and time the join.
+
+    The workers start before the backlog so that the figure is N running workers' throughput: started on a
+    waiting backlog, one worker on a shared machine came up a second after the other and the first took half the
+    backlog alone meanwhile (a 50,000-pair backlog takes two workers about 1.3 s). The start-up is reported apart.
+    """
     import redis
 
     from liverl.core import keys
+    from liverl.core.services import free_port
 
     env_base = {**os.environ, "LIVERL__BROKER__BOOTSTRAP": stack.bootstrap, "LIVERL__REDIS__URL": stack.redis_url,
                 "LIVERL__TOPICS__PREFIX": cfg.topics.prefix, "LIVERL__BROKER__PARTITIONS": str(cfg.broker.partitions),
-                "LIVERL__INGEST__WEB_PORT": "0", "PYTHONUNBUFFERED": "1"}
+                "PYTHONUNBUFFERED": "1"}
     r = redis.Redis.from_url(stack.redis_url)
+    helpers = _helper_pids(stack, r)
     ckey = keys.ingest_counters(cfg.topics.prefix)
     lkey = keys.live(cfg.topics.prefix, 0)  # the backlog's generations are all policy version 0
     procs: list[subprocess.Popen] = []
     logs = []
     t_start = time.perf_counter()
+    ports = [free_port() for _ in range(n_workers)]
     try:
         for i in range(n_workers):
-            env = {**env_base, "LIVERL__STATE_DIR": str(Path(cfg.state_dir) / f"worker{n_workers}-{i}")}
-            log = open(log_dir / f"ingest-{n_workers}w-{i}.log", "wb")  # noqa: SIM115 - closed below
+            env = {**env_base, "LIVERL__STATE_DIR": str(Path(cfg.state_dir) / f"worker{n_workers}-{i}"),
+                   "LIVERL__INGEST__WEB_PORT": str(ports[i])}
+            log = open(log_dir / f"ingest-{cfg.topics.prefix}-{i}.log", "wb")  # noqa: SIM115 - closed below
             logs.append(log)
             procs.append(subprocess.Popen([sys.executable, "-m", "liverl.cli", "ingest"], env=env, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True))
+        _wait_ready(ports, procs, cfg.broker.partitions, timeout_s, log_dir)
+        t_ready = time.perf_counter()
+        write()
         t_first = None
         joined = joined_first = 0
         cpu_first = 0.0
+        helpers_first: dict[str, float] = {}
+        ticks_first = (0, 0)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             raw = r.hget(lkey, "events")
@@ -246,6 +317,8 @@ def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_d
             if joined and t_first is None:
                 t_first, joined_first = now, joined
                 cpu_first = sum(_cpu_seconds(p.pid) for p in procs)
+                helpers_first = {name: _cpu_seconds(pid) for name, pid in helpers.items()}
+                ticks_first = _machine_ticks()
             if joined >= pairs:
                 break
             for p in procs:
@@ -254,6 +327,8 @@ def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_d
             time.sleep(POLL_S)
         t_last = time.perf_counter()
         cpu = sum(_cpu_seconds(p.pid) for p in procs)
+        helpers_cpu = {name: _cpu_seconds(pid) - helpers_first.get(name, 0.0) for name, pid in helpers.items()}
+        ticks = _machine_ticks()
         counters = {k.decode(): int(v) for k, v in r.hgetall(ckey).items()}
     finally:
         for p in procs:
@@ -279,10 +354,16 @@ def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_d
     # CPU while joining (start-up imports and the group join left out): what a worker costs per event, and how much
     # of a core each worker kept busy (below 100%: it waited for the broker or Redis)
     cpu_join = cpu - cpu_first
+    n_span = max(joined - joined_first, 1)
+    busy, total = ticks[0] - ticks_first[0], ticks[1] - ticks_first[1]
     return {"workers": n_workers, "joined": joined, "replayed": counters.get("joined", 0) - joined,
-            "dead_letters": dead, "start_s": (t_first or t_last) - t_start, "seconds": span,
+            "dead_letters": dead, "start_s": t_ready - t_start, "seconds": span,
             "events_per_s": (joined - joined_first) / span if joined > joined_first else joined / max(span, POLL_S),
-            "cpu_us_per_event": 1e6 * cpu_join / max(joined - joined_first, 1),
+            "cpu_us_per_event": 1e6 * cpu_join / n_span,
+            # what the broker and Redis spent per event meanwhile, and how busy the machine's cores were: a machine
+            # near 100% holds no more events/s whatever the number of workers
+            "helpers_us_per_event": {name: 1e6 * c / n_span for name, c in helpers_cpu.items()},
+            "machine_busy": busy / total if total > 0 else float("nan"),
             "core_use": cpu_join / span / n_workers, "counters": counters}
 
 
@@ -318,17 +399,21 @@ def run(pairs: int = DEFAULTS["pairs"], partitions: int = DEFAULTS["partitions"]
     try:
         (state / "logs").mkdir(parents=True, exist_ok=True)
 
-        def backlog(prefix: str):
+        def topics_for(prefix: str):
             run_cfg = load_config(config, state_dir=str(state / prefix), topics__prefix=prefix,
                                   broker__partitions=partitions)
             ensure_topics(stack.bootstrap, all_topics(run_cfg), partitions)
+            return run_cfg
+
+        def backlog(run_cfg) -> None:
             t0 = time.perf_counter()
             _produce(stack.bootstrap, run_cfg.topics.generations, gens)
             _produce(stack.bootstrap, run_cfg.topics.feedback, fbs)
-            print(f"  backlog {prefix}: {2 * pairs:,} records written in {time.perf_counter() - t0:.1f} s", flush=True)
-            return run_cfg
+            print(f"  backlog {run_cfg.topics.prefix}: {2 * pairs:,} records written in "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
 
-        raw_cfg = backlog(f"{base}raw")
+        raw_cfg = topics_for(f"{base}raw")
+        backlog(raw_cfg)
         topics = [raw_cfg.topics.generations, raw_cfg.topics.feedback]
         for parse in (False, True):
             res = asyncio.run(_raw_consume(stack.bootstrap, topics, partitions, 2 * pairs, parse))
@@ -343,12 +428,15 @@ def run(pairs: int = DEFAULTS["pairs"], partitions: int = DEFAULTS["partitions"]
         for n in workers:
             runs = []
             for k in range(max(1, repeat)):
-                run_cfg = backlog(f"{base}w{n}" + (f"r{k}" if k else ""))
-                res = _run_workers(run_cfg, stack, n, pairs, timeout_s, state / "logs")
+                run_cfg = topics_for(f"{base}w{n}" + (f"r{k}" if k else ""))
+                res = _run_workers(run_cfg, stack, n, pairs, timeout_s, state / "logs",
+                                   lambda c=run_cfg: backlog(c))
                 runs.append(res)
                 print(f"  ingest, {n} worker(s), run {k + 1}: {res['events_per_s']:,.0f} joined events/s, "
                       f"{res['cpu_us_per_event']:.0f} us CPU per event, {res['core_use']:.0%} of a core per worker, "
-                      f"first join after {res['start_s']:.1f} s, "
+                      f"{_helpers(res)} us per event in {'/'.join(res['helpers_us_per_event']) or 'no local helper'}, "
+                      f"machine {_share(res['machine_busy'])} busy, "
+                      f"all ready {res['start_s']:.1f} s after start, "
                       f"{res['replayed']} joins replayed", flush=True)
             res = sorted(runs, key=lambda r: r["events_per_s"])[len(runs) // 2]  # the median run
             res = {**res, "runs": [r["events_per_s"] for r in runs]}
@@ -374,21 +462,33 @@ def run(pairs: int = DEFAULTS["pairs"], partitions: int = DEFAULTS["partitions"]
 
 def _table(summary: dict) -> str:
     raw = summary["raw_events_per_s"]
-    lines = ["", "| side | joined events/s | vs raw consumer | scaling vs 1 worker | CPU us/event | core use | start s | "
-             "dead letters | joins replayed | runs (min-max) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["", "| side | joined events/s | vs raw consumer | scaling vs 1 worker | CPU us/event | core use | "
+             "broker + Redis us/event | machine busy | start s | dead letters | joins replayed | runs (min-max) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         if "workers" in r:
             scaling = f"{r['scaling']:.2f}x" if "scaling" in r else ""
             lines.append(f"| {r['side']} | **{r['events_per_s']:,.0f}** | 1/{raw / r['events_per_s']:.1f} | {scaling} | "
-                         f"{r['cpu_us_per_event']:.0f} | {r['core_use']:.0%} | {r['start_s']:.1f} | {r['dead_letters']} | {r.get('replayed', 0)} | "
+                         f"{r['cpu_us_per_event']:.0f} | {r['core_use']:.0%} | {_helpers(r)} | {_share(r['machine_busy'])} | "
+                         f"{r['start_s']:.1f} | {r['dead_letters']} | {r.get('replayed', 0)} | "
                          f"{_spread(r.get('runs', []))} |")
         else:
             lines.append(f"| {r['side']} | {r['events_per_s']:,.0f} pairs/s ({r['records_per_s']:,.0f} records/s) | "
-                         f"1/{raw / r['events_per_s']:.1f} | | | | | | | |")
+                         f"1/{raw / r['events_per_s']:.1f} | | | | | | | | | |")
     lines += ["", f"{summary['pairs']:,} generation + feedback pairs, {summary['partitions']} partitions, broker "
               f"{summary['broker']}; targets: 20,000 events/s per worker, 1.7x with 2 workers",
               f"machine: {summary['machine']}", f"reproduce: `{summary['command']}`"]
     return "\n".join(lines)
+
+
+def _share(x: float) -> str:
+    return f"{x:.0%}" if math.isfinite(x) else "-"  # a backlog joined before the second poll has no span
+
+
+def _helpers(r: dict) -> str:
+    """The broker's and Redis's CPU per event, as ``broker + Redis`` (a part running elsewhere is left out)."""
+    parts = r.get("helpers_us_per_event", {})
+    return " + ".join(f"{parts[k]:.0f}" for k in ("broker", "redis") if k in parts) or "-"
 
 
 def _spread(runs: list[float]) -> str:

@@ -172,5 +172,10 @@ def test_ingest_bench_joins_every_pair_once_and_prints_its_table(stack, tmp_path
     c = worker["counters"]
     assert c["samples_out"] + c.get("heldout_out", 0) == pairs and c["feedback_in"] == pairs
     assert worker["scaling"] == 1.0
+    # the shared parts' cost per event: Redis runs on this machine (the test stack's), the broker too but was started
+    # by the session's stack, not the bench's, so only Redis's process is known to the bench
+    assert set(worker["helpers_us_per_event"]) == {"redis"} and worker["helpers_us_per_event"]["redis"] >= 0
+    assert math.isnan(worker["machine_busy"]) or 0 < worker["machine_busy"] <= 1  # nan: all joined at the first poll
     out = capsys.readouterr().out
+    assert "| broker + Redis us/event | machine busy |" in out
     assert "| ingest, 1 worker |" in out and "reproduce: `liverl bench ingest --pairs 400`" in out
