@@ -49,6 +49,7 @@ import os
 import signal
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 from ingest.join import InfraError, Ingest, Source
@@ -177,6 +178,12 @@ class IngestWorker:
         self._committing: asyncio.Task | None = None
         self._settling: list[asyncio.Future] = []  # batches decided and not yet settled, oldest first
         self._held: dict[int, tuple[float, float]] = {}  # partitions _hold_back paused: (held record's time, since)
+        # the records _hold_back kept back, per feedback partition: the consumer's position is past them (they are not
+        # fetched again); _pace hands them to the next batch when it resumes the partition. Dropped only by a
+        # rebalance, which moves the position back to the committed offset (before them).
+        self._held_records: dict[Any, list] = {}
+        self._released: dict[Any, list] = {}
+        self._uncounted: Counter = Counter()  # records the consumer returned ("fetched") and held back, not counted yet
         self._free_until: dict[int, float] = {}  # partitions released after HOLD_MAX_S: not held again until then
         self.stopping = False
         self._next_sweep = 0.0
@@ -295,8 +302,11 @@ class IngestWorker:
                 except Exception as e:  # noqa: BLE001 - the broker failed: restart and replay
                     die(f"consuming failed: {type(e).__name__}: {e}")
                 async with self.busy:
+                    fetched = sum(len(msgs) for msgs in got.values())
+                    if self._released and epoch == self.epoch and self.ingest.ready:
+                        got = self._with_released(got)
                     if got and epoch == self.epoch and self.ingest.ready:
-                        await self._batch(got)
+                        await self._batch(got, fetched)
                     if epoch == self.epoch and self.ingest.ready:
                         await self._pace()
                     if self.ingest.ready and self._timers_due():
@@ -330,13 +340,14 @@ class IngestWorker:
 
     # -- the batch ---------------------------------------------------------------------------------
 
-    async def _batch(self, got: dict) -> None:
+    async def _batch(self, got: dict, fetched: int = 0) -> None:
         """Decide a batch now and settle it in the background: its broker and Redis round trips overlap the next
         batch's decisions (at most ``SETTLING_MAX`` batches settle at once, in order)."""
         assignment = self.consumer.assignment()
         gens: list[tuple[Source, bytes | None]] = []
         fbs: list[tuple[Source, bytes | None]] = []
         ends = {}
+        self._uncounted["fetched"] += fetched
         got = await self._hold_back(got, assignment)
         for tp, msgs in got.items():
             if tp not in assignment or not msgs:
@@ -359,6 +370,9 @@ class IngestWorker:
             # generations first: feedback in the same batch then finds its record waiting instead of pending
             events = gens + fbs
             out = self.ingest.begin()
+            # the records the consumer returned and those held back (a batch that held back all it got: the next counts)
+            out.tally.counts.update(self._uncounted)
+            self._uncounted.clear()
             for i in range(0, len(events), DECIDE_SLICE):
                 if i:  # the settling batches' acknowledgements and round trips are handled now, not after the batch
                     await asyncio.sleep(0)
@@ -376,15 +390,17 @@ class IngestWorker:
     async def _hold_back(self, got: dict, assignment) -> dict:
         """Read the two inputs of a partition in step: feedback more than ``FEEDBACK_LEAD_S`` newer (Kafka timestamps)
         than the generations read on its partition waits while that generations partition has records not read
-        yet. The batch keeps the feedback up to the first such record; the consumer goes back to that record and
-        pauses the partition until ``_pace`` resumes it.
+        yet. The batch keeps the feedback up to the first such record; the records from there on are kept here
+        (``_held_records``, at most one fetch per partition) and the partition paused until ``_pace`` resumes it and
+        hands them to the next batch.
 
         Why: feedback records are a fifth of a generation record's size, so on a backlog (a worker restarted after an
         outage, a new worker catching up) a fetch brings feedback far ahead of the generations it judges. Each such
         event then waits as pending (written, read back and parsed again), and a backlog longer than
         ``ingest.max_pending`` would dead-letter feedback ``pending_full`` only because of the read order. Kafka
         Streams synchronises a join's inputs by timestamp for the same reason. Nothing is skipped (the held records
-        are fetched again from their offset), and a generations partition read to its end never holds feedback. A
+        come back in order before anything fetched after them; going back to their offset instead had the broker send
+        a sixth of a backlog's records twice), and a generations partition read to its end never holds feedback. A
         partition is held ``HOLD_MAX_S`` at most and then read freely as long again, so a record with a wrong clock
         (a timestamp far ahead) cannot stall its partition's feedback while the generations never catch up.
         """
@@ -414,12 +430,27 @@ class IngestWorker:
             cut = next((i for i, m in enumerate(msgs) if m.timestamp is not None and m.timestamp > limit), None)
             if cut is None:
                 continue
-            self.consumer.seek(tp, msgs[cut].offset)
-            self.consumer.pause(tp)
+            self._held_records[tp] = msgs[cut:]
+            self._uncounted["held"] += len(msgs) - cut
+            self.consumer.pause(tp)  # (records it had fetched ahead are dropped; the position stays after the held)
             self._held[tp.partition] = (msgs[cut].timestamp / 1000.0, now)
             log.debug("feedback partition %d held at offset %d: its generations are read up to %s", tp.partition,
                       msgs[cut].offset, gen_t)
             out[tp] = msgs[:cut]
+        return out
+
+    def _unhold(self, tp) -> None:
+        """The partition's held records go to the next batch (before anything fetched after them)."""
+        msgs = self._held_records.pop(tp, None)
+        if msgs:
+            self._released[tp] = self._released.get(tp, []) + msgs
+
+    def _with_released(self, got: dict) -> dict:
+        """``got`` with the records ``_pace`` released put before what was fetched after them, per partition."""
+        out = dict(got)
+        for tp, msgs in self._released.items():
+            out[tp] = msgs + list(out.get(tp, ()))
+        self._released = {}
         return out
 
     async def _generations_progress(self, gen_tp, read: tuple[float | None, int | None] | None = None
@@ -447,6 +478,7 @@ class IngestWorker:
                 self._held.pop(p)
                 if tp in assignment:
                     resume.append(tp)
+                    self._unhold(tp)
                 continue
             gen_t, gen_next, end = await self._generations_progress(gen_tp)
             if now - since >= HOLD_MAX_S:
@@ -457,6 +489,7 @@ class IngestWorker:
                 continue
             resume.append(tp)
             self._held.pop(p)
+            self._unhold(tp)
         if resume:
             self.consumer.resume(*resume)
         self.metrics.paced.set(len(self._held))
@@ -566,8 +599,15 @@ class IngestWorker:
         async with self.busy:
             self.epoch += 1
             self.ingest.ready = False
+            self._drop_held()
             await self._drain()
             await self._commit_now()
+
+    def _drop_held(self) -> None:
+        """Forget the records held back: after a rebalance the consumer reads each partition again from its committed
+        offset, which is before them (a held record's offset is never committed before it is processed)."""
+        self._held_records.clear()
+        self._released.clear()
 
     async def assigned(self, assigned) -> None:
         async with self.busy:
@@ -583,6 +623,7 @@ class IngestWorker:
                           "count (broker.partitions) and every worker the same subscription", sorted(gens), sorted(fbs))
             self.done = {tp: off for tp, off in self.done.items() if tp in mine}
             self._held.clear()
+            self._drop_held()
             self._free_until.clear()
             paused = self.consumer.paused() & mine
             if paused:

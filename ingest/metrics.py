@@ -166,6 +166,11 @@ class IngestMetrics:
                                 "feedback kind revert; counted per version in the live counters).", registry=r)
         self.revert_samples = Counter("liverl_ingest_revert_samples", "Corrections trained for reverted accepts "
                                       "(the accepted sample again with reward ingest.rewards.revert).", registry=r)
+        self.fetched = Counter("liverl_ingest_records_fetched", "Records the consumer returned, both inputs: each "
+                               "once, unless a rebalance or a restart reads it again.", registry=r)
+        self.held = Counter("liverl_ingest_feedback_held_back", "Feedback records kept back in memory, their partition "
+                            "paused, until the generations they judge were read (ingest.app FEEDBACK_LEAD_S).",
+                            registry=r)
         self.pended = Counter("liverl_ingest_feedback_pended", "Feedback that arrived before its generation record "
                               "and waited for it (pending).", registry=r)
         self.heldout = Counter("liverl_ingest_heldout", "Joined samples set aside for the gate's held-out stream "
@@ -218,6 +223,8 @@ class IngestMetrics:
         self.samples.inc(c.get("samples_out", 0))
         self.heldout.inc(c.get("heldout_out", 0))
         self.pended.inc(c.get("pended", 0))
+        self.fetched.inc(c.get("fetched", 0))
+        self.held.inc(c.get("held", 0))
         self.reverted.inc(c.get("reverted", 0))
         self.revert_samples.inc(c.get("revert_samples_out", 0))
         self.duplicates.labels("feedback").inc(c.get("duplicates", 0))

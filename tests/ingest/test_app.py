@@ -130,7 +130,7 @@ def test_bad_inputs_are_dead_lettered_with_reasons_and_counted(harness):
 
     want = {"dlq:malformed_json": 3, "dlq:not_an_object": 1, "dlq:invalid_field": 3,
             "dlq:unsupported_schema_version": 1, "dlq:unknown_generation": 1, "feedback_in": 7, "generations_in": 2,
-            "pended": 1}
+            "pended": 1, "fetched": 9}  # (fetched: each input returned by the consumer once)
     got = wait_until(lambda: (d := _delta(harness.counters(), before)) == want and d, 10,
                      what=f"counters {want}, have {_delta(harness.counters(), before)}")
     assert got == want
@@ -174,7 +174,7 @@ def test_duplicates_are_dropped_and_a_second_judgement_dead_lettered(harness):
     assert sorted((s.generation_id, s.feedback_id) for s in samples) == sorted([(judged, fid), (early, early_fid)])
 
     want = {"feedback_in": 6, "generations_in": 2, "joined": 2, "samples_out": 2, "duplicates": 3, "pended": 1,
-            "dlq:already_judged": 1}
+            "dlq:already_judged": 1, "fetched": 8}
 
     def counted():
         return _delta(harness.counters(), before)

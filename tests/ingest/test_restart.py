@@ -269,7 +269,9 @@ def test_a_backlog_is_read_in_step_so_feedback_finds_its_generation(stack, tmp_p
     judges than ``FEEDBACK_LEAD_S`` (Kafka timestamps). Feedback records are a fifth of a generation's size, so a fetch
     brings them far ahead: without pacing nearly every event waited as pending (written, read back, parsed again), and
     a backlog longer than ``ingest.max_pending`` would be dead-lettered ``pending_full``. Here max_pending is a tenth
-    of the backlog: every pair must still join, none wait, nothing is dead-lettered."""
+    of the backlog: every pair must still join, none wait, nothing is dead-lettered. The feedback held back stays in
+    the worker's memory until its generations are read: the consumer returns every record once (going back to the
+    held offset instead had the broker send a sixth of the backlog twice)."""
     from liverl.bench.ingest import _produce, _records
 
     n = 20_000
@@ -284,8 +286,144 @@ def test_a_backlog_is_read_in_step_so_feedback_finds_its_generation(stack, tmp_p
         assert got.get("joined") == got.get("feedback_in") == n + 1  # (+ the start-up probe)
         assert got.get("pended", 0) <= 1, got  # (the probe's feedback may beat its generation)
         assert not {k: v for k, v in got.items() if k.startswith("dlq:")}, got
+        assert got.get("held", 0) > n // 10, got  # the backlog made the worker hold feedback back ...
+        assert got["fetched"] == got["generations_in"] + got["feedback_in"], got  # ... and nothing was fetched twice
     finally:
         h.close()
+
+
+def test_kill_9_while_feedback_is_held_back_loses_none_of_it(stack, tmp_path):
+    """The feedback a worker holds back on a backlog (``_hold_back``) lives only in its memory, past the consumer's
+    position: a kill -9 then must lose none of it. Its offsets are never committed before it is processed, so the
+    restarted worker reads it again. Two kills -9 while the worker is catching up and holding feedback back; then
+    every feedback event is judged exactly once (live counters) and has its sample."""
+    from liverl.bench.ingest import _produce, _records
+    from tests.conftest import free_port
+    from tests.ingest.conftest import WorkerProc
+
+    n = 40_000
+    h = IngestHarness(ingest_config(stack, tmp_path / "state"), tmp_path)
+    try:
+        h.start_worker()  # up and joined before the backlog arrives, so the first kill lands mid-backlog
+        gens, fbs = _records(n, seed=13)
+        _produce(stack.bootstrap, h.cfg.topics.generations, gens)
+        _produce(stack.bootstrap, h.cfg.topics.feedback, fbs)
+        for k in (1, 2):
+            held = h.counters().get("held", 0)
+            wait_until(lambda: h.counters().get("held", 0) > held, 60, interval=0.02,
+                       what=f"the worker to hold feedback back (kill {k})")
+            assert h.live(0).get("events", 0) < n, "the backlog was joined before the kill: nothing to prove"
+            h.worker.stop(signal.SIGKILL)
+            h.worker = WorkerProc(h.cfg, free_port(), tmp_path / f"worker-after-kill-{k}.log")
+        wait_until(lambda: h.live(0).get("events") == n, 180, what=f"{n} joins after two kills")
+        with h.tail("samples") as st:
+            want = {key.decode() for key, _, _ in fbs}  # (keyed by generation id, as the samples are)
+
+            def all_sampled() -> bool:
+                st.poll()
+                return {r.key.decode() for r in st.records} >= want
+
+            wait_until(all_sampled, 60, what="a sample for every generation of the backlog")
+            samples = _samples_by_id([r for r in st.records if r.key.decode() in want])
+        assert len(samples) == n
+        got = h.counters()
+        assert not {k: v for k, v in got.items() if k.startswith("dlq:")}, got
+    finally:
+        h.close()
+
+
+def test_held_feedback_is_not_committed_until_it_is_processed(stack, tmp_path):
+    """The invariant the kill -9 test above relies on, pinned: while a feedback record is held back, batches go on
+    and their offsets are committed, but the held record's partition is committed only up to it; once released, it
+    is joined and committed past. In-process worker on the real broker; the generations are made to look behind
+    (``_generations_progress``) for as long as the test wants the feedback held."""
+    import asyncio
+
+    from kafka import KafkaAdminClient, TopicPartition
+
+    from ingest import app
+    from ingest.table import changelog_topic, partition_of
+    from liverl.core.bus import all_topics, ensure_topics, make_producer
+
+    cfg = ingest_config(stack, tmp_path / "state")
+    parts = cfg.broker.partitions
+    ensure_topics(stack.bootstrap, all_topics(cfg), parts)
+    ensure_topics(stack.bootstrap, [changelog_topic(cfg.topics.prefix)], parts, configs={"cleanup.policy": "compact"})
+    producer = make_producer(stack.bootstrap)
+    group = f"{cfg.topics.prefix}-ingest"
+
+    def send(topic: str, gid: str, value: bytes) -> None:
+        producer.send(topic, key=gid, value=value)
+        producer.flush()
+
+    def committed(topic: str) -> dict[int, int]:
+        admin = KafkaAdminClient(bootstrap_servers=stack.bootstrap)
+        try:
+            offsets = admin.list_group_offsets({group: [TopicPartition(topic, p) for p in range(parts)]}).get(group, {})
+        finally:
+            admin.close()
+        return {tp.partition: m.offset for tp, m in offsets.items() if m is not None and m.offset >= 0}
+
+    async def until(pred, what: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not pred():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.05)
+
+    async def main() -> None:
+        w = app.IngestWorker(cfg, stack.bootstrap, cfg.redis.url, web_port=0)
+        real_progress = w._generations_progress
+        behind = {"on": False}
+
+        async def progress(gen_tp, read=None):
+            if behind["on"]:
+                return 0.0, 0, 1  # read up to the epoch, a record not read yet: every feedback is far ahead
+            return await real_progress(gen_tp, read)
+
+        w._generations_progress = progress
+        task = asyncio.ensure_future(w.run())
+        try:
+            gid = new_gid()
+            p = partition_of(gid.encode(), parts)
+            send(cfg.topics.generations, gid, make_generation(gid, version=7).to_bytes())
+            await until(lambda: w.ingest.ready and w.table.get(gid) is not None, "the generation")
+            behind["on"] = True
+            send(cfg.topics.feedback, gid, FeedbackEvent(feedback_id=f"fb-{gid}", generation_id=gid,
+                                                         kind="accept").to_bytes())
+            await until(lambda: any(tp.partition == p for tp in w._held_records), "the feedback held back")
+            # batches go on while it is held: more generations, written and committed (the buffer's second goes by)
+            others = []
+            for _ in range(3):
+                other = new_gid()
+                others.append(other)
+                send(cfg.topics.generations, other, make_generation(other, version=7).to_bytes())
+            await until(lambda: all(w.table.get(o) is not None and o not in w.table.buffered for o in others),
+                        "the other generations written")
+            deadline = time.monotonic() + 20
+            while sum((await asyncio.to_thread(committed, cfg.topics.generations)).values()) < 4:
+                assert time.monotonic() < deadline, "the generations were not committed while the feedback was held"
+                await asyncio.sleep(0.2)
+            assert (await asyncio.to_thread(committed, cfg.topics.feedback)).get(p, 0) == 0, \
+                "the held feedback's offset was committed before it was processed"
+            assert (w.table.get(gid) or b"")[:1] == b"W", "the held feedback was joined"
+            behind["on"] = False  # the generations caught up: _pace releases it
+            await until(lambda: (w.table.get(gid) or b"")[:1] == b"J", "the released feedback joined")
+            deadline = time.monotonic() + 20
+            while (await asyncio.to_thread(committed, cfg.topics.feedback)).get(p, 0) != 1:
+                assert time.monotonic() < deadline, "the released feedback's offset was not committed"
+                await asyncio.sleep(0.2)
+        finally:
+            w.stop()
+            await asyncio.wait_for(task, 60)
+
+    try:
+        asyncio.run(main())
+    finally:
+        producer.close()
+        r = __import__("redis").Redis.from_url(cfg.redis.url)
+        for k in r.scan_iter(f"{cfg.topics.prefix}:*", count=1000):
+            r.delete(k)
+        r.close()
 
 
 def test_the_table_write_buffer_coalesces_and_commits_inputs_only_once_written(stack, tmp_path, monkeypatch):
