@@ -332,6 +332,77 @@ def test_kill_9_while_feedback_is_held_back_loses_none_of_it(stack, tmp_path):
         h.close()
 
 
+class _InProcess:
+    """An in-process ingest worker's surroundings on the real broker: its topics (the changelog compacted), a producer
+    for its inputs, the group's committed offsets, and a clean-up of the test's Redis keys."""
+
+    def __init__(self, cfg):
+        from ingest.table import changelog_topic
+        from liverl.core.bus import all_topics, ensure_topics, make_producer
+
+        self.cfg = cfg
+        self.parts = cfg.broker.partitions
+        self.changelog_topic = changelog_topic(cfg.topics.prefix)
+        ensure_topics(cfg.broker.bootstrap, all_topics(cfg), self.parts)
+        ensure_topics(cfg.broker.bootstrap, [self.changelog_topic], self.parts, configs={"cleanup.policy": "compact"})
+        self.producer = make_producer(cfg.broker.bootstrap)
+
+    def send(self, topic: str, gid: str, value: bytes) -> None:
+        self.producer.send(topic, key=gid, value=value)
+        self.producer.flush()
+
+    def committed(self, topic: str) -> dict[int, int]:
+        """The ingest group's committed offsets of ``topic``, per partition (those with one)."""
+        from kafka import KafkaAdminClient, TopicPartition
+
+        group = f"{self.cfg.topics.prefix}-ingest"
+        admin = KafkaAdminClient(bootstrap_servers=self.cfg.broker.bootstrap)
+        try:
+            tps = [TopicPartition(topic, p) for p in range(self.parts)]
+            offsets = admin.list_group_offsets({group: tps}).get(group, {})
+        finally:
+            admin.close()
+        return {tp.partition: m.offset for tp, m in offsets.items() if m is not None and m.offset >= 0}
+
+    @staticmethod
+    async def until(pred, what: str, timeout: float = 60.0) -> None:
+        import asyncio
+
+        deadline = time.monotonic() + timeout
+        while not pred():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.05)
+
+    async def until_committed(self, topic: str, pred, what: str, timeout: float = 20.0) -> None:
+        import asyncio
+
+        deadline = time.monotonic() + timeout
+        while not pred(await asyncio.to_thread(self.committed, topic)):
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.2)
+
+    def run(self, worker, body) -> None:
+        """Run ``worker`` while ``await body()`` runs, then stop it; clean up the producer and the Redis keys."""
+        import asyncio
+
+        async def main() -> None:
+            task = asyncio.ensure_future(worker.run())
+            try:
+                await body()
+            finally:
+                worker.stop()
+                await asyncio.wait_for(task, 60)
+
+        try:
+            asyncio.run(main())
+        finally:
+            self.producer.close()
+            r = __import__("redis").Redis.from_url(self.cfg.redis.url)
+            for k in r.scan_iter(f"{self.cfg.topics.prefix}:*", count=1000):
+                r.delete(k)
+            r.close()
+
+
 def test_held_feedback_is_not_committed_until_it_is_processed(stack, tmp_path):
     """The invariant the kill -9 test above relies on, pinned: while a feedback record is held back, batches go on
     and their offsets are committed, but the held record's partition is committed only up to it; once released, it
@@ -339,91 +410,48 @@ def test_held_feedback_is_not_committed_until_it_is_processed(stack, tmp_path):
     (``_generations_progress``) for as long as the test wants the feedback held."""
     import asyncio
 
-    from kafka import KafkaAdminClient, TopicPartition
-
     from ingest import app
-    from ingest.table import changelog_topic, partition_of
-    from liverl.core.bus import all_topics, ensure_topics, make_producer
+    from ingest.table import partition_of
 
     cfg = ingest_config(stack, tmp_path / "state")
-    parts = cfg.broker.partitions
-    ensure_topics(stack.bootstrap, all_topics(cfg), parts)
-    ensure_topics(stack.bootstrap, [changelog_topic(cfg.topics.prefix)], parts, configs={"cleanup.policy": "compact"})
-    producer = make_producer(stack.bootstrap)
-    group = f"{cfg.topics.prefix}-ingest"
+    env = _InProcess(cfg)
+    w = app.IngestWorker(cfg, stack.bootstrap, cfg.redis.url, web_port=0)
+    real_progress = w._generations_progress
+    behind = {"on": False}
 
-    def send(topic: str, gid: str, value: bytes) -> None:
-        producer.send(topic, key=gid, value=value)
-        producer.flush()
+    async def progress(gen_tp, read=None):
+        if behind["on"]:
+            return 0.0, 0, 1  # read up to the epoch, a record not read yet: every feedback is far ahead
+        return await real_progress(gen_tp, read)
 
-    def committed(topic: str) -> dict[int, int]:
-        admin = KafkaAdminClient(bootstrap_servers=stack.bootstrap)
-        try:
-            offsets = admin.list_group_offsets({group: [TopicPartition(topic, p) for p in range(parts)]}).get(group, {})
-        finally:
-            admin.close()
-        return {tp.partition: m.offset for tp, m in offsets.items() if m is not None and m.offset >= 0}
+    w._generations_progress = progress
 
-    async def until(pred, what: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not pred():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            await asyncio.sleep(0.05)
-
-    async def main() -> None:
-        w = app.IngestWorker(cfg, stack.bootstrap, cfg.redis.url, web_port=0)
-        real_progress = w._generations_progress
-        behind = {"on": False}
-
-        async def progress(gen_tp, read=None):
-            if behind["on"]:
-                return 0.0, 0, 1  # read up to the epoch, a record not read yet: every feedback is far ahead
-            return await real_progress(gen_tp, read)
-
-        w._generations_progress = progress
-        task = asyncio.ensure_future(w.run())
-        try:
-            gid = new_gid()
-            p = partition_of(gid.encode(), parts)
-            send(cfg.topics.generations, gid, make_generation(gid, version=7).to_bytes())
-            await until(lambda: w.ingest.ready and w.table.get(gid) is not None, "the generation")
-            behind["on"] = True
-            send(cfg.topics.feedback, gid, FeedbackEvent(feedback_id=f"fb-{gid}", generation_id=gid,
+    async def body() -> None:
+        gid = new_gid()
+        p = partition_of(gid.encode(), env.parts)
+        env.send(cfg.topics.generations, gid, make_generation(gid, version=7).to_bytes())
+        await env.until(lambda: w.ingest.ready and w.table.get(gid) is not None, "the generation")
+        behind["on"] = True
+        env.send(cfg.topics.feedback, gid, FeedbackEvent(feedback_id=f"fb-{gid}", generation_id=gid,
                                                          kind="accept").to_bytes())
-            await until(lambda: any(tp.partition == p for tp in w._held_records), "the feedback held back")
-            # batches go on while it is held: more generations, written and committed (the buffer's second goes by)
-            others = []
-            for _ in range(3):
-                other = new_gid()
-                others.append(other)
-                send(cfg.topics.generations, other, make_generation(other, version=7).to_bytes())
-            await until(lambda: all(w.table.get(o) is not None and o not in w.table.buffered for o in others),
+        await env.until(lambda: any(tp.partition == p for tp in w._held_records), "the feedback held back")
+        # batches go on while it is held: more generations, written and committed (the buffer's second goes by)
+        others = [new_gid() for _ in range(3)]
+        for other in others:
+            env.send(cfg.topics.generations, other, make_generation(other, version=7).to_bytes())
+        await env.until(lambda: all(w.table.get(o) is not None and o not in w.table.buffered for o in others),
                         "the other generations written")
-            deadline = time.monotonic() + 20
-            while sum((await asyncio.to_thread(committed, cfg.topics.generations)).values()) < 4:
-                assert time.monotonic() < deadline, "the generations were not committed while the feedback was held"
-                await asyncio.sleep(0.2)
-            assert (await asyncio.to_thread(committed, cfg.topics.feedback)).get(p, 0) == 0, \
-                "the held feedback's offset was committed before it was processed"
-            assert (w.table.get(gid) or b"")[:1] == b"W", "the held feedback was joined"
-            behind["on"] = False  # the generations caught up: _pace releases it
-            await until(lambda: (w.table.get(gid) or b"")[:1] == b"J", "the released feedback joined")
-            deadline = time.monotonic() + 20
-            while (await asyncio.to_thread(committed, cfg.topics.feedback)).get(p, 0) != 1:
-                assert time.monotonic() < deadline, "the released feedback's offset was not committed"
-                await asyncio.sleep(0.2)
-        finally:
-            w.stop()
-            await asyncio.wait_for(task, 60)
+        await env.until_committed(cfg.topics.generations, lambda c: sum(c.values()) >= 4,
+                                  "the generations committed while the feedback was held")
+        assert (await asyncio.to_thread(env.committed, cfg.topics.feedback)).get(p, 0) == 0, \
+            "the held feedback's offset was committed before it was processed"
+        assert (w.table.get(gid) or b"")[:1] == b"W", "the held feedback was joined"
+        behind["on"] = False  # the generations caught up: _pace releases it
+        await env.until(lambda: (w.table.get(gid) or b"")[:1] == b"J", "the released feedback joined")
+        await env.until_committed(cfg.topics.feedback, lambda c: c.get(p, 0) == 1,
+                                  "the released feedback's offset committed")
 
-    try:
-        asyncio.run(main())
-    finally:
-        producer.close()
-        r = __import__("redis").Redis.from_url(cfg.redis.url)
-        for k in r.scan_iter(f"{cfg.topics.prefix}:*", count=1000):
-            r.delete(k)
-        r.close()
+    env.run(w, body)
 
 
 def test_the_table_write_buffer_coalesces_and_commits_inputs_only_once_written(stack, tmp_path, monkeypatch):
@@ -434,29 +462,20 @@ def test_the_table_write_buffer_coalesces_and_commits_inputs_only_once_written(s
     worker on the real broker; the interval is made an hour so only a full buffer or a stop writes it."""
     import asyncio
 
-    from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+    from kafka import KafkaConsumer, TopicPartition
 
     from ingest import app
-    from ingest.table import changelog_topic
-    from liverl.core.bus import all_topics, ensure_topics, make_producer
 
     monkeypatch.setattr(app, "TABLE_FLUSH_S", 3600.0)
     monkeypatch.setattr(app, "TABLE_BUFFER_WRITES", 10)
     cfg = ingest_config(stack, tmp_path / "state")
-    parts = cfg.broker.partitions
-    ensure_topics(stack.bootstrap, all_topics(cfg), parts)
-    ensure_topics(stack.bootstrap, [changelog_topic(cfg.topics.prefix)], parts, configs={"cleanup.policy": "compact"})
-    producer = make_producer(stack.bootstrap)
-    group = f"{cfg.topics.prefix}-ingest"
-
-    def send(topic: str, gid: str, value: bytes) -> None:
-        producer.send(topic, key=gid, value=value)
-        producer.flush()
+    env = _InProcess(cfg)
+    w = app.IngestWorker(cfg, stack.bootstrap, cfg.redis.url, web_port=0)
 
     def changelog(gid: str) -> list[bytes]:
         c = KafkaConsumer(bootstrap_servers=stack.bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
         try:
-            tps = [TopicPartition(changelog_topic(cfg.topics.prefix), p) for p in range(parts)]
+            tps = [TopicPartition(env.changelog_topic, p) for p in range(env.parts)]
             c.assign(tps)
             c.seek_to_beginning(*tps)
             got, quiet = [], 0
@@ -469,57 +488,30 @@ def test_the_table_write_buffer_coalesces_and_commits_inputs_only_once_written(s
             c.close()
 
     def committed_feedback() -> int:
-        tps = [TopicPartition(cfg.topics.feedback, p) for p in range(parts)]
-        admin = KafkaAdminClient(bootstrap_servers=stack.bootstrap)
-        try:
-            offsets = admin.list_group_offsets({group: tps}).get(group, {})
-        finally:
-            admin.close()
-        return sum(max(getattr(m, "offset", 0) or 0, 0) for m in offsets.values())
+        return sum(env.committed(cfg.topics.feedback).values())
 
-    async def until(pred, what: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not pred():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            await asyncio.sleep(0.05)
-
-    async def main() -> None:
-        w = app.IngestWorker(cfg, stack.bootstrap, cfg.redis.url, web_port=0)
-        task = asyncio.ensure_future(w.run())
-        try:
-            first = new_gid()  # the first batch is written at once (nothing was buffered for a second)
-            send(cfg.topics.generations, first, make_generation(first, version=7).to_bytes())
-            await until(lambda: w.ingest.ready and not w.table.dirty and w.table.get(first), "the first generation")
-            gid = new_gid()
-            send(cfg.topics.generations, gid, make_generation(gid, version=7).to_bytes())
-            await until(lambda: (w.table.buffered.get(gid) or b"")[:1] == b"W", "the generation in the buffer")
-            send(cfg.topics.feedback, gid, FeedbackEvent(feedback_id=f"fb-{gid}", generation_id=gid,
+    async def body() -> None:
+        first = new_gid()  # the first batch is written at once (nothing was buffered for a second)
+        env.send(cfg.topics.generations, first, make_generation(first, version=7).to_bytes())
+        await env.until(lambda: w.ingest.ready and not w.table.dirty and w.table.get(first), "the first generation")
+        gid = new_gid()
+        env.send(cfg.topics.generations, gid, make_generation(gid, version=7).to_bytes())
+        await env.until(lambda: (w.table.buffered.get(gid) or b"")[:1] == b"W", "the generation in the buffer")
+        env.send(cfg.topics.feedback, gid, FeedbackEvent(feedback_id=f"fb-{gid}", generation_id=gid,
                                                          kind="accept").to_bytes())
-            await until(lambda: (w.table.buffered.get(gid) or b"")[:1] == b"J", "its judgement in the buffer")
-            assert await asyncio.to_thread(changelog, gid) == [], "the buffer reached the changelog before it was due"
-            assert await asyncio.to_thread(committed_feedback) == 0, "feedback committed before its table write"
-            for _ in range(app.TABLE_BUFFER_WRITES):  # fill the buffer: it is written, then the inputs committed
-                other = new_gid()
-                send(cfg.topics.generations, other, make_generation(other, version=7).to_bytes())
-            await until(lambda: w.table.get(gid) is not None and gid not in w.table.buffered, "the buffer written")
-            got = await asyncio.to_thread(changelog, gid)
-            assert len(got) == 1 and got[0][:1] == b"J", got  # once, judged: the waiting entry never went out
-            deadline = time.monotonic() + 20
-            while await asyncio.to_thread(committed_feedback) != 1:
-                assert time.monotonic() < deadline, "the feedback's offset was not committed after the buffer"
-                await asyncio.sleep(0.2)
-        finally:
-            w.stop()
-            await asyncio.wait_for(task, 60)
+        await env.until(lambda: (w.table.buffered.get(gid) or b"")[:1] == b"J", "its judgement in the buffer")
+        assert await asyncio.to_thread(changelog, gid) == [], "the buffer reached the changelog before it was due"
+        assert await asyncio.to_thread(committed_feedback) == 0, "feedback committed before its table write"
+        for _ in range(app.TABLE_BUFFER_WRITES):  # fill the buffer: it is written, then the inputs committed
+            other = new_gid()
+            env.send(cfg.topics.generations, other, make_generation(other, version=7).to_bytes())
+        await env.until(lambda: w.table.get(gid) is not None and gid not in w.table.buffered, "the buffer written")
+        got = await asyncio.to_thread(changelog, gid)
+        assert len(got) == 1 and got[0][:1] == b"J", got  # once, judged: the waiting entry never went out
+        await env.until_committed(cfg.topics.feedback, lambda c: sum(c.values()) == 1,
+                                  "the feedback's offset committed after the buffer")
 
-    try:
-        asyncio.run(main())
-    finally:
-        producer.close()
-        r = __import__("redis").Redis.from_url(cfg.redis.url)
-        for k in r.scan_iter(f"{cfg.topics.prefix}:*", count=1000):
-            r.delete(k)
-        r.close()
+    env.run(w, body)
 
 
 def test_a_crash_loses_table_writes_only_with_their_changelog_offset(tmp_path):
