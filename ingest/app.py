@@ -302,11 +302,11 @@ class IngestWorker:
                 except Exception as e:  # noqa: BLE001 - the broker failed: restart and replay
                     die(f"consuming failed: {type(e).__name__}: {e}")
                 async with self.busy:
-                    fetched = sum(len(msgs) for msgs in got.values())
+                    self._uncounted["fetched"] += sum(len(msgs) for msgs in got.values())
                     if self._released and epoch == self.epoch and self.ingest.ready:
                         got = self._with_released(got)
                     if got and epoch == self.epoch and self.ingest.ready:
-                        await self._batch(got, fetched)
+                        await self._batch(got)
                     if epoch == self.epoch and self.ingest.ready:
                         await self._pace()
                     if self.ingest.ready and self._timers_due():
@@ -340,14 +340,13 @@ class IngestWorker:
 
     # -- the batch ---------------------------------------------------------------------------------
 
-    async def _batch(self, got: dict, fetched: int = 0) -> None:
+    async def _batch(self, got: dict) -> None:
         """Decide a batch now and settle it in the background: its broker and Redis round trips overlap the next
         batch's decisions (at most ``SETTLING_MAX`` batches settle at once, in order)."""
         assignment = self.consumer.assignment()
         gens: list[tuple[Source, bytes | None]] = []
         fbs: list[tuple[Source, bytes | None]] = []
         ends = {}
-        self._uncounted["fetched"] += fetched
         got = await self._hold_back(got, assignment)
         for tp, msgs in got.items():
             if tp not in assignment or not msgs:
