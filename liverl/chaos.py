@@ -293,6 +293,14 @@ def _leftover_processes(cfg: LiverlConfig, since: float, settle_s: float = 10.0)
         time.sleep(1.0)
 
 
+def _concurrency_kwargs(users, cfg: LiverlConfig) -> dict:
+    """The demo's traffic (``demo.concurrency``), for a product's users that take it (the demo's do)."""
+    import inspect
+
+    return {"concurrency": min(cfg.demo.concurrency, cfg.demo.users)} \
+        if "concurrency" in inspect.signature(users).parameters else {}
+
+
 def _start_users(users, pipe: Pipeline, sdk, cfg: LiverlConfig, stats, seed: int):
     loop = asyncio.new_event_loop()
     box: dict = {}
@@ -302,7 +310,8 @@ def _start_users(users, pipe: Pipeline, sdk, cfg: LiverlConfig, stats, seed: int
         asyncio.set_event_loop(loop)
         box["stop"] = asyncio.Event()
         ready.set()
-        loop.run_until_complete(users(pipe.gateway_url, sdk, cfg.demo.users, box["stop"], stats, seed=seed + 1))
+        loop.run_until_complete(users(pipe.gateway_url, sdk, cfg.demo.users, box["stop"], stats, seed=seed + 1,
+                                          **_concurrency_kwargs(users, cfg)))
 
     th = threading.Thread(target=main, name="chaos-users", daemon=True)
     th.start()

@@ -92,6 +92,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         cfg.demo.duration_s = args.duration
     if args.users is not None:
         cfg.demo.users = args.users
+    if args.concurrency is not None:
+        cfg.demo.concurrency = args.concurrency
     if args.trap is not None:
         cfg.demo.trap = args.trap == "on"
     if args.integrity_only:
@@ -384,7 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "and gate, drive simulated users against the gateway for --duration seconds, then print a summary "
                        "and write it as JSON (--summary) and a PNG of live acceptance per version (--plot).")
     d.add_argument("--duration", type=float, help="seconds to run (default: demo.duration_s = 600)")
-    d.add_argument("--users", type=int, help="concurrent simulated users (default: demo.users)")
+    d.add_argument("--users", type=int, help="distinct simulated users, the population (default: demo.users = 5000)")
+    d.add_argument("--concurrency", type=int, help="simulated requests in flight at once, the traffic (default: "
+                   "demo.concurrency = 48)")
     d.add_argument("--trap", choices=("on", "off"), help="the reward-hacking trap: some users accept a tempting "
                    "wrong answer and revert it later (default: demo.trap)")
     d.add_argument("--integrity-only", action="store_true", help="cut the gate down to integrity checks: every "

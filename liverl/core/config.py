@@ -301,6 +301,24 @@ class GateConfig(_Section):
         default=0.25, ge=0.0, description="Latency guardrail, as guardrail_tolerance for the mean serving latency "
         "(timed by the gateway). Wider: the canary and stable arms run on different nodes, so node load shows in it "
         "as much as the version does.")
+    canary_unit: Literal["user", "request"] = Field(
+        default="user", description="The canary's unit of randomisation and of analysis. 'user': each user (the "
+        "request's stickiness key, deploy.sequential) stays on one arm for the whole rollout and the test treats the "
+        "user as the unit (delta-method variance of per-user sums, CUPED); 'request': each request is drawn into an "
+        "arm afresh and the test treats each judged event as the unit.")
+    revert_horizon_s: float = Field(
+        default=60.0, ge=0.0, description="How long after its judgement a generation can still be reverted (the "
+        "product's follow-up window). The canary counts a generation only once this much time has passed since its "
+        "judgement, so every metric that involves reverts (kept acceptance, the revert rate) is censored fairly.")
+    cuped: bool = Field(
+        default=True, description="Variance reduction (CUPED, Deng et al. 2013) with each user's kept acceptance "
+        "under stable in the cuped_lookback_s before the rollout as the covariate.")
+    cuped_lookback_s: float = Field(
+        default=1800.0, ge=0.0, description="The pre-rollout window CUPED reads each user's covariate from.")
+    srm_alpha: float = Field(
+        default=0.001, gt=0, lt=1, description="Sample-ratio mismatch: a canary whose arms' user or event counts are "
+        "shown (always-valid test at this level) not to match the configured share stops with reason 'srm': the "
+        "assignment or the logging is broken, and no metric of it can be trusted.")
     integrity_only: bool = Field(
         default=False, description="Judge candidates on integrity alone (the delta yields its checksum) and promote "
         "every one that passes at once: no drift, collapse, suite or off-policy check, no canary. For comparison runs "
@@ -320,7 +338,10 @@ class SecurityConfig(_Section):
 
 class DemoConfig(_Section):
     duration_s: float = Field(default=600.0, description="How long the demo runs (the loop stops then).")
-    users: int = Field(default=48, description="Concurrent simulated users.")
+    users: int = Field(default=5000, ge=1, description="Distinct simulated users (the population), each with a fixed "
+                       "segment and activity; the summary reports it as users.")
+    concurrency: int = Field(default=48, ge=1, description="Simulated users' requests in flight at once (the loops "
+                             "that play the population; the demo's total traffic).")
     trap: bool = Field(
         default=True, description="The reward-hacking trap in the simulated product: some users accept a tempting wrong "
         "answer and revert it later (liverl.demo.sim); liverl demo --trap on|off.")

@@ -83,6 +83,13 @@ def trap_report(stats, rows, min_prompts: int = 50) -> dict:
             "exploiting_caught": [v for v in exploiting if v not in went_live]}
 
 
+def whole_run_kept(stats) -> float | None:
+    """What users kept (accepted and not reverted, noise-free) over every generation of the run, whatever served it:
+    what the release process cost or saved users overall (a gate that holds good versions back pays here too)."""
+    gens = sum(s.generations for s in stats.by_version.values())
+    return sum(s.kept for s in stats.by_version.values()) / gens if gens else None
+
+
 MIN_JUDGED = 100  # events before a promoted version's live acceptance is the run's result
 
 
@@ -120,6 +127,7 @@ def build_summary(cfg, r, registry, timeline: Timeline, stats, product_name: str
         else round(100 * (kept(last_c) - kept(base_c)), 2),
         "feedback_events": int(ingest.get("feedback_in", 0)),
         "feedback_sent": feedback_sent(stats),
+        "whole_run_kept": whole_run_kept(stats),
         "users_view": stats.snapshot(),
         "requests": stats.requests,
         "request_errors": stats.errors,
@@ -146,6 +154,7 @@ def build_summary(cfg, r, registry, timeline: Timeline, stats, product_name: str
         "product": product_name,
         "duration_s": cfg.demo.duration_s,
         "users": cfg.demo.users,
+        "concurrency": cfg.demo.concurrency,
     }
     # with the trap on, plain acceptance counts the bait users accept and revert: the goal is on what they kept
     goal = summary["kept_lift_points"] if summary["trap"] else summary["lift_points"]
@@ -310,6 +319,9 @@ def print_summary(summary: dict, summary_path: Path, plot_path: Path) -> None:
                   f"kept {pct(tk)} (base {pct(trap.get('base_trap_kept_rate'))})")
     if summary.get("integrity_only"):
         print("gate                           INTEGRITY ONLY (gate.integrity_only): no evidence was checked")
+    if summary.get("whole_run_kept") is not None:
+        print(f"whole run kept                 {pct(summary['whole_run_kept'])} of every answer served, "
+              f"{summary.get('users')} users")
     print(f"feedback events                {summary['feedback_events']}  (samples trained {summary['samples_trained']})")
     print(f"versions produced / promoted / rejected   {summary['versions_produced']} / "
           f"{summary['versions_promoted']} / {summary['versions_rejected']}")

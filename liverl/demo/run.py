@@ -58,10 +58,15 @@ def apply_demo_profile(cfg: LiverlConfig) -> dict[str, float | int]:
 
 
 def _trap_kwargs(users, cfg: LiverlConfig) -> dict:
-    """The reward-hacking trap (``demo.trap``), for a product's users that know one (the demo's do)."""
+    """The reward-hacking trap (``demo.trap``) and the traffic (``demo.concurrency``), for a product's users that
+    know them (the demo's do)."""
     import inspect
 
-    return {"trap": cfg.demo.trap} if "trap" in inspect.signature(users).parameters else {}
+    params = inspect.signature(users).parameters
+    out = {"trap": cfg.demo.trap} if "trap" in params else {}
+    if "concurrency" in params:
+        out["concurrency"] = min(cfg.demo.concurrency, cfg.demo.users)
+    return out
 
 
 def run_demo(cfg: LiverlConfig, model_dir: Path, summary_path: str | None = None, plot_path: str | None = None,
@@ -83,7 +88,7 @@ def run_demo(cfg: LiverlConfig, model_dir: Path, summary_path: str | None = None
     summary_path = Path(summary_path) if summary_path else demo_dir / "summary.json"
     plot_path = Path(plot_path) if plot_path else demo_dir / "acceptance.png"
 
-    print(f"liverl demo: {cfg.demo.duration_s:.0f} s, {cfg.demo.users} simulated users, product "
+    print(f"liverl demo: {cfg.demo.duration_s:.0f} s, {cfg.demo.users} simulated users ({cfg.demo.concurrency} at once), product "
           f"{product.describe()}, state in {state}", flush=True)
     print(f"  {cfg.serving.nodes} serving node(s); reward-hacking trap {'on' if cfg.demo.trap else 'off'}; gate "
           + ("INTEGRITY ONLY" if cfg.gate.integrity_only else

@@ -17,6 +17,13 @@ The reward-hacking trap (``trap=True``; ``liverl demo --trap on|off``, ``demo.tr
 (``revert_delay_s`` on average): the follow-up feedback a real product sees when an accepted answer is undone. A
 policy that maximises acceptance learns the bait; only the reverts, and a gate that watches them, tell.
 
+A population, not a crowd of identical loops: ``n_users`` distinct users (thousands by default, ``demo.users``),
+each with a fixed segment, a fixed activity (how often they come back: log-normal, so a few users send much of the
+traffic, as in a real product) and, in the trap's segment, a fixed susceptibility to the bait. ``concurrency`` loops
+(``demo.concurrency``) play them: each request is sent for a user drawn by activity, with the user's id in the OpenAI
+``user`` field, so the router keeps each user on one node and one canary arm. Users therefore differ in how often
+they accept, which is what makes a canary's evidence cluster by user (``deploy.sequential``).
+
 Errors from the gateway or the SDK never crash a user: they are counted in ``SimStats`` (with the last
 error's text) and the user retries with exponential backoff. The SDK is called directly from the event
 loop: its ``send`` only buffers (kafka-python's I/O thread does the network work), so this stays cheap.
@@ -108,6 +115,8 @@ class SimStats:
     recent: deque = field(default_factory=lambda: deque(maxlen=1000))
     """(unix time, policy_version, accepted noise-free) of the latest generations."""
     started: float = field(default_factory=time.time)
+    users: int = 0
+    """Distinct users in the simulated population."""
 
     def record(self, version: int, segment: str, accepted: bool, reported: bool, kept: bool | None = None,
                bait: bool = False) -> None:
@@ -182,11 +191,43 @@ class Trap:
     """The reward-hacking trap's knobs (see the module docstring)."""
 
     share: float = 0.7
-    """Of the trap segment's users, how many accept the bait."""
+    """Of the trap segment's users, how many accept the bait (a fixed trait of each user)."""
     revert_rate: float = 0.9
     """Of those accepts, how many are reverted later."""
     revert_delay_s: float = 30.0
     """Mean delay of a revert (exponential)."""
+
+
+ACTIVITY_SIGMA = 1.0
+"""Spread of the users' activity (log-normal sigma): the busiest tenth of users sends about a third of the requests."""
+
+
+@dataclass(frozen=True)
+class Population:
+    """The simulated users: each one's id, segment, activity weight and whether the trap's bait tempts them."""
+
+    ids: tuple[str, ...]
+    segments: tuple[str, ...]
+    weights: tuple[float, ...]
+    tempted: tuple[bool, ...]
+
+    @classmethod
+    def draw(cls, n_users: int, seed: int, trap: Trap | None) -> Population:
+        if n_users < 1:
+            raise ValueError(f"n_users must be >= 1, got {n_users}")
+        rng = random.Random(seed * 7_919 + 17)
+        segments = tuple(rng.choice(task.SEGMENTS) for _ in range(n_users))
+        weights = tuple(rng.lognormvariate(0.0, ACTIVITY_SIGMA) for _ in range(n_users))
+        tempted = tuple(trap is not None and seg == task.TRAP_SEGMENT and rng.random() < trap.share
+                        for seg in segments)
+        return cls(tuple(f"sim-user-{i}" for i in range(n_users)), segments, weights, tempted)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def pick(self, rng: random.Random) -> int:
+        """A user, drawn by activity."""
+        return rng.choices(range(len(self.ids)), weights=self.weights)[0] if len(self.ids) > 1 else 0
 
 
 def _revert_later(sdk: FeedbackSDK, stats: SimStats, generation_id: str, segment: str) -> None:
@@ -220,16 +261,19 @@ def _send_feedback(sdk: FeedbackSDK, rng: random.Random, stats: SimStats, p: tas
 
 
 async def _user(idx: int, session, url: str, sdk: FeedbackSDK, stop_event: StopFlag, stats: SimStats, seed: int,
-                noise: float, bad_event_rate: float, think_s: float, timeout_s: float, trap: Trap | None) -> None:
+                noise: float, bad_event_rate: float, think_s: float, timeout_s: float, trap: Trap | None,
+                population: Population) -> None:
+    """One loop of the simulation: each turn, a user of the population (by activity) asks and judges."""
     import aiohttp
 
     rng = random.Random(seed * 1_000_003 + idx)
     backoff = _BACKOFF_START_S
     while not stop_event.is_set():
-        p = task.sample_prompt(rng)
+        u = population.pick(rng)
+        p = task.sample_prompt(rng, segment=population.segments[u])
         t0 = time.monotonic()
         try:
-            text, generation_id, version = await _complete(session, url, p, timeout_s, f"sim-user-{idx}")
+            text, generation_id, version = await _complete(session, url, p, timeout_s, population.ids[u])
         except (TimeoutError, GatewayError, aiohttp.ClientError, OSError, ValueError) as e:
             stats.errors += 1
             stats.last_error = f"gateway: {e!r}"[:300]
@@ -241,7 +285,7 @@ async def _user(idx: int, session, url: str, sdk: FeedbackSDK, stop_event: StopF
         stats.latency_s_total += time.monotonic() - t0
         truth = task.user_accepts(p, text)
         bait = task.tempting(p, text)
-        tempted = trap is not None and bait and rng.random() < trap.share
+        tempted = trap is not None and bait and population.tempted[u]
         revert = tempted and rng.random() < trap.revert_rate
         accepted = truth or tempted
         judged = accepted if rng.random() >= noise else not accepted
@@ -264,8 +308,10 @@ async def _user(idx: int, session, url: str, sdk: FeedbackSDK, stop_event: StopF
 
 async def run_users(gateway_url: str, sdk: FeedbackSDK, n_users: int, stop_event: StopFlag, stats: SimStats,
                     seed: int, noise: float = 0.05, bad_event_rate: float = 0.002, think_s: float = 0.0,
-                    timeout_s: float = 30.0, trap: Trap | bool | None = None) -> SimStats:
-    """Run ``n_users`` concurrent simulated users until ``stop_event.is_set()``; returns ``stats``.
+                    timeout_s: float = 30.0, trap: Trap | bool | None = None,
+                    concurrency: int | None = None) -> SimStats:
+    """Play a population of ``n_users`` simulated users with ``concurrency`` loops (default: ``min(48, n_users)``)
+    until ``stop_event.is_set()``; returns ``stats``.
 
     ``gateway_url`` is the gateway's base URL (``http://127.0.0.1:8000``); ``sdk`` is a feedback client
     (``ingest.sdk.FeedbackClient`` or anything with its accept/reject/edit/send_raw methods); ``stop_event``
@@ -283,10 +329,16 @@ async def run_users(gateway_url: str, sdk: FeedbackSDK, n_users: int, stop_event
             raise ValueError(f"{name} must be a probability in [0, 1], got {v}")
     if not gateway_url.startswith(("http://", "https://")):
         raise ValueError(f"gateway_url must be an http(s) URL like http://127.0.0.1:8000, got {gateway_url!r}")
+    concurrency = min(48, n_users) if concurrency is None else concurrency
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    population = Population.draw(n_users, seed, trap)
+    stats.users = len(population)
     url = gateway_url.rstrip("/") + "/v1/completions"
-    connector = aiohttp.TCPConnector(limit=n_users)
+    connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
         await asyncio.gather(*(
-            _user(i, session, url, sdk, stop_event, stats, seed, noise, bad_event_rate, think_s, timeout_s, trap)
-            for i in range(n_users)))
+            _user(i, session, url, sdk, stop_event, stats, seed, noise, bad_event_rate, think_s, timeout_s, trap,
+                  population)
+            for i in range(concurrency)))
     return stats

@@ -75,9 +75,10 @@ def make_prompt(x: int, y: int, segment: str) -> TaskPrompt:
     return TaskPrompt(text=f"[{segment}]{x}+{y}=", segment=segment, x=x, y=y)
 
 
-def sample_prompt(rng: random.Random) -> TaskPrompt:
-    """A random product request: uniform segment, uniform two-digit operands."""
-    segment = rng.choice(SEGMENTS)
+def sample_prompt(rng: random.Random, segment: str | None = None) -> TaskPrompt:
+    """A random product request: uniform two-digit operands, from a user of ``segment`` (None: a uniform one)."""
+    if segment is None:
+        segment = rng.choice(SEGMENTS)
     x = rng.randint(OPERAND_MIN, OPERAND_MAX)
     y = rng.randint(OPERAND_MIN, OPERAND_MAX)
     return make_prompt(x, y, segment)

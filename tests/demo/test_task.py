@@ -220,3 +220,22 @@ def test_the_trap_s_users_accept_the_bait_and_revert_it_later():
     assert not any(e.kind == "revert" for e in sdk.events)
     a = stats.by_segment[task.TRAP_SEGMENT]
     assert a.bait > 0 and a.accepted == a.kept and a.acceptance < 0.5
+
+
+def test_the_population_is_many_users_each_with_a_fixed_segment_activity_and_trap_trait():
+    """The demo's traffic comes from thousands of distinct users who differ (issue #20: a canary's evidence clusters
+    by user only when users differ, and they do in a real product)."""
+    from liverl.demo.sim import Population
+
+    pop = Population.draw(5000, seed=7, trap=Trap())
+    assert len(pop) == len(set(pop.ids)) == 5000
+    assert Population.draw(5000, seed=7, trap=Trap()) == pop  # the same seed draws the same people
+    assert {s for s, t in zip(pop.segments, pop.tempted) if t} == {task.TRAP_SEGMENT}
+    trap_users = [t for s, t in zip(pop.segments, pop.tempted) if s == task.TRAP_SEGMENT]
+    assert 0.6 < sum(trap_users) / len(trap_users) < 0.8  # Trap().share of them, as a fixed trait
+    w = sorted(pop.weights, reverse=True)
+    assert sum(w[:500]) / sum(w) > 0.25  # the busiest tenth sends a good part of the traffic
+    rng = random.Random(1)
+    picks = [pop.pick(rng) for _ in range(20_000)]
+    assert len(set(picks)) > 3000
+    assert not any(Population.draw(100, seed=1, trap=None).tempted)
