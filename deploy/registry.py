@@ -28,30 +28,52 @@ NULL, the row, its gate results and its audit entries kept) and then collected a
 with a descendant that is not rejected keeps its delta: the learner trains on, so later versions are deltas on top
 of it and rebuilding them walks through it.
 
+Rollouts (canaries): a version becomes ``canary`` only together with its ``Rollout`` row (``begin_rollout``, one
+transaction), and leaves it only by ending that rollout (``finish_rollout_promote`` / ``finish_rollout_abort``, or an
+operator's direct ``promote``/``set_status``, which end it as ``ended``). Every rollout write bumps its ``revision``:
+the gate saves its evidence by compare-and-set on it (``save_rollout_evidence``) and promotes only a rollout that is
+still ``running``, so an operator's ``pause`` or ``abort`` between the gate's read and its write is never overwritten.
+``reap_orphan_canaries`` rejects a ``canary`` version no active rollout runs (a registry from before rollouts were
+kept here, or a row edited by hand).
+
+Audit log: every entry is chained by plain hash and, with an audit key (``security.audit_key``, never stored in the
+database), by HMAC; the chain's head is anchored in Redis (``deploy.auditchain`` says exactly what that detects).
+Without a key a registry whose log is not keyed yet writes unkeyed entries (and says so in the log once); a registry
+whose log is keyed refuses writes from a process without the key.
+
 The tables and the engine are in ``deploy.tables``; statuses are listed there.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
+import math
 import secrets
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import redis
 import sqlalchemy as sa
 import torch
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from deploy.auditchain import AuditCheck, AuditHead, audit_mac, check_chain, load_audit_key
 from deploy.blobstore import BlobError, BlobInfo, BlobStore, open_blob_store
 from deploy.delta import apply_delta, checksum, encode_delta, plan_delta, read_header
 from deploy.migrations import upgrade_connection
 from deploy.snapshot import decode_snapshot, encode_snapshot
 from deploy.tables import (  # noqa: F401
-    ROLES, STATUSES, AuditEntry, Base, Counter, FleetNode, GateResult, Operator, Version, audit_hash, make_engine)
+    ACTIVE_ROLLOUT_STATES, MAX_LOOKS, ROLES, ROLLOUT_STATES, ROLLOUT_UNITS, STATUSES, AuditEntry, Base, Counter,
+    FleetNode, GateResult, Operator, Rollout, Version, audit_hash, make_engine)
 from liverl.core.config import LiverlConfig
+
+log = logging.getLogger("liverl.registry")
+
 
 class RegistryError(ValueError):
     """A registry operation that cannot be done as asked (unknown version, wrong status, ...)."""
@@ -83,12 +105,22 @@ class GcResult:
 
 
 class Registry:
-    """Versions, gate results, audit log and fleet state over SQLAlchemy, with blobs in ``blobs``."""
+    """Versions, rollouts, gate results, audit log and fleet state over SQLAlchemy, with blobs in ``blobs``.
 
-    def __init__(self, url: str, blobs: BlobStore, snapshot_every: int = 10):
+    ``audit_key``: the key of the audit log's HMAC chain (``deploy.auditchain``; None: unkeyed, see the module doc).
+    ``audit_head``: where the chain's head is anchored after every append (Redis; needs ``audit_key``).
+    """
+
+    def __init__(self, url: str, blobs: BlobStore, snapshot_every: int = 10, audit_key: bytes | None = None,
+                 audit_head: AuditHead | None = None):
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        if audit_head is not None and audit_key is None:
+            raise ValueError("an audit head anchor needs the audit key (security.audit_key) it is tagged with")
         self.url, self.blobs, self.snapshot_every = url, blobs, snapshot_every
+        self.audit_key, self.audit_head = audit_key, audit_head
+        self.anchor_failures = 0  # appends whose head could not be anchored (Redis down): verify reports a lag
+        self._warned_unkeyed = False
         self.engine = make_engine(url)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)  # reads
         writer = self.engine.execution_options(sqlite_begin="IMMEDIATE")
@@ -100,25 +132,60 @@ class Registry:
 
     def close(self) -> None:
         self.engine.dispose()
+        if self.audit_head is not None:
+            self.audit_head.close()
 
     @contextmanager
     def _tx(self) -> Iterator[Session]:
-        """A write transaction (SQLite: BEGIN IMMEDIATE, so it waits for the lock instead of failing later)."""
-        with self._write_sessions() as s, s.begin():
-            yield s
+        """A write transaction (SQLite: BEGIN IMMEDIATE, so it waits for the lock instead of failing later). Once it
+        has committed, the audit head it appended (if any) is anchored."""
+        with self._write_sessions() as s:
+            with s.begin():
+                yield s
+            head = s.info.pop("audit_head", None)
+        if head is not None:
+            self._anchor(*head)
+
+    def _anchor(self, seq: int, mac: str) -> None:
+        if self.audit_head is None:
+            return
+        try:
+            self.audit_head.advance(self.audit_key, seq, mac)
+        except redis.RedisError as e:  # the entry is committed; the anchor lags until the next append, and says so
+            self.anchor_failures += 1
+            log.warning("audit entry %d committed but its head not anchored in Redis (%s): `liverl history --verify` "
+                        "reports the anchor lagging until the next audited change", seq, e)
 
     @staticmethod
     def _lock(s: Session) -> Counter:
         return s.execute(select(Counter).where(Counter.name == "version").with_for_update()).scalar_one()
 
-    @staticmethod
-    def _audit(s: Session, actor: str, action: str, version: int | None, reason: str | None) -> None:
-        """Append one audit entry, chained to the previous one (under the registry lock, so the chain is linear)."""
-        Registry._lock(s)
-        last = s.execute(select(AuditEntry.entry_hash).order_by(AuditEntry.id.desc()).limit(1)).scalar()
-        prev, at = last or "", time.time()
+    def _audit(self, s: Session, actor: str, action: str, version: int | None, reason: str | None) -> None:
+        """Append one audit entry, chained to the previous one (under the registry lock, so the chain is linear):
+        by plain hash, and by HMAC with the audit key (``deploy.auditchain``)."""
+        self._lock(s)
+        last = s.execute(select(AuditEntry.seq, AuditEntry.mac, AuditEntry.entry_hash)
+                         .order_by(AuditEntry.id.desc()).limit(1)).first()
+        if last is None:
+            seq, prev, link = 1, "", ""
+        else:
+            seq = (last.seq + 1 if last.seq is not None
+                   else s.execute(select(func.count()).select_from(AuditEntry)).scalar_one() + 1)
+            prev, link = last.entry_hash or "", last.mac or last.entry_hash or ""
+        at, mac = time.time(), None
+        if self.audit_key is not None:
+            mac = audit_mac(self.audit_key, link, seq, actor, action, version, reason, at)
+            s.info["audit_head"] = (seq, mac)  # anchored once the transaction commits (``_tx``)
+        elif last is not None and last.mac is not None:
+            raise RegistryError("the registry's audit log is keyed and this process has no audit key, so it may not "
+                                "change the registry: set security.audit_key to the key file its other writers use "
+                                "(`liverl up` makes <state_dir>/keys/audit.key)")
+        elif not self._warned_unkeyed:
+            self._warned_unkeyed = True
+            log.warning("the audit log is not keyed (no security.audit_key): `liverl history --verify` cannot detect an "
+                        "entry rewritten with the chain recomputed, or a cut tail")
         s.add(AuditEntry(actor=actor, action=action, version=version, reason=reason, at=at, prev_hash=prev,
-                         entry_hash=audit_hash(prev, actor, action, version, reason, at)))
+                         entry_hash=audit_hash(prev, actor, action, version, reason, at), seq=seq, mac=mac))
 
     @staticmethod
     def _row(s: Session, version: int) -> Version:
@@ -209,6 +276,8 @@ class Registry:
         """
         if status not in STATUSES:
             raise RegistryError(f"unknown status {status!r}; one of {STATUSES}")
+        if status == "canary":
+            raise RegistryError("a version becomes canary only together with its rollout: Registry.begin_rollout")
         with self._tx() as s:
             self._lock(s)
             row = self._row(s, version)
@@ -216,8 +285,9 @@ class Registry:
                 raise RegistryConflict(f"version {version} is {row.status}, not {expect}: left as it is")
             if row.status == "stable" and status != "stable":
                 raise RegistryConflict(f"version {version} is the stable version; use promote or rollback to change that")
+            ended = self._end_rollouts_of(s, row, f"{actor} set v{version} {status}") if row.status == "canary" else ""
             row.status, row.status_reason = status, reason
-            self._audit(s, actor, status if status == "rejected" else f"set_{status}", version, reason)
+            self._audit(s, actor, status if status == "rejected" else f"set_{status}", version, (reason or "") + ended)
         return row
 
     def promote(self, version: int, actor: str, reason: str | None = None, force: bool = False,
@@ -227,7 +297,8 @@ class Registry:
         A version the gate rejected needs ``force``. ``expected_stable`` and
         ``from_candidate`` make it a compare-and-set (the gate's promotion): ``RegistryConflict`` unless the stable
         version is still ``expected_stable`` and ``version`` is still a candidate, so an operator's promote or
-        rollback during an evaluation is never overridden.
+        rollback during an evaluation is never overridden. A canary is promoted by the gate only through its rollout
+        (``finish_rollout_promote``); an operator promoting it directly ends its rollout (state ``ended``).
         """
         with self._tx() as s:
             self._lock(s)
@@ -238,16 +309,18 @@ class Registry:
             if expected_stable is not None and [o.version for o in old] != [expected_stable]:
                 raise RegistryConflict(f"the stable version changed to {','.join(str(o.version) for o in old) or 'none'} "
                                        f"(expected {expected_stable}); version {version} left as it is")
-            if from_candidate and row.status not in ("candidate", "canary"):
-                raise RegistryConflict(f"version {version} is {row.status}, no longer a candidate")
+            if from_candidate and row.status != "candidate":
+                how = " (the gate promotes a canary with finish_rollout_promote)" if row.status == "canary" else ""
+                raise RegistryConflict(f"version {version} is {row.status}, no longer a candidate{how}")
             if row.status == "rejected" and not force:
                 raise RegistryError(f"version {version} was rejected ({row.status_reason or 'no reason recorded'}); "
                                     "pass --force to promote it anyway")
+            ended = self._end_rollouts_of(s, row, f"promoted by {actor}") if row.status == "canary" else ""
             for o in old:
                 o.status, o.status_reason = "retired", f"replaced by {version}"
             row.status, row.status_reason, row.promoted_at = "stable", reason, time.time()
             prev = ",".join(str(o.version) for o in old) or "none"
-            self._audit(s, actor, "promote", version, f"{reason or ''} (was {prev})".strip())
+            self._audit(s, actor, "promote", version, f"{reason or ''} (was {prev}){ended}".strip())
         return row
 
     def rollback(self, actor: str, reason: str | None = None, to: int | None = None) -> Version:
@@ -279,6 +352,225 @@ class Registry:
             row = s.get(FleetNode, node) or FleetNode(node=node)
             row.version, row.checksum, row.updated_at = version, checksum_, time.time()
             s.add(row)
+
+    # ------------------------------------------------------------------------------------------ rollouts
+
+    @staticmethod
+    def _rollout_row(s: Session, rollout_id: int, lock: bool = True) -> Rollout:
+        q = select(Rollout).where(Rollout.id == rollout_id).execution_options(populate_existing=True)
+        ro = s.execute(q.with_for_update() if lock else q).scalars().first()
+        if ro is None:
+            raise RegistryError(f"unknown rollout {rollout_id}")
+        return ro
+
+    @staticmethod
+    def _active_rows(s: Session, lock: bool = False) -> list[Rollout]:
+        q = select(Rollout).where(Rollout.state.in_(ACTIVE_ROLLOUT_STATES)).order_by(Rollout.id)
+        return list(s.execute(q.with_for_update() if lock else q).scalars())
+
+    @staticmethod
+    def _close(ro: Rollout, state: str, reason: str | None, verdict: str | None = None) -> None:
+        ro.state, ro.ended_at, ro.revision = state, time.time(), ro.revision + 1
+        if reason is not None:
+            ro.reason = reason
+        if verdict is not None:
+            ro.verdict = verdict
+
+    def _end_rollouts_of(self, s: Session, row: Version, why: str) -> str:
+        """End (state ``ended``) the active rollouts of ``row``'s version, inside the caller's transaction; the text
+        the caller's audit entry carries about it."""
+        ended = [ro for ro in self._active_rows(s, lock=True) if ro.version == row.version]
+        for ro in ended:
+            self._close(ro, "ended", why)
+        return "".join(f"; rollout {ro.id} ended" for ro in ended)
+
+    def begin_rollout(self, version: int, stable_version: int, share: float, nodes: Sequence[str], unit: str,
+                      deadline_at: float, settings: Mapping | None, actor: str, reason: str) -> Rollout:
+        """Start the canary of ``version`` against ``stable_version``: in one transaction the version goes from
+        ``candidate`` to ``canary`` and its ``Rollout`` (state ``running``, revision 1) is inserted. ``settings`` (JSON,
+        finite) is written once here: what must stay fixed for the rollout's life (e.g. the guardrails' nulls).
+
+        ``RegistryConflict`` if another rollout is active, ``version`` is not a candidate, or the stable version is not
+        ``stable_version`` any more; ``RegistryError`` for bad terms.
+        """
+        if not (isinstance(share, int | float) and 0.0 < share <= 1.0):
+            raise RegistryError(f"a rollout's share is in (0, 1], got {share!r}")
+        nodes = list(nodes)
+        if not nodes or not all(isinstance(n, str) and n for n in nodes):
+            raise RegistryError(f"a rollout needs its canary nodes, by name; got {nodes!r}")
+        if unit not in ROLLOUT_UNITS:
+            raise RegistryError(f"a rollout's unit is one of {ROLLOUT_UNITS}, got {unit!r}")
+        if not math.isfinite(deadline_at):
+            raise RegistryError(f"a rollout's deadline_at is a time (seconds since the epoch), got {deadline_at!r}")
+        settings = _finite_json(dict(settings or {}), "settings")
+        with self._tx() as s:
+            self._lock(s)
+            row = self._row(s, version)
+            if row.status != "candidate":
+                raise RegistryConflict(f"version {version} is {row.status}, not a candidate: no rollout begun")
+            stable = s.execute(select(Version.version).where(Version.status == "stable")).scalars().all()
+            if stable != [stable_version]:
+                raise RegistryConflict(f"the stable version is {','.join(map(str, stable)) or 'none'}, not "
+                                       f"{stable_version}: no rollout of v{version} begun")
+            if active := self._active_rows(s, lock=True):
+                raise RegistryConflict(f"rollout {active[0].id} (canary v{active[0].version}) is {active[0].state}: "
+                                       f"one rollout at a time, v{version} not begun")
+            ro = Rollout(version=version, checksum=row.checksum, stable_version=stable_version, share=float(share),
+                         nodes=nodes, unit=unit, state="running", started_at=time.time(), deadline_at=float(deadline_at),
+                         settings=settings, test_state={}, looks=[], verdict=None, reason=reason, revision=1,
+                         ended_at=None)
+            s.add(ro)
+            row.status, row.status_reason = "canary", reason
+            s.flush()  # the rollout's id
+            self._audit(s, actor, "canary_start", version, f"rollout {ro.id}: {share:.0%} of {unit}s on "
+                        f"{', '.join(nodes)}, against stable v{stable_version}; {reason}")
+        return ro
+
+    def active_rollout(self) -> Rollout | None:
+        """The rollout in progress (``running`` or ``paused``), or None."""
+        with self._sessions() as s:
+            rows = self._active_rows(s)
+        return rows[-1] if rows else None
+
+    def rollout(self, rollout_id: int) -> Rollout:
+        with self._sessions() as s:
+            return self._rollout_row(s, rollout_id, lock=False)
+
+    def rollouts(self, limit: int | None = 20) -> list[Rollout]:
+        """Rollouts, newest first."""
+        q = select(Rollout).order_by(Rollout.id.desc())
+        with self._sessions() as s:
+            return list(s.execute(q if limit is None else q.limit(limit)).scalars())
+
+    def save_rollout_evidence(self, rollout_id: int, expect_revision: int, test_state: Mapping,
+                              looks: Sequence[Mapping], verdict: str | None, reason: str | None) -> Rollout:
+        """The gate's evidence after a look, by compare-and-set: written only if the rollout is still at
+        ``expect_revision`` and active; ``RegistryConflict`` otherwise (re-read it and look again). Never changes the
+        state. ``looks``: the whole list, of which the last ``MAX_LOOKS`` are kept. Returns the rollout as written."""
+        test_state = _finite_json(dict(test_state), "test_state")
+        looks = _finite_json(list(looks)[-MAX_LOOKS:], "looks")
+        with self._tx() as s:
+            done = s.execute(
+                sa.update(Rollout)
+                .where(Rollout.id == rollout_id, Rollout.revision == expect_revision,
+                       Rollout.state.in_(ACTIVE_ROLLOUT_STATES))
+                .values(test_state=test_state, looks=looks, verdict=verdict, reason=reason,
+                        revision=Rollout.revision + 1)
+                .execution_options(synchronize_session=False))
+            ro = self._rollout_row(s, rollout_id, lock=False)
+            if done.rowcount != 1:
+                raise RegistryConflict(f"rollout {rollout_id} is at revision {ro.revision} ({ro.state}), not "
+                                       f"{expect_revision}: evidence not saved; re-read the rollout")
+        return ro
+
+    def set_rollout_state(self, rollout_id: int, state: str, actor: str, reason: str) -> Rollout:
+        """An operator pauses (``paused``: evidence is still gathered and an abort still happens, but no promotion) or
+        resumes (``running``) a rollout; audited, and the revision moves, so a gate step that read it before fails
+        its compare-and-set."""
+        if state not in ACTIVE_ROLLOUT_STATES:
+            raise RegistryError(f"a rollout is set to one of {ACTIVE_ROLLOUT_STATES}, not {state!r} (ending it: "
+                                "finish_rollout_promote / finish_rollout_abort)")
+        if not reason:
+            raise RegistryError("pausing or resuming a canary needs a reason for the audit log")
+        with self._tx() as s:
+            self._lock(s)
+            ro = self._rollout_row(s, rollout_id)
+            if not ro.active:
+                raise RegistryConflict(f"rollout {rollout_id} (v{ro.version}) is {ro.state}: it is over")
+            if ro.state == state:
+                raise RegistryError(f"the canary of v{ro.version} is already {state}")
+            ro.state, ro.revision = state, ro.revision + 1
+            self._audit(s, actor, "canary_pause" if state == "paused" else "canary_resume", ro.version, reason)
+        return ro
+
+    def finish_rollout_promote(self, rollout_id: int, expected_stable: int, actor: str, reason: str,
+                               expect_revision: int | None = None) -> Rollout:
+        """Promote the rollout's canary, in one transaction, only if the rollout is still ``running`` (not paused, not
+        over), at ``expect_revision`` when given, its version still ``canary`` and the stable version still
+        ``expected_stable``: rollout ``promoted``, the version ``stable``, the old stable ``retired`` (as ``promote``).
+        ``RegistryConflict`` otherwise, with nothing changed: a decision taken on a stale read never lands."""
+        with self._tx() as s:
+            self._lock(s)
+            ro = self._rollout_row(s, rollout_id)
+            if ro.state != "running":
+                raise RegistryConflict(f"rollout {rollout_id} (v{ro.version}) is {ro.state}: not promoted")
+            if expect_revision is not None and ro.revision != expect_revision:
+                raise RegistryConflict(f"rollout {rollout_id} is at revision {ro.revision}, not {expect_revision}: "
+                                       "not promoted; re-read it")
+            row = self._row(s, ro.version)
+            if row.status != "canary":
+                raise RegistryConflict(f"version {ro.version} is {row.status}, not canary: not promoted")
+            old = s.execute(select(Version).where(Version.status == "stable")).scalars().all()
+            if [o.version for o in old] != [expected_stable]:
+                raise RegistryConflict(f"the stable version is {','.join(str(o.version) for o in old) or 'none'}, not "
+                                       f"{expected_stable}: v{ro.version} not promoted")
+            for o in old:
+                o.status, o.status_reason = "retired", f"replaced by {ro.version}"
+            row.status, row.status_reason, row.promoted_at = "stable", reason, time.time()
+            self._close(ro, "promoted", reason, verdict="promote")
+            self._audit(s, actor, "promote", ro.version, f"{reason} (was {expected_stable}; rollout {rollout_id})")
+        return ro
+
+    def finish_rollout_abort(self, rollout_id: int, actor: str, reason: str, verdict: str | None = None) -> Rollout:
+        """Abort a rollout that is not over (running or paused), in one transaction: rollout ``aborted`` (with
+        ``verdict`` when given, e.g. ``srm``), its version ``rejected`` if it is still ``canary``. Audited.
+        ``RegistryConflict`` if the rollout is over already."""
+        if not reason:
+            raise RegistryError("aborting a canary needs a reason for the audit log")
+        with self._tx() as s:
+            self._lock(s)
+            ro = self._rollout_row(s, rollout_id)
+            if not ro.active:
+                raise RegistryConflict(f"rollout {rollout_id} (v{ro.version}) is {ro.state} already")
+            row = self._row(s, ro.version)
+            if row.status == "canary":
+                row.status, row.status_reason = "rejected", reason
+            self._close(ro, "aborted", reason, verdict=verdict)
+            self._audit(s, actor, "canary_abort", ro.version, f"{reason} (rollout {rollout_id}; v{ro.version} {row.status})")
+        return ro
+
+    def end_rollout(self, rollout_id: int, actor: str, reason: str) -> Rollout:
+        """End a rollout that is not over as ``ended`` (its version is not canary any more, e.g. an operator promoted
+        or rejected it directly) without touching the version. ``RegistryConflict`` if it is over already."""
+        with self._tx() as s:
+            self._lock(s)
+            ro = self._rollout_row(s, rollout_id)
+            if not ro.active:
+                raise RegistryConflict(f"rollout {rollout_id} (v{ro.version}) is {ro.state} already")
+            self._close(ro, "ended", reason)
+            self._audit(s, actor, "canary_end", ro.version, f"{reason} (rollout {rollout_id})")
+        return ro
+
+    def reap_orphan_canaries(self, actor: str = "gate") -> list[int]:
+        """Reject every ``canary`` version that no active rollout runs (N18: a gate stopped between its status change
+        and its rollout plan under older code, a registry edited by hand), and end every active rollout whose version is
+        not ``canary`` any more. Audited; returns the rejected versions. The gate calls it every step: it writes only
+        when there is something to reap."""
+        def orphans(s: Session, lock: bool) -> tuple[list[Version], list[Rollout]]:
+            active = self._active_rows(s, lock=lock)
+            canaries = s.execute(select(Version).where(Version.status == "canary")).scalars().all()
+            running = {ro.version for ro in active}
+            status = {v.version: v.status for v in s.execute(
+                select(Version).where(Version.version.in_(running))).scalars()} if running else {}
+            return ([v for v in canaries if v.version not in running],
+                    [ro for ro in active if status.get(ro.version) != "canary"])
+
+        with self._sessions() as s:
+            if not any(orphans(s, lock=False)):
+                return []
+        with self._tx() as s:
+            self._lock(s)
+            versions, rollouts = orphans(s, lock=True)
+            for v in versions:
+                why = "orphan canary: no rollout in the registry runs it (a gate stopped between starting it and " \
+                      "recording its rollout, or the row was edited)"
+                v.status, v.status_reason = "rejected", why
+                self._audit(s, actor, "rejected", v.version, why)
+            for ro in rollouts:
+                self._close(ro, "ended", f"v{ro.version} is not canary any more")
+                self._audit(s, actor, "canary_end", ro.version, f"rollout {ro.id} ended: v{ro.version} is not canary "
+                            "any more")
+        return [v.version for v in versions]
 
     # ------------------------------------------------------------------------------------------ reading
 
@@ -365,22 +657,18 @@ class Registry:
             raise AuthError(f"operator {op.name} is a {op.role}; this needs the {need} role")
         return op
 
-    def verify_audit(self) -> tuple[int, int | None]:
-        """Walk the audit chain: ``(entries checked, id of the first entry that does not match or None)``."""
-        prev, n = "", 0
+    def verify_audit(self) -> AuditCheck:
+        """Walk the audit chain (plain hash for unkeyed entries, HMAC for keyed ones) and compare its end with the
+        head anchored in Redis: ``deploy.auditchain.check_chain``; ``.ok``, ``.problem``, ``.bad_id``, ``.warnings``."""
         with self._sessions() as s:
-            for e in s.execute(select(AuditEntry).order_by(AuditEntry.id)).scalars():
-                n += 1
-                if e.prev_hash != prev or e.entry_hash != audit_hash(prev, e.actor, e.action, e.version, e.reason, e.at):
-                    return n, e.id
-                prev = e.entry_hash
-        return n, None
+            entries = list(s.execute(select(AuditEntry).order_by(AuditEntry.id)).scalars())
+        return check_chain(entries, self.audit_key, self.audit_head)
 
     def log_action(self, actor: str, action: str, reason: str, version: int | None = None) -> None:
         """Record an operator action that changes no version row (e.g. holding the learner) in the audit log."""
         if not reason:
             raise RegistryError(f"{action} needs a reason for the audit log")
-        with self._write_sessions() as s, s.begin():
+        with self._tx() as s:
             self._audit(s, actor, action, version, reason)
 
     def audit(self, version: int | None = None, limit: int | None = None) -> list[AuditEntry]:
@@ -558,10 +846,28 @@ class Registry:
         return result
 
 
+def _finite_json(value, what: str):
+    """``value`` if it is JSON without NaN or infinities (PostgreSQL's JSON has neither); ValueError otherwise."""
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"a rollout's {what} must be JSON with finite numbers only (leave out a -inf running maximum, "
+                         f"it is the default): {e}") from e
+    return value
+
+
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
 def open_registry(cfg: LiverlConfig) -> Registry:
-    """The registry the config names (``cfg.registry_url``), with its blobs at ``cfg.blob_location``."""
-    return Registry(cfg.registry_url, open_blob_store(cfg.blob_location))
+    """The registry the config names (``cfg.registry_url``), with its blobs at ``cfg.blob_location``, its audit key
+    (``security.audit_key``, else ``<state_dir>/keys/audit.key`` if it exists) and, with a key, the audit head anchored
+    in the configured Redis (``<prefix>:audit:head``)."""
+    key = load_audit_key(cfg)
+    head = None
+    if key is not None:
+        from liverl.core.services import setup_redis
+
+        head = AuditHead(lambda: setup_redis(cfg), cfg.topics.prefix)
+    return Registry(cfg.registry_url, open_blob_store(cfg.blob_location), audit_key=key, audit_head=head)

@@ -65,8 +65,10 @@ class GateResult(Base):
 
 
 class AuditEntry(Base):
-    """Append-only and chained: ``entry_hash`` = sha256 over the previous entry's hash and this entry's fields
-    (``audit_hash``), so an edited, removed or reordered entry breaks the chain (``Registry.verify_audit``)."""
+    """Append-only and chained twice: ``entry_hash`` = sha256 over the previous entry's hash and this entry's fields
+    (``audit_hash``; anyone can recompute it), and ``mac`` = HMAC-SHA256 with the audit key, which the database never
+    holds, over the previous entry's link, ``seq`` and the fields (``deploy.auditchain``). ``seq``: the entry's
+    position in the chain (1, 2, ...); ``mac`` is NULL on entries written without a key (``Registry.verify_audit``)."""
 
     __tablename__ = "audit_log"
 
@@ -78,6 +80,8 @@ class AuditEntry(Base):
     at: Mapped[float] = mapped_column(sa.Float)
     prev_hash: Mapped[str | None] = mapped_column(sa.String(64))
     entry_hash: Mapped[str | None] = mapped_column(sa.String(64))
+    seq: Mapped[int | None] = mapped_column(sa.Integer, unique=True, index=True)
+    mac: Mapped[str | None] = mapped_column(sa.String(64))
 
 
 def audit_hash(prev: str, actor: str, action: str, version: int | None, reason: str | None, at: float) -> str:
@@ -111,6 +115,52 @@ class FleetNode(Base):
     version: Mapped[int] = mapped_column(sa.Integer)
     checksum: Mapped[str] = mapped_column(sa.String(64))
     updated_at: Mapped[float] = mapped_column(sa.Float)
+
+
+ROLLOUT_STATES = ("running", "paused", "promoted", "aborted", "ended")
+ACTIVE_ROLLOUT_STATES = ("running", "paused")
+ROLLOUT_UNITS = ("user", "request")
+MAX_LOOKS = 500
+"""Looks a rollout keeps (the on-call page's plot); the test's state does not need them."""
+
+
+class Rollout(Base):
+    """A canary rollout: its terms, the gate's evidence and its outcome. At most one is active (running or paused).
+
+    Every write bumps ``revision``; the gate writes its evidence by compare-and-set on it, and promotes only a rollout
+    still ``running`` (``Registry.finish_rollout_promote``), so an operator's pause or abort between the gate's read
+    and its write wins. ``id`` salts the users' assignment (``liverl.core.fleet.bucket``); ids are never reused.
+    States: running | paused (operator: evidence is still gathered, no promotion) | promoted | aborted (the version is
+    rejected) | ended (an operator promoted or rejected the version directly, or the gate found it no longer canary).
+    """
+
+    __tablename__ = "rollouts"
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    version: Mapped[int] = mapped_column(sa.Integer, sa.ForeignKey("versions.version"), index=True)
+    checksum: Mapped[str] = mapped_column(sa.String(64))
+    stable_version: Mapped[int] = mapped_column(sa.Integer, doc="the stable version the canary is compared with")
+    share: Mapped[float] = mapped_column(sa.Float, doc="share of users (or requests) sent to the canary")
+    nodes: Mapped[list] = mapped_column(sa.JSON, doc="the canary nodes, by name")
+    unit: Mapped[str] = mapped_column(sa.String(16), doc="user | request: the unit of randomisation and analysis")
+    state: Mapped[str] = mapped_column(sa.String(16), index=True)
+    started_at: Mapped[float] = mapped_column(sa.Float)
+    deadline_at: Mapped[float] = mapped_column(sa.Float)
+    settings: Mapped[dict] = mapped_column(sa.JSON, doc="fixed at start (guardrail nulls etc.); never rewritten")
+    test_state: Mapped[dict] = mapped_column(sa.JSON, doc="the always-valid tests' state (running maxima)")
+    looks: Mapped[list] = mapped_column(sa.JSON, doc=f"the last {MAX_LOOKS} looks, oldest first")
+    verdict: Mapped[str | None] = mapped_column(sa.String(32))
+    reason: Mapped[str | None] = mapped_column(sa.Text)
+    revision: Mapped[int] = mapped_column(sa.Integer, doc="bumped by every write (compare-and-set)")
+    ended_at: Mapped[float | None] = mapped_column(sa.Float)
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_ROLLOUT_STATES
+
+    def __repr__(self) -> str:
+        return (f"Rollout({self.id}, v{self.version} vs v{self.stable_version}, {self.state}, share={self.share}, "
+                f"nodes={self.nodes}, revision={self.revision})")
 
 
 class Counter(Base):

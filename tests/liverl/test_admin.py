@@ -13,6 +13,14 @@ from liverl.core.schemas import VersionAnnouncement
 from tests.deploy.conftest import perturb, tiny_model
 
 
+@pytest.fixture(autouse=True)
+def audit_key(cfg):
+    """Every test here runs with the audit key `liverl up` makes (<state_dir>/keys/audit.key)."""
+    from deploy.auditchain import ensure_audit_key
+
+    return ensure_audit_key(cfg)
+
+
 @pytest.fixture
 def fleet(cfg, rds):
     """Base v0, v1 promoted by the gate, v2 rejected; live counters and a node heartbeat in Redis."""
@@ -101,7 +109,7 @@ def test_promote_and_rollback_update_registry_audit_and_redis(cfg, rds, fleet, c
 
     assert cmd_history(cfg, verify=True) == 0
     out = capsys.readouterr().out
-    assert "audit log intact" in out
+    assert "audit log intact" in out and "keyed (HMAC-SHA256" in out and "head anchored in Redis" in out
     for text in ("alice", "promote", "root", "rollback", "acceptance dropped", "init", "add_operator"):
         assert text in out, text
     reg = open_registry(cfg)
@@ -122,13 +130,119 @@ def test_a_tampered_audit_log_is_detected(cfg, fleet, capsys):
     try:
         with reg.engine.begin() as c:  # someone with database access rewrites who promoted v1
             c.execute(sa.update(AuditEntry).where(AuditEntry.action == "promote").values(actor="gate-impostor"))
-        n, bad = reg.verify_audit()
-        assert bad is not None
+        assert reg.verify_audit().kind == "tampered"
     finally:
         reg.close()
     capsys.readouterr()
     assert cmd_history(cfg, verify=True) == 1
     assert "tampered with" in capsys.readouterr().err
+
+
+def test_history_verify_detects_a_recomputed_chain(cfg, fleet, capsys):
+    """A database writer rewrites an entry and recomputes the whole chain (the plain hashes exactly; the MACs can only
+    be made with a key of their own): `liverl history --verify` still says tampered."""
+    import sqlalchemy as sa
+
+    from deploy.auditchain import audit_mac
+    from deploy.tables import AuditEntry, audit_hash
+
+    reg = open_registry(cfg)
+    try:
+        with reg.engine.begin() as c:
+            c.execute(sa.update(AuditEntry).where(AuditEntry.action == "promote").values(actor="gate-impostor"))
+            prev, link = "", ""
+            for pos, e in enumerate(c.execute(sa.select(AuditEntry).order_by(AuditEntry.id)).all(), 1):
+                h = audit_hash(prev, e.actor, e.action, e.version, e.reason, e.at)
+                mac = audit_mac(b"the attacker's key", link, pos, e.actor, e.action, e.version, e.reason, e.at)
+                c.execute(sa.update(AuditEntry).where(AuditEntry.id == e.id).values(prev_hash=prev, entry_hash=h, mac=mac))
+                prev, link = h, mac
+    finally:
+        reg.close()
+    capsys.readouterr()
+    assert cmd_history(cfg, verify=True) == 1
+    err = capsys.readouterr().err
+    assert "tampered with" in err and "MAC does not verify" in err
+
+
+def test_history_verify_detects_a_cut_tail(cfg, fleet, capsys):
+    import sqlalchemy as sa
+
+    from deploy.tables import AuditEntry
+
+    reg = open_registry(cfg)
+    try:
+        last = reg.audit()[-1]
+        with reg.engine.begin() as c:  # the newest entry (v2's rejection) disappears
+            c.execute(sa.delete(AuditEntry).where(AuditEntry.id == last.id))
+    finally:
+        reg.close()
+    capsys.readouterr()
+    assert cmd_history(cfg, verify=True) == 1
+    err = capsys.readouterr().err
+    assert "tail was cut" in err and "anchored head" in err
+
+
+def test_canary_verbs_write_the_rollout_in_the_registry_and_the_audit_log(cfg, rds, fleet, capsys):
+    """`liverl pause | resume | abort` and promoting the canary act on the registry's rollout (not the Redis plan),
+    need an operator token and a reason, and are audited."""
+    from liverl.admin import cmd_rollout
+
+    _admin, alice, vic = _operators(cfg)
+    reg = open_registry(cfg)
+    try:
+        base = reg.materialize(1)
+        v3 = reg.add_candidate(perturb(base, 0.05, seed=3), parent=1).version
+        v4 = reg.add_candidate(perturb(base, 0.05, seed=4), parent=1).version
+        ro = reg.begin_rollout(v3, stable_version=1, share=0.2, nodes=["node-1"], unit="user",
+                               deadline_at=time.time() + 600, settings={}, actor="gate", reason="checks passed")
+    finally:
+        reg.close()
+    capsys.readouterr()
+    assert cmd_rollout(cfg, "pause", reason="x", token=None) == 1
+    assert "needs an operator token" in capsys.readouterr().err
+    assert cmd_rollout(cfg, "pause", reason="x", token=vic) == 1
+    assert "vic is a viewer" in capsys.readouterr().err
+
+    def state():
+        reg = open_registry(cfg)
+        try:
+            last = reg.audit()[-1]
+            return reg.rollout(ro.id).state, reg.get(v3).status, (last.actor, last.action, last.version, last.reason)
+        finally:
+            reg.close()
+
+    assert cmd_rollout(cfg, "pause", reason="reverts look high", token=alice) == 0
+    assert "paused" in capsys.readouterr().out
+    assert state() == ("paused", "canary", ("alice", "canary_pause", v3, "reverts look high"))
+    assert rds.get(keys.rollout(cfg.topics.prefix)) is None  # the Redis plan is not where a pause lives
+    assert cmd_rollout(cfg, "pause", reason="again", token=alice) == 1
+    assert "already paused" in capsys.readouterr().err
+    assert cmd_rollout(cfg, "resume", reason="they were fine", token=alice) == 0
+    assert state() == ("running", "canary", ("alice", "canary_resume", v3, "they were fine"))
+    assert cmd_rollout(cfg, "abort", reason="acceptance fell", token=alice) == 0
+    assert "aborted" in capsys.readouterr().out
+    st, status, (actor, action, version, why) = state()
+    assert (st, status, actor, action, version) == ("aborted", "rejected", "alice", "canary_abort", v3)
+    assert "acceptance fell" in why
+    assert cmd_rollout(cfg, "abort", reason="again", token=alice) == 1
+    assert "no canary is in progress" in capsys.readouterr().err
+
+    reg = open_registry(cfg)
+    try:
+        ro4 = reg.begin_rollout(v4, stable_version=1, share=0.2, nodes=["node-1"], unit="request",
+                                deadline_at=time.time() + 600, settings={}, actor="gate", reason="checks passed")
+    finally:
+        reg.close()
+    assert cmd_rollout(cfg, "promote", reason="clearly better", token=alice) == 0  # `promote --full`
+    assert desired(rds, cfg) == v4
+    reg = open_registry(cfg)
+    try:
+        assert reg.rollout(ro4.id).state == "ended" and reg.stable().version == v4
+        assert (reg.audit()[-1].actor, reg.audit()[-1].action) == ("alice", "promote")
+    finally:
+        reg.close()
+    capsys.readouterr()
+    assert cmd_history(cfg, verify=True) == 0 and "audit log intact" in capsys.readouterr().out
 
 
 def test_operator_management_needs_an_admin(cfg, fleet, capsys):
