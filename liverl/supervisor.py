@@ -18,6 +18,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from liverl.core import keys, procs
 from liverl.core.config import LiverlConfig
 from liverl.core.services import LiverlError
@@ -26,7 +28,9 @@ from liverl.stack import Stack
 log = logging.getLogger("liverl.supervisor")
 
 ROLES = ("serve", "ingest", "learn", "gate")
-SECTIONS = ("broker", "redis", "registry", "topics", "model", "serving", "ingest", "learner", "gate", "demo")
+SECTIONS = tuple(name for name, f in LiverlConfig.model_fields.items()
+                 if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))
+"""Every section of the config (``security`` included): a child sees all of them, so none is silently dropped."""
 
 
 class SupervisorError(LiverlError):
@@ -117,12 +121,21 @@ def wait_http(url: str, timeout: float, children: list[Child], what: str) -> Non
 
 
 def ensure_keys(cfg: LiverlConfig) -> None:
-    """Announcements are signed on one machine too: make ``<state_dir>/keys`` once, unless keys are configured."""
+    """Announcements are signed on one machine too: make ``<state_dir>/keys`` once, unless keys are configured. A
+    configured key that is not there is an error here, before any process starts (not a silent "unsigned")."""
     from deploy.signing import generate_keypair
     from liverl.core.services import signing_key_path, verify_key_path
 
+    for setting in ("signing_key", "verify_key"):
+        path = getattr(cfg.security, setting)
+        if path and not Path(path).is_file():
+            raise ValueError(f"security.{setting} is {path}, which is not a file: point it at the key, or unset it "
+                             f"and `liverl up` makes a pair in {cfg.state_path / 'keys'}")
     if signing_key_path(cfg) is None and verify_key_path(cfg) is None:
         generate_keypair(cfg.state_path / "keys")
+    from deploy.auditchain import ensure_audit_key
+
+    ensure_audit_key(cfg)  # the audit log's HMAC key, <state_dir>/keys/audit.key (0600) unless configured
 
 
 def init_registry(cfg: LiverlConfig, model_dir: Path, redis) -> int:
@@ -142,7 +155,7 @@ def init_registry(cfg: LiverlConfig, model_dir: Path, redis) -> int:
         if redis.get(keys.desired(cfg.topics.prefix)) is None:
             key = signing_key_path(cfg)
             announce(redis, cfg.topics.prefix, stable.version, stable.checksum, "initial stable version",
-                     Signer(key) if key else None)
+                     Signer(key) if key else None, ttl_s=cfg.security.announce_ttl_s)
         return stable.version
     finally:
         registry.close()

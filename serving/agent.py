@@ -1,7 +1,10 @@
 """The serving agent: keeps the node on the version the release gate wants, and reports what it serves.
 
-Runs as an asyncio task inside the gateway process. Every ``cfg.serving.swap_poll_s`` it reads
-``<prefix>:desired`` (a ``VersionAnnouncement``) from Redis; when it differs from the served version it
+Runs as an asyncio task inside the gateway process. Every ``cfg.serving.swap_poll_s`` it reads the signed
+announcements ``<prefix>:desired`` and ``<prefix>:canary`` (``VersionAnnouncement``s) from Redis through
+``liverl.core.fleet`` (verified, bound to their channel, prefix and expiry, replays refused); its target is the canary
+when the canary's signed terms name this node, else the desired version. The registry must call the target ``stable``
+(desired channel) or ``canary`` (canary channel). When the target differs from the served version it
 1. plans the delta(s) that move the node there, OUTSIDE the pause: stored registry deltas along the version tree
    (``Registry.deltas_between``; XOR deltas apply in either direction, so a rollback to the parent uses the current
    version's own delta) when the chain is short, else one delta encoded on the fly from registry-materialized
@@ -31,11 +34,11 @@ from typing import Any
 from redis.exceptions import RedisError
 from sqlalchemy.exc import SQLAlchemyError
 
-from deploy.signing import SignatureError, Verifier
-from liverl.core import keys
-from liverl.core.services import verify_key_path
+from deploy.signing import Verifier
+from liverl.core import fleet, keys
 from liverl.core.config import LiverlConfig, advertised_url
-from liverl.core.schemas import VersionAnnouncement, WireError
+from liverl.core.schemas import VersionAnnouncement
+from liverl.core.services import required_verify_key
 from serving.gateway import DrainTimeout, Gateway
 from serving.node import NodeClient, delta_dir
 
@@ -80,15 +83,17 @@ class Agent:
         self.work_dir = Path(work_dir or delta_dir(cfg))  # the only folder the node's worker reads deltas from
         self.max_chain = max_chain
         self.retry_failed_after_s = retry_failed_after_s
-        self._failed: dict[tuple[int, str], float] = {}  # (version, checksum) -> when it failed
+        self._failed: dict[tuple[str, int, str], float] = {}  # (channel, version, checksum) -> when it failed
         self.drain_s = cfg.serving.swap_drain_s  # doubled after each postponed swap, reset by a swap that drains
         self._verified_at = time.monotonic()  # the served checksum was last read back then (init, swaps, reverify)
         self.swaps: collections.deque[dict] = collections.deque(maxlen=keys.LIST_CAP)
-        key = verify_key_path(cfg)
+        key = required_verify_key(cfg)  # none: ValueError, unless security.allow_unsigned
         self.verifier = Verifier(key) if key else None  # with a key, unsigned announcements are refused
+        self.announcements = fleet.AnnouncementReader(self.prefix, self.verifier)
         self.refused_announcements = 0
+        self.refused_by_reason: collections.Counter[str] = collections.Counter()
         self.registry_errors = _registry_errors() if registry is not None else (SQLAlchemyError, OSError)
-        self._last_refused: tuple[int, str | None] | None = None
+        self._last_refused: dict[str, str] = {}  # channel -> the refusal last logged
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -135,7 +140,7 @@ class Agent:
         ann = await self.desired()
         record = None
         if ann is not None and (ann.version != self.gw.version or ann.checksum != self.gw.checksum):
-            key = (ann.version, ann.checksum)
+            key = (ann.channel, ann.version, ann.checksum)
             failed_at = self._failed.get(key)
             if failed_at is None or time.monotonic() - failed_at > self.retry_failed_after_s:
                 try:
@@ -175,30 +180,23 @@ class Agent:
         return False
 
     async def desired(self) -> VersionAnnouncement | None:
-        """What this node should serve: the canary when a rollout names this node (``<p>:rollout``), else the
-        fleet's ``<p>:desired``; verified when announcements are signed."""
-        target = keys.desired(self.prefix)
-        raw_plan = await self.redis.get(keys.rollout(self.prefix))
-        if raw_plan is not None:
+        """What this node should serve (``fleet.serving_target``): the canary announcement when its signed terms name
+        this node, else the fleet's desired one; each read and checked by ``fleet.AnnouncementReader``. A refused
+        announcement is counted (``refused_announcements``, by reason) and logged once per distinct refusal, and
+        counts as none: a refused canary leaves the node on desired, a refused desired one changes nothing."""
+        got: dict[str, VersionAnnouncement | None] = {}
+        for channel in fleet.CHANNELS:
             try:
-                if self.name in keys.RolloutPlan.from_json(raw_plan).nodes:
-                    target = keys.canary(self.prefix)
-            except ValueError as e:
-                log.error("unreadable %s (%s): serving %s", keys.rollout(self.prefix), e, target)
-        raw = await self.redis.get(target)
-        if raw is None:
-            return None
-        try:
-            ann = VersionAnnouncement.from_bytes(raw)
-            if self.verifier is not None:
-                self.verifier.verify(ann)
-            return ann
-        except (WireError, SignatureError) as e:
-            self.refused_announcements += 1
-            if self._last_refused != (len(raw), str(e)):  # say it once per distinct refusal, not every poll
-                self._last_refused = (len(raw), str(e))
-                log.error("refusing %s: %s", target, e)
-            return None
+                got[channel] = await self.announcements.read(self.redis, channel)
+                self._last_refused.pop(channel, None)
+            except fleet.AnnouncementRefused as e:
+                got[channel] = None
+                self.refused_announcements += 1
+                self.refused_by_reason[e.reason] += 1
+                if self._last_refused.get(channel) != str(e):  # say it once per distinct refusal, not every poll
+                    self._last_refused[channel] = str(e)
+                    log.error("refusing %s: %s", fleet.announcement_key(self.prefix, channel), e)
+        return fleet.serving_target(self.name, got["desired"], got["canary"])
 
     async def heartbeat(self) -> None:
         beat = keys.ServedHeartbeat(version=self.gw.version, checksum=self.gw.checksum,
@@ -231,9 +229,11 @@ class Agent:
         if row.checksum != ann.checksum:
             raise RuntimeError(f"announced checksum {ann.checksum[:12]} differs from the registry's "
                                f"{row.checksum[:12]} for version {ann.version}")
-        if row.status not in ("stable", "canary"):  # Redis says what to serve; the registry what may be served
-            raise RuntimeError(f"version {ann.version} is {row.status} in the registry, not stable: refusing to serve "
-                               "it (only a promotion, a rollback or the gate's canary makes a version servable)")
+        want = "canary" if ann.channel == "canary" else "stable"  # the channel the reader verified it came on
+        if row.status != want:  # Redis says what to serve; the registry what may be served
+            raise RuntimeError(f"version {ann.version} is {row.status} in the registry, not {want}: refusing to serve "
+                               f"it on the {ann.channel} channel (only a promotion or a rollback makes a version "
+                               "servable as desired, and only the gate's canary on the canary channel)")
         path_len = sum(map(len, self.registry.path(cur_v, ann.version)))
         if path_len <= self.max_chain:
             return self.registry.deltas_between(cur_v, ann.version), f"stored x{path_len}"

@@ -1,6 +1,8 @@
 """The serving process (``liverl serve``): a vLLM node, the OpenAI gateway in front of it, and the hot-swap agent.
 
-``serve`` starts the three and runs until its stop event is set (or the node dies: the process then exits with the
+``serve`` refuses to start without an announcement verify key (``security.verify_key`` or
+``<state_dir>/keys/announce.pub``) unless ``security.allow_unsigned`` is set; it starts the three and runs until its
+stop event is set (or the node dies: the process then exits with the
 node's log tail, and its supervisor restarts it); ``run_serving`` is the blocking entry point that sets the stop
 event on SIGTERM or SIGINT.
 """
@@ -34,12 +36,14 @@ async def _bounded_executor(loop: asyncio.AbstractEventLoop, n: int) -> None:
 
 async def serve(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str, redis_url: str,
                 registry_url: str | None, stop: asyncio.Event, on_ready=None, base_version: int = 0) -> None:
-    """Start node + gateway + agent, serve until ``stop`` is set, then shut everything down."""
-    from liverl.core.services import redis_from_url
+    """Start node + gateway + agent, serve until ``stop`` is set, then shut everything down. Refuses to start (a
+    ``ValueError`` naming both ways out) without an announcement verify key, unless ``security.allow_unsigned``."""
+    from liverl.core.services import redis_from_url, required_verify_key
     from aiohttp import web
 
     from serving.node import start_node
 
+    required_verify_key(cfg)  # before the node starts: an agent that would follow any Redis writer does not start
     await _bounded_executor(asyncio.get_running_loop(), 4)
     log_path = cfg.state_path / "logs" / f"vllm-{cfg.serving.node_name}.log"
     node = await asyncio.to_thread(start_node, cfg, model_dir, log_path, base_version=base_version)

@@ -124,7 +124,7 @@ def test_full_path(family, stack, tmp_path):
     from deploy.blobstore import LocalBlobStore
     from deploy.delta import checksum
     from deploy.registry import Registry
-    from deploy.signing import announce
+    from deploy.signing import Signer, announce, generate_keypair
     from learner.model import load_model, load_state_dict
     from learner.trainer import Learner
     from liverl.bench.logprobs import chat_prompts
@@ -138,6 +138,7 @@ def test_full_path(family, stack, tmp_path):
                       serving__max_num_seqs=16, learner__batch_size=N_PROMPTS, learner__candidate_every_steps=1,
                       learner__lr=0.05)  # one big step: the new version's distribution is far from the base's
     cfg.state_path.mkdir(parents=True, exist_ok=True)
+    private, _ = generate_keypair(cfg.state_path / "keys")  # serve refuses to start without the verify key
     registry = Registry(cfg.registry_url, LocalBlobStore(cfg.blob_location))
     base = load_state_dict(model_dir)
     registry.init_base(base, str(model_dir))
@@ -186,7 +187,7 @@ def test_full_path(family, stack, tmp_path):
 
         # 4. released (promoted in the registry, then announced, as the gate does): the agent hot-swaps the node
         registry.promote(row.version, actor="test", reason="full-path test")
-        announce(r, cfg.topics.prefix, row.version, row.checksum, "full-path test", signer=None)
+        announce(r, cfg.topics.prefix, row.version, row.checksum, "full-path test", signer=Signer(private))
         deadline = time.monotonic() + 60
         while serving.gateway.version != row.version and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -182,6 +182,9 @@ def run(clients: int = DEFAULTS["clients"], duration_s: float = DEFAULTS["durati
     print(f"bench serve: {clients} clients, {rounds} rounds of {duration_s:g} s (+{warmup_s:g} s warm-up) per side, "
           f"{api}{' streamed' if stream else ''}, model {model_dir}; logs in {state / 'logs'}", flush=True)
 
+    from deploy.signing import generate_keypair
+
+    generate_keypair(state / "keys")  # serve refuses to start without a verify key (nothing is announced here)
     stack = start_stack(cfg)
     proc = multiprocessing.get_context("spawn").Process(
         target=_serve_child, args=(cfg.model_dump_json(), str(model_dir), stack.bootstrap, stack.redis_url),

@@ -27,6 +27,7 @@ user undid or rewrote it later): counted per version as the gate's kept rate, an
 again as a correction (sample id ``<generation>:revert``, reward ``ingest.rewards.revert``)."""
 
 _Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+_Unit = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:\-]+$")]  # (no '|', no '*')
 # Unix seconds in 2000..2100: no NaN, no infinities, nothing a clock could not have said.
 _Time = Annotated[float, Field(allow_inf_nan=False, ge=946_684_800.0, le=4_102_444_800.0)]
 _Finite = Annotated[float, Field(allow_inf_nan=False)]
@@ -170,6 +171,10 @@ class GenerationRecord(_Wire):
         default=None, ge=0, le=86400, description="Seconds the version took to serve it: from the gateway admitting "
         "the request (after any wait behind a hot-swap, a deployment's cost) to this completion being done (the "
         "canary's latency guardrail). None: not timed.")
+    unit: _Unit | None = Field(
+        default=None, description="Pseudonymous id of the user the generation was served to (the gateway's "
+        "liverl.core.fleet.unit_id of the request's user key: 16 hex digits; never a user id itself): ingest keeps "
+        "per-user sums by it, so the canary's test takes the user as its unit. None: no user key.")
     ts: _Time = Field(default_factory=time.time)
 
     @model_validator(mode="after")
@@ -223,17 +228,59 @@ class DeadLetter(_Wire):
     ts: float = Field(default_factory=time.time)
 
 
+AnnouncementChannel = Literal["desired", "canary"]
+"""``desired``: what every node serves (``<prefix>:desired``); ``canary``: what the nodes a rollout names serve
+(``<prefix>:canary``, with the rollout's terms)."""
+
+_NodeName = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class RolloutTerms(_Wire):
+    """A canary rollout's terms, signed inside its announcement (``VersionAnnouncement.rollout``): the agents and the
+    router act on these, never on the unsigned ``<prefix>:rollout`` plan (display only)."""
+
+    rollout_id: int = Field(ge=0, lt=2**63, description="The rollout's id (salts the users' buckets, liverl.core.fleet).")
+    share: float = Field(gt=0.0, le=1.0, allow_inf_nan=False, description="Share of users (or of requests) sent to "
+                         "the canary nodes, in (0, 1] as the registry's rollout has it.")
+    nodes: list[_NodeName] = Field(min_length=1, max_length=1024, description="The nodes that serve the canary, by "
+                                   "name; every other node serves the desired version.")
+    unit: Literal["user", "request"] = Field(description="What is assigned to an arm: each user for the whole rollout, "
+                                             "or each request afresh (gate.canary_unit).")
+
+
 class VersionAnnouncement(_Wire):
-    """The release gate's word on which version a fleet channel should serve (kept in Redis)."""
+    """The release gate's word on which version a fleet channel should serve (kept in Redis at
+    ``<prefix>:<channel>``). The signature covers every other field, so a signed announcement is bound to its channel,
+    its deployment (``prefix``), its expiry and, on the canary channel, to the rollout's terms; readers
+    (``liverl.core.fleet.check_announcement``) refuse one read from another key, another deployment's, an expired one,
+    and one older than the newest they accepted (a replay)."""
 
     schema_version: Literal[1] = SCHEMA_VERSION
     version: int = Field(ge=0)
     checksum: str = Field(description="sha256 of the version's canonical weights (see deploy.delta).")
     reason: str = Field(default="", max_length=1024)
     ts: float = Field(default_factory=time.time)
+    channel: AnnouncementChannel = Field(
+        default="desired", description="The channel it was announced on; valid only under <prefix>:<channel>.")
+    prefix: str | None = Field(
+        default=None, max_length=256, description="The deployment's topics prefix (topics.prefix) it was announced "
+        "for. None (an announcement bound to no deployment) is refused by every reader.")
+    expires_at: _Time | None = Field(
+        default=None, description="Unix seconds after which readers refuse it (security.announce_ttl_s after ts; the "
+        "gate re-announces before half of it is left). None is refused by every reader.")
+    rollout: RolloutTerms | None = Field(
+        default=None, description="The rollout's terms: required on the canary channel, absent on desired.")
     signature: str | None = Field(
-        default=None, max_length=256, description="Ed25519 signature (base64) by the release tier; agents that hold "
-        "the public key serve nothing unsigned (see deploy.signing).")
+        default=None, max_length=256, description="Ed25519 signature (base64) by the release tier over every other "
+        "field; agents that hold the public key serve nothing unsigned (see deploy.signing).")
+
+    @model_validator(mode="after")
+    def _terms_on_the_canary_channel(self):
+        if self.channel == "canary" and self.rollout is None:
+            raise ValueError("a canary announcement carries the rollout's terms (rollout)")
+        if self.channel == "desired" and self.rollout is not None:
+            raise ValueError("a desired announcement carries no rollout terms")
+        return self
 
 
 WIRE_MODELS: dict[str, type[_Wire]] = {

@@ -1,22 +1,45 @@
-"""Signed announcements: the gate signs, agents verify; Redis write access alone cannot choose what is served."""
+"""Signed announcements: the gate signs, agents verify; Redis write access alone cannot choose what is served.
+
+A signature binds the announcement's channel, its deployment (prefix), its expiry and a canary's terms; the one reader
+(``liverl.core.fleet``) refuses one read from another channel, another deployment's, an expired one and a replay.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import time
 
 import pytest
-import redis.asyncio as aioredis
 
 from deploy.gate import Gate
 from deploy.registry import open_registry
-from deploy.signing import SignatureError, Signer, Verifier, announce, generate_keypair
-from liverl.core.schemas import VersionAnnouncement
+from deploy.signing import (
+    SignatureError,
+    Signer,
+    Verifier,
+    announce,
+    generate_keypair,
+    keep_announced,
+    needs_refresh,
+)
+from liverl.core import fleet
+from liverl.core.schemas import RolloutTerms, VersionAnnouncement
 from tests.deploy.test_gate import ProbeEval, weights
 
 
 @pytest.fixture
 def keys(tmp_path):
     return generate_keypair(tmp_path / "keys")
+
+
+def bound(cfg, **fields) -> VersionAnnouncement:
+    """An announcement bound to the test's deployment, valid for 10 minutes (unsigned)."""
+    now = time.time()
+    return VersionAnnouncement(**{"version": 3, "checksum": "ab" * 32, "prefix": cfg.topics.prefix, "ts": now,
+                                  "expires_at": now + 600, **fields})
+
+
+def terms(*nodes: str, rollout_id: int = 7) -> RolloutTerms:
+    return RolloutTerms(rollout_id=rollout_id, share=0.2, nodes=list(nodes), unit="user")
 
 
 def test_sign_and_verify(keys, tmp_path):
@@ -33,6 +56,82 @@ def test_sign_and_verify(keys, tmp_path):
         Verifier(other).verify(ann)
     with pytest.raises(SignatureError):
         Verifier(public).verify(ann.model_copy(update={"signature": "!!not base64!!"}))
+    Signer(private).verifier().verify(ann)  # the gate checks Redis against its own key
+
+
+def test_the_signature_covers_channel_prefix_expiry_and_terms(keys):
+    private, public = keys
+    now = time.time()
+    ann = Signer(private).sign(VersionAnnouncement(version=3, checksum="ab" * 32, channel="canary", prefix="p",
+                                                   expires_at=now + 60, rollout=terms("node-b")))
+    Verifier(public).verify(ann)
+    for change in ({"channel": "desired", "rollout": None}, {"prefix": "q"}, {"expires_at": now + 6000},
+                   {"rollout": terms("node-a", "node-b")}, {"rollout": terms("node-b", rollout_id=8)},
+                   {"rollout": ann.rollout.model_copy(update={"share": 0.9})}):
+        with pytest.raises(SignatureError, match="does not verify"):
+            Verifier(public).verify(ann.model_copy(update=change))
+
+
+def test_announce_binds_its_channel_prefix_and_expiry(cfg, rds, keys):
+    private, public = keys
+    p = cfg.topics.prefix
+    before = time.time()
+    d = announce(rds, p, 3, "ab" * 32, "gate passed", Signer(private), ttl_s=120)
+    c = announce(rds, p, 4, "cd" * 32, "canary of v4", Signer(private), channel="canary", rollout=terms("node-b"))
+    assert fleet.check_announcement(rds.get(f"{p}:desired"), "desired", p, Verifier(public)) == d
+    assert fleet.check_announcement(rds.get(f"{p}:canary"), "canary", p, Verifier(public)) == c
+    assert (d.channel, d.prefix, d.rollout) == ("desired", p, None) and before + 120 <= d.expires_at <= time.time() + 120
+    assert (c.channel, c.rollout.nodes, c.expires_at - c.ts) == ("canary", ["node-b"], 600.0)
+    with pytest.raises(ValueError, match="rollout"):  # a canary announcement without terms cannot even be made
+        announce(rds, p, 4, "cd" * 32, "canary", Signer(private), channel="canary")
+
+
+def test_the_reader_refuses_another_channel_another_prefix_an_expired_one_and_a_replay(cfg, keys):
+    """Each refusal the agents and the router rely on, on signed (genuine) announcements."""
+    private, public = keys
+    sign, p = Signer(private).sign, cfg.topics.prefix
+    reader = fleet.AnnouncementReader(p, Verifier(public))
+
+    def refused(channel, ann, reason):
+        with pytest.raises(fleet.AnnouncementRefused) as e:
+            reader.accept(channel, ann.to_bytes())
+        assert e.value.reason == reason, e.value
+        return str(e.value)
+
+    canary = sign(bound(cfg, channel="canary", rollout=terms("node-b")))
+    assert "announced on 'canary'" in refused("desired", canary, "wrong_channel")  # copied into <p>:desired
+    refused("canary", sign(bound(cfg)), "wrong_channel")  # a desired one copied into <p>:canary
+    refused("desired", sign(bound(cfg, prefix="another-deployment")), "wrong_prefix")
+    now = time.time()
+    refused("desired", sign(bound(cfg, ts=now - 700, expires_at=now - 100)), "expired")
+    refused("desired", sign(VersionAnnouncement(version=3, checksum="ab" * 32)), "unbound")  # an old-style one
+    refused("desired", bound(cfg), "unsigned")
+    refused("desired", sign(bound(cfg)).model_copy(update={"version": 4}), "bad_signature")
+    old, new = sign(bound(cfg, version=3, ts=now - 30)), sign(bound(cfg, version=4, ts=now))
+    assert reader.accept("desired", old.to_bytes()) == old
+    assert reader.accept("desired", new.to_bytes()) == new
+    assert reader.accept("desired", new.to_bytes()) == new  # the same one, read again at the next poll
+    assert "before the announcement accepted" in refused("desired", old, "replayed")
+    assert reader.accept("canary", canary.to_bytes()) == canary  # the guard is per channel
+    assert reader.accept("desired", None) is None  # nothing announced is not a refusal
+
+
+def test_without_a_verifier_the_bindings_still_hold(cfg):
+    """security.allow_unsigned drops the signature check, not the channel, prefix, expiry and replay checks."""
+    reader = fleet.AnnouncementReader(cfg.topics.prefix, None)
+    assert reader.accept("desired", bound(cfg).to_bytes()).version == 3
+    with pytest.raises(fleet.AnnouncementRefused, match="wrong_prefix"):
+        reader.accept("desired", bound(cfg, prefix="other").to_bytes())
+    with pytest.raises(fleet.AnnouncementRefused, match="wrong_channel"):
+        reader.accept("desired", bound(cfg, channel="canary", rollout=terms("n")).to_bytes())
+
+
+def test_a_node_serves_the_canary_only_when_the_signed_terms_name_it(cfg):
+    desired, canary = bound(cfg, version=1), bound(cfg, version=2, channel="canary", rollout=terms("node-b"))
+    assert fleet.serving_target("node-b", desired, canary) == canary
+    assert fleet.serving_target("node-a", desired, canary) == desired
+    assert fleet.serving_target("node-b", desired, None) == desired  # no (valid) canary: desired, the safe default
+    assert fleet.serving_target("node-b", None, None) is None
 
 
 def test_gate_signs_and_re_signs_an_unsigned_announcement(cfg, rds, keys):
@@ -54,35 +153,48 @@ def test_gate_signs_and_re_signs_an_unsigned_announcement(cfg, rds, keys):
         registry.close()
 
 
-def test_agent_refuses_unsigned_and_forged_announcements(cfg, keys, tmp_path):
-    """The agent's reading of ``<prefix>:desired``, against the real Redis; no vLLM needed for this part."""
-    from serving.agent import Agent
-
+def test_the_gate_keeps_the_announcement_valid_and_fresh(cfg, rds, keys):
+    """reconcile re-announces desired when it is wrong for the agents (a canary copied into it, another deployment's,
+    expired) or past half its lifetime, and leaves a fresh one alone."""
     private, public = keys
-    cfg.security.verify_key = str(public)
+    sign, p = Signer(private).sign, cfg.topics.prefix
+    registry = open_registry(cfg)
+    try:
+        registry.init_base(weights(0.5, 1.0), "/nonexistent/model")
+        stable = registry.stable()
+        gate = Gate(cfg, registry, rds, ProbeEval(), signer=Signer(private))
+        now = time.time()
+        for planted in (sign(bound(cfg, version=0, checksum=stable.checksum, channel="canary", rollout=terms("n"))),
+                        sign(bound(cfg, version=0, checksum=stable.checksum, prefix="other")),
+                        sign(bound(cfg, version=0, checksum=stable.checksum, ts=now - 700, expires_at=now - 100))):
+            rds.set(f"{p}:desired", planted.to_bytes())
+            gate.reconcile(stable)
+            ann = fleet.check_announcement(rds.get(f"{p}:desired"), "desired", p, Verifier(public))
+            assert (ann.version, ann.checksum) == (0, stable.checksum) and "reconciled" in ann.reason
+        ttl = cfg.security.announce_ttl_s
+        aging = sign(bound(cfg, version=0, checksum=stable.checksum, reason="promoted", ts=now - 0.6 * ttl,
+                           expires_at=now + 0.4 * ttl))
+        assert needs_refresh(aging, now) and not needs_refresh(aging, now - 0.2 * ttl)
+        rds.set(f"{p}:desired", aging.to_bytes())
+        gate.reconcile(stable)
+        fresh = fleet.check_announcement(rds.get(f"{p}:desired"), "desired", p, Verifier(public))
+        assert fresh.ts > aging.ts and fresh.expires_at >= now + ttl and fresh.reason == "promoted"  # its reason kept
+        raw = rds.get(f"{p}:desired")
+        gate.reconcile(stable)
+        assert rds.get(f"{p}:desired") == raw  # fresh and right: left alone
+    finally:
+        registry.close()
 
-    class _Gateway:  # the agent reads only these two attributes at construction
-        node = None
-        node_name = "node-t"
 
-    async def run():
-        r = aioredis.Redis.from_url(cfg.redis.url)
-        try:
-            agent = Agent(cfg, _Gateway(), r)
-            key = f"{cfg.topics.prefix}:desired"
-            good = Signer(private).sign(VersionAnnouncement(version=2, checksum="cd" * 32))
-            await r.set(key, good.to_bytes())
-            assert (await agent.desired()).version == 2
-            await r.set(key, VersionAnnouncement(version=13, checksum="ef" * 32).to_bytes())  # unsigned
-            assert await agent.desired() is None
-            forged = good.model_copy(update={"version": 13})
-            await r.set(key, forged.to_bytes())
-            assert await agent.desired() is None
-            await r.set(key, b"\xff garbage")
-            assert await agent.desired() is None
-            assert agent.refused_announcements == 3
-            await r.delete(key)
-        finally:
-            await r.aclose()
-
-    asyncio.run(run())
+def test_keep_announced_keeps_a_canary_and_its_terms(cfg, rds, keys):
+    """What the canary calls while a rollout runs: the canary announcement with the rollout's terms stays valid."""
+    private, public = keys
+    p = cfg.topics.prefix
+    args = (rds, p, "canary", 5, "cd" * 32, "canary of v5", Signer(private))
+    assert keep_announced(*args, rollout=terms("node-b")) == "was nothing"
+    assert keep_announced(*args, rollout=terms("node-b")) is None
+    assert keep_announced(*args, rollout=terms("node-a", "node-b")) == "was v5 with other terms"
+    ann = fleet.check_announcement(rds.get(f"{p}:canary"), "canary", p, Verifier(public))
+    assert ann.rollout.nodes == ["node-a", "node-b"]
+    assert keep_announced(*args, rollout=terms("node-a", "node-b"), now=ann.ts + 0.6 * (ann.expires_at - ann.ts)) \
+        == "refreshed"

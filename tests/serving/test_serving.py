@@ -14,7 +14,8 @@ import urllib.request
 import pytest
 import torch
 
-from liverl.core.schemas import VersionAnnouncement
+from deploy.signing import announce
+from liverl.core.schemas import RolloutTerms
 from tests.serving.conftest import records as _records
 
 pytestmark = pytest.mark.slow
@@ -77,8 +78,7 @@ def _announce(srv, version: int, checksum: str) -> None:
         srv.registry.promote(version, actor="test", reason="test")
     elif row.status != "stable":
         srv.registry.rollback(actor="test", reason="test", to=version)
-    srv.redis.set(f"{srv.cfg.topics.prefix}:desired",
-                  VersionAnnouncement(version=version, checksum=checksum, reason="test").to_bytes())
+    announce(srv.redis, srv.cfg.topics.prefix, version, checksum, "test", srv.signer)
 
 
 def _wait_version(srv, version: int, timeout_s: float = 30) -> dict:
@@ -273,14 +273,14 @@ def test_rollback_and_on_the_fly_delta(srv):
 
 
 def test_a_version_the_registry_does_not_call_stable_is_not_served(srv):
-    """Finding: one Redis write put any registered version live, rejected ones included."""
+    """Finding: one Redis write put any registered version live, rejected ones included. Even an announcement signed
+    with the gate's key (a leaked key, an operator's mistake) serves only what the registry calls stable."""
     cur = _served(srv)
     state = srv.registry.materialize(cur["version"])
     row = srv.registry.add_candidate(_perturbed(state, seed=55), parent=cur["version"], metrics={},
                                      sample_offsets={}, learner_step=3)
     srv.registry.set_status(row.version, "rejected", actor="gate", reason="failed suite")
-    srv.redis.set(f"{srv.cfg.topics.prefix}:desired",
-                  VersionAnnouncement(version=row.version, checksum=row.checksum, reason="forged").to_bytes())
+    announce(srv.redis, srv.cfg.topics.prefix, row.version, row.checksum, "forged", srv.signer)
     deadline = time.monotonic() + 5
     errors = []
     while time.monotonic() < deadline and not errors:
@@ -293,8 +293,9 @@ def test_a_version_the_registry_does_not_call_stable_is_not_served(srv):
 
 
 def test_a_canary_node_serves_the_canary_and_returns_to_stable_when_the_rollout_ends(srv):
-    """The rollout plan names this node: its agent serves <p>:canary (a version the registry has on canary) instead of
-    <p>:desired; when the plan goes (an abort) it swaps back to the stable version by the inverse delta."""
+    """The signed canary announcement's terms name this node: its agent serves <p>:canary (a version the registry has
+    on canary) instead of <p>:desired; when the canary goes (an abort) it swaps back to the stable version by the
+    inverse delta. The unsigned <p>:rollout plan moves nothing."""
     from liverl.core import keys
 
     cur = _served(srv)
@@ -303,18 +304,26 @@ def test_a_canary_node_serves_the_canary_and_returns_to_stable_when_the_rollout_
     state = srv.registry.materialize(cur["version"])
     row = srv.registry.add_candidate(_perturbed(state, seed=77), parent=cur["version"], metrics={},
                                      sample_offsets={}, learner_step=4)
-    srv.registry.set_status(row.version, "canary", actor="gate", reason="passed the offline checks", expect="candidate")
-    srv.redis.set(keys.canary(p), VersionAnnouncement(version=row.version, checksum=row.checksum).to_bytes())
-    time.sleep(1.0)  # announced, but no rollout names this node: it stays on desired
+    ro = srv.registry.begin_rollout(row.version, stable_version=cur["version"], share=0.2, nodes=["node-other"],
+                                    unit="user", deadline_at=time.time() + 600, settings=None, actor="gate",
+                                    reason="passed the offline checks")
+
+    def canary_on(*nodes: str) -> None:
+        announce(srv.redis, p, row.version, row.checksum, "canary", srv.signer, channel="canary",
+                 rollout=RolloutTerms(rollout_id=ro.id, share=0.2, nodes=list(nodes), unit="user"))
+
+    canary_on("node-other")
+    plan = {"version": row.version, "checksum": row.checksum, "stable_version": cur["version"], "share": 0.2,
+            "nodes": [srv.cfg.serving.node_name], "deadline_at": time.time() + 600}
+    srv.redis.set(keys.rollout(p), json.dumps(plan))  # an unsigned plan naming this node (main's agent followed it)
+    time.sleep(1.0)  # announced, but the signed terms do not name this node: it stays on desired
     assert _served(srv)["version"] == cur["version"]
-    plan = keys.RolloutPlan(version=row.version, checksum=row.checksum, stable_version=cur["version"], share=0.2,
-                            nodes=[srv.cfg.serving.node_name], deadline_at=time.time() + 600)
-    srv.redis.set(keys.rollout(p), plan.to_json())
+    canary_on("node-other", srv.cfg.serving.node_name)
     info = _wait_version(srv, row.version)
     assert info["checksum"] == row.checksum == _node_checksum(srv)["checksum"]
     swaps_before = srv.redis.llen(f"{p}:swaps")
     srv.redis.delete(keys.rollout(p), keys.canary(p))  # aborted
-    srv.registry.set_status(row.version, "rejected", actor="gate", reason="canary aborted", expect="canary")
+    srv.registry.finish_rollout_abort(ro.id, actor="gate", reason="canary aborted")
     info = _wait_version(srv, cur["version"])
     assert info["checksum"] == cur["checksum"] == _node_checksum(srv)["checksum"]
     back = keys.SwapRecord.from_json(srv.redis.lrange(f"{p}:swaps", swaps_before, -1)[-1])
