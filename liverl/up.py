@@ -9,17 +9,26 @@ import signal
 import threading
 from pathlib import Path
 
-from liverl.core.config import LiverlConfig
+from liverl.core.config import LiverlConfig, ServingConfig, advertised_url
+from liverl.core.credentials import PRODUCT_KEY_HEADER, ensure_secrets, feedback_key_path
 from liverl.core.product import load_product
 from liverl.stack import Stack, start_stack
-from liverl.supervisor import Supervisor, child_env, ensure_keys, init_registry, roles_for, wait_http
+from liverl.supervisor import (
+    Supervisor,
+    child_env,
+    ensure_keys,
+    init_registry,
+    node_serving,
+    roles_for,
+    wait_http,
+)
 
 
 class Pipeline:
     """The embedded stack plus the supervised processes, as a context manager."""
 
     def __init__(self, cfg: LiverlConfig, model_dir: Path, fresh: bool = False):
-        self.cfg, self.model_dir, self.fresh = cfg, Path(model_dir), fresh
+        self.cfg, self.model_dir, self.fresh = with_local_fleet(cfg), Path(model_dir), fresh
         self.stack: Stack | None = None
         self.supervisor: Supervisor | None = None
         self.redis = None
@@ -45,6 +54,7 @@ class Pipeline:
             ensure_topics(self.stack.bootstrap, all_topics(cfg), cfg.broker.partitions, broker=cfg.broker,
                           configs=topic_configs(cfg))
             ensure_keys(cfg)
+            ensure_secrets(cfg)  # the router's assignment key and the product key of /v1/feedback
             init_registry(cfg, self.model_dir, self.redis)
             self.supervisor = Supervisor(child_env(cfg, self.stack, self.model_dir), cfg.state_path / "logs",
                                          roles=roles_for(cfg)).start()
@@ -68,6 +78,27 @@ class Pipeline:
             self.stack.close()
 
 
+def local_fleet(cfg: LiverlConfig) -> dict[str, str]:
+    """The nodes ``up`` starts, by name, with the URL of each one's gateway (what the router may route to)."""
+    s = cfg.serving
+    if s.nodes <= 1:
+        return {s.node_name: advertised_url(s)}
+    nodes = (ServingConfig.model_validate(node_serving(s.model_dump(), i)) for i in range(s.nodes))
+    return {n.node_name: advertised_url(n) for n in nodes}
+
+
+def with_local_fleet(cfg: LiverlConfig) -> LiverlConfig:
+    """``cfg`` with ``serving.fleet`` naming the nodes ``up`` starts. A configured fleet must be exactly those nodes:
+    ``up`` runs no other."""
+    local = local_fleet(cfg)
+    if cfg.serving.fleet and cfg.serving.fleet != local:
+        raise ValueError(f"serving.fleet names {cfg.serving.fleet}, but liverl up runs the nodes {local}; leave "
+                         "serving.fleet unset for liverl up and liverl demo (they fill it)")
+    out = cfg.model_copy(deep=True)
+    out.serving.fleet = local
+    return out
+
+
 def reset_state(cfg: LiverlConfig, r) -> None:
     """A fresh start: registry, blobs, checkpoints and Redis keys of this prefix go (the model cache stays)."""
     import shutil
@@ -87,6 +118,7 @@ def reset_state(cfg: LiverlConfig, r) -> None:
 def usage(cfg: LiverlConfig, pipe: Pipeline, model_dir: Path) -> str:
     s, t = pipe.stack, cfg.topics
     gw = pipe.gateway_url
+    key = feedback_key_path(pipe.cfg)
     return f"""\
 liverl is up: model {model_dir}
   product            {load_product(cfg).describe()}
@@ -94,6 +126,7 @@ liverl is up: model {model_dir}
                      the generation id and the policy version in its body and X-Liverl-* headers)
   send feedback      Python SDK:  FeedbackClient("{s.bootstrap}", "{t.feedback}").accept(generation_id)
                      HTTP:        curl -X POST {gw}/v1/feedback -H 'content-type: application/json' \\
+                                    -H "{PRODUCT_KEY_HEADER}: $(cat {key})" \\
                                     -d '{{"feedback_id": "fb-1", "generation_id": "<id>", "kind": "accept"}}'
                      kcat:        echo '<id>|{{"feedback_id":"fb-1","generation_id":"<id>","kind":"reject"}}' \\
                                     | kcat -P -b {s.bootstrap} -t {t.feedback} -K'|' -X partitioner=murmur2_random

@@ -3,7 +3,7 @@
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (plain or streamed, any ``n``; the chat template
 is the model's, applied by the node, so a record's prompt token ids are exactly what the model read),
 ``GET /v1/models``, and ``POST /v1/feedback`` (the feedback JSON of the topic, for backends that cannot speak
-Kafka). Request validation and response shaping are in ``serving.openai_api``.
+Kafka; it takes the product key, ``security.feedback_key``, in the ``X-Liverl-Product-Key`` header). Request validation and response shaping are in ``serving.openai_api``.
 
 Each choice of a response is one generation: it gets a ``generation_id``, and a ``GenerationRecord`` (prompt and
 completion token ids, the sampled tokens' log-probs, the sampling parameters, trainable or why not) is queued for
@@ -21,6 +21,7 @@ until the node's last byte, so the version read at admission produced every toke
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import random
@@ -32,7 +33,9 @@ import aiohttp
 from aiohttp import web
 from pydantic_core import from_json, to_json
 
+from liverl.core import fleet
 from liverl.core.config import LiverlConfig
+from liverl.core.credentials import PRODUCT_KEY_HEADER, load_feedback_keys
 from liverl.core.schemas import FeedbackEvent, GenerationRecord, WireError
 from serving import openai_api as oa
 from serving.node import NodeClient, NodeUnreachable
@@ -183,6 +186,10 @@ class Gateway:
         self.m_agent_errors = Counter("liverl_gateway_agent_errors", "Hot-swap agent polls that failed, by exception "
                                       "type (logged; the agent goes on)", ["kind"], registry=r)
         self.m_feedback = Counter("liverl_gateway_feedback", "POST /v1/feedback by HTTP status", ["status"], registry=r)
+        self.feedback_keys = load_feedback_keys(cfg)  # the product keys /v1/feedback takes (None: feedback over HTTP off)
+        if self.feedback_keys is None:
+            log.warning("no product key (security.feedback_key): POST /v1/feedback refuses every request; publish "
+                        "feedback to Kafka, or give the gateway a key file")
         self.app = self._make_app()
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -251,7 +258,9 @@ class Gateway:
 
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
         model, add_chunk = ROUTES[route]
-        req = model.parse(await request.read())
+        raw_body = await request.read()
+        req = model.parse(raw_body)
+        unit = fleet.unit_id(fleet.user_key(request.headers, raw_body))  # the user, pseudonymised, for the record
         if self.unhealthy_reason is not None:
             raise oa.BadRequest(f"node not serving: {self.unhealthy_reason}", status=503)
         body = to_json(req.node_body())
@@ -264,7 +273,7 @@ class Gateway:
             self.m_inflight.inc()
             try:
                 if req.stream:
-                    return await self._stream(request, req, add_chunk, body, ids, version, t0)
+                    return await self._stream(request, req, add_chunk, body, ids, version, t0, unit)
                 status, raw = await self.node.post(route, body)
             finally:
                 self.m_inflight.dec()
@@ -275,13 +284,13 @@ class Gateway:
         choices: dict[int, oa.Choice] = {}
         add_chunk(req, out, choices)
         latency_s = time.perf_counter() - t0
-        acks = [self._log(req, choices.get(i), ids[i], version, latency_s) for i in range(req.n_choices)]
+        acks = [self._log(req, choices.get(i), ids[i], version, latency_s, unit) for i in range(req.n_choices)]
         await self._wait_acks(acks)
         return web.Response(body=to_json(oa.for_client(req, out, ids, version)), content_type="application/json",
                             headers=self._headers(ids, version))
 
     async def _stream(self, request: web.Request, req: oa._GenerationRequest, add_chunk, body: bytes,
-                      ids: list[str], version: int, t0: float) -> web.StreamResponse:
+                      ids: list[str], version: int, t0: float, unit: str | None = None) -> web.StreamResponse:
         """Relay the node's SSE stream chunk by chunk; log each choice when it finishes, ``[DONE]`` after the acks."""
         async with self.node.stream(req.route, body) as r:
             if r.status != 200:
@@ -297,7 +306,7 @@ class Gateway:
                     chunk = from_json(data)
                     if "choices" in chunk:
                         for i in add_chunk(req, chunk, choices):
-                            acks.append(self._log(req, choices[i], ids[i], version, time.perf_counter() - t0))
+                            acks.append(self._log(req, choices[i], ids[i], version, time.perf_counter() - t0, unit))
                         data = to_json(oa.for_client(req, chunk, ids, version))
                     await resp.write(b"data: " + data + b"\n\n")
                 self.m_log_fail.inc(req.n_choices - len(acks))  # choices the node never finished (an error came)
@@ -317,8 +326,9 @@ class Gateway:
         return {"X-Liverl-Generation-Id": ",".join(ids), "X-Liverl-Version": str(version)}
 
     def _log(self, req: oa._GenerationRequest, choice: oa.Choice | None, generation_id: str,
-             version: int, latency_s: float | None = None) -> asyncio.Future | None:
-        """Publish one generation's record; returns the broker's ack (None when it could not even be queued)."""
+             version: int, latency_s: float | None = None, unit: str | None = None) -> asyncio.Future | None:
+        """Publish one generation's record (``unit``: the user's ``fleet.unit_id``); returns the broker's ack (None when
+        it could not even be queued)."""
         try:
             if choice is None:
                 raise ValueError("the node's response has no such choice")
@@ -329,7 +339,7 @@ class Gateway:
                 completion_token_ids=choice.token_ids, completion_logprobs=choice.logprobs,
                 sampling=req.sampling(req.max_tokens_for(self.max_model_len, len(choice.prompt_token_ids))),
                 finish_reason=choice.finish_reason, trainable=reason is None, untrainable_reason=reason,
-                latency_s=latency_s)
+                latency_s=latency_s, unit=unit)
             ack = self.producer.produce(self.cfg.topics.generations, generation_id, record.to_bytes())
         except (ValueError, TypeError, BufferError) as e:  # a malformed node response, or Kafka refused: count, serve
             self.m_log_fail.inc()
@@ -355,10 +365,29 @@ class Gateway:
     # ------------------------------------------------------------------------------------------ feedback
 
     async def feedback(self, request: web.Request) -> web.Response:
-        """The feedback topic's JSON over HTTP: 202 once the broker has it, 400 with the reason when invalid."""
-        resp = await self._feedback(await request.read())
+        """The feedback topic's JSON over HTTP: 202 once the broker has it, 400 with the reason when invalid; 401
+        without a valid product key in ``X-Liverl-Product-Key`` (403 when this gateway has no key at all)."""
+        resp = self._refuse_feedback(request.headers.get(PRODUCT_KEY_HEADER))
+        if resp is None:
+            resp = await self._feedback(await request.read())
         self.m_feedback.labels(status=str(resp.status)).inc()
         return resp
+
+    def _refuse_feedback(self, given: str | None) -> web.Response | None:
+        """Feedback trains the model and decides canaries, so only the product may send it: None when ``given`` is
+        one of the product keys (constant-time comparison), else the refusal."""
+        if self.feedback_keys is None:
+            return _error(403, "feedback over HTTP is off on this gateway: it has no product key "
+                          "(security.feedback_key); publish feedback to Kafka instead", kind="permission_error")
+        if not given:
+            return _error(401, f"POST /v1/feedback needs the product key in the {PRODUCT_KEY_HEADER} header "
+                          "(the file security.feedback_key; liverl up makes <state_dir>/keys/feedback.key)",
+                          kind="authentication_error")
+        raw = given.encode("utf-8", "surrogateescape")
+        if not any([hmac.compare_digest(raw, k) for k in self.feedback_keys]):  # a list: every key compared
+            return _error(401, f"the {PRODUCT_KEY_HEADER} header does not hold a valid product key "
+                          "(security.feedback_key)", kind="authentication_error")
+        return None
 
     async def _feedback(self, raw: bytes) -> web.Response:
         try:

@@ -17,8 +17,9 @@ from liverl.core.services import port_open
 from tests.conftest import free_port
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"content-type": "application/json"})
+def _post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -50,12 +51,18 @@ def test_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
             time.sleep(1)
         text = out.read_text()
         assert "Ctrl-C stops everything" in text, text[-3000:]
-        for what in (f"http://127.0.0.1:{gw}/v1", "/v1/feedback", "kcat", "partitioner=murmur2_random", "logs",
-                     "/metrics"):
+        for what in (f"http://127.0.0.1:{gw}/v1", "/v1/feedback", "X-Liverl-Product-Key", "kcat",
+                     "partitioner=murmur2_random", "logs", "/metrics"):
             assert what in text, (what, text[-3000:])
         status, body = _post(f"http://127.0.0.1:{gw}/v1/completions",
                              {"model": "liverl", "prompt": "[a]12+34=", "max_tokens": 5, "temperature": 1.0})
         assert status == 200 and body["choices"], body
+        gid = body["choices"][0]["generation_id"]
+        event = {"feedback_id": "fb-up-1", "generation_id": gid, "kind": "accept"}
+        assert _post(f"http://127.0.0.1:{gw}/v1/feedback", event)[0] == 401  # no product key
+        key = (tmp_path / "state" / "keys" / "feedback.key").read_text().strip()  # the file `up` made and printed
+        status, out = _post(f"http://127.0.0.1:{gw}/v1/feedback", event, {"X-Liverl-Product-Key": key})
+        assert status == 202 and out["generation_id"] == gid, out
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -41,7 +41,8 @@ def test_liverl_runs_on_a_redis_acl_user_confined_to_its_prefix(acl_user):
     """The live counters' Lua script, the announcement and the admin reads work as a user that may touch only
     ``<prefix>:*`` (so every key liverl writes is in its key space), and a wrong password is refused clearly."""
     from ingest.metrics import IngestMetrics, Tally
-    from liverl.admin import _desired, _live
+    from liverl.admin import _live
+    from liverl.core.fleet import read_desired
     from liverl.core import keys
     from liverl.core.services import setup_redis
 
@@ -67,7 +68,7 @@ def test_liverl_runs_on_a_redis_acl_user_confined_to_its_prefix(acl_user):
         asyncio.run(count())
         assert _live(r, prefix, [3]) == {3: {"accept": 1, "reject": 1, "events": 2}}
         r.set(keys.desired(prefix), json.dumps({"version": 3, "checksum": "c" * 64}))
-        assert _desired(r, prefix)["version"] == 3
+        assert read_desired(r, prefix).version == 3
     finally:
         r.close()
     bad = load_config(env={}, redis__url=f"redis://{name}:wrong-{password}@127.0.0.1:6379/0")

@@ -1,6 +1,7 @@
-"""Feedback without the Python SDK: ``POST /v1/feedback`` on the gateway, and a librdkafka client (confluent-kafka)
-publishing to the embedded broker as the README shows. Both land where the SDK's record would: the feedback topic,
-keyed by generation id, on the partition the Java client's murmur2 partitioner picks."""
+"""Feedback without the Python SDK: ``POST /v1/feedback`` on the gateway (with the product key; without it:
+test_feedback_auth.py), and a librdkafka client (confluent-kafka) publishing to the embedded broker as the README
+shows. Both land where the SDK's record would: the feedback topic, keyed by generation id, on the partition the Java
+client's murmur2 partitioner picks."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from kafka.partitioner.default import murmur2
 
 from liverl.core.bus import all_topics, ensure_topics
+from liverl.core.credentials import PRODUCT_KEY_HEADER, load_feedback_keys
 from liverl.core.schemas import FeedbackEvent
 from tests.ingest.conftest import TopicTail
 
@@ -22,8 +24,9 @@ def _partition(key: str, partitions: int) -> int:
     return (murmur2(key.encode()) & 0x7FFFFFFF) % partitions
 
 
-def _post(url: str, raw: bytes) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=raw, headers={"Content-Type": "application/json"}, method="POST")
+def _post(url: str, raw: bytes, key: str | None = None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json", **({PRODUCT_KEY_HEADER: key} if key else {})}
+    req = urllib.request.Request(url, data=raw, headers=headers, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, json.loads(r.read())
@@ -34,11 +37,12 @@ def _post(url: str, raw: bytes) -> tuple[int, dict]:
 @pytest.mark.slow
 def test_feedback_over_http(srv):
     cfg = srv.cfg
+    key = load_feedback_keys(cfg)[0].decode()  # the product key (the srv fixture makes it, as `liverl up` does)
     gids = [f"gen-{uuid.uuid4().hex}" for _ in range(6)]
     for i, gid in enumerate(gids):
         body = {"feedback_id": f"fb-{gid}", "generation_id": gid, "kind": "accept" if i % 2 else "reject",
                 "segment": "a"}
-        status, out = _post(srv.url + "/v1/feedback", json.dumps(body).encode())
+        status, out = _post(srv.url + "/v1/feedback", json.dumps(body).encode(), key)
         assert status == 202 and out["feedback_id"] == f"fb-{gid}" and out["generation_id"] == gid
     with TopicTail(srv.bootstrap, cfg.topics.feedback, cfg.broker.partitions) as tail:
         recs = tail.wait_for(tail.keys(set(gids)), n=len(gids))
@@ -51,7 +55,7 @@ def test_feedback_over_http(srv):
                        (b'{"feedback_id": "f1", "generation_id": "g1", "kind": "edit"}', None),
                        (b'{"generation_id": "g1", "kind": "accept"}', "feedback_id"),
                        (b"{not json", None), (b"[1]", None)]:
-        status, out = _post(srv.url + "/v1/feedback", raw)
+        status, out = _post(srv.url + "/v1/feedback", raw, key)
         assert status == 400 and out["error"]["param"] == param, out
         reason = out["error"]["message"].split(":")[0]
         assert reason in ("invalid_field", "malformed_json", "not_an_object"), out

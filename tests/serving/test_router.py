@@ -14,15 +14,17 @@ import json
 import aiohttp
 import pytest
 import redis.asyncio as aioredis
-from aiohttp import web
 
-from liverl.core import keys
-from serving.router import Node, Router, rank, user_key
+from liverl.core import fleet, keys
+from liverl.core.credentials import load_assignment_key
+from liverl.core.fleet import Node, user_key
+from serving.router import Router, rank
 from tests.conftest import free_port
+from tests.serving.routing import announce_rollout, beat, front_door, gateway, start, until
 
 
 def test_rendezvous_ranking_is_sticky_and_moves_only_a_leaving_node_s_users():
-    a, b, c = (Node(n, f"http://{n}", 1, True) for n in ("node-a", "node-b", "node-c"))
+    a, b, c = (Node(n, f"http://{n}", 1) for n in ("node-a", "node-b", "node-c"))
     users = [f"user-{i}" for i in range(3000)]
     before = {u: rank(u, [a, b, c])[0].name for u in users}
     assert before == {u: rank(u, [c, a, b])[0].name for u in users}  # order of discovery does not matter
@@ -38,52 +40,9 @@ def test_user_key_header_then_openai_user_then_session():
     assert user_key({"X-Liverl-User": "u1"}, b'{"user": "u2"}') == "u1"
     assert user_key({}, b'{"prompt": "x", "user": "u2"}') == "u2"
     assert user_key({"X-Session-Id": "s"}, b'{"prompt": "x"}') == "s"
-    for hostile in (b'{"user": 5}', b'{"user": ["a"]}', b'{"user": ""', b"[1]", b"\xff\xfe", b""):
+    deep = b'{"user": "u", "x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"  # RecursionError in json.loads
+    for hostile in (b'{"user": 5}', b'{"user": ["a"]}', b'{"user": ""', b"[1]", b"\xff\xfe", b"", deep):
         assert user_key({}, hostile) is None
-
-
-def _gateway(name: str) -> web.Application:
-    """Answers as a node's gateway does: JSON naming the node, liverl's headers, or an SSE stream."""
-    async def completions(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        headers = {"X-Liverl-Version": "3", "X-Liverl-Generation-Id": f"g-{name}"}
-        if body.get("stream"):
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", **headers})
-            await resp.prepare(request)
-            for i in range(5):
-                await resp.write(f"data: {json.dumps({'node': name, 'i': i})}\n\n".encode())
-                await asyncio.sleep(0.01)
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-            return resp
-        if body.get("prompt") == "bad":
-            return web.json_response({"error": {"message": "prompt is bad", "param": "prompt"}}, status=400)
-        return web.json_response({"node": name, "echo": body}, headers=headers)
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    return app
-
-
-async def _start(app: web.Application, port: int) -> web.AppRunner:
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    return runner
-
-
-async def _settled(router: Router, nodes: set[str], plan: bool | None = None) -> None:
-    """Waits (at most 10 s) until the router's refresh has seen the fleet the test just wrote to Redis: a fixed sleep
-    is too short on a loaded CI machine."""
-    deadline = asyncio.get_running_loop().time() + 10
-    while {n.name for n in router.nodes} != nodes or (plan is not None and (router.plan is not None) != plan):
-        assert asyncio.get_running_loop().time() < deadline, ([n.name for n in router.nodes], router.plan)
-        await asyncio.sleep(0.05)
-
-
-async def _beat(rds, prefix: str, name: str, url: str, healthy: bool = True) -> None:
-    beat = keys.ServedHeartbeat(version=3, checksum="c" * 64, healthy=healthy, url=url)
-    await rds.set(keys.served(prefix, name), beat.to_json(), ex=60)
 
 
 def test_router_routes_sticky_over_live_healthy_nodes_and_fails_over(cfg, rds):
@@ -91,14 +50,14 @@ def test_router_routes_sticky_over_live_healthy_nodes_and_fails_over(cfg, rds):
 
     async def main() -> None:
         ardis = aioredis.from_url(cfg.redis.url)
-        ports = {"node-a": free_port(), "node-b": free_port()}
-        upstream = {n: await _start(_gateway(n), p) for n, p in ports.items()}
-        for n, p in ports.items():
-            await _beat(ardis, prefix, n, f"http://127.0.0.1:{p}")
-        await ardis.set(keys.served(prefix, "node-nourl"), keys.ServedHeartbeat(version=3, checksum="c").to_json())
-        router = Router(cfg, ardis, refresh_s=0.1, down_s=30)
+        ports = {"node-a": free_port(), "node-b": free_port(), "node-c": free_port()}
+        rcfg, _ = front_door(cfg, {n: f"http://127.0.0.1:{p}" for n, p in ports.items()})
+        upstream = {n: await start(gateway(n), ports[n]) for n in ("node-a", "node-b")}
+        for n in ("node-a", "node-b"):
+            await beat(ardis, prefix, n, f"http://127.0.0.1:{ports[n]}")
+        router = Router(rcfg, ardis, refresh_s=0.1, down_s=30)
         rport = free_port()
-        rrunner = await _start(router.app, rport)
+        rrunner = await start(router.app, rport)
         base = f"http://127.0.0.1:{rport}"
         try:
             async with aiohttp.ClientSession() as http:
@@ -108,7 +67,7 @@ def test_router_routes_sticky_over_live_healthy_nodes_and_fails_over(cfg, rds):
                         return r.status, dict(r.headers), await r.json()
 
                 async with http.get(f"{base}/fleet") as r:
-                    assert {n["node"] for n in await r.json()} == {"node-a", "node-b"}  # no URL: not routable
+                    assert {n["node"] for n in await r.json()} == {"node-a", "node-b"}  # node-c: no heartbeat yet
                 users = [f"u{i}" for i in range(60)]
                 first = {}
                 for u in users:
@@ -132,12 +91,12 @@ def test_router_routes_sticky_over_live_healthy_nodes_and_fails_over(cfg, rds):
                 assert [e["i"] for e in events] == list(range(5)) and text.endswith("data: [DONE]\n\n")
 
                 # node-b reports itself unhealthy (a failed weight check): out of rotation, node-a's users stay put
-                await _beat(ardis, prefix, "node-b", f"http://127.0.0.1:{ports['node-b']}", healthy=False)
-                await _settled(router, {"node-a"})
+                await beat(ardis, prefix, "node-b", f"http://127.0.0.1:{ports['node-b']}", healthy=False)
+                await until(lambda: {n.name for n in router.nodes} == {"node-a"})
                 for u in users:
                     assert (await ask(u))[2]["node"] == "node-a"
-                await _beat(ardis, prefix, "node-b", f"http://127.0.0.1:{ports['node-b']}")
-                await _settled(router, {"node-a", "node-b"})
+                await beat(ardis, prefix, "node-b", f"http://127.0.0.1:{ports['node-b']}")
+                await until(lambda: {n.name for n in router.nodes} == {"node-a", "node-b"})
                 assert {u: (await ask(u))[2]["node"] for u in users} == first  # back: its users return
 
                 # node-a dies without a word (heartbeat still fresh): its users fail over, nobody sees an error
@@ -146,15 +105,14 @@ def test_router_routes_sticky_over_live_healthy_nodes_and_fails_over(cfg, rds):
                     status, headers, body = await ask(u)
                     assert status == 200 and body["node"] == "node-b"
                 # a node that joins takes its share of users (rendezvous: only users it now ranks first move)
-                ports["node-c"] = free_port()
-                upstream["node-c"] = await _start(_gateway("node-c"), ports["node-c"])
+                upstream["node-c"] = await start(gateway("node-c"), ports["node-c"])
                 await ardis.delete(keys.served(prefix, "node-a"))  # node-a's heartbeat expires
-                await _beat(ardis, prefix, "node-c", f"http://127.0.0.1:{ports['node-c']}")
-                await _settled(router, {"node-b", "node-c"})
+                await beat(ardis, prefix, "node-c", f"http://127.0.0.1:{ports['node-c']}")
+                await until(lambda: {n.name for n in router.nodes} == {"node-b", "node-c"})
                 now = {u: (await ask(u))[2]["node"] for u in users}
                 assert set(now.values()) == {"node-b", "node-c"}
-                fleet = [Node(n, "", 3, True) for n in ("node-b", "node-c")]
-                assert now == {u: rank(u, fleet)[0].name for u in users}
+                nodes = [Node(n, "", 3) for n in ("node-b", "node-c")]
+                assert now == {u: rank(u, nodes)[0].name for u in users}
 
                 async with http.get(f"{base}/metrics") as r:
                     text = await r.text()
@@ -164,7 +122,7 @@ def test_router_routes_sticky_over_live_healthy_nodes_and_fails_over(cfg, rds):
 
                 for n in ("node-b", "node-c"):  # the whole fleet gone
                     await ardis.delete(keys.served(prefix, n))
-                await _settled(router, set())
+                await until(lambda: not router.nodes)
                 status, _, body = await ask("u1")
                 assert status == 503 and "no serving node" in body["error"]["message"]
                 async with http.get(f"{base}/healthz") as r:
@@ -184,15 +142,15 @@ def test_during_a_rollout_the_canary_share_of_users_goes_to_the_canary_nodes(cfg
     async def main() -> None:
         ardis = aioredis.from_url(cfg.redis.url)
         ports = {n: free_port() for n in ("node-a", "node-b", "node-c")}
-        upstream = {n: await _start(_gateway(n), p) for n, p in ports.items()}
+        rcfg, signer = front_door(cfg, {n: f"http://127.0.0.1:{p}" for n, p in ports.items()})
+        secret = load_assignment_key(rcfg)
+        upstream = {n: await start(gateway(n), p) for n, p in ports.items()}
         for n, p in ports.items():
-            await _beat(ardis, prefix, n, f"http://127.0.0.1:{p}")
-        plan = keys.RolloutPlan(version=4, checksum="c" * 64, stable_version=3, share=0.3, nodes=["node-c"],
-                                deadline_at=1e12)
-        await ardis.set(keys.rollout(prefix), plan.to_json())
-        router = Router(cfg, ardis, refresh_s=0.1)
+            await beat(ardis, prefix, n, f"http://127.0.0.1:{p}")
+        announce_rollout(rds, rcfg, signer, rollout_id=11, share=0.3, nodes=["node-c"])
+        router = Router(rcfg, ardis, refresh_s=0.1)
         rport = free_port()
-        rrunner = await _start(router.app, rport)
+        rrunner = await start(router.app, rport)
         try:
             async with aiohttp.ClientSession() as http:
                 async def node_of(user: str) -> str:
@@ -202,15 +160,15 @@ def test_during_a_rollout_the_canary_share_of_users_goes_to_the_canary_nodes(cfg
 
                 users = [f"user-{i}" for i in range(400)]
                 seen = {u: await node_of(u) for u in users}
-                for u in users:  # the canary's users are exactly those whose bucket is below the share
-                    assert (seen[u] == "node-c") == (keys.user_bucket(u) < 0.3), u
+                for u in users:  # the canary's users are exactly those whose keyed bucket is below the share
+                    assert (seen[u] == "node-c") == (fleet.bucket(secret, 11, u) < 0.3), u
                 assert 0.22 < sum(v == "node-c" for v in seen.values()) / len(users) < 0.38
                 assert {v for v in seen.values() if v != "node-c"} == {"node-a", "node-b"}
                 for u in users[:50]:  # sticky
                     assert await node_of(u) == seen[u]
 
-                await ardis.delete(keys.rollout(prefix))  # the rollout ends: node-c takes ordinary users again
-                await _settled(router, {"node-a", "node-b", "node-c"}, plan=False)
+                rds.delete(keys.canary(prefix))  # the rollout ends: node-c takes ordinary users again
+                await until(lambda: router.rollout is None)
                 after = {u: await node_of(u) for u in users}
                 assert set(after.values()) == {"node-a", "node-b", "node-c"}
                 assert sum(v == "node-c" for v in after.values()) / len(users) < 0.45
@@ -242,8 +200,9 @@ def test_a_real_node_behind_the_router_with_the_openai_client(srv):
             nonlocal stop
             stop = asyncio.Event()
             ardis = aioredis.from_url(srv.cfg.redis.url)
-            router = Router(srv.cfg, ardis, refresh_s=0.2)
-            runner = await _start(router.app, port)
+            rcfg, _ = front_door(srv.cfg, {srv.cfg.serving.node_name: srv.url})
+            router = Router(rcfg, ardis, refresh_s=0.2)
+            runner = await start(router.app, port)
             holder["router"] = router
             ready.set()
             await stop.wait()

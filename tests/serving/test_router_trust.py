@@ -1,0 +1,318 @@
+"""What the router trusts (issue 20, audit N3, N11, N20): Redis signals health, never where users go.
+
+- a heartbeat of a node ``serving.fleet`` does not name gets no request, and a known node is reached at the config's
+  URL, not its heartbeat's;
+- the client's ``Authorization``, ``Proxy-Authorization`` and ``Cookie`` stay at the router; everything else of the
+  request reaches the node as sent;
+- the unsigned ``<p>:rollout`` plan, an unsigned canary announcement and one signed by another key move nobody;
+- assignment is a keyed hash salted per rollout: sticky within one rollout, drawn afresh in the next, not predicted by
+  the public hash; unit ``request`` draws each request;
+- a blackholed or silent node fails over and is marked down; a stream that stalls is cut; a deeply nested body is
+  just unkeyed.
+
+The real Router app on an aiohttp server, the real Redis; the nodes are small aiohttp apps (tests/serving/routing.py).
+"""
+
+from __future__ import annotations
+
+import json
+import asyncio
+import socket
+import time
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+from multidict import CIMultiDict
+
+from deploy.signing import Signer, generate_keypair
+from liverl.core import fleet, keys
+from liverl.core.credentials import load_assignment_key
+from liverl.core.fleet import Node
+from serving.router import Router, rank
+from tests.conftest import free_port
+from tests.serving.routing import announce_rollout, beat, front_door, gateway, start, until
+
+CLIENT_TIMEOUT = aiohttp.ClientTimeout(total=60)  # a router that hangs fails the test instead of hanging it
+
+
+def _refused(router: Router) -> set[str]:
+    """The reasons the router refused the canary announcement for, so far."""
+    return {s.labels["reason"] for s in router.m_refused.collect()[0].samples if s.name.endswith("_total")}
+
+
+def _url(port: int) -> str:
+    return f"http://127.0.0.1:{port}"
+
+
+class _Fleet:
+    """Stand-in gateways on free ports, their heartbeats, a Router in front (``Router`` kwargs passed through)."""
+
+    def __init__(self, cfg, rds, names: tuple[str, ...] = ("node-a", "node-b", "node-c")):
+        self.cfg, self.rds, self.prefix = cfg, rds, cfg.topics.prefix
+        self.ports = {n: free_port() for n in names}
+        self.rcfg, self.signer = front_door(cfg, {n: _url(p) for n, p in self.ports.items()})
+        self.seen: dict[str, list] = {n: [] for n in names}
+        self.runners: list = []
+
+    async def __aenter__(self):
+        self.ardis = aioredis.from_url(self.cfg.redis.url)
+        for n, p in self.ports.items():
+            self.runners.append(await start(gateway(n, self.seen[n]), p))
+            await beat(self.ardis, self.prefix, n, _url(p))
+        return self
+
+    async def route(self, **kw) -> Router:
+        self.router = Router(self.rcfg, self.ardis, refresh_s=0.05, **kw)
+        rport = free_port()
+        self.runners.insert(0, await start(self.router.app, rport))
+        self.base = _url(rport)
+        self.http = aiohttp.ClientSession(timeout=CLIENT_TIMEOUT)
+        return self.router
+
+    async def node_of(self, user: str | None, **kw) -> str:
+        body = {"prompt": "x", **({"user": user} if user else {})}
+        async with self.http.post(f"{self.base}/v1/completions", json=body, **kw) as r:
+            assert r.status == 200, await r.text()
+            return (await r.json())["node"]
+
+    async def metrics(self) -> str:
+        async with self.http.get(f"{self.base}/metrics") as r:
+            return await r.text()
+
+    async def __aexit__(self, *exc) -> None:
+        if getattr(self, "http", None) is not None:
+            await self.http.close()
+        for r in self.runners:
+            await r.cleanup()
+        await self.ardis.aclose()
+
+
+def test_a_heartbeat_of_a_node_the_config_does_not_name_gets_no_request(cfg, rds):
+    """Audit N3: ``SET <p>:served:zz {"url": "http://evil"}`` used to win about 1/(N+1) of the users."""
+    async def main() -> None:
+        async with _Fleet(cfg, rds, ("node-a", "node-b")) as f:
+            evil_seen: list = []
+            evil_port = free_port()
+            f.runners.append(await start(gateway("evil", evil_seen), evil_port))
+            await beat(f.ardis, f.prefix, "zz", _url(evil_port))  # an unknown node
+            await beat(f.ardis, f.prefix, "zz-sick", _url(evil_port), healthy=False)
+            # a known node's heartbeat pointing elsewhere: the config's URL is used
+            await beat(f.ardis, f.prefix, "node-b", _url(evil_port))
+            router = await f.route()
+            answered = {await f.node_of(f"user-{i}") for i in range(100)}
+            for i in range(20):
+                await f.node_of(None)  # unkeyed: a random node, still only a configured one
+            assert answered == {"node-a", "node-b"}
+            assert not evil_seen, f"{len(evil_seen)} requests reached a node the config does not name"
+            assert len(f.seen["node-b"]) > 0
+            assert {n.url for n in router.nodes} == {_url(p) for p in f.ports.values()}
+            async with f.http.get(f"{f.base}/fleet") as r:
+                assert {n["node"]: n["url"] for n in await r.json()} == f.rcfg.serving.fleet
+            for _ in range(3):
+                await router.refresh()
+            text = await f.metrics()
+            assert "liverl_router_unknown_heartbeats_total 2.0" in text  # zz and zz-sick, each counted once
+            assert "liverl_router_unknown_nodes 2.0" in text
+
+    asyncio.run(main())
+
+
+def test_credentials_stay_at_the_router_and_everything_else_reaches_the_node(cfg, rds):
+    async def main() -> None:
+        async with _Fleet(cfg, rds, ("node-a",)) as f:
+            await f.route()
+            raw = b'{"prompt":  "x" ,\n "user":"u1", "n": 1}'
+            headers = CIMultiDict([("Authorization", "Bearer sk-product-secret"), ("Cookie", "session=abc"),
+                                   ("Proxy-Authorization", "Basic cHJveHk6cHc="), ("X-Trace", "1"), ("X-Trace", "2"),
+                                   ("X-Liverl-Product-Key", "pk-123"), ("Content-Type", "application/json")])
+            async with f.http.post(f"{f.base}/v1/completions?a=1&b=%20", data=raw, headers=headers) as r:
+                assert r.status == 200, await r.text()
+            path_qs, got, body = f.seen["node-a"][-1]
+            assert path_qs == "/v1/completions?a=1&b=%20" and body == raw  # the same bytes
+            names = [k.lower() for k, _ in got]
+            assert not {"authorization", "cookie", "proxy-authorization"} & set(names), got
+            assert [v for k, v in got if k.lower() == "x-trace"] == ["1", "2"]  # repeated headers kept, in order
+            assert ("X-Liverl-Product-Key", "pk-123") in got and ("Content-Type", "application/json") in got
+
+    asyncio.run(main())
+
+
+def _public_bucket(key: str) -> float:
+    """The bucket main's router used: a public hash of the user key alone, the same for every rollout."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8, person=b"liverl-canary").digest(), "big") / 2**64
+
+
+def test_a_forged_rollout_plan_or_canary_announcement_moves_nobody(cfg, rds, tmp_path):
+    """Audit N2/N3: the unsigned ``<p>:rollout`` plan used to decide the share and the canary nodes."""
+    async def main() -> None:
+        async with _Fleet(cfg, rds) as f:
+            forged = {"version": 4, "checksum": "c" * 64, "stable_version": 3, "share": 1.0, "nodes": ["node-c"],
+                      "deadline_at": time.time() + 3600}  # the plan main's router followed
+            rds.set(keys.rollout(f.prefix), json.dumps(forged))
+            router = await f.route()
+            users = [f"user-{i}" for i in range(60)]
+            nodes = [Node(n, "", 3) for n in f.ports]
+            expected = {u: rank(u, nodes)[0].name for u in users}  # as if there were no rollout
+
+            async def routed() -> dict[str, str]:
+                return {u: await f.node_of(u) for u in users}
+
+            assert await routed() == expected
+            assert router.rollout is None
+            # a canary announcement a Redis writer made: unsigned, then signed by a key that is not the gate's
+            announce_rollout(rds, f.rcfg, None, rollout_id=5, share=0.99, nodes=["node-c"])
+            await until(lambda: "unsigned" in _refused(router), "unsigned refused")
+            assert router.rollout is None and await routed() == expected
+            other, _ = generate_keypair(tmp_path / "other")
+            announce_rollout(rds, f.rcfg, Signer(other), rollout_id=5, share=0.99, nodes=["node-c"])
+            await until(lambda: "bad_signature" in _refused(router), "bad signature refused")
+            assert router.rollout is None and await routed() == expected
+            text = await f.metrics()
+            assert 'liverl_router_arm_total{arm="none"}' in text and 'arm="canary"' not in text
+
+    asyncio.run(main())
+
+
+def test_assignment_is_keyed_and_salted_per_rollout_sticky_within_one(cfg, rds):
+    """Issue 20 item 1: the arm of a user is ``fleet.bucket(secret, rollout_id, user) < share``: the same user stays on
+    one arm for the rollout, the next rollout draws arms afresh, and the public hash main used (``_public_bucket``) does not
+    predict it. Unit ``request``: each request is drawn."""
+    async def main() -> None:
+        async with _Fleet(cfg, rds) as f:
+            secret = load_assignment_key(f.rcfg)
+            announce_rollout(rds, f.rcfg, f.signer, rollout_id=1, share=0.5, nodes=["node-c"])
+            router = await f.route()
+            await until(lambda: router.rollout is not None and router.rollout.rollout_id == 1)
+            users = [f"user-{i}" for i in range(160)]
+
+            async def arms(users: list[str]) -> dict[str, bool]:
+                return {u: await f.node_of(u) == "node-c" for u in users}
+
+            first = await arms(users)
+            assert first == {u: fleet.bucket(secret, 1, u) < 0.5 for u in users}
+            assert await arms(users[:40]) == {u: first[u] for u in users[:40]}  # sticky
+            public = {u: _public_bucket(u) < 0.5 for u in users}
+            agree = sum(first[u] == public[u] for u in users) / len(users)
+            assert 0.3 < agree < 0.7, agree  # the public hash says nothing about the arm
+
+            announce_rollout(rds, f.rcfg, f.signer, rollout_id=2, share=0.5, nodes=["node-c"])
+            await until(lambda: router.rollout.rollout_id == 2, "rollout 2 seen")
+            second = await arms(users)
+            assert second == {u: fleet.bucket(secret, 2, u) < 0.5 for u in users}
+            moved = sum(first[u] != second[u] for u in users) / len(users)
+            assert 0.3 < moved < 0.7, moved  # independent draws: about half the users change arm
+
+            announce_rollout(rds, f.rcfg, f.signer, rollout_id=3, share=0.5, nodes=["node-c"], unit="request")
+            await until(lambda: router.rollout.rollout_id == 3, "rollout 3 seen")
+            one_user = [await f.node_of("user-0") == "node-c" for _ in range(40)]
+            assert 5 < sum(one_user) < 35  # drawn per request: the same user lands on both arms
+
+    asyncio.run(main())
+
+
+def _blackhole() -> tuple[socket.socket, list[socket.socket], int]:
+    """A port whose listen queue is full: the kernel drops new connection attempts, as a blackholed host does."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    port = srv.getsockname()[1]
+    fillers = []
+    for _ in range(4):
+        c = socket.socket()
+        c.setblocking(False)
+        try:
+            c.connect(("127.0.0.1", port))
+        except BlockingIOError:
+            pass
+        fillers.append(c)
+    return srv, fillers, port
+
+
+def test_a_blackholed_or_silent_node_fails_over_and_is_marked_down(cfg, rds):
+    """Audit N20: a connect timeout was not in the failover tuple (500 to the client, node not marked down), and
+    there was no read timeout (a node that accepts and never answers held the client for ever)."""
+    async def main() -> None:
+        hole, fillers, hole_port = _blackhole()
+
+        done = asyncio.Event()
+
+        async def silent(reader, writer) -> None:  # reads the request, never answers
+            await reader.read(1 << 16)
+            await done.wait()
+            writer.close()
+
+        quiet = await asyncio.start_server(silent, "127.0.0.1", 0)
+        quiet_port = quiet.sockets[0].getsockname()[1]
+        try:
+            async with _Fleet(cfg, rds, ("node-b",)) as f:
+                f.rcfg.serving.fleet = {**f.rcfg.serving.fleet, "node-a": _url(hole_port), "node-q": _url(quiet_port)}
+                for n, p in (("node-a", hole_port), ("node-q", quiet_port)):
+                    await beat(f.ardis, f.prefix, n, _url(p))
+                router = await f.route(connect_s=0.3, read_s=1.0, down_s=600)
+                await until(lambda: len(router.nodes) == 3)
+                for bad in ("node-a", "node-q"):
+                    user = next(u for u in (f"user-{i}" for i in range(1000))  # ranks bad, node-b, the other
+                                if [n.name for n in rank(u, router.nodes)][:2] == [bad, "node-b"])
+                    assert await f.node_of(user) == "node-b"  # the client sees an answer, not a 500
+                    assert router.choose(user)[0].name == "node-b"  # marked down: no longer tried first
+                text = await f.metrics()
+                assert 'liverl_router_failovers_total{node="node-a"} 1.0' in text
+                assert 'liverl_router_failovers_total{node="node-q"} 1.0' in text
+        finally:
+            done.set()
+            quiet.close()
+            await asyncio.sleep(0)
+            for s in (hole, *fillers):
+                s.close()
+
+    asyncio.run(main())
+
+
+def test_a_stream_that_stalls_is_cut_not_ended_as_if_complete(cfg, rds):
+    """The read timeout bounds the wait between a stream's chunks too. The head has reached the client, so there is no
+    failover: the client sees a broken stream (never a clean end it would take for the whole answer)."""
+    async def main() -> None:
+        async with _Fleet(cfg, rds, ("node-a",)) as f:
+            await f.route(read_s=0.5)
+            body = {"prompt": "x", "user": "u1", "stream": True, "stall_s": 3}
+            async with f.http.post(f"{f.base}/v1/completions", json=body) as r:
+                assert r.status == 200 and r.headers["X-Liverl-Node"] == "node-a"
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await r.read()
+            assert 'liverl_router_upstream_errors_total{node="node-a"} 1.0' in await f.metrics()
+
+    asyncio.run(main())
+
+
+def test_a_deeply_nested_body_is_routed_unkeyed(cfg, rds):
+    """Audit N20: ``json.loads`` of a deeply nested body raises RecursionError; it used to escape the router (500)."""
+    async def main() -> None:
+        async with _Fleet(cfg, rds, ("node-a",)) as f:
+            await f.route()
+            raw = b'{"user": "u", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+            async with f.http.post(f"{f.base}/v1/completions", data=raw) as r:
+                assert r.status == 200 and r.headers["X-Liverl-Node"] == "node-a"
+            assert "liverl_router_unkeyed_total 1.0" in await f.metrics()
+
+    asyncio.run(main())
+
+
+def test_the_router_refuses_to_start_without_a_fleet_an_assignment_key_or_a_verify_key(cfg, tmp_path):
+    with pytest.raises(ValueError, match="serving.fleet"):
+        Router(cfg, None)
+    known = cfg.model_copy(deep=True)
+    known.serving.fleet = {"node-0": "http://127.0.0.1:1"}
+    with pytest.raises(ValueError, match="security.assignment_key"):
+        Router(known, None)
+    (tmp_path / "a.key").write_text("s" * 32)
+    known.security.assignment_key = str(tmp_path / "a.key")
+    with pytest.raises(ValueError, match="security.verify_key"):
+        Router(known, None)
+    known.security.allow_unsigned = True  # UNSAFE, and said so: then it starts
+    assert Router(known, None).verifier is None
+    (tmp_path / "a.key").write_text("short")
+    with pytest.raises(ValueError, match="at least 16"):
+        Router(known, None)
