@@ -13,8 +13,9 @@ partition (ordered, all or nothing):
 ==========  =========================================================================================
 ``W``       waiting: what a join needs of the generation record (``record_parts``), no feedback yet
 ``P``       pending: feedback that came before its record (canonical JSON) and where it came from
-``J``       judged: the judgement only (feedback id, version, kind), so redelivered feedback is a duplicate
-            and a different judgement of the same generation is dead-lettered ``already_judged``
+``J``       judged: the judgement only (feedback id, version, kind, the user's unit), so redelivered feedback is a
+            duplicate and a different judgement of the same generation is dead-lettered ``already_judged``; the
+            time written is the judgement's (a revert rewrites the entry with it): the per-user sums' bucket
 ==========  =========================================================================================
 
 A batch's table writes are held back until the broker has acknowledged the batch's samples and dead letters
@@ -127,6 +128,12 @@ def _guardrails(meta: dict) -> str:
     return keys.judged_fields(meta.get("n"), None if ms is None else ms / 1000.0)
 
 
+def _counted_again(meta: dict, t: float) -> tuple:
+    """The live counters' entry (``Tally.live``) of a judged entry's judgement (``meta`` of an entry written at ``t``,
+    its judgement's time), to count again: idempotent, it heals a crash between the join and the Redis write."""
+    return meta["f"], meta["v"], meta["k"] + _guardrails(meta), keys.unit_bucket(t), meta.get("u")
+
+
 def is_heldout(generation_id: str, share: float) -> bool:
     """Whether a joined sample goes to the held-out stream: a fixed hash-share of generation ids (the same answer on
     every replay and every worker)."""
@@ -143,26 +150,28 @@ _HELDOUT_HASH = hashlib.blake2b(digest_size=8, person=b"liverl-heldout")
 def record_parts(rec: GenerationRecord) -> tuple[dict[str, Any], bytes]:
     """What a join needs of a validated record, as a waiting entry keeps it: the few values the judgement and the
     sample read (``meta``: version ``v``, time ``ts``, completion length ``n``, latency ``ms``, ``x`` when not
-    trainable) and ``body``, the sample's middle fields already serialised (``sample_json`` splices them in, so a join
-    neither parses the record again nor serialises its token lists)."""
+    trainable, the user's ``unit`` as ``u``) and ``body``, the sample's middle fields already serialised
+    (``sample_json`` splices them in, so a join neither parses the record again nor serialises its token lists)."""
     return _parts(rec.policy_version, rec.ts, rec.latency_s, rec.trainable, rec.prompt_token_ids,
-                  rec.completion_token_ids, rec.completion_logprobs, rec.sampling)
+                  rec.completion_token_ids, rec.completion_logprobs, rec.sampling, rec.unit)
 
 
 def legacy_parts(record_json: bytes) -> tuple[dict[str, Any], bytes]:
     """``record_parts`` of a waiting entry written before entries kept parts: the record's own canonical JSON."""
     r = from_json(record_json)
     return _parts(r["policy_version"], r["ts"], r.get("latency_s"), r.get("trainable", True), r["prompt_token_ids"],
-                  r["completion_token_ids"], r["completion_logprobs"], r["sampling"])
+                  r["completion_token_ids"], r["completion_logprobs"], r["sampling"], r.get("unit"))
 
 
 def _parts(version: int, ts: float, latency_s: float | None, trainable: bool, prompt_ids: list, completion_ids: list,
-           logprobs: list, sampling: Any) -> tuple[dict[str, Any], bytes]:
+           logprobs: list, sampling: Any, unit: str | None = None) -> tuple[dict[str, Any], bytes]:
     meta: dict[str, Any] = {"v": version, "ts": ts, "n": len(completion_ids)}
     if latency_s is not None:
         meta["ms"] = round(latency_s * 1000.0)
     if not trainable:
         meta["x"] = 1
+    if unit is not None:
+        meta["u"] = unit
     body = to_json({"prompt_token_ids": prompt_ids, "completion_token_ids": completion_ids,
                     "behaviour_logprobs": logprobs, "sampling": sampling})
     return meta, body[1:-1]
@@ -347,8 +356,8 @@ class Ingest:
         if kind in (WAITING, JUDGED):  # a redelivery (or a reused id: never trained on twice)
             out.tally.inc("generation_duplicates")
             if kind == JUDGED:  # the replay of a join whose counters a crash may have lost: idempotent
-                _, _, meta, _ = unpack(entry)
-                out.tally.live.append((meta["f"], meta["v"], meta["k"] + _guardrails(meta)))
+                _, t, meta, _ = unpack(entry)
+                out.tally.live.append(_counted_again(meta, t))
             return
         parts = record_parts(rec)
         if kind == PENDING:
@@ -375,10 +384,10 @@ class Ingest:
             self._on_revert(fb, entry, kind, src, value, out, now)
             return
         if kind == JUDGED:
-            _, _, meta, _ = unpack(entry)
+            _, t, meta, _ = unpack(entry)
             if meta["f"] == fid:
                 out.tally.inc("duplicates")
-                out.tally.live.append((fid, meta["v"], meta["k"] + _guardrails(meta)))  # idempotent; heals a crash
+                out.tally.live.append(_counted_again(meta, t))  # idempotent; heals a crash
             else:
                 self._dead(out, "already_judged", f"generation {gid} was already judged by feedback {meta['f']}",
                                  src, value)
@@ -409,17 +418,20 @@ class Ingest:
         """A follow-up on an accepted generation: counted once per generation in its version's live counters
         (``revert``), so the gate sees how many accepted answers were kept, and, when the accept trained, trains the
         correction: the accepted sample again (sample id ``<generation>:revert``) with reward ``rewards.revert``. An
-        acceptance a user later undid is what a policy that games acceptance earns; the learner must see it too."""
+        acceptance a user later undid is what a policy that games acceptance earns; the learner must see it too. When
+        the accept was held out, that record goes to the held-out stream instead: the gate's off-policy check scores
+        the generation with the revert's reward (``deploy.offpolicy.merge_heldout``), not as the accept it was."""
         gid = fb.generation_id
         if kind != JUDGED:
             self._dead(out, "revert_unjudged", f"generation {gid} has no judgement to revert (a revert follows "
                              f"an accept; judgements are kept ingest.judged_ttl_s)", src, value)
             return
         _, t, meta, accepted = unpack(entry)  # accepted: the sample its accept trained, kept for this correction
-        counted = keys.revert_field(t)  # by when the reverted generation was judged
+        # counted by when, and for whom, the reverted generation was judged (an entry from before units: in '*' only)
+        counted = (fb.feedback_id, meta["v"], keys.revert_field(t), keys.unit_bucket(t), meta.get("u"))
         if meta.get("r") == fb.feedback_id:
             out.tally.inc("duplicates")
-            out.tally.live.append((fb.feedback_id, meta["v"], counted))  # idempotent; heals a crash before Redis
+            out.tally.live.append(counted)  # idempotent; heals a crash before Redis
         elif meta.get("r") is not None:
             self._dead(out, "already_reverted", f"generation {gid} was already reverted by {meta['r']}",
                              src, value)
@@ -429,15 +441,20 @@ class Ingest:
         else:
             out.writes[gid] = pack(JUDGED, t, {**meta, "r": fb.feedback_id})
             out.tally.inc("reverted")
-            out.tally.live.append((fb.feedback_id, meta["v"], counted))
+            out.tally.live.append(counted)
             if accepted and len(gid) + len(REVERT_SUFFIX) <= 128:  # (ids are at most 128 characters) the correction
                 s = TrainingSample.model_validate_json(accepted)
                 fix = s.model_copy(update={"sample_id": f"{gid}{REVERT_SUFFIX}", "feedback_id": fb.feedback_id,
                                            "kind": "revert", "reward": float(self.product.reward("revert", s.segment)),
                                            "ts_feedback": fb.ts})
-                out.futs.append(self._emit(self.topics.samples, gid, fix.model_dump_json().encode()))
-                out.samples += 1
-                out.tally.inc("revert_samples_out")
+                held = meta.get("h") == 1  # held out: the gate's stream gets the revert's reward, never the learner
+                out.futs.append(self._emit(self._topic_heldout if held else self.topics.samples, gid,
+                                           fix.model_dump_json().encode()))
+                if held:
+                    out.tally.inc("heldout_out")
+                else:
+                    out.samples += 1
+                    out.tally.inc("revert_samples_out")
 
     def _join(self, gid: str, rec: dict[str, Any], body: bytes, fb: FeedbackEvent, out: _Batch, now: float,
               src: Source) -> None:
@@ -446,6 +463,9 @@ class Ingest:
         meta = {"f": fb.feedback_id, "v": version, "k": fb.kind, "n": rec["n"]}
         if "ms" in rec:
             meta["ms"] = rec["ms"]
+        unit = rec.get("u")
+        if unit is not None:  # the user, so a later revert counts in their sums too
+            meta["u"] = unit
         guardrails = _guardrails(meta)
         sample = b""
         if "x" not in rec:
@@ -457,8 +477,11 @@ class Ingest:
         else:
             out.tally.inc("drop:not_trainable")
         heldout = is_heldout(gid, self.ic.heldout_share)
-        # an accepted sample is kept beside its judgement, so a later revert can train the correction
-        keep = sample if fb.kind == "accept" and not heldout else b""
+        if heldout:  # (marked: a later revert's record goes where the accept's went, whatever the share is then)
+            meta["h"] = 1
+        # an accepted sample is kept beside its judgement, so a later revert can train the correction (or, held
+        # out, send the gate the revert's reward for it)
+        keep = sample if fb.kind == "accept" else b""
         out.writes[gid] = pack(JUDGED, now, meta, keep)
         if sample:
             out.futs.append(self._emit(self._topic_heldout if heldout else self._topic_samples, gid, sample))
@@ -467,7 +490,7 @@ class Ingest:
             else:
                 out.samples += 1
         out.tally.joined_kinds[fb.kind] += 1  # ("joined" is their sum, counted once per batch)
-        out.tally.live.append((fb.feedback_id, version, fb.kind + guardrails))
+        out.tally.live.append((fb.feedback_id, version, fb.kind + guardrails, keys.unit_bucket(now), unit))
         out.tally.feedback_delays_s.append(now - fb.ts)
 
     def _misplaced(self, gid: str, src: Source, value: bytes | None, out: _Batch) -> bool:
@@ -563,7 +586,7 @@ class Ingest:
     async def count(self, out: _Batch) -> None:
         """Write an acknowledged batch's counters to Redis (the live counters once per feedback id) and Prometheus."""
         try:
-            await self.metrics.apply(out.tally, retry_s=self.ic.redis_retry_s)
+            await self.metrics.apply(out.tally, retry_s=self.ic.redis_retry_s, unit_ttl_s=self.ic.unit_ttl_s)
         except Exception as e:
             raise InfraError(f"Redis at {redact_url(self.metrics.redis_url)} failed: {type(e).__name__}: {e}") from e
 

@@ -6,7 +6,8 @@ Two audiences, two stores:
   ``liverl_ingest_`` prefix, ``_total`` suffix and no per-user labels (Prometheus naming practice).
 - Redis, for the demo and the CLI, which read one place for the whole fleet:
   ``<prefix>:ingest:counters`` (operational counts, at-least-once: a redelivered input is counted again)
-  and ``<prefix>:live:<policy_version>`` (accept/reject/edit/events), which is counted exactly once per
+  and ``<prefix>:live:<policy_version>`` (accept/reject/edit/events) with its per-user sums per 10 s of judgement
+  time ``<prefix>:units:{<policy_version>}:<bucket>`` (``keys.units``), which are counted exactly once per
   ``feedback_id`` by a Lua script that sets a guard key ``<prefix>:counted:<feedback_id>`` in the same
   atomic step as the increments. That is what makes the live acceptance rate trustworthy under redelivery.
 
@@ -35,41 +36,79 @@ log = logging.getLogger("liverl.ingest.metrics")
 # How long the per-feedback_id guard key lives. Redelivery happens within minutes (the uncommitted tail
 # of a partition); a week is far beyond any realistic replay, and it bounds Redis memory.
 COUNTED_TTL_S = 7 * 24 * 3600
+UNIT_TTL_S = 2 * 24 * 3600  # how long per-user sums live after their last write (ingest.unit_ttl_s's default)
 
-# KEYS[1] = the version's live hash, KEYS[1 + j] = guard key of event j; ARGV[1] = guard ttl, ARGV[1 + j] = kind of
-# event j (a revert's kind carries the bucket of its generation's judgement: revert@<bucket>, keys.revert_field; a
-# judgement's kind may end with the guardrail sums it adds: accept;tokens=5;tokens_sq=25;..., keys.judged_fields).
-# The increments of the events whose guard was new are summed in the script and written once per field: a batch
-# costs Redis one SET per event and a few HINCRBYs, not seven writes per event (Redis is the one process every
-# worker shares: its cost per event bounds the fleet). Lua numbers are doubles, exact below 2^53: a value of more
-# than 15 digits is written alone as it came, and a sum is written out before it reaches 2^52.
+# KEYS[1] = the version's live hash, KEYS[1 + i] (i = 1..m) = its per-user sums of bucket i (keys.units), KEYS[1 + m + j]
+# = guard key of event j; ARGV[1] = guard ttl, ARGV[2] = per-user sums' ttl, ARGV[3] = m, and for event j (E of them):
+# ARGV[3 + j] = its kind (a revert's kind carries the bucket of its generation's judgement: revert@<bucket>,
+# keys.revert_field; a judgement's kind may end with the guardrail sums it adds: accept;tokens=5;tokens_sq=25;...,
+# keys.judged_fields), ARGV[3 + E + j] = i, the per-user sums it goes to (0: none), ARGV[3 + 2E + j] = its unit ('':
+# none; it counts in the bucket's aggregate '*' either way).
+# The increments of the events whose guard was new are summed in the script and written once per key and field: a
+# batch costs Redis one SET per event, a few HINCRBYs for the live hash and an HMGET and an HSET per 2,000 per-user
+# fields, not a dozen writes per event (Redis is the one process every worker shares: its cost per event bounds the
+# fleet). Lua numbers are doubles, exact below 2^53: a
+# value of more than 15 digits is written alone as it came, and a sum is written out before it reaches 2^52.
 _LIVE_LUA = """
 local n = 0
-local live = KEYS[1]
-local sums, order = {}, {}
-local function add(field, value)
+local m = tonumber(ARGV[3])
+local events = #KEYS - 1 - m
+local accs = {}  -- per key: its sums and the order their fields came in
+for i = 1, m + 1 do
+  accs[i] = {KEYS[i], {}, {}}
+end
+local function add(acc, field, value)
+  local sums = acc[2]
   local sum = sums[field]
   if sum == nil then
+    local order = acc[3]
     order[#order + 1] = field
     sum = 0
   end
   sum = sum + value
   if sum >= 4503599627370496 then
-    redis.call('HINCRBY', live, field, string.format('%.0f', sum))
+    redis.call('HINCRBY', acc[1], field, string.format('%.0f', sum))
     sum = 0
   end
   sums[field] = sum
 end
-for j = 2, #KEYS do
-  if redis.call('SET', KEYS[j], '1', 'NX', 'EX', ARGV[1]) then
-    local kind = ARGV[j]
+local live = accs[1]
+-- the per-user fields (keys.UNIT_FIELDS) of a guardrail sum and of a kind (nil: none), and the aggregate's
+local unit_sum = {tokens = 't', latency_ms = 'm', timed = 'n'}
+local all_sum = {tokens = '*|t', tokens_sq = '*|t2', latency_ms = '*|m', latency_ms_sq = '*|m2', timed = '*|n'}
+local unit_kind = {accept = 'a', edit = 'd', revert = 'r'}
+local all_kind = {accept = '*|a', edit = '*|d', revert = '*|r'}
+for j = 1, events do
+  if redis.call('SET', KEYS[1 + m + j], '1', 'NX', 'EX', ARGV[1]) then
+    local kind = ARGV[3 + j]
+    local ui = tonumber(ARGV[3 + events + j])
+    local acc, up = nil, nil
+    if ui > 0 then
+      acc = accs[1 + ui]
+      local unit = ARGV[3 + 2 * events + j]
+      if unit ~= '' then
+        up = unit .. '|'
+      end
+    end
     local semi = string.find(kind, ';', 1, true)
     if semi then
       for field, value in string.gmatch(string.sub(kind, semi + 1), '([%w_]+)=(%d+)') do
-        if #value > 15 then
-          redis.call('HINCRBY', live, field, value)
+        local big = #value > 15
+        if big then
+          redis.call('HINCRBY', live[1], field, value)
         else
-          add(field, tonumber(value))
+          value = tonumber(value)
+          add(live, field, value)
+        end
+        if acc then
+          local f = all_sum[field]
+          if f then
+            if big then redis.call('HINCRBY', acc[1], f, value) else add(acc, f, value) end
+          end
+          f = unit_sum[field]
+          if f and up then
+            if big then redis.call('HINCRBY', acc[1], up .. f, value) else add(acc, up .. f, value) end
+          end
         end
       end
       kind = string.sub(kind, 1, semi - 1)
@@ -78,17 +117,55 @@ for j = 2, #KEYS do
     local base = kind
     if at then
       base = string.sub(kind, 1, at - 1)
-      add(kind, 1)
+      add(live, kind, 1)
     end
-    add(base, 1)
+    add(live, base, 1)
+    local f = unit_kind[base]
+    if acc and f then
+      add(acc, all_kind[base], 1)
+      if up then add(acc, up .. f, 1) end
+    end
     if base ~= 'revert' then  -- a follow-up on a judged generation, not another judged event
-      add('events', 1)
+      add(live, 'events', 1)
+      if acc then
+        add(acc, '*|e', 1)
+        if up then add(acc, up .. 'e', 1) end
+      end
     end
     n = n + 1
   end
 end
-for _, field in ipairs(order) do  -- a sum of 0 is written too: the field exists as it did with one write per event
-  redis.call('HINCRBY', live, field, string.format('%.0f', sums[field]))
+-- the live hash: one HINCRBY per field (a sum of 0 is written too: the field exists as it did with one write per event)
+for _, field in ipairs(live[3]) do
+  redis.call('HINCRBY', live[1], field, string.format('%.0f', live[2][field]))
+end
+-- the per-user sums: thousands of fields, read and written a chunk at a time (HMGET, HSET: two calls where HINCRBY
+-- would take one per field); a value read of more than 15 digits is added to by HINCRBY, the rest stay below 2^53
+for i = 2, #accs do
+  local key, sums, order = accs[i][1], accs[i][2], accs[i][3]
+  for c = 1, #order, 2000 do
+    local fields = {}
+    for k = c, math.min(c + 1999, #order) do
+      fields[#fields + 1] = order[k]
+    end
+    local had = redis.call('HMGET', key, unpack(fields))
+    local set = {}
+    for k, field in ipairs(fields) do
+      local old = had[k]
+      if old and #old > 15 then
+        redis.call('HINCRBY', key, field, string.format('%.0f', sums[field]))
+      else
+        set[#set + 1] = field
+        set[#set + 1] = string.format('%.0f', (old and tonumber(old) or 0) + sums[field])
+      end
+    end
+    if #set > 0 then
+      redis.call('HSET', key, unpack(set))
+    end
+  end
+  if #order > 0 then
+    redis.call('EXPIRE', key, ARGV[2])
+  end
 end
 return n
 """
@@ -99,10 +176,12 @@ class Tally:
     """Increments gathered while one batch is processed; applied once the batch's output is durable."""
 
     counts: _Counter = field(default_factory=_Counter)
-    # (feedback_id, policy_version, kind) of every join, and of every redelivered duplicate of one
-    # (re-applying the guarded increment heals a crash between the join and the Redis write); a join's kind carries
-    # its guardrail sums (keys.judged_fields).
-    live: list[tuple[str, int, str]] = field(default_factory=list)
+    # (feedback_id, policy_version, kind, bucket, unit) of every join and revert, and of every redelivered duplicate of
+    # one (re-applying the guarded increment heals a crash between the join and the Redis write); a join's kind carries
+    # its guardrail sums (keys.judged_fields); bucket: keys.unit_bucket of the judgement's time, for the per-user sums
+    # (keys.units; None: none), unit: the generation's (None: counted in the bucket's aggregate only). (A 3-tuple
+    # (feedback_id, policy_version, kind) counts in the live hash only.)
+    live: list[tuple] = field(default_factory=list)
     joined_kinds: _Counter = field(default_factory=_Counter)
     feedback_delays_s: list[float] = field(default_factory=list)
 
@@ -142,11 +221,38 @@ def observe_many(hist: Histogram, values: list[float]) -> None:
             buckets[i].inc(n)
 
 
-def _by_version(live: list[tuple[str, int, str]]) -> dict[int, list[tuple[str, str]]]:
-    out: dict[int, list[tuple[str, str]]] = {}
-    for feedback_id, version, kind in live:
-        out.setdefault(version, []).append((feedback_id, kind))
+def _by_version(live: list[tuple]) -> dict[int, list[tuple]]:
+    out: dict[int, list[tuple]] = {}
+    for e in live:
+        got = out.get(e[1])
+        if got is None:
+            got = out[e[1]] = []
+        got.append(e)
     return out
+
+
+def _script_call(prefix: str, version: int, entries: list[tuple], unit_ttl_s: float) -> tuple[list[str], list]:
+    """The keys and arguments of one call of ``_LIVE_LUA`` for ``version``'s entries (``Tally.live``)."""
+    slots: dict[int, int] = {}  # bucket -> its key's index among the per-user sums
+    guards: list[str] = []
+    kinds: list[str] = []
+    where: list[int] = []
+    units: list[str] = []
+    for e in entries:
+        guards.append(keys.counted(prefix, version, e[0]))
+        kinds.append(e[2])
+        bucket = e[3] if len(e) > 3 else None
+        if bucket is None:
+            where.append(0)
+            units.append("")
+            continue
+        i = slots.get(bucket)
+        if i is None:
+            i = slots[bucket] = len(slots) + 1
+        where.append(i)
+        units.append(e[4] or "")
+    lua_keys = [keys.live(prefix, version), *(keys.units(prefix, version, b) for b in slots), *guards]
+    return lua_keys, [COUNTED_TTL_S, max(1, math.ceil(unit_ttl_s)), len(slots), *kinds, *where, *units]
 
 
 class IngestMetrics:
@@ -247,8 +353,9 @@ class IngestMetrics:
             self._script = self._redis.register_script(_LIVE_LUA)
         return self._redis
 
-    async def apply(self, tally: Tally, retry_s: float = 20.0) -> None:
-        """Write one batch's increments to Redis (retrying connection errors for ``retry_s``), then to Prometheus.
+    async def apply(self, tally: Tally, retry_s: float = 20.0, unit_ttl_s: float = UNIT_TTL_S) -> None:
+        """Write one batch's increments to Redis (retrying connection errors for ``retry_s``), then to Prometheus; the
+        per-user sums' keys live ``unit_ttl_s`` after their last write (``ingest.unit_ttl_s``).
 
         Raises the last Redis error after that: the ingest worker then stops without committing the batch's offsets,
         and the replay is absorbed by the idempotent live counters.
@@ -270,12 +377,7 @@ class IngestMetrics:
                     pipe.hincrby(ckey, name, n)
             calls = []  # one script call per version: its keys share the version's hash tag (one Cluster slot)
             for version, entries in _by_version(tally.live).items():
-                lua_keys: list[str] = [keys.live(self.prefix, version)]
-                args: list[str | int] = [COUNTED_TTL_S]
-                for feedback_id, kind in entries:
-                    lua_keys.append(keys.counted(self.prefix, version, feedback_id))
-                    args.append(kind)
-                calls.append((lua_keys, args))
+                calls.append(_script_call(self.prefix, version, entries, unit_ttl_s))
             try:
                 if self._cluster:  # a cluster pipeline takes no scripts: each call goes to its slot's node
                     await pipe.execute()

@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from liverl.core import fleet
+
 DEFAULTS = {"pairs": 50_000, "partitions": 4, "workers": "1,2", "timeout": 600.0, "repeat": 1}
 
 
@@ -57,9 +59,14 @@ GENERATIONS_PER_S = 200  # the backlog's pace: the last GENERATIONS_PER_S x seco
 FEEDBACK_DELAY_S = (2.0, 30.0)  # a user judges a generation this long after it was served
 
 
+BENCH_USERS = 5000
+"""Distinct users the bench's generations come from (as in the demo's population)."""
+
+
 def _records(n: int, seed: int = 0) -> tuple[list[tuple[bytes, bytes, int]], list[tuple[bytes, bytes, int]]]:
     """``n`` (key, generation record, timestamp ms) and (key, feedback event, timestamp ms) pairs, valid under the wire
-    schemas. The timestamps are a product's: generations ``GENERATIONS_PER_S`` a second, each judged
+    schemas, timed and from ``BENCH_USERS`` users (the canary's per-user sums cost Redis work). The timestamps are a
+    product's: generations ``GENERATIONS_PER_S`` a second, each judged
     ``FEEDBACK_DELAY_S`` later, all in the past (a backlog a worker catches up on)."""
     from liverl.core.schemas import FeedbackEvent, GenerationRecord, SamplingParams
 
@@ -79,7 +86,7 @@ def _records(n: int, seed: int = 0) -> tuple[list[tuple[bytes, bytes, int]], lis
             prompt_token_ids=[rng.randrange(1, 500) for _ in range(n_prompt)],
             completion_token_ids=[rng.randrange(1, 500) for _ in range(n_comp)],
             completion_logprobs=[-rng.random() * 3 for _ in range(n_comp)], sampling=sampling, finish_reason="stop",
-            ts=t_gen)
+            latency_s=rng.uniform(0.05, 0.5), unit=fleet.unit_id(f"user-{rng.randrange(BENCH_USERS)}"), ts=t_gen)
         fb = FeedbackEvent(feedback_id=f"f-{run}-{i}", generation_id=gid, kind="accept" if i % 2 else "reject",
                            ts=t_fb)
         key = gid.encode()

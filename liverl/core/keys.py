@@ -6,28 +6,32 @@ state. Every process builds its keys here and parses what it reads with these mo
 is renamed in one place. Every key starts with the topic prefix (``cfg.topics.prefix``).
 
 Redis Cluster: keys one step writes together share a hash tag, so they live in one slot: ingest's script counts a
-judgement in ``live:{<v>}`` and sets its guard ``counted:{<v>}:<feedback>`` atomically, one call per version
-(``redis.url = "redis+cluster://host:port"``, ``liverl.core.services.redis_from_url``).
+judgement in ``live:{<v>}`` and ``units:{<v>}:<bucket>`` and sets its guard ``counted:{<v>}:<feedback>`` atomically,
+one call per version (``redis.url = "redis+cluster://host:port"``, ``liverl.core.services.redis_from_url``).
 
 | key                              | type   | written by      | record                                    |
 |----------------------------------|--------|-----------------|-------------------------------------------|
-| ``<p>:desired``                  | string | gate, admin     | ``VersionAnnouncement`` (schemas)         |
-| ``<p>:canary``                   | string | gate            | ``VersionAnnouncement`` of the canary     |
-| ``<p>:rollout``                  | string | gate, admin     | ``RolloutPlan`` (share, nodes, evidence)  |
+| ``<p>:desired``                  | string | gate, admin     | ``VersionAnnouncement`` (schemas), signed, |
+|                                  |        |                 | bound to channel, prefix and expiry       |
+| ``<p>:canary``                   | string | gate            | the canary's, with its rollout's terms    |
+|                                  |        |                 | (id, share, nodes, unit; ``liverl.core.fleet``) |
 | ``<p>:served:<node>``            | string | serving agent   | ``ServedHeartbeat`` (TTL: stale = gone)   |
 | ``<p>:swaps``                    | list   | serving agent   | ``SwapRecord`` (capped, newest last)      |
 | ``<p>:swap_errors``              | list   | serving agent   | ``SwapError`` (capped)                    |
 | ``<p>:live:{<version>}``         | hash   | ingest          | kind -> count, ``events`` (live acceptance),|
 |                                  |        |                 | guardrail sums (``judged_fields``)        |
+| ``<p>:units:{<v>}:<bucket>``     | hash   | ingest          | per-user sums of 10 s of judgements       |
+|                                  |        |                 | (``units``, ``UNIT_FIELDS``; TTL)         |
 | ``<p>:ingest:counters``          | hash   | ingest          | counter -> count (``dlq:<reason>`` etc.)  |
 | ``<p>:counted:{<v>}:<feedback>`` | string | ingest          | guard: counted once (TTL)                 |
 | ``<p>:learner``                  | hash   | learner         | field -> value (step, samples_trained...) |
 | ``<p>:learner:hold``             | string | operator, demo  | "1": the learner trains but emits no candidates |
+| ``<p>:audit:head``               | hash   | registry writers| ``seq``, ``mac``, ``tag``: the audit chain's  |
+|                                  |        |                 | head (``deploy.auditchain``; only forward)|
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 
@@ -116,6 +120,77 @@ def reverts_judged_since(counts: dict[str, int], since: float) -> int:
     return sum(n for k, n in counts.items() if k.startswith("revert@") and int(k[7:]) >= first)
 
 
+UNIT_BUCKET_S = 10
+"""Per-user sums are kept per this many seconds of judgement time (``units``)."""
+
+ALL_UNITS = "*"
+"""The unit of a bucket's aggregate fields: every judged event of the bucket, with a unit or without."""
+
+UNIT_FIELDS = ("e", "a", "d", "r", "t", "m", "n")
+"""Fields kept per unit ``u`` in a bucket, as ``<u>|<field>``: ``e`` judged events (accept, reject, edit), ``a``
+accepts, ``d`` edits, ``r`` reverts of the generations judged in the bucket (counted in the bucket of the judgement,
+whenever the revert came), ``t`` completion tokens, ``m`` latency in ms (sum), ``n`` timed events (the count ``m``
+sums over). Rejects are ``e - a - d``; a field that is 0 may be absent."""
+
+ALL_FIELDS = UNIT_FIELDS + ("t2", "m2")
+"""Fields of the aggregate unit ``ALL_UNITS``: ``UNIT_FIELDS`` and the squares ``t2`` (tokens) and ``m2`` (latency
+ms), for per-request tests and batch means."""
+
+
+def unit_bucket(judged_at: float) -> int:
+    """The bucket (``UNIT_BUCKET_S`` seconds of judgement time) a generation judged at ``judged_at`` is counted in."""
+    return int(judged_at // UNIT_BUCKET_S)
+
+
+def units(prefix: str, version: int, bucket: int) -> str:
+    """Per-user sums of ``version``'s generations judged in ``bucket`` (a hash ``<unit>|<field>`` -> int,
+    ``UNIT_FIELDS``, and ``*|<field>`` for every event of the bucket, ``ALL_FIELDS``). Written by ingest's live counters'
+    script, once per feedback id, with a TTL (``ingest.unit_ttl_s``). The version is the hash tag: the same Redis
+    Cluster slot as ``live`` and the guards."""
+    return f"{prefix}:units:{{{int(version)}}}:{int(bucket)}"
+
+
+def closed_unit_buckets(since: float, now: float, horizon_s: float) -> range:
+    """The buckets of generations judged at or after ``since`` whose revert horizon has closed by ``now``: every
+    generation in them was judged at least ``horizon_s`` before ``now``, so their reverts (``r``) are final. The
+    bucket ``since`` falls inside is left out (part of it was judged before)."""
+    first = math.ceil(since / UNIT_BUCKET_S)
+    end = math.floor((now - horizon_s) / UNIT_BUCKET_S)  # bucket b ends at (b + 1) * S <= now - horizon
+    return range(first, max(first, end))
+
+
+def read_unit_buckets(redis, prefix: str, version: int, buckets) -> dict[int, dict[str, dict[str, int]]]:
+    """Per-user sums of ``version`` in ``buckets``: ``{bucket: {unit: {field: n}}}`` (unit ``ALL_UNITS`` holds the
+    bucket's aggregate). One pipelined round trip for all buckets (the keys share a Cluster slot); a bucket with no key
+    (nothing judged, or expired) maps to ``{}``. ``redis`` is a sync client, with or without ``decode_responses``."""
+    buckets = [int(b) for b in buckets]
+    if not buckets:
+        return {}
+    pipe = redis.pipeline(transaction=False)
+    for b in buckets:
+        pipe.hgetall(units(prefix, version, b))
+    out: dict[int, dict[str, dict[str, int]]] = {}
+    for b, raw in zip(buckets, pipe.execute(), strict=True):
+        per: dict[str, dict[str, int]] = {}
+        for k, n in raw.items():
+            k = k.decode() if isinstance(k, bytes) else k
+            unit, _, name = k.rpartition("|")
+            per.setdefault(unit, {})[name] = int(n)
+        out[b] = per
+    return out
+
+
+def unit_totals(buckets: dict[int, dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """``read_unit_buckets``' answer summed over its buckets: ``{unit: {field: n}}``."""
+    out: dict[str, dict[str, int]] = {}
+    for per in buckets.values():
+        for unit, fields in per.items():
+            acc = out.setdefault(unit, {})
+            for name, n in fields.items():
+                acc[name] = acc.get(name, 0) + n
+    return out
+
+
 _SUM_FIELDS = frozenset(f for field, n_field in GUARDRAIL_SUMS.values() for f in (field, f"{field}_sq", n_field)) \
     - {"events"}
 
@@ -142,6 +217,8 @@ def canary(prefix: str) -> str:
 
 
 def rollout(prefix: str) -> str:
+    """Where a build before the registry's rollouts kept its unsigned rollout plan. Nothing writes or reads it now (the
+    rollout lives in the registry, its terms in the signed ``canary`` announcement); tests forge it to show that."""
     return f"{prefix}:rollout"
 
 
@@ -237,43 +314,3 @@ class SwapErrorRecord(_Record):
 
     def to_json(self) -> str:
         return self.model_dump_json(by_alias=True)
-
-
-class CanaryLook(_Record):
-    """One look of the canary's sequential test (the page plots them)."""
-
-    at: float
-    canary_events: int
-    stable_events: int
-    canary_acceptance: float
-    stable_acceptance: float
-    p_better: float
-    p_worse: float
-
-
-class RolloutPlan(_Record):
-    """A canary in progress: which version, on which nodes, with what share of users; and the evidence so far.
-
-    The router sends a user to the canary nodes when the user's bucket (``user_bucket``) is below ``share`` and the
-    state is ``running``; the agents of ``nodes`` serve the ``<p>:canary`` announcement instead of ``<p>:desired``.
-    Counts of the stable version are taken from ``stable_baseline`` on (its live counters when the canary began).
-    """
-
-    version: int
-    checksum: str
-    stable_version: int
-    share: float = Field(ge=0.0, le=1.0)
-    nodes: list[str]
-    state: str = "running"  # running | paused
-    started_at: float = Field(default_factory=time.time)
-    deadline_at: float
-    stable_baseline: dict[str, int] = Field(default_factory=dict)
-    max_log_lr: dict[str, float] = Field(default_factory=dict)  # per metric and side: the always-valid tests' state
-    looks: list[CanaryLook] = Field(default_factory=list)
-    verdict: str = "continue"
-    reason: str = "collecting evidence"
-
-
-def user_bucket(key: str) -> float:
-    """A user's fixed place in [0, 1): the router sends buckets below the rollout's share to the canary."""
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8, person=b"liverl-canary").digest(), "big") / 2**64

@@ -124,12 +124,42 @@ def test_ingest_counts_live_acceptance_exactly_once_on_a_cluster(cluster_url):
         assert 0 < r.ttl(keys.counted(prefix, 1, "fb-0")) <= COUNTED_TTL_S
         assert int(r.hget(keys.ingest_counters(prefix), "joined")) == 4
         # readers on the same cluster: the gate's canary (scan over every node) and the operators' tables
-        from deploy.canary import routable_nodes
         from liverl.admin import _live
+        from liverl.core.fleet import routable_nodes
 
         for node in ("node-a", "node-b", "node-c"):
             r.set(keys.served(prefix, node), keys.ServedHeartbeat(version=1, checksum="x", url=f"http://{node}").to_json())
-        assert routable_nodes(r, prefix) == ["node-a", "node-b", "node-c"]
+        allowed = {n: f"http://{n}" for n in ("node-a", "node-b", "node-c")}
+        assert routable_nodes(r, prefix, allowed) == ["node-a", "node-b", "node-c"]
         assert _live(r, prefix, [1, 2, 3])[2] == {"reject": 1, "events": 1}
+    finally:
+        r.close()
+
+
+def test_per_user_sums_are_counted_and_read_on_a_cluster(cluster_url):
+    """The canary's per-user sums (keys.units) share their version's slot: counted in the same script call as the live
+    counters, and read back for many buckets in one pipeline by a cluster client."""
+    prefix = f"c{time.time_ns()}"
+    metrics = IngestMetrics(prefix, cluster_url)
+    b = keys.unit_bucket(time.time())
+
+    async def run():
+        t = Tally()
+        t.live += [("fb-0", 1, "accept" + keys.judged_fields(4, 0.2), b, "u1"), ("fb-1", 2, "reject", b, "u1"),
+                   ("fb-2", 1, "edit", b - 1, None), ("fb-3", 1, f"revert@{b - 1}", b - 1, "u2")]
+        await metrics.apply(t)
+        await metrics.apply(t)  # redelivered: the guards make it a no-op
+        await metrics.close()
+
+    asyncio.run(run())
+    r = redis_from_url(cluster_url, decode_responses=True)
+    try:
+        assert keys.read_unit_buckets(r, prefix, 1, [b - 1, b, b + 1]) == {
+            b - 1: {"*": {"e": 1, "d": 1, "r": 1}, "u2": {"r": 1}},
+            b: {"u1": {"e": 1, "a": 1, "t": 4, "m": 200, "n": 1},
+                "*": {"e": 1, "a": 1, "t": 4, "t2": 16, "m": 200, "m2": 40000, "n": 1}},
+            b + 1: {}}
+        assert keys.read_unit_buckets(r, prefix, 2, [b]) == {b: {"u1": {"e": 1}, "*": {"e": 1}}}
+        assert r.ttl(keys.units(prefix, 1, b)) > 0
     finally:
         r.close()

@@ -229,6 +229,29 @@ def test_a_revert_of_an_accepted_generation_is_counted_once_and_trains_its_corre
     assert fix.completion_token_ids == orig.completion_token_ids and fix.behaviour_logprobs == orig.behaviour_logprobs
 
 
+def test_per_user_sums_count_each_feedback_once_and_a_revert_in_its_judgements_bucket(harness):
+    """The canary's per-user evidence (keys.units) through the worker and the broker: a judgement counts once for
+    its generation's user however often its feedback comes, and a later revert lands in the same user and bucket."""
+    v, gid, unit = _version(), new_gid(), "cafe0000000000a1"
+    harness.send_generation(make_generation(gid, v).model_copy(update={"unit": unit, "latency_s": 0.2}))
+    with from_config(harness.cfg) as sdk:
+        fid = sdk.accept(gid)
+        sdk.accept(gid, feedback_id=fid)  # redelivered
+        sdk.flush()
+        wait_until(lambda: harness.live(v).get("events") == 1, 15, what="the judgement")
+        rid = sdk.revert(gid)
+        sdk.revert(gid, feedback_id=rid)
+        sdk.flush()
+    wait_until(lambda: harness.live(v).get("revert") == 1, 15, what="the revert")
+    now = keys.unit_bucket(time.time())
+    got = keys.read_unit_buckets(harness.redis, harness.cfg.topics.prefix, v, range(now - 30, now + 2))
+    [bucket] = [b for b, per in got.items() if per]  # judgement and revert: one bucket
+    assert got[bucket] == {unit: {"e": 1, "a": 1, "r": 1, "t": 4, "m": 200, "n": 1},
+                           "*": {"e": 1, "a": 1, "r": 1, "t": 4, "t2": 16, "m": 200, "m2": 40000, "n": 1}}
+    assert f"revert@{bucket}" in harness.live(v)  # the live counters' revert bucket is the same judgement time
+    assert 0 < harness.redis.ttl(keys.units(harness.cfg.topics.prefix, v, bucket)) <= harness.cfg.ingest.unit_ttl_s
+
+
 def test_live_counters_count_each_feedback_id_once(harness):
     """The Lua guard: replaying a batch's increments (a crash before the offset commit) changes nothing."""
     import asyncio

@@ -1,0 +1,83 @@
+"""The gateway writes each request's user, pseudonymised, into its generation records (``GenerationRecord.unit``):
+the real gateway and the real broker, in front of a stand-in for the vLLM node (a few canned lines of its OpenAI
+API; the real node is test_openai.py's, a slow test). The unit is ``fleet.unit_id`` of ``fleet.user_key``: the
+``X-Liverl-User`` header, else the body's OpenAI ``user``, else ``X-Session-Id``; none without any."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import types
+import uuid
+
+import aiohttp
+from aiohttp import web
+
+from liverl.core import fleet
+from liverl.core.config import load_config
+from serving.gateway import Gateway
+from serving.node import NodeClient
+from tests.conftest import free_port
+from tests.serving.conftest import records
+
+COMPLETION = {"id": "c", "object": "text_completion", "model": "liverl", "choices": [
+    {"index": 0, "text": "42", "token_ids": [7, 8], "prompt_token_ids": [1, 2, 3],
+     "logprobs": {"token_logprobs": [-0.5, -0.25]}, "finish_reason": "stop"}]}
+
+
+async def _node(port: int) -> web.AppRunner:
+    async def models(_):
+        return web.json_response({"object": "list", "data": [{"id": "liverl", "max_model_len": 64}]})
+
+    async def completions(_):
+        return web.json_response(COMPLETION)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+def test_each_record_carries_its_requests_user_pseudonymised(stack, tmp_path):
+    cfg = load_config(env={}, state_dir=str(tmp_path), broker__bootstrap=stack.bootstrap, redis__url=stack.redis_url,
+                      topics__prefix=f"t{uuid.uuid4().hex[:10]}")
+    asks = [({"X-Liverl-User": "alice"}, {"user": "mallory"}, "alice"),  # the header first
+            ({}, {"user": "bob"}, "bob"),
+            ({"X-Session-Id": "s-1"}, {}, "s-1"),
+            ({}, {}, None)]
+
+    async def run() -> list[str]:
+        node_port, gw_port = free_port(), free_port()
+        node = await _node(node_port)
+        client = NodeClient(f"http://127.0.0.1:{node_port}")
+        await client.start()
+        gw = Gateway(cfg, client, "node-t", stack.bootstrap)
+        await gw.start()
+        gw.set_served(3, "c" * 64)
+        runner = web.AppRunner(gw.app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", gw_port).start()
+        ids = []
+        try:
+            async with aiohttp.ClientSession() as http:
+                for headers, extra, _ in asks:
+                    body = {"prompt": "[a]40+2=", "max_tokens": 4, **extra}
+                    async with http.post(f"http://127.0.0.1:{gw_port}/v1/completions", data=json.dumps(body),
+                                         headers={"Content-Type": "application/json", **headers}) as r:
+                        assert r.status == 200, await r.text()
+                        ids.append(r.headers["X-Liverl-Generation-Id"])
+        finally:
+            await runner.cleanup()
+            await gw.close()
+            await client.close()
+            await node.cleanup()
+        return ids
+
+    ids = asyncio.run(run())
+    got = records(types.SimpleNamespace(cfg=cfg, bootstrap=stack.bootstrap), set(ids))
+    assert [got[g].unit for g in ids] == [fleet.unit_id(who) for _, _, who in asks]
+    assert [got[g].unit for g in ids][:3] == [fleet.unit_id("alice"), fleet.unit_id("bob"), fleet.unit_id("s-1")]
+    assert len(got[ids[0]].unit) == 16 and got[ids[3]].unit is None and "alice" not in got[ids[0]].to_bytes().decode()
