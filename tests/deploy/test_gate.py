@@ -358,7 +358,7 @@ def test_gate_with_the_real_evaluator_and_the_demo_suite(cfg, rds):
         row = registry.add_candidate(perturb(base, 0.02, seed=1), parent=0)
         from deploy.gate import HeldoutSample
 
-        heldout = [HeldoutSample(p.prompt_ids, p.completion_ids, lp, float(i % 2))
+        heldout = [HeldoutSample(p.prompt_ids, p.completion_ids, lp, float(i % 2), f"g{i}", 0.0, "accept")
                    for i, (p, lp) in enumerate(zip(probes, ev.sequence_logprobs(base, probes)))]
         [v] = Gate(cfg, registry, rds, ev, heldout=lambda: heldout).step()
         assert v.version == row.version and set(v.checks) == set(ALL) | {"offpolicy"}
@@ -455,7 +455,7 @@ def test_a_candidate_estimated_worse_on_held_out_feedback_is_refused_before_expo
 
     registry = open_registry(cfg)
     registry.init_base(state(0.0, 0), "/nonexistent/model")
-    heldout = [HeldoutSample((1, 2, 3), (4, 5), -2.0, float(i % 2)) for i in range(400)]
+    heldout = [HeldoutSample((1, 2, 3), (4, 5), -2.0, float(i % 2), f"g{i}", 0.0, "accept") for i in range(400)]
     ev = OffPolicyEval()
     gate = Gate(cfg, registry, rds, ev, heldout=lambda: heldout)
     try:
@@ -479,14 +479,14 @@ def test_held_out_records_are_parsed_only_when_their_log_probs_are_comparable():
     from deploy.gate import parse_heldout
     from liverl.core.schemas import SamplingParams, TrainingSample
 
-    def sample(kind: str, **sampling) -> bytes:
+    def sample(kind: str, reward: float = 1.0, **sampling) -> bytes:
         return TrainingSample(sample_id="g1", generation_id="g1", feedback_id="f1", policy_version=0, kind=kind,
-                              reward=1.0, prompt_token_ids=[1, 2], completion_token_ids=[3, 4],
+                              reward=reward, prompt_token_ids=[1, 2], completion_token_ids=[3, 4],
                               behaviour_logprobs=[-0.5, -1.0], sampling=SamplingParams(max_tokens=4, **sampling),
                               ts_generation=1.8e9, ts_feedback=1.8e9).to_bytes()
 
     h = parse_heldout(sample("accept", temperature=1.0))
     assert h is not None and h.behaviour_logprob == -1.5 and h.reward == 1.0 and h.completion_ids == (3, 4)
-    assert parse_heldout(sample("edit", temperature=1.0)).reward == 0.0
+    assert parse_heldout(sample("edit", 0.25, temperature=1.0)).reward == 0.25  # the product's reward, as logged
     assert parse_heldout(sample("accept", temperature=0.7)) is None  # logged log-probs of a sharpened distribution
     assert parse_heldout(sample("accept", temperature=1.0, top_p=0.9)) is None
