@@ -1,119 +1,123 @@
 """The canary: a candidate that passed the gate's offline checks is shown to a share of users before it is promoted.
 
-How a rollout runs (the gate drives it; ``liverl abort | pause | resume | promote --full`` step in):
+How a rollout runs (the gate drives it; ``liverl abort | pause | resume | promote --full`` step in through the
+registry):
 
-1. **Start.** At least two serving nodes in rotation and ``gate.canary_share > 0``: the candidate becomes
-   ``canary`` in the registry, is announced on ``<p>:canary`` (signed as ``<p>:desired`` is), and a
-   ``RolloutPlan`` on ``<p>:rollout`` names the canary nodes (``gate.canary_nodes``, at least one node stays
-   stable) and the share. The canary nodes' agents swap to it; the router (``liverl route``) sends each user whose
-   fixed bucket is below the share to them, everyone else to the stable nodes. Otherwise the gate promotes at once.
-2. **Evidence, peeked at continuously.** Each gate step reads the live counters ingest keeps per version
-   (``<p>:live:<v>``: the canary's, and the stable version's since the canary began) and updates always-valid
-   sequential tests (mSPRT, ``deploy.sequential``): live acceptance that users kept (accepts less the reverts of
-   them that came in) is the success metric; the edit rate, the revert rate (accepted answers the user undid later:
-   feedback kind ``revert``), the mean response length and the mean latency (within ``gate.guardrail_tolerance`` and
-   ``gate.latency_tolerance`` of stable's) are guardrails; the suite's score is one too, checked before the canary (``deploy.gate``). The tests' state is kept in the plan, so a restarted gate goes on where it was.
-3. **Decision.** Promote when acceptance is shown better (``gate.canary_margin`` > 0: not worse by more than it)
-   and every guardrail non-inferior; abort as soon as any is shown worse, or at ``gate.canary_deadline_s``. A
-   promotion announces the canary as ``desired`` (the stable nodes swap to it); an abort rejects it and removes the
-   plan, and the canary nodes swap back to stable with the inverse of the delta they applied. Each decision is a
-   gate check (``canary``) in the registry with its evidence.
+1. **Start.** A configured fleet of two or more nodes (``serving.nodes``) and ``gate.canary_share > 0``: the gate
+   opens a rollout in the registry (``Registry.begin_rollout``: the candidate becomes ``canary`` in the same
+   transaction), picks its canary nodes among the routable ones (``fleet.canary_nodes``: they rotate from one rollout
+   to the next, and one node at least stays stable) and announces it on ``<p>:canary``, signed with the rollout's terms
+   (id, share, nodes, unit). The canary nodes' agents swap to it; the router sends a user to them when the user's
+   keyed bucket for this rollout (``fleet.bucket``) is below the share, so each rollout draws its arms afresh and no
+   caller can choose or predict one. With fewer than two routable nodes the decision is deferred, never made without
+   a canary.
+2. **Evidence, at the gate's look cadence.** Ingest keeps per-user sums per version and 10 s bucket of judgement time
+   (``keys.units``). A bucket is read once its revert horizon has closed (``gate.revert_horizon_s`` after its end, plus
+   ingest's settling margin), so a bait answer accepted now and reverted later is never counted as kept: every metric
+   is right-censored the same way on both arms. The always-valid tests (``deploy.sequential``) take the user as the
+   unit (``gate.canary_unit = "user"``: delta method for ratio metrics, CUPED with each user's kept acceptance under
+   stable before the rollout) or the judged event (``"request"``). Kept acceptance is the success metric; the edit
+   rate, the revert rate and the response length are guardrails with nulls fixed at the start (from stable's own
+   figures before the rollout); latency is tested on the batch means of the buckets (its events are autocorrelated
+   through node load). A sample-ratio mismatch of users or events stops the canary (reason ``srm``).
+3. **Decision.** Promote when kept acceptance is shown better (``gate.canary_margin`` > 0: not worse by more than it)
+   and every guardrail non-inferior; abort as soon as any is shown worse, on an SRM, or at ``gate.canary_deadline_s``.
+   The test state lives in the registry (compare-and-set by revision), so a restarted gate goes on where it was, and
+   a promotion is a compare-and-set on a *running* rollout: an operator's pause between the gate's read and its write
+   wins. A promotion announces the canary as ``desired``; an abort rejects it and withdraws the canary announcement
+   (the canary nodes return to stable). Each decision is a gate check (``canary``) in the registry with its evidence.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
+from dataclasses import dataclass, field
 
+import numpy as np
+
+from deploy import sequential as seq
 from deploy.registry import Registry, RegistryConflict, Version
-from deploy.sequential import ABORT, PROMOTE, Canary, MetricTest
-from deploy.signing import Signer, announce
-from liverl.core import keys
+from deploy.signing import Signer, announce, keep_announced
+from deploy.tables import Rollout
+from liverl.core import fleet, keys
 from liverl.core.config import LiverlConfig
-from liverl.core.schemas import VersionAnnouncement
+from liverl.core.schemas import RolloutTerms
 
 log = logging.getLogger("liverl.gate.canary")
 
-MAX_LOOKS = 500  # looks kept in the plan (the page's plot); the test's state does not need them
+MAX_LOOKS = 500  # looks kept with the rollout (the page's plot); the test's state does not need them
+MIN_USERS = 10
+"""Users each arm needs before a user-unit test decides anything."""
+LATENCY_MIN_BATCHES = 5
+"""Buckets both arms served before the latency guardrail decides (its variance has this many less one degrees of
+freedom, and the test reads its statistic as a Student t)."""
+SETTLE_S = 5.0
+"""A bucket is read this long after its revert horizon closed: ingest's own lag (a batch, the write buffer)."""
+FIELDS = "eadrtmn"
+"""Per-user sums ingest keeps (``keys.units``): events, accepts, edits, reverts, tokens, latency ms, timed events."""
 
 
-def read_plan(redis, prefix: str) -> keys.RolloutPlan | None:
-    raw = redis.get(keys.rollout(prefix))
-    if raw is None:
-        return None
-    try:
-        return keys.RolloutPlan.from_json(raw)
-    except ValueError:
-        log.error("unreadable %s; treating it as no rollout", keys.rollout(prefix))
-        return None
+class Deferred(Exception):
+    """No canary can run now (fewer routable nodes than the configured fleet needs): judge again later."""
 
 
-def routable_nodes(redis, prefix: str) -> list[str]:
-    """Serving nodes in rotation (live heartbeat, healthy, with a URL), by name."""
-    out = []
-    for k in redis.scan_iter(match=keys.served_pattern(prefix), count=500):
-        raw = redis.get(k)
-        if raw is None:
-            continue
-        try:
-            beat = keys.ServedHeartbeat.from_json(raw)
-        except ValueError:
-            continue
-        if beat.healthy and beat.url:
-            out.append(keys.node_of_served(prefix, k))
-    return sorted(out)
+@dataclass
+class ArmSums:
+    """One arm's evidence over the buckets read so far: per-user sums, and per-bucket totals (batch means)."""
+
+    users: dict[str, np.ndarray] = field(default_factory=dict)  # unit -> sums in FIELDS order
+    buckets: dict[int, dict[str, int]] = field(default_factory=dict)  # bucket -> the '*' totals
+
+    def add(self, bucket: int, data: dict[str, dict[str, int]]) -> None:
+        for unit, sums in data.items():
+            if unit == "*":
+                self.buckets[bucket] = dict(sums)
+                continue
+            row = np.array([sums.get(f, 0) for f in FIELDS], dtype=np.float64)
+            if unit in self.users:
+                self.users[unit] += row
+            else:
+                self.users[unit] = row
+
+    def total(self, f: str) -> int:
+        return sum(b.get(f, 0) for b in self.buckets.values())
+
+    def matrix(self) -> tuple[list[str], np.ndarray]:
+        names = sorted(self.users)
+        return names, (np.stack([self.users[u] for u in names]) if names else np.zeros((0, len(FIELDS))))
 
 
-def _counts(redis, prefix: str, version: int) -> dict[str, int]:
-    return {k: int(v) for k, v in redis.hgetall(keys.live(prefix, version)).items()}
+@dataclass
+class Evidence:
+    """What the gate has read of one rollout (rebuilt from Redis after a gate restart)."""
+
+    rollout_id: int
+    canary: ArmSums = field(default_factory=ArmSums)
+    stable: ArmSums = field(default_factory=ArmSums)
+    covariate: dict[str, tuple[float, float]] = field(default_factory=dict)  # unit -> (kept rate, events) under
+    # stable before the rollout (CUPED)
+    next_bucket: int = 0
 
 
-def _since(now: dict[str, int], base: dict[str, int]) -> dict[str, int]:
-    return {k: max(0, v - base.get(k, 0)) for k, v in now.items()}
+def _finite(d: dict) -> dict:
+    """A look for the registry's JSON: no NaN or infinities (PostgreSQL's JSON has none)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
 
 
-def build_tests(cfg: LiverlConfig, plan: keys.RolloutPlan, canary: dict[str, int], stable: dict[str, int],
-                settling: bool = False) -> Canary:
-    """The rollout's tests on the counts so far, their always-valid state restored from the plan. While ``settling``
-    (the first ``gate.canary_min_s``) latency and length are not judged worse: a node that has just swapped runs hot
-    for a few seconds (the delta's apply shares its CPU, its caches are cold)."""
-    g = cfg.gate
-    success = MetricTest("acceptance", alpha=g.canary_alpha, tau=g.canary_tau, direction=1, margin=g.canary_margin,
-                         min_events=g.canary_min_events)
-    edit = MetricTest("edit_rate", alpha=g.canary_alpha, tau=g.canary_tau, direction=-1, margin=g.guardrail_margin,
-                      min_events=g.canary_min_events)
-    revert = MetricTest("revert_rate", alpha=g.canary_alpha, tau=g.canary_tau, direction=-1,
-                        margin=g.guardrail_margin, min_events=g.canary_min_events)
-    guardrails = [edit, revert]
-    tolerance = {"response_length": g.guardrail_tolerance, "latency": g.latency_tolerance}
-    for name in keys.GUARDRAIL_SUMS:  # response length, latency: means, tolerated up to a share of stable's
-        arms = {arm: keys.moments(c, name) for arm, c in (("canary", canary), ("stable", stable))}
-        if not any(n for n, _, _ in arms.values()):
-            continue  # no arm has it (records from a gateway that did not time them): nothing to judge
-        n_s, total_s, _ = arms["stable"]
-        scale = max(total_s / n_s if n_s else 0.0, 1e-9)
-        band = tolerance[name] * scale
-        test = MetricTest(name, alpha=g.canary_alpha, tau=band or scale, direction=-1, margin=band, harm_margin=band,
-                          bernoulli=False, min_events=max(g.canary_min_events, 2))
-        for arm, (n, total, total_sq) in arms.items():
-            a = test.canary if arm == "canary" else test.stable
-            a.n, a.total, a.total_sq = n, total, total_sq
-        guardrails.append(test)
-    for test, kind in ((success, "kept"), (edit, "edit"), (revert, "revert")):
-        for arm, c in (("canary", canary), ("stable", stable)):
-            n = c.get("events", 0)
-            # success is acceptance users kept: an accept they reverted later counts as no success
-            hits = max(0, c.get("accept", 0) - c.get("revert", 0)) if kind == "kept" else c.get(kind, 0)
-            a = test.canary if arm == "canary" else test.stable
-            a.add(1.0, hits)
-            a.add(0.0, max(0, n - hits))
-    for test in (success, *guardrails):
-        test.max_log_lr_pass = plan.max_log_lr.get(f"{test.name}:pass", float("-inf"))
-        test.max_log_lr_harm = plan.max_log_lr.get(f"{test.name}:harm", float("-inf"))
-        test._look()  # one look at the totals; the running maxima carry every earlier look
-        if settling and test.name in keys.GUARDRAIL_SUMS:
-            test.max_log_lr_harm = float("-inf")
-    return Canary(success, guardrails)
+def first_bucket(started_at: float) -> int:
+    """The first whole bucket of a rollout (the one it starts inside holds answers judged before it)."""
+    return math.ceil(started_at / keys.UNIT_BUCKET_S)
+
+
+def last_final_bucket(now: float, horizon_s: float) -> int:
+    """The newest bucket whose every judgement is in and whose revert horizon has closed."""
+    return math.floor((now - horizon_s - SETTLE_S) / keys.UNIT_BUCKET_S) - 1
+
+
+def _col(m: np.ndarray, f: str) -> np.ndarray:
+    return m[:, FIELDS.index(f)] if m.size else np.zeros(0)
 
 
 class CanaryController:
@@ -123,107 +127,277 @@ class CanaryController:
         self.cfg, self.registry, self.redis, self.signer = cfg, registry, redis, signer
         self.prefix = cfg.topics.prefix
         self.record = record  # Gate._record(version, check, value, threshold, passed, detail)
+        self._evidence: Evidence | None = None
+        self.clock = time.time  # what "now" is for a rollout's buckets and deadline (tests move it)
 
-    def plan(self) -> keys.RolloutPlan | None:
-        return read_plan(self.redis, self.prefix)
+    # ------------------------------------------------------------------------------------------ start
 
-    def start(self, row: Version, stable: Version, reason: str) -> keys.RolloutPlan | None:
-        """Begin a rollout of ``row``; None when there is no canary to run (share 0 or fewer than 2 nodes)."""
+    def configured_fleet(self) -> int:
+        """How many serving nodes this deployment is configured to run (``serving.fleet``, else ``serving.nodes``)."""
+        return fleet.configured_nodes(self.cfg.serving)
+
+    def wanted(self) -> bool:
+        """Whether a candidate must go through a canary before it is promoted."""
+        return self.cfg.gate.canary_share > 0 and self.configured_fleet() >= 2
+
+    def start(self, row: Version, stable: Version, reason: str) -> Rollout:
+        """Open a rollout of ``row``. Raises ``Deferred`` when fewer than two nodes can take traffic now."""
         g = self.cfg.gate
-        nodes = routable_nodes(self.redis, self.prefix)
-        if g.canary_share <= 0 or len(nodes) < 2:
-            return None
-        canary_nodes = nodes[-min(g.canary_nodes, len(nodes) - 1):]
-        self.registry.set_status(row.version, "canary", actor="gate", expect="candidate",
-                                 reason=f"{reason}; canary on {', '.join(canary_nodes)} at {g.canary_share:.0%}")
-        ann = VersionAnnouncement(version=row.version, checksum=row.checksum, reason=f"canary of v{row.version}")
-        if self.signer is not None:
-            ann = self.signer.sign(ann)
-        self.redis.set(keys.canary(self.prefix), ann.to_bytes())
-        now = time.time()
-        plan = keys.RolloutPlan(version=row.version, checksum=row.checksum, stable_version=stable.version,
-                                share=g.canary_share, nodes=canary_nodes, started_at=now,
-                                deadline_at=now + g.canary_deadline_s,
-                                stable_baseline=_counts(self.redis, self.prefix, stable.version))
-        self.redis.set(keys.rollout(self.prefix), plan.to_json())
-        log.info("gate: canary v%d started on %s with %.0f%% of users (stable v%d)", row.version,
-                 ", ".join(canary_nodes), 100 * g.canary_share, stable.version)
-        return plan
+        nodes = fleet.routable_nodes(self.redis, self.prefix, self.cfg.serving.fleet)
+        if len(nodes) < 2:
+            raise Deferred(f"a canary needs 2 routable nodes of the {self.configured_fleet()} configured, "
+                           f"{len(nodes)} in rotation ({', '.join(nodes) or 'none'}); judged again when they are")
+        canary_nodes = fleet.canary_nodes(nodes, row.version, g.canary_nodes)
+        now = self.clock()
+        settings = self._fixed_nulls(stable, now)
+        rollout = self.registry.begin_rollout(
+            row.version, stable_version=stable.version, share=g.canary_share, nodes=canary_nodes,
+            unit=g.canary_unit, deadline_at=now + g.canary_deadline_s, settings=settings, actor="gate",
+            reason=f"{reason}; canary on {', '.join(canary_nodes)} at {g.canary_share:.0%} of users, unit {g.canary_unit}")
+        self._announce(rollout)
+        self._evidence = None
+        log.info("gate: canary v%d started (rollout %d) on %s with %.0f%% of %ss (stable v%d)", row.version,
+                 rollout.id, ", ".join(canary_nodes), 100 * g.canary_share, g.canary_unit, stable.version)
+        return rollout
+
+    @staticmethod
+    def terms(rollout: Rollout) -> RolloutTerms:
+        return RolloutTerms(rollout_id=rollout.id, share=rollout.share, nodes=list(rollout.nodes), unit=rollout.unit)
+
+    def _announce(self, rollout: Rollout) -> None:
+        announce(self.redis, self.prefix, rollout.version, rollout.checksum, f"canary of v{rollout.version}",
+                 self.signer, channel="canary", rollout=self.terms(rollout), ttl_s=self.cfg.security.announce_ttl_s)
+
+    def refresh(self, rollout: Rollout) -> None:
+        """Keep the canary's announcement present, signed, naming the rollout's terms and fresh (it expires, so a
+        replayed copy cannot outlive it): after a lost Redis key, a gate restart, or half its lifetime."""
+        keep_announced(self.redis, self.prefix, "canary", rollout.version, rollout.checksum,
+                       f"canary of v{rollout.version}", self.signer, rollout=self.terms(rollout),
+                       ttl_s=self.cfg.security.announce_ttl_s)
+
+    def _fixed_nulls(self, stable: Version, now: float) -> dict:
+        """The continuous guardrails' bands, fixed for the whole rollout from stable's own figures before it: mean
+        response length and latency over the CUPED look-back (or stable's whole life), times the tolerance."""
+        g = self.cfg.gate
+        lo = first_bucket(now - max(g.cuped_lookback_s, keys.UNIT_BUCKET_S))
+        hi = math.floor(now / keys.UNIT_BUCKET_S) - 1
+        tokens = events = ms = timed = 0
+        for data in keys.read_unit_buckets(self.redis, self.prefix, stable.version, range(lo, hi + 1)).values():
+            agg = data.get("*", {})
+            tokens += agg.get("t", 0)
+            events += agg.get("e", 0)
+            ms += agg.get("m", 0)
+            timed += agg.get("n", 0)
+        length = tokens / events if events else None
+        latency = ms / timed if timed else None
+        return {"length_band": None if length is None else g.guardrail_tolerance * max(length, 1e-9),
+                "latency_band": None if latency is None else g.latency_tolerance * max(latency, 1e-9),
+                "stable_length": length, "stable_latency_ms": latency, "fixed_at": now}
 
     def clear(self) -> None:
-        self.redis.delete(keys.rollout(self.prefix))  # the router first: no new users to the canary
-        self.redis.delete(keys.canary(self.prefix))  # then the canary nodes return to desired
+        self.redis.delete(keys.canary(self.prefix))  # the canary nodes return to desired
+        self._evidence = None
 
-    def watch(self, plan: keys.RolloutPlan, stable: Version) -> tuple[str, str]:
+    # ------------------------------------------------------------------------------------------ evidence
+
+    def _read(self, rollout: Rollout, now: float) -> Evidence:
+        ev = self._evidence
+        if ev is None or ev.rollout_id != rollout.id:
+            ev = Evidence(rollout.id, next_bucket=first_bucket(rollout.started_at))
+            if self.cfg.gate.cuped and rollout.unit == "user":
+                ev.covariate = self._covariate(rollout)
+            self._evidence = ev
+        last = min(last_final_bucket(now, self.cfg.gate.revert_horizon_s),
+                   math.floor(rollout.deadline_at / keys.UNIT_BUCKET_S))
+        if last >= ev.next_bucket:
+            wanted = range(ev.next_bucket, last + 1)
+            for arm, version in ((ev.canary, rollout.version), (ev.stable, rollout.stable_version)):
+                for b, data in keys.read_unit_buckets(self.redis, self.prefix, version, wanted).items():
+                    arm.add(b, data)
+            ev.next_bucket = last + 1
+        return ev
+
+    def _covariate(self, rollout: Rollout) -> dict[str, tuple[float, float]]:
+        """Each user's kept acceptance under the stable version in the look-back before the rollout (CUPED)."""
+        lo = first_bucket(rollout.started_at - self.cfg.gate.cuped_lookback_s)
+        hi = first_bucket(rollout.started_at) - 1
+        pre = ArmSums()
+        for b, data in keys.read_unit_buckets(self.redis, self.prefix, rollout.stable_version,
+                                              range(lo, hi + 1)).items():
+            pre.add(b, data)
+        return {u: ((s[1] - s[3]) / s[0], float(s[0])) for u, s in pre.users.items() if s[0] > 0}
+
+    def build_tests(self, rollout: Rollout, ev: Evidence, settling: bool) -> tuple[seq.Canary, seq.SrmTest, dict]:
+        """The rollout's tests at this look, their always-valid state restored from the registry and updated with the
+        evidence read so far; with the sample-ratio check and what each look estimated."""
+        g = self.cfg.gate
+        st = rollout.settings or {}
+        state = rollout.test_state or {}
+        common = {"alpha": g.canary_alpha, "min_events": g.canary_min_events, "min_units": MIN_USERS}
+        success = seq.MetricTest("acceptance", tau=g.canary_tau, direction=1, margin=g.canary_margin, **common)
+        edit = seq.MetricTest("edit_rate", tau=g.canary_tau, direction=-1, margin=g.guardrail_margin, **common)
+        revert = seq.MetricTest("revert_rate", tau=g.canary_tau, direction=-1, margin=g.guardrail_margin, **common)
+        guardrails = [edit, revert]
+        length = latency = None
+        if st.get("length_band"):  # bands fixed at the start from stable's own figures (``_fixed_nulls``)
+            band = st["length_band"]
+            length = seq.MetricTest("response_length", tau=band, direction=-1, margin=band, harm_margin=band,
+                                    bernoulli=False, **common)
+            guardrails.append(length)
+        if st.get("latency_band"):
+            band = st["latency_band"]
+            latency = seq.MetricTest("latency", tau=band, direction=-1, margin=band, harm_margin=band, bernoulli=False,
+                                     alpha=g.canary_alpha)
+            guardrails.append(latency)
+        for t in (success, *guardrails):
+            t.max_log_lr_pass = state.get(f"{t.name}:pass", float("-inf"))
+            t.max_log_lr_harm = state.get(f"{t.name}:harm", float("-inf"))
+        srm = seq.SrmTest(rollout.share, alpha=g.srm_alpha, max_log_bf_users=state.get("srm:users", float("-inf")),
+                          max_log_bf_events=state.get("srm:events", float("-inf")))
+        info: dict = {"events": (ev.canary.total("e"), ev.stable.total("e"))}
+        if rollout.unit == "user":
+            names_c, m_c = ev.canary.matrix()
+            names_s, m_s = ev.stable.matrix()
+            e_c, e_s = _col(m_c, "e"), _col(m_s, "e")
+
+            def arms(f: str) -> tuple[seq.UnitSums, seq.UnitSums]:
+                return seq.UnitSums(_col(m_c, f), e_c), seq.UnitSums(_col(m_s, f), e_s)
+
+            kept_c, kept_s = _col(m_c, "a") - _col(m_c, "r"), _col(m_s, "a") - _col(m_s, "r")
+            cuped = g.cuped and bool(ev.covariate)
+            if cuped:  # each user's kept rate under stable before the rollout, weighed by the events behind it
+                cov = {arm: (np.array([ev.covariate.get(u, (np.nan, 0.0))[0] for u in names]),
+                             np.array([ev.covariate.get(u, (np.nan, 0.0))[1] for u in names]))
+                       for arm, names in (("canary", names_c), ("stable", names_s))}
+                kept = (seq.UnitSums(kept_c, e_c, *cov["canary"]), seq.UnitSums(kept_s, e_s, *cov["stable"]))
+            else:
+                kept = (seq.UnitSums(kept_c, e_c), seq.UnitSums(kept_s, e_s))
+            info["acceptance"] = seq.look_units(success, *kept, cuped=cuped)
+            info["edit_rate"] = seq.look_units(edit, *arms("d"))
+            info["revert_rate"] = seq.look_units(revert, *arms("r"))
+            if length is not None:
+                info["response_length"] = seq.look_units(length, *arms("t"))
+            info["users"] = (len(names_c), len(names_s))
+            info["srm"] = srm.look_units(*kept)
+        else:
+            for test, f in ((success, None), (edit, "d"), (revert, "r")):
+                for arm, sums in ((test.canary, ev.canary), (test.stable, ev.stable)):
+                    n = sums.total("e")
+                    hits = min(n, max(0, sums.total("a") - sums.total("r") if f is None else sums.total(f)))
+                    arm.add(1.0, hits)
+                    arm.add(0.0, n - hits)
+                test._look()
+            if length is not None:
+                for arm, sums in ((length.canary, ev.canary), (length.stable, ev.stable)):
+                    arm.n, arm.total, arm.total_sq = sums.total("e"), float(sums.total("t")), float(sums.total("t2"))
+                length._look()
+            info["srm"] = srm.look_requests(*info["events"])
+        if latency is not None:  # batch means: the buckets pair by time, so load both arms share cancels
+            both = sorted(set(ev.canary.buckets) & set(ev.stable.buckets))
+            means = [(ev.canary.buckets[b]["m"] / ev.canary.buckets[b]["n"],
+                      ev.stable.buckets[b]["m"] / ev.stable.buckets[b]["n"])
+                     for b in both if ev.canary.buckets[b].get("n") and ev.stable.buckets[b].get("n")]
+            info["latency"] = seq.look_batches(latency, [c for c, _ in means], [s for _, s in means],
+                                               min_batches=LATENCY_MIN_BATCHES)
+        if settling:  # a node that has just swapped runs hot for a few seconds: latency and length not judged worse
+            for t in guardrails:
+                if t.name in ("latency", "response_length"):
+                    t.max_log_lr_harm = float("-inf")
+        return seq.Canary(success, guardrails), srm, info
+
+    # ------------------------------------------------------------------------------------------ looks
+
+    def watch(self, rollout: Rollout, stable: Version) -> tuple[str, str]:
         """One look: update the evidence, decide. Returns (promoted | aborted | continue | ended, why)."""
-        row = self.registry.get(plan.version)
+        row = self.registry.get(rollout.version)
         if row.status != "canary":  # an operator promoted or rejected it meanwhile: their word stands
+            self.registry.end_rollout(rollout.id, actor="gate", reason=f"v{rollout.version} is {row.status} now")
             self.clear()
-            return "ended", f"v{plan.version} is {row.status} now"
-        if stable.version != plan.stable_version:
-            return self.abort(plan, f"the stable version changed to v{stable.version} during the canary")
-        c = _counts(self.redis, self.prefix, plan.version)
-        s_all = _counts(self.redis, self.prefix, stable.version)
-        s = _since(s_all, plan.stable_baseline)
-        # reverts come late: on both arms, count those of answers judged during the canary (the stable arm's reverts
-        # that arrived meanwhile include reverts of answers judged before it), from the same first whole bucket (the
-        # stable arm cannot tell the part of the canary's first bucket before it began; counting the canary's there
-        # would make its revert rate look worse than stable's early on)
-        s["revert"] = keys.reverts_judged_since(s_all, plan.started_at)
-        c["revert"] = keys.reverts_judged_since(c, plan.started_at)
-        now = time.time()
-        settling = now - plan.started_at < self.cfg.gate.canary_min_s
-        tests = build_tests(self.cfg, plan, c, s, settling)
-        verdict, why = tests.verdict(deadline_passed=now >= plan.deadline_at)
-        if plan.state == "paused" and verdict != ABORT:
+            return "ended", f"v{rollout.version} is {row.status} now"
+        if stable.version != rollout.stable_version:
+            return self.abort(rollout, f"the stable version changed to v{stable.version} during the canary")
+        self.refresh(rollout)
+        now = self.clock()
+        ev = self._read(rollout, now)
+        settling = now - rollout.started_at < self.cfg.gate.canary_min_s
+        tests, srm, info = self.build_tests(rollout, ev, settling)
+        verdict, why = tests.verdict(deadline_passed=now >= rollout.deadline_at)
+        if srm.verdict() == seq.MISMATCH:  # the arms are not what the assignment drew: nothing of them can be trusted
+            verdict, why = seq.ABORT, (f"srm: the arms' users or events do not match the share {rollout.share:g} "
+                                       f"(p users {srm.p_users:.3g}, p events {srm.p_events:.3g} <= "
+                                       f"gate.srm_alpha/2): the assignment, routing or logging is broken")
+        elif rollout.state == "paused" and verdict != seq.ABORT:
             verdict, why = "continue", "paused by an operator"
-        elif settling and verdict != ABORT:  # late feedback (reverts) of the canary's answers is still on its way
+        elif settling and verdict != seq.ABORT:
             verdict, why = "continue", (f"settling: no promotion in the first gate.canary_min_s "
-                                        f"{self.cfg.gate.canary_min_s:.0f} s ({now - plan.started_at:.0f} s so far)")
+                                        f"{self.cfg.gate.canary_min_s:.0f} s ({now - rollout.started_at:.0f} s so far)")
         summary = tests.success.summary()
-        look = keys.CanaryLook(at=now, canary_events=c.get("events", 0), stable_events=s.get("events", 0),
-                               canary_acceptance=summary["canary_mean"], stable_acceptance=summary["stable_mean"],
-                               p_better=tests.success.p_pass, p_worse=tests.success.p_harm)
+        c_events, s_events = info["events"]
+        users = info.get("users", (None, None))
+        look = _finite({"at": now, "canary_events": c_events, "stable_events": s_events,
+                        "canary_acceptance": summary["canary_mean"], "stable_acceptance": summary["stable_mean"],
+                        "p_better": tests.success.p_pass, "p_worse": tests.success.p_harm,
+                        "canary_users": users[0], "stable_users": users[1],
+                        "cuped_removed": info.get("acceptance", {}).get("cuped_removed"),
+                        "p_srm": min(srm.p_users, srm.p_events), "through_bucket": ev.next_bucket - 1})
         state = {f"{t.name}:{side}": v for t in (tests.success, *tests.guardrails)
                  for side, v in (("pass", t.max_log_lr_pass), ("harm", t.max_log_lr_harm))
                  if v > float("-inf") and not (settling and side == "pass")}  # passing evidence counts after settling
-        plan = plan.model_copy(update={"max_log_lr": state, "looks": [*plan.looks, look][-MAX_LOOKS:],
-                                       "verdict": verdict, "reason": why})
-        evidence = (f"canary v{plan.version} acceptance {summary['canary_mean']:.3f} on {look.canary_events} vs stable "
-                    f"v{stable.version} {summary['stable_mean']:.3f} on {look.stable_events} (p better "
-                    f"{tests.success.p_pass:.3g}, p worse {tests.success.p_harm:.3g}); edit rate "
-                    f"{tests.guardrails[0].canary.mean:.3f} vs {tests.guardrails[0].stable.mean:.3f}; revert rate "
-                    f"{tests.guardrails[1].canary.mean:.3f} vs {tests.guardrails[1].stable.mean:.3f}"
-                    + "".join(f"; {t.name} {t.canary.mean:.4g} vs {t.stable.mean:.4g}" for t in tests.guardrails[2:]))
-        if verdict == PROMOTE:
-            return self.promote(plan, stable, f"{why}: {evidence}")
-        if verdict == ABORT:
-            return self.abort(plan, f"{why}: {evidence}")
-        self.redis.set(keys.rollout(self.prefix), plan.to_json())
+        state |= {k: v for k, v in (("srm:users", srm.max_log_bf_users), ("srm:events", srm.max_log_bf_events))
+                  if v > float("-inf")}
+        state = {k: min(v, 1e300) for k, v in state.items()}  # finite JSON
+        evidence = self._evidence_text(rollout, stable, tests, info)
+        try:
+            rollout = self.registry.save_rollout_evidence(
+                rollout.id, expect_revision=rollout.revision, test_state=state,
+                looks=[*(rollout.looks or []), look][-MAX_LOOKS:], verdict=verdict, reason=why)
+        except RegistryConflict as e:  # an operator changed the rollout since it was read: look again next step
+            return "continue", f"rollout changed while judged ({e}); looking again"
+        if verdict == seq.PROMOTE:
+            return self.promote(rollout, stable, f"{why}: {evidence}")
+        if verdict == seq.ABORT:
+            return self.abort(rollout, f"{why}: {evidence}")
         return "continue", f"{why}: {evidence}"
 
-    def promote(self, plan: keys.RolloutPlan, stable: Version, why: str, actor: str = "gate") -> tuple[str, str]:
-        self.record(plan.version, "canary", plan.looks[-1].canary_acceptance if plan.looks else None,
-                    plan.looks[-1].stable_acceptance if plan.looks else None, True, why)
+    def _evidence_text(self, rollout: Rollout, stable: Version, tests: seq.Canary, info: dict) -> str:
+        s = tests.success.summary()
+        c_events, s_events = info["events"]
+        users = info.get("users")
+        text = (f"canary v{rollout.version} kept acceptance {s['canary_mean']:.3f} on {c_events} events"
+                + (f" of {users[0]} users" if users else "")
+                + f" vs stable v{stable.version} {s['stable_mean']:.3f} on {s_events}"
+                + (f" of {users[1]} users" if users else "")
+                + f" (unit {rollout.unit}; p better {tests.success.p_pass:.3g}, p worse {tests.success.p_harm:.3g}")
+        removed = info.get("acceptance", {}).get("cuped_removed")
+        if removed:
+            text += f"; CUPED removed {100 * removed:.0f}% of the variance"
+        text += ")"
+        text += "".join(f"; {t.name} {t.canary.mean:.4g} vs {t.stable.mean:.4g}" for t in tests.guardrails)
+        return text
+
+    def promote(self, rollout: Rollout, stable: Version, why: str, actor: str = "gate") -> tuple[str, str]:
+        last = (rollout.looks or [{}])[-1]
         try:
-            self.registry.promote(plan.version, actor=actor, reason=f"canary passed: {why}",
-                                  expected_stable=stable.version, from_candidate=True)
-        except RegistryConflict as e:
-            self.clear()
-            return "ended", str(e)
-        announce(self.redis, self.prefix, plan.version, plan.checksum, f"canary passed: {why}"[:1024], self.signer)
+            self.registry.finish_rollout_promote(rollout.id, expected_stable=stable.version, actor=actor,
+                                                 reason=f"canary passed: {why}")
+        except RegistryConflict as e:  # paused, aborted or promoted by an operator since it was read: theirs stands
+            return "continue", f"not promoted: {e}"
+        self.record(rollout.version, "canary", last.get("canary_acceptance"), last.get("stable_acceptance"), True, why)
+        announce(self.redis, self.prefix, rollout.version, rollout.checksum, f"canary passed: {why}"[:1024],
+                 self.signer, ttl_s=self.cfg.security.announce_ttl_s)
         self.clear()
-        log.info("gate: canary v%d promoted: %s", plan.version, why)
+        log.info("gate: canary v%d promoted: %s", rollout.version, why)
         return "promoted", why
 
-    def abort(self, plan: keys.RolloutPlan, why: str, actor: str = "gate") -> tuple[str, str]:
-        self.clear()
-        self.record(plan.version, "canary", plan.looks[-1].canary_acceptance if plan.looks else None,
-                    plan.looks[-1].stable_acceptance if plan.looks else None, False, why)
+    def abort(self, rollout: Rollout, why: str, actor: str = "gate") -> tuple[str, str]:
+        last = (rollout.looks or [{}])[-1]
         try:
-            self.registry.set_status(plan.version, "rejected", actor=actor, reason=f"canary aborted: {why}",
-                                     expect="canary")
+            self.registry.finish_rollout_abort(rollout.id, actor=actor, reason=f"canary aborted: {why}")
         except RegistryConflict as e:
-            log.info("gate: canary v%d not rejected: %s", plan.version, e)
-        log.warning("gate: canary v%d aborted: %s", plan.version, why)
+            log.info("gate: canary v%d not aborted: %s", rollout.version, e)
+            return "continue", f"not aborted: {e}"
+        self.clear()
+        self.record(rollout.version, "canary", last.get("canary_acceptance"), last.get("stable_acceptance"), False,
+                    why)
+        log.warning("gate: canary v%d aborted: %s", rollout.version, why)
         return "aborted", why

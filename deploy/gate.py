@@ -12,11 +12,13 @@ small MoE, measured here, reached 82% accuracy and then collapsed to 0%); Cursor
   (d) suite       only when the product has an evaluation suite: refused when its mean grade is below the stable
                   version's by more than ``cfg.gate.max_regression`` and the paired sign test on the cases that
                   changed grade (McNemar's for pass/fail) shows the drop at ``cfg.gate.suite_alpha``;
-  (e) off-policy  the candidate's acceptance estimated on held-out logged feedback (``<prefix>.heldout``, which
-                  the learner never trains on): clipped, self-normalised importance sampling of the logged
-                  completions (``deploy.offpolicy``), against stable's estimate on the same samples. Refused when
-                  its upper bound is below stable's by more than ``cfg.gate.offpolicy_margin``; recorded without
-                  deciding when its effective sample size is under ``cfg.gate.offpolicy_min_ess``.
+  (e) off-policy  the candidate's reward (the product's, reverts included) estimated on held-out logged feedback
+                  (``<prefix>.heldout``, which the learner never trains on; only judgements older than
+                  ``cfg.gate.revert_horizon_s``): clipped, self-normalised importance sampling of the logged
+                  completions (``deploy.offpolicy``), paired with stable's estimate on the same samples. Refused
+                  when the paired test shows it worse than stable's by more than ``cfg.gate.offpolicy_margin``
+                  (one-sided ``deploy.offpolicy.ALPHA``); deferred to the canary (``needs_canary``) when an
+                  effective sample size is under ``cfg.gate.offpolicy_min_ess``.
 
 With ``cfg.gate.integrity_only`` only (a) runs and a pass is promoted at once, with no canary: a comparison mode
 that shows what the evidence checks are worth (``liverl demo --integrity-only``), never a production setting.
@@ -47,14 +49,14 @@ import prometheus_client as prom
 import redis as redis_lib
 
 from deploy.blobstore import BlobError
-from deploy.canary import CanaryController
+from deploy.canary import CanaryController, Deferred
 from deploy.delta import DeltaError, apply_delta, checksum
-from deploy.signing import Signer, announce
+from deploy.signing import Signer, announce, keep_announced
 from deploy.registry import Registry, RegistryConflict, RegistryError, Version, open_registry
 from liverl.core import keys
 from liverl.core.bus import kafka_python_security
 from liverl.core.config import BrokerConfig, LiverlConfig
-from liverl.core.schemas import GenerationRecord, TrainingSample, VersionAnnouncement, WireError
+from liverl.core.schemas import GenerationRecord, TrainingSample, WireError
 
 log = logging.getLogger("liverl.gate")
 
@@ -154,18 +156,13 @@ class Gate:
 
     def reconcile(self, stable: Version) -> None:
         """The fleet follows ``<prefix>:desired``; make it name the registry's stable version (after a crash between
-        a promotion and its announcement, or a lost Redis key). The registry is the truth."""
-        raw = self.redis.get(keys.desired(self.prefix))
-        try:
-            ann = VersionAnnouncement.from_bytes(raw) if raw is not None else None
-        except WireError:
-            ann = None
-        unsigned = self.signer is not None and ann is not None and not ann.signature
-        if ann is None or unsigned or (ann.version, ann.checksum) != (stable.version, stable.checksum):
-            was = "nothing" if ann is None else f"v{ann.version}"
-            announce(self.redis, self.prefix, stable.version, stable.checksum,
-                     f"reconciled with the registry (was {was}{', unsigned' if unsigned else ''})", self.signer)
-            log.warning("gate: desired version was %s; announced the registry's stable v%d", was, stable.version)
+        a promotion and its announcement, or a lost Redis key), checked as the agents check it (signed, bound to its
+        channel and prefix, unexpired), and keep it fresh (``deploy.signing.keep_announced``). The registry is the
+        truth."""
+        what = keep_announced(self.redis, self.prefix, "desired", stable.version, stable.checksum,
+                              "reconciled with the registry", self.signer, ttl_s=self.cfg.security.announce_ttl_s)
+        if what is not None and what != "refreshed":
+            log.warning("gate: desired version %s; announced the registry's stable v%d", what, stable.version)
 
     def step(self) -> list[Verdict]:
         """Process the pending candidates: the newest is evaluated, older ones are superseded."""
@@ -174,17 +171,21 @@ class Gate:
         self._promoted_at.set(stable.promoted_at or 0.0)
         self._rolled_back_at.set(self.registry.last_rollback()[1] or 0.0)
         self.reconcile(stable)
-        plan = self.canary.plan()
-        if plan is not None:  # one rollout at a time: new candidates wait until it ends
-            outcome, why = self.canary.watch(plan, stable)
-            self._canary_share.set(plan.share if outcome == "continue" else 0.0)
+        for v in self.registry.reap_orphan_canaries(actor="gate"):  # a crash between a rollout's steps
+            log.warning("gate: version %d was a canary no rollout runs; rejected", v)
+        rollout = self.registry.active_rollout()
+        if rollout is None:
+            self.redis.delete(keys.canary(self.prefix))  # an operator ended it: the canary nodes return to stable
+        else:  # one rollout at a time: new candidates wait until it ends
+            outcome, why = self.canary.watch(rollout, stable)
+            self._canary_share.set(rollout.share if outcome == "continue" else 0.0)
             if outcome == "promoted":
                 self._rollouts.labels("promoted").inc()
-                self._promoted(plan.version)
+                self._promoted(rollout.version)
             elif outcome == "aborted":
                 self._rollouts.labels("aborted").inc()
                 self._rejected()
-            return [Verdict(plan.version, "canary" if outcome == "continue" else outcome, why)]
+            return [Verdict(rollout.version, "canary" if outcome == "continue" else outcome, why)]
         self._canary_share.set(0.0)
         pending = self.registry.candidates()
         if not pending:
@@ -278,7 +279,10 @@ class Gate:
                 f"entropy {ent:.4f} nats/token (stable {drift.get('stable_entropy', float('nan')):.4f}) vs floor {g.min_entropy}")
         heldout = self.heldout() if self.heldout is not None and g.heldout_samples else []
         if heldout:
-            checks["offpolicy"] = self._offpolicy(row, stable, state, heldout)
+            verdict = self._offpolicy(row, stable, state, heldout)
+            checks["offpolicy"] = verdict != "refuse"
+            if verdict == "defer":  # not judged off-policy: only a canary may promote it
+                checks["needs_canary"] = True
         ref = self.stable_suite(stable)
         if ref is not None:
             score = self.evaluator.suite_score(state)
@@ -303,22 +307,40 @@ class Gate:
             dropped = shown
         return self._record(row.version, "suite", score["score"], floor, not dropped, text)
 
-    def _offpolicy(self, row: Version, stable: Version, state: Mapping[str, Any], heldout: list[HeldoutSample]) -> bool:
-        from deploy.offpolicy import compare
+    def _offpolicy(self, row: Version, stable: Version, state: Mapping[str, Any], heldout: list[HeldoutSample]) -> str:
+        """Check (e), recorded: "refuse" (the paired test shows the candidate's reward below stable's by more than
+        ``gate.offpolicy_margin``), "defer" (an effective sample size under ``gate.offpolicy_min_ess``, or no
+        held-out sample whose revert horizon has closed: not judged here, the candidate must go through the canary)
+        or "pass" (``deploy.offpolicy.compare``). The samples are the held-out stream's records merged by generation
+        (a revert replaces its accept's reward) and censored at ``gate.revert_horizon_s`` (``merge_heldout``)."""
+        from deploy.offpolicy import compare, merge_heldout
 
         g = self.cfg.gate
-        heldout = heldout[-g.heldout_samples:]
+        merged, young = merge_heldout(heldout, time.time() - g.revert_horizon_s)
+        heldout = merged[-g.heldout_samples:]
+        slice_text = (f"{len(heldout)} held-out samples ({sum(h.kind == 'revert' for h in heldout)} reverted; {young} "
+                      f"judged less than gate.revert_horizon_s {g.revert_horizon_s:g} s ago left out)")
+        if not heldout:
+            self._record(row.version, "offpolicy", 0.0, g.offpolicy_min_ess, True,
+                         f"off-policy v{row.version}: defer: deferred to the canary: no usable {slice_text}")
+            return "defer"
         lp_cand = self.evaluator.sequence_logprobs(state, heldout)
         lp_stable = self.evaluator.sequence_logprobs(self.registry.materialize(stable.version), heldout)
         c = compare(lp_cand, lp_stable, [h.behaviour_logprob for h in heldout], [h.reward for h in heldout],
                     margin=g.offpolicy_margin, min_ess=g.offpolicy_min_ess, clip=g.offpolicy_clip)
         self._score.labels("offpolicy").set(c.candidate.value)
+        self._score.labels("offpolicy_difference").set(c.difference)
         self._score.labels("offpolicy_ess").set(c.candidate.ess)
-        reason = (f"off-policy acceptance v{row.version} {c.candidate.value:.3f} [{c.candidate.lower:.3f}, "
-                  f"{c.candidate.upper:.3f}] vs stable v{stable.version} {c.stable.value:.3f} on {c.candidate.n} "
-                  f"held-out samples (ESS {c.candidate.ess:.0f}): {c.verdict}: {c.reason}")
-        return self._record(row.version, "offpolicy", c.candidate.upper, c.stable.value - g.offpolicy_margin,
-                            c.verdict != "refuse", reason)
+        self._score.labels("offpolicy_ess_unclipped").set(c.candidate.ess_unclipped)
+        reason = (f"off-policy reward v{row.version} {c.candidate.value:.3f} [{c.candidate.lower:.3f}, "
+                  f"{c.candidate.upper:.3f}] vs stable v{stable.version} {c.stable.value:.3f} on {slice_text}, "
+                  f"ESS {c.candidate.ess:.0f} clipped, {c.candidate.ess_unclipped:.0f} unclipped (stable "
+                  f"{c.stable.ess:.0f}, {c.stable.ess_unclipped:.0f}): {c.verdict}: {c.reason}")
+        if c.verdict == "defer":
+            self._record(row.version, "offpolicy", c.ess, g.offpolicy_min_ess, True, reason)
+        else:
+            self._record(row.version, "offpolicy", c.upper, -g.offpolicy_margin, c.verdict == "pass", reason)
+        return c.verdict
 
     def _judge(self, row: Version, stable: Version) -> Verdict:
         checks: dict[str, bool] = {}
@@ -340,24 +362,37 @@ class Gate:
             self._refuse(row.version, reason)
             self._rejected()
             return Verdict(row.version, "rejected", reason, checks)
-        reason = f"gate passed ({', '.join(checks)})"
+        needs_canary = checks.get("needs_canary", False)  # the off-policy check could not judge it: live users must
+        reason = f"gate passed ({', '.join(c for c in checks if c != 'needs_canary')})"
         if self.cfg.gate.integrity_only:
             reason += " [gate.integrity_only: no evidence checked]"
-        try:
-            plan = None if self.cfg.gate.integrity_only else self.canary.start(row, stable, reason)
-        except RegistryConflict as e:  # an operator acted on it meanwhile
-            log.info("gate: version %d not put on canary: %s", row.version, e)
-            return Verdict(row.version, "deferred", str(e), checks)
-        if plan is not None:
-            self._canary_share.set(plan.share)
-            return Verdict(row.version, "canary", f"{reason}; canary on {', '.join(plan.nodes)}", checks)
+        elif self.canary.wanted():  # a configured fleet of 2+ nodes: never promoted without a canary
+            try:
+                rollout = self.canary.start(row, stable, reason)
+            except Deferred as e:  # fewer routable nodes than a canary needs: judged again next step, never skipped
+                log.warning("gate: version %d deferred: %s", row.version, e)
+                return Verdict(row.version, "deferred", str(e), checks)
+            except RegistryConflict as e:  # an operator acted on it meanwhile
+                log.info("gate: version %d not put on canary: %s", row.version, e)
+                return Verdict(row.version, "deferred", str(e), checks)
+            self._canary_share.set(rollout.share)
+            return Verdict(row.version, "canary", f"{reason}; canary on {', '.join(rollout.nodes)}", checks)
+        elif needs_canary:
+            reason = ("off-policy evidence too thin to judge it (deferred to a canary) and no canary can run "
+                      f"(gate.canary_share {self.cfg.gate.canary_share:g}, {self.canary.configured_fleet()} node(s) "
+                      "configured)")
+            self._record(row.version, "canary", None, None, False, reason)
+            self._refuse(row.version, reason)
+            self._rejected()
+            return Verdict(row.version, "rejected", reason, checks)
         try:
             self.registry.promote(row.version, actor="gate", reason=reason, expected_stable=stable.version,
                                   from_candidate=True)
         except RegistryConflict as e:  # an operator promoted or rolled back meanwhile: their word stands
             log.info("gate: version %d not promoted: %s; re-evaluating next step", row.version, e)
             return Verdict(row.version, "deferred", str(e), checks)
-        announce(self.redis, self.prefix, row.version, row.checksum, reason, self.signer)
+        announce(self.redis, self.prefix, row.version, row.checksum, reason, self.signer,
+                 ttl_s=self.cfg.security.announce_ttl_s)
         log.info("gate: version %d promoted and announced", row.version)
         self._promoted(row.version)
         return Verdict(row.version, "promoted", reason, checks)
@@ -369,12 +404,18 @@ class LoggedGeneration(NamedTuple):
 
 
 class HeldoutSample(NamedTuple):
-    """A held-out joined sample: what was sampled, its behaviour log-prob (summed) and whether it was accepted."""
+    """A held-out joined sample: what was sampled, its behaviour log-prob (summed), the product's reward for it
+    (``TrainingSample.reward``: its judgement's, or ``Product.reward("revert", ...)`` once the user undid an
+    accepted answer), which generation it is, when it was judged (the feedback's time) and the kind of its latest
+    record (``revert`` after a revert)."""
 
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]
     behaviour_logprob: float
     reward: float
+    generation_id: str
+    judged_at: float
+    kind: str
 
 
 def _plain_sampling(s) -> bool:
@@ -396,7 +437,7 @@ def parse_heldout(raw: bytes) -> HeldoutSample | None:
     if not (s.prompt_token_ids and s.completion_token_ids and _plain_sampling(s.sampling)):
         return None
     return HeldoutSample(tuple(s.prompt_token_ids), tuple(s.completion_token_ids), float(sum(s.behaviour_logprobs)),
-                         1.0 if s.kind == "accept" else 0.0)
+                         float(s.reward), s.generation_id, float(s.ts_feedback), s.kind)
 
 
 class GenerationTail:
@@ -473,7 +514,7 @@ def run_gate(cfg: LiverlConfig, make_evaluator: Callable[[Callable[[], list[Logg
     import signal
 
     from deploy.delta import warm_up
-    from liverl.core.services import kafka_bootstrap, setup_redis, signing_key_path
+    from liverl.core.services import kafka_bootstrap, required_signing_key, setup_redis
 
     warm_up()  # the delta codec's kernels (cached on disk after the first compile)
     registry = open_registry(cfg)
@@ -484,7 +525,7 @@ def run_gate(cfg: LiverlConfig, make_evaluator: Callable[[Callable[[], list[Logg
                              parse=parse_heldout).start() if cfg.gate.heldout_samples else None
     server = None
     try:
-        key = signing_key_path(cfg)
+        key = required_signing_key(cfg)  # none: ValueError, unless security.allow_unsigned (then said loudly)
         gate = Gate(cfg, registry, r, make_evaluator(tail), signer=Signer(key) if key else None, heldout=heldout)
         log.info("gate: announcements %s", f"signed with {key}" if key else "unsigned (no security.signing_key)")
         if cfg.gate.metrics_port and not once:

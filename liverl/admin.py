@@ -3,6 +3,7 @@
 Each returns a process exit code and prints rich tables. They read the registry (``cfg.registry_url``, blobs in
 ``cfg.blob_location``) and Redis (live acceptance ``<prefix>:live:<version>``, heartbeats ``<prefix>:served:<node>``);
 promote/rollback change the registry (audited) and then write ``<prefix>:desired`` so the serving agents swap.
+abort/pause/resume (and promoting the canary) change the rollout in the registry (audited), where the gate reads it.
 Heavy modules (torch via the registry) are imported inside the functions: ``liverl --help`` stays light.
 """
 
@@ -12,9 +13,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from liverl.core import keys
+from liverl.core import fleet, keys
 from liverl.core.config import LiverlConfig
-from liverl.core.schemas import VersionAnnouncement
 
 if TYPE_CHECKING:
     import redis
@@ -73,17 +73,11 @@ def _live(r: redis.Redis, prefix: str, versions: list[int]) -> dict[int, dict[st
 
 
 def _served(r: redis.Redis, prefix: str) -> dict[str, dict[str, Any]]:
-    out = {}
-    for key in sorted(r.scan_iter(match=keys.served_pattern(prefix))):
-        raw = r.get(key)
-        if raw:
-            out[keys.node_of_served(prefix, key)] = keys.ServedHeartbeat.from_json(raw).model_dump()
-    return out
+    return {name: beat.model_dump() for name, beat in sorted(fleet.read_heartbeats(r, prefix).items())}
 
 
-def _desired(r: redis.Redis, prefix: str) -> dict[str, Any] | None:
-    raw = r.get(keys.desired(prefix))
-    return VersionAnnouncement.from_bytes(raw).model_dump() if raw else None
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
 
 
 def _acc(c: dict[str, int] | None) -> str:
@@ -148,36 +142,38 @@ def cmd_status(cfg: LiverlConfig) -> int:
             stable = reg.stable()
         except RegistryError as e:
             return _err(f"{e} (registry {cfg.registry_url})")
-        desired = _desired(r, prefix) if r is not None else None
+        view = fleet.fleet_view(reg, r, prefix, cfg.serving.fleet) if r is not None else None
+        desired = view.desired if view is not None else None
         pending = reg.candidates()
         con.print(f"stable: v{stable.version} (checksum {stable.checksum[:12]}…, promoted {_age(stable.promoted_at)} ago)")
-        con.print("desired: " + (f"v{desired['version']} ({desired.get('reason', '')})" if desired else "not announced"))
+        con.print("desired: " + (f"v{desired.version} ({desired.reason})" if desired else "not announced"))
         con.print(f"pending candidates: {', '.join(f'v{c.version}' for c in pending) or 'none'}")
-        from deploy.canary import read_plan
-
-        plan = read_plan(r, prefix) if r is not None else None
-        if plan is None:
-            con.print("rollout: none (a candidate that passes the gate goes on canary when 2+ nodes are in rotation)")
+        ro = reg.active_rollout()
+        if ro is None:
+            con.print("rollout: none (a candidate that passes the gate goes on canary when the configured fleet has "
+                      "2+ nodes)")
         else:
-            con.print(f"rollout: canary v{plan.version} on {', '.join(plan.nodes)} for {plan.share:.0%} of users, "
-                      f"{plan.state}, started {_age(plan.started_at)} ago, deadline in "
-                      f"{max(0.0, plan.deadline_at - time.time()):.0f} s")
-            if plan.looks:
-                lk = plan.looks[-1]
-                con.print(f"  evidence: acceptance canary {lk.canary_acceptance:.1%} on {lk.canary_events} vs stable "
-                          f"{lk.stable_acceptance:.1%} on {lk.stable_events}; always-valid p better {lk.p_better:.3g}, "
-                          f"p worse {lk.p_worse:.3g}; {plan.reason}")
-        fleet = Table(title="fleet")
-        for col in ("node", "version", "checksum", "heartbeat", "in sync"):
-            fleet.add_column(col)
-        for node, s in (_served(r, prefix) if r is not None else {}).items():
-            want = desired
-            if plan is not None and node in plan.nodes:
-                want = {"version": plan.version, "checksum": plan.checksum}
-            sync = want is not None and s.get("version") == want["version"] and s.get("checksum") == want["checksum"]
-            fleet.add_row(node, f"v{s.get('version')}", str(s.get("checksum", ""))[:12] + "…", _age(s.get("ts")) + " ago",
-                          "yes" if sync else "NO")
-        con.print(fleet)
+            con.print(f"rollout {ro.id}: canary v{ro.version} on {', '.join(ro.nodes)} for {ro.share:.0%} of "
+                      f"{ro.unit}s, {ro.state}, started {_age(ro.started_at)} ago, deadline in "
+                      f"{max(0.0, ro.deadline_at - time.time()):.0f} s")
+            if ro.looks:
+                lk = ro.looks[-1]
+                users = "" if lk.get("canary_users") is None else \
+                    f" ({lk['canary_users']} vs {lk['stable_users']} users)"
+                con.print(f"  evidence: kept acceptance canary {_pct(lk.get('canary_acceptance'))} on "
+                          f"{lk.get('canary_events')} vs stable {_pct(lk.get('stable_acceptance'))} on "
+                          f"{lk.get('stable_events')}{users}; always-valid p better {lk.get('p_better', 1):.3g}, "
+                          f"p worse {lk.get('p_worse', 1):.3g}; {ro.reason}")
+        table = Table(title="fleet")
+        for col in ("node", "version", "checksum", "heartbeat", "serves", "in sync"):
+            table.add_column(col)
+        for name, n in (view.nodes if view is not None else {}).items():
+            table.add_row(name, f"v{n.beat.version}", str(n.beat.checksum or "")[:12] + "…",
+                          _age(n.beat.ts) + " ago",
+                          ("canary" if n.canary else "stable") if n.known else "UNKNOWN node (not in serving.fleet)",
+                          "yes" if n.converged else "NO")
+        fleet_table = table
+        con.print(fleet_table)
         con.print(_versions_table(reg, r, prefix, 5, "recent versions"))
         return 0
     finally:
@@ -260,17 +256,28 @@ def cmd_diff(cfg: LiverlConfig, a: int, b: int, top: int = 20) -> int:
 
 
 def cmd_history(cfg: LiverlConfig, limit: int | None = 50, verify: bool = False) -> int:
-    """The audit log: who did what to which version, and why (``verify``: check the hash chain first)."""
+    """The audit log: who did what to which version, and why. ``verify``: first check the chain (HMAC with the audit
+    key for keyed entries, plain hash for older ones) and its end against the head anchored in Redis; exit 1 when an
+    entry was rewritten, removed or added, the tail was cut, or the check could not be made."""
     from rich.table import Table
 
     reg = open_registry(cfg)
     try:
         if verify:
-            n, bad = reg.verify_audit()
-            if bad is not None:
-                return _err(f"the audit log was tampered with: entry {bad} does not match the chain "
-                            f"({n - 1} entries before it are intact)")
-            _console().print(f"audit log intact: {n} entries, every one chained to the one before")
+            check = reg.verify_audit()
+            if check.kind == "tampered":
+                return _err(f"the audit log was tampered with: {check.problem}")
+            if check.kind == "truncated":
+                return _err(f"the audit log's tail was cut: {check.problem}")
+            if not check.ok:
+                return _err(f"the audit log could not be verified: {check.problem}")
+            for w in check.warnings or []:
+                print(f"warning: {w}", file=sys.stderr)
+            how = (f"{check.keyed} keyed (HMAC-SHA256 with the audit key)"
+                   + (f", {check.unkeyed} older ones chained by hash only" if check.unkeyed else "")
+                   if check.keyed else "chained by hash only (unkeyed)")
+            head = f"; head anchored in Redis at entry {check.head_seq}" if check.head_seq is not None else ""
+            _console().print(f"audit log intact: {check.entries} entries, {how}{head}")
         t = Table(title="history (audit log)")
         for col in ("when", "actor", "action", "version", "reason"):
             t.add_column(col)
@@ -308,7 +315,7 @@ def _change(cfg: LiverlConfig, verb: str, token: str | None, do) -> int:
     with r:
         key = signing_key_path(cfg)
         announce(r, cfg.topics.prefix, row.version, row.checksum, f"{verb}: {row.status_reason or ''}".strip(),
-                 Signer(key) if key else None)
+                 Signer(key) if key else None, ttl_s=cfg.security.announce_ttl_s)
     print(f"{verb}: v{row.version} is now stable (checksum {row.checksum[:12]}…); announced to the fleet")
     return 0
 
@@ -356,37 +363,54 @@ def cmd_hold(cfg: LiverlConfig, hold: bool, reason: str, token: str | None) -> i
     return 0
 
 
+ROLLOUT_ACTIONS = ("abort", "pause", "resume", "promote")
+
+
 def cmd_rollout(cfg: LiverlConfig, action: str, reason: str, token: str | None) -> int:
-    """``abort``, ``pause`` or ``resume`` the canary in progress (Argo Rollouts' verbs); audited. An abort rejects the
-    canary and sends its nodes back to stable; a paused canary keeps its share but is not promoted (it is still
-    aborted if a metric is shown worse)."""
-    from deploy.canary import CanaryController, read_plan
+    """``abort``, ``pause`` or ``resume`` the canary in progress, or ``promote`` it to the whole fleet now (Argo
+    Rollouts' verbs); each needs an operator token and a reason, and is audited.
+
+    They change the rollout in the registry, where the gate reads it at every step (not the Redis plan, which is only
+    a display): ``pause`` keeps the canary's share but the gate will not promote it (it still aborts it if a metric is
+    shown worse); a gate step that had read the rollout before the pause cannot promote it (its write is a
+    compare-and-set). ``abort`` rejects the canary at once; the gate then withdraws its announcement, and the canary
+    nodes return to stable. ``promote`` makes the canary stable and announces it to the whole fleet (the rollout ends).
+    """
     from deploy.registry import RegistryError
 
-    r = open_redis(cfg)
+    if action not in ROLLOUT_ACTIONS:
+        raise ValueError(f"unknown rollout action {action!r}; one of {ROLLOUT_ACTIONS}")
+    if action == "promote":
+        def promote(reg, actor):
+            ro = reg.active_rollout()
+            if ro is None:
+                raise RegistryError("no canary is in progress (`liverl status` shows the rollout)")
+            return reg.promote(ro.version, actor=actor, reason=f"canary promoted by {actor}: {reason}",
+                               expected_stable=ro.stable_version)
+
+        return _change(cfg, "promote", token, promote)
     reg = open_registry(cfg)
     try:
         try:
             actor = reg.authenticate(token, need="operator").name
+            ro = reg.active_rollout()
+            if ro is None:
+                return _err("no canary is in progress (`liverl status` shows the rollout)")
+            if action == "abort":
+                why = f"aborted by {actor}: {reason}"
+                ro = reg.finish_rollout_abort(ro.id, actor=actor, reason=why, verdict="operator")
+                reg.record_gate(ro.version, "canary", None, None, False, why)
+                msg = (f"canary v{ro.version} aborted and rejected; the gate withdraws it and its nodes "
+                       f"({', '.join(ro.nodes)}) return to stable v{ro.stable_version}")
+            else:
+                want = "paused" if action == "pause" else "running"
+                ro = reg.set_rollout_state(ro.id, want, actor=actor, reason=reason)
+                msg = (f"canary v{ro.version} paused: it keeps its share and is not promoted (still aborted if a metric "
+                       "is shown worse)" if want == "paused" else f"canary v{ro.version} resumed")
         except RegistryError as e:
             return _err(str(e))
-        plan = read_plan(r, cfg.topics.prefix)
-        if plan is None:
-            return _err("no canary is in progress (`liverl status` shows the rollout)")
-        if action == "abort":
-            ctl = CanaryController(cfg, reg, r, None, reg.record_gate)
-            ctl.abort(plan, f"aborted by {actor}: {reason}", actor=actor)
-            msg = f"canary v{plan.version} aborted; its nodes ({', '.join(plan.nodes)}) return to stable v{plan.stable_version}"
-        else:
-            want = "paused" if action == "pause" else "running"
-            if plan.state == want:
-                return _err(f"the canary of v{plan.version} is already {want}")
-            r.set(keys.rollout(cfg.topics.prefix), plan.model_copy(update={"state": want}).to_json())
-            reg.log_action(actor, f"canary_{action}", reason, version=plan.version)
-            msg = f"canary v{plan.version} {want}"
     finally:
         reg.close()
-        r.close()
     _console().print(f"{msg} ({actor}: {reason})")
     return 0
 

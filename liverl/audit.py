@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from liverl.core import keys
+from liverl.core import fleet, keys
 from liverl.core.bus import kafka_python_security
 from liverl.core.config import BrokerConfig, LiverlConfig
 from liverl.core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, TrainingSample, WireError
@@ -217,23 +217,15 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
     rep.stable_versions = sorted(int(v.version) for v in registry.list(status="stable"))
     if len(rep.stable_versions) == 1:
         rep.stable_checksum = registry.get(rep.stable_versions[0]).checksum
-    from deploy.canary import read_plan
-
-    plan = read_plan(redis, t.prefix)  # during a canary its nodes should serve the canary, not the stable version
-    for key in redis.scan_iter(keys.served_pattern(t.prefix), count=1000):
-        raw = redis.get(key)
-        if not raw:
-            continue
-        hb = keys.ServedHeartbeat.from_json(raw)
-        node = keys.node_of_served(t.prefix, key)
-        if plan is not None and node in plan.nodes:
-            converged = (hb.version, hb.checksum) == (plan.version, plan.checksum)
-        else:
-            converged = len(rep.stable_versions) == 1 and (hb.version, hb.checksum) == (rep.stable_versions[0],
-                                                                                        rep.stable_checksum)
-        rep.nodes[node] = {"version": hb.version, "checksum": hb.checksum, "healthy": hb.healthy,
-                           "age_s": round(max(now - hb.ts, 0.0), 1), "converged": converged,
-                           **({"canary": plan.version} if plan is not None and node in plan.nodes else {})}
+        view = fleet.fleet_view(registry, redis, t.prefix)  # during a canary its nodes should serve the canary
+        for name, n in view.nodes.items():
+            rep.nodes[name] = {"version": n.beat.version, "checksum": n.beat.checksum, "healthy": n.beat.healthy,
+                               "age_s": round(max(now - n.beat.ts, 0.0), 1), "converged": n.converged,
+                               **({"canary": view.rollout.version} if n.canary else {})}
+    else:  # no single stable version: no node can be in sync with it
+        for name, beat in fleet.read_heartbeats(redis, t.prefix).items():
+            rep.nodes[name] = {"version": beat.version, "checksum": beat.checksum, "healthy": beat.healthy,
+                               "age_s": round(max(now - beat.ts, 0.0), 1), "converged": False}
     return rep
 
 

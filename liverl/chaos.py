@@ -29,7 +29,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from liverl.core import keys
+from liverl.core import fleet, keys
 from liverl.core.config import LiverlConfig
 from liverl.core.product import load_product
 from liverl.up import Pipeline
@@ -159,11 +159,16 @@ class Killer:
 
     def _wait_for_announcement(self, timeout_s: float) -> str:
         """Wait for the next announced version, then kill within the swap (the agent polls every swap_poll_s)."""
-        r, key = self.pipe.redis, keys.desired(self.cfg.topics.prefix)
-        before = r.get(key)
+        r, prefix = self.pipe.redis, self.cfg.topics.prefix
+
+        def announced() -> int | None:  # the version, not the bytes: the gate re-signs the same one as it expires
+            ann = fleet.read_desired(r, prefix)
+            return None if ann is None else ann.version
+
+        before = announced()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if r.get(key) != before:
+            if announced() != before:
                 time.sleep(self.rng.uniform(0.1, 0.1 + self.cfg.serving.swap_poll_s))
                 return "during a hot-swap (just after an announcement)"
             self._supervise()

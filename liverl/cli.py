@@ -70,7 +70,7 @@ reproduces the table and the machine are printed under it. Takes a few minutes w
 
 ADMIN_EPILOG = ("The admin verbs read the registry (registry.url) and Redis (redis.url) named by the config. Verbs "
                 "that change anything need an operator token ($LIVERL_TOKEN or --token-file; `liverl operator`) and "
-                "a --reason; both land in the hash-chained audit log (`liverl history --verify`).")
+                "a --reason; both land in the audit log, chained by HMAC with security.audit_key (`liverl history --verify`).")
 
 
 def _cfg(args: argparse.Namespace) -> LiverlConfig:
@@ -142,10 +142,11 @@ def model_dir_for(cfg: LiverlConfig):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from liverl.core.services import kafka_bootstrap, redis_url
+    from liverl.core.services import kafka_bootstrap, redis_url, required_verify_key
     from serving.main import run_serving
 
     cfg = _cfg(args)
+    required_verify_key(cfg)  # refused before the model is built or loaded (serving.main.serve checks it too)
     run_serving(cfg, model_dir_for(cfg), kafka_bootstrap(cfg), redis_url(cfg), cfg.registry_url)
     return 0
 
@@ -433,8 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
         _model_args(s)
         s.set_defaults(fn=fn)
     s = sub.add_parser("route", help="the fleet's front door: spread requests over the serving nodes, sticky per user",
-                       description="Route the OpenAI-compatible API (/v1/...) over every serving node whose heartbeat "
-                       "is live and healthy, sticky per user (X-Liverl-User header, the body's OpenAI 'user' field, or "
+                       description="Route the OpenAI-compatible API (/v1/...) over the serving nodes serving.fleet "
+                       "names (node name -> gateway URL) whose heartbeat is live and healthy, sticky per user (X-Liverl-User header, the body's OpenAI 'user' field, or "
                        "X-Session-Id; rendezvous hashing, so nodes joining or leaving move only their own users). A "
                        "node that refuses connections is skipped and the request goes to the next one. Start one "
                        "`liverl serve` per node, each with its own serving.node_name and ports. GET /fleet lists the "
@@ -501,7 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=int, default=20, help="most recent N versions (default 20)")
     s.set_defaults(fn=cmd_versions)
     s = sub.add_parser("history", help="the audit log: who promoted or rolled back what, and why", epilog=ADMIN_EPILOG)
-    s.add_argument("--verify", action="store_true", help="first check the log's hash chain (exit 1 if tampered with)")
+    s.add_argument("--verify", action="store_true", help="first check the log's chain (HMAC with security.audit_key) "
+                   "and its head anchored in Redis: exit 1 if an entry was rewritten, removed or added, or the tail cut")
     s.set_defaults(fn=cmd_history)
     s = sub.add_parser("promote", help="make VERSION the served version (the agents hot-swap to it)", epilog=ADMIN_EPILOG)
     s.add_argument("version", type=int)

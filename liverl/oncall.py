@@ -19,8 +19,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from liverl.admin import _desired, _live, _served, open_redis, open_registry
-from liverl.core import keys
+from liverl.admin import _live, open_redis, open_registry
+from liverl.core import fleet, keys
 from liverl.core.config import LiverlConfig
 
 log = logging.getLogger("liverl.oncall")
@@ -31,6 +31,10 @@ def collect_state(cfg: LiverlConfig, limit: int = 40) -> dict[str, Any]:
     import redis
 
     reg = open_registry(cfg)
+    p = cfg.topics.prefix
+    live: dict[int, dict[str, int]] = {}
+    desired = learner = view = None
+    redis_error = None
     try:
         rows = reg.list(limit=limit)
         stable = reg.stable()
@@ -40,27 +44,24 @@ def collect_state(cfg: LiverlConfig, limit: int = 40) -> dict[str, Any]:
                                                     "passed": g.passed, "detail": g.detail, "at": g.at})
         audit = [{"at": a.at, "actor": a.actor, "action": a.action, "version": a.version, "reason": a.reason}
                  for a in reg.audit(limit=25)][::-1]
+        ro = reg.active_rollout()
+        rollout = None if ro is None else {
+            "id": ro.id, "version": ro.version, "checksum": ro.checksum, "stable_version": ro.stable_version,
+            "share": ro.share, "nodes": list(ro.nodes), "unit": ro.unit, "state": ro.state,
+            "started_at": ro.started_at, "deadline_at": ro.deadline_at, "looks": list(ro.looks or []),
+            "verdict": ro.verdict, "reason": ro.reason}
+        r = open_redis(cfg)
+        try:
+            live = _live(r, p, [v.version for v in rows])
+            view = fleet.fleet_view(reg, r, p, cfg.serving.fleet)
+            desired = view.desired.model_dump() if view.desired is not None else None
+            learner = r.hgetall(keys.learner(p)) or None
+        except (redis.RedisError, ValueError) as e:
+            redis_error = str(e)
+        finally:
+            r.close()
     finally:
         reg.close()
-    p = cfg.topics.prefix
-    live: dict[int, dict[str, int]] = {}
-    served: dict[str, dict] = {}
-    desired = learner = rollout = None
-    redis_error = None
-    r = open_redis(cfg)
-    try:
-        live = _live(r, p, [v.version for v in rows])
-        served = _served(r, p)
-        desired = _desired(r, p)
-        learner = r.hgetall(keys.learner(p)) or None
-        from deploy.canary import read_plan
-
-        plan = read_plan(r, p)
-        rollout = plan.model_dump() if plan is not None else None
-    except (redis.RedisError, ValueError) as e:
-        redis_error = str(e)
-    finally:
-        r.close()
     versions = []
     for v in rows:
         c = live.get(v.version) or {}
@@ -73,17 +74,13 @@ def collect_state(cfg: LiverlConfig, limit: int = 40) -> dict[str, Any]:
             "live": {"events": events, "accept": c.get("accept", 0), "reject": c.get("reject", 0),
                      "edit": c.get("edit", 0), "acceptance": c.get("accept", 0) / events if events else None},
         })
-    def expected(node: str) -> tuple[int, str]:  # canary nodes serve the canary during a rollout
-        if rollout is not None and node in rollout["nodes"]:
-            return rollout["version"], rollout["checksum"]
-        return stable.version, stable.checksum
-
-    nodes = [{"node": n, **s, "age_s": max(0.0, time.time() - s.get("ts", 0.0)),
-              "converged": (s.get("version"), s.get("checksum")) == expected(n)} for n, s in served.items()]
+    nodes = [] if view is None else [
+        {"node": n.name, **n.beat.model_dump(), "age_s": max(0.0, time.time() - n.beat.ts), "known": n.known,
+         "canary": n.canary, "converged": n.converged} for n in view.nodes.values()]
     return {
         "now": time.time(), "prefix": p,
         "stable": {"version": stable.version, "checksum": stable.checksum, "promoted_at": stable.promoted_at},
-        "desired": desired, "nodes": nodes, "converged": bool(nodes) and all(n["converged"] for n in nodes),
+        "desired": desired, "nodes": nodes, "converged": view is not None and view.converged,
         "versions": versions, "audit": audit, "learner": learner, "redis_error": redis_error, "rollout": rollout,
     }
 
@@ -158,11 +155,14 @@ function rollout(s) {
       <text x="32" y="12">acceptance: canary (amber) vs stable (green), ${looks.length} looks</text></svg>`;
   }
   const last = looks.length ? looks[looks.length - 1] : null;
-  return `<div id="rollout"><b>canary v${p.version}</b> on ${esc(p.nodes.join(", "))} for ${pct(p.share)} of users,
+  return `<div id="rollout"><b>canary v${p.version}</b> (rollout ${p.id}) on ${esc(p.nodes.join(", "))} for ${pct(p.share)} of ${esc(p.unit)}s,
     <b>${esc(p.state)}</b> · started ${ago(s.now, p.started_at)} · deadline in ${Math.max(0, p.deadline_at - s.now).toFixed(0)} s</div>` +
-    (last ? `<div>acceptance canary ${pct(last.canary_acceptance)} on ${last.canary_events} vs stable
-      ${pct(last.stable_acceptance)} on ${last.stable_events} · always-valid p(better) ${last.p_better.toPrecision(3)},
-      p(worse) ${last.p_worse.toPrecision(3)}</div>` : "") + `<div class="muted">${esc(p.reason)}</div>` + svg;
+    (last ? `<div>kept acceptance canary ${pct(last.canary_acceptance)} on ${last.canary_events} events` +
+      (last.canary_users == null ? "" : ` of ${last.canary_users} users`) +
+      ` vs stable ${pct(last.stable_acceptance)} on ${last.stable_events}` +
+      (last.stable_users == null ? "" : ` of ${last.stable_users} users`) +
+      ` · always-valid p(better) ${last.p_better.toPrecision(3)}, p(worse) ${last.p_worse.toPrecision(3)}` +
+      (last.cuped_removed ? ` · CUPED removed ${pct(last.cuped_removed)} of the variance` : "") + `</div>` : "") + `<div class="muted">${esc(p.reason)}</div>` + svg;
 }
 function render(s) {
   document.getElementById("meta").textContent =

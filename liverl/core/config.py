@@ -136,6 +136,17 @@ class ServingConfig(_Section):
         default=None, description="Where the router reaches this node's gateway (its heartbeat carries it). "
         "Default: http://<serving.host>:<serving.gateway_port> (0.0.0.0 advertised as 127.0.0.1).")
     router_port: int = Field(default=8080, description="Port of the router (``liverl route``), the fleet's front door.")
+    fleet: dict[str, str] = Field(
+        default_factory=dict, description="The serving nodes the router may send requests to, by name: each node's "
+        "gateway URL (``{\"node-0\" = \"http://10.0.0.5:8000\"}``). A heartbeat of a node not named here is ignored, "
+        "and the URL used is this one, never the heartbeat's; the gate's canary and `liverl status` count only these "
+        "nodes. `liverl up` and `liverl demo` fill it with the nodes they start; `liverl route` refuses to start "
+        "without it.")
+    router_read_timeout_s: float = Field(
+        default=300.0, gt=0, description="The most the router waits for a node's next bytes (the response head of a "
+        "non-streamed request, which comes only when the whole generation is done, or the next chunk of a stream). A "
+        "node that sends nothing by then is marked down for a few seconds and, if nothing has reached the client yet, "
+        "the request goes to the next node.")
     nodes: int = Field(
         default=1, ge=1, le=16, description="How many serving nodes `liverl up` and `liverl demo` run on this machine "
         "(node-0, node-1, ...; gateway and vLLM ports counted up from gateway_port and vllm_port). More than one: "
@@ -155,6 +166,18 @@ class ServingConfig(_Section):
         "records before it is sent (bounded; an expired wait is counted in liverl_gateway_generation_log_slow). A "
         "client then never holds a generation id whose record a crash lost (feedback on it would be dead-lettered "
         "unknown_generation: 48 of 29,495 events in a chaos run with 0). 0: answer at once.")
+
+    @model_validator(mode="after")
+    def _fleet_urls(self):
+        from urllib.parse import urlsplit
+
+        for name, url in self.fleet.items():
+            parts = urlsplit(url)
+            if not name.strip() or parts.scheme not in ("http", "https") or not parts.hostname or parts.query \
+                    or parts.fragment:
+                raise ValueError(f"serving.fleet: {name!r} = {url!r} is not a node name and its gateway's base URL "
+                                 "(like \"node-0\" = \"http://10.0.0.5:8000\")")
+        return self
 
 
 def advertised_url(s: ServingConfig) -> str:
@@ -202,6 +225,10 @@ class IngestConfig(_Section):
     judged_ttl_s: float = Field(
         default=24 * 3600.0, gt=0, description="How long a judgement is remembered, so redelivered feedback is a "
         "duplicate and a second judgement is dead-lettered (already_judged).")
+    unit_ttl_s: float = Field(
+        default=2 * 24 * 3600.0, gt=0, description="How long Redis keeps a version's per-user sums of one 10 s bucket "
+        "of judgements (<prefix>:units:{<version>}:<bucket>, the canary's per-user evidence) after the bucket's last "
+        "write. Longer than any canary plus its revert horizon.")
 
 
 class LearnerConfig(_Section):
@@ -265,11 +292,13 @@ class GateConfig(_Section):
     heldout_samples: int = Field(
         default=512, ge=0, description="How many of the newest held-out samples the off-policy check reads (0: off).")
     offpolicy_margin: float = Field(
-        default=0.02, ge=0, description="A candidate whose estimated acceptance's upper bound is below stable's by "
-        "more than this (same held-out samples) is refused.")
+        default=0.02, ge=0, description="A candidate whose estimated reward (the product's, reverts included) the "
+        "paired test on the same held-out samples shows below stable's by more than this (one-sided, alpha 0.025) is "
+        "refused. In the product's reward units (default rewards: an accept is worth 1 more than a reject).")
     offpolicy_min_ess: float = Field(
-        default=50.0, ge=1, description="Below this effective sample size the off-policy estimate is recorded but "
-        "decides nothing (the candidate moved too far from the logged behaviour to be judged off-policy).")
+        default=50.0, ge=1, description="Below this effective sample size (the candidate's or stable's, clipped or "
+        "unclipped) the off-policy check defers: recorded, and the candidate may be promoted only through a canary "
+        "(it moved too far from the logged behaviour to be judged off-policy).")
     offpolicy_clip: float = Field(default=10.0, gt=1, description="Cap on each importance weight.")
     canary_share: float = Field(
         default=0.2, ge=0.0, lt=1.0, description="Share of users (a fixed hash bucket each, sticky) a candidate that "
@@ -333,7 +362,33 @@ class SecurityConfig(_Section):
         "operators need it. None: <state_dir>/keys/announce.key when it exists (liverl up makes one).")
     verify_key: str | None = Field(
         default=None, description="Ed25519 public key (PEM) serving agents verify announcements with; when set (or "
-        "<state_dir>/keys/announce.pub exists) an unsigned or wrongly signed announcement is refused.")
+        "<state_dir>/keys/announce.pub exists) an unsigned or wrongly signed announcement is refused. `liverl serve` "
+        "refuses to start without one unless allow_unsigned is set.")
+    allow_unsigned: bool = Field(
+        default=False, description="UNSAFE: let `liverl serve` run without a verify key (its agent then follows any "
+        "announcement written to Redis, signed or not) and the gate announce without a signing key. Only for a "
+        "closed test setup where every Redis writer is trusted; with a key present it is still used.")
+    announce_ttl_s: float = Field(
+        default=600.0, ge=10.0, allow_inf_nan=False, description="How long a version announcement is valid after it "
+        "was signed (its expires_at); readers refuse an expired one, and the gate re-announces when less than half is "
+        "left, so keep it well above 2 x gate.poll_s. Nodes' and the gate's clocks must agree to a small part of it. "
+        "With the gate down longer than this, every announcement expires: nodes keep what they serve (a canary node "
+        "too), and a node that restarts serves its model directory until the gate announces again.")
+    assignment_key: str | None = Field(
+        default=None, description="File holding the router's secret for assigning users to a rollout's arms (at least "
+        "16 bytes, random; every router of a fleet reads the same one, and nothing else needs it). None: "
+        "<state_dir>/keys/assignment.key (liverl up makes one, mode 0600). `liverl route` refuses to start without it.")
+    feedback_key: str | None = Field(
+        default=None, description="File holding the product key(s) POST /v1/feedback requires in its "
+        "X-Liverl-Product-Key header (one key a line, each at least 16 characters; several lines let a key be rotated). "
+        "None: <state_dir>/keys/feedback.key (liverl up makes one, mode 0600); with neither, the gateway refuses "
+        "feedback over HTTP (publish it to Kafka instead).")
+    audit_key: str | None = Field(
+        default=None, description="File holding the secret (at least 32 bytes) that keys the audit log's chain "
+        "(HMAC-SHA256) and its head anchored in Redis; never stored in the database. Every process that writes the "
+        "registry, and `liverl history --verify`, reads the same one. None: <state_dir>/keys/audit.key when it exists "
+        "(liverl up makes one, mode 0600). Without a key the log is chained by plain hash only, and a registry whose "
+        "log is keyed refuses writes from a process without it.")
 
 
 class DemoConfig(_Section):

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from liverl.core import keys
+from liverl.core import fleet, keys
 from liverl.core.config import LiverlConfig
 from liverl.core.product import load_product
 from liverl.demo.report import Timeline, build_summary, plot_timeline, print_summary, read_hash, read_live
@@ -29,20 +29,22 @@ DEMO_PRODUCT = "liverl.demo.product:PRODUCT"
 
 DEMO_PROFILE: dict[str, dict[str, float | int]] = {
     "serving": {"nodes": 2},
-    "gate": {"canary_share": 0.5, "canary_margin": 0.03, "canary_deadline_s": 180.0, "canary_min_events": 50,
-             "canary_min_s": 90.0, "latency_tolerance": 1.0},
+    "gate": {"canary_share": 0.5, "canary_margin": 0.03, "canary_deadline_s": 240.0, "canary_min_events": 50,
+             "revert_horizon_s": 75.0, "latency_tolerance": 1.0},
     "learner": {"max_staleness": 40},
 }
 """What ``liverl demo`` changes from the production defaults, where the config file, the environment or a flag did not
 set it: two serving nodes behind the router, and canaries sized for a 10-minute run on a laptop's traffic (~50 judged
-events/s): half the users, 50 events per arm before any decision, no promotion in the first 90 s (the trap's reverts
-come ~30 s after the accept), non-inferiority within 3 points, a 3-minute deadline. Production canaries (20% of users,
-30 minutes) would not decide inside the demo. Latency is tolerated up to twice stable's: both vLLM nodes share two
-cores with the learner and the gate, and within one run the canary node's mean latency ranged from 0.6x to 1.25x the
-stable node's, for versions answering at the same length (measured: a canary 41% better on kept acceptance was
-aborted as 25% slower under the production tolerance). The learner accepts samples up to 40 candidates' worth of updates
-(400) behind its weights, not 8: one gate cycle (evaluation, then a 90-180 s canary) is 150-250 of its updates here, so
-with 8 most of the stable arm's samples were dropped as stale and it starved (23,552 of 55,841 trained in one run)."""
+events/s): half the users, 50 events per arm before any decision, non-inferiority within 3 points, a 4-minute deadline,
+and a revert horizon of 75 s (the trap's reverts come 30 s after the accept on average: 92% of them within 75 s; a
+bucket of judgements is read once its horizon has closed, so the first evidence comes about 90 s into a canary).
+Production canaries (20% of users, 30 minutes) would not decide inside the demo. Latency is tolerated up to twice
+stable's: both vLLM nodes share two cores with the learner and the gate, and within one run the canary node's mean
+latency ranged from 0.6x to 1.25x the stable node's, for versions answering at the same length (measured: a canary 41%
+better on kept acceptance was aborted as 25% slower under the production tolerance). The learner accepts samples up to
+40 candidates' worth of updates (400) behind its weights, not 8: one gate cycle (evaluation, then a 90-240 s canary) is
+150-250 of its updates here, so with 8 most of the stable arm's samples were dropped as stale and it starved (23,552
+of 55,841 trained in one run)."""
 
 
 def apply_demo_profile(cfg: LiverlConfig) -> dict[str, float | int]:
@@ -171,11 +173,6 @@ def _drive(cfg: LiverlConfig, pipe: Pipeline, users, sdk, timeline: Timeline, li
 
 
 def _served_version(r, prefix: str) -> int | None:
-    best = None
-    for key in r.scan_iter(keys.served_pattern(prefix)):
-        raw = r.get(key)
-        if raw:
-            v = keys.ServedHeartbeat.from_json(raw).version
-            if v is not None:
-                best = v if best is None else max(best, v)
-    return best
+    """The newest version any node serves (the live view's headline)."""
+    vs = [b.version for b in fleet.read_heartbeats(r, prefix).values() if b.version is not None]
+    return max(vs) if vs else None

@@ -1,311 +1,378 @@
 """The canary, driven by the real gate on the real registry and Redis: a candidate that passed the offline checks
-goes to the canary nodes, the live counters ingest keeps decide it with the always-valid test, and a promotion or an
-abort leaves the registry, the announcements and the rollout plan consistent. (The serving side of a rollout, the
-canary node swapping and the router's split, is in tests/serving.)"""
+goes to the canary nodes, the per-user sums ingest keeps (``keys.units``) decide it with the always-valid test, with the
+user as the unit, and a promotion or an abort leaves the registry and the announcements consistent. (The serving side
+of a rollout, the canary node swapping and the router's split, is in tests/serving; the statistics' calibration in
+tests/deploy/test_sequential.py.)
+
+Time: a rollout reads a 10 s bucket of judgements only once its revert horizon has closed. The tests write buckets
+of the rollout's first minutes, then move the controller's clock (``gate.canary.clock``) past them."""
 
 from __future__ import annotations
 
+import json
 import time
 
+import numpy as np
 import pytest
 
-from deploy.canary import read_plan
+from deploy.canary import SETTLE_S, first_bucket
 from deploy.gate import Gate
 from deploy.registry import open_registry
-from liverl.core import keys
+from liverl.core import fleet, keys
 from liverl.core.schemas import VersionAnnouncement
 from tests.deploy.test_gate import ProbeEval, desired, weights
 
+NODES = ("node-a", "node-b")
+
+
+def beat(rds, cfg, node: str, healthy: bool = True) -> None:
+    rds.set(keys.served(cfg.topics.prefix, node),
+            keys.ServedHeartbeat(version=0, checksum="x", healthy=healthy, url=f"http://127.0.0.1/{node}").to_json(),
+            ex=3600)  # long: the first delta encoding in a process may compile kernels for a minute
+
 
 @pytest.fixture
-def fleet(cfg, rds):
-    """Two serving nodes in rotation, stable v0 with 1,000 judged events at 40% before any canary."""
-    for n in ("node-a", "node-b"):
-        rds.set(keys.served(cfg.topics.prefix, n),
-                keys.ServedHeartbeat(version=0, checksum="x", url=f"http://127.0.0.1/{n}").to_json(),
-                ex=3600)  # long: the first delta encoding in a process may compile kernels for a minute
+def fleet2(cfg, rds):
+    """Two configured serving nodes in rotation; stable v0."""
+    cfg.serving.fleet = {n: f"http://127.0.0.1/{n}" for n in NODES}
     cfg.gate.canary_min_events = 50
+    cfg.gate.canary_share = 0.5
+    cfg.gate.revert_horizon_s = 30.0
+    for n in NODES:
+        beat(rds, cfg, n)
     registry = open_registry(cfg)
     registry.init_base(weights(0.50, 1.0), "/nonexistent/model")
     gate = Gate(cfg, registry, rds, ProbeEval())
     gate.step()
-    live(rds, cfg, 0, 1000, 400)
     yield gate, registry
     registry.close()
 
 
-def live(rds, cfg, version: int, events: int, accept: int, edit: int = 0, revert: int = 0,
-         judged_at: float | None = None) -> None:
-    """What ingest does per judged event, in bulk: the version's live counters grow (reverts also per bucket of
-    when the generation they undo was judged: now, unless ``judged_at``)."""
-    rds.hincrby(keys.live(cfg.topics.prefix, version), "revert", revert)
-    rds.hincrby(keys.live(cfg.topics.prefix, version), keys.revert_field(judged_at or time.time() + 60), revert)
-    rds.hincrby(keys.live(cfg.topics.prefix, version), "events", events)
-    rds.hincrby(keys.live(cfg.topics.prefix, version), "accept", accept)
-    rds.hincrby(keys.live(cfg.topics.prefix, version), "edit", edit)
-    rds.hincrby(keys.live(cfg.topics.prefix, version), "reject", events - accept - edit)
+def feed(rds, cfg, version: int, bucket: int, users: dict[str, tuple[int, ...]], tokens: int = 4,
+         latency_ms: float | None = None) -> None:
+    """What ingest's script adds for judged events in one bucket: per user (events, accepts, edits, reverts), and the
+    bucket's totals under ``*`` (with ``tokens`` per event, and ``latency_ms`` when timed)."""
+    key = keys.units(cfg.topics.prefix, version, bucket)
+    pipe = rds.pipeline()
+    tot = dict.fromkeys(("e", "a", "d", "r"), 0)
+    for u, row in users.items():
+        for f, n in zip("eadr", row):
+            if n:
+                pipe.hincrby(key, f"{u}|{f}", int(n))
+                tot[f] += int(n)
+        pipe.hincrby(key, f"{u}|t", tokens * int(row[0]))
+    for f, n in tot.items():
+        pipe.hincrby(key, f"*|{f}", n)
+    pipe.hincrby(key, "*|t", tokens * tot["e"])
+    pipe.hincrby(key, "*|t2", tokens * tokens * tot["e"])
+    if latency_ms is not None:
+        pipe.hincrby(key, "*|m", round(latency_ms * tot["e"]))
+        pipe.hincrby(key, "*|m2", round(latency_ms ** 2 * tot["e"]))
+        pipe.hincrby(key, "*|n", tot["e"])
+    pipe.execute()
 
 
-def timed(rds, cfg, version: int, n: int, latency_ms: float, sd_ms: float, tokens: float = 4.0) -> None:
-    """The guardrail sums ingest adds for ``n`` judged generations (keys.judged_fields): latency with mean
-    ``latency_ms`` and standard deviation ``sd_ms``, ``tokens`` completion tokens each."""
-    key = keys.live(cfg.topics.prefix, version)
-    rds.hincrby(key, "timed", n)
-    rds.hincrby(key, "latency_ms", round(n * latency_ms))
-    rds.hincrby(key, "latency_ms_sq", round(n * (latency_ms ** 2 + sd_ms ** 2)))
-    rds.hincrby(key, "tokens", round(n * tokens))
-    rds.hincrby(key, "tokens_sq", round(n * (tokens ** 2 + 1.0)))
+def population(n: int, seed: int = 0) -> tuple[list[str], np.ndarray]:
+    """``n`` users with heterogeneous acceptance (two segments, as in the demo)."""
+    rng = np.random.default_rng(seed)
+    return [fleet.unit_id(f"user-{seed}-{i}") for i in range(n)], np.where(rng.random(n) < 0.5, 0.7, 0.25)
+
+
+def traffic(rds, cfg, rollout, buckets: range, lift: float, n_users: int = 400, per_bucket: int = 300,
+            seed: int = 0, revert_share: float = 0.0, latency_ms: tuple[float, float] | None = None) -> None:
+    """``per_bucket`` events a bucket from a population split by the real assignment (``fleet.bucket``): each user's
+    acceptance on the canary is theirs plus ``lift``; ``revert_share`` of the canary's accepts are reverted (written in
+    the judgement's bucket, as ingest does)."""
+    ids, p = population(n_users, seed)
+    secret = b"test-assignment-secret-0123456789"
+    on_canary = np.array([fleet.bucket(secret, rollout.id, u) < rollout.share for u in ids])
+    rng = np.random.default_rng(seed + 1)
+    for b in buckets:
+        arms: dict[int, dict[str, list[int]]] = {rollout.version: {}, rollout.stable_version: {}}
+        for i in rng.integers(0, n_users, per_bucket):
+            canary = bool(on_canary[i])
+            acc = rng.random() < min(1.0, max(0.0, p[i] + (lift if canary else 0.0)))
+            rev = canary and acc and rng.random() < revert_share
+            row = arms[rollout.version if canary else rollout.stable_version].setdefault(ids[i], [0, 0, 0, 0])
+            row[0] += 1
+            row[1] += acc
+            row[3] += rev
+        for v, users in arms.items():
+            lat = None if latency_ms is None else latency_ms[0 if v == rollout.version else 1]
+            feed(rds, cfg, v, b, {u: tuple(r) for u, r in users.items()}, latency_ms=lat)
 
 
 def start(gate, registry, rds, cfg, seed: int = 1):
     row = registry.add_candidate(weights(0.9, 1.0, seed=seed), parent=registry.stable().version)
     [v] = gate.step()
-    assert v.verdict == "canary" and "canary on node-b" in v.reason
-    assert registry.get(row.version).status == "canary" and registry.stable().version == 0
-    plan = read_plan(rds, cfg.topics.prefix)
-    assert plan.version == row.version and plan.nodes == ["node-b"] and plan.share == pytest.approx(0.2)
-    assert plan.stable_baseline["events"] == 1000  # stable's history before the canary does not count
+    assert v.verdict == "canary" and "canary on node-" in v.reason, v.reason
+    rollout = registry.active_rollout()
+    assert rollout.version == row.version and registry.get(row.version).status == "canary"
+    assert registry.stable().version == rollout.stable_version
     ann = VersionAnnouncement.from_bytes(rds.get(keys.canary(cfg.topics.prefix)))
-    assert (ann.version, ann.checksum) == (row.version, row.checksum) and desired(rds, cfg).version == 0
-    return row
+    assert (ann.version, ann.channel, ann.rollout.rollout_id, ann.rollout.nodes) == \
+        (row.version, "canary", rollout.id, rollout.nodes)
+    return rollout
 
 
-def test_a_better_canary_is_promoted_on_live_evidence(cfg, rds, fleet):
-    gate, registry = fleet
-    row = start(gate, registry, rds, cfg)
-    live(rds, cfg, row.version, 20, 14)
-    live(rds, cfg, 0, 80, 32)
-    [v] = gate.step()
-    assert v.verdict == "canary" and v.reason.startswith("collecting evidence: canary v")  # too few events yet
-    assert registry.get(row.version).status == "canary"
-    live(rds, cfg, row.version, 300, 210)  # 70% against 40%
-    live(rds, cfg, 0, 1200, 480)
+def after(rollout, cfg, buckets: int) -> float:
+    """The time at which the rollout's first ``buckets`` buckets are all final (their revert horizon closed)."""
+    return (first_bucket(rollout.started_at) + buckets) * keys.UNIT_BUCKET_S + cfg.gate.revert_horizon_s + SETTLE_S + 1
+
+
+def first(rollout, n: int) -> range:
+    b0 = first_bucket(rollout.started_at)
+    return range(b0, b0 + n)
+
+
+def test_a_better_canary_is_promoted_on_per_user_evidence(cfg, rds, fleet2):
+    gate, registry = fleet2
+    r = start(gate, registry, rds, cfg)
+    traffic(rds, cfg, r, first(r, 12), lift=0.15)
+    [v] = gate.step()  # the clock has not passed the horizon: nothing read yet
+    assert v.verdict == "canary" and "on 0 events" in v.reason, v.reason
+    gate.canary.clock = lambda: after(r, cfg, 12)
     [v] = gate.step()
     assert v.verdict == "promoted", v.reason
-    assert registry.stable().version == row.version and desired(rds, cfg).version == row.version
-    assert rds.get(keys.rollout(cfg.topics.prefix)) is None and rds.get(keys.canary(cfg.topics.prefix)) is None
-    [g] = [g for g in registry.gate_results(row.version) if g.check == "canary"]
-    assert g.passed and "acceptance better than stable" in g.detail and "on 320 vs stable v0" in g.detail
-    assert registry.audit(version=row.version)[-1].reason.startswith("canary passed")
+    assert registry.stable().version == r.version and desired(rds, cfg).version == r.version
+    assert rds.get(keys.canary(cfg.topics.prefix)) is None and registry.active_rollout() is None
+    [g] = [g for g in registry.gate_results(r.version) if g.check == "canary"]
+    assert g.passed and "acceptance better than stable" in g.detail and "unit user" in g.detail
+    assert registry.rollout(r.id).state == "promoted"
     text = gate.metrics_text().decode()
     assert 'liverl_gate_rollouts_total{outcome="promoted"} 1.0' in text and "liverl_gate_canary_share 0.0" in text
 
 
-def test_a_canary_is_not_promoted_before_canary_min_s_and_early_evidence_does_not_count(cfg, rds, fleet):
-    """Reverts arrive late: a canary that looks fine in its first minutes (no revert has come in yet, on either side)
-    must not pass on that. Before gate.canary_min_s it only continues (or aborts), and passing evidence from then
-    is not kept; after it, the evidence gathered from then on decides."""
-    gate, registry = fleet
-    cfg.gate.canary_min_s = 600.0
-    row = start(gate, registry, rds, cfg)
-    live(rds, cfg, row.version, 320, 224)  # 70% against 40%: enough to promote at once without the rule
-    live(rds, cfg, 0, 1280, 512)
+def test_a_worse_canary_is_aborted_and_its_nodes_return_to_stable(cfg, rds, fleet2):
+    gate, registry = fleet2
+    r = start(gate, registry, rds, cfg)
+    traffic(rds, cfg, r, first(r, 12), lift=-0.2)
+    gate.canary.clock = lambda: after(r, cfg, 12)
     [v] = gate.step()
-    assert v.verdict == "canary" and "settling: no promotion in the first gate.canary_min_s 600 s" in v.reason
-    plan = read_plan(rds, cfg.topics.prefix)
-    assert not any(k.endswith(":pass") for k in plan.max_log_lr)  # what passed early is not carried
-    rds.set(keys.rollout(cfg.topics.prefix), plan.model_copy(update={"started_at": plan.started_at - 601}).to_json())
+    assert v.verdict == "aborted" and "acceptance is worse than stable" in v.reason, v.reason
+    assert registry.get(r.version).status == "rejected" and registry.stable().version == 0
+    assert desired(rds, cfg).version == 0 and rds.get(keys.canary(cfg.topics.prefix)) is None
+
+
+def test_reverts_that_come_after_the_accept_count_before_any_promotion(cfg, rds, fleet2):
+    """A reward-hacking candidate: users accept its bait now and revert most of it up to the revert horizon later. A
+    bucket is read only once its horizon has closed, so an accept is never counted as kept before its revert could
+    come in (finding N10: counted as they arrived, the newest accepts looked kept and promoted the bait)."""
+    gate, registry = fleet2
+    r = start(gate, registry, rds, cfg)
+    b0 = first(r, 1)[0]
+    traffic(rds, cfg, r, range(b0, b0 + 4), lift=0.4, per_bucket=1500)  # the accepts, 40 seconds of them
+    gate.canary.clock = lambda: (b0 + 4) * keys.UNIT_BUCKET_S + 1  # no revert has come in yet
     [v] = gate.step()
-    assert v.verdict == "promoted", v.reason
-
-
-def test_a_worse_canary_is_aborted_and_its_nodes_return_to_stable(cfg, rds, fleet):
-    gate, registry = fleet
-    row = start(gate, registry, rds, cfg)
-    live(rds, cfg, row.version, 300, 60)  # 20% against 40%
-    live(rds, cfg, 0, 1200, 480)
+    assert v.verdict == "canary" and "on 0 events" in v.reason, v.reason  # no bucket's horizon has closed yet
+    _reverts(rds, cfg, r, range(b0, b0 + 4))  # they arrive within the horizon
+    gate.canary.clock = lambda: after(r, cfg, 4)
     [v] = gate.step()
-    assert v.verdict == "aborted" and "acceptance is worse than stable" in v.reason
-    assert registry.get(row.version).status == "rejected" and registry.stable().version == 0
-    assert desired(rds, cfg).version == 0
-    assert rds.get(keys.rollout(cfg.topics.prefix)) is None and rds.get(keys.canary(cfg.topics.prefix)) is None
-    assert 'liverl_gate_rollouts_total{outcome="aborted"} 1.0' in gate.metrics_text().decode()
-    assert "liverl_gate_refused_in_a_row 1.0" in gate.metrics_text().decode()
-    row2 = registry.add_candidate(weights(0.9, 1.0, seed=2), parent=0)  # the next candidate gets its own canary
-    assert gate.step()[0].verdict == "canary" and read_plan(rds, cfg.topics.prefix).version == row2.version
+    assert v.verdict == "aborted" and "revert_rate is worse" in v.reason, v.reason
+    assert registry.stable().version == 0
 
 
-def test_a_guardrail_shown_worse_aborts_even_when_acceptance_is_better(cfg, rds, fleet):
-    gate, registry = fleet
-    row = start(gate, registry, rds, cfg)
-    live(rds, cfg, row.version, 400, 240, edit=120)  # accepted more, but users had to edit 30% of answers
-    live(rds, cfg, 0, 1600, 640, edit=32)
-    [v] = gate.step()
-    assert v.verdict == "aborted" and "guardrail edit_rate is worse" in v.reason
-    assert registry.get(row.version).status == "rejected"
+def _reverts(rds, cfg, rollout, buckets: range, share: float = 0.9) -> None:
+    """Revert ``share`` of the canary's accepts in ``buckets`` (in the judgements' buckets, as ingest counts them)."""
+    rng = np.random.default_rng(11)
+    for b in buckets:
+        key = keys.units(cfg.topics.prefix, rollout.version, b)
+        fields = rds.hgetall(key)
+        total = 0
+        for k, n in fields.items():
+            u, _, f = k.rpartition("|")
+            if f == "a" and u != "*":
+                rev = int(rng.binomial(int(n), share))
+                if rev:
+                    rds.hincrby(key, f"{u}|r", rev)
+                    total += rev
+        rds.hincrby(key, "*|r", total)
 
 
-def test_reward_hacking_shows_as_reverts_and_the_canary_is_aborted(cfg, rds, fleet):
-    """A candidate that learned what users accept but later undo (the trap): more accepts, many reverted."""
-    gate, registry = fleet
-    row = start(gate, registry, rds, cfg)
-    live(rds, cfg, row.version, 400, 280, revert=120)  # 70% accepted, but 30% of all answers reverted later
-    live(rds, cfg, 0, 1600, 640, revert=32)
-    [v] = gate.step()
-    assert v.verdict == "aborted" and "guardrail revert_rate is worse" in v.reason
-    assert registry.get(row.version).status == "rejected"
-
-
-def test_reverts_that_arrive_during_a_canary_for_answers_judged_before_it_do_not_count_against_stable(cfg, rds, fleet):
-    """Reverts come late. The stable arm's reverts that arrive during the canary include reverts of answers judged
-    before it began; the canary's cannot. Counting those would make stable look worse and pass a canary that reverts
-    more: each arm counts the reverts of answers judged during the canary (keys.revert_field buckets)."""
-    gate, registry = fleet
-    cfg.gate.canary_min_events = 50
-    row = start(gate, registry, rds, cfg)
-    live(rds, cfg, 0, 0, 0, revert=300, judged_at=time.time() - 120)  # old answers of stable, reverted now
-    live(rds, cfg, row.version, 2000, 800, revert=200)  # 10% of the canary's answers reverted
-    live(rds, cfg, 0, 2000, 800, revert=40)  # 2% of stable's answers judged during the canary
+def test_a_guardrail_shown_worse_aborts_even_when_acceptance_is_better(cfg, rds, fleet2):
+    gate, registry = fleet2
+    r = start(gate, registry, rds, cfg)
+    traffic(rds, cfg, r, first(r, 12), lift=0.1, revert_share=0.3)
+    gate.canary.clock = lambda: after(r, cfg, 12)
     [v] = gate.step()
     assert v.verdict == "aborted" and "guardrail revert_rate is worse" in v.reason, v.reason
-    assert "revert rate 0.100 vs 0.020" in v.reason
 
 
-def test_both_arms_count_reverts_from_the_same_first_whole_bucket(cfg, rds, fleet):
-    """The stable arm cannot tell which of its reverts in the canary's first (partial) 10 s bucket undo answers judged
-    before the canary, so it skips that bucket; the canary's reverts there are skipped too. Counting them made honest
-    canaries look worse early on (measured in the demo: revert rate 0.030 vs 0.000 fifteen seconds in, aborted)."""
-    gate, registry = fleet
-    row = start(gate, registry, rds, cfg)
-    started = read_plan(rds, cfg.topics.prefix).started_at  # inside the first bucket: it is partial
-    live(rds, cfg, row.version, 400, 160, revert=30, judged_at=started)
-    live(rds, cfg, 0, 1600, 640)
-    [v] = gate.step()
-    assert v.verdict == "canary" and "revert rate 0.000 vs 0.000" in v.reason, v.reason
-
-
-def test_success_is_acceptance_users_kept_not_accepts_they_later_reverted(cfg, rds, fleet):
-    """More accepts, but a quarter of all answers undone later: kept 35% against stable's 45%. The success metric
-    itself says worse, not only the revert guardrail."""
-    gate, registry = fleet
-    row = start(gate, registry, rds, cfg)
-    live(rds, cfg, row.version, 2000, 1200, revert=500)
-    live(rds, cfg, 0, 2000, 900)
-    [v] = gate.step()
-    assert v.verdict == "aborted", v.reason
-    assert f"canary v{row.version} acceptance 0.350 on 2000 vs stable v0 0.450 on 2000 (p better 1, p worse 1.28e-07)" \
-        in v.reason  # the success test alone shows it worse
-
-
-def test_an_undecided_canary_is_aborted_at_its_deadline(cfg, rds, fleet):
-    gate, registry = fleet
-    row = start(gate, registry, rds, cfg)
-    live(rds, cfg, row.version, 100, 40)
-    live(rds, cfg, 0, 400, 160)
-    assert gate.step()[0].verdict == "canary"
-    plan = read_plan(rds, cfg.topics.prefix)
-    assert len(plan.looks) == 1 and plan.looks[0].canary_events == 100
-    rds.set(keys.rollout(cfg.topics.prefix), plan.model_copy(update={"deadline_at": time.time() - 1}).to_json())
-    [v] = gate.step()
-    assert v.verdict == "aborted" and "deadline passed" in v.reason and registry.get(row.version).status == "rejected"
-
-
-def test_peeking_state_survives_a_gate_restart_and_a_rollback_aborts_the_canary(cfg, rds, fleet):
-    gate, registry = fleet
-    row = start(gate, registry, rds, cfg)
-    live(rds, cfg, row.version, 200, 110)
-    live(rds, cfg, 0, 800, 320)
-    gate.step()
-    state = read_plan(rds, cfg.topics.prefix).max_log_lr
-    assert state  # the tests' running maxima are in Redis, not in the gate's memory
-    gate2 = Gate(cfg, registry, rds, ProbeEval())  # a restarted gate goes on where the first one was
-    gate2.step()
-    assert read_plan(rds, cfg.topics.prefix).max_log_lr["acceptance:pass"] >= state["acceptance:pass"]
-    other = registry.add_candidate(weights(0.8, 1.0, seed=4), parent=0)
-    registry.promote(other.version, actor="alice", reason="operator's choice", force=True)
-    [v] = gate2.step()
-    assert v.verdict == "aborted" and "stable version changed" in v.reason
-    assert registry.get(row.version).status == "rejected" and registry.stable().version == other.version
-
-
-def test_operators_pause_resume_and_abort_a_canary_with_identity_and_reason(cfg, rds, fleet, capsys):
-    from liverl.admin import cmd_rollout, cmd_status
-    from tests.liverl.test_admin import _operators
-
-    gate, registry = fleet
-    _admin, alice, vic = _operators(cfg)
-    assert cmd_rollout(cfg, "pause", "no rollout yet", alice) == 1 and "no canary" in capsys.readouterr().err
-    row = start(gate, registry, rds, cfg)
-    assert cmd_status(cfg) == 0
-    out = capsys.readouterr().out
-    assert f"canary v{row.version}" in out and "node-b" in out and "20%" in out
-    assert cmd_rollout(cfg, "pause", "looking at complaints", vic) == 1  # a viewer may not
-    assert cmd_rollout(cfg, "pause", "looking at complaints", alice) == 0
-    assert read_plan(rds, cfg.topics.prefix).state == "paused"
-    live(rds, cfg, row.version, 300, 210)
-    live(rds, cfg, 0, 1200, 480)
-    [v] = gate.step()
-    assert v.verdict == "canary" and "paused" in v.reason and registry.get(row.version).status == "canary"
-    assert cmd_rollout(cfg, "resume", "complaints unrelated", alice) == 0
-    assert gate.step()[0].verdict == "promoted"
-
-    row2 = registry.add_candidate(weights(0.9, 1.0, seed=5), parent=row.version)
-    assert gate.step()[0].verdict == "canary"
-    assert cmd_rollout(cfg, "abort", "incident 7", alice) == 0
-    assert registry.get(row2.version).status == "rejected" and rds.get(keys.rollout(cfg.topics.prefix)) is None
-    actions = [(a.actor, a.action, a.reason) for a in registry.audit()]
-    assert ("alice", "canary_pause", "looking at complaints") in actions
-    assert ("alice", "rejected", "canary aborted: aborted by alice: incident 7") in actions
-    assert gate.step() == [] and registry.stable().version == row.version
-
-
-def test_a_slower_canary_is_aborted_on_the_latency_guardrail(cfg, rds, fleet):
-    """Better acceptance does not buy a canary twice the latency: the guardrail is shown worse than stable's by more
-    than gate.guardrail_tolerance (10%) and the rollout aborts."""
-    gate, registry = fleet
-    timed(rds, cfg, 0, 1000, 200, 80)
-    row = start(gate, registry, rds, cfg)
-    live(rds, cfg, row.version, 400, 280)  # 70% against 40%: the success metric alone would promote
-    timed(rds, cfg, row.version, 400, 400, 80)
-    live(rds, cfg, 0, 1600, 640)
-    timed(rds, cfg, 0, 1600, 200, 80)
-    [v] = gate.step()
-    assert v.verdict == "aborted" and "guardrail latency is worse than stable" in v.reason, v.reason
-    assert "latency 400 vs 200" in v.reason and registry.get(row.version).status == "rejected"
-
-
-def test_length_and_latency_within_tolerance_do_not_hold_a_better_canary(cfg, rds, fleet):
-    """5% slower and slightly longer, inside the 10% tolerance: promoted once every guardrail is shown non-inferior."""
-    gate, registry = fleet
-    timed(rds, cfg, 0, 1000, 200, 60, tokens=4.0)
-    row = start(gate, registry, rds, cfg)
-    live(rds, cfg, row.version, 600, 420)
-    timed(rds, cfg, row.version, 600, 210, 60, tokens=4.1)
-    live(rds, cfg, 0, 2400, 960)
-    timed(rds, cfg, 0, 2400, 200, 60, tokens=4.0)
-    [v] = gate.step()
-    assert v.verdict == "promoted", v.reason
-    [g] = [g for g in registry.gate_results(row.version) if g.check == "canary"]
-    assert "response_length 4.1 vs 4" in g.detail and "latency 210 vs 200" in g.detail
-
-
-def test_without_timed_generations_the_latency_guardrail_is_not_required(cfg, rds, fleet):
-    """Records from a gateway that does not time them carry no latency: the canary is decided without that guardrail
-    (it cannot wait for evidence that never comes)."""
-    gate, registry = fleet
-    row = start(gate, registry, rds, cfg)
-    live(rds, cfg, row.version, 300, 210)
-    live(rds, cfg, 0, 1200, 480)
-    [v] = gate.step()
-    assert v.verdict == "promoted", v.reason
-    assert "latency" not in v.reason
-
-
-def test_a_latency_spike_while_the_canary_settles_does_not_abort_it(cfg, rds, fleet):
-    """A node that has just swapped runs hot for a few seconds (measured in the demo: 421 vs 142 ms in the canary's
-    first 104 requests, aborted 5 s in). Latency and length are not judged worse before gate.canary_min_s; the same
-    evidence after it aborts."""
-    gate, registry = fleet
-    cfg.gate.canary_min_s = 600.0
-    timed(rds, cfg, 0, 1000, 140, 40)
-    row = start(gate, registry, rds, cfg)
-    live(rds, cfg, row.version, 104, 60)
-    timed(rds, cfg, row.version, 104, 420, 80)
-    live(rds, cfg, 0, 630, 300)
-    timed(rds, cfg, 0, 630, 140, 40)
-    [v] = gate.step()
-    assert v.verdict == "canary" and v.reason.startswith("settling"), v.reason
-    assert "latency:harm" not in read_plan(rds, cfg.topics.prefix).max_log_lr
-    cfg.gate.canary_min_s = 0.0
+def test_a_slower_canary_is_aborted_on_the_latency_guardrail_tested_on_batch_means(cfg, rds, fleet2):
+    gate, registry = fleet2
+    ids, _ = population(50)
+    for b in range(first_bucket(time.time()) - 30, first_bucket(time.time()) - 1):  # stable's figures before it
+        feed(rds, cfg, 0, b, {u: (2, 1, 0, 0) for u in ids}, latency_ms=200.0)
+    r = start(gate, registry, rds, cfg)
+    assert r.settings["latency_band"] == pytest.approx(cfg.gate.latency_tolerance * 200.0)
+    traffic(rds, cfg, r, first(r, 12), lift=0.0, latency_ms=(400.0, 200.0))
+    gate.canary.clock = lambda: after(r, cfg, 12)
     [v] = gate.step()
     assert v.verdict == "aborted" and "guardrail latency is worse" in v.reason, v.reason
+
+
+def test_an_undecided_canary_is_aborted_at_its_deadline(cfg, rds, fleet2):
+    gate, registry = fleet2
+    cfg.gate.canary_deadline_s = 60.0
+    r = start(gate, registry, rds, cfg)
+    traffic(rds, cfg, r, first(r, 3), lift=0.0)
+    gate.canary.clock = lambda: r.deadline_at + 1
+    [v] = gate.step()
+    assert v.verdict == "aborted" and "deadline passed" in v.reason, v.reason
+
+
+def test_the_test_state_lives_in_the_registry_and_survives_a_gate_restart(cfg, rds, fleet2):
+    gate, registry = fleet2
+    r = start(gate, registry, rds, cfg)
+    traffic(rds, cfg, r, first(r, 4), lift=0.15)
+    gate.canary.clock = lambda: after(r, cfg, 4)
+    [v] = gate.step()
+    state = registry.rollout(r.id).test_state
+    assert v.verdict in ("canary", "promoted") and state, v.reason
+    rds.set(keys.rollout(cfg.topics.prefix), "{}")  # Redis holds nothing the gate reads back
+    if v.verdict == "canary":
+        again = Gate(cfg, registry, rds, ProbeEval())  # a restarted gate reads the buckets again, from the registry's
+        again.canary.clock = gate.canary.clock  # rollout, and carries on with the registry's test state
+        traffic(rds, cfg, r, range(first(r, 4).stop, first(r, 12).stop), lift=0.15, seed=3)
+        again.canary.clock = lambda: after(r, cfg, 12)
+        [v] = again.step()
+        assert v.verdict == "promoted", v.reason
+
+
+def test_a_forged_plan_or_test_state_in_redis_decides_nothing(cfg, rds, fleet2):
+    """Finding N2 (a), (b): Redis held the rollout plan and the test's state. Now the registry does; whatever is
+    written to ``<p>:rollout`` is never read."""
+    gate, registry = fleet2
+    r = start(gate, registry, rds, cfg)
+    forged = {"version": r.version, "checksum": r.checksum, "stable_version": 0, "share": 1.0, "nodes": list(NODES),
+              "deadline_at": time.time() + 600, "state": "running",  # what main's gate restored its test state from
+              "max_log_lr": {"acceptance:pass": 50, "edit_rate:pass": 50, "revert_rate:pass": 50}}
+    rds.set(keys.rollout(cfg.topics.prefix), json.dumps(forged))
+    traffic(rds, cfg, r, first(r, 3), lift=0.0)
+    gate.canary.clock = lambda: after(r, cfg, 3)
+    [v] = gate.step()
+    assert v.verdict == "canary" and registry.stable().version == 0, v.reason
+    ann = VersionAnnouncement.from_bytes(rds.get(keys.canary(cfg.topics.prefix)))
+    assert ann.rollout.share == 0.5 and len(ann.rollout.nodes) == 1  # the gate's terms, not the forged ones
+
+
+def test_an_operator_pause_between_the_gates_read_and_its_promotion_holds(cfg, rds, fleet2, monkeypatch):
+    """Finding N12: the gate decided to promote on a read of a running rollout; an operator paused it meanwhile. The
+    promotion is a compare-and-set on a running rollout: the pause wins."""
+    gate, registry = fleet2
+    r = start(gate, registry, rds, cfg)
+    traffic(rds, cfg, r, first(r, 12), lift=0.15)
+    gate.canary.clock = lambda: after(r, cfg, 12)
+    real = gate.canary.build_tests
+
+    def pausing(*a, **kw):
+        out = real(*a, **kw)
+        registry.set_rollout_state(r.id, "paused", actor="alice", reason="looking at the reverts")
+        return out
+
+    monkeypatch.setattr(gate.canary, "build_tests", pausing)
+    [v] = gate.step()
+    assert v.verdict == "canary", v.reason
+    assert registry.rollout(r.id).state == "paused" and registry.get(r.version).status == "canary"
+    monkeypatch.setattr(gate.canary, "build_tests", real)
+    [v] = gate.step()
+    assert v.verdict == "canary" and "paused by an operator" in v.reason
+    registry.set_rollout_state(r.id, "running", actor="alice", reason="reverts are fine")
+    [v] = gate.step()
+    assert v.verdict == "promoted", v.reason
+
+
+def test_a_sample_ratio_mismatch_stops_the_canary(cfg, rds, fleet2):
+    """Half the users should be on the canary; a broken assignment (or logging) shows as far fewer: stopped, reason
+    srm, whatever the metrics say."""
+    gate, registry = fleet2
+    r = start(gate, registry, rds, cfg)
+    ids, p = population(600)
+    rng = np.random.default_rng(5)
+    for b in first(r, 12):
+        canary, stable = {}, {}
+        for i in rng.integers(0, 600, 300):
+            side = canary if i < 60 else stable  # 10% of the users reach the canary, not 50%
+            row = side.setdefault(ids[i], [0, 0, 0, 0])
+            row[0] += 1
+            row[1] += rng.random() < p[i]
+        feed(rds, cfg, r.version, b, {u: tuple(x) for u, x in canary.items()})
+        feed(rds, cfg, 0, b, {u: tuple(x) for u, x in stable.items()})
+    gate.canary.clock = lambda: after(r, cfg, 12)
+    [v] = gate.step()
+    assert v.verdict == "aborted" and v.reason.startswith("srm"), v.reason
+
+
+def test_the_request_unit_tests_each_judged_event(cfg, rds, fleet2):
+    gate, registry = fleet2
+    cfg.gate.canary_unit = "request"
+    r = start(gate, registry, rds, cfg)
+    assert r.unit == "request"
+    ann = VersionAnnouncement.from_bytes(rds.get(keys.canary(cfg.topics.prefix)))
+    assert ann.rollout.unit == "request"
+    traffic(rds, cfg, r, first(r, 12), lift=0.15)
+    gate.canary.clock = lambda: after(r, cfg, 12)
+    [v] = gate.step()
+    assert v.verdict == "promoted" and "unit request" in v.reason, v.reason
+
+
+def test_with_a_configured_fleet_of_two_and_one_node_down_the_decision_is_deferred_not_made_without_a_canary(
+        cfg, rds, fleet2):
+    """Finding N9: a 2-node fleet with one node restarting promoted fleet-wide with no live evidence."""
+    gate, registry = fleet2
+    beat(rds, cfg, "node-b", healthy=False)
+    row = registry.add_candidate(weights(0.9, 1.0, seed=1), parent=0)
+    [v] = gate.step()
+    assert v.verdict == "deferred" and "a canary needs 2 routable nodes" in v.reason, v.reason
+    assert registry.get(row.version).status == "candidate" and registry.stable().version == 0
+    beat(rds, cfg, "node-b")
+    [v] = gate.step()
+    assert v.verdict == "canary", v.reason
+
+
+def test_a_heartbeat_of_a_node_the_config_does_not_name_is_never_a_canary_node(cfg, rds, fleet2):
+    gate, registry = fleet2
+    beat(rds, cfg, "node-b", healthy=False)
+    beat(rds, cfg, "evil")  # a forged heartbeat (finding N3): not in serving.fleet
+    registry.add_candidate(weights(0.9, 1.0, seed=1), parent=0)
+    [v] = gate.step()
+    assert v.verdict == "deferred", v.reason
+
+
+def test_canary_nodes_rotate_from_one_rollout_to_the_next(cfg, rds, fleet2):
+    gate, registry = fleet2
+    seen = set()
+    for seed in (1, 2, 3):
+        r = start(gate, registry, rds, cfg, seed=seed)
+        seen.add(tuple(r.nodes))
+        registry.finish_rollout_abort(r.id, actor="alice", reason="next one")
+        gate.step()
+    assert len(seen) == 2
+
+
+def test_a_rollback_during_the_canary_aborts_it(cfg, rds, fleet2):
+    """An operator rolls back the stable version while a canary runs: the canary was judged against a version no
+    longer served, so it is aborted, never promoted over the rollback."""
+    gate, registry = fleet2
+    row = registry.add_candidate(weights(0.9, 1.0, seed=5), parent=0)
+    registry.promote(row.version, actor="alice", reason="hotfix", expected_stable=0, from_candidate=True)
+    gate.step()
+    r = start(gate, registry, rds, cfg, seed=6)
+    assert r.stable_version == row.version
+    registry.rollback(actor="alice", reason="the hotfix was bad")
+    traffic(rds, cfg, r, first(r, 12), lift=0.15)
+    gate.canary.clock = lambda: after(r, cfg, 12)
+    [v] = gate.step()
+    assert v.verdict == "aborted" and "stable version changed" in v.reason, v.reason
+    assert registry.get(r.version).status == "rejected" and registry.stable().version == 0
+
+
+def test_a_candidate_the_offpolicy_check_defers_is_never_promoted_without_a_canary(cfg, rds, fleet2, monkeypatch):
+    gate, registry = fleet2
+    cfg.gate.canary_share = 0.0  # no canary can run
+    monkeypatch.setattr(gate, "_evidence", lambda row, stable, state: {"drift": True, "offpolicy": True,
+                                                                        "needs_canary": True})
+    row = registry.add_candidate(weights(0.9, 1.0, seed=1), parent=0)
+    [v] = gate.step()
+    assert v.verdict == "rejected" and "deferred to a canary" in v.reason, v.reason
+    assert registry.get(row.version).status == "rejected" and registry.stable().version == 0

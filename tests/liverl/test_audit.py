@@ -16,7 +16,7 @@ from liverl.audit import run_audit
 from liverl.core import keys
 from liverl.core.bus import ensure_topics, make_producer
 from liverl.core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, SamplingParams, TrainingSample
-from tests.deploy.conftest import tiny_model
+from tests.deploy.conftest import perturb, tiny_model
 
 
 def _gen(gid: str, trainable: bool = True) -> GenerationRecord:
@@ -98,12 +98,17 @@ def test_the_audit_names_every_events_fate(cfg, rds):
         assert not rep.converged and any("node-1" in m for m in rep.problems())
         # ... unless a canary of that version runs on node-1: then that is what node-1 should serve
 
-        rds.set(keys.rollout(p), keys.RolloutPlan(version=3, checksum="x", stable_version=0, share=0.2,
-                                                  nodes=["node-1"], deadline_at=time.time() + 60).to_json())
+        rds.set(keys.rollout(p), '{"version": 3, "nodes": ["node-1"]}')  # Redis alone says nothing here
         rep = run_audit(cfg, cfg.broker.bootstrap, rds, reg)
-        assert rep.converged and rep.nodes["node-1"]["canary"] == 3
+        assert not rep.converged
+        v1 = reg.add_candidate(perturb(tiny_model(), 0.05, seed=1), parent=0)
+        reg.begin_rollout(v1.version, stable_version=0, share=0.2, nodes=["node-1"], unit="user",
+                          deadline_at=time.time() + 60, settings={}, actor="gate", reason="canary")
+        rds.set(f"{p}:served:node-1", json.dumps({"version": v1.version, "checksum": v1.checksum, "ts": time.time()}))
+        rep = run_audit(cfg, cfg.broker.bootstrap, rds, reg)
+        assert rep.converged and rep.nodes["node-1"]["canary"] == v1.version
         rds.set(f"{p}:served:node-1", json.dumps({"version": 0, "checksum": v0.checksum, "ts": time.time()}))
         rep = run_audit(cfg, cfg.broker.bootstrap, rds, reg)
-        assert not rep.converged and any("not the canary v3" in m for m in rep.problems())
+        assert not rep.converged and any(f"not the canary v{v1.version}" in m for m in rep.problems())
     finally:
         reg.close()

@@ -62,25 +62,34 @@ def test_the_page_shows_release_fleet_acceptance_checks_and_audit(cfg, rds, flee
         text = _text(_render(url, tmp_path))
         assert "nodes disagree with the stable version" in text and "rollout: none in progress" in text
 
-        # a canary in progress: its plan, its evidence over time
-        from liverl.core import keys
+        # a canary in progress: the registry's rollout, its evidence over time
+        from deploy.registry import open_registry
+        from tests.deploy.conftest import perturb, tiny_model
 
-        looks = [keys.CanaryLook(at=time.time() - 60 + 10 * i, canary_events=40 * i, stable_events=160 * i,
-                                 canary_acceptance=0.5 + 0.02 * i, stable_acceptance=0.4, p_better=0.5 / (i + 1),
-                                 p_worse=1.0) for i in range(1, 6)]
-        plan = keys.RolloutPlan(version=v2.version, checksum=v2.checksum, stable_version=v1.version, share=0.2,
-                                nodes=["node-0"], deadline_at=time.time() + 600, looks=looks,
-                                reason="collecting evidence")
-        rds.set(f"{cfg.topics.prefix}:rollout", plan.to_json())
+        reg = open_registry(cfg)
+        try:
+            v3 = reg.add_candidate(perturb(tiny_model(), 0.05, seed=3), parent=v1.version)
+            ro = reg.begin_rollout(v3.version, stable_version=v1.version, share=0.2, nodes=["node-0"], unit="user",
+                                   deadline_at=time.time() + 600, settings={}, actor="gate", reason="gate passed")
+            looks = [{"at": time.time() - 60 + 10 * i, "canary_events": 40 * i, "stable_events": 160 * i,
+                      "canary_acceptance": 0.5 + 0.02 * i, "stable_acceptance": 0.4, "p_better": 0.5 / (i + 1),
+                      "p_worse": 1.0, "canary_users": 10 * i, "stable_users": 40 * i} for i in range(1, 6)]
+            reg.save_rollout_evidence(ro.id, expect_revision=ro.revision, test_state={}, looks=looks,
+                                      verdict="continue", reason="collecting evidence")
+        finally:
+            reg.close()
+        rds.set(f"{cfg.topics.prefix}:rollout", '{"version": 99, "nodes": ["evil"]}')  # Redis decides nothing
         dom = _render(url, tmp_path, screenshot=True)
         text = _text(dom)
-        assert f"canary v{v2.version} on node-0 for 20.0% of users" in text and "running" in text
-        assert "acceptance canary 60.0% on 200 vs stable 40.0% on 800" in text and 'id="canary-chart"' in dom
+        assert f"canary v{v3.version} (rollout {ro.id}) on node-0 for 20.0% of users" in text and "running" in text
+        assert "kept acceptance canary 60.0% on 200 events of 50 users vs stable 40.0% on 800 of 200 users" in text
+        assert 'id="canary-chart"' in dom and "v99" not in text
 
         state = json.loads(urllib.request.urlopen(url + "api/state", timeout=10).read())
         assert state["stable"]["version"] == v1.version and not state["converged"]
-        assert [v["version"] for v in state["versions"]] == [v2.version, v1.version, 0]
-        assert state["versions"][1]["live"]["acceptance"] == pytest.approx(0.6)
+        assert [v["version"] for v in state["versions"]] == [v3.version, v2.version, v1.version, 0]
+        assert state["versions"][2]["live"]["acceptance"] == pytest.approx(0.6)
+        assert state["rollout"]["id"] == ro.id and state["rollout"]["unit"] == "user"
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(url + "etc/passwd", timeout=10)
         assert e.value.code == 404

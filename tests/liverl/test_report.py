@@ -101,9 +101,9 @@ def test_the_demo_profile_fills_in_only_what_config_did_not_set():
 
     cfg = load_config(None, env={"LIVERL__SERVING__NODES": "1", "LIVERL__GATE__CANARY_SHARE": "0.3"})
     applied = apply_demo_profile(cfg)
-    assert (cfg.serving.nodes, cfg.gate.canary_share, cfg.gate.canary_min_s) == (1, 0.3, 90.0)
+    assert (cfg.serving.nodes, cfg.gate.canary_share, cfg.gate.revert_horizon_s) == (1, 0.3, 75.0)
     assert "serving.nodes" not in applied and "gate.canary_share" not in applied
-    assert applied["gate.canary_deadline_s"] == 180.0
+    assert applied["gate.canary_deadline_s"] == 240.0
     cfg = load_config(None, env={})
     apply_demo_profile(cfg)
     assert cfg.serving.nodes == 2 and cfg.gate.canary_share == 0.5
