@@ -1,85 +1,189 @@
-"""``liverl bench canary``: the canary's sequential test, calibrated (A/A) and its power, by simulation.
+"""``liverl bench canary``: the canary's sequential test, calibrated (A/A) and its power, in the deployed world.
 
-Each simulated canary splits Bernoulli traffic (accept or not) between the canary (``--share``) and stable, and the
-always-valid test of ``deploy.sequential`` looks after **every** event, as the gate does, until it promotes,
-aborts, or reaches ``--max-events`` (all traffic, both arms: the deadline). Scenarios:
+Each simulated canary replays what the gate sees: a population of **sticky users** (``--users``, each population of
+``--populations``: the demo's two segments accepting 0.70 and 0.25, Beta(2,2), a skewed Beta(0.5,1.5)) with
+log-normal activity (``--activity-sigma``; the demo's is 1.0), assigned to the canary by the router's own function
+(``liverl.core.fleet.bucket(secret, rollout_id, user) < share``, a fresh rollout id per canary), judging
+``--events-per-s`` answers (all traffic), and the gate's look once per closed 10 s bucket until
+``--deadline-s``. CUPED's covariate is each user's acceptance under stable in the ``--pre-s`` before the rollout.
+The user-unit test is ``deploy.sequential.look_units``, the function the gate calls, on every look.
 
-- **A/A**: both arms accept at the same rate. Every promotion is false; the bar is at most alpha.
-- **+N points / -N points**: the canary is better / worse by ``--effect``. The table gives how often it is
-  promoted / aborted by the deadline, and the events (all traffic) it took: median, and the 80th percentile of the
-  canaries that were decided (the events needed to detect the change in 4 of 5 rollouts, when at least 80% were).
+Tables (one row per population and size; rates over ``--runs`` canaries, each with its exact binomial 95% upper
+bound in brackets):
+
+- **A/A** (both arms alike): every decision (promote or abort) is false. Columns: the user-unit test without and
+  with CUPED (the bar: at most alpha, upper bound included, in every row); for contrast the per-event test on the
+  same sticky users (the old variance: wrong here) and with each request drawn into an arm afresh
+  (``gate.canary_unit = "request"``, where it is right); how often the sample-ratio-mismatch check fired (at
+  ``--srm-alpha``); the share of the user-unit variance CUPED removed (median, at the deadline).
+- **+N / -N points** (``--effect`` added to every canary user's rate): power, the share of canaries promoted
+  (+N) or aborted (-N) by the deadline, and the median events (all traffic) to that decision among those decided,
+  for the user-unit test without and with CUPED, and for the per-event test with per-request randomisation.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
-DEFAULTS = {"runs": 1000, "share": 0.2, "effect": 0.03, "base_rate": 0.5, "max_events": 100_000, "alpha": 0.05,
-            "tau": 0.03, "min_events": 100}
+DEFAULTS = {"runs": 1000, "users": "48,1000,10000", "populations": "segments,beta(2,2),beta(0.5,1.5)",
+            "share": 0.5, "effect": 0.03, "events_per_s": 50.0, "deadline_s": 1800.0, "pre_s": 1800.0,
+            "activity_sigma": 1.0, "alpha": 0.05, "tau": 0.03, "min_events": 100, "min_units": 10,
+            "srm_alpha": 0.001, "seed": 0}
+USER_SCHEMES = ("user", "user+cuped")
 
 
-def run(runs: int = DEFAULTS["runs"], share: float = DEFAULTS["share"], effect: float = DEFAULTS["effect"],
-        base_rate: float = DEFAULTS["base_rate"], max_events: int = DEFAULTS["max_events"],
+def run(runs: int = DEFAULTS["runs"], users: str = DEFAULTS["users"], populations: str = DEFAULTS["populations"],
+        share: float = DEFAULTS["share"], effect: float = DEFAULTS["effect"],
+        events_per_s: float = DEFAULTS["events_per_s"], deadline_s: float = DEFAULTS["deadline_s"],
+        pre_s: float = DEFAULTS["pre_s"], activity_sigma: float = DEFAULTS["activity_sigma"],
         alpha: float = DEFAULTS["alpha"], tau: float = DEFAULTS["tau"], min_events: int = DEFAULTS["min_events"],
-        json_path: str | None = None, command: str = "liverl bench canary") -> dict:
-    from deploy.sequential import simulate
+        min_units: int = DEFAULTS["min_units"], srm_alpha: float = DEFAULTS["srm_alpha"],
+        seed: int = DEFAULTS["seed"], json_path: str | None = None, command: str = "liverl bench canary") -> dict:
+    from deploy.sequential import simulate_sticky
 
+    sizes = [int(u) for u in str(users).split(",") if u.strip()]
+    pops = _split_populations(populations)
     rows = []
-    for name, p_canary in (("A/A", base_rate), (f"+{effect * 100:g} points", base_rate + effect),
-                           (f"-{effect * 100:g} points", base_rate - effect)):
-        t0 = time.perf_counter()
-        res = simulate(base_rate, p_canary, share, max_events, runs, alpha=alpha, tau=tau, min_events=min_events,
-                       seed=len(rows))
-        res["scenario"], res["seconds"] = name, time.perf_counter() - t0
-        rows.append(res)
-        print(f"  {name}: promoted {res['promoted']:.1%}, aborted {res['aborted']:.1%}, undecided "
-              f"{res['undecided']:.1%} ({res['seconds']:.0f} s)", flush=True)
-    summary = {"rows": rows, "command": command}
-    print(_table(summary))
+    t_all = time.perf_counter()
+    for k in sizes:
+        for pop in pops:
+            t0 = time.perf_counter()
+            res = simulate_sticky(pop, k, effects=(0.0, effect, -effect), runs=runs, share=share,
+                                  events_per_s=events_per_s, deadline_s=deadline_s, pre_s=pre_s,
+                                  activity_sigma=activity_sigma, alpha=alpha, tau=tau, min_events=min_events,
+                                  min_units=min_units, srm_alpha=srm_alpha, seed=seed)
+            res["seconds"] = time.perf_counter() - t0
+            res["effects"] = {str(e): v for e, v in res["effects"].items()}
+            rows.append(res)
+            aa = res["effects"]["0.0"]
+            print(f"  {pop}, {k:,} users: A/A false decisions user {_false(aa['user']):.1%}, user+CUPED "
+                  f"{_false(aa['user+cuped']):.1%}, per event on sticky users {_false(aa['event, sticky users']):.1%} "
+                  f"({res['seconds']:.0f} s)", flush=True)
+    summary = {"rows": rows, "command": command, "effect": effect, "seconds": time.perf_counter() - t_all}
+    print(_tables(summary))
     if json_path:
         Path(json_path).write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def _table(summary: dict) -> str:
-    r0 = summary["rows"][0]
-    lines = ["", "| scenario | canaries | promoted | aborted | undecided at the deadline | median events to the decision "
-             "| events for 80% |", "|---|---|---|---|---|---|---|"]
-    for r in summary["rows"]:
-        p80 = r.get("p80_events")
-        lines.append(f"| {r['scenario']} | {r['runs']:,} | {r['promoted']:.1%} | {r['aborted']:.1%} | "
-                     f"{r['undecided']:.1%} | {r['median_events'] or '-'} | "
-                     f"{p80 if p80 is not None else '-'} |")
-    lines += ["", f"stable accepts {r0['p_stable']:.0%}; canary share {r0['share']:.0%}; a look after every event; "
-              f"alpha {r0['alpha']}, tau {r0['tau']}, at least {r0['min_events']} events per arm before a decision; "
-              f"deadline {r0['max_events']:,} events",
-              f"A/A false promotions: **{r0['promoted']:.1%}** (bar: at most {r0['alpha']:.0%})",
-              f"reproduce: `{summary['command']}`"]
+def _split_populations(text: str) -> list[str]:
+    """``segments,beta(2,2)`` -> ['segments', 'beta(2,2)']: commas inside parentheses belong to the Beta."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "(") - (ch == ")")
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [p for p in (*out, cur.strip()) if p]
+
+
+def _false(r: dict) -> float:
+    return r["promoted"] + r["aborted"]
+
+
+def binomial_upper(k: int, n: int, level: float = 0.95) -> float:
+    """Exact (Clopper-Pearson) one-sided upper confidence bound of a binomial rate, ``k`` of ``n``."""
+    if k >= n:
+        return 1.0
+
+    def cdf(p: float) -> float:  # P(X <= k)
+        logs = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * math.log(p)
+                + (n - i) * math.log1p(-p) for i in range(k + 1)]
+        top = max(logs)
+        return math.exp(top) * sum(math.exp(v - top) for v in logs)
+
+    lo, hi = k / n, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) > 1 - level else (lo, mid)
+    return hi
+
+
+def _rate(rate: float, runs: int) -> str:
+    return f"{rate:.1%} (≤{binomial_upper(round(rate * runs), runs):.1%})"
+
+
+def _tables(summary: dict) -> str:
+    rows, eff = summary["rows"], summary["effect"]
+    r0 = rows[0]
+    alpha = r0["alpha"]
+    lines = ["", "A/A: false decisions (promoted + aborted), exact 95% upper bound in brackets", "",
+             "| population | users | user unit | user unit + CUPED | per event, sticky users (wrong) | "
+             "per event, per-request arms | SRM alarms | CUPED removed |", "|---|---|---|---|---|---|---|---|"]
+    worst = worst_upper = 0.0
+    for r in rows:
+        aa, n = r["effects"]["0.0"], r["runs"]
+        worst = max(worst, *(_false(aa[s]) for s in USER_SCHEMES))
+        worst_upper = max(worst_upper, *(binomial_upper(round(_false(aa[s]) * n), n) for s in USER_SCHEMES))
+        removed = aa["cuped_removed"]
+        lines.append(f"| {r['population']} | {r['users']:,} | {_rate(_false(aa['user']), n)} | "
+                     f"{_rate(_false(aa['user+cuped']), n)} | {_rate(_false(aa['event, sticky users']), n)} | "
+                     f"{_rate(_false(aa['event, per request']), n)} | {_rate(aa['srm'], n)} | "
+                     f"{'-' if removed is None else f'{removed:.1%}'} |")
+    up, down = str(eff), str(-eff)
+    pts = f"{eff * 100:g} points"
+    lines += ["", f"+{pts} / -{pts}: power (promoted / aborted by the deadline) and median events to that decision",
+              "", f"| population | users | +{pts}: user | user + CUPED | per request | -{pts}: user | user + CUPED "
+              "| per request |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = []
+        for key, side in ((up, "promoted"), (down, "aborted")):
+            for s in ("user", "user+cuped", "event, per request"):
+                x = r["effects"][key][s]
+                cells.append(f"{x[side]:.1%}, {x['median_events']:,}" if x["median_events"] else f"{x[side]:.1%}, -")
+        lines.append(f"| {r['population']} | {r['users']:,} | " + " | ".join(cells) + " |")
+    verdict = "PASS" if worst <= alpha else "FAIL"
+    bound = "below" if worst_upper <= alpha else "above"
+    lines += ["", f"{r0['runs']:,} canaries per row; canary share {r0['share']:.0%} of users; {r0['events_per_s']:g} "
+              f"judged events/s (all traffic), a look per closed {r0['bucket_s']:g} s bucket, deadline "
+              f"{r0['deadline_s']:g} s ({r0['events_at_deadline']:,} events); CUPED covariate from {r0['pre_s']:g} s "
+              f"before the rollout; log-normal activity sigma {r0['activity_sigma']:g}; alpha {alpha}, tau "
+              f"{r0['tau']}, at least {r0['min_events']} events and {r0['min_units']} users per arm before a "
+              f"decision; SRM at {r0['srm_alpha']}",
+              f"user-unit A/A false decisions (bar: at most alpha {alpha:.0%} in every row): largest {worst:.1%}, "
+              f"{verdict}; largest 95% upper bound {worst_upper:.1%}, {bound} alpha",
+              f"reproduce: `{summary['command']}` ({summary['seconds'] / 60:.0f} min here)"]
     return "\n".join(lines)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    s = subparsers.add_parser("canary", help="the canary's sequential test: A/A false promotions and power",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("--runs", type=int, default=DEFAULTS["runs"], help="canaries per scenario (default 1000)")
-    s.add_argument("--share", type=float, default=DEFAULTS["share"], help="canary's share of traffic (default 0.2)")
-    s.add_argument("--effect", type=float, default=DEFAULTS["effect"], help="change to detect (default 0.03)")
-    s.add_argument("--base-rate", type=float, default=DEFAULTS["base_rate"], help="stable's acceptance (default 0.5)")
-    s.add_argument("--max-events", type=int, default=DEFAULTS["max_events"], help="deadline in events (default 100000)")
-    s.add_argument("--alpha", type=float, default=DEFAULTS["alpha"], help="error rate (default 0.05)")
-    s.add_argument("--tau", type=float, default=DEFAULTS["tau"], help="mixture scale (default 0.03)")
-    s.add_argument("--min-events", type=int, default=DEFAULTS["min_events"], help="per arm before a decision (100)")
+    s = subparsers.add_parser("canary", help="the canary's sequential test on sticky users: A/A false decisions "
+                              "and power, user unit and CUPED against per-event", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = DEFAULTS
+    s.add_argument("--runs", type=int, default=d["runs"], help="canaries per row (default 1000)")
+    s.add_argument("--users", default=d["users"], help=f"population sizes, comma-separated (default {d['users']})")
+    s.add_argument("--populations", default=d["populations"],
+                   help=f"users' acceptance rates: segments, beta(a,b) (default {d['populations']})")
+    s.add_argument("--share", type=float, default=d["share"], help="canary's share of users (default 0.5, the demo's)")
+    s.add_argument("--effect", type=float, default=d["effect"], help="change to detect (default 0.03)")
+    s.add_argument("--events-per-s", type=float, default=d["events_per_s"],
+                   help="judged events per second, all traffic (default 50, the demo's)")
+    s.add_argument("--deadline-s", type=float, default=d["deadline_s"], help="canary deadline (default 1800)")
+    s.add_argument("--pre-s", type=float, default=d["pre_s"], help="pre-rollout window for CUPED (default 1800)")
+    s.add_argument("--activity-sigma", type=float, default=d["activity_sigma"],
+                   help="spread of user activity, log-normal sigma (default 1.0, the demo's)")
+    s.add_argument("--alpha", type=float, default=d["alpha"], help="error rate (default 0.05)")
+    s.add_argument("--tau", type=float, default=d["tau"], help="mixture scale (default 0.03)")
+    s.add_argument("--min-events", type=int, default=d["min_events"], help="events per arm before a decision (100)")
+    s.add_argument("--min-units", type=int, default=d["min_units"], help="users per arm before a decision (10)")
+    s.add_argument("--srm-alpha", type=float, default=d["srm_alpha"], help="sample-ratio check's level (0.001)")
+    s.add_argument("--seed", type=int, default=d["seed"], help="seed (default 0)")
     s.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     s.set_defaults(fn=_cmd)
     return s
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    names = ("runs", "share", "effect", "base_rate", "max_events", "alpha", "tau", "min_events")
-    command = "liverl bench canary" + "".join(f" --{n.replace('_', '-')} {getattr(args, n)}" for n in names
-                                               if getattr(args, n) != DEFAULTS[n])
+    names = [n for n in DEFAULTS]
+    command = "liverl bench canary" + "".join(f" --{n.replace('_', '-')} '{getattr(args, n)}'" if "(" in str(
+        getattr(args, n)) else f" --{n.replace('_', '-')} {getattr(args, n)}" for n in names
+        if getattr(args, n) != DEFAULTS[n])
     run(**{n: getattr(args, n) for n in names}, json_path=args.json, command=command)
     return 0
