@@ -48,6 +48,8 @@ from liverl.core.schemas import RolloutTerms
 log = logging.getLogger("liverl.gate.canary")
 
 MAX_LOOKS = 500  # looks kept with the rollout (the page's plot); the test's state does not need them
+MAX_COVARIATE_VERSIONS = 50
+"""The newest versions CUPED's look-back reads users' history from."""
 MIN_USERS = 10
 """Users each arm needs before a user-unit test decides anything."""
 LATENCY_MIN_BATCHES = 5
@@ -218,13 +220,18 @@ class CanaryController:
         return ev
 
     def _covariate(self, rollout: Rollout) -> dict[str, tuple[float, float]]:
-        """Each user's kept acceptance under the stable version in the look-back before the rollout (CUPED)."""
-        lo = first_bucket(rollout.started_at - self.cfg.gate.cuped_lookback_s)
-        hi = first_bucket(rollout.started_at) - 1
+        """Each user's kept acceptance before the rollout (CUPED), over the ``gate.cuped_lookback_s`` before it and
+        whatever served them then (the stable version, earlier stable versions, earlier canaries): anything before
+        the rollout is untouched by it, and a user's own history predicts the user. With the events behind it."""
+        t0 = rollout.started_at - self.cfg.gate.cuped_lookback_s
+        wanted = range(first_bucket(t0), first_bucket(rollout.started_at))
+        versions = {rollout.stable_version} | {
+            v.version for v in self.registry.list(limit=MAX_COVARIATE_VERSIONS)
+            if v.version != rollout.version and (v.created_at >= t0 or (v.promoted_at or 0.0) >= t0)}
         pre = ArmSums()
-        for b, data in keys.read_unit_buckets(self.redis, self.prefix, rollout.stable_version,
-                                              range(lo, hi + 1)).items():
-            pre.add(b, data)
+        for version in sorted(versions):
+            for b, data in keys.read_unit_buckets(self.redis, self.prefix, version, wanted).items():
+                pre.add(b, data)
         return {u: ((s[1] - s[3]) / s[0], float(s[0])) for u, s in pre.users.items() if s[0] > 0}
 
     def build_tests(self, rollout: Rollout, ev: Evidence, settling: bool) -> tuple[seq.Canary, seq.SrmTest, dict]:

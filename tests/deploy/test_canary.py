@@ -376,3 +376,25 @@ def test_a_candidate_the_offpolicy_check_defers_is_never_promoted_without_a_cana
     [v] = gate.step()
     assert v.verdict == "rejected" and "deferred to a canary" in v.reason, v.reason
     assert registry.get(row.version).status == "rejected" and registry.stable().version == 0
+
+
+def test_cuped_uses_each_users_history_before_the_rollout_whatever_served_it(cfg, rds, fleet2):
+    """The covariate is each user's kept rate over the look-back before the rollout, from every version that served
+    them (here an earlier stable version): users differ, their history says how, and CUPED takes that out."""
+    gate, registry = fleet2
+    ids, p = population(400)
+    rng = np.random.default_rng(9)
+    now_b = first_bucket(time.time())
+    for b in range(now_b - 60, now_b - 1):  # ten minutes of history under v0
+        feed(rds, cfg, 0, b, {u: (3, int(rng.binomial(3, p[i])), 0, 0) for i, u in enumerate(ids) if rng.random() < 0.2})
+    row = registry.add_candidate(weights(0.8, 1.0, seed=7), parent=0)
+    registry.promote(row.version, actor="alice", reason="an earlier release", expected_stable=0, from_candidate=True)
+    gate.step()
+    r = start(gate, registry, rds, cfg, seed=8)
+    assert r.stable_version == row.version
+    traffic(rds, cfg, r, first(r, 12), lift=0.05)
+    gate.canary.clock = lambda: after(r, cfg, 12)
+    [v] = gate.step()
+    look = registry.rollout(r.id).looks[-1] if v.verdict == "canary" else None
+    removed = look["cuped_removed"] if look else float(v.reason.split("CUPED removed ")[1].split("%")[0]) / 100
+    assert removed > 0.5, v.reason
