@@ -101,11 +101,30 @@ class Evidence:
     covariate: dict[str, tuple[float, float]] = field(default_factory=dict)  # unit -> (kept rate, events) under
     # stable before the rollout (CUPED)
     next_bucket: int = 0
+    looked_at: int = -1  # next_bucket at the last look
 
 
 def _finite(d: dict) -> dict:
     """A look for the registry's JSON: no NaN or infinities (PostgreSQL's JSON has none)."""
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+
+def _pending(tests: seq.Canary, info: dict) -> str:
+    """Why a look decided nothing: what each test still waits for."""
+    waiting = []
+    s = tests.success
+    if s.p_pass > s.alpha:
+        ready = info.get(s.name, {}).get("ready", True)
+        waiting.append(f"{s.name} (p better {s.p_pass:.3g}" + ("" if ready else ", too few users or events") + ")")
+    for g in tests.guardrails:
+        if g.p_pass > g.alpha:
+            extra = ""
+            if g.name == "latency":
+                extra = f", {info.get('latency', {}).get('batches', 0)} of {LATENCY_MIN_BATCHES} batches"
+            elif not info.get(g.name, {}).get("ready", True):
+                extra = ", too few users or events"
+            waiting.append(f"guardrail {g.name} not yet shown non-inferior (p {g.p_pass:.3g}{extra})")
+    return "collecting evidence" + (": waiting on " + "; ".join(waiting) if waiting else "")
 
 
 def first_bucket(started_at: float) -> int:
@@ -306,6 +325,8 @@ class CanaryController:
                      for b in both if ev.canary.buckets[b].get("n") and ev.stable.buckets[b].get("n")]
             info["latency"] = seq.look_batches(latency, [c for c, _ in means], [s for _, s in means],
                                                min_batches=LATENCY_MIN_BATCHES)
+            if means:  # the mean of the buckets' means, each arm (what the batch-means test compares)
+                info["latency_means"] = (float(np.mean([c for c, _ in means])), float(np.mean([s for _, s in means])))
         if settling:  # a node that has just swapped runs hot for a few seconds: latency and length not judged worse
             for t in guardrails:
                 if t.name in ("latency", "response_length"):
@@ -326,9 +347,13 @@ class CanaryController:
         self.refresh(rollout)
         now = self.clock()
         ev = self._read(rollout, now)
+        fresh = ev.next_bucket != ev.looked_at  # a bucket closed since the last look: new evidence
+        ev.looked_at = ev.next_bucket
         settling = now - rollout.started_at < self.cfg.gate.canary_min_s
         tests, srm, info = self.build_tests(rollout, ev, settling)
         verdict, why = tests.verdict(deadline_passed=now >= rollout.deadline_at)
+        if verdict == seq.CONTINUE:
+            why = _pending(tests, info)
         if srm.verdict() == seq.MISMATCH:  # the arms are not what the assignment drew: nothing of them can be trusted
             verdict, why = seq.ABORT, (f"srm: the arms' users or events do not match the share {rollout.share:g} "
                                        f"(p users {srm.p_users:.3g}, p events {srm.p_events:.3g} <= "
@@ -354,6 +379,8 @@ class CanaryController:
                   if v > float("-inf")}
         state = {k: min(v, 1e300) for k, v in state.items()}  # finite JSON
         evidence = self._evidence_text(rollout, stable, tests, info)
+        if verdict == seq.CONTINUE and not fresh and why == rollout.reason:
+            return "continue", f"{why}: {evidence}"  # nothing new since the last look: nothing to record
         try:
             rollout = self.registry.save_rollout_evidence(
                 rollout.id, expect_revision=rollout.revision, test_state=state,
@@ -376,10 +403,13 @@ class CanaryController:
                 + (f" of {users[1]} users" if users else "")
                 + f" (unit {rollout.unit}; p better {tests.success.p_pass:.3g}, p worse {tests.success.p_harm:.3g}")
         removed = info.get("acceptance", {}).get("cuped_removed")
-        if removed:
+        if removed is not None and removed >= 0.005:  # below it: too little history before the rollout to help
             text += f"; CUPED removed {100 * removed:.0f}% of the variance"
         text += ")"
-        text += "".join(f"; {t.name} {t.canary.mean:.4g} vs {t.stable.mean:.4g}" for t in tests.guardrails)
+        means = {t.name: (t.canary.mean, t.stable.mean) for t in tests.guardrails}
+        if "latency_means" in info:
+            means["latency"] = info["latency_means"]
+        text += "".join(f"; {name} {c:.4g} vs {s:.4g}" for name, (c, s) in means.items())
         return text
 
     def promote(self, rollout: Rollout, stable: Version, why: str, actor: str = "gate") -> tuple[str, str]:
