@@ -43,7 +43,7 @@ def run(runs: int = DEFAULTS["runs"], users: str = DEFAULTS["users"], population
         alpha: float = DEFAULTS["alpha"], tau: float = DEFAULTS["tau"], min_events: int = DEFAULTS["min_events"],
         min_units: int = DEFAULTS["min_units"], srm_alpha: float = DEFAULTS["srm_alpha"],
         seed: int = DEFAULTS["seed"], json_path: str | None = None, command: str = "liverl bench canary") -> dict:
-    from deploy.sequential import simulate_sticky
+    from deploy.canary_sim import simulate_sticky
 
     sizes = [int(u) for u in str(users).split(",") if u.strip()]
     pops = _split_populations(populations)
