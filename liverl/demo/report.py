@@ -351,7 +351,9 @@ def print_summary(summary: dict, summary_path: Path, plot_path: Path) -> None:
             can = e.get("canary")
             kept_s = "-" if e.get("live_kept") is None else f"{e['live_kept']:.0%}"
             print(f"  v{v:<4} {e['status']:<9} kept {kept_s:>4}; off-policy "
-                  + ("-" if off is None else f"{off['value']:.3f} ({'pass' if off['passed'] else 'FAIL'})")
+                  + ("-" if off is None else "deferred to the canary (ESS " + f"{off['value']:.0f})"
+                     if "defer" in (off.get("detail") or "") else
+                     f"difference's upper bound {off['value']:+.3f} ({'pass' if off['passed'] else 'FAIL'})")
                   + "; canary " + ("-" if can is None else ("promoted" if can["passed"] else "aborted")
                                    + f": {(can['detail'] or '')[:110]}"))
     if summary.get("failure"):
