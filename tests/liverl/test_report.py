@@ -35,7 +35,7 @@ def test_version_evidence_names_offpolicy_and_canary_per_version(cfg, tmp_path, 
                "versions": ev, "ok": False}
     print_summary(summary, tmp_path / "s.json", tmp_path / "p.png")
     out = capsys.readouterr().out
-    assert f"v{v1.version}    stable    kept  59%; off-policy 0.610 (pass); canary promoted" in out
+    assert f"v{v1.version}    stable    kept  59%; off-policy difference's upper bound +0.610 (pass); canary promoted" in out
     assert f"v{v2.version}    rejected  kept    -; off-policy -; canary aborted: guardrail revert_rate is worse" in out
 
 
