@@ -108,16 +108,9 @@ REVERT_BUCKET_S = 10
 
 def revert_field(judged_at: float) -> str:
     """The live-counter field of a revert of a generation judged at ``judged_at``: a revert arrives late, so a canary
-    compares reverts of answers judged during it on both arms (``reverts_judged_since``), not every revert that
+    compares reverts of answers judged during it on both arms, not every revert that
     arrived meanwhile (the stable arm's would include reverts of answers judged before the canary began)."""
     return f"revert@{int(judged_at // REVERT_BUCKET_S)}"
-
-
-def reverts_judged_since(counts: dict[str, int], since: float) -> int:
-    """Reverts, among ``counts`` (a live hash), of generations judged in the buckets that begin at or after ``since``
-    (the bucket ``since`` falls inside is left out: what it holds was partly judged before)."""
-    first = math.ceil(since / REVERT_BUCKET_S)
-    return sum(n for k, n in counts.items() if k.startswith("revert@") and int(k[7:]) >= first)
 
 
 UNIT_BUCKET_S = 10
