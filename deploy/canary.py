@@ -14,7 +14,9 @@ registry):
 2. **Evidence, at the gate's look cadence.** Ingest keeps per-user sums per version and 10 s bucket of judgement time
    (``keys.units``). A bucket is read once its revert horizon has closed (``gate.revert_horizon_s`` after its end, plus
    ingest's settling margin), so a bait answer accepted now and reverted later is never counted as kept: every metric
-   is right-censored the same way on both arms. The always-valid tests (``deploy.sequential``) take the user as the
+   is right-censored the same way on both arms. What reverts cannot change (the edit rate, the response length,
+   latency, the arms' sizes for the sample-ratio check) is read from a second cursor as soon as ingest has settled a
+   bucket, a revert horizon sooner. The always-valid tests (``deploy.sequential``) take the user as the
    unit (``gate.canary_unit = "user"``: delta method for ratio metrics, CUPED with each user's kept acceptance under
    stable before the rollout) or the judged event (``"request"``). Kept acceptance is the success metric; the edit
    rate, the revert rate and the response length are guardrails with nulls fixed at the start (from stable's own
@@ -96,12 +98,15 @@ class Evidence:
     """What the gate has read of one rollout (rebuilt from Redis after a gate restart)."""
 
     rollout_id: int
-    canary: ArmSums = field(default_factory=ArmSums)
+    canary: ArmSums = field(default_factory=ArmSums)  # buckets whose revert horizon has closed: kept, reverts
     stable: ArmSums = field(default_factory=ArmSums)
+    fast_canary: ArmSums = field(default_factory=ArmSums)  # buckets ingest has settled: what reverts do not touch
+    fast_stable: ArmSums = field(default_factory=ArmSums)  # (edits, length, latency, the arms' sizes)
     covariate: dict[str, tuple[float, float]] = field(default_factory=dict)  # unit -> (kept rate, events) under
     # stable before the rollout (CUPED)
     next_bucket: int = 0
-    looked_at: int = -1  # next_bucket at the last look
+    next_fast: int = 0
+    looked_at: tuple[int, int] = (-1, -1)  # (next_bucket, next_fast) at the last look
 
 
 def _finite(d: dict) -> dict:
@@ -224,18 +229,24 @@ class CanaryController:
     def _read(self, rollout: Rollout, now: float) -> Evidence:
         ev = self._evidence
         if ev is None or ev.rollout_id != rollout.id:
-            ev = Evidence(rollout.id, next_bucket=first_bucket(rollout.started_at))
+            start = first_bucket(rollout.started_at)
+            ev = Evidence(rollout.id, next_bucket=start, next_fast=start)
             if self.cfg.gate.cuped and rollout.unit == "user":
                 ev.covariate = self._covariate(rollout)
             self._evidence = ev
-        last = min(last_final_bucket(now, self.cfg.gate.revert_horizon_s),
-                   math.floor(rollout.deadline_at / keys.UNIT_BUCKET_S))
-        if last >= ev.next_bucket:
-            wanted = range(ev.next_bucket, last + 1)
-            for arm, version in ((ev.canary, rollout.version), (ev.stable, rollout.stable_version)):
-                for b, data in keys.read_unit_buckets(self.redis, self.prefix, version, wanted).items():
+        end = math.floor(rollout.deadline_at / keys.UNIT_BUCKET_S)
+        # two cursors over the same buckets: one waits for the revert horizon (kept acceptance and the revert rate),
+        # the other only for ingest's settling (edits, length and latency are final when judged; reverts never
+        # change them), so those guardrails gather evidence a revert horizon sooner, censored no less fairly
+        for horizon, cursor, arms in ((self.cfg.gate.revert_horizon_s, "next_bucket", (ev.canary, ev.stable)),
+                                      (0.0, "next_fast", (ev.fast_canary, ev.fast_stable))):
+            last, first = min(last_final_bucket(now, horizon), end), getattr(ev, cursor)
+            if last < first:
+                continue
+            for arm, version in zip(arms, (rollout.version, rollout.stable_version)):
+                for b, data in keys.read_unit_buckets(self.redis, self.prefix, version, range(first, last + 1)).items():
                     arm.add(b, data)
-            ev.next_bucket = last + 1
+            setattr(ev, cursor, last + 1)
         return ev
 
     def _covariate(self, rollout: Rollout) -> dict[str, tuple[float, float]]:
@@ -285,8 +296,11 @@ class CanaryController:
             names_c, m_c = ev.canary.matrix()
             names_s, m_s = ev.stable.matrix()
             e_c, e_s = _col(m_c, "e"), _col(m_s, "e")
+            f_c, f_s = ev.fast_canary.matrix()[1], ev.fast_stable.matrix()[1]
 
-            def arms(f: str) -> tuple[seq.UnitSums, seq.UnitSums]:
+            def arms(f: str, fast: bool = False) -> tuple[seq.UnitSums, seq.UnitSums]:
+                if fast:
+                    return seq.UnitSums(_col(f_c, f), _col(f_c, "e")), seq.UnitSums(_col(f_s, f), _col(f_s, "e"))
                 return seq.UnitSums(_col(m_c, f), e_c), seq.UnitSums(_col(m_s, f), e_s)
 
             kept_c, kept_s = _col(m_c, "a") - _col(m_c, "r"), _col(m_s, "a") - _col(m_s, "r")
@@ -299,30 +313,31 @@ class CanaryController:
             else:
                 kept = (seq.UnitSums(kept_c, e_c), seq.UnitSums(kept_s, e_s))
             info["acceptance"] = seq.look_units(success, *kept, cuped=cuped)
-            info["edit_rate"] = seq.look_units(edit, *arms("d"))
+            info["edit_rate"] = seq.look_units(edit, *arms("d", fast=True))
             info["revert_rate"] = seq.look_units(revert, *arms("r"))
             if length is not None:
-                info["response_length"] = seq.look_units(length, *arms("t"))
+                info["response_length"] = seq.look_units(length, *arms("t", fast=True))
             info["users"] = (len(names_c), len(names_s))
-            info["srm"] = srm.look_units(*kept)
+            info["srm"] = srm.look_units(*arms("e", fast=True))
         else:
-            for test, f in ((success, None), (edit, "d"), (revert, "r")):
-                for arm, sums in ((test.canary, ev.canary), (test.stable, ev.stable)):
+            for test, f, (canary, stable) in ((success, None, (ev.canary, ev.stable)),
+                                              (edit, "d", (ev.fast_canary, ev.fast_stable)),
+                                              (revert, "r", (ev.canary, ev.stable))):
+                for arm, sums in ((test.canary, canary), (test.stable, stable)):
                     n = sums.total("e")
                     hits = min(n, max(0, sums.total("a") - sums.total("r") if f is None else sums.total(f)))
                     arm.add(1.0, hits)
                     arm.add(0.0, n - hits)
                 test._look()
             if length is not None:
-                for arm, sums in ((length.canary, ev.canary), (length.stable, ev.stable)):
+                for arm, sums in ((length.canary, ev.fast_canary), (length.stable, ev.fast_stable)):
                     arm.n, arm.total, arm.total_sq = sums.total("e"), float(sums.total("t")), float(sums.total("t2"))
                 length._look()
-            info["srm"] = srm.look_requests(*info["events"])
+            info["srm"] = srm.look_requests(ev.fast_canary.total("e"), ev.fast_stable.total("e"))
         if latency is not None:  # batch means: the buckets pair by time, so load both arms share cancels
-            both = sorted(set(ev.canary.buckets) & set(ev.stable.buckets))
-            means = [(ev.canary.buckets[b]["m"] / ev.canary.buckets[b]["n"],
-                      ev.stable.buckets[b]["m"] / ev.stable.buckets[b]["n"])
-                     for b in both if ev.canary.buckets[b].get("n") and ev.stable.buckets[b].get("n")]
+            cb, sb = ev.fast_canary.buckets, ev.fast_stable.buckets
+            means = [(cb[b]["m"] / cb[b]["n"], sb[b]["m"] / sb[b]["n"])
+                     for b in sorted(set(cb) & set(sb)) if cb[b].get("n") and sb[b].get("n")]
             info["latency"] = seq.look_batches(latency, [c for c, _ in means], [s for _, s in means],
                                                min_batches=LATENCY_MIN_BATCHES)
             if means:  # the mean of the buckets' means, each arm (what the batch-means test compares)
@@ -347,8 +362,8 @@ class CanaryController:
         self.refresh(rollout)
         now = self.clock()
         ev = self._read(rollout, now)
-        fresh = ev.next_bucket != ev.looked_at  # a bucket closed since the last look: new evidence
-        ev.looked_at = ev.next_bucket
+        fresh = (ev.next_bucket, ev.next_fast) != ev.looked_at  # a bucket closed since the last look: new evidence
+        ev.looked_at = (ev.next_bucket, ev.next_fast)
         settling = now - rollout.started_at < self.cfg.gate.canary_min_s
         tests, srm, info = self.build_tests(rollout, ev, settling)
         verdict, why = tests.verdict(deadline_passed=now >= rollout.deadline_at)

@@ -211,6 +211,23 @@ def test_a_slower_canary_is_aborted_on_the_latency_guardrail_tested_on_batch_mea
     assert v.verdict == "aborted" and "guardrail latency is worse" in v.reason, v.reason
 
 
+def test_what_reverts_cannot_change_is_judged_without_waiting_for_the_revert_horizon(cfg, rds, fleet2):
+    """Latency, edits and length are final when judged: their guardrails read a bucket once ingest has settled it,
+    while kept acceptance and the revert rate still wait for the horizon."""
+    gate, registry = fleet2
+    ids, _ = population(50)
+    for b in range(first_bucket(time.time()) - 30, first_bucket(time.time()) - 1):  # stable's figures before it
+        feed(rds, cfg, 0, b, {u: (2, 1, 0, 0) for u in ids}, latency_ms=200.0)
+    r = start(gate, registry, rds, cfg)
+    traffic(rds, cfg, r, first(r, 8), lift=0.0, latency_ms=(400.0, 200.0))
+    cfg.gate.revert_horizon_s = 60.0  # behind it, fewer than the 5 batches the latency test needs
+    gate.canary.clock = lambda: after(r, cfg, 8) - cfg.gate.revert_horizon_s  # settled, horizon not closed
+    [v] = gate.step()
+    assert v.verdict == "aborted" and "guardrail latency is worse" in v.reason, v.reason
+    [look] = registry.rollout(r.id).looks  # kept acceptance read only the buckets whose horizon had closed
+    assert look["through_bucket"] < first(r, 8).stop - 1, look
+
+
 def test_an_undecided_canary_is_aborted_at_its_deadline(cfg, rds, fleet2):
     gate, registry = fleet2
     cfg.gate.canary_deadline_s = 60.0
