@@ -69,7 +69,7 @@ from deploy.migrations import upgrade_connection
 from deploy.snapshot import decode_snapshot, encode_snapshot
 from deploy.tables import (  # noqa: F401
     ACTIVE_ROLLOUT_STATES, MAX_LOOKS, ROLES, ROLLOUT_STATES, ROLLOUT_UNITS, STATUSES, AuditEntry, Base, Counter,
-    FleetNode, GateResult, Operator, Rollout, Version, audit_hash, make_engine)
+    FleetNode, GateResult, Operator, Rollout, Served, Version, audit_hash, make_engine)
 from liverl.core.config import LiverlConfig
 
 log = logging.getLogger("liverl.registry")
@@ -347,11 +347,16 @@ class Registry:
             self._audit(s, actor, "rollback", target.version, f"{reason or ''} (from {current.version})".strip())
         return target
 
-    def update_fleet(self, node: str, version: int, checksum_: str) -> None:
+    def update_fleet(self, node: str, version: int, checksum_: str, at: float | None = None) -> None:
+        """``node`` serves ``version`` since ``at`` (default now): the fleet row, and, the first time this node serves
+        this version, its ``served`` row (kept for good: ``liverl lineage``'s first-served time)."""
+        at = time.time() if at is None else float(at)
         with self._tx() as s:
             row = s.get(FleetNode, node) or FleetNode(node=node)
-            row.version, row.checksum, row.updated_at = version, checksum_, time.time()
+            row.version, row.checksum, row.updated_at = version, checksum_, at
             s.add(row)
+            if s.get(Served, (version, node)) is None and s.get(Version, version) is not None:
+                s.add(Served(version=version, node=node, first_at=at))
 
     # ------------------------------------------------------------------------------------------ rollouts
 
@@ -684,6 +689,14 @@ class Registry:
     def fleet(self) -> list[FleetNode]:
         with self._sessions() as s:
             return list(s.execute(select(FleetNode).order_by(FleetNode.node)).scalars())
+
+    def served(self, version: int | None = None) -> list[Served]:
+        """When each node first served each version (all versions, or one), earliest first."""
+        q = select(Served).order_by(Served.first_at, Served.node)
+        if version is not None:
+            q = q.where(Served.version == version)
+        with self._sessions() as s:
+            return list(s.execute(q).scalars())
 
     # ------------------------------------------------------------------------------------------ weights
 

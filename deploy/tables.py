@@ -117,6 +117,18 @@ class FleetNode(Base):
     updated_at: Mapped[float] = mapped_column(sa.Float)
 
 
+class Served(Base):
+    """When each node first served each version: written once per (version, node) by the agent's first verified swap
+    to it (``Registry.update_fleet``); never updated. Append-only, so the time a version first reached users survives
+    its node swapping away again (``fleet`` keeps only the latest). ``liverl lineage`` reads it."""
+
+    __tablename__ = "served"
+
+    version: Mapped[int] = mapped_column(sa.Integer, sa.ForeignKey("versions.version"), primary_key=True)
+    node: Mapped[str] = mapped_column(sa.String(128), primary_key=True)
+    first_at: Mapped[float] = mapped_column(sa.Float, doc="when the node resumed serving with this version's weights")
+
+
 ROLLOUT_STATES = ("running", "paused", "promoted", "aborted", "ended")
 ACTIVE_ROLLOUT_STATES = ("running", "paused")
 ROLLOUT_UNITS = ("user", "request")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +30,9 @@ class Ledger:
     """The learner's account of every sample record it consumed: trained at a step, or refused with a reason.
 
     An append-only JSON-lines file beside the checkpoint, one line per update (``trained``: partition, offset,
-    sample id) or per checkpoint's worth of refusals (``refused``: partition, offset, sample id or null, reason).
+    sample id; ``feedback``: each one's feedback id and time; ``at``: the step's time), per checkpoint's worth of
+    refusals (``refused``: partition, offset, sample id or null, reason), and one per fresh start or rebase
+    (``rebase``: step, the version the weights restart from).
     Lines are buffered and written, fsynced, just before the checkpoint that makes them true, tagged with that
     checkpoint's ``seq``; on restart the lines past the loaded checkpoint's seq are cut off, so the ledger says
     exactly what the checkpointed weights were trained on. ``liverl audit`` reads it to prove that no sample was
@@ -42,10 +45,22 @@ class Ledger:
 
     @property
     def buffered(self) -> bool:
-        return bool(self._buf)
+        """Lines about samples wait to be written (a ``rebase`` line alone waits for the next checkpoint)."""
+        return any("rebase" not in line for line in self._buf)
 
-    def trained(self, step: int, records: list[tuple[int, int, str]]) -> None:
-        self._buf.append({"step": step, "trained": records})
+    def trained(self, step: int, records: list[tuple[int, int, str]],
+                feedback: list[tuple[str, float]] | None = None) -> None:
+        """Step ``step`` trained ``records`` (partition, offset, sample id); ``feedback``: each record's feedback id
+        and feedback time, in the same order (``liverl lineage``). The line carries the step's time (``at``)."""
+        line: dict = {"step": step, "at": round(time.time(), 3), "trained": records}
+        if feedback is not None:
+            line["feedback"] = feedback
+        self._buf.append(line)
+
+    def rebased(self, step: int, onto: int) -> None:
+        """From step ``step`` on, the weights start again from version ``onto`` (a fresh start or a rebase): what
+        was trained in this lineage since the previous such line is in no later version (``liverl lineage``)."""
+        self._buf.append({"rebase": {"step": step, "onto": onto, "at": round(time.time(), 3)}})
 
     def refused(self, partition: int, offset: int, sample_id: str | None, reason: str) -> None:
         if self._buf and "refused" in self._buf[-1]:

@@ -43,6 +43,7 @@ from kafka.structs import OffsetAndMetadata
 from sqlalchemy.exc import SQLAlchemyError
 
 from deploy.registry import RegistryError
+from learner.dist import CheckpointDir, Ranks, dcp_root
 from learner.lease import LearnerLease
 from learner.ledger import Ledger, checkpoint_path_for, ledger_path
 from learner.metrics import PrometheusCollector
@@ -55,7 +56,8 @@ from liverl.core.schemas import TrainingSample, WireError
 log = logging.getLogger("liverl.learner")
 
 CHECKPOINT_FORMAT = 1
-STALE_REBASE_CHECK_S = 5.0
+ROLLBACK_CHECK_S = 1.0  # while idle; before an update the rollback check always runs
+REFERENCE_CHECK_S = 5.0  # how often the KL reference looks for a new stable version
 STARVE_S = 30.0  # only stale samples for this long (the fleet stopped following this learner): rebase onto stable
 VERSION_STEPS_KEPT = 512  # versions whose learner step the checkpoint remembers
 # what a registry call may raise when the database or the blob store is unreachable or refuses
@@ -70,7 +72,7 @@ class Learner(ConsumerRebalanceListener):
     """Kafka consumer + PolicyTrainer + checkpoint + registry candidates + live state in Redis."""
 
     def __init__(self, cfg: LiverlConfig, model_dir: Path, bootstrap: str, registry, redis=None,
-                 checkpoint_path: Path | None = None):
+                 checkpoint_path: Path | None = None, ranks: Ranks | None = None):
         self.cfg, self.lcfg = cfg, cfg.learner
         self.model_dir, self.bootstrap, self.registry, self.redis = Path(model_dir), bootstrap, registry, redis
         self.topic = cfg.topics.samples
@@ -79,7 +81,15 @@ class Learner(ConsumerRebalanceListener):
         self.ckpt_path = Path(checkpoint_path or checkpoint_path_for(cfg))
         self.lease = None  # a learner.lease.LearnerLease when run as the deployment's learner (run_learner)
         self.ledger = Ledger(ledger_path(self.ckpt_path), max_bytes=self.lcfg.ledger_max_mb << 20)
-        self.trainer = PolicyTrainer(self.model_dir, self.lcfg)
+        self.ranks = ranks  # under torchrun: this is rank 0, the leader (learner.ranks); checkpoints are DCP folders
+        self.trainer = PolicyTrainer(self.model_dir, self.lcfg, ranks=ranks)
+        self.ckpts: CheckpointDir | None = None
+        if ranks is not None:
+            from learner.ranks import Leader
+
+            self.ckpts = CheckpointDir(dcp_root(self.ckpt_path), ranks)
+            self.trainer = Leader(self.trainer, ranks, self.ckpts)
+        self._ckpt_step, self._ckpt_at = 0, time.monotonic()  # the last checkpoint's step and time
         self.step = 0
         self.seq = 0  # checkpoints written; the ledger's lines carry the seq of the checkpoint that made them durable
         self.offsets: dict[int, int] = {}  # durable watermark: next offset per partition
@@ -100,13 +110,15 @@ class Learner(ConsumerRebalanceListener):
         self.ref_version = 0  # the KL reference starts at the base policy (version 0)
         self.version_steps: dict[int, int] = {}  # version -> learner step at which these weights were that version
         self._fresh_at = time.monotonic()  # when a sample last passed the staleness check
-        if self.ckpt_path.exists():
+        if (self.ckpts.latest() is not None) if self.ckpts is not None else self.ckpt_path.exists():
             self._load_checkpoint()
         else:
             self.ledger.truncate_after(0)  # lines of a run whose first checkpoint never landed
             stable = self.registry.stable()
             self.last_emitted = int(stable.version)
             self.version_steps = {int(stable.version): self.step}
+            self.rollback_seen = self.registry.last_rollback()[0]  # stable already reflects any earlier rollback
+            self.ledger.rebased(self.step, int(stable.version))
             if stable.version != 0:
                 self.trainer.load_weights(self.registry.materialize(stable.version), reset_optimizer=True)
             log.info("learner: no checkpoint at %s; starting from stable version %d", self.ckpt_path, stable.version)
@@ -118,11 +130,15 @@ class Learner(ConsumerRebalanceListener):
         self._fenced("checkpoint")
         self.seq += 1
         self.ledger.flush(self.seq)
-        st = dict(self.trainer.state(), format=CHECKPOINT_FORMAT, step=self.step, offsets=dict(self.offsets),
-                  seq=self.seq, trained_ids=list(self.trained_ids), last_emitted=self.last_emitted,
+        self._ckpt_step, self._ckpt_at = self.step, time.monotonic()
+        st = dict(format=CHECKPOINT_FORMAT, step=self.step, offsets=dict(self.offsets), seq=self.seq, trained_ids=list(self.trained_ids), last_emitted=self.last_emitted,
                   last_candidate=self.last_candidate, counters=dict(self.counters),
                   since_candidate=dict(self.since_candidate), topic=self.topic, rollback_seen=self.rollback_seen,
                   version_steps=dict(sorted(self.version_steps.items())[-VERSION_STEPS_KEPT:]))
+        if self.ckpts is not None:  # every rank writes its shards; rank 0 adds this state as learner.json
+            self.trainer.save_checkpoint(self.step, dict(st, baseline=self.trainer.baseline.state_dict()))
+            return
+        st.update(self.trainer.state())
         self.ckpt_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.ckpt_path.with_name(self.ckpt_path.name + f".tmp{os.getpid()}")
         with open(tmp, "wb") as f:
@@ -137,12 +153,17 @@ class Learner(ConsumerRebalanceListener):
             os.close(dfd)
 
     def _load_checkpoint(self) -> None:
-        st = torch.load(self.ckpt_path, map_location="cpu", weights_only=True)
+        if self.ckpts is not None:
+            st = self.trainer.load_checkpoint()
+            self.trainer.baseline.load_state_dict(st["baseline"])
+        else:
+            st = torch.load(self.ckpt_path, map_location="cpu", weights_only=True)
         if st.get("format") != CHECKPOINT_FORMAT or st.get("topic") != self.topic:
             raise ValueError(f"checkpoint {self.ckpt_path} is format {st.get('format')} for topic {st.get('topic')!r}; "
                              f"expected format {CHECKPOINT_FORMAT} for {self.topic!r} (move it away to start fresh)")
-        self.trainer.load_state(st)
-        self.step = int(st["step"])
+        if self.ckpts is None:
+            self.trainer.load_state(st)
+        self.step = self._ckpt_step = int(st["step"])
         self.offsets = {int(p): int(o) for p, o in st["offsets"].items()}
         self.seq = int(st.get("seq", 0))
         self.ledger.truncate_after(self.seq)
@@ -255,6 +276,11 @@ class Learner(ConsumerRebalanceListener):
             return True
         return not self.queue and time.monotonic() - self._pending_since > self.lcfg.max_batch_wait_s
 
+    def _checkpoint_due(self) -> bool:
+        """``checkpoint_every_steps`` updates or ``checkpoint_every_s`` seconds since the last checkpoint."""
+        return (self.step - self._ckpt_step >= self.lcfg.checkpoint_every_steps
+                or time.monotonic() - self._ckpt_at >= self.lcfg.checkpoint_every_s)
+
     def _commit(self) -> None:
         """Commit what the checkpoint already holds. A failed commit (this consumer was dropped from its
         group, e.g. a long pause between polls, or the group is rebalancing) loses nothing: the next commit
@@ -299,7 +325,8 @@ class Learner(ConsumerRebalanceListener):
                 self.ledger.refused(part, off, s.sample_id, e.reason)
             m = None
         if m is not None:
-            self.ledger.trained(self.step + 1, [(part, off, s.sample_id) for part, off, s in batch])
+            self.ledger.trained(self.step + 1, [(part, off, s.sample_id) for part, off, s in batch],
+                                feedback=[(s.feedback_id, s.ts_feedback) for _, _, s in batch])
             for _, _, s in batch:
                 self.trained_ids[s.sample_id] = None
             while len(self.trained_ids) > self.lcfg.dedupe_window:
@@ -366,7 +393,7 @@ class Learner(ConsumerRebalanceListener):
         if self.lcfg.kl_reference != "stable":
             return
         now = time.monotonic()
-        if now - self._last_ref_check < STALE_REBASE_CHECK_S:
+        if now - self._last_ref_check < REFERENCE_CHECK_S:
             return
         self._last_ref_check = now
         stable = int(self.registry.stable().version)
@@ -376,16 +403,25 @@ class Learner(ConsumerRebalanceListener):
         log.info("learner: KL reference moved from v%s to stable v%d", self.ref_version, stable)
         self.ref_version = stable
 
-    def _maybe_rebase(self) -> None:
-        """Restart from the stable weights when the fleet stopped following this learner (see module doc)."""
+    def _maybe_rebase(self, before_update: bool = False) -> None:
+        """Restart from the stable weights when an operator rolled back, or when the fleet stopped following this
+        learner (see module doc).
+
+        Called on every loop iteration, whatever the counters say: a deployment that never dropped a stale
+        sample must see a rollback too. The rollback check is one indexed registry read; it runs before every
+        update (``before_update``: no step trains a lineage the registry has rolled back) and at most every
+        ``ROLLBACK_CHECK_S`` while idle. The starvation rule applies once samples were refused as stale.
+        """
         now = time.monotonic()
-        if now - self._last_rebase_check < STALE_REBASE_CHECK_S:
+        if not before_update and now - self._last_rebase_check < ROLLBACK_CHECK_S:
             return
         self._last_rebase_check = now
-        stable = int(self.registry.stable().version)
         rollback, _ = self.registry.last_rollback()
         if self.rollback_seen is None or rollback <= self.rollback_seen:
             self.rollback_seen = rollback
+            if not self.counters["dropped:stale"]:
+                return  # nothing was ever refused as stale: the fleet follows this learner
+            stable = int(self.registry.stable().version)
             starved_s = now - self._fresh_at
             if starved_s < STARVE_S or self.lag(stable) <= self.max_lag:
                 return  # still fed (a canary's samples), or the stable version's samples are fresh: no reason
@@ -393,10 +429,12 @@ class Learner(ConsumerRebalanceListener):
                         "onto v%d", starved_s, stable, self.lag(stable), self.max_lag, stable)
         else:  # an operator rolled back: whatever this lineage learned since must not come back in a candidate
             self.rollback_seen = rollback
+            stable = int(self.registry.stable().version)
             log.warning("learner: the registry was rolled back to v%d: rebasing onto it", stable)
         self.trainer.load_weights(self.registry.materialize(stable), reset_optimizer=True)
         self.last_emitted = stable
         self.version_steps[stable] = self.step
+        self.ledger.rebased(self.step, stable)
         self._fresh_at = time.monotonic()
         self.counters["rebases"] += 1
         self._save_checkpoint()
@@ -431,18 +469,20 @@ class Learner(ConsumerRebalanceListener):
                     break
                 self._poll(timeout_ms=200)
                 self._classify()
+                ready = self._batch_ready()
                 try:
-                    if self.counters["dropped:stale"] and self._consumer.assignment():
-                        self._maybe_rebase()
+                    self._maybe_rebase(before_update=ready)  # a rollback is seen whatever the counters say
                     self._maybe_move_reference()
                 except REGISTRY_ERRORS as e:  # both are retried every few seconds; training goes on meanwhile
                     self.counters["registry_errors"] += 1
                     log.error("learner: cannot read the registry (%s: %s); retrying", type(e).__name__, e)
-                if self._batch_ready():
+                if ready:
+                    emitted = self.last_candidate
                     if self._update():
                         self._maybe_candidate()
-                    self._save_checkpoint()
-                    self._commit()
+                    if self.last_candidate != emitted or self._checkpoint_due():  # a candidate: its lineage durable
+                        self._save_checkpoint()
+                        self._commit()
                     self.publish()
                     last_pub = time.monotonic()
                 elif time.monotonic() - last_pub > 1.0:
@@ -451,6 +491,9 @@ class Learner(ConsumerRebalanceListener):
                         self._commit()
                     self.publish("waiting")
                     last_pub = time.monotonic()
+            if self.step > self._ckpt_step or self.ledger.buffered:  # a clean stop keeps what was trained since
+                self._save_checkpoint()
+                self._commit()
         finally:
             self.publish("stopped")
             self._consumer.close(autocommit=False)
@@ -473,7 +516,16 @@ def run_learner(cfg: LiverlConfig, model_dir: Path, stop_event: threading.Event 
     """The learner process: connect to the configured stack, build/load the base policy, train until stopped.
 
     ``metrics_port``: serve Prometheus metrics on 127.0.0.1:port (``serving.host``) while it runs.
+    Under torchrun (WORLD_SIZE set) the policy is sharded with FSDP2 over the ranks: rank 0 is this learner, the
+    others follow its trainer calls (``learner.ranks``), and checkpoints are DCP folders (``learner.dist``).
     """
+    ranks = None
+    if "WORLD_SIZE" in os.environ:
+        from learner import dist as ldist
+
+        ranks = ldist.setup()
+        if not ranks.main:
+            return _follow(cfg, model_dir, ranks)
     from deploy.delta import warm_up
     from deploy.registry import RegistryError, open_registry
     from learner.model import load_state_dict
@@ -496,7 +548,7 @@ def run_learner(cfg: LiverlConfig, model_dir: Path, stop_event: threading.Event 
                          ttl_s=cfg.learner.lease_ttl_s)
     lease.acquire(wait_s=cfg.learner.lease_wait_s)  # before the checkpoint is read: the previous learner is gone
     try:
-        learner = Learner(cfg, model_dir, bootstrap, registry, redis=r)
+        learner = Learner(cfg, model_dir, bootstrap, registry, redis=r, ranks=ranks)
     except BaseException:
         lease.release()
         raise
@@ -511,6 +563,9 @@ def run_learner(cfg: LiverlConfig, model_dir: Path, stop_event: threading.Event 
     try:
         return learner.run(stop_event=stop_event, max_steps=max_steps)
     finally:
+        if ranks is not None:
+            learner.trainer.stop()  # the followers return; a crash of this rank ends them through torchrun instead
+            ldist.teardown()
         lease.release()
         if server is not None:
             server.shutdown()
@@ -518,3 +573,15 @@ def run_learner(cfg: LiverlConfig, model_dir: Path, stop_event: threading.Event 
         r.close()
         registry.close()
 
+
+def _follow(cfg: LiverlConfig, model_dir: Path, ranks: Ranks) -> dict:
+    """A rank > 0 of ``liverl learn`` under torchrun: its shards of the policy, rank 0's calls, until told to stop."""
+    from learner import dist as ldist
+    from learner.ranks import follow
+
+    try:
+        trainer = PolicyTrainer(Path(model_dir), cfg.learner, ranks=ranks)
+        calls = follow(trainer, ranks, CheckpointDir(dcp_root(checkpoint_path_for(cfg)), ranks))
+        return {"rank": ranks.rank, "calls": calls}
+    finally:
+        ldist.teardown()

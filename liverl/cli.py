@@ -307,6 +307,24 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return 0 if not rep.problems() else 1
 
 
+def cmd_lineage(args: argparse.Namespace) -> int:
+    from deploy.registry import open_registry
+    from learner.ledger import checkpoint_path_for, ledger_path
+    from liverl.lineage import print_trace, trace
+
+    cfg = _cfg(args)
+    registry = open_registry(cfg)
+    try:
+        tr = trace(args.feedback_id, args.ledger or ledger_path(checkpoint_path_for(cfg)), registry)
+    finally:
+        registry.close()
+    if args.json:
+        print(json.dumps(tr, indent=2))
+    else:
+        print_trace(tr)
+    return 0
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from liverl.core.schemas import json_schemas
 
@@ -564,6 +582,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--state-dir", help="state folder of the deployment (default: state_dir = .liverl)")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.set_defaults(fn=cmd_audit)
+
+    s = sub.add_parser(
+        "lineage", help="one feedback event's path: sample, learner step, candidate, gate verdicts, promotion, first "
+        "served, each with its time", description="The path of one feedback event to a served model, read from the "
+        "learner's ledger and the registry (liverl.lineage says where each fact lives). Run it where the learner runs.")
+    s.add_argument("feedback_id", help="the FeedbackEvent.feedback_id the product sent")
+    s.add_argument("--state-dir", help="state folder of the deployment (default: state_dir = .liverl)")
+    s.add_argument("--ledger", help="the learner's ledger file (default: beside its checkpoint in the state folder)")
+    s.add_argument("--json", action="store_true", help="print the path as JSON")
+    s.set_defaults(fn=cmd_lineage)
 
     s = sub.add_parser("schema", help="print the JSON Schemas of the wire messages (for non-Python producers)")
     s.add_argument("name", nargs="?", choices=["feedback", "generation", "sample", "dead_letter", "version"])

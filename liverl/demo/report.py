@@ -149,6 +149,7 @@ def build_summary(cfg, r, registry, timeline: Timeline, stats, product_name: str
         "dead_letters": {k.removeprefix("dlq:"): int(v) for k, v in ingest.items() if k.startswith("dlq:")},
         "duplicates_dropped": int(ingest.get("duplicates", 0)),
         "gate_checks": gate_checks(registry),
+        "feedback_to_served": feedback_to_served(cfg, registry),
         "versions": version_evidence(registry, candidates, live),
         "marks": release_marks(registry, promoted, timeline.t0),
         "product": product_name,
@@ -165,6 +166,20 @@ def build_summary(cfg, r, registry, timeline: Timeline, stats, product_name: str
         and not summary["trap_report"]["exploiting_live"]
     )
     return summary
+
+
+def feedback_to_served(cfg, registry) -> dict:
+    """Feedback -> served and feedback -> promoted (seconds, p50/p90/p99) over every feedback event the learner
+    trained in this run, from its ledger and the registry (``liverl.lineage.latency_summary``), with the serving
+    topology it was measured on: with two or more nodes a candidate is canaried first, so served (a canary node
+    counts) comes before promoted."""
+    from learner.ledger import checkpoint_path_for, ledger_path
+    from liverl.lineage import latency_summary
+
+    out = latency_summary(ledger_path(checkpoint_path_for(cfg)), registry)
+    out["nodes"] = cfg.serving.nodes
+    out["canaries"] = bool(cfg.serving.nodes > 1 and cfg.gate.canary_share > 0 and not cfg.gate.integrity_only)
+    return out
 
 
 def codec_report(registry, candidates, sample: int = 12) -> dict:
@@ -336,6 +351,18 @@ def print_summary(summary: dict, summary_path: Path, plot_path: Path) -> None:
         print(f"  same changes, last {len(codec['versions'])}: liverl {codec['median_ratio_liverl']:.1f}x, "
               f"xor+zstd {codec['median_ratio_xor_zstd']:.1f}x, plain zstd {codec['median_ratio_zstd']:.2f}x "
               f"(median {codec['median_changed_fraction']:.1%} of elements changed)")
+    fs = summary.get("feedback_to_served")
+    if fs:
+        def q(d):
+            return "-" if not d.get("n") else f"p50 {d['p50']:.0f}, p90 {d['p90']:.0f}, p99 {d['p99']:.0f}"
+        print(f"feedback -> served (s)         {q(fs['feedback_to_served_s'])} over {fs['served']} of {fs['trained']} "
+              f"trained events ({'canaries on: a canary node counts' if fs['canaries'] else 'one node, no canary'})")
+        print(f"feedback -> promoted (s)       {q(fs['feedback_to_promoted_s'])} over {fs['promoted']}; not served: "
+              f"{fs['trained'] - fs['in_a_candidate']} in no candidate yet, {fs['dropped_by_rebase']} thrown away by a "
+              f"rebase, {fs['in_a_candidate'] - fs['served'] - fs['dropped_by_rebase']} in candidates not served")
+        if fs["canaries"]:
+            print("  (without canaries: LIVERL__SERVING__NODES=1 scripts/demo.sh; `liverl lineage FEEDBACK_ID` shows one "
+                  "event's path)")
     if summary["dead_letters"]:
         print(f"dead letters                   {summary['dead_letters']}")
     if summary.get("process_restarts"):

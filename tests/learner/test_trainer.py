@@ -429,6 +429,7 @@ def test_a_learner_ahead_of_a_slow_canary_keeps_training_and_does_not_rebase(cfg
         canary_sample = base_samples[0].model_copy(update={"policy_version": 12})
         assert learner._refusal(canary_sample) is None
         assert learner._refusal(base_samples[1]) == "stale" and learner.lag(0) == 100 > learner.max_lag == 80
+        learner.counters["dropped:stale"] += 1  # as the loop counts the refusal
         learner._fresh_at = time.monotonic()  # the canary's samples keep coming
         learner._maybe_rebase()
         assert learner.counters["rebases"] == 0
@@ -492,6 +493,29 @@ def test_a_rollback_makes_the_learner_rebase_onto_the_stable_version(cfg, model_
     finally:
         r.delete(f"{cfg.topics.prefix}:learner")
         r.close()
+        reg.close()
+
+
+def test_run_sees_a_rollback_though_no_sample_was_ever_stale(cfg, model_dir, base_samples):
+    """Issue 22: ``run()`` looked for a rollback only after it had dropped a stale sample, so a deployment that never
+    dropped one kept training the rolled-back lineage. Now the loop checks before every update."""
+    from learner.trainer import Learner
+
+    cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=1)
+    reg = make_registry(cfg, model_dir)
+    try:
+        produce_samples(cfg, base_samples[:48])
+        learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
+        learner.run(max_steps=1)
+        [c] = reg.candidates()
+        reg.promote(c.version, actor="gate", reason="passed")
+        reg.rollback(actor="bob", reason="complaints")
+        stats = learner.run(max_steps=1)
+        assert stats["counters"].get("dropped:stale", 0) == 0
+        assert stats["counters"]["rebases"] == 1 and stats["step"] == 2
+        assert learner.version_steps[0] == 1  # back on v0 at step 1: step 2 trained the stable weights, not v1's
+        assert read_checkpoint(learner.ckpt_path)["rollback_seen"] == reg.last_rollback()[0]
+    finally:
         reg.close()
 
 
