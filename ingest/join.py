@@ -1,11 +1,13 @@
 """The join of the ingest stage: one table entry per generation id, one decision per input event.
 
-The logic here knows nothing of Kafka: it reads and writes a ``MutableMapping[str, bytes]`` (``ingest.table`` in
-production, a dict in the property tests) and hands its output to ``send(topic, key, value)``, a plain function
-that returns a future resolved once the broker has the record (after ``flush``, for a batching sender). Everything
+The logic here knows nothing of Kafka and never calls back into the worker: it reads and writes a
+``MutableMapping[str, bytes]`` (``ingest.table`` in production, a dict in the property tests), hands its output to an
+``Output`` (``send`` queues a record and returns an awaitable resolved once the broker has it, after ``flush``:
+``ingest.outbox.Outbox``), and takes what it needs of the consumer as values (the assigned partitions and the
+generations partitions' end offsets, ``expire_pending``). Everything
 per event is plain calls; only a batch's end awaits (the broker, the table, Redis): a coroutine per step per event
 was a tenth of the worker's time.
-``ingest.app`` wires it to the broker.
+``ingest.app`` wires it to the broker; ``ingest.commit`` settles its batches.
 
 One entry per generation id, so that every state change of a generation is one write to one changelog
 partition (ordered, all or nothing):
@@ -15,7 +17,9 @@ partition (ordered, all or nothing):
 ``P``       pending: feedback that came before its record (canonical JSON) and where it came from
 ``J``       judged: the judgement only (feedback id, version, kind, the user's unit), so redelivered feedback is a
             duplicate and a different judgement of the same generation is dead-lettered ``already_judged``; the
-            time written is the judgement's (a revert rewrites the entry with it): the per-user sums' bucket
+            time written is the judgement's (a revert rewrites the entry with it): the per-user sums' bucket; ``m``
+            when the generation's tokens came from more than one version (``GenerationRecord.mixed_versions``): its
+            sample trains, but it counts for no version (live counters, per-user sums), only in ``mixed_versions``
 ==========  =========================================================================================
 
 A batch's table writes are held back until the broker has acknowledged the batch's samples and dead letters
@@ -37,50 +41,46 @@ worker without acknowledging the batch, so the uncommitted offsets are replayed.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import math
 import time
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Generator, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Protocol
 
-from pydantic_core import from_json, to_json  # compact JSON, a fifth of the json module's time
-
+from ingest.entry import ACCEPT_KEPT, JUDGED, PENDING, WAITING, expiry_class, head, ms, pack, pending_info, unpack
+from ingest.entry import without_payload
 from ingest.metrics import IngestMetrics, Tally
+from ingest.partitioner import partition_of
+from ingest.records import (DEAD_VALUE_BYTES, MAX_RECORD_BYTES, REVERT_SUFFIX, Source, _counted_again, _guardrails,
+                            dead_letter, is_heldout, key_text, legacy_parts, record_parts, sample_json)
 from liverl.core import keys
 from liverl.core.config import LiverlConfig, redact_url
 from liverl.core.product import load_product
-from liverl.core.schemas import SCHEMA_VERSION, DeadLetter, FeedbackEvent, GenerationRecord, TrainingSample, WireError
+from liverl.core.schemas import FeedbackEvent, GenerationRecord, TrainingSample, WireError
 
 log = logging.getLogger("liverl.ingest")
 
-WAITING, PENDING, JUDGED = b"W", b"P", b"J"
-# Largest record ingest writes (table entry, sample, dead letter): under the 1,000,000-byte produce request limit
-# of the worker's producer (and the broker's default 1 MiB message limit), with room for the record's framing.
-MAX_RECORD_BYTES = 950_000
-REVERT_SUFFIX = ":revert"  # the sample id of a revert's correction: <generation id>:revert
-DEAD_VALUE_BYTES = 16 * 1024  # how much of a refused value a dead letter carries (plus its size and sha256)
-DEAD_DETAIL_CHARS = 1000
-KEY_CHARS = 256
+EVICT_MAX = 200_000  # entries one expiry run drops or cuts at most (the rest wait for the next run)
 PENDING_HARD_LIMIT_X = 10  # early feedback is dropped after this many TTLs even if generations still lag
 
-Send = Callable[[str, str, bytes], Awaitable[Any]]
+
+
+class Output(Protocol):
+    """Where the join's samples and dead letters go: ``send`` queues a record and returns an awaitable that resolves
+    once the broker has it, after a ``flush`` (``ingest.outbox.Outbox``)."""
+
+    def send(self, topic: str, key: str, value: bytes) -> Awaitable[Any]: ...
+
+    def flush(self) -> Awaitable[Any]: ...
+
+
+# (names of ingest.entry and ingest.records the tests and tools import from here)
+__all__ = ["DEAD_VALUE_BYTES", "JUDGED", "MAX_RECORD_BYTES", "PENDING", "REVERT_SUFFIX", "WAITING", "InfraError",
+           "Ingest", "Source", "head", "is_heldout", "legacy_parts", "pack", "record_parts", "sample_json", "unpack"]
 
 
 class InfraError(RuntimeError):
     """The broker or Redis failed: the batch must not be acknowledged (the worker stops and replays it)."""
-
-
-class Source(NamedTuple):
-    """Where an input came from (for dead letters, and to know when its offset is committed). A tuple: one is made
-    per input record, and a frozen dataclass costs several times as much to build."""
-
-    topic: str
-    partition: int | None
-    offset: int | None
-    key: str | bytes | None = None  # the record's key as it came (``key_text`` where it is shown)
-    ts: float | None = None  # the record's Kafka timestamp, seconds
 
 
 @dataclass
@@ -95,128 +95,14 @@ class _Batch:
     feedback_in: int = 0
 
 
-def pack(kind: bytes, t: float, meta: dict | None = None, payload: bytes = b"") -> bytes:
-    got = _HEADS.get(kind)
-    if got is not None and got[0] == t:  # a batch writes its entries at one time: the head is the same
-        head = got[1]
-    else:
-        head = kind + b"|" + repr(float(t)).encode() + b"|"
-        _HEADS[kind] = (t, head)
-    return head + (to_json(meta) if meta is not None else b"") + b"\n" + payload
-
-
-_HEADS: dict[bytes, tuple[float, bytes]] = {}  # the last head made per kind
-
-
-def head(value: bytes) -> tuple[bytes, float]:
-    """(kind, time written) of an entry, without parsing its JSON."""
-    end = value.index(b"|", 2)
-    return value[:1], float(value[2:end])
-
-
-def unpack(value: bytes) -> tuple[bytes, float, dict, bytes]:
-    end = value.index(b"|", 2)
-    nl = value.index(b"\n", end)
-    meta = value[end + 1:nl]
-    return value[:1], float(value[2:end]), (from_json(meta) if meta else {}), value[nl + 1:]
-
-
-def _guardrails(meta: dict) -> str:
-    """The guardrail sums of a judgement (kept in its entry as ``n`` tokens and ``ms`` of latency), for its tally kind;
-    entries judged before these were kept have none."""
-    ms = meta.get("ms")
-    return keys.judged_fields(meta.get("n"), None if ms is None else ms / 1000.0)
-
-
-def _counted_again(meta: dict, t: float) -> tuple:
-    """The live counters' entry (``Tally.live``) of a judged entry's judgement (``meta`` of an entry written at ``t``,
-    its judgement's time), to count again: idempotent, it heals a crash between the join and the Redis write."""
-    return meta["f"], meta["v"], meta["k"] + _guardrails(meta), keys.unit_bucket(t), meta.get("u")
-
-
-def is_heldout(generation_id: str, share: float) -> bool:
-    """Whether a joined sample goes to the held-out stream: a fixed hash-share of generation ids (the same answer on
-    every replay and every worker)."""
-    if share <= 0:
-        return False
-    h = _HELDOUT_HASH.copy()  # (a copy of the keyed state costs a third less than a new one)
-    h.update(generation_id.encode())
-    return int.from_bytes(h.digest(), "big") / 2**64 < share
-
-
-_HELDOUT_HASH = hashlib.blake2b(digest_size=8, person=b"liverl-heldout")
-
-
-def record_parts(rec: GenerationRecord) -> tuple[dict[str, Any], bytes]:
-    """What a join needs of a validated record, as a waiting entry keeps it: the few values the judgement and the
-    sample read (``meta``: version ``v``, time ``ts``, completion length ``n``, latency ``ms``, ``x`` when not
-    trainable, the user's ``unit`` as ``u``) and ``body``, the sample's middle fields already serialised
-    (``sample_json`` splices them in, so a join neither parses the record again nor serialises its token lists)."""
-    return _parts(rec.policy_version, rec.ts, rec.latency_s, rec.trainable, rec.prompt_token_ids,
-                  rec.completion_token_ids, rec.completion_logprobs, rec.sampling, rec.unit)
-
-
-def legacy_parts(record_json: bytes) -> tuple[dict[str, Any], bytes]:
-    """``record_parts`` of a waiting entry written before entries kept parts: the record's own canonical JSON."""
-    r = from_json(record_json)
-    return _parts(r["policy_version"], r["ts"], r.get("latency_s"), r.get("trainable", True), r["prompt_token_ids"],
-                  r["completion_token_ids"], r["completion_logprobs"], r["sampling"], r.get("unit"))
-
-
-def _parts(version: int, ts: float, latency_s: float | None, trainable: bool, prompt_ids: list, completion_ids: list,
-           logprobs: list, sampling: Any, unit: str | None = None) -> tuple[dict[str, Any], bytes]:
-    meta: dict[str, Any] = {"v": version, "ts": ts, "n": len(completion_ids)}
-    if latency_s is not None:
-        meta["ms"] = round(latency_s * 1000.0)
-    if not trainable:
-        meta["x"] = 1
-    if unit is not None:
-        meta["u"] = unit
-    body = to_json({"prompt_token_ids": prompt_ids, "completion_token_ids": completion_ids,
-                    "behaviour_logprobs": logprobs, "sampling": sampling})
-    return meta, body[1:-1]
-
-
-def sample_json(gid: str, meta: dict[str, Any], body: bytes, fb: FeedbackEvent, reward: float) -> bytes:
-    """The ``TrainingSample`` of a judged generation, as its wire JSON: byte for byte what
-    ``TrainingSample(...).model_dump_json()`` gives (tests/ingest/test_fuzz.py checks it), built from data already
-    validated (the record's ``record_parts``, the feedback) without validating it again: that would cost the join a
-    fifth of its time. The reward is the product's code, so it is checked here."""
-    if not math.isfinite(reward):
-        raise ValueError(f"the product's reward for {fb.kind!r} is {reward}: rewards must be finite")
-    head = to_json({"schema_version": SCHEMA_VERSION, "sample_id": gid, "generation_id": gid,
-                    "feedback_id": fb.feedback_id, "policy_version": meta["v"], "kind": fb.kind, "reward": reward,
-                    "segment": fb.segment})
-    tail = to_json({"edited_text": fb.edited_text, "ts_generation": meta["ts"], "ts_feedback": fb.ts})
-    return b"".join((head[:-1], b",", body, b",", tail[1:]))
-
-
-def key_text(key: Any) -> str | None:
-    if key is None:
-        return None
-    text = key.decode("utf-8", "replace") if isinstance(key, (bytes, bytearray)) else str(key)
-    return text[:KEY_CHARS]
-
-
-def dead_letter(reason: str, detail: str, src: Source, value: bytes | None) -> DeadLetter:
-    """A dead letter whose size is bounded whatever the input: value cut to ``DEAD_VALUE_BYTES``, with its size
-    and sha256 so the original can still be matched."""
-    raw = value or b""
-    cut = len(raw) > DEAD_VALUE_BYTES
-    return DeadLetter(reason=reason, detail=detail[:DEAD_DETAIL_CHARS], source_topic=src.topic,
-                      partition=src.partition, offset=src.offset, key=key_text(src.key),
-                      value=raw[:DEAD_VALUE_BYTES].decode("utf-8", "replace"), value_truncated=cut,
-                      value_size=len(raw), value_sha256=hashlib.sha256(raw).hexdigest())
-
-
 class Ingest:
     """Join state and decisions. Every coroutine runs under ``self.lock`` (agent batch or timer)."""
 
-    def __init__(self, cfg: LiverlConfig, metrics: IngestMetrics, table: MutableMapping[str, bytes], send: Send, *,
-                 end_offset: Callable[[int], Awaitable[int | None]] | None = None,
-                 assigned: Callable[[int], bool] = lambda partition: True,
-                 partition_of: Callable[[str], int] | None = None,
-                 flush: Callable[[], Awaitable[Any]] | None = None):
+    def __init__(self, cfg: LiverlConfig, metrics: IngestMetrics, table: MutableMapping[str, bytes], output: Output,
+                 *, partitions: int | None = None):
+        """``output``: where samples and dead letters go (``ingest.outbox.Outbox``; a recorder in the property tests).
+        ``partitions``: the inputs' partition count, to refuse input on the wrong partition (``_misplaced``); None: not
+        checked."""
         self.cfg = cfg
         self.ic = cfg.ingest
         self.product = load_product(cfg)  # reward shaping is the product's (default: [ingest.rewards])
@@ -226,11 +112,8 @@ class Ingest:
         self._topic_heldout, self._topic_dead = cfg.topics.heldout, cfg.topics.dead_letters
         self.metrics = metrics
         self.table = table
-        self._send = send
-        self._end_offset = end_offset
-        self._assigned = assigned
-        self._partition_of = partition_of  # the input partitioner (murmur2 of the generation id); None: not checked
-        self._flush = flush  # sends what ``send`` queued (a batching sender); None: ``send`` sends at once
+        self.output = output
+        self._partitions = partitions
         self.lock = asyncio.Lock()
         # In-memory index of the pending entries, rebuilt by ``recovered()`` after every rebalance; bounded by
         # ``max_pending``.
@@ -253,20 +136,31 @@ class Ingest:
     def recovered(self, entries: Callable[[], Any] | None = None) -> None:
         """The table holds this worker's partitions again (after a start or a rebalance): rebuild the indexes.
 
-        Waiting starts over from now: feedback that was pending before a restart gets a whole TTL again, and
-        the generations stream counts as quiet only after a TTL of this worker's own reading.
+        ``entries``: (generation id, entry) pairs to rebuild from instead of the table (tests). The worker calls
+        ``restore``, which does the same a chunk at a time. Waiting starts over from now: feedback that was pending
+        before a restart gets a whole TTL again, and the generations stream counts as quiet only after a TTL of this
+        worker's own reading.
         """
-        items = entries() if entries is not None else list(self.table.items())
-        self._pending.clear()
+        if entries is not None:
+            found = [(gid, pending_info(v)) for gid, v in entries() if v[:1] == PENDING]
+        else:
+            found = list(pending_in(self.table))
+        self._rebuilt(found)
+
+    async def restore(self, chunk: int = 10_000) -> None:
+        """``recovered``, reading the table's pending index (O(pending entries), never the whole table) a chunk at a
+        time with the event loop's other work in between (the consumer group's heartbeats)."""
         found = []
-        for gid, value in items:
-            if value[:1] == PENDING:
-                _, t, meta, _ = unpack(value)
-                found.append((t, gid, meta["kts"], meta["src"][1]))
-        found.sort(key=lambda f: f[0])  # oldest first: the sweep stops at the first entry too young to expire
-        for t, gid, kts, part in found:
-            self._pending[gid] = (t, kts, part)
-        self._pending_newest = found[-1][0] if found else 0.0
+        for gid, info in pending_in(self.table):
+            found.append((gid, info))
+            if len(found) % chunk == 0:
+                await asyncio.sleep(0)
+        self._rebuilt(found)
+
+    def _rebuilt(self, found: list[tuple[str, tuple[float, float, int | None]]]) -> None:
+        found.sort(key=lambda f: f[1][0])  # oldest first: the sweep stops at the first entry too young to expire
+        self._pending = dict(found)
+        self._pending_newest = found[-1][1][0] if found else 0.0
         self._pending_in_order = True
         self._gen_clock.clear()
         self._gen_next.clear()
@@ -357,7 +251,7 @@ class Ingest:
             out.tally.inc("generation_duplicates")
             if kind == JUDGED:  # the replay of a join whose counters a crash may have lost: idempotent
                 _, t, meta, _ = unpack(entry)
-                out.tally.live.append(_counted_again(meta, t))
+                self._count_again(out, meta, t)
             return
         parts = record_parts(rec)
         if kind == PENDING:
@@ -387,7 +281,7 @@ class Ingest:
             _, t, meta, _ = unpack(entry)
             if meta["f"] == fid:
                 out.tally.inc("duplicates")
-                out.tally.live.append(_counted_again(meta, t))  # idempotent; heals a crash
+                self._count_again(out, meta, t)  # idempotent; heals a crash
             else:
                 self._dead(out, "already_judged", f"generation {gid} was already judged by feedback {meta['f']}",
                                  src, value)
@@ -429,9 +323,11 @@ class Ingest:
         _, t, meta, accepted = unpack(entry)  # accepted: the sample its accept trained, kept for this correction
         # counted by when, and for whom, the reverted generation was judged (an entry from before units: in '*' only)
         counted = (fb.feedback_id, meta["v"], keys.revert_field(t), keys.unit_bucket(t), meta.get("u"))
+        mixed = bool(meta.get("m"))  # sampled by several versions: counted for none (see _join)
         if meta.get("r") == fb.feedback_id:
             out.tally.inc("duplicates")
-            out.tally.live.append(counted)  # idempotent; heals a crash before Redis
+            if not mixed:
+                out.tally.live.append(counted)  # idempotent; heals a crash before Redis
         elif meta.get("r") is not None:
             self._dead(out, "already_reverted", f"generation {gid} was already reverted by {meta['r']}",
                              src, value)
@@ -441,8 +337,13 @@ class Ingest:
         else:
             out.writes[gid] = pack(JUDGED, t, {**meta, "r": fb.feedback_id})
             out.tally.inc("reverted")
-            out.tally.live.append(counted)
-            if accepted and len(gid) + len(REVERT_SUFFIX) <= 128:  # (ids are at most 128 characters) the correction
+            if mixed:
+                out.tally.inc("mixed_versions_reverted")
+            else:
+                out.tally.live.append(counted)
+            if not accepted:  # not trainable, or judged more than ingest.revert_sample_ttl_s ago: counted only
+                out.tally.inc("drop:revert_no_sample")
+            elif len(gid) + len(REVERT_SUFFIX) <= 128:  # (ids are at most 128 characters) the correction
                 s = TrainingSample.model_validate_json(accepted)
                 fix = s.model_copy(update={"sample_id": f"{gid}{REVERT_SUFFIX}", "feedback_id": fb.feedback_id,
                                            "kind": "revert", "reward": float(self.product.reward("revert", s.segment)),
@@ -466,6 +367,9 @@ class Ingest:
         unit = rec.get("u")
         if unit is not None:  # the user, so a later revert counts in their sums too
             meta["u"] = unit
+        mixed = "m" in rec  # a hot-swap mid-generation: two versions (or unknown ones) sampled its tokens
+        if mixed:  # (kept in the judgement, so a redelivery or a revert is not counted for a version either)
+            meta["m"] = 1
         guardrails = _guardrails(meta)
         sample = b""
         if "x" not in rec:
@@ -490,8 +394,20 @@ class Ingest:
             else:
                 out.samples += 1
         out.tally.joined_kinds[fb.kind] += 1  # ("joined" is their sum, counted once per batch)
-        out.tally.live.append((fb.feedback_id, version, fb.kind + guardrails, keys.unit_bucket(now), unit))
+        if mixed:
+            # No version may claim it: not in any version's live counters, per-user sums (keys.units) or anything
+            # else the gate and the canary read. Its sample still trains (behaviour log-probs are per token).
+            out.tally.inc("mixed_versions")
+        else:
+            out.tally.live.append((fb.feedback_id, version, fb.kind + guardrails, keys.unit_bucket(now), unit))
         out.tally.feedback_delays_s.append(now - fb.ts)
+
+    @staticmethod
+    def _count_again(out: _Batch, meta: dict, t: float) -> None:
+        """Count a redelivered judgement again in the live counters (idempotent: guarded by its feedback id)."""
+        again = _counted_again(meta, t)
+        if again is not None:  # (None: a generation of mixed versions, counted for no version)
+            out.tally.live.append(again)
 
     def _misplaced(self, gid: str, src: Source, value: bytes | None, out: _Batch) -> bool:
         """Dead-letter (``wrong_partition``) an input that is not on the partition its generation id hashes to.
@@ -501,9 +417,9 @@ class Ingest:
         ``partitioner=murmur2_random``). Misplaced input would join only while one worker owns every partition, and
         expire as ``unknown_generation`` once there are several; refusing it at once names the producer's mistake.
         """
-        if self._partition_of is None or src.partition is None:
+        if self._partitions is None or src.partition is None:
             return False
-        want = self._partition_of(gid)
+        want = partition_of(gid.encode(), self._partitions)
         if want == src.partition:
             return False
         self._dead(out, "wrong_partition", f"generation {gid} belongs on partition {want} (murmur2 of the "
@@ -536,7 +452,7 @@ class Ingest:
 
     def _emit(self, topic: str, key: str, value: bytes) -> Awaitable[Any]:
         try:
-            return self._send(topic, key, value)
+            return self.output.send(topic, key, value)
         except Exception as e:
             raise InfraError(f"producing to {topic} failed: {type(e).__name__}: {e}") from e
 
@@ -544,7 +460,7 @@ class Ingest:
         """Wait until the broker has the batch's output, then put its writes in the table, then count (Redis +
         Prometheus). Making the table's writes durable is the caller's (``JoinTable.flush``, after this).
 
-        In parts, for a caller that overlaps batches (``ingest.app``): ``acknowledged``, then ``apply`` (in the order
+        In parts, for a caller that overlaps batches (``ingest.commit``): ``acknowledged``, then ``apply`` (in the order
         the batches were decided), and ``count`` once acknowledged (any order: the live counters are guarded by
         feedback id, the rest are operational; neither needs the table's write: a replay heals either way)."""
         await self.acknowledged(out)
@@ -569,11 +485,12 @@ class Ingest:
                 continue
             self.table[gid] = entry
             if entry[:1] == PENDING:
-                _, t, meta, _ = unpack(entry)
+                info = pending_info(entry)
+                t = info[0]
                 if gid in self._pending or t < self._pending_newest:  # (only a caller's own clock goes back)
                     self._pending_in_order = False
                 self._pending_newest = max(self._pending_newest, t)
-                self._pending[gid] = (t, meta["kts"], meta["src"][1])
+                self._pending[gid] = info
             else:
                 self._pending.pop(gid, None)
         out.writes.clear()
@@ -624,32 +541,37 @@ class Ingest:
             due.append(item)
         return due
 
-    async def _caught_up(self, part: int | None) -> bool:
-        """Has this worker processed every generation record the broker has on ``part``, as of now?"""
-        if part is None or self._end_offset is None:
+    def _caught_up(self, part: int | None, ends: Mapping[int, int | None] | None) -> bool:
+        """Has this worker processed every generation record the broker has on ``part`` (``ends``: the generations
+        partitions' end offsets, as the caller read them from the broker; None: no broker, every partition is)?"""
+        if part is None or ends is None:
             return True
-        end = await self._end_offset(part)
+        end = ends.get(part)
         return end is not None and self._gen_next.get(part, 0) >= end
 
-    async def expire_pending(self, now: float | None = None) -> int:
-        """Dead-letter feedback whose generation did not arrive within ``pending_ttl_s`` (assigned partitions only)."""
+    def ends_needed(self, now: float, assigned: Collection[int] | None = None) -> set[int]:
+        """The generations partitions whose end offset ``expire_pending`` needs at ``now``: where feedback has waited a
+        TTL and the partition's clock has not passed it (whether it was read to its end then decides)."""
+        ttl = self.ic.pending_ttl_s
+        return {part for _, (t, kts, part) in self._due(now, ttl) if part is not None
+                and (assigned is None or part in assigned) and self._waited(t, kts, part, now, ttl) == "caught_up"}
+
+    async def expire_pending(self, now: float | None = None, *, assigned: Collection[int] | None = None,
+                             ends: Mapping[int, int | None] | None = None) -> int:
+        """Dead-letter feedback whose generation did not arrive within ``pending_ttl_s``.
+
+        ``assigned``: the input partitions this worker holds (None: all); feedback of others is left alone. ``ends``:
+        the end offsets of the generations partitions ``ends_needed`` named (None: count every partition as read to
+        its end). Values, not callbacks into the worker: the worker asks the broker, the join decides."""
         now = time.time() if now is None else now
         ttl = self.ic.pending_ttl_s
         expired = []
-        caught_up: dict[int | None, bool] = {}
-        mine: dict[int, bool] = {}  # asked once per partition and sweep (the assignment is a set built per call)
         for gid, (t, kts, part) in list(self._due(now, ttl)):
-            if part is not None:
-                if part not in mine:
-                    mine[part] = self._assigned(part)
-                if not mine[part]:
-                    continue
+            if part is not None and assigned is not None and part not in assigned:
+                continue
             why = self._waited(t, kts, part, now, ttl)
-            if why == "caught_up":
-                if part not in caught_up:
-                    caught_up[part] = await self._caught_up(part)
-                if not caught_up[part]:
-                    continue
+            if why == "caught_up" and not self._caught_up(part, ends):
+                continue
             if why is not None:
                 expired.append(gid)
         if not expired:
@@ -677,46 +599,82 @@ class Ingest:
     async def _settle_futures(self, out: _Batch) -> None:
         if out.futs:
             try:
-                if self._flush is not None:
-                    await self._flush()
+                await self.output.flush()
                 await asyncio.gather(*out.futs)
             except Exception as e:
                 raise InfraError(f"the broker did not take the dead letters: {type(e).__name__}: {e}") from e
             out.futs.clear()
 
-    async def evict_old(self, now: float | None = None, chunk: int = 2000) -> int:
-        """Drop unjudged generations and old judgements past their TTLs (bounded memory).
+    async def evict_old(self, now: float | None = None, chunk: int = 2000, limit: int = EVICT_MAX) -> int:
+        """Drop unjudged generations and judgements past their TTLs, and cut the accepted sample out of a judgement
+        older than ``revert_sample_ttl_s`` (only a revert within that time trains its correction). Returns how many
+        entries were dropped.
 
-        Takes the lock itself, one chunk of keys at a time (each entry re-checked under it), so a large table
-        does not hold up the join. Pending feedback is the other timer's.
+        Reads only the entries due, oldest first, from the table's expiry index (``ingest.store``; a plain mapping is
+        scanned), at most ``limit`` per call (the rest at the next). Takes the lock a chunk at a time (each entry
+        re-checked under it) and yields to the loop between chunks. Pending feedback is the other timer's.
         """
         now = time.time() if now is None else now
-        async with self.lock:
-            keys = list(self.table.keys())
-        unjudged = judged = 0
-        for i in range(0, len(keys), chunk):
-            async with self.lock:
-                for gid in keys[i:i + chunk]:
-                    entry = self.table.get(gid)
-                    if entry is None:
-                        continue
-                    kind, t = head(entry)
-                    if kind == WAITING and now - t >= self.ic.generation_ttl_s:
-                        unjudged += 1
-                    elif kind == JUDGED and now - t >= self.ic.judged_ttl_s:
-                        judged += 1
-                    else:
-                        continue
-                    self.table.pop(gid, None)
-            await asyncio.sleep(0)
-        if unjudged or judged:
-            tally = Tally()
-            tally.inc("generations_expired", unjudged)
-            tally.inc("judgements_expired", judged)
+        ic = self.ic
+        ttls = {WAITING: ic.generation_ttl_s, JUDGED: ic.judged_ttl_s, ACCEPT_KEPT: ic.judged_ttl_s}
+        cut_after = min(ic.revert_sample_ttl_s, ic.judged_ttl_s)
+        tally = Tally()
+        acted = 0
+        for cls, before in ((WAITING, now - ic.generation_ttl_s), (JUDGED, now - ic.judged_ttl_s),
+                            (ACCEPT_KEPT, now - cut_after)):
+            due = due_in(self.table, cls, before)
+            more = True
+            while more and acted < limit:
+                async with self.lock:
+                    for _ in range(min(chunk, limit - acted)):
+                        gid = next(due, None)
+                        if gid is None:
+                            more = False
+                            break
+                        entry = self.table.get(gid)
+                        got = None if entry is None else expiry_class(entry)
+                        if got is None or got[0] != cls:  # (changed since the index was written)
+                            continue
+                        age = now - head(entry)[1]
+                        if age >= ttls[cls]:
+                            self.table.pop(gid, None)
+                            tally.inc("generations_expired" if cls == WAITING else "judgements_expired")
+                        elif cls == ACCEPT_KEPT and age >= cut_after:
+                            self.table[gid] = without_payload(entry)
+                            tally.inc("revert_samples_expired")
+                        else:
+                            continue
+                        acted += 1
+                await asyncio.sleep(0)
+            due.close()
+        if tally.counts:
             try:
                 await self.metrics.apply(tally)
             except Exception as e:
                 raise InfraError(f"Redis at {redact_url(self.metrics.redis_url)} failed: {type(e).__name__}: {e}") from e
-        self.metrics.tracked.set(len(keys) - unjudged - judged)
-        return unjudged + judged
+        estimate = getattr(self.table, "estimate", None)
+        self.metrics.tracked.set(estimate() if estimate is not None else len(self.table))
+        return tally.counts["generations_expired"] + tally.counts["judgements_expired"]
 
+
+def pending_in(table: MutableMapping[str, bytes]) -> Iterator[tuple[str, tuple[float, float, int | None]]]:
+    """The pending feedback of a table: from its pending index (``ingest.table.JoinTable``), or, for a plain mapping
+    (the property tests' dict), a scan."""
+    index = getattr(table, "pending_entries", None)
+    if index is not None:
+        return index()
+    return ((gid, pending_info(v)) for gid, v in list(table.items()) if v[:1] == PENDING)
+
+
+def due_in(table: MutableMapping[str, bytes], cls: bytes, before: float) -> Generator[str, None, None]:
+    """The generation ids of a table whose entry is of expiry class ``cls`` and older than ``before``: from its
+    expiry index (``ingest.table.JoinTable.due``), or, for a plain mapping, a scan."""
+    index = getattr(table, "due", None)
+    if index is not None:
+        yield from index(cls, before)
+        return
+    before_ms = ms(before)
+    found = [(c[1], gid) for gid, v in list(table.items()) if (c := expiry_class(v)) and c[0] == cls
+             and c[1] < before_ms]
+    for _, gid in sorted(found):
+        yield gid

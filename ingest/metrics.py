@@ -6,6 +6,7 @@ Two audiences, two stores:
   ``liverl_ingest_`` prefix, ``_total`` suffix and no per-user labels (Prometheus naming practice).
 - Redis, for the demo and the CLI, which read one place for the whole fleet:
   ``<prefix>:ingest:counters`` (operational counts, at-least-once: a redelivered input is counted again)
+  (``mixed_versions``: judgements of generations sampled by more than one version, counted for none)
   and ``<prefix>:live:<policy_version>`` (accept/reject/edit/events) with its per-user sums per 10 s of judgement
   time ``<prefix>:units:{<policy_version>}:<bucket>`` (``keys.units``), which are counted exactly once per
   ``feedback_id`` by a Lua script that sets a guard key ``<prefix>:counted:<feedback_id>`` in the same
@@ -275,10 +276,13 @@ class IngestMetrics:
         self.fetched = Counter("liverl_ingest_records_fetched", "Records the consumer returned, both inputs: each "
                                "once, unless a rebalance or a restart reads it again.", registry=r)
         self.held = Counter("liverl_ingest_feedback_held_back", "Feedback records kept back in memory, their partition "
-                            "paused, until the generations they judge were read (ingest.app FEEDBACK_LEAD_S).",
+                            "paused, until the generations they judge were read (ingest.pacing FEEDBACK_LEAD_S).",
                             registry=r)
         self.pended = Counter("liverl_ingest_feedback_pended", "Feedback that arrived before its generation record "
                               "and waited for it (pending).", registry=r)
+        self.mixed = Counter("liverl_ingest_mixed_versions", "Judged generations whose tokens more than one version "
+                             "sampled (a hot-swap mid-generation) or whose versions are unknown: counted for no "
+                             "version (live counters, per-user sums), still trained.", registry=r)
         self.heldout = Counter("liverl_ingest_heldout", "Joined samples set aside for the gate's held-out stream "
                                "(ingest.heldout_share).", registry=r)
         self.duplicates = Counter(
@@ -301,12 +305,13 @@ class IngestMetrics:
         )
         self.settle_wait = Counter(
             "liverl_ingest_settle_wait_seconds", "Time the worker waited, with a batch in hand, for earlier batches "
-            "to settle (the broker, the changelog and Redis behind the decisions: ingest.app SETTLING_MAX).", registry=r)
+            "to settle (the broker, the changelog and Redis behind the decisions: ingest.commit SETTLING_MAX).", registry=r)
         self.pending = Gauge("liverl_ingest_pending_feedback", "Feedback waiting for its generation record.", registry=r)
         self.paced = Gauge("liverl_ingest_feedback_partitions_paused", "Feedback partitions paused because they ran "
-                           "ahead of their generations partition's backlog (ingest.app FEEDBACK_LEAD_S).", registry=r)
+                           "ahead of their generations partition's backlog (ingest.pacing FEEDBACK_LEAD_S).", registry=r)
         self.tracked = Gauge(
-            "liverl_ingest_tracked_generations", "Generations in the join table (waiting or judged).", registry=r
+            "liverl_ingest_tracked_generations", "Keys in the join table's databases (RocksDB's estimate, index "
+            "keys included; in memory: entries), set by the expiry timer.", registry=r
         )
         self.feedback_delay = Histogram(
             "liverl_ingest_feedback_to_sample_seconds",
@@ -328,6 +333,7 @@ class IngestMetrics:
         self.generations.inc(c.get("generations_in", 0))
         self.samples.inc(c.get("samples_out", 0))
         self.heldout.inc(c.get("heldout_out", 0))
+        self.mixed.inc(c.get("mixed_versions", 0))
         self.pended.inc(c.get("pended", 0))
         self.fetched.inc(c.get("fetched", 0))
         self.held.inc(c.get("held", 0))

@@ -6,7 +6,7 @@ Configuration comes from ``load_config`` (the TOML file, then ``LIVERL__SECTION_
 variables); ``broker.bootstrap`` and ``redis.url`` must name running services (``liverl`` starts the
 embedded stack and passes them on). SIGTERM and SIGINT stop the worker cleanly: the batch in hand is finished,
 its offsets committed, the worker leaves its consumer group, and the process exits 0. When the broker or Redis
-fails mid-batch the process exits 75 (``ingest.app.EXIT_INFRA``) without committing: restart it (the demo's
+fails mid-batch the process exits 75 (``ingest.commit.EXIT_INFRA``) without committing: restart it (the demo's
 supervisor does), and the batch is replayed.
 """
 

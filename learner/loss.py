@@ -151,6 +151,7 @@ def pg_loss(
     mask_hi: float = DEFAULT_MASK_HI,
     kl_BT: torch.Tensor | None = None,
     entropy_BT: torch.Tensor | None = None,
+    n_tokens: float | None = None,
 ) -> LossOutput:
     """The loss of the module docstring and its metrics.
 
@@ -158,6 +159,9 @@ def pg_loss(
     are the log-probs of the sampled completion tokens; ``mask_BT`` is 1 on real tokens, 0 on padding.
     ``kl_BT`` (with grad, see ``full_kl``) replaces the k3 estimate from ``ref_logp_BT`` when given.
     ``entropy_BT`` (optional, no grad needed) is only reported.
+    ``n_tokens``: the denominator of the token means, when this call holds one rank's share of a batch spread over
+    ranks (``learner.dist``): the whole batch's completion tokens. Default: this call's own tokens. The loss, ``kl``
+    and ``entropy`` are then this share's part of the batch's value (their sum over ranks is the value).
     """
     if logp_BT.shape != behaviour_logp_BT.shape or logp_BT.shape != mask_BT.shape:
         raise ValueError(f"shape mismatch: logp {tuple(logp_BT.shape)}, behaviour "
@@ -172,7 +176,8 @@ def pg_loss(
     len_B = mask_BT.sum(1)
     if (len_B <= 0).any():
         raise ValueError("every sequence needs at least one completion token")
-    n_tokens = mask_BT.sum()
+    n_tokens = mask_BT.sum() if n_tokens is None else torch.tensor(float(n_tokens), dtype=logp_BT.dtype,
+                                                                        device=logp_BT.device)
 
     with torch.no_grad():
         # Clamped only to keep exp() finite; w is capped at C and such sequences are masked anyway.
@@ -186,7 +191,7 @@ def pg_loss(
     pg_BT = -(w_BT * adv_B[:, None].to(logp_BT.dtype) * logp_BT)
     loss_pg = (pg_BT * keep_BT).sum() / n_tokens
     loss = loss_pg
-    kl = torch.zeros((), dtype=logp_BT.dtype)
+    kl = torch.zeros((), dtype=logp_BT.dtype, device=logp_BT.device)
     if kl_BT is not None:
         if kl_BT.shape != logp_BT.shape:
             raise ValueError(f"kl_BT shape {tuple(kl_BT.shape)} != logp shape {tuple(logp_BT.shape)}")

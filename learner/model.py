@@ -171,23 +171,34 @@ def assign_weights(model, state_dict: Mapping[str, torch.Tensor]) -> None:
 
     family = _family_of(model)
     module_sd = to_module_state(state_dict, family, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(module_sd, strict=False)
+    if _sharded(model):  # FSDP2 (learner.dist): every rank passes the whole state and keeps its shards
+        from learner.dist import load_full_state_dict
+
+        own = _own_names(model)
+        missing, unexpected = sorted(own - set(module_sd)), sorted(set(module_sd) - set(model.state_dict()))
+        if not missing and not unexpected:
+            load_full_state_dict(model, module_sd)
+    else:
+        missing, unexpected = model.load_state_dict(module_sd, strict=False)
     missing = [k for k in missing if k in _own_names(model)]  # tied aliases follow their source
     if missing or unexpected:
         raise ValueError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
 
 
-def state_dict_from_model(model, dtype=None) -> dict[str, torch.Tensor]:
+def state_dict_from_model(model, dtype=None, module_state: Mapping[str, torch.Tensor] | None = None
+                          ) -> dict[str, torch.Tensor]:
     """A transformers model's weights under the file names, detached, contiguous, on CPU.
 
     ``dtype`` defaults to bfloat16 (the served dtype); pass ``torch.float32`` for fp32 master weights.
-    Tied aliases (an LM head sharing the embedding) are left out, as in the files.
+    Tied aliases (an LM head sharing the embedding) are left out, as in the files. ``module_state``: the model's
+    state already gathered (a sharded model's, ``learner.dist.full_state_dict``) instead of ``model.state_dict()``.
     """
     import torch
 
     dtype = torch.bfloat16 if dtype is None else dtype
     own = _own_names(model)
-    memory = {k: t.detach().to("cpu") for k, t in model.state_dict().items() if k in own}
+    source = model.state_dict() if module_state is None else module_state
+    memory = {k: t.detach().to("cpu") for k, t in source.items() if k in own}
     files = _family_of(model).to_files(memory)
     return {k: v.to(dtype).contiguous().clone() for k, v in sorted(files.items())}
 
@@ -195,6 +206,11 @@ def state_dict_from_model(model, dtype=None) -> dict[str, torch.Tensor]:
 def _family_of(model) -> Family:
     fam = getattr(model, "liverl_family", None)
     return fam if fam is not None else family_for(model.config)
+
+
+def _sharded(model) -> bool:
+    """Whether ``model`` is sharded with FSDP2 (its parameters are DTensors)."""
+    return any(hasattr(p, "full_tensor") for p in model.parameters())
 
 
 def _own_names(model) -> set[str]:

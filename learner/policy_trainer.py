@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from learner.dist import Ranks, all_sum, grad_scale, share, shard
 from learner.loss import RunningBaseline, advantages, full_kl, pg_loss
 from liverl.core.config import LearnerConfig
 from liverl.core.schemas import TrainingSample
@@ -33,13 +34,20 @@ class PolicyTrainer:
 
     ``train_step(samples)`` runs ``micro_epochs`` passes of the loss in ``learner.loss`` over one batch.
     Used by ``Learner`` (Kafka) and directly by in-process experiments.
+
+    ``ranks`` (``learner.dist.setup()``): the policy and the reference are sharded with FSDP2 over the group, and
+    every call that touches weights (``train_step``, ``weights``, ``load_weights``, ``set_reference``,
+    ``token_logprobs``) is a collective: every rank calls it, with the same samples. Each rank trains its share of
+    the batch; the advantages, the loss's token denominator and the gradient are the whole batch's, so the maths is
+    the same code for 1 and N ranks (``learner.dist``). Without ``ranks``: one process, CPU, no process group.
     """
 
     def __init__(self, model_dir: Path, lcfg: LearnerConfig, state_dict: dict[str, torch.Tensor] | None = None,
-                 normalize_adv: bool = False, kl_estimator: str | None = None):
+                 normalize_adv: bool = False, kl_estimator: str | None = None, ranks: Ranks | None = None):
         from learner.model import load_model
 
-        torch.set_num_threads(1)  # 2 cores shared with vLLM, ingest and the gate
+        if ranks is None or ranks.device.type == "cpu":
+            torch.set_num_threads(1)  # 2 cores shared with vLLM, ingest and the gate (and the other ranks)
         self.lcfg = lcfg
         self.normalize_adv = normalize_adv
         self.kl_estimator = kl_estimator or lcfg.kl_estimator
@@ -50,6 +58,11 @@ class PolicyTrainer:
         self.ref = load_model(Path(model_dir), dtype=torch.float32)  # the base: KL penalty and KL metric
         self.ref.eval()
         self.ref.requires_grad_(False)
+        self.ranks = ranks
+        self.device = ranks.device if ranks is not None else torch.device("cpu")
+        if ranks is not None:
+            shard(self.model, ranks)
+            shard(self.ref, ranks)
         conf = self.model.config
         self.vocab_size = int(conf.vocab_size)
         self.max_len = int(getattr(conf, "max_position_embeddings", 1 << 30))
@@ -97,8 +110,9 @@ class PolicyTrainer:
             mask_BT[b, :C] = 1.0
             beh_BT[b, :C] = torch.tensor(s.behaviour_logprobs)
         reward_B = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        return {"ids_BL": ids_BL, "attn_BL": attn_BL, "pos_BT": pos_BT, "tgt_BT": tgt_BT, "mask_BT": mask_BT,
-                "beh_BT": beh_BT, "reward_B": reward_B}
+        x = {"ids_BL": ids_BL, "attn_BL": attn_BL, "pos_BT": pos_BT, "tgt_BT": tgt_BT, "mask_BT": mask_BT,
+             "beh_BT": beh_BT, "reward_B": reward_B}
+        return x if self.device.type == "cpu" else {k: v.to(self.device, non_blocking=True) for k, v in x.items()}
 
     @staticmethod
     def _token_logp(model, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,8 +176,15 @@ class PolicyTrainer:
         return undo
 
     def _train_step(self, samples: list[TrainingSample]) -> dict[str, float]:
-        x = self._collate(samples)
-        adv_B = advantages(x["reward_B"], [s.segment for s in samples], self.baseline, self.normalize_adv)
+        reward_N = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        adv_N = advantages(reward_N, [s.segment for s in samples], self.baseline, self.normalize_adv)  # whole batch
+        n_tokens = sum(len(s.completion_token_ids) for s in samples)  # the whole batch's: every rank's denominator
+        idx = list(range(len(samples))) if self.ranks is None else share(len(samples), self.ranks)
+        weight = 1.0 if self.ranks is None else grad_scale(self.ranks)
+        if not idx:  # fewer samples than ranks: a zero-weighted pass keeps this rank in FSDP's collectives
+            idx, weight = [0], 0.0
+        x = self._collate([samples[i] for i in idx])
+        adv_B = adv_N[idx].to(self.device)
         with torch.no_grad():
             ref_BT, ref_BTV = self._token_logp(self.ref, x)
         first: dict[str, float] = {}
@@ -174,30 +195,48 @@ class PolicyTrainer:
                 ent_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
             kl_BT = full_kl(logprobs_BTV, ref_BTV) if self.kl_estimator == "full" else None
             out = pg_loss(logp_BT, x["beh_BT"], adv_B, x["mask_BT"], tis_cap=self.lcfg.tis_cap,
-                          ref_logp_BT=ref_BT, kl_coef=self.lcfg.kl_coef, kl_BT=kl_BT, entropy_BT=ent_BT)
-            if not torch.isfinite(out.loss):
-                raise FloatingPointError(f"non-finite loss {float(out.loss)} (metrics {out.metrics})")
+                          ref_logp_BT=ref_BT, kl_coef=self.lcfg.kl_coef, kl_BT=kl_BT, entropy_BT=ent_BT,
+                          n_tokens=n_tokens)
+            if self.ranks is not None:  # this share's parts -> the batch's values, the same on every rank
+                parts = ("loss", "loss_pg", "kl", "entropy")
+                summed = all_sum([out.metrics.get(k, 0.0) * (weight > 0) for k in parts], self.ranks)
+                out.metrics.update({k: v for k, v in zip(parts, summed) if k in out.metrics})
+            if not math.isfinite(out.metrics["loss"]):  # every rank sees the batch's loss: all raise or none
+                raise FloatingPointError(f"non-finite loss {out.metrics['loss']} (metrics {out.metrics})")
             self.opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-            gnorm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            if not torch.isfinite(gnorm):
-                raise FloatingPointError(f"non-finite gradient norm {float(gnorm)}")
+            (out.loss * weight).backward()
+            gnorm = self._clip_grad_norm(1.0)
+            if not math.isfinite(gnorm):
+                raise FloatingPointError(f"non-finite gradient norm {gnorm}")
             self.opt.step()
             if epoch == 0:
-                first = dict(out.metrics, grad_norm=float(gnorm))
+                first = dict(out.metrics, grad_norm=gnorm)
         metrics = dict(first)
-        metrics["reward_mean"] = float(x["reward_B"].mean())
+        metrics["reward_mean"] = float(reward_N.mean())
         metrics["samples"] = float(len(samples))
         if out is not None and self.lcfg.micro_epochs > 1:
             metrics["loss_last"] = out.metrics["loss"]
         return metrics
+
+    def _clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the gradient to ``max_norm`` by its global norm (across the shards of every rank); the norm before."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        if hasattr(total, "full_tensor"):  # a DTensor: the shards' norms reduced over the group
+            total = total.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return float(total)
 
     # -- weights & state ---------------------------------------------------------------------------
     def weights(self, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
         """The current weights under the file names (the weights convention); bf16 is the served form."""
         from learner.model import state_dict_from_model
 
-        return state_dict_from_model(self.model, dtype=dtype)
+        if self.ranks is None:
+            return state_dict_from_model(self.model, dtype=dtype)
+        from learner.dist import full_state_dict
+
+        return state_dict_from_model(self.model, dtype=dtype, module_state=full_state_dict(self.model))
 
     def bf16_state_dict(self) -> dict[str, torch.Tensor]:
         return self.weights(torch.bfloat16)

@@ -2,14 +2,18 @@
 
 Guarantees (the checkpoint is the source of truth, Kafka offsets only mirror it):
 
-- Every update is followed by an atomic checkpoint (temp file + ``os.replace``) holding the fp32 weights,
-  the optimizer, the step, the next offset per partition, the trained sample ids, the last emitted
-  version, the baseline and the counters; only THEN are the offsets committed to the consumer group. On
-  restart the learner seeks every partition to the checkpoint's offsets, so a crash between the save and
-  the commit neither loses a sample nor trains one twice. Samples are taken in offset order per partition,
-  so "next offset" is an exact watermark: everything below it was trained on or refused.
+- Every ``checkpoint_every_steps`` updates or ``checkpoint_every_s`` seconds (and after a candidate, a rebase,
+  when idle, on a clean stop) an atomic checkpoint holds the fp32 weights, the optimizer, the step, the next
+  offset per partition, the recent trained sample ids, the last emitted version, the baseline and the counters:
+  one file (temp file + ``os.replace``) in one process, a DCP folder committed by a rename under torchrun
+  (``learner.dist``, ``learner.ranks``). Only THEN are the offsets committed to the consumer group. On restart
+  the learner seeks every partition to the checkpoint's offsets: updates after it are trained again from the
+  same weights, and the ledger lines past its seq are cut, so none is lost or trained twice in the lineage
+  that goes on. Samples are taken in offset order per partition, so "next offset" is an exact watermark:
+  everything below it was trained on or refused.
 - A sample id already trained on (or already waiting in the batch being built) is refused as a
-  ``duplicate``: ingest is at-least-once, the learner makes it exactly-once.
+  ``duplicate``, however late it comes back (``learner.seen``: every trained id, durable, cut back with the
+  ledger): ingest is at-least-once, the learner makes it exactly-once.
 - A sample whose ``policy_version`` is more than ``max_staleness`` candidates' worth of updates
   (``max_staleness * candidate_every_steps`` learner steps) behind the learner's weights is refused as
   ``stale``. Lag is counted in the learner's own updates since its weights were that version (a version
@@ -46,6 +50,7 @@ from deploy.registry import RegistryError
 from learner.dist import CheckpointDir, Ranks, dcp_root
 from learner.lease import LearnerLease
 from learner.ledger import Ledger, checkpoint_path_for, ledger_path
+from learner.seen import SeenIds, seen_path
 from learner.metrics import PrometheusCollector
 from learner.policy_trainer import BatchFailed, PolicyTrainer
 from liverl.core import keys
@@ -81,6 +86,7 @@ class Learner(ConsumerRebalanceListener):
         self.ckpt_path = Path(checkpoint_path or checkpoint_path_for(cfg))
         self.lease = None  # a learner.lease.LearnerLease when run as the deployment's learner (run_learner)
         self.ledger = Ledger(ledger_path(self.ckpt_path), max_bytes=self.lcfg.ledger_max_mb << 20)
+        self.seen = SeenIds(seen_path(self.ckpt_path), horizon_s=self.lcfg.dedupe_horizon_h * 3600.0)
         self.ranks = ranks  # under torchrun: this is rank 0, the leader (learner.ranks); checkpoints are DCP folders
         self.trainer = PolicyTrainer(self.model_dir, self.lcfg, ranks=ranks)
         self.ckpts: CheckpointDir | None = None
@@ -114,6 +120,7 @@ class Learner(ConsumerRebalanceListener):
             self._load_checkpoint()
         else:
             self.ledger.truncate_after(0)  # lines of a run whose first checkpoint never landed
+            self.seen.truncate_after(0)
             stable = self.registry.stable()
             self.last_emitted = int(stable.version)
             self.version_steps = {int(stable.version): self.step}
@@ -129,9 +136,11 @@ class Learner(ConsumerRebalanceListener):
         whose seq the checkpoint never reached, and the restart cuts them off (``Ledger.truncate_after``)."""
         self._fenced("checkpoint")
         self.seq += 1
+        self.seen.flush(self.seq)
         self.ledger.flush(self.seq)
         self._ckpt_step, self._ckpt_at = self.step, time.monotonic()
-        st = dict(format=CHECKPOINT_FORMAT, step=self.step, offsets=dict(self.offsets), seq=self.seq, trained_ids=list(self.trained_ids), last_emitted=self.last_emitted,
+        st = dict(format=CHECKPOINT_FORMAT, step=self.step, offsets=dict(self.offsets), seq=self.seq,
+                  trained_ids=list(self.trained_ids), last_emitted=self.last_emitted,
                   last_candidate=self.last_candidate, counters=dict(self.counters),
                   since_candidate=dict(self.since_candidate), topic=self.topic, rollback_seen=self.rollback_seen,
                   version_steps=dict(sorted(self.version_steps.items())[-VERSION_STEPS_KEPT:]))
@@ -167,6 +176,7 @@ class Learner(ConsumerRebalanceListener):
         self.offsets = {int(p): int(o) for p, o in st["offsets"].items()}
         self.seq = int(st.get("seq", 0))
         self.ledger.truncate_after(self.seq)
+        self.seen.truncate_after(self.seq)
         self.trained_ids = dict.fromkeys(st["trained_ids"][-self.lcfg.dedupe_window:])
         self.last_emitted = int(st["last_emitted"])
         self.last_candidate = st["last_candidate"]
@@ -237,7 +247,8 @@ class Learner(ConsumerRebalanceListener):
                 self.offsets[part] = off + 1  # nothing waiting below it in this partition
 
     def _refusal(self, s: TrainingSample) -> str | None:
-        if s.sample_id in self.trained_ids or any(p[2].sample_id == s.sample_id for p in self.pending):
+        if (s.sample_id in self.trained_ids or any(p[2].sample_id == s.sample_id for p in self.pending)
+                or s.sample_id in self.seen):  # the recent window first, then every id ever trained (durable)
             return "duplicate"
         if self.lag(s.policy_version) > self.max_lag:
             return "stale"
@@ -327,6 +338,7 @@ class Learner(ConsumerRebalanceListener):
         if m is not None:
             self.ledger.trained(self.step + 1, [(part, off, s.sample_id) for part, off, s in batch],
                                 feedback=[(s.feedback_id, s.ts_feedback) for _, _, s in batch])
+            self.seen.add([(s.sample_id, time.time()) for _, _, s in batch])
             for _, _, s in batch:
                 self.trained_ids[s.sample_id] = None
             while len(self.trained_ids) > self.lcfg.dedupe_window:

@@ -201,6 +201,7 @@ def run_chaos(cfg: LiverlConfig, model_dir: Path, duration_s: float, kill_every_
           f"(state in {cfg.state_path})", flush=True)
     with Pipeline(cfg, model_dir, fresh=True) as pipe:
         pipe.supervisor.max_restarts = 1_000_000  # chaos kills on purpose; the supervisor restarts every time
+        pipe.supervisor.backoff_max_s = 0.0  # ... and at once (a kill is not a crash loop)
         sdk = _acked_client(pipe.stack.bootstrap, cfg.topics.feedback, cfg.broker)
         stats = SimStats()
         stop_users, thread = _start_users(users, pipe, sdk, cfg, stats, seed)

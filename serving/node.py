@@ -14,6 +14,12 @@ Options that matter (all exact vLLM 0.32 names):
   which vLLM's own ``--api-key`` leaves open. The node binds ``serving.node_host`` (loopback by default), never the
   gateway's ``serving.host``, and its worker applies deltas only from the agent's delta folder
   (``LIVERL_NODE_DELTA_DIR``).
+- ``--middleware serving.node_versions.VersionSpansMiddleware`` (inside the key check): keeps vLLM's per-token
+  weight-version spans of each finished request and answers ``GET /liverl/spans``, so a request that spans a
+  hot-swap is attributed token by token.
+- ``--middleware serving.node_swap.SwapMiddleware`` (inside the key check too): ``POST /liverl/swap`` runs a whole
+  hot-swap (pause, apply, verify, label, resume) on the engine in the node's process, so the engine is paused for the
+  engine calls only, not for HTTP round trips through a busy server.
 - ``--logprobs-mode processed_logprobs``: logged log-probs are those of the distribution actually sampled from
   (after temperature / top-p), i.e. the behaviour policy the learner's importance ratios need.
 - ``--generation-config vllm``: ignore sampling defaults in the model dir, so what the gateway logs is what ran.
@@ -29,7 +35,6 @@ hot-swap agent drives). This module imports neither torch nor vLLM at import tim
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -55,6 +60,8 @@ log = logging.getLogger("liverl.serving.node")
 SERVED_MODEL_NAME = "liverl"
 WORKER_EXTENSION = "serving.worker_ext.LiverlWorkerExtension"
 NODE_MIDDLEWARE = "serving.node_auth.NodeKeyMiddleware"
+SPANS_MIDDLEWARE = "serving.node_versions.VersionSpansMiddleware"  # listed before the key check: inside it
+SWAP_MIDDLEWARE = "serving.node_swap.SwapMiddleware"  # likewise
 NODE_KEEPALIVE_S = 75  # > NodeClient's aiohttp pool (30 s); its raw pool retries a request the node closed on unread
 
 
@@ -121,6 +128,8 @@ def node_command(model_dir: Path, host: str, port: int, device: str, max_num_seq
         "--max-num-seqs", str(max_num_seqs),
         "--kv-cache-memory-bytes", str(kv_cache_bytes),
         "--worker-extension-cls", WORKER_EXTENSION,
+        "--middleware", SWAP_MIDDLEWARE,
+        "--middleware", SPANS_MIDDLEWARE,
         "--middleware", NODE_MIDDLEWARE,
         "--logprobs-mode", "processed_logprobs",
         "--generation-config", "vllm",
@@ -423,20 +432,23 @@ class NodeClient:
         body = await self._ok("GET", "/v1/models")
         return int(body["data"][0]["max_model_len"])
 
-    async def pause(self, mode: str = "wait") -> None:
-        await self._ok("POST", f"/pause?mode={mode}")
+    async def swap(self, deltas: list[tuple[str, str]], frm: tuple[int, str], to: tuple[int, str]) -> dict:
+        """One whole hot-swap inside the node (``serving.node_swap``): never retried (an XOR delta applied twice is
+        undone). Returns the node's answer (``ok``, ``version``, ``checksum``, ``restored``, ``pause_ms``, ...)."""
+        return await self._ok("POST", "/liverl/swap", retry=False,
+                              json={"deltas": [list(d) for d in deltas], "from": list(frm), "to": list(to)})
+
+    async def set_weight_version(self, version: int) -> None:
+        """Label the engine's weights: every token sampled from now on carries ``version`` in its request's spans."""
+        await self._ok("POST", "/update_weight_version", json={"new_version": str(version)})
+
+    async def spans(self, rid: str, prompts: int = 1) -> dict[str, dict[str, list[list]]]:
+        """Per-token weight-version spans of a finished request (``serving.node_versions``), by engine request id."""
+        body = await self._ok("GET", f"/liverl/spans?rid={urllib.parse.quote(rid)}&prompts={prompts}")
+        return body["requests"]
 
     async def resume(self) -> None:
         await self._ok("POST", "/resume")
-
-    async def reset_prefix_cache(self, attempts: int = 50) -> None:
-        """Reset the prefix cache; vLLM refuses while blocks are held, so retry briefly."""
-        for _ in range(attempts):
-            body = await self._ok("POST", "/reset_prefix_cache")
-            if body and body.get("success"):
-                return
-            await asyncio.sleep(0.01)
-        raise RuntimeError("vLLM did not reset its prefix cache (blocks still held)")
 
     async def rpc(self, method: str, *args: str, timeout_s: float = 120.0) -> dict:
         """``collective_rpc`` of a LiverlWorkerExtension method; returns the (single) worker's result dict."""

@@ -7,6 +7,8 @@ a C call. Delivery reports are served on the event loop's thread by a task calli
 ``IDLE_POLL_S`` normally (the reports only settle counters), every ``WAIT_POLL_S`` while someone awaits an ack.
 
 Settings: idempotent (``enable.idempotence``, which implies ``acks=all``), so a retried batch is written once;
+``message.timeout.ms`` from ``broker.delivery_timeout_s`` (librdkafka's default, 300 s, outlived ingest's
+pending_ttl_s, so feedback was dead-lettered while its generation record was still retried: finding 12);
 ``partitioner=murmur2_random``, the Java client's and kafka-python's partitioner, so a record lands on the
 partition every other liverl client (the feedback SDK, ingest's producers) picks for the same key, which the
 feedback/generation join needs (librdkafka's default, ``consistent_random``, picks differently).
@@ -24,12 +26,15 @@ WAIT_POLL_S = 0.001
 
 
 class AsyncProducer:
-    def __init__(self, bootstrap: str, client_id: str, linger_ms: float = 2.0, **config):
+    def __init__(self, bootstrap: str, client_id: str, delivery_timeout_s: float, linger_ms: float = 2.0, **config):
         from confluent_kafka import Producer
 
-        self._producer = Producer({
+        self.settings = {
             "bootstrap.servers": bootstrap, "client.id": client_id, "enable.idempotence": True, "acks": "all",
-            "partitioner": "murmur2_random", "linger.ms": linger_ms, "logger": log, **config})
+            "partitioner": "murmur2_random", "linger.ms": linger_ms,
+            "message.timeout.ms": int(delivery_timeout_s * 1000), **config}
+        """What the librdkafka producer was built with (``logger`` aside): tests read its delivery timeout here."""
+        self._producer = Producer({**self.settings, "logger": log})
         self._loop: asyncio.AbstractEventLoop | None = None
         self._waiting = 0  # callers inside wait(): poll fast
         self._wake = asyncio.Event()

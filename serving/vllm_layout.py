@@ -347,11 +347,14 @@ class ServedLayout:
             raise self._fail(f"no file tensor is read back into {missing[:5]} ({len(missing)} parameters)")
 
     # -- reading -------------------------------------------------------------------------------------------
-    def read(self) -> dict[str, torch.Tensor]:
-        """Every file tensor rebuilt from the live parameters (bf16, file names), copied to CPU."""
-        experts = {runner: dict(zip(("w13", "w2"), lay.read())) for runner, lay in self.moe.items()}
+    def read(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """Every file tensor (or only ``names``) rebuilt from the live parameters (bf16, file names), on CPU."""
+        slots = self.slots if names is None else {n: self.slots[n] for n in names}
+        runners = {s.moe for s in slots.values() if not s.param}
+        experts = {runner: dict(zip(("w13", "w2"), lay.read())) for runner, lay in self.moe.items()
+                   if runner in runners}
         out: dict[str, torch.Tensor] = {}
-        for name, s in self.slots.items():
+        for name, s in slots.items():
             if s.param:
                 data = self.params[s.param].detach()
                 if data.numel() == 0:

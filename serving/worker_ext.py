@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -65,10 +66,52 @@ class _State:
         return self._sums
 
 
+class _Stage:
+    """A chain of deltas verified and decoded off the engine's path: the tensors it changes (their final values),
+    the version and checksum it arrives at, and every tensor's checksum there."""
+
+    def __init__(self, base: str):
+        self.base = base
+        self.thread: threading.Thread | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.sums: dict[str, str] = {}
+        self.version = -1
+        self.checksum = ""
+        self.error: str | None = None
+        self.ms: float | None = None
+
+    def run(self, st: _State, paths: list[Path], expects: list[str]) -> None:
+        from deploy.container import combine_checksums, tensor_checksum
+        from deploy.delta import DeltaError, plan_delta
+
+        t0 = time.perf_counter()
+        try:
+            view = dict(st.shadow)  # the weights each delta applies to (shadow tensors are never written in place)
+            sums, cur = dict(st.tensor_sums()), self.base
+            for path, expect in zip(paths, expects):
+                plan = plan_delta(view, path.read_bytes(), known_checksum=cur)
+                if plan.checksum != expect:
+                    raise DeltaError(f"{path.name} leads to checksum {plan.checksum[:12]} (version {plan.version}), "
+                                     f"not the expected {expect[:12]}")
+                for n, t in plan:
+                    view[n] = self.tensors[n] = t
+                    sums[n] = tensor_checksum(t)
+                if combine_checksums(sums) != expect:
+                    raise DeltaError(f"the decoded weights of {path.name} hash to {combine_checksums(sums)[:12]}, "
+                                     f"not the expected {expect[:12]}")
+                cur, self.version = expect, plan.version
+            self.sums, self.checksum = sums, cur
+        except Exception as e:  # reported by liverl_staged / liverl_commit
+            log.error("liverl staging failed: %s\n%s", e, traceback.format_exc())
+            self.error = f"{type(e).__name__}: {e}"
+        self.ms = round((time.perf_counter() - t0) * 1e3, 3)
+
+
 def _rpc(fn):
     """Run an RPC body; turn any failure into {"ok": False, "error": ...} (logged with its traceback)."""
 
     def wrapper(self, *args, **kwargs):
+        t_wall = time.time()  # when the engine core ran it (a swap's profile places the pause with it)
         t0 = time.perf_counter()
         try:
             result = fn(self, *args, **kwargs)
@@ -77,6 +120,7 @@ def _rpc(fn):
             log.error("liverl %s failed: %s\n%s", fn.__name__, e, traceback.format_exc())
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         result["rpc_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+        result["t_wall"] = t_wall
         return result
 
     wrapper.__name__ = fn.__name__
@@ -195,6 +239,82 @@ class LiverlWorkerExtension:
             "plan_ms": round((t_plan - t0) * 1e3, 3),
             "write_ms": round((t1 - t_plan) * 1e3, 3),
         }
+
+    # -- staged swaps: verify and decode before the pause, only write inside it ------------------------------
+
+    @_rpc
+    def liverl_stage(self, blob_paths: list[str], expect_checksums: list[str]) -> dict[str, Any]:
+        """Start verifying and decoding a chain of deltas in a background thread and return at once.
+
+        The swap calls this BEFORE pausing the engine (``serving.node_swap``): decoding and hashing (most of a swap's
+        work) then run beside generation, and the pause only writes (``liverl_commit``). Each delta is checked
+        against the weights the previous one leads to, and each arriving state is hashed from its per-tensor sums
+        and compared with ``expect_checksums[i]``, as ``liverl_apply_delta`` does. ``liverl_staged`` says when it is
+        ready. A new stage replaces any earlier one."""
+        if not blob_paths or len(blob_paths) != len(expect_checksums) or not all(expect_checksums):
+            raise ValueError("liverl_stage needs one expected checksum per delta file")
+        paths = [_delta_file(p) for p in blob_paths]
+        st = self._liverl_state()
+        stage = _Stage(st.checksum)
+        stage.thread = threading.Thread(target=stage.run, args=(st, paths, list(expect_checksums)),
+                                        name="liverl-stage", daemon=True)
+        self.__dict__["_liverl_stage"] = stage
+        stage.thread.start()
+        return {"base_checksum": st.checksum}
+
+    @_rpc
+    def liverl_staged(self) -> dict[str, Any]:
+        """Whether the staged chain is decoded (``ready``), and its error if it failed."""
+        stage = self.__dict__.get("_liverl_stage")
+        if stage is None:
+            raise RuntimeError("nothing staged")
+        ready = not stage.thread.is_alive()
+        return {"ready": ready, "error": stage.error if ready else None, "stage_ms": stage.ms}
+
+    @_rpc
+    def liverl_commit(self, expect_checksum: str) -> dict[str, Any]:
+        """Inside the pause: write the staged tensors, read them back from the live weights and check each one's
+        checksum, probe the CPU kernels, and make the staged state the shadow. Refused (nothing written) when the
+        stage failed, leads elsewhere, or was planned on weights that are no longer served.
+
+        The read-back covers the tensors this swap wrote; the others were proved by the last full read-back
+        (``liverl_checksum``, which the agent runs again right after the swap, outside the pause)."""
+        from deploy.container import tensor_checksum
+
+        stage = self.__dict__.pop("_liverl_stage", None)
+        if stage is None:
+            raise RuntimeError("nothing staged")
+        stage.thread.join()
+        st = self._liverl_state()
+        if stage.error:
+            raise RuntimeError(f"staging failed: {stage.error}")
+        if stage.checksum != expect_checksum:
+            raise RuntimeError(f"the staged deltas lead to {stage.checksum[:12]}, not {expect_checksum[:12]}")
+        if st.checksum != stage.base:
+            raise RuntimeError(f"staged on weights {stage.base[:12]}, but {st.checksum[:12]} are served")
+        if st.checksum == expect_checksum:
+            return {"version": st.version, "checksum": st.checksum, "changed_tensors": 0, "noop": True}
+        t0 = time.perf_counter()
+        changed = list(stage.tensors.items())
+        self._liverl_write(changed, st)
+        t1 = time.perf_counter()
+        back = st.layout.read(stage.tensors)
+        bad = [n for n in stage.tensors if tensor_checksum(back[n]) != stage.sums[n]]
+        bad_kernels = check_cpu_kernels(self._liverl_model())
+        t2 = time.perf_counter()
+        if bad or bad_kernels:  # put the previous values back (the shadow still holds them)
+            self._liverl_write([(n, st.shadow[n]) for n, _ in changed], st)
+            raise RuntimeError(f"written tensors read back wrong: {bad[:5]}; kernels off their weights: "
+                               f"{bad_kernels[:5]} (previous values written back)")
+        from_version = st.version
+        for n, t in changed:
+            st.shadow[n] = t
+        st._sums = stage.sums
+        st.version, st.checksum = stage.version, stage.checksum
+        st.swaps += 1
+        return {"version": st.version, "from_version": from_version, "checksum": st.checksum,
+                "changed_tensors": len(changed), "stage_ms": stage.ms, "write_ms": round((t1 - t0) * 1e3, 3),
+                "readback_ms": round((t2 - t1) * 1e3, 3)}
 
     def _liverl_write(self, changed: list[tuple[str, torch.Tensor]], st: _State) -> None:
         """Push HF-named tensors into the live parameters with the model's own ``load_weights``."""

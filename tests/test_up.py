@@ -88,3 +88,57 @@ def test_up_refuses_a_model_family_it_does_not_handle_before_starting_anything(t
     r = subprocess.run([sys.executable, "-m", "liverl.cli", "up", "--model", str(tmp_path / "nope")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "no config.json" in r.stderr
+
+
+def _marked(mark: str) -> list[str]:
+    """The machine's processes whose environment carries ``mark`` (everything a run started inherits it)."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "name"]):
+        try:
+            if p.pid != os.getpid() and f"LIVERL_UP_TEST_MARK={mark}" in "\0".join(
+                    f"{k}={v}" for k, v in p.environ().items()):
+                out.append(f"{p.pid} {p.name()} (parent {p.ppid()})")
+        except (psutil.Error, OSError):
+            pass
+    return out
+
+
+@pytest.mark.slow
+def test_a_failed_up_leaves_no_process_behind(tmp_path):
+    """Issue 22: a failed `up` left vLLM's EngineCore and Worker running with parent 1. Here the gateway's port is
+    taken, so `serve` fails after its vLLM engine started; `up` gives up, and no process of the run is left."""
+    import socket
+    import uuid
+
+    mark = uuid.uuid4().hex
+    gw = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIVERL")}
+    env.update({
+        "LIVERL__BROKER__EMBEDDED_PORT": str(free_port()), "LIVERL__REDIS__EMBEDDED_PORT": str(free_port()),
+        "LIVERL__SERVING__GATEWAY_PORT": str(gw), "LIVERL__SERVING__VLLM_PORT": str(free_port()),
+        "LIVERL__INGEST__WEB_PORT": str(free_port()), "LIVERL__GATE__METRICS_PORT": str(free_port()),
+        "LIVERL__TOPICS__PREFIX": f"upfail{mark[:8]}", "LIVERL__SUPERVISOR__RESTARTS": "0",
+        "HF_HUB_OFFLINE": "1", "LIVERL_UP_TEST_MARK": mark,
+    })
+    if os.environ.get("LIVERL_TEST_MODEL_CACHE"):
+        env["LIVERL__MODEL__CACHE_DIR"] = os.environ["LIVERL_TEST_MODEL_CACHE"]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", gw))
+        held.listen()
+        r = subprocess.run([sys.executable, "-m", "liverl.cli", "up", "--state-dir", str(tmp_path / "state")],
+                           env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0, r.stdout[-2000:]
+    left = _marked(mark)
+    if left:
+        import psutil
+
+        for entry in left:
+            try:
+                psutil.Process(int(entry.split()[0])).kill()
+            except psutil.Error:
+                pass
+    assert not left, f"processes of the failed run still running: {left}\n{r.stderr[-2000:]}"
+    serve_log = (tmp_path / "state" / "logs" / "serve.log").read_text(errors="replace")
+    assert "vLLM" in serve_log or "vllm" in serve_log  # the engine had started: there was something to stop

@@ -195,6 +195,11 @@ def _faust_floor_child(bootstrap: str, topics: list[str], partitions: int, expec
 
 def _faust_floor(bootstrap: str, topics: list[str], partitions: int, expect: int, work_dir: Path) -> dict:
     """What faust's consume path alone costs: the ceiling of any faust-based worker on this machine."""
+    import importlib.util
+
+    if importlib.util.find_spec("faust") is None:
+        raise ValueError("`liverl bench ingest` compares the worker with faust-streaming, which is not installed: "
+                         "pip install 'liverl[bench]' (scripts/setup.sh installs it)")
     import multiprocessing
 
     out = work_dir / "faust-floor.json"

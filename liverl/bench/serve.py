@@ -12,6 +12,8 @@ inside the measured window; a ``--warmup`` before each window is not counted.
 
 Nothing is pinned: the node, the gateway, the broker and the clients share the machine's cores, which is what a
 single-box deployment sees; the gateway's own CPU per generation is read from its process and printed too.
+``LIVERL_BENCH_PROFILE=PATH`` runs the serving process (gateway and agent) under cProfile and writes its stats to PATH
+(``python -m pstats PATH``): where the gateway's time goes.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+PROFILE_ENV = "LIVERL_BENCH_PROFILE"  # a path: the serving process is run under cProfile and its stats written there
 DEFAULTS = {"clients": 64, "duration": 20.0, "rounds": 3, "warmup": 3.0, "api": "completions"}
 
 
@@ -44,7 +47,28 @@ def _serve_child(cfg_json: str, model_dir: str, bootstrap: str, redis_url: str) 
     from serving.main import run_serving
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    run_serving(LiverlConfig.model_validate_json(cfg_json), model_dir, bootstrap, redis_url, None)
+    profile = os.environ.get(PROFILE_ENV)
+    if not profile:
+        run_serving(LiverlConfig.model_validate_json(cfg_json), model_dir, bootstrap, redis_url, None)
+        return
+    import cProfile
+
+    prof = cProfile.Profile()  # the serving process's main thread: its event loop runs the gateway and the agent
+    try:
+        prof.runcall(run_serving, LiverlConfig.model_validate_json(cfg_json), model_dir, bootstrap, redis_url, None)
+    finally:
+        prof.dump_stats(profile)
+
+
+def _serve_child_registry(cfg_json: str, model_dir: str, bootstrap: str, redis_url: str, registry_url: str) -> None:
+    """The serving process with a registry, so its agent swaps (``liverl bench swap``)."""
+    import logging
+
+    from liverl.core.config import LiverlConfig
+    from serving.main import run_serving
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run_serving(LiverlConfig.model_validate_json(cfg_json), model_dir, bootstrap, redis_url, registry_url)
 
 
 def _wait_http(url: str, proc: multiprocessing.Process, timeout_s: float) -> None:

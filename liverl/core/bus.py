@@ -122,17 +122,33 @@ class KeySerializer(Serializer):
         return key.encode() if isinstance(key, str) else key
 
 
+def delivery_timeout_s(broker: BrokerConfig | None) -> float:
+    """How long a producer retries a record (``broker.delivery_timeout_s``; its default without a config)."""
+    return (broker or BrokerConfig()).delivery_timeout_s
+
+
+def librdkafka_producer_config(broker: BrokerConfig | None) -> dict[str, str | int]:
+    """A librdkafka producer's delivery timeout (``message.timeout.ms``, librdkafka's default 300 s otherwise) and
+    security settings: what every librdkafka producer liverl builds starts from."""
+    return {"message.timeout.ms": int(delivery_timeout_s(broker) * 1000), **librdkafka_security(broker)}
+
+
 def make_producer(bootstrap: str, broker: BrokerConfig | None = None, **kw) -> KafkaProducer:
-    """Idempotent, acks=all producer whose values are bytes and keys str (uncompressed: every consumer reads it)."""
+    """Idempotent, acks=all producer whose values are bytes and keys str (uncompressed: every consumer reads it),
+    that gives up on a record after ``broker.delivery_timeout_s`` (set explicitly: ingest's pending_ttl_s is checked
+    against it)."""
+    timeout_ms = int(delivery_timeout_s(broker) * 1000)
     opts = dict(
         bootstrap_servers=bootstrap,
         acks="all",
         enable_idempotence=True,
         linger_ms=5,
+        delivery_timeout_ms=timeout_ms,
         key_serializer=KeySerializer(),
         **kafka_python_security(broker),
     )
     opts.update(kw)
+    opts.setdefault("request_timeout_ms", min(30_000, opts["delivery_timeout_ms"] - opts["linger_ms"]))
     return KafkaProducer(**opts)
 
 
@@ -153,3 +169,46 @@ def make_consumer(bootstrap: str, group: str, topics: list[str], rebalance_timeo
     consumer = KafkaConsumer(**opts)
     consumer.subscribe(topics)
     return consumer
+
+
+# -- aiokafka (the ingest worker) -----------------------------------------------------------------------------------
+# (aiokafka is imported in these functions, not at the top: only the ingest worker runs an event-loop client, and the
+# other processes that import this module, the CLI among them, need not load it)
+
+
+def make_aio_producer(bootstrap: str, broker: BrokerConfig | None, client_id: str, **kw) -> Any:
+    """An aiokafka producer, acks=all, sending at once (ingest batches records itself, ``ingest.outbox``), that gives
+    up on a request after 30 s (then the worker stops and replays: its outputs are not what ``pending_ttl_s`` waits
+    for). Not started: ``await producer.start()``."""
+    from aiokafka import AIOKafkaProducer
+
+    opts: dict[str, Any] = dict(bootstrap_servers=bootstrap, client_id=client_id, acks="all", linger_ms=0,
+                                request_timeout_ms=30_000, **aiokafka_security(broker))
+    opts.update(kw)
+    return AIOKafkaProducer(**opts)
+
+
+def make_aio_consumer(bootstrap: str, broker: BrokerConfig | None, group: str | None = None, **kw) -> Any:
+    """An aiokafka consumer that commits by hand and starts from the earliest offset; ``group`` None: no consumer
+    group (assign partitions yourself). With a group, the rebalance timeout is ``broker.rebalance_timeout_s`` (Tansu
+    completes a join only after it: kept short, or the first poll waits minutes) and the session timeout no shorter
+    than the heartbeat cadence allows. Not started: ``await consumer.start()``."""
+    from aiokafka import AIOKafkaConsumer
+
+    opts: dict[str, Any] = dict(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
+                                auto_offset_reset="earliest", **aiokafka_security(broker))
+    if group is not None:
+        rebalance_ms = int(float((broker or BrokerConfig()).rebalance_timeout_s) * 1000)
+        opts.update(client_id=group, rebalance_timeout_ms=rebalance_ms, session_timeout_ms=max(rebalance_ms, 6000),
+                    heartbeat_interval_ms=1000)
+    opts.update(kw)
+    return AIOKafkaConsumer(**opts)
+
+
+def make_aio_client(bootstrap: str, broker: BrokerConfig | None, **kw) -> Any:
+    """aiokafka's low-level client (one request at a time, e.g. a LeaveGroup). Not started: ``await c.bootstrap()``."""
+    from aiokafka.client import AIOKafkaClient
+
+    opts: dict[str, Any] = dict(bootstrap_servers=bootstrap, request_timeout_ms=5000, **aiokafka_security(broker))
+    opts.update(kw)
+    return AIOKafkaClient(**opts)

@@ -41,10 +41,25 @@ class BrokerConfig(_Section):
         default=None, description="Kafka bootstrap servers (host:port[,host:port]). None: start the embedded Tansu broker."
     )
     embedded_port: int = Field(default=19092, description="Port of the embedded broker on 127.0.0.1.")
+    embedded_storage: Literal["folder", "memory"] = Field(
+        default="folder", description="Where the embedded broker keeps its topics, records and committed offsets. "
+        "'folder': files under <state_dir>/broker (served to Tansu's object-store engine by liverl.objstore), so a "
+        "restart of `liverl up` finds the feedback, generations and samples it had not consumed yet. 'memory': lost "
+        "at every stop (faster; for throwaway tests). Ignored with broker.bootstrap.")
+    embedded_fsync: bool = Field(
+        default=False, description="With embedded_storage 'folder': fsync every write before the broker acknowledges "
+        "it. False (Apache Kafka's own default, no fsync per message): an acknowledged record survives a kill -9 of "
+        "any process, not a power loss. True: survives a power loss too; produce was ~4x slower here.")
     partitions: int = Field(default=2, ge=1, description="Partitions of each liverl topic when liverl creates it.")
     rebalance_timeout_s: float = Field(
         default=3.0, description="Consumer-group rebalance timeout; Tansu completes a join only after it (keep small)."
     )
+    delivery_timeout_s: float = Field(
+        default=60.0, ge=1.0, le=3600.0, description="How long every producer liverl builds retries a record before it "
+        "reports it failed (kafka-python delivery_timeout_ms, librdkafka message.timeout.ms): the gateway's "
+        "generation records, the feedback SDK's events. ingest.pending_ttl_s must exceed it by DELIVERY_MARGIN_S (or by "
+        "itself, when it is shorter than that; checked when the config loads), or feedback is dead-lettered unknown_generation while "
+        "its generation record is still being retried (librdkafka's own default is 300 s).")
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         default="PLAINTEXT", description="How every liverl Kafka client connects (Kafka's security.protocol).")
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
@@ -158,9 +173,8 @@ class ServingConfig(_Section):
         default=300.0, ge=0, description="How often the agent reads the served weights back and checks their checksum "
         "between swaps (a change behind its back marks the node unhealthy). 0: only after each swap.")
     swap_drain_s: float = Field(
-        default=10.0, gt=0, description="The most a hot-swap waits for requests in flight to finish while new ones "
-        "wait; then it is postponed (admissions resume) and retried at the next poll, each time with twice the "
-        "deadline (up to 120 s), so one long generation never holds every new request.")
+        default=10.0, gt=0, description="IGNORED: a hot-swap no longer drains (requests in flight are frozen at a "
+        "scheduler step and resume after it, serving.node_swap). Kept only so config files that set it still load.")
     log_wait_s: float = Field(
         default=2.0, ge=0.0, description="How long a response waits for the broker to acknowledge its generation "
         "records before it is sent (bounded; an expired wait is counted in liverl_gateway_generation_log_slow). A "
@@ -200,8 +214,9 @@ class IngestConfig(_Section):
     rewards: RewardConfig = Field(default_factory=RewardConfig)
     pending_ttl_s: float = Field(
         default=150.0, gt=0, description="How long feedback waits for its generation record before it is "
-        "dead-lettered (unknown_generation). Keep it above the generation producers' delivery timeout (kafka-python's "
-        "delivery_timeout_ms, 120 s by default) plus a margin, or a record still being retried is given up on.")
+        "dead-lettered (unknown_generation). Must exceed broker.delivery_timeout_s (every liverl producer's, set "
+        "explicitly) by DELIVERY_MARGIN_S, checked when the config loads, or a record still being retried is given up "
+        "on.")
     web_port: int = Field(default=6066, description="Port of the ingest worker's web server (/metrics, /healthz; 0: off).")
     store: str = Field(
         default="rocksdb", pattern="^(rocksdb|memory)$", description="Where the join table lives: 'rocksdb' (on disk "
@@ -225,6 +240,11 @@ class IngestConfig(_Section):
     judged_ttl_s: float = Field(
         default=24 * 3600.0, gt=0, description="How long a judgement is remembered, so redelivered feedback is a "
         "duplicate and a second judgement is dead-lettered (already_judged).")
+    revert_sample_ttl_s: float = Field(
+        default=900.0, ge=0, description="How long a judged accept keeps its sample in the join table, so that a "
+        "revert within this time trains the correction (the sample again with rewards.revert); a later revert is "
+        "counted but trains nothing (liverl_ingest_dropped{reason=revert_no_sample}). Bounds the table's disk: the "
+        "judgement itself is kept judged_ttl_s, a few dozen bytes.")
     unit_ttl_s: float = Field(
         default=2 * 24 * 3600.0, gt=0, description="How long Redis keeps a version's per-user sums of one 10 s bucket "
         "of judgements (<prefix>:units:{<version>}:<bucket>, the canary's per-user evidence) after the bucket's last "
@@ -247,9 +267,21 @@ class LearnerConfig(_Section):
     max_batch_tokens: int = Field(
         default=65536, ge=1, description="Cap on a batch's padded size (samples x longest sequence): a batch is cut "
         "short rather than run out of memory on long contexts.")
+    checkpoint_every_steps: int = Field(
+        default=1, ge=1, description="Checkpoint (weights, optimizer, offsets, ledger) every this many updates, or "
+        "sooner (checkpoint_every_s, a candidate, a rebase, idle, a clean stop). Offsets are committed only with a "
+        "checkpoint: a crash retrains the updates since the last one from the same weights. 1: after every update "
+        "(the demo's model); raise it where a checkpoint costs more than an update (sharded models under torchrun).")
+    checkpoint_every_s: float = Field(
+        default=60.0, gt=0, description="Checkpoint at least this often while training (see checkpoint_every_steps).")
     dedupe_window: int = Field(
-        default=100_000, ge=1, description="How many recently trained sample ids the learner remembers (and "
-        "checkpoints) to refuse a redelivered sample as a duplicate; older ones are behind the offset watermark.")
+        default=100_000, ge=1, description="How many recently trained sample ids the learner keeps in memory (and "
+        "checkpoints): a fast first check. Older ids are still refused as duplicates through the durable store "
+        "(learner.dedupe_horizon_h), however late a replay comes.")
+    dedupe_horizon_h: float = Field(
+        default=168.0, gt=0, description="How long the learner's durable store of trained sample ids "
+        "(<prefix>.trained-ids.sqlite beside the checkpoint) keeps an id. Must exceed how long ingest can re-emit a "
+        "sample (its judged entries live 24 h).")
     ledger_max_mb: int = Field(
         default=256, ge=1, description="Size at which the learner's ledger (every sample's fate, for liverl audit) "
         "rolls over; one previous file is kept.")
@@ -391,6 +423,23 @@ class SecurityConfig(_Section):
         "log is keyed refuses writes from a process without it.")
 
 
+class SupervisorConfig(_Section):
+    """How `liverl up` and `liverl demo` restart a process that exits (ingest exits on purpose on a broker or Redis
+    outage, to resume from its durable state). A budget per window, not a lifetime cap: a deployment that lives for
+    months restarts a child now and then and stays up; one that crash-loops gives up soon, with a clear message."""
+
+    restarts: int = Field(
+        default=5, ge=0, description="Restarts allowed per process (role) within restart_window_s; one more exit in "
+        "the window stops the pipeline (`liverl up` exits 1, naming the process and its last log lines).")
+    restart_window_s: float = Field(
+        default=600.0, gt=0, description="The sliding window the restart budget counts exits in, in seconds.")
+    healthy_after_s: float = Field(
+        default=30.0, ge=0, description="A process that ran at least this long before it exited is restarted at once; "
+        "one that exited sooner is restarted after a back-off that doubles with each such exit in a row (1 s, 2 s, "
+        "4 s, ... up to backoff_max_s).")
+    backoff_max_s: float = Field(default=30.0, ge=0, description="The longest back-off before a restart.")
+
+
 class DemoConfig(_Section):
     duration_s: float = Field(default=600.0, description="How long the demo runs (the loop stops then).")
     users: int = Field(default=5000, ge=1, description="Distinct simulated users (the population), each with a fixed "
@@ -406,6 +455,10 @@ class DemoConfig(_Section):
 
 
 ENV_PREFIX = "LIVERL__"
+DELIVERY_MARGIN_S = 30.0
+"""How far ``ingest.pending_ttl_s`` must exceed ``broker.delivery_timeout_s`` (at most; a delivery timeout shorter than
+this is its own margin, for tests with short TTLs): a record a producer still retries at its deadline reaches the
+broker, then ingest, within this."""
 
 
 class LiverlConfig(BaseSettings):
@@ -427,7 +480,20 @@ class LiverlConfig(BaseSettings):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     gate: GateConfig = Field(default_factory=GateConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
+    supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
     demo: DemoConfig = Field(default_factory=DemoConfig)
+
+    @model_validator(mode="after")
+    def _timeouts_agree(self):
+        delivery = self.broker.delivery_timeout_s
+        margin = min(DELIVERY_MARGIN_S, delivery)
+        if self.ingest.pending_ttl_s < delivery + margin:
+            raise ValueError(
+                f"ingest.pending_ttl_s ({self.ingest.pending_ttl_s:g} s) must exceed broker.delivery_timeout_s "
+                f"({delivery:g} s) by at least {margin:g} s: feedback waits that long "
+                "for its generation record, which a producer may still be retrying until its delivery timeout. Raise "
+                "ingest.pending_ttl_s or lower broker.delivery_timeout_s")
+        return self
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings,

@@ -26,12 +26,72 @@ class ProcessError(LiverlError):
 
 def spawn(cmd: Sequence[str], log_path: str | os.PathLike, env: Mapping[str, str] | None = None) -> subprocess.Popen:
     """Start ``cmd`` with stdout and stderr appended to ``log_path``, in a new session (its own process group,
-    so ``stop`` reaches everything it starts). The parent keeps no descriptor of the log."""
+    so ``stop`` reaches everything it starts), told SIGTERM when this process dies, even by kill -9 (so it stops
+    what it started in turn). The parent keeps no descriptor of the log."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
         return subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=None if env is None else dict(env),
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_term_with_parent)
+
+
+def _term_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux PR_SET_PDEATHSIG; elsewhere nothing)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
+def become_subreaper() -> bool:
+    """Make this process the "child subreaper" of everything it starts (Linux PR_SET_CHILD_SUBREAPER): a
+    grandchild whose parent dies (a vLLM engine core whose server was killed) is re-parented here instead of to
+    init, so ``orphans`` finds it. True where the kernel supports it."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER = 36
+    except OSError:
+        return False
+
+
+def descendants() -> set[int]:
+    """The pids of every live process below this one."""
+    import psutil
+
+    try:
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+    except psutil.Error:
+        return set()
+
+
+def kill_descendants(keep: set[int], timeout: float = 10.0) -> list[str]:
+    """SIGTERM, then after ``timeout`` SIGKILL, every process below this one that is not in ``keep`` (what was
+    running before the caller started its own). Returns a description of each one it had to stop."""
+    import psutil
+
+    me = psutil.Process()
+    try:
+        left = [p for p in me.children(recursive=True) if p.pid not in keep]
+    except psutil.Error:
+        return []
+    names = []
+    for p in left:
+        try:
+            names.append(f"{p.pid} {p.name()}")
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(left, timeout=timeout)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=5)
+    return names
 
 
 def wait_port(host: str, port: int, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:

@@ -175,7 +175,18 @@ class GenerationRecord(_Wire):
         default=None, description="Pseudonymous id of the user the generation was served to (the gateway's "
         "liverl.core.fleet.unit_id of the request's user key: 16 hex digits; never a user id itself): ingest keeps "
         "per-user sums by it, so the canary's test takes the user as its unit. None: no user key.")
+    version_spans: list[tuple[_Version, int, int]] | None = Field(
+        default=None, description="Set when a hot-swap happened while this generation was in flight: (version, start, "
+        "end) for each run of completion tokens [start, end) one version sampled, in order, as vLLM recorded them "
+        "(policy_version is then the first span's). An empty list: the spans could not be read, so no version may "
+        "claim it. None: policy_version sampled every token. See mixed_versions.")
     ts: _Time = Field(default_factory=time.time)
+
+    @property
+    def mixed_versions(self) -> bool:
+        """True unless one version sampled every token: such a generation must not count for any one version (live
+        counters, a canary's arms); its per-token behaviour log-probs stay exact for the learner."""
+        return self.version_spans is not None and len({v for v, _, _ in self.version_spans}) != 1
 
     @model_validator(mode="after")
     def _aligned(self):
@@ -183,6 +194,12 @@ class GenerationRecord(_Wire):
             raise ValueError(
                 f"{len(self.completion_logprobs)} logprobs for {len(self.completion_token_ids)} completion tokens"
             )
+        if self.version_spans:
+            ends = [0] + [e for _, _, e in self.version_spans]
+            if [s for _, s, _ in self.version_spans] != ends[:-1] or ends[-1] != len(self.completion_token_ids) \
+                    or any(s >= e for _, s, e in self.version_spans):
+                raise ValueError(f"version_spans {self.version_spans} do not tile the "
+                                 f"{len(self.completion_token_ids)} completion tokens")
         return self
 
 

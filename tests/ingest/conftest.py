@@ -106,6 +106,7 @@ class WorkerProc:
             "LIVERL__BROKER__BOOTSTRAP": cfg.broker.bootstrap,
             "LIVERL__BROKER__PARTITIONS": str(cfg.broker.partitions),
             "LIVERL__BROKER__REBALANCE_TIMEOUT_S": str(cfg.broker.rebalance_timeout_s),
+            "LIVERL__BROKER__DELIVERY_TIMEOUT_S": str(cfg.broker.delivery_timeout_s),  # (below pending_ttl_s)
             "LIVERL__REDIS__URL": cfg.redis.url,
             "LIVERL__TOPICS__PREFIX": cfg.topics.prefix,
             "LIVERL__STATE_DIR": cfg.state_dir,
@@ -168,7 +169,7 @@ class IngestHarness:
         self.cfg = cfg
         self.log_dir = log_dir
         ensure_topics(cfg.broker.bootstrap, all_topics(cfg), cfg.broker.partitions)
-        self.producer = make_producer(cfg.broker.bootstrap)
+        self.producer = make_producer(cfg.broker.bootstrap, broker=cfg.broker)
         self.redis = redis.Redis.from_url(cfg.redis.url, decode_responses=True)
         self.worker: WorkerProc | None = None
         self._n = 0
@@ -259,17 +260,22 @@ class IngestHarness:
 
 
 def ingest_config(stack, state_dir: Path, **overrides: Any) -> LiverlConfig:
-    """A config with its own topic prefix and Redis namespace, short pending TTL and rebalance timeout."""
+    """A config with its own topic prefix and Redis namespace, a short rebalance timeout, and producers that give up
+    well before feedback stops waiting for its generation (``pending_ttl_s``)."""
     opts: dict[str, Any] = {
         "state_dir": str(state_dir),
         "broker__bootstrap": stack.bootstrap,
         "redis__url": stack.redis_url,
         "topics__prefix": f"t{uuid.uuid4().hex[:10]}",
-        "ingest__pending_ttl_s": 2.0,
+        # Feedback waits this long for its generation: long enough that the producers' delivery timeout below (half
+        # of it, 10 s) holds on a loaded machine (1 s did not: "1000 ms has passed since batch creation").
+        "ingest__pending_ttl_s": 20.0,
         "broker__rebalance_timeout_s": 1.0,  # Tansu completes a group join after this: the worker starts faster
         "ingest__heldout_share": 0.0,  # every joined sample on <prefix>.samples (held-out routing: test_bounds.py)
     }
     opts.update(overrides)
+    # the config requires every producer's delivery timeout well below pending_ttl_s (the SDK's and the harness's)
+    opts.setdefault("broker__delivery_timeout_s", min(60.0, opts["ingest__pending_ttl_s"] / 2))
     return load_config(env={}, **opts)
 
 

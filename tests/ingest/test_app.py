@@ -114,7 +114,7 @@ def test_bad_inputs_are_dead_lettered_with_reasons_and_counted(harness):
     t0 = time.monotonic()
 
     with harness.tail("dead_letters") as tail:
-        recs = tail.wait_for(tail.keys(set(cases) | {unknown}), n=len(cases) + 1, timeout=30)
+        recs = tail.wait_for(tail.keys(set(cases) | {unknown}), n=len(cases) + 1, timeout=cfg.ingest.pending_ttl_s + 40)
     elapsed = time.monotonic() - t0
     letters = {r.key.decode(): DeadLetter.from_bytes(r.value) for r in recs}
     assert len(recs) == len(cases) + 1, [(r.key, r.value[:80]) for r in recs]
@@ -252,6 +252,50 @@ def test_per_user_sums_count_each_feedback_once_and_a_revert_in_its_judgements_b
     assert 0 < harness.redis.ttl(keys.units(harness.cfg.topics.prefix, v, bucket)) <= harness.cfg.ingest.unit_ttl_s
 
 
+def test_generations_of_mixed_versions_train_but_count_for_no_version(harness):
+    """A generation whose tokens two versions sampled across a hot-swap (``version_spans``), or whose spans are unknown
+    (``[]``), trains like any other (behaviour log-probs are per token) but counts for no version: not in the live
+    counters, not in the per-user sums the canary reads, neither its judgement, its redelivery nor its revert. Counted
+    in ``mixed_versions`` instead. One version's spans, or none, count as before."""
+    v, unit = _version(), "cafe0000000000b2"
+    gids = {name: new_gid() for name in ("mixed", "unknown", "one_span", "plain")}
+    spans = {"mixed": [(v, 0, 2), (v + 1, 2, 4)], "unknown": [], "one_span": [(v, 0, 4)], "plain": None}
+    before = harness.counters()
+    for name, gid in gids.items():
+        rec = make_generation(gid, v).model_copy(update={"unit": unit, "version_spans": spans[name]})
+        harness.send_generation(rec, flush=False)
+    harness.producer.flush()
+    with from_config(harness.cfg) as sdk:
+        fids = {name: sdk.accept(gid) for name, gid in gids.items()}
+        sdk.accept(gids["mixed"], feedback_id=fids["mixed"])  # redelivered: still counted for no version
+        sdk.flush()
+        with harness.tail("samples") as tail:
+            tail.wait_for(tail.keys(set(gids.values())), n=4, timeout=30)
+        sdk.revert(gids["mixed"])  # the correction trains; the revert counts for no version either
+        sdk.revert(gids["plain"])
+    with harness.tail("samples") as tail:
+        got = tail.wait_for(lambda r: r.key is not None and r.key.decode() in set(gids.values()), n=6, timeout=30)
+    samples = [TrainingSample.from_bytes(r.value) for r in got]
+    assert {s.sample_id for s in samples} == set(gids.values()) | {gids["mixed"] + ":revert",
+                                                                   gids["plain"] + ":revert"}
+    mixed_sample = next(s for s in samples if s.sample_id == gids["mixed"])
+    assert mixed_sample.policy_version == v and len(mixed_sample.behaviour_logprobs) == 4
+    want = {"mixed_versions": 2, "mixed_versions_reverted": 1}
+    delta = wait_until(lambda: (d := _delta(harness.counters(), before)).get("reverted") == 2 and d, 15,
+                       what="both reverts counted")
+    assert {k: delta.get(k, 0) for k in want} == want, delta
+    live = harness.live(v)
+    assert keys.live_totals(live) == {"accept": 2, "revert": 1, "events": 2}, live  # one_span and plain only
+    assert harness.live(v + 1) == {}
+    now = keys.unit_bucket(time.time())
+    buckets = keys.read_unit_buckets(harness.redis, harness.cfg.topics.prefix, v, range(now - 60, now + 2))
+    per_user = [per[unit] for per in buckets.values() if unit in per]
+    assert sum(p.get("e", 0) for p in per_user) == 2 and sum(p.get("r", 0) for p in per_user) == 1, buckets
+    assert not any(keys.read_unit_buckets(harness.redis, harness.cfg.topics.prefix, v + 1,
+                                          range(now - 60, now + 2)).values())
+    assert harness.worker.metric("liverl_ingest_mixed_versions_total ") >= 2
+
+
 def test_live_counters_count_each_feedback_id_once(harness):
     """The Lua guard: replaying a batch's increments (a crash before the offset commit) changes nothing."""
     import asyncio
@@ -382,7 +426,7 @@ def test_rewards_come_from_the_product(cfg):
     assert p.reward("reject", "vip") == -2.0 and p.reward("accept", None) == 1.0
     from ingest.join import Ingest
 
-    ing = Ingest(cfg, metrics=None, table={}, send=None)
+    ing = Ingest(cfg, metrics=None, table={}, output=None)
     assert ing.product.reward("edit", "vip") == -1.0
     cfg.product = "liverl_test_product:NOPE"
     import pytest
@@ -410,9 +454,9 @@ def test_waiting_for_settled_batches_yields_and_ends(cfg):
             settled = [loop.create_future(), loop.create_future()]
             for f in settled:
                 f.set_result(None)  # finished; their done callbacks (none here) would run only at the next yield
-            w._settling = list(settled)
-            await w._drain()
-            finished.append(w._unsettled() == [])
+            w.committer._settling = list(settled)
+            await w.committer.drain()
+            finished.append(w.committer.unsettled() == [])
 
         asyncio.run(main())
 

@@ -10,10 +10,10 @@
 | Redis guard keys ``counted:*``    | ``COUNTED_TTL_S`` (7 days) each                              |
 | Redis/Prometheus counter names    | fixed reason codes (never input text)                        |
 | RocksDB memory                    | 16 MiB block cache + 2 x 16 MiB write buffers per partition  |
-| the partitioner's hash cache      | two generations of ``ingest.table._HASHES_MAX`` keys (65,536)  |
-| the join table's write buffer     | ``ingest.app.TABLE_BUFFER_WRITES`` / ``TABLE_BUFFER_BYTES``, ``TABLE_FLUSH_S`` |
+| the partitioner's hash cache      | two generations of ``ingest.partitioner._HASHES_MAX`` (65,536)  |
+| the join table's write buffer     | ``ingest.commit.TABLE_BUFFER_WRITES`` / ``TABLE_BUFFER_BYTES``, ``TABLE_FLUSH_S`` |
 | one batch (records, outputs)      | ``ingest.app.BATCH_MAX`` input records                       |
-| batches decided, not yet settled  | ``ingest.app.SETTLING_MAX`` + the one being decided          |
+| batches decided, not yet settled  | ``ingest.commit.SETTLING_MAX`` + the one being decided          |
 | held feedback partitions          | the partitions assigned (one entry each)                     |
 
 The join table's dict stands in for ``ingest.table.JoinTable`` here (the decisions are the same code); Redis is the
@@ -61,7 +61,7 @@ def test_table_entries_expire_after_their_ttls(env):
     table.update({f"j-new{i}": pack(JUDGED, NOW - 60, {"f": "x", "v": 1, "k": "accept"}) for i in range(10)})
 
     async def run():
-        ing = Ingest(cfg, metrics, table, Broker().send)
+        ing = Ingest(cfg, metrics, table, Broker())
         try:
             return await ing.evict_old(now=NOW, chunk=7)
         finally:
@@ -83,7 +83,7 @@ def test_pending_feedback_is_capped_and_expires(env):
     table: dict = {}
 
     async def run():
-        ing = Ingest(cfg, metrics, table, broker.send)
+        ing = Ingest(cfg, metrics, table, broker)
         ing.recovered()
         fbs = [FeedbackEvent(feedback_id=f"f{i}", generation_id=f"g{i}", kind="accept", ts=NOW) for i in range(80)]
         await ing.process([(Source(cfg.topics.feedback, 0, i, f"g{i}"), f.to_bytes()) for i, f in enumerate(fbs)],
@@ -116,7 +116,7 @@ def test_the_sweep_expires_exactly_the_feedback_that_waited_its_ttl(env, order):
         times = times[5:] + times[:5]
 
     async def run():
-        ing = Ingest(cfg, metrics, table, broker.send)
+        ing = Ingest(cfg, metrics, table, broker)
         ing.recovered()
         for i, t in enumerate(times):
             fb = FeedbackEvent(feedback_id=f"f{i}", generation_id=f"g{i}", kind="accept", ts=NOW)
@@ -145,7 +145,7 @@ def test_timers_touch_only_assigned_partitions(env):
     table: dict = {}
 
     async def run():
-        ing = Ingest(cfg, metrics, table, broker.send, assigned=lambda partition: partition == 0)
+        ing = Ingest(cfg, metrics, table, broker)
         ing.recovered()
         batch = [(Source(cfg.topics.feedback, p, 1, f"g{p}"),
                   FeedbackEvent(feedback_id=f"f{p}", generation_id=f"g{p}", kind="reject", ts=NOW).to_bytes())
@@ -153,7 +153,7 @@ def test_timers_touch_only_assigned_partitions(env):
         await ing.process(batch, now=NOW)
         ing._resumed = 0.0
         try:
-            return await ing.expire_pending(now=NOW + 10_000)
+            return await ing.expire_pending(now=NOW + 10_000, assigned={0})
         finally:
             await metrics.close()
 
@@ -201,9 +201,9 @@ def test_redis_guard_keys_expire(env):
 
 
 def test_pending_ttl_default_outlasts_a_producers_delivery_timeout():
-    from ingest.app import PRODUCER_DELIVERY_TIMEOUT_S
+    from liverl.core.config import DELIVERY_MARGIN_S, BrokerConfig
 
-    assert IngestConfig().pending_ttl_s >= PRODUCER_DELIVERY_TIMEOUT_S + 30
+    assert IngestConfig().pending_ttl_s >= BrokerConfig().delivery_timeout_s + DELIVERY_MARGIN_S
 
 
 def test_a_timer_that_raises_is_counted_and_runs_again(env):
@@ -247,7 +247,7 @@ def test_input_on_the_wrong_partition_is_dead_lettered_naming_the_right_one(env)
     rec, fb = json.dumps(_generation(rng, gid)).encode(), json.dumps(_feedback(rng, gid)).encode()
 
     async def run():
-        ing = Ingest(cfg, metrics, table, broker.send, partition_of=lambda g: partition_of(g.encode(), n))
+        ing = Ingest(cfg, metrics, table, broker, partitions=n)
         ing.recovered()
         try:
             await ing.process([(Source(cfg.topics.generations, right, 1, gid), rec),
@@ -292,7 +292,7 @@ def test_a_fixed_hash_share_of_joined_samples_goes_to_the_held_out_stream(env):
     broker = Broker()
 
     async def run():
-        ing = Ingest(cfg, metrics, {}, broker.send)
+        ing = Ingest(cfg, metrics, {}, broker)
         ing.recovered()
         try:
             for i, g in enumerate(gids):
@@ -332,7 +332,7 @@ def test_murmur2_is_kafkas():
 
 
 def test_the_partitioners_hash_cache_is_bounded():
-    from ingest import table
+    from ingest import partitioner as table
 
     def bounded() -> bool:
         return len(table._HASHES) <= table._HASHES_MAX and len(table._HASHES_OLD) <= table._HASHES_MAX

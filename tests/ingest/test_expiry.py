@@ -3,7 +3,6 @@ because this worker was down or stalled."""
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 
 from ingest.join import PENDING_HARD_LIMIT_X, Ingest
@@ -11,11 +10,8 @@ from ingest.join import PENDING_HARD_LIMIT_X, Ingest
 TTL = 150.0
 
 
-def _ingest(clock: dict[int, float], gen_next: dict[int, int] | None = None, resumed: float = 0.0, end: int = 0):
-    async def end_offset(partition):
-        return end
-
-    return SimpleNamespace(_gen_clock=clock, _gen_next=gen_next or {}, _resumed=resumed, _end_offset=end_offset)
+def _ingest(clock: dict[int, float], gen_next: dict[int, int] | None = None, resumed: float = 0.0):
+    return SimpleNamespace(_gen_clock=clock, _gen_next=gen_next or {}, _resumed=resumed)
 
 
 def test_not_before_the_ttl():
@@ -29,11 +25,12 @@ def test_after_the_ttl_when_generations_have_moved_past_the_feedback():
 
 
 def test_otherwise_only_once_the_generations_partition_is_read_to_its_end():
-    ing = _ingest({0: 1000.0 + TTL / 2}, gen_next={0: 41}, end=42)
+    ing = _ingest({0: 1000.0 + TTL / 2}, gen_next={0: 41})
     assert Ingest._waited(ing, t=1000.0, kts=1000.0, part=0, now=1000.0 + 5 * TTL, ttl=TTL) == "caught_up"
-    assert not asyncio.run(Ingest._caught_up(ing, 0))  # one generation record not read yet: keep waiting
-    ing = _ingest({0: 1000.0 + TTL / 2}, gen_next={0: 42}, end=42)
-    assert asyncio.run(Ingest._caught_up(ing, 0))
+    assert not Ingest._caught_up(ing, 0, {0: 42})  # one generation record not read yet: keep waiting
+    assert not Ingest._caught_up(ing, 0, {})  # the worker could not read the partition's end: keep waiting
+    ing = _ingest({0: 1000.0 + TTL / 2}, gen_next={0: 42})
+    assert Ingest._caught_up(ing, 0, {0: 42})
 
 
 def test_a_restart_or_stall_gives_waiting_feedback_a_whole_ttl_again():

@@ -53,6 +53,12 @@ class Broker:
         fut.set_result(None)
         return fut
 
+    def flush(self):
+        """(every send is acknowledged at once: nothing to flush)"""
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result({})
+        return fut
+
     def of(self, topic: str) -> list[tuple[str, bytes]]:
         return [(k, v) for t, k, v in self.sent if t == topic]
 
@@ -77,7 +83,7 @@ def world(stack, tmp_path):
 def _ingest(world, table=None) -> tuple[Ingest, Broker]:
     cfg, metrics, _ = world
     broker = Broker()
-    return Ingest(cfg, metrics, {} if table is None else table, broker.send), broker
+    return Ingest(cfg, metrics, {} if table is None else table, broker), broker
 
 
 # -- hostile values ------------------------------------------------------------------------------
@@ -365,7 +371,7 @@ def test_a_redis_failure_raises(stack, tmp_path):
     cfg = load_config(env={}, state_dir=str(tmp_path), topics__prefix=f"t{uuid.uuid4().hex[:10]}")
     metrics = IngestMetrics(cfg.topics.prefix, f"redis://127.0.0.1:{free_port()}/0")
     broker = Broker()
-    ing = Ingest(cfg, metrics, {}, broker.send)
+    ing = Ingest(cfg, metrics, {}, broker)
 
     async def run():
         try:

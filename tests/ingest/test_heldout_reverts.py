@@ -54,7 +54,7 @@ def test_a_revert_of_a_held_out_accept_goes_to_the_held_out_stream_with_the_prod
     t0 = 1.8e9
 
     async def run():
-        ing = Ingest(cfg, metrics, {}, broker.send)
+        ing = Ingest(cfg, metrics, {}, broker)
         ing.recovered()
         try:
             for i, g in enumerate(gids):

@@ -211,7 +211,7 @@ def test_restart_loop_resumes_fast(stack, tmp_path):
 def test_redis_down_stops_the_worker_unacknowledged_and_the_restart_replays(stack, tmp_path):
     """An infrastructure failure mid-batch ends the process (exit 75) before it commits the batch's offsets; the
     next worker replays it, so its live counters are not lost."""
-    from ingest.app import EXIT_INFRA
+    from ingest.commit import EXIT_INFRA
     from tests.conftest import free_port
     from tests.ingest.conftest import WorkerProc
 
@@ -286,23 +286,46 @@ def test_a_backlog_is_read_in_step_so_feedback_finds_its_generation(stack, tmp_p
         assert got.get("joined") == got.get("feedback_in") == n + 1  # (+ the start-up probe)
         assert got.get("pended", 0) <= 1, got  # (the probe's feedback may beat its generation)
         assert not {k: v for k, v in got.items() if k.startswith("dlq:")}, got
-        assert got.get("held", 0) > n // 10, got  # the backlog made the worker hold feedback back ...
+        # the backlog made the worker hold feedback back (how much depends on how the broker interleaves the two
+        # topics' fetches, so on the machine's load: that it did, and that nothing pended, is the property) ...
+        assert got.get("held", 0) > 0, got
         assert got["fetched"] == got["generations_in"] + got["feedback_in"], got  # ... and nothing was fetched twice
     finally:
         h.close()
+
+
+def _wait_progress(value, done, worker, what: str, stall_s: float = 300.0, interval: float = 0.02) -> None:
+    """Wait until ``done(value())``, for as long as the worker is alive and ``value()`` keeps changing: a property, not a
+    clock. A loaded machine only makes it wait longer; it fails when the worker died, or when nothing changed for
+    ``stall_s`` (a hang, not slowness: the backlog moves every second on any machine this runs on)."""
+    last, since = value(), time.monotonic()
+    while not done(last):
+        worker.assert_alive()
+        assert time.monotonic() - since < stall_s, f"no progress for {stall_s:.0f} s waiting for {what} (at {last})"
+        time.sleep(interval)
+        now = value()
+        if now != last:
+            last, since = now, time.monotonic()
 
 
 def test_kill_9_while_feedback_is_held_back_loses_none_of_it(stack, tmp_path):
     """The feedback a worker holds back on a backlog (``_hold_back``) lives only in its memory, past the consumer's
     position: a kill -9 then must lose none of it. Its offsets are never committed before it is processed, so the
     restarted worker reads it again. Two kills -9 while the worker is catching up and holding feedback back; then
-    every feedback event is judged exactly once (live counters) and has its sample."""
+    every feedback event is judged exactly once (live counters) and has its sample.
+
+    Every wait is on a property (the worker holds feedback back; the backlog is joined), never on a fixed time: this
+    failed once as "timed out after 60 s waiting for the worker to hold feedback back" while another process loaded
+    the machine (issue 22). It waits as long as the worker makes progress; the kill is valid as long as the backlog
+    is not joined yet, which the assert checks."""
     from liverl.bench.ingest import _produce, _records
     from tests.conftest import free_port
     from tests.ingest.conftest import WorkerProc
 
     n = 40_000
-    h = IngestHarness(ingest_config(stack, tmp_path / "state"), tmp_path)
+    # pending_ttl_s at its default, not the harness's 2 s: on a loaded machine feedback may wait longer than 2 s for
+    # its generation, and this test is about kills, not expiry (a 2 s TTL made it depend on the machine's speed)
+    h = IngestHarness(ingest_config(stack, tmp_path / "state", ingest__pending_ttl_s=150.0), tmp_path)
     try:
         h.start_worker()  # up and joined before the backlog arrives, so the first kill lands mid-backlog
         gens, fbs = _records(n, seed=13)
@@ -310,20 +333,24 @@ def test_kill_9_while_feedback_is_held_back_loses_none_of_it(stack, tmp_path):
         _produce(stack.bootstrap, h.cfg.topics.feedback, fbs)
         for k in (1, 2):
             held = h.counters().get("held", 0)
-            wait_until(lambda: h.counters().get("held", 0) > held, 60, interval=0.02,
-                       what=f"the worker to hold feedback back (kill {k})")
+            _wait_progress(lambda: (h.counters().get("held", 0), h.live(0).get("events", 0)),
+                           lambda v: v[0] > held or v[1] >= n, h.worker,
+                           f"the worker to hold feedback back (kill {k})")
             assert h.live(0).get("events", 0) < n, "the backlog was joined before the kill: nothing to prove"
             h.worker.stop(signal.SIGKILL)
             h.worker = WorkerProc(h.cfg, free_port(), tmp_path / f"worker-after-kill-{k}.log")
-        wait_until(lambda: h.live(0).get("events") == n, 180, what=f"{n} joins after two kills")
+        _wait_progress(lambda: h.live(0).get("events", 0), lambda v: v >= n, h.worker, f"{n} joins after two kills",
+                       interval=0.5)
+        assert h.live(0).get("events") == n  # each exactly once
         with h.tail("samples") as st:
             want = {key.decode() for key, _, _ in fbs}  # (keyed by generation id, as the samples are)
 
-            def all_sampled() -> bool:
+            def sampled() -> int:
                 st.poll()
-                return {r.key.decode() for r in st.records} >= want
+                return len({r.key.decode() for r in st.records} & want)
 
-            wait_until(all_sampled, 60, what="a sample for every generation of the backlog")
+            _wait_progress(sampled, lambda v: v >= len(want), h.worker, "a sample for every generation of the backlog",
+                           interval=0.2)
             samples = _samples_by_id([r for r in st.records if r.key.decode() in want])
         assert len(samples) == n
         got = h.counters()
@@ -407,7 +434,7 @@ def test_held_feedback_is_not_committed_until_it_is_processed(stack, tmp_path):
     """The invariant the kill -9 test above relies on, pinned: while a feedback record is held back, batches go on
     and their offsets are committed, but the held record's partition is committed only up to it; once released, it
     is joined and committed past. In-process worker on the real broker; the generations are made to look behind
-    (``_generations_progress``) for as long as the test wants the feedback held."""
+    (``Pacer.generations_progress``) for as long as the test wants the feedback held."""
     import asyncio
 
     from ingest import app
@@ -416,7 +443,7 @@ def test_held_feedback_is_not_committed_until_it_is_processed(stack, tmp_path):
     cfg = ingest_config(stack, tmp_path / "state")
     env = _InProcess(cfg)
     w = app.IngestWorker(cfg, stack.bootstrap, cfg.redis.url, web_port=0)
-    real_progress = w._generations_progress
+    real_progress = w.pacer.generations_progress
     behind = {"on": False}
 
     async def progress(gen_tp, read=None):
@@ -424,7 +451,7 @@ def test_held_feedback_is_not_committed_until_it_is_processed(stack, tmp_path):
             return 0.0, 0, 1  # read up to the epoch, a record not read yet: every feedback is far ahead
         return await real_progress(gen_tp, read)
 
-    w._generations_progress = progress
+    w.pacer.generations_progress = progress
 
     async def body() -> None:
         gid = new_gid()
@@ -434,7 +461,7 @@ def test_held_feedback_is_not_committed_until_it_is_processed(stack, tmp_path):
         behind["on"] = True
         env.send(cfg.topics.feedback, gid, FeedbackEvent(feedback_id=f"fb-{gid}", generation_id=gid,
                                                          kind="accept").to_bytes())
-        await env.until(lambda: any(tp.partition == p for tp in w._held_records), "the feedback held back")
+        await env.until(lambda: any(tp.partition == p for tp in w.pacer.held_records), "the feedback held back")
         # batches go on while it is held: more generations, written and committed (the buffer's second goes by)
         others = [new_gid() for _ in range(3)]
         for other in others:
@@ -464,10 +491,10 @@ def test_the_table_write_buffer_coalesces_and_commits_inputs_only_once_written(s
 
     from kafka import KafkaConsumer, TopicPartition
 
-    from ingest import app
+    from ingest import app, commit
 
-    monkeypatch.setattr(app, "TABLE_FLUSH_S", 3600.0)
-    monkeypatch.setattr(app, "TABLE_BUFFER_WRITES", 10)
+    monkeypatch.setattr(commit, "TABLE_FLUSH_S", 3600.0)
+    monkeypatch.setattr(commit, "TABLE_BUFFER_WRITES", 10)
     cfg = ingest_config(stack, tmp_path / "state")
     env = _InProcess(cfg)
     w = app.IngestWorker(cfg, stack.bootstrap, cfg.redis.url, web_port=0)
@@ -502,7 +529,7 @@ def test_the_table_write_buffer_coalesces_and_commits_inputs_only_once_written(s
         await env.until(lambda: (w.table.buffered.get(gid) or b"")[:1] == b"J", "its judgement in the buffer")
         assert await asyncio.to_thread(changelog, gid) == [], "the buffer reached the changelog before it was due"
         assert await asyncio.to_thread(committed_feedback) == 0, "feedback committed before its table write"
-        for _ in range(app.TABLE_BUFFER_WRITES):  # fill the buffer: it is written, then the inputs committed
+        for _ in range(commit.TABLE_BUFFER_WRITES):  # fill the buffer: it is written, then the inputs committed
             other = new_gid()
             env.send(cfg.topics.generations, other, make_generation(other, version=7).to_bytes())
         await env.until(lambda: w.table.get(gid) is not None and gid not in w.table.buffered, "the buffer written")

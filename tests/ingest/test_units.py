@@ -40,7 +40,7 @@ def world(stack, tmp_path):
     metrics = IngestMetrics(cfg.topics.prefix, stack.redis_url)
     loop = asyncio.new_event_loop()
     broker = Broker()
-    ing = Ingest(cfg, metrics, {}, broker.send)
+    ing = Ingest(cfg, metrics, {}, broker)
     r = redis.Redis.from_url(stack.redis_url, decode_responses=True)
     yield cfg, ing, broker, loop, r
     loop.run_until_complete(metrics.close())

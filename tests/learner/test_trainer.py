@@ -379,6 +379,46 @@ def test_the_dedupe_window_and_the_batch_token_cap_hold(cfg, model_dir, base_sam
         reg.close()
 
 
+def test_a_replay_is_refused_however_late_it_comes(cfg, model_dir, base_samples):
+    """Issue 22: the learner remembered only the last ``dedupe_window`` ids, and a sample that ingest emitted again
+    lands at a new offset, past the watermark: a replay more than a window later was trained again. Now every
+    trained id is kept durably (``learner.seen``), across a restart too. dedupe_window=10: S, 10+ newer ids, S."""
+    from learner.trainer import Learner
+
+    cfg = learner_cfg(cfg, batch_size=4, candidate_every_steps=100, dedupe_window=10)
+    produce_samples(cfg, base_samples[:12])
+    reg = make_registry(cfg, model_dir)
+    try:
+        first = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
+        first.run(max_steps=3)  # 12 trained; the window keeps the newest 10
+        trained, _ = ledger_fates(first)
+        [S, *_] = [s for s in base_samples[:12] if s.sample_id not in first.trained_ids]  # trained, then 10+ others
+        assert trained.count(S.sample_id) == 1
+        produce_samples(cfg, [S])  # S again, at a new offset, to a learner restarted from its checkpoint
+        second = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
+        assert S.sample_id not in second.trained_ids
+        stop = threading.Event()
+
+        def until_refused():
+            deadline = time.monotonic() + 60
+            while second.counters["dropped:duplicate"] == 0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            stop.set()
+
+        watcher = threading.Thread(target=until_refused)
+        watcher.start()
+        try:
+            stats = second.run(stop_event=stop)
+        finally:
+            stop.set()
+            watcher.join()
+        assert stats["counters"].get("dropped:duplicate", 0) == 1 and stats["samples_trained"] == 12
+        trained, refused = ledger_fates(second)
+        assert trained.count(S.sample_id) == 1 and refused == [(S.sample_id, "duplicate")]
+    finally:
+        reg.close()
+
+
 def test_stale_samples_are_dropped_and_a_stalled_fleet_triggers_a_rebase(cfg, model_dir, base_samples, monkeypatch):
     from learner import trainer
     from learner.trainer import Learner

@@ -1,4 +1,4 @@
-"""Fast tests of the serving pieces that need no vLLM: request validation, response folding, the swap gate,
+"""Fast tests of the serving pieces that need no vLLM: request validation, response folding, swap spans,
 delta chains, node errors."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ import torch
 from deploy.delta import checksum, encode_delta
 from liverl.core.schemas import SamplingParams
 from serving.agent import chain_ends
-from serving.gateway import SwapGate
 from serving.node import NodeError, NodeHandle, _wait_ready, node_command
 from serving.openai_api import (
     BadRequest,
@@ -120,75 +118,57 @@ def test_stream_chunks_fold_into_records_and_the_client_sees_only_what_it_asked_
     assert out["liverl"] == {"generation_id": "g0", "generation_ids": ["g0"], "policy_version": 1}
 
 
-def test_swap_gate_holds_new_requests_and_drains_inflight():
-    async def main():
-        gate = SwapGate()
-        log: list[str] = []
-        release = asyncio.Event()
+class _SpanNode:
+    """Answers ``spans`` as the node's ``serving.node_versions`` route would, for a request of 2 prompts x n=2."""
 
-        async def request(name: str, hold: asyncio.Event | None = None):
-            async with gate.admit(timeout_s=5):
-                log.append(f"start {name}")
-                if hold is not None:
-                    await hold.wait()
-                log.append(f"end {name}")
+    def __init__(self, reply):
+        self.reply, self.asked = reply, []
 
-        async def swap():
-            async with gate.closed() as drain_ms:
-                log.append("swap")
-                assert gate.inflight == 0 and drain_ms >= 0
-
-        first = asyncio.create_task(request("a", release))
-        await asyncio.sleep(0.01)
-        swapping = asyncio.create_task(swap())
-        await asyncio.sleep(0.01)
-        late = asyncio.create_task(request("b"))  # arrives during the swap: must wait, not fail
-        await asyncio.sleep(0.01)
-        assert log == ["start a"] and not gate.is_open
-        release.set()
-        await asyncio.gather(first, swapping, late)
-        assert log == ["start a", "end a", "swap", "start b", "end b"] and gate.is_open
-
-        async with gate.closed():  # admission times out (never hangs) while a swap holds the gate
-            with pytest.raises(TimeoutError):
-                async with gate.admit(timeout_s=0.05):
-                    pass
-
-    asyncio.run(main())
+    async def spans(self, rid, prompts):
+        self.asked.append((rid, prompts))
+        if isinstance(self.reply, Exception):
+            raise self.reply
+        return self.reply
 
 
-def test_a_swap_that_cannot_drain_in_time_is_postponed_and_admissions_resume():
-    """Finding 25: one long generation in flight makes the swap give up after its drain deadline (nothing was
-    touched), not hold every new request until the long one ends."""
-    from serving.gateway import DrainTimeout
+def test_a_request_is_checked_for_spans_only_when_a_swap_overlapped_it_and_choices_map_to_their_index():
+    import types
 
-    async def main():
-        gate = SwapGate()
-        release = asyncio.Event()
-        served: list[str] = []
+    from serving.gateway import _SwapWatch
 
-        async def request(name: str, hold: asyncio.Event | None = None):
-            async with gate.admit(timeout_s=5):
-                if hold is not None:
-                    await hold.wait()
-                served.append(name)
+    gw = types.SimpleNamespace(swap_epoch=3, swapping=False, node=None)
+    watch = _SwapWatch(gw)
+    assert not watch.crossed()
+    gw.swap_epoch += 1  # a swap began while the request was in flight
+    assert watch.crossed()
+    gw.swapping = True
+    assert _SwapWatch(gw).crossed()  # sent while the engine was paused: its tokens may be the new version's
+    req = _parse(CompletionRequest, {"prompt": ["a", "b"], "n": 2})
+    gw.node = _SpanNode({"cmpl-r-0": {"0": [["4", 0, 3], ["5", 3, 7]], "1": [["4", 0, 2]]},
+                         "cmpl-r-1": {"1": [["5", 0, 6]], "0": [["default", 0, 1]]}})
+    got = asyncio.run(watch.spans(req, "r"))
+    assert gw.node.asked == [("r", 2)]
+    # choice index = prompt * n + j; a label that is not a version (the engine's "default") is not a span
+    assert got == {0: [[4, 0, 3], [5, 3, 7]], 1: [[4, 0, 2]], 3: [[5, 0, 6]]}
+    gw.node = _SpanNode(RuntimeError("node down"))
+    assert asyncio.run(watch.spans(req, "r")) == {}  # unknown: the records say so (version_unknown)
 
-        long = asyncio.create_task(request("long", release))
-        await asyncio.sleep(0.01)
-        t0 = time.monotonic()
-        with pytest.raises(DrainTimeout, match="1 request"):
-            async with gate.closed(drain_timeout_s=0.2):
-                raise AssertionError("the swap body must not run while a request is in flight")
-        waited = time.monotonic() - t0
-        assert 0.2 <= waited < 1.0 and gate.is_open
-        await request("short")  # admitted at once, while the long one still runs
-        assert served == ["short"]
-        release.set()
-        await long
-        async with gate.closed(drain_timeout_s=0.2) as drain_ms:  # drained now: the swap proceeds
-            assert gate.inflight == 0 and drain_ms < 200
 
-    asyncio.run(main())
+def test_version_spans_must_tile_the_completion_and_mark_mixed_generations():
+    from liverl.core.schemas import GenerationRecord, WireError
+
+    base = dict(generation_id="g", policy_version=4, node="n", prompt="p", completion="c", prompt_token_ids=[1],
+                completion_token_ids=[1, 2, 3], completion_logprobs=[-1.0, -1.0, -1.0],
+                sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=3))
+    assert not GenerationRecord(**base).mixed_versions
+    assert GenerationRecord(**base, version_spans=[(4, 0, 1), (5, 1, 3)]).mixed_versions
+    assert GenerationRecord(**base, version_spans=[]).mixed_versions  # unknown spans: no version may claim it
+    assert not GenerationRecord(**base, version_spans=[(4, 0, 3)]).mixed_versions
+    rec = GenerationRecord(**base, version_spans=[(4, 0, 1), (5, 1, 3)])
+    assert GenerationRecord.from_bytes(rec.to_bytes()).version_spans == [(4, 0, 1), (5, 1, 3)]
+    for bad in ([(4, 0, 2)], [(4, 0, 1), (5, 2, 3)], [(4, 0, 0), (5, 0, 3)]):
+        with pytest.raises((ValueError, WireError), match="tile"):
+            GenerationRecord(**base, version_spans=bad)
 
 
 def _states(n: int) -> list[dict[str, torch.Tensor]]:
@@ -234,6 +214,22 @@ def test_node_command_exposes_what_the_swap_needs(tmp_path):
                  "--middleware serving.node_auth.NodeKeyMiddleware",
                  "--logprobs-mode processed_logprobs", "--generation-config vllm", "--max-model-len 32"):
         assert flag in cmd
+    # the swap and span routes sit inside the key check: Starlette makes the LAST middleware added the outermost
+    assert cmd.index("serving.node_swap.SwapMiddleware") < cmd.index("serving.node_auth.NodeKeyMiddleware")
+    assert cmd.index("serving.node_versions.VersionSpansMiddleware") < cmd.index("serving.node_auth.NodeKeyMiddleware")
+
+
+def test_the_swap_route_refuses_a_malformed_body_with_what_it_needs():
+    from serving.node_swap import SwapBodyError, parse_body
+
+    ok = b'{"deltas": [["/d/a.delta", "c1"], ["/d/b.delta", "c2"]], "from": [3, "c0"], "to": [5, "c2"]}'
+    assert parse_body(ok) == ([("/d/a.delta", "c1"), ("/d/b.delta", "c2")], (3, "c0"), (5, "c2"))
+    for bad, match in [(b"not json", "needs JSON"), (b'{"deltas": [], "from": [3, "c0"], "to": [5, "c2"]}', "no deltas"),
+                       (b'{"deltas": [["/d/a", "c1"]], "from": [3, "c0"], "to": [5, "c2"]}', "does not lead"),
+                       (b'{"deltas": [["/d/a", "c2"]], "from": ["x", "c0"], "to": [5, "c2"]}', "needs JSON"),
+                       (b'{"deltas": [["/d/a", "c2"]], "to": [5, "c2"]}', "needs JSON")]:
+        with pytest.raises(SwapBodyError, match=match):
+            parse_body(bad)
 
 
 def test_the_node_key_middleware_refuses_every_route_but_health_without_the_key(monkeypatch):

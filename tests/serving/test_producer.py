@@ -34,7 +34,7 @@ def test_an_acknowledged_record_is_in_the_topic_and_a_wait_is_bounded(cfg):
     ensure_topics(bootstrap, all_topics(cfg), parts)
 
     async def main():
-        p = AsyncProducer(bootstrap, "test-gateway")
+        p = AsyncProducer(bootstrap, "test-gateway", delivery_timeout_s=60.0)
         await p.start([topic])
         try:
             acks = [p.produce(topic, f"g-{i}", b"{}") for i in range(5)]

@@ -1,0 +1,108 @@
+"""Restore: bring each held partition's database up to its changelog's end after an assignment.
+
+A database stores the changelog offset it has applied (``ingest.store``), so a restarted worker reads only the
+changelog's tail, and a worker given a partition another one kept reads it all. Memory stays bounded whatever the
+table's size: ``RESTORE_CHUNK`` records are applied at a time, with the event loop's other work (the group's
+heartbeats) in between. What the join then needs of the table (the pending feedback) comes from its pending index
+(``ingest.join.Ingest.restore``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiokafka import TopicPartition
+
+from liverl.core.bus import make_aio_consumer
+from liverl.core.config import BrokerConfig
+
+if TYPE_CHECKING:  # (ingest.table imports this module)
+    from ingest.table import JoinTable
+
+log = logging.getLogger("liverl.ingest")
+
+RECOVERY_READ_TIMEOUT_S = 120.0  # the longest a restore may go without reading anything
+RESTORE_CHUNK = 5000  # changelog records applied at once during a restore (bounds its memory, whatever the table)
+
+
+async def restore(table: JoinTable, bootstrap: str, broker: BrokerConfig | None) -> dict[str, Any]:
+    """Read each held partition's changelog from the offset its database has applied to the changelog's end.
+
+    A database ahead of its changelog belongs to another broker history (the demo's embedded broker keeps its
+    log in memory; the state folder outlives it): it is emptied and read from the start. Returns what was read.
+    """
+    if not table.parts:
+        return {"read": 0, "wiped": [], "partitions": []}
+    consumer = make_aio_consumer(bootstrap, broker, fetch_max_wait_ms=100, max_partition_fetch_bytes=4 << 20)
+    await consumer.start()
+    read = 0
+    wiped = []
+    try:
+        tps = {p: TopicPartition(table.topic, p) for p in table.parts}
+        ends = await _true_end_offsets(consumer, tps)
+        start: dict[int, int] = {}
+        for p, part in table.parts.items():
+            end = ends[p]
+            if part.offset is not None and part.offset >= end:
+                was = part.offset
+                part.wipe()
+                wiped.append(p)
+                log.warning("join table partition %d: local state (changelog offset %d) is ahead of the changelog "
+                            "(end %d), so it is from another broker history; dropped it", p, was, end)
+            nxt = 0 if part.offset is None else part.offset + 1
+            if nxt < end:
+                start[p] = nxt
+        if start:
+            consumer.assign([tps[p] for p in start])
+            for p, off in start.items():
+                consumer.seek(tps[p], off)
+            left = dict(start)
+            deadline = time.monotonic() + RECOVERY_READ_TIMEOUT_S
+            while left:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"reading the changelog {table.topic} made no progress for "
+                                       f"{RECOVERY_READ_TIMEOUT_S:g} s (partitions {sorted(left)})")
+                got = await consumer.getmany(*[tps[p] for p in left], timeout_ms=200,
+                                             max_records=RESTORE_CHUNK)
+                for tp, msgs in got.items():
+                    p = tp.partition
+                    msgs = [m for m in msgs if m.offset < ends[p]]
+                    if msgs:
+                        table.parts[p].apply([(m.key, m.value) for m in msgs if m.key is not None], msgs[-1].offset)
+                        read += len(msgs)
+                        deadline = time.monotonic() + RECOVERY_READ_TIMEOUT_S  # (a deadline for progress)
+                await asyncio.sleep(0)  # (a chunk at a time: the consumer group's heartbeats run in between)
+                for p in list(left):
+                    if await consumer.position(tps[p]) >= ends[p]:
+                        left.pop(p)
+    finally:
+        await consumer.stop()
+    return {"read": read, "wiped": wiped, "partitions": sorted(table.parts)}
+
+
+async def _true_end_offsets(consumer, tps: dict[int, Any], timeout_s: float = 10.0) -> dict[int, int]:
+    """The log end offset of each partition, from a fetch response's high watermark.
+
+    Why: the embedded Tansu broker answers ListOffsets(latest) with the base offset of the last record *batch* + 1,
+    not the offset after its last record; reading a changelog up to that answer would silently lose the tail of its
+    last batch (a batch of table changes is one record batch). A fetch response carries the correct high watermark.
+    On Apache Kafka the two agree and this costs one short fetch per partition at rebalance time.
+    """
+    listed = await consumer.end_offsets(list(tps.values()))
+    consumer.assign(list(tps.values()))
+    for tp in tps.values():
+        consumer.seek(tp, max((listed.get(tp) or 0) - 1, 0))
+    deadline = time.monotonic() + timeout_s
+    while any(consumer.highwater(tp) is None for tp in tps.values()) and time.monotonic() < deadline:
+        await consumer.getmany(timeout_ms=200, max_records=1)
+    out = {}
+    for p, tp in tps.items():
+        hw = consumer.highwater(tp)
+        if hw is None:
+            log.warning("no high watermark for %s within %g s; using the broker's end offset %s", tp, timeout_s,
+                        listed.get(tp))
+        out[p] = max(hw or 0, listed.get(tp) or 0)
+    return out

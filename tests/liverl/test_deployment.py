@@ -1,0 +1,131 @@
+"""One deployment, one state dir, one Redis namespace (issue 22): the demo, then `liverl up --model OTHER` in the same
+folder or with a new state dir on the same Redis, must stop with a clear error before anything starts or any key is
+touched; `--fresh` never deletes another deployment's keys."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+import redis as redis_lib
+
+from liverl.core.config import load_config
+from liverl.deployment import DeploymentError, bind, check_model, claim, claim_key, made_before_ids
+
+REDIS = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture
+def prefix():
+    p = f"dep{uuid.uuid4().hex[:10]}"
+    yield p
+    r = redis_lib.Redis.from_url(REDIS)
+    for k in r.scan_iter(f"{p}:*", count=1000):
+        r.delete(k)
+    r.close()
+
+
+def _cfg(tmp_path, name: str, prefix: str):
+    return load_config(env={}, state_dir=str(tmp_path / name), topics__prefix=prefix, redis__url=REDIS,
+                       broker__bootstrap="127.0.0.1:1", model__cache_dir=str(tmp_path / "models"))
+
+
+def _registry_of(cfg, model_dir) -> None:
+    """A state dir whose registry was made from ``model_dir`` (what `up` and the demo leave)."""
+    import torch
+
+    from deploy.registry import open_registry
+
+    reg = open_registry(cfg)
+    try:
+        reg.init_base({"w": torch.zeros(4)}, str(model_dir))
+    finally:
+        reg.close()
+
+
+def _model(tmp_path, name: str):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}))
+    return d
+
+
+def test_a_state_dir_of_another_model_is_refused_unless_fresh(tmp_path, prefix):
+    cfg = _cfg(tmp_path, "state", prefix)
+    demo_model, mine = _model(tmp_path, "demo-model"), _model(tmp_path, "my-moe")
+    _registry_of(cfg, demo_model)
+    check_model(cfg, demo_model, fresh=False)  # the same model: its own state dir
+    with pytest.raises(DeploymentError) as e:
+        check_model(cfg, mine, fresh=False)
+    msg = str(e.value)
+    assert str(demo_model) in msg and str(mine) in msg and "--fresh" in msg and "--state-dir" in msg
+    check_model(cfg, mine, fresh=True)  # --fresh starts over in it
+    check_model(_cfg(tmp_path, "new-state", prefix), mine, fresh=False)  # a new state dir has no registry
+
+
+def test_up_with_another_model_in_the_demo_folder_says_what_to_do_and_starts_nothing(tmp_path, prefix):
+    """The README's own path: the demo, then `liverl up --model ./my-moe` in the same folder. Before: a torch
+    size-mismatch traceback from the learner, and vLLM processes left running."""
+    cfg = _cfg(tmp_path, "state", prefix)
+    _registry_of(cfg, _model(tmp_path, "demo-model"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIVERL")}
+    env.update({"LIVERL__TOPICS__PREFIX": prefix, "LIVERL__REDIS__URL": REDIS, "HF_HUB_OFFLINE": "1"})
+    r = subprocess.run([sys.executable, "-m", "liverl.cli", "up", "--model", str(_model(tmp_path, "my-moe")),
+                        "--state-dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "liverl: error: the state dir" in r.stderr and "--fresh" in r.stderr and "--state-dir" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "state" / "logs").exists()  # nothing was started
+
+
+def test_two_deployments_on_one_redis_and_fresh_leaves_the_other_ones_keys(tmp_path, prefix):
+    from liverl.up import Pipeline
+
+    r = redis_lib.Redis.from_url(REDIS)
+    try:
+        first = _cfg(tmp_path, "demo-state", prefix)
+        model = _model(tmp_path, "m")
+        me = bind(first, r, model, fresh=False)
+        claim(first, r, me, model)
+        r.hset(f"{prefix}:live:{{0}}", "events", 10_579)  # the first deployment's live counters
+        assert bind(first, r, model, fresh=False) == me  # a restart of the same deployment: its own namespace
+
+        second = _cfg(tmp_path, "new-state", prefix)
+        with pytest.raises(DeploymentError) as e:
+            bind(second, r, model, fresh=False)
+        msg = str(e.value)
+        assert me.id in msg and str(first.state_path) in msg and str(second.state_path) in msg
+        assert "topics.prefix" in msg
+        with pytest.raises(DeploymentError):  # `up --fresh` with the new state dir: refused before any reset
+            with Pipeline(second, model, fresh=True):
+                pass
+        assert r.hget(f"{prefix}:live:{{0}}", "events") == b"10579"  # the first deployment's keys are all there
+        assert json.loads(r.get(claim_key(prefix)))["id"] == me.id
+        other = load_config(env={}, state_dir=str(tmp_path / "new-state"), topics__prefix=f"{prefix}x",
+                            redis__url=REDIS, broker__bootstrap="127.0.0.1:1")
+        claim(other, r, bind(other, r, model, fresh=False), model)  # with its own prefix it starts
+        r.delete(claim_key(f"{prefix}x"))
+    finally:
+        r.close()
+
+
+def test_unclaimed_keys_are_refused_from_a_new_state_dir_and_adopted_by_the_state_dir_that_made_them(tmp_path, prefix):
+    r = redis_lib.Redis.from_url(REDIS)
+    try:
+        r.set(f"{prefix}:desired", b"an announcement from before deployment ids")
+        model = _model(tmp_path, "m")
+        with pytest.raises(DeploymentError, match="no deployment claims"):
+            bind(_cfg(tmp_path, "new-state", prefix), r, model, fresh=True)
+        old = _cfg(tmp_path, "old-state", prefix)
+        _registry_of(old, model)  # a state dir from before deployment ids: its registry is there
+        assert made_before_ids(old)  # (`up --fresh` asks this before it removes the registry)
+        me = bind(old, r, model, fresh=False)
+        claim(old, r, me, model)
+        assert json.loads(r.get(claim_key(prefix)))["state_dir"] == str(old.state_path)
+        assert not made_before_ids(old)  # it has its deployment file now
+    finally:
+        r.close()

@@ -1,0 +1,134 @@
+"""A hot-swap without a drain, against a real vLLM CPU node: streamed requests in flight across the swap complete,
+and their records say which tokens each version sampled, exactly (log-probs checked against each version's weights).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from tests.serving.conftest import records as _records
+from tests.serving.test_serving import _announce, _hf_logprobs, _perturbed, _served, _wait_version
+
+pytestmark = pytest.mark.slow
+
+
+def _stream(url: str, prompt: str) -> dict:
+    """One streamed completion of 20 sampled tokens (ignore_eos); returns what the client saw."""
+    body = json.dumps({"prompt": prompt, "max_tokens": 20, "temperature": 1.0, "ignore_eos": True, "stream": True,
+                       "logprobs": 0}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    out = {"t0": time.time(), "chunks": [], "done": False}
+    with urllib.request.urlopen(req, timeout=60) as r:
+        out["status"] = r.status
+        for line in r:
+            line = line.strip()
+            if line == b"data: [DONE]":
+                out["done"] = True
+            elif line.startswith(b"data: "):
+                out["chunks"].append(json.loads(line[6:]))
+    out["t1"] = time.time()
+    return out
+
+
+def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_versions(srv):
+    from learner.model import load_model
+
+    old = _served(srv)
+    states = {old["version"]: srv.registry.materialize(old["version"])}
+    chain = [old["version"]]  # the versions served, in order
+    swaps_before = srv.redis.llen(f"{srv.cfg.topics.prefix}:swaps")
+
+    results: list[dict] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        while not stop.is_set():
+            try:
+                results.append(_stream(srv.url, ["[a]23+45=", "[b]17+61="][i % 2]))
+            except Exception as e:  # noqa: BLE001 - collected and asserted on below
+                errors.append(e)
+
+    def spanned_seen() -> bool:  # a client saw a choice's version_spans (it spanned a swap)
+        return any("version_spans" in c["choices"][0] for r in list(results) for c in r["chunks"] if c.get("choices"))
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(16)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    # one swap normally leaves streams spanning it; on a starved box the gateway (in this process, beside the 16
+    # client threads) can lag so far behind the node that nothing is generating at the pause: swap again (<= 3 times)
+    for attempt in range(3):
+        state = _perturbed(states[chain[-1]], seed=chain[-1] + 7 + attempt, scale=0.3)
+        row = srv.registry.add_candidate(state, parent=chain[-1], metrics={}, sample_offsets={}, learner_step=1)
+        states[row.version] = state
+        _announce(srv, row.version, row.checksum)
+        _wait_version(srv, row.version)
+        chain.append(row.version)
+        time.sleep(1.5)
+        if spanned_seen():
+            break
+    stop.set()
+    for t in threads:
+        t.join(60)
+
+    # nothing dropped, nothing failed: every stream ended with [DONE] and 20 tokens
+    assert not errors, errors[:3]
+    assert results and all(r["status"] == 200 and r["done"] for r in results)
+    swaps = [json.loads(x) for x in srv.redis.lrange(f"{srv.cfg.topics.prefix}:swaps", swaps_before, -1)]
+    assert [(w["from"], w["to"]) for w in swaps] == list(zip(chain, chain[1:])), swaps
+    for swap in swaps:
+        assert swap["verify_ok"] and swap["inflight"] > 0, swap
+        assert swap.get("drain_ms") is None  # nothing drained
+        print("swap record:", swap)
+
+    gids = {r["chunks"][0]["choices"][0]["generation_id"]: r for r in results}
+    recs = _records(srv, set(gids))
+    assert set(recs) == set(gids)
+    mixed = [rec for rec in recs.values() if rec.mixed_versions]
+    spanned = sorted((r.version_spans for r in recs.values() if r.version_spans is not None), key=str)
+    assert mixed, f"no stream spanned any of {len(swaps)} swaps (16 clients of 20-token streams); spans: {spanned[:20]}"
+    pairs = set(zip(chain, chain[1:]))
+    for rec in recs.values():
+        assert len(rec.completion_token_ids) == 20
+        if rec.version_spans is None:
+            assert rec.policy_version in chain
+        else:
+            vs = [v for v, _, _ in rec.version_spans]
+            assert len(vs) == 1 and vs[0] in chain or len(vs) == 2 and tuple(vs) in pairs, rec.version_spans
+            assert rec.policy_version == vs[0]
+            # the client saw the spans too, in the choice's last chunk
+            if len(vs) == 2:
+                last = [c for c in gids[rec.generation_id]["chunks"] if c.get("choices")][-1]["choices"][0]
+                assert last["version_spans"] == [list(s) for s in rec.version_spans]
+
+    # exact attribution: each token's logged log-prob is the one its span's version gives it over the whole context
+    # (KV recomputed under the new weights after the swap); the other version's is far off
+    models = {v: load_model(srv.model_dir, state_dict=states[v], dtype=torch.float32)
+              for v in {v for rec in mixed[:6] for v, _, _ in rec.version_spans}}
+    own: list[float] = []
+    other_err: list[float] = []
+    edges: list[float] = []  # the first token of each span: where a token sampled by the wrong version would show
+    for rec in mixed[:6]:
+        (v0, _, _), (v1, _, _) = rec.version_spans
+        ref = {v: _hf_logprobs(models[v], rec.prompt_token_ids, rec.completion_token_ids) for v in (v0, v1)}
+        for v, a, b in rec.version_spans:
+            other = v1 if v == v0 else v0
+            own += [abs(rec.completion_logprobs[i] - ref[v][i]) for i in range(a, b)]
+            other_err += [abs(rec.completion_logprobs[i] - ref[other][i]) for i in range(a, b)]
+            edges += [abs(rec.completion_logprobs[i] - ref[v][i]) for i in (a, b - 1)]
+    mean_own, mean_other = sum(own) / len(own), sum(other_err) / len(other_err)
+    print(f"log-prob error to the span's version: mean {mean_own:.4f} max {max(own):.4f}; at span edges: max "
+          f"{max(edges):.4f}; to the other version: mean {mean_other:.4f}")
+    # no token at a span's edge belongs to the other version (an error of the other version's size there would)
+    assert max(edges) < mean_other / 2, (edges, mean_other)
+    # sampled (not greedy) tokens include unlikely ones, where bf16 kernels stray further than on greedy tokens: 0.027-0.029
+    # on the base weights' first swap, 0.054 once other tests had perturbed the weights twice before (larger logits)
+    assert mean_own < 0.08, mean_own
+    assert mean_other > 10 * mean_own, (mean_other, mean_own)
