@@ -489,6 +489,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_bench_delta)
     from liverl.bench import canary as bench_canary  # light: heavy imports happen when they run
     from liverl.bench import ingest as bench_ingest
+    from liverl.bench import learn as bench_learn
     from liverl.bench import logprobs as bench_logprobs
     from liverl.bench import serve as bench_serve
     from liverl.bench import swap as bench_swap
@@ -498,6 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_logprobs.add_parser(bench_sub)
     bench_ingest.add_parser(bench_sub)
     bench_canary.add_parser(bench_sub)
+    bench_learn.add_parser(bench_sub)
 
     s = sub.add_parser("status", help="served version per node, pending candidates, live acceptance", epilog=ADMIN_EPILOG)
     s.set_defaults(fn=cmd_status)
