@@ -31,8 +31,10 @@ RESTORE_CHUNK = 5000  # changelog records applied at once during a restore (boun
 async def restore(table: JoinTable, bootstrap: str, broker: BrokerConfig | None) -> dict[str, Any]:
     """Read each held partition's changelog from the offset its database has applied to the changelog's end.
 
-    A database ahead of its changelog belongs to another broker history (the demo's embedded broker keeps its
-    log in memory; the state folder outlives it): it is emptied and read from the start. Returns what was read.
+    A database ahead of its changelog belongs to another broker history (a broker whose log was lost or replaced,
+    e.g. one run with ``broker.embedded_storage = "memory"``, while the state folder outlived it): it is emptied and
+    read from the start. The embedded broker keeps its log in the state folder by default, so a restart keeps the
+    table. Returns what was read.
     """
     if not table.parts:
         return {"read": 0, "wiped": [], "partitions": []}
