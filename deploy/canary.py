@@ -15,8 +15,11 @@ registry):
    (``keys.units``). A bucket is read once its revert horizon has closed (``gate.revert_horizon_s`` after its end, plus
    ingest's settling margin), so a bait answer accepted now and reverted later is never counted as kept: every metric
    is right-censored the same way on both arms. What reverts cannot change (the edit rate, the response length,
-   latency, the arms' sizes for the sample-ratio check) is read from a second cursor as soon as ingest has settled a
-   bucket, a revert horizon sooner. The always-valid tests (``deploy.sequential``) take the user as the
+   latency) is read from a second cursor as soon as ingest has settled a bucket, a revert horizon sooner. The
+   sample-ratio check stays on the horizon's cursor: a bucket is one of judgement time, so the first buckets of a
+   rollout hold stable's judgements of answers served before it started (users judge seconds later), which the
+   canary cannot have; read alone, within seconds of the start, they looked like a sample-ratio mismatch (a demo
+   run aborted three canaries so), while a revert horizon's worth of buckets dilutes them. The always-valid tests (``deploy.sequential``) take the user as the
    unit (``gate.canary_unit = "user"``: delta method for ratio metrics, CUPED with each user's kept acceptance under
    stable before the rollout) or the judged event (``"request"``). Kept acceptance is the success metric; the edit
    rate, the revert rate and the response length are guardrails with nulls fixed at the start (from stable's own
@@ -101,7 +104,7 @@ class Evidence:
     canary: ArmSums = field(default_factory=ArmSums)  # buckets whose revert horizon has closed: kept, reverts
     stable: ArmSums = field(default_factory=ArmSums)
     fast_canary: ArmSums = field(default_factory=ArmSums)  # buckets ingest has settled: what reverts do not touch
-    fast_stable: ArmSums = field(default_factory=ArmSums)  # (edits, length, latency, the arms' sizes)
+    fast_stable: ArmSums = field(default_factory=ArmSums)  # (edits, length, latency)
     covariate: dict[str, tuple[float, float]] = field(default_factory=dict)  # unit -> (kept rate, events) under
     # stable before the rollout (CUPED)
     next_bucket: int = 0
@@ -318,7 +321,7 @@ class CanaryController:
             if length is not None:
                 info["response_length"] = seq.look_units(length, *arms("t", fast=True))
             info["users"] = (len(names_c), len(names_s))
-            info["srm"] = srm.look_units(*arms("e", fast=True))
+            info["srm"] = srm.look_units(*kept)  # on the horizon's cursor: see the module doc
         else:
             for test, f, (canary, stable) in ((success, None, (ev.canary, ev.stable)),
                                               (edit, "d", (ev.fast_canary, ev.fast_stable)),
@@ -333,7 +336,7 @@ class CanaryController:
                 for arm, sums in ((length.canary, ev.fast_canary), (length.stable, ev.fast_stable)):
                     arm.n, arm.total, arm.total_sq = sums.total("e"), float(sums.total("t")), float(sums.total("t2"))
                 length._look()
-            info["srm"] = srm.look_requests(ev.fast_canary.total("e"), ev.fast_stable.total("e"))
+            info["srm"] = srm.look_requests(*info["events"])
         if latency is not None:  # batch means: the buckets pair by time, so load both arms share cancels
             cb, sb = ev.fast_canary.buckets, ev.fast_stable.buckets
             means = [(cb[b]["m"] / cb[b]["n"], sb[b]["m"] / sb[b]["n"])

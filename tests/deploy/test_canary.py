@@ -228,6 +228,21 @@ def test_what_reverts_cannot_change_is_judged_without_waiting_for_the_revert_hor
     assert look["through_bucket"] < first(r, 8).stop - 1, look
 
 
+def test_stables_late_judgements_of_answers_served_before_the_rollout_are_no_sample_ratio_mismatch(cfg, rds, fleet2):
+    """A bucket is one of judgement time: the first buckets of a rollout hold stable's judgements of answers served
+    before it started, which the canary cannot have. Read alone, seconds after the start, they are no evidence that the
+    assignment is broken (a demo run aborted three canaries on them when the sample-ratio check read them early)."""
+    gate, registry = fleet2
+    cfg.gate.revert_horizon_s = 60.0
+    r = start(gate, registry, rds, cfg)
+    ids, _ = population(400)
+    for b in first(r, 2):  # only stable's users' late judgements so far
+        feed(rds, cfg, r.stable_version, b, {u: (1, 1, 0, 0) for u in ids[:300]})
+    gate.canary.clock = lambda: after(r, cfg, 2) - cfg.gate.revert_horizon_s  # settled, horizon not closed
+    [v] = gate.step()
+    assert v.verdict == "canary" and "srm" not in v.reason, v.reason
+
+
 def test_an_undecided_canary_is_aborted_at_its_deadline(cfg, rds, fleet2):
     gate, registry = fleet2
     cfg.gate.canary_deadline_s = 60.0
