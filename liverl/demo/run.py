@@ -27,8 +27,9 @@ log = logging.getLogger("liverl.demo")
 DEMO_PRODUCT = "liverl.demo.product:PRODUCT"
 
 
-DEMO_PROFILE: dict[str, dict[str, float | int]] = {
+DEMO_PROFILE: dict[str, dict[str, float | int | str]] = {
     "serving": {"nodes": 2},
+    "broker": {"embedded_storage": "memory"},
     "gate": {"canary_share": 0.5, "canary_margin": 0.03, "canary_deadline_s": 240.0, "canary_min_events": 50,
              "revert_horizon_s": 75.0, "latency_tolerance": 1.0},
     "learner": {"max_staleness": 40},
@@ -44,10 +45,15 @@ latency ranged from 0.6x to 1.25x the stable node's, for versions answering at t
 better on kept acceptance was aborted as 25% slower under the production tolerance). The learner accepts samples up to
 40 candidates' worth of updates (400) behind its weights, not 8: one gate cycle (evaluation, then a 90-240 s canary) is
 150-250 of its updates here, so with 8 most of the stable arm's samples were dropped as stale and it starved (23,552
-of 55,841 trained in one run)."""
+of 55,841 trained in one run). The embedded broker keeps its log in memory for the demo, not in the state folder
+(`liverl up`'s default): two 10-minute demo runs on the folder-backed broker (2026-11-26) had ingest judging the
+canary's feedback minutes late (the first canary at 420 s, its per-user sums empty after 94 s, aborted as a
+sample-ratio mismatch), against the first canary at 52 s on the in-memory broker the same hour. Until that lag is
+found and fixed, the demo, a throwaway run, does not pay it; `LIVERL__BROKER__EMBEDDED_STORAGE=folder` brings it
+back."""
 
 
-def apply_demo_profile(cfg: LiverlConfig) -> dict[str, float | int]:
+def apply_demo_profile(cfg: LiverlConfig) -> dict[str, float | int | str]:
     """Sets ``DEMO_PROFILE``'s values that ``cfg`` did not set explicitly; returns what it set (section.field: value)."""
     applied = {}
     for section, values in DEMO_PROFILE.items():

@@ -107,3 +107,4 @@ def test_the_demo_profile_fills_in_only_what_config_did_not_set():
     cfg = load_config(None, env={})
     apply_demo_profile(cfg)
     assert cfg.serving.nodes == 2 and cfg.gate.canary_share == 0.5
+    assert cfg.broker.embedded_storage == "memory"  # liverl up keeps "folder" (see DEMO_PROFILE)
