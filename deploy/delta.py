@@ -129,8 +129,11 @@ def _xor_chunk(x: np.ndarray, method: str, frame: memoryview, changed: int, dt: 
     if method == COND:
         pos = _work("pos", (max(changed, 1),), np.int64)
         val = _work("val" + dt.uint.__name__, (max(changed, 1),), dt.uint)
-        m = kernels.cond_decode(x, np.frombuffer(frame, np.uint8), dt.bits, dt.mbits, dt.ebits, forward,
-                                pos[:changed], val[:changed])
+        stream = np.frombuffer(frame, np.uint8)
+        # read-only whatever holds the delta (bytes, a bytearray, a mapped file): numba compiles one kernel per
+        # argument type, and a writable stream here once sent a gate into minutes of compiling mid-judgement
+        stream.flags.writeable = False
+        m = kernels.cond_decode(x, stream, dt.bits, dt.mbits, dt.ebits, forward, pos[:changed], val[:changed])
         if m < 0:
             why = {kernels.E_TRUNCATED: "the stream ends early", kernels.E_POSITION: "a position lies outside it",
                    kernels.E_COUNTS: "its counts do not add up", kernels.E_TRAILING: "bytes are left over"}.get(m, m)

@@ -454,6 +454,7 @@ class GenerationTail:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gate-generation-tail", daemon=True)
         self.refused = 0
+        self.errors = 0
 
     def start(self) -> GenerationTail:
         self._thread.start()
@@ -464,6 +465,17 @@ class GenerationTail:
             return list(self._recent)
 
     def _run(self) -> None:
+        """Tails until closed; a broker error (a timeout on a loaded machine, a restart) is logged and the tail
+        reopened from ``size`` records back, never left dead with the gate judging on what it held."""
+        while not self._stop.is_set():
+            try:
+                self._tail()
+            except Exception as e:  # noqa: BLE001 - any client error: reopen, do not die silently
+                self.errors += 1
+                log.warning("gate: tail of %s failed (%s: %s); reopening in 2 s", self.topic, type(e).__name__, e)
+                self._stop.wait(2.0)
+
+    def _tail(self) -> None:
         from kafka import KafkaConsumer, TopicPartition
 
         consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False, group_id=None,
@@ -481,6 +493,8 @@ class GenerationTail:
             ends, begins = consumer.end_offsets(tps), consumer.beginning_offsets(tps)
             for tp in tps:
                 consumer.seek(tp, max(begins[tp], ends[tp] - self.size))
+            with self._lock:  # read again from `size` back: what it held would come twice
+                self._recent.clear()
             while not self._stop.is_set():
                 for records in consumer.poll(timeout_ms=500, max_records=1000).values():
                     for rec in records:

@@ -322,6 +322,26 @@ def test_generation_tail_keeps_the_latest_trainable_records(cfg, stack):
         tail.close()
         prod.close()
 
+    class Flaky(GenerationTail):  # the client fails once (a broker timeout on a loaded machine): the tail reopens
+        calls = 0
+
+        def _tail(self):
+            Flaky.calls += 1
+            if Flaky.calls == 1:
+                raise RuntimeError("request timed out")
+            return super()._tail()
+
+    tail = Flaky(stack.bootstrap, topic, size=10).start()
+    try:
+        deadline = time.monotonic() + 30
+        while tail.refused == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert tail.errors == 1 and tail.refused == 1
+        got = tail()
+        assert 0 < len(got) <= 10 and all(g.prompt_ids == (3, 4) for g in got)
+    finally:
+        tail.close()
+
 
 @pytest.mark.slow
 def test_gate_with_the_real_evaluator_and_the_demo_suite(cfg, rds):
