@@ -28,6 +28,12 @@ class PrometheusCollector:
         yield CounterMetricFamily("liverl_learner_rebases", "Restarts from the stable weights.", value=lr.counters["rebases"])
         yield GaugeMetricFamily("liverl_learner_last_candidate_version", "Last candidate version emitted (-1: none).",
                                 value=-1 if lr.last_candidate is None else lr.last_candidate)
+        events, seconds = lr.last_backlog
+        yield GaugeMetricFamily("liverl_learner_backlog_samples", "Samples ingest judged that the learner has not trained "
+                                "yet (the samples topic's high watermark less the trained watermark; -1: unknown).",
+                                value=events)
+        yield GaugeMetricFamily("liverl_learner_backlog_seconds", "Age of the oldest judged feedback the learner has not "
+                                "trained yet, by its feedback time (0: none waits; -1: unknown).", value=seconds)
         for k in ("reward_mean", "kl", "entropy", "ratio_mean", "clipped_frac", "masked_frac", "loss"):
             if k in lr.last_metrics:
                 yield GaugeMetricFamily(f"liverl_learner_{k}", f"Last update's {k}.", value=lr.last_metrics[k])

@@ -106,6 +106,7 @@ class Learner(ConsumerRebalanceListener):
         self.since_candidate: dict[str, float] = {"reward_sum": 0.0, "samples": 0.0, "steps": 0.0, "loss_sum": 0.0}
         self.last_candidate: int | None = None
         self.last_metrics: dict[str, float] = {}
+        self.last_backlog: tuple[int, float] = (-1, -1.0)  # (samples, seconds) as of the last publish (``backlog``)
         self.queue: collections.deque = collections.deque()  # (partition, offset, raw value), as fetched
         self.pending: list[tuple[int, int, TrainingSample]] = []  # accepted, waiting for a full batch
         self.read_pos: dict[int, int] = {}  # next offset to classify per partition
@@ -217,6 +218,34 @@ class Learner(ConsumerRebalanceListener):
                 continue
             for r in records:
                 self.queue.append((r.partition, r.offset, r.value))
+
+    def backlog(self) -> tuple[int, float]:
+        """What ingest judged that this learner has not trained yet: (samples, seconds). Samples: the samples topic's
+        high watermarks (as of the last fetch) less this learner's trained watermarks, over its partitions. Seconds:
+        the age of the oldest of them by its feedback time (``ts_feedback``), 0 when none waits. This is the lag
+        the on-call page, ``liverl status`` and the ``LiverlLearnerBehind`` alert show."""
+        c = self._consumer
+        events = 0
+        for tp in (c.assignment() if c is not None else ()):
+            high = c.highwater(tp)
+            at = self.offsets.get(tp.partition)
+            if at is None:  # nothing trained from it yet: from the first record still held, else the read position
+                held = [e[1] for e in self.pending if e[0] == tp.partition] + \
+                    [e[1] for e in self.queue if e[0] == tp.partition]
+                at = min(held) if held else self.read_pos.get(tp.partition)
+            if high is not None and at is not None:
+                events += max(0, high - at)
+        oldest = None
+        if self.pending:
+            oldest = self.pending[0][2].ts_feedback
+        if self.queue:
+            try:
+                head = TrainingSample.from_bytes(self.queue[0][2] or b"").ts_feedback
+                oldest = head if oldest is None else min(oldest, head)
+            except Exception:  # noqa: BLE001 - a record the classifier will refuse: its age is not known
+                pass
+        seconds = 0.0 if oldest is None or (events == 0 and not self.pending) else max(0.0, time.time() - oldest)
+        return events, seconds
 
     def _classify(self) -> None:
         """Move fetched records into ``pending`` (accepted) or refuse them, until a batch is full."""
@@ -452,12 +481,14 @@ class Learner(ConsumerRebalanceListener):
         self._save_checkpoint()
 
     def publish(self, state: str = "running") -> None:
+        self.last_backlog = self._backlog_shown()  # in the loop's thread: the consumer is not thread-safe
         if self.redis is None:
             return
         m = self.last_metrics
         fields = {"step": self.step, "samples_trained": self.counters["samples_trained"], "state": state,
                   "last_candidate": -1 if self.last_candidate is None else self.last_candidate,
                   "last_emitted": self.last_emitted, "queue": len(self.queue) + len(self.pending), "ts": time.time(),
+                  "backlog_samples": self.last_backlog[0], "backlog_s": self.last_backlog[1],
                   **{k: round(m[k], 6) for k in ("reward_mean", "kl", "loss", "entropy", "ratio_mean",
                                                  "clipped_frac", "masked_frac", "step_s") if k in m},
                   **{k: v for k, v in self.counters.items() if k != "samples_trained"}}
@@ -511,6 +542,14 @@ class Learner(ConsumerRebalanceListener):
             self._consumer.close(autocommit=False)
             self._consumer = None
         return self.stats()
+
+    def _backlog_shown(self) -> tuple[int, float]:
+        try:
+            events, seconds = self.backlog()
+        except Exception as e:  # noqa: BLE001 - the live view is best effort: a client call mid-rebalance may raise
+            log.debug("learner: backlog unknown: %s", e)
+            return -1, -1.0
+        return events, round(seconds, 1)
 
     def _fenced(self, what: str) -> None:
         if self.lease is not None and self.lease.lost.is_set():

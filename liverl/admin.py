@@ -164,6 +164,8 @@ def cmd_status(cfg: LiverlConfig) -> int:
                           f"{lk.get('canary_events')} vs stable {_pct(lk.get('stable_acceptance'))} on "
                           f"{lk.get('stable_events')}{users}; always-valid p better {lk.get('p_better', 1):.3g}, "
                           f"p worse {lk.get('p_worse', 1):.3g}; {ro.reason}")
+        if r is not None:
+            con.print(learner_line(r.hgetall(keys.learner(prefix))))
         table = Table(title="fleet")
         for col in ("node", "version", "checksum", "heartbeat", "serves", "in sync"):
             table.add_column(col)
@@ -178,6 +180,21 @@ def cmd_status(cfg: LiverlConfig) -> int:
         return 0
     finally:
         reg.close()
+
+
+def learner_line(live: dict) -> str:
+    """One line on the learner from its live state in Redis (``learner.trainer.Learner.publish``): its step, what it
+    trained, and its backlog (judged feedback not trained yet, in samples and in seconds of the oldest)."""
+    h = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+         for k, v in (live or {}).items()}
+    if not h:
+        return "learner: no live state (not running, or not yet published)"
+    text = (f"learner: {h.get('state', '?')}, step {h.get('step', '?')}, {h.get('samples_trained', '?')} samples "
+            f"trained, last candidate v{h.get('last_candidate', '?')}, published {_age(float(h.get('ts', 0)))} ago")
+    samples, seconds = int(float(h.get("backlog_samples", -1))), float(h.get("backlog_s", -1))
+    if samples < 0:
+        return text + "; backlog unknown"
+    return text + f"; backlog {samples} samples, oldest {seconds:.0f} s"
 
 
 def cmd_versions(cfg: LiverlConfig, limit: int | None = 20) -> int:

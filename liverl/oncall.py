@@ -173,7 +173,8 @@ function render(s) {
     `<div>promoted ${ago(s.now, s.stable.promoted_at)} · checksum ${esc(s.stable.checksum.slice(0, 12))}…</div>` +
     `<div>desired (announced to the fleet): ${d ? "v" + d.version + " — " + esc(d.reason || "") : "none"}</div>` +
     rollout(s) +
-    (s.learner ? `<div class="muted">learner: step ${esc(s.learner.step)}, ${esc(s.learner.samples_trained)} samples trained</div>` : "") +
+    (s.learner ? `<div class="${Number(s.learner.backlog_s) > 120 ? "bad" : "muted"}" id="learner">learner: step ${esc(s.learner.step)}, ${esc(s.learner.samples_trained)} samples trained` +
+      (Number(s.learner.backlog_samples) >= 0 ? `; backlog ${esc(s.learner.backlog_samples)} samples, oldest ${Math.round(Number(s.learner.backlog_s))} s` : "; backlog unknown") + `</div>` : "") +
     (s.redis_error ? `<div class="bad">Redis unreachable: ${esc(s.redis_error)}</div>` : "");
   document.getElementById("fleet").innerHTML = s.nodes.length
     ? `<div class="${s.converged ? "ok" : "bad"}" id="converged">${s.converged ? (s.rollout ? "every node serves what it should (canary nodes: the canary)" : "all nodes serve the stable version")

@@ -203,6 +203,34 @@ def test_trains_checkpoints_before_committing_and_emits_a_candidate(cfg, model_d
         reg.close()
 
 
+def test_the_backlog_counts_judged_samples_not_trained_and_the_age_of_the_oldest(cfg, model_dir, base_samples):
+    """The learner's lag (metric, `liverl status`, on-call, the LiverlLearnerBehind alert): samples in the topic it has
+    not trained, and how old the oldest one's feedback is; nothing waiting is (0, 0)."""
+    import redis
+
+    from learner.trainer import Learner
+    from liverl.admin import learner_line
+
+    cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=100)
+    old = time.time() - 300.0
+    produce_samples(cfg, [s.model_copy(update={"ts_feedback": old}) for s in base_samples[:48]])
+    reg = make_registry(cfg, model_dir)
+    r = redis.Redis.from_url(cfg.redis.url)
+    try:
+        learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg, redis=r)
+        learner.run(max_steps=1)
+        events, seconds = learner.last_backlog
+        assert events == 32 and 300.0 <= seconds < 600.0
+        line = learner_line(r.hgetall(f"{cfg.topics.prefix}:learner"))
+        assert "backlog 32 samples, oldest" in line, line
+        learner.run(max_steps=2)
+        assert learner.last_backlog == (0, 0.0)
+    finally:
+        r.delete(f"{cfg.topics.prefix}:learner")
+        r.close()
+        reg.close()
+
+
 def test_crash_and_restart_lose_nothing_and_train_nothing_twice(cfg, model_dir, base_samples):
     from learner.trainer import Learner
 

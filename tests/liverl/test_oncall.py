@@ -79,11 +79,15 @@ def test_the_page_shows_release_fleet_acceptance_checks_and_audit(cfg, rds, flee
         finally:
             reg.close()
         rds.set(f"{cfg.topics.prefix}:rollout", '{"version": 99, "nodes": ["evil"]}')  # Redis decides nothing
+        rds.hset(f"{cfg.topics.prefix}:learner", mapping={"step": 41, "samples_trained": 2624, "state": "running",
+                                                           "backlog_samples": 1900, "backlog_s": 150.2})
         dom = _render(url, tmp_path, screenshot=True)
         text = _text(dom)
         assert f"canary v{v3.version} (rollout {ro.id}) on node-0 for 20.0% of users" in text and "running" in text
         assert "kept acceptance canary 60.0% on 200 events of 50 users vs stable 40.0% on 800 of 200 users" in text
         assert 'id="canary-chart"' in dom and "v99" not in text
+        assert "learner: step 41, 2624 samples trained; backlog 1900 samples, oldest 150 s" in text  # its lag
+        assert '<div class="bad" id="learner">' in dom  # over the alert's 2 minutes
 
         state = json.loads(urllib.request.urlopen(url + "api/state", timeout=10).read())
         assert state["stable"]["version"] == v1.version and not state["converged"]
