@@ -15,8 +15,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from deploy.sequential import (ABORT, MISMATCH, PROMOTE, MetricTest, SrmTest, UnitSums, bernoulli_estimate,
-                               look_units)
+from deploy.sequential import ABORT, MISMATCH, PROMOTE, MetricTest, SrmTest, UnitSums, bernoulli_estimate, look_units
 
 POPULATIONS = {
     "segments": "two segments, half the users accept 0.70, half 0.25 (the demo's shape)",

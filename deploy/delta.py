@@ -39,18 +39,18 @@ from deploy.container import (
     DTYPES,
     FORMAT_VERSION,
     DeltaError,
-    combine_checksums,
     ElementType,
+    Output,
+    checksum,
+    combine_checksums,
     dtype_name,
     element_view,
     from_planes,
     open_container,
-    Output,
     pack_container,
+    tensor_checksum,
     to_planes,
     zstd_compress,
-    checksum,
-    tensor_checksum,
 )
 
 __all__ = [  # checksum, tensor_checksum, DTYPES and DeltaError live in deploy.container; callers of the codec get them here

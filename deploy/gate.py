@@ -51,8 +51,8 @@ import redis as redis_lib
 from deploy.blobstore import BlobError
 from deploy.canary import CanaryController, Deferred
 from deploy.delta import DeltaError, apply_delta, checksum
-from deploy.signing import Signer, announce, keep_announced
 from deploy.registry import Registry, RegistryConflict, RegistryError, Version, open_registry
+from deploy.signing import Signer, announce, keep_announced
 from liverl.core import keys
 from liverl.core.bus import kafka_python_security
 from liverl.core.config import BrokerConfig, LiverlConfig

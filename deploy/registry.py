@@ -68,8 +68,24 @@ from deploy.delta import apply_delta, checksum, encode_delta, plan_delta, read_h
 from deploy.migrations import upgrade_connection
 from deploy.snapshot import decode_snapshot, encode_snapshot
 from deploy.tables import (  # noqa: F401
-    ACTIVE_ROLLOUT_STATES, MAX_LOOKS, ROLES, ROLLOUT_STATES, ROLLOUT_UNITS, STATUSES, AuditEntry, Base, Counter,
-    FleetNode, GateResult, Operator, Rollout, Served, Version, audit_hash, make_engine)
+    ACTIVE_ROLLOUT_STATES,
+    MAX_LOOKS,
+    ROLES,
+    ROLLOUT_STATES,
+    ROLLOUT_UNITS,
+    STATUSES,
+    AuditEntry,
+    Base,
+    Counter,
+    FleetNode,
+    GateResult,
+    Operator,
+    Rollout,
+    Served,
+    Version,
+    audit_hash,
+    make_engine,
+)
 from liverl.core.config import LiverlConfig
 
 log = logging.getLogger("liverl.registry")

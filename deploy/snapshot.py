@@ -19,15 +19,15 @@ from deploy.container import (
     DTYPES,
     SNAPSHOT_MAGIC,
     DeltaError,
+    byte_view,
     combine_checksums,
     dtype_name,
     from_planes,
     open_container,
     pack_container,
-    byte_view,
+    tensor_checksum,
     to_planes,
     zstd_compress,
-    tensor_checksum,
 )
 
 

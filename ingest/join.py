@@ -47,12 +47,35 @@ from collections.abc import Awaitable, Callable, Collection, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ingest.entry import ACCEPT_KEPT, JUDGED, PENDING, WAITING, expiry_class, head, ms, pack, pending_info, unpack
-from ingest.entry import without_payload
+from ingest.entry import (
+    ACCEPT_KEPT,
+    JUDGED,
+    PENDING,
+    WAITING,
+    expiry_class,
+    head,
+    ms,
+    pack,
+    pending_info,
+    unpack,
+    without_payload,
+)
 from ingest.metrics import IngestMetrics, Tally
 from ingest.partitioner import partition_of
-from ingest.records import (DEAD_VALUE_BYTES, MAX_RECORD_BYTES, REVERT_SUFFIX, Source, _counted_again, _guardrails,
-                            dead_letter, is_heldout, key_text, legacy_parts, record_parts, sample_json)
+from ingest.records import (
+    DEAD_VALUE_BYTES,
+    MAX_RECORD_BYTES,
+    REVERT_SUFFIX,
+    Source,
+    _counted_again,
+    _guardrails,
+    dead_letter,
+    is_heldout,
+    key_text,
+    legacy_parts,
+    record_parts,
+    sample_json,
+)
 from liverl.core import keys
 from liverl.core.config import LiverlConfig, redact_url
 from liverl.core.product import load_product

@@ -15,11 +15,10 @@ from typing import Any
 
 import torch
 
-from learner.dist import Ranks, all_sum, grad_scale, share, shard
+from learner.dist import Ranks, all_sum, grad_scale, shard, share
 from learner.loss import RunningBaseline, advantages, full_kl, pg_loss
 from liverl.core.config import LearnerConfig
 from liverl.core.schemas import TrainingSample
-
 
 
 class BatchFailed(RuntimeError):

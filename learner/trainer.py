@@ -50,9 +50,9 @@ from deploy.registry import RegistryError
 from learner.dist import CheckpointDir, Ranks, dcp_root
 from learner.lease import LearnerLease
 from learner.ledger import Ledger, checkpoint_path_for, ledger_path
-from learner.seen import SeenIds, seen_path
 from learner.metrics import PrometheusCollector
 from learner.policy_trainer import BatchFailed, PolicyTrainer
+from learner.seen import SeenIds, seen_path
 from liverl.core import keys
 from liverl.core.bus import make_consumer
 from liverl.core.config import LiverlConfig
@@ -581,7 +581,6 @@ def run_learner(cfg: LiverlConfig, model_dir: Path, stop_event: threading.Event 
     from deploy.registry import RegistryError, open_registry
     from learner.model import load_state_dict
     from liverl.core.bus import ensure_topics, topic_configs
-
     from liverl.core.services import kafka_bootstrap, setup_redis
 
     bootstrap = kafka_bootstrap(cfg)

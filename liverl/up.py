@@ -46,9 +46,8 @@ class Pipeline:
         return f"http://{s.host}:{s.router_port if s.nodes > 1 else s.gateway_port}"
 
     def __enter__(self) -> Pipeline:
-        from liverl.core.services import redis_from_url
-
         from liverl.core.bus import all_topics, ensure_topics, topic_configs
+        from liverl.core.services import redis_from_url
 
         cfg = self.cfg
         load_product(cfg)  # a product that cannot load is refused here, before anything starts

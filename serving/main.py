@@ -38,9 +38,9 @@ async def serve(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str,
                 registry_url: str | None, stop: asyncio.Event, on_ready=None, base_version: int = 0) -> None:
     """Start node + gateway + agent, serve until ``stop`` is set, then shut everything down. Refuses to start (a
     ``ValueError`` naming both ways out) without an announcement verify key, unless ``security.allow_unsigned``."""
-    from liverl.core.services import redis_from_url, required_verify_key
     from aiohttp import web
 
+    from liverl.core.services import redis_from_url, required_verify_key
     from serving.node import start_node
 
     required_verify_key(cfg)  # before the node starts: an agent that would follow any Redis writer does not start

@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from learner.families import FAMILIES
-from liverl.core.config import load_config
 from liverl.core import keys
+from liverl.core.config import load_config
 from liverl.core.schemas import GenerationRecord, TrainingSample
 from liverl.testing.models import TESTED, default_cache, ensure_test_model
 from tests.conftest import free_port

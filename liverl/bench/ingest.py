@@ -389,8 +389,8 @@ def run(pairs: int = DEFAULTS["pairs"], partitions: int = DEFAULTS["partitions"]
     """Start the stack, write the backlogs, measure the ceilings and the workers; print the table."""
     from liverl.core.bus import all_topics, ensure_topics
     from liverl.core.config import load_config
-    from liverl.stack import start_stack
     from liverl.core.services import forget_prefix
+    from liverl.stack import start_stack
 
     if pairs < 100 or partitions < 1 or not workers or min(workers) < 1:
         raise ValueError("pairs must be >= 100, partitions and workers >= 1")

@@ -42,8 +42,8 @@ def test_liverl_runs_on_a_redis_acl_user_confined_to_its_prefix(acl_user):
     ``<prefix>:*`` (so every key liverl writes is in its key space), and a wrong password is refused clearly."""
     from ingest.metrics import IngestMetrics, Tally
     from liverl.admin import _live
-    from liverl.core.fleet import read_desired
     from liverl.core import keys
+    from liverl.core.fleet import read_desired
     from liverl.core.services import setup_redis
 
     name, password, prefix = acl_user

@@ -19,8 +19,8 @@ torch = pytest.importorskip("torch")
 
 from learner import model as model_io
 from liverl.demo import base_policy as policy
-from liverl.demo.score import heldout_score, sample_completions, score_model
 from liverl.demo import task
+from liverl.demo.score import heldout_score, sample_completions, score_model
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from liverl.demo import task
 from liverl.core.schemas import FeedbackEvent, WireError
+from liverl.demo import task
 from liverl.demo.sim import SimStats, Trap, run_users
 
 

@@ -8,7 +8,6 @@ policy and its product's suite is exercised by the slow test at the end.
 from __future__ import annotations
 
 import re
-
 import threading
 import time
 

@@ -9,9 +9,27 @@ import numpy as np
 import pytest
 
 from deploy.canary_sim import assign, simulate_sticky
-from deploy.sequential import (ABORT, BETTER, CONTINUE, MATCH, MISMATCH, PROMOTE, UNDECIDED, WORSE, Canary,
-                               MetricTest, SrmTest, UnitSums, batch_means, bernoulli_estimate, log_mixture_lr,
-                               look_batches, look_units, t_widened, unit_estimate)
+from deploy.sequential import (
+    ABORT,
+    BETTER,
+    CONTINUE,
+    MATCH,
+    MISMATCH,
+    PROMOTE,
+    UNDECIDED,
+    WORSE,
+    Canary,
+    MetricTest,
+    SrmTest,
+    UnitSums,
+    batch_means,
+    bernoulli_estimate,
+    log_mixture_lr,
+    look_batches,
+    look_units,
+    t_widened,
+    unit_estimate,
+)
 
 
 def test_the_mixture_ratio_matches_its_formula_and_is_one_at_no_evidence():

@@ -127,11 +127,9 @@ def test_the_learner_on_ranks_checkpoints_every_k_updates_and_a_crash_trains_not
     shows every sample trained exactly once, and the crashed update is in no line of it."""
     from learner.model import load_model
     from learner.trainer import Learner
-
-    from .test_trainer import (
-        learner_cfg, ledger_fates, make_registry, make_samples, model_cache, produce_samples)
-
     from liverl.demo.base_policy import ensure_base_policy
+
+    from .test_trainer import learner_cfg, ledger_fates, make_registry, make_samples, model_cache, produce_samples
 
     model_dir = ensure_base_policy(model_cache(), seed=0, progress=False)
     samples = make_samples(load_model(model_dir), 64, seed=7)
@@ -174,10 +172,9 @@ def test_kill_9_of_one_rank_then_a_restart_trains_every_sample_exactly_once(cfg)
     from learner.dist import CheckpointDir, Ranks, dcp_root
     from learner.ledger import Ledger, checkpoint_path_for, ledger_path
     from learner.model import load_model
+    from liverl.demo.base_policy import ensure_base_policy
 
     from .test_trainer import learner_cfg, make_samples, model_cache, produce_samples
-
-    from liverl.demo.base_policy import ensure_base_policy
 
     model_dir = ensure_base_policy(model_cache(), seed=0, progress=False)
     samples = make_samples(load_model(model_dir), 96, seed=11)

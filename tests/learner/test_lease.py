@@ -8,7 +8,7 @@ import uuid
 import pytest
 import redis
 
-from learner.lease import LeaseHeld, LearnerLease
+from learner.lease import LearnerLease, LeaseHeld
 from liverl.core import keys
 
 
@@ -56,7 +56,7 @@ def test_a_restart_from_the_same_state_folder_takes_over_its_killed_predecessors
 
 
 def test_a_learner_whose_lease_was_taken_is_told_and_writes_nothing_more(r, tmp_path):
-    from learner.trainer import LeaseLost, Learner
+    from learner.trainer import Learner, LeaseLost
 
     prefix = f"t{uuid.uuid4().hex[:10]}"
     lease = LearnerLease(r, prefix, tmp_path / "x.lease", ttl_s=0.6)

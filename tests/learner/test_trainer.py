@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from liverl.demo import task
 from liverl.core.config import LiverlConfig
 from liverl.core.schemas import TrainingSample
+from liverl.demo import task
 
 ACCEPT, REJECT = 0.75, -0.25
 
@@ -597,8 +597,8 @@ def online_rl(model_dir: Path, lcfg, samples_total: int, eval_every: int, seed: 
     """
     import copy
 
-    from liverl.demo.score import heldout_score
     from learner.policy_trainer import PolicyTrainer
+    from liverl.demo.score import heldout_score
 
     tr = PolicyTrainer(model_dir, lcfg)
     curve = [(0, heldout_score(model_dir, tr.bf16_state_dict())["expected_acceptance"])]

@@ -7,7 +7,6 @@ from __future__ import annotations
 import signal
 
 import pytest
-
 import redis
 
 from liverl.core import procs

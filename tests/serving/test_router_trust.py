@@ -15,8 +15,8 @@ The real Router app on an aiohttp server, the real Redis; the nodes are small ai
 
 from __future__ import annotations
 
-import json
 import asyncio
+import json
 import socket
 import time
 
