@@ -145,6 +145,7 @@ class Gate:
     def run(self, stop_event: threading.Event) -> None:
         """Poll for candidates every ``cfg.gate.poll_s`` until ``stop_event`` is set; a failing step is logged,
         counted (``liverl_gate_errors_total``) and retried at the next poll."""
+        self.warm_up()
         log.info("gate: watching registry %s every %.1f s", self.registry.url, self.cfg.gate.poll_s)
         while not stop_event.is_set():
             try:
@@ -153,6 +154,24 @@ class Gate:
                 self._errors.inc()
                 log.exception("gate: step failed; retrying in %.1f s", self.cfg.gate.poll_s)
             stop_event.wait(self.cfg.gate.poll_s)
+
+    def warm_up(self) -> None:
+        """Before the first candidate: the evaluator's model built once (``warm_up``, when it has one) and the stable
+        version's suite score, so the first candidate is judged as fast as the next ones (in a demo run the first
+        drift check took 46 s against 1-3 s after it). Best effort: a failure here is retried by the first step."""
+        t0 = time.perf_counter()
+        try:
+            stable = self.registry.stable()
+            if self.cfg.gate.integrity_only:
+                return
+            warm = getattr(self.evaluator, "warm_up", None)
+            if warm is not None:
+                warm(self.registry.materialize(stable.version))
+            self.stable_suite(stable)
+        except Exception as e:  # noqa: BLE001 - the first step does the same work again and reports what fails
+            log.warning("gate: warm-up failed (%s: %s); the first candidate pays for it", type(e).__name__, e)
+            return
+        log.info("gate: evaluator warmed up on stable v%d in %.1f s", stable.version, time.perf_counter() - t0)
 
     def reconcile(self, stable: Version) -> None:
         """The fleet follows ``<prefix>:desired``; make it name the registry's stable version (after a crash between

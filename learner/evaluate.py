@@ -70,6 +70,13 @@ class PolicyEvaluator:
     def _model(self, weights: Mapping[str, torch.Tensor]):
         return load_model(self.model_dir, dict(weights), dtype=torch.float32)
 
+    def warm_up(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Build the model once and run one forward (the first one pays for imports, kernels and allocations) and load
+        the tokenizer, so that the gate's first candidate is judged as fast as the later ones."""
+        with _threads(self.threads), torch.no_grad():
+            pad = self._pad_id()
+            self._model(weights)(input_ids=torch.full((1, 8), pad), attention_mask=torch.ones((1, 8), dtype=torch.long))
+
     # ------------------------------------------------------------------------------------- drift + collapse
     def drift(self, candidate: Mapping[str, torch.Tensor], stable: Mapping[str, torch.Tensor]) -> dict | None:
         """``{"kl", "entropy", "stable_entropy", "tokens", "probes"}`` over the current probes; None without probes."""

@@ -273,6 +273,20 @@ def test_only_newest_pending_is_evaluated(cfg, setup):
     assert ev.suite_calls == 2 and ev.drift_calls == 1
 
 
+def test_warm_up_scores_the_stable_version_before_any_candidate(cfg, setup):
+    """The gate's first candidate pays no first-use cost: the stable suite is scored (and recorded) at start, and the
+    evaluator's ``warm_up`` runs on the stable weights; candidates then score only themselves."""
+    gate, registry, _rds, ev = setup
+    warmed = []
+    ev.warm_up = lambda weights: warmed.append(sorted(weights))
+    gate.warm_up()
+    assert ev.suite_calls == 1 and len(warmed) == 1 and "probe" in warmed[0]
+    assert [g.check for g in registry.gate_results(0)] == ["suite"]  # the reference score, on record
+    registry.add_candidate(weights(0.6, 1.0, seed=1), parent=0)
+    [v] = gate.step()
+    assert v.verdict == "promoted" and ev.suite_calls == 2  # the candidate's; stable's was kept
+
+
 def test_run_loop_promotes_then_stops(cfg, setup):
     gate, registry, _rds, _ev = setup
     cfg.gate.poll_s = 0.05
@@ -360,6 +374,7 @@ def test_gate_with_the_real_evaluator_and_the_demo_suite(cfg, rds):
     registry = open_registry(cfg)
     try:
         base = load_state_dict(model_dir)
+        ev.warm_up(base)  # what the gate runs at start: the real model builds and runs one forward
         assert ev.drift(base, base)["kl"] == pytest.approx(0.0, abs=1e-6)
         assert 0.0 <= ev.suite_score(base)["score"] <= 1.0
         # batched, right-padded sequence log-probs equal each sequence scored alone
