@@ -466,9 +466,17 @@ class GenerationTail:
     served policy sampled; on the held-out topic (``parse_heldout``), the off-policy check's samples."""
 
     def __init__(self, bootstrap: str, topic: str, size: int, broker: BrokerConfig | None = None,
-                 parse: Callable[[bytes], Any] = parse_generation):
+                 parse: Callable[[bytes], Any] = parse_generation, young_s: float = 0.0,
+                 judged_at: Callable[[Any], float] | None = None, young_cap: int = 200_000):
+        """``young_s`` (with ``judged_at``): the tail keeps ``size`` records judged more than ``young_s`` ago PLUS every
+        younger one (up to ``young_cap``), so that the off-policy check, which censors what is younger than the revert
+        horizon, always has ``size`` usable samples. A plain last-``size`` tail held only young records once the
+        traffic brought more than ``size`` held-out samples per revert horizon: nothing usable, every candidate
+        deferred."""
         self.bootstrap, self.topic, self.size, self.broker, self.parse = bootstrap, topic, size, broker, parse
+        self.young_s, self.judged_at = young_s, judged_at
         self._recent: collections.deque = collections.deque(maxlen=size)
+        self._young: collections.deque = collections.deque(maxlen=young_cap)  # in arrival order, moved on when old
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gate-generation-tail", daemon=True)
@@ -481,7 +489,14 @@ class GenerationTail:
 
     def __call__(self) -> list[LoggedGeneration]:
         with self._lock:
-            return list(self._recent)
+            self._age()
+            return list(self._recent) + list(self._young)
+
+    def _age(self) -> None:
+        """Move the young records judged before now - ``young_s`` into the kept ``size`` (caller holds the lock)."""
+        cutoff = time.time() - self.young_s
+        while self._young and self.judged_at(self._young[0]) <= cutoff:
+            self._recent.append(self._young.popleft())
 
     def _run(self) -> None:
         """Tails until closed; a broker error (a timeout on a loaded machine, a restart) is logged and the tail
@@ -510,10 +525,14 @@ class GenerationTail:
             tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
             consumer.assign(tps)
             ends, begins = consumer.end_offsets(tps), consumer.beginning_offsets(tps)
+            if self.young_s > 0:  # `size` back from where the young records start (record time ~ judgement time)
+                at = consumer.offsets_for_times({tp: int((time.time() - self.young_s) * 1000) for tp in tps})
+                ends = {tp: (at[tp].offset if at.get(tp) is not None else ends[tp]) for tp in tps}
             for tp in tps:
                 consumer.seek(tp, max(begins[tp], ends[tp] - self.size))
             with self._lock:  # read again from `size` back: what it held would come twice
                 self._recent.clear()
+                self._young.clear()
             while not self._stop.is_set():
                 for records in consumer.poll(timeout_ms=500, max_records=1000).values():
                     for rec in records:
@@ -529,7 +548,11 @@ class GenerationTail:
             return
         if item is not None:
             with self._lock:
-                self._recent.append(item)
+                if self.judged_at is None or self.young_s <= 0:
+                    self._recent.append(item)
+                else:
+                    self._young.append(item)
+                    self._age()
 
     def close(self) -> None:
         self._stop.set()
@@ -555,7 +578,8 @@ def run_gate(cfg: LiverlConfig, make_evaluator: Callable[[Callable[[], list[Logg
     tail = GenerationTail(kafka_bootstrap(cfg), cfg.topics.generations, cfg.gate.probe_generations,
                           broker=cfg.broker).start()
     heldout = GenerationTail(kafka_bootstrap(cfg), cfg.topics.heldout, cfg.gate.heldout_samples, broker=cfg.broker,
-                             parse=parse_heldout).start() if cfg.gate.heldout_samples else None
+                             parse=parse_heldout, young_s=cfg.gate.revert_horizon_s,
+                             judged_at=lambda h: h.judged_at).start() if cfg.gate.heldout_samples else None
     server = None
     try:
         key = required_signing_key(cfg)  # none: ValueError, unless security.allow_unsigned (then said loudly)

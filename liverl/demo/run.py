@@ -53,15 +53,31 @@ found and fixed, the demo, a throwaway run, does not pay it; `LIVERL__BROKER__EM
 back."""
 
 
+# With one serving node no canary can run: the off-policy check on held-out samples is the only evidence a candidate
+# can pass on, and one whose effective sample size is under gate.offpolicy_min_ess is refused. At the demo's ~80
+# samples a second, 5% held out gave 4 a second: the first 75 s (the revert horizon) had no usable sample and the
+# next minutes too few, and a 4-minute one-node run (the CI test) refused all 25 candidates. With 20%, 512 usable
+# samples are there about 30 s after the horizon. A product with one node sets ingest.heldout_share the same way.
+ONE_NODE_PROFILE: dict[str, float] = {"heldout_share": 0.2}
+
+
 def apply_demo_profile(cfg: LiverlConfig) -> dict[str, float | int | str]:
     """Sets ``DEMO_PROFILE``'s values that ``cfg`` did not set explicitly; returns what it set (section.field: value)."""
+    from liverl.core import fleet
+
     applied = {}
-    for section, values in DEMO_PROFILE.items():
+
+    def fill(section: str, values: dict) -> None:
         sec = getattr(cfg, section)
         for name, value in values.items():
             if name not in sec.model_fields_set:
                 setattr(sec, name, value)
                 applied[f"{section}.{name}"] = value
+
+    for section, values in DEMO_PROFILE.items():
+        fill(section, values)
+    if fleet.configured_nodes(cfg.serving) < 2:  # after the profile's serving.nodes
+        fill("ingest", ONE_NODE_PROFILE)
     return applied
 
 

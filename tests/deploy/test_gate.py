@@ -524,3 +524,33 @@ def test_held_out_records_are_parsed_only_when_their_log_probs_are_comparable():
     assert parse_heldout(sample("edit", 0.25, temperature=1.0)).reward == 0.25  # the product's reward, as logged
     assert parse_heldout(sample("accept", temperature=0.7)) is None  # logged log-probs of a sharpened distribution
     assert parse_heldout(sample("accept", temperature=1.0, top_p=0.9)) is None
+
+
+def test_the_heldout_tail_keeps_its_size_in_samples_old_enough_to_judge():
+    """The held-out tail keeps `size` samples past the revert horizon plus every younger one: at any traffic the
+    off-policy check has `size` usable samples. A last-`size` tail held only young ones once the traffic brought more
+    than `size` per horizon (a one-node CI demo deferred every candidate with "no usable held-out samples")."""
+    from deploy.gate import HeldoutSample
+    from deploy.offpolicy import merge_heldout
+
+    now = time.time()
+
+    def parse(raw: bytes) -> HeldoutSample:
+        gid, age = raw.decode().split(":")
+        return HeldoutSample((1,), (2,), -1.0, 1.0, gid, now - float(age), "accept")
+
+    tail = GenerationTail("unused:9092", "t", size=3, parse=parse, young_s=60.0, judged_at=lambda h: h.judged_at)
+    plain = GenerationTail("unused:9092", "t", size=3, parse=parse)
+    for i in range(5):
+        for t in (tail, plain):
+            t._add(f"old{i}:100".encode())
+    for i in range(10):
+        for t in (tail, plain):
+            t._add(f"young{i}:1".encode())
+    usable, young = merge_heldout(tail(), now - 60.0)
+    assert [h.generation_id for h in usable] == ["old2", "old3", "old4"] and young == 10
+    assert merge_heldout(plain(), now - 60.0) == ([], 3)  # what the gate had before
+    # time passes: the young ones age into the kept `size`, the oldest leave
+    tail.young_s = 0.5  # judged 1 s ago: now old enough
+    usable, young = merge_heldout(tail(), time.time() - 0.5)
+    assert [h.generation_id for h in usable] == ["young7", "young8", "young9"] and young == 0

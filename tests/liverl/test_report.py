@@ -104,7 +104,11 @@ def test_the_demo_profile_fills_in_only_what_config_did_not_set():
     assert (cfg.serving.nodes, cfg.gate.canary_share, cfg.gate.revert_horizon_s) == (1, 0.3, 75.0)
     assert "serving.nodes" not in applied and "gate.canary_share" not in applied
     assert applied["gate.canary_deadline_s"] == 240.0
+    assert cfg.ingest.heldout_share == 0.2  # one node: the off-policy check is its only evidence (ONE_NODE_PROFILE)
+    cfg = load_config(None, env={"LIVERL__SERVING__NODES": "1", "LIVERL__INGEST__HELDOUT_SHARE": "0.1"})
+    assert "ingest.heldout_share" not in apply_demo_profile(cfg) and cfg.ingest.heldout_share == 0.1
     cfg = load_config(None, env={})
-    apply_demo_profile(cfg)
+    applied = apply_demo_profile(cfg)
     assert cfg.serving.nodes == 2 and cfg.gate.canary_share == 0.5
+    assert cfg.ingest.heldout_share == 0.05 and "ingest.heldout_share" not in applied  # canaries: the default
     assert cfg.broker.embedded_storage == "memory"  # liverl up keeps "folder" (see DEMO_PROFILE)
