@@ -355,6 +355,18 @@ def test_generation_tail_keeps_the_latest_trainable_records(cfg, stack):
     finally:
         tail.close()
 
+    # the held-out form: it starts `size` back from the first record younger than `young_s` (ListOffsets by time,
+    # on the real broker), and keeps every younger one: here all 30 were written within the hour
+    tail = GenerationTail(stack.bootstrap, topic, size=10, young_s=3600.0, judged_at=lambda g: time.time()).start()
+    try:
+        deadline = time.monotonic() + 30
+        while tail.refused == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert tail.errors == 0 and tail.refused == 1
+        assert len(tail()) == 24  # 30 records, every 5th untrainable, the malformed one refused
+    finally:
+        tail.close()
+
 
 @pytest.mark.slow
 def test_gate_with_the_real_evaluator_and_the_demo_suite(cfg, rds):
