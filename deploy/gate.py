@@ -54,7 +54,7 @@ from deploy.delta import DeltaError, apply_delta, checksum
 from deploy.registry import Registry, RegistryConflict, RegistryError, Version, open_registry
 from deploy.signing import Signer, announce, keep_announced
 from liverl.core import keys
-from liverl.core.bus import kafka_python_security
+from liverl.core.bus import make_reader
 from liverl.core.config import BrokerConfig, LiverlConfig
 from liverl.core.schemas import GenerationRecord, TrainingSample, WireError
 
@@ -510,10 +510,9 @@ class GenerationTail:
                 self._stop.wait(2.0)
 
     def _tail(self) -> None:
-        from kafka import KafkaConsumer, TopicPartition
+        from kafka import TopicPartition
 
-        consumer = KafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False, group_id=None,
-                                 **kafka_python_security(self.broker))
+        consumer = make_reader(self.bootstrap, self.broker)
         try:
             while not self._stop.is_set():
                 parts = consumer.partitions_for_topic(self.topic)

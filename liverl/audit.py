@@ -95,10 +95,11 @@ def read_topic(bootstrap: str, topic: str, broker: BrokerConfig | None = None):
     The end is the high watermark of the fetch responses, not ListOffsets: the embedded Tansu broker's ListOffsets
     answers the start of the last batch (see ``ingest.app._log_end_offsets``).
     """
-    from kafka import KafkaConsumer, TopicPartition
+    from kafka import TopicPartition
 
-    c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                      fetch_max_bytes=64 << 20, max_partition_fetch_bytes=16 << 20, **kafka_python_security(broker))
+    from liverl.core.bus import make_reader
+
+    c = make_reader(bootstrap, broker, fetch_max_bytes=64 << 20, max_partition_fetch_bytes=16 << 20)
     try:
         tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or ())]
         if not tps:

@@ -171,6 +171,13 @@ def make_consumer(bootstrap: str, group: str, topics: list[str], rebalance_timeo
     return consumer
 
 
+def make_reader(bootstrap: str, broker: BrokerConfig | None = None, **kw) -> KafkaConsumer:
+    """A consumer in no group that never commits: the caller assigns partitions and seeks (the gate's tails, the
+    audit's full reads)."""
+    return KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
+                         **kafka_python_security(broker), **kw)
+
+
 # -- aiokafka (the ingest worker) -----------------------------------------------------------------------------------
 # (aiokafka is imported in these functions, not at the top: only the ingest worker runs an event-loop client, and the
 # other processes that import this module, the CLI among them, need not load it)
