@@ -12,15 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiokafka import TopicPartition
 
 from liverl.core.bus import make_aio_consumer
 from liverl.core.config import BrokerConfig
-
-if TYPE_CHECKING:  # (ingest.table imports this module)
-    from ingest.table import JoinTable
 
 log = logging.getLogger("liverl.ingest")
 
@@ -28,25 +25,26 @@ RECOVERY_READ_TIMEOUT_S = 120.0  # the longest a restore may go without reading 
 RESTORE_CHUNK = 5000  # changelog records applied at once during a restore (bounds its memory, whatever the table)
 
 
-async def restore(table: JoinTable, bootstrap: str, broker: BrokerConfig | None) -> dict[str, Any]:
+async def restore(topic: str, parts: dict[int, Any], bootstrap: str, broker: BrokerConfig | None) -> dict[str, Any]:
     """Read each held partition's changelog from the offset its database has applied to the changelog's end.
 
     A database ahead of its changelog belongs to another broker history (a broker whose log was lost or replaced,
     e.g. one run with ``broker.embedded_storage = "memory"``, while the state folder outlived it): it is emptied and
     read from the start. The embedded broker keeps its log in the state folder by default, so a restart keeps the
-    table. Returns what was read.
+    table. ``topic`` is the changelog topic, ``parts`` the held partitions' stores (``ingest.table.JoinTable.parts``).
+    Returns what was read.
     """
-    if not table.parts:
+    if not parts:
         return {"read": 0, "wiped": [], "partitions": []}
     consumer = make_aio_consumer(bootstrap, broker, fetch_max_wait_ms=100, max_partition_fetch_bytes=4 << 20)
     await consumer.start()
     read = 0
     wiped = []
     try:
-        tps = {p: TopicPartition(table.topic, p) for p in table.parts}
+        tps = {p: TopicPartition(topic, p) for p in parts}
         ends = await _true_end_offsets(consumer, tps)
         start: dict[int, int] = {}
-        for p, part in table.parts.items():
+        for p, part in parts.items():
             end = ends[p]
             if part.offset is not None and part.offset >= end:
                 was = part.offset
@@ -65,7 +63,7 @@ async def restore(table: JoinTable, bootstrap: str, broker: BrokerConfig | None)
             deadline = time.monotonic() + RECOVERY_READ_TIMEOUT_S
             while left:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"reading the changelog {table.topic} made no progress for "
+                    raise RuntimeError(f"reading the changelog {topic} made no progress for "
                                        f"{RECOVERY_READ_TIMEOUT_S:g} s (partitions {sorted(left)})")
                 got = await consumer.getmany(*[tps[p] for p in left], timeout_ms=200,
                                              max_records=RESTORE_CHUNK)
@@ -73,7 +71,7 @@ async def restore(table: JoinTable, bootstrap: str, broker: BrokerConfig | None)
                     p = tp.partition
                     msgs = [m for m in msgs if m.offset < ends[p]]
                     if msgs:
-                        table.parts[p].apply([(m.key, m.value) for m in msgs if m.key is not None], msgs[-1].offset)
+                        parts[p].apply([(m.key, m.value) for m in msgs if m.key is not None], msgs[-1].offset)
                         read += len(msgs)
                         deadline = time.monotonic() + RECOVERY_READ_TIMEOUT_S  # (a deadline for progress)
                 await asyncio.sleep(0)  # (a chunk at a time: the consumer group's heartbeats run in between)
@@ -82,7 +80,7 @@ async def restore(table: JoinTable, bootstrap: str, broker: BrokerConfig | None)
                         left.pop(p)
     finally:
         await consumer.stop()
-    return {"read": read, "wiped": wiped, "partitions": sorted(table.parts)}
+    return {"read": read, "wiped": wiped, "partitions": sorted(parts)}
 
 
 async def _true_end_offsets(consumer, tps: dict[int, Any], timeout_s: float = 10.0) -> dict[int, int]:

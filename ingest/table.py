@@ -204,7 +204,7 @@ class JoinTable(MutableMapping[str, bytes]):
 
     async def recover(self, bootstrap: str, broker: BrokerConfig | None) -> dict[str, Any]:
         """Bring the held partitions' databases up to their changelog's end (``ingest.restore``)."""
-        return await restore(self, bootstrap, broker)
+        return await restore(self.topic, self.parts, bootstrap, broker)
 
     def close(self) -> None:
         for part in self.parts.values():

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import collections
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from learner.trainer import Learner
+
+class LearnerState(Protocol):
+    """What the collector reads of a live learner (``learner.trainer.Learner`` has it; this module does not import
+    the trainer, which imports this module)."""
+
+    step: int
+    counters: collections.Counter[str]
+    last_candidate: int | None
+    last_backlog: tuple[int, float]
+    last_metrics: dict[str, float]
 
 class PrometheusCollector:
     """Exposes a learner's live state at scrape time (``liverl_learner_*``; counters end in ``_total``)."""
 
-    def __init__(self, learner: Learner):
+    def __init__(self, learner: LearnerState):
         self.learner = learner
 
     def collect(self):

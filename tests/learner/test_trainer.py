@@ -221,6 +221,10 @@ def test_the_backlog_counts_judged_samples_not_trained_and_the_age_of_the_oldest
         learner.run(max_steps=1)
         events, seconds = learner.last_backlog
         assert events == 32 and 300.0 <= seconds < 600.0
+        from learner.metrics import PrometheusCollector
+
+        scraped = {m.name: m.samples[0].value for m in PrometheusCollector(learner).collect() if m.samples}
+        assert scraped["liverl_learner_backlog_samples"] == 32 and scraped["liverl_learner_backlog_seconds"] >= 300
         line = learner_line(r.hgetall(f"{cfg.topics.prefix}:learner"))
         assert "backlog 32 samples, oldest" in line, line
         learner.run(max_steps=2)
