@@ -176,7 +176,9 @@ class CanaryController:
         if len(nodes) < 2:
             raise Deferred(f"a canary needs 2 routable nodes of the {self.configured_fleet()} configured, "
                            f"{len(nodes)} in rotation ({', '.join(nodes) or 'none'}); judged again when they are")
-        canary_nodes = fleet.canary_nodes(nodes, row.version, g.canary_nodes)
+        last = self.registry.rollouts(limit=1)  # rotate by rollout, not by version: superseded candidates make the
+        # versions that reach a canary skip numbers (a demo run put v16, v38 and v52 all on node-0)
+        canary_nodes = fleet.canary_nodes(nodes, (last[0].id if last else 0) + 1, g.canary_nodes)
         now = self.clock()
         settings = self._fixed_nulls(stable, now)
         rollout = self.registry.begin_rollout(

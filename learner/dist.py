@@ -33,6 +33,7 @@ import re
 import shutil
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ log = logging.getLogger("liverl.learner")
 
 _STEP_DIR = re.compile(r"^step-(\d{9})$")
 META = "learner.json"
+BARRIER_TIMEOUT_S = 120.0
+"""How long a rank waits for the others at a clean end before it leaves the group anyway."""
 
 
 @dataclass(frozen=True)
@@ -85,9 +88,22 @@ def setup(backend: str | None = None) -> Ranks:
     return Ranks(rank=dist.get_rank(), world=dist.get_world_size(), device=device, backend=backend)
 
 
-def teardown() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def teardown(barrier: bool = False) -> None:
+    """Leave the process group. ``barrier``, on a clean end: every rank waits for the others first, so none tears its
+    connections down while a peer still uses them (a gloo rank whose peer left first aborted at exit, "terminate
+    called without an active exception", after finishing its work). Not after an error: a dead peer would never come
+    (gloo's monitored barrier gives up after ``BARRIER_TIMEOUT_S`` and names the ranks that did not)."""
+    if not dist.is_initialized():
+        return
+    if barrier:
+        try:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=BARRIER_TIMEOUT_S))
+            else:
+                dist.barrier()
+        except Exception as e:  # noqa: BLE001 - leaving anyway; the log says which rank did not come
+            log.warning("ranks: the barrier before leaving the group failed: %s", e)
+    dist.destroy_process_group()
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:

@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.save_weights.parent.mkdir(parents=True, exist_ok=True)
                 save_file(weights, str(args.save_weights))
             report(args, argv, ranks, n_params, times, tokens, scatter)
+        ldist.teardown(barrier=True)
         return 0
     finally:
         ldist.teardown()

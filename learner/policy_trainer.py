@@ -21,6 +21,26 @@ from liverl.core.config import LearnerConfig
 from liverl.core.schemas import TrainingSample
 
 
+def pack(lengths: list[int]) -> list[list[int]]:
+    """Sequences packed into rows as long as the longest one: first fit, longest first. Returns each row's sample
+    indices in order. A batch of mixed lengths then runs on fewer, fuller rows than one padded row per sample (the
+    matrix products scale with the rows times their length; measured on ``liverl bench learn``'s batches, 32-37% of a
+    padded batch was padding), and no row is longer than the padded batch's, so attention costs no more either."""
+    cap = max(lengths, default=0)
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for r, free in enumerate(room):
+            if lengths[i] <= free:
+                rows[r].append(i)
+                room[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            room.append(cap - lengths[i])
+    return rows
+
+
 class BatchFailed(RuntimeError):
     """A batch could not be trained on; the trainer's state is as before it. ``reason`` is a countable code."""
 
@@ -91,34 +111,50 @@ class PolicyTrainer:
 
     # -- forward ----------------------------------------------------------------------------------
     def _collate(self, samples: list[TrainingSample]) -> dict[str, torch.Tensor]:
+        """The batch as the forward pass takes it: the sequences (prompt + completion) packed into rows (``pack``),
+        and per sample its completion's targets, mask, behaviour log-probs and where each completion token's logits
+        sit in the packed rows (``row_BT``, ``col_BT``: the position before the token)."""
         B = len(samples)
-        L = max(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples)
+        lens = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
+        rows = pack(lens)
+        N = max(lens)
+        ids_RN = torch.full((len(rows), N), self.pad_id, dtype=torch.long)
+        posid_RN = torch.zeros((len(rows), N), dtype=torch.long)
         T = max(len(s.completion_token_ids) for s in samples)
-        ids_BL = torch.full((B, L), self.pad_id, dtype=torch.long)
-        attn_BL = torch.zeros((B, L), dtype=torch.long)
-        pos_BT = torch.zeros((B, T), dtype=torch.long)
+        row_BT = torch.zeros((B, T), dtype=torch.long)
+        col_BT = torch.zeros((B, T), dtype=torch.long)
         tgt_BT = torch.zeros((B, T), dtype=torch.long)
         mask_BT = torch.zeros((B, T))
         beh_BT = torch.zeros((B, T))
-        for b, s in enumerate(samples):
-            P, C = len(s.prompt_token_ids), len(s.completion_token_ids)
-            ids_BL[b, : P + C] = torch.tensor(s.prompt_token_ids + s.completion_token_ids)
-            attn_BL[b, : P + C] = 1
-            pos_BT[b, :C] = torch.arange(P - 1, P + C - 1)  # logits at position i predict token i+1
-            tgt_BT[b, :C] = torch.tensor(s.completion_token_ids)
-            mask_BT[b, :C] = 1.0
-            beh_BT[b, :C] = torch.tensor(s.behaviour_logprobs)
+        for r, members in enumerate(rows):
+            at = 0
+            for b in members:
+                s = samples[b]
+                P, C = len(s.prompt_token_ids), len(s.completion_token_ids)
+                ids_RN[r, at: at + P + C] = torch.tensor(s.prompt_token_ids + s.completion_token_ids)
+                posid_RN[r, at: at + P + C] = torch.arange(P + C)  # restarts: each sequence attends only to itself
+                row_BT[b, :C] = r
+                col_BT[b, :C] = torch.arange(at + P - 1, at + P + C - 1)  # logits at position i predict token i+1
+                tgt_BT[b, :C] = torch.tensor(s.completion_token_ids)
+                mask_BT[b, :C] = 1.0
+                beh_BT[b, :C] = torch.tensor(s.behaviour_logprobs)
+                at += P + C
+            posid_RN[r, at:] = torch.arange(N - at)  # the row's padding: a sequence of its own, never read
         reward_B = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        x = {"ids_BL": ids_BL, "attn_BL": attn_BL, "pos_BT": pos_BT, "tgt_BT": tgt_BT, "mask_BT": mask_BT,
-             "beh_BT": beh_BT, "reward_B": reward_B}
+        x = {"ids_RN": ids_RN, "posid_RN": posid_RN, "row_BT": row_BT, "col_BT": col_BT, "tgt_BT": tgt_BT,
+             "mask_BT": mask_BT, "beh_BT": beh_BT, "reward_B": reward_B}
         return x if self.device.type == "cpu" else {k: v.to(self.device, non_blocking=True) for k, v in x.items()}
 
     @staticmethod
     def _token_logp(model, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of the completion tokens ``logp_BT`` and the full distributions ``logprobs_BTV``."""
-        logits_BLV = model(input_ids=x["ids_BL"], attention_mask=x["attn_BL"]).logits.float()
-        V = logits_BLV.shape[-1]
-        logits_BTV = torch.gather(logits_BLV, 1, x["pos_BT"][..., None].expand(-1, -1, V))
+        """Log-probs of the completion tokens ``logp_BT`` and the full distributions ``logprobs_BTV``.
+
+        Packed rows and no attention mask: transformers reads the restarts of ``position_ids`` as sequence
+        boundaries and masks attention across them (``masking_utils.find_packed_sequence_indices``), so each
+        sequence sees exactly what it would alone, and no token is spent on padding between them."""
+        logits_RNV = model(input_ids=x["ids_RN"], position_ids=x["posid_RN"], use_cache=False).logits  # a cache turns
+        # transformers' detection of packed sequences off
+        logits_BTV = logits_RNV[x["row_BT"], x["col_BT"]].float()
         logprobs_BTV = torch.log_softmax(logits_BTV, dim=-1)
         logp_BT = torch.gather(logprobs_BTV, 2, x["tgt_BT"][..., None]).squeeze(-1)
         return logp_BT, logprobs_BTV
@@ -134,8 +170,9 @@ class PolicyTrainer:
         return [logp_BT[b, : len(s.completion_token_ids)].tolist() for b, s in enumerate(samples)]
 
     def padded_tokens(self, samples: list[TrainingSample]) -> int:
-        """The size a batch of ``samples`` is padded to (what its activations scale with)."""
-        return len(samples) * max((len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples), default=0)
+        """The tokens a batch of ``samples`` takes in the forward pass once packed (what its activations scale with)."""
+        lens = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
+        return len(pack(lens)) * max(lens, default=0)
 
     def train_step(self, samples: list[TrainingSample]) -> dict[str, float]:
         """One update on ``samples`` (already validated): ``micro_epochs`` AdamW steps, grad-norm clip 1.0.

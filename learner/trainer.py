@@ -610,12 +610,15 @@ def run_learner(cfg: LiverlConfig, model_dir: Path, stop_event: threading.Event 
         prom = CollectorRegistry()
         prom.register(PrometheusCollector(learner))
         server, _ = start_http_server(metrics_port, addr=cfg.serving.host, registry=prom)
+    clean = False
     try:
-        return learner.run(stop_event=stop_event, max_steps=max_steps)
+        out = learner.run(stop_event=stop_event, max_steps=max_steps)
+        clean = True
+        return out
     finally:
         if ranks is not None:
             learner.trainer.stop()  # the followers return; a crash of this rank ends them through torchrun instead
-            ldist.teardown()
+            ldist.teardown(barrier=clean)
         lease.release()
         if server is not None:
             server.shutdown()
@@ -629,9 +632,11 @@ def _follow(cfg: LiverlConfig, model_dir: Path, ranks: Ranks) -> dict:
     from learner import dist as ldist
     from learner.ranks import follow
 
+    clean = False
     try:
         trainer = PolicyTrainer(Path(model_dir), cfg.learner, ranks=ranks)
         calls = follow(trainer, ranks, CheckpointDir(dcp_root(checkpoint_path_for(cfg)), ranks))
+        clean = True
         return {"rank": ranks.rank, "calls": calls}
     finally:
-        ldist.teardown()
+        ldist.teardown(barrier=clean)

@@ -373,13 +373,17 @@ def test_a_heartbeat_of_a_node_the_config_does_not_name_is_never_a_canary_node(c
 
 def test_canary_nodes_rotate_from_one_rollout_to_the_next(cfg, rds, fleet2):
     gate, registry = fleet2
-    seen = set()
-    for seed in (1, 2, 3):
-        r = start(gate, registry, rds, cfg, seed=seed)
-        seen.add(tuple(r.nodes))
+    seen = []
+    for seed in (1, 2, 3, 4):  # two candidates each time, the older superseded: every canary is an even version
+        registry.add_candidate(weights(0.9, 1.0, seed=10 + seed), parent=0)  # (a demo run put v16, v38 and v52 on
+        registry.add_candidate(weights(0.9, 1.0, seed=seed), parent=0)       # one node)
+        assert [v.verdict for v in gate.step()] == ["superseded", "canary"]
+        r = registry.active_rollout()
+        assert r.version % 2 == 0
+        seen.append(r.nodes)
         registry.finish_rollout_abort(r.id, actor="alice", reason="next one")
         gate.step()
-    assert len(seen) == 2
+    assert all(a != b for a, b in zip(seen, seen[1:])), seen  # with two nodes, each rollout on the other one
 
 
 def test_a_rollback_during_the_canary_aborts_it(cfg, rds, fleet2):
