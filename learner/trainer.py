@@ -106,6 +106,7 @@ class Learner(ConsumerRebalanceListener):
         self.since_candidate: dict[str, float] = {"reward_sum": 0.0, "samples": 0.0, "steps": 0.0, "loss_sum": 0.0}
         self.last_candidate: int | None = None
         self.last_metrics: dict[str, float] = {}
+        self._shed_said_at = float("-inf")  # when the log last said the learner sheds load
         self.last_backlog: tuple[int, float] = (-1, -1.0)  # (samples, seconds) as of the last publish (``backlog``)
         self.queue: collections.deque = collections.deque()  # (partition, offset, raw value), as fetched
         self.pending: list[tuple[int, int, TrainingSample]] = []  # accepted, waiting for a full batch
@@ -270,15 +271,28 @@ class Learner(ConsumerRebalanceListener):
                 continue
             self.counters[f"dropped:{reason}"] += 1
             self.ledger.refused(part, off, s.sample_id if s is not None else None, reason)
-            if reason not in ("duplicate", "stale"):
+            if reason == "shed":
+                self._shed_note()
+            elif reason not in ("duplicate", "stale"):
                 log.warning("learner: refused sample at %s[%d]@%d: %s", self.topic, part, off, reason)
             if not any(p[0] == part for p in self.pending):
                 self.offsets[part] = off + 1  # nothing waiting below it in this partition
+
+    def _shed_note(self) -> None:
+        """Say that the learner sheds load, at most every 30 s, with how much so far."""
+        now = time.monotonic()
+        if now - self._shed_said_at >= 30.0:
+            self._shed_said_at = now
+            log.warning("learner: cannot keep up: skipping samples whose feedback is more than learner.max_backlog_s "
+                        "%.0f s old, training the newest (%d shed so far, counted as dropped:shed)",
+                        self.lcfg.max_backlog_s, self.counters["dropped:shed"])
 
     def _refusal(self, s: TrainingSample) -> str | None:
         if (s.sample_id in self.trained_ids or any(p[2].sample_id == s.sample_id for p in self.pending)
                 or s.sample_id in self.seen):  # the recent window first, then every id ever trained (durable)
             return "duplicate"
+        if self.lcfg.max_backlog_s and time.time() - s.ts_feedback > self.lcfg.max_backlog_s:
+            return "shed"  # the learner is behind: the newest feedback first (``learner.max_backlog_s``)
         if self.lag(s.policy_version) > self.max_lag:
             return "stale"
         return self.trainer.refusal(s)

@@ -25,6 +25,12 @@ does on a GPU (FSDP2 over a group of one, NCCL) and the plain loop on the same G
 
 Models: ``demo`` (the demo's base policy) and any size of ``learner.dist_check.SIZES`` (a generated Qwen3-MoE;
 ``moe24m`` is the issue's >= 20M-parameter model).
+
+``--drift 3e-4,1e-6`` measures something else: what each learning rate does to the gate's drift check. The learner
+alone trains each model from its base, ``--drift-steps`` updates on fresh on-policy samples per rate, and after
+updates 1, 2, 5, 10, ... prints the mean per-token KL(policy || base) over the vocabulary on held-out samples (the
+measure of ``learner.evaluate.PolicyEvaluator.drift``) against ``gate.max_kl``: how many updates a candidate may carry
+before the gate refuses it for drift.
 """
 
 from __future__ import annotations
@@ -76,6 +82,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "plain loop on the same GPU")
     p.add_argument("--profile", action="store_true", help="also print torch.profiler's top 10 of one step per side")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--drift", metavar="LR,LR", help="instead: KL from the base after N updates at each learning rate")
+    p.add_argument("--drift-steps", type=int, default=20, help="updates per learning rate with --drift")
     p.set_defaults(fn=run)
     return p
 
@@ -118,6 +126,8 @@ def run(args: argparse.Namespace) -> int:
     if args.warmup < 0 or not args.tol > 0 or not args.lr > 0:
         raise ValueError("--warmup must be >= 0, --tol and --lr > 0")
     spans = (_span(args.prompt_len, "--prompt-len"), _span(args.completion_len, "--completion-len"))
+    if args.drift:
+        return run_drift(args, spans)
     rows, profiles = [], []
     ranks = None
     if args.device == "cuda":
@@ -144,6 +154,56 @@ def run(args: argparse.Namespace) -> int:
     print(f"\ncommand: {command_line(args)}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+def run_drift(args: argparse.Namespace, spans) -> int:
+    """``--drift``: the KL from the base after 1, 2, 5, 10, ... updates at each learning rate, per model."""
+    import torch
+
+    from learner.dist_check import make_samples, on_policy
+    from learner.policy_trainer import PolicyTrainer
+    from liverl.core.config import GateConfig, LearnerConfig
+
+    try:
+        lrs = [float(x) for x in args.drift.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--drift takes learning rates separated by commas, e.g. 3e-4,1e-6; got {args.drift!r}")
+    if not lrs or any(not lr > 0 for lr in lrs) or args.drift_steps < 1:
+        raise ValueError("--drift needs learning rates > 0 and --drift-steps >= 1")
+    max_kl = GateConfig().max_kl
+    marks = sorted(m for m in {1, 2, 5, *range(10, args.drift_steps + 1, 10), args.drift_steps} if m <= args.drift_steps)
+    out = [f"| model | lr | {' | '.join(f'KL after {m}' for m in marks)} | updates until KL > gate.max_kl {max_kl:g} |",
+           "|---|---|" + "---|" * (len(marks) + 1)]
+    for name in args.models:
+        model_dir = resolve_model(name, args)
+        for lr in lrs:
+            print(f"drift: {name} at lr {lr:g} ...", file=sys.stderr, flush=True)
+            lcfg = LearnerConfig(lr=lr, batch_size=args.batch, micro_epochs=1, max_batch_tokens=1 << 30)
+            tr = PolicyTrainer(model_dir, lcfg)
+            torch.set_num_threads(args.threads)
+            prompt, completion = SPANS["demo" if name == "demo" else "default"]
+            prompt, completion = spans[0] or prompt, spans[1] or completion
+            held = on_policy(tr, make_samples(32, args.seed + 10_000, tr.vocab_size, prompt, completion))
+            x = tr._collate(held)
+            kls, over = {}, None
+            for step in range(1, args.drift_steps + 1):
+                batch = make_samples(args.batch, args.seed + step, tr.vocab_size, prompt, completion)
+                tr.train_step(on_policy(tr, batch))
+                if step in marks or over is None:
+                    with torch.no_grad():
+                        _, lp = tr._token_logp(tr.model, x)
+                        _, ref = tr._token_logp(tr.ref, x)
+                        kl = float(((lp.exp() * (lp - ref)).sum(-1) * x["mask_BT"]).sum() / x["mask_BT"].sum())
+                    if step in marks:
+                        kls[step] = kl
+                    if over is None and kl > max_kl:
+                        over = step
+            cells = " | ".join(f"{kls[m]:.3g}" for m in marks)
+            out.append(f"| {name} | {lr:g} | {cells} | {over if over is not None else f'> {args.drift_steps}'} |")
+    print("\n".join(out))
+    print(f"\ncommand: liverl bench learn --models {' '.join(args.models)} --drift {args.drift} "
+          f"--drift-steps {args.drift_steps}")
     return 0
 
 

@@ -252,7 +252,10 @@ class IngestConfig(_Section):
 
 
 class LearnerConfig(_Section):
-    lr: float = Field(default=3e-4, description="AdamW learning rate.")
+    lr: float = Field(
+        default=1e-6, gt=0, description="AdamW learning rate. The default is for a real LLM fine-tuned by policy "
+        "gradient (1e-6, as configs/production.example.toml); the demo's 0.25M-parameter policy trains at 3e-4 "
+        "(liverl.demo.run.DEMO_PROFILE), a rate that moves a real model off its distribution within a few updates.")
     batch_size: int = Field(default=64, ge=1, description="Samples per policy-gradient update.")
     micro_epochs: int = Field(default=1, ge=1, description="Passes over each batch.")
     tis_cap: float = Field(default=2.0, description="Truncated importance sampling cap C on pi/mu per token.")
@@ -261,6 +264,10 @@ class LearnerConfig(_Section):
     max_staleness: int = Field(
         default=8, ge=0, description="Drop samples whose policy is more than this many candidates' worth of updates "
         "(max_staleness x candidate_every_steps learner steps) behind the learner's weights.")
+    max_backlog_s: float = Field(
+        default=600.0, ge=0, description="Load shedding: a sample whose feedback is older than this when the learner "
+        "reaches it is skipped (refused as 'shed': counted, in the ledger and `liverl audit`) so a learner that cannot "
+        "keep up trains the newest feedback instead of falling further behind; it says so in its log. 0: never shed.")
     max_batch_wait_s: float = Field(
         default=30.0, gt=0, description="Train on a partial batch once its oldest sample has waited this long, so a "
         "lull in traffic does not hold samples back (and `liverl audit` sees them trained).")

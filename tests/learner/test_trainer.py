@@ -139,6 +139,7 @@ def learner_cfg(cfg: LiverlConfig, **kw) -> LiverlConfig:
     cfg.learner.batch_size = kw.pop("batch_size", 16)
     cfg.learner.candidate_every_steps = kw.pop("candidate_every_steps", 2)
     cfg.learner.lr = kw.pop("lr", 1e-3)
+    cfg.learner.max_backlog_s = kw.pop("max_backlog_s", 0.0)  # the module's samples are minutes old by its end
     for k, v in kw.items():
         setattr(cfg.learner, k, v)
     cfg.state_path.mkdir(parents=True, exist_ok=True)
@@ -636,3 +637,28 @@ def test_online_rl_lifts_expected_acceptance_by_15_points(model_dir):
     reached = [n for n, a in curve if a >= base + 0.15]
     assert reached, f"no +15 point lift within {curve[-1][0]} samples: {curve}"
     assert curve[-1][1] >= base + 0.15, f"the lift did not hold: {curve}"
+
+
+def test_a_learner_that_cannot_keep_up_sheds_the_oldest_feedback_and_counts_it(cfg, model_dir, base_samples):
+    """Issue 23: where the learner cannot keep up it sheds load on purpose: a sample whose feedback is older than
+    ``max_backlog_s`` is skipped, refused as "shed" in the ledger (``liverl audit`` accounts for it) and counted,
+    and the newest feedback is trained."""
+    from learner.trainer import Learner
+
+    cfg = learner_cfg(cfg, batch_size=8, candidate_every_steps=100, max_backlog_s=600.0)
+    now = time.time()
+    mixed = [s.model_copy(update={"ts_feedback": now - 3600.0 if i % 2 else now, "ts_generation": now - 3601.0})
+             for i, s in enumerate(base_samples[:32])]
+    old = {s.sample_id for i, s in enumerate(mixed) if i % 2}
+    produce_samples(cfg, mixed)
+    reg = make_registry(cfg, model_dir)
+    try:
+        learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
+        stats = learner.run(max_steps=2)
+        trained, refused = ledger_fates(learner)
+        assert len(trained) == 16 and not old & set(trained)  # only fresh feedback trained
+        shed = {sid for sid, reason in refused if reason == "shed"}
+        assert shed and shed <= old and learner.counters["dropped:shed"] == len(shed)
+        assert stats["step"] == 2
+    finally:
+        reg.close()

@@ -179,3 +179,17 @@ def test_ingest_bench_joins_every_pair_once_and_prints_its_table(stack, tmp_path
     out = capsys.readouterr().out
     assert "| broker + Redis us/event | machine busy |" in out
     assert "| ingest, 1 worker |" in out and "reproduce: `liverl bench ingest --pairs 400`" in out
+
+
+def test_bench_learn_drift_prints_the_kl_each_learning_rate_reaches(tmp_path, capsys):
+    """``liverl bench learn --drift``: one row per model and rate, the KL from the base growing with the rate."""
+    from liverl.bench.learn import main
+
+    assert main(["--models", "tiny", "--drift", "1e-2,1e-6", "--drift-steps", "2", "--batch", "4",
+                 "--work", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| tiny |")]
+    assert [r[1] for r in rows] == ["0.01", "1e-06"]
+    fast, slow = (float(r[3]) for r in rows)  # KL after 2 updates
+    assert fast > max(100 * abs(slow), 1e-3)  # 1e-6 barely moves it (its KL is within rounding of 0)
+    assert "--drift 1e-2,1e-6" in out
