@@ -59,11 +59,13 @@ def audit_head_key(prefix: str) -> str:
     return f"{prefix}:audit:head"
 
 
-def audit_mac(key: bytes, prev_link: str, seq: int, actor: str, action: str, version: int | None, reason: str | None,
-              at: float) -> str:
+def audit_mac(
+    key: bytes, prev_link: str, seq: int, actor: str, action: str, version: int | None, reason: str | None, at: float
+) -> str:
     """The keyed link of one audit entry: HMAC-SHA256 over canonical JSON of the previous link, seq and the fields."""
-    blob = json.dumps(["liverl-audit-v1", prev_link, int(seq), actor, action, version, reason, repr(float(at))],
-                      separators=(",", ":"))
+    blob = json.dumps(
+        ["liverl-audit-v1", prev_link, int(seq), actor, action, version, reason, repr(float(at))], separators=(",", ":")
+    )
     return hmac.new(key, blob.encode(), hashlib.sha256).hexdigest()
 
 
@@ -90,8 +92,10 @@ def read_audit_key(path: Path) -> bytes:
     except OSError as e:
         raise ValueError(f"cannot read the audit key (security.audit_key) at {path}: {e}") from e
     if len(key) < MIN_AUDIT_KEY_LEN:
-        raise ValueError(f"the audit key at {path} has {len(key)} bytes; it needs at least {MIN_AUDIT_KEY_LEN} random "
-                         "ones (e.g. `umask 077; openssl rand -base64 48 > audit.key`)")
+        raise ValueError(
+            f"the audit key at {path} has {len(key)} bytes; it needs at least {MIN_AUDIT_KEY_LEN} random "
+            "ones (e.g. `umask 077; openssl rand -base64 48 > audit.key`)"
+        )
     return key
 
 
@@ -102,8 +106,10 @@ def load_audit_key(cfg: LiverlConfig) -> bytes | None:
     if path is None:
         return None
     if not path.is_file():
-        raise ValueError(f"security.audit_key is {path}, which is not a file: point it at the audit key, or unset it "
-                         f"and `liverl up` makes one in {cfg.state_path / 'keys'}")
+        raise ValueError(
+            f"security.audit_key is {path}, which is not a file: point it at the audit key, or unset it "
+            f"and `liverl up` makes one in {cfg.state_path / 'keys'}"
+        )
     return read_audit_key(path)
 
 
@@ -151,8 +157,10 @@ class AuditHead:
         raw = self.redis.hgetall(self.key)
         if not raw:
             return None
-        raw = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-               for k, v in raw.items()}
+        raw = {
+            (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+            for k, v in raw.items()
+        }
         try:
             return Head(int(raw["seq"]), raw["mac"], raw["tag"])
         except (KeyError, ValueError):
@@ -206,31 +214,46 @@ def check_chain(entries: Iterable[Any], key: bytes | None, head: AuditHead | Non
         res.entries += 1
         pos = res.entries
         if e.seq is not None and e.seq != pos:
-            return res._fail(f"entry {e.id} is number {e.seq} of the chain but sits at position {pos}: an entry "
-                             "before it was removed or inserted", e.id)
+            return res._fail(
+                f"entry {e.id} is number {e.seq} of the chain but sits at position {pos}: an entry "
+                "before it was removed or inserted",
+                e.id,
+            )
         if e.mac is None:
             if res.keyed:
-                return res._fail(f"entry {e.id} has no MAC but follows keyed entries: it was added, or its MAC "
-                                 "stripped, by someone without the audit key", e.id)
-            if e.prev_hash != prev_hash or e.entry_hash != audit_hash(prev_hash, e.actor, e.action, e.version,
-                                                                      e.reason, e.at):
+                return res._fail(
+                    f"entry {e.id} has no MAC but follows keyed entries: it was added, or its MAC "
+                    "stripped, by someone without the audit key",
+                    e.id,
+                )
+            if e.prev_hash != prev_hash or e.entry_hash != audit_hash(
+                prev_hash, e.actor, e.action, e.version, e.reason, e.at
+            ):
                 return res._fail(f"entry {e.id} does not match the hash chain", e.id)
             res.unkeyed += 1
             link = e.entry_hash
         else:
             if key is None:
-                return res._fail("the audit log is keyed (HMAC) and this process has no audit key: set "
-                                 "security.audit_key to the key file the registry's writers use", kind="unverifiable")
+                return res._fail(
+                    "the audit log is keyed (HMAC) and this process has no audit key: set "
+                    "security.audit_key to the key file the registry's writers use",
+                    kind="unverifiable",
+                )
             want = audit_mac(key, link, pos, e.actor, e.action, e.version, e.reason, e.at)
             if not hmac.compare_digest(e.mac, want):
-                return res._fail(f"entry {e.id}'s MAC does not verify: it (or an entry before it) was rewritten, "
-                                 "or written with another audit key", e.id)
+                return res._fail(
+                    f"entry {e.id}'s MAC does not verify: it (or an entry before it) was rewritten, "
+                    "or written with another audit key",
+                    e.id,
+                )
             res.keyed += 1
             link = by_seq[pos] = e.mac
         prev_hash = e.entry_hash
     if key is None:
-        res._warn("the audit log is not keyed (no security.audit_key): an entry rewritten with the hash chain "
-                  "recomputed, or a cut tail, would not be detected")
+        res._warn(
+            "the audit log is not keyed (no security.audit_key): an entry rewritten with the hash chain "
+            "recomputed, or a cut tail, would not be detected"
+        )
         return res
     if head is None:
         res._warn("no head anchor configured: a cut tail would not be detected")
@@ -238,27 +261,39 @@ def check_chain(entries: Iterable[Any], key: bytes | None, head: AuditHead | Non
     try:
         anchor = head.read()
     except redis.RedisError as e:
-        return res._fail(f"cannot read the audit head in Redis ({head.key}): {e}; the tail cannot be checked",
-                         kind="unverifiable")
+        return res._fail(
+            f"cannot read the audit head in Redis ({head.key}): {e}; the tail cannot be checked", kind="unverifiable"
+        )
     if anchor is None:
         if res.keyed:
-            return res._fail(f"no audit head in Redis ({head.key}): the tail cannot be checked (Redis lost its data, "
-                             "or the anchor was deleted; the next audited change re-anchors it)", kind="unverifiable")
+            return res._fail(
+                f"no audit head in Redis ({head.key}): the tail cannot be checked (Redis lost its data, "
+                "or the anchor was deleted; the next audited change re-anchors it)",
+                kind="unverifiable",
+            )
         return res
     if not hmac.compare_digest(anchor.tag, head_tag(key, head.prefix, anchor.seq, anchor.mac)):
         return res._fail(f"the audit head in Redis ({head.key}) is forged: its tag does not verify with the audit key")
     res.head_seq = anchor.seq
     if anchor.seq > res.entries:
-        return res._fail(f"the anchored head is entry number {anchor.seq}, the log ends at number {res.entries}",
-                         kind="truncated")
+        return res._fail(
+            f"the anchored head is entry number {anchor.seq}, the log ends at number {res.entries}", kind="truncated"
+        )
     if by_seq.get(anchor.seq) is None:
-        return res._fail(f"entry number {anchor.seq} has no MAC, but the head anchored in Redis is a keyed entry: MACs "
-                         "were stripped from the log")
+        return res._fail(
+            f"entry number {anchor.seq} has no MAC, but the head anchored in Redis is a keyed entry: MACs "
+            "were stripped from the log"
+        )
     if not hmac.compare_digest(by_seq[anchor.seq], anchor.mac):
-        return res._fail(f"entry number {anchor.seq} is not the one anchored in Redis: the log was cut and entries "
-                         "written in place of its tail", kind="truncated")
+        return res._fail(
+            f"entry number {anchor.seq} is not the one anchored in Redis: the log was cut and entries "
+            "written in place of its tail",
+            kind="truncated",
+        )
     if anchor.seq < res.entries:
-        res._warn(f"the head anchor lags the log by {res.entries - anchor.seq} entries (Redis was unreachable "
-                  "during an append); entries after number "
-                  f"{anchor.seq} are chained but a cut among them would not be detected")
+        res._warn(
+            f"the head anchor lags the log by {res.entries - anchor.seq} entries (Redis was unreachable "
+            "during an append); entries after number "
+            f"{anchor.seq} are chained but a cut among them would not be detected"
+        )
     return res

@@ -141,8 +141,15 @@ class S3BlobStore:
     so this only refreshes the object's last-modified time, which garbage collection relies on).
     """
 
-    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None, client: Any = None,
-                 region_name: str | None = None, **client_kwargs: Any):
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: str | None = None,
+        client: Any = None,
+        region_name: str | None = None,
+        **client_kwargs: Any,
+    ):
         if not bucket:
             raise ValueError("S3BlobStore needs a bucket name, e.g. s3://my-bucket/liverl/blobs")
         self.bucket, self.prefix, self.endpoint_url = bucket, prefix.strip("/"), endpoint_url
@@ -169,8 +176,9 @@ class S3BlobStore:
     def put(self, data: bytes) -> str:
         digest = hashlib.sha256(data).digest()
         key = digest.hex()
-        self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
-                               ChecksumSHA256=base64.b64encode(digest).decode())
+        self.client.put_object(
+            Bucket=self.bucket, Key=self._key(key), Body=data, ChecksumSHA256=base64.b64encode(digest).decode()
+        )
         return key
 
     def get(self, key: str) -> bytes:
@@ -204,7 +212,8 @@ class S3BlobStore:
 
     def list_keys(self) -> Iterator[str]:
         pages = self.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=f"{self.prefix}/" if self.prefix else "")
+            Bucket=self.bucket, Prefix=f"{self.prefix}/" if self.prefix else ""
+        )
         for page in pages:
             for obj in page.get("Contents", []):
                 name = obj["Key"].rsplit("/", 1)[-1]
@@ -218,7 +227,9 @@ class S3BlobStore:
         return BlobInfo(key, int(head["ContentLength"]), head["LastModified"].timestamp())
 
     def __repr__(self) -> str:
-        return f"S3BlobStore({self._where()!r}" + (f", endpoint_url={self.endpoint_url!r})" if self.endpoint_url else ")")
+        return f"S3BlobStore({self._where()!r}" + (
+            f", endpoint_url={self.endpoint_url!r})" if self.endpoint_url else ")"
+        )
 
 
 _S3_OPTIONS = ("endpoint_url", "region")
@@ -235,7 +246,7 @@ def open_blob_store(url: str | os.PathLike) -> BlobStore:
     if not url:
         raise ValueError("empty blob store location; give a folder or s3://bucket/prefix")
     if url.startswith("file://"):
-        path = url[len("file://"):]
+        path = url[len("file://") :]
         if not path:
             raise ValueError(f"blob store URL {url!r} names no folder; use file:///absolute/path")
         return LocalBlobStore(path)
@@ -245,10 +256,15 @@ def open_blob_store(url: str | os.PathLike) -> BlobStore:
         unknown = sorted(set(query) - set(_S3_OPTIONS))
         if unknown:
             raise ValueError(f"blob store URL {url!r}: unknown option(s) {unknown}; supported: {list(_S3_OPTIONS)}")
-        endpoint = (query.get("endpoint_url", [None])[-1] or os.environ.get("AWS_ENDPOINT_URL_S3")
-                    or os.environ.get("AWS_ENDPOINT_URL") or None)
-        return S3BlobStore(parts.netloc, prefix=parts.path, endpoint_url=endpoint,
-                           region_name=query.get("region", [None])[-1])
+        endpoint = (
+            query.get("endpoint_url", [None])[-1]
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+            or None
+        )
+        return S3BlobStore(
+            parts.netloc, prefix=parts.path, endpoint_url=endpoint, region_name=query.get("region", [None])[-1]
+        )
     scheme = urlsplit(url).scheme
     if len(scheme) > 1 and "://" in url:  # (a one-letter "scheme" is a Windows drive)
         raise ValueError(f"unsupported blob store URL {url!r}: use a folder, file:///folder or s3://bucket/prefix")

@@ -174,21 +174,37 @@ class CanaryController:
         g = self.cfg.gate
         nodes = fleet.routable_nodes(self.redis, self.prefix, self.cfg.serving.fleet)
         if len(nodes) < 2:
-            raise Deferred(f"a canary needs 2 routable nodes of the {self.configured_fleet()} configured, "
-                           f"{len(nodes)} in rotation ({', '.join(nodes) or 'none'}); judged again when they are")
+            raise Deferred(
+                f"a canary needs 2 routable nodes of the {self.configured_fleet()} configured, "
+                f"{len(nodes)} in rotation ({', '.join(nodes) or 'none'}); judged again when they are"
+            )
         last = self.registry.rollouts(limit=1)  # rotate by rollout, not by version: superseded candidates make the
         # versions that reach a canary skip numbers (a demo run put v16, v38 and v52 all on node-0)
         canary_nodes = fleet.canary_nodes(nodes, (last[0].id if last else 0) + 1, g.canary_nodes)
         now = self.clock()
         settings = self._fixed_nulls(stable, now)
         rollout = self.registry.begin_rollout(
-            row.version, stable_version=stable.version, share=g.canary_share, nodes=canary_nodes,
-            unit=g.canary_unit, deadline_at=now + g.canary_deadline_s, settings=settings, actor="gate",
-            reason=f"{reason}; canary on {', '.join(canary_nodes)} at {g.canary_share:.0%} of users, unit {g.canary_unit}")
+            row.version,
+            stable_version=stable.version,
+            share=g.canary_share,
+            nodes=canary_nodes,
+            unit=g.canary_unit,
+            deadline_at=now + g.canary_deadline_s,
+            settings=settings,
+            actor="gate",
+            reason=f"{reason}; canary on {', '.join(canary_nodes)} at {g.canary_share:.0%} of users, unit {g.canary_unit}",
+        )
         self._announce(rollout)
         self._evidence = None
-        log.info("gate: canary v%d started (rollout %d) on %s with %.0f%% of %ss (stable v%d)", row.version,
-                 rollout.id, ", ".join(canary_nodes), 100 * g.canary_share, g.canary_unit, stable.version)
+        log.info(
+            "gate: canary v%d started (rollout %d) on %s with %.0f%% of %ss (stable v%d)",
+            row.version,
+            rollout.id,
+            ", ".join(canary_nodes),
+            100 * g.canary_share,
+            g.canary_unit,
+            stable.version,
+        )
         return rollout
 
     @staticmethod
@@ -196,15 +212,32 @@ class CanaryController:
         return RolloutTerms(rollout_id=rollout.id, share=rollout.share, nodes=list(rollout.nodes), unit=rollout.unit)
 
     def _announce(self, rollout: Rollout) -> None:
-        announce(self.redis, self.prefix, rollout.version, rollout.checksum, f"canary of v{rollout.version}",
-                 self.signer, channel="canary", rollout=self.terms(rollout), ttl_s=self.cfg.security.announce_ttl_s)
+        announce(
+            self.redis,
+            self.prefix,
+            rollout.version,
+            rollout.checksum,
+            f"canary of v{rollout.version}",
+            self.signer,
+            channel="canary",
+            rollout=self.terms(rollout),
+            ttl_s=self.cfg.security.announce_ttl_s,
+        )
 
     def refresh(self, rollout: Rollout) -> None:
         """Keep the canary's announcement present, signed, naming the rollout's terms and fresh (it expires, so a
         replayed copy cannot outlive it): after a lost Redis key, a gate restart, or half its lifetime."""
-        keep_announced(self.redis, self.prefix, "canary", rollout.version, rollout.checksum,
-                       f"canary of v{rollout.version}", self.signer, rollout=self.terms(rollout),
-                       ttl_s=self.cfg.security.announce_ttl_s)
+        keep_announced(
+            self.redis,
+            self.prefix,
+            "canary",
+            rollout.version,
+            rollout.checksum,
+            f"canary of v{rollout.version}",
+            self.signer,
+            rollout=self.terms(rollout),
+            ttl_s=self.cfg.security.announce_ttl_s,
+        )
 
     def _fixed_nulls(self, stable: Version, now: float) -> dict:
         """The continuous guardrails' bands, fixed for the whole rollout from stable's own figures before it: mean
@@ -221,9 +254,13 @@ class CanaryController:
             timed += agg.get("n", 0)
         length = tokens / events if events else None
         latency = ms / timed if timed else None
-        return {"length_band": None if length is None else g.guardrail_tolerance * max(length, 1e-9),
-                "latency_band": None if latency is None else g.latency_tolerance * max(latency, 1e-9),
-                "stable_length": length, "stable_latency_ms": latency, "fixed_at": now}
+        return {
+            "length_band": None if length is None else g.guardrail_tolerance * max(length, 1e-9),
+            "latency_band": None if latency is None else g.latency_tolerance * max(latency, 1e-9),
+            "stable_length": length,
+            "stable_latency_ms": latency,
+            "fixed_at": now,
+        }
 
     def clear(self) -> None:
         self.redis.delete(keys.canary(self.prefix))  # the canary nodes return to desired
@@ -243,8 +280,10 @@ class CanaryController:
         # two cursors over the same buckets: one waits for the revert horizon (kept acceptance and the revert rate),
         # the other only for ingest's settling (edits, length and latency are final when judged; reverts never
         # change them), so those guardrails gather evidence a revert horizon sooner, censored no less fairly
-        for horizon, cursor, arms in ((self.cfg.gate.revert_horizon_s, "next_bucket", (ev.canary, ev.stable)),
-                                      (0.0, "next_fast", (ev.fast_canary, ev.fast_stable))):
+        for horizon, cursor, arms in (
+            (self.cfg.gate.revert_horizon_s, "next_bucket", (ev.canary, ev.stable)),
+            (0.0, "next_fast", (ev.fast_canary, ev.fast_stable)),
+        ):
             last, first = min(last_final_bucket(now, horizon), end), getattr(ev, cursor)
             if last < first:
                 continue
@@ -261,8 +300,10 @@ class CanaryController:
         t0 = rollout.started_at - self.cfg.gate.cuped_lookback_s
         wanted = range(first_bucket(t0), first_bucket(rollout.started_at))
         versions = {rollout.stable_version} | {
-            v.version for v in self.registry.list(limit=MAX_COVARIATE_VERSIONS)
-            if v.version != rollout.version and (v.created_at >= t0 or (v.promoted_at or 0.0) >= t0)}
+            v.version
+            for v in self.registry.list(limit=MAX_COVARIATE_VERSIONS)
+            if v.version != rollout.version and (v.created_at >= t0 or (v.promoted_at or 0.0) >= t0)
+        }
         pre = ArmSums()
         for version in sorted(versions):
             for b, data in keys.read_unit_buckets(self.redis, self.prefix, version, wanted).items():
@@ -283,19 +324,25 @@ class CanaryController:
         length = latency = None
         if st.get("length_band"):  # bands fixed at the start from stable's own figures (``_fixed_nulls``)
             band = st["length_band"]
-            length = seq.MetricTest("response_length", tau=band, direction=-1, margin=band, harm_margin=band,
-                                    bernoulli=False, **common)
+            length = seq.MetricTest(
+                "response_length", tau=band, direction=-1, margin=band, harm_margin=band, bernoulli=False, **common
+            )
             guardrails.append(length)
         if st.get("latency_band"):
             band = st["latency_band"]
-            latency = seq.MetricTest("latency", tau=band, direction=-1, margin=band, harm_margin=band, bernoulli=False,
-                                     alpha=g.canary_alpha)
+            latency = seq.MetricTest(
+                "latency", tau=band, direction=-1, margin=band, harm_margin=band, bernoulli=False, alpha=g.canary_alpha
+            )
             guardrails.append(latency)
         for t in (success, *guardrails):
             t.max_log_lr_pass = state.get(f"{t.name}:pass", float("-inf"))
             t.max_log_lr_harm = state.get(f"{t.name}:harm", float("-inf"))
-        srm = seq.SrmTest(rollout.share, alpha=g.srm_alpha, max_log_bf_users=state.get("srm:users", float("-inf")),
-                          max_log_bf_events=state.get("srm:events", float("-inf")))
+        srm = seq.SrmTest(
+            rollout.share,
+            alpha=g.srm_alpha,
+            max_log_bf_users=state.get("srm:users", float("-inf")),
+            max_log_bf_events=state.get("srm:events", float("-inf")),
+        )
         info: dict = {"events": (ev.canary.total("e"), ev.stable.total("e"))}
         if rollout.unit == "user":
             names_c, m_c = ev.canary.matrix()
@@ -311,9 +358,13 @@ class CanaryController:
             kept_c, kept_s = _col(m_c, "a") - _col(m_c, "r"), _col(m_s, "a") - _col(m_s, "r")
             cuped = g.cuped and bool(ev.covariate)
             if cuped:  # each user's kept rate under stable before the rollout, weighed by the events behind it
-                cov = {arm: (np.array([ev.covariate.get(u, (np.nan, 0.0))[0] for u in names]),
-                             np.array([ev.covariate.get(u, (np.nan, 0.0))[1] for u in names]))
-                       for arm, names in (("canary", names_c), ("stable", names_s))}
+                cov = {
+                    arm: (
+                        np.array([ev.covariate.get(u, (np.nan, 0.0))[0] for u in names]),
+                        np.array([ev.covariate.get(u, (np.nan, 0.0))[1] for u in names]),
+                    )
+                    for arm, names in (("canary", names_c), ("stable", names_s))
+                }
                 kept = (seq.UnitSums(kept_c, e_c, *cov["canary"]), seq.UnitSums(kept_s, e_s, *cov["stable"]))
             else:
                 kept = (seq.UnitSums(kept_c, e_c), seq.UnitSums(kept_s, e_s))
@@ -325,9 +376,11 @@ class CanaryController:
             info["users"] = (len(names_c), len(names_s))
             info["srm"] = srm.look_units(*kept)  # on the horizon's cursor: see the module doc
         else:
-            for test, f, (canary, stable) in ((success, None, (ev.canary, ev.stable)),
-                                              (edit, "d", (ev.fast_canary, ev.fast_stable)),
-                                              (revert, "r", (ev.canary, ev.stable))):
+            for test, f, (canary, stable) in (
+                (success, None, (ev.canary, ev.stable)),
+                (edit, "d", (ev.fast_canary, ev.fast_stable)),
+                (revert, "r", (ev.canary, ev.stable)),
+            ):
                 for arm, sums in ((test.canary, canary), (test.stable, stable)):
                     n = sums.total("e")
                     hits = min(n, max(0, sums.total("a") - sums.total("r") if f is None else sums.total(f)))
@@ -341,10 +394,14 @@ class CanaryController:
             info["srm"] = srm.look_requests(*info["events"])
         if latency is not None:  # batch means: the buckets pair by time, so load both arms share cancels
             cb, sb = ev.fast_canary.buckets, ev.fast_stable.buckets
-            means = [(cb[b]["m"] / cb[b]["n"], sb[b]["m"] / sb[b]["n"])
-                     for b in sorted(set(cb) & set(sb)) if cb[b].get("n") and sb[b].get("n")]
-            info["latency"] = seq.look_batches(latency, [c for c, _ in means], [s for _, s in means],
-                                               min_batches=LATENCY_MIN_BATCHES)
+            means = [
+                (cb[b]["m"] / cb[b]["n"], sb[b]["m"] / sb[b]["n"])
+                for b in sorted(set(cb) & set(sb))
+                if cb[b].get("n") and sb[b].get("n")
+            ]
+            info["latency"] = seq.look_batches(
+                latency, [c for c, _ in means], [s for _, s in means], min_batches=LATENCY_MIN_BATCHES
+            )
             if means:  # the mean of the buckets' means, each arm (what the batch-means test compares)
                 info["latency_means"] = (float(np.mean([c for c, _ in means])), float(np.mean([s for _, s in means])))
         if settling:  # a node that has just swapped runs hot for a few seconds: latency and length not judged worse
@@ -375,36 +432,67 @@ class CanaryController:
         if verdict == seq.CONTINUE:
             why = _pending(tests, info)
         if srm.verdict() == seq.MISMATCH:  # the arms are not what the assignment drew: nothing of them can be trusted
-            verdict, why = seq.ABORT, (f"srm: the arms' users or events do not match the share {rollout.share:g} "
-                                       f"(p users {srm.p_users:.3g}, p events {srm.p_events:.3g} <= "
-                                       f"gate.srm_alpha/2): the assignment, routing or logging is broken")
+            verdict, why = (
+                seq.ABORT,
+                (
+                    f"srm: the arms' users or events do not match the share {rollout.share:g} "
+                    f"(p users {srm.p_users:.3g}, p events {srm.p_events:.3g} <= "
+                    f"gate.srm_alpha/2): the assignment, routing or logging is broken"
+                ),
+            )
         elif rollout.state == "paused" and verdict != seq.ABORT:
             verdict, why = "continue", "paused by an operator"
         elif settling and verdict != seq.ABORT:
-            verdict, why = "continue", (f"settling: no promotion in the first gate.canary_min_s "
-                                        f"{self.cfg.gate.canary_min_s:.0f} s ({now - rollout.started_at:.0f} s so far)")
+            verdict, why = (
+                "continue",
+                (
+                    f"settling: no promotion in the first gate.canary_min_s "
+                    f"{self.cfg.gate.canary_min_s:.0f} s ({now - rollout.started_at:.0f} s so far)"
+                ),
+            )
         summary = tests.success.summary()
         c_events, s_events = info["events"]
         users = info.get("users", (None, None))
-        look = _finite({"at": now, "canary_events": c_events, "stable_events": s_events,
-                        "canary_acceptance": summary["canary_mean"], "stable_acceptance": summary["stable_mean"],
-                        "p_better": tests.success.p_pass, "p_worse": tests.success.p_harm,
-                        "canary_users": users[0], "stable_users": users[1],
-                        "cuped_removed": info.get("acceptance", {}).get("cuped_removed"),
-                        "p_srm": min(srm.p_users, srm.p_events), "through_bucket": ev.next_bucket - 1})
-        state = {f"{t.name}:{side}": v for t in (tests.success, *tests.guardrails)
-                 for side, v in (("pass", t.max_log_lr_pass), ("harm", t.max_log_lr_harm))
-                 if v > float("-inf") and not (settling and side == "pass")}  # passing evidence counts after settling
-        state |= {k: v for k, v in (("srm:users", srm.max_log_bf_users), ("srm:events", srm.max_log_bf_events))
-                  if v > float("-inf")}
+        look = _finite(
+            {
+                "at": now,
+                "canary_events": c_events,
+                "stable_events": s_events,
+                "canary_acceptance": summary["canary_mean"],
+                "stable_acceptance": summary["stable_mean"],
+                "p_better": tests.success.p_pass,
+                "p_worse": tests.success.p_harm,
+                "canary_users": users[0],
+                "stable_users": users[1],
+                "cuped_removed": info.get("acceptance", {}).get("cuped_removed"),
+                "p_srm": min(srm.p_users, srm.p_events),
+                "through_bucket": ev.next_bucket - 1,
+            }
+        )
+        state = {
+            f"{t.name}:{side}": v
+            for t in (tests.success, *tests.guardrails)
+            for side, v in (("pass", t.max_log_lr_pass), ("harm", t.max_log_lr_harm))
+            if v > float("-inf") and not (settling and side == "pass")
+        }  # passing evidence counts after settling
+        state |= {
+            k: v
+            for k, v in (("srm:users", srm.max_log_bf_users), ("srm:events", srm.max_log_bf_events))
+            if v > float("-inf")
+        }
         state = {k: min(v, 1e300) for k, v in state.items()}  # finite JSON
         evidence = self._evidence_text(rollout, stable, tests, info)
         if verdict == seq.CONTINUE and not fresh and why == rollout.reason:
             return "continue", f"{why}: {evidence}"  # nothing new since the last look: nothing to record
         try:
             rollout = self.registry.save_rollout_evidence(
-                rollout.id, expect_revision=rollout.revision, test_state=state,
-                looks=[*(rollout.looks or []), look][-MAX_LOOKS:], verdict=verdict, reason=why)
+                rollout.id,
+                expect_revision=rollout.revision,
+                test_state=state,
+                looks=[*(rollout.looks or []), look][-MAX_LOOKS:],
+                verdict=verdict,
+                reason=why,
+            )
         except RegistryConflict as e:  # an operator changed the rollout since it was read: look again next step
             return "continue", f"rollout changed while judged ({e}); looking again"
         if verdict == seq.PROMOTE:
@@ -417,11 +505,13 @@ class CanaryController:
         s = tests.success.summary()
         c_events, s_events = info["events"]
         users = info.get("users")
-        text = (f"canary v{rollout.version} kept acceptance {s['canary_mean']:.3f} on {c_events} events"
-                + (f" of {users[0]} users" if users else "")
-                + f" vs stable v{stable.version} {s['stable_mean']:.3f} on {s_events}"
-                + (f" of {users[1]} users" if users else "")
-                + f" (unit {rollout.unit}; p better {tests.success.p_pass:.3g}, p worse {tests.success.p_harm:.3g}")
+        text = (
+            f"canary v{rollout.version} kept acceptance {s['canary_mean']:.3f} on {c_events} events"
+            + (f" of {users[0]} users" if users else "")
+            + f" vs stable v{stable.version} {s['stable_mean']:.3f} on {s_events}"
+            + (f" of {users[1]} users" if users else "")
+            + f" (unit {rollout.unit}; p better {tests.success.p_pass:.3g}, p worse {tests.success.p_harm:.3g}"
+        )
         removed = info.get("acceptance", {}).get("cuped_removed")
         if removed is not None and removed >= 0.005:  # below it: too little history before the rollout to help
             text += f"; CUPED removed {100 * removed:.0f}% of the variance"
@@ -435,13 +525,21 @@ class CanaryController:
     def promote(self, rollout: Rollout, stable: Version, why: str, actor: str = "gate") -> tuple[str, str]:
         last = (rollout.looks or [{}])[-1]
         try:
-            self.registry.finish_rollout_promote(rollout.id, expected_stable=stable.version, actor=actor,
-                                                 reason=f"canary passed: {why}")
+            self.registry.finish_rollout_promote(
+                rollout.id, expected_stable=stable.version, actor=actor, reason=f"canary passed: {why}"
+            )
         except RegistryConflict as e:  # paused, aborted or promoted by an operator since it was read: theirs stands
             return "continue", f"not promoted: {e}"
         self.record(rollout.version, "canary", last.get("canary_acceptance"), last.get("stable_acceptance"), True, why)
-        announce(self.redis, self.prefix, rollout.version, rollout.checksum, f"canary passed: {why}"[:1024],
-                 self.signer, ttl_s=self.cfg.security.announce_ttl_s)
+        announce(
+            self.redis,
+            self.prefix,
+            rollout.version,
+            rollout.checksum,
+            f"canary passed: {why}"[:1024],
+            self.signer,
+            ttl_s=self.cfg.security.announce_ttl_s,
+        )
         self.clear()
         log.info("gate: canary v%d promoted: %s", rollout.version, why)
         return "promoted", why
@@ -454,7 +552,6 @@ class CanaryController:
             log.info("gate: canary v%d not aborted: %s", rollout.version, e)
             return "continue", f"not aborted: {e}"
         self.clear()
-        self.record(rollout.version, "canary", last.get("canary_acceptance"), last.get("stable_acceptance"), False,
-                    why)
+        self.record(rollout.version, "canary", last.get("canary_acceptance"), last.get("stable_acceptance"), False, why)
         log.warning("gate: canary v%d aborted: %s", rollout.version, why)
         return "aborted", why

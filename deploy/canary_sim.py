@@ -48,11 +48,25 @@ def assign(secret: bytes, rollout_id: int, n_users: int, share: float) -> np.nda
     return on
 
 
-def simulate_sticky(population: str = "segments", n_users: int = 48, effects: tuple[float, ...] = (0.0, 0.03, -0.03),
-                    runs: int = 1000, *, share: float = 0.5, events_per_s: float = 50.0, bucket_s: float = 10.0,
-                    deadline_s: float = 1800.0, pre_s: float = 1800.0, activity_sigma: float = 1.0,
-                    alpha: float = 0.05, tau: float = 0.03, min_events: int = 100, min_units: int = 10,
-                    srm_alpha: float = 0.001, seed: int = 0) -> dict:
+def simulate_sticky(
+    population: str = "segments",
+    n_users: int = 48,
+    effects: tuple[float, ...] = (0.0, 0.03, -0.03),
+    runs: int = 1000,
+    *,
+    share: float = 0.5,
+    events_per_s: float = 50.0,
+    bucket_s: float = 10.0,
+    deadline_s: float = 1800.0,
+    pre_s: float = 1800.0,
+    activity_sigma: float = 1.0,
+    alpha: float = 0.05,
+    tau: float = 0.03,
+    min_events: int = 100,
+    min_units: int = 10,
+    srm_alpha: float = 0.001,
+    seed: int = 0,
+) -> dict:
     """Canaries in the deployed world: ``n_users`` sticky users of one ``population`` with heterogeneous activity
     (log-normal weights, ``activity_sigma``; the demo's is 1.0), assigned by the router's ``fleet.bucket`` with a
     fresh rollout id per run, judged ``events_per_s`` (all traffic) in buckets of ``bucket_s``; the gate looks once
@@ -71,8 +85,10 @@ def simulate_sticky(population: str = "segments", n_users: int = 48, effects: tu
     looks = int(deadline_s // bucket_s)
     threshold = math.log(1.0 / alpha)
     secret = f"liverl-bench-canary-{seed}".encode()
-    res = {eff: {s: {PROMOTE: 0, ABORT: 0, "events": []} for s in SCHEMES} | {"cuped_removed": [], "srm": 0}
-           for eff in effects}
+    res = {
+        eff: {s: {PROMOTE: 0, ABORT: 0, "events": []} for s in SCHEMES} | {"cuped_removed": [], "srm": 0}
+        for eff in effects
+    }
     for run in range(runs):
         rng = np.random.default_rng([seed, run])
         p = user_rates(population, n_users, rng)
@@ -97,8 +113,9 @@ def simulate_sticky(population: str = "segments", n_users: int = 48, effects: tu
         den = _cumulative(np.bincount(slot, minlength=looks * n_users), looks)
         look_of = np.repeat(np.arange(looks), per_bucket)
         srm = SrmTest(share, alpha=srm_alpha)  # the arms' counts do not depend on the effect
-        mismatch = srm.look_units(UnitSums(np.zeros_like(den[:, :k]), den[:, :k]),
-                                  UnitSums(np.zeros_like(den[:, k:]), den[:, k:]))
+        mismatch = srm.look_units(
+            UnitSums(np.zeros_like(den[:, :k]), den[:, :k]), UnitSums(np.zeros_like(den[:, k:]), den[:, k:])
+        )
         for eff in effects:
             accept = u01 < np.clip(p_e + eff * on_e, 0.0, 1.0)
             num = _cumulative(np.bincount(slot, weights=accept, minlength=looks * n_users), looks)
@@ -115,18 +132,33 @@ def simulate_sticky(population: str = "segments", n_users: int = 48, effects: tu
             # the per-event test: the same events and arms, then each request drawn afresh
             for scheme, arm in (("event, sticky users", on_e), ("event, per request", to_canary)):
                 acc = accept if arm is on_e else u01 < np.clip(p_e + eff * to_canary, 0.0, 1.0)
-                n_c, x_c, x_s = (np.bincount(look_of, weights=x, minlength=looks).cumsum()
-                                 for x in (arm, acc & arm, acc & ~arm))
+                n_c, x_c, x_s = (
+                    np.bincount(look_of, weights=x, minlength=looks).cumsum() for x in (arm, acc & arm, acc & ~arm)
+                )
                 n_s = per_bucket * np.arange(1, looks + 1) - n_c
                 test = MetricTest("acceptance", alpha=alpha, tau=tau, min_events=min_events)
                 d, var = bernoulli_estimate(n_c, x_c, n_s, x_s)
                 pass_, harm = test.look(d, var, np.minimum(n_c, n_s) >= min_events)
                 _decide(out[scheme], pass_, harm, threshold, per_bucket)
-    return {"population": population, "users": n_users, "runs": runs, "share": share, "events_per_s": events_per_s,
-            "bucket_s": bucket_s, "deadline_s": deadline_s, "pre_s": pre_s, "activity_sigma": activity_sigma,
-            "alpha": alpha, "tau": tau, "min_events": min_events, "min_units": min_units, "srm_alpha": srm_alpha,
-            "seed": seed, "events_at_deadline": looks * per_bucket,
-            "effects": {eff: _rates(out, runs) for eff, out in res.items()}}
+    return {
+        "population": population,
+        "users": n_users,
+        "runs": runs,
+        "share": share,
+        "events_per_s": events_per_s,
+        "bucket_s": bucket_s,
+        "deadline_s": deadline_s,
+        "pre_s": pre_s,
+        "activity_sigma": activity_sigma,
+        "alpha": alpha,
+        "tau": tau,
+        "min_events": min_events,
+        "min_units": min_units,
+        "srm_alpha": srm_alpha,
+        "seed": seed,
+        "events_at_deadline": looks * per_bucket,
+        "effects": {eff: _rates(out, runs) for eff, out in res.items()},
+    }
 
 
 def _cumulative(counts: np.ndarray, looks: int) -> np.ndarray:
@@ -152,9 +184,12 @@ def _rates(out: dict, runs: int) -> dict:
     for scheme in SCHEMES:
         o = out[scheme]
         ev = sorted(o["events"])
-        rows[scheme] = {"promoted": o[PROMOTE] / runs, "aborted": o[ABORT] / runs,
-                        "undecided": 1 - (o[PROMOTE] + o[ABORT]) / runs,
-                        "median_events": ev[len(ev) // 2] if ev else None}
+        rows[scheme] = {
+            "promoted": o[PROMOTE] / runs,
+            "aborted": o[ABORT] / runs,
+            "undecided": 1 - (o[PROMOTE] + o[ABORT]) / runs,
+            "median_events": ev[len(ev) // 2] if ev else None,
+        }
     cr = out["cuped_removed"]
     rows["cuped_removed"] = float(np.median(cr)) if cr else None
     rows["srm"] = out["srm"] / runs

@@ -121,14 +121,15 @@ def pack_container(magic: bytes, header: dict, payload: bytearray | list[bytes])
         frames, payload = payload, _payload_buffer()
         for f in frames:
             payload += f
-    body = memoryview(payload)[_PREFIX.size:]
+    body = memoryview(payload)[_PREFIX.size :]
     header["payload_bytes"] = len(body)
     trailer = blake3.blake3(body).digest()
     body.release()
     hjson = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     hz = zstandard.ZstdCompressor(level=19).compress(hjson)
-    payload[:_PREFIX.size] = _PREFIX.pack(magic, FORMAT_VERSION, 0, len(hz), header["payload_bytes"],
-                                          blake3.blake3(hz).digest())
+    payload[: _PREFIX.size] = _PREFIX.pack(
+        magic, FORMAT_VERSION, 0, len(hz), header["payload_bytes"], blake3.blake3(hz).digest()
+    )
     payload += hz
     payload += trailer
     return payload
@@ -158,7 +159,7 @@ class Output:
         end = self.n + len(frame)
         if end > len(self.buf):
             _resize(self.buf, max(end, 2 * len(self.buf)))
-        self.buf[self.n:end] = frame
+        self.buf[self.n : end] = frame
         self.n = end
 
     def finish(self) -> bytearray:
@@ -186,14 +187,18 @@ def open_container(blob: bytes, magic: bytes, what: str, check_payload: bool = T
     if version != FORMAT_VERSION:
         raise DeltaError(f"{what} format version {version} is not supported by this build (reads {FORMAT_VERSION})")
     if flags != 0:  # no flag is defined in this version: a set bit is damage (hypothesis found one applying fine)
-        raise DeltaError(f"{what} corrupted: flags {flags:#06x} set in the prefix (format {FORMAT_VERSION} defines none)")
+        raise DeltaError(
+            f"{what} corrupted: flags {flags:#06x} set in the prefix (format {FORMAT_VERSION} defines none)"
+        )
     expected = _PREFIX.size + plen + hlen + _TRAILER
     if len(view) < expected:
         raise DeltaError(f"{what} truncated: expected {expected} bytes, got {len(view)}")
     if len(view) > expected:
-        raise DeltaError(f"{what} corrupted: {len(view) - expected} unexpected bytes after the end (expected {expected})")
+        raise DeltaError(
+            f"{what} corrupted: {len(view) - expected} unexpected bytes after the end (expected {expected})"
+        )
     hstart = _PREFIX.size + plen
-    hz = view[hstart:hstart + hlen]
+    hz = view[hstart : hstart + hlen]
     if blake3.blake3(hz).digest() != hsum:
         raise DeltaError(f"{what} corrupted: header checksum mismatch")
     try:
@@ -202,8 +207,8 @@ def open_container(blob: bytes, magic: bytes, what: str, check_payload: bool = T
             raise ValueError("payload length differs from the prefix")
     except (zstandard.ZstdError, ValueError, KeyError, TypeError) as e:
         raise DeltaError(f"{what} corrupted: malformed header ({e})") from None
-    payload = view[_PREFIX.size:hstart]
-    if check_payload and blake3.blake3(payload).digest() != bytes(view[expected - _TRAILER:]):
+    payload = view[_PREFIX.size : hstart]
+    if check_payload and blake3.blake3(payload).digest() != bytes(view[expected - _TRAILER :]):
         raise DeltaError(f"{what} corrupted: payload checksum mismatch")
     return header, payload
 

@@ -54,9 +54,23 @@ from deploy.container import (
 )
 
 __all__ = [  # checksum, tensor_checksum, DTYPES and DeltaError live in deploy.container; callers of the codec get them here
-    "CHUNK_ELEMENTS", "DTYPES", "FORMAT_VERSION", "Chunk", "DeltaError", "DeltaHeader", "DeltaPlan", "DeltaResult",
-    "TensorEntry", "apply_delta", "apply_delta_inplace", "checksum", "encode_delta", "plan_delta", "read_header",
-    "tensor_checksum", "warm_up",
+    "CHUNK_ELEMENTS",
+    "DTYPES",
+    "FORMAT_VERSION",
+    "Chunk",
+    "DeltaError",
+    "DeltaHeader",
+    "DeltaPlan",
+    "DeltaResult",
+    "TensorEntry",
+    "apply_delta",
+    "apply_delta_inplace",
+    "checksum",
+    "encode_delta",
+    "plan_delta",
+    "read_header",
+    "tensor_checksum",
+    "warm_up",
 ]
 CHUNK_ELEMENTS = 1 << 22  # elements per independently coded chunk (8 MiB of bf16)
 _DIGEST_CHARS = 8  # hex chars of each per-tensor digest kept in a delta header (32 bits: they locate a
@@ -106,8 +120,17 @@ def _encode_chunk(b: np.ndarray, t: np.ndarray, dt: ElementType, level: int) -> 
     best: tuple[str, bytes] | None = None
     out = _work("out", (n * dt.bits // 8 + 4096,), np.uint8)
     stats = np.zeros(1, np.int64)
-    nb = kernels.cond_encode(b, t, dt.bits, dt.mbits, dt.ebits, out, stats, _work("rec", (4, n), np.int32),
-                             _work("dense", (2 * n + 64,), np.uint8))
+    nb = kernels.cond_encode(
+        b,
+        t,
+        dt.bits,
+        dt.mbits,
+        dt.ebits,
+        out,
+        stats,
+        _work("rec", (4, n), np.int32),
+        _work("dense", (2 * n + 64,), np.uint8),
+    )
     changed = int(stats[0])
     if nb >= 0:
         best = (COND, out[:nb].tobytes())
@@ -118,8 +141,9 @@ def _encode_chunk(b: np.ndarray, t: np.ndarray, dt: ElementType, level: int) -> 
     return best[0], best[1], changed
 
 
-def _xor_chunk(x: np.ndarray, method: str, frame: memoryview, changed: int, dt: ElementType, forward: bool,
-               what: str) -> None:
+def _xor_chunk(
+    x: np.ndarray, method: str, frame: memoryview, changed: int, dt: ElementType, forward: bool, what: str
+) -> None:
     """Decode one chunk against ``x`` and, only once it decoded consistently, XOR the change into ``x``.
 
     Running it again with ``forward`` flipped undoes it. Raises DeltaError with ``x`` untouched.
@@ -135,8 +159,12 @@ def _xor_chunk(x: np.ndarray, method: str, frame: memoryview, changed: int, dt: 
         stream.flags.writeable = False
         m = kernels.cond_decode(x, stream, dt.bits, dt.mbits, dt.ebits, forward, pos[:changed], val[:changed])
         if m < 0:
-            why = {kernels.E_TRUNCATED: "the stream ends early", kernels.E_POSITION: "a position lies outside it",
-                   kernels.E_COUNTS: "its counts do not add up", kernels.E_TRAILING: "bytes are left over"}.get(m, m)
+            why = {
+                kernels.E_TRUNCATED: "the stream ends early",
+                kernels.E_POSITION: "a position lies outside it",
+                kernels.E_COUNTS: "its counts do not add up",
+                kernels.E_TRAILING: "bytes are left over",
+            }.get(m, m)
             raise DeltaError(f"delta corrupted or not for these weights: {what} does not decode ({why})")
         if m != changed:
             raise DeltaError(f"delta corrupted: {what} decodes {m} changed elements, the header says {changed}")
@@ -237,11 +265,27 @@ def _delta_header(h: dict) -> DeltaHeader:
             for method, length, changed in e.get("k", ()):  # frames follow each other in header order
                 chunks.append(Chunk(str(method), offset, int(length), int(changed)))
                 offset += int(length)
-            tensors.append(TensorEntry(name=e["n"], dtype=e["d"], shape=tuple(int(x) for x in e["s"]),
-                                       base_digest=e["b"], target_digest=e.get("t", e["b"]), chunks=tuple(chunks)))
+            tensors.append(
+                TensorEntry(
+                    name=e["n"],
+                    dtype=e["d"],
+                    shape=tuple(int(x) for x in e["s"]),
+                    base_digest=e["b"],
+                    target_digest=e.get("t", e["b"]),
+                    chunks=tuple(chunks),
+                )
+            )
         tensors = tuple(tensors)
-        header = DeltaHeader(FORMAT_VERSION, int(h["base_version"]), int(h["target_version"]), h["base_checksum"],
-                             h["target_checksum"], int(h["chunk_elements"]), tensors, int(h["payload_bytes"]))
+        header = DeltaHeader(
+            FORMAT_VERSION,
+            int(h["base_version"]),
+            int(h["target_version"]),
+            h["base_checksum"],
+            h["target_checksum"],
+            int(h["chunk_elements"]),
+            tensors,
+            int(h["payload_bytes"]),
+        )
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise DeltaError(f"delta corrupted: malformed header ({e!r})") from None
     bad = sorted({e.dtype for e in tensors if e.dtype not in DTYPES})
@@ -249,8 +293,9 @@ def _delta_header(h: dict) -> DeltaHeader:
         raise DeltaError(f"delta uses unsupported dtypes {bad}")
     for e in tensors:
         n_chunks = -(-e.numel // header.chunk_elements) if e.chunks else 0
-        if len(e.chunks) != n_chunks or any(c.length < 0 or c.changed < 0 or c.offset + c.length > header.payload_bytes
-                                            for c in e.chunks):
+        if len(e.chunks) != n_chunks or any(
+            c.length < 0 or c.changed < 0 or c.offset + c.length > header.payload_bytes for c in e.chunks
+        ):
             raise DeltaError(f"delta corrupted: tensor {e.name!r} has inconsistent chunks")
     return header
 
@@ -269,15 +314,23 @@ def _chunks(numel: int, chunk: int) -> Iterator[tuple[int, int]]:
         yield lo, min(numel, lo + chunk)
 
 
-def encode_delta(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], base_version: int,
-                 target_version: int, level: int = 3, chunk_elements: int = CHUNK_ELEMENTS) -> bytearray:
+def encode_delta(
+    base: Mapping[str, torch.Tensor],
+    target: Mapping[str, torch.Tensor],
+    base_version: int,
+    target_version: int,
+    level: int = 3,
+    chunk_elements: int = CHUNK_ELEMENTS,
+) -> bytearray:
     """The delta between two versions of the same architecture (same names, dtypes and shapes).
 
     Tensors are read chunk by chunk (views, no copies): memory is a few chunks plus the delta itself.
     """
     if set(base) != set(target):
         missing, extra = sorted(set(base) - set(target)), sorted(set(target) - set(base))
-        raise ValueError(f"base and target differ in tensor names: only in base {missing[:5]}, only in target {extra[:5]}")
+        raise ValueError(
+            f"base and target differ in tensor names: only in base {missing[:5]}, only in target {extra[:5]}"
+        )
     if chunk_elements < 1:
         raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
     entries, out = [], Output()
@@ -286,7 +339,9 @@ def encode_delta(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Te
         for name in sorted(base):
             b, t = base[name], target[name]
             if b.dtype != t.dtype or tuple(b.shape) != tuple(t.shape):
-                raise ValueError(f"tensor {name!r}: base is {b.dtype}{tuple(b.shape)}, target is {t.dtype}{tuple(t.shape)}")
+                raise ValueError(
+                    f"tensor {name!r}: base is {b.dtype}{tuple(b.shape)}, target is {t.dtype}{tuple(t.shape)}"
+                )
             dtype = dtype_name(b)
             dt = DTYPES[dtype]
             base_sums[name], target_sums[name] = bsum, tsum = tensor_checksum(b), tensor_checksum(t)
@@ -309,9 +364,16 @@ def encode_delta(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Te
                 for fut in window:
                     take(fut)
             entries.append(entry)
-    header = {"kind": "delta", "codec": "liverl-delta-2", "base_version": int(base_version),
-              "target_version": int(target_version), "base_checksum": combine_checksums(base_sums),
-              "target_checksum": combine_checksums(target_sums), "chunk_elements": chunk_elements, "tensors": entries}
+    header = {
+        "kind": "delta",
+        "codec": "liverl-delta-2",
+        "base_version": int(base_version),
+        "target_version": int(target_version),
+        "base_checksum": combine_checksums(base_sums),
+        "target_checksum": combine_checksums(target_sums),
+        "chunk_elements": chunk_elements,
+        "tensors": entries,
+    }
     return pack_container(DELTA_MAGIC, header, out.finish())
 
 
@@ -329,13 +391,17 @@ class _Ends:
 
 def _locate(state: Mapping[str, torch.Tensor], header: DeltaHeader, known_checksum: str | None) -> _Ends:
     """Which end of the delta ``state`` is at; DeltaError if neither (nothing is modified)."""
-    ends = (f"delta is for base version {header.base_version} (checksum {_short(header.base_checksum)}) "
-            f"and target version {header.target_version} (checksum {_short(header.target_checksum)})")
+    ends = (
+        f"delta is for base version {header.base_version} (checksum {_short(header.base_checksum)}) "
+        f"and target version {header.target_version} (checksum {_short(header.target_checksum)})"
+    )
     names = {e.name for e in header.tensors}
     if known_checksum is None:  # check the whole state: names, dtypes, shapes, bytes
         missing, extra = sorted(names - set(state)), sorted(set(state) - names)
         if missing or extra:
-            raise DeltaError(f"{ends} but the weights have different tensors: missing {missing[:5]}, unexpected {extra[:5]}")
+            raise DeltaError(
+                f"{ends} but the weights have different tensors: missing {missing[:5]}, unexpected {extra[:5]}"
+            )
     for e in header.changed:
         if e.name not in state:
             raise DeltaError(f"{ends} but the weights lack tensor {e.name!r}")
@@ -358,15 +424,18 @@ def _locate(state: Mapping[str, torch.Tensor], header: DeltaHeader, known_checks
         for e in header.changed:
             want = e.base_digest if fwd else e.target_digest
             if tensor_checksum(state[e.name])[:_DIGEST_CHARS] != want:
-                raise DeltaError(f"{ends} but tensor {e.name!r} does not match (the weights are not at checksum "
-                                 f"{_short(known_checksum)} as claimed)")
+                raise DeltaError(
+                    f"{ends} but tensor {e.name!r} does not match (the weights are not at checksum "
+                    f"{_short(known_checksum)} as claimed)"
+                )
     if fwd:
         return _Ends(True, sums, header.target_version, header.target_checksum, header.base_version)
     return _Ends(False, sums, header.base_version, header.base_checksum, header.target_version)
 
 
-def _run(state: Mapping[str, torch.Tensor], header: DeltaHeader, payload: memoryview, ends: _Ends,
-         sums: dict[str, str]) -> None:
+def _run(
+    state: Mapping[str, torch.Tensor], header: DeltaHeader, payload: memoryview, ends: _Ends, sums: dict[str, str]
+) -> None:
     """Apply every chunk in place, then verify; on any failure undo what was applied and raise DeltaError."""
     jobs = []
     for e in header.changed:
@@ -379,8 +448,15 @@ def _run(state: Mapping[str, torch.Tensor], header: DeltaHeader, payload: memory
 
     def run(job, forward):
         x, e, c = job
-        _xor_chunk(x, c.method, payload[c.offset:c.offset + c.length], c.changed, DTYPES[e.dtype], forward,
-                   f"tensor {e.name!r} chunk at {c.offset}")
+        _xor_chunk(
+            x,
+            c.method,
+            payload[c.offset : c.offset + c.length],
+            c.changed,
+            DTYPES[e.dtype],
+            forward,
+            f"tensor {e.name!r} chunk at {c.offset}",
+        )
 
     applied: list = []
     failure: BaseException | None = None
@@ -431,8 +507,9 @@ class DeltaResult:
     changed: tuple[str, ...]
 
 
-def apply_delta_inplace(state: Mapping[str, torch.Tensor], blob: bytes,
-                        known_checksum: str | None = None) -> DeltaResult:
+def apply_delta_inplace(
+    state: Mapping[str, torch.Tensor], blob: bytes, known_checksum: str | None = None
+) -> DeltaResult:
     """Move ``state`` (contiguous CPU tensors) to the other end of the delta, in place, chunk by chunk.
 
     Everything is verified first (see the module doc); ``known_checksum``: a caller that already knows the

@@ -61,7 +61,6 @@ from liverl.core.schemas import GenerationRecord, TrainingSample, WireError
 log = logging.getLogger("liverl.gate")
 
 
-
 class Evaluator(Protocol):
     """What the gate asks of a policy (see ``learner.evaluate.PolicyEvaluator``)."""
 
@@ -85,7 +84,7 @@ def paired_sign_test(candidate: list[float], stable: list[float]) -> tuple[int, 
     worse = sum(c < s for c, s in zip(candidate, stable))
     better = sum(c > s for c, s in zip(candidate, stable))
     n = worse + better
-    p = sum(math.comb(n, k) for k in range(worse, n + 1)) / 2 ** n if n else 1.0
+    p = sum(math.comb(n, k) for k in range(worse, n + 1)) / 2**n if n else 1.0
     return worse, better, p
 
 
@@ -97,43 +96,71 @@ class Verdict:
     checks: dict[str, bool] = field(default_factory=dict)
 
 
-
 class Gate:
     """Evaluates pending candidates with the ``evaluator`` it is given (drift, collapse, optional suite)."""
 
-    def __init__(self, cfg: LiverlConfig, registry: Registry, redis: redis_lib.Redis, evaluator: Evaluator,
-                 signer: Signer | None = None, heldout: Callable[[], list[HeldoutSample]] | None = None):
+    def __init__(
+        self,
+        cfg: LiverlConfig,
+        registry: Registry,
+        redis: redis_lib.Redis,
+        evaluator: Evaluator,
+        signer: Signer | None = None,
+        heldout: Callable[[], list[HeldoutSample]] | None = None,
+    ):
         self.cfg, self.registry, self.redis, self.signer = cfg, registry, redis, signer
         self.heldout = heldout  # the newest held-out samples (``GenerationTail`` on <prefix>.heldout), or None
         self.prefix = cfg.topics.prefix
         self.evaluator = evaluator
         self._stable_suite: dict[tuple[int, str], dict | None] = {}
         self.metrics = prom.CollectorRegistry()
-        self._verdicts = prom.Counter("liverl_gate_verdicts", "Gate verdicts on candidates", ["verdict"],
-                                      registry=self.metrics)
+        self._verdicts = prom.Counter(
+            "liverl_gate_verdicts", "Gate verdicts on candidates", ["verdict"], registry=self.metrics
+        )
         self._checks = prom.Counter("liverl_gate_checks", "Gate checks run", ["check", "result"], registry=self.metrics)
-        self._errors = prom.Counter("liverl_gate_errors", "Gate steps that failed with an exception",
-                                    registry=self.metrics)
-        self._eval_s = prom.Histogram("liverl_gate_eval_seconds", "Time of one candidate's evaluation",
-                                      registry=self.metrics, buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120))
-        self._stable = prom.Gauge("liverl_gate_stable_version", "Stable version as of the last gate step",
-                                  registry=self.metrics)
-        self._score = prom.Gauge("liverl_gate_last_score", "Last evaluated candidate's figures (kl, entropy, suite)",
-                                 ["metric"], registry=self.metrics)
-        self._promoted_at = prom.Gauge("liverl_gate_stable_promoted_timestamp_seconds",
-                                       "When the stable version became stable (Unix time; alert: no promotion for "
-                                       "too long)", registry=self.metrics)
-        self._rolled_back_at = prom.Gauge("liverl_gate_last_rollback_timestamp_seconds",
-                                          "When the registry last rolled back (Unix time, 0: never; alert: rollout "
-                                          "rolled back)", registry=self.metrics)
-        self._refused_in_a_row = prom.Gauge("liverl_gate_refused_in_a_row",
-                                            "Candidates the gate refused since its last promotion (alert: N refused "
-                                            "in a row)", registry=self.metrics)
+        self._errors = prom.Counter(
+            "liverl_gate_errors", "Gate steps that failed with an exception", registry=self.metrics
+        )
+        self._eval_s = prom.Histogram(
+            "liverl_gate_eval_seconds",
+            "Time of one candidate's evaluation",
+            registry=self.metrics,
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120),
+        )
+        self._stable = prom.Gauge(
+            "liverl_gate_stable_version", "Stable version as of the last gate step", registry=self.metrics
+        )
+        self._score = prom.Gauge(
+            "liverl_gate_last_score",
+            "Last evaluated candidate's figures (kl, entropy, suite)",
+            ["metric"],
+            registry=self.metrics,
+        )
+        self._promoted_at = prom.Gauge(
+            "liverl_gate_stable_promoted_timestamp_seconds",
+            "When the stable version became stable (Unix time; alert: no promotion for too long)",
+            registry=self.metrics,
+        )
+        self._rolled_back_at = prom.Gauge(
+            "liverl_gate_last_rollback_timestamp_seconds",
+            "When the registry last rolled back (Unix time, 0: never; alert: rollout rolled back)",
+            registry=self.metrics,
+        )
+        self._refused_in_a_row = prom.Gauge(
+            "liverl_gate_refused_in_a_row",
+            "Candidates the gate refused since its last promotion (alert: N refused in a row)",
+            registry=self.metrics,
+        )
         self._in_a_row = 0
-        self._rollouts = prom.Counter("liverl_gate_rollouts", "Canary rollouts ended, by outcome (promoted, aborted)",
-                                      ["outcome"], registry=self.metrics)
-        self._canary_share = prom.Gauge("liverl_gate_canary_share", "Share of users on the canary now (0: none)",
-                                        registry=self.metrics)
+        self._rollouts = prom.Counter(
+            "liverl_gate_rollouts",
+            "Canary rollouts ended, by outcome (promoted, aborted)",
+            ["outcome"],
+            registry=self.metrics,
+        )
+        self._canary_share = prom.Gauge(
+            "liverl_gate_canary_share", "Share of users on the canary now (0: none)", registry=self.metrics
+        )
         self.canary = CanaryController(cfg, registry, redis, signer, self._record)
 
     def metrics_text(self) -> bytes:
@@ -178,8 +205,16 @@ class Gate:
         a promotion and its announcement, or a lost Redis key), checked as the agents check it (signed, bound to its
         channel and prefix, unexpired), and keep it fresh (``deploy.signing.keep_announced``). The registry is the
         truth."""
-        what = keep_announced(self.redis, self.prefix, "desired", stable.version, stable.checksum,
-                              "reconciled with the registry", self.signer, ttl_s=self.cfg.security.announce_ttl_s)
+        what = keep_announced(
+            self.redis,
+            self.prefix,
+            "desired",
+            stable.version,
+            stable.checksum,
+            "reconciled with the registry",
+            self.signer,
+            ttl_s=self.cfg.security.announce_ttl_s,
+        )
         if what is not None and what != "refreshed":
             log.warning("gate: desired version %s; announced the registry's stable v%d", what, stable.version)
 
@@ -243,8 +278,9 @@ class Gate:
 
     # ------------------------------------------------------------------------------------------ checks
 
-    def _record(self, version: int, check: str, value: float | None, threshold: float | None, passed: bool,
-                detail: str) -> bool:
+    def _record(
+        self, version: int, check: str, value: float | None, threshold: float | None, passed: bool, detail: str
+    ) -> bool:
         self.registry.record_gate(version, check, value, threshold, passed, detail)
         self._checks.labels(check, "pass" if passed else "fail").inc()
         log.info("gate: version %d %s %s: %s", version, check, "passed" if passed else "FAILED", detail)
@@ -260,8 +296,11 @@ class Gate:
             self._record(row.version, "integrity", 0.0, 1.0, False, f"delta from {row.parent} does not apply: {e}")
             return None
         ok = now == row.version and got == row.checksum
-        detail = (f"delta from {row.parent} rebuilds checksum {got[:12]}…" if ok else
-                  f"delta from {row.parent} rebuilds version {now} checksum {got[:12]}…, expected {row.checksum[:12]}…")
+        detail = (
+            f"delta from {row.parent} rebuilds checksum {got[:12]}…"
+            if ok
+            else f"delta from {row.parent} rebuilds version {now} checksum {got[:12]}…, expected {row.checksum[:12]}…"
+        )
         return state if self._record(row.version, "integrity", float(ok), 1.0, ok, detail) else None
 
     def stable_suite(self, stable: Version) -> dict | None:
@@ -271,8 +310,14 @@ class Gate:
             score = self.evaluator.suite_score(self.registry.materialize(stable.version))
             if score is not None:
                 shown = {k: v for k, v in score.items() if k != "grades"}
-                self.registry.record_gate(stable.version, "suite", score["score"], None, True,
-                                          "reference score of the stable version " + json.dumps(shown, sort_keys=True))
+                self.registry.record_gate(
+                    stable.version,
+                    "suite",
+                    score["score"],
+                    None,
+                    True,
+                    "reference score of the stable version " + json.dumps(shown, sort_keys=True),
+                )
             self._stable_suite[key] = score
         return self._stable_suite[key]
 
@@ -283,19 +328,35 @@ class Gate:
         t0 = time.perf_counter()
         drift = self.evaluator.drift(state, self.registry.materialize(stable.version))
         if drift is None:
-            checks["drift"] = self._record(row.version, "drift", None, g.max_kl, False,
-                                           "no logged generations to measure drift on yet; retried with the next candidate")
+            checks["drift"] = self._record(
+                row.version,
+                "drift",
+                None,
+                g.max_kl,
+                False,
+                "no logged generations to measure drift on yet; retried with the next candidate",
+            )
         else:
             kl, ent = drift["kl"], drift["entropy"]
             self._score.labels("kl").set(kl)
             self._score.labels("entropy").set(ent)
             checks["drift"] = self._record(
-                row.version, "drift", kl, g.max_kl, kl <= g.max_kl,
+                row.version,
+                "drift",
+                kl,
+                g.max_kl,
+                kl <= g.max_kl,
                 f"KL(v{row.version} || stable v{stable.version}) {kl:.4f} nats/token vs max {g.max_kl} "
-                f"on {drift['tokens']} tokens of {drift['probes']} logged generations")
+                f"on {drift['tokens']} tokens of {drift['probes']} logged generations",
+            )
             checks["collapse"] = self._record(
-                row.version, "collapse", ent, g.min_entropy, ent >= g.min_entropy,
-                f"entropy {ent:.4f} nats/token (stable {drift.get('stable_entropy', float('nan')):.4f}) vs floor {g.min_entropy}")
+                row.version,
+                "collapse",
+                ent,
+                g.min_entropy,
+                ent >= g.min_entropy,
+                f"entropy {ent:.4f} nats/token (stable {drift.get('stable_entropy', float('nan')):.4f}) vs floor {g.min_entropy}",
+            )
         heldout = self.heldout() if self.heldout is not None and g.heldout_samples else []
         if heldout:
             verdict = self._offpolicy(row, stable, state, heldout)
@@ -313,16 +374,24 @@ class Gate:
     def _suite(self, row: Version, stable: Version, score: dict, ref: dict) -> bool:
         g = self.cfg.gate
         floor = ref["score"] - g.max_regression
-        text = (f"suite {score['name']!r} {score['score']:.4f} vs stable v{stable.version} {ref['score']:.4f} "
-                f"(max regression {g.max_regression}, {score['completions']} completions)")
+        text = (
+            f"suite {score['name']!r} {score['score']:.4f} vs stable v{stable.version} {ref['score']:.4f} "
+            f"(max regression {g.max_regression}, {score['completions']} completions)"
+        )
         dropped = score["score"] < floor
-        if dropped and score.get("grades") is not None and ref.get("grades") is not None \
-                and len(score["grades"]) == len(ref["grades"]):
+        if (
+            dropped
+            and score.get("grades") is not None
+            and ref.get("grades") is not None
+            and len(score["grades"]) == len(ref["grades"])
+        ):
             worse, better, p = paired_sign_test(score["grades"], ref["grades"])
             shown = p < g.suite_alpha
-            text += (f"; paired: {worse} cases worse, {better} better, sign test p {p:.3g} "
-                     f"{'<' if shown else '>='} suite_alpha {g.suite_alpha}"
-                     + ("" if shown else ": the drop is within what the cases that flipped either way explain"))
+            text += (
+                f"; paired: {worse} cases worse, {better} better, sign test p {p:.3g} "
+                f"{'<' if shown else '>='} suite_alpha {g.suite_alpha}"
+                + ("" if shown else ": the drop is within what the cases that flipped either way explain")
+            )
             dropped = shown
         return self._record(row.version, "suite", score["score"], floor, not dropped, text)
 
@@ -336,25 +405,42 @@ class Gate:
 
         g = self.cfg.gate
         merged, young = merge_heldout(heldout, time.time() - g.revert_horizon_s)
-        heldout = merged[-g.heldout_samples:]
-        slice_text = (f"{len(heldout)} held-out samples ({sum(h.kind == 'revert' for h in heldout)} reverted; {young} "
-                      f"judged less than gate.revert_horizon_s {g.revert_horizon_s:g} s ago left out)")
+        heldout = merged[-g.heldout_samples :]
+        slice_text = (
+            f"{len(heldout)} held-out samples ({sum(h.kind == 'revert' for h in heldout)} reverted; {young} "
+            f"judged less than gate.revert_horizon_s {g.revert_horizon_s:g} s ago left out)"
+        )
         if not heldout:
-            self._record(row.version, "offpolicy", 0.0, g.offpolicy_min_ess, True,
-                         f"off-policy v{row.version}: defer: deferred to the canary: no usable {slice_text}")
+            self._record(
+                row.version,
+                "offpolicy",
+                0.0,
+                g.offpolicy_min_ess,
+                True,
+                f"off-policy v{row.version}: defer: deferred to the canary: no usable {slice_text}",
+            )
             return "defer"
         lp_cand = self.evaluator.sequence_logprobs(state, heldout)
         lp_stable = self.evaluator.sequence_logprobs(self.registry.materialize(stable.version), heldout)
-        c = compare(lp_cand, lp_stable, [h.behaviour_logprob for h in heldout], [h.reward for h in heldout],
-                    margin=g.offpolicy_margin, min_ess=g.offpolicy_min_ess, clip=g.offpolicy_clip)
+        c = compare(
+            lp_cand,
+            lp_stable,
+            [h.behaviour_logprob for h in heldout],
+            [h.reward for h in heldout],
+            margin=g.offpolicy_margin,
+            min_ess=g.offpolicy_min_ess,
+            clip=g.offpolicy_clip,
+        )
         self._score.labels("offpolicy").set(c.candidate.value)
         self._score.labels("offpolicy_difference").set(c.difference)
         self._score.labels("offpolicy_ess").set(c.candidate.ess)
         self._score.labels("offpolicy_ess_unclipped").set(c.candidate.ess_unclipped)
-        reason = (f"off-policy reward v{row.version} {c.candidate.value:.3f} [{c.candidate.lower:.3f}, "
-                  f"{c.candidate.upper:.3f}] vs stable v{stable.version} {c.stable.value:.3f} on {slice_text}, "
-                  f"ESS {c.candidate.ess:.0f} clipped, {c.candidate.ess_unclipped:.0f} unclipped (stable "
-                  f"{c.stable.ess:.0f}, {c.stable.ess_unclipped:.0f}): {c.verdict}: {c.reason}")
+        reason = (
+            f"off-policy reward v{row.version} {c.candidate.value:.3f} [{c.candidate.lower:.3f}, "
+            f"{c.candidate.upper:.3f}] vs stable v{stable.version} {c.stable.value:.3f} on {slice_text}, "
+            f"ESS {c.candidate.ess:.0f} clipped, {c.candidate.ess_unclipped:.0f} unclipped (stable "
+            f"{c.stable.ess:.0f}, {c.stable.ess_unclipped:.0f}): {c.verdict}: {c.reason}"
+        )
         if c.verdict == "defer":
             self._record(row.version, "offpolicy", c.ess, g.offpolicy_min_ess, True, reason)
         else:
@@ -366,8 +452,14 @@ class Gate:
         _, rolled_back_at = self.registry.last_rollback()
         if row.created_at <= rolled_back_at:  # it may carry the change an operator just rolled back
             reason = "emitted before the last rollback"
-            checks["after_rollback"] = self._record(row.version, "after_rollback", 0.0, 1.0, False,
-                                                    f"{reason} (the learner rebases onto the stable version)")
+            checks["after_rollback"] = self._record(
+                row.version,
+                "after_rollback",
+                0.0,
+                1.0,
+                False,
+                f"{reason} (the learner rebases onto the stable version)",
+            )
             self._refuse(row.version, reason)
             self._rejected()
             return Verdict(row.version, "rejected", reason, checks)
@@ -397,21 +489,31 @@ class Gate:
             self._canary_share.set(rollout.share)
             return Verdict(row.version, "canary", f"{reason}; canary on {', '.join(rollout.nodes)}", checks)
         elif needs_canary:
-            reason = ("off-policy evidence too thin to judge it (deferred to a canary) and no canary can run "
-                      f"(gate.canary_share {self.cfg.gate.canary_share:g}, {self.canary.configured_fleet()} node(s) "
-                      "configured)")
+            reason = (
+                "off-policy evidence too thin to judge it (deferred to a canary) and no canary can run "
+                f"(gate.canary_share {self.cfg.gate.canary_share:g}, {self.canary.configured_fleet()} node(s) "
+                "configured)"
+            )
             self._record(row.version, "canary", None, None, False, reason)
             self._refuse(row.version, reason)
             self._rejected()
             return Verdict(row.version, "rejected", reason, checks)
         try:
-            self.registry.promote(row.version, actor="gate", reason=reason, expected_stable=stable.version,
-                                  from_candidate=True)
+            self.registry.promote(
+                row.version, actor="gate", reason=reason, expected_stable=stable.version, from_candidate=True
+            )
         except RegistryConflict as e:  # an operator promoted or rolled back meanwhile: their word stands
             log.info("gate: version %d not promoted: %s; re-evaluating next step", row.version, e)
             return Verdict(row.version, "deferred", str(e), checks)
-        announce(self.redis, self.prefix, row.version, row.checksum, reason, self.signer,
-                 ttl_s=self.cfg.security.announce_ttl_s)
+        announce(
+            self.redis,
+            self.prefix,
+            row.version,
+            row.checksum,
+            reason,
+            self.signer,
+            ttl_s=self.cfg.security.announce_ttl_s,
+        )
         log.info("gate: version %d promoted and announced", row.version)
         self._promoted(row.version)
         return Verdict(row.version, "promoted", reason, checks)
@@ -440,8 +542,16 @@ class HeldoutSample(NamedTuple):
 def _plain_sampling(s) -> bool:
     """Sampled from the model's own distribution (temperature 1, no truncation or penalties): the only samples whose
     logged log-probs are comparable with the candidate's plain softmax."""
-    return s is not None and s.temperature == 1.0 and s.top_p == 1.0 and s.top_k in (-1, 0) and s.min_p == 0.0 \
-        and s.presence_penalty == 0.0 and s.frequency_penalty == 0.0 and s.repetition_penalty == 1.0
+    return (
+        s is not None
+        and s.temperature == 1.0
+        and s.top_p == 1.0
+        and s.top_k in (-1, 0)
+        and s.min_p == 0.0
+        and s.presence_penalty == 0.0
+        and s.frequency_penalty == 0.0
+        and s.repetition_penalty == 1.0
+    )
 
 
 def parse_generation(raw: bytes) -> LoggedGeneration | None:
@@ -455,8 +565,15 @@ def parse_heldout(raw: bytes) -> HeldoutSample | None:
     s = TrainingSample.from_bytes(raw)
     if not (s.prompt_token_ids and s.completion_token_ids and _plain_sampling(s.sampling)):
         return None
-    return HeldoutSample(tuple(s.prompt_token_ids), tuple(s.completion_token_ids), float(sum(s.behaviour_logprobs)),
-                         float(s.reward), s.generation_id, float(s.ts_feedback), s.kind)
+    return HeldoutSample(
+        tuple(s.prompt_token_ids),
+        tuple(s.completion_token_ids),
+        float(sum(s.behaviour_logprobs)),
+        float(s.reward),
+        s.generation_id,
+        float(s.ts_feedback),
+        s.kind,
+    )
 
 
 class GenerationTail:
@@ -465,9 +582,17 @@ class GenerationTail:
     On the generations topic (the default) these are the gate's probe sequences: real prompts, and completions the
     served policy sampled; on the held-out topic (``parse_heldout``), the off-policy check's samples."""
 
-    def __init__(self, bootstrap: str, topic: str, size: int, broker: BrokerConfig | None = None,
-                 parse: Callable[[bytes], Any] = parse_generation, young_s: float = 0.0,
-                 judged_at: Callable[[Any], float] | None = None, young_cap: int = 200_000):
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        size: int,
+        broker: BrokerConfig | None = None,
+        parse: Callable[[bytes], Any] = parse_generation,
+        young_s: float = 0.0,
+        judged_at: Callable[[Any], float] | None = None,
+        young_cap: int = 200_000,
+    ):
         """``young_s`` (with ``judged_at``): the tail keeps ``size`` records judged more than ``young_s`` ago PLUS every
         younger one (up to ``young_cap``), so that the off-policy check, which censors what is younger than the revert
         horizon, always has ``size`` usable samples. A plain last-``size`` tail held only young records once the
@@ -559,8 +684,9 @@ class GenerationTail:
             self._thread.join(timeout=5)
 
 
-def run_gate(cfg: LiverlConfig, make_evaluator: Callable[[Callable[[], list[LoggedGeneration]]], Evaluator],
-             once: bool = False) -> None:
+def run_gate(
+    cfg: LiverlConfig, make_evaluator: Callable[[Callable[[], list[LoggedGeneration]]], Evaluator], once: bool = False
+) -> None:
     """Entry point of ``liverl gate``: the gate loop until SIGINT/SIGTERM (``once``: one step, then return).
 
     ``make_evaluator(probes)`` builds the evaluator from a callable returning the current probe sequences
@@ -574,11 +700,22 @@ def run_gate(cfg: LiverlConfig, make_evaluator: Callable[[Callable[[], list[Logg
     warm_up()  # the delta codec's kernels (cached on disk after the first compile)
     registry = open_registry(cfg)
     r = setup_redis(cfg, decode_responses=True)
-    tail = GenerationTail(kafka_bootstrap(cfg), cfg.topics.generations, cfg.gate.probe_generations,
-                          broker=cfg.broker).start()
-    heldout = GenerationTail(kafka_bootstrap(cfg), cfg.topics.heldout, cfg.gate.heldout_samples, broker=cfg.broker,
-                             parse=parse_heldout, young_s=cfg.gate.revert_horizon_s,
-                             judged_at=lambda h: h.judged_at).start() if cfg.gate.heldout_samples else None
+    tail = GenerationTail(
+        kafka_bootstrap(cfg), cfg.topics.generations, cfg.gate.probe_generations, broker=cfg.broker
+    ).start()
+    heldout = (
+        GenerationTail(
+            kafka_bootstrap(cfg),
+            cfg.topics.heldout,
+            cfg.gate.heldout_samples,
+            broker=cfg.broker,
+            parse=parse_heldout,
+            young_s=cfg.gate.revert_horizon_s,
+            judged_at=lambda h: h.judged_at,
+        ).start()
+        if cfg.gate.heldout_samples
+        else None
+    )
     server = None
     try:
         key = required_signing_key(cfg)  # none: ValueError, unless security.allow_unsigned (then said loudly)

@@ -442,7 +442,7 @@ def cond_encode(b, t, w, mbits, ebits, out, stats, scratch, dense_buf):
     _flush(buf, st)
     if st[2] + dst[2] + 64 > cap:
         return np.int64(-1)
-    buf[st[2]:st[2] + dst[2]] = dense_buf[:dst[2]]
+    buf[st[2] : st[2] + dst[2]] = dense_buf[: dst[2]]
     st[2] += dst[2]
     # main stream, in element order: sparse gaps and values
     done = np.zeros(G, np.int64)
@@ -588,7 +588,9 @@ def cond_decode(x, buf, w, mbits, ebits, forward, pos_out, val_out):
             if left[g] <= 0:
                 c = never
             elif is_dense:
-                gap, da, df, dp = _rd_rice(buf[:dend[g]], drd[g, 0], drd[g, 1], np.int64(drd[g, 2]), r_gap[g], GAP_BITS)
+                gap, da, df, dp = _rd_rice(
+                    buf[: dend[g]], drd[g, 0], drd[g, 1], np.int64(drd[g, 2]), r_gap[g], GAP_BITS
+                )
                 drd[g, 0], drd[g, 1], drd[g, 2] = da, df, np.uint64(dp)
                 c = np.int64(gap)
             else:
@@ -625,5 +627,3 @@ def xor_scatter(x, pos, val, m):
     """x[pos[:m]] ^= val[:m] (applies a decoded chunk; applying it twice undoes it)."""
     for j in range(m):
         x[pos[j]] ^= val[j]
-
-

@@ -78,8 +78,16 @@ class Estimate:
     clipped: float  # share of samples whose weight hit the clip
 
     def as_dict(self) -> dict:
-        return {"value": self.value, "std_error": self.std_error, "lower": self.lower, "upper": self.upper,
-                "ess": self.ess, "ess_unclipped": self.ess_unclipped, "n": self.n, "clipped": self.clipped}
+        return {
+            "value": self.value,
+            "std_error": self.std_error,
+            "lower": self.lower,
+            "upper": self.upper,
+            "ess": self.ess,
+            "ess_unclipped": self.ess_unclipped,
+            "n": self.n,
+            "clipped": self.clipped,
+        }
 
 
 def _inputs(logp_target, logp_behaviour, reward) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -87,8 +95,10 @@ def _inputs(logp_target, logp_behaviour, reward) -> tuple[np.ndarray, np.ndarray
     lb = np.asarray(logp_behaviour, dtype=np.float64)
     r = np.asarray(reward, dtype=np.float64)
     if not (lt.shape == lb.shape == r.shape and lt.ndim == 1):
-        raise ValueError(f"logp_target, logp_behaviour and reward must be 1-D and the same length, got "
-                         f"{lt.shape}, {lb.shape}, {r.shape}")
+        raise ValueError(
+            f"logp_target, logp_behaviour and reward must be 1-D and the same length, got "
+            f"{lt.shape}, {lb.shape}, {r.shape}"
+        )
     if lt.size == 0:
         raise ValueError("no logged samples to estimate from")
     if not (np.isfinite(lt).all() and np.isfinite(lb).all() and np.isfinite(r).all()):
@@ -124,12 +134,21 @@ def _estimate(log_w: np.ndarray, r: np.ndarray, clip: float, z: float) -> tuple[
     value = float((w * r).sum() / w.sum())
     psi = w * (r - value) / float(w.mean())  # each sample's delta-method term: V - V_true ~ mean(psi)
     se = math.sqrt(float((psi * psi).sum())) / r.size
-    return Estimate(value=value, std_error=se, lower=value - z * se, upper=value + z * se, ess=ess,
-                    ess_unclipped=ess_u, n=int(r.size), clipped=float(np.mean(log_w >= math.log(clip)))), w
+    return Estimate(
+        value=value,
+        std_error=se,
+        lower=value - z * se,
+        upper=value + z * se,
+        ess=ess,
+        ess_unclipped=ess_u,
+        n=int(r.size),
+        clipped=float(np.mean(log_w >= math.log(clip))),
+    ), w
 
 
-def _paired_se(estimates: tuple[tuple[Estimate, np.ndarray], tuple[Estimate, np.ndarray]],
-               r: np.ndarray) -> tuple[float, float]:
+def _paired_se(
+    estimates: tuple[tuple[Estimate, np.ndarray], tuple[Estimate, np.ndarray]], r: np.ndarray
+) -> tuple[float, float]:
     """The standard error of ``V_candidate - V_stable`` from the per-sample terms of both estimates (each
     ``(estimate, its weights)``), and the degrees of freedom of its t quantile. A sample's term is its delta-method
     term with the leverage correction, i.e. the change in the difference when the sample is left out
@@ -145,7 +164,7 @@ def _paired_se(estimates: tuple[tuple[Estimate, np.ndarray], tuple[Estimate, np.
     c = terms - terms.mean()
     m2 = float((c * c).mean())
     se = math.sqrt((n - 1) * m2)  # the jackknife variance: (n - 1) / n * sum(c^2)
-    kurtosis = float((c ** 4).mean()) / (m2 * m2) if m2 > 0 else 3.0
+    kurtosis = float((c**4).mean()) / (m2 * m2) if m2 > 0 else 3.0
     return se, (n - 1) * min(1.0, 2.0 / max(kurtosis - 1.0, 1e-9))
 
 
@@ -155,8 +174,12 @@ def _t_quantile(p: float, dof: float) -> float:
     if dof < 5:
         return (2 * p - 1) / math.sqrt(2 * p * (1 - p))
     z = NormalDist().inv_cdf(p)
-    return (z + (z ** 3 + z) / (4 * dof) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * dof ** 2)
-            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * dof ** 3))
+    return (
+        z
+        + (z**3 + z) / (4 * dof)
+        + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * dof**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * dof**3)
+    )
 
 
 @dataclass(frozen=True)
@@ -180,21 +203,42 @@ class Comparison:
         return min(self.candidate.ess, self.candidate.ess_unclipped, self.stable.ess, self.stable.ess_unclipped)
 
     def as_dict(self) -> dict:
-        return {"candidate": self.candidate.as_dict(), "stable": self.stable.as_dict(), "difference": self.difference,
-                "std_error": self.std_error, "dof": self.dof, "upper": self.upper, "margin": self.margin,
-                "min_ess": self.min_ess, "alpha": self.alpha, "verdict": self.verdict, "reason": self.reason}
+        return {
+            "candidate": self.candidate.as_dict(),
+            "stable": self.stable.as_dict(),
+            "difference": self.difference,
+            "std_error": self.std_error,
+            "dof": self.dof,
+            "upper": self.upper,
+            "margin": self.margin,
+            "min_ess": self.min_ess,
+            "alpha": self.alpha,
+            "verdict": self.verdict,
+            "reason": self.reason,
+        }
 
 
-def compare(logp_candidate, logp_stable, logp_behaviour, reward, *, margin: float = 0.02, min_ess: float = 50.0,
-            clip: float = 10.0, alpha: float = ALPHA) -> Comparison:
+def compare(
+    logp_candidate,
+    logp_stable,
+    logp_behaviour,
+    reward,
+    *,
+    margin: float = 0.02,
+    min_ess: float = 50.0,
+    clip: float = 10.0,
+    alpha: float = ALPHA,
+) -> Comparison:
     """The candidate against stable on the same logged samples: ``refuse`` when the paired test shows it worse by
     more than ``margin`` at one-sided level ``alpha``, ``defer`` (to the canary) when an effective sample size is
     under ``min_ess``, ``pass`` otherwise (see the module's docstring)."""
     lc, lb, r = _inputs(logp_candidate, logp_behaviour, reward)
     ls = _inputs(logp_stable, logp_behaviour, reward)[0]
     if clip <= 1 or not 0 < alpha < 0.5 or margin < 0 or min_ess < 0:
-        raise ValueError(f"need clip > 1, 0 < alpha < 0.5, margin >= 0 and min_ess >= 0, got clip {clip}, "
-                         f"alpha {alpha}, margin {margin}, min_ess {min_ess}")
+        raise ValueError(
+            f"need clip > 1, 0 < alpha < 0.5, margin >= 0 and min_ess >= 0, got clip {clip}, "
+            f"alpha {alpha}, margin {margin}, min_ess {min_ess}"
+        )
     z2 = NormalDist().inv_cdf(1 - alpha / 2)  # the single estimates' intervals: two-sided, at the same level
     pair = _estimate(lc - lb, r, clip, z2), _estimate(ls - lb, r, clip, z2)
     (cand, _), (stab, _) = pair
@@ -206,19 +250,34 @@ def compare(logp_candidate, logp_stable, logp_behaviour, reward, *, margin: floa
     def verdict(v: str, reason: str) -> Comparison:
         return Comparison(cand, stab, diff, se, dof, upper, margin, min_ess, alpha, v, reason)
 
-    shown = (f"difference {diff:+.3f} (paired se {se:.3f}, one-sided {1 - alpha:.1%} upper bound {upper:+.3f}, "
-             f"t with {dof:.0f} df) vs -margin {-margin:g}")
-    sizes = (("candidate", cand.ess), ("candidate unclipped", cand.ess_unclipped), ("stable", stab.ess),
-             ("stable unclipped", stab.ess_unclipped))
+    shown = (
+        f"difference {diff:+.3f} (paired se {se:.3f}, one-sided {1 - alpha:.1%} upper bound {upper:+.3f}, "
+        f"t with {dof:.0f} df) vs -margin {-margin:g}"
+    )
+    sizes = (
+        ("candidate", cand.ess),
+        ("candidate unclipped", cand.ess_unclipped),
+        ("stable", stab.ess),
+        ("stable unclipped", stab.ess_unclipped),
+    )
     low = [f"{name} {ess:.0f}" for name, ess in sizes if ess < min_ess]
     if low:
-        return verdict("defer", f"effective sample size below {min_ess:g} ({', '.join(low)}): too far from the logged "
-                                f"behaviour to be judged off-policy; deferred to the canary ({shown})")
+        return verdict(
+            "defer",
+            f"effective sample size below {min_ess:g} ({', '.join(low)}): too far from the logged "
+            f"behaviour to be judged off-policy; deferred to the canary ({shown})",
+        )
     if upper < -margin:
-        return verdict("refuse", f"estimated reward {cand.value:.3f} is shown below stable's {stab.value:.3f} by more "
-                                 f"than {margin:g}: {shown}, at one-sided alpha {alpha:g}")
-    return verdict("pass", f"estimated reward {cand.value:.3f} [{cand.lower:.3f}, {cand.upper:.3f}] vs stable "
-                           f"{stab.value:.3f}: not shown worse by more than {margin:g}: {shown}")
+        return verdict(
+            "refuse",
+            f"estimated reward {cand.value:.3f} is shown below stable's {stab.value:.3f} by more "
+            f"than {margin:g}: {shown}, at one-sided alpha {alpha:g}",
+        )
+    return verdict(
+        "pass",
+        f"estimated reward {cand.value:.3f} [{cand.lower:.3f}, {cand.upper:.3f}] vs stable "
+        f"{stab.value:.3f}: not shown worse by more than {margin:g}: {shown}",
+    )
 
 
 def merge_heldout(samples: Sequence[S], judged_before: float) -> tuple[list[S], int]:
@@ -244,12 +303,14 @@ def merge_heldout(samples: Sequence[S], judged_before: float) -> tuple[list[S], 
             if s.kind != "revert":  # a revert whose accept has left the tail: its generation's reward is unknown
                 merged[s.generation_id] = s
         elif s.kind == "revert" and prev.kind == "accept":
-            merged[s.generation_id] = prev._replace(reward=prev.reward + s.reward, kind="revert",
-                                                    judged_at=min(prev.judged_at, s.judged_at))
+            merged[s.generation_id] = prev._replace(
+                reward=prev.reward + s.reward, kind="revert", judged_at=min(prev.judged_at, s.judged_at)
+            )
         elif s.kind == "revert" and prev.kind == "revert":
             continue  # the revert again (a redelivery): already added
         else:
-            merged[s.generation_id] = prev._replace(reward=s.reward, kind=s.kind,
-                                                    judged_at=min(prev.judged_at, s.judged_at))
+            merged[s.generation_id] = prev._replace(
+                reward=s.reward, kind=s.kind, judged_at=min(prev.judged_at, s.judged_at)
+            )
     kept = [s for s in merged.values() if s.judged_at <= judged_before]
     return kept, len(merged) - len(kept)

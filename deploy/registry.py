@@ -127,8 +127,14 @@ class Registry:
     ``audit_head``: where the chain's head is anchored after every append (Redis; needs ``audit_key``).
     """
 
-    def __init__(self, url: str, blobs: BlobStore, snapshot_every: int = 10, audit_key: bytes | None = None,
-                 audit_head: AuditHead | None = None):
+    def __init__(
+        self,
+        url: str,
+        blobs: BlobStore,
+        snapshot_every: int = 10,
+        audit_key: bytes | None = None,
+        audit_head: AuditHead | None = None,
+    ):
         if snapshot_every < 1:
             raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
         if audit_head is not None and audit_key is None:
@@ -169,8 +175,12 @@ class Registry:
             self.audit_head.advance(self.audit_key, seq, mac)
         except redis.RedisError as e:  # the entry is committed; the anchor lags until the next append, and says so
             self.anchor_failures += 1
-            log.warning("audit entry %d committed but its head not anchored in Redis (%s): `liverl history --verify` "
-                        "reports the anchor lagging until the next audited change", seq, e)
+            log.warning(
+                "audit entry %d committed but its head not anchored in Redis (%s): `liverl history --verify` "
+                "reports the anchor lagging until the next audited change",
+                seq,
+                e,
+            )
 
     @staticmethod
     def _lock(s: Session) -> Counter:
@@ -180,28 +190,47 @@ class Registry:
         """Append one audit entry, chained to the previous one (under the registry lock, so the chain is linear):
         by plain hash, and by HMAC with the audit key (``deploy.auditchain``)."""
         self._lock(s)
-        last = s.execute(select(AuditEntry.seq, AuditEntry.mac, AuditEntry.entry_hash)
-                         .order_by(AuditEntry.id.desc()).limit(1)).first()
+        last = s.execute(
+            select(AuditEntry.seq, AuditEntry.mac, AuditEntry.entry_hash).order_by(AuditEntry.id.desc()).limit(1)
+        ).first()
         if last is None:
             seq, prev, link = 1, "", ""
         else:
-            seq = (last.seq + 1 if last.seq is not None
-                   else s.execute(select(func.count()).select_from(AuditEntry)).scalar_one() + 1)
+            seq = (
+                last.seq + 1
+                if last.seq is not None
+                else s.execute(select(func.count()).select_from(AuditEntry)).scalar_one() + 1
+            )
             prev, link = last.entry_hash or "", last.mac or last.entry_hash or ""
         at, mac = time.time(), None
         if self.audit_key is not None:
             mac = audit_mac(self.audit_key, link, seq, actor, action, version, reason, at)
             s.info["audit_head"] = (seq, mac)  # anchored once the transaction commits (``_tx``)
         elif last is not None and last.mac is not None:
-            raise RegistryError("the registry's audit log is keyed and this process has no audit key, so it may not "
-                                "change the registry: set security.audit_key to the key file its other writers use "
-                                "(`liverl up` makes <state_dir>/keys/audit.key)")
+            raise RegistryError(
+                "the registry's audit log is keyed and this process has no audit key, so it may not "
+                "change the registry: set security.audit_key to the key file its other writers use "
+                "(`liverl up` makes <state_dir>/keys/audit.key)"
+            )
         elif not self._warned_unkeyed:
             self._warned_unkeyed = True
-            log.warning("the audit log is not keyed (no security.audit_key): `liverl history --verify` cannot detect an "
-                        "entry rewritten with the chain recomputed, or a cut tail")
-        s.add(AuditEntry(actor=actor, action=action, version=version, reason=reason, at=at, prev_hash=prev,
-                         entry_hash=audit_hash(prev, actor, action, version, reason, at), seq=seq, mac=mac))
+            log.warning(
+                "the audit log is not keyed (no security.audit_key): `liverl history --verify` cannot detect an "
+                "entry rewritten with the chain recomputed, or a cut tail"
+            )
+        s.add(
+            AuditEntry(
+                actor=actor,
+                action=action,
+                version=version,
+                reason=reason,
+                at=at,
+                prev_hash=prev,
+                entry_hash=audit_hash(prev, actor, action, version, reason, at),
+                seq=seq,
+                mac=mac,
+            )
+        )
 
     @staticmethod
     def _row(s: Session, version: int) -> Version:
@@ -220,15 +249,31 @@ class Registry:
             existing = s.get(Version, 0)
             if existing is not None:
                 if existing.checksum != csum:
-                    raise RegistryError(f"the registry at {self.url} already has a different base (checksum "
-                                        f"{existing.checksum[:12]}…, not {csum[:12]}…); use a fresh registry")
+                    raise RegistryError(
+                        f"the registry at {self.url} already has a different base (checksum "
+                        f"{existing.checksum[:12]}…, not {csum[:12]}…); use a fresh registry"
+                    )
                 return existing
         key = self.blobs.put(blob)
         raw = sum(t.numel() * t.element_size() for t in state_dict.values())
-        row = Version(version=0, parent=None, status="stable", created_at=time.time(), promoted_at=time.time(),
-                      checksum=csum, blob_key=key, blob_kind="snapshot", snapshot_key=key, snapshot_base=0,
-                      chain_depth=0, raw_bytes=raw, snapshot_bytes=len(blob), model_dir=str(model_dir),
-                      metrics={}, sample_offsets={})
+        row = Version(
+            version=0,
+            parent=None,
+            status="stable",
+            created_at=time.time(),
+            promoted_at=time.time(),
+            checksum=csum,
+            blob_key=key,
+            blob_kind="snapshot",
+            snapshot_key=key,
+            snapshot_base=0,
+            chain_depth=0,
+            raw_bytes=raw,
+            snapshot_bytes=len(blob),
+            model_dir=str(model_dir),
+            metrics={},
+            sample_offsets={},
+        )
         with self._tx() as s:
             if s.get(Version, 0) is not None:  # another process won the race
                 return self._row(s, 0)
@@ -242,9 +287,15 @@ class Registry:
             version, counter.value = counter.value, counter.value + 1
         return version
 
-    def add_candidate(self, state_dict: Mapping[str, torch.Tensor], parent: int, metrics: dict | None = None,
-                      sample_offsets: dict | None = None, learner_step: int | None = None,
-                      parent_state: Mapping[str, torch.Tensor] | None = None) -> Version:
+    def add_candidate(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        parent: int,
+        metrics: dict | None = None,
+        sample_offsets: dict | None = None,
+        learner_step: int | None = None,
+        parent_state: Mapping[str, torch.Tensor] | None = None,
+    ) -> Version:
         """Store a new candidate as a delta from ``parent`` (plus a snapshot every ``snapshot_every`` deltas).
 
         ``parent_state``: the parent's weights if the caller has them (verified by checksum), saving a rebuild.
@@ -264,27 +315,63 @@ class Registry:
         if depth >= self.snapshot_every:
             snap = encode_snapshot(state_dict, version=version)
             snap_key, snap_bytes, snap_base, depth = self.blobs.put(snap), len(snap), version, 0
-        row = Version(version=version, parent=parent, status="candidate", created_at=time.time(),
-                      checksum=header.target_checksum, blob_key=delta_key, blob_kind="delta", snapshot_key=snap_key,
-                      snapshot_base=snap_base, chain_depth=depth, raw_bytes=header.raw_bytes, delta_bytes=len(delta),
-                      snapshot_bytes=snap_bytes, ratio=header.raw_bytes / len(delta),
-                      changed_fraction=header.changed_fraction, learner_step=learner_step,
-                      metrics=dict(metrics or {}), sample_offsets={str(k): v for k, v in (sample_offsets or {}).items()})
+        row = Version(
+            version=version,
+            parent=parent,
+            status="candidate",
+            created_at=time.time(),
+            checksum=header.target_checksum,
+            blob_key=delta_key,
+            blob_kind="delta",
+            snapshot_key=snap_key,
+            snapshot_base=snap_base,
+            chain_depth=depth,
+            raw_bytes=header.raw_bytes,
+            delta_bytes=len(delta),
+            snapshot_bytes=snap_bytes,
+            ratio=header.raw_bytes / len(delta),
+            changed_fraction=header.changed_fraction,
+            learner_step=learner_step,
+            metrics=dict(metrics or {}),
+            sample_offsets={str(k): v for k, v in (sample_offsets or {}).items()},
+        )
         with self._tx() as s:
             s.add(row)
-            self._audit(s, "learner", "candidate", version,
-                        f"from {parent}, {header.changed_fraction:.2%} changed, delta {len(delta)} bytes")
+            self._audit(
+                s,
+                "learner",
+                "candidate",
+                version,
+                f"from {parent}, {header.changed_fraction:.2%} changed, delta {len(delta)} bytes",
+            )
         return row
 
-    def record_gate(self, version: int, check: str, value: float | None, threshold: float | None, passed: bool,
-                    detail: str | None = None) -> None:
+    def record_gate(
+        self,
+        version: int,
+        check: str,
+        value: float | None,
+        threshold: float | None,
+        passed: bool,
+        detail: str | None = None,
+    ) -> None:
         with self._tx() as s:
             self._row(s, version)
-            s.add(GateResult(version=version, check=check, value=value, threshold=threshold, passed=bool(passed),
-                             detail=detail, at=time.time()))
+            s.add(
+                GateResult(
+                    version=version,
+                    check=check,
+                    value=value,
+                    threshold=threshold,
+                    passed=bool(passed),
+                    detail=detail,
+                    at=time.time(),
+                )
+            )
 
-    def set_status(self, version: int, status: str, actor: str, reason: str | None = None,
-                   expect: str | None = None) -> Version:
+    def set_status(
+        self, version: int, status: str, actor: str, reason: str | None = None, expect: str | None = None
+    ) -> Version:
         """Low-level status change with an audit entry (use ``promote``/``rollback`` for stable changes).
 
         ``expect``: compare-and-set, raising ``RegistryConflict`` unless the row still has that status (the gate
@@ -300,14 +387,23 @@ class Registry:
             if expect is not None and row.status != expect:
                 raise RegistryConflict(f"version {version} is {row.status}, not {expect}: left as it is")
             if row.status == "stable" and status != "stable":
-                raise RegistryConflict(f"version {version} is the stable version; use promote or rollback to change that")
+                raise RegistryConflict(
+                    f"version {version} is the stable version; use promote or rollback to change that"
+                )
             ended = self._end_rollouts_of(s, row, f"{actor} set v{version} {status}") if row.status == "canary" else ""
             row.status, row.status_reason = status, reason
             self._audit(s, actor, status if status == "rejected" else f"set_{status}", version, (reason or "") + ended)
         return row
 
-    def promote(self, version: int, actor: str, reason: str | None = None, force: bool = False,
-                expected_stable: int | None = None, from_candidate: bool = False) -> Version:
+    def promote(
+        self,
+        version: int,
+        actor: str,
+        reason: str | None = None,
+        force: bool = False,
+        expected_stable: int | None = None,
+        from_candidate: bool = False,
+    ) -> Version:
         """Make ``version`` the stable one; the previous stable becomes retired.
 
         A version the gate rejected needs ``force``. ``expected_stable`` and
@@ -323,14 +419,18 @@ class Registry:
                 raise RegistryError(f"version {version} is already stable")
             old = s.execute(select(Version).where(Version.status == "stable")).scalars().all()
             if expected_stable is not None and [o.version for o in old] != [expected_stable]:
-                raise RegistryConflict(f"the stable version changed to {','.join(str(o.version) for o in old) or 'none'} "
-                                       f"(expected {expected_stable}); version {version} left as it is")
+                raise RegistryConflict(
+                    f"the stable version changed to {','.join(str(o.version) for o in old) or 'none'} "
+                    f"(expected {expected_stable}); version {version} left as it is"
+                )
             if from_candidate and row.status != "candidate":
                 how = " (the gate promotes a canary with finish_rollout_promote)" if row.status == "canary" else ""
                 raise RegistryConflict(f"version {version} is {row.status}, no longer a candidate{how}")
             if row.status == "rejected" and not force:
-                raise RegistryError(f"version {version} was rejected ({row.status_reason or 'no reason recorded'}); "
-                                    "pass --force to promote it anyway")
+                raise RegistryError(
+                    f"version {version} was rejected ({row.status_reason or 'no reason recorded'}); "
+                    "pass --force to promote it anyway"
+                )
             ended = self._end_rollouts_of(s, row, f"promoted by {actor}") if row.status == "canary" else ""
             for o in old:
                 o.status, o.status_reason = "retired", f"replaced by {version}"
@@ -347,11 +447,20 @@ class Registry:
             if current is None:
                 raise RegistryError("there is no stable version to roll back from")
             if to is None:
-                target = s.execute(select(Version).where(Version.status == "retired", Version.promoted_at.is_not(None))
-                                   .order_by(Version.promoted_at.desc()).limit(1)).scalars().first()
+                target = (
+                    s.execute(
+                        select(Version)
+                        .where(Version.status == "retired", Version.promoted_at.is_not(None))
+                        .order_by(Version.promoted_at.desc())
+                        .limit(1)
+                    )
+                    .scalars()
+                    .first()
+                )
                 if target is None:
-                    raise RegistryError(f"no earlier stable version to roll back to from {current.version}; "
-                                        "pass --to VERSION")
+                    raise RegistryError(
+                        f"no earlier stable version to roll back to from {current.version}; pass --to VERSION"
+                    )
             else:
                 target = self._row(s, to)
                 if target.version == current.version:
@@ -405,8 +514,18 @@ class Registry:
             self._close(ro, "ended", why)
         return "".join(f"; rollout {ro.id} ended" for ro in ended)
 
-    def begin_rollout(self, version: int, stable_version: int, share: float, nodes: Sequence[str], unit: str,
-                      deadline_at: float, settings: Mapping | None, actor: str, reason: str) -> Rollout:
+    def begin_rollout(
+        self,
+        version: int,
+        stable_version: int,
+        share: float,
+        nodes: Sequence[str],
+        unit: str,
+        deadline_at: float,
+        settings: Mapping | None,
+        actor: str,
+        reason: str,
+    ) -> Rollout:
         """Start the canary of ``version`` against ``stable_version``: in one transaction the version goes from
         ``candidate`` to ``canary`` and its ``Rollout`` (state ``running``, revision 1) is inserted. ``settings`` (JSON,
         finite) is written once here: what must stay fixed for the rollout's life (e.g. the guardrails' nulls).
@@ -431,20 +550,44 @@ class Registry:
                 raise RegistryConflict(f"version {version} is {row.status}, not a candidate: no rollout begun")
             stable = s.execute(select(Version.version).where(Version.status == "stable")).scalars().all()
             if stable != [stable_version]:
-                raise RegistryConflict(f"the stable version is {','.join(map(str, stable)) or 'none'}, not "
-                                       f"{stable_version}: no rollout of v{version} begun")
+                raise RegistryConflict(
+                    f"the stable version is {','.join(map(str, stable)) or 'none'}, not "
+                    f"{stable_version}: no rollout of v{version} begun"
+                )
             if active := self._active_rows(s, lock=True):
-                raise RegistryConflict(f"rollout {active[0].id} (canary v{active[0].version}) is {active[0].state}: "
-                                       f"one rollout at a time, v{version} not begun")
-            ro = Rollout(version=version, checksum=row.checksum, stable_version=stable_version, share=float(share),
-                         nodes=nodes, unit=unit, state="running", started_at=time.time(), deadline_at=float(deadline_at),
-                         settings=settings, test_state={}, looks=[], verdict=None, reason=reason, revision=1,
-                         ended_at=None)
+                raise RegistryConflict(
+                    f"rollout {active[0].id} (canary v{active[0].version}) is {active[0].state}: "
+                    f"one rollout at a time, v{version} not begun"
+                )
+            ro = Rollout(
+                version=version,
+                checksum=row.checksum,
+                stable_version=stable_version,
+                share=float(share),
+                nodes=nodes,
+                unit=unit,
+                state="running",
+                started_at=time.time(),
+                deadline_at=float(deadline_at),
+                settings=settings,
+                test_state={},
+                looks=[],
+                verdict=None,
+                reason=reason,
+                revision=1,
+                ended_at=None,
+            )
             s.add(ro)
             row.status, row.status_reason = "canary", reason
             s.flush()  # the rollout's id
-            self._audit(s, actor, "canary_start", version, f"rollout {ro.id}: {share:.0%} of {unit}s on "
-                        f"{', '.join(nodes)}, against stable v{stable_version}; {reason}")
+            self._audit(
+                s,
+                actor,
+                "canary_start",
+                version,
+                f"rollout {ro.id}: {share:.0%} of {unit}s on "
+                f"{', '.join(nodes)}, against stable v{stable_version}; {reason}",
+            )
         return ro
 
     def active_rollout(self) -> Rollout | None:
@@ -463,8 +606,15 @@ class Registry:
         with self._sessions() as s:
             return list(s.execute(q if limit is None else q.limit(limit)).scalars())
 
-    def save_rollout_evidence(self, rollout_id: int, expect_revision: int, test_state: Mapping,
-                              looks: Sequence[Mapping], verdict: str | None, reason: str | None) -> Rollout:
+    def save_rollout_evidence(
+        self,
+        rollout_id: int,
+        expect_revision: int,
+        test_state: Mapping,
+        looks: Sequence[Mapping],
+        verdict: str | None,
+        reason: str | None,
+    ) -> Rollout:
         """The gate's evidence after a look, by compare-and-set: written only if the rollout is still at
         ``expect_revision`` and active; ``RegistryConflict`` otherwise (re-read it and look again). Never changes the
         state. ``looks``: the whole list, of which the last ``MAX_LOOKS`` are kept. Returns the rollout as written."""
@@ -473,15 +623,22 @@ class Registry:
         with self._tx() as s:
             done = s.execute(
                 sa.update(Rollout)
-                .where(Rollout.id == rollout_id, Rollout.revision == expect_revision,
-                       Rollout.state.in_(ACTIVE_ROLLOUT_STATES))
-                .values(test_state=test_state, looks=looks, verdict=verdict, reason=reason,
-                        revision=Rollout.revision + 1)
-                .execution_options(synchronize_session=False))
+                .where(
+                    Rollout.id == rollout_id,
+                    Rollout.revision == expect_revision,
+                    Rollout.state.in_(ACTIVE_ROLLOUT_STATES),
+                )
+                .values(
+                    test_state=test_state, looks=looks, verdict=verdict, reason=reason, revision=Rollout.revision + 1
+                )
+                .execution_options(synchronize_session=False)
+            )
             ro = self._rollout_row(s, rollout_id, lock=False)
             if done.rowcount != 1:
-                raise RegistryConflict(f"rollout {rollout_id} is at revision {ro.revision} ({ro.state}), not "
-                                       f"{expect_revision}: evidence not saved; re-read the rollout")
+                raise RegistryConflict(
+                    f"rollout {rollout_id} is at revision {ro.revision} ({ro.state}), not "
+                    f"{expect_revision}: evidence not saved; re-read the rollout"
+                )
         return ro
 
     def set_rollout_state(self, rollout_id: int, state: str, actor: str, reason: str) -> Rollout:
@@ -489,8 +646,10 @@ class Registry:
         resumes (``running``) a rollout; audited, and the revision moves, so a gate step that read it before fails
         its compare-and-set."""
         if state not in ACTIVE_ROLLOUT_STATES:
-            raise RegistryError(f"a rollout is set to one of {ACTIVE_ROLLOUT_STATES}, not {state!r} (ending it: "
-                                "finish_rollout_promote / finish_rollout_abort)")
+            raise RegistryError(
+                f"a rollout is set to one of {ACTIVE_ROLLOUT_STATES}, not {state!r} (ending it: "
+                "finish_rollout_promote / finish_rollout_abort)"
+            )
         if not reason:
             raise RegistryError("pausing or resuming a canary needs a reason for the audit log")
         with self._tx() as s:
@@ -504,8 +663,9 @@ class Registry:
             self._audit(s, actor, "canary_pause" if state == "paused" else "canary_resume", ro.version, reason)
         return ro
 
-    def finish_rollout_promote(self, rollout_id: int, expected_stable: int, actor: str, reason: str,
-                               expect_revision: int | None = None) -> Rollout:
+    def finish_rollout_promote(
+        self, rollout_id: int, expected_stable: int, actor: str, reason: str, expect_revision: int | None = None
+    ) -> Rollout:
         """Promote the rollout's canary, in one transaction, only if the rollout is still ``running`` (not paused, not
         over), at ``expect_revision`` when given, its version still ``canary`` and the stable version still
         ``expected_stable``: rollout ``promoted``, the version ``stable``, the old stable ``retired`` (as ``promote``).
@@ -516,15 +676,19 @@ class Registry:
             if ro.state != "running":
                 raise RegistryConflict(f"rollout {rollout_id} (v{ro.version}) is {ro.state}: not promoted")
             if expect_revision is not None and ro.revision != expect_revision:
-                raise RegistryConflict(f"rollout {rollout_id} is at revision {ro.revision}, not {expect_revision}: "
-                                       "not promoted; re-read it")
+                raise RegistryConflict(
+                    f"rollout {rollout_id} is at revision {ro.revision}, not {expect_revision}: "
+                    "not promoted; re-read it"
+                )
             row = self._row(s, ro.version)
             if row.status != "canary":
                 raise RegistryConflict(f"version {ro.version} is {row.status}, not canary: not promoted")
             old = s.execute(select(Version).where(Version.status == "stable")).scalars().all()
             if [o.version for o in old] != [expected_stable]:
-                raise RegistryConflict(f"the stable version is {','.join(str(o.version) for o in old) or 'none'}, not "
-                                       f"{expected_stable}: v{ro.version} not promoted")
+                raise RegistryConflict(
+                    f"the stable version is {','.join(str(o.version) for o in old) or 'none'}, not "
+                    f"{expected_stable}: v{ro.version} not promoted"
+                )
             for o in old:
                 o.status, o.status_reason = "retired", f"replaced by {ro.version}"
             row.status, row.status_reason, row.promoted_at = "stable", reason, time.time()
@@ -547,7 +711,9 @@ class Registry:
             if row.status == "canary":
                 row.status, row.status_reason = "rejected", reason
             self._close(ro, "aborted", reason, verdict=verdict)
-            self._audit(s, actor, "canary_abort", ro.version, f"{reason} (rollout {rollout_id}; v{ro.version} {row.status})")
+            self._audit(
+                s, actor, "canary_abort", ro.version, f"{reason} (rollout {rollout_id}; v{ro.version} {row.status})"
+            )
         return ro
 
     def end_rollout(self, rollout_id: int, actor: str, reason: str) -> Rollout:
@@ -567,14 +733,20 @@ class Registry:
         and its rollout plan under older code, a registry edited by hand), and end every active rollout whose version is
         not ``canary`` any more. Audited; returns the rejected versions. The gate calls it every step: it writes only
         when there is something to reap."""
+
         def orphans(s: Session, lock: bool) -> tuple[list[Version], list[Rollout]]:
             active = self._active_rows(s, lock=lock)
             canaries = s.execute(select(Version).where(Version.status == "canary")).scalars().all()
             running = {ro.version for ro in active}
-            status = {v.version: v.status for v in s.execute(
-                select(Version).where(Version.version.in_(running))).scalars()} if running else {}
-            return ([v for v in canaries if v.version not in running],
-                    [ro for ro in active if status.get(ro.version) != "canary"])
+            status = (
+                {v.version: v.status for v in s.execute(select(Version).where(Version.version.in_(running))).scalars()}
+                if running
+                else {}
+            )
+            return (
+                [v for v in canaries if v.version not in running],
+                [ro for ro in active if status.get(ro.version) != "canary"],
+            )
 
         with self._sessions() as s:
             if not any(orphans(s, lock=False)):
@@ -583,14 +755,17 @@ class Registry:
             self._lock(s)
             versions, rollouts = orphans(s, lock=True)
             for v in versions:
-                why = "orphan canary: no rollout in the registry runs it (a gate stopped between starting it and " \
-                      "recording its rollout, or the row was edited)"
+                why = (
+                    "orphan canary: no rollout in the registry runs it (a gate stopped between starting it and "
+                    "recording its rollout, or the row was edited)"
+                )
                 v.status, v.status_reason = "rejected", why
                 self._audit(s, actor, "rejected", v.version, why)
             for ro in rollouts:
                 self._close(ro, "ended", f"v{ro.version} is not canary any more")
-                self._audit(s, actor, "canary_end", ro.version, f"rollout {ro.id} ended: v{ro.version} is not canary "
-                            "any more")
+                self._audit(
+                    s, actor, "canary_end", ro.version, f"rollout {ro.id} ended: v{ro.version} is not canary any more"
+                )
         return [v.version for v in versions]
 
     # ------------------------------------------------------------------------------------------ reading
@@ -630,8 +805,12 @@ class Registry:
         """``(audit id, time)`` of the most recent rollback, or ``(0, 0.0)``: the learner rebases and the gate
         refuses candidates emitted before it, so a rolled-back change does not come back."""
         with self._sessions() as s:
-            row = s.execute(select(AuditEntry.id, AuditEntry.at).where(AuditEntry.action == "rollback")
-                            .order_by(AuditEntry.id.desc()).limit(1)).first()
+            row = s.execute(
+                select(AuditEntry.id, AuditEntry.at)
+                .where(AuditEntry.action == "rollback")
+                .order_by(AuditEntry.id.desc())
+                .limit(1)
+            ).first()
         return (int(row[0]), float(row[1])) if row else (0, 0.0)
 
     # ------------------------------------------------------------------------------------------ identity
@@ -647,8 +826,16 @@ class Registry:
             self._lock(s)
             if s.get(Operator, name) is not None:
                 raise RegistryError(f"operator {name!r} exists already (disable it first to re-issue a token)")
-            s.add(Operator(name=name, role=role, token_hash=hash_token(token), created_at=time.time(), created_by=by,
-                           disabled=False))
+            s.add(
+                Operator(
+                    name=name,
+                    role=role,
+                    token_hash=hash_token(token),
+                    created_at=time.time(),
+                    created_by=by,
+                    disabled=False,
+                )
+            )
             self._audit(s, by, "add_operator", None, f"{name} as {role}: {reason}")
         return token
 
@@ -668,8 +855,10 @@ class Registry:
     def authenticate(self, token: str | None, need: str = "operator") -> Operator:
         """The operator whose token this is, if their role is at least ``need``; ``AuthError`` otherwise."""
         if not token:
-            raise AuthError("this command changes the registry and needs an operator token: set LIVERL_TOKEN or "
-                            "pass --token-file (an admin creates one with `liverl operator add NAME`)")
+            raise AuthError(
+                "this command changes the registry and needs an operator token: set LIVERL_TOKEN or "
+                "pass --token-file (an admin creates one with `liverl operator add NAME`)"
+            )
         with self._sessions() as s:
             op = s.execute(select(Operator).where(Operator.token_hash == hash_token(token.strip()))).scalar()
         if op is None or op.disabled:
@@ -718,8 +907,10 @@ class Registry:
 
     def _delta(self, row: Version) -> bytes:
         if row.blob_key is None:
-            raise RegistryError(f"version {row.version} was {row.status} and its delta was pruned by gc "
-                                "(--prune-rejected); it cannot be rebuilt")
+            raise RegistryError(
+                f"version {row.version} was {row.status} and its delta was pruned by gc "
+                "(--prune-rejected); it cannot be rebuilt"
+            )
         return self.blobs.get(row.blob_key)
 
     def delta_for(self, version: int) -> bytes:
@@ -765,13 +956,17 @@ class Registry:
         for step in reversed(path):
             plan = plan_delta(state, self._delta(step), known_checksum=state_sum)
             if plan.version != step.version or plan.checksum != step.checksum:
-                raise RegistryError(f"delta of version {step.version} leads to version {plan.version} "
-                                    f"(checksum {plan.checksum[:12]}…); the registry row says {step.checksum[:12]}…")
+                raise RegistryError(
+                    f"delta of version {step.version} leads to version {plan.version} "
+                    f"(checksum {plan.checksum[:12]}…); the registry row says {step.checksum[:12]}…"
+                )
             state.update(plan)
             state_sum = plan.checksum
         final = checksum(state)
         if final != target.checksum:
-            raise RegistryError(f"version {version} rebuilt to checksum {final[:12]}…, registry says {target.checksum[:12]}…")
+            raise RegistryError(
+                f"version {version} rebuilt to checksum {final[:12]}…, registry says {target.checksum[:12]}…"
+            )
         return state
 
     def compose(self, from_version: int, to_version: int) -> bytes:
@@ -792,8 +987,10 @@ class Registry:
                 raise RegistryError(f"the delta of version {row.version} led to version {at}, expected {expect}")
         final = checksum(state)
         if final != dst.checksum:
-            raise RegistryError(f"composing {from_version}->{to_version} gave checksum {final[:12]}…, the registry "
-                                f"says {dst.checksum[:12]}…")
+            raise RegistryError(
+                f"composing {from_version}->{to_version} gave checksum {final[:12]}…, the registry "
+                f"says {dst.checksum[:12]}…"
+            )
         blob = encode_delta(base, state, from_version, to_version)
         header = read_header(blob)
         assert header.base_checksum == src.checksum and header.target_checksum == dst.checksum
@@ -811,8 +1008,9 @@ class Registry:
         """Rejected versions older than ``older_than_s`` whose every descendant is prunable too (leaves first)."""
         cutoff = time.time() - older_than_s
         with self._sessions() as s:
-            rows = s.execute(select(Version.version, Version.parent, Version.status, Version.created_at,
-                                    Version.blob_key)).all()
+            rows = s.execute(
+                select(Version.version, Version.parent, Version.status, Version.created_at, Version.blob_key)
+            ).all()
         children: dict[int, list[int]] = {}
         for r in rows:
             if r.parent is not None:
@@ -821,12 +1019,21 @@ class Registry:
         memo: dict[int, bool] = {}
         for v in sorted(info, reverse=True):  # children have larger numbers than their parents
             r = info[v]
-            memo[v] = (r.status == "rejected" and r.created_at < cutoff and v != 0
-                       and all(memo[c] for c in children.get(v, [])))
+            memo[v] = (
+                r.status == "rejected"
+                and r.created_at < cutoff
+                and v != 0
+                and all(memo[c] for c in children.get(v, []))
+            )
         return sorted((v for v, ok in memo.items() if ok and info[v].blob_key is not None), reverse=True)
 
-    def gc(self, dry_run: bool = False, grace_s: float = 3600.0, actor: str = "admin",
-           prune_rejected_s: float | None = None) -> GcResult:
+    def gc(
+        self,
+        dry_run: bool = False,
+        grace_s: float = 3600.0,
+        actor: str = "admin",
+        prune_rejected_s: float | None = None,
+    ) -> GcResult:
         """Delete blobs no version references and older than ``grace_s`` seconds (see the module doc).
 
         ``prune_rejected_s``: first unreference the blobs of rejected versions older than this whose descendants
@@ -846,13 +1053,21 @@ class Registry:
                     if row is None or row.status != "rejected":  # promoted or rejected-then-changed meanwhile
                         continue
                     row.blob_key, row.snapshot_key = None, None
-                self._audit(s, actor, "gc", None, f"pruned the deltas of {len(pruned)} rejected versions "
-                            f"(no live descendants): {', '.join(map(str, pruned[:20]))}")
+                self._audit(
+                    s,
+                    actor,
+                    "gc",
+                    None,
+                    f"pruned the deltas of {len(pruned)} rejected versions "
+                    f"(no live descendants): {', '.join(map(str, pruned[:20]))}",
+                )
         stored = set(self.blobs.list_keys())
         referenced = self.referenced_blobs()
         if dry_run and pruned:
             with self._sessions() as s:
-                gone = s.execute(select(Version.blob_key, Version.snapshot_key).where(Version.version.in_(pruned))).all()
+                gone = s.execute(
+                    select(Version.blob_key, Version.snapshot_key).where(Version.version.in_(pruned))
+                ).all()
             referenced -= {k for row in gone for k in row if k is not None}
         result = GcResult(dry_run=dry_run, grace_s=grace_s, referenced=len(stored & referenced), pruned=pruned)
         result.missing = sorted(k for k in referenced - stored if not self.blobs.exists(k))
@@ -870,8 +1085,13 @@ class Registry:
             result.removed.append(info)
         if result.removed and not dry_run:
             with self._tx() as s:
-                self._audit(s, actor, "gc", None,
-                            f"removed {len(result.removed)} unreferenced blobs ({result.removed_bytes} bytes)")
+                self._audit(
+                    s,
+                    actor,
+                    "gc",
+                    None,
+                    f"removed {len(result.removed)} unreferenced blobs ({result.removed_bytes} bytes)",
+                )
         return result
 
 
@@ -880,8 +1100,10 @@ def _finite_json(value, what: str):
     try:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"a rollout's {what} must be JSON with finite numbers only (leave out a -inf running maximum, "
-                         f"it is the default): {e}") from e
+        raise ValueError(
+            f"a rollout's {what} must be JSON with finite numbers only (leave out a -inf running maximum, "
+            f"it is the default): {e}"
+        ) from e
     return value
 
 

@@ -187,8 +187,14 @@ class MetricTest:
     def __post_init__(self):
         if not 0 < self.alpha < 1:
             raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
-        if self.tau <= 0 or self.margin < 0 or self.harm_margin < 0 or self.direction not in (1, -1) \
-                or self.min_events < 1 or self.min_units < 2:
+        if (
+            self.tau <= 0
+            or self.margin < 0
+            or self.harm_margin < 0
+            or self.direction not in (1, -1)
+            or self.min_events < 1
+            or self.min_units < 2
+        ):
             raise ValueError("tau must be > 0, margins >= 0, direction +1 or -1, min_events >= 1, min_units >= 2")
 
     def add(self, arm: str, value: float, count: int = 1) -> None:
@@ -201,8 +207,9 @@ class MetricTest:
         if self.last is not None:
             return self.last
         if self.bernoulli:
-            d, var = bernoulli_estimate(self.canary.n, self.canary.total, self.stable.n, self.stable.total,
-                                        self.direction)
+            d, var = bernoulli_estimate(
+                self.canary.n, self.canary.total, self.stable.n, self.stable.total, self.direction
+            )
             return float(d), float(var)
         d = self.direction * (self.canary.mean - self.stable.mean)
         var = self.canary.variance(False) / max(self.canary.n, 1) + self.stable.variance(False) / max(self.stable.n, 1)
@@ -218,8 +225,7 @@ class MetricTest:
         if d > -self.margin:
             self.max_log_lr_pass = max(self.max_log_lr_pass, float(log_mixture_lr(d, var, -self.margin, self.tau)))
         if d < -self.harm_margin:
-            self.max_log_lr_harm = max(self.max_log_lr_harm,
-                                       float(log_mixture_lr(d, var, -self.harm_margin, self.tau)))
+            self.max_log_lr_harm = max(self.max_log_lr_harm, float(log_mixture_lr(d, var, -self.harm_margin, self.tau)))
 
     def look(self, d, var, ready=True, df=np.inf) -> tuple[np.ndarray, np.ndarray]:
         """One look from an external estimate ``d`` of ``theta`` with variance ``var``: the running maxima take it.
@@ -233,8 +239,9 @@ class MetricTest:
         return self._update(d, var, ready, df)
 
     def _update(self, d, var, ready, df=np.inf) -> tuple[np.ndarray, np.ndarray]:
-        d, var, ready, df = np.broadcast_arrays(np.asarray(d, float), np.asarray(var, float),
-                                                np.asarray(ready, bool), np.asarray(df, float))
+        d, var, ready, df = np.broadcast_arrays(
+            np.asarray(d, float), np.asarray(var, float), np.asarray(ready, bool), np.asarray(df, float)
+        )
         ok = ready & np.isfinite(var) & np.isfinite(d)
         sides = []
         for theta0, on_side in ((-self.margin, d > -self.margin), (-self.harm_margin, d < -self.harm_margin)):
@@ -266,11 +273,20 @@ class MetricTest:
 
     def summary(self) -> dict:
         d, var = self.estimate()
-        return {"metric": self.name, "canary_n": self.canary.n, "stable_n": self.stable.n,
-                "canary_mean": self.canary.mean, "stable_mean": self.stable.mean, "difference": d,
-                "std_error": math.sqrt(var) if math.isfinite(var) else None, "p_pass": self.p_pass,
-                "p_harm": self.p_harm, "margin": self.margin, "harm_margin": self.harm_margin,
-                "verdict": self.verdict()}
+        return {
+            "metric": self.name,
+            "canary_n": self.canary.n,
+            "stable_n": self.stable.n,
+            "canary_mean": self.canary.mean,
+            "stable_mean": self.stable.mean,
+            "difference": d,
+            "std_error": math.sqrt(var) if math.isfinite(var) else None,
+            "p_pass": self.p_pass,
+            "p_harm": self.p_harm,
+            "margin": self.margin,
+            "harm_margin": self.harm_margin,
+            "verdict": self.verdict(),
+        }
 
 
 def _bad_arm(arm: str):
@@ -299,8 +315,10 @@ class UnitSums:
     def __post_init__(self):
         num, den = np.asarray(self.num, dtype=float), np.asarray(self.den, dtype=float)
         if num.shape != den.shape or num.ndim not in (1, 2):
-            raise ValueError(f"num and den must be per-user arrays of one shape (users, or looks x users), got "
-                             f"{num.shape} and {den.shape}")
+            raise ValueError(
+                f"num and den must be per-user arrays of one shape (users, or looks x users), got "
+                f"{num.shape} and {den.shape}"
+            )
         if not np.isfinite(num.sum() + den.sum()) or (den.size and den.min() < 0):
             raise ValueError("per-user sums must be finite and den >= 0")
         object.__setattr__(self, "num", num)
@@ -310,8 +328,7 @@ class UnitSums:
             cov = np.asarray(self.cov, dtype=float)
             w = np.ones(users) if self.cov_den is None else np.asarray(self.cov_den, dtype=float)
             if cov.shape != (users,) or w.shape != (users,):
-                raise ValueError(f"cov and cov_den must have one value per user ({users}), got {cov.shape}, "
-                                 f"{w.shape}")
+                raise ValueError(f"cov and cov_den must have one value per user ({users}), got {cov.shape}, {w.shape}")
             if np.any(~np.isfinite(w)) or np.any(w < 0) or np.any(np.isinf(cov)):
                 raise ValueError("cov_den must be finite and >= 0; cov finite or NaN (no covariate)")
             has = np.isfinite(cov) & (w > 0)
@@ -334,8 +351,17 @@ class UnitSums:
             lin = (self.num - _last(ratio) * self.den) / _last(mean_den)
             lev = self.den / _last(total_den)
             var, df = _cr3(lin, lev, n)
-        return {"seen": seen, "n": n, "num": total_num, "den": total_den, "ratio": ratio, "lin": lin, "lev": lev,
-                "var": var, "df": df}
+        return {
+            "seen": seen,
+            "n": n,
+            "num": total_num,
+            "den": total_den,
+            "ratio": ratio,
+            "lin": lin,
+            "lev": lev,
+            "var": var,
+            "df": df,
+        }
 
 
 def _last(a):
@@ -380,17 +406,29 @@ def unit_estimate(canary: UnitSums, stable: UnitSums, direction: int = 1, cuped:
             d = direction * ((mc["ratio"] - b * zc["ratio"]) - (ms["ratio"] - b * zs["ratio"]))
             # each arm's residuals L - b Z, with the leverage of b (pooled) added to the user's own
             zz = zc["zz"] + zs["zz"]
-            parts = [_cr3(m["lin"] - _last(b) * z["z"], m["lev"] + z["z"] ** 2 / _last(zz), m["n"])
-                     for m, z in ((mc, zc), (ms, zs))]
+            parts = [
+                _cr3(m["lin"] - _last(b) * z["z"], m["lev"] + z["z"] ** 2 / _last(zz), m["n"])
+                for m, z in ((mc, zc), (ms, zs))
+            ]
             (var_c, df_c), (var_s, df_s) = parts
             var = np.where((mc["n"] >= 3) & (ms["n"] >= 3), var_c + var_s, np.inf)
             removed = np.where(np.isfinite(var) & np.isfinite(var_raw) & (var_raw > 0), 1.0 - var / var_raw, 0.0)
         df = _welch_df(var_c, var_s, df_c, df_s)
     else:
         df = _welch_df(mc["var"], ms["var"], mc["df"], ms["df"])
-    return UnitEstimate(d=d, var=var, var_raw=var_raw, df=df, users_canary=mc["n"], users_stable=ms["n"],
-                        events_canary=mc["den"], events_stable=ms["den"], ratio_canary=mc["ratio"],
-                        ratio_stable=ms["ratio"], cuped_removed=removed)
+    return UnitEstimate(
+        d=d,
+        var=var,
+        var_raw=var_raw,
+        df=df,
+        users_canary=mc["n"],
+        users_stable=ms["n"],
+        events_canary=mc["den"],
+        events_stable=ms["den"],
+        ratio_canary=mc["ratio"],
+        ratio_stable=ms["ratio"],
+        cuped_removed=removed,
+    )
 
 
 def _covariate(arm: UnitSums, m: dict) -> dict:
@@ -435,7 +473,7 @@ def _units_df(r, ss, n):
 def _welch_df(var_c, var_s, df_c, df_s):
     """Welch-Satterthwaite degrees of freedom of ``var_c + var_s``."""
     with np.errstate(invalid="ignore", divide="ignore"):
-        df = (var_c + var_s) ** 2 / (var_c ** 2 / np.maximum(df_c, 1.0) + var_s ** 2 / np.maximum(df_s, 1.0))
+        df = (var_c + var_s) ** 2 / (var_c**2 / np.maximum(df_c, 1.0) + var_s**2 / np.maximum(df_s, 1.0))
     return np.where(np.isfinite(df), df, 1.0)
 
 
@@ -449,29 +487,47 @@ def look_units(test: MetricTest, canary: UnitSums, stable: UnitSums, cuped: bool
     summary: the test's (``MetricTest.summary``) and the estimate's parts; with a stack of looks, the per-look arrays
     too (``per_look``: ``d``, ``var``, ``max_log_lr_pass``, ``max_log_lr_harm``, ``cuped_removed``, ``ready``)."""
     est = unit_estimate(canary, stable, test.direction, cuped)
-    ready = (np.minimum(est.users_canary, est.users_stable) >= test.min_units) & \
-        (np.minimum(est.events_canary, est.events_stable) >= test.min_events)
+    ready = (np.minimum(est.users_canary, est.users_stable) >= test.min_units) & (
+        np.minimum(est.events_canary, est.events_stable) >= test.min_events
+    )
     pass_, harm = test.look(est.d, est.var, ready, est.df)
-    for arm, n, ratio in ((test.canary, est.events_canary, est.ratio_canary),
-                          (test.stable, est.events_stable, est.ratio_stable)):
+    for arm, n, ratio in (
+        (test.canary, est.events_canary, est.ratio_canary),
+        (test.stable, est.events_stable, est.ratio_stable),
+    ):
         n, ratio = float(np.ravel(n)[-1]), float(np.ravel(ratio)[-1])
         arm.n, arm.total = int(n), (ratio * n if math.isfinite(ratio) else 0.0)
     last = lambda a: float(np.ravel(a)[-1])  # noqa: E731
     out = test.summary() | {
-        "unit": "user", "cuped": cuped, "canary_users": int(last(est.users_canary)),
-        "stable_users": int(last(est.users_stable)), "variance": last(est.var), "variance_raw": last(est.var_raw),
-        "df": last(est.df), "cuped_removed": last(est.cuped_removed), "ready": bool(np.ravel(ready)[-1])}
+        "unit": "user",
+        "cuped": cuped,
+        "canary_users": int(last(est.users_canary)),
+        "stable_users": int(last(est.users_stable)),
+        "variance": last(est.var),
+        "variance_raw": last(est.var_raw),
+        "df": last(est.df),
+        "cuped_removed": last(est.cuped_removed),
+        "ready": bool(np.ravel(ready)[-1]),
+    }
     if np.ndim(est.d) > 0:
-        out["per_look"] = {"d": est.d, "var": est.var, "df": est.df, "max_log_lr_pass": pass_, "max_log_lr_harm": harm,
-                           "cuped_removed": est.cuped_removed, "ready": ready}
+        out["per_look"] = {
+            "d": est.d,
+            "var": est.var,
+            "df": est.df,
+            "max_log_lr_pass": pass_,
+            "max_log_lr_harm": harm,
+            "cuped_removed": est.cuped_removed,
+            "ready": ready,
+        }
     return out
 
 
 # ----------------------------------------------------------------------------------------------------- latency
 
 
-def batch_means(canary_means, stable_means, direction: int = -1,
-                min_batches: int = 10) -> tuple[float, float, int] | None:
+def batch_means(
+    canary_means, stable_means, direction: int = -1, min_batches: int = 10
+) -> tuple[float, float, int] | None:
     """(d, var, df) of a latency-like metric from per-bucket means of each arm (one value per time bucket, in the
     same buckets; NaN where an arm had no request): the buckets pair by time, so a load both arms share cancels, and
     the mean of the paired differences has the variance of the differences across buckets over their number, with
@@ -531,8 +587,9 @@ class SrmTest:
 
     def __post_init__(self):
         if not (0 < self.share < 1 and 0 < self.alpha < 1 and 0 < self.tau < 0.5):
-            raise ValueError(f"share and alpha must be in (0, 1), tau in (0, 0.5), got {self.share}, {self.alpha}, "
-                             f"{self.tau}")
+            raise ValueError(
+                f"share and alpha must be in (0, 1), tau in (0, 0.5), got {self.share}, {self.alpha}, {self.tau}"
+            )
 
     def look_units(self, canary: UnitSums, stable: UnitSums) -> dict:
         """One look (or a stack of them) with the user as the unit: users seen per arm (a Beta-binomial mixture)
@@ -545,10 +602,13 @@ class SrmTest:
         s = self.share
         with np.errstate(invalid="ignore", divide="ignore"):
             d = e_c / total - s
-            var = s * (1 - s) * ((canary.den ** 2).sum(-1) + (stable.den ** 2).sum(-1)) / (total * total)
+            var = s * (1 - s) * ((canary.den**2).sum(-1) + (stable.den**2).sum(-1)) / (total * total)
             events = np.where(total > 0, log_mixture_lr(d, var, 0.0, self.tau), -np.inf)
-        return self._update(users, events, {"canary_users": mc["n"], "stable_users": ms["n"],
-                                            "canary_events": e_c, "stable_events": e_s})
+        return self._update(
+            users,
+            events,
+            {"canary_users": mc["n"], "stable_users": ms["n"], "canary_events": e_c, "stable_events": e_s},
+        )
 
     def look_requests(self, events_canary, events_stable) -> dict:
         """One look (or a stack) with the request as the unit: each event is drawn into an arm on its own."""
@@ -604,11 +664,17 @@ class Canary:
             return ABORT, f"{self.success.name} is worse than stable (p {self.success.p_harm:.3g})"
         pending = [g.name for g in self.guardrails if g.p_pass > g.alpha]
         if s == BETTER and not pending:
-            shown = "better than stable" if self.success.margin == 0 else \
-                f"not worse than stable by more than {self.success.margin:g}"
+            shown = (
+                "better than stable"
+                if self.success.margin == 0
+                else f"not worse than stable by more than {self.success.margin:g}"
+            )
             return PROMOTE, f"{self.success.name} {shown} (p {self.success.p_pass:.3g}), every guardrail non-inferior"
         if deadline_passed:
-            return ABORT, "deadline passed: " + ("; ".join(
-                ([f"{self.success.name} undecided"] if s != BETTER else []) +
-                [f"guardrail {name} not shown non-inferior" for name in pending]))
+            return ABORT, "deadline passed: " + (
+                "; ".join(
+                    ([f"{self.success.name} undecided"] if s != BETTER else [])
+                    + [f"guardrail {name} not shown non-inferior" for name in pending]
+                )
+            )
         return CONTINUE, "collecting evidence"

@@ -53,24 +53,45 @@ def generate_keypair(folder: str | os.PathLike) -> tuple[Path, Path]:
     tmp = private.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                  serialization.NoEncryption()))
-    public.write_bytes(key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                      serialization.PublicFormat.SubjectPublicKeyInfo))
+        f.write(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+    public.write_bytes(
+        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
     os.replace(tmp, private)
     return private, public
 
 
-def announce(r, prefix: str, version: int, checksum: str, reason: str, signer: Signer | None, *,
-             channel: AnnouncementChannel = "desired", rollout: RolloutTerms | None = None,
-             ttl_s: float = DEFAULT_TTL_S) -> VersionAnnouncement:
+def announce(
+    r,
+    prefix: str,
+    version: int,
+    checksum: str,
+    reason: str,
+    signer: Signer | None,
+    *,
+    channel: AnnouncementChannel = "desired",
+    rollout: RolloutTerms | None = None,
+    ttl_s: float = DEFAULT_TTL_S,
+) -> VersionAnnouncement:
     """Tell the fleet which version to serve on ``channel`` (``<prefix>:desired``, or ``<prefix>:canary`` with the
     rollout's terms), valid for ``ttl_s`` (``security.announce_ttl_s``); signed when there is a ``signer``."""
     if ttl_s <= 0:
         raise ValueError(f"an announcement's ttl_s must be > 0, not {ttl_s}")
     now = time.time()
-    ann = VersionAnnouncement(version=version, checksum=checksum, reason=reason[:1024], ts=now, channel=channel,
-                              prefix=prefix, expires_at=now + ttl_s, rollout=rollout)
+    ann = VersionAnnouncement(
+        version=version,
+        checksum=checksum,
+        reason=reason[:1024],
+        ts=now,
+        channel=channel,
+        prefix=prefix,
+        expires_at=now + ttl_s,
+        rollout=rollout,
+    )
     if signer is not None:
         ann = signer.sign(ann)
     r.set(fleet.announcement_key(prefix, channel), ann.to_bytes())
@@ -86,9 +107,19 @@ def needs_refresh(ann: VersionAnnouncement, now: float | None = None) -> bool:
     return ann.expires_at - now < (ann.expires_at - ann.ts) / 2
 
 
-def keep_announced(r, prefix: str, channel: AnnouncementChannel, version: int, checksum: str, reason: str,
-                   signer: Signer | None, *, rollout: RolloutTerms | None = None, ttl_s: float = DEFAULT_TTL_S,
-                   now: float | None = None) -> str | None:
+def keep_announced(
+    r,
+    prefix: str,
+    channel: AnnouncementChannel,
+    version: int,
+    checksum: str,
+    reason: str,
+    signer: Signer | None,
+    *,
+    rollout: RolloutTerms | None = None,
+    ttl_s: float = DEFAULT_TTL_S,
+    now: float | None = None,
+) -> str | None:
     """Make ``<prefix>:<channel>`` announce ``version`` (with ``rollout``'s terms on the canary channel) with at least
     half its lifetime left. What is there is checked as the agents check it (``fleet.check_announcement``, verified
     with the signer's own public key): missing, unreadable, unsigned while there is a signer, signed by another key,
@@ -110,11 +141,13 @@ def keep_announced(r, prefix: str, channel: AnnouncementChannel, version: int, c
             elif not needs_refresh(ann, now):
                 return None
             else:
-                announce(r, prefix, version, checksum, ann.reason, signer, channel=channel, rollout=rollout,
-                         ttl_s=ttl_s)
+                announce(
+                    r, prefix, version, checksum, ann.reason, signer, channel=channel, rollout=rollout, ttl_s=ttl_s
+                )
                 return "refreshed"
-    announce(r, prefix, version, checksum, f"{reason} (was {was})", signer, channel=channel, rollout=rollout,
-             ttl_s=ttl_s)
+    announce(
+        r, prefix, version, checksum, f"{reason} (was {was})", signer, channel=channel, rollout=rollout, ttl_s=ttl_s
+    )
     return f"was {was}"
 
 
@@ -150,5 +183,6 @@ class Verifier:
         try:
             self._key.verify(base64.b64decode(ann.signature, validate=True), message(ann))
         except (InvalidSignature, ValueError):
-            raise SignatureError(f"the announcement of version {ann.version} has a signature that does not "
-                                 "verify with this node's key") from None
+            raise SignatureError(
+                f"the announcement of version {ann.version} has a signature that does not verify with this node's key"
+            ) from None

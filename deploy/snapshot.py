@@ -39,12 +39,25 @@ def encode_snapshot(state: Mapping[str, torch.Tensor], version: int | None = Non
         dtype = dtype_name(t)
         sums[name] = tensor_checksum(t)
         frame = zstd_compress(to_planes(byte_view(t), t.element_size()), level)
-        entries.append({"name": name, "dtype": dtype, "shape": list(t.shape), "digest": sums[name],
-                        "offset": offset, "length": len(frame)})
+        entries.append(
+            {
+                "name": name,
+                "dtype": dtype,
+                "shape": list(t.shape),
+                "digest": sums[name],
+                "offset": offset,
+                "length": len(frame),
+            }
+        )
         frames.append(frame)
         offset += len(frame)
-    header = {"kind": "snapshot", "codec": "byteplanes-zstd", "version": version, "checksum": combine_checksums(sums),
-              "tensors": entries}
+    header = {
+        "kind": "snapshot",
+        "codec": "byteplanes-zstd",
+        "version": version,
+        "checksum": combine_checksums(sums),
+        "tensors": entries,
+    }
     return pack_container(SNAPSHOT_MAGIC, header, frames)
 
 
@@ -62,8 +75,9 @@ def decode_snapshot(blob: bytes) -> dict[str, torch.Tensor]:
             if e["offset"] + e["length"] > len(payload):
                 raise DeltaError(f"snapshot corrupted: tensor {e['name']!r} lies outside the payload")
             try:
-                raw = zstandard.ZstdDecompressor().decompress(payload[e["offset"]:e["offset"] + e["length"]],
-                                                              max_output_size=nbytes)
+                raw = zstandard.ZstdDecompressor().decompress(
+                    payload[e["offset"] : e["offset"] + e["length"]], max_output_size=nbytes
+                )
             except zstandard.ZstdError as err:
                 raise DeltaError(f"snapshot corrupted: tensor {e['name']!r} does not decompress ({err})") from None
             if len(raw) != nbytes:
@@ -97,7 +111,13 @@ def open_safetensors(path: str | os.PathLike, writable: bool = False) -> dict[st
                 raise ValueError("the header is not a JSON object")  # noqa: TRY004 -- bad file content, caught below
         except (struct.error, ValueError, MemoryError) as e:
             raise ValueError(f"{path} is not a safetensors file ({e})") from None
-    kinds = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+    kinds = {
+        "BF16": "bfloat16",
+        "F16": "float16",
+        "F32": "float32",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E5M2": "float8_e5m2",
+    }
     out: dict[str, torch.Tensor] = {}
     for name, meta in header.items():
         if name == "__metadata__":
@@ -110,7 +130,12 @@ def open_safetensors(path: str | os.PathLike, writable: bool = False) -> dict[st
         if hi == lo:
             out[name] = torch.empty(shape, dtype=dt.torch)
             continue
-        arr = np.memmap(path, dtype=dt.uint, mode="r+" if writable else "c", offset=8 + hlen + lo,
-                        shape=((hi - lo) // (dt.bits // 8),))
+        arr = np.memmap(
+            path,
+            dtype=dt.uint,
+            mode="r+" if writable else "c",
+            offset=8 + hlen + lo,
+            shape=((hi - lo) // (dt.bits // 8),),
+        )
         out[name] = torch.from_numpy(arr).view(dt.torch).reshape(shape)
     return out

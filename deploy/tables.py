@@ -31,7 +31,8 @@ class Version(Base):
     promoted_at: Mapped[float | None] = mapped_column(sa.Float)
     checksum: Mapped[str] = mapped_column(sa.String(64))
     blob_key: Mapped[str | None] = mapped_column(
-        sa.String(64), doc="delta from the parent, or the snapshot for version 0; NULL: a rejected version's, pruned")
+        sa.String(64), doc="delta from the parent, or the snapshot for version 0; NULL: a rejected version's, pruned"
+    )
     blob_kind: Mapped[str] = mapped_column(sa.String(8), doc="delta | snapshot")
     snapshot_key: Mapped[str | None] = mapped_column(sa.String(64), doc="full snapshot of this version, if stored")
     snapshot_base: Mapped[int] = mapped_column(sa.Integer, doc="nearest version up the chain with a snapshot")
@@ -48,7 +49,6 @@ class Version(Base):
 
     def __repr__(self) -> str:
         return f"Version({self.version}, parent={self.parent}, status={self.status!r}, checksum={self.checksum[:12]}…)"
-
 
 
 class GateResult(Base):
@@ -171,8 +171,10 @@ class Rollout(Base):
         return self.state in ACTIVE_ROLLOUT_STATES
 
     def __repr__(self) -> str:
-        return (f"Rollout({self.id}, v{self.version} vs v{self.stable_version}, {self.state}, share={self.share}, "
-                f"nodes={self.nodes}, revision={self.revision})")
+        return (
+            f"Rollout({self.id}, v{self.version} vs v{self.stable_version}, {self.state}, share={self.share}, "
+            f"nodes={self.nodes}, revision={self.revision})"
+        )
 
 
 class Counter(Base):

@@ -60,8 +60,16 @@ class IngestWorker:
     ``web_port``: None uses ``cfg.ingest.web_port``; 0 disables the web server (``/metrics``, ``/healthz``).
     """
 
-    def __init__(self, cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: int | None = None,
-                 web_bind: str = "127.0.0.1", evict_interval_s: float = EVICT_INTERVAL_S):
+    def __init__(
+        self,
+        cfg: LiverlConfig,
+        bootstrap: str,
+        redis_url: str,
+        *,
+        web_port: int | None = None,
+        web_bind: str = "127.0.0.1",
+        evict_interval_s: float = EVICT_INTERVAL_S,
+    ):
         if not bootstrap:
             raise ValueError("ingest needs a Kafka bootstrap (host:port); start the stack or set broker.bootstrap")
         if not redis_url:
@@ -77,8 +85,9 @@ class IngestWorker:
         self.sweep_s = max(0.1, min(1.0, ic.pending_ttl_s / 4))
         self.state = state_dir(cfg)
         self.metrics = IngestMetrics(cfg.topics.prefix, redis_url)
-        self.table = JoinTable(changelog_topic(cfg.topics.prefix), cfg.broker.partitions,
-                               self.state if ic.store == "rocksdb" else None)
+        self.table = JoinTable(
+            changelog_topic(cfg.topics.prefix), cfg.broker.partitions, self.state if ic.store == "rocksdb" else None
+        )
         # Samples, held-out samples and dead letters; the join table's changelog has its own producer: a client sends
         # one produce request per broker at a time, so a second of table changes (megabytes) would hold up the next
         # batches' samples behind it. (Producers and consumer are built in ``run``, on the event loop.)
@@ -101,11 +110,17 @@ class IngestWorker:
         """Build the clients (on the running loop) and hand them to the parts that use them."""
         b, broker = self.bootstrap, self.cfg.broker
         for outbox, suffix in ((self.outbox, ""), (self.table_outbox, "-table")):
-            outbox.producer = make_aio_producer(b, broker, f"{self.group}{suffix}", max_batch_size=MAX_BATCH_BYTES,
-                                                max_request_size=MAX_REQUEST_BYTES)
-        self.consumer = make_aio_consumer(b, broker, self.group, fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
-                                          max_partition_fetch_bytes=4 << 20,
-                                          partition_assignment_strategy=(RangePartitionAssignor,))
+            outbox.producer = make_aio_producer(
+                b, broker, f"{self.group}{suffix}", max_batch_size=MAX_BATCH_BYTES, max_request_size=MAX_REQUEST_BYTES
+            )
+        self.consumer = make_aio_consumer(
+            b,
+            broker,
+            self.group,
+            fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
+            max_partition_fetch_bytes=4 << 20,
+            partition_assignment_strategy=(RangePartitionAssignor,),
+        )
         self.committer.consumer = self.pacer.consumer = self.tasks.consumer = self.consumer
 
     async def run(self) -> int:
@@ -122,8 +137,12 @@ class IngestWorker:
             self.consumer.subscribe(list(self.inputs), listener=self.tasks)
             await self.consumer.start()
             web = await start_web(self.metrics.exposition, self.health, self.web_bind, self.web_port)
-            log.info("ingest worker up: group %s, inputs %s, store %s", self.group, ", ".join(self.inputs),
-                     self.cfg.ingest.store)
+            log.info(
+                "ingest worker up: group %s, inputs %s, store %s",
+                self.group,
+                ", ".join(self.inputs),
+                self.cfg.ingest.store,
+            )
             await self._loop()
             async with self.tasks.busy:
                 await self.committer.drain()
@@ -158,11 +177,13 @@ class IngestWorker:
         self.stopping = True
 
     async def _close(self, web) -> None:
-        for what, fn in (("consumer", self.consumer.stop if self.consumer else None),
-                         ("producer", self.outbox.producer.stop if self.outbox.producer else None),
-                         ("table producer", self.table_outbox.producer.stop if self.table_outbox.producer else None),
-                         ("web", web.cleanup if web else None),
-                         ("redis", self.metrics.close)):
+        for what, fn in (
+            ("consumer", self.consumer.stop if self.consumer else None),
+            ("producer", self.outbox.producer.stop if self.outbox.producer else None),
+            ("table producer", self.table_outbox.producer.stop if self.table_outbox.producer else None),
+            ("web", web.cleanup if web else None),
+            ("redis", self.metrics.close),
+        ):
             if fn is None:
                 continue
             try:
@@ -189,9 +210,18 @@ class IngestWorker:
                 continue
             into = gens if tp.topic == self.cfg.topics.generations else fbs
             for m in msgs:
-                into.append((Source(tp.topic, tp.partition, m.offset, m.key,
-                                    m.timestamp / 1000.0 if m.timestamp is not None and m.timestamp >= 0 else None),
-                             m.value))
+                into.append(
+                    (
+                        Source(
+                            tp.topic,
+                            tp.partition,
+                            m.offset,
+                            m.key,
+                            m.timestamp / 1000.0 if m.timestamp is not None and m.timestamp >= 0 else None,
+                        ),
+                        m.value,
+                    )
+                )
             ends[tp] = msgs[-1].offset + 1
         if not ends:
             return
@@ -209,7 +239,7 @@ class IngestWorker:
             for i in range(0, len(events), DECIDE_SLICE):
                 if i:  # the settling batches' acknowledgements and round trips are handled now, not after the batch
                     await asyncio.sleep(0)
-                self.ingest.decide_some(out, events[i:i + DECIDE_SLICE])
+                self.ingest.decide_some(out, events[i : i + DECIDE_SLICE])
             self.ingest.end(out)
         except InfraError as e:
             die(str(e))
@@ -250,8 +280,10 @@ class IngestWorker:
         """The generations partition's end: the larger of the last fetch's high watermark and the broker's
         ListOffsets answer (the embedded broker's can fall short of the end, see ``ingest.restore``)."""
         tp = TopicPartition(self.cfg.topics.generations, partition)
-        ends = [self.consumer.highwater(tp) if tp in self.consumer.assignment() else None,
-                (await self.consumer.end_offsets([tp])).get(tp)]
+        ends = [
+            self.consumer.highwater(tp) if tp in self.consumer.assignment() else None,
+            (await self.consumer.end_offsets([tp])).get(tp),
+        ]
         ends = [e for e in ends if e is not None]
         return max(ends) if ends else None
 
@@ -275,5 +307,10 @@ class IngestWorker:
     # -- web ---------------------------------------------------------------------------------------
 
     def health(self) -> dict:
-        return {"ok": True, "app": self.group, "rebalancing": not self.ingest.ready, "ready": self.ingest.ready,
-                "partitions": sorted(self.table.parts)}
+        return {
+            "ok": True,
+            "app": self.group,
+            "rebalancing": not self.ingest.ready,
+            "ready": self.ingest.ready,
+            "partitions": sorted(self.table.parts),
+        }

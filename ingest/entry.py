@@ -44,13 +44,13 @@ def head(value: bytes) -> tuple[bytes, float]:
 def unpack(value: bytes) -> tuple[bytes, float, dict, bytes]:
     end = value.index(b"|", 2)
     nl = value.index(b"\n", end)
-    meta = value[end + 1:nl]
-    return value[:1], float(value[2:end]), (from_json(meta) if meta else {}), value[nl + 1:]
+    meta = value[end + 1 : nl]
+    return value[:1], float(value[2:end]), (from_json(meta) if meta else {}), value[nl + 1 :]
 
 
 def without_payload(value: bytes) -> bytes:
     """The entry with its payload cut (same kind, time and meta): a judgement that no longer keeps its sample."""
-    return value[:value.index(b"\n", value.index(b"|", 2)) + 1]
+    return value[: value.index(b"\n", value.index(b"|", 2)) + 1]
 
 
 def ms(t: float) -> int:
@@ -79,5 +79,17 @@ def pending_info(value: bytes) -> tuple[float, float, int | None]:
     return t, meta["kts"], meta["src"][1]
 
 
-__all__ = ["ACCEPT_KEPT", "JUDGED", "PENDING", "WAITING", "expiry_class", "head", "ms", "pack", "pending_info",
-           "to_json", "unpack", "without_payload"]
+__all__ = [
+    "ACCEPT_KEPT",
+    "JUDGED",
+    "PENDING",
+    "WAITING",
+    "expiry_class",
+    "head",
+    "ms",
+    "pack",
+    "pending_info",
+    "to_json",
+    "unpack",
+    "without_payload",
+]

@@ -87,7 +87,6 @@ EVICT_MAX = 200_000  # entries one expiry run drops or cuts at most (the rest wa
 PENDING_HARD_LIMIT_X = 10  # early feedback is dropped after this many TTLs even if generations still lag
 
 
-
 class Output(Protocol):
     """Where the join's samples and dead letters go: ``send`` queues a record and returns an awaitable that resolves
     once the broker has it, after a ``flush`` (``ingest.outbox.Outbox``)."""
@@ -98,8 +97,24 @@ class Output(Protocol):
 
 
 # (names of ingest.entry and ingest.records the tests and tools import from here)
-__all__ = ["DEAD_VALUE_BYTES", "JUDGED", "MAX_RECORD_BYTES", "PENDING", "REVERT_SUFFIX", "WAITING", "InfraError",
-           "Ingest", "Source", "head", "is_heldout", "legacy_parts", "pack", "record_parts", "sample_json", "unpack"]
+__all__ = [
+    "DEAD_VALUE_BYTES",
+    "JUDGED",
+    "MAX_RECORD_BYTES",
+    "PENDING",
+    "REVERT_SUFFIX",
+    "WAITING",
+    "InfraError",
+    "Ingest",
+    "Source",
+    "head",
+    "is_heldout",
+    "legacy_parts",
+    "pack",
+    "record_parts",
+    "sample_json",
+    "unpack",
+]
 
 
 class InfraError(RuntimeError):
@@ -121,8 +136,15 @@ class _Batch:
 class Ingest:
     """Join state and decisions. Every coroutine runs under ``self.lock`` (agent batch or timer)."""
 
-    def __init__(self, cfg: LiverlConfig, metrics: IngestMetrics, table: MutableMapping[str, bytes], output: Output,
-                 *, partitions: int | None = None):
+    def __init__(
+        self,
+        cfg: LiverlConfig,
+        metrics: IngestMetrics,
+        table: MutableMapping[str, bytes],
+        output: Output,
+        *,
+        partitions: int | None = None,
+    ):
         """``output``: where samples and dead letters go (``ingest.outbox.Outbox``; a recorder in the property tests).
         ``partitions``: the inputs' partition count, to refuse input on the wrong partition (``_misplaced``); None: not
         checked."""
@@ -240,8 +262,11 @@ class Ingest:
         """The batch is decided: later batches read its table writes until it is settled."""
         self._ahead.update(out.writes)
         self._ahead_pending += out.new_pending
-        for name, n in (("generations_in", out.generations_in), ("feedback_in", out.feedback_in),
-                        ("joined", sum(out.tally.joined_kinds.values()))):
+        for name, n in (
+            ("generations_in", out.generations_in),
+            ("feedback_in", out.feedback_in),
+            ("joined", sum(out.tally.joined_kinds.values())),
+        ):
             if n:
                 out.tally.inc(name, n)
         return out
@@ -306,8 +331,9 @@ class Ingest:
                 out.tally.inc("duplicates")
                 self._count_again(out, meta, t)  # idempotent; heals a crash
             else:
-                self._dead(out, "already_judged", f"generation {gid} was already judged by feedback {meta['f']}",
-                                 src, value)
+                self._dead(
+                    out, "already_judged", f"generation {gid} was already judged by feedback {meta['f']}", src, value
+                )
         elif kind == WAITING:
             _, _, meta, body = unpack(entry)
             if "v" not in meta:  # an entry from before entries kept parts: our own canonical JSON of the record
@@ -318,11 +344,21 @@ class Ingest:
             if meta["f"] == fid:
                 out.tally.inc("duplicates")
             else:
-                self._dead(out, "already_judged",
-                                 f"generation {gid} already has feedback {meta['f']} waiting for it", src, value)
+                self._dead(
+                    out,
+                    "already_judged",
+                    f"generation {gid} already has feedback {meta['f']} waiting for it",
+                    src,
+                    value,
+                )
         elif len(self._pending) + self._ahead_pending + out.new_pending >= self.ic.max_pending:
-            self._dead(out, "pending_full", f"{len(self._pending)} feedback events already wait for their "
-                             f"generation (ingest.max_pending)", src, value)
+            self._dead(
+                out,
+                "pending_full",
+                f"{len(self._pending)} feedback events already wait for their generation (ingest.max_pending)",
+                src,
+                value,
+            )
         else:
             kts = src.ts or now
             meta = {"f": fid, "kts": kts, "src": [src.topic, src.partition, src.offset, key_text(src.key)]}
@@ -330,8 +366,16 @@ class Ingest:
             out.new_pending += 1
             out.tally.inc("pended")
 
-    def _on_revert(self, fb: FeedbackEvent, entry: bytes | None, kind: bytes | None, src: Source,
-                         value: bytes | None, out: _Batch, now: float) -> None:
+    def _on_revert(
+        self,
+        fb: FeedbackEvent,
+        entry: bytes | None,
+        kind: bytes | None,
+        src: Source,
+        value: bytes | None,
+        out: _Batch,
+        now: float,
+    ) -> None:
         """A follow-up on an accepted generation: counted once per generation in its version's live counters
         (``revert``), so the gate sees how many accepted answers were kept, and, when the accept trained, trains the
         correction: the accepted sample again (sample id ``<generation>:revert``) with reward ``rewards.revert``. An
@@ -340,8 +384,14 @@ class Ingest:
         the generation with the revert's reward (``deploy.offpolicy.merge_heldout``), not as the accept it was."""
         gid = fb.generation_id
         if kind != JUDGED:
-            self._dead(out, "revert_unjudged", f"generation {gid} has no judgement to revert (a revert follows "
-                             f"an accept; judgements are kept ingest.judged_ttl_s)", src, value)
+            self._dead(
+                out,
+                "revert_unjudged",
+                f"generation {gid} has no judgement to revert (a revert follows "
+                f"an accept; judgements are kept ingest.judged_ttl_s)",
+                src,
+                value,
+            )
             return
         _, t, meta, accepted = unpack(entry)  # accepted: the sample its accept trained, kept for this correction
         # counted by when, and for whom, the reverted generation was judged (an entry from before units: in '*' only)
@@ -352,11 +402,15 @@ class Ingest:
             if not mixed:
                 out.tally.live.append(counted)  # idempotent; heals a crash before Redis
         elif meta.get("r") is not None:
-            self._dead(out, "already_reverted", f"generation {gid} was already reverted by {meta['r']}",
-                             src, value)
+            self._dead(out, "already_reverted", f"generation {gid} was already reverted by {meta['r']}", src, value)
         elif meta["k"] != "accept":
-            self._dead(out, "revert_unaccepted", f"generation {gid} was judged {meta['k']}, not accept: only an "
-                             "accepted generation can be reverted", src, value)
+            self._dead(
+                out,
+                "revert_unaccepted",
+                f"generation {gid} was judged {meta['k']}, not accept: only an accepted generation can be reverted",
+                src,
+                value,
+            )
         else:
             out.writes[gid] = pack(JUDGED, t, {**meta, "r": fb.feedback_id})
             out.tally.inc("reverted")
@@ -368,20 +422,30 @@ class Ingest:
                 out.tally.inc("drop:revert_no_sample")
             elif len(gid) + len(REVERT_SUFFIX) <= 128:  # (ids are at most 128 characters) the correction
                 s = TrainingSample.model_validate_json(accepted)
-                fix = s.model_copy(update={"sample_id": f"{gid}{REVERT_SUFFIX}", "feedback_id": fb.feedback_id,
-                                           "kind": "revert", "reward": float(self.product.reward("revert", s.segment)),
-                                           "ts_feedback": fb.ts})
+                fix = s.model_copy(
+                    update={
+                        "sample_id": f"{gid}{REVERT_SUFFIX}",
+                        "feedback_id": fb.feedback_id,
+                        "kind": "revert",
+                        "reward": float(self.product.reward("revert", s.segment)),
+                        "ts_feedback": fb.ts,
+                    }
+                )
                 held = meta.get("h") == 1  # held out: the gate's stream gets the revert's reward, never the learner
-                out.futs.append(self._emit(self._topic_heldout if held else self.topics.samples, gid,
-                                           fix.model_dump_json().encode()))
+                out.futs.append(
+                    self._emit(
+                        self._topic_heldout if held else self.topics.samples, gid, fix.model_dump_json().encode()
+                    )
+                )
                 if held:
                     out.tally.inc("heldout_out")
                 else:
                     out.samples += 1
                     out.tally.inc("revert_samples_out")
 
-    def _join(self, gid: str, rec: dict[str, Any], body: bytes, fb: FeedbackEvent, out: _Batch, now: float,
-              src: Source) -> None:
+    def _join(
+        self, gid: str, rec: dict[str, Any], body: bytes, fb: FeedbackEvent, out: _Batch, now: float, src: Source
+    ) -> None:
         """Judge a generation: ``rec`` and ``body`` are its validated record's ``record_parts``."""
         version = rec["v"]
         meta = {"f": fb.feedback_id, "v": version, "k": fb.kind, "n": rec["n"]}
@@ -398,8 +462,13 @@ class Ingest:
         if "x" not in rec:
             sample = sample_json(gid, rec, body, fb, float(self.product.reward(fb.kind, fb.segment)))
             if len(sample) > MAX_RECORD_BYTES:
-                self._dead(out, "sample_too_large", f"the joined sample of {gid} would be {len(sample)} bytes",
-                                 src, fb.model_dump_json().encode())
+                self._dead(
+                    out,
+                    "sample_too_large",
+                    f"the joined sample of {gid} would be {len(sample)} bytes",
+                    src,
+                    fb.model_dump_json().encode(),
+                )
                 sample = b""
         else:
             out.tally.inc("drop:not_trainable")
@@ -445,9 +514,15 @@ class Ingest:
         want = partition_of(gid.encode(), self._partitions)
         if want == src.partition:
             return False
-        self._dead(out, "wrong_partition", f"generation {gid} belongs on partition {want} (murmur2 of the "
-                         f"generation id), not {src.partition}: key records by generation_id with Kafka's default "
-                         "partitioner (librdkafka: partitioner=murmur2_random)", src, value)
+        self._dead(
+            out,
+            "wrong_partition",
+            f"generation {gid} belongs on partition {want} (murmur2 of the "
+            f"generation id), not {src.partition}: key records by generation_id with Kafka's default "
+            "partitioner (librdkafka: partitioner=murmur2_random)",
+            src,
+            value,
+        )
         return True
 
     def _get(self, gid: str, out: _Batch) -> bytes | None:
@@ -576,11 +651,21 @@ class Ingest:
         """The generations partitions whose end offset ``expire_pending`` needs at ``now``: where feedback has waited a
         TTL and the partition's clock has not passed it (whether it was read to its end then decides)."""
         ttl = self.ic.pending_ttl_s
-        return {part for _, (t, kts, part) in self._due(now, ttl) if part is not None
-                and (assigned is None or part in assigned) and self._waited(t, kts, part, now, ttl) == "caught_up"}
+        return {
+            part
+            for _, (t, kts, part) in self._due(now, ttl)
+            if part is not None
+            and (assigned is None or part in assigned)
+            and self._waited(t, kts, part, now, ttl) == "caught_up"
+        }
 
-    async def expire_pending(self, now: float | None = None, *, assigned: Collection[int] | None = None,
-                             ends: Mapping[int, int | None] | None = None) -> int:
+    async def expire_pending(
+        self,
+        now: float | None = None,
+        *,
+        assigned: Collection[int] | None = None,
+        ends: Mapping[int, int | None] | None = None,
+    ) -> int:
         """Dead-letter feedback whose generation did not arrive within ``pending_ttl_s``.
 
         ``assigned``: the input partitions this worker holds (None: all); feedback of others is left alone. ``ends``:
@@ -608,8 +693,13 @@ class Ingest:
                 continue
             _, _, meta, payload = unpack(entry)
             topic, partition, offset, key = meta["src"]
-            self._dead(out, "unknown_generation", f"no generation record {gid} arrived within {ttl:g} s of "
-                             "the feedback", Source(topic, partition, offset, key), payload)
+            self._dead(
+                out,
+                "unknown_generation",
+                f"no generation record {gid} arrived within {ttl:g} s of the feedback",
+                Source(topic, partition, offset, key),
+                payload,
+            )
             gone.append(gid)
         # Dead letters first, deletion after: a crash in between repeats the dead letter, never loses it.
         await self._settle_futures(out)
@@ -643,8 +733,11 @@ class Ingest:
         cut_after = min(ic.revert_sample_ttl_s, ic.judged_ttl_s)
         tally = Tally()
         acted = 0
-        for cls, before in ((WAITING, now - ic.generation_ttl_s), (JUDGED, now - ic.judged_ttl_s),
-                            (ACCEPT_KEPT, now - cut_after)):
+        for cls, before in (
+            (WAITING, now - ic.generation_ttl_s),
+            (JUDGED, now - ic.judged_ttl_s),
+            (ACCEPT_KEPT, now - cut_after),
+        ):
             due = due_in(self.table, cls, before)
             more = True
             while more and acted < limit:
@@ -674,7 +767,9 @@ class Ingest:
             try:
                 await self.metrics.apply(tally)
             except Exception as e:
-                raise InfraError(f"Redis at {redact_url(self.metrics.redis_url)} failed: {type(e).__name__}: {e}") from e
+                raise InfraError(
+                    f"Redis at {redact_url(self.metrics.redis_url)} failed: {type(e).__name__}: {e}"
+                ) from e
         estimate = getattr(self.table, "estimate", None)
         self.metrics.tracked.set(estimate() if estimate is not None else len(self.table))
         return tally.counts["generations_expired"] + tally.counts["judgements_expired"]
@@ -697,7 +792,8 @@ def due_in(table: MutableMapping[str, bytes], cls: bytes, before: float) -> Gene
         yield from index(cls, before)
         return
     before_ms = ms(before)
-    found = [(c[1], gid) for gid, v in list(table.items()) if (c := expiry_class(v)) and c[0] == cls
-             and c[1] < before_ms]
+    found = [
+        (c[1], gid) for gid, v in list(table.items()) if (c := expiry_class(v)) and c[0] == cls and c[1] < before_ms
+    ]
     for _, gid in sorted(found):
         yield gid

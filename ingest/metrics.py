@@ -266,28 +266,55 @@ class IngestMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.feedback = Counter("liverl_ingest_feedback", "Feedback records consumed (valid or not).", registry=r)
-        self.generations = Counter("liverl_ingest_generations", "Generation records consumed (valid or not).", registry=r)
+        self.generations = Counter(
+            "liverl_ingest_generations", "Generation records consumed (valid or not).", registry=r
+        )
         self.joined = Counter("liverl_ingest_joined", "Generations joined with their feedback.", ["kind"], registry=r)
         self.samples = Counter("liverl_ingest_samples", "Training samples acknowledged by the broker.", registry=r)
-        self.reverted = Counter("liverl_ingest_reverted", "Accepted generations the user reverted later (follow-up "
-                                "feedback kind revert; counted per version in the live counters).", registry=r)
-        self.revert_samples = Counter("liverl_ingest_revert_samples", "Corrections trained for reverted accepts "
-                                      "(the accepted sample again with reward ingest.rewards.revert).", registry=r)
-        self.fetched = Counter("liverl_ingest_records_fetched", "Records the consumer returned, both inputs: each "
-                               "once, unless a rebalance or a restart reads it again.", registry=r)
-        self.held = Counter("liverl_ingest_feedback_held_back", "Feedback records kept back in memory, their partition "
-                            "paused, until the generations they judge were read (ingest.pacing FEEDBACK_LEAD_S).",
-                            registry=r)
-        self.pended = Counter("liverl_ingest_feedback_pended", "Feedback that arrived before its generation record "
-                              "and waited for it (pending).", registry=r)
-        self.mixed = Counter("liverl_ingest_mixed_versions", "Judged generations whose tokens more than one version "
-                             "sampled (a hot-swap mid-generation) or whose versions are unknown: counted for no "
-                             "version (live counters, per-user sums), still trained.", registry=r)
-        self.heldout = Counter("liverl_ingest_heldout", "Joined samples set aside for the gate's held-out stream "
-                               "(ingest.heldout_share).", registry=r)
+        self.reverted = Counter(
+            "liverl_ingest_reverted",
+            "Accepted generations the user reverted later (follow-up "
+            "feedback kind revert; counted per version in the live counters).",
+            registry=r,
+        )
+        self.revert_samples = Counter(
+            "liverl_ingest_revert_samples",
+            "Corrections trained for reverted accepts (the accepted sample again with reward ingest.rewards.revert).",
+            registry=r,
+        )
+        self.fetched = Counter(
+            "liverl_ingest_records_fetched",
+            "Records the consumer returned, both inputs: each once, unless a rebalance or a restart reads it again.",
+            registry=r,
+        )
+        self.held = Counter(
+            "liverl_ingest_feedback_held_back",
+            "Feedback records kept back in memory, their partition "
+            "paused, until the generations they judge were read (ingest.pacing FEEDBACK_LEAD_S).",
+            registry=r,
+        )
+        self.pended = Counter(
+            "liverl_ingest_feedback_pended",
+            "Feedback that arrived before its generation record and waited for it (pending).",
+            registry=r,
+        )
+        self.mixed = Counter(
+            "liverl_ingest_mixed_versions",
+            "Judged generations whose tokens more than one version "
+            "sampled (a hot-swap mid-generation) or whose versions are unknown: counted for no "
+            "version (live counters, per-user sums), still trained.",
+            registry=r,
+        )
+        self.heldout = Counter(
+            "liverl_ingest_heldout",
+            "Joined samples set aside for the gate's held-out stream (ingest.heldout_share).",
+            registry=r,
+        )
         self.duplicates = Counter(
-            "liverl_ingest_duplicates", "Redelivered inputs dropped (same feedback_id or generation_id).",
-            ["source"], registry=r,
+            "liverl_ingest_duplicates",
+            "Redelivered inputs dropped (same feedback_id or generation_id).",
+            ["source"],
+            registry=r,
         )
         self.dead_letters = Counter(
             "liverl_ingest_dead_letters", "Inputs refused and sent to the dead-letter topic.", ["reason"], registry=r
@@ -296,22 +323,37 @@ class IngestMetrics:
             "liverl_ingest_generations_expired", "Generation records dropped unjudged after their TTL.", registry=r
         )
         self.dropped = Counter(
-            "liverl_ingest_dropped", "Joined feedback that makes no training sample, by reason (e.g. not_trainable).",
-            ["reason"], registry=r,
+            "liverl_ingest_dropped",
+            "Joined feedback that makes no training sample, by reason (e.g. not_trainable).",
+            ["reason"],
+            registry=r,
         )
         self.timer_errors = Counter(
-            "liverl_ingest_timer_errors", "Exceptions in the periodic sweeps (logged; the sweep runs again).",
-            ["timer"], registry=r,
+            "liverl_ingest_timer_errors",
+            "Exceptions in the periodic sweeps (logged; the sweep runs again).",
+            ["timer"],
+            registry=r,
         )
         self.settle_wait = Counter(
-            "liverl_ingest_settle_wait_seconds", "Time the worker waited, with a batch in hand, for earlier batches "
-            "to settle (the broker, the changelog and Redis behind the decisions: ingest.commit SETTLING_MAX).", registry=r)
-        self.pending = Gauge("liverl_ingest_pending_feedback", "Feedback waiting for its generation record.", registry=r)
-        self.paced = Gauge("liverl_ingest_feedback_partitions_paused", "Feedback partitions paused because they ran "
-                           "ahead of their generations partition's backlog (ingest.pacing FEEDBACK_LEAD_S).", registry=r)
+            "liverl_ingest_settle_wait_seconds",
+            "Time the worker waited, with a batch in hand, for earlier batches "
+            "to settle (the broker, the changelog and Redis behind the decisions: ingest.commit SETTLING_MAX).",
+            registry=r,
+        )
+        self.pending = Gauge(
+            "liverl_ingest_pending_feedback", "Feedback waiting for its generation record.", registry=r
+        )
+        self.paced = Gauge(
+            "liverl_ingest_feedback_partitions_paused",
+            "Feedback partitions paused because they ran "
+            "ahead of their generations partition's backlog (ingest.pacing FEEDBACK_LEAD_S).",
+            registry=r,
+        )
         self.tracked = Gauge(
-            "liverl_ingest_tracked_generations", "Keys in the join table's databases (RocksDB's estimate, index "
-            "keys included; in memory: entries), set by the expiry timer.", registry=r
+            "liverl_ingest_tracked_generations",
+            "Keys in the join table's databases (RocksDB's estimate, index "
+            "keys included; in memory: entries), set by the expiry timer.",
+            registry=r,
         )
         self.feedback_delay = Histogram(
             "liverl_ingest_feedback_to_sample_seconds",
@@ -397,7 +439,9 @@ class IngestMetrics:
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 if time.monotonic() + delay > deadline:
                     raise
-                log.warning("Redis at %s failed (%s); retry %d in %.1f s", redact_url(self.redis_url), e, attempt, delay)
+                log.warning(
+                    "Redis at %s failed (%s); retry %d in %.1f s", redact_url(self.redis_url), e, attempt, delay
+                )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 3.0)
         self._observe(tally)

@@ -77,8 +77,9 @@ class Outbox:
                 for key, value in records:
                     if batch.append(key=key, value=value, timestamp=now_ms) is None:
                         batch.close()
-                        sent.append(((topic, partition), n, await self.producer.send_batch(batch, topic,
-                                                                                          partition=partition)))
+                        sent.append(
+                            ((topic, partition), n, await self.producer.send_batch(batch, topic, partition=partition))
+                        )
                         batch, n = self.producer.create_batch(), 0
                         if batch.append(key=key, value=value, timestamp=now_ms) is None:
                             raise RuntimeError(f"a {len(value or b'')}-byte record does not fit a batch")

@@ -85,8 +85,12 @@ class Pacer:
             held += len(msgs) - cut
             self.consumer.pause(tp)  # (records it had fetched ahead are dropped; the position stays after the held)
             self.held[tp.partition] = (msgs[cut].timestamp / 1000.0, now)
-            log.debug("feedback partition %d held at offset %d: its generations are read up to %s", tp.partition,
-                      msgs[cut].offset, gen_t)
+            log.debug(
+                "feedback partition %d held at offset %d: its generations are read up to %s",
+                tp.partition,
+                msgs[cut].offset,
+                gen_t,
+            )
             out[tp] = msgs[:cut]
         return out, held
 
@@ -104,8 +108,9 @@ class Pacer:
         self._released = {}
         return out
 
-    async def generations_progress(self, gen_tp, read: tuple[float | None, int | None] | None = None
-                                   ) -> tuple[float | None, int, int | None]:
+    async def generations_progress(
+        self, gen_tp, read: tuple[float | None, int | None] | None = None
+    ) -> tuple[float | None, int, int | None]:
         """(newest generation time read, next offset to read, end offset: None until the partition is fetched) of a
         generations partition; ``read`` overrides what the join has decided (a batch not decided yet)."""
         gen_t, gen_next = read or self.ingest.generations_read(gen_tp.partition)
@@ -130,8 +135,14 @@ class Pacer:
                 continue
             gen_t, gen_next, end = await self.generations_progress(gen_tp)
             if now - since >= HOLD_MAX_S:
-                log.warning("feedback partition %d held %.0f s behind a generations backlog that does not catch up "
-                            "(record time %.3f): read freely for %.0f s", p, now - since, held_t, HOLD_MAX_S)
+                log.warning(
+                    "feedback partition %d held %.0f s behind a generations backlog that does not catch up "
+                    "(record time %.3f): read freely for %.0f s",
+                    p,
+                    now - since,
+                    held_t,
+                    HOLD_MAX_S,
+                )
                 self._free_until[p] = now + HOLD_MAX_S
             elif not (end is None or gen_next >= end or (gen_t is not None and gen_t + FEEDBACK_LEAD_S >= held_t)):
                 continue

@@ -54,7 +54,7 @@ def murmur2_many(keys: list[bytes]) -> list[int]:
             rows = np.frombuffer(b"".join([keys[i] for i in idx]), dtype=np.uint8).reshape(len(idx), n)
             n4 = n >> 2
             if n4:
-                words = np.ascontiguousarray(rows[:, :n4 * 4]).view("<u4")
+                words = np.ascontiguousarray(rows[:, : n4 * 4]).view("<u4")
                 for j in range(n4):
                     k = words[:, j] * m
                     k ^= k >> np.uint32(24)
@@ -78,7 +78,9 @@ def murmur2_many(keys: list[bytes]) -> list[int]:
 
 
 _HASHES: dict[bytes, int] = {}  # murmur2 is pure Python (~3 us); a batch asks for the same keys several times
-_HASHES_OLD: dict[bytes, int] = {}  # the previous generation of the cache: a key hashed just before it filled still hits
+_HASHES_OLD: dict[
+    bytes, int
+] = {}  # the previous generation of the cache: a key hashed just before it filled still hits
 _HASHES_MAX = 65_536  # keys per generation (two generations)
 
 
@@ -111,8 +113,7 @@ def partitions_of(keys: list[bytes], partitions: int) -> list[int]:
     if None not in hashes:
         return [h % partitions for h in hashes]
     warm_hashes([k for k, h in zip(keys, hashes, strict=True) if h is None])
-    return [h % partitions if h is not None else partition_of(k, partitions)
-            for k, h in zip(keys, hashes, strict=True)]
+    return [h % partitions if h is not None else partition_of(k, partitions) for k, h in zip(keys, hashes, strict=True)]
 
 
 def warm_hashes(keys: list[bytes]) -> None:

@@ -68,8 +68,18 @@ def record_parts(rec: GenerationRecord) -> tuple[dict[str, Any], bytes]:
     trainable, the user's ``unit`` as ``u``, ``m`` when more than one version sampled it, or which is unknown:
     ``GenerationRecord.mixed_versions``) and ``body``, the sample's middle fields already serialised
     (``sample_json`` splices them in, so a join neither parses the record again nor serialises its token lists)."""
-    return _parts(rec.policy_version, rec.ts, rec.latency_s, rec.trainable, rec.prompt_token_ids,
-                  rec.completion_token_ids, rec.completion_logprobs, rec.sampling, rec.unit, rec.mixed_versions)
+    return _parts(
+        rec.policy_version,
+        rec.ts,
+        rec.latency_s,
+        rec.trainable,
+        rec.prompt_token_ids,
+        rec.completion_token_ids,
+        rec.completion_logprobs,
+        rec.sampling,
+        rec.unit,
+        rec.mixed_versions,
+    )
 
 
 def legacy_parts(record_json: bytes) -> tuple[dict[str, Any], bytes]:
@@ -77,13 +87,32 @@ def legacy_parts(record_json: bytes) -> tuple[dict[str, Any], bytes]:
     r = from_json(record_json)
     spans = r.get("version_spans")
     mixed = spans is not None and len({s[0] for s in spans}) != 1
-    return _parts(r["policy_version"], r["ts"], r.get("latency_s"), r.get("trainable", True), r["prompt_token_ids"],
-                  r["completion_token_ids"], r["completion_logprobs"], r["sampling"], r.get("unit"), mixed)
+    return _parts(
+        r["policy_version"],
+        r["ts"],
+        r.get("latency_s"),
+        r.get("trainable", True),
+        r["prompt_token_ids"],
+        r["completion_token_ids"],
+        r["completion_logprobs"],
+        r["sampling"],
+        r.get("unit"),
+        mixed,
+    )
 
 
-def _parts(version: int, ts: float, latency_s: float | None, trainable: bool, prompt_ids: list, completion_ids: list,
-           logprobs: list, sampling: Any, unit: str | None = None, mixed: bool = False
-           ) -> tuple[dict[str, Any], bytes]:
+def _parts(
+    version: int,
+    ts: float,
+    latency_s: float | None,
+    trainable: bool,
+    prompt_ids: list,
+    completion_ids: list,
+    logprobs: list,
+    sampling: Any,
+    unit: str | None = None,
+    mixed: bool = False,
+) -> tuple[dict[str, Any], bytes]:
     meta: dict[str, Any] = {"v": version, "ts": ts, "n": len(completion_ids)}
     if mixed:
         meta["m"] = 1
@@ -93,8 +122,14 @@ def _parts(version: int, ts: float, latency_s: float | None, trainable: bool, pr
         meta["x"] = 1
     if unit is not None:
         meta["u"] = unit
-    body = to_json({"prompt_token_ids": prompt_ids, "completion_token_ids": completion_ids,
-                    "behaviour_logprobs": logprobs, "sampling": sampling})
+    body = to_json(
+        {
+            "prompt_token_ids": prompt_ids,
+            "completion_token_ids": completion_ids,
+            "behaviour_logprobs": logprobs,
+            "sampling": sampling,
+        }
+    )
     return meta, body[1:-1]
 
 
@@ -105,9 +140,18 @@ def sample_json(gid: str, meta: dict[str, Any], body: bytes, fb: FeedbackEvent, 
     fifth of its time. The reward is the product's code, so it is checked here."""
     if not math.isfinite(reward):
         raise ValueError(f"the product's reward for {fb.kind!r} is {reward}: rewards must be finite")
-    head = to_json({"schema_version": SCHEMA_VERSION, "sample_id": gid, "generation_id": gid,
-                    "feedback_id": fb.feedback_id, "policy_version": meta["v"], "kind": fb.kind, "reward": reward,
-                    "segment": fb.segment})
+    head = to_json(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "sample_id": gid,
+            "generation_id": gid,
+            "feedback_id": fb.feedback_id,
+            "policy_version": meta["v"],
+            "kind": fb.kind,
+            "reward": reward,
+            "segment": fb.segment,
+        }
+    )
     tail = to_json({"edited_text": fb.edited_text, "ts_generation": meta["ts"], "ts_feedback": fb.ts})
     return b"".join((head[:-1], b",", body, b",", tail[1:]))
 
@@ -124,7 +168,15 @@ def dead_letter(reason: str, detail: str, src: Source, value: bytes | None) -> D
     and sha256 so the original can still be matched."""
     raw = value or b""
     cut = len(raw) > DEAD_VALUE_BYTES
-    return DeadLetter(reason=reason, detail=detail[:DEAD_DETAIL_CHARS], source_topic=src.topic,
-                      partition=src.partition, offset=src.offset, key=key_text(src.key),
-                      value=raw[:DEAD_VALUE_BYTES].decode("utf-8", "replace"), value_truncated=cut,
-                      value_size=len(raw), value_sha256=hashlib.sha256(raw).hexdigest())
+    return DeadLetter(
+        reason=reason,
+        detail=detail[:DEAD_DETAIL_CHARS],
+        source_topic=src.topic,
+        partition=src.partition,
+        offset=src.offset,
+        key=key_text(src.key),
+        value=raw[:DEAD_VALUE_BYTES].decode("utf-8", "replace"),
+        value_truncated=cut,
+        value_size=len(raw),
+        value_sha256=hashlib.sha256(raw).hexdigest(),
+    )

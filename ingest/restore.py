@@ -50,8 +50,13 @@ async def restore(topic: str, parts: dict[int, Any], bootstrap: str, broker: Bro
                 was = part.offset
                 part.wipe()
                 wiped.append(p)
-                log.warning("join table partition %d: local state (changelog offset %d) is ahead of the changelog "
-                            "(end %d), so it is from another broker history; dropped it", p, was, end)
+                log.warning(
+                    "join table partition %d: local state (changelog offset %d) is ahead of the changelog "
+                    "(end %d), so it is from another broker history; dropped it",
+                    p,
+                    was,
+                    end,
+                )
             nxt = 0 if part.offset is None else part.offset + 1
             if nxt < end:
                 start[p] = nxt
@@ -63,10 +68,11 @@ async def restore(topic: str, parts: dict[int, Any], bootstrap: str, broker: Bro
             deadline = time.monotonic() + RECOVERY_READ_TIMEOUT_S
             while left:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"reading the changelog {topic} made no progress for "
-                                       f"{RECOVERY_READ_TIMEOUT_S:g} s (partitions {sorted(left)})")
-                got = await consumer.getmany(*[tps[p] for p in left], timeout_ms=200,
-                                             max_records=RESTORE_CHUNK)
+                    raise RuntimeError(
+                        f"reading the changelog {topic} made no progress for "
+                        f"{RECOVERY_READ_TIMEOUT_S:g} s (partitions {sorted(left)})"
+                    )
+                got = await consumer.getmany(*[tps[p] for p in left], timeout_ms=200, max_records=RESTORE_CHUNK)
                 for tp, msgs in got.items():
                     p = tp.partition
                     msgs = [m for m in msgs if m.offset < ends[p]]
@@ -102,7 +108,8 @@ async def _true_end_offsets(consumer, tps: dict[int, Any], timeout_s: float = 10
     for p, tp in tps.items():
         hw = consumer.highwater(tp)
         if hw is None:
-            log.warning("no high watermark for %s within %g s; using the broker's end offset %s", tp, timeout_s,
-                        listed.get(tp))
+            log.warning(
+                "no high watermark for %s within %g s; using the broker's end offset %s", tp, timeout_s, listed.get(tp)
+            )
         out[p] = max(hw or 0, listed.get(tp) or 0)
     return out

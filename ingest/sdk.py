@@ -47,8 +47,10 @@ class DeliveryError(RuntimeError):
 
     def __init__(self, failed: list[tuple[str | None, BaseException]]):
         first = failed[0]
-        super().__init__(f"{len(failed)} feedback event(s) were not delivered (first: {first[0]}: {first[1]!r}); "
-                         "send them again with the same feedback_id")
+        super().__init__(
+            f"{len(failed)} feedback event(s) were not delivered (first: {first[0]}: {first[1]!r}); "
+            "send them again with the same feedback_id"
+        )
         self.failed = failed
 
 
@@ -77,10 +79,10 @@ class FeedbackClient:
     def send(self, event: FeedbackEvent) -> FutureRecordMetadata:
         """Publish one event, keyed by its generation id; returns kafka-python's future of the record."""
         if not isinstance(event, FeedbackEvent):
-            raise TypeError(f"send() takes a FeedbackEvent, got {type(event).__name__}; "
-                            "use send_raw() for bytes")
-        return self._track(self._live().send(self.topic, key=event.generation_id, value=event.to_bytes()),
-                           event.feedback_id)
+            raise TypeError(f"send() takes a FeedbackEvent, got {type(event).__name__}; use send_raw() for bytes")
+        return self._track(
+            self._live().send(self.topic, key=event.generation_id, value=event.to_bytes()), event.feedback_id
+        )
 
     def _track(self, fut: FutureRecordMetadata, name: str | None) -> FutureRecordMetadata:
         def failed(exc: BaseException) -> None:
@@ -90,40 +92,63 @@ class FeedbackClient:
         fut.add_errback(failed)
         return fut
 
-    def _judge(self, generation_id: str, kind: str, *, edited_text: str | None = None, segment: str | None = None,
-               feedback_id: str | None = None, ts: float | None = None) -> str:
-        fields: dict[str, Any] = {"feedback_id": feedback_id or new_id(), "generation_id": generation_id, "kind": kind,
-                                      "edited_text": edited_text, "segment": segment}
+    def _judge(
+        self,
+        generation_id: str,
+        kind: str,
+        *,
+        edited_text: str | None = None,
+        segment: str | None = None,
+        feedback_id: str | None = None,
+        ts: float | None = None,
+    ) -> str:
+        fields: dict[str, Any] = {
+            "feedback_id": feedback_id or new_id(),
+            "generation_id": generation_id,
+            "kind": kind,
+            "edited_text": edited_text,
+            "segment": segment,
+        }
         if ts is not None:
             fields["ts"] = ts
         event = FeedbackEvent(**fields)  # pydantic ValidationError (a ValueError) names the bad field
         self.send(event)
         return event.feedback_id
 
-    def accept(self, generation_id: str, segment: str | None = None, feedback_id: str | None = None,
-               ts: float | None = None) -> str:
+    def accept(
+        self, generation_id: str, segment: str | None = None, feedback_id: str | None = None, ts: float | None = None
+    ) -> str:
         """The user accepted the generation. Returns the feedback_id."""
         return self._judge(generation_id, "accept", segment=segment, feedback_id=feedback_id, ts=ts)
 
-    def reject(self, generation_id: str, segment: str | None = None, feedback_id: str | None = None,
-               ts: float | None = None) -> str:
+    def reject(
+        self, generation_id: str, segment: str | None = None, feedback_id: str | None = None, ts: float | None = None
+    ) -> str:
         """The user rejected (dismissed) the generation. Returns the feedback_id."""
         return self._judge(generation_id, "reject", segment=segment, feedback_id=feedback_id, ts=ts)
 
-    def revert(self, generation_id: str, segment: str | None = None, feedback_id: str | None = None,
-               ts: float | None = None) -> str:
+    def revert(
+        self, generation_id: str, segment: str | None = None, feedback_id: str | None = None, ts: float | None = None
+    ) -> str:
         """Later, the user undid or rewrote a generation they had accepted (what a product sees after the fact:
         the change was reverted, the answer replaced). Counted per version (the kept rate the gate guards); it
         trains nothing by itself. Returns the feedback_id."""
         return self._judge(generation_id, "revert", segment=segment, feedback_id=feedback_id, ts=ts)
 
-    def edit(self, generation_id: str, edited_text: str, segment: str | None = None,
-             feedback_id: str | None = None, ts: float | None = None) -> str:
+    def edit(
+        self,
+        generation_id: str,
+        edited_text: str,
+        segment: str | None = None,
+        feedback_id: str | None = None,
+        ts: float | None = None,
+    ) -> str:
         """The user kept the generation after correcting it to ``edited_text``. Returns the feedback_id."""
         if not isinstance(edited_text, str):
             raise TypeError(f"edited_text must be a str, got {type(edited_text).__name__}")
-        return self._judge(generation_id, "edit", edited_text=edited_text, segment=segment,
-                           feedback_id=feedback_id, ts=ts)
+        return self._judge(
+            generation_id, "edit", edited_text=edited_text, segment=segment, feedback_id=feedback_id, ts=ts
+        )
 
     # -- raw ---------------------------------------------------------------------------------------
 

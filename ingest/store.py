@@ -72,8 +72,11 @@ class RocksStore:
         self._drop: list[bytes] = []  # due index keys, deleted with the next apply
         raw = self.db.get(OFFSET_KEY)
         if raw is not None and self.db.get(FORMAT_KEY) != FORMAT:
-            log.warning("join table %s has no indexes (written before they were kept): dropped, to be read again "
-                        "from the changelog", path)
+            log.warning(
+                "join table %s has no indexes (written before they were kept): dropped, to be read again "
+                "from the changelog",
+                path,
+            )
             self.wipe()
             raw = None
         self.db.put(FORMAT_KEY, FORMAT, self._write_opts)
@@ -135,12 +138,12 @@ class RocksStore:
         stale = []
         try:
             for k, _ in self.db.items(from_key=prefix):
-                if not k.startswith(prefix) or int.from_bytes(k[len(prefix):n], "big") >= before_ms:
+                if not k.startswith(prefix) or int.from_bytes(k[len(prefix) : n], "big") >= before_ms:
                     break
                 self.reads += 1
                 gid = k[n:]
                 entry = self.db.get(gid)
-                if entry is None or expiry_class(entry) != (cls, int.from_bytes(k[len(prefix):n], "big")):
+                if entry is None or expiry_class(entry) != (cls, int.from_bytes(k[len(prefix) : n], "big")):
                     stale.append(k)
                     continue
                 self._drop.append(k)

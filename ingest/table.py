@@ -29,8 +29,18 @@ from liverl.core.config import BrokerConfig
 log = logging.getLogger("liverl.ingest")
 
 # (re-exported: the names the worker and the tests import from here)
-__all__ = ["MAX_BATCH_BYTES", "MAX_REQUEST_BYTES", "JoinTable", "Outbox", "changelog_topic", "murmur2",
-           "murmur2_many", "partition_of", "partitions_of", "warm_hashes"]
+__all__ = [
+    "MAX_BATCH_BYTES",
+    "MAX_REQUEST_BYTES",
+    "JoinTable",
+    "Outbox",
+    "changelog_topic",
+    "murmur2",
+    "murmur2_many",
+    "partition_of",
+    "partitions_of",
+    "warm_hashes",
+]
 
 
 def changelog_topic(prefix: str) -> str:
@@ -180,8 +190,12 @@ class JoinTable(MutableMapping[str, bytes]):
             for p, changes in by_part.items():
                 part = self.parts.get(p)
                 if part is None:  # a partition a rebalance took away: its new owner reads the changelog
-                    log.warning("join table: %d changes to partition %d, which this worker no longer holds, went to "
-                                "the changelog only", len(changes), p)
+                    log.warning(
+                        "join table: %d changes to partition %d, which this worker no longer holds, went to "
+                        "the changelog only",
+                        len(changes),
+                        p,
+                    )
                     continue
                 part.apply(changes, offsets.get((self.topic, p)))
         finally:

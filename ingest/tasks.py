@@ -80,8 +80,12 @@ async def leave_previous_member(cfg: LiverlConfig, bootstrap: str) -> bool:
         log.info("asked the coordinator to drop this worker's previous group member %s", member_id)
         return True
     except Exception as e:  # noqa: BLE001 - best effort: without it the join only waits longer
-        log.info("previous group member %s not dropped (%s: %s); the group join waits for its session",
-                 member_id, type(e).__name__, e)
+        log.info(
+            "previous group member %s not dropped (%s: %s); the group join waits for its session",
+            member_id,
+            type(e).__name__,
+            e,
+        )
         return False
     finally:
         await client.close()
@@ -90,8 +94,16 @@ async def leave_previous_member(cfg: LiverlConfig, bootstrap: str) -> bool:
 class Tasks(ConsumerRebalanceListener):
     """The rebalance listener: revocations and assignments, one at a time with batches and timers (``busy``)."""
 
-    def __init__(self, cfg: LiverlConfig, bootstrap: str, ingest: Ingest, table: JoinTable, committer: Committer,
-                 pacer: Pacer, state: Path):
+    def __init__(
+        self,
+        cfg: LiverlConfig,
+        bootstrap: str,
+        ingest: Ingest,
+        table: JoinTable,
+        committer: Committer,
+        pacer: Pacer,
+        state: Path,
+    ):
         self.cfg = cfg
         self.bootstrap = bootstrap
         self.ingest, self.table, self.committer, self.pacer = ingest, table, committer, pacer
@@ -120,8 +132,12 @@ class Tasks(ConsumerRebalanceListener):
             gens = {tp.partition for tp in mine if tp.topic == self.cfg.topics.generations}
             fbs = {tp.partition for tp in mine if tp.topic == self.cfg.topics.feedback}
             if gens != fbs:
-                log.error("this worker holds generations %s but feedback %s: the inputs must have the same partition "
-                          "count (broker.partitions) and every worker the same subscription", sorted(gens), sorted(fbs))
+                log.error(
+                    "this worker holds generations %s but feedback %s: the inputs must have the same partition "
+                    "count (broker.partitions) and every worker the same subscription",
+                    sorted(gens),
+                    sorted(fbs),
+                )
             self.feedback_partitions = frozenset(fbs)
             self.committer.keep_only(mine)
             self.pacer.reset(mine)
@@ -132,8 +148,13 @@ class Tasks(ConsumerRebalanceListener):
                 die(f"reading the join table's changelog failed: {type(e).__name__}: {e}")
             await self.ingest.restore()
             self._remember_member()
-            log.info("join table ready: partitions %s, %d changelog records read, %d feedback pending (%.2f s)",
-                     stats["partitions"], stats["read"], self.ingest.pending, time.monotonic() - t0)
+            log.info(
+                "join table ready: partitions %s, %d changelog records read, %d feedback pending (%.2f s)",
+                stats["partitions"],
+                stats["read"],
+                self.ingest.pending,
+                time.monotonic() - t0,
+            )
 
     def _remember_member(self) -> None:
         try:

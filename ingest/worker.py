@@ -23,8 +23,9 @@ from liverl.core.config import LiverlConfig
 GC_THRESHOLD = (20_000, 10, 10)
 
 
-def run_worker(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: int | None = None,
-               web_bind: str = "127.0.0.1") -> int:
+def run_worker(
+    cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: int | None = None, web_bind: str = "127.0.0.1"
+) -> int:
     """Create the topics, then run the worker in this thread until SIGTERM/SIGINT; returns the exit code.
 
     Blocks, owns the (main) thread's event loop, and installs the signal handlers, so call it from the
@@ -37,8 +38,13 @@ def run_worker(cfg: LiverlConfig, bootstrap: str, redis_url: str, *, web_port: i
 
     ensure_topics(bootstrap, all_topics(cfg), cfg.broker.partitions, broker=cfg.broker, configs=topic_configs(cfg))
     # the join table's changelog: compacted (the latest entry per generation id; evictions are tombstones)
-    ensure_topics(bootstrap, [changelog_topic(cfg.topics.prefix)], cfg.broker.partitions, broker=cfg.broker,
-                  configs={"cleanup.policy": "compact"})
+    ensure_topics(
+        bootstrap,
+        [changelog_topic(cfg.topics.prefix)],
+        cfg.broker.partitions,
+        broker=cfg.broker,
+        configs={"cleanup.policy": "compact"},
+    )
 
     async def main() -> int:
         await leave_previous_member(cfg, bootstrap)

@@ -75,8 +75,9 @@ def setup(backend: str | None = None) -> Ranks:
         raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:  # not under torchrun: a group of one
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=str(_free_port()))
+            os.environ.update(
+                RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+            )
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             if not torch.cuda.is_available():
@@ -110,8 +111,9 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     """The decoder layers of a transformers causal LM (``model.model.layers``); ValueError when it has none."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
-        raise ValueError(f"{type(model).__name__} has no model.layers: liverl shards transformers causal LMs layer by "
-                         "layer")
+        raise ValueError(
+            f"{type(model).__name__} has no model.layers: liverl shards transformers causal LMs layer by layer"
+        )
     return list(layers)
 
 
@@ -256,7 +258,9 @@ class CheckpointDir:
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, opt, state["optim"])
         meta = json.loads((Path(path) / META).read_text(encoding="utf-8"))
-        log.info("learner: loaded checkpoint %s (step %s, saved by %s ranks)", path, meta.get("step"), meta.get("world"))
+        log.info(
+            "learner: loaded checkpoint %s (step %s, saved by %s ranks)", path, meta.get("step"), meta.get("world")
+        )
         return meta
 
     def _prune(self) -> None:

@@ -29,17 +29,44 @@ from pathlib import Path
 
 SIZES: dict[str, dict] = {
     # ~0.1M parameters: the gloo tests on 2 CPU cores
-    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-             "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-             "intermediate_size": 128, "vocab_size": 512},
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "intermediate_size": 128,
+        "vocab_size": 512,
+    },
     # ~24M parameters: the issue's "generated MoE of at least 20M parameters"
-    "moe24m": {"hidden_size": 256, "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
-               "head_dim": 64, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 512,
-               "intermediate_size": 1024, "vocab_size": 8192},
+    "moe24m": {
+        "hidden_size": 256,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 512,
+        "intermediate_size": 1024,
+        "vocab_size": 8192,
+    },
     # ~0.4B parameters, 16 experts top-4: a GPU-sized step
-    "moe400m": {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 4,
-                "head_dim": 64, "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 768,
-                "intermediate_size": 2816, "vocab_size": 32000},
+    "moe400m": {
+        "hidden_size": 1024,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "num_experts": 16,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 768,
+        "intermediate_size": 2816,
+        "vocab_size": 32000,
+    },
 }
 
 
@@ -58,9 +85,19 @@ def generate_model(size: str, out: Path, seed: int = 0) -> Path:
     if (out / "model.safetensors").is_file():
         return out
     spec = SIZES[size]
-    config = Qwen3MoeConfig(**spec, max_position_embeddings=4096, decoder_sparse_step=1, mlp_only_layers=[],
-                            norm_topk_prob=True, rms_norm_eps=1e-6, tie_word_embeddings=False, pad_token_id=0,
-                            eos_token_id=1, bos_token_id=None, initializer_range=0.02)
+    config = Qwen3MoeConfig(
+        **spec,
+        max_position_embeddings=4096,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        initializer_range=0.02,
+    )
     config.architectures = [FAMILIES["qwen3_moe"].architecture]
     config.dtype = "bfloat16"
     with _seeded(seed):
@@ -69,8 +106,9 @@ def generate_model(size: str, out: Path, seed: int = 0) -> Path:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(tmp)
-    save_file(state_dict_from_model(model, dtype=torch.bfloat16), str(tmp / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        state_dict_from_model(model, dtype=torch.bfloat16), str(tmp / "model.safetensors"), metadata={"format": "pt"}
+    )
     try:
         os.replace(tmp, out)
     except OSError:  # another process built it at the same time: keep theirs
@@ -92,12 +130,22 @@ def make_samples(n: int, seed: int, vocab: int, prompt_len: tuple[int, int], com
     for i in range(n):
         P, C = rng.randint(*prompt_len), rng.randint(*completion_len)
         ok = rng.random() < 0.5
-        out.append(TrainingSample(
-            sample_id=f"s{seed}-{i}", generation_id=f"g{seed}-{i}", feedback_id=f"f{seed}-{i}", policy_version=0,
-            kind="accept" if ok else "reject", reward=0.75 if ok else -0.25, segment=f"seg{i % 3}",
-            prompt_token_ids=[rng.randrange(2, vocab) for _ in range(P)],
-            completion_token_ids=[rng.randrange(2, vocab) for _ in range(C)], behaviour_logprobs=[-1.0] * C,
-            ts_generation=now, ts_feedback=now))
+        out.append(
+            TrainingSample(
+                sample_id=f"s{seed}-{i}",
+                generation_id=f"g{seed}-{i}",
+                feedback_id=f"f{seed}-{i}",
+                policy_version=0,
+                kind="accept" if ok else "reject",
+                reward=0.75 if ok else -0.25,
+                segment=f"seg{i % 3}",
+                prompt_token_ids=[rng.randrange(2, vocab) for _ in range(P)],
+                completion_token_ids=[rng.randrange(2, vocab) for _ in range(C)],
+                behaviour_logprobs=[-1.0] * C,
+                ts_generation=now,
+                ts_feedback=now,
+            )
+        )
     return out
 
 
@@ -105,7 +153,7 @@ def on_policy(trainer, samples, chunk: int = 16):
     """The samples with the trainer's current per-token log-probs as their behaviour (a collective)."""
     out = []
     for i in range(0, len(samples), chunk):
-        part = samples[i: i + chunk]
+        part = samples[i : i + chunk]
         lps = trainer.token_logprobs(part)
         out += [s.model_copy(update={"behaviour_logprobs": [min(x, 0.0) for x in lp]}) for s, lp in zip(part, lps)]
     return out
@@ -115,8 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m learner.dist_check", description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, help="an existing model dir (else --size generates one)")
     ap.add_argument("--size", default="tiny", choices=sorted(SIZES))
-    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "liverl-dist-check",
-                    help="where generated models go")
+    ap.add_argument(
+        "--work",
+        type=Path,
+        default=Path(os.environ.get("TMPDIR", "/tmp")) / "liverl-dist-check",
+        help="where generated models go",
+    )
     ap.add_argument("--backend", choices=("nccl", "gloo"), help="default: nccl with CUDA, else gloo")
     ap.add_argument("--steps", type=int, default=4, help="updates to run (after --warmup)")
     ap.add_argument("--warmup", type=int, default=0, help="updates run first and not timed")
@@ -131,8 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true", help="load the latest complete checkpoint in --ckpt first")
     ap.add_argument("--save-weights", type=Path, help="rank 0 writes the final fp32 weights here (safetensors)")
     ap.add_argument("--json", type=Path, help="rank 0 writes the measured numbers here")
-    ap.add_argument("--experts", choices=("eager", "grouped_mm", "batched_mm"),
-                    help="transformers' MoE experts kernel (default: transformers' choice)")
+    ap.add_argument(
+        "--experts",
+        choices=("eager", "grouped_mm", "batched_mm"),
+        help="transformers' MoE experts kernel (default: transformers' choice)",
+    )
     args = ap.parse_args(argv)
     if args.ckpt_every and args.ckpt is None:
         ap.error("--ckpt-every needs --ckpt")
@@ -172,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         times, tokens, scatter = [], 0, []
         while step < total:
             t_s = time.perf_counter()  # as in ``liverl learn``: rank 0 reads the batch and sends it to every rank
-            batch = ldist.broadcast(samples[step * args.batch: (step + 1) * args.batch] if ranks.main else None,
-                                    ranks)
+            batch = ldist.broadcast(samples[step * args.batch : (step + 1) * args.batch] if ranks.main else None, ranks)
             t_s = time.perf_counter() - t_s
             if ranks.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -188,11 +242,14 @@ def main(argv: list[str] | None = None) -> int:
                 scatter.append(t_s)
                 tokens += sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in batch)
             if ckpts is not None and args.ckpt_every and step % args.ckpt_every == 0:
-                ckpts.save(step, trainer.model, trainer.opt, {"baseline": trainer.baseline.state_dict(),
-                                                              "loss": m["loss"]})
+                ckpts.save(
+                    step, trainer.model, trainer.opt, {"baseline": trainer.baseline.state_dict(), "loss": m["loss"]}
+                )
             if ranks.main:
-                print(f"step {step}: loss {m['loss']:.5f} kl {m['kl']:.5f} grad_norm {m['grad_norm']:.4f} "
-                      f"in {dt:.3f}s", flush=True)
+                print(
+                    f"step {step}: loss {m['loss']:.5f} kl {m['kl']:.5f} grad_norm {m['grad_norm']:.4f} in {dt:.3f}s",
+                    flush=True,
+                )
         weights = trainer.weights(torch.float32) if args.save_weights is not None else None
         if ranks.main:
             if weights is not None:
@@ -212,12 +269,19 @@ def report(args, argv, ranks, n_params: int, times: list[float], tokens: int, sc
 
     secs = sum(times)
     dev = torch.cuda.get_device_name(ranks.device) if ranks.device.type == "cuda" else "cpu"
-    row = {"ranks": ranks.world, "experts": args.experts or "default", "backend": ranks.backend, "device": dev, "params_M": round(n_params / 1e6, 2),
-           "batch": args.batch, "timed_steps": len(times),
-           "s_per_step": round(secs / len(times), 4) if times else None,
-           "tokens_per_s": round(tokens / secs, 1) if secs else None,
-           "samples_per_s": round(len(times) * args.batch / secs, 2) if secs else None,
-           "scatter_ms_per_step": round(1000 * sum(scatter) / len(scatter), 2) if scatter else None}
+    row = {
+        "ranks": ranks.world,
+        "experts": args.experts or "default",
+        "backend": ranks.backend,
+        "device": dev,
+        "params_M": round(n_params / 1e6, 2),
+        "batch": args.batch,
+        "timed_steps": len(times),
+        "s_per_step": round(secs / len(times), 4) if times else None,
+        "tokens_per_s": round(tokens / secs, 1) if secs else None,
+        "samples_per_s": round(len(times) * args.batch / secs, 2) if secs else None,
+        "scatter_ms_per_step": round(1000 * sum(scatter) / len(scatter), 2) if scatter else None,
+    }
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(row, indent=2))
@@ -225,8 +289,11 @@ def report(args, argv, ranks, n_params: int, times: list[float], tokens: int, sc
     print("|" + "---|" * len(row))
     print("| " + " | ".join(str(v) for v in row.values()) + " |")
     given = argv if argv is not None else sys.argv[1:]
-    print(f"reproduce: torchrun --standalone --nproc-per-node {ranks.world} -m learner.dist_check "
-          + " ".join(shlex.quote(a) for a in given))
+    print(
+        f"reproduce: torchrun --standalone --nproc-per-node {ranks.world} -m learner.dist_check "
+        + " ".join(shlex.quote(a) for a in given)
+    )
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -51,8 +51,15 @@ class PolicyEvaluator:
     optional. ``threads`` bounds torch's CPU threads while evaluating (the gate shares the machine).
     """
 
-    def __init__(self, model_dir: Path, suite: EvalSuite | None, probes: Callable[[], Sequence[Probe]],
-                 max_probes: int = 256, threads: int = 1, batch_size: int = 64):
+    def __init__(
+        self,
+        model_dir: Path,
+        suite: EvalSuite | None,
+        probes: Callable[[], Sequence[Probe]],
+        max_probes: int = 256,
+        threads: int = 1,
+        batch_size: int = 64,
+    ):
         self.model_dir = Path(model_dir)
         self.suite = suite
         self.probes = probes
@@ -80,7 +87,7 @@ class PolicyEvaluator:
     # ------------------------------------------------------------------------------------- drift + collapse
     def drift(self, candidate: Mapping[str, torch.Tensor], stable: Mapping[str, torch.Tensor]) -> dict | None:
         """``{"kl", "entropy", "stable_entropy", "tokens", "probes"}`` over the current probes; None without probes."""
-        probes = list(self.probes())[-self.max_probes:]
+        probes = list(self.probes())[-self.max_probes :]
         probes = [p for p in probes if p.prompt_ids and p.completion_ids]
         if not probes:
             return None
@@ -89,7 +96,7 @@ class PolicyEvaluator:
             kl_sum = ent_sum = ref_ent_sum = 0.0
             tokens = 0
             for i in range(0, len(probes), self.batch_size):
-                batch = probes[i: i + self.batch_size]
+                batch = probes[i : i + self.batch_size]
                 ids_BT, mask_BT, on_BT = _teacher_forcing(batch, pad_id=self._pad_id())
                 logp_c_BTV = torch.log_softmax(cand(input_ids=ids_BT, attention_mask=mask_BT).logits.float(), -1)
                 logp_s_BTV = torch.log_softmax(ref(input_ids=ids_BT, attention_mask=mask_BT).logits.float(), -1)
@@ -101,8 +108,13 @@ class PolicyEvaluator:
                 ent_sum += float((ent_BT * on_BT).sum())
                 ref_ent_sum += float((ref_ent_BT * on_BT).sum())
                 tokens += int(on_BT.sum())
-        return {"kl": kl_sum / tokens, "entropy": ent_sum / tokens, "stable_entropy": ref_ent_sum / tokens,
-                "tokens": tokens, "probes": len(probes)}
+        return {
+            "kl": kl_sum / tokens,
+            "entropy": ent_sum / tokens,
+            "stable_entropy": ref_ent_sum / tokens,
+            "tokens": tokens,
+            "probes": len(probes),
+        }
 
     def sequence_logprobs(self, weights: Mapping[str, torch.Tensor], probes: Sequence[Probe]) -> list[float]:
         """log pi(completion | prompt) of each probe under ``weights``: the sum over its completion tokens."""
@@ -112,7 +124,7 @@ class PolicyEvaluator:
         with _threads(self.threads), torch.no_grad():
             model = self._model(weights)
             for i in range(0, len(probes), self.batch_size):
-                batch = probes[i: i + self.batch_size]
+                batch = probes[i : i + self.batch_size]
                 ids_BT, mask_BT, on_BT = _teacher_forcing(batch, pad_id=self._pad_id())
                 logp_BTV = torch.log_softmax(model(input_ids=ids_BT, attention_mask=mask_BT).logits.float(), -1)
                 next_BT = torch.roll(ids_BT, -1, dims=1)  # the token each position predicts
@@ -143,8 +155,13 @@ class PolicyEvaluator:
                 if not 0.0 <= g <= 1.0:
                     raise ValueError(f"suite {suite.name!r}: the grader returned {g}, outside [0, 1]")
                 grades.append(g)
-        return {"name": suite.name, "score": sum(grades) / len(grades), "cases": len(suite.cases),
-                "completions": len(grades), "grades": grades}
+        return {
+            "name": suite.name,
+            "score": sum(grades) / len(grades),
+            "cases": len(suite.cases),
+            "completions": len(grades),
+            "grades": grades,
+        }
 
     def _prompt_ids(self, case: EvalCase) -> list[int]:
         tok = self.tokenizer
@@ -166,7 +183,7 @@ class PolicyEvaluator:
             by_len.setdefault((len(p), c.max_tokens), []).append(i)
         for (_, max_tokens), idx in sorted(by_len.items()):
             for j in range(0, len(idx), self.batch_size):
-                rows = idx[j: j + self.batch_size]
+                rows = idx[j : j + self.batch_size]
                 ids_BT = torch.tensor([prompts[i] for i in rows])
                 done_B = torch.zeros(len(rows), dtype=torch.bool)
                 new: list[torch.Tensor] = []
@@ -210,5 +227,5 @@ def _teacher_forcing(batch: Sequence[Probe], pad_id: int) -> tuple[torch.Tensor,
         seq = list(p.prompt_ids) + list(p.completion_ids)
         ids_BT[b, : len(seq)] = torch.tensor(seq)
         mask_BT[b, : len(seq)] = 1
-        on_BT[b, len(p.prompt_ids) - 1: len(seq) - 1] = 1.0
+        on_BT[b, len(p.prompt_ids) - 1 : len(seq) - 1] = 1.0
     return ids_BT, mask_BT, on_BT

@@ -65,7 +65,8 @@ class Family:
                     raise ValueError(f"{prefix}: missing expert projections (expert, name) {missing[:4]}")
                 mem = self._rename(prefix, to_memory=True)
                 out[f"{mem}.gate_up_proj"] = torch.stack(
-                    [torch.cat([by_expert[e][gate], by_expert[e][up]], dim=0) for e in idx])
+                    [torch.cat([by_expert[e][gate], by_expert[e][up]], dim=0) for e in idx]
+                )
                 out[f"{mem}.down_proj"] = torch.stack([by_expert[e][down] for e in idx])
         return out
 
@@ -105,21 +106,40 @@ class Family:
 _PER_EXPERT = ("gate_proj", "up_proj", "down_proj")
 _MIXTRAL_EXPERT = ("w1", "w3", "w2")  # w1: gate, w3: up, w2: down
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    Family("qwen3_moe", "Qwen3MoeForCausalLM", moe=True, experts=_PER_EXPERT),
-    Family("qwen2_moe", "Qwen2MoeForCausalLM", moe=True, experts=_PER_EXPERT),
-    Family("olmoe", "OlmoeForCausalLM", moe=True, experts=_PER_EXPERT),
-    Family("mixtral", "MixtralForCausalLM", moe=True, experts=_MIXTRAL_EXPERT,
-           renames=((".block_sparse_moe.", ".mlp."),)),
-    Family("granitemoe", "GraniteMoeForCausalLM", moe=True, renames=(
-        (".block_sparse_moe.input_linear.weight", ".block_sparse_moe.experts.gate_up_proj"),
-        (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),
-        (".block_sparse_moe.router.layer.weight", ".block_sparse_moe.router.weight"))),
-    Family("phimoe", "PhiMoEForCausalLM", moe=True, experts=_MIXTRAL_EXPERT,
-           renames=((".block_sparse_moe.", ".mlp."), (".mlp.gate.weight", ".mlp.router.weight"))),
-    Family("qwen3", "Qwen3ForCausalLM", moe=False),
-    Family("llama", "LlamaForCausalLM", moe=False),
-)}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        Family("qwen3_moe", "Qwen3MoeForCausalLM", moe=True, experts=_PER_EXPERT),
+        Family("qwen2_moe", "Qwen2MoeForCausalLM", moe=True, experts=_PER_EXPERT),
+        Family("olmoe", "OlmoeForCausalLM", moe=True, experts=_PER_EXPERT),
+        Family(
+            "mixtral",
+            "MixtralForCausalLM",
+            moe=True,
+            experts=_MIXTRAL_EXPERT,
+            renames=((".block_sparse_moe.", ".mlp."),),
+        ),
+        Family(
+            "granitemoe",
+            "GraniteMoeForCausalLM",
+            moe=True,
+            renames=(
+                (".block_sparse_moe.input_linear.weight", ".block_sparse_moe.experts.gate_up_proj"),
+                (".block_sparse_moe.output_linear.weight", ".block_sparse_moe.experts.down_proj"),
+                (".block_sparse_moe.router.layer.weight", ".block_sparse_moe.router.weight"),
+            ),
+        ),
+        Family(
+            "phimoe",
+            "PhiMoEForCausalLM",
+            moe=True,
+            experts=_MIXTRAL_EXPERT,
+            renames=((".block_sparse_moe.", ".mlp."), (".mlp.gate.weight", ".mlp.router.weight")),
+        ),
+        Family("qwen3", "Qwen3ForCausalLM", moe=False),
+        Family("llama", "LlamaForCausalLM", moe=False),
+    )
+}
 """The families liverl handles: each one served by vLLM on CPU and tested on the full path."""
 
 
@@ -132,8 +152,11 @@ def family_for(config: Mapping | object) -> Family:
     if fam is None:
         raise ValueError(
             f"model family {model_type!r} ({', '.join(archs) or 'no architectures listed'}) is not handled by liverl "
-            f"yet; handled families: {', '.join(f'{f.model_type} ({f.architecture})' for f in FAMILIES.values())}")
+            f"yet; handled families: {', '.join(f'{f.model_type} ({f.architecture})' for f in FAMILIES.values())}"
+        )
     if archs and archs[0].lower() != fam.architecture.lower():  # PhiMoE / Phimoe: vLLM's and transformers' spelling
-        raise ValueError(f"config.json names architecture {archs[0]!r} for model_type {model_type!r}; liverl handles "
-                         f"{model_type!r} only as {fam.architecture!r} (a causal LM)")
+        raise ValueError(
+            f"config.json names architecture {archs[0]!r} for model_type {model_type!r}; liverl handles "
+            f"{model_type!r} only as {fam.architecture!r} (a causal LM)"
+        )
     return fam

@@ -31,9 +31,11 @@ log = logging.getLogger("liverl.learner")
 
 _RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
-_TAKE_OVER = ("local v = redis.call('GET', KEYS[1]) "
-              "if v == false or v == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1 end "
-              "return 0")
+_TAKE_OVER = (
+    "local v = redis.call('GET', KEYS[1]) "
+    "if v == false or v == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2], 'PX', ARGV[3]) return 1 end "
+    "return 0"
+)
 
 
 class LeaseHeld(RuntimeError):
@@ -69,20 +71,24 @@ class LearnerLease:
             if previous:
                 got = self.r.eval(_TAKE_OVER, 1, self.key, previous, self.token, self.ttl_ms)
                 if got:
-                    log.info("learner lease %s taken over from this state folder's previous learner %s", self.key,
-                             previous)
+                    log.info(
+                        "learner lease %s taken over from this state folder's previous learner %s", self.key, previous
+                    )
             else:
                 got = self.r.set(self.key, self.token, nx=True, px=self.ttl_ms)
             if got:
                 break
             holder = self.holder()
             if time.monotonic() >= deadline:
-                raise LeaseHeld(f"another learner holds this deployment's lease ({self.key} = {holder!r}); only one "
-                                f"learner may run per topic prefix. Stop it, or wait {self.ttl_ms / 1000:g} s after it "
-                                "died")
+                raise LeaseHeld(
+                    f"another learner holds this deployment's lease ({self.key} = {holder!r}); only one "
+                    f"learner may run per topic prefix. Stop it, or wait {self.ttl_ms / 1000:g} s after it "
+                    "died"
+                )
             if not announced:
-                log.warning("learner lease %s is held by %s; waiting up to %.0f s for it to go", self.key, holder,
-                            wait_s)
+                log.warning(
+                    "learner lease %s is held by %s; waiting up to %.0f s for it to go", self.key, holder, wait_s
+                )
                 announced = True
             time.sleep(min(0.5, max(deadline - time.monotonic(), 0.01)))
         self.token_file.parent.mkdir(parents=True, exist_ok=True)

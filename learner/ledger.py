@@ -48,8 +48,9 @@ class Ledger:
         """Lines about samples wait to be written (a ``rebase`` line alone waits for the next checkpoint)."""
         return any("rebase" not in line for line in self._buf)
 
-    def trained(self, step: int, records: list[tuple[int, int, str]],
-                feedback: list[tuple[str, float]] | None = None) -> None:
+    def trained(
+        self, step: int, records: list[tuple[int, int, str]], feedback: list[tuple[str, float]] | None = None
+    ) -> None:
         """Step ``step`` trained ``records`` (partition, offset, sample id); ``feedback``: each record's feedback id
         and feedback time, in the same order (``liverl lineage``). The line carries the step's time (``at``)."""
         line: dict = {"step": step, "at": round(time.time(), 3), "trained": records}

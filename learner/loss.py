@@ -107,8 +107,10 @@ def advantages(
     ``running`` is updated with this batch's per-segment means afterwards.
     """
     if reward_B.ndim != 1 or reward_B.shape[0] != len(segments):
-        raise ValueError(f"reward_B must be 1-D with one reward per segment entry, got "
-                         f"{tuple(reward_B.shape)} for {len(segments)} segments")
+        raise ValueError(
+            f"reward_B must be 1-D with one reward per segment entry, got "
+            f"{tuple(reward_B.shape)} for {len(segments)} segments"
+        )
     if not torch.isfinite(reward_B).all():
         raise ValueError("rewards must be finite")
     B = reward_B.shape[0]
@@ -164,8 +166,10 @@ def pg_loss(
     and ``entropy`` are then this share's part of the batch's value (their sum over ranks is the value).
     """
     if logp_BT.shape != behaviour_logp_BT.shape or logp_BT.shape != mask_BT.shape:
-        raise ValueError(f"shape mismatch: logp {tuple(logp_BT.shape)}, behaviour "
-                         f"{tuple(behaviour_logp_BT.shape)}, mask {tuple(mask_BT.shape)}")
+        raise ValueError(
+            f"shape mismatch: logp {tuple(logp_BT.shape)}, behaviour "
+            f"{tuple(behaviour_logp_BT.shape)}, mask {tuple(mask_BT.shape)}"
+        )
     if logp_BT.ndim != 2 or adv_B.shape != (logp_BT.shape[0],):
         raise ValueError(f"expected logp [B, T] and adv [B], got {tuple(logp_BT.shape)} and {tuple(adv_B.shape)}")
     if ref_logp_BT is not None and ref_logp_BT.shape != logp_BT.shape:
@@ -176,8 +180,9 @@ def pg_loss(
     len_B = mask_BT.sum(1)
     if (len_B <= 0).any():
         raise ValueError("every sequence needs at least one completion token")
-    n_tokens = mask_BT.sum() if n_tokens is None else torch.tensor(float(n_tokens), dtype=logp_BT.dtype,
-                                                                        device=logp_BT.device)
+    n_tokens = (
+        mask_BT.sum() if n_tokens is None else torch.tensor(float(n_tokens), dtype=logp_BT.dtype, device=logp_BT.device)
+    )
 
     with torch.no_grad():
         # Clamped only to keep exp() finite; w is capped at C and such sequences are masked anyway.

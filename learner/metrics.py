@@ -16,6 +16,7 @@ class LearnerState(Protocol):
     last_backlog: tuple[int, float]
     last_metrics: dict[str, float]
 
+
 class PrometheusCollector:
     """Exposes a learner's live state at scrape time (``liverl_learner_*``; counters end in ``_total``)."""
 
@@ -27,22 +28,37 @@ class PrometheusCollector:
 
         lr = self.learner
         yield CounterMetricFamily("liverl_learner_steps", "Policy updates made.", value=lr.step)
-        yield CounterMetricFamily("liverl_learner_samples_trained", "Samples trained on.",
-                                  value=lr.counters["samples_trained"])
-        dropped = CounterMetricFamily("liverl_learner_samples_dropped", "Samples refused, by reason.", labels=["reason"])
+        yield CounterMetricFamily(
+            "liverl_learner_samples_trained", "Samples trained on.", value=lr.counters["samples_trained"]
+        )
+        dropped = CounterMetricFamily(
+            "liverl_learner_samples_dropped", "Samples refused, by reason.", labels=["reason"]
+        )
         for k, v in sorted(lr.counters.items()):
             if k.startswith("dropped:"):
                 dropped.add_metric([k.split(":", 1)[1]], v)
         yield dropped
-        yield CounterMetricFamily("liverl_learner_rebases", "Restarts from the stable weights.", value=lr.counters["rebases"])
-        yield GaugeMetricFamily("liverl_learner_last_candidate_version", "Last candidate version emitted (-1: none).",
-                                value=-1 if lr.last_candidate is None else lr.last_candidate)
+        yield CounterMetricFamily(
+            "liverl_learner_rebases", "Restarts from the stable weights.", value=lr.counters["rebases"]
+        )
+        yield GaugeMetricFamily(
+            "liverl_learner_last_candidate_version",
+            "Last candidate version emitted (-1: none).",
+            value=-1 if lr.last_candidate is None else lr.last_candidate,
+        )
         events, seconds = lr.last_backlog
-        yield GaugeMetricFamily("liverl_learner_backlog_samples", "Samples ingest judged that the learner has not trained "
-                                "yet (the samples topic's high watermark less the trained watermark; -1: unknown).",
-                                value=events)
-        yield GaugeMetricFamily("liverl_learner_backlog_seconds", "Age of the oldest judged feedback the learner has not "
-                                "trained yet, by its feedback time (0: none waits; -1: unknown).", value=seconds)
+        yield GaugeMetricFamily(
+            "liverl_learner_backlog_samples",
+            "Samples ingest judged that the learner has not trained "
+            "yet (the samples topic's high watermark less the trained watermark; -1: unknown).",
+            value=events,
+        )
+        yield GaugeMetricFamily(
+            "liverl_learner_backlog_seconds",
+            "Age of the oldest judged feedback the learner has not "
+            "trained yet, by its feedback time (0: none waits; -1: unknown).",
+            value=seconds,
+        )
         for k in ("reward_mean", "kl", "entropy", "ratio_mean", "clipped_frac", "masked_frac", "loss"):
             if k in lr.last_metrics:
                 yield GaugeMetricFamily(f"liverl_learner_{k}", f"Last update's {k}.", value=lr.last_metrics[k])

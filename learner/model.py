@@ -92,9 +92,11 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
         out.update({k: v.contiguous() for k, v in tensors.items()})
     not_bf16 = sorted(k for k, v in out.items() if v.is_floating_point() and v.dtype != torch.bfloat16)
     if not_bf16:
-        raise ValueError(f"{model_dir}: liverl serves, checksums and trains against bf16 weights, but "
-                         f"{len(not_bf16)} tensors are not bf16 (e.g. {not_bf16[0]} is {out[not_bf16[0]].dtype}); "
-                         f"save the model in bfloat16 first")
+        raise ValueError(
+            f"{model_dir}: liverl serves, checksums and trains against bf16 weights, but "
+            f"{len(not_bf16)} tensors are not bf16 (e.g. {not_bf16[0]} is {out[not_bf16[0]].dtype}); "
+            f"save the model in bfloat16 first"
+        )
     return out
 
 
@@ -113,8 +115,10 @@ def save_model_dir(src_dir: Path, state_dict: Mapping[str, torch.Tensor], dst_di
     sharded = (src_dir / INDEX_FILE).is_file()
     where = weight_files(src_dir) if sharded else {name: SINGLE_FILE for name in state_dict}
     if set(where) != set(state_dict):
-        raise ValueError(f"weights differ from {src_dir}'s: missing {sorted(set(where) - set(state_dict))[:3]}, "
-                         f"extra {sorted(set(state_dict) - set(where))[:3]}")
+        raise ValueError(
+            f"weights differ from {src_dir}'s: missing {sorted(set(where) - set(state_dict))[:3]}, "
+            f"extra {sorted(set(state_dict) - set(where))[:3]}"
+        )
     if not same:
         for p in sorted(src_dir.iterdir()):
             if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES) and p.name != INDEX_FILE:
@@ -128,8 +132,9 @@ def save_model_dir(src_dir: Path, state_dict: Mapping[str, torch.Tensor], dst_di
         os.replace(tmp, dst_dir / shard)
     if sharded:
         tmp = dst_dir / f"{INDEX_FILE}.tmp"
-        tmp.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(where.items()))},
-                                  indent=2))
+        tmp.write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(where.items()))}, indent=2)
+        )
         os.replace(tmp, dst_dir / INDEX_FILE)
     return dst_dir
 
@@ -185,8 +190,9 @@ def assign_weights(model, state_dict: Mapping[str, torch.Tensor]) -> None:
         raise ValueError(f"state dict does not match the model: missing {missing}, unexpected {unexpected}")
 
 
-def state_dict_from_model(model, dtype=None, module_state: Mapping[str, torch.Tensor] | None = None
-                          ) -> dict[str, torch.Tensor]:
+def state_dict_from_model(
+    model, dtype=None, module_state: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """A transformers model's weights under the file names, detached, contiguous, on CPU.
 
     ``dtype`` defaults to bfloat16 (the served dtype); pass ``torch.float32`` for fp32 master weights.

@@ -48,6 +48,7 @@ class BatchFailed(RuntimeError):
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
 
+
 class PolicyTrainer:
     """The learner's model half: fp32 master weights, frozen reference, AdamW, baseline. No I/O.
 
@@ -61,8 +62,15 @@ class PolicyTrainer:
     the same code for 1 and N ranks (``learner.dist``). Without ``ranks``: one process, CPU, no process group.
     """
 
-    def __init__(self, model_dir: Path, lcfg: LearnerConfig, state_dict: dict[str, torch.Tensor] | None = None,
-                 normalize_adv: bool = False, kl_estimator: str | None = None, ranks: Ranks | None = None):
+    def __init__(
+        self,
+        model_dir: Path,
+        lcfg: LearnerConfig,
+        state_dict: dict[str, torch.Tensor] | None = None,
+        normalize_adv: bool = False,
+        kl_estimator: str | None = None,
+        ranks: Ranks | None = None,
+    ):
         from learner.model import load_model
 
         if ranks is None or ranks.device.type == "cpu":
@@ -101,7 +109,9 @@ class PolicyTrainer:
             return "shape_mismatch"
         if len(c) + len(s.prompt_token_ids) > self.max_len:
             return "too_long"
-        if any(not 0 <= t < self.vocab_size for t in s.prompt_token_ids) or any(not 0 <= t < self.vocab_size for t in c):
+        if any(not 0 <= t < self.vocab_size for t in s.prompt_token_ids) or any(
+            not 0 <= t < self.vocab_size for t in c
+        ):
             return "out_of_vocab"
         if any(not math.isfinite(x) or x > 1e-3 for x in lp):
             return "bad_logprob"
@@ -131,8 +141,8 @@ class PolicyTrainer:
             for b in members:
                 s = samples[b]
                 P, C = len(s.prompt_token_ids), len(s.completion_token_ids)
-                ids_RN[r, at: at + P + C] = torch.tensor(s.prompt_token_ids + s.completion_token_ids)
-                posid_RN[r, at: at + P + C] = torch.arange(P + C)  # restarts: each sequence attends only to itself
+                ids_RN[r, at : at + P + C] = torch.tensor(s.prompt_token_ids + s.completion_token_ids)
+                posid_RN[r, at : at + P + C] = torch.arange(P + C)  # restarts: each sequence attends only to itself
                 row_BT[b, :C] = r
                 col_BT[b, :C] = torch.arange(at + P - 1, at + P + C - 1)  # logits at position i predict token i+1
                 tgt_BT[b, :C] = torch.tensor(s.completion_token_ids)
@@ -141,8 +151,16 @@ class PolicyTrainer:
                 at += P + C
             posid_RN[r, at:] = torch.arange(N - at)  # the row's padding: a sequence of its own, never read
         reward_B = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        x = {"ids_RN": ids_RN, "posid_RN": posid_RN, "row_BT": row_BT, "col_BT": col_BT, "tgt_BT": tgt_BT,
-             "mask_BT": mask_BT, "beh_BT": beh_BT, "reward_B": reward_B}
+        x = {
+            "ids_RN": ids_RN,
+            "posid_RN": posid_RN,
+            "row_BT": row_BT,
+            "col_BT": col_BT,
+            "tgt_BT": tgt_BT,
+            "mask_BT": mask_BT,
+            "beh_BT": beh_BT,
+            "reward_B": reward_B,
+        }
         return x if self.device.type == "cpu" else {k: v.to(self.device, non_blocking=True) for k, v in x.items()}
 
     @staticmethod
@@ -191,8 +209,9 @@ class PolicyTrainer:
             if isinstance(e, FloatingPointError):
                 raise BatchFailed("nonfinite_update", str(e)) from e
             if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
-                raise BatchFailed("out_of_memory", f"{len(samples)} samples, {self.padded_tokens(samples)} padded "
-                                  "tokens") from e
+                raise BatchFailed(
+                    "out_of_memory", f"{len(samples)} samples, {self.padded_tokens(samples)} padded tokens"
+                ) from e
             raise BatchFailed("train_error", f"{type(e).__name__}: {e}") from e
 
     def _undo_point(self):
@@ -201,14 +220,17 @@ class PolicyTrainer:
         baseline = copy.deepcopy(self.baseline.state_dict())
         saved = None
         if self.lcfg.micro_epochs > 1:
-            saved = ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                     copy.deepcopy(self.opt.state_dict()))
+            saved = (
+                {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                copy.deepcopy(self.opt.state_dict()),
+            )
 
         def undo() -> None:
             self.baseline.load_state_dict(baseline)
             if saved is not None:
                 self.model.load_state_dict(saved[0])
                 self.opt.load_state_dict(saved[1])
+
         return undo
 
     def _train_step(self, samples: list[TrainingSample]) -> dict[str, float]:
@@ -230,9 +252,18 @@ class PolicyTrainer:
             with torch.no_grad():
                 ent_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
             kl_BT = full_kl(logprobs_BTV, ref_BTV) if self.kl_estimator == "full" else None
-            out = pg_loss(logp_BT, x["beh_BT"], adv_B, x["mask_BT"], tis_cap=self.lcfg.tis_cap,
-                          ref_logp_BT=ref_BT, kl_coef=self.lcfg.kl_coef, kl_BT=kl_BT, entropy_BT=ent_BT,
-                          n_tokens=n_tokens)
+            out = pg_loss(
+                logp_BT,
+                x["beh_BT"],
+                adv_B,
+                x["mask_BT"],
+                tis_cap=self.lcfg.tis_cap,
+                ref_logp_BT=ref_BT,
+                kl_coef=self.lcfg.kl_coef,
+                kl_BT=kl_BT,
+                entropy_BT=ent_BT,
+                n_tokens=n_tokens,
+            )
             if self.ranks is not None:  # this share's parts -> the batch's values, the same on every rank
                 parts = ("loss", "loss_pg", "kl", "entropy")
                 summed = all_sum([out.metrics.get(k, 0.0) * (weight > 0) for k in parts], self.ranks)
@@ -292,8 +323,11 @@ class PolicyTrainer:
         assign_weights(self.ref, state_dict)
 
     def state(self) -> dict[str, Any]:
-        return {"model": self.weights(torch.float32), "optimizer": self.opt.state_dict(),
-                "baseline": self.baseline.state_dict()}
+        return {
+            "model": self.weights(torch.float32),
+            "optimizer": self.opt.state_dict(),
+            "baseline": self.baseline.state_dict(),
+        }
 
     def load_state(self, st: dict[str, Any]) -> None:
         self.load_weights(st["model"], reset_optimizer=True)

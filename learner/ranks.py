@@ -49,6 +49,7 @@ class Leader:
         def call(*args, **kwargs):
             broadcast((name, args, kwargs), self.ranks)
             return attr(*args, **kwargs)
+
         return call
 
     def save_checkpoint(self, step: int, extra: dict[str, Any]):

@@ -34,8 +34,9 @@ class SeenIds:
         self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
-        self._db.execute("CREATE TABLE IF NOT EXISTS trained (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, "
-                         "ts REAL NOT NULL)")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS trained (id TEXT PRIMARY KEY, seq INTEGER NOT NULL, ts REAL NOT NULL)"
+        )
         self._db.execute("CREATE INDEX IF NOT EXISTS trained_ts ON trained (ts)")
         self._db.execute("CREATE INDEX IF NOT EXISTS trained_seq ON trained (seq)")
         self._buf: list[tuple[str, float]] = []
@@ -52,8 +53,10 @@ class SeenIds:
     def flush(self, seq: int) -> None:
         """Make the held ids durable under checkpoint ``seq`` (before that checkpoint is written); drop old ones."""
         with self._tx():
-            self._db.executemany("INSERT OR REPLACE INTO trained (id, seq, ts) VALUES (?, ?, ?)",
-                                 [(sid, seq, float(ts)) for sid, ts in self._buf])
+            self._db.executemany(
+                "INSERT OR REPLACE INTO trained (id, seq, ts) VALUES (?, ?, ?)",
+                [(sid, seq, float(ts)) for sid, ts in self._buf],
+            )
             self._db.execute("DELETE FROM trained WHERE ts < ?", (time.time() - self.horizon_s,))
         self._buf.clear()
 
@@ -78,4 +81,5 @@ class SeenIds:
 
             def __exit__(self, exc_type, *_):
                 db.execute("ROLLBACK" if exc_type else "COMMIT")
+
         return _Tx()

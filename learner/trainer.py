@@ -76,8 +76,16 @@ class LeaseLost(RuntimeError):
 class Learner(ConsumerRebalanceListener):
     """Kafka consumer + PolicyTrainer + checkpoint + registry candidates + live state in Redis."""
 
-    def __init__(self, cfg: LiverlConfig, model_dir: Path, bootstrap: str, registry, redis=None,
-                 checkpoint_path: Path | None = None, ranks: Ranks | None = None):
+    def __init__(
+        self,
+        cfg: LiverlConfig,
+        model_dir: Path,
+        bootstrap: str,
+        registry,
+        redis=None,
+        checkpoint_path: Path | None = None,
+        ranks: Ranks | None = None,
+    ):
         self.cfg, self.lcfg = cfg, cfg.learner
         self.model_dir, self.bootstrap, self.registry, self.redis = Path(model_dir), bootstrap, registry, redis
         self.topic = cfg.topics.samples
@@ -141,11 +149,20 @@ class Learner(ConsumerRebalanceListener):
         self.seen.flush(self.seq)
         self.ledger.flush(self.seq)
         self._ckpt_step, self._ckpt_at = self.step, time.monotonic()
-        st = dict(format=CHECKPOINT_FORMAT, step=self.step, offsets=dict(self.offsets), seq=self.seq,
-                  trained_ids=list(self.trained_ids), last_emitted=self.last_emitted,
-                  last_candidate=self.last_candidate, counters=dict(self.counters),
-                  since_candidate=dict(self.since_candidate), topic=self.topic, rollback_seen=self.rollback_seen,
-                  version_steps=dict(sorted(self.version_steps.items())[-VERSION_STEPS_KEPT:]))
+        st = dict(
+            format=CHECKPOINT_FORMAT,
+            step=self.step,
+            offsets=dict(self.offsets),
+            seq=self.seq,
+            trained_ids=list(self.trained_ids),
+            last_emitted=self.last_emitted,
+            last_candidate=self.last_candidate,
+            counters=dict(self.counters),
+            since_candidate=dict(self.since_candidate),
+            topic=self.topic,
+            rollback_seen=self.rollback_seen,
+            version_steps=dict(sorted(self.version_steps.items())[-VERSION_STEPS_KEPT:]),
+        )
         if self.ckpts is not None:  # every rank writes its shards; rank 0 adds this state as learner.json
             self.trainer.save_checkpoint(self.step, dict(st, baseline=self.trainer.baseline.state_dict()))
             return
@@ -170,8 +187,10 @@ class Learner(ConsumerRebalanceListener):
         else:
             st = torch.load(self.ckpt_path, map_location="cpu", weights_only=True)
         if st.get("format") != CHECKPOINT_FORMAT or st.get("topic") != self.topic:
-            raise ValueError(f"checkpoint {self.ckpt_path} is format {st.get('format')} for topic {st.get('topic')!r}; "
-                             f"expected format {CHECKPOINT_FORMAT} for {self.topic!r} (move it away to start fresh)")
+            raise ValueError(
+                f"checkpoint {self.ckpt_path} is format {st.get('format')} for topic {st.get('topic')!r}; "
+                f"expected format {CHECKPOINT_FORMAT} for {self.topic!r} (move it away to start fresh)"
+            )
         if self.ckpts is None:
             self.trainer.load_state(st)
         self.step = self._ckpt_step = int(st["step"])
@@ -179,15 +198,21 @@ class Learner(ConsumerRebalanceListener):
         self.seq = int(st.get("seq", 0))
         self.ledger.truncate_after(self.seq)
         self.seen.truncate_after(self.seq)
-        self.trained_ids = dict.fromkeys(st["trained_ids"][-self.lcfg.dedupe_window:])
+        self.trained_ids = dict.fromkeys(st["trained_ids"][-self.lcfg.dedupe_window :])
         self.last_emitted = int(st["last_emitted"])
         self.last_candidate = st["last_candidate"]
         self.counters = collections.Counter(st["counters"])
         self.since_candidate = dict(st["since_candidate"])
         self.rollback_seen = st.get("rollback_seen")
         self.version_steps = {int(v): int(n) for v, n in (st.get("version_steps") or {}).items()}
-        log.info("learner: resumed from %s at step %d, %d samples trained, offsets %s, last emitted v%d",
-                 self.ckpt_path, self.step, len(self.trained_ids), self.offsets, self.last_emitted)
+        log.info(
+            "learner: resumed from %s at step %d, %d samples trained, offsets %s, last emitted v%d",
+            self.ckpt_path,
+            self.step,
+            len(self.trained_ids),
+            self.offsets,
+            self.last_emitted,
+        )
 
     # -- Kafka ------------------------------------------------------------------------------------
     def on_partitions_revoked(self, revoked) -> None:  # ConsumerRebalanceListener
@@ -203,8 +228,11 @@ class Learner(ConsumerRebalanceListener):
             pos = self.read_pos.get(tp.partition, self.offsets.get(tp.partition))
             if pos is not None:
                 self._consumer.seek(tp, pos)
-        log.info("learner: assigned partitions %s; positions %s", sorted(parts),
-                 {p: self.read_pos.get(p, self.offsets.get(p)) for p in sorted(parts)})
+        log.info(
+            "learner: assigned partitions %s; positions %s",
+            sorted(parts),
+            {p: self.read_pos.get(p, self.offsets.get(p)) for p in sorted(parts)},
+        )
 
     def _poll(self, timeout_ms: int) -> None:
         c = self._consumer
@@ -227,12 +255,13 @@ class Learner(ConsumerRebalanceListener):
         the on-call page, ``liverl status`` and the ``LiverlLearnerBehind`` alert show."""
         c = self._consumer
         events = 0
-        for tp in (c.assignment() if c is not None else ()):
+        for tp in c.assignment() if c is not None else ():
             high = c.highwater(tp)
             at = self.offsets.get(tp.partition)
             if at is None:  # nothing trained from it yet: from the first record still held, else the read position
-                held = [e[1] for e in self.pending if e[0] == tp.partition] + \
-                    [e[1] for e in self.queue if e[0] == tp.partition]
+                held = [e[1] for e in self.pending if e[0] == tp.partition] + [
+                    e[1] for e in self.queue if e[0] == tp.partition
+                ]
                 at = min(held) if held else self.read_pos.get(tp.partition)
             if high is not None and at is not None:
                 events += max(0, high - at)
@@ -261,8 +290,9 @@ class Learner(ConsumerRebalanceListener):
                 reason = f"wire_{e.reason}"
             except Exception as e:  # noqa: BLE001 - one record must never stop the learner (it would crash-loop on it)
                 reason = "internal_error"
-                log.exception("learner: refusing the record at %s[%d]@%d: %s: %s", self.topic, part, off,
-                              type(e).__name__, e)
+                log.exception(
+                    "learner: refusing the record at %s[%d]@%d: %s: %s", self.topic, part, off, type(e).__name__, e
+                )
             if reason is None:
                 self._fresh_at = time.monotonic()
                 if not self.pending:
@@ -283,13 +313,19 @@ class Learner(ConsumerRebalanceListener):
         now = time.monotonic()
         if now - self._shed_said_at >= 30.0:
             self._shed_said_at = now
-            log.warning("learner: cannot keep up: skipping samples whose feedback is more than learner.max_backlog_s "
-                        "%.0f s old, training the newest (%d shed so far, counted as dropped:shed)",
-                        self.lcfg.max_backlog_s, self.counters["dropped:shed"])
+            log.warning(
+                "learner: cannot keep up: skipping samples whose feedback is more than learner.max_backlog_s "
+                "%.0f s old, training the newest (%d shed so far, counted as dropped:shed)",
+                self.lcfg.max_backlog_s,
+                self.counters["dropped:shed"],
+            )
 
     def _refusal(self, s: TrainingSample) -> str | None:
-        if (s.sample_id in self.trained_ids or any(p[2].sample_id == s.sample_id for p in self.pending)
-                or s.sample_id in self.seen):  # the recent window first, then every id ever trained (durable)
+        if (
+            s.sample_id in self.trained_ids
+            or any(p[2].sample_id == s.sample_id for p in self.pending)
+            or s.sample_id in self.seen
+        ):  # the recent window first, then every id ever trained (durable)
             return "duplicate"
         if self.lcfg.max_backlog_s and time.time() - s.ts_feedback > self.lcfg.max_backlog_s:
             return "shed"  # the learner is behind: the newest feedback first (``learner.max_backlog_s``)
@@ -332,8 +368,10 @@ class Learner(ConsumerRebalanceListener):
 
     def _checkpoint_due(self) -> bool:
         """``checkpoint_every_steps`` updates or ``checkpoint_every_s`` seconds since the last checkpoint."""
-        return (self.step - self._ckpt_step >= self.lcfg.checkpoint_every_steps
-                or time.monotonic() - self._ckpt_at >= self.lcfg.checkpoint_every_s)
+        return (
+            self.step - self._ckpt_step >= self.lcfg.checkpoint_every_steps
+            or time.monotonic() - self._ckpt_at >= self.lcfg.checkpoint_every_s
+        )
 
     def _commit(self) -> None:
         """Commit what the checkpoint already holds. A failed commit (this consumer was dropped from its
@@ -348,8 +386,12 @@ class Learner(ConsumerRebalanceListener):
             self._consumer.commit(offs)
         except (CommitFailedError, RebalanceInProgressError) as e:  # the group is moving: nothing is lost
             self.counters["commit_failed"] += 1
-            log.warning("learner: offset commit failed at step %d (%s); the checkpoint holds the offsets, "
-                        "the next commit retries", self.step, e)
+            log.warning(
+                "learner: offset commit failed at step %d (%s); the checkpoint holds the offsets, "
+                "the next commit retries",
+                self.step,
+                e,
+            )
 
     # -- the loop -----------------------------------------------------------------------------------
     def frozen(self) -> bool:
@@ -379,8 +421,11 @@ class Learner(ConsumerRebalanceListener):
                 self.ledger.refused(part, off, s.sample_id, e.reason)
             m = None
         if m is not None:
-            self.ledger.trained(self.step + 1, [(part, off, s.sample_id) for part, off, s in batch],
-                                feedback=[(s.feedback_id, s.ts_feedback) for _, _, s in batch])
+            self.ledger.trained(
+                self.step + 1,
+                [(part, off, s.sample_id) for part, off, s in batch],
+                feedback=[(s.feedback_id, s.ts_feedback) for _, _, s in batch],
+            )
             self.seen.add([(s.sample_id, time.time()) for _, _, s in batch])
             for _, _, s in batch:
                 self.trained_ids[s.sample_id] = None
@@ -401,11 +446,22 @@ class Learner(ConsumerRebalanceListener):
         sc["samples"] += len(samples)
         sc["steps"] += 1
         sc["loss_sum"] += m["loss"]
-        log.info("learner: step %d trained %d samples (total %d, v%d) reward %.3f loss %.4f kl %.4f ratio %.3f "
-                 "clip %.3f masked %.3f entropy %.3f in %.2fs", self.step, len(samples),
-                 self.counters["samples_trained"], self.last_emitted, m["reward_mean"], m["loss"], m["kl"],
-                 m["ratio_mean"], m["clipped_frac"], m["masked_frac"], m.get("entropy", float("nan")),
-                 self.last_metrics["step_s"])
+        log.info(
+            "learner: step %d trained %d samples (total %d, v%d) reward %.3f loss %.4f kl %.4f ratio %.3f "
+            "clip %.3f masked %.3f entropy %.3f in %.2fs",
+            self.step,
+            len(samples),
+            self.counters["samples_trained"],
+            self.last_emitted,
+            m["reward_mean"],
+            m["loss"],
+            m["kl"],
+            m["ratio_mean"],
+            m["clipped_frac"],
+            m["masked_frac"],
+            m.get("entropy", float("nan")),
+            self.last_metrics["step_s"],
+        )
         return True
 
     def _maybe_candidate(self) -> None:
@@ -420,28 +476,47 @@ class Learner(ConsumerRebalanceListener):
             log.info("learner: step %d: frozen, no candidate", self.step)
             return
         sc = self.since_candidate
-        metrics = {"samples_trained": int(self.counters["samples_trained"]),
-                   "samples_since_last": int(sc["samples"]),
-                   "reward_mean": sc["reward_sum"] / max(sc["samples"], 1.0),
-                   "loss_mean": sc["loss_sum"] / max(sc["steps"], 1.0),
-                   **{k: self.last_metrics[k] for k in ("kl", "entropy", "ratio_mean", "clipped_frac", "masked_frac")
-                      if k in self.last_metrics}}
+        metrics = {
+            "samples_trained": int(self.counters["samples_trained"]),
+            "samples_since_last": int(sc["samples"]),
+            "reward_mean": sc["reward_sum"] / max(sc["samples"], 1.0),
+            "loss_mean": sc["loss_sum"] / max(sc["steps"], 1.0),
+            **{
+                k: self.last_metrics[k]
+                for k in ("kl", "entropy", "ratio_mean", "clipped_frac", "masked_frac")
+                if k in self.last_metrics
+            },
+        }
         try:
             parent = int(self.registry.stable().version)
-            row = self.registry.add_candidate(self.trainer.bf16_state_dict(), parent=parent, metrics=metrics,
-                                              sample_offsets={str(p): o for p, o in sorted(self.offsets.items())},
-                                              learner_step=self.step)
+            row = self.registry.add_candidate(
+                self.trainer.bf16_state_dict(),
+                parent=parent,
+                metrics=metrics,
+                sample_offsets={str(p): o for p, o in sorted(self.offsets.items())},
+                learner_step=self.step,
+            )
         except REGISTRY_ERRORS as e:  # the weights are in the checkpoint; the candidate is tried again next step
             self.counters["registry_errors"] += 1
-            log.error("learner: step %d: cannot register a candidate (%s: %s); retrying after the next step",
-                      self.step, type(e).__name__, e)
+            log.error(
+                "learner: step %d: cannot register a candidate (%s: %s); retrying after the next step",
+                self.step,
+                type(e).__name__,
+                e,
+            )
             return
         self._candidate_due = False
         self.last_emitted = self.last_candidate = int(row.version)
         self.version_steps[int(row.version)] = self.step
         self.since_candidate = {k: 0.0 for k in sc}
-        log.info("learner: step %d -> candidate v%d (parent v%d, %d samples trained, reward %.3f since last)",
-                 self.step, row.version, parent, metrics["samples_trained"], metrics["reward_mean"])
+        log.info(
+            "learner: step %d -> candidate v%d (parent v%d, %d samples trained, reward %.3f since last)",
+            self.step,
+            row.version,
+            parent,
+            metrics["samples_trained"],
+            metrics["reward_mean"],
+        )
 
     def _maybe_move_reference(self) -> None:
         """With ``kl_reference = "stable"``, anchor the KL penalty to the version being served once it changes."""
@@ -480,8 +555,14 @@ class Learner(ConsumerRebalanceListener):
             starved_s = now - self._fresh_at
             if starved_s < STARVE_S or self.lag(stable) <= self.max_lag:
                 return  # still fed (a canary's samples), or the stable version's samples are fresh: no reason
-            log.warning("learner: only stale samples for %.0f s; stable v%d is %d updates behind (max %d): rebasing "
-                        "onto v%d", starved_s, stable, self.lag(stable), self.max_lag, stable)
+            log.warning(
+                "learner: only stale samples for %.0f s; stable v%d is %d updates behind (max %d): rebasing onto v%d",
+                starved_s,
+                stable,
+                self.lag(stable),
+                self.max_lag,
+                stable,
+            )
         else:  # an operator rolled back: whatever this lineage learned since must not come back in a candidate
             self.rollback_seen = rollback
             stable = int(self.registry.stable().version)
@@ -499,13 +580,23 @@ class Learner(ConsumerRebalanceListener):
         if self.redis is None:
             return
         m = self.last_metrics
-        fields = {"step": self.step, "samples_trained": self.counters["samples_trained"], "state": state,
-                  "last_candidate": -1 if self.last_candidate is None else self.last_candidate,
-                  "last_emitted": self.last_emitted, "queue": len(self.queue) + len(self.pending), "ts": time.time(),
-                  "backlog_samples": self.last_backlog[0], "backlog_s": self.last_backlog[1],
-                  **{k: round(m[k], 6) for k in ("reward_mean", "kl", "loss", "entropy", "ratio_mean",
-                                                 "clipped_frac", "masked_frac", "step_s") if k in m},
-                  **{k: v for k, v in self.counters.items() if k != "samples_trained"}}
+        fields = {
+            "step": self.step,
+            "samples_trained": self.counters["samples_trained"],
+            "state": state,
+            "last_candidate": -1 if self.last_candidate is None else self.last_candidate,
+            "last_emitted": self.last_emitted,
+            "queue": len(self.queue) + len(self.pending),
+            "ts": time.time(),
+            "backlog_samples": self.last_backlog[0],
+            "backlog_s": self.last_backlog[1],
+            **{
+                k: round(m[k], 6)
+                for k in ("reward_mean", "kl", "loss", "entropy", "ratio_mean", "clipped_frac", "masked_frac", "step_s")
+                if k in m
+            },
+            **{k: v for k, v in self.counters.items() if k != "samples_trained"},
+        }
         try:
             self.redis.hset(self.key, mapping={k: str(v) for k, v in fields.items()})
         except Exception as e:  # noqa: BLE001 - the live view is best effort; training must not stop for it
@@ -516,8 +607,13 @@ class Learner(ConsumerRebalanceListener):
         """Consume and train until ``stop_event`` is set or ``max_steps`` updates were made in this call."""
         # a candidate (encode + registry write) can keep the loop from polling for seconds on a busy machine:
         # allow 10 s between polls before the group drops this consumer
-        self._consumer = make_consumer(self.bootstrap, self.group, [self.topic], broker=self.cfg.broker,
-                                       rebalance_timeout_s=max(self.cfg.broker.rebalance_timeout_s, 10.0))
+        self._consumer = make_consumer(
+            self.bootstrap,
+            self.group,
+            [self.topic],
+            broker=self.cfg.broker,
+            rebalance_timeout_s=max(self.cfg.broker.rebalance_timeout_s, 10.0),
+        )
         self._consumer.subscribe([self.topic], listener=self)  # seek to the checkpoint on every assignment
         start_step, last_pub = self.step, 0.0
         try:
@@ -570,14 +666,25 @@ class Learner(ConsumerRebalanceListener):
             raise LeaseLost(f"the learner lease is lost; no {what} (another learner may be running)")
 
     def stats(self) -> dict[str, Any]:
-        return {"step": self.step, "samples_trained": int(self.counters["samples_trained"]),
-                "unique_trained": len(self.trained_ids), "last_candidate": self.last_candidate,
-                "last_emitted": self.last_emitted, "offsets": dict(self.offsets),
-                "counters": dict(self.counters), "last_metrics": dict(self.last_metrics)}
+        return {
+            "step": self.step,
+            "samples_trained": int(self.counters["samples_trained"]),
+            "unique_trained": len(self.trained_ids),
+            "last_candidate": self.last_candidate,
+            "last_emitted": self.last_emitted,
+            "offsets": dict(self.offsets),
+            "counters": dict(self.counters),
+            "last_metrics": dict(self.last_metrics),
+        }
 
 
-def run_learner(cfg: LiverlConfig, model_dir: Path, stop_event: threading.Event | None = None, max_steps: int | None = None,
-                metrics_port: int | None = None) -> dict:
+def run_learner(
+    cfg: LiverlConfig,
+    model_dir: Path,
+    stop_event: threading.Event | None = None,
+    max_steps: int | None = None,
+    metrics_port: int | None = None,
+) -> dict:
     """The learner process: connect to the configured stack, build/load the base policy, train until stopped.
 
     ``metrics_port``: serve Prometheus metrics on 127.0.0.1:port (``serving.host``) while it runs.
@@ -598,8 +705,7 @@ def run_learner(cfg: LiverlConfig, model_dir: Path, stop_event: threading.Event 
     from liverl.core.services import kafka_bootstrap, setup_redis
 
     bootstrap = kafka_bootstrap(cfg)
-    ensure_topics(bootstrap, [cfg.topics.samples], cfg.broker.partitions, broker=cfg.broker,
-                  configs=topic_configs(cfg))
+    ensure_topics(bootstrap, [cfg.topics.samples], cfg.broker.partitions, broker=cfg.broker, configs=topic_configs(cfg))
     warm_up()  # the delta codec's kernels, before the first candidate is due
     registry = open_registry(cfg)
     try:
@@ -608,8 +714,9 @@ def run_learner(cfg: LiverlConfig, model_dir: Path, stop_event: threading.Event 
         log.info("learner: registry has no stable version; registering the base policy as v0")
         registry.init_base(load_state_dict(model_dir), str(model_dir))
     r = setup_redis(cfg)
-    lease = LearnerLease(r, cfg.topics.prefix, checkpoint_path_for(cfg).with_suffix(".lease"),
-                         ttl_s=cfg.learner.lease_ttl_s)
+    lease = LearnerLease(
+        r, cfg.topics.prefix, checkpoint_path_for(cfg).with_suffix(".lease"), ttl_s=cfg.learner.lease_ttl_s
+    )
     lease.acquire(wait_s=cfg.learner.lease_wait_s)  # before the checkpoint is read: the previous learner is gone
     try:
         learner = Learner(cfg, model_dir, bootstrap, registry, redis=r, ranks=ranks)

@@ -110,20 +110,38 @@ def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str
     for node, s in (_served(r, prefix) if r is not None else {}).items():
         served_by.setdefault(s.get("version"), []).append(node)
     t = Table(title=title)
-    for col in ("version", "status", "parent", "age", "delta", "ratio", "changed", "KL", "entropy", "suite",
-                "live acceptance", "served by"):
+    for col in (
+        "version",
+        "status",
+        "parent",
+        "age",
+        "delta",
+        "ratio",
+        "changed",
+        "KL",
+        "entropy",
+        "suite",
+        "live acceptance",
+        "served by",
+    ):
         t.add_column(col, justify="left" if col in ("status", "served by") else "right")
     for v in rows:
         sc = scores.get(v.version, {})
-        t.add_row(f"v{v.version}", v.status + (f" ({v.status_reason})" if v.status == "rejected" and v.status_reason else ""),
-                  "-" if v.parent is None else f"v{v.parent}", _age(v.created_at),
-                  _size(v.delta_bytes if v.blob_kind == "delta" else v.snapshot_bytes) + (" snap" if v.blob_kind == "snapshot" else ""),
-                  "-" if v.ratio is None else f"{v.ratio:.1f}x",
-                  "-" if v.changed_fraction is None else f"{v.changed_fraction:.1%}",
-                  "-" if sc.get("drift") is None else f"{sc['drift']:.3f}",
-                  "-" if sc.get("collapse") is None else f"{sc['collapse']:.2f}",
-                  "-" if sc.get("suite") is None else f"{sc['suite']:.3f}",
-                  _acc(live.get(v.version)), ",".join(served_by.get(v.version, [])) or "-")
+        t.add_row(
+            f"v{v.version}",
+            v.status + (f" ({v.status_reason})" if v.status == "rejected" and v.status_reason else ""),
+            "-" if v.parent is None else f"v{v.parent}",
+            _age(v.created_at),
+            _size(v.delta_bytes if v.blob_kind == "delta" else v.snapshot_bytes)
+            + (" snap" if v.blob_kind == "snapshot" else ""),
+            "-" if v.ratio is None else f"{v.ratio:.1f}x",
+            "-" if v.changed_fraction is None else f"{v.changed_fraction:.1%}",
+            "-" if sc.get("drift") is None else f"{sc['drift']:.3f}",
+            "-" if sc.get("collapse") is None else f"{sc['collapse']:.2f}",
+            "-" if sc.get("suite") is None else f"{sc['suite']:.3f}",
+            _acc(live.get(v.version)),
+            ",".join(served_by.get(v.version, [])) or "-",
+        )
     return t
 
 
@@ -145,35 +163,47 @@ def cmd_status(cfg: LiverlConfig) -> int:
         view = fleet.fleet_view(reg, r, prefix, cfg.serving.fleet) if r is not None else None
         desired = view.desired if view is not None else None
         pending = reg.candidates()
-        con.print(f"stable: v{stable.version} (checksum {stable.checksum[:12]}…, promoted {_age(stable.promoted_at)} ago)")
+        con.print(
+            f"stable: v{stable.version} (checksum {stable.checksum[:12]}…, promoted {_age(stable.promoted_at)} ago)"
+        )
         con.print("desired: " + (f"v{desired.version} ({desired.reason})" if desired else "not announced"))
         con.print(f"pending candidates: {', '.join(f'v{c.version}' for c in pending) or 'none'}")
         ro = reg.active_rollout()
         if ro is None:
-            con.print("rollout: none (a candidate that passes the gate goes on canary when the configured fleet has "
-                      "2+ nodes)")
+            con.print(
+                "rollout: none (a candidate that passes the gate goes on canary when the configured fleet has 2+ nodes)"
+            )
         else:
-            con.print(f"rollout {ro.id}: canary v{ro.version} on {', '.join(ro.nodes)} for {ro.share:.0%} of "
-                      f"{ro.unit}s, {ro.state}, started {_age(ro.started_at)} ago, deadline in "
-                      f"{max(0.0, ro.deadline_at - time.time()):.0f} s")
+            con.print(
+                f"rollout {ro.id}: canary v{ro.version} on {', '.join(ro.nodes)} for {ro.share:.0%} of "
+                f"{ro.unit}s, {ro.state}, started {_age(ro.started_at)} ago, deadline in "
+                f"{max(0.0, ro.deadline_at - time.time()):.0f} s"
+            )
             if ro.looks:
                 lk = ro.looks[-1]
-                users = "" if lk.get("canary_users") is None else \
-                    f" ({lk['canary_users']} vs {lk['stable_users']} users)"
-                con.print(f"  evidence: kept acceptance canary {_pct(lk.get('canary_acceptance'))} on "
-                          f"{lk.get('canary_events')} vs stable {_pct(lk.get('stable_acceptance'))} on "
-                          f"{lk.get('stable_events')}{users}; always-valid p better {lk.get('p_better', 1):.3g}, "
-                          f"p worse {lk.get('p_worse', 1):.3g}; {ro.reason}")
+                users = (
+                    "" if lk.get("canary_users") is None else f" ({lk['canary_users']} vs {lk['stable_users']} users)"
+                )
+                con.print(
+                    f"  evidence: kept acceptance canary {_pct(lk.get('canary_acceptance'))} on "
+                    f"{lk.get('canary_events')} vs stable {_pct(lk.get('stable_acceptance'))} on "
+                    f"{lk.get('stable_events')}{users}; always-valid p better {lk.get('p_better', 1):.3g}, "
+                    f"p worse {lk.get('p_worse', 1):.3g}; {ro.reason}"
+                )
         if r is not None:
             con.print(learner_line(r.hgetall(keys.learner(prefix))))
         table = Table(title="fleet")
         for col in ("node", "version", "checksum", "heartbeat", "serves", "in sync"):
             table.add_column(col)
         for name, n in (view.nodes if view is not None else {}).items():
-            table.add_row(name, f"v{n.beat.version}", str(n.beat.checksum or "")[:12] + "…",
-                          _age(n.beat.ts) + " ago",
-                          ("canary" if n.canary else "stable") if n.known else "UNKNOWN node (not in serving.fleet)",
-                          "yes" if n.converged else "NO")
+            table.add_row(
+                name,
+                f"v{n.beat.version}",
+                str(n.beat.checksum or "")[:12] + "…",
+                _age(n.beat.ts) + " ago",
+                ("canary" if n.canary else "stable") if n.known else "UNKNOWN node (not in serving.fleet)",
+                "yes" if n.converged else "NO",
+            )
         fleet_table = table
         con.print(fleet_table)
         con.print(_versions_table(reg, r, prefix, 5, "recent versions"))
@@ -185,12 +215,16 @@ def cmd_status(cfg: LiverlConfig) -> int:
 def learner_line(live: dict) -> str:
     """One line on the learner from its live state in Redis (``learner.trainer.Learner.publish``): its step, what it
     trained, and its backlog (judged feedback not trained yet, in samples and in seconds of the oldest)."""
-    h = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
-         for k, v in (live or {}).items()}
+    h = {
+        (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+        for k, v in (live or {}).items()
+    }
     if not h:
         return "learner: no live state (not running, or not yet published)"
-    text = (f"learner: {h.get('state', '?')}, step {h.get('step', '?')}, {h.get('samples_trained', '?')} samples "
-            f"trained, last candidate v{h.get('last_candidate', '?')}, published {_age(float(h.get('ts', 0)))} ago")
+    text = (
+        f"learner: {h.get('state', '?')}, step {h.get('step', '?')}, {h.get('samples_trained', '?')} samples "
+        f"trained, last candidate v{h.get('last_candidate', '?')}, published {_age(float(h.get('ts', 0)))} ago"
+    )
     samples, seconds = int(float(h.get("backlog_samples", -1))), float(h.get("backlog_s", -1))
     if samples < 0:
         return text + "; backlog unknown"
@@ -237,15 +271,19 @@ def cmd_diff(cfg: LiverlConfig, a: int, b: int, top: int = 20) -> int:
             rows.append((name, 1.0, float("nan"), float("nan"), "only in one" if ta is None or tb is None else "shape"))
             continue
         n = ta.numel()
-        diff = ta.contiguous().view(-1).view(torch.uint8).view(n, -1) != tb.contiguous().view(-1).view(torch.uint8).view(n, -1)
+        diff = ta.contiguous().view(-1).view(torch.uint8).view(n, -1) != tb.contiguous().view(-1).view(
+            torch.uint8
+        ).view(n, -1)
         k = int(diff.any(dim=1).sum())
         total, changed = total + n, changed + k
         if k:
-            d = (tb.float() - ta.float())
+            d = tb.float() - ta.float()
             rows.append((name, k / n, float(d.abs().max()), float(d.norm() / ta.float().norm().clamp_min(1e-12)), ""))
     rows.sort(key=lambda x: -x[3] if x[3] == x[3] else float("-inf"))
-    t = Table(title=f"v{a} -> v{b}: {len(rows)} of {len(set(wa) | set(wb))} tensors changed, "
-                    f"{changed / max(total, 1):.2%} of elements")
+    t = Table(
+        title=f"v{a} -> v{b}: {len(rows)} of {len(set(wa) | set(wb))} tensors changed, "
+        f"{changed / max(total, 1):.2%} of elements"
+    )
     for col in ("tensor", "elements changed", "max |change|", "relative change (L2)", "note"):
         t.add_column(col, justify="left" if col in ("tensor", "note") else "right")
     for name, frac, mx, rel, note in rows[:top]:
@@ -257,16 +295,21 @@ def cmd_diff(cfg: LiverlConfig, a: int, b: int, top: int = 20) -> int:
     e.add_column("")
     for row in (ra, rb):
         e.add_column(f"v{row.version}", justify="right")
-    e.add_row("status", *(f"{row.status}" + (f" ({row.status_reason})" if row.status_reason else "") for row in (ra, rb)))
+    e.add_row(
+        "status", *(f"{row.status}" + (f" ({row.status_reason})" if row.status_reason else "") for row in (ra, rb))
+    )
     e.add_row("parent", *("-" if row.parent is None else f"v{row.parent}" for row in (ra, rb)))
     e.add_row("live acceptance", *(_acc(live.get(v)) for v in (a, b)))
     for check in sorted(set(checks[a]) | set(checks[b])):
         cells = []
         for v in (a, b):
             g = checks[v].get(check)
-            cells.append("-" if g is None else
-                         f"{'pass' if g.passed else 'FAIL'} {g.value if g.value is None else format(g.value, '.4g')}"
-                         f" (vs {g.threshold if g.threshold is None else format(g.threshold, '.4g')})")
+            cells.append(
+                "-"
+                if g is None
+                else f"{'pass' if g.passed else 'FAIL'} {g.value if g.value is None else format(g.value, '.4g')}"
+                f" (vs {g.threshold if g.threshold is None else format(g.threshold, '.4g')})"
+            )
         e.add_row(check, *cells)
     con.print(e)
     return 0
@@ -290,17 +333,25 @@ def cmd_history(cfg: LiverlConfig, limit: int | None = 50, verify: bool = False)
                 return _err(f"the audit log could not be verified: {check.problem}")
             for w in check.warnings or []:
                 print(f"warning: {w}", file=sys.stderr)
-            how = (f"{check.keyed} keyed (HMAC-SHA256 with the audit key)"
-                   + (f", {check.unkeyed} older ones chained by hash only" if check.unkeyed else "")
-                   if check.keyed else "chained by hash only (unkeyed)")
+            how = (
+                f"{check.keyed} keyed (HMAC-SHA256 with the audit key)"
+                + (f", {check.unkeyed} older ones chained by hash only" if check.unkeyed else "")
+                if check.keyed
+                else "chained by hash only (unkeyed)"
+            )
             head = f"; head anchored in Redis at entry {check.head_seq}" if check.head_seq is not None else ""
             _console().print(f"audit log intact: {check.entries} entries, {how}{head}")
         t = Table(title="history (audit log)")
         for col in ("when", "actor", "action", "version", "reason"):
             t.add_column(col)
         for a in reg.audit(limit=limit):
-            t.add_row(time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a.at)), a.actor, a.action,
-                      "-" if a.version is None else f"v{a.version}", a.reason or "")
+            t.add_row(
+                time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a.at)),
+                a.actor,
+                a.action,
+                "-" if a.version is None else f"v{a.version}",
+                a.reason or "",
+            )
         _console().print(t)
         return 0
     finally:
@@ -331,8 +382,15 @@ def _change(cfg: LiverlConfig, verb: str, token: str | None, do) -> int:
         reg.close()
     with r:
         key = signing_key_path(cfg)
-        announce(r, cfg.topics.prefix, row.version, row.checksum, f"{verb}: {row.status_reason or ''}".strip(),
-                 Signer(key) if key else None, ttl_s=cfg.security.announce_ttl_s)
+        announce(
+            r,
+            cfg.topics.prefix,
+            row.version,
+            row.checksum,
+            f"{verb}: {row.status_reason or ''}".strip(),
+            Signer(key) if key else None,
+            ttl_s=cfg.security.announce_ttl_s,
+        )
     print(f"{verb}: v{row.version} is now stable (checksum {row.checksum[:12]}…); announced to the fleet")
     return 0
 
@@ -345,8 +403,10 @@ def cmd_promote(cfg: LiverlConfig, version: int, reason: str, token: str | None,
     def promote(reg, actor):
         row = reg.get(version)
         if row.status == "candidate" and not force:
-            raise RegistryError(f"version {version} is a candidate the gate has not judged yet; wait for the gate "
-                                "(liverl versions), or pass --force to promote it unjudged")
+            raise RegistryError(
+                f"version {version} is a candidate the gate has not judged yet; wait for the gate "
+                "(liverl versions), or pass --force to promote it unjudged"
+            )
         return reg.promote(version, actor=actor, reason=reason, force=force)
 
     return _change(cfg, "promote", token, promote)
@@ -398,12 +458,17 @@ def cmd_rollout(cfg: LiverlConfig, action: str, reason: str, token: str | None) 
     if action not in ROLLOUT_ACTIONS:
         raise ValueError(f"unknown rollout action {action!r}; one of {ROLLOUT_ACTIONS}")
     if action == "promote":
+
         def promote(reg, actor):
             ro = reg.active_rollout()
             if ro is None:
                 raise RegistryError("no canary is in progress (`liverl status` shows the rollout)")
-            return reg.promote(ro.version, actor=actor, reason=f"canary promoted by {actor}: {reason}",
-                               expected_stable=ro.stable_version)
+            return reg.promote(
+                ro.version,
+                actor=actor,
+                reason=f"canary promoted by {actor}: {reason}",
+                expected_stable=ro.stable_version,
+            )
 
         return _change(cfg, "promote", token, promote)
     reg = open_registry(cfg)
@@ -417,13 +482,19 @@ def cmd_rollout(cfg: LiverlConfig, action: str, reason: str, token: str | None) 
                 why = f"aborted by {actor}: {reason}"
                 ro = reg.finish_rollout_abort(ro.id, actor=actor, reason=why, verdict="operator")
                 reg.record_gate(ro.version, "canary", None, None, False, why)
-                msg = (f"canary v{ro.version} aborted and rejected; the gate withdraws it and its nodes "
-                       f"({', '.join(ro.nodes)}) return to stable v{ro.stable_version}")
+                msg = (
+                    f"canary v{ro.version} aborted and rejected; the gate withdraws it and its nodes "
+                    f"({', '.join(ro.nodes)}) return to stable v{ro.stable_version}"
+                )
             else:
                 want = "paused" if action == "pause" else "running"
                 ro = reg.set_rollout_state(ro.id, want, actor=actor, reason=reason)
-                msg = (f"canary v{ro.version} paused: it keeps its share and is not promoted (still aborted if a metric "
-                       "is shown worse)" if want == "paused" else f"canary v{ro.version} resumed")
+                msg = (
+                    f"canary v{ro.version} paused: it keeps its share and is not promoted (still aborted if a metric "
+                    "is shown worse)"
+                    if want == "paused"
+                    else f"canary v{ro.version} resumed"
+                )
         except RegistryError as e:
             return _err(str(e))
     finally:
@@ -432,8 +503,13 @@ def cmd_rollout(cfg: LiverlConfig, action: str, reason: str, token: str | None) 
     return 0
 
 
-def gc_command(cfg: LiverlConfig, dry_run: bool, grace_s: float = 3600.0, token: str | None = None,
-               prune_rejected_s: float | None = None) -> int:
+def gc_command(
+    cfg: LiverlConfig,
+    dry_run: bool,
+    grace_s: float = 3600.0,
+    token: str | None = None,
+    prune_rejected_s: float | None = None,
+) -> int:
     """Delete blobs no version references (older than ``grace_s``), or with ``dry_run`` only list them. Deleting
     needs an admin token. ``prune_rejected_s``: also drop the deltas of rejected versions older than this that no
     surviving version descends from."""
@@ -464,19 +540,26 @@ def gc_command(cfg: LiverlConfig, dry_run: bool, grace_s: float = 3600.0, token:
         t.add_row(b.key, _size(b.size), _age(b.modified_at), f"kept: younger than {grace_s:.0f} s")
     con.print(t)
     if prune_rejected_s is not None:
-        con.print(f"{'would prune' if dry_run else 'pruned'} the deltas of {len(res.pruned)} rejected versions "
-                  f"older than {prune_rejected_s:.0f} s with no surviving descendant"
-                  + (f": {', '.join(map(str, res.pruned[:30]))}" if res.pruned else ""))
-    con.print(f"{verb} {len(res.removed)} unreferenced blobs ({_size(res.removed_bytes)}); "
-              f"{len(res.recent)} recent unreferenced kept; {res.referenced} referenced kept")
+        con.print(
+            f"{'would prune' if dry_run else 'pruned'} the deltas of {len(res.pruned)} rejected versions "
+            f"older than {prune_rejected_s:.0f} s with no surviving descendant"
+            + (f": {', '.join(map(str, res.pruned[:30]))}" if res.pruned else "")
+        )
+    con.print(
+        f"{verb} {len(res.removed)} unreferenced blobs ({_size(res.removed_bytes)}); "
+        f"{len(res.recent)} recent unreferenced kept; {res.referenced} referenced kept"
+    )
     if res.missing:
-        return _err(f"{len(res.missing)} blobs referenced by the registry are missing from {store}: "
-                    + ", ".join(k[:12] + "…" for k in res.missing[:10]))
+        return _err(
+            f"{len(res.missing)} blobs referenced by the registry are missing from {store}: "
+            + ", ".join(k[:12] + "…" for k in res.missing[:10])
+        )
     return 0
 
 
-def cmd_operator(cfg: LiverlConfig, action: str, name: str | None, role: str, reason: str | None,
-                 token: str | None) -> int:
+def cmd_operator(
+    cfg: LiverlConfig, action: str, name: str | None, role: str, reason: str | None, token: str | None
+) -> int:
     """Manage operator identities. The very first operator of a registry can be added without a token (whoever
     can write the registry database already controls it); every later change needs an admin token."""
     import getpass
@@ -504,8 +587,10 @@ def cmd_operator(cfg: LiverlConfig, action: str, name: str | None, role: str, re
                 by = reg.authenticate(token, need="admin").name
             if action == "add":
                 new = reg.add_operator(name, role, by=by, reason=reason)
-                print(f"operator {name} ({role}) added by {by}. Their token, shown only now:\n{new}\n"
-                      "Keep it in a secret store; use it as LIVERL_TOKEN or with --token-file.")
+                print(
+                    f"operator {name} ({role}) added by {by}. Their token, shown only now:\n{new}\n"
+                    "Keep it in a secret store; use it as LIVERL_TOKEN or with --token-file."
+                )
             else:
                 reg.disable_operator(name, by=by, reason=reason)
                 print(f"operator {name} disabled by {by}")

@@ -32,7 +32,14 @@ from liverl.core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, Tra
 
 VERDICT_OK = "ok"
 MOVING = ("queued_for_learner", "in_flight", "waiting_for_generation")
-JOINED = ("trained", "held_out", "refused_by_learner", "queued_for_learner", "dropped:not_trainable", "dead_letter:sample_too_large")
+JOINED = (
+    "trained",
+    "held_out",
+    "refused_by_learner",
+    "queued_for_learner",
+    "dropped:not_trainable",
+    "dead_letter:sample_too_large",
+)
 
 
 @dataclass
@@ -74,19 +81,33 @@ class Report:
             out.append(f"the registry has {len(self.stable_versions)} stable versions {self.stable_versions}")
         for node, n in sorted(self.nodes.items()):
             if not n["converged"]:
-                out.append(f"node {node} serves v{n['version']} ({n['checksum']}), not "
-                           + (f"the canary v{n['canary']}" if "canary" in n else "the stable version"))
+                out.append(
+                    f"node {node} serves v{n['version']} ({n['checksum']}), not "
+                    + (f"the canary v{n['canary']}" if "canary" in n else "the stable version")
+                )
         if not self.nodes:
             out.append("no serving node reports a heartbeat")
         return out
 
     def as_dict(self) -> dict[str, Any]:
-        return {"feedback_records": self.feedback_records, "events": self.events, "fates": dict(self.fates),
-                "lost": self.lost, "trained_twice": len(self.trained_twice), "moving": self.moving,
-                "dead_letters_repeated": self.dead_letters_repeated, "live_events": self.live_events,
-                "joined_events": self.joined_events, "stable_versions": self.stable_versions,
-                "stable_checksum": self.stable_checksum, "nodes": self.nodes, "converged": self.converged,
-                "ledger_lines": self.ledger_lines, "problems": self.problems(), "ok": not self.problems()}
+        return {
+            "feedback_records": self.feedback_records,
+            "events": self.events,
+            "fates": dict(self.fates),
+            "lost": self.lost,
+            "trained_twice": len(self.trained_twice),
+            "moving": self.moving,
+            "dead_letters_repeated": self.dead_letters_repeated,
+            "live_events": self.live_events,
+            "joined_events": self.joined_events,
+            "stable_versions": self.stable_versions,
+            "stable_checksum": self.stable_checksum,
+            "nodes": self.nodes,
+            "converged": self.converged,
+            "ledger_lines": self.ledger_lines,
+            "problems": self.problems(),
+            "ok": not self.problems(),
+        }
 
 
 def read_topic(bootstrap: str, topic: str, broker: BrokerConfig | None = None):
@@ -203,9 +224,22 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
 
     for fid, recs in events.items():
         rep.events += 1
-        fate = "held_out" if fid in held_out and fid not in samples else \
-            _fate(recs, samples.get(fid, []), trained, refused, learner_done, dead, generations, ingest_done, now,
-                  pending_window)
+        fate = (
+            "held_out"
+            if fid in held_out and fid not in samples
+            else _fate(
+                recs,
+                samples.get(fid, []),
+                trained,
+                refused,
+                learner_done,
+                dead,
+                generations,
+                ingest_done,
+                now,
+                pending_window,
+            )
+        )
         rep.fates[fate] += 1
         if fate == "lost":
             rep.lost_examples.append(fid)
@@ -220,17 +254,29 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
         rep.stable_checksum = registry.get(rep.stable_versions[0]).checksum
         view = fleet.fleet_view(registry, redis, t.prefix)  # during a canary its nodes should serve the canary
         for name, n in view.nodes.items():
-            rep.nodes[name] = {"version": n.beat.version, "checksum": n.beat.checksum, "healthy": n.beat.healthy,
-                               "age_s": round(max(now - n.beat.ts, 0.0), 1), "converged": n.converged,
-                               **({"canary": view.rollout.version} if n.canary else {})}
+            rep.nodes[name] = {
+                "version": n.beat.version,
+                "checksum": n.beat.checksum,
+                "healthy": n.beat.healthy,
+                "age_s": round(max(now - n.beat.ts, 0.0), 1),
+                "converged": n.converged,
+                **({"canary": view.rollout.version} if n.canary else {}),
+            }
     else:  # no single stable version: no node can be in sync with it
         for name, beat in fleet.read_heartbeats(redis, t.prefix).items():
-            rep.nodes[name] = {"version": beat.version, "checksum": beat.checksum, "healthy": beat.healthy,
-                               "age_s": round(max(now - beat.ts, 0.0), 1), "converged": False}
+            rep.nodes[name] = {
+                "version": beat.version,
+                "checksum": beat.checksum,
+                "healthy": beat.healthy,
+                "age_s": round(max(now - beat.ts, 0.0), 1),
+                "converged": False,
+            }
     return rep
 
 
-def _fate(recs, sample_recs, trained, refused, learner_done, dead, generations, ingest_done, now, pending_window) -> str:
+def _fate(
+    recs, sample_recs, trained, refused, learner_done, dead, generations, ingest_done, now, pending_window
+) -> str:
     if sample_recs:
         sid = sample_recs[0][2]
         if trained[sid]:
@@ -259,13 +305,20 @@ def _fate(recs, sample_recs, trained, refused, learner_done, dead, generations, 
 def print_report(rep: Report) -> None:
     rows = [("feedback records in the topic", rep.feedback_records), ("feedback events (distinct)", rep.events)]
     rows += [(f"  {fate}", n) for fate, n in sorted(rep.fates.items(), key=lambda kv: (-kv[1], kv[0]))]
-    rows += [("lost", rep.lost), ("trained twice", len(rep.trained_twice)),
-             ("still moving (queued, in flight, waiting)", rep.moving),
-             ("live counter events / judged generations", f"{rep.live_events} / {rep.joined_events}"),
-             ("stable versions in the registry", ", ".join(f"v{v}" for v in rep.stable_versions) or "none")]
+    rows += [
+        ("lost", rep.lost),
+        ("trained twice", len(rep.trained_twice)),
+        ("still moving (queued, in flight, waiting)", rep.moving),
+        ("live counter events / judged generations", f"{rep.live_events} / {rep.joined_events}"),
+        ("stable versions in the registry", ", ".join(f"v{v}" for v in rep.stable_versions) or "none"),
+    ]
     for node, n in sorted(rep.nodes.items()):
-        rows.append((f"node {node}", f"v{n['version']} {'converged' if n['converged'] else 'NOT converged'} "
-                     f"(heartbeat {n['age_s']} s ago)"))
+        rows.append(
+            (
+                f"node {node}",
+                f"v{n['version']} {'converged' if n['converged'] else 'NOT converged'} (heartbeat {n['age_s']} s ago)",
+            )
+        )
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")

@@ -37,8 +37,15 @@ from liverl.up import Pipeline
 log = logging.getLogger("liverl.chaos")
 
 KINDS = ("ingest", "learn", "gate", "serve", "vllm", "learn@checkpoint", "serve@swap")
-ROLE_OF = {"ingest": "ingest", "learn": "learn", "gate": "gate", "serve": "serve", "vllm": "serve",
-           "learn@checkpoint": "learn", "serve@swap": "serve"}
+ROLE_OF = {
+    "ingest": "ingest",
+    "learn": "learn",
+    "gate": "gate",
+    "serve": "serve",
+    "vllm": "serve",
+    "learn@checkpoint": "learn",
+    "serve@swap": "serve",
+}
 MIN_UPTIME_S = {"ingest": 20.0, "learn": 15.0, "gate": 10.0, "serve": 5.0}
 
 
@@ -181,9 +188,16 @@ class Killer:
             raise RuntimeError(f"chaos: {failure}")
 
 
-def run_chaos(cfg: LiverlConfig, model_dir: Path, duration_s: float, kill_every_s: float, seed: int = 0,
-              drain_timeout_s: float = 600.0, summary_path: str | None = None,
-              kinds: tuple[str, ...] = KINDS) -> dict:
+def run_chaos(
+    cfg: LiverlConfig,
+    model_dir: Path,
+    duration_s: float,
+    kill_every_s: float,
+    seed: int = 0,
+    drain_timeout_s: float = 600.0,
+    summary_path: str | None = None,
+    kinds: tuple[str, ...] = KINDS,
+) -> dict:
     from deploy.registry import open_registry
     from liverl.audit import print_report, run_audit
     from liverl.demo.run import DEMO_PRODUCT
@@ -197,8 +211,11 @@ def run_chaos(cfg: LiverlConfig, model_dir: Path, duration_s: float, kill_every_
         raise ValueError(f"product {cfg.product!r} has no simulated users to drive the load")
     rng = random.Random(seed)
     started = time.time()
-    print(f"liverl chaos: {duration_s:.0f} s of load, a kill -9 every ~{kill_every_s:.0f} s, then drain and audit "
-          f"(state in {cfg.state_path})", flush=True)
+    print(
+        f"liverl chaos: {duration_s:.0f} s of load, a kill -9 every ~{kill_every_s:.0f} s, then drain and audit "
+        f"(state in {cfg.state_path})",
+        flush=True,
+    )
     with Pipeline(cfg, model_dir, fresh=True) as pipe:
         pipe.supervisor.max_restarts = 1_000_000  # chaos kills on purpose; the supervisor restarts every time
         pipe.supervisor.backoff_max_s = 0.0  # ... and at once (a kill is not a crash loop)
@@ -239,8 +256,11 @@ def run_chaos(cfg: LiverlConfig, model_dir: Path, duration_s: float, kill_every_
                 if report.moving == 0 and report.converged and not pending:
                     converge_s = time.monotonic() - load_end
                     break
-                print(f"  drain {time.monotonic() - load_end:5.0f} s: {report.moving} events moving, candidates "
-                      f"pending {pending}, nodes converged {report.converged}", flush=True)
+                print(
+                    f"  drain {time.monotonic() - load_end:5.0f} s: {report.moving} events moving, candidates "
+                    f"pending {pending}, nodes converged {report.converged}",
+                    flush=True,
+                )
                 time.sleep(10)
         finally:
             registry.close()
@@ -248,26 +268,43 @@ def run_chaos(cfg: LiverlConfig, model_dir: Path, duration_s: float, kill_every_
         restarts = dict(pipe.supervisor.restarts)
     leftover = _leftover_processes(cfg, started)
     by_kind = {k: sum(1 for x in killer.kills if x["kind"] == k) for k in kinds}
-    summary = {"duration_s": duration_s, "kill_every_s": kill_every_s, "seed": seed, "kills": len(killer.kills),
-               "kills_by_kind": by_kind, "kill_log": killer.kills, "restarts": restarts,
-               "acked_feedback_records": sdk.acked, "requests": stats.requests, "request_errors": stats.errors,
-               "converge_s": None if converge_s is None else round(converge_s, 1),
-               "audit": report.as_dict() if report is not None else None}
+    summary = {
+        "duration_s": duration_s,
+        "kill_every_s": kill_every_s,
+        "seed": seed,
+        "kills": len(killer.kills),
+        "kills_by_kind": by_kind,
+        "kill_log": killer.kills,
+        "restarts": restarts,
+        "acked_feedback_records": sdk.acked,
+        "requests": stats.requests,
+        "request_errors": stats.errors,
+        "converge_s": None if converge_s is None else round(converge_s, 1),
+        "audit": report.as_dict() if report is not None else None,
+    }
     missing = sdk.acked - (report.feedback_records if report else 0)
     summary["acked_not_in_topic"] = max(missing, 0)
     summary["leftover_processes"] = leftover
-    summary["ok"] = bool(report is not None and not report.problems() and converge_s is not None and missing <= 0
-                         and not leftover)
+    summary["ok"] = bool(
+        report is not None and not report.problems() and converge_s is not None and missing <= 0 and not leftover
+    )
     print("\nkills by kind: " + ", ".join(f"{k} {n}" for k, n in by_kind.items()))
     print(f"restarts by the supervisor: {restarts}")
-    print(f"feedback records acknowledged by the broker: {sdk.acked} (in the topic: "
-          f"{report.feedback_records if report else '?'}); requests {stats.requests}, errors {stats.errors}")
+    print(
+        f"feedback records acknowledged by the broker: {sdk.acked} (in the topic: "
+        f"{report.feedback_records if report else '?'}); requests {stats.requests}, errors {stats.errors}"
+    )
     if report is not None:
         print_report(report)
-    print(f"converged {converge_s:.0f} s after the load stopped" if converge_s is not None
-          else f"NOT converged within {drain_timeout_s:.0f} s")
-    print(f"processes left running after the pipeline stopped: {len(leftover)}"
-          + "".join(f"\n  pid {p['pid']} (parent {p['ppid']}): {p['cmd']}" for p in leftover))
+    print(
+        f"converged {converge_s:.0f} s after the load stopped"
+        if converge_s is not None
+        else f"NOT converged within {drain_timeout_s:.0f} s"
+    )
+    print(
+        f"processes left running after the pipeline stopped: {len(leftover)}"
+        + "".join(f"\n  pid {p['pid']} (parent {p['ppid']}): {p['cmd']}" for p in leftover)
+    )
     if summary_path:
         Path(summary_path).parent.mkdir(parents=True, exist_ok=True)
         Path(summary_path).write_text(json.dumps(summary, indent=2))
@@ -303,8 +340,11 @@ def _concurrency_kwargs(users, cfg: LiverlConfig) -> dict:
     """The demo's traffic (``demo.concurrency``), for a product's users that take it (the demo's do)."""
     import inspect
 
-    return {"concurrency": min(cfg.demo.concurrency, cfg.demo.users)} \
-        if "concurrency" in inspect.signature(users).parameters else {}
+    return (
+        {"concurrency": min(cfg.demo.concurrency, cfg.demo.users)}
+        if "concurrency" in inspect.signature(users).parameters
+        else {}
+    )
 
 
 def _start_users(users, pipe: Pipeline, sdk, cfg: LiverlConfig, stats, seed: int):
@@ -316,8 +356,17 @@ def _start_users(users, pipe: Pipeline, sdk, cfg: LiverlConfig, stats, seed: int
         asyncio.set_event_loop(loop)
         box["stop"] = asyncio.Event()
         ready.set()
-        loop.run_until_complete(users(pipe.gateway_url, sdk, cfg.demo.users, box["stop"], stats, seed=seed + 1,
-                                          **_concurrency_kwargs(users, cfg)))
+        loop.run_until_complete(
+            users(
+                pipe.gateway_url,
+                sdk,
+                cfg.demo.users,
+                box["stop"],
+                stats,
+                seed=seed + 1,
+                **_concurrency_kwargs(users, cfg),
+            )
+        )
 
     th = threading.Thread(target=main, name="chaos-users", daemon=True)
     th.start()

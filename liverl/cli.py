@@ -68,9 +68,11 @@ Every decoded result is checked bit-exact against the target (the command fails 
 reproduces the table and the machine are printed under it. Takes a few minutes with the 1 GiB model.
 """
 
-ADMIN_EPILOG = ("The admin verbs read the registry (registry.url) and Redis (redis.url) named by the config. Verbs "
-                "that change anything need an operator token ($LIVERL_TOKEN or --token-file; `liverl operator`) and "
-                "a --reason; both land in the audit log, chained by HMAC with security.audit_key (`liverl history --verify`).")
+ADMIN_EPILOG = (
+    "The admin verbs read the registry (registry.url) and Redis (redis.url) named by the config. Verbs "
+    "that change anything need an operator token ($LIVERL_TOKEN or --token-file; `liverl operator`) and "
+    "a --reason; both land in the audit log, chained by HMAC with security.audit_key (`liverl history --verify`)."
+)
 
 
 def _cfg(args: argparse.Namespace) -> LiverlConfig:
@@ -107,9 +109,16 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
     cfg = _cfg(args)
     cfg.learner.max_batch_wait_s = min(cfg.learner.max_batch_wait_s, 5.0)  # the drain waits for partial batches
-    summary = run_chaos(cfg, model_dir_for(cfg), duration_s=args.duration, kill_every_s=args.kill_every,
-                        seed=args.seed, drain_timeout_s=args.drain_timeout, summary_path=args.summary,
-                        kinds=tuple(args.kinds))
+    summary = run_chaos(
+        cfg,
+        model_dir_for(cfg),
+        duration_s=args.duration,
+        kill_every_s=args.kill_every,
+        seed=args.seed,
+        drain_timeout_s=args.drain_timeout,
+        summary_path=args.summary,
+        kinds=tuple(args.kinds),
+    )
     return 0 if summary["ok"] else 1
 
 
@@ -190,8 +199,11 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
     cfg = _cfg(args)
     model_dir, suite = model_dir_for(cfg), load_product(cfg).eval_suite()
-    run_gate(cfg, lambda probes: PolicyEvaluator(model_dir, suite, probes, max_probes=cfg.gate.probe_generations),
-             once=args.once)
+    run_gate(
+        cfg,
+        lambda probes: PolicyEvaluator(model_dir, suite, probes, max_probes=cfg.gate.probe_generations),
+        once=args.once,
+    )
     return 0
 
 
@@ -209,11 +221,23 @@ def cmd_bench_delta(args: argparse.Namespace) -> int:
 
     cfg = _cfg(args)
     command = "liverl bench delta" + "".join(
-        [f" --synthetic-gb {args.synthetic_gb:g}" if args.synthetic_gb != 1.0 else "",
-         " --skip-demo" if args.skip_demo else "", " --skip-synthetic" if args.skip_synthetic else "",
-         f" --repeat {args.repeat}" if args.repeat != 1 else ""])
-    run(cache_dir=cfg.model_cache_path, seed=cfg.model.seed, synthetic_gb=args.synthetic_gb, skip_demo=args.skip_demo,
-        skip_synthetic=args.skip_synthetic, repeat=args.repeat, json_path=args.json, command=command)
+        [
+            f" --synthetic-gb {args.synthetic_gb:g}" if args.synthetic_gb != 1.0 else "",
+            " --skip-demo" if args.skip_demo else "",
+            " --skip-synthetic" if args.skip_synthetic else "",
+            f" --repeat {args.repeat}" if args.repeat != 1 else "",
+        ]
+    )
+    run(
+        cache_dir=cfg.model_cache_path,
+        seed=cfg.model.seed,
+        synthetic_gb=args.synthetic_gb,
+        skip_demo=args.skip_demo,
+        skip_synthetic=args.skip_synthetic,
+        repeat=args.repeat,
+        json_path=args.json,
+        command=command,
+    )
     return 0
 
 
@@ -284,8 +308,9 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     from liverl.admin import gc_command
 
-    return gc_command(_cfg(args), dry_run=args.dry_run, grace_s=args.grace, token=_token(args),
-                      prune_rejected_s=args.prune_rejected)
+    return gc_command(
+        _cfg(args), dry_run=args.dry_run, grace_s=args.grace, token=_token(args), prune_rejected_s=args.prune_rejected
+    )
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -388,60 +413,114 @@ def _token_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _model_args(p: argparse.ArgumentParser, product_help: str | None = None) -> None:
-    p.add_argument("--model", metavar="DIR", help="Hugging Face causal-LM directory to serve and train "
-                   "(default: model.path, else the built-in demo policy)")
-    p.add_argument("--product", metavar="MODULE:ATTR", help=product_help or "your product's liverl interface "
-                   "(rewards, evaluation suite; default: product, else rewards from [ingest.rewards] and no suite)")
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="Hugging Face causal-LM directory to serve and train (default: model.path, else the built-in demo policy)",
+    )
+    p.add_argument(
+        "--product",
+        metavar="MODULE:ATTR",
+        help=product_help
+        or "your product's liverl interface "
+        "(rewards, evaluation suite; default: product, else rewards from [ingest.rewards] and no suite)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="liverl", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="FILE", help="TOML config file (default: $LIVERL_CONFIG, else built-in defaults)")
+    p = argparse.ArgumentParser(
+        prog="liverl", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--config", metavar="FILE", help="TOML config file (default: $LIVERL_CONFIG, else built-in defaults)"
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    d = sub.add_parser("demo", help="run the whole loop on the embedded stack with a live view",
-                       description="Start the embedded broker and Redis, build the base policy, run serving, ingest, learner "
-                       "and gate, drive simulated users against the gateway for --duration seconds, then print a summary "
-                       "and write it as JSON (--summary) and a PNG of live acceptance per version (--plot).")
+    d = sub.add_parser(
+        "demo",
+        help="run the whole loop on the embedded stack with a live view",
+        description="Start the embedded broker and Redis, build the base policy, run serving, ingest, learner "
+        "and gate, drive simulated users against the gateway for --duration seconds, then print a summary "
+        "and write it as JSON (--summary) and a PNG of live acceptance per version (--plot).",
+    )
     d.add_argument("--duration", type=float, help="seconds to run (default: demo.duration_s = 600)")
     d.add_argument("--users", type=int, help="distinct simulated users, the population (default: demo.users = 5000)")
-    d.add_argument("--concurrency", type=int, help="simulated requests in flight at once, the traffic (default: "
-                   "demo.concurrency = 48)")
-    d.add_argument("--trap", choices=("on", "off"), help="the reward-hacking trap: some users accept a tempting "
-                   "wrong answer and revert it later (default: demo.trap)")
-    d.add_argument("--integrity-only", action="store_true", help="cut the gate down to integrity checks: every "
-                   "candidate whose delta is sound goes live at once (gate.integrity_only), to see what the evidence "
-                   "checks are worth; compare with a default run")
-    d.add_argument("--summary", metavar="PATH", help="write the summary JSON here (default: <state_dir>/demo/summary.json)")
-    d.add_argument("--plot", metavar="PATH", help="write the acceptance plot here (default: <state_dir>/demo/acceptance.png)")
+    d.add_argument(
+        "--concurrency",
+        type=int,
+        help="simulated requests in flight at once, the traffic (default: demo.concurrency = 48)",
+    )
+    d.add_argument(
+        "--trap",
+        choices=("on", "off"),
+        help="the reward-hacking trap: some users accept a tempting "
+        "wrong answer and revert it later (default: demo.trap)",
+    )
+    d.add_argument(
+        "--integrity-only",
+        action="store_true",
+        help="cut the gate down to integrity checks: every "
+        "candidate whose delta is sound goes live at once (gate.integrity_only), to see what the evidence "
+        "checks are worth; compare with a default run",
+    )
+    d.add_argument(
+        "--summary", metavar="PATH", help="write the summary JSON here (default: <state_dir>/demo/summary.json)"
+    )
+    d.add_argument(
+        "--plot", metavar="PATH", help="write the acceptance plot here (default: <state_dir>/demo/acceptance.png)"
+    )
     d.add_argument("--state-dir", help="state folder (default: state_dir = .liverl)")
     d.add_argument("--no-live", action="store_true", help="plain log lines instead of the live display")
-    d.add_argument("--strict", action="store_true",
-                   help="exit 1 unless the run met its goals (>=3 promotions, +25 points on >=300 events each)")
+    d.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 unless the run met its goals (>=3 promotions, +25 points on >=300 events each)",
+    )
     _model_args(d, product_help="product (default: the demo's, liverl.demo.product:PRODUCT)")
     d.set_defaults(fn=cmd_demo)
 
-    c = sub.add_parser("chaos", help="kill -9 every kind of process under the demo's load, then drain and audit",
-                       description=CHAOS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c = sub.add_parser(
+        "chaos",
+        help="kill -9 every kind of process under the demo's load, then drain and audit",
+        description=CHAOS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     c.add_argument("--duration", type=float, default=600.0, help="seconds of load and kills (default 600)")
     c.add_argument("--kill-every", type=float, default=15.0, help="mean seconds between kills (default 15)")
     c.add_argument("--seed", type=int, default=0, help="seed of the kill schedule and the users (default 0)")
-    c.add_argument("--drain-timeout", type=float, default=600.0,
-                   help="seconds to wait after the load for the audit to come out clean (default 600)")
+    c.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait after the load for the audit to come out clean (default 600)",
+    )
     c.add_argument("--summary", metavar="PATH", help="write the summary JSON here")
-    c.add_argument("--kinds", nargs="+", default=list(KILL_KINDS), choices=KILL_KINDS, metavar="KIND",
-                   help=f"what to kill (default: all of {', '.join(KILL_KINDS)})")
+    c.add_argument(
+        "--kinds",
+        nargs="+",
+        default=list(KILL_KINDS),
+        choices=KILL_KINDS,
+        metavar="KIND",
+        help=f"what to kill (default: all of {', '.join(KILL_KINDS)})",
+    )
     c.add_argument("--state-dir", help="state folder (default: state_dir = .liverl; the run starts it fresh)")
     _model_args(c, product_help="product with simulated users (default: the demo's)")
     c.set_defaults(fn=cmd_chaos)
 
-    u = sub.add_parser("up", help="run the whole pipeline for your model on the embedded stack until Ctrl-C",
-                       description=UP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    u = sub.add_parser(
+        "up",
+        help="run the whole pipeline for your model on the embedded stack until Ctrl-C",
+        description=UP_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     _model_args(u)
     u.add_argument("--state-dir", help="state folder (default: state_dir = .liverl)")
-    u.add_argument("--fresh", action="store_true",
-                   help="start from scratch: delete this state dir's registry, blobs, checkpoints and Redis keys")
+    u.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start from scratch: delete this state dir's registry, blobs, checkpoints and Redis keys",
+    )
     u.set_defaults(fn=cmd_up)
 
     for name, fn, text in [
@@ -451,13 +530,16 @@ def build_parser() -> argparse.ArgumentParser:
         s = sub.add_parser(name, help=text, description=text)
         _model_args(s)
         s.set_defaults(fn=fn)
-    s = sub.add_parser("route", help="the fleet's front door: spread requests over the serving nodes, sticky per user",
-                       description="Route the OpenAI-compatible API (/v1/...) over the serving nodes serving.fleet "
-                       "names (node name -> gateway URL) whose heartbeat is live and healthy, sticky per user (X-Liverl-User header, the body's OpenAI 'user' field, or "
-                       "X-Session-Id; rendezvous hashing, so nodes joining or leaving move only their own users). A "
-                       "node that refuses connections is skipped and the request goes to the next one. Start one "
-                       "`liverl serve` per node, each with its own serving.node_name and ports. GET /fleet lists the "
-                       "nodes in rotation; GET /metrics has liverl_router_*.")
+    s = sub.add_parser(
+        "route",
+        help="the fleet's front door: spread requests over the serving nodes, sticky per user",
+        description="Route the OpenAI-compatible API (/v1/...) over the serving nodes serving.fleet "
+        "names (node name -> gateway URL) whose heartbeat is live and healthy, sticky per user (X-Liverl-User header, the body's OpenAI 'user' field, or "
+        "X-Session-Id; rendezvous hashing, so nodes joining or leaving move only their own users). A "
+        "node that refuses connections is skipped and the request goes to the next one. Start one "
+        "`liverl serve` per node, each with its own serving.node_name and ports. GET /fleet lists the "
+        "nodes in rotation; GET /metrics has liverl_router_*.",
+    )
     s.add_argument("--port", type=int, default=None, help="port (default serving.router_port, 8080)")
     s.add_argument("--host", default=None, help="address to bind (default serving.host)")
     s.set_defaults(fn=cmd_route)
@@ -474,18 +556,32 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, help="seed (default: model.seed)")
     s.set_defaults(fn=cmd_build_policy)
 
-    bench = sub.add_parser("bench", help="benchmarks that print a table: delta (the codec), serve (gateway vs "
-                           "vLLM node), logprobs (learner vs vLLM per model family), ingest (workers vs a raw consumer), canary (the sequential test)")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks that print a table: delta (the codec), serve (gateway vs "
+        "vLLM node), logprobs (learner vs vLLM per model family), ingest (workers vs a raw consumer), canary (the sequential test)",
+    )
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
     bench.set_defaults(fn=lambda _args: bench.print_help() or 2)
-    s = bench_sub.add_parser("delta", help="delta codec: ratio vs zstd, xor+zstd and entropy bounds, speed, memory",
-                             description=BENCH_DELTA_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = bench_sub.add_parser(
+        "delta",
+        help="delta codec: ratio vs zstd, xor+zstd and entropy bounds, speed, memory",
+        description=BENCH_DELTA_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     s.add_argument("--json", metavar="PATH", help="also write the rows as a JSON list of objects")
-    s.add_argument("--synthetic-gb", type=float, default=1.0, metavar="GB",
-                   help="GiB of bf16 weights in the synthetic model (default 1.0; needs about 4x that in RAM)")
+    s.add_argument(
+        "--synthetic-gb",
+        type=float,
+        default=1.0,
+        metavar="GB",
+        help="GiB of bf16 weights in the synthetic model (default 1.0; needs about 4x that in RAM)",
+    )
     s.add_argument("--skip-synthetic", action="store_true", help="only the demo-model cases (seconds, not minutes)")
     s.add_argument("--skip-demo", action="store_true", help="only the synthetic cases")
-    s.add_argument("--repeat", type=int, default=1, metavar="N", help="time each encode and apply N times, keep the best")
+    s.add_argument(
+        "--repeat", type=int, default=1, metavar="N", help="time each encode and apply N times, keep the best"
+    )
     s.set_defaults(fn=cmd_bench_delta)
     from liverl.bench import canary as bench_canary  # light: heavy imports happen when they run
     from liverl.bench import ingest as bench_ingest
@@ -501,21 +597,31 @@ def build_parser() -> argparse.ArgumentParser:
     bench_canary.add_parser(bench_sub)
     bench_learn.add_parser(bench_sub)
 
-    s = sub.add_parser("status", help="served version per node, pending candidates, live acceptance", epilog=ADMIN_EPILOG)
+    s = sub.add_parser(
+        "status", help="served version per node, pending candidates, live acceptance", epilog=ADMIN_EPILOG
+    )
     s.set_defaults(fn=cmd_status)
-    s = sub.add_parser("diff", help="what changed between two versions: tensors, and the gate's evidence side by side",
-                       epilog=ADMIN_EPILOG, description="Rebuild versions A and B from the registry (checksum-verified) "
-                       "and list the tensors that differ (share of elements changed, largest change, relative L2 "
-                       "change), then each version's gate checks and live acceptance side by side.")
+    s = sub.add_parser(
+        "diff",
+        help="what changed between two versions: tensors, and the gate's evidence side by side",
+        epilog=ADMIN_EPILOG,
+        description="Rebuild versions A and B from the registry (checksum-verified) "
+        "and list the tensors that differ (share of elements changed, largest change, relative L2 "
+        "change), then each version's gate checks and live acceptance side by side.",
+    )
     s.add_argument("a", type=int, help="version A (e.g. the stable version)")
     s.add_argument("b", type=int, help="version B (e.g. a candidate)")
     s.add_argument("--top", type=int, default=20, help="how many tensors to list, largest relative change first")
     s.set_defaults(fn=cmd_diff)
-    s = sub.add_parser("oncall", help="serve the on-call page: release, fleet, live acceptance, gate checks, audit",
-                       epilog=ADMIN_EPILOG, description="Serve a page for on-call, refreshed live: the stable version "
-                       "and whether every node serves it, versions and lineage, live acceptance by version (a chart), "
-                       "every gate check with its value, threshold and reason, and the audit log. Read-only (no token). "
-                       "GET /api/state has the same data as JSON.")
+    s = sub.add_parser(
+        "oncall",
+        help="serve the on-call page: release, fleet, live acceptance, gate checks, audit",
+        epilog=ADMIN_EPILOG,
+        description="Serve a page for on-call, refreshed live: the stable version "
+        "and whether every node serves it, versions and lineage, live acceptance by version (a chart), "
+        "every gate check with its value, threshold and reason, and the audit log. Read-only (no token). "
+        "GET /api/state has the same data as JSON.",
+    )
     s.add_argument("--port", type=int, default=6068, help="port (default 6068; 0: any free port)")
     s.add_argument("--host", default=None, help="address to bind (default serving.host, loopback)")
     s.add_argument("--refresh", type=float, default=2.0, metavar="SECONDS", help="page refresh interval (default 2)")
@@ -524,32 +630,47 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=int, default=20, help="most recent N versions (default 20)")
     s.set_defaults(fn=cmd_versions)
     s = sub.add_parser("history", help="the audit log: who promoted or rolled back what, and why", epilog=ADMIN_EPILOG)
-    s.add_argument("--verify", action="store_true", help="first check the log's chain (HMAC with security.audit_key) "
-                   "and its head anchored in Redis: exit 1 if an entry was rewritten, removed or added, or the tail cut")
+    s.add_argument(
+        "--verify",
+        action="store_true",
+        help="first check the log's chain (HMAC with security.audit_key) "
+        "and its head anchored in Redis: exit 1 if an entry was rewritten, removed or added, or the tail cut",
+    )
     s.set_defaults(fn=cmd_history)
-    s = sub.add_parser("promote", help="make VERSION the served version (the agents hot-swap to it)", epilog=ADMIN_EPILOG)
+    s = sub.add_parser(
+        "promote", help="make VERSION the served version (the agents hot-swap to it)", epilog=ADMIN_EPILOG
+    )
     s.add_argument("version", type=int)
     s.add_argument("--reason", required=True, help="why (recorded in the audit log with who you are)")
     _token_arg(s)
     s.add_argument("--force", action="store_true", help="promote even a version the gate rejected or has not judged")
     s.set_defaults(fn=cmd_promote)
-    s = sub.add_parser("rollback", help="serve the previous stable version again (or --to VERSION)", epilog=ADMIN_EPILOG)
+    s = sub.add_parser(
+        "rollback", help="serve the previous stable version again (or --to VERSION)", epilog=ADMIN_EPILOG
+    )
     s.add_argument("--to", type=int, help="version to return to (default: the one before the current stable)")
     s.add_argument("--reason", required=True, help="why (recorded in the audit log with who you are)")
     _token_arg(s)
     s.set_defaults(fn=cmd_rollback)
 
-    s = sub.add_parser("hold", help="stop (or --release: resume) the learner emitting candidates; it keeps training",
-                       epilog=ADMIN_EPILOG)
+    s = sub.add_parser(
+        "hold",
+        help="stop (or --release: resume) the learner emitting candidates; it keeps training",
+        epilog=ADMIN_EPILOG,
+    )
     s.add_argument("--release", action="store_true", help="let the learner emit candidates again")
     s.add_argument("--reason", required=True, help="why (recorded in the audit log with who you are)")
     _token_arg(s)
     s.set_defaults(fn=cmd_hold)
 
-    s = sub.add_parser("operator", help="operator identities: add NAME --role R, disable NAME, list", epilog=ADMIN_EPILOG,
-                       description="Who may change the registry. Each operator has a role (viewer < operator < admin) "
-                       "and a token, shown once when added; only its hash is stored. The first operator of a registry "
-                       "is added without a token; after that, adding or disabling needs an admin token.")
+    s = sub.add_parser(
+        "operator",
+        help="operator identities: add NAME --role R, disable NAME, list",
+        epilog=ADMIN_EPILOG,
+        description="Who may change the registry. Each operator has a role (viewer < operator < admin) "
+        "and a token, shown once when added; only its hash is stored. The first operator of a registry "
+        "is added without a token; after that, adding or disabling needs an admin token.",
+    )
     s.add_argument("action", choices=["add", "disable", "list"])
     s.add_argument("name", nargs="?")
     s.add_argument("--role", default="operator", choices=["viewer", "operator", "admin"])
@@ -557,40 +678,66 @@ def build_parser() -> argparse.ArgumentParser:
     _token_arg(s)
     s.set_defaults(fn=cmd_operator)
 
-    for action, text in (("abort", "abort the canary in progress: reject it, its nodes return to stable"),
-                         ("pause", "pause the canary: it keeps its share of users but is not promoted"),
-                         ("resume", "resume a paused canary")):
-        s = sub.add_parser(action, help=text, description=text + ". Needs an operator token and a reason (audited).",
-                           epilog=ADMIN_EPILOG)
+    for action, text in (
+        ("abort", "abort the canary in progress: reject it, its nodes return to stable"),
+        ("pause", "pause the canary: it keeps its share of users but is not promoted"),
+        ("resume", "resume a paused canary"),
+    ):
+        s = sub.add_parser(
+            action,
+            help=text,
+            description=text + ". Needs an operator token and a reason (audited).",
+            epilog=ADMIN_EPILOG,
+        )
         s.add_argument("--reason", required=True, help="why (recorded in the audit log with who you are)")
         _token_arg(s)
         s.set_defaults(fn=cmd_rollout, action=action)
-    s = sub.add_parser("gc", help="delete snapshot/delta blobs that no version references", epilog=ADMIN_EPILOG,
-                       description="Delete blobs in the blob store that no registry version references (left by "
-                                   "crashed writers or removed versions). Blobs younger than --grace are kept: a "
-                                   "writer may be about to commit the version that references them. Use --dry-run "
-                                   "first to see what would go.")
+    s = sub.add_parser(
+        "gc",
+        help="delete snapshot/delta blobs that no version references",
+        epilog=ADMIN_EPILOG,
+        description="Delete blobs in the blob store that no registry version references (left by "
+        "crashed writers or removed versions). Blobs younger than --grace are kept: a "
+        "writer may be about to commit the version that references them. Use --dry-run "
+        "first to see what would go.",
+    )
     s.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
-    s.add_argument("--grace", type=float, default=3600.0, metavar="SECONDS",
-                   help="keep unreferenced blobs younger than this (default 3600)")
-    s.add_argument("--prune-rejected", type=float, default=None, metavar="SECONDS",
-                   help="also delete the deltas of rejected versions older than this whose descendants are all "
-                        "rejected (the rows, gate results and audit entries stay; such a version can no longer be "
-                        "rebuilt). A rejected version that a live version descends from is always kept")
+    s.add_argument(
+        "--grace",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="keep unreferenced blobs younger than this (default 3600)",
+    )
+    s.add_argument(
+        "--prune-rejected",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="also delete the deltas of rejected versions older than this whose descendants are all "
+        "rejected (the rows, gate results and audit entries stay; such a version can no longer be "
+        "rebuilt). A rejected version that a live version descends from is always kept",
+    )
     _token_arg(s)
     s.set_defaults(fn=cmd_gc)
 
     s = sub.add_parser(
-        "audit", help="where every feedback event went: trained once, refused or dead-lettered with a reason, or lost",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=AUDIT_HELP)
+        "audit",
+        help="where every feedback event went: trained once, refused or dead-lettered with a reason, or lost",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=AUDIT_HELP,
+    )
     s.add_argument("--state-dir", help="state folder of the deployment (default: state_dir = .liverl)")
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.set_defaults(fn=cmd_audit)
 
     s = sub.add_parser(
-        "lineage", help="one feedback event's path: sample, learner step, candidate, gate verdicts, promotion, first "
-        "served, each with its time", description="The path of one feedback event to a served model, read from the "
-        "learner's ledger and the registry (liverl.lineage says where each fact lives). Run it where the learner runs.")
+        "lineage",
+        help="one feedback event's path: sample, learner step, candidate, gate verdicts, promotion, first "
+        "served, each with its time",
+        description="The path of one feedback event to a served model, read from the "
+        "learner's ledger and the registry (liverl.lineage says where each fact lives). Run it where the learner runs.",
+    )
     s.add_argument("feedback_id", help="the FeedbackEvent.feedback_id the product sent")
     s.add_argument("--state-dir", help="state folder of the deployment (default: state_dir = .liverl)")
     s.add_argument("--ledger", help="the learner's ledger file (default: beside its checkpoint in the state folder)")

@@ -58,8 +58,9 @@ def identity(cfg: LiverlConfig) -> Deployment:
     except FileNotFoundError:
         pass
     except (ValueError, KeyError, TypeError) as e:
-        raise DeploymentError(f"{path} is not a deployment file ({e}); restore it, or remove it to make this state "
-                              "dir a new deployment") from None
+        raise DeploymentError(
+            f"{path} is not a deployment file ({e}); restore it, or remove it to make this state dir a new deployment"
+        ) from None
     d = Deployment(id=uuid.uuid4().hex[:12], state_dir=str(cfg.state_path))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -97,7 +98,8 @@ def check_model(cfg: LiverlConfig, model_dir: Path, fresh: bool) -> None:
         f"the state dir {cfg.state_path} belongs to a deployment of the model {base}, not {model_dir} (its versions "
         f"and learner checkpoint are that model's). Pass --fresh to start over in this state dir (its versions, "
         f"checkpoints and broker data are deleted), or --state-dir NEW to keep it and start a second deployment "
-        f"(on the same Redis, with another topics.prefix, e.g. LIVERL__TOPICS__PREFIX=myapp)")
+        f"(on the same Redis, with another topics.prefix, e.g. LIVERL__TOPICS__PREFIX=myapp)"
+    )
 
 
 def check_namespace(cfg: LiverlConfig, redis, me: Deployment, adopt: bool) -> None:
@@ -109,13 +111,16 @@ def check_namespace(cfg: LiverlConfig, redis, me: Deployment, adopt: bool) -> No
         try:
             owner = Deployment(**json.loads(raw))
         except (ValueError, TypeError):
-            raise DeploymentError(f"the Redis key {claim_key(prefix)} is not a deployment claim ({raw[:80]!r}); "
-                                  "remove it by hand if no deployment uses this prefix") from None
+            raise DeploymentError(
+                f"the Redis key {claim_key(prefix)} is not a deployment claim ({raw[:80]!r}); "
+                "remove it by hand if no deployment uses this prefix"
+            ) from None
         if owner.id != me.id:
             raise DeploymentError(
                 f"the Redis namespace {prefix!r} ({prefix}:*) belongs to {owner.describe()}, not to this "
                 f"{me.describe()}. Give this deployment its own prefix (topics.prefix, e.g. "
-                f"LIVERL__TOPICS__PREFIX=myapp), or run with --state-dir {owner.state_dir}")
+                f"LIVERL__TOPICS__PREFIX=myapp), or run with --state-dir {owner.state_dir}"
+            )
         return
     if adopt:
         return
@@ -125,7 +130,8 @@ def check_namespace(cfg: LiverlConfig, redis, me: Deployment, adopt: bool) -> No
             f"Redis already holds keys under the prefix {prefix!r} (e.g. {stray!r}) that no deployment claims (from a "
             f"liverl older than deployment ids); this {me.describe()} leaves them alone, --fresh included. Use "
             f"another topics.prefix (e.g. LIVERL__TOPICS__PREFIX=myapp), run with the state dir that made them, or "
-            f"delete them: redis-cli --scan --pattern '{prefix}:*' | xargs -r redis-cli del")
+            f"delete them: redis-cli --scan --pattern '{prefix}:*' | xargs -r redis-cli del"
+        )
 
 
 def claim(cfg: LiverlConfig, redis, me: Deployment, model_dir: Path | None = None) -> None:

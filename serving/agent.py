@@ -63,14 +63,12 @@ from serving.node import NodeClient, delta_dir
 log = logging.getLogger("liverl.serving.agent")
 
 
-
 def _registry_errors() -> tuple[type[BaseException], ...]:
     """What a registry call may raise when the database or the blob store is unreachable or not initialised
     (``deploy.registry`` is imported on first use: it brings torch, which the gateway needs only for swaps)."""
     from deploy.registry import RegistryError
 
     return RegistryError, SQLAlchemyError, OSError
-
 
 
 class SwapError(RuntimeError):
@@ -82,8 +80,16 @@ class SwapError(RuntimeError):
 
 
 class Agent:
-    def __init__(self, cfg: LiverlConfig, gateway: Gateway, redis, registry=None, work_dir: Path | None = None,
-                 max_chain: int = 4, retry_failed_after_s: float = 60.0):
+    def __init__(
+        self,
+        cfg: LiverlConfig,
+        gateway: Gateway,
+        redis,
+        registry=None,
+        work_dir: Path | None = None,
+        max_chain: int = 4,
+        retry_failed_after_s: float = 60.0,
+    ):
         self.cfg = cfg
         self.gw = gateway
         self.node: NodeClient = gateway.node
@@ -122,8 +128,10 @@ class Agent:
                 log.warning("registry has no version %s yet (%s); serving the model dir as is", r["version"], e)
                 return
             if row.checksum != r["checksum"]:
-                msg = (f"served weights (checksum {r['checksum'][:12]}) are not registry version {row.version} "
-                       f"(checksum {row.checksum[:12]}); refusing to label generations with that version")
+                msg = (
+                    f"served weights (checksum {r['checksum'][:12]}) are not registry version {row.version} "
+                    f"(checksum {row.checksum[:12]}); refusing to label generations with that version"
+                )
                 self.gw.unhealthy_reason = msg
                 await self._report_error(row.version, row.version, msg, restored=True)
                 log.error(msg)
@@ -181,8 +189,10 @@ class Agent:
             self.gw.m_reverify.labels(result="ok").inc()
             return True
         self.gw.m_reverify.labels(result="mismatch").inc()
-        msg = (f"SERVED WEIGHTS CHANGED: the node serves checksum {ck['checksum'][:12]}, not version "
-               f"{self.gw.version}'s {self.gw.checksum[:12]}; the node stops serving")
+        msg = (
+            f"SERVED WEIGHTS CHANGED: the node serves checksum {ck['checksum'][:12]}, not version "
+            f"{self.gw.version}'s {self.gw.checksum[:12]}; the node stops serving"
+        )
         log.critical(msg)
         self.gw.unhealthy_reason = msg
         await self._report_error(self.gw.version, self.gw.version, msg, restored=False)
@@ -208,9 +218,13 @@ class Agent:
         return fleet.serving_target(self.name, got["desired"], got["canary"])
 
     async def heartbeat(self) -> None:
-        beat = keys.ServedHeartbeat(version=self.gw.version, checksum=self.gw.checksum,
-                                    last_swap_pause_ms=self.gw.last_swap_pause_ms,
-                                    healthy=self.gw.unhealthy_reason is None, url=advertised_url(self.cfg.serving))
+        beat = keys.ServedHeartbeat(
+            version=self.gw.version,
+            checksum=self.gw.checksum,
+            last_swap_pause_ms=self.gw.last_swap_pause_ms,
+            healthy=self.gw.unhealthy_reason is None,
+            url=advertised_url(self.cfg.serving),
+        )
         ttl = max(10, int(20 * self.cfg.serving.swap_poll_s))
         await self.redis.set(keys.served(self.prefix, self.name), beat.to_json(), ex=ttl)
 
@@ -236,23 +250,33 @@ class Agent:
             raise RuntimeError("no registry configured")
         row = self.registry.get(ann.version)
         if row.checksum != ann.checksum:
-            raise RuntimeError(f"announced checksum {ann.checksum[:12]} differs from the registry's "
-                               f"{row.checksum[:12]} for version {ann.version}")
+            raise RuntimeError(
+                f"announced checksum {ann.checksum[:12]} differs from the registry's "
+                f"{row.checksum[:12]} for version {ann.version}"
+            )
         want = "canary" if ann.channel == "canary" else "stable"  # the channel the reader verified it came on
         if row.status != want:  # Redis says what to serve; the registry what may be served
-            raise RuntimeError(f"version {ann.version} is {row.status} in the registry, not {want}: refusing to serve "
-                               f"it on the {ann.channel} channel (only a promotion or a rollback makes a version "
-                               "servable as desired, and only the gate's canary on the canary channel)")
+            raise RuntimeError(
+                f"version {ann.version} is {row.status} in the registry, not {want}: refusing to serve "
+                f"it on the {ann.channel} channel (only a promotion or a rollback makes a version "
+                "servable as desired, and only the gate's canary on the canary channel)"
+            )
         path_len = sum(map(len, self.registry.path(cur_v, ann.version)))
         if path_len <= self.max_chain:
             return self.registry.deltas_between(cur_v, ann.version), f"stored x{path_len}"
-        log.info("no short chain of stored deltas from %d to %d (%d steps): encoding one delta from "
-                 "registry-materialized weights", cur_v, ann.version, path_len)
+        log.info(
+            "no short chain of stored deltas from %d to %d (%d steps): encoding one delta from "
+            "registry-materialized weights",
+            cur_v,
+            ann.version,
+            path_len,
+        )
         base, target = self.registry.materialize(cur_v), self.registry.materialize(ann.version)
         return [encode_delta(base, target, cur_v, ann.version)], "encoded"
 
-    async def apply_blobs(self, blobs: list[bytes], target_version: int, target_checksum: str,
-                          how: str = "given") -> dict:
+    async def apply_blobs(
+        self, blobs: list[bytes], target_version: int, target_checksum: str, how: str = "given"
+    ) -> dict:
         """Apply delta blobs inside a keep-mode pause and verify the served checksum; restore on failure."""
         from deploy.delta import DeltaError
 
@@ -270,15 +294,22 @@ class Agent:
             p = self.work_dir / f"{os.getpid()}-{from_v}-{target_version}-{i}.delta"
             p.write_bytes(blob)
             paths.append(p)
-        rec: dict[str, Any] = {"node": self.name, "from": from_v, "to": target_version, "how": how,
-                               "deltas": len(paths), "verify_ok": False}
+        rec: dict[str, Any] = {
+            "node": self.name,
+            "from": from_v,
+            "to": target_version,
+            "how": how,
+            "deltas": len(paths),
+            "verify_ok": False,
+        }
         error: SwapError | None = None
         rec["inflight"] = self.gw.swap_begin()  # requests frozen by this swap (kept, not dropped)
         t_call = time.perf_counter()
         try:
             try:
-                r = await self.node.swap([(str(p), e) for p, e in zip(paths, ends)], (from_v, from_sum),
-                                         (target_version, target_checksum))
+                r = await self.node.swap(
+                    [(str(p), e) for p, e in zip(paths, ends)], (from_v, from_sum), (target_version, target_checksum)
+                )
             except Exception as e:  # HTTP error or no answer: ask the weights what happened
                 r = await self._after_lost_swap(e, from_v, from_sum, target_version, target_checksum)
             rec["call_ms"] = round((time.perf_counter() - t_call) * 1e3, 3)
@@ -296,8 +327,9 @@ class Agent:
             else:
                 rec["restored"] = r.get("restored")
                 if r.get("restored") is False:
-                    self.gw.unhealthy_reason = f"swap failed and the previous weights could not be restored: " \
-                                               f"{r.get('error')}"
+                    self.gw.unhealthy_reason = (
+                        f"swap failed and the previous weights could not be restored: {r.get('error')}"
+                    )
                     log.critical("node %s: %s", self.name, self.gw.unhealthy_reason)
                 else:
                     self.gw.set_served(from_v, from_sum)
@@ -317,9 +349,18 @@ class Agent:
         if error is not None:
             await self._report_error(from_v, target_version, str(error), restored=error.restored)
             raise error
-        log.info("swapped %d -> %d (%s): engine paused %.1f ms (apply %.1f, verify %.1f), call %.1f ms, "
-                 "%d request(s) frozen", from_v, target_version, how, rec["pause_ms"] or -1, rec["apply_ms"] or 0,
-                 rec.get("verify_ms") or 0, rec["call_ms"], rec["inflight"])
+        log.info(
+            "swapped %d -> %d (%s): engine paused %.1f ms (apply %.1f, verify %.1f), call %.1f ms, "
+            "%d request(s) frozen",
+            from_v,
+            target_version,
+            how,
+            rec["pause_ms"] or -1,
+            rec["apply_ms"] or 0,
+            rec.get("verify_ms") or 0,
+            rec["call_ms"],
+            rec["inflight"],
+        )
         await self.heartbeat()
         if self.registry is not None:
             try:
@@ -328,8 +369,9 @@ class Agent:
                 log.warning("could not record node %s in the registry's fleet table: %s", self.name, e)
         return rec
 
-    async def _after_lost_swap(self, e: Exception, from_v: int, from_sum: str, target_version: int,
-                               target_checksum: str) -> dict:
+    async def _after_lost_swap(
+        self, e: Exception, from_v: int, from_sum: str, target_version: int, target_checksum: str
+    ) -> dict:
         """The swap call failed or its answer was lost: resume the engine (harmless if it runs) and read the served
         checksum back; the node's state decides what the gateway labels. Shaped like the node's answer."""
         log.error("swap call %d -> %d failed: %s; reading the served weights back", from_v, target_version, e)
@@ -349,7 +391,8 @@ class Agent:
 
     async def _report_error(self, from_v: int | None, to_v: int, error: str, restored: bool) -> None:
         entry = keys.SwapErrorRecord.model_validate(
-            {"node": self.name, "from": from_v, "to": to_v, "error": error, "restored": restored})
+            {"node": self.name, "from": from_v, "to": to_v, "error": error, "restored": restored}
+        )
         try:
             await self.redis.rpush(keys.swap_errors(self.prefix), entry.to_json())
             await self.redis.ltrim(keys.swap_errors(self.prefix), -keys.LIST_CAP, -1)
@@ -372,8 +415,10 @@ def chain_ends(blobs: list[bytes], start_checksum: str, target_checksum: str) ->
         elif cur == h.target_checksum:
             cur = h.base_checksum
         else:
-            raise DeltaError(f"delta #{i} ({h.base_version}<->{h.target_version}) does not apply to weights at "
-                             f"checksum {cur[:12]} (it joins {h.base_checksum[:12]} and {h.target_checksum[:12]})")
+            raise DeltaError(
+                f"delta #{i} ({h.base_version}<->{h.target_version}) does not apply to weights at "
+                f"checksum {cur[:12]} (it joins {h.base_checksum[:12]} and {h.target_checksum[:12]})"
+            )
         ends.append(cur)
     if cur != target_checksum:
         raise DeltaError(f"the deltas lead to checksum {cur[:12]}, not the target {target_checksum[:12]}")

@@ -48,8 +48,10 @@ from serving.node import NodeClient, NodeUnreachable
 log = logging.getLogger("liverl.serving.gateway")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-ROUTES = {oa.CompletionRequest.route: (oa.CompletionRequest, oa.add_completion_chunk),
-          oa.ChatCompletionRequest.route: (oa.ChatCompletionRequest, oa.add_chat_chunk)}
+ROUTES = {
+    oa.CompletionRequest.route: (oa.CompletionRequest, oa.add_completion_chunk),
+    oa.ChatCompletionRequest.route: (oa.ChatCompletionRequest, oa.add_chat_chunk),
+}
 
 
 def event_loop_factory():
@@ -64,8 +66,9 @@ def event_loop_factory():
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> web.Response:
-    return web.Response(body=to_json(oa.error_body(status, message, param, kind)), status=status,
-                        content_type="application/json")
+    return web.Response(
+        body=to_json(oa.error_body(status, message, param, kind)), status=status, content_type="application/json"
+    )
 
 
 class _SwapWatch:
@@ -90,8 +93,7 @@ class _SwapWatch:
         out: dict[int, list[list[int]]] = {}
         for engine_id, choices in got.items():
             base = 0
-            if engine_id.startswith("cmpl-") and engine_id.rsplit("-", 1)[-1].isdigit() and \
-                    engine_id != f"cmpl-{rid}":
+            if engine_id.startswith("cmpl-") and engine_id.rsplit("-", 1)[-1].isdigit() and engine_id != f"cmpl-{rid}":
                 base = int(engine_id.rsplit("-", 1)[-1]) * req.n
             for j, spans in choices.items():
                 try:
@@ -119,8 +121,9 @@ class ClientLeft(Exception):
 class Gateway:
     """The aiohttp app plus the served-version state the agent updates."""
 
-    def __init__(self, cfg: LiverlConfig, node: NodeClient, node_name: str, bootstrap: str,
-                 feedback_wait_s: float = 10.0):
+    def __init__(
+        self, cfg: LiverlConfig, node: NodeClient, node_name: str, bootstrap: str, feedback_wait_s: float = 10.0
+    ):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.cfg = cfg
@@ -140,39 +143,75 @@ class Gateway:
         self.producer = None
         self._ids = random.Random(os.urandom(32))  # generation ids: 128 random bits, no syscall per id
         r = self.metrics_registry = CollectorRegistry()
-        self.m_requests = Counter("liverl_gateway_requests", "Requests by route and HTTP status (499: the client "
-                                  "left mid-stream)", ["route", "status"], registry=r)
-        self.m_seconds = Histogram("liverl_gateway_request_seconds", "Generation latency, any swap pause included",
-                                   registry=r, buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+        self.m_requests = Counter(
+            "liverl_gateway_requests",
+            "Requests by route and HTTP status (499: the client left mid-stream)",
+            ["route", "status"],
+            registry=r,
+        )
+        self.m_seconds = Histogram(
+            "liverl_gateway_request_seconds",
+            "Generation latency, any swap pause included",
+            registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
         self.m_version = Gauge("liverl_gateway_policy_version", "Policy version being served", registry=r)
         self.m_swaps = Counter("liverl_gateway_swaps", "Hot-swaps attempted", ["outcome"], registry=r)
-        self.m_reverify = Counter("liverl_gateway_reverify", "Read-backs of the served weights between swaps, by "
-                                  "result (ok, mismatch, error)", ["result"], registry=r)
-        self.m_pause = Histogram("liverl_gateway_swap_pause_seconds", "Time a swap kept the engine paused "
-                                 "(requests in flight frozen, new ones queued)",
-                                 registry=r, buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+        self.m_reverify = Counter(
+            "liverl_gateway_reverify",
+            "Read-backs of the served weights between swaps, by result (ok, mismatch, error)",
+            ["result"],
+            registry=r,
+        )
+        self.m_pause = Histogram(
+            "liverl_gateway_swap_pause_seconds",
+            "Time a swap kept the engine paused (requests in flight frozen, new ones queued)",
+            registry=r,
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
         self.m_inflight = Gauge("liverl_gateway_inflight_requests", "Requests being generated", registry=r)
-        self.m_logged = Counter("liverl_gateway_generations_logged", "Generation records acknowledged by Kafka",
-                                registry=r)
-        self.m_untrainable = Counter("liverl_gateway_untrainable_generations",
-                                     "Generations logged as not trainable, by reason", ["reason"], registry=r)
-        self.m_mixed = Counter("liverl_gateway_mixed_version_generations", "Generations a hot-swap split between "
-                               "versions (spans read: exact), or whose spans could not be read (unknown)", ["spans"],
-                               registry=r)
-        self.m_log_fail = Counter("liverl_gateway_generation_log_failures",
-                                  "Generation records Kafka did not take (error), or choices the node never finished",
-                                  registry=r)
-        self.m_log_slow = Counter("liverl_gateway_generation_log_slow",
-                                  "Responses sent before Kafka acknowledged the record (bounded wait expired)",
-                                  registry=r)
+        self.m_logged = Counter(
+            "liverl_gateway_generations_logged", "Generation records acknowledged by Kafka", registry=r
+        )
+        self.m_untrainable = Counter(
+            "liverl_gateway_untrainable_generations",
+            "Generations logged as not trainable, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.m_mixed = Counter(
+            "liverl_gateway_mixed_version_generations",
+            "Generations a hot-swap split between "
+            "versions (spans read: exact), or whose spans could not be read (unknown)",
+            ["spans"],
+            registry=r,
+        )
+        self.m_log_fail = Counter(
+            "liverl_gateway_generation_log_failures",
+            "Generation records Kafka did not take (error), or choices the node never finished",
+            registry=r,
+        )
+        self.m_log_slow = Counter(
+            "liverl_gateway_generation_log_slow",
+            "Responses sent before Kafka acknowledged the record (bounded wait expired)",
+            registry=r,
+        )
         self._request_counters: dict[tuple[str, int], Any] = {}
-        self.m_agent_errors = Counter("liverl_gateway_agent_errors", "Hot-swap agent polls that failed, by exception "
-                                      "type (logged; the agent goes on)", ["kind"], registry=r)
+        self.m_agent_errors = Counter(
+            "liverl_gateway_agent_errors",
+            "Hot-swap agent polls that failed, by exception type (logged; the agent goes on)",
+            ["kind"],
+            registry=r,
+        )
         self.m_feedback = Counter("liverl_gateway_feedback", "POST /v1/feedback by HTTP status", ["status"], registry=r)
-        self.feedback_keys = load_feedback_keys(cfg)  # the product keys /v1/feedback takes (None: feedback over HTTP off)
+        self.feedback_keys = load_feedback_keys(
+            cfg
+        )  # the product keys /v1/feedback takes (None: feedback over HTTP off)
         if self.feedback_keys is None:
-            log.warning("no product key (security.feedback_key): POST /v1/feedback refuses every request; publish "
-                        "feedback to Kafka, or give the gateway a key file")
+            log.warning(
+                "no product key (security.feedback_key): POST /v1/feedback refuses every request; publish "
+                "feedback to Kafka, or give the gateway a key file"
+            )
         self.app = self._make_app()
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -194,13 +233,22 @@ class Gateway:
         from serving.producer import AsyncProducer
 
         topics = [self.cfg.topics.generations, self.cfg.topics.feedback]
-        await asyncio.to_thread(ensure_topics, self.bootstrap, topics, self.cfg.broker.partitions,
-                                broker=self.cfg.broker, configs=topic_configs(self.cfg))
+        await asyncio.to_thread(
+            ensure_topics,
+            self.bootstrap,
+            topics,
+            self.cfg.broker.partitions,
+            broker=self.cfg.broker,
+            configs=topic_configs(self.cfg),
+        )
         from liverl.core.bus import librdkafka_security
 
-        producer = AsyncProducer(self.bootstrap, client_id=f"liverl-gateway-{self.node_name}",
-                                 delivery_timeout_s=self.cfg.broker.delivery_timeout_s,
-                                 **librdkafka_security(self.cfg.broker))
+        producer = AsyncProducer(
+            self.bootstrap,
+            client_id=f"liverl-gateway-{self.node_name}",
+            delivery_timeout_s=self.cfg.broker.delivery_timeout_s,
+            **librdkafka_security(self.cfg.broker),
+        )
         await producer.start(topics)
         self.producer = producer
         self.max_model_len = await self.node.max_model_len()
@@ -280,20 +328,34 @@ class Gateway:
         add_chunk(req, out, choices)
         latency_s = time.perf_counter() - t0
         spans = await swap.spans(req, ids[0]) if swap.crossed() else None
-        acks = [self._log(req, choices.get(i), ids[i], version, latency_s, unit, spans is not None,
-                          (spans or {}).get(i)) for i in range(req.n_choices)]
+        acks = [
+            self._log(req, choices.get(i), ids[i], version, latency_s, unit, spans is not None, (spans or {}).get(i))
+            for i in range(req.n_choices)
+        ]
         await self._wait_acks(acks)
         if spans is not None:
             version = _first_version(spans.get(0), version)
             for c in out.get("choices") or ():
                 if _mixed(spans.get(c["index"])):
                     c["version_spans"] = spans.get(c["index"])
-        return web.Response(body=to_json(oa.for_client(req, out, ids, version)), content_type="application/json",
-                            headers=self._headers(ids, version))
+        return web.Response(
+            body=to_json(oa.for_client(req, out, ids, version)),
+            content_type="application/json",
+            headers=self._headers(ids, version),
+        )
 
-    async def _stream(self, request: web.Request, req: oa._GenerationRequest, add_chunk, body: bytes,
-                      ids: list[str], version: int, t0: float, unit: str | None, swap: _SwapWatch) \
-            -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        req: oa._GenerationRequest,
+        add_chunk,
+        body: bytes,
+        ids: list[str],
+        version: int,
+        t0: float,
+        unit: str | None,
+        swap: _SwapWatch,
+    ) -> web.StreamResponse:
         """Relay the node's SSE stream chunk by chunk; log each choice when it finishes, ``[DONE]`` after the acks."""
         async with self.node.stream(req.route, body) as r:
             if r.status != 200:
@@ -311,8 +373,18 @@ class Gateway:
                         finished = add_chunk(req, chunk, choices)
                         spans = await swap.spans(req, ids[0]) if finished and swap.crossed() else None
                         for i in finished:
-                            acks.append(self._log(req, choices[i], ids[i], version, time.perf_counter() - t0, unit,
-                                                  spans is not None, (spans or {}).get(i)))
+                            acks.append(
+                                self._log(
+                                    req,
+                                    choices[i],
+                                    ids[i],
+                                    version,
+                                    time.perf_counter() - t0,
+                                    unit,
+                                    spans is not None,
+                                    (spans or {}).get(i),
+                                )
+                            )
                         if spans is not None:
                             for c in chunk["choices"]:
                                 if c["index"] in finished and _mixed(spans.get(c["index"])):
@@ -335,9 +407,17 @@ class Gateway:
     def _headers(ids: list[str], version: int) -> dict[str, str]:
         return {"X-Liverl-Generation-Id": ",".join(ids), "X-Liverl-Version": str(version)}
 
-    def _log(self, req: oa._GenerationRequest, choice: oa.Choice | None, generation_id: str,
-             version: int, latency_s: float | None = None, unit: str | None = None, crossed: bool = False,
-             spans: list[list[int]] | None = None) -> asyncio.Future | None:
+    def _log(
+        self,
+        req: oa._GenerationRequest,
+        choice: oa.Choice | None,
+        generation_id: str,
+        version: int,
+        latency_s: float | None = None,
+        unit: str | None = None,
+        crossed: bool = False,
+        spans: list[list[int]] | None = None,
+    ) -> asyncio.Future | None:
         """Publish one generation's record (``unit``: the user's ``fleet.unit_id``; ``crossed``: the request overlapped
         a swap, and ``spans`` are this choice's version spans read from the node, None when they could not be read);
         returns the broker's ack (None when it could not even be queued)."""
@@ -357,13 +437,22 @@ class Gateway:
                 else:
                     version, version_spans = _first_version(version_spans, version), None
             record = GenerationRecord(
-                generation_id=generation_id, policy_version=version, version_spans=version_spans,
-                node=self.node_name, prompt=choice.prompt,
-                completion="".join(choice.text), prompt_token_ids=choice.prompt_token_ids,
-                completion_token_ids=choice.token_ids, completion_logprobs=choice.logprobs,
+                generation_id=generation_id,
+                policy_version=version,
+                version_spans=version_spans,
+                node=self.node_name,
+                prompt=choice.prompt,
+                completion="".join(choice.text),
+                prompt_token_ids=choice.prompt_token_ids,
+                completion_token_ids=choice.token_ids,
+                completion_logprobs=choice.logprobs,
                 sampling=req.sampling(req.max_tokens_for(self.max_model_len, len(choice.prompt_token_ids))),
-                finish_reason=choice.finish_reason, trainable=reason is None, untrainable_reason=reason,
-                latency_s=latency_s, unit=unit)
+                finish_reason=choice.finish_reason,
+                trainable=reason is None,
+                untrainable_reason=reason,
+                latency_s=latency_s,
+                unit=unit,
+            )
             ack = self.producer.produce(self.cfg.topics.generations, generation_id, record.to_bytes())
         except (ValueError, TypeError, BufferError) as e:  # a malformed node response, or Kafka refused: count, serve
             self.m_log_fail.inc()
@@ -377,8 +466,9 @@ class Gateway:
     def _on_ack(self, fut: asyncio.Future) -> None:
         if fut.cancelled() or fut.exception() is not None:
             self.m_log_fail.inc()
-            log.error("generation record not acknowledged by Kafka: %s",
-                      "cancelled" if fut.cancelled() else fut.exception())
+            log.error(
+                "generation record not acknowledged by Kafka: %s", "cancelled" if fut.cancelled() else fut.exception()
+            )
         else:
             self.m_logged.inc()
 
@@ -401,16 +491,26 @@ class Gateway:
         """Feedback trains the model and decides canaries, so only the product may send it: None when ``given`` is
         one of the product keys (constant-time comparison), else the refusal."""
         if self.feedback_keys is None:
-            return _error(403, "feedback over HTTP is off on this gateway: it has no product key "
-                          "(security.feedback_key); publish feedback to Kafka instead", kind="permission_error")
+            return _error(
+                403,
+                "feedback over HTTP is off on this gateway: it has no product key "
+                "(security.feedback_key); publish feedback to Kafka instead",
+                kind="permission_error",
+            )
         if not given:
-            return _error(401, f"POST /v1/feedback needs the product key in the {PRODUCT_KEY_HEADER} header "
-                          "(the file security.feedback_key; liverl up makes <state_dir>/keys/feedback.key)",
-                          kind="authentication_error")
+            return _error(
+                401,
+                f"POST /v1/feedback needs the product key in the {PRODUCT_KEY_HEADER} header "
+                "(the file security.feedback_key; liverl up makes <state_dir>/keys/feedback.key)",
+                kind="authentication_error",
+            )
         raw = given.encode("utf-8", "surrogateescape")
         if not any([hmac.compare_digest(raw, k) for k in self.feedback_keys]):  # a list: every key compared
-            return _error(401, f"the {PRODUCT_KEY_HEADER} header does not hold a valid product key "
-                          "(security.feedback_key)", kind="authentication_error")
+            return _error(
+                401,
+                f"the {PRODUCT_KEY_HEADER} header does not hold a valid product key (security.feedback_key)",
+                kind="authentication_error",
+            )
         return None
 
     async def _feedback(self, raw: bytes) -> web.Response:
@@ -430,10 +530,15 @@ class Gateway:
             late = await self.producer.wait([ack], self.feedback_wait_s)
             problem = f"no ack within {self.feedback_wait_s:g} s" if late else ack.exception()
         if problem:
-            return _error(503, f"Kafka did not take the feedback ({problem}); retry with the same feedback_id",
-                          kind="service_unavailable")
-        return web.json_response({"feedback_id": event.feedback_id, "generation_id": event.generation_id,
-                                  "topic": self.cfg.topics.feedback}, status=202)
+            return _error(
+                503,
+                f"Kafka did not take the feedback ({problem}); retry with the same feedback_id",
+                kind="service_unavailable",
+            )
+        return web.json_response(
+            {"feedback_id": event.feedback_id, "generation_id": event.generation_id, "topic": self.cfg.topics.feedback},
+            status=202,
+        )
 
     # ------------------------------------------------------------------------------------------ the rest
 
@@ -445,16 +550,24 @@ class Gateway:
         return web.json_response(out, status=status)
 
     async def version_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": self.version, "checksum": self.checksum, "node": self.node_name,
-                                  "swapping": self.swapping, "last_swap_pause_ms": self.last_swap_pause_ms})
+        return web.json_response(
+            {
+                "version": self.version,
+                "checksum": self.checksum,
+                "node": self.node_name,
+                "swapping": self.swapping,
+                "last_swap_pause_ms": self.last_swap_pause_ms,
+            }
+        )
 
     async def healthz(self, request: web.Request) -> web.Response:
         ok = self.unhealthy_reason is None and self.producer is not None
-        return web.json_response({"ok": ok, "reason": self.unhealthy_reason, "version": self.version,
-                                  "node": self.node_name}, status=200 if ok else 503)
+        return web.json_response(
+            {"ok": ok, "reason": self.unhealthy_reason, "version": self.version, "node": self.node_name},
+            status=200 if ok else 503,
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-        return web.Response(body=generate_latest(self.metrics_registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=generate_latest(self.metrics_registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

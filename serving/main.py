@@ -34,8 +34,16 @@ async def _bounded_executor(loop: asyncio.AbstractEventLoop, n: int) -> None:
     await asyncio.gather(*[loop.run_in_executor(pool, barrier.wait, 10) for _ in range(n)])
 
 
-async def serve(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str, redis_url: str,
-                registry_url: str | None, stop: asyncio.Event, on_ready=None, base_version: int = 0) -> None:
+async def serve(
+    cfg: LiverlConfig,
+    model_dir: str | os.PathLike,
+    bootstrap: str,
+    redis_url: str,
+    registry_url: str | None,
+    stop: asyncio.Event,
+    on_ready=None,
+    base_version: int = 0,
+) -> None:
     """Start node + gateway + agent, serve until ``stop`` is set, then shut everything down. Refuses to start (a
     ``ValueError`` naming both ways out) without an announcement verify key, unless ``security.allow_unsigned``."""
     from aiohttp import web
@@ -66,8 +74,13 @@ async def serve(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str,
         await runner.setup()
         await web.TCPSite(runner, cfg.serving.host, cfg.serving.gateway_port).start()
         agent_task = asyncio.create_task(agent.run(stop, node_alive=lambda: node.alive))
-        log.info("gateway on http://%s:%d (node %s, engine start %.1f s)", cfg.serving.host,
-                 cfg.serving.gateway_port, node.url, node.start_s)
+        log.info(
+            "gateway on http://%s:%d (node %s, engine start %.1f s)",
+            cfg.serving.host,
+            cfg.serving.gateway_port,
+            node.url,
+            node.start_s,
+        )
         if on_ready is not None:
             on_ready(gw, agent, node)
         stop_task = asyncio.create_task(stop.wait())
@@ -89,8 +102,9 @@ async def serve(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str,
         await asyncio.to_thread(node.stop)
 
 
-def run_serving(cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str, redis_url: str,
-                registry_url: str | None) -> None:
+def run_serving(
+    cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str, redis_url: str, registry_url: str | None
+) -> None:
     """Blocking entry point (``liverl serve``): serve until SIGTERM or SIGINT."""
 
     async def main() -> None:

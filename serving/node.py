@@ -87,8 +87,10 @@ def resolve_device(requested: str) -> str:
         return "cpu"
     if requested == "cuda":
         if cpu_build or not installed("vllm"):
-            raise ValueError("serving.device is cuda but the installed vLLM is not a CUDA build "
-                             "(pip install 'liverl[gpu]', i.e. vllm==0.32.0, on a machine with a GPU)")
+            raise ValueError(
+                "serving.device is cuda but the installed vLLM is not a CUDA build "
+                "(pip install 'liverl[gpu]', i.e. vllm==0.32.0, on a machine with a GPU)"
+            )
         return "cuda"
     if cpu_build:
         return "cpu"
@@ -116,26 +118,45 @@ def read_node_key(cfg: LiverlConfig, port: int | None = None) -> str:
         raise NodeError(f"no key for the vLLM node at {path} ({e}): is the node running under this state_dir?") from e
 
 
-def node_command(model_dir: Path, host: str, port: int, device: str, max_num_seqs: int, max_model_len: int,
-                 kv_cache_bytes: int) -> list[str]:
+def node_command(
+    model_dir: Path, host: str, port: int, device: str, max_num_seqs: int, max_model_len: int, kv_cache_bytes: int
+) -> list[str]:
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir),
-        "--served-model-name", SERVED_MODEL_NAME,
-        "--host", host, "--port", str(port),
-        "--dtype", "bfloat16",
-        "--max-model-len", str(max_model_len),
-        "--max-num-seqs", str(max_num_seqs),
-        "--kv-cache-memory-bytes", str(kv_cache_bytes),
-        "--worker-extension-cls", WORKER_EXTENSION,
-        "--middleware", SWAP_MIDDLEWARE,
-        "--middleware", SPANS_MIDDLEWARE,
-        "--middleware", NODE_MIDDLEWARE,
-        "--logprobs-mode", "processed_logprobs",
-        "--generation-config", "vllm",
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        "bfloat16",
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--kv-cache-memory-bytes",
+        str(kv_cache_bytes),
+        "--worker-extension-cls",
+        WORKER_EXTENSION,
+        "--middleware",
+        SWAP_MIDDLEWARE,
+        "--middleware",
+        SPANS_MIDDLEWARE,
+        "--middleware",
+        NODE_MIDDLEWARE,
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--generation-config",
+        "vllm",
         "--disable-log-stats",
         "--disable-uvicorn-access-log",
-        "--uvicorn-log-level", "warning",
+        "--uvicorn-log-level",
+        "warning",
     ]
     if device == "cpu":
         cmd.append("--enforce-eager")
@@ -227,9 +248,18 @@ def _get(url: str, timeout: float = 2.0, key: str = "") -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-def start_node(cfg: LiverlConfig, model_dir: str | os.PathLike, log_path: str | os.PathLike, *,
-               port: int | None = None, threads: int = 1, base_version: int = 0, max_model_len: int | None = None,
-               kv_cache_bytes: int | None = None, ready_timeout_s: float = 300.0) -> NodeHandle:
+def start_node(
+    cfg: LiverlConfig,
+    model_dir: str | os.PathLike,
+    log_path: str | os.PathLike,
+    *,
+    port: int | None = None,
+    threads: int = 1,
+    base_version: int = 0,
+    max_model_len: int | None = None,
+    kv_cache_bytes: int | None = None,
+    ready_timeout_s: float = 300.0,
+) -> NodeHandle:
     """Start ``vllm`` on ``model_dir`` and wait until it serves; raise ``NodeError`` with the log tail if it dies.
 
     ``base_version``: the registry version whose weights ``model_dir`` holds (0 for the base policy dir).
@@ -262,13 +292,28 @@ def start_node(cfg: LiverlConfig, model_dir: str | os.PathLike, log_path: str | 
     deltas = delta_dir(cfg).resolve()
     deltas.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=node_env(device, threads, base_version, key, deltas), start_new_session=True,
-                            preexec_fn=_die_with_parent, cwd=str(Path(__file__).resolve().parent.parent))
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=node_env(device, threads, base_version, key, deltas),
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+        cwd=str(Path(__file__).resolve().parent.parent),
+    )
     pidfile.parent.mkdir(parents=True, exist_ok=True)
     pidfile.write_text(str(proc.pid))
-    handle = NodeHandle(url=f"http://{host}:{port}", key=key, model_dir=model_dir, log_path=log_path, device=device,
-                        proc=proc, start_s=0.0, _log_file=log_file)
+    handle = NodeHandle(
+        url=f"http://{host}:{port}",
+        key=key,
+        model_dir=model_dir,
+        log_path=log_path,
+        device=device,
+        proc=proc,
+        start_s=0.0,
+        _log_file=log_file,
+    )
     try:
         _wait_ready(handle, ready_timeout_s)
     except BaseException:
@@ -310,8 +355,13 @@ def kill_stale_node(pidfile: Path, port: int, timeout_s: float = 15.0) -> bool:
         ours = any(_cmdline(m).startswith(b"VLLM::") for m in members)
     if not ours:
         return False
-    log.warning("a vLLM node left by an earlier serving process (group %d, port %d, %d process(es)) is still "
-                "running; killing it", pid, port, len(members))
+    log.warning(
+        "a vLLM node left by an earlier serving process (group %d, port %d, %d process(es)) is still "
+        "running; killing it",
+        pid,
+        port,
+        len(members),
+    )
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -352,8 +402,10 @@ def _wait_ready(handle: NodeHandle, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         if handle.proc.poll() is not None:
-            raise NodeError(f"vLLM node exited with code {handle.proc.returncode} before it was ready; "
-                            f"log {handle.log_path}, last lines:\n{handle.log_tail()}")
+            raise NodeError(
+                f"vLLM node exited with code {handle.proc.returncode} before it was ready; "
+                f"log {handle.log_path}, last lines:\n{handle.log_tail()}"
+            )
         try:
             status, body = _get(handle.url + "/v1/models", key=handle.key)
             if status == 200 and SERVED_MODEL_NAME in json.loads(body).get("data", [{}])[0].get("id", ""):
@@ -361,8 +413,9 @@ def _wait_ready(handle: NodeHandle, timeout_s: float) -> None:
         except (OSError, ValueError, IndexError):
             pass
         if time.monotonic() > deadline:
-            raise NodeError(f"vLLM node not ready after {timeout_s:.0f} s; log {handle.log_path}, last lines:\n"
-                            f"{handle.log_tail()}")
+            raise NodeError(
+                f"vLLM node not ready after {timeout_s:.0f} s; log {handle.log_path}, last lines:\n{handle.log_tail()}"
+            )
         time.sleep(0.25)
 
 
@@ -435,8 +488,12 @@ class NodeClient:
     async def swap(self, deltas: list[tuple[str, str]], frm: tuple[int, str], to: tuple[int, str]) -> dict:
         """One whole hot-swap inside the node (``serving.node_swap``): never retried (an XOR delta applied twice is
         undone). Returns the node's answer (``ok``, ``version``, ``checksum``, ``restored``, ``pause_ms``, ...)."""
-        return await self._ok("POST", "/liverl/swap", retry=False,
-                              json={"deltas": [list(d) for d in deltas], "from": list(frm), "to": list(to)})
+        return await self._ok(
+            "POST",
+            "/liverl/swap",
+            retry=False,
+            json={"deltas": [list(d) for d in deltas], "from": list(frm), "to": list(to)},
+        )
 
     async def set_weight_version(self, version: int) -> None:
         """Label the engine's weights: every token sampled from now on carries ``version`` in its request's spans."""
@@ -452,8 +509,12 @@ class NodeClient:
 
     async def rpc(self, method: str, *args: str, timeout_s: float = 120.0) -> dict:
         """``collective_rpc`` of a LiverlWorkerExtension method; returns the (single) worker's result dict."""
-        body = await self._ok("POST", "/collective_rpc", retry=False,  # an XOR delta applied twice is undone
-                              json={"method": method, "args": list(args), "timeout": timeout_s})
+        body = await self._ok(
+            "POST",
+            "/collective_rpc",
+            retry=False,  # an XOR delta applied twice is undone
+            json={"method": method, "args": list(args), "timeout": timeout_s},
+        )
         results = (body or {}).get("results") or []
         if len(results) != 1 or not isinstance(results[0], dict):
             raise RuntimeError(f"collective_rpc {method}: expected one worker result, got {body}")

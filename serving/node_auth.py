@@ -26,8 +26,10 @@ class NodeKeyMiddleware:
     def __init__(self, app):
         key = os.environ.get(ENV_KEY, "")
         if len(key) < 16:
-            raise RuntimeError(f"{ENV_KEY} is not set (or too short): the vLLM node refuses to serve without the "
-                               "key its serving process holds")
+            raise RuntimeError(
+                f"{ENV_KEY} is not set (or too short): the vLLM node refuses to serve without the "
+                "key its serving process holds"
+            )
         self.app = app
         self._digest = hashlib.sha256(key.encode()).digest()
 
@@ -40,15 +42,19 @@ class NodeKeyMiddleware:
         return False
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] not in ("http", "websocket") or scope.get("path") in OPEN_PATHS \
-                or self._authorized(scope):
+        if scope["type"] not in ("http", "websocket") or scope.get("path") in OPEN_PATHS or self._authorized(scope):
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
         body = json.dumps({"error": "unauthorized: this vLLM node answers only its serving process"}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 

@@ -87,7 +87,7 @@ class _Connection(asyncio.Protocol):
         if ex.events is not None and ex.status == 200:
             while (end := ex.body.find(b"\n\n")) >= 0:
                 event = bytes(ex.body[:end])
-                del ex.body[:end + 2]
+                del ex.body[: end + 2]
                 if event.startswith(b"data: "):
                     ex.events.append(event[6:])
             ex.wake()
@@ -134,8 +134,12 @@ class NodeHTTP:
         self._auth = b"Authorization: Bearer %s\r\n" % key.encode() if key else b""
 
     def _head(self, path: str, n: int) -> bytes:
-        return (b"POST %s HTTP/1.1\r\nHost: %s\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-                % (path.encode(), self._host_header, self._auth, n))
+        return b"POST %s HTTP/1.1\r\nHost: %s\r\n%sContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (
+            path.encode(),
+            self._host_header,
+            self._auth,
+            n,
+        )
 
     async def _connect(self) -> _Connection:
         while self._idle:

@@ -63,8 +63,10 @@ def parse_body(raw: bytes) -> tuple[list[tuple[str, str]], tuple[int, str], tupl
         frm = (int(body["from"][0]), str(body["from"][1]))
         to = (int(body["to"][0]), str(body["to"][1]))
     except (ValueError, KeyError, TypeError, IndexError) as e:
-        raise SwapBodyError(f"POST {SWAP_PATH} needs JSON {{\"deltas\": [[path, checksum_after], ...], "
-                            f"\"from\": [version, checksum], \"to\": [version, checksum]}} ({type(e).__name__}: {e})")
+        raise SwapBodyError(
+            f'POST {SWAP_PATH} needs JSON {{"deltas": [[path, checksum_after], ...], '
+            f'"from": [version, checksum], "to": [version, checksum]}} ({type(e).__name__}: {e})'
+        )
     if not deltas:
         raise SwapBodyError("no deltas to apply")
     if deltas[-1][1] != to[1]:
@@ -117,8 +119,15 @@ class EngineSwap:
         return None
 
     async def run(self, deltas: list[tuple[str, str]], frm: tuple[int, str], to: tuple[int, str]) -> dict[str, Any]:
-        out: dict[str, Any] = {"ok": False, "version": frm[0], "checksum": frm[1], "restored": None, "error": None,
-                               "phases": {}, "worker": []}
+        out: dict[str, Any] = {
+            "ok": False,
+            "version": frm[0],
+            "checksum": frm[1],
+            "restored": None,
+            "error": None,
+            "phases": {},
+            "worker": [],
+        }
         ph = out["phases"]
         refused = await self._stage(deltas, out)
         if refused:  # nothing paused, nothing written
@@ -149,8 +158,10 @@ class EngineSwap:
                 t1 = time.perf_counter()
                 ph["apply_ms"] = _ms(t, t1)
                 if r["checksum"] != to[1] or int(r["version"]) != to[0]:
-                    raise RuntimeError(f"the worker arrived at {r['checksum'][:12]} (version {r['version']}), not "
-                                       f"version {to[0]}'s {to[1][:12]}")
+                    raise RuntimeError(
+                        f"the worker arrived at {r['checksum'][:12]} (version {r['version']}), not "
+                        f"version {to[0]}'s {to[1][:12]}"
+                    )
                 await self.engine.update_weight_version(str(to[0]))  # before resume: no token is mislabelled
                 ph["label_ms"] = _ms(t1, time.perf_counter())
                 out.update(ok=True, version=to[0], checksum=to[1])
@@ -175,9 +186,14 @@ class EngineSwap:
             ck = await self._rpc("liverl_checksum")
             ph["verify_ms"] = _ms(t5, time.perf_counter())
             if not ck.get("ok") or ck["checksum"] != to[1]:
-                out.update(ok=False, restored=False, version=None, checksum=None,
-                           error=f"after the swap the served weights read back as {ck.get('checksum', '?')[:12]}, "
-                                 f"not version {to[0]}'s {to[1][:12]} ({ck.get('error')})")
+                out.update(
+                    ok=False,
+                    restored=False,
+                    version=None,
+                    checksum=None,
+                    error=f"after the swap the served weights read back as {ck.get('checksum', '?')[:12]}, "
+                    f"not version {to[0]}'s {to[1][:12]} ({ck.get('error')})",
+                )
         return out
 
     async def _restore(self, applied: list[tuple[str, str]], frm: tuple[int, str]) -> bool:
@@ -234,14 +250,20 @@ class SwapMiddleware:
                 out = await self.swap.run(deltas, frm, to)
             except Exception as e:  # staging or the pause call failed: nothing was written
                 log.exception("swap failed before any write")
-                return await _reply(send, 500, {"error": f"swap failed before any write (staging or pausing): "
-                                                         f"{type(e).__name__}: {e}"})
+                return await _reply(
+                    send, 500, {"error": f"swap failed before any write (staging or pausing): {type(e).__name__}: {e}"}
+                )
         log.info("swap %d -> %d: ok=%s pause %.1f ms %s", frm[0], to[0], out["ok"], out["pause_ms"], out["phases"])
         return await _reply(send, 200, out)
 
 
 async def _reply(send, status: int, body: dict) -> None:
     raw = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": raw})

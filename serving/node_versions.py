@@ -93,6 +93,11 @@ class VersionSpansMiddleware:
         else:
             status, body = 200, {"requests": self.recorder.lookup(rid, prompts)}
         raw = json.dumps(body).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": raw})

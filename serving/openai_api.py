@@ -97,7 +97,9 @@ class _GenerationRequest(BaseModel):
             msg = err["msg"].removeprefix("Value error, ")
             raise BadRequest(f"'{param}': {msg}" if param else f"the request body: {msg}", param) from None
         if req.n_choices > MAX_CHOICES:
-            raise BadRequest(f"'n': {req.n_choices} generations (prompts x n) is more than {MAX_CHOICES} per request", "n")
+            raise BadRequest(
+                f"'n': {req.n_choices} generations (prompts x n) is more than {MAX_CHOICES} per request", "n"
+            )
         return req
 
     # -- what the record needs ---------------------------------------------------------------------------------
@@ -115,11 +117,15 @@ class _GenerationRequest(BaseModel):
         """The decoding the node ran: the request's values, vLLM's defaults for the rest."""
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
-            min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=self.min_p or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            seed=self.seed, max_tokens=max_tokens)
+            seed=self.seed,
+            max_tokens=max_tokens,
+        )
 
     def node_body(self) -> dict:
         body = self.model_dump(exclude_unset=True, exclude_none=True)
@@ -275,4 +281,3 @@ def for_client(req: _GenerationRequest, out: dict, ids: list[str], version: int)
     else:
         out["liverl"] = {"generation_id": ids[0], "generation_ids": ids, "policy_version": version}
     return out
-

@@ -30,9 +30,15 @@ class AsyncProducer:
         from confluent_kafka import Producer
 
         self.settings = {
-            "bootstrap.servers": bootstrap, "client.id": client_id, "enable.idempotence": True, "acks": "all",
-            "partitioner": "murmur2_random", "linger.ms": linger_ms,
-            "message.timeout.ms": int(delivery_timeout_s * 1000), **config}
+            "bootstrap.servers": bootstrap,
+            "client.id": client_id,
+            "enable.idempotence": True,
+            "acks": "all",
+            "partitioner": "murmur2_random",
+            "linger.ms": linger_ms,
+            "message.timeout.ms": int(delivery_timeout_s * 1000),
+            **config,
+        }
         """What the librdkafka producer was built with (``logger`` aside): tests read its delivery timeout here."""
         self._producer = Producer({**self.settings, "logger": log})
         self._loop: asyncio.AbstractEventLoop | None = None

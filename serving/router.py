@@ -58,8 +58,18 @@ from liverl.core.schemas import RolloutTerms
 
 log = logging.getLogger("liverl.serving.router")
 
-HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-              "transfer-encoding", "upgrade", "content-length", "host"}
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+    "host",
+}
 NOT_FORWARDED = HOP_BY_HOP | {"authorization", "cookie"}  # request headers a node never sees
 MAX_BODY = 8 << 20
 MAX_REMEMBERED = 10_000  # unknown heartbeat names remembered (each logged once)
@@ -71,6 +81,7 @@ FAILOVER = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError, aiohttp.Serv
 
 def rank(key: str, nodes: list[Node]) -> list[Node]:
     """Nodes in the order ``key`` prefers them (rendezvous hashing): the first is its node, the rest the fallbacks."""
+
     def weight(n: Node) -> bytes:
         return hashlib.blake2b(f"{n.name}\0{key}".encode(), digest_size=8).digest()
 
@@ -82,13 +93,23 @@ class Router:
     (``security.assignment_key``, ``security.verify_key``); ``connect_s`` and ``read_s`` bound the wait for a node's
     connection and for its next bytes (``read_s`` default: ``serving.router_read_timeout_s``)."""
 
-    def __init__(self, cfg: LiverlConfig, redis, refresh_s: float = 1.0, down_s: float = 5.0,
-                 connect_s: float = 5.0, read_s: float | None = None, assignment_key: bytes | None = None,
-                 verifier=None):
+    def __init__(
+        self,
+        cfg: LiverlConfig,
+        redis,
+        refresh_s: float = 1.0,
+        down_s: float = 5.0,
+        connect_s: float = 5.0,
+        read_s: float | None = None,
+        assignment_key: bytes | None = None,
+        verifier=None,
+    ):
         if not cfg.serving.fleet:
-            raise ValueError("the router routes only to the nodes the config names: set serving.fleet to each node's "
-                             "name and gateway URL (for example serving.fleet = {\"node-0\" = "
-                             "\"http://10.0.0.5:8000\"}; `liverl up` fills it for the nodes it starts)")
+            raise ValueError(
+                "the router routes only to the nodes the config names: set serving.fleet to each node's "
+                'name and gateway URL (for example serving.fleet = {"node-0" = '
+                '"http://10.0.0.5:8000"}; `liverl up` fills it for the nodes it starts)'
+            )
         self.cfg, self.redis, self.prefix = cfg, redis, cfg.topics.prefix
         self.allowed: dict[str, str] = dict(cfg.serving.fleet)
         self.secret = assignment_key if assignment_key is not None else load_assignment_key(cfg)
@@ -107,26 +128,48 @@ class Router:
         self._task: asyncio.Task | None = None
         self._closing = False
         r = self.metrics = CollectorRegistry()
-        self.m_requests = Counter("liverl_router_requests", "Requests routed, by node and HTTP status",
-                                  ["node", "status"], registry=r)
-        self.m_arm = Counter("liverl_router_arm", "Requests by rollout arm (canary, stable; none: no rollout)",
-                             ["arm"], registry=r)
-        self.m_failover = Counter("liverl_router_failovers", "Requests re-routed because their node refused, reset or "
-                                  "blackholed the connection, or sent no response head in time", ["node"], registry=r)
-        self.m_upstream_errors = Counter("liverl_router_upstream_errors", "Responses cut because their node failed "
-                                         "after the response had started (the client sees a broken stream)", ["node"],
-                                         registry=r)
-        self.m_unkeyed = Counter("liverl_router_unkeyed", "Requests with no user or session key (routed at random)",
-                                 registry=r)
+        self.m_requests = Counter(
+            "liverl_router_requests", "Requests routed, by node and HTTP status", ["node", "status"], registry=r
+        )
+        self.m_arm = Counter(
+            "liverl_router_arm", "Requests by rollout arm (canary, stable; none: no rollout)", ["arm"], registry=r
+        )
+        self.m_failover = Counter(
+            "liverl_router_failovers",
+            "Requests re-routed because their node refused, reset or "
+            "blackholed the connection, or sent no response head in time",
+            ["node"],
+            registry=r,
+        )
+        self.m_upstream_errors = Counter(
+            "liverl_router_upstream_errors",
+            "Responses cut because their node failed after the response had started (the client sees a broken stream)",
+            ["node"],
+            registry=r,
+        )
+        self.m_unkeyed = Counter(
+            "liverl_router_unkeyed", "Requests with no user or session key (routed at random)", registry=r
+        )
         self.m_nodes = Gauge("liverl_router_nodes", "Nodes in rotation", registry=r)
-        self.m_unknown = Counter("liverl_router_unknown_heartbeats", "Distinct node names seen in heartbeats that "
-                                 "serving.fleet does not name (ignored; each logged once)", registry=r)
-        self.m_unknown_now = Gauge("liverl_router_unknown_nodes", "Heartbeats of nodes serving.fleet does not name, at "
-                                   "the last refresh", registry=r)
-        self.m_refresh_errors = Counter("liverl_router_refresh_errors", "Failed reads of the nodes' heartbeats",
-                                        registry=r)
-        self.m_refused = Counter("liverl_router_refused_announcements", "Reads of the canary announcement refused "
-                                 "(routed as if there were no rollout), by reason", ["reason"], registry=r)
+        self.m_unknown = Counter(
+            "liverl_router_unknown_heartbeats",
+            "Distinct node names seen in heartbeats that serving.fleet does not name (ignored; each logged once)",
+            registry=r,
+        )
+        self.m_unknown_now = Gauge(
+            "liverl_router_unknown_nodes",
+            "Heartbeats of nodes serving.fleet does not name, at the last refresh",
+            registry=r,
+        )
+        self.m_refresh_errors = Counter(
+            "liverl_router_refresh_errors", "Failed reads of the nodes' heartbeats", registry=r
+        )
+        self.m_refused = Counter(
+            "liverl_router_refused_announcements",
+            "Reads of the canary announcement refused (routed as if there were no rollout), by reason",
+            ["reason"],
+            registry=r,
+        )
         self.app = web.Application(client_max_size=MAX_BODY)
         self.app.router.add_get("/healthz", self.healthz)
         self.app.router.add_get("/metrics", self.metrics_route)
@@ -150,15 +193,19 @@ class Router:
         for name in strangers:
             if self._once("unknown", name):
                 self.m_unknown.inc()
-                log.warning("router: ignoring the heartbeat of node %r (url %r): serving.fleet does not name it",
-                            name[:200], (beats[name].url or "")[:200])
+                log.warning(
+                    "router: ignoring the heartbeat of node %r (url %r): serving.fleet does not name it",
+                    name[:200],
+                    (beats[name].url or "")[:200],
+                )
         self.m_unknown_now.set(len(strangers))
         nodes = fleet.routable(beats, self.allowed)
         for n in nodes:
             url = (beats[n.name].url or "").rstrip("/")
             if url and url != n.url and self._once(f"url {url[:200]}", n.name):
-                log.warning("router: %s's heartbeat advertises %s; routing to serving.fleet's %s", n.name, url[:200],
-                            n.url)
+                log.warning(
+                    "router: %s's heartbeat advertises %s; routing to serving.fleet's %s", n.name, url[:200], n.url
+                )
         self.rollout = await self._read_rollout()
         if [n.name for n in nodes] != [n.name for n in self.nodes]:
             log.info("router: nodes in rotation: %s", ", ".join(f"{n.name} (v{n.version})" for n in nodes) or "none")
@@ -174,8 +221,11 @@ class Router:
             self.m_refused.labels(e.reason).inc()
             if self._last_refused != e.reason:  # said once per run of refusals, not every refresh
                 self._last_refused = e.reason
-                log.error("router: refusing %s (%s); routing as if there were no rollout",
-                          fleet.announcement_key(self.prefix, "canary"), e)
+                log.error(
+                    "router: refusing %s (%s); routing as if there were no rollout",
+                    fleet.announcement_key(self.prefix, "canary"),
+                    e,
+                )
             return None
         self._last_refused = None
         return ann.rollout if ann is not None else None
@@ -225,8 +275,9 @@ class Router:
             pool = side or self.nodes
             self.m_arm.labels("canary" if canary and side else "stable").inc()
         nodes = rank(key, pool) if key is not None else random.sample(pool, len(pool))
-        return [n for n in nodes if self._down.get(n.name, 0) <= now] + \
-               [n for n in nodes if self._down.get(n.name, 0) > now]
+        return [n for n in nodes if self._down.get(n.name, 0) <= now] + [
+            n for n in nodes if self._down.get(n.name, 0) > now
+        ]
 
     # ------------------------------------------------------------------------------------------ routes
 
@@ -249,23 +300,26 @@ class Router:
         headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED)
         for node in self.choose(key):
             try:
-                upstream = await self._session.request(request.method, node.url + request.path_qs, data=body,
-                                                       headers=headers, allow_redirects=False)
+                upstream = await self._session.request(
+                    request.method, node.url + request.path_qs, data=body, headers=headers, allow_redirects=False
+                )
             except FAILOVER as e:
                 # refused, reset, closed or silent before any byte came back (a pooled keep-alive connection to a
                 # node that just stopped fails this way too): nothing has reached the client, the next node answers
                 self._down[node.name] = time.monotonic() + self.down_s
                 self.m_failover.labels(node.name).inc()
-                log.warning("router: %s failed before answering (%s: %s); trying the next node", node.name,
-                            type(e).__name__, e)
+                log.warning(
+                    "router: %s failed before answering (%s: %s); trying the next node", node.name, type(e).__name__, e
+                )
                 continue
             try:
                 return await self._relay(request, upstream, node)
             finally:
                 upstream.release()
         self.m_requests.labels("none", "503").inc()
-        return web.json_response({"error": {"message": "no serving node is available", "type": "unavailable"}},
-                                 status=503)
+        return web.json_response(
+            {"error": {"message": "no serving node is available", "type": "unavailable"}}, status=503
+        )
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, node: Node) -> web.StreamResponse:
         resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
@@ -300,13 +354,17 @@ def _verifier(cfg: LiverlConfig):
     if path is not None:
         return Verifier(path)
     if cfg.security.allow_unsigned:
-        log.warning("UNSIGNED ANNOUNCEMENTS: the router follows any canary announcement written to Redis "
-                    "(security.allow_unsigned = true)")
+        log.warning(
+            "UNSIGNED ANNOUNCEMENTS: the router follows any canary announcement written to Redis "
+            "(security.allow_unsigned = true)"
+        )
         return None
-    raise ValueError("the router takes a rollout's terms only from a signed canary announcement and has no key to "
-                     "verify one: set security.verify_key (or put it at "
-                     f"{cfg.state_path / 'keys' / 'announce.pub'}; `liverl up` makes a pair there), or, UNSAFE and "
-                     "only where every Redis writer is trusted, set security.allow_unsigned = true")
+    raise ValueError(
+        "the router takes a rollout's terms only from a signed canary announcement and has no key to "
+        "verify one: set security.verify_key (or put it at "
+        f"{cfg.state_path / 'keys' / 'announce.pub'}; `liverl up` makes a pair there), or, UNSAFE and "
+        "only where every Redis writer is trusted, set security.allow_unsigned = true"
+    )
 
 
 def run_router(cfg: LiverlConfig, redis_url: str, host: str, port: int) -> None:
@@ -321,10 +379,18 @@ def run_router(cfg: LiverlConfig, redis_url: str, host: str, port: int) -> None:
             await runner.setup()
             try:
                 await web.TCPSite(runner, host, port).start()
-                log.info("router on http://%s:%d: %d of the %d configured nodes in rotation", host, port,
-                         len(router.nodes), len(router.allowed))
-                print(f"router on http://{host}:{port} ({len(router.nodes)} of the {len(router.allowed)} configured "
-                      "nodes in rotation; GET /fleet lists them)", flush=True)
+                log.info(
+                    "router on http://%s:%d: %d of the %d configured nodes in rotation",
+                    host,
+                    port,
+                    len(router.nodes),
+                    len(router.allowed),
+                )
+                print(
+                    f"router on http://{host}:{port} ({len(router.nodes)} of the {len(router.allowed)} configured "
+                    "nodes in rotation; GET /fleet lists them)",
+                    flush=True,
+                )
                 await asyncio.Event().wait()
             finally:
                 await runner.cleanup()

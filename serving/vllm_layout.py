@@ -71,8 +71,9 @@ def repack_cpu_linears(model: torch.nn.Module, module_names: set[str]) -> int:
 
     modules = dict(model.named_modules())
     # a weight shared with a changed module counts as changed: a tied lm_head reads the embedding's parameter
-    changed = {p.data_ptr() for name in module_names if name in modules
-               for p in modules[name].parameters(recurse=False)}
+    changed = {
+        p.data_ptr() for name in module_names if name in modules for p in modules[name].parameters(recurse=False)
+    }
     n = 0
     for name, mod in modules.items():
         if not hasattr(mod, "cpu_linear") or getattr(mod, "_cpu_skip_gemm_dispatch", False):
@@ -162,7 +163,7 @@ class MoELayout:
         w13p = self._unpack(self.module.w13_weight)
         w2p = self._unpack(self.module.w2_weight)
         i, ip = self.intermediate, self.padded
-        w13 = torch.cat([w13p[:, :i], w13p[:, ip:ip + i]], dim=1)
+        w13 = torch.cat([w13p[:, :i], w13p[:, ip : ip + i]], dim=1)
         return w13.cpu(), w2p[:, :, :i].contiguous().cpu()
 
     def begin_write(self) -> None:
@@ -178,7 +179,7 @@ class MoELayout:
         w13, w2 = self.module.w13_weight.data, self.module.w2_weight.data
         i, ip = self.intermediate, self.padded
         w13p = torch.zeros(live13.shape, dtype=live13.dtype)
-        w13p[:, :i], w13p[:, ip:ip + i] = w13[:, :i].cpu(), w13[:, i:].cpu()
+        w13p[:, :i], w13p[:, ip : ip + i] = w13[:, :i].cpu(), w13[:, i:].cpu()
         w2p = torch.zeros(live2.shape, dtype=live2.dtype)
         w2p[:, :, :i] = w2.cpu()
         live13.copy_(self._pack(w13p))
@@ -223,9 +224,11 @@ def _mappers(model: torch.nn.Module) -> list[tuple[str, object]]:
     top = getattr(model, "hf_to_vllm_mapper", None)
     if top is not None:
         return [("", top)]
-    return [(f"{name}.", m) for name, child in model.named_children()
-            if (m := getattr(child, "hf_to_vllm_mapper", None)) is not None]
-
+    return [
+        (f"{name}.", m)
+        for name, child in model.named_children()
+        if (m := getattr(child, "hf_to_vllm_mapper", None)) is not None
+    ]
 
 
 @dataclass(frozen=True)
@@ -276,7 +279,7 @@ class ServedLayout:
         """The parameter name (and shard) vLLM loads the file tensor ``name`` into, by the model's own mapper."""
         for prefix, mapper in self.mappers:
             if name.startswith(prefix):
-                mapped = mapper._map_name_with_shard(name[len(prefix):])
+                mapped = mapper._map_name_with_shard(name[len(prefix) :])
                 if mapped is None:
                     raise self._fail(f"vLLM ignores the file tensor {name!r}, so it cannot be served or verified")
                 return prefix + mapped[0], mapped[1]
@@ -296,19 +299,24 @@ class ServedLayout:
             size = rows if rows is not None and rows < param.shape[0] else None
             return _Slot(param=vname, size=size)
         if isinstance(shard, str) and hasattr(mod, "_get_shard_offset_mapping"):  # q / k / v of a QKV linear
-            return _Slot(param=vname, start=int(mod._get_shard_offset_mapping(shard)),
-                         size=int(mod._get_shard_size_mapping(shard)))
+            return _Slot(
+                param=vname,
+                start=int(mod._get_shard_offset_mapping(shard)),
+                size=int(mod._get_shard_size_mapping(shard)),
+            )
         if isinstance(shard, int) and hasattr(mod, "output_sizes"):  # shard i of a merged column linear
             sizes = list(mod.output_sizes)
             return _Slot(param=vname, start=sum(sizes[:shard]), size=sizes[shard])
-        raise self._fail(f"file tensor {name!r} is loaded as shard {shard!r} of {vname!r} ({type(mod).__name__}), "
-                         f"a layout the read-back does not know")
+        raise self._fail(
+            f"file tensor {name!r} is loaded as shard {shard!r} of {vname!r} ({type(mod).__name__}), "
+            f"a layout the read-back does not know"
+        )
 
     def _place_expert(self, name: str, vname: str, t: torch.Tensor, runner: str, lay: MoELayout) -> _Slot:
         routed = lay.module
         if not routed.moe_config.is_act_and_mul:
             raise self._fail(f"{runner}: non-gated experts are not supported")
-        qual = f"{routed.layer_name}.{vname[len(runner) + 1:]}"
+        qual = f"{routed.layer_name}.{vname[len(runner) + 1 :]}"
         matches = [m for m in routed.get_expert_mapping(include_fused=True) if m[1] in qual]
         if not matches:
             raise self._fail(f"file tensor {name!r} matches none of {runner}'s expert names")
@@ -340,8 +348,9 @@ class ServedLayout:
             n_exp = lay.module.w13_weight.shape[0]
             for which, halves in (("w13", (0, 1)), ("w2", (None,))):
                 seen = {(s.expert, s.half) for s in self.slots.values() if s.moe == runner and s.which == which}
-                if (None, None) not in seen and not all((e, h) in seen or (e, None) in seen
-                                                        for e in range(n_exp) for h in halves):
+                if (None, None) not in seen and not all(
+                    (e, h) in seen or (e, None) in seen for e in range(n_exp) for h in halves
+                ):
                     missing.append(f"{runner}.{which}")
         if missing:
             raise self._fail(f"no file tensor is read back into {missing[:5]} ({len(missing)} parameters)")
@@ -351,8 +360,9 @@ class ServedLayout:
         """Every file tensor (or only ``names``) rebuilt from the live parameters (bf16, file names), on CPU."""
         slots = self.slots if names is None else {n: self.slots[n] for n in names}
         runners = {s.moe for s in slots.values() if not s.param}
-        experts = {runner: dict(zip(("w13", "w2"), lay.read())) for runner, lay in self.moe.items()
-                   if runner in runners}
+        experts = {
+            runner: dict(zip(("w13", "w2"), lay.read())) for runner, lay in self.moe.items() if runner in runners
+        }
         out: dict[str, torch.Tensor] = {}
         for name, s in slots.items():
             if s.param:
@@ -362,7 +372,7 @@ class ServedLayout:
                 end = data.shape[0] if s.size is None else s.start + s.size
                 # the CPU backend's small-GEMM kernels (sgl, on AMX CPUs) keep a linear's bias in fp32: converted
                 # from the bf16 file, so casting back is exact
-                out[name] = data[s.start:end].to(torch.bfloat16).contiguous().cpu()
+                out[name] = data[s.start : end].to(torch.bfloat16).contiguous().cpu()
                 continue
             t = experts[s.moe][s.which]
             if s.expert is not None:

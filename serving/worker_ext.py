@@ -91,14 +91,18 @@ class _Stage:
             for path, expect in zip(paths, expects):
                 plan = plan_delta(view, path.read_bytes(), known_checksum=cur)
                 if plan.checksum != expect:
-                    raise DeltaError(f"{path.name} leads to checksum {plan.checksum[:12]} (version {plan.version}), "
-                                     f"not the expected {expect[:12]}")
+                    raise DeltaError(
+                        f"{path.name} leads to checksum {plan.checksum[:12]} (version {plan.version}), "
+                        f"not the expected {expect[:12]}"
+                    )
                 for n, t in plan:
                     view[n] = self.tensors[n] = t
                     sums[n] = tensor_checksum(t)
                 if combine_checksums(sums) != expect:
-                    raise DeltaError(f"the decoded weights of {path.name} hash to {combine_checksums(sums)[:12]}, "
-                                     f"not the expected {expect[:12]}")
+                    raise DeltaError(
+                        f"the decoded weights of {path.name} hash to {combine_checksums(sums)[:12]}, "
+                        f"not the expected {expect[:12]}"
+                    )
                 cur, self.version = expect, plan.version
             self.sums, self.checksum = sums, cur
         except Exception as e:  # reported by liverl_staged / liverl_commit
@@ -157,9 +161,13 @@ class LiverlWorkerExtension:
         served = layout.read()
         bad = [n for n in shadow if served[n].dtype != shadow[n].dtype or not torch.equal(served[n], shadow[n])]
         if bad:
-            raise RuntimeError(f"served weights differ from {model_dir} right after load (read-back broken, or the "
-                               f"files are not bf16?): {bad[:5]}")
-        warm_up(tuple(sorted({dtype_names[t.dtype] for t in shadow.values() if t.dtype in dtype_names})))  # not mid-swap
+            raise RuntimeError(
+                f"served weights differ from {model_dir} right after load (read-back broken, or the "
+                f"files are not bf16?): {bad[:5]}"
+            )
+        warm_up(
+            tuple(sorted({dtype_names[t.dtype] for t in shadow.values() if t.dtype in dtype_names}))
+        )  # not mid-swap
         from deploy.container import combine_checksums, tensor_checksum
 
         sums = {n: tensor_checksum(t) for n, t in shadow.items()}
@@ -203,14 +211,21 @@ class LiverlWorkerExtension:
         path = _delta_file(blob_path)
         st = self._liverl_state()
         if expect_checksum == st.checksum:
-            return {"version": st.version, "from_version": st.version, "checksum": st.checksum,
-                    "changed_tensors": 0, "noop": True}
+            return {
+                "version": st.version,
+                "from_version": st.version,
+                "checksum": st.checksum,
+                "changed_tensors": 0,
+                "noop": True,
+            }
         t0 = time.perf_counter()
         blob = path.read_bytes()
         plan = plan_delta(st.shadow, blob, known_checksum=st.checksum)  # raises DeltaError before any change
         if plan.checksum != expect_checksum:
-            raise DeltaError(f"delta leads to checksum {plan.checksum[:12]} (version {plan.version}), "
-                             f"not the expected {expect_checksum[:12]}")
+            raise DeltaError(
+                f"delta leads to checksum {plan.checksum[:12]} (version {plan.version}), "
+                f"not the expected {expect_checksum[:12]}"
+            )
         # The header's claim is not enough (anyone can write a self-consistent header): hash what the weights will
         # be, the decoded copies with the unchanged shadow, and compare with the caller's checksum before writing.
         from deploy.container import combine_checksums, tensor_checksum
@@ -219,8 +234,10 @@ class LiverlWorkerExtension:
         sums.update({n: tensor_checksum(t) for n, t in plan})
         arriving = combine_checksums(sums)
         if arriving != expect_checksum:
-            raise DeltaError(f"the decoded weights hash to {arriving[:12]}, not the expected {expect_checksum[:12]}: "
-                             "refused before any write")
+            raise DeltaError(
+                f"the decoded weights hash to {arriving[:12]}, not the expected {expect_checksum[:12]}: "
+                "refused before any write"
+            )
         t_plan = time.perf_counter()
         from_version = st.version
         changed = [(n, t) for n, t in plan]
@@ -256,8 +273,9 @@ class LiverlWorkerExtension:
         paths = [_delta_file(p) for p in blob_paths]
         st = self._liverl_state()
         stage = _Stage(st.checksum)
-        stage.thread = threading.Thread(target=stage.run, args=(st, paths, list(expect_checksums)),
-                                        name="liverl-stage", daemon=True)
+        stage.thread = threading.Thread(
+            target=stage.run, args=(st, paths, list(expect_checksums)), name="liverl-stage", daemon=True
+        )
         self.__dict__["_liverl_stage"] = stage
         stage.thread.start()
         return {"base_checksum": st.checksum}
@@ -304,17 +322,25 @@ class LiverlWorkerExtension:
         t2 = time.perf_counter()
         if bad or bad_kernels:  # put the previous values back (the shadow still holds them)
             self._liverl_write([(n, st.shadow[n]) for n, _ in changed], st)
-            raise RuntimeError(f"written tensors read back wrong: {bad[:5]}; kernels off their weights: "
-                               f"{bad_kernels[:5]} (previous values written back)")
+            raise RuntimeError(
+                f"written tensors read back wrong: {bad[:5]}; kernels off their weights: "
+                f"{bad_kernels[:5]} (previous values written back)"
+            )
         from_version = st.version
         for n, t in changed:
             st.shadow[n] = t
         st._sums = stage.sums
         st.version, st.checksum = stage.version, stage.checksum
         st.swaps += 1
-        return {"version": st.version, "from_version": from_version, "checksum": st.checksum,
-                "changed_tensors": len(changed), "stage_ms": stage.ms, "write_ms": round((t1 - t0) * 1e3, 3),
-                "readback_ms": round((t2 - t1) * 1e3, 3)}
+        return {
+            "version": st.version,
+            "from_version": from_version,
+            "checksum": st.checksum,
+            "changed_tensors": len(changed),
+            "stage_ms": stage.ms,
+            "write_ms": round((t1 - t0) * 1e3, 3),
+            "readback_ms": round((t2 - t1) * 1e3, 3),
+        }
 
     def _liverl_write(self, changed: list[tuple[str, torch.Tensor]], st: _State) -> None:
         """Push HF-named tensors into the live parameters with the model's own ``load_weights``."""
@@ -334,8 +360,10 @@ class LiverlWorkerExtension:
                 with torch.no_grad():
                     model.load_weights(iter([(n, st.shadow[n]) for n, _ in changed]))
             except Exception as e2:
-                raise RuntimeError(f"weight write failed ({e}) and restoring the previous weights failed too "
-                                   f"({e2}): the node serves unknown weights") from e
+                raise RuntimeError(
+                    f"weight write failed ({e}) and restoring the previous weights failed too "
+                    f"({e2}): the node serves unknown weights"
+                ) from e
             raise
         for lay in layouts:
             lay.end_write()

@@ -31,8 +31,13 @@ def stack(tmp_path_factory) -> Stack:
     state = tmp_path_factory.mktemp("stack")
     # memory storage: the suite's topics are throwaway, and the folder storage's cost (liverl.objstore) would land on
     # every test; the durable default has its own tests (tests/liverl/test_stack.py, test_objstore.py)
-    cfg = load_config(env={}, state_dir=str(state), broker__embedded_port=free_port(),
-                      broker__embedded_storage="memory", redis__embedded_port=free_port())
+    cfg = load_config(
+        env={},
+        state_dir=str(state),
+        broker__embedded_port=free_port(),
+        broker__embedded_storage="memory",
+        redis__embedded_port=free_port(),
+    )
     st = start_stack(cfg)
     yield st
     st.close()

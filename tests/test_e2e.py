@@ -26,23 +26,41 @@ def test_demo_acceptance_goes_up(tmp_path):
     summary_path = tmp_path / "summary.json"
     plot_path = tmp_path / "acceptance.png"
     env = dict(os.environ)
-    env.update({
-        "LIVERL__BROKER__EMBEDDED_PORT": str(free_port()),
-        "LIVERL__REDIS__EMBEDDED_PORT": str(free_port()),
-        "LIVERL__SERVING__GATEWAY_PORT": str(free_port()),
-        "LIVERL__SERVING__VLLM_PORT": str(free_port()),
-        "LIVERL__INGEST__WEB_PORT": str(free_port()), "LIVERL__GATE__METRICS_PORT": str(free_port()),
-        "LIVERL__TOPICS__PREFIX": f"e2e{os.getpid()}",
-        "LIVERL__DEMO__FINAL_WINDOW_S": "60",
-        # one node, no canary: this checks the loop; two vLLM engines on CI's 2 cores would double its time (the
-        # demo's default, two nodes with canaries and the trap, is measured in BENCHMARKS.md)
-        "LIVERL__SERVING__NODES": "1",
-        "HF_HUB_OFFLINE": "1",
-    })
+    env.update(
+        {
+            "LIVERL__BROKER__EMBEDDED_PORT": str(free_port()),
+            "LIVERL__REDIS__EMBEDDED_PORT": str(free_port()),
+            "LIVERL__SERVING__GATEWAY_PORT": str(free_port()),
+            "LIVERL__SERVING__VLLM_PORT": str(free_port()),
+            "LIVERL__INGEST__WEB_PORT": str(free_port()),
+            "LIVERL__GATE__METRICS_PORT": str(free_port()),
+            "LIVERL__TOPICS__PREFIX": f"e2e{os.getpid()}",
+            "LIVERL__DEMO__FINAL_WINDOW_S": "60",
+            # one node, no canary: this checks the loop; two vLLM engines on CI's 2 cores would double its time (the
+            # demo's default, two nodes with canaries and the trap, is measured in BENCHMARKS.md)
+            "LIVERL__SERVING__NODES": "1",
+            "HF_HUB_OFFLINE": "1",
+        }
+    )
     if os.environ.get("LIVERL_TEST_MODEL_CACHE"):
         env["LIVERL__MODEL__CACHE_DIR"] = os.environ["LIVERL_TEST_MODEL_CACHE"]
-    cmd = [sys.executable, "-m", "liverl.cli", "demo", "--duration", str(DURATION_S), "--no-live", "--trap", "off",
-           "--state-dir", str(state), "--summary", str(summary_path), "--plot", str(plot_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "liverl.cli",
+        "demo",
+        "--duration",
+        str(DURATION_S),
+        "--no-live",
+        "--trap",
+        "off",
+        "--state-dir",
+        str(state),
+        "--summary",
+        str(summary_path),
+        "--plot",
+        str(plot_path),
+    ]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DURATION_S + 600)
     finally:  # the demo's counters and a guard key per judged event, in the machine's Redis when one answers
@@ -62,6 +80,9 @@ def test_demo_acceptance_goes_up(tmp_path):
     assert summary["samples_trained"] > 0
     # the gate judged on evidence a product has (traffic, its own suite), never on the users' hidden preferences
     # (offpolicy: on held-out logged feedback; canary: live traffic, when the demo runs two nodes)
-    assert {"integrity", "drift", "collapse", "suite"} <= set(summary["gate_checks"]) <= \
-        {"integrity", "drift", "collapse", "suite", "offpolicy", "canary", "after_rollback"}, summary["gate_checks"]
+    assert (
+        {"integrity", "drift", "collapse", "suite"}
+        <= set(summary["gate_checks"])
+        <= {"integrity", "drift", "collapse", "suite", "offpolicy", "canary", "after_rollback"}
+    ), summary["gate_checks"]
     assert summary["product"].startswith("demo-arithmetic")

@@ -89,16 +89,33 @@ def test_no_import_runs_the_wrong_way():
 
 def test_no_process_or_library_imports_the_demo_product():
     mods = modules()
-    offenders = [f"{src} imports {name}" for src, path in mods.items() if floor(src) != "command"
-                 for name in imports_of(path) if name.startswith("liverl.demo")]
+    offenders = [
+        f"{src} imports {name}"
+        for src, path in mods.items()
+        if floor(src) != "command"
+        for name in imports_of(path)
+        if name.startswith("liverl.demo")
+    ]
     assert not offenders, offenders
 
 
-@pytest.mark.parametrize("module", ["liverl.core.config", "liverl.core.schemas", "liverl.core.bus",
-                                    "liverl.core.services", "liverl.core.keys", "liverl.core.product", "liverl.cli"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "liverl.core.config",
+        "liverl.core.schemas",
+        "liverl.core.bus",
+        "liverl.core.services",
+        "liverl.core.keys",
+        "liverl.core.product",
+        "liverl.cli",
+    ],
+)
 def test_core_and_cli_are_torch_free(module):
-    code = f"import sys, {module}; bad = [m for m in ('torch', 'vllm', 'transformers', 'faust') if m in sys.modules]; " \
-           "print(','.join(bad)); sys.exit(1 if bad else 0)"
+    code = (
+        f"import sys, {module}; bad = [m for m in ('torch', 'vllm', 'transformers', 'faust') if m in sys.modules]; "
+        "print(','.join(bad)); sys.exit(1 if bad else 0)"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, f"importing {module} pulls in {r.stdout.strip()} {r.stderr[-500:]}"
 

@@ -55,25 +55,44 @@ def _post(url: str, body: dict, timeout: float = 120, key: str = "") -> tuple[in
 def _generate(url: str, prompts: list[str], seed: int) -> list[dict]:
     out = []
     for i, p in enumerate(prompts):
-        status, body = _post(url + "/v1/completions", {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 1.0,
-                                                       "seed": seed + i, "logprobs": 0, "return_token_ids": True})
+        status, body = _post(
+            url + "/v1/completions",
+            {
+                "prompt": p,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 1.0,
+                "seed": seed + i,
+                "logprobs": 0,
+                "return_token_ids": True,
+            },
+        )
         assert status == 200, body
         c = body["choices"][0]
-        out.append({"gid": body["liverl"]["generation_id"], "version": body["liverl"]["policy_version"],
-                    "prompt_token_ids": c["prompt_token_ids"], "completion_token_ids": c["token_ids"],
-                    "logprobs": c["logprobs"]["token_logprobs"]})
+        out.append(
+            {
+                "gid": body["liverl"]["generation_id"],
+                "version": body["liverl"]["policy_version"],
+                "prompt_token_ids": c["prompt_token_ids"],
+                "completion_token_ids": c["token_ids"],
+                "logprobs": c["logprobs"]["token_logprobs"],
+            }
+        )
     return out
 
 
 def _node_scores(node_url: str, gen: dict, key: str) -> list[float]:
     """The node's log-probs of a generation's completion tokens, scored as a prompt (``prompt_logprobs``)."""
     ids = gen["prompt_token_ids"] + gen["completion_token_ids"]
-    status, body = _post(node_url + "/v1/completions", {"model": "liverl", "prompt": ids, "max_tokens": 1,
-                                                        "temperature": 1.0, "prompt_logprobs": 0}, key=key)
+    status, body = _post(
+        node_url + "/v1/completions",
+        {"model": "liverl", "prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0},
+        key=key,
+    )
     assert status == 200, body
     per_pos = body["choices"][0]["prompt_logprobs"]
-    return [per_pos[len(gen["prompt_token_ids"]) + i][str(t)]["logprob"]
-            for i, t in enumerate(gen["completion_token_ids"])]
+    return [
+        per_pos[len(gen["prompt_token_ids"]) + i][str(t)]["logprob"] for i, t in enumerate(gen["completion_token_ids"])
+    ]
 
 
 def _records(bootstrap: str, topic: str, ids: set[str], timeout_s: float = 30) -> dict[str, GenerationRecord]:
@@ -132,11 +151,20 @@ def test_full_path(family, stack, tmp_path):
     from tests.serving.harness import ServingThread
 
     model_dir = ensure_test_model(family, default_cache())
-    cfg = load_config(env={}, state_dir=str(tmp_path / "state"), broker__bootstrap=stack.bootstrap,
-                      redis__url=stack.redis_url, topics__prefix=f"t{uuid.uuid4().hex[:10]}",
-                      serving__gateway_port=free_port(), serving__vllm_port=free_port(), serving__swap_poll_s=0.1,
-                      serving__max_num_seqs=16, learner__batch_size=N_PROMPTS, learner__candidate_every_steps=1,
-                      learner__lr=0.05)  # one big step: the new version's distribution is far from the base's
+    cfg = load_config(
+        env={},
+        state_dir=str(tmp_path / "state"),
+        broker__bootstrap=stack.bootstrap,
+        redis__url=stack.redis_url,
+        topics__prefix=f"t{uuid.uuid4().hex[:10]}",
+        serving__gateway_port=free_port(),
+        serving__vllm_port=free_port(),
+        serving__swap_poll_s=0.1,
+        serving__max_num_seqs=16,
+        learner__batch_size=N_PROMPTS,
+        learner__candidate_every_steps=1,
+        learner__lr=0.05,
+    )  # one big step: the new version's distribution is far from the base's
     cfg.state_path.mkdir(parents=True, exist_ok=True)
     private, _ = generate_keypair(cfg.state_path / "keys")  # serve refuses to start without the verify key
     registry = Registry(cfg.registry_url, LocalBlobStore(cfg.blob_location))
@@ -153,7 +181,9 @@ def test_full_path(family, stack, tmp_path):
         for g in gens:
             rec = recs[g["gid"]]
             assert rec.policy_version == g["version"] == 0 and rec.trainable
-            assert rec.prompt_token_ids == g["prompt_token_ids"] and rec.completion_token_ids == g["completion_token_ids"]
+            assert (
+                rec.prompt_token_ids == g["prompt_token_ids"] and rec.completion_token_ids == g["completion_token_ids"]
+            )
             assert rec.completion_logprobs == pytest.approx(g["logprobs"])
         base_model = load_model(model_dir)
         served = [x for g in gens for x in g["logprobs"]]
@@ -161,13 +191,23 @@ def test_full_path(family, stack, tmp_path):
 
         # 3. one learner update on samples made of those records, emitted as a candidate (a delta in the registry)
         now = time.time()
-        samples = [TrainingSample(sample_id=rec.generation_id, generation_id=rec.generation_id, feedback_id=f"f{i}",
-                                  policy_version=rec.policy_version, kind="accept" if i % 2 else "reject",
-                                  reward=0.75 if i % 2 else -0.25, prompt_token_ids=rec.prompt_token_ids,
-                                  completion_token_ids=rec.completion_token_ids,
-                                  behaviour_logprobs=rec.completion_logprobs, sampling=rec.sampling,
-                                  ts_generation=rec.ts, ts_feedback=now)
-                   for i, rec in enumerate(recs[g["gid"]] for g in gens)]
+        samples = [
+            TrainingSample(
+                sample_id=rec.generation_id,
+                generation_id=rec.generation_id,
+                feedback_id=f"f{i}",
+                policy_version=rec.policy_version,
+                kind="accept" if i % 2 else "reject",
+                reward=0.75 if i % 2 else -0.25,
+                prompt_token_ids=rec.prompt_token_ids,
+                completion_token_ids=rec.completion_token_ids,
+                behaviour_logprobs=rec.completion_logprobs,
+                sampling=rec.sampling,
+                ts_generation=rec.ts,
+                ts_feedback=now,
+            )
+            for i, rec in enumerate(recs[g["gid"]] for g in gens)
+        ]
         ensure_topics(stack.bootstrap, [cfg.topics.samples], cfg.broker.partitions)
         prod = make_producer(stack.bootstrap)
         try:
@@ -178,7 +218,11 @@ def test_full_path(family, stack, tmp_path):
             prod.close()
         learner = Learner(cfg, model_dir, stack.bootstrap, registry)
         stats = learner.run(max_steps=1)
-        assert stats["step"] == 1 and stats["samples_trained"] == N_PROMPTS and stats["counters"].get("dropped:bad_logprob", 0) == 0
+        assert (
+            stats["step"] == 1
+            and stats["samples_trained"] == N_PROMPTS
+            and stats["counters"].get("dropped:bad_logprob", 0) == 0
+        )
         row = registry.get(stats["last_candidate"])
         assert row.parent == 0 and registry.delta_for(row.version)  # stored as a delta from the base
         trained = learner.trainer.bf16_state_dict()

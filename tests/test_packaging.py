@@ -35,8 +35,11 @@ def test_faust_is_a_bench_extra_only():
     runtime = {_name(r) for r in PROJECT["project"]["dependencies"]}
     assert "faust-streaming" not in runtime
     assert "faust-streaming" in {_name(r) for r in PROJECT["project"]["optional-dependencies"]["bench"]}
-    users = [p.relative_to(REPO).as_posix() for p in _shipped()
-             if re.search(r"^\s*(import faust|from faust)", p.read_text(), re.M)]
+    users = [
+        p.relative_to(REPO).as_posix()
+        for p in _shipped()
+        if re.search(r"^\s*(import faust|from faust)", p.read_text(), re.M)
+    ]
     assert users == ["liverl/bench/ingest.py"], users
 
 
@@ -61,5 +64,6 @@ def test_every_third_party_import_is_declared():
                 names = {d.lower().replace("_", "-") for d in dists.get(top, [])}
                 if not names & declared:
                     missing.setdefault(f"{top} ({', '.join(sorted(names)) or 'not installed'})", []).append(
-                        path.relative_to(REPO).as_posix())
+                        path.relative_to(REPO).as_posix()
+                    )
     assert not missing, f"imported but not declared in pyproject.toml: {missing}"

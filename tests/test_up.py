@@ -18,8 +18,9 @@ from tests.conftest import free_port
 
 
 def _post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"content-type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"content-type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -31,19 +32,28 @@ def _post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict]
 def test_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
     gw, node, broker = free_port(), free_port(), free_port()
     env = dict(os.environ)
-    env.update({
-        "LIVERL__BROKER__EMBEDDED_PORT": str(broker), "LIVERL__REDIS__EMBEDDED_PORT": str(free_port()),
-        "LIVERL__SERVING__GATEWAY_PORT": str(gw), "LIVERL__SERVING__VLLM_PORT": str(node),
-        "LIVERL__INGEST__WEB_PORT": str(free_port()), "LIVERL__GATE__METRICS_PORT": str(free_port()),
-        "LIVERL__TOPICS__PREFIX": f"up{os.getpid()}",
-        "HF_HUB_OFFLINE": "1",
-    })
+    env.update(
+        {
+            "LIVERL__BROKER__EMBEDDED_PORT": str(broker),
+            "LIVERL__REDIS__EMBEDDED_PORT": str(free_port()),
+            "LIVERL__SERVING__GATEWAY_PORT": str(gw),
+            "LIVERL__SERVING__VLLM_PORT": str(node),
+            "LIVERL__INGEST__WEB_PORT": str(free_port()),
+            "LIVERL__GATE__METRICS_PORT": str(free_port()),
+            "LIVERL__TOPICS__PREFIX": f"up{os.getpid()}",
+            "HF_HUB_OFFLINE": "1",
+        }
+    )
     if os.environ.get("LIVERL_TEST_MODEL_CACHE"):
         env["LIVERL__MODEL__CACHE_DIR"] = os.environ["LIVERL_TEST_MODEL_CACHE"]
     out = tmp_path / "up.log"
     with open(out, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "liverl.cli", "up", "--state-dir", str(tmp_path / "state")],
-                                env=env, stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "liverl.cli", "up", "--state-dir", str(tmp_path / "state")],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
     try:
         deadline = time.monotonic() + 420
         while "Ctrl-C stops everything" not in out.read_text() and time.monotonic() < deadline:
@@ -51,11 +61,20 @@ def test_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
             time.sleep(1)
         text = out.read_text()
         assert "Ctrl-C stops everything" in text, text[-3000:]
-        for what in (f"http://127.0.0.1:{gw}/v1", "/v1/feedback", "X-Liverl-Product-Key", "kcat",
-                     "partitioner=murmur2_random", "logs", "/metrics"):
+        for what in (
+            f"http://127.0.0.1:{gw}/v1",
+            "/v1/feedback",
+            "X-Liverl-Product-Key",
+            "kcat",
+            "partitioner=murmur2_random",
+            "logs",
+            "/metrics",
+        ):
             assert what in text, (what, text[-3000:])
-        status, body = _post(f"http://127.0.0.1:{gw}/v1/completions",
-                             {"model": "liverl", "prompt": "[a]12+34=", "max_tokens": 5, "temperature": 1.0})
+        status, body = _post(
+            f"http://127.0.0.1:{gw}/v1/completions",
+            {"model": "liverl", "prompt": "[a]12+34=", "max_tokens": 5, "temperature": 1.0},
+        )
         assert status == 200 and body["choices"], body
         gid = body["choices"][0]["generation_id"]
         event = {"feedback_id": "fb-up-1", "generation_id": gid, "kind": "accept"}
@@ -80,13 +99,21 @@ def test_up_refuses_a_model_family_it_does_not_handle_before_starting_anything(t
     model = tmp_path / "my-model"
     model.mkdir()
     (model / "config.json").write_text('{"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"]}')
-    r = subprocess.run([sys.executable, "-m", "liverl.cli", "up", "--model", str(model), "--state-dir",
-                        str(tmp_path / "state")], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "liverl.cli", "up", "--model", str(model), "--state-dir", str(tmp_path / "state")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert "'gpt_oss'" in r.stderr and "not handled by liverl yet" in r.stderr and "qwen3_moe" in r.stderr
     assert not (tmp_path / "state" / "logs").exists()  # nothing was started
-    r = subprocess.run([sys.executable, "-m", "liverl.cli", "up", "--model", str(tmp_path / "nope")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "liverl.cli", "up", "--model", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "no config.json" in r.stderr
 
 
@@ -98,7 +125,8 @@ def _marked(mark: str) -> list[str]:
     for p in psutil.process_iter(["pid", "name"]):
         try:
             if p.pid != os.getpid() and f"LIVERL_UP_TEST_MARK={mark}" in "\0".join(
-                    f"{k}={v}" for k, v in p.environ().items()):
+                f"{k}={v}" for k, v in p.environ().items()
+            ):
                 out.append(f"{p.pid} {p.name()} (parent {p.ppid()})")
         except (psutil.Error, OSError):
             pass
@@ -115,20 +143,32 @@ def test_a_failed_up_leaves_no_process_behind(tmp_path):
     mark = uuid.uuid4().hex
     gw = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIVERL")}
-    env.update({
-        "LIVERL__BROKER__EMBEDDED_PORT": str(free_port()), "LIVERL__REDIS__EMBEDDED_PORT": str(free_port()),
-        "LIVERL__SERVING__GATEWAY_PORT": str(gw), "LIVERL__SERVING__VLLM_PORT": str(free_port()),
-        "LIVERL__INGEST__WEB_PORT": str(free_port()), "LIVERL__GATE__METRICS_PORT": str(free_port()),
-        "LIVERL__TOPICS__PREFIX": f"upfail{mark[:8]}", "LIVERL__SUPERVISOR__RESTARTS": "0",
-        "HF_HUB_OFFLINE": "1", "LIVERL_UP_TEST_MARK": mark,
-    })
+    env.update(
+        {
+            "LIVERL__BROKER__EMBEDDED_PORT": str(free_port()),
+            "LIVERL__REDIS__EMBEDDED_PORT": str(free_port()),
+            "LIVERL__SERVING__GATEWAY_PORT": str(gw),
+            "LIVERL__SERVING__VLLM_PORT": str(free_port()),
+            "LIVERL__INGEST__WEB_PORT": str(free_port()),
+            "LIVERL__GATE__METRICS_PORT": str(free_port()),
+            "LIVERL__TOPICS__PREFIX": f"upfail{mark[:8]}",
+            "LIVERL__SUPERVISOR__RESTARTS": "0",
+            "HF_HUB_OFFLINE": "1",
+            "LIVERL_UP_TEST_MARK": mark,
+        }
+    )
     if os.environ.get("LIVERL_TEST_MODEL_CACHE"):
         env["LIVERL__MODEL__CACHE_DIR"] = os.environ["LIVERL_TEST_MODEL_CACHE"]
     with socket.socket() as held:
         held.bind(("127.0.0.1", gw))
         held.listen()
-        r = subprocess.run([sys.executable, "-m", "liverl.cli", "up", "--state-dir", str(tmp_path / "state")],
-                           env=env, capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [sys.executable, "-m", "liverl.cli", "up", "--state-dir", str(tmp_path / "state")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     assert r.returncode != 0, r.stdout[-2000:]
     left = _marked(mark)
     if left:

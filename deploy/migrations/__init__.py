@@ -85,9 +85,11 @@ def upgrade_connection(conn: sa.Connection, revision: str = "head") -> str:
             command.stamp(alembic_config(connection=conn), INITIAL_REVISION)
             before = "legacy"
         elif present:
-            raise RuntimeError(f"the registry database has only some of its tables ({sorted(present)}) and no "
-                               "alembic_version: it was not made by liverl, or a create_all was interrupted; "
-                               "use a fresh database or restore the missing tables")
+            raise RuntimeError(
+                f"the registry database has only some of its tables ({sorted(present)}) and no "
+                "alembic_version: it was not made by liverl, or a create_all was interrupted; "
+                "use a fresh database or restore the missing tables"
+            )
         else:
             before = ""
     if before != head_revision() or revision != "head":

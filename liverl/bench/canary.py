@@ -29,20 +29,45 @@ import math
 import time
 from pathlib import Path
 
-DEFAULTS = {"runs": 1000, "users": "48,1000,10000", "populations": "segments,beta(2,2),beta(0.5,1.5)",
-            "share": 0.5, "effect": 0.03, "events_per_s": 50.0, "deadline_s": 1800.0, "pre_s": 1800.0,
-            "activity_sigma": 1.0, "alpha": 0.05, "tau": 0.03, "min_events": 100, "min_units": 10,
-            "srm_alpha": 0.001, "seed": 0}
+DEFAULTS = {
+    "runs": 1000,
+    "users": "48,1000,10000",
+    "populations": "segments,beta(2,2),beta(0.5,1.5)",
+    "share": 0.5,
+    "effect": 0.03,
+    "events_per_s": 50.0,
+    "deadline_s": 1800.0,
+    "pre_s": 1800.0,
+    "activity_sigma": 1.0,
+    "alpha": 0.05,
+    "tau": 0.03,
+    "min_events": 100,
+    "min_units": 10,
+    "srm_alpha": 0.001,
+    "seed": 0,
+}
 USER_SCHEMES = ("user", "user+cuped")
 
 
-def run(runs: int = DEFAULTS["runs"], users: str = DEFAULTS["users"], populations: str = DEFAULTS["populations"],
-        share: float = DEFAULTS["share"], effect: float = DEFAULTS["effect"],
-        events_per_s: float = DEFAULTS["events_per_s"], deadline_s: float = DEFAULTS["deadline_s"],
-        pre_s: float = DEFAULTS["pre_s"], activity_sigma: float = DEFAULTS["activity_sigma"],
-        alpha: float = DEFAULTS["alpha"], tau: float = DEFAULTS["tau"], min_events: int = DEFAULTS["min_events"],
-        min_units: int = DEFAULTS["min_units"], srm_alpha: float = DEFAULTS["srm_alpha"],
-        seed: int = DEFAULTS["seed"], json_path: str | None = None, command: str = "liverl bench canary") -> dict:
+def run(
+    runs: int = DEFAULTS["runs"],
+    users: str = DEFAULTS["users"],
+    populations: str = DEFAULTS["populations"],
+    share: float = DEFAULTS["share"],
+    effect: float = DEFAULTS["effect"],
+    events_per_s: float = DEFAULTS["events_per_s"],
+    deadline_s: float = DEFAULTS["deadline_s"],
+    pre_s: float = DEFAULTS["pre_s"],
+    activity_sigma: float = DEFAULTS["activity_sigma"],
+    alpha: float = DEFAULTS["alpha"],
+    tau: float = DEFAULTS["tau"],
+    min_events: int = DEFAULTS["min_events"],
+    min_units: int = DEFAULTS["min_units"],
+    srm_alpha: float = DEFAULTS["srm_alpha"],
+    seed: int = DEFAULTS["seed"],
+    json_path: str | None = None,
+    command: str = "liverl bench canary",
+) -> dict:
     from deploy.canary_sim import simulate_sticky
 
     sizes = [int(u) for u in str(users).split(",") if u.strip()]
@@ -52,17 +77,33 @@ def run(runs: int = DEFAULTS["runs"], users: str = DEFAULTS["users"], population
     for k in sizes:
         for pop in pops:
             t0 = time.perf_counter()
-            res = simulate_sticky(pop, k, effects=(0.0, effect, -effect), runs=runs, share=share,
-                                  events_per_s=events_per_s, deadline_s=deadline_s, pre_s=pre_s,
-                                  activity_sigma=activity_sigma, alpha=alpha, tau=tau, min_events=min_events,
-                                  min_units=min_units, srm_alpha=srm_alpha, seed=seed)
+            res = simulate_sticky(
+                pop,
+                k,
+                effects=(0.0, effect, -effect),
+                runs=runs,
+                share=share,
+                events_per_s=events_per_s,
+                deadline_s=deadline_s,
+                pre_s=pre_s,
+                activity_sigma=activity_sigma,
+                alpha=alpha,
+                tau=tau,
+                min_events=min_events,
+                min_units=min_units,
+                srm_alpha=srm_alpha,
+                seed=seed,
+            )
             res["seconds"] = time.perf_counter() - t0
             res["effects"] = {str(e): v for e, v in res["effects"].items()}
             rows.append(res)
             aa = res["effects"]["0.0"]
-            print(f"  {pop}, {k:,} users: A/A false decisions user {_false(aa['user']):.1%}, user+CUPED "
-                  f"{_false(aa['user+cuped']):.1%}, per event on sticky users {_false(aa['event, sticky users']):.1%} "
-                  f"({res['seconds']:.0f} s)", flush=True)
+            print(
+                f"  {pop}, {k:,} users: A/A false decisions user {_false(aa['user']):.1%}, user+CUPED "
+                f"{_false(aa['user+cuped']):.1%}, per event on sticky users {_false(aa['event, sticky users']):.1%} "
+                f"({res['seconds']:.0f} s)",
+                flush=True,
+            )
     summary = {"rows": rows, "command": command, "effect": effect, "seconds": time.perf_counter() - t_all}
     print(_tables(summary))
     if json_path:
@@ -93,8 +134,14 @@ def binomial_upper(k: int, n: int, level: float = 0.95) -> float:
         return 1.0
 
     def cdf(p: float) -> float:  # P(X <= k)
-        logs = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * math.log(p)
-                + (n - i) * math.log1p(-p) for i in range(k + 1)]
+        logs = [
+            math.lgamma(n + 1)
+            - math.lgamma(i + 1)
+            - math.lgamma(n - i + 1)
+            + i * math.log(p)
+            + (n - i) * math.log1p(-p)
+            for i in range(k + 1)
+        ]
         top = max(logs)
         return math.exp(top) * sum(math.exp(v - top) for v in logs)
 
@@ -113,24 +160,36 @@ def _tables(summary: dict) -> str:
     rows, eff = summary["rows"], summary["effect"]
     r0 = rows[0]
     alpha = r0["alpha"]
-    lines = ["", "A/A: false decisions (promoted + aborted), exact 95% upper bound in brackets", "",
-             "| population | users | user unit | user unit + CUPED | per event, sticky users (wrong) | "
-             "per event, per-request arms | SRM alarms | CUPED removed |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "A/A: false decisions (promoted + aborted), exact 95% upper bound in brackets",
+        "",
+        "| population | users | user unit | user unit + CUPED | per event, sticky users (wrong) | "
+        "per event, per-request arms | SRM alarms | CUPED removed |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     worst = worst_upper = 0.0
     for r in rows:
         aa, n = r["effects"]["0.0"], r["runs"]
         worst = max(worst, *(_false(aa[s]) for s in USER_SCHEMES))
         worst_upper = max(worst_upper, *(binomial_upper(round(_false(aa[s]) * n), n) for s in USER_SCHEMES))
         removed = aa["cuped_removed"]
-        lines.append(f"| {r['population']} | {r['users']:,} | {_rate(_false(aa['user']), n)} | "
-                     f"{_rate(_false(aa['user+cuped']), n)} | {_rate(_false(aa['event, sticky users']), n)} | "
-                     f"{_rate(_false(aa['event, per request']), n)} | {_rate(aa['srm'], n)} | "
-                     f"{'-' if removed is None else f'{removed:.1%}'} |")
+        lines.append(
+            f"| {r['population']} | {r['users']:,} | {_rate(_false(aa['user']), n)} | "
+            f"{_rate(_false(aa['user+cuped']), n)} | {_rate(_false(aa['event, sticky users']), n)} | "
+            f"{_rate(_false(aa['event, per request']), n)} | {_rate(aa['srm'], n)} | "
+            f"{'-' if removed is None else f'{removed:.1%}'} |"
+        )
     up, down = str(eff), str(-eff)
     pts = f"{eff * 100:g} points"
-    lines += ["", f"+{pts} / -{pts}: power (promoted / aborted by the deadline) and median events to that decision",
-              "", f"| population | users | +{pts}: user | user + CUPED | per request | -{pts}: user | user + CUPED "
-              "| per request |", "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        f"+{pts} / -{pts}: power (promoted / aborted by the deadline) and median events to that decision",
+        "",
+        f"| population | users | +{pts}: user | user + CUPED | per request | -{pts}: user | user + CUPED "
+        "| per request |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         cells = []
         for key, side in ((up, "promoted"), (down, "aborted")):
@@ -140,35 +199,53 @@ def _tables(summary: dict) -> str:
         lines.append(f"| {r['population']} | {r['users']:,} | " + " | ".join(cells) + " |")
     verdict = "PASS" if worst <= alpha else "FAIL"
     bound = "below" if worst_upper <= alpha else "above"
-    lines += ["", f"{r0['runs']:,} canaries per row; canary share {r0['share']:.0%} of users; {r0['events_per_s']:g} "
-              f"judged events/s (all traffic), a look per closed {r0['bucket_s']:g} s bucket, deadline "
-              f"{r0['deadline_s']:g} s ({r0['events_at_deadline']:,} events); CUPED covariate from {r0['pre_s']:g} s "
-              f"before the rollout; log-normal activity sigma {r0['activity_sigma']:g}; alpha {alpha}, tau "
-              f"{r0['tau']}, at least {r0['min_events']} events and {r0['min_units']} users per arm before a "
-              f"decision; SRM at {r0['srm_alpha']}",
-              f"user-unit A/A false decisions (bar: at most alpha {alpha:.0%} in every row): largest {worst:.1%}, "
-              f"{verdict}; largest 95% upper bound {worst_upper:.1%}, {bound} alpha",
-              f"reproduce: `{summary['command']}` ({summary['seconds'] / 60:.0f} min here)"]
+    lines += [
+        "",
+        f"{r0['runs']:,} canaries per row; canary share {r0['share']:.0%} of users; {r0['events_per_s']:g} "
+        f"judged events/s (all traffic), a look per closed {r0['bucket_s']:g} s bucket, deadline "
+        f"{r0['deadline_s']:g} s ({r0['events_at_deadline']:,} events); CUPED covariate from {r0['pre_s']:g} s "
+        f"before the rollout; log-normal activity sigma {r0['activity_sigma']:g}; alpha {alpha}, tau "
+        f"{r0['tau']}, at least {r0['min_events']} events and {r0['min_units']} users per arm before a "
+        f"decision; SRM at {r0['srm_alpha']}",
+        f"user-unit A/A false decisions (bar: at most alpha {alpha:.0%} in every row): largest {worst:.1%}, "
+        f"{verdict}; largest 95% upper bound {worst_upper:.1%}, {bound} alpha",
+        f"reproduce: `{summary['command']}` ({summary['seconds'] / 60:.0f} min here)",
+    ]
     return "\n".join(lines)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    s = subparsers.add_parser("canary", help="the canary's sequential test on sticky users: A/A false decisions "
-                              "and power, user unit and CUPED against per-event", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = subparsers.add_parser(
+        "canary",
+        help="the canary's sequential test on sticky users: A/A false decisions "
+        "and power, user unit and CUPED against per-event",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     d = DEFAULTS
     s.add_argument("--runs", type=int, default=d["runs"], help="canaries per row (default 1000)")
     s.add_argument("--users", default=d["users"], help=f"population sizes, comma-separated (default {d['users']})")
-    s.add_argument("--populations", default=d["populations"],
-                   help=f"users' acceptance rates: segments, beta(a,b) (default {d['populations']})")
+    s.add_argument(
+        "--populations",
+        default=d["populations"],
+        help=f"users' acceptance rates: segments, beta(a,b) (default {d['populations']})",
+    )
     s.add_argument("--share", type=float, default=d["share"], help="canary's share of users (default 0.5, the demo's)")
     s.add_argument("--effect", type=float, default=d["effect"], help="change to detect (default 0.03)")
-    s.add_argument("--events-per-s", type=float, default=d["events_per_s"],
-                   help="judged events per second, all traffic (default 50, the demo's)")
+    s.add_argument(
+        "--events-per-s",
+        type=float,
+        default=d["events_per_s"],
+        help="judged events per second, all traffic (default 50, the demo's)",
+    )
     s.add_argument("--deadline-s", type=float, default=d["deadline_s"], help="canary deadline (default 1800)")
     s.add_argument("--pre-s", type=float, default=d["pre_s"], help="pre-rollout window for CUPED (default 1800)")
-    s.add_argument("--activity-sigma", type=float, default=d["activity_sigma"],
-                   help="spread of user activity, log-normal sigma (default 1.0, the demo's)")
+    s.add_argument(
+        "--activity-sigma",
+        type=float,
+        default=d["activity_sigma"],
+        help="spread of user activity, log-normal sigma (default 1.0, the demo's)",
+    )
     s.add_argument("--alpha", type=float, default=d["alpha"], help="error rate (default 0.05)")
     s.add_argument("--tau", type=float, default=d["tau"], help="mixture scale (default 0.03)")
     s.add_argument("--min-events", type=int, default=d["min_events"], help="events per arm before a decision (100)")
@@ -182,8 +259,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _cmd(args: argparse.Namespace) -> int:
     names = [n for n in DEFAULTS]
-    command = "liverl bench canary" + "".join(f" --{n.replace('_', '-')} '{getattr(args, n)}'" if "(" in str(
-        getattr(args, n)) else f" --{n.replace('_', '-')} {getattr(args, n)}" for n in names
-        if getattr(args, n) != DEFAULTS[n])
+    command = "liverl bench canary" + "".join(
+        f" --{n.replace('_', '-')} '{getattr(args, n)}'"
+        if "(" in str(getattr(args, n))
+        else f" --{n.replace('_', '-')} {getattr(args, n)}"
+        for n in names
+        if getattr(args, n) != DEFAULTS[n]
+    )
     run(**{n: getattr(args, n) for n in names}, json_path=args.json, command=command)
     return 0

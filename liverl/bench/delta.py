@@ -38,8 +38,18 @@ Case = tuple[str, dict, dict]
 DEMO_LRS = (1e-6, 3e-6, 1e-5)
 DEMO_CADENCES = (1, 10, 50)
 SYNTHETIC_FRACTIONS = (0.01, 0.02, 0.05)
-ROW_KEYS = ("case", "changed_fraction", "ratio_liverl", "ratio_zstd", "ratio_xor_zstd", "ratio_entropy_bound",
-            "ratio_conditional_bound", "encode_gbps", "decode_apply_gbps", "peak_rss_bytes")
+ROW_KEYS = (
+    "case",
+    "changed_fraction",
+    "ratio_liverl",
+    "ratio_zstd",
+    "ratio_xor_zstd",
+    "ratio_entropy_bound",
+    "ratio_conditional_bound",
+    "encode_gbps",
+    "decode_apply_gbps",
+    "peak_rss_bytes",
+)
 _BOUND_CHUNK = 1 << 24  # elements per step of the entropy counting (a few hundred MiB of scratch at most)
 
 
@@ -50,8 +60,9 @@ class BenchError(RuntimeError):
 # ------------------------------------------------------------------------------------------------ cases
 
 
-def demo_cases(cache_dir: Path, seed: int = 0, lrs: tuple[float, ...] = DEMO_LRS,
-               cadences: tuple[int, ...] = DEMO_CADENCES) -> Iterator[Case]:
+def demo_cases(
+    cache_dir: Path, seed: int = 0, lrs: tuple[float, ...] = DEMO_LRS, cadences: tuple[int, ...] = DEMO_CADENCES
+) -> Iterator[Case]:
     """The demo policy moved by AdamW (weight_decay 0) steps; yields ``demo lr=<lr> every <n>`` = base -> step n.
 
     Each step is a causal-LM loss on a fresh random token batch (16 x 12, seeded), as a stand-in for a
@@ -110,8 +121,9 @@ def _changed_fraction_at(lr: float, sample: list[tuple[torch.Tensor, torch.Tenso
     return changed
 
 
-def step_lr_for(fraction: float, layout: list[tuple[str, tuple[int, ...], float]], seed: int = 0,
-                sample_elements: int = 1 << 22) -> float:
+def step_lr_for(
+    fraction: float, layout: list[tuple[str, tuple[int, ...], float]], seed: int = 0, sample_elements: int = 1 << 22
+) -> float:
     """The Adam first-step size ``lr`` at which about ``fraction`` of the layout's bf16 elements change.
 
     Bisection (in log space) on a sample drawn like the model, each tensor represented by its share.
@@ -151,8 +163,9 @@ def _synthetic_tensor(shape: tuple[int, ...], sigma: float, lr: float, seed: int
     return base, target
 
 
-def synthetic_cases(gb: float = 1.0, fractions: tuple[float, ...] = SYNTHETIC_FRACTIONS,
-                    seed: int = 0) -> Iterator[Case]:
+def synthetic_cases(
+    gb: float = 1.0, fractions: tuple[float, ...] = SYNTHETIC_FRACTIONS, seed: int = 0
+) -> Iterator[Case]:
     """A >= ``gb`` GiB bf16 model and, per fraction, its version after one Adam-like step changing that fraction.
 
     Master weights are fp32 ~ N(0, sigma) (sigma per tensor); base = bf16(master), target =
@@ -199,8 +212,8 @@ class ChangeCounter:
     def add(self, base_u16: np.ndarray, target_u16: np.ndarray) -> None:
         base_u16, target_u16 = base_u16.reshape(-1), target_u16.reshape(-1)
         for lo in range(0, base_u16.size, _BOUND_CHUNK):
-            b = base_u16[lo:lo + _BOUND_CHUNK]
-            xor = np.bitwise_xor(b, target_u16[lo:lo + _BOUND_CHUNK])
+            b = base_u16[lo : lo + _BOUND_CHUNK]
+            xor = np.bitwise_xor(b, target_u16[lo : lo + _BOUND_CHUNK])
             exponent = b >> 7
             exponent &= 0xFF
             self.n_e += np.bincount(exponent, minlength=256)
@@ -312,11 +325,16 @@ def _check_bit_exact(case: str, got: Mapping, target: Mapping) -> None:
     import torch
 
     if set(got) != set(target):
-        raise BenchError(f"{case}: decode-apply gave tensors {sorted(set(got) ^ set(target))[:5]} that differ from the target's")
+        raise BenchError(
+            f"{case}: decode-apply gave tensors {sorted(set(got) ^ set(target))[:5]} that differ from the target's"
+        )
     for name, t in target.items():
         g = got[name]
-        if g.dtype != t.dtype or g.shape != t.shape or not torch.equal(g.contiguous().view(torch.int16),
-                                                                        t.contiguous().view(torch.int16)):
+        if (
+            g.dtype != t.dtype
+            or g.shape != t.shape
+            or not torch.equal(g.contiguous().view(torch.int16), t.contiguous().view(torch.int16))
+        ):
             raise BenchError(f"{case}: decode-apply is not bit-exact: tensor {name!r} differs from the target")
 
 
@@ -324,8 +342,13 @@ def _ratio(raw: float, compressed: float) -> float:
     return raw / compressed if compressed > 0 else math.inf
 
 
-def measure(case_name: str, base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], repeat: int = 1,
-            phase: Callable[[str], None] = lambda _: None) -> dict:
+def measure(
+    case_name: str,
+    base: Mapping[str, torch.Tensor],
+    target: Mapping[str, torch.Tensor],
+    repeat: int = 1,
+    phase: Callable[[str], None] = lambda _: None,
+) -> dict:
     """One row: sizes, bounds, throughput and working memory of coding ``base -> target``.
 
     Timings are the best of ``repeat``; memory peaks the largest. Raises ``BenchError`` when the decoded
@@ -439,17 +462,26 @@ def machine() -> str:
     except OSError:
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return (f"{os.cpu_count()} cores, {model}, {mem / 2**30:.0f} GiB RAM; python {platform.python_version()}, "
-            f"torch {torch.__version__}, numpy {np.__version__}, zstandard {zstandard.__version__}")
+    return (
+        f"{os.cpu_count()} cores, {model}, {mem / 2**30:.0f} GiB RAM; python {platform.python_version()}, "
+        f"torch {torch.__version__}, numpy {np.__version__}, zstandard {zstandard.__version__}"
+    )
 
 
 def _commit() -> str:
     root = Path(__file__).resolve().parent.parent
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10, check=False).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=False
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown commit"
     return f"commit {sha or 'unknown'}{' + local changes' if dirty else ''}"
@@ -464,17 +496,38 @@ def table(rows: list[dict], title: str):
     t.add_column("changed", justify="right")
     t.add_column("raw", justify="right")
     t.add_column("liverl", justify="right", style="bold")
-    for col in ("zstd", "xor+zstd", "order-0\nbound", "cond.\nbound", "liverl vs\nxor+zstd", "liverl vs\norder-0",
-                "encode\nGB/s", "apply\nGB/s", "peak RSS\nenc / apply", "delta"):
+    for col in (
+        "zstd",
+        "xor+zstd",
+        "order-0\nbound",
+        "cond.\nbound",
+        "liverl vs\nxor+zstd",
+        "liverl vs\norder-0",
+        "encode\nGB/s",
+        "apply\nGB/s",
+        "peak RSS\nenc / apply",
+        "delta",
+    ):
         t.add_column(col, justify="right")
     for i, r in enumerate(rows):
         last_of_group = i + 1 == len(rows) or rows[i + 1]["case"].split()[0] != r["case"].split()[0]
-        t.add_row(r["case"], f"{r['changed_fraction']:.3%}", _size(r["raw_bytes"]), _x(r["ratio_liverl"]),
-                  _x(r["ratio_zstd"]), _x(r["ratio_xor_zstd"]), _x(r["ratio_entropy_bound"]),
-                  _x(r["ratio_conditional_bound"]), _x(r["vs_xor_zstd"]), f"{r['vs_entropy_bound']:.2f}",
-                  f"{r['encode_gbps']:.2f}", f"{r['decode_apply_gbps']:.2f}",
-                  f"{_size(r['peak_rss_encode_bytes'])} / {_size(r['peak_rss_decode_apply_bytes'])}",
-                  _size(r["delta_bytes"]), end_section=last_of_group)
+        t.add_row(
+            r["case"],
+            f"{r['changed_fraction']:.3%}",
+            _size(r["raw_bytes"]),
+            _x(r["ratio_liverl"]),
+            _x(r["ratio_zstd"]),
+            _x(r["ratio_xor_zstd"]),
+            _x(r["ratio_entropy_bound"]),
+            _x(r["ratio_conditional_bound"]),
+            _x(r["vs_xor_zstd"]),
+            f"{r['vs_entropy_bound']:.2f}",
+            f"{r['encode_gbps']:.2f}",
+            f"{r['decode_apply_gbps']:.2f}",
+            f"{_size(r['peak_rss_encode_bytes'])} / {_size(r['peak_rss_decode_apply_bytes'])}",
+            _size(r["delta_bytes"]),
+            end_section=last_of_group,
+        )
     return t
 
 
@@ -489,9 +542,17 @@ def _warm_up() -> None:
     delta.warm_up()
 
 
-def run(cache_dir: Path | None = None, seed: int = 0, synthetic_gb: float = 1.0, skip_demo: bool = False,
-        skip_synthetic: bool = False, repeat: int = 1, json_path: str | None = None,
-        command: str = "liverl bench delta", console=None) -> list[dict]:
+def run(
+    cache_dir: Path | None = None,
+    seed: int = 0,
+    synthetic_gb: float = 1.0,
+    skip_demo: bool = False,
+    skip_synthetic: bool = False,
+    repeat: int = 1,
+    json_path: str | None = None,
+    command: str = "liverl bench delta",
+    console=None,
+) -> list[dict]:
     """Measure every case, print the table (with the command and machine under it), optionally write JSON."""
     from rich.console import Console
     from rich.progress import (
@@ -522,8 +583,15 @@ def run(cache_dir: Path | None = None, seed: int = 0, synthetic_gb: float = 1.0,
 
     rows: list[dict] = []
     _warm_up()
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
+    with Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        transient=True,
+    ) as progress:
         task = progress.add_task("building the first case", total=sum(n for n, _ in families))
         for _, make in families:
             cases = make()
@@ -534,19 +602,34 @@ def run(cache_dir: Path | None = None, seed: int = 0, synthetic_gb: float = 1.0,
                     break
                 name, base, target = case
                 del case
-                rows.append(measure(name, base, target, repeat=repeat,
-                                    phase=lambda p, name=name: progress.update(task, description=f"{name}: {p}")))
+                rows.append(
+                    measure(
+                        name,
+                        base,
+                        target,
+                        repeat=repeat,
+                        phase=lambda p, name=name: progress.update(task, description=f"{name}: {p}"),
+                    )
+                )
                 del base, target
                 progress.advance(task)
 
     console.print(table(rows, "liverl delta codec: compression ratio (raw bytes / compressed bytes) and speed"))
     chunk = delta.CHUNK_ELEMENTS
-    notes = [(f"codec chunk: {chunk:,} elements ({_size(chunk * 2)} of bf16); working memory should stay "
-              f"under 2 x chunk bytes + delta bytes"),
-             ("apply: apply_delta_inplace, the full safe path: verify the container and the whole base, decode "
-              "and apply chunk by chunk, verify every touched tensor")]
-    notes.append("peak RSS: anonymous resident memory above the level before the call (encode / decode-apply), "
-                 "sampled every 2 ms; every decoded row was checked bit-exact against its target")
+    notes = [
+        (
+            f"codec chunk: {chunk:,} elements ({_size(chunk * 2)} of bf16); working memory should stay "
+            f"under 2 x chunk bytes + delta bytes"
+        ),
+        (
+            "apply: apply_delta_inplace, the full safe path: verify the container and the whole base, decode "
+            "and apply chunk by chunk, verify every touched tensor"
+        ),
+    ]
+    notes.append(
+        "peak RSS: anonymous resident memory above the level before the call (encode / decode-apply), "
+        "sampled every 2 ms; every decoded row was checked bit-exact against its target"
+    )
     if any(math.isinf(r["ratio_entropy_bound"]) for r in rows):
         notes.append("inf: nothing changed, so the bound is 0 bits (written as null in JSON)")
     for n in notes:

@@ -82,13 +82,21 @@ def _records(n: int, seed: int = 0) -> tuple[list[tuple[bytes, bytes, int]], lis
         t_fb = t_gen + rng.uniform(*FEEDBACK_DELAY_S)
         n_prompt, n_comp = rng.randint(12, 24), rng.randint(3, 8)
         rec = GenerationRecord(
-            generation_id=gid, policy_version=0, node="bench", prompt="What is 12 + 34?", completion=" 46",
+            generation_id=gid,
+            policy_version=0,
+            node="bench",
+            prompt="What is 12 + 34?",
+            completion=" 46",
             prompt_token_ids=[rng.randrange(1, 500) for _ in range(n_prompt)],
             completion_token_ids=[rng.randrange(1, 500) for _ in range(n_comp)],
-            completion_logprobs=[-rng.random() * 3 for _ in range(n_comp)], sampling=sampling, finish_reason="stop",
-            latency_s=rng.uniform(0.05, 0.5), unit=fleet.unit_id(f"user-{rng.randrange(BENCH_USERS)}"), ts=t_gen)
-        fb = FeedbackEvent(feedback_id=f"f-{run}-{i}", generation_id=gid, kind="accept" if i % 2 else "reject",
-                           ts=t_fb)
+            completion_logprobs=[-rng.random() * 3 for _ in range(n_comp)],
+            sampling=sampling,
+            finish_reason="stop",
+            latency_s=rng.uniform(0.05, 0.5),
+            unit=fleet.unit_id(f"user-{rng.randrange(BENCH_USERS)}"),
+            ts=t_gen,
+        )
+        fb = FeedbackEvent(feedback_id=f"f-{run}-{i}", generation_id=gid, kind="accept" if i % 2 else "reject", ts=t_fb)
         key = gid.encode()
         gens.append((key, rec.model_dump_json().encode(), int(t_gen * 1000)))
         fbs.append((key, fb.model_dump_json().encode(), int(t_fb * 1000)))
@@ -99,8 +107,16 @@ def _produce(bootstrap: str, topic: str, records: list[tuple[bytes, bytes, int]]
     """Write records with librdkafka, partitioned like kafka-python and aiokafka (murmur2 of the key)."""
     from confluent_kafka import Producer
 
-    p = Producer({"bootstrap.servers": bootstrap, "partitioner": "murmur2_random", "linger.ms": 20,
-                  "batch.num.messages": 10_000, "queue.buffering.max.messages": 1_000_000, "acks": "all"})
+    p = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "partitioner": "murmur2_random",
+            "linger.ms": 20,
+            "batch.num.messages": 10_000,
+            "queue.buffering.max.messages": 1_000_000,
+            "acks": "all",
+        }
+    )
     failed: list[str] = []
 
     def report(err, _msg):
@@ -130,8 +146,13 @@ async def _raw_consume(bootstrap: str, topics: list[str], partitions: int, expec
     from liverl.core.schemas import FeedbackEvent, GenerationRecord, WireError
 
     model = {topics[0]: GenerationRecord, topics[1]: FeedbackEvent}
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None,
-                                fetch_max_wait_ms=200, max_partition_fetch_bytes=4 << 20)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        group_id=None,
+        fetch_max_wait_ms=200,
+        max_partition_fetch_bytes=4 << 20,
+    )
     await consumer.start()
     try:
         tps = [TopicPartition(t, p) for t in topics for p in range(partitions)]
@@ -170,10 +191,20 @@ def _faust_floor_child(bootstrap: str, topics: list[str], partitions: int, expec
     import faust
 
     logging.basicConfig(level=logging.WARNING)
-    app = faust.App(f"floor{os.getpid()}", broker=f"kafka://{bootstrap}", store="memory://", autodiscover=False,
-                    web_enabled=False, topic_partitions=partitions, broker_rebalance_timeout=3.0,
-                    broker_session_timeout=6.0, broker_heartbeat_interval=1.0, consumer_auto_offset_reset="earliest",
-                    key_serializer="raw", value_serializer="raw")
+    app = faust.App(
+        f"floor{os.getpid()}",
+        broker=f"kafka://{bootstrap}",
+        store="memory://",
+        autodiscover=False,
+        web_enabled=False,
+        topic_partitions=partitions,
+        broker_rebalance_timeout=3.0,
+        broker_session_timeout=6.0,
+        broker_heartbeat_interval=1.0,
+        consumer_auto_offset_reset="earliest",
+        key_serializer="raw",
+        value_serializer="raw",
+    )
     inputs = app.topic(*topics, key_type=str, key_serializer="raw", value_serializer="raw", partitions=partitions)
     state = {"n": 0, "t0": None}
 
@@ -198,14 +229,17 @@ def _faust_floor(bootstrap: str, topics: list[str], partitions: int, expect: int
     import importlib.util
 
     if importlib.util.find_spec("faust") is None:
-        raise ValueError("`liverl bench ingest` compares the worker with faust-streaming, which is not installed: "
-                         "pip install 'liverl[bench]' (scripts/setup.sh installs it)")
+        raise ValueError(
+            "`liverl bench ingest` compares the worker with faust-streaming, which is not installed: "
+            "pip install 'liverl[bench]' (scripts/setup.sh installs it)"
+        )
     import multiprocessing
 
     out = work_dir / "faust-floor.json"
     out.unlink(missing_ok=True)
     proc = multiprocessing.get_context("spawn").Process(
-        target=_faust_floor_child, args=(bootstrap, topics, partitions, expect, str(out)), name="faust-floor")
+        target=_faust_floor_child, args=(bootstrap, topics, partitions, expect, str(out)), name="faust-floor"
+    )
     proc.start()
     proc.join(600)
     if proc.is_alive():
@@ -254,8 +288,9 @@ def _helper_pids(stack, r) -> dict[str, int]:
     return pids
 
 
-def _wait_ready(ports: list[int], procs: list[subprocess.Popen], partitions: int, timeout_s: float,
-                log_dir: Path) -> None:
+def _wait_ready(
+    ports: list[int], procs: list[subprocess.Popen], partitions: int, timeout_s: float, log_dir: Path
+) -> None:
     """Until every worker's ``/healthz`` says its join table is ready and together they hold every partition."""
     import urllib.request
 
@@ -277,8 +312,10 @@ def _wait_ready(ports: list[int], procs: list[subprocess.Popen], partitions: int
         if ready == len(ports) and sorted(held) == list(range(partitions)):
             return
         time.sleep(0.1)
-    raise RuntimeError(f"{len(ports)} ingest worker(s) did not share the {partitions} partitions within "
-                       f"{timeout_s:.0f} s; see the logs in {log_dir}")
+    raise RuntimeError(
+        f"{len(ports)} ingest worker(s) did not share the {partitions} partitions within "
+        f"{timeout_s:.0f} s; see the logs in {log_dir}"
+    )
 
 
 def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_dir: Path, write) -> dict:
@@ -294,9 +331,14 @@ def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_d
     from liverl.core import keys
     from liverl.core.services import free_port
 
-    env_base = {**os.environ, "LIVERL__BROKER__BOOTSTRAP": stack.bootstrap, "LIVERL__REDIS__URL": stack.redis_url,
-                "LIVERL__TOPICS__PREFIX": cfg.topics.prefix, "LIVERL__BROKER__PARTITIONS": str(cfg.broker.partitions),
-                "PYTHONUNBUFFERED": "1"}
+    env_base = {
+        **os.environ,
+        "LIVERL__BROKER__BOOTSTRAP": stack.bootstrap,
+        "LIVERL__REDIS__URL": stack.redis_url,
+        "LIVERL__TOPICS__PREFIX": cfg.topics.prefix,
+        "LIVERL__BROKER__PARTITIONS": str(cfg.broker.partitions),
+        "PYTHONUNBUFFERED": "1",
+    }
     r = redis.Redis.from_url(stack.redis_url)
     helpers = _helper_pids(stack, r)
     ckey = keys.ingest_counters(cfg.topics.prefix)
@@ -307,12 +349,22 @@ def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_d
     ports = [free_port() for _ in range(n_workers)]
     try:
         for i in range(n_workers):
-            env = {**env_base, "LIVERL__STATE_DIR": str(Path(cfg.state_dir) / f"worker{n_workers}-{i}"),
-                   "LIVERL__INGEST__WEB_PORT": str(ports[i])}
+            env = {
+                **env_base,
+                "LIVERL__STATE_DIR": str(Path(cfg.state_dir) / f"worker{n_workers}-{i}"),
+                "LIVERL__INGEST__WEB_PORT": str(ports[i]),
+            }
             log = open(log_dir / f"ingest-{cfg.topics.prefix}-{i}.log", "wb")  # noqa: SIM115 - closed below
             logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, "-m", "liverl.cli", "ingest"], env=env, stdout=log,
-                                          stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "liverl.cli", "ingest"],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
         _wait_ready(ports, procs, cfg.broker.partitions, timeout_s, log_dir)
         t_ready = time.perf_counter()
         write()
@@ -356,8 +408,10 @@ def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_d
             log.close()
         r.close()
     if joined < pairs:
-        raise RuntimeError(f"{n_workers} worker(s) joined {joined} of {pairs} events within {timeout_s:.0f} s; "
-                           f"see the logs in {log_dir}")
+        raise RuntimeError(
+            f"{n_workers} worker(s) joined {joined} of {pairs} events within {timeout_s:.0f} s; "
+            f"see the logs in {log_dir}"
+        )
     dead = sum(v for k, v in counters.items() if k.startswith("dlq:"))
     span = max(t_last - (t_first or t_last), 1e-9)
     # events/s counts the events joined between the first poll that saw joins and the last one (those the first poll
@@ -368,24 +422,37 @@ def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_d
     cpu_join = cpu - cpu_first
     n_span = max(joined - joined_first, 1)
     busy, total = ticks[0] - ticks_first[0], ticks[1] - ticks_first[1]
-    return {"workers": n_workers, "joined": joined, "replayed": counters.get("joined", 0) - joined,
-            "dead_letters": dead, "start_s": t_ready - t_start, "seconds": span,
-            "events_per_s": (joined - joined_first) / span if joined > joined_first else joined / max(span, POLL_S),
-            "cpu_us_per_event": 1e6 * cpu_join / n_span,
-            # what the broker and Redis spent per event meanwhile, and how busy the machine's cores were: a machine
-            # near 100% holds no more events/s whatever the number of workers
-            "helpers_us_per_event": {name: 1e6 * c / n_span for name, c in helpers_cpu.items()},
-            "machine_busy": busy / total if total > 0 else float("nan"),
-            "core_use": cpu_join / span / n_workers, "counters": counters}
+    return {
+        "workers": n_workers,
+        "joined": joined,
+        "replayed": counters.get("joined", 0) - joined,
+        "dead_letters": dead,
+        "start_s": t_ready - t_start,
+        "seconds": span,
+        "events_per_s": (joined - joined_first) / span if joined > joined_first else joined / max(span, POLL_S),
+        "cpu_us_per_event": 1e6 * cpu_join / n_span,
+        # what the broker and Redis spent per event meanwhile, and how busy the machine's cores were: a machine
+        # near 100% holds no more events/s whatever the number of workers
+        "helpers_us_per_event": {name: 1e6 * c / n_span for name, c in helpers_cpu.items()},
+        "machine_busy": busy / total if total > 0 else float("nan"),
+        "core_use": cpu_join / span / n_workers,
+        "counters": counters,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ the bench
 
 
-def run(pairs: int = DEFAULTS["pairs"], partitions: int = DEFAULTS["partitions"], workers: tuple[int, ...] = (1, 2),
-        timeout_s: float = DEFAULTS["timeout"], config: str | None = None, json_path: str | None = None,
-        repeat: int = 1,
-        command: str = "liverl bench ingest") -> dict:
+def run(
+    pairs: int = DEFAULTS["pairs"],
+    partitions: int = DEFAULTS["partitions"],
+    workers: tuple[int, ...] = (1, 2),
+    timeout_s: float = DEFAULTS["timeout"],
+    config: str | None = None,
+    json_path: str | None = None,
+    repeat: int = 1,
+    command: str = "liverl bench ingest",
+) -> dict:
     """Start the stack, write the backlogs, measure the ceilings and the workers; print the table."""
     from liverl.core.bus import all_topics, ensure_topics
     from liverl.core.config import load_config
@@ -400,11 +467,20 @@ def run(pairs: int = DEFAULTS["pairs"], partitions: int = DEFAULTS["partitions"]
     base = f"bi{os.getpid()}"
     from liverl.bench.serve import _free_port, _machine
 
-    cfg = load_config(config, state_dir=str(state), topics__prefix=base, broker__partitions=partitions,
-                      broker__embedded_port=_free_port(), redis__embedded_port=_free_port())
+    cfg = load_config(
+        config,
+        state_dir=str(state),
+        topics__prefix=base,
+        broker__partitions=partitions,
+        broker__embedded_port=_free_port(),
+        redis__embedded_port=_free_port(),
+    )
     broker_name = cfg.broker.bootstrap or "embedded Tansu"
-    print(f"bench ingest: {pairs:,} pairs on {partitions} partitions, workers {','.join(map(str, workers))}, "
-          f"broker {broker_name}; logs in {state / 'logs'}", flush=True)
+    print(
+        f"bench ingest: {pairs:,} pairs on {partitions} partitions, workers {','.join(map(str, workers))}, "
+        f"broker {broker_name}; logs in {state / 'logs'}",
+        flush=True,
+    )
     gens, fbs = _records(pairs)
     stack = start_stack(cfg)
     rows: list[dict[str, Any]] = []
@@ -412,8 +488,9 @@ def run(pairs: int = DEFAULTS["pairs"], partitions: int = DEFAULTS["partitions"]
         (state / "logs").mkdir(parents=True, exist_ok=True)
 
         def topics_for(prefix: str):
-            run_cfg = load_config(config, state_dir=str(state / prefix), topics__prefix=prefix,
-                                  broker__partitions=partitions)
+            run_cfg = load_config(
+                config, state_dir=str(state / prefix), topics__prefix=prefix, broker__partitions=partitions
+            )
             ensure_topics(stack.bootstrap, all_topics(run_cfg), partitions)
             return run_cfg
 
@@ -421,8 +498,10 @@ def run(pairs: int = DEFAULTS["pairs"], partitions: int = DEFAULTS["partitions"]
             t0 = time.perf_counter()
             _produce(stack.bootstrap, run_cfg.topics.generations, gens)
             _produce(stack.bootstrap, run_cfg.topics.feedback, fbs)
-            print(f"  backlog {run_cfg.topics.prefix}: {2 * pairs:,} records written in "
-                  f"{time.perf_counter() - t0:.1f} s", flush=True)
+            print(
+                f"  backlog {run_cfg.topics.prefix}: {2 * pairs:,} records written in {time.perf_counter() - t0:.1f} s",
+                flush=True,
+            )
 
         raw_cfg = topics_for(f"{base}raw")
         backlog(raw_cfg)
@@ -431,25 +510,31 @@ def run(pairs: int = DEFAULTS["pairs"], partitions: int = DEFAULTS["partitions"]
             res = asyncio.run(_raw_consume(stack.bootstrap, topics, partitions, 2 * pairs, parse))
             res["side"] = "raw consumer + parse" if parse else "raw consumer"
             rows.append(res)
-            print(f"  {res['side']}: {res['records_per_s']:,.0f} records/s ({res['events_per_s']:,.0f} pairs/s)",
-                  flush=True)
+            print(
+                f"  {res['side']}: {res['records_per_s']:,.0f} records/s ({res['events_per_s']:,.0f} pairs/s)",
+                flush=True,
+            )
         res = _faust_floor(stack.bootstrap, topics, partitions, 2 * pairs, state)
         res["side"] = "faust agent, consume only"
         rows.append(res)
-        print(f"  {res['side']}: {res['records_per_s']:,.0f} records/s ({res['events_per_s']:,.0f} pairs/s)", flush=True)
+        print(
+            f"  {res['side']}: {res['records_per_s']:,.0f} records/s ({res['events_per_s']:,.0f} pairs/s)", flush=True
+        )
         for n in workers:
             runs = []
             for k in range(max(1, repeat)):
                 run_cfg = topics_for(f"{base}w{n}" + (f"r{k}" if k else ""))
-                res = _run_workers(run_cfg, stack, n, pairs, timeout_s, state / "logs",
-                                   lambda c=run_cfg: backlog(c))
+                res = _run_workers(run_cfg, stack, n, pairs, timeout_s, state / "logs", lambda c=run_cfg: backlog(c))
                 runs.append(res)
-                print(f"  ingest, {n} worker(s), run {k + 1}: {res['events_per_s']:,.0f} joined events/s, "
-                      f"{res['cpu_us_per_event']:.0f} us CPU per event, {res['core_use']:.0%} of a core per worker, "
-                      f"{_helpers(res)} us per event in {'/'.join(res['helpers_us_per_event']) or 'no local helper'}, "
-                      f"machine {_share(res['machine_busy'])} busy, "
-                      f"all ready {res['start_s']:.1f} s after start, "
-                      f"{res['replayed']} joins replayed", flush=True)
+                print(
+                    f"  ingest, {n} worker(s), run {k + 1}: {res['events_per_s']:,.0f} joined events/s, "
+                    f"{res['cpu_us_per_event']:.0f} us CPU per event, {res['core_use']:.0%} of a core per worker, "
+                    f"{_helpers(res)} us per event in {'/'.join(res['helpers_us_per_event']) or 'no local helper'}, "
+                    f"machine {_share(res['machine_busy'])} busy, "
+                    f"all ready {res['start_s']:.1f} s after start, "
+                    f"{res['replayed']} joins replayed",
+                    flush=True,
+                )
             res = sorted(runs, key=lambda r: r["events_per_s"])[len(runs) // 2]  # the median run
             res = {**res, "runs": [r["events_per_s"] for r in runs]}
             res["side"] = f"ingest, {n} worker{'s' if n > 1 else ''}"
@@ -464,8 +549,15 @@ def run(pairs: int = DEFAULTS["pairs"], partitions: int = DEFAULTS["partitions"]
         if "workers" in r and one is not None:
             r["scaling"] = r["events_per_s"] / one["events_per_s"]
     raw = rows[0]
-    summary = {"rows": rows, "pairs": pairs, "partitions": partitions, "broker": broker_name, "command": command,
-               "machine": _machine(), "raw_events_per_s": raw["events_per_s"]}
+    summary = {
+        "rows": rows,
+        "pairs": pairs,
+        "partitions": partitions,
+        "broker": broker_name,
+        "command": command,
+        "machine": _machine(),
+        "raw_events_per_s": raw["events_per_s"],
+    }
     print(_table(summary))
     if json_path:
         Path(json_path).write_text(json.dumps(summary, indent=2))
@@ -474,22 +566,33 @@ def run(pairs: int = DEFAULTS["pairs"], partitions: int = DEFAULTS["partitions"]
 
 def _table(summary: dict) -> str:
     raw = summary["raw_events_per_s"]
-    lines = ["", "| side | joined events/s | vs raw consumer | scaling vs 1 worker | CPU us/event | core use | "
-             "broker + Redis us/event | machine busy | start s | dead letters | joins replayed | runs (min-max) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "| side | joined events/s | vs raw consumer | scaling vs 1 worker | CPU us/event | core use | "
+        "broker + Redis us/event | machine busy | start s | dead letters | joins replayed | runs (min-max) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in summary["rows"]:
         if "workers" in r:
             scaling = f"{r['scaling']:.2f}x" if "scaling" in r else ""
-            lines.append(f"| {r['side']} | **{r['events_per_s']:,.0f}** | 1/{raw / r['events_per_s']:.1f} | {scaling} | "
-                         f"{r['cpu_us_per_event']:.0f} | {r['core_use']:.0%} | {_helpers(r)} | {_share(r['machine_busy'])} | "
-                         f"{r['start_s']:.1f} | {r['dead_letters']} | {r.get('replayed', 0)} | "
-                         f"{_spread(r.get('runs', []))} |")
+            lines.append(
+                f"| {r['side']} | **{r['events_per_s']:,.0f}** | 1/{raw / r['events_per_s']:.1f} | {scaling} | "
+                f"{r['cpu_us_per_event']:.0f} | {r['core_use']:.0%} | {_helpers(r)} | {_share(r['machine_busy'])} | "
+                f"{r['start_s']:.1f} | {r['dead_letters']} | {r.get('replayed', 0)} | "
+                f"{_spread(r.get('runs', []))} |"
+            )
         else:
-            lines.append(f"| {r['side']} | {r['events_per_s']:,.0f} pairs/s ({r['records_per_s']:,.0f} records/s) | "
-                         f"1/{raw / r['events_per_s']:.1f} | | | | | | | | | |")
-    lines += ["", f"{summary['pairs']:,} generation + feedback pairs, {summary['partitions']} partitions, broker "
-              f"{summary['broker']}; targets: 20,000 events/s per worker, 1.7x with 2 workers",
-              f"machine: {summary['machine']}", f"reproduce: `{summary['command']}`"]
+            lines.append(
+                f"| {r['side']} | {r['events_per_s']:,.0f} pairs/s ({r['records_per_s']:,.0f} records/s) | "
+                f"1/{raw / r['events_per_s']:.1f} | | | | | | | | | |"
+            )
+    lines += [
+        "",
+        f"{summary['pairs']:,} generation + feedback pairs, {summary['partitions']} partitions, broker "
+        f"{summary['broker']}; targets: 20,000 events/s per worker, 1.7x with 2 workers",
+        f"machine: {summary['machine']}",
+        f"reproduce: `{summary['command']}`",
+    ]
     return "\n".join(lines)
 
 
@@ -511,18 +614,41 @@ def _spread(runs: list[float]) -> str:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``ingest`` under ``liverl bench``."""
-    s = subparsers.add_parser("ingest", help="joined feedback events/s of ingest workers vs a raw consumer",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("--pairs", type=int, default=DEFAULTS["pairs"], help="generation + feedback pairs (default 50000: two workers join it in about 1.5 s on 2 "
-                   "cores; raise it on a bigger machine, where workers finish it too fast to time well)")
+    s = subparsers.add_parser(
+        "ingest",
+        help="joined feedback events/s of ingest workers vs a raw consumer",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument(
+        "--pairs",
+        type=int,
+        default=DEFAULTS["pairs"],
+        help="generation + feedback pairs (default 50000: two workers join it in about 1.5 s on 2 "
+        "cores; raise it on a bigger machine, where workers finish it too fast to time well)",
+    )
     s.add_argument("--partitions", type=int, default=DEFAULTS["partitions"], help="partitions per topic (default 4)")
-    s.add_argument("--workers", default=DEFAULTS["workers"], metavar="N,M",
-                   help="worker counts to run, comma-separated (default 1,2)")
-    s.add_argument("--timeout", type=float, default=DEFAULTS["timeout"], metavar="S",
-                   help="most seconds one worker run may take (default 600)")
-    s.add_argument("--repeat", type=int, default=DEFAULTS["repeat"], metavar="K",
-                   help="run each worker count K times on fresh backlogs; the table shows the median run and the "
-                   "range (default 1; the machine's noise is why)")
+    s.add_argument(
+        "--workers",
+        default=DEFAULTS["workers"],
+        metavar="N,M",
+        help="worker counts to run, comma-separated (default 1,2)",
+    )
+    s.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULTS["timeout"],
+        metavar="S",
+        help="most seconds one worker run may take (default 600)",
+    )
+    s.add_argument(
+        "--repeat",
+        type=int,
+        default=DEFAULTS["repeat"],
+        metavar="K",
+        help="run each worker count K times on fresh backlogs; the table shows the median run and the "
+        "range (default 1; the machine's noise is why)",
+    )
     s.add_argument("--json", metavar="PATH", help="also write the rows and the summary as JSON")
     s.set_defaults(fn=_cmd)
     return s
@@ -531,8 +657,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _cmd(args: argparse.Namespace) -> int:
     workers = tuple(int(w) for w in str(args.workers).split(",") if w.strip())
     command = "liverl bench ingest" + "".join(
-        f" --{name} {getattr(args, name)}" for name in ("pairs", "partitions", "workers", "timeout", "repeat")
-        if str(getattr(args, name)) != str(DEFAULTS[name]))
-    run(pairs=args.pairs, partitions=args.partitions, workers=workers, timeout_s=args.timeout, repeat=args.repeat,
-        config=getattr(args, "config", None), json_path=args.json, command=command)
+        f" --{name} {getattr(args, name)}"
+        for name in ("pairs", "partitions", "workers", "timeout", "repeat")
+        if str(getattr(args, name)) != str(DEFAULTS[name])
+    )
+    run(
+        pairs=args.pairs,
+        partitions=args.partitions,
+        workers=workers,
+        timeout_s=args.timeout,
+        repeat=args.repeat,
+        config=getattr(args, "config", None),
+        json_path=args.json,
+        command=command,
+    )
     return 0

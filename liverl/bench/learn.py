@@ -45,41 +45,87 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULTS = {"models": ["demo", "moe24m"], "rounds": 4, "steps": None, "warmup": 1, "batch": 16, "seed": 0,
-            "lr": 1e-4, "threads": 1, "tol": 1e-4}
+DEFAULTS = {
+    "models": ["demo", "moe24m"],
+    "rounds": 4,
+    "steps": None,
+    "warmup": 1,
+    "batch": 16,
+    "seed": 0,
+    "lr": 1e-4,
+    "threads": 1,
+    "tol": 1e-4,
+}
 SPANS = {  # (prompt MIN-MAX, completion MIN-MAX) per model when --prompt-len / --completion-len are not given
     "demo": ((6, 20), (2, 5)),  # the demo task: short prompts, completions of at most task.MAX_TOKENS=5; 32 positions
     "default": ((16, 96), (8, 32)),
 }
 STEPS = {"demo": 20, "default": 4}  # timed updates per side per round without --steps: a demo update takes ~50 ms
-COLUMNS = ("model", "params M", "side", "batch", "timed steps", "s/step (median)", "tokens/s", "tokens/s min-max",
-           "samples/s", "learner / plain (median, min-max of rounds)")
+COLUMNS = (
+    "model",
+    "params M",
+    "side",
+    "batch",
+    "timed steps",
+    "s/step (median)",
+    "tokens/s",
+    "tokens/s min-max",
+    "samples/s",
+    "learner / plain (median, min-max of rounds)",
+)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``learn`` under the ``liverl bench`` subcommands."""
-    p = subparsers.add_parser("learn", help="learner update path vs a plain transformers loop: tokens/s, samples/s",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=DEFAULTS["models"], metavar="MODEL",
-                   help="'demo', a generated size (tiny, moe24m, moe400m) or a model dir (default: demo moe24m)")
+    p = subparsers.add_parser(
+        "learn",
+        help="learner update path vs a plain transformers loop: tokens/s, samples/s",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=DEFAULTS["models"],
+        metavar="MODEL",
+        help="'demo', a generated size (tiny, moe24m, moe400m) or a model dir (default: demo moe24m)",
+    )
     p.add_argument("--rounds", type=int, default=DEFAULTS["rounds"], help="alternating rounds of both sides")
-    p.add_argument("--steps", type=int, default=DEFAULTS["steps"],
-                   help="timed updates per side per round (default: 20 on the demo model, 4 on others)")
-    p.add_argument("--warmup", type=int, default=DEFAULTS["warmup"], help="untimed updates per side after the first (checked) one")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=DEFAULTS["steps"],
+        help="timed updates per side per round (default: 20 on the demo model, 4 on others)",
+    )
+    p.add_argument(
+        "--warmup", type=int, default=DEFAULTS["warmup"], help="untimed updates per side after the first (checked) one"
+    )
     p.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="samples per update")
     p.add_argument("--prompt-len", metavar="MIN-MAX", help="prompt tokens (default: per model, see SPANS)")
     p.add_argument("--completion-len", metavar="MIN-MAX", help="completion tokens (default: per model)")
     p.add_argument("--lr", type=float, default=DEFAULTS["lr"], help="AdamW learning rate of both sides")
     p.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="the samples' seed")
     p.add_argument("--threads", type=int, default=DEFAULTS["threads"], help="torch CPU threads of both sides")
-    p.add_argument("--tol", type=float, default=DEFAULTS["tol"],
-                   help="relative tolerance on the untimed updates' loss and grad norm, learner vs plain")
-    p.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "liverl-dist-check",
-                   help="where generated models are built (shared with learner.dist_check)")
+    p.add_argument(
+        "--tol",
+        type=float,
+        default=DEFAULTS["tol"],
+        help="relative tolerance on the untimed updates' loss and grad norm, learner vs plain",
+    )
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path(os.environ.get("TMPDIR", "/tmp")) / "liverl-dist-check",
+        help="where generated models are built (shared with learner.dist_check)",
+    )
     p.add_argument("--cache", type=Path, help="where the demo policy is built (default: the config's model cache)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cuda: the learner runs as in `liverl learn` on a GPU (FSDP2 over a group of one, NCCL); the "
-                   "plain loop on the same GPU")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: the learner runs as in `liverl learn` on a GPU (FSDP2 over a group of one, NCCL); the "
+        "plain loop on the same GPU",
+    )
     p.add_argument("--profile", action="store_true", help="also print torch.profiler's top 10 of one step per side")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--drift", metavar="LR,LR", help="instead: KL from the base after N updates at each learning rate")
@@ -146,9 +192,11 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(rows))
     for r in rows:
         if r["side"] == "learner":
-            print(f"first update, {r['model']}: loss learner {r['loss_learner']:.6g} plain {r['loss_plain']:.6g}; "
-                  f"grad norm learner {r['gnorm_learner']:.6g} plain {r['gnorm_plain']:.6g}; "
-                  f"{r['padded_frac']:.0%} of the padded batch is padding; {r['device']}, {r['threads']} CPU thread(s)")
+            print(
+                f"first update, {r['model']}: loss learner {r['loss_learner']:.6g} plain {r['loss_plain']:.6g}; "
+                f"grad norm learner {r['gnorm_learner']:.6g} plain {r['gnorm_plain']:.6g}; "
+                f"{r['padded_frac']:.0%} of the padded batch is padding; {r['device']}, {r['threads']} CPU thread(s)"
+            )
     for title, table in profiles:
         print(f"\n{title}\n{table}")
     print(f"\ncommand: {command_line(args)}")
@@ -172,9 +220,13 @@ def run_drift(args: argparse.Namespace, spans) -> int:
     if not lrs or any(not lr > 0 for lr in lrs) or args.drift_steps < 1:
         raise ValueError("--drift needs learning rates > 0 and --drift-steps >= 1")
     max_kl = GateConfig().max_kl
-    marks = sorted(m for m in {1, 2, 5, *range(10, args.drift_steps + 1, 10), args.drift_steps} if m <= args.drift_steps)
-    out = [f"| model | lr | {' | '.join(f'KL after {m}' for m in marks)} | updates until KL > gate.max_kl {max_kl:g} |",
-           "|---|---|" + "---|" * (len(marks) + 1)]
+    marks = sorted(
+        m for m in {1, 2, 5, *range(10, args.drift_steps + 1, 10), args.drift_steps} if m <= args.drift_steps
+    )
+    out = [
+        f"| model | lr | {' | '.join(f'KL after {m}' for m in marks)} | updates until KL > gate.max_kl {max_kl:g} |",
+        "|---|---|" + "---|" * (len(marks) + 1),
+    ]
     for name in args.models:
         model_dir = resolve_model(name, args)
         for lr in lrs:
@@ -202,8 +254,10 @@ def run_drift(args: argparse.Namespace, spans) -> int:
             cells = " | ".join(f"{kls[m]:.3g}" for m in marks)
             out.append(f"| {name} | {lr:g} | {cells} | {over if over is not None else f'> {args.drift_steps}'} |")
     print("\n".join(out))
-    print(f"\ncommand: liverl bench learn --models {' '.join(args.models)} --drift {args.drift} "
-          f"--drift-steps {args.drift_steps}")
+    print(
+        f"\ncommand: liverl bench learn --models {' '.join(args.models)} --drift {args.drift} "
+        f"--drift-steps {args.drift_steps}"
+    )
     return 0
 
 
@@ -231,11 +285,12 @@ def resolve_model(name: str, args: argparse.Namespace) -> Path:
 def format_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---" for _ in COLUMNS) + "|"]
     for r in rows:
-        ratio = (f"{r['ratio']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})" if r["side"] == "learner"
-                 else "")
-        lines.append(f"| {r['model']} | {r['params_M']:.2f} | {r['side']} | {r['batch']} | {r['timed_steps']} | "
-                     f"{r['s_per_step']:.4f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_min']:.0f}-"
-                     f"{r['tokens_per_s_max']:.0f} | {r['samples_per_s']:.2f} | {ratio} |")
+        ratio = f"{r['ratio']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})" if r["side"] == "learner" else ""
+        lines.append(
+            f"| {r['model']} | {r['params_M']:.2f} | {r['side']} | {r['batch']} | {r['timed_steps']} | "
+            f"{r['s_per_step']:.4f} | {r['tokens_per_s']:.0f} | {r['tokens_per_s_min']:.0f}-"
+            f"{r['tokens_per_s_max']:.0f} | {r['samples_per_s']:.2f} | {ratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -275,11 +330,12 @@ class PlainLoop:
             P, C = len(s.prompt_token_ids), len(s.completion_token_ids)
             ids[b, : P + C] = torch.tensor(s.prompt_token_ids + s.completion_token_ids)
             attn[b, : P + C] = 1
-            comp[b, P - 1: P + C - 1] = 1.0
-            beh[b, P - 1: P + C - 1] = torch.tensor(s.behaviour_logprobs)
+            comp[b, P - 1 : P + C - 1] = 1.0
+            beh[b, P - 1 : P + C - 1] = torch.tensor(s.behaviour_logprobs)
         ids, attn, comp, beh = (t.to(self.device) for t in (ids, attn, comp, beh))
-        adv = advantages(torch.tensor([s.reward for s in samples]), [s.segment for s in samples],
-                         self.baseline).to(self.device)
+        adv = advantages(torch.tensor([s.reward for s in samples]), [s.segment for s in samples], self.baseline).to(
+            self.device
+        )
 
         logprobs = F.log_softmax(self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float(), dim=-1)
         logp = logprobs.gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -319,13 +375,16 @@ def measure(model_dir: Path, name: str, args: argparse.Namespace, spans, ranks=N
     prompt, completion = SPANS["demo" if name == "demo" else "default"]
     prompt, completion = spans[0] or prompt, spans[1] or completion
     if prompt[1] + completion[1] > learner.max_len:
-        raise ValueError(f"{name}: prompts up to {prompt[1]} + completions up to {completion[1]} tokens exceed the "
-                         f"model's {learner.max_len} positions; pass shorter --prompt-len / --completion-len")
+        raise ValueError(
+            f"{name}: prompts up to {prompt[1]} + completions up to {completion[1]} tokens exceed the "
+            f"model's {learner.max_len} positions; pass shorter --prompt-len / --completion-len"
+        )
     steps = args.steps or STEPS["demo" if name == "demo" else "default"]
     n_batches = max(steps, 1 + args.warmup)
-    samples = on_policy(learner, make_samples(n_batches * args.batch, args.seed, learner.vocab_size, prompt,
-                                              completion))
-    batches = [samples[i * args.batch: (i + 1) * args.batch] for i in range(n_batches)]
+    samples = on_policy(
+        learner, make_samples(n_batches * args.batch, args.seed, learner.vocab_size, prompt, completion)
+    )
+    batches = [samples[i * args.batch : (i + 1) * args.batch] for i in range(n_batches)]
     sides = {"learner": learner, "plain": plain}
     sync = torch.cuda.synchronize if learner.device.type == "cuda" else (lambda: None)
 
@@ -341,7 +400,7 @@ def measure(model_dir: Path, name: str, args: argparse.Namespace, spans, ranks=N
     times = {s: [] for s in sides}  # per round: seconds per timed step
     tokens = {s: [] for s in sides}  # per round: real tokens trained
     for r in range(args.rounds):
-        for side in (("learner", "plain") if r % 2 == 0 else ("plain", "learner")):
+        for side in ("learner", "plain") if r % 2 == 0 else ("plain", "learner"):
             dts, toks = [], 0
             for i in range(steps):
                 batch = batches[i]
@@ -360,26 +419,46 @@ def measure(model_dir: Path, name: str, args: argparse.Namespace, spans, ranks=N
     for side in sides:
         secs = [sum(d) for d in times[side]]
         per_round = [tok / s for tok, s in zip(tokens[side], secs)]
-        rows.append({"model": name, "params_M": n_params / 1e6, "side": side, "batch": args.batch,
-                     "timed_steps": args.rounds * steps,
-                     "s_per_step": statistics.median(x for d in times[side] for x in d),
-                     "tokens_per_s": sum(tokens[side]) / sum(secs),
-                     "tokens_per_s_min": min(per_round), "tokens_per_s_max": max(per_round),
-                     "samples_per_s": args.rounds * steps * args.batch / sum(secs)})
+        rows.append(
+            {
+                "model": name,
+                "params_M": n_params / 1e6,
+                "side": side,
+                "batch": args.batch,
+                "timed_steps": args.rounds * steps,
+                "s_per_step": statistics.median(x for d in times[side] for x in d),
+                "tokens_per_s": sum(tokens[side]) / sum(secs),
+                "tokens_per_s_min": min(per_round),
+                "tokens_per_s_max": max(per_round),
+                "samples_per_s": args.rounds * steps * args.batch / sum(secs),
+            }
+        )
     # The ratio pairs the two sides round by round (they ran back to back, under the same load from the rest of the
     # box) and takes the median round: one round slowed down by a neighbour does not decide it.
     paired = [sum(p) / sum(lt) for lt, p in zip(times["learner"], times["plain"])]
-    rows[0].update(ratio=statistics.median(paired), ratio_min=min(paired), ratio_max=max(paired),
-                   loss_learner=first["learner"]["loss"], loss_plain=first["plain"]["loss"],
-                   gnorm_learner=first["learner"]["grad_norm"], gnorm_plain=first["plain"]["grad_norm"],
-                   padded_frac=1 - real / padded, threads=args.threads, model_dir=str(model_dir),
-                   device=torch.cuda.get_device_name() if learner.device.type == "cuda" else "cpu")
+    rows[0].update(
+        ratio=statistics.median(paired),
+        ratio_min=min(paired),
+        ratio_max=max(paired),
+        loss_learner=first["learner"]["loss"],
+        loss_plain=first["plain"]["loss"],
+        gnorm_learner=first["learner"]["grad_norm"],
+        gnorm_plain=first["plain"]["grad_norm"],
+        padded_frac=1 - real / padded,
+        threads=args.threads,
+        model_dir=str(model_dir),
+        device=torch.cuda.get_device_name() if learner.device.type == "cuda" else "cpu",
+    )
     profiles = []
     if args.profile:
         for side, t in sides.items():
-            profiles.append((f"torch.profiler, {name}, one {side} update: top 10 by self "
-                             f"{'CUDA' if learner.device.type == 'cuda' else 'CPU'} time",
-                             profile_step(t, batches[0])))
+            profiles.append(
+                (
+                    f"torch.profiler, {name}, one {side} update: top 10 by self "
+                    f"{'CUDA' if learner.device.type == 'cuda' else 'CPU'} time",
+                    profile_step(t, batches[0]),
+                )
+            )
     return {"rows": rows, "profiles": profiles}
 
 
@@ -388,8 +467,10 @@ def check_agreement(name: str, first: dict[str, dict], tol: float) -> None:
     for key in ("loss", "grad_norm", "kl"):
         a, b = first["learner"][key], first["plain"][key]
         if not (math.isfinite(a) and math.isfinite(b)) or abs(a - b) > tol * max(abs(a), abs(b), 1e-3):
-            raise AssertionError(f"{name}: the learner and the plain loop disagree on {key}: "
-                                 f"{a!r} vs {b!r} (relative tolerance {tol}); they do not compute the same maths")
+            raise AssertionError(
+                f"{name}: the learner and the plain loop disagree on {key}: "
+                f"{a!r} vs {b!r} (relative tolerance {tol}); they do not compute the same maths"
+            )
 
 
 def profile_step(trainer, batch) -> str:

@@ -27,10 +27,18 @@ DEFAULTS = {"prompts": 32, "max_tokens": 16, "seed": 0}
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``logprobs`` under the ``liverl bench`` subcommands."""
-    p = subparsers.add_parser("logprobs", help="learner vs vLLM log-probs of the served tokens, per model family",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--families", nargs="+", metavar="FAMILY",
-                   help="test-model families to measure, or 'all' (default: the four tested on the full path)")
+    p = subparsers.add_parser(
+        "logprobs",
+        help="learner vs vLLM log-probs of the served tokens, per model family",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--families",
+        nargs="+",
+        metavar="FAMILY",
+        help="test-model families to measure, or 'all' (default: the four tested on the full path)",
+    )
     p.add_argument("--model", action="append", metavar="DIR", help="measure this model dir (repeatable) instead")
     p.add_argument("--prompts", type=int, default=DEFAULTS["prompts"], help="completions sampled per model")
     p.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"], help="tokens per completion at most")
@@ -80,14 +88,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("model", "architecture", "completions", "tokens", "mean |Δ logp|", "p99 |Δ logp|", "max |Δ logp|",
-            "ref: HF bf16 vs fp32 mean / max", "mean logp", "node start s")
+    head = (
+        "model",
+        "architecture",
+        "completions",
+        "tokens",
+        "mean |Δ logp|",
+        "p99 |Δ logp|",
+        "max |Δ logp|",
+        "ref: HF bf16 vs fp32 mean / max",
+        "mean logp",
+        "node start s",
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['architecture']} | {r['completions']} | {r['tokens']} | "
-                     f"{r['mean_abs_diff']:.4f} | {r['p99_abs_diff']:.4f} | {r['max_abs_diff']:.4f} | "
-                     f"{r['ref_mean_abs_diff']:.4f} / {r['ref_max_abs_diff']:.4f} | {r['mean_logp']:.3f} | "
-                     f"{r['node_s']:.0f} |")
+        lines.append(
+            f"| {r['model']} | {r['architecture']} | {r['completions']} | {r['tokens']} | "
+            f"{r['mean_abs_diff']:.4f} | {r['p99_abs_diff']:.4f} | {r['max_abs_diff']:.4f} | "
+            f"{r['ref_mean_abs_diff']:.4f} / {r['ref_max_abs_diff']:.4f} | {r['mean_logp']:.3f} | "
+            f"{r['node_s']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -104,22 +124,41 @@ def chat_prompts(model_dir: Path, n: int, seed: int) -> list[str]:
     tok = load_tokenizer(model_dir)
     rng = random.Random(seed)
     lines = made_up_text(seed + 1, n_sentences=4 * n)
-    return [tok.apply_chat_template([{"role": "user", "content": " ".join(rng.sample(lines, rng.randint(1, 3)))}],
-                                    add_generation_prompt=True, tokenize=False) for _ in range(n)]
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": " ".join(rng.sample(lines, rng.randint(1, 3)))}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        for _ in range(n)
+    ]
 
 
 def sample(node_url: str, prompts: list[str], max_tokens: int, seed: int, key: str = "") -> list[dict]:
     """One completion per prompt at temperature 1 from the node: prompt/completion token ids and vLLM's log-probs."""
 
     def one(i: int) -> dict:
-        body = {"model": "liverl", "prompt": prompts[i], "max_tokens": max_tokens, "temperature": 1.0,
-                "logprobs": 0, "return_token_ids": True, "seed": seed * 100_003 + i}
-        req = urllib.request.Request(node_url + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        body = {
+            "model": "liverl",
+            "prompt": prompts[i],
+            "max_tokens": max_tokens,
+            "temperature": 1.0,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "seed": seed * 100_003 + i,
+        }
+        req = urllib.request.Request(
+            node_url + "/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             c = json.loads(r.read())["choices"][0]
-        return {"prompt_token_ids": c["prompt_token_ids"], "completion_token_ids": c["token_ids"],
-                "logprobs": c["logprobs"]["token_logprobs"]}
+        return {
+            "prompt_token_ids": c["prompt_token_ids"],
+            "completion_token_ids": c["token_ids"],
+            "logprobs": c["logprobs"]["token_logprobs"],
+        }
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         return list(pool.map(one, range(len(prompts))))
@@ -136,10 +175,22 @@ def compare(model_dir: Path, completions: list[dict]) -> dict:
 
     trainer = PolicyTrainer(model_dir, LearnerConfig())
     now = time.time()
-    samples = [TrainingSample(sample_id=f"b{i}", generation_id=f"b{i}", feedback_id=f"b{i}", policy_version=0,
-                              kind="accept", reward=0.0, prompt_token_ids=c["prompt_token_ids"],
-                              completion_token_ids=c["completion_token_ids"], behaviour_logprobs=c["logprobs"],
-                              ts_generation=now, ts_feedback=now) for i, c in enumerate(completions)]
+    samples = [
+        TrainingSample(
+            sample_id=f"b{i}",
+            generation_id=f"b{i}",
+            feedback_id=f"b{i}",
+            policy_version=0,
+            kind="accept",
+            reward=0.0,
+            prompt_token_ids=c["prompt_token_ids"],
+            completion_token_ids=c["completion_token_ids"],
+            behaviour_logprobs=c["logprobs"],
+            ts_generation=now,
+            ts_feedback=now,
+        )
+        for i, c in enumerate(completions)
+    ]
     ours = trainer.token_logprobs(samples)
     diffs = [abs(a - b) for s, mine in zip(samples, ours) for a, b in zip(mine, s.behaviour_logprobs)]
     served = [x for s in samples for x in s.behaviour_logprobs]
@@ -147,11 +198,17 @@ def compare(model_dir: Path, completions: list[dict]) -> dict:
     bf16 = trainer.token_logprobs(samples, model=load_model(model_dir, dtype=torch.bfloat16))
     ref = [abs(a - b) for mine, theirs in zip(ours, bf16) for a, b in zip(mine, theirs)]
     ranked = sorted(diffs)
-    return {"completions": len(samples), "tokens": len(diffs), "mean_abs_diff": sum(diffs) / len(diffs),
-            "p99_abs_diff": ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))], "max_abs_diff": ranked[-1],
-            "ref_mean_abs_diff": sum(ref) / len(ref), "ref_max_abs_diff": max(ref),
-            "mean_logp": sum(served) / len(served),
-            "architecture": type(trainer.model).__name__}
+    return {
+        "completions": len(samples),
+        "tokens": len(diffs),
+        "mean_abs_diff": sum(diffs) / len(diffs),
+        "p99_abs_diff": ranked[min(len(ranked) - 1, int(0.99 * len(ranked)))],
+        "max_abs_diff": ranked[-1],
+        "ref_mean_abs_diff": sum(ref) / len(ref),
+        "ref_max_abs_diff": max(ref),
+        "mean_logp": sum(served) / len(served),
+        "architecture": type(trainer.model).__name__,
+    }
 
 
 def measure(model_dir: Path, n_prompts: int, max_tokens: int, seed: int) -> dict:

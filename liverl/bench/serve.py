@@ -120,8 +120,9 @@ def _forwarded(requests: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
     return [(path, json.dumps(model[path].model_validate_json(body).node_body()).encode()) for path, body in requests]
 
 
-async def _load(base_url: str, requests: list[tuple[str, bytes]], clients: int, warmup_s: float,
-                duration_s: float, key: str = "") -> dict:
+async def _load(
+    base_url: str, requests: list[tuple[str, bytes]], clients: int, warmup_s: float, duration_s: float, key: str = ""
+) -> dict:
     """``clients`` closed-loop clients for ``warmup_s + duration_s``; counts what completes in the window."""
     import aiohttp
 
@@ -172,17 +173,31 @@ async def _load(base_url: str, requests: list[tuple[str, bytes]], clients: int, 
         for t in tasks:
             t.cancel()
     latencies.sort()
-    return {"generations": done, "errors": errors, "total_ok": total_ok, "seconds": elapsed, "gen_per_s": done / elapsed,
-            "p50_ms": 1e3 * latencies[len(latencies) // 2] if latencies else None}
+    return {
+        "generations": done,
+        "errors": errors,
+        "total_ok": total_ok,
+        "seconds": elapsed,
+        "gen_per_s": done / elapsed,
+        "p50_ms": 1e3 * latencies[len(latencies) // 2] if latencies else None,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ the bench
 
 
-def run(clients: int = DEFAULTS["clients"], duration_s: float = DEFAULTS["duration"],
-        rounds: int = DEFAULTS["rounds"], warmup_s: float = DEFAULTS["warmup"], api: str = DEFAULTS["api"],
-        stream: bool = False, config: str | None = None, model: str | None = None, json_path: str | None = None,
-        command: str = "liverl bench serve") -> dict:
+def run(
+    clients: int = DEFAULTS["clients"],
+    duration_s: float = DEFAULTS["duration"],
+    rounds: int = DEFAULTS["rounds"],
+    warmup_s: float = DEFAULTS["warmup"],
+    api: str = DEFAULTS["api"],
+    stream: bool = False,
+    config: str | None = None,
+    model: str | None = None,
+    json_path: str | None = None,
+    command: str = "liverl bench serve",
+) -> dict:
     """Start the stack, measure, print the table and the command; returns the rows and the median ratio."""
     from liverl.core.config import load_config
     from liverl.stack import start_stack
@@ -195,24 +210,38 @@ def run(clients: int = DEFAULTS["clients"], duration_s: float = DEFAULTS["durati
     model_dir = Path(model or user_cfg.model.path or _demo_model(user_cfg)).resolve()
     user_cfg.state_path.mkdir(parents=True, exist_ok=True)
     state = Path(tempfile.mkdtemp(prefix="bench-serve-", dir=user_cfg.state_path))
-    cfg = load_config(config, state_dir=str(state), topics__prefix=f"bench{os.getpid()}",
-                      broker__embedded_port=_free_port(), redis__embedded_port=_free_port(),
-                      serving__gateway_port=_free_port(), serving__vllm_port=_free_port())
+    cfg = load_config(
+        config,
+        state_dir=str(state),
+        topics__prefix=f"bench{os.getpid()}",
+        broker__embedded_port=_free_port(),
+        redis__embedded_port=_free_port(),
+        serving__gateway_port=_free_port(),
+        serving__vllm_port=_free_port(),
+    )
     gateway_url = f"http://{cfg.serving.host}:{cfg.serving.gateway_port}"
     node_url = f"http://{cfg.serving.node_host}:{cfg.serving.vllm_port}"
     requests = _requests(api, stream)
-    sides = [("gateway", gateway_url, requests), ("node", node_url, requests),
-             ("node_fwd", node_url, _forwarded(requests))]
-    print(f"bench serve: {clients} clients, {rounds} rounds of {duration_s:g} s (+{warmup_s:g} s warm-up) per side, "
-          f"{api}{' streamed' if stream else ''}, model {model_dir}; logs in {state / 'logs'}", flush=True)
+    sides = [
+        ("gateway", gateway_url, requests),
+        ("node", node_url, requests),
+        ("node_fwd", node_url, _forwarded(requests)),
+    ]
+    print(
+        f"bench serve: {clients} clients, {rounds} rounds of {duration_s:g} s (+{warmup_s:g} s warm-up) per side, "
+        f"{api}{' streamed' if stream else ''}, model {model_dir}; logs in {state / 'logs'}",
+        flush=True,
+    )
 
     from deploy.signing import generate_keypair
 
     generate_keypair(state / "keys")  # serve refuses to start without a verify key (nothing is announced here)
     stack = start_stack(cfg)
     proc = multiprocessing.get_context("spawn").Process(
-        target=_serve_child, args=(cfg.model_dump_json(), str(model_dir), stack.bootstrap, stack.redis_url),
-        name="liverl-serving")
+        target=_serve_child,
+        args=(cfg.model_dump_json(), str(model_dir), stack.bootstrap, stack.redis_url),
+        name="liverl-serving",
+    )
     rows: list[dict] = []
     try:
         proc.start()
@@ -221,19 +250,24 @@ def run(clients: int = DEFAULTS["clients"], duration_s: float = DEFAULTS["durati
 
         node_key = read_node_key(cfg)  # the node answers only with its key (the serving process wrote it)
         for r in range(rounds):
-            order = sides[r % 3:] + sides[:r % 3]  # each side goes first, second and third in turn
+            order = sides[r % 3 :] + sides[: r % 3]  # each side goes first, second and third in turn
             row: dict[str, Any] = {"round": r + 1, "first": order[0][0]}
             for side, url, reqs in order:
                 cpu0 = _cpu_seconds(proc.pid)
-                res = _run_loop(_load(url, reqs, clients, warmup_s, duration_s, key="" if side == "gateway" else node_key))
+                res = _run_loop(
+                    _load(url, reqs, clients, warmup_s, duration_s, key="" if side == "gateway" else node_key)
+                )
                 res["gateway_cpu_s"] = _cpu_seconds(proc.pid) - cpu0
                 row[side] = res
             row["ratio"] = row["gateway"]["gen_per_s"] / max(row["node"]["gen_per_s"], 1e-9)
             row["ratio_fwd"] = row["gateway"]["gen_per_s"] / max(row["node_fwd"]["gen_per_s"], 1e-9)
             rows.append(row)
-            print(f"  round {r + 1}: gateway {row['gateway']['gen_per_s']:.1f} gen/s, node {row['node']['gen_per_s']:.1f}"
-                  f" gen/s (with the gateway's request {row['node_fwd']['gen_per_s']:.1f}), ratio {row['ratio']:.3f} "
-                  f"({row['ratio_fwd']:.3f})", flush=True)
+            print(
+                f"  round {r + 1}: gateway {row['gateway']['gen_per_s']:.1f} gen/s, node {row['node']['gen_per_s']:.1f}"
+                f" gen/s (with the gateway's request {row['node_fwd']['gen_per_s']:.1f}), ratio {row['ratio']:.3f} "
+                f"({row['ratio_fwd']:.3f})",
+                flush=True,
+            )
     finally:
         if proc.pid is not None:
             proc.terminate()  # SIGTERM: the serving process stops its node and flushes its producer
@@ -242,9 +276,17 @@ def run(clients: int = DEFAULTS["clients"], duration_s: float = DEFAULTS["durati
                 proc.kill()
                 proc.join(10)
         stack.close()
-    summary = {"rows": rows, "median_ratio": statistics.median(r["ratio"] for r in rows),
-               "median_ratio_fwd": statistics.median(r["ratio_fwd"] for r in rows), "clients": clients,
-               "duration_s": duration_s, "api": api, "stream": stream, "command": command, "machine": _machine()}
+    summary = {
+        "rows": rows,
+        "median_ratio": statistics.median(r["ratio"] for r in rows),
+        "median_ratio_fwd": statistics.median(r["ratio_fwd"] for r in rows),
+        "clients": clients,
+        "duration_s": duration_s,
+        "api": api,
+        "stream": stream,
+        "command": command,
+        "machine": _machine(),
+    }
     print(_table(summary))
     if json_path:
         Path(json_path).write_text(json.dumps(summary, indent=2))
@@ -278,32 +320,56 @@ def _machine() -> str:
 
 
 def _table(summary: dict) -> str:
-    header = ("| round | first | gateway gen/s | node gen/s | node gen/s, gateway's request | ratio | ratio, same "
-              "request | gateway p50 ms | node p50 ms | gateway CPU ms/gen | errors (gw/node/fwd) |")
+    header = (
+        "| round | first | gateway gen/s | node gen/s | node gen/s, gateway's request | ratio | ratio, same "
+        "request | gateway p50 ms | node p50 ms | gateway CPU ms/gen | errors (gw/node/fwd) |"
+    )
     lines = ["", header, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         g, n, f = r["gateway"], r["node"], r["node_fwd"]
         cpu = 1e3 * g["gateway_cpu_s"] / max(g["total_ok"], 1)
-        lines.append(f"| {r['round']} | {r['first']} | {g['gen_per_s']:.1f} | {n['gen_per_s']:.1f} | "
-                     f"{f['gen_per_s']:.1f} | **{r['ratio']:.3f}** | {r['ratio_fwd']:.3f} | {g['p50_ms']:.0f} | "
-                     f"{n['p50_ms']:.0f} | {cpu:.2f} | {g['errors']}/{n['errors']}/{f['errors']} |")
-    lines += ["", f"median ratio (gateway / node): **{summary['median_ratio']:.3f}**; the gateway against the node "
-              f"doing the same work (token ids and log-probs asked for): {summary['median_ratio_fwd']:.3f}",
-              f"machine: {summary['machine']}", f"reproduce: `{summary['command']}`"]
+        lines.append(
+            f"| {r['round']} | {r['first']} | {g['gen_per_s']:.1f} | {n['gen_per_s']:.1f} | "
+            f"{f['gen_per_s']:.1f} | **{r['ratio']:.3f}** | {r['ratio_fwd']:.3f} | {g['p50_ms']:.0f} | "
+            f"{n['p50_ms']:.0f} | {cpu:.2f} | {g['errors']}/{n['errors']}/{f['errors']} |"
+        )
+    lines += [
+        "",
+        f"median ratio (gateway / node): **{summary['median_ratio']:.3f}**; the gateway against the node "
+        f"doing the same work (token ids and log-probs asked for): {summary['median_ratio_fwd']:.3f}",
+        f"machine: {summary['machine']}",
+        f"reproduce: `{summary['command']}`",
+    ]
     return "\n".join(lines)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``serve`` under ``liverl bench``."""
-    s = subparsers.add_parser("serve", help="generations/s through the gateway vs the vLLM node alone (ratio)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = subparsers.add_parser(
+        "serve",
+        help="generations/s through the gateway vs the vLLM node alone (ratio)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     s.add_argument("--clients", type=int, default=DEFAULTS["clients"], help="concurrent clients (default 64)")
-    s.add_argument("--duration", type=float, default=DEFAULTS["duration"], metavar="S",
-                   help="measured seconds per run (default 20)")
+    s.add_argument(
+        "--duration",
+        type=float,
+        default=DEFAULTS["duration"],
+        metavar="S",
+        help="measured seconds per run (default 20)",
+    )
     s.add_argument("--rounds", type=int, default=DEFAULTS["rounds"], help="rounds of the three runs (default 3)")
-    s.add_argument("--warmup", type=float, default=DEFAULTS["warmup"], metavar="S",
-                   help="unmeasured seconds before each run (default 3)")
-    s.add_argument("--api", choices=["completions", "chat"], default=DEFAULTS["api"], help="which route (default completions)")
+    s.add_argument(
+        "--warmup",
+        type=float,
+        default=DEFAULTS["warmup"],
+        metavar="S",
+        help="unmeasured seconds before each run (default 3)",
+    )
+    s.add_argument(
+        "--api", choices=["completions", "chat"], default=DEFAULTS["api"], help="which route (default completions)"
+    )
     s.add_argument("--stream", action="store_true", help="streamed (SSE) requests")
     s.add_argument("--model", metavar="DIR", help="model directory (default: model.path, else the demo policy)")
     s.add_argument("--json", metavar="PATH", help="also write the rows and the summary as JSON")
@@ -312,12 +378,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    command = "liverl bench serve" + "".join(
-        f" --{name} {getattr(args, name)}" for name in ("clients", "duration", "rounds", "warmup", "api")
-        if getattr(args, name) != DEFAULTS[name]) + (" --stream" if args.stream else "")
-    run(clients=args.clients, duration_s=args.duration, rounds=args.rounds, warmup_s=args.warmup, api=args.api,
-        stream=args.stream, config=getattr(args, "config", None), model=args.model, json_path=args.json,
-        command=command)
+    command = (
+        "liverl bench serve"
+        + "".join(
+            f" --{name} {getattr(args, name)}"
+            for name in ("clients", "duration", "rounds", "warmup", "api")
+            if getattr(args, name) != DEFAULTS[name]
+        )
+        + (" --stream" if args.stream else "")
+    )
+    run(
+        clients=args.clients,
+        duration_s=args.duration,
+        rounds=args.rounds,
+        warmup_s=args.warmup,
+        api=args.api,
+        stream=args.stream,
+        config=getattr(args, "config", None),
+        model=args.model,
+        json_path=args.json,
+        command=command,
+    )
     return 0
 
 

@@ -51,8 +51,9 @@ async def _load(url: str, body: bytes, clients: int, stop: threading.Event, out:
         while not stop.is_set():
             rec: dict[str, Any] = {"t0": time.time(), "times": [], "done": False, "status": None}
             try:
-                async with session.post(url + "/v1/completions", data=body,
-                                        headers={"Content-Type": "application/json"}) as r:
+                async with session.post(
+                    url + "/v1/completions", data=body, headers={"Content-Type": "application/json"}
+                ) as r:
                     rec["status"] = r.status
                     async for line in r.content:
                         if line.startswith(b"data: "):
@@ -68,10 +69,18 @@ async def _load(url: str, body: bytes, clients: int, stop: threading.Event, out:
         await asyncio.gather(*[client(session) for _ in range(clients)])
 
 
-def run(swaps: int = DEFAULTS["swaps"], clients: int = DEFAULTS["clients"], interval_s: float = DEFAULTS["interval"],
-        max_tokens: int = DEFAULTS["max_tokens"], changed: float = DEFAULTS["changed"],
-        stall_ms: float = DEFAULTS["stall_ms"], config: str | None = None, model: str | None = None,
-        json_path: str | None = None, command: str = "liverl bench swap") -> dict:
+def run(
+    swaps: int = DEFAULTS["swaps"],
+    clients: int = DEFAULTS["clients"],
+    interval_s: float = DEFAULTS["interval"],
+    max_tokens: int = DEFAULTS["max_tokens"],
+    changed: float = DEFAULTS["changed"],
+    stall_ms: float = DEFAULTS["stall_ms"],
+    config: str | None = None,
+    model: str | None = None,
+    json_path: str | None = None,
+    command: str = "liverl bench swap",
+) -> dict:
     """Start the stack, swap under load, print the table and the command; returns the summary."""
     import redis
 
@@ -88,12 +97,22 @@ def run(swaps: int = DEFAULTS["swaps"], clients: int = DEFAULTS["clients"], inte
     model_dir = Path(model or user_cfg.model.path or _demo_model(user_cfg)).resolve()
     user_cfg.state_path.mkdir(parents=True, exist_ok=True)
     state = Path(tempfile.mkdtemp(prefix="bench-swap-", dir=user_cfg.state_path))
-    cfg = load_config(config, state_dir=str(state), topics__prefix=f"benchswap{os.getpid()}",
-                      broker__embedded_port=_free_port(), redis__embedded_port=_free_port(),
-                      serving__gateway_port=_free_port(), serving__vllm_port=_free_port(), serving__swap_poll_s=0.1)
+    cfg = load_config(
+        config,
+        state_dir=str(state),
+        topics__prefix=f"benchswap{os.getpid()}",
+        broker__embedded_port=_free_port(),
+        redis__embedded_port=_free_port(),
+        serving__gateway_port=_free_port(),
+        serving__vllm_port=_free_port(),
+        serving__swap_poll_s=0.1,
+    )
     url = f"http://{cfg.serving.host}:{cfg.serving.gateway_port}"
-    print(f"bench swap: {swaps} swaps {interval_s:g} s apart, {clients} streaming clients of {max_tokens} tokens, "
-          f"{changed:.0%} of elements changed per version, model {model_dir}; logs in {state / 'logs'}", flush=True)
+    print(
+        f"bench swap: {swaps} swaps {interval_s:g} s apart, {clients} streaming clients of {max_tokens} tokens, "
+        f"{changed:.0%} of elements changed per version, model {model_dir}; logs in {state / 'logs'}",
+        flush=True,
+    )
     private, _ = generate_keypair(state / "keys")
     signer = Signer(private)
     stack = start_stack(cfg)
@@ -101,8 +120,10 @@ def run(swaps: int = DEFAULTS["swaps"], clients: int = DEFAULTS["clients"], inte
     base = load_state_dict(model_dir)
     registry.init_base(base, str(model_dir))
     proc = multiprocessing.get_context("spawn").Process(
-        target=_serve_child_registry, args=(cfg.model_dump_json(), str(model_dir), stack.bootstrap, stack.redis_url,
-                                            cfg.registry_url), name="liverl-serving")
+        target=_serve_child_registry,
+        args=(cfg.model_dump_json(), str(model_dir), stack.bootstrap, stack.redis_url, cfg.registry_url),
+        name="liverl-serving",
+    )
     rds = redis.Redis.from_url(stack.redis_url)
     results: list[dict] = []
     stop = threading.Event()
@@ -110,8 +131,16 @@ def run(swaps: int = DEFAULTS["swaps"], clients: int = DEFAULTS["clients"], inte
     try:
         proc.start()
         _wait_http(url + "/healthz", proc, timeout_s=600)
-        body = json.dumps({"model": "liverl", "prompt": "[a]23+45=", "max_tokens": max_tokens, "temperature": 1.0,
-                           "ignore_eos": True, "stream": True}).encode()
+        body = json.dumps(
+            {
+                "model": "liverl",
+                "prompt": "[a]23+45=",
+                "max_tokens": max_tokens,
+                "temperature": 1.0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        ).encode()
         loader = threading.Thread(target=_run_loop, args=(_load(url, body, clients, stop, results),), daemon=True)
         loader.start()
         time.sleep(3.0)  # warm
@@ -124,8 +153,10 @@ def run(swaps: int = DEFAULTS["swaps"], clients: int = DEFAULTS["clients"], inte
             deadline = time.monotonic() + 60
             while json.loads(_get(url + "/liverl/version"))["version"] != row.version:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"version {row.version} not served after 60 s; swap errors: "
-                                       f"{rds.lrange(cfg.topics.prefix + ':swap_errors', 0, -1)}")
+                    raise RuntimeError(
+                        f"version {row.version} not served after 60 s; swap errors: "
+                        f"{rds.lrange(cfg.topics.prefix + ':swap_errors', 0, -1)}"
+                    )
                 time.sleep(0.05)
             time.sleep(interval_s)
     finally:
@@ -180,13 +211,25 @@ def _summarise(swaps: list[dict], requests: list[dict], stall_ms: float) -> dict
         elif long:
             outside += 1
     pauses = [s["pause_ms"] for s in swaps if s.get("pause_ms") is not None]
-    phases = {k: statistics.median([s[k] for s in swaps if s.get(k) is not None] or [0.0])
-              for k in ("stage_ms", "pause_call_ms", "apply_ms", "label_ms", "resume_ms", "verify_ms", "call_ms")}
-    return {"swaps": swaps, "n_swaps": len(swaps), "ok_swaps": sum(bool(s.get("verify_ok")) for s in swaps),
-            "pause_ms_median": statistics.median(pauses) if pauses else None, "pause_ms_p99": _pct(pauses, 0.99),
-            "pause_ms_max": max(pauses, default=None), "phases_median_ms": phases, "requests": len(requests),
-            "failed": len(failed), "overlapping_swap": n_overlap, "waited_behind_swap": behind,
-            "waited_outside_swaps": outside, "stall_ms": stall_ms}
+    phases = {
+        k: statistics.median([s[k] for s in swaps if s.get(k) is not None] or [0.0])
+        for k in ("stage_ms", "pause_call_ms", "apply_ms", "label_ms", "resume_ms", "verify_ms", "call_ms")
+    }
+    return {
+        "swaps": swaps,
+        "n_swaps": len(swaps),
+        "ok_swaps": sum(bool(s.get("verify_ok")) for s in swaps),
+        "pause_ms_median": statistics.median(pauses) if pauses else None,
+        "pause_ms_p99": _pct(pauses, 0.99),
+        "pause_ms_max": max(pauses, default=None),
+        "phases_median_ms": phases,
+        "requests": len(requests),
+        "failed": len(failed),
+        "overlapping_swap": n_overlap,
+        "waited_behind_swap": behind,
+        "waited_outside_swaps": outside,
+        "stall_ms": stall_ms,
+    }
 
 
 def _f(x: float | None) -> str:
@@ -196,34 +239,58 @@ def _f(x: float | None) -> str:
 def _table(s: dict) -> str:
     ph = s["phases_median_ms"]
     f = _f
-    lines = ["", "| swaps (ok) | pause median ms | pause p99 ms | pause max ms | in the pause, median ms: pause call / "
-             "write + read-back / label / resume | outside it: stage / full verify | agent call median ms |",
-             "|---|---|---|---|---|---|---|",
-             f"| {s['n_swaps']} ({s['ok_swaps']}) | **{f(s['pause_ms_median'])}** | **{f(s['pause_ms_p99'])}** | "
-             f"{f(s['pause_ms_max'])} | {f(ph['pause_call_ms'])} / {f(ph['apply_ms'])} / {f(ph['label_ms'])} / "
-             f"{f(ph['resume_ms'])} | {f(ph['stage_ms'])} / {f(ph['verify_ms'])} | {f(ph['call_ms'])} |", "",
-             f"| requests | failed | in flight across a pause | waited > {s['stall_ms']:.0f} ms for a chunk across a "
-             f"pause | waited > {s['stall_ms']:.0f} ms, no pause in that wait |", "|---|---|---|---|---|",
-             f"| {s['requests']} | **{s['failed']}** | {s['overlapping_swap']} | **{s['waited_behind_swap']}** | "
-             f"{s['waited_outside_swaps']} |", "",
-             f"{s['clients']} streaming clients of {s['max_tokens']} tokens, {s['changed']:.0%} of elements changed per "
-             f"version; machine: {s['machine']}", f"reproduce: `{s['command']}`"]
+    lines = [
+        "",
+        "| swaps (ok) | pause median ms | pause p99 ms | pause max ms | in the pause, median ms: pause call / "
+        "write + read-back / label / resume | outside it: stage / full verify | agent call median ms |",
+        "|---|---|---|---|---|---|---|",
+        f"| {s['n_swaps']} ({s['ok_swaps']}) | **{f(s['pause_ms_median'])}** | **{f(s['pause_ms_p99'])}** | "
+        f"{f(s['pause_ms_max'])} | {f(ph['pause_call_ms'])} / {f(ph['apply_ms'])} / {f(ph['label_ms'])} / "
+        f"{f(ph['resume_ms'])} | {f(ph['stage_ms'])} / {f(ph['verify_ms'])} | {f(ph['call_ms'])} |",
+        "",
+        f"| requests | failed | in flight across a pause | waited > {s['stall_ms']:.0f} ms for a chunk across a "
+        f"pause | waited > {s['stall_ms']:.0f} ms, no pause in that wait |",
+        "|---|---|---|---|---|",
+        f"| {s['requests']} | **{s['failed']}** | {s['overlapping_swap']} | **{s['waited_behind_swap']}** | "
+        f"{s['waited_outside_swaps']} |",
+        "",
+        f"{s['clients']} streaming clients of {s['max_tokens']} tokens, {s['changed']:.0%} of elements changed per "
+        f"version; machine: {s['machine']}",
+        f"reproduce: `{s['command']}`",
+    ]
     return "\n".join(lines)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``swap`` under ``liverl bench``."""
-    s = subparsers.add_parser("swap", help="hot-swap pause under streaming load (engine pause, client stalls)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    s = subparsers.add_parser(
+        "swap",
+        help="hot-swap pause under streaming load (engine pause, client stalls)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     s.add_argument("--swaps", type=int, default=DEFAULTS["swaps"], help="versions promoted in turn (default 12)")
     s.add_argument("--clients", type=int, default=DEFAULTS["clients"], help="streaming clients (default 16)")
-    s.add_argument("--interval", type=float, default=DEFAULTS["interval"], metavar="S",
-                   help="seconds between a swap and the next announcement (default 2)")
+    s.add_argument(
+        "--interval",
+        type=float,
+        default=DEFAULTS["interval"],
+        metavar="S",
+        help="seconds between a swap and the next announcement (default 2)",
+    )
     s.add_argument("--max-tokens", type=int, default=DEFAULTS["max_tokens"], help="tokens per stream (default 20)")
-    s.add_argument("--changed", type=float, default=DEFAULTS["changed"],
-                   help="share of elements each version changes (default 0.1)")
-    s.add_argument("--stall-ms", type=float, default=DEFAULTS["stall_ms"],
-                   help="a wait for a chunk longer than this counts as a stall (default 100)")
+    s.add_argument(
+        "--changed",
+        type=float,
+        default=DEFAULTS["changed"],
+        help="share of elements each version changes (default 0.1)",
+    )
+    s.add_argument(
+        "--stall-ms",
+        type=float,
+        default=DEFAULTS["stall_ms"],
+        help="a wait for a chunk longer than this counts as a stall (default 100)",
+    )
     s.add_argument("--model", metavar="DIR", help="model directory (default: model.path, else the demo policy)")
     s.add_argument("--json", metavar="PATH", help="also write the swap records and the summary as JSON")
     s.set_defaults(fn=_cmd)
@@ -231,11 +298,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    names = {"swaps": "swaps", "clients": "clients", "interval": "interval", "max_tokens": "max-tokens",
-             "changed": "changed", "stall_ms": "stall-ms"}
-    command = "liverl bench swap" + "".join(f" --{flag} {getattr(args, n)}" for n, flag in names.items()
-                                            if getattr(args, n) != DEFAULTS[n])
-    run(swaps=args.swaps, clients=args.clients, interval_s=args.interval, max_tokens=args.max_tokens,
-        changed=args.changed, stall_ms=args.stall_ms, config=getattr(args, "config", None), model=args.model,
-        json_path=args.json, command=command)
+    names = {
+        "swaps": "swaps",
+        "clients": "clients",
+        "interval": "interval",
+        "max_tokens": "max-tokens",
+        "changed": "changed",
+        "stall_ms": "stall-ms",
+    }
+    command = "liverl bench swap" + "".join(
+        f" --{flag} {getattr(args, n)}" for n, flag in names.items() if getattr(args, n) != DEFAULTS[n]
+    )
+    run(
+        swaps=args.swaps,
+        clients=args.clients,
+        interval_s=args.interval,
+        max_tokens=args.max_tokens,
+        changed=args.changed,
+        stall_ms=args.stall_ms,
+        config=getattr(args, "config", None),
+        model=args.model,
+        json_path=args.json,
+        command=command,
+    )
     return 0

@@ -32,11 +32,23 @@ def kafka_python_security(broker: BrokerConfig | None) -> dict[str, Any]:
         return {}
     kw: dict[str, Any] = {"security_protocol": broker.security_protocol}
     if broker.security_protocol.startswith("SASL"):
-        kw.update(sasl_mechanism=broker.sasl_mechanism, sasl_plain_username=broker.sasl_username,
-                  sasl_plain_password=broker.sasl_password.get_secret_value())
+        kw.update(
+            sasl_mechanism=broker.sasl_mechanism,
+            sasl_plain_username=broker.sasl_username,
+            sasl_plain_password=broker.sasl_password.get_secret_value(),
+        )
     if broker.security_protocol.endswith("SSL"):
-        kw.update({k: v for k, v in (("ssl_cafile", broker.ssl_cafile), ("ssl_certfile", broker.ssl_certfile),
-                                     ("ssl_keyfile", broker.ssl_keyfile)) if v})
+        kw.update(
+            {
+                k: v
+                for k, v in (
+                    ("ssl_cafile", broker.ssl_cafile),
+                    ("ssl_certfile", broker.ssl_certfile),
+                    ("ssl_keyfile", broker.ssl_keyfile),
+                )
+                if v
+            }
+        )
     return kw
 
 
@@ -55,8 +67,11 @@ def aiokafka_security(broker: BrokerConfig | None) -> dict[str, Any]:
         return {}
     kw: dict[str, Any] = {"security_protocol": broker.security_protocol}
     if broker.security_protocol.startswith("SASL"):
-        kw.update(sasl_mechanism=broker.sasl_mechanism, sasl_plain_username=broker.sasl_username,
-                  sasl_plain_password=broker.sasl_password.get_secret_value())
+        kw.update(
+            sasl_mechanism=broker.sasl_mechanism,
+            sasl_plain_username=broker.sasl_username,
+            sasl_plain_password=broker.sasl_password.get_secret_value(),
+        )
     if broker.security_protocol.endswith("SSL"):
         kw["ssl_context"] = _ssl_context(broker)
     return kw
@@ -68,12 +83,25 @@ def librdkafka_security(broker: BrokerConfig | None) -> dict[str, str]:
         return {}
     conf = {"security.protocol": broker.security_protocol.lower()}
     if broker.security_protocol.startswith("SASL"):
-        conf.update({"sasl.mechanism": broker.sasl_mechanism, "sasl.username": broker.sasl_username,
-                     "sasl.password": broker.sasl_password.get_secret_value()})
+        conf.update(
+            {
+                "sasl.mechanism": broker.sasl_mechanism,
+                "sasl.username": broker.sasl_username,
+                "sasl.password": broker.sasl_password.get_secret_value(),
+            }
+        )
     if broker.security_protocol.endswith("SSL"):
-        conf.update({k: v for k, v in (("ssl.ca.location", broker.ssl_cafile),
-                                       ("ssl.certificate.location", broker.ssl_certfile),
-                                       ("ssl.key.location", broker.ssl_keyfile)) if v})
+        conf.update(
+            {
+                k: v
+                for k, v in (
+                    ("ssl.ca.location", broker.ssl_cafile),
+                    ("ssl.certificate.location", broker.ssl_certfile),
+                    ("ssl.key.location", broker.ssl_keyfile),
+                )
+                if v
+            }
+        )
     return conf
 
 
@@ -84,14 +112,21 @@ def topic_configs(cfg: LiverlConfig) -> dict[str, str]:
     return {} if r is None else {"retention.ms": str(int(r * 1000))}
 
 
-def ensure_topics(bootstrap: str, names: list[str], partitions: int, timeout_s: float = 30.0,
-                  broker: BrokerConfig | None = None, configs: dict[str, str] | None = None) -> None:
+def ensure_topics(
+    bootstrap: str,
+    names: list[str],
+    partitions: int,
+    timeout_s: float = 30.0,
+    broker: BrokerConfig | None = None,
+    configs: dict[str, str] | None = None,
+) -> None:
     """Create the topics that do not exist yet (idempotent), with ``configs`` (``topic_configs``)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="liverl-admin",
-                                     **kafka_python_security(broker))
+            admin = KafkaAdminClient(
+                bootstrap_servers=bootstrap, client_id="liverl-admin", **kafka_python_security(broker)
+            )
             break
         except KafkaError as e:
             if time.monotonic() > deadline:
@@ -99,8 +134,11 @@ def ensure_topics(bootstrap: str, names: list[str], partitions: int, timeout_s: 
             time.sleep(0.5)
     try:
         existing = set(admin.list_topics())
-        missing = [NewTopic(n, num_partitions=partitions, replication_factor=1, topic_configs=dict(configs or {}))
-                   for n in names if n not in existing]
+        missing = [
+            NewTopic(n, num_partitions=partitions, replication_factor=1, topic_configs=dict(configs or {}))
+            for n in names
+            if n not in existing
+        ]
         if missing:
             try:
                 admin.create_topics(missing)
@@ -152,8 +190,14 @@ def make_producer(bootstrap: str, broker: BrokerConfig | None = None, **kw) -> K
     return KafkaProducer(**opts)
 
 
-def make_consumer(bootstrap: str, group: str, topics: list[str], rebalance_timeout_s: float = 3.0,
-                  broker: BrokerConfig | None = None, **kw) -> KafkaConsumer:
+def make_consumer(
+    bootstrap: str,
+    group: str,
+    topics: list[str],
+    rebalance_timeout_s: float = 3.0,
+    broker: BrokerConfig | None = None,
+    **kw,
+) -> KafkaConsumer:
     """A consumer that commits by hand (after the work is durable) and starts from the earliest offset."""
     opts = dict(
         **kafka_python_security(broker),
@@ -174,8 +218,9 @@ def make_consumer(bootstrap: str, group: str, topics: list[str], rebalance_timeo
 def make_reader(bootstrap: str, broker: BrokerConfig | None = None, **kw) -> KafkaConsumer:
     """A consumer in no group that never commits: the caller assigns partitions and seeks (the gate's tails, the
     audit's full reads)."""
-    return KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                         **kafka_python_security(broker), **kw)
+    return KafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False, **kafka_python_security(broker), **kw
+    )
 
 
 # -- aiokafka (the ingest worker) -----------------------------------------------------------------------------------
@@ -189,8 +234,14 @@ def make_aio_producer(bootstrap: str, broker: BrokerConfig | None, client_id: st
     for). Not started: ``await producer.start()``."""
     from aiokafka import AIOKafkaProducer
 
-    opts: dict[str, Any] = dict(bootstrap_servers=bootstrap, client_id=client_id, acks="all", linger_ms=0,
-                                request_timeout_ms=30_000, **aiokafka_security(broker))
+    opts: dict[str, Any] = dict(
+        bootstrap_servers=bootstrap,
+        client_id=client_id,
+        acks="all",
+        linger_ms=0,
+        request_timeout_ms=30_000,
+        **aiokafka_security(broker),
+    )
     opts.update(kw)
     return AIOKafkaProducer(**opts)
 
@@ -202,12 +253,21 @@ def make_aio_consumer(bootstrap: str, broker: BrokerConfig | None, group: str | 
     than the heartbeat cadence allows. Not started: ``await consumer.start()``."""
     from aiokafka import AIOKafkaConsumer
 
-    opts: dict[str, Any] = dict(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False,
-                                auto_offset_reset="earliest", **aiokafka_security(broker))
+    opts: dict[str, Any] = dict(
+        bootstrap_servers=bootstrap,
+        group_id=group,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        **aiokafka_security(broker),
+    )
     if group is not None:
         rebalance_ms = int(float((broker or BrokerConfig()).rebalance_timeout_s) * 1000)
-        opts.update(client_id=group, rebalance_timeout_ms=rebalance_ms, session_timeout_ms=max(rebalance_ms, 6000),
-                    heartbeat_interval_ms=1000)
+        opts.update(
+            client_id=group,
+            rebalance_timeout_ms=rebalance_ms,
+            session_timeout_ms=max(rebalance_ms, 6000),
+            heartbeat_interval_ms=1000,
+        )
     opts.update(kw)
     return AIOKafkaConsumer(**opts)
 

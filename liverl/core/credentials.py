@@ -55,11 +55,13 @@ def load_assignment_key(cfg: LiverlConfig) -> bytes:
             "the router needs an assignment key to split users between a rollout's arms: set security.assignment_key "
             f"to a file of at least {MIN_SECRET_LEN} random bytes, the same file for every router (for example "
             "`umask 077; head -c 32 /dev/urandom | base64 > /etc/liverl/assignment.key`); `liverl up` makes "
-            f"{cfg.state_path / 'keys' / ASSIGNMENT_NAME}")
+            f"{cfg.state_path / 'keys' / ASSIGNMENT_NAME}"
+        )
     key = _read(path, "assignment key (security.assignment_key)").strip()
     if len(key) < MIN_SECRET_LEN:
-        raise ValueError(f"the assignment key at {path} has {len(key)} bytes; it needs at least {MIN_SECRET_LEN} "
-                         "random ones")
+        raise ValueError(
+            f"the assignment key at {path} has {len(key)} bytes; it needs at least {MIN_SECRET_LEN} random ones"
+        )
     return key
 
 
@@ -74,8 +76,10 @@ def load_feedback_keys(cfg: LiverlConfig) -> list[bytes] | None:
     if not found:
         raise ValueError(f"the product key file {path} (security.feedback_key) holds no key")
     if short := [i for i, k in enumerate(found, 1) if len(k) < MIN_SECRET_LEN]:
-        raise ValueError(f"the product key file {path} has keys shorter than {MIN_SECRET_LEN} characters (key "
-                         f"{', '.join(map(str, short))}); use random ones, e.g. `openssl rand -base64 32`")
+        raise ValueError(
+            f"the product key file {path} has keys shorter than {MIN_SECRET_LEN} characters (key "
+            f"{', '.join(map(str, short))}); use random ones, e.g. `openssl rand -base64 32`"
+        )
     return found
 
 
@@ -92,7 +96,10 @@ def write_secret(path: Path) -> Path:
 
 def ensure_secrets(cfg: LiverlConfig) -> None:
     """``liverl up``: make the assignment key and the product key under ``<state_dir>/keys`` once, unless configured."""
-    for configured, name in ((cfg.security.assignment_key, ASSIGNMENT_NAME), (cfg.security.feedback_key, FEEDBACK_NAME)):
+    for configured, name in (
+        (cfg.security.assignment_key, ASSIGNMENT_NAME),
+        (cfg.security.feedback_key, FEEDBACK_NAME),
+    ):
         path = cfg.state_path / "keys" / name
         if not configured and not path.exists():
             write_secret(path)

@@ -128,8 +128,11 @@ async def read_heartbeats_async(redis, prefix: str) -> dict[str, keys.ServedHear
 def routable(beats: Mapping[str, keys.ServedHeartbeat], allowed: Mapping[str, str]) -> list[Node]:
     """The nodes that may take traffic, by name: named in ``allowed`` (``serving.fleet``), with a live heartbeat that
     says healthy. Each node's URL is ``allowed``'s, never its heartbeat's."""
-    return [Node(name, allowed[name].rstrip("/"), b.version) for name, b in sorted(beats.items())
-            if name in allowed and b.healthy]
+    return [
+        Node(name, allowed[name].rstrip("/"), b.version)
+        for name, b in sorted(beats.items())
+        if name in allowed and b.healthy
+    ]
 
 
 def unknown(beats: Mapping[str, keys.ServedHeartbeat], allowed: Mapping[str, str]) -> list[str]:
@@ -185,8 +188,13 @@ def announcement_key(prefix: str, channel: AnnouncementChannel) -> str:
     raise ValueError(f"unknown announcement channel {channel!r}; one of {CHANNELS}")
 
 
-def check_announcement(raw: bytes | str, channel: AnnouncementChannel, prefix: str,
-                       verifier: AnnouncementVerifier | None, now: float | None = None) -> VersionAnnouncement:
+def check_announcement(
+    raw: bytes | str,
+    channel: AnnouncementChannel,
+    prefix: str,
+    verifier: AnnouncementVerifier | None,
+    now: float | None = None,
+) -> VersionAnnouncement:
     """Parse and check an announcement read from ``<prefix>:<channel>``; raises ``AnnouncementRefused``. With a
     ``verifier`` the signature must verify (it covers every field); then the announcement must name this channel and
     this prefix and not have expired at ``now``. Stateless: ``AnnouncementReader`` adds the replay check."""
@@ -202,18 +210,26 @@ def check_announcement(raw: bytes | str, channel: AnnouncementChannel, prefix: s
         except ValueError as e:
             raise AnnouncementRefused("bad_signature", str(e)) from None
     if ann.channel != channel:
-        raise AnnouncementRefused("wrong_channel", f"v{ann.version} was announced on {ann.channel!r}, and it was read "
-                                  f"from {announcement_key(prefix, channel)!r}")
+        raise AnnouncementRefused(
+            "wrong_channel",
+            f"v{ann.version} was announced on {ann.channel!r}, and it was read "
+            f"from {announcement_key(prefix, channel)!r}",
+        )
     if ann.prefix is None or ann.expires_at is None:
-        raise AnnouncementRefused("unbound", f"the announcement of v{ann.version} names no "
-                                  f"{'prefix' if ann.prefix is None else 'expiry'}")
+        raise AnnouncementRefused(
+            "unbound", f"the announcement of v{ann.version} names no {'prefix' if ann.prefix is None else 'expiry'}"
+        )
     if ann.prefix != prefix:
-        raise AnnouncementRefused("wrong_prefix", f"v{ann.version} was announced for deployment {ann.prefix!r}, not "
-                                  f"{prefix!r}")
+        raise AnnouncementRefused(
+            "wrong_prefix", f"v{ann.version} was announced for deployment {ann.prefix!r}, not {prefix!r}"
+        )
     now = time.time() if now is None else now
     if ann.expires_at <= now:
-        raise AnnouncementRefused("expired", f"the announcement of v{ann.version} expired at {ann.expires_at:.0f} "
-                                  "(Unix s; the gate re-announces well before: is it running?)")
+        raise AnnouncementRefused(
+            "expired",
+            f"the announcement of v{ann.version} expired at {ann.expires_at:.0f} "
+            "(Unix s; the gate re-announces well before: is it running?)",
+        )
     return ann
 
 
@@ -227,8 +243,9 @@ class AnnouncementReader:
         self.verifier = verifier
         self.newest: dict[str, float] = {}  # channel -> ts of the newest announcement accepted
 
-    def accept(self, channel: AnnouncementChannel, raw: bytes | str | None,
-               now: float | None = None) -> VersionAnnouncement | None:
+    def accept(
+        self, channel: AnnouncementChannel, raw: bytes | str | None, now: float | None = None
+    ) -> VersionAnnouncement | None:
         """The announcement ``raw`` read from ``channel``'s key (None: nothing announced), checked; raises
         ``AnnouncementRefused``."""
         if raw is None:
@@ -236,8 +253,11 @@ class AnnouncementReader:
         ann = check_announcement(raw, channel, self.prefix, self.verifier, now)
         newest = self.newest.get(channel)
         if newest is not None and ann.ts < newest:
-            raise AnnouncementRefused("replayed", f"v{ann.version} was announced at {ann.ts:.3f}, before the "
-                                      f"announcement accepted on {channel!r} at {newest:.3f}")
+            raise AnnouncementRefused(
+                "replayed",
+                f"v{ann.version} was announced at {ann.ts:.3f}, before the "
+                f"announcement accepted on {channel!r} at {newest:.3f}",
+            )
         self.newest[channel] = ann.ts
         return ann
 
@@ -247,8 +267,9 @@ class AnnouncementReader:
         return self.accept(channel, await redis.get(announcement_key(self.prefix, channel)), now)
 
 
-def serving_target(node: str, desired: VersionAnnouncement | None,
-                   canary: VersionAnnouncement | None) -> VersionAnnouncement | None:
+def serving_target(
+    node: str, desired: VersionAnnouncement | None, canary: VersionAnnouncement | None
+) -> VersionAnnouncement | None:
     """What ``node`` should serve, from the verified announcements (None where one was missing or refused): the canary
     when its signed terms name the node, else the desired version (None: nothing valid is announced for it)."""
     if canary is not None and canary.rollout is not None and node in canary.rollout.nodes:
@@ -322,7 +343,12 @@ def fleet_view(registry, redis, prefix: str, allowed: Mapping[str, str] | None =
     nodes = {}
     for name, beat in read_heartbeats(redis, prefix).items():
         want = expected(name, stable, rollout)
-        nodes[name] = NodeState(name=name, beat=beat, known=not allowed or name in allowed,
-                                canary=rollout is not None and name in (rollout.nodes or ()), expected=want,
-                                converged=(beat.version, beat.checksum) == want)
+        nodes[name] = NodeState(
+            name=name,
+            beat=beat,
+            known=not allowed or name in allowed,
+            canary=rollout is not None and name in (rollout.nodes or ()),
+            expected=want,
+            converged=(beat.version, beat.checksum) == want,
+        )
     return FleetView(stable=stable, rollout=rollout, nodes=nodes, desired=read_desired(redis, prefix))

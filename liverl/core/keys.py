@@ -88,7 +88,10 @@ def judged_fields(tokens: int | None, latency_s: float | None) -> str:
     return out
 
 
-GUARDRAIL_SUMS: dict[str, tuple[str, str]] = {"response_length": ("tokens", "events"), "latency": ("latency_ms", "timed")}
+GUARDRAIL_SUMS: dict[str, tuple[str, str]] = {
+    "response_length": ("tokens", "events"),
+    "latency": ("latency_ms", "timed"),
+}
 """Continuous guardrails kept in the live counters: name -> (sum field, count field); ``<sum field>_sq`` holds the
 squares."""
 
@@ -184,8 +187,9 @@ def unit_totals(buckets: dict[int, dict[str, dict[str, int]]]) -> dict[str, dict
     return out
 
 
-_SUM_FIELDS = frozenset(f for field, n_field in GUARDRAIL_SUMS.values() for f in (field, f"{field}_sq", n_field)) \
-    - {"events"}
+_SUM_FIELDS = frozenset(f for field, n_field in GUARDRAIL_SUMS.values() for f in (field, f"{field}_sq", n_field)) - {
+    "events"
+}
 
 
 def live_totals(counts: dict[str, int]) -> dict[str, int]:

@@ -31,8 +31,14 @@ def spawn(cmd: Sequence[str], log_path: str | os.PathLike, env: Mapping[str, str
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
-        return subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=None if env is None else dict(env),
-                                start_new_session=True, preexec_fn=_term_with_parent)
+        return subprocess.Popen(
+            list(cmd),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=None if env is None else dict(env),
+            start_new_session=True,
+            preexec_fn=_term_with_parent,
+        )
 
 
 def _term_with_parent() -> None:

@@ -78,8 +78,9 @@ class _Wire(BaseModel):
         version = data.get("schema_version", SCHEMA_VERSION)
         if type(version) is not int or version != SCHEMA_VERSION:  # strict: true and 1.0 are not 1
             shown = repr(version) if isinstance(version, (int, float, bool)) else type(version).__name__
-            raise WireError("unsupported_schema_version",
-                            f"schema_version {shown[:40]} (this build reads {SCHEMA_VERSION})")
+            raise WireError(
+                "unsupported_schema_version", f"schema_version {shown[:40]} (this build reads {SCHEMA_VERSION})"
+            )
         try:
             return cls.model_validate(data)
         except ValidationError as e:
@@ -110,8 +111,10 @@ class FeedbackEvent(_Wire):
     schema_version: Literal[1] = SCHEMA_VERSION
     feedback_id: _Id = Field(description="Idempotency key: the same feedback_id is counted and trained on once.")
     generation_id: _Id = Field(description="The id the gateway returned with the generation being judged.")
-    kind: FeedbackKind = Field(description="accept | reject | edit, or revert: a later follow-up on an accepted "
-                               "generation (the user undid it); its own feedback_id, the same generation_id")
+    kind: FeedbackKind = Field(
+        description="accept | reject | edit, or revert: a later follow-up on an accepted "
+        "generation (the user undid it); its own feedback_id, the same generation_id"
+    )
     edited_text: str | None = Field(
         default=None, max_length=65536, description="The user's corrected completion; required when kind is edit."
     )
@@ -160,26 +163,38 @@ class GenerationRecord(_Wire):
     completion: str
     prompt_token_ids: list[_TokenId]
     completion_token_ids: list[_TokenId]
-    completion_logprobs: list[_Finite] = Field(description="Sampling log-prob of each completion token (behaviour policy).")
+    completion_logprobs: list[_Finite] = Field(
+        description="Sampling log-prob of each completion token (behaviour policy)."
+    )
     sampling: SamplingParams
     finish_reason: str | None = None
     trainable: bool = Field(
-        default=True, description="False when the learner cannot treat this generation as a sample of the policy "
-        "(greedy decoding, for one); it is served and logged, but never trained on.")
+        default=True,
+        description="False when the learner cannot treat this generation as a sample of the policy "
+        "(greedy decoding, for one); it is served and logged, but never trained on.",
+    )
     untrainable_reason: str | None = Field(default=None, max_length=64, description="Why not trainable, e.g. greedy.")
     latency_s: _Finite | None = Field(
-        default=None, ge=0, le=86400, description="Seconds the version took to serve it: from the gateway admitting "
+        default=None,
+        ge=0,
+        le=86400,
+        description="Seconds the version took to serve it: from the gateway admitting "
         "the request (after any wait behind a hot-swap, a deployment's cost) to this completion being done (the "
-        "canary's latency guardrail). None: not timed.")
+        "canary's latency guardrail). None: not timed.",
+    )
     unit: _Unit | None = Field(
-        default=None, description="Pseudonymous id of the user the generation was served to (the gateway's "
+        default=None,
+        description="Pseudonymous id of the user the generation was served to (the gateway's "
         "liverl.core.fleet.unit_id of the request's user key: 16 hex digits; never a user id itself): ingest keeps "
-        "per-user sums by it, so the canary's test takes the user as its unit. None: no user key.")
+        "per-user sums by it, so the canary's test takes the user as its unit. None: no user key.",
+    )
     version_spans: list[tuple[_Version, int, int]] | None = Field(
-        default=None, description="Set when a hot-swap happened while this generation was in flight: (version, start, "
+        default=None,
+        description="Set when a hot-swap happened while this generation was in flight: (version, start, "
         "end) for each run of completion tokens [start, end) one version sampled, in order, as vLLM recorded them "
         "(policy_version is then the first span's). An empty list: the spans could not be read, so no version may "
-        "claim it. None: policy_version sampled every token. See mixed_versions.")
+        "claim it. None: policy_version sampled every token. See mixed_versions.",
+    )
     ts: _Time = Field(default_factory=time.time)
 
     @property
@@ -196,10 +211,15 @@ class GenerationRecord(_Wire):
             )
         if self.version_spans:
             ends = [0] + [e for _, _, e in self.version_spans]
-            if [s for _, s, _ in self.version_spans] != ends[:-1] or ends[-1] != len(self.completion_token_ids) \
-                    or any(s >= e for _, s, e in self.version_spans):
-                raise ValueError(f"version_spans {self.version_spans} do not tile the "
-                                 f"{len(self.completion_token_ids)} completion tokens")
+            if (
+                [s for _, s, _ in self.version_spans] != ends[:-1]
+                or ends[-1] != len(self.completion_token_ids)
+                or any(s >= e for _, s, e in self.version_spans)
+            ):
+                raise ValueError(
+                    f"version_spans {self.version_spans} do not tile the "
+                    f"{len(self.completion_token_ids)} completion tokens"
+                )
         return self
 
 
@@ -237,8 +257,10 @@ class DeadLetter(_Wire):
     partition: int | None = None
     offset: int | None = None
     key: str | None = None
-    value: str = Field(description="The refused value, decoded as UTF-8 with replacement characters "
-                       "(cut to its first characters when value_truncated).")
+    value: str = Field(
+        description="The refused value, decoded as UTF-8 with replacement characters "
+        "(cut to its first characters when value_truncated)."
+    )
     value_truncated: bool = Field(default=False, description="value holds only the start of the refused value.")
     value_size: int | None = Field(default=None, description="Size of the refused value in bytes.")
     value_sha256: str | None = Field(default=None, description="sha256 of the refused value's bytes (hex).")
@@ -256,13 +278,25 @@ class RolloutTerms(_Wire):
     """A canary rollout's terms, signed inside its announcement (``VersionAnnouncement.rollout``): the agents and the
     router act on these, never on the unsigned ``<prefix>:rollout`` plan (display only)."""
 
-    rollout_id: int = Field(ge=0, lt=2**63, description="The rollout's id (salts the users' buckets, liverl.core.fleet).")
-    share: float = Field(gt=0.0, le=1.0, allow_inf_nan=False, description="Share of users (or of requests) sent to "
-                         "the canary nodes, in (0, 1] as the registry's rollout has it.")
-    nodes: list[_NodeName] = Field(min_length=1, max_length=1024, description="The nodes that serve the canary, by "
-                                   "name; every other node serves the desired version.")
-    unit: Literal["user", "request"] = Field(description="What is assigned to an arm: each user for the whole rollout, "
-                                             "or each request afresh (gate.canary_unit).")
+    rollout_id: int = Field(
+        ge=0, lt=2**63, description="The rollout's id (salts the users' buckets, liverl.core.fleet)."
+    )
+    share: float = Field(
+        gt=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="Share of users (or of requests) sent to "
+        "the canary nodes, in (0, 1] as the registry's rollout has it.",
+    )
+    nodes: list[_NodeName] = Field(
+        min_length=1,
+        max_length=1024,
+        description="The nodes that serve the canary, by name; every other node serves the desired version.",
+    )
+    unit: Literal["user", "request"] = Field(
+        description="What is assigned to an arm: each user for the whole rollout, "
+        "or each request afresh (gate.canary_unit)."
+    )
 
 
 class VersionAnnouncement(_Wire):
@@ -278,18 +312,28 @@ class VersionAnnouncement(_Wire):
     reason: str = Field(default="", max_length=1024)
     ts: float = Field(default_factory=time.time)
     channel: AnnouncementChannel = Field(
-        default="desired", description="The channel it was announced on; valid only under <prefix>:<channel>.")
+        default="desired", description="The channel it was announced on; valid only under <prefix>:<channel>."
+    )
     prefix: str | None = Field(
-        default=None, max_length=256, description="The deployment's topics prefix (topics.prefix) it was announced "
-        "for. None (an announcement bound to no deployment) is refused by every reader.")
+        default=None,
+        max_length=256,
+        description="The deployment's topics prefix (topics.prefix) it was announced "
+        "for. None (an announcement bound to no deployment) is refused by every reader.",
+    )
     expires_at: _Time | None = Field(
-        default=None, description="Unix seconds after which readers refuse it (security.announce_ttl_s after ts; the "
-        "gate re-announces before half of it is left). None is refused by every reader.")
+        default=None,
+        description="Unix seconds after which readers refuse it (security.announce_ttl_s after ts; the "
+        "gate re-announces before half of it is left). None is refused by every reader.",
+    )
     rollout: RolloutTerms | None = Field(
-        default=None, description="The rollout's terms: required on the canary channel, absent on desired.")
+        default=None, description="The rollout's terms: required on the canary channel, absent on desired."
+    )
     signature: str | None = Field(
-        default=None, max_length=256, description="Ed25519 signature (base64) by the release tier over every other "
-        "field; agents that hold the public key serve nothing unsigned (see deploy.signing).")
+        default=None,
+        max_length=256,
+        description="Ed25519 signature (base64) by the release tier over every other "
+        "field; agents that hold the public key serve nothing unsigned (see deploy.signing).",
+    )
 
     @model_validator(mode="after")
     def _terms_on_the_canary_channel(self):

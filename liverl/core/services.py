@@ -165,35 +165,55 @@ def verify_key_path(cfg: LiverlConfig) -> Path | None:
     return default if default.exists() else None
 
 
-def _required_key(cfg: LiverlConfig, path: Path | None, setting: str, default_name: str, who: str,
-                  without: str) -> Path | None:
+def _required_key(
+    cfg: LiverlConfig, path: Path | None, setting: str, default_name: str, who: str, without: str
+) -> Path | None:
     if path is not None:
         if not path.is_file():
-            raise ValueError(f"security.{setting} is {path}, which is not a file: point it at the key "
-                             f"(deploy.signing.generate_keypair or `liverl up` makes a pair)")
+            raise ValueError(
+                f"security.{setting} is {path}, which is not a file: point it at the key "
+                f"(deploy.signing.generate_keypair or `liverl up` makes a pair)"
+            )
         return path
     if cfg.security.allow_unsigned:
-        log.warning("UNSIGNED ANNOUNCEMENTS: %s runs without an announcement key (security.allow_unsigned = true): "
-                    "%s", who, without)
+        log.warning(
+            "UNSIGNED ANNOUNCEMENTS: %s runs without an announcement key (security.allow_unsigned = true): %s",
+            who,
+            without,
+        )
         return None
-    raise ValueError(f"{who} needs the announcement {'signing' if setting == 'signing_key' else 'verify'} key and "
-                     f"has none: set security.{setting} (or put it at {cfg.state_path / 'keys' / default_name}; "
-                     "`liverl up` makes a pair there), or, UNSAFE and only where every Redis writer is trusted, set "
-                     "security.allow_unsigned = true")
+    raise ValueError(
+        f"{who} needs the announcement {'signing' if setting == 'signing_key' else 'verify'} key and "
+        f"has none: set security.{setting} (or put it at {cfg.state_path / 'keys' / default_name}; "
+        "`liverl up` makes a pair there), or, UNSAFE and only where every Redis writer is trusted, set "
+        "security.allow_unsigned = true"
+    )
 
 
 def required_verify_key(cfg: LiverlConfig) -> Path | None:
     """The verify key a serving agent must have (``verify_key_path``). Without one: ``ValueError`` naming both ways out,
     unless ``security.allow_unsigned`` (then None, said loudly in the log)."""
-    return _required_key(cfg, verify_key_path(cfg), "verify_key", "announce.pub", "liverl serve",
-                         "its agent follows any announcement written to Redis, signed or not")
+    return _required_key(
+        cfg,
+        verify_key_path(cfg),
+        "verify_key",
+        "announce.pub",
+        "liverl serve",
+        "its agent follows any announcement written to Redis, signed or not",
+    )
 
 
 def required_signing_key(cfg: LiverlConfig) -> Path | None:
     """The signing key the gate must have (``signing_key_path``). Without one: ``ValueError`` naming both ways out,
     unless ``security.allow_unsigned`` (then None, said loudly in the log)."""
-    return _required_key(cfg, signing_key_path(cfg), "signing_key", "announce.key", "the gate",
-                         "its announcements are unsigned, and agents that hold a verify key refuse them")
+    return _required_key(
+        cfg,
+        signing_key_path(cfg),
+        "signing_key",
+        "announce.key",
+        "the gate",
+        "its announcements are unsigned, and agents that hold a verify key refuse them",
+    )
 
 
 def check_redis(url: str) -> None:
@@ -203,4 +223,3 @@ def check_redis(url: str) -> None:
         redis_from_url(url, socket_connect_timeout=2).ping()
     except redis.RedisError as e:
         raise ServiceError(f"Redis at {url} does not answer: {e}") from e
-

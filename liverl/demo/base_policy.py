@@ -54,18 +54,40 @@ one user message reads exactly the tokens of the same text sent as a completion 
 RECIPE: dict = {
     "recipe_version": 3,
     "model": {
-        "vocab_size": len(VOCAB), "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "num_experts": 8,
-        "num_experts_per_tok": 2, "norm_topk_prob": True, "max_position_embeddings": 32, "rope_theta": 10000.0,
+        "vocab_size": len(VOCAB),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 32,
+        "rope_theta": 10000.0,
         "rms_norm_eps": 1e-6,
     },
-    "sft": {"lr": 3e-3, "betas": (0.9, 0.98), "weight_decay": 0.0, "batch_size": 256, "max_steps": 1500,
-            "eval_every": 10, "eval_prompts": 512, "eval_seed": 777, "target_acceptance": 0.35},
-    "task": {"alphabet": task.ALPHABET, "suffixes": list(task.SFT_SUFFIXES),
-             "preferred_rate": task.SFT_PREFERRED_RATE, "max_tokens": task.MAX_TOKENS},
+    "sft": {
+        "lr": 3e-3,
+        "betas": (0.9, 0.98),
+        "weight_decay": 0.0,
+        "batch_size": 256,
+        "max_steps": 1500,
+        "eval_every": 10,
+        "eval_prompts": 512,
+        "eval_seed": 777,
+        "target_acceptance": 0.35,
+    },
+    "task": {
+        "alphabet": task.ALPHABET,
+        "suffixes": list(task.SFT_SUFFIXES),
+        "preferred_rate": task.SFT_PREFERRED_RATE,
+        "max_tokens": task.MAX_TOKENS,
+    },
 }
 """Everything that determines the built weights; its hash (with the seed) names the cache entry."""
-
 
 
 # ----------------------------------------------------------------------------------------------- tokenizer
@@ -79,8 +101,12 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, unk_token=UNK_TOKEN,
-        clean_up_tokenization_spaces=False, model_max_length=RECIPE["model"]["max_position_embeddings"],
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        clean_up_tokenization_spaces=False,
+        model_max_length=RECIPE["model"]["max_position_embeddings"],
         chat_template=CHAT_TEMPLATE,
     )
 
@@ -90,11 +116,16 @@ def _save_tokenizer(tokenizer, out: Path) -> None:
     # Name the class explicitly: otherwise AutoTokenizer picks the model type's tokenizer (Qwen2Tokenizer).
     cfg_path = out / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg.update(tokenizer_class="PreTrainedTokenizerFast", add_bos_token=False, add_eos_token=False,
-               clean_up_tokenization_spaces=False)
+    cfg.update(
+        tokenizer_class="PreTrainedTokenizerFast",
+        add_bos_token=False,
+        add_eos_token=False,
+        clean_up_tokenization_spaces=False,
+    )
     cfg_path.write_text(json.dumps(cfg, indent=2))
     (out / "special_tokens_map.json").write_text(
-        json.dumps({"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "unk_token": UNK_TOKEN}, indent=2))
+        json.dumps({"eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "unk_token": UNK_TOKEN}, indent=2)
+    )
 
 
 def encode_text(text: str) -> list[int]:
@@ -112,9 +143,16 @@ def _model_config():
     m = dict(RECIPE["model"])
     rope_theta = m.pop("rope_theta")
     return Qwen3MoeConfig(
-        **m, rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, tie_word_embeddings=False,
-        bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, decoder_sparse_step=1, mlp_only_layers=[],
-        use_sliding_window=False, output_router_logits=False,
+        **m,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        tie_word_embeddings=False,
+        bos_token_id=EOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        use_sliding_window=False,
+        output_router_logits=False,
     )
 
 
@@ -200,7 +238,7 @@ def sft_batch(prompts: list, completions: list[str]):
     mask_BT = torch.zeros((len(seqs), T), dtype=torch.long)
     for i, (s, n) in enumerate(zip(seqs, n_prompt)):
         ids_BT[i, : len(s)] = torch.tensor(s)
-        labels_BT[i, n: len(s)] = torch.tensor(s[n:])
+        labels_BT[i, n : len(s)] = torch.tensor(s[n:])
         mask_BT[i, : len(s)] = 1
     return ids_BT, labels_BT, mask_BT
 
@@ -228,7 +266,9 @@ def _build(out: Path, seed: int, progress: bool) -> None:
             model = Qwen3MoeForCausalLM(_model_config())
             eval_model = Qwen3MoeForCausalLM(_model_config()).eval()
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=sft["lr"], betas=tuple(sft["betas"]), weight_decay=sft["weight_decay"])
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=sft["lr"], betas=tuple(sft["betas"]), weight_decay=sft["weight_decay"]
+        )
         rng = random.Random(seed * 1_000_003 + 17)
         eval_set = task.heldout_prompts(sft["eval_prompts"], seed=sft["eval_seed"])
         score = {"expected_acceptance": 0.0}
@@ -243,9 +283,14 @@ def _build(out: Path, seed: int, progress: bool) -> None:
             if step % sft["eval_every"] == 0:
                 score = score_model(_bf16_rounded(model, eval_model), eval_set)
                 if progress:
-                    print(f"\rbuilding base policy (seed {seed}): step {step:4d}  loss {loss.item():.3f}  "
-                          f"acceptance {score['expected_acceptance']:.3f} → target {sft['target_acceptance']:.2f}  "
-                          f"{time.monotonic() - t0:5.1f}s", end="", file=sys.stderr, flush=True)
+                    print(
+                        f"\rbuilding base policy (seed {seed}): step {step:4d}  loss {loss.item():.3f}  "
+                        f"acceptance {score['expected_acceptance']:.3f} → target {sft['target_acceptance']:.2f}  "
+                        f"{time.monotonic() - t0:5.1f}s",
+                        end="",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 if score["expected_acceptance"] >= sft["target_acceptance"]:
                     break
         if progress:
@@ -253,19 +298,37 @@ def _build(out: Path, seed: int, progress: bool) -> None:
         if score["expected_acceptance"] < sft["target_acceptance"]:
             raise RuntimeError(
                 f"warm start for seed {seed} reached only {score['expected_acceptance']:.3f} expected acceptance "
-                f"after {step} steps (target {sft['target_acceptance']}); use another seed or raise max_steps")
+                f"after {step} steps (target {sft['target_acceptance']}); use another seed or raise max_steps"
+            )
         sd = state_dict_from_model(model, dtype=torch.bfloat16)
 
     config = _model_config()
     config.dtype = "bfloat16"
     config.architectures = ["Qwen3MoeForCausalLM"]  # without it vLLM falls back to its Transformers backend
     config.save_pretrained(out)
-    GenerationConfig(bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=True,
-                     temperature=task.TEMPERATURE, top_p=1.0, top_k=0, max_new_tokens=task.MAX_TOKENS
-                     ).save_pretrained(out)
+    GenerationConfig(
+        bos_token_id=EOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        do_sample=True,
+        temperature=task.TEMPERATURE,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=task.MAX_TOKENS,
+    ).save_pretrained(out)
     _save_tokenizer(build_tokenizer(), out)
     save_model_dir(out, sd, out)
-    (out / "liverl_base.json").write_text(json.dumps({
-        "seed": seed, "recipe": RECIPE, "recipe_hash": recipe_hash(seed), "sft_steps": step,
-        "build_seconds": round(time.monotonic() - t0, 2), "sft_eval": score,
-    }, indent=2, sort_keys=True))
+    (out / "liverl_base.json").write_text(
+        json.dumps(
+            {
+                "seed": seed,
+                "recipe": RECIPE,
+                "recipe_hash": recipe_hash(seed),
+                "sft_steps": step,
+                "build_seconds": round(time.monotonic() - t0, 2),
+                "sft_eval": score,
+            },
+            indent=2,
+            sort_keys=True,
+        )
+    )

@@ -37,8 +37,10 @@ class ArithmeticProduct(Product):
         self.suite_size = suite_size
 
     def eval_suite(self) -> EvalSuite:
-        cases = [EvalCase(prompt=p.text, max_tokens=task.MAX_TOKENS, data={"answer": p.answer})
-                 for p in task.heldout_prompts(self.suite_size, seed=SUITE_SEED)]
+        cases = [
+            EvalCase(prompt=p.text, max_tokens=task.MAX_TOKENS, data={"answer": p.answer})
+            for p in task.heldout_prompts(self.suite_size, seed=SUITE_SEED)
+        ]
         return EvalSuite(name="sums", cases=cases, grade=grade_sum, temperature=0.0)
 
     def simulated_users(self) -> UsersFn:

@@ -30,8 +30,14 @@ DEMO_PRODUCT = "liverl.demo.product:PRODUCT"
 DEMO_PROFILE: dict[str, dict[str, float | int | str]] = {
     "serving": {"nodes": 2},
     "broker": {"embedded_storage": "memory"},
-    "gate": {"canary_share": 0.5, "canary_margin": 0.03, "canary_deadline_s": 240.0, "canary_min_events": 50,
-             "revert_horizon_s": 75.0, "latency_tolerance": 1.0},
+    "gate": {
+        "canary_share": 0.5,
+        "canary_margin": 0.03,
+        "canary_deadline_s": 240.0,
+        "canary_min_events": 50,
+        "revert_horizon_s": 75.0,
+        "latency_tolerance": 1.0,
+    },
     "learner": {"max_staleness": 40, "lr": 3e-4},
 }
 """What ``liverl demo`` changes from the production defaults, where the config file, the environment or a flag did not
@@ -94,8 +100,9 @@ def _trap_kwargs(users, cfg: LiverlConfig) -> dict:
     return out
 
 
-def run_demo(cfg: LiverlConfig, model_dir: Path, summary_path: str | None = None, plot_path: str | None = None,
-             live: bool = True) -> dict:
+def run_demo(
+    cfg: LiverlConfig, model_dir: Path, summary_path: str | None = None, plot_path: str | None = None, live: bool = True
+) -> dict:
     from ingest.sdk import FeedbackClient
 
     # the SDK's producer shares this process with the users' event loop; its "slow task" warnings are noise here
@@ -113,14 +120,28 @@ def run_demo(cfg: LiverlConfig, model_dir: Path, summary_path: str | None = None
     summary_path = Path(summary_path) if summary_path else demo_dir / "summary.json"
     plot_path = Path(plot_path) if plot_path else demo_dir / "acceptance.png"
 
-    print(f"liverl demo: {cfg.demo.duration_s:.0f} s, {cfg.demo.users} simulated users ({cfg.demo.concurrency} at once), product "
-          f"{product.describe()}, state in {state}", flush=True)
-    print(f"  {cfg.serving.nodes} serving node(s); reward-hacking trap {'on' if cfg.demo.trap else 'off'}; gate "
-          + ("INTEGRITY ONLY" if cfg.gate.integrity_only else
-             f"with canaries on {cfg.gate.canary_share:.0%} of users" if cfg.serving.nodes > 1 else "offline checks")
-          + (f"; demo settings: {', '.join(f'{k}={v}' for k, v in profile.items())}" if profile else ""), flush=True)
-    print("[1/3] embedded stack (Kafka-compatible broker, Redis, SQLite registry, blob folder) and the pipeline: "
-          "serve (vLLM + gateway + agent), ingest, learn, gate ...", flush=True)
+    print(
+        f"liverl demo: {cfg.demo.duration_s:.0f} s, {cfg.demo.users} simulated users ({cfg.demo.concurrency} at once), product "
+        f"{product.describe()}, state in {state}",
+        flush=True,
+    )
+    print(
+        f"  {cfg.serving.nodes} serving node(s); reward-hacking trap {'on' if cfg.demo.trap else 'off'}; gate "
+        + (
+            "INTEGRITY ONLY"
+            if cfg.gate.integrity_only
+            else f"with canaries on {cfg.gate.canary_share:.0%} of users"
+            if cfg.serving.nodes > 1
+            else "offline checks"
+        )
+        + (f"; demo settings: {', '.join(f'{k}={v}' for k, v in profile.items())}" if profile else ""),
+        flush=True,
+    )
+    print(
+        "[1/3] embedded stack (Kafka-compatible broker, Redis, SQLite registry, blob folder) and the pipeline: "
+        "serve (vLLM + gateway + agent), ingest, learn, gate ...",
+        flush=True,
+    )
     with Pipeline(cfg, model_dir, fresh=True) as pipe:
         print(f"[2/3] gateway ready at {pipe.gateway_url}; logs in {state / 'logs'}", flush=True)
         print(f"[3/3] simulated users for {cfg.demo.duration_s:.0f} s ...", flush=True)
@@ -163,8 +184,11 @@ def _drive(cfg: LiverlConfig, pipe: Pipeline, users, sdk, timeline: Timeline, li
         asyncio.set_event_loop(loop)
         stop = asyncio.Event()
         ready.set()
-        loop.run_until_complete(users(pipe.gateway_url, sdk, cfg.demo.users, stop, stats, seed=cfg.model.seed + 1,
-                                      **_trap_kwargs(users, cfg)))
+        loop.run_until_complete(
+            users(
+                pipe.gateway_url, sdk, cfg.demo.users, stop, stats, seed=cfg.model.seed + 1, **_trap_kwargs(users, cfg)
+            )
+        )
 
     th = threading.Thread(target=users_thread, name="sim-users", daemon=True)
     th.start()
@@ -185,8 +209,16 @@ def _drive(cfg: LiverlConfig, pipe: Pipeline, users, sdk, timeline: Timeline, li
                 served = _served_version(r, prefix)
                 liv = read_live(r, prefix)
                 timeline.add(served, liv)
-                view.update(elapsed, stats, served, liv, read_hash(r, keys.ingest_counters(prefix)),
-                            read_hash(r, keys.learner(prefix)), registry, held)
+                view.update(
+                    elapsed,
+                    stats,
+                    served,
+                    liv,
+                    read_hash(r, keys.ingest_counters(prefix)),
+                    read_hash(r, keys.learner(prefix)),
+                    registry,
+                    held,
+                )
                 time.sleep(1.0)
     finally:
         registry.close()

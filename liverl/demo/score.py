@@ -71,8 +71,12 @@ def score_model(model, prompts: list[task.TaskPrompt]) -> dict:
 
     def summary(idx: list[int]) -> dict:
         sel = torch.tensor(idx)
-        return {"expected_acceptance": float(exp_acc_N[sel].mean()), "greedy_acceptance": float(greedy_N[sel].mean()),
-                "entropy": float(ent_N[sel].mean()), "n_prompts": len(idx)}
+        return {
+            "expected_acceptance": float(exp_acc_N[sel].mean()),
+            "greedy_acceptance": float(greedy_N[sel].mean()),
+            "entropy": float(ent_N[sel].mean()),
+            "n_prompts": len(idx),
+        }
 
     out = summary(list(range(n)))
     out["per_segment"] = {

@@ -51,8 +51,9 @@ class FeedbackSDK(Protocol):
 
     def accept(self, generation_id: str, segment: str | None = None, feedback_id: str | None = None) -> str: ...
     def reject(self, generation_id: str, segment: str | None = None, feedback_id: str | None = None) -> str: ...
-    def edit(self, generation_id: str, edited_text: str, segment: str | None = None,
-             feedback_id: str | None = None) -> str: ...
+    def edit(
+        self, generation_id: str, edited_text: str, segment: str | None = None, feedback_id: str | None = None
+    ) -> str: ...
     def revert(self, generation_id: str, segment: str | None = None, feedback_id: str | None = None) -> str: ...
     def send_raw(self, value: bytes, key: str | None = None) -> Any: ...
 
@@ -108,8 +109,9 @@ class SimStats:
     """Feedback calls that raised (broker down, closed client ...)."""
     last_error: str = ""
     latency_s_total: float = 0.0
-    feedback: dict[str, int] = field(default_factory=lambda: {
-        "accept": 0, "reject": 0, "edit": 0, "revert": 0, "duplicate": 0, "malformed": 0})
+    feedback: dict[str, int] = field(
+        default_factory=lambda: {"accept": 0, "reject": 0, "edit": 0, "revert": 0, "duplicate": 0, "malformed": 0}
+    )
     by_version: dict[int, VersionStats] = field(default_factory=dict)
     by_segment: dict[str, VersionStats] = field(default_factory=dict)
     recent: deque = field(default_factory=lambda: deque(maxlen=1000))
@@ -118,10 +120,13 @@ class SimStats:
     users: int = 0
     """Distinct users in the simulated population."""
 
-    def record(self, version: int, segment: str, accepted: bool, reported: bool, kept: bool | None = None,
-               bait: bool = False) -> None:
-        for vs in (self.by_version.setdefault(version, VersionStats()),
-                   self.by_segment.setdefault(segment, VersionStats())):
+    def record(
+        self, version: int, segment: str, accepted: bool, reported: bool, kept: bool | None = None, bait: bool = False
+    ) -> None:
+        for vs in (
+            self.by_version.setdefault(version, VersionStats()),
+            self.by_segment.setdefault(segment, VersionStats()),
+        ):
             vs.generations += 1
             vs.accepted += accepted
             vs.accepted_reported += reported
@@ -141,16 +146,29 @@ class SimStats:
         """A plain-dict view for the demo's display and reports."""
         elapsed = max(time.time() - self.started, 1e-9)
         return {
-            "requests": self.requests, "errors": self.errors, "sdk_errors": self.sdk_errors,
-            "last_error": self.last_error, "requests_per_s": self.requests / elapsed,
+            "requests": self.requests,
+            "errors": self.errors,
+            "sdk_errors": self.sdk_errors,
+            "last_error": self.last_error,
+            "requests_per_s": self.requests / elapsed,
             "mean_latency_s": self.latency_s_total / self.requests if self.requests else float("nan"),
-            "feedback": dict(self.feedback), "recent_acceptance": self.recent_acceptance(),
-            "by_version": {v: {"generations": s.generations, "acceptance": s.acceptance, "kept_rate": s.kept_rate,
-                               "bait_rate": s.bait_rate, "trap_kept_rate": s.trap_kept_rate,
-                               "accepted_reported": s.accepted_reported}
-                           for v, s in sorted(self.by_version.items())},
-            "by_segment": {g: {"generations": s.generations, "acceptance": s.acceptance}
-                           for g, s in sorted(self.by_segment.items())},
+            "feedback": dict(self.feedback),
+            "recent_acceptance": self.recent_acceptance(),
+            "by_version": {
+                v: {
+                    "generations": s.generations,
+                    "acceptance": s.acceptance,
+                    "kept_rate": s.kept_rate,
+                    "bait_rate": s.bait_rate,
+                    "trap_kept_rate": s.trap_kept_rate,
+                    "accepted_reported": s.accepted_reported,
+                }
+                for v, s in sorted(self.by_version.items())
+            },
+            "by_segment": {
+                g: {"generations": s.generations, "acceptance": s.acceptance}
+                for g, s in sorted(self.by_segment.items())
+            },
         }
 
 
@@ -164,24 +182,32 @@ def _malformed(rng: random.Random, generation_id: str) -> bytes:
     if kind == 0:
         return b'{"feedback_id": "broken-' + generation_id.encode() + b'", "kind": "acc'  # malformed_json
     if kind == 1:  # invalid_field
-        return (b'{"feedback_id": "bad-kind-%s", "generation_id": "%s", "kind": "maybe"}'
-                % (generation_id.encode(), generation_id.encode()))
-    return (b'{"schema_version": 99, "feedback_id": "v99-%s", "generation_id": "%s", "kind": "accept"}'
-            % (generation_id.encode(), generation_id.encode()))  # unsupported_schema_version
+        return b'{"feedback_id": "bad-kind-%s", "generation_id": "%s", "kind": "maybe"}' % (
+            generation_id.encode(),
+            generation_id.encode(),
+        )
+    return b'{"schema_version": 99, "feedback_id": "v99-%s", "generation_id": "%s", "kind": "accept"}' % (
+        generation_id.encode(),
+        generation_id.encode(),
+    )  # unsupported_schema_version
 
 
 async def _complete(session, url: str, p: task.TaskPrompt, timeout_s: float, user: str) -> tuple[str, str, int]:
     import aiohttp
 
-    body = {"model": "liverl", "prompt": p.text, "max_tokens": task.MAX_TOKENS, "temperature": task.TEMPERATURE,
-            "user": user}  # the OpenAI field; a router in front keeps each user on one node (and one canary arm)
+    body = {
+        "model": "liverl",
+        "prompt": p.text,
+        "max_tokens": task.MAX_TOKENS,
+        "temperature": task.TEMPERATURE,
+        "user": user,
+    }  # the OpenAI field; a router in front keeps each user on one node (and one canary arm)
     async with session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
         if r.status != 200:
             raise GatewayError(f"HTTP {r.status}: {(await r.text())[:200]}")
         data = await r.json(content_type=None)
     try:
-        return (data["choices"][0]["text"], str(data["liverl"]["generation_id"]),
-                int(data["liverl"]["policy_version"]))
+        return (data["choices"][0]["text"], str(data["liverl"]["generation_id"]), int(data["liverl"]["policy_version"]))
     except (KeyError, IndexError, TypeError, ValueError) as e:
         raise GatewayError(f"response without choices[0].text / liverl.generation_id / policy_version: {e!r}") from None
 
@@ -218,8 +244,7 @@ class Population:
         rng = random.Random(seed * 7_919 + 17)
         segments = tuple(rng.choice(task.SEGMENTS) for _ in range(n_users))
         weights = tuple(rng.lognormvariate(0.0, ACTIVITY_SIGMA) for _ in range(n_users))
-        tempted = tuple(trap is not None and seg == task.TRAP_SEGMENT and rng.random() < trap.share
-                        for seg in segments)
+        tempted = tuple(trap is not None and seg == task.TRAP_SEGMENT and rng.random() < trap.share for seg in segments)
         return cls(tuple(f"sim-user-{i}" for i in range(n_users)), segments, weights, tempted)
 
     def __len__(self) -> int:
@@ -239,8 +264,15 @@ def _revert_later(sdk: FeedbackSDK, stats: SimStats, generation_id: str, segment
         stats.last_error = f"sdk revert: {e!r}"[:300]
 
 
-def _send_feedback(sdk: FeedbackSDK, rng: random.Random, stats: SimStats, p: task.TaskPrompt, generation_id: str,
-                   accept: bool, bad_event_rate: float) -> None:
+def _send_feedback(
+    sdk: FeedbackSDK,
+    rng: random.Random,
+    stats: SimStats,
+    p: task.TaskPrompt,
+    generation_id: str,
+    accept: bool,
+    bad_event_rate: float,
+) -> None:
     seg = p.segment
     if accept:
         kind, fid = "accept", sdk.accept(generation_id, segment=seg)
@@ -260,9 +292,21 @@ def _send_feedback(sdk: FeedbackSDK, rng: random.Random, stats: SimStats, p: tas
         stats.feedback["malformed"] += 1
 
 
-async def _user(idx: int, session, url: str, sdk: FeedbackSDK, stop_event: StopFlag, stats: SimStats, seed: int,
-                noise: float, bad_event_rate: float, think_s: float, timeout_s: float, trap: Trap | None,
-                population: Population) -> None:
+async def _user(
+    idx: int,
+    session,
+    url: str,
+    sdk: FeedbackSDK,
+    stop_event: StopFlag,
+    stats: SimStats,
+    seed: int,
+    noise: float,
+    bad_event_rate: float,
+    think_s: float,
+    timeout_s: float,
+    trap: Trap | None,
+    population: Population,
+) -> None:
     """One loop of the simulation: each turn, a user of the population (by activity) asks and judges."""
     import aiohttp
 
@@ -293,8 +337,9 @@ async def _user(idx: int, session, url: str, sdk: FeedbackSDK, stop_event: StopF
         try:
             _send_feedback(sdk, rng, stats, p, generation_id, judged, bad_event_rate)
             if revert and judged:  # the user notices later; a revert still due when the run stops is never sent
-                asyncio.get_running_loop().call_later(rng.expovariate(1.0 / trap.revert_delay_s), _revert_later,
-                                                      sdk, stats, generation_id, p.segment)
+                asyncio.get_running_loop().call_later(
+                    rng.expovariate(1.0 / trap.revert_delay_s), _revert_later, sdk, stats, generation_id, p.segment
+                )
         except Exception as e:  # noqa: BLE001 -- retry boundary: counted, shown, the user keeps going
             stats.sdk_errors += 1
             stats.last_error = f"sdk: {e!r}"[:300]
@@ -306,10 +351,20 @@ async def _user(idx: int, session, url: str, sdk: FeedbackSDK, stop_event: StopF
             await asyncio.sleep(0)
 
 
-async def run_users(gateway_url: str, sdk: FeedbackSDK, n_users: int, stop_event: StopFlag, stats: SimStats,
-                    seed: int, noise: float = 0.05, bad_event_rate: float = 0.002, think_s: float = 0.0,
-                    timeout_s: float = 30.0, trap: Trap | bool | None = None,
-                    concurrency: int | None = None) -> SimStats:
+async def run_users(
+    gateway_url: str,
+    sdk: FeedbackSDK,
+    n_users: int,
+    stop_event: StopFlag,
+    stats: SimStats,
+    seed: int,
+    noise: float = 0.05,
+    bad_event_rate: float = 0.002,
+    think_s: float = 0.0,
+    timeout_s: float = 30.0,
+    trap: Trap | bool | None = None,
+    concurrency: int | None = None,
+) -> SimStats:
     """Play a population of ``n_users`` simulated users with ``concurrency`` loops (default: ``min(48, n_users)``)
     until ``stop_event.is_set()``; returns ``stats``.
 
@@ -337,8 +392,24 @@ async def run_users(gateway_url: str, sdk: FeedbackSDK, n_users: int, stop_event
     url = gateway_url.rstrip("/") + "/v1/completions"
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
-        await asyncio.gather(*(
-            _user(i, session, url, sdk, stop_event, stats, seed, noise, bad_event_rate, think_s, timeout_s, trap,
-                  population)
-            for i in range(concurrency)))
+        await asyncio.gather(
+            *(
+                _user(
+                    i,
+                    session,
+                    url,
+                    sdk,
+                    stop_event,
+                    stats,
+                    seed,
+                    noise,
+                    bad_event_rate,
+                    think_s,
+                    timeout_s,
+                    trap,
+                    population,
+                )
+                for i in range(concurrency)
+            )
+        )
     return stats

@@ -55,22 +55,27 @@ class LiveView:
         if self._rich is not None:
             from rich.table import Table
 
-            t = Table(title=f"liverl demo  {elapsed:5.0f}/{self.cfg.demo.duration_s:.0f} s"
-                      + ("  (learner frozen: measuring the last version)" if froze else ""))
+            t = Table(
+                title=f"liverl demo  {elapsed:5.0f}/{self.cfg.demo.duration_s:.0f} s"
+                + ("  (learner frozen: measuring the last version)" if froze else "")
+            )
             for col in ("version", "status", "live events", "live acceptance"):
                 t.add_column(col, justify="right")
             for v, st, ev, acc in rows:
                 mark = " <- served" if v == served else ""
                 t.add_row(f"v{v}{mark}", st, str(ev), "-" if acc is None else f"{acc:.1%}")
-            t.caption = (f"feedback {self._rate:6.1f}/s  sent {sent}  requests {stats.requests}  errors {stats.errors}  "
-                         f"samples out {ingest.get('samples_out', 0)}  trained {learner.get('samples_trained', 0)}  "
-                         f"step {learner.get('step', 0)}  dead letters "
-                         f"{sum(int(v) for k, v in ingest.items() if k.startswith('dlq:'))}")
+            t.caption = (
+                f"feedback {self._rate:6.1f}/s  sent {sent}  requests {stats.requests}  errors {stats.errors}  "
+                f"samples out {ingest.get('samples_out', 0)}  trained {learner.get('samples_trained', 0)}  "
+                f"step {learner.get('step', 0)}  dead letters "
+                f"{sum(int(v) for k, v in ingest.items() if k.startswith('dlq:'))}"
+            )
             self._rich.update(t)
         elif now - self._last_line >= 10.0:
             self._last_line = now
             acc = ", ".join(f"v{v}={'-' if a is None else f'{a:.0%}'}({ev})" for v, _, ev, a in rows)
-            print(f"[{elapsed:4.0f}s] served v{served}  feedback {self._rate:.0f}/s (sent {sent})  "
-                  f"trained {learner.get('samples_trained', 0)}  live acceptance: {acc}", flush=True)
-
-
+            print(
+                f"[{elapsed:4.0f}s] served v{served}  feedback {self._rate:.0f}/s (sent {sent})  "
+                f"trained {learner.get('samples_trained', 0)}  live acceptance: {acc}",
+                flush=True,
+            )

@@ -30,31 +30,81 @@ from pathlib import Path
 BUILD_VERSION = 1
 
 COMMON: dict = {
-    "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
-    "num_key_value_heads": 1, "max_position_embeddings": 512, "tie_word_embeddings": False,
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
     "initializer_range": 0.1,  # wider than the usual 0.02: attention and expert routing are far from uniform
 }
 LM_HEAD_STD = 0.5
 """The output layer is redrawn with this std so next-token distributions are peaked (entropy ~3 nats, not ~6)."""
 
 SPECS: dict[str, dict] = {
-    "qwen3_moe": {"model_type": "qwen3_moe", "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
-                  "moe_intermediate_size": 64, "intermediate_size": 128, "norm_topk_prob": True,
-                  "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6},
-    "mixtral": {"model_type": "mixtral", "head_dim": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
-                "intermediate_size": 64, "rms_norm_eps": 1e-6, "shards": 2},
-    "qwen2_moe": {"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-                  "shared_expert_intermediate_size": 64, "intermediate_size": 128, "decoder_sparse_step": 1,
-                  "mlp_only_layers": [], "rms_norm_eps": 1e-6},
-    "olmoe": {"model_type": "olmoe", "num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
-              "rms_norm_eps": 1e-6},
-    "granitemoe": {"model_type": "granitemoe", "num_local_experts": 4, "num_experts_per_tok": 2,
-                   "intermediate_size": 64, "rms_norm_eps": 1e-6,
-                   "attention_multiplier": 32 ** -0.5},  # the config's default (1.0) skips the 1/sqrt(d) scaling
-    "phimoe": {"model_type": "phimoe", "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
-               "attention_bias": True, "lm_head_bias": True},  # as Phi-3.5-MoE (vLLM's PhiMoE always has them)
-    "qwen3": {"model_type": "qwen3", "head_dim": 32, "intermediate_size": 128, "rms_norm_eps": 1e-6,
-              "tie_word_embeddings": True},  # as the small Qwen3 models: the LM head is the embedding
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        "head_dim": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "intermediate_size": 128,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6,
+    },
+    "mixtral": {
+        "model_type": "mixtral",
+        "head_dim": 32,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 64,
+        "rms_norm_eps": 1e-6,
+        "shards": 2,
+    },
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+        "intermediate_size": 128,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "rms_norm_eps": 1e-6,
+    },
+    "olmoe": {
+        "model_type": "olmoe",
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 64,
+        "rms_norm_eps": 1e-6,
+    },
+    "granitemoe": {
+        "model_type": "granitemoe",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 64,
+        "rms_norm_eps": 1e-6,
+        "attention_multiplier": 32**-0.5,
+    },  # the config's default (1.0) skips the 1/sqrt(d) scaling
+    "phimoe": {
+        "model_type": "phimoe",
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 64,
+        "attention_bias": True,
+        "lm_head_bias": True,
+    },  # as Phi-3.5-MoE (vLLM's PhiMoE always has them)
+    "qwen3": {
+        "model_type": "qwen3",
+        "head_dim": 32,
+        "intermediate_size": 128,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    },  # as the small Qwen3 models: the LM head is the embedding
     "llama": {"model_type": "llama", "head_dim": 32, "intermediate_size": 128, "rms_norm_eps": 1e-6},
 }
 """Per family: the transformers config fields (``shards``: how many safetensors files hold the weights)."""
@@ -73,8 +123,19 @@ CHAT_TEMPLATE = (
 def spec_hash(family: str, seed: int) -> str:
     from learner.families import FAMILIES
 
-    blob = json.dumps({"v": BUILD_VERSION, "family": family, "architecture": FAMILIES[family].architecture, "seed": seed, "common": COMMON, "lm_head": LM_HEAD_STD,
-                       "spec": SPECS[family], "chat_template": CHAT_TEMPLATE}, sort_keys=True).encode()
+    blob = json.dumps(
+        {
+            "v": BUILD_VERSION,
+            "family": family,
+            "architecture": FAMILIES[family].architecture,
+            "seed": seed,
+            "common": COMMON,
+            "lm_head": LM_HEAD_STD,
+            "spec": SPECS[family],
+            "chat_template": CHAT_TEMPLATE,
+        },
+        sort_keys=True,
+    ).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
@@ -117,8 +178,7 @@ _NUCLEI = ("a", "e", "i", "o", "u", "ai", "ou", "ee")
 def made_up_text(seed: int, n_sentences: int = 3000) -> list[str]:
     """Seeded sentences over a made-up lexicon (Zipf-like word frequencies, digits, punctuation)."""
     rng = random.Random(seed)
-    lexicon = ["".join(rng.choice(_ONSETS) + rng.choice(_NUCLEI) for _ in range(rng.randint(1, 3)))
-               for _ in range(400)]
+    lexicon = ["".join(rng.choice(_ONSETS) + rng.choice(_NUCLEI) for _ in range(rng.randint(1, 3))) for _ in range(400)]
     weights = [1.0 / (i + 1) for i in range(len(lexicon))]
     out = []
     for _ in range(n_sentences):
@@ -138,12 +198,22 @@ def build_tokenizer(seed: int, vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(made_up_text(seed), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
-                                   bos_token=None, unk_token=None, clean_up_tokenization_spaces=False,
-                                   model_max_length=COMMON["max_position_embeddings"])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        bos_token=None,
+        unk_token=None,
+        clean_up_tokenization_spaces=False,
+        model_max_length=COMMON["max_position_embeddings"],
+    )
 
 
 def _save_tokenizer(tokenizer, out: Path) -> None:
@@ -151,8 +221,13 @@ def _save_tokenizer(tokenizer, out: Path) -> None:
     (out / "chat_template.jinja").unlink(missing_ok=True)  # the template lives in tokenizer_config.json
     cfg_path = out / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=CHAT_TEMPLATE, add_bos_token=False,
-               add_eos_token=False, clean_up_tokenization_spaces=False)
+    cfg.update(
+        tokenizer_class="PreTrainedTokenizerFast",
+        chat_template=CHAT_TEMPLATE,
+        add_bos_token=False,
+        add_eos_token=False,
+        clean_up_tokenization_spaces=False,
+    )
     cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
@@ -184,8 +259,9 @@ def _build(out: Path, family: str, seed: int) -> None:
     model_type = spec.pop("model_type")
     tokenizer = build_tokenizer(seed, COMMON["vocab_size"])
     pad_id, eos_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN), tokenizer.convert_tokens_to_ids(EOS_TOKEN)
-    config = CONFIG_MAPPING[model_type](**{**COMMON, **spec}, pad_token_id=pad_id, eos_token_id=eos_id,
-                                        bos_token_id=None)
+    config = CONFIG_MAPPING[model_type](
+        **{**COMMON, **spec}, pad_token_id=pad_id, eos_token_id=eos_id, bos_token_id=None
+    )
     config.architectures = [FAMILIES[model_type].architecture]  # without it vLLM falls back to its Transformers backend
     config.dtype = "bfloat16"
     with _one_thread(), _seeded(seed):
@@ -196,8 +272,9 @@ def _build(out: Path, family: str, seed: int) -> None:
     sd = state_dict_from_model(model, dtype=torch.bfloat16)
 
     config.save_pretrained(out)
-    GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, do_sample=True, temperature=1.0, top_p=1.0,
-                     top_k=0, max_new_tokens=32).save_pretrained(out)
+    GenerationConfig(
+        eos_token_id=eos_id, pad_token_id=pad_id, do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=32
+    ).save_pretrained(out)
     _save_tokenizer(tokenizer, out)
     names = sorted(sd)
     if shards == 1:
@@ -206,15 +283,26 @@ def _build(out: Path, family: str, seed: int) -> None:
         weight_map = {}
         for i in range(shards):
             fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-            part = names[i * len(names) // shards: (i + 1) * len(names) // shards]
+            part = names[i * len(names) // shards : (i + 1) * len(names) // shards]
             save_file({k: sd[k] for k in part}, str(out / fname), metadata={"format": "pt"})
             weight_map.update({k: fname for k in part})
         total = sum(t.numel() * t.element_size() for t in sd.values())
         (out / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (out / "liverl_test_model.json").write_text(json.dumps(
-        {"family": family, "seed": seed, "spec_hash": spec_hash(family, seed), "build_version": BUILD_VERSION,
-         "parameters": sum(t.numel() for t in sd.values())}, indent=2, sort_keys=True))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
+    (out / "liverl_test_model.json").write_text(
+        json.dumps(
+            {
+                "family": family,
+                "seed": seed,
+                "spec_hash": spec_hash(family, seed),
+                "build_version": BUILD_VERSION,
+                "parameters": sum(t.numel() for t in sd.values()),
+            },
+            indent=2,
+            sort_keys=True,
+        )
+    )
 
     # the files mean to transformers what they mean to liverl: its own loader gives the same logits
     ids = torch.tensor([tokenizer("Ba ke lou 12 stree.")["input_ids"]])
@@ -222,8 +310,10 @@ def _build(out: Path, family: str, seed: int) -> None:
         ours = load_model(out)(input_ids=ids).logits
         theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)(input_ids=ids).logits
     if not torch.equal(ours, theirs):
-        raise RuntimeError(f"{family}: transformers reads the written files differently from liverl "
-                           f"(max logit difference {float((ours - theirs).abs().max()):.3g})")
+        raise RuntimeError(
+            f"{family}: transformers reads the written files differently from liverl "
+            f"(max logit difference {float((ours - theirs).abs().max()):.3g})"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,8 +36,14 @@ def test_demo_toml_is_the_demo_defaults():
 def test_environment_overrides_file_and_keywords_override_both(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('[learner]\nlr = 0.1\nbatch_size = 8\n[topics]\nprefix = "file"\n')
-    env = {"LIVERL__LEARNER__LR": "0.2", "LIVERL__TOPICS__PREFIX": "env", "LIVERL__BROKER__BOOTSTRAP": "k:9092",
-           "LIVERL__INGEST__REWARDS": '{"accept": 1.0}', "LIVERL__PRODUCT": "null", "UNRELATED": "x"}
+    env = {
+        "LIVERL__LEARNER__LR": "0.2",
+        "LIVERL__TOPICS__PREFIX": "env",
+        "LIVERL__BROKER__BOOTSTRAP": "k:9092",
+        "LIVERL__INGEST__REWARDS": '{"accept": 1.0}',
+        "LIVERL__PRODUCT": "null",
+        "UNRELATED": "x",
+    }
     cfg = load_config(f, env=env, learner__batch_size=16)
     assert (cfg.learner.lr, cfg.learner.batch_size, cfg.topics.prefix) == (0.2, 16, "env")
     assert cfg.broker.bootstrap == "k:9092" and cfg.ingest.rewards.accept == 1.0 and cfg.product is None
@@ -50,11 +56,14 @@ def test_a_whole_section_as_json_is_what_the_supervisor_passes():
     assert cfg.learner == c.learner
 
 
-@pytest.mark.parametrize("env, where", [
-    ({"LIVERL__LEARNER__BATCH_SIZE": "0"}, "batch_size"),
-    ({"LIVERL__LEARNER__KL_ESTIMATOR": "k9"}, "kl_estimator"),
-    ({"LIVERL__LEARNER__NOPE": "1"}, "nope"),
-])
+@pytest.mark.parametrize(
+    "env, where",
+    [
+        ({"LIVERL__LEARNER__BATCH_SIZE": "0"}, "batch_size"),
+        ({"LIVERL__LEARNER__KL_ESTIMATOR": "k9"}, "kl_estimator"),
+        ({"LIVERL__LEARNER__NOPE": "1"}, "nope"),
+    ],
+)
 def test_bad_values_are_refused_naming_the_field(env, where):
     with pytest.raises(ValidationError, match=where):
         load_config(env=env)

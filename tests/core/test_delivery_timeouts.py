@@ -13,7 +13,9 @@ from liverl.core.config import DELIVERY_MARGIN_S, load_config
 
 
 def test_a_pending_ttl_below_the_delivery_timeout_plus_margin_is_refused_at_load():
-    with pytest.raises(ValueError, match=r"ingest.pending_ttl_s \(80 s\) must exceed broker.delivery_timeout_s \(60 s\)"):
+    with pytest.raises(
+        ValueError, match=r"ingest.pending_ttl_s \(80 s\) must exceed broker.delivery_timeout_s \(60 s\)"
+    ):
         load_config(env={}, ingest__pending_ttl_s=80.0)
     with pytest.raises(ValueError, match="broker.delivery_timeout_s"):
         load_config(env={"LIVERL__BROKER__DELIVERY_TIMEOUT_S": "200"})

@@ -25,8 +25,10 @@ def test_routable_nodes_are_the_configured_healthy_ones_at_the_configured_url(cf
     beats = fleet.read_heartbeats(rds, p)
     assert set(beats) == {"node-0", "node-1", "node-2", "zz"}
     nodes = fleet.routable(beats, allowed)
-    assert [(n.name, n.url, n.version) for n in nodes] == [("node-0", "http://10.0.0.1:8000", 2),
-                                                           ("node-1", "http://10.0.0.2:8000", 2)]
+    assert [(n.name, n.url, n.version) for n in nodes] == [
+        ("node-0", "http://10.0.0.1:8000", 2),
+        ("node-1", "http://10.0.0.2:8000", 2),
+    ]
     assert fleet.unknown(beats, allowed) == ["zz"]
     assert fleet.routable_nodes(rds, p, allowed) == ["node-0", "node-1"]
     assert fleet.routable_nodes(rds, p, {}) == []  # a config that names no node routes to none
@@ -53,8 +55,12 @@ def test_the_async_reader_reads_the_same(cfg, rds):
 
 def test_fleet_urls_are_checked():
     load_config(env={}, serving__fleet={"node-0": "https://gw.internal:8443"})
-    for bad in ({"node-0": "gw.internal:8000"}, {"node-0": "ftp://x"}, {"": "http://x:1"},
-                {"node-0": "http://x:1/?a=b"}):
+    for bad in (
+        {"node-0": "gw.internal:8000"},
+        {"node-0": "ftp://x"},
+        {"": "http://x:1"},
+        {"node-0": "http://x:1/?a=b"},
+    ):
         with pytest.raises(ValueError, match="serving.fleet"):
             load_config(env={}, serving__fleet=bad)
 

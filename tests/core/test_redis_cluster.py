@@ -27,19 +27,46 @@ def cluster_url(tmp_path_factory):
     folder = tmp_path_factory.mktemp("redis-cluster")
     ports = _cluster_ports(3)
     for p in ports:
-        subprocess.run(["redis-server", "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                        "--cluster-config-file", f"nodes-{p}.conf", "--dir", str(folder), "--save", "",
-                        "--appendonly", "no", "--daemonize", "yes", "--logfile", str(folder / f"{p}.log")], check=True)
+        subprocess.run(
+            [
+                "redis-server",
+                "--port",
+                str(p),
+                "--bind",
+                "127.0.0.1",
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                f"nodes-{p}.conf",
+                "--dir",
+                str(folder),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "yes",
+                "--logfile",
+                str(folder / f"{p}.log"),
+            ],
+            check=True,
+        )
     try:
         deadline = time.monotonic() + 10
         while not all(_pings(p) for p in ports):
             assert time.monotonic() < deadline, "cluster nodes did not start"
             time.sleep(0.1)
-        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-yes"],
-                       check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            ["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-yes"],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
         deadline = time.monotonic() + 20
-        while b"cluster_state:ok" not in subprocess.run(["redis-cli", "-p", str(ports[0]), "cluster", "info"],
-                                                        capture_output=True).stdout:
+        while (
+            b"cluster_state:ok"
+            not in subprocess.run(["redis-cli", "-p", str(ports[0]), "cluster", "info"], capture_output=True).stdout
+        ):
             assert time.monotonic() < deadline, "the cluster did not reach cluster_state:ok"
             time.sleep(0.2)
         url = f"redis+cluster://127.0.0.1:{ports[0]}"
@@ -128,7 +155,9 @@ def test_ingest_counts_live_acceptance_exactly_once_on_a_cluster(cluster_url):
         from liverl.core.fleet import routable_nodes
 
         for node in ("node-a", "node-b", "node-c"):
-            r.set(keys.served(prefix, node), keys.ServedHeartbeat(version=1, checksum="x", url=f"http://{node}").to_json())
+            r.set(
+                keys.served(prefix, node), keys.ServedHeartbeat(version=1, checksum="x", url=f"http://{node}").to_json()
+            )
         allowed = {n: f"http://{n}" for n in ("node-a", "node-b", "node-c")}
         assert routable_nodes(r, prefix, allowed) == ["node-a", "node-b", "node-c"]
         assert _live(r, prefix, [1, 2, 3])[2] == {"reject": 1, "events": 1}
@@ -145,8 +174,12 @@ def test_per_user_sums_are_counted_and_read_on_a_cluster(cluster_url):
 
     async def run():
         t = Tally()
-        t.live += [("fb-0", 1, "accept" + keys.judged_fields(4, 0.2), b, "u1"), ("fb-1", 2, "reject", b, "u1"),
-                   ("fb-2", 1, "edit", b - 1, None), ("fb-3", 1, f"revert@{b - 1}", b - 1, "u2")]
+        t.live += [
+            ("fb-0", 1, "accept" + keys.judged_fields(4, 0.2), b, "u1"),
+            ("fb-1", 2, "reject", b, "u1"),
+            ("fb-2", 1, "edit", b - 1, None),
+            ("fb-3", 1, f"revert@{b - 1}", b - 1, "u2"),
+        ]
         await metrics.apply(t)
         await metrics.apply(t)  # redelivered: the guards make it a no-op
         await metrics.close()
@@ -156,9 +189,12 @@ def test_per_user_sums_are_counted_and_read_on_a_cluster(cluster_url):
     try:
         assert keys.read_unit_buckets(r, prefix, 1, [b - 1, b, b + 1]) == {
             b - 1: {"*": {"e": 1, "d": 1, "r": 1}, "u2": {"r": 1}},
-            b: {"u1": {"e": 1, "a": 1, "t": 4, "m": 200, "n": 1},
-                "*": {"e": 1, "a": 1, "t": 4, "t2": 16, "m": 200, "m2": 40000, "n": 1}},
-            b + 1: {}}
+            b: {
+                "u1": {"e": 1, "a": 1, "t": 4, "m": 200, "n": 1},
+                "*": {"e": 1, "a": 1, "t": 4, "t2": 16, "m": 200, "m2": 40000, "n": 1},
+            },
+            b + 1: {},
+        }
         assert keys.read_unit_buckets(r, prefix, 2, [b]) == {b: {"u1": {"e": 1}, "*": {"e": 1}}}
         assert r.ttl(keys.units(prefix, 1, b)) > 0
     finally:

@@ -74,8 +74,13 @@ def test_save_model_dir_and_load_with_given_weights(base_dir, tmp_path):
     sd = model_io.load_state_dict(base_dir)
     sd2 = {k: (v * 0 if k == "lm_head.weight" else v) for k, v in sd.items()}
     out = model_io.save_model_dir(base_dir, sd2, tmp_path / "v1")
-    assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json",
-                                               "tokenizer_config.json", "generation_config.json"}
+    assert {p.name for p in out.iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    }
     loaded = model_io.load_state_dict(out)
     assert torch.equal(loaded["lm_head.weight"], sd2["lm_head.weight"])
     m = model_io.load_model(base_dir, sd2)
@@ -103,8 +108,12 @@ def test_build_is_reproducible_cached_and_safe_when_concurrent(tmp_path, quick_r
 
     # two builders at once: one builds, the other waits on the lock and gets the same dir
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(
-        policy.ensure_base_policy(tmp_path / "c", seed=5, progress=False))) for _ in range(2)]
+    threads = [
+        threading.Thread(
+            target=lambda: results.append(policy.ensure_base_policy(tmp_path / "c", seed=5, progress=False))
+        )
+        for _ in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -182,9 +191,22 @@ def test_vllm_serves_the_base_exactly(base_dir, tmp_path):
     (tmp_path / "prompts.json").write_text(json.dumps([p.text for p in prompts]))
     (tmp_path / "run.py").write_text(_VLLM_SCRIPT)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, str(tmp_path / "run.py"), str(base_dir), str(tmp_path / "prompts.json"),
-                           str(tmp_path / "out.json"), str(task.TEMPERATURE), str(task.MAX_TOKENS)],
-                          env=env, capture_output=True, text=True, timeout=400, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(tmp_path / "run.py"),
+            str(base_dir),
+            str(tmp_path / "prompts.json"),
+            str(tmp_path / "out.json"),
+            str(task.TEMPERATURE),
+            str(task.MAX_TOKENS),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["arch"] == "Qwen3MoeForCausalLM"  # the native vLLM model, not the Transformers fallback
@@ -217,6 +239,8 @@ def test_vllm_serves_the_base_exactly(base_dir, tmp_path):
     assert mean_diff < 0.05, f"mean |logp_vllm - logp_hf| = {mean_diff:.4f}"
     # what product users experience matches the exact held-out number
     expected = heldout_score(base_dir, None, n_prompts=256)["expected_acceptance"]
-    print(f"vLLM vs HF: mean |dlogp| {mean_diff:.4f} over {len(diffs)} tokens; vLLM sampled acceptance "
-          f"{accepted / len(prompts):.3f}, exact {expected:.3f}")
+    print(
+        f"vLLM vs HF: mean |dlogp| {mean_diff:.4f} over {len(diffs)} tokens; vLLM sampled acceptance "
+        f"{accepted / len(prompts):.3f}, exact {expected:.3f}"
+    )
     assert abs(accepted / len(prompts) - expected) < 0.07  # 1024 samples: standard error ~0.015

@@ -76,8 +76,13 @@ class RecordingSDK:
 
     def _add(self, gid, kind, segment, feedback_id, edited_text=None):
         self._n += 1
-        ev = FeedbackEvent(feedback_id=feedback_id or f"f{self._n}", generation_id=gid, kind=kind,
-                           segment=segment, edited_text=edited_text)
+        ev = FeedbackEvent(
+            feedback_id=feedback_id or f"f{self._n}",
+            generation_id=gid,
+            kind=kind,
+            segment=segment,
+            edited_text=edited_text,
+        )
         self.events.append(ev)
         return ev.feedback_id
 
@@ -124,8 +129,12 @@ async def _gateway(port: int, fail_every: int, bait: float = 0.0):
         text = task.preferred_completion(p) if rng.random() < 0.6 else str(p.answer + 1)
         if seg == task.TRAP_SEGMENT and rng.random() < bait:
             text = f"{p.answer + rng.choice([0, 1])}!"
-        return web.json_response({"choices": [{"text": text, "index": 0}],
-                                  "liverl": {"generation_id": f"g{state['n']}", "policy_version": state["n"] // 50}})
+        return web.json_response(
+            {
+                "choices": [{"text": text, "index": 0}],
+                "liverl": {"generation_id": f"g{state['n']}", "policy_version": state["n"] // 50},
+            }
+        )
 
     app = web.Application()
     app.router.add_post("/v1/completions", complete)
@@ -140,8 +149,9 @@ def test_simulated_users_judge_report_and_survive_errors():
         port = _free_port()
         runner = await _gateway(port, fail_every=7)
         sdk, stats, stop = RecordingSDK(), SimStats(), asyncio.Event()
-        users = asyncio.create_task(run_users(f"http://127.0.0.1:{port}", sdk, 8, stop, stats, seed=1,
-                                              noise=0.05, bad_event_rate=0.05))
+        users = asyncio.create_task(
+            run_users(f"http://127.0.0.1:{port}", sdk, 8, stop, stats, seed=1, noise=0.05, bad_event_rate=0.05)
+        )
         while stats.requests < 600:
             await asyncio.sleep(0.05)
         stop.set()
@@ -193,12 +203,14 @@ def test_simulator_counts_an_unreachable_gateway_and_refuses_bad_args():
 def test_the_trap_s_users_accept_the_bait_and_revert_it_later():
     """Trap users accept any sum with ``!`` (right or wrong) and send a revert of exactly those accepts later; the
     stats keep plain acceptance, the kept rate and each version's share of bait apart."""
+
     async def main(trap):
         port = _free_port()
         runner = await _gateway(port, fail_every=10**9, bait=0.5)
         sdk, stats, stop = RecordingSDK(), SimStats(), asyncio.Event()
-        users = asyncio.create_task(run_users(f"http://127.0.0.1:{port}", sdk, 4, stop, stats, seed=3, noise=0.0,
-                                              bad_event_rate=0.0, trap=trap))
+        users = asyncio.create_task(
+            run_users(f"http://127.0.0.1:{port}", sdk, 4, stop, stats, seed=3, noise=0.0, bad_event_rate=0.0, trap=trap)
+        )
         while stats.requests < 400:
             await asyncio.sleep(0.05)
         stop.set()

@@ -12,8 +12,13 @@ from deploy.registry import Registry
 def tiny_model(seed: int = 0) -> dict[str, torch.Tensor]:
     """A few bf16 tensors shaped like a (very) small transformer, plus odd shapes."""
     g = torch.Generator().manual_seed(seed)
-    shapes = {"model.embed_tokens.weight": (64, 32), "model.layers.0.mlp.up_proj.weight": (48, 32),
-              "model.layers.0.input_layernorm.weight": (32,), "lm_head.weight": (64, 32), "odd": (7, 3, 5)}
+    shapes = {
+        "model.embed_tokens.weight": (64, 32),
+        "model.layers.0.mlp.up_proj.weight": (48, 32),
+        "model.layers.0.input_layernorm.weight": (32,),
+        "lm_head.weight": (64, 32),
+        "odd": (7, 3, 5),
+    }
     return {k: (torch.randn(s, generator=g) * 0.05).to(torch.bfloat16) for k, s in shapes.items()}
 
 
@@ -56,8 +61,13 @@ def s3_endpoint():
 @pytest.fixture
 def s3_env(s3_endpoint, monkeypatch):
     """Fake AWS credentials and the moto endpoint in the environment (as a deployment would set them)."""
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
-                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": s3_endpoint}.items():
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_SESSION_TOKEN": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": s3_endpoint,
+    }.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
     monkeypatch.delenv("AWS_PROFILE", raising=False)

@@ -19,7 +19,9 @@ RULES = ALERTS / "liverl.rules.yml"
 def _promtool() -> str:
     tool = shutil.which("promtool")
     if tool is None:
-        pytest.skip("promtool is not installed (Debian: apt-get install prometheus; scripts/services.sh does it as root)")
+        pytest.skip(
+            "promtool is not installed (Debian: apt-get install prometheus; scripts/services.sh does it as root)"
+        )
     return tool
 
 
@@ -34,8 +36,9 @@ def test_promtool_checks_the_rules():
 
 
 def test_promtool_unit_tests_each_alert_firing_and_quiet():
-    out = subprocess.run([_promtool(), "test", "rules", "liverl.rules.test.yml"], cwd=ALERTS, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        [_promtool(), "test", "rules", "liverl.rules.test.yml"], cwd=ALERTS, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     tested = set(re.findall(r"alertname: (\w+)", (ALERTS / "liverl.rules.test.yml").read_text()))
     assert tested == {r["alert"] for r in _rules()}, "every alert has a promtool unit test"
@@ -43,13 +46,20 @@ def test_promtool_unit_tests_each_alert_firing_and_quiet():
 
 def test_the_issue_s_alerts_are_there():
     names = {r["alert"] for r in _rules()}
-    assert {"LiverlRolloutRolledBack", "LiverlCandidatesRefusedInARow", "LiverlVersionSkew", "LiverlIngestLag",
-            "LiverlDeadLetterRate", "LiverlNoPromotion"} <= names
+    assert {
+        "LiverlRolloutRolledBack",
+        "LiverlCandidatesRefusedInARow",
+        "LiverlVersionSkew",
+        "LiverlIngestLag",
+        "LiverlDeadLetterRate",
+        "LiverlNoPromotion",
+    } <= names
 
 
 def test_rules_use_metrics_liverl_exports():
-    source = "\n".join(p.read_text() for pkg in ("ingest", "learner", "deploy", "serving")
-                       for p in (REPO / pkg).rglob("*.py"))
+    source = "\n".join(
+        p.read_text() for pkg in ("ingest", "learner", "deploy", "serving") for p in (REPO / pkg).rglob("*.py")
+    )
     for rule in _rules():
         for metric in set(re.findall(r"liverl_[a-z_]+", rule["expr"])):
             base = re.sub(r"_(total|bucket|count|sum)$", "", metric)

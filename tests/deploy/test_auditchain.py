@@ -38,8 +38,13 @@ def open_reg(db_url, tmp_path, head):
     opened = []
 
     def make(key: bytes | None = KEY, anchor: AuditHead | None | str = "default") -> Registry:
-        reg = Registry(db_url, LocalBlobStore(tmp_path / "blobs"), snapshot_every=3, audit_key=key,
-                       audit_head=(head if key is not None else None) if anchor == "default" else anchor)
+        reg = Registry(
+            db_url,
+            LocalBlobStore(tmp_path / "blobs"),
+            snapshot_every=3,
+            audit_key=key,
+            audit_head=(head if key is not None else None) if anchor == "default" else anchor,
+        )
         opened.append(reg)
         return reg
 
@@ -71,9 +76,14 @@ def recompute(reg: Registry, forge_key: bytes) -> None:
     with reg.engine.begin() as c:
         for pos, e in enumerate(c.execute(sa.select(AuditEntry).order_by(AuditEntry.id)).all(), 1):
             h = audit_hash(prev, e.actor, e.action, e.version, e.reason, e.at)
-            mac = None if e.mac is None else audit_mac(forge_key, link, pos, e.actor, e.action, e.version, e.reason, e.at)
-            c.execute(sa.update(AuditEntry).where(AuditEntry.id == e.id)
-                      .values(prev_hash=prev, entry_hash=h, mac=mac, seq=pos))
+            mac = (
+                None if e.mac is None else audit_mac(forge_key, link, pos, e.actor, e.action, e.version, e.reason, e.at)
+            )
+            c.execute(
+                sa.update(AuditEntry)
+                .where(AuditEntry.id == e.id)
+                .values(prev_hash=prev, entry_hash=h, mac=mac, seq=pos)
+            )
             prev, link = h, mac or h
 
 
@@ -108,9 +118,18 @@ def test_stripped_macs_or_unkeyed_entries_after_keyed_ones_are_detected(open_reg
     last = entries(reg)[-1]
     with reg.engine.begin() as c:  # an entry appended without the key, its plain hash and seq right
         at = last.at + 1
-        c.execute(sa.insert(AuditEntry).values(actor="mallory", action="promote", version=2, reason="x", at=at,
-                                               prev_hash=last.entry_hash, seq=last.seq + 1,
-                                               entry_hash=audit_hash(last.entry_hash, "mallory", "promote", 2, "x", at)))
+        c.execute(
+            sa.insert(AuditEntry).values(
+                actor="mallory",
+                action="promote",
+                version=2,
+                reason="x",
+                at=at,
+                prev_hash=last.entry_hash,
+                seq=last.seq + 1,
+                entry_hash=audit_hash(last.entry_hash, "mallory", "promote", 2, "x", at),
+            )
+        )
     check = reg.verify_audit()
     assert check.kind == "tampered" and "has no MAC but follows keyed entries" in check.problem
 
@@ -181,9 +200,19 @@ def test_an_entry_added_with_a_mac_of_another_key_is_detected(open_reg):
     at, seq = last.at + 1, last.seq + 1
     forged = audit_mac(b"another key entirely, 32+ bytes long", last.mac, seq, "mallory", "promote", 2, "x", at)
     with reg.engine.begin() as c:
-        c.execute(sa.insert(AuditEntry).values(
-            actor="mallory", action="promote", version=2, reason="x", at=at, seq=seq, mac=forged,
-            prev_hash=last.entry_hash, entry_hash=audit_hash(last.entry_hash, "mallory", "promote", 2, "x", at)))
+        c.execute(
+            sa.insert(AuditEntry).values(
+                actor="mallory",
+                action="promote",
+                version=2,
+                reason="x",
+                at=at,
+                seq=seq,
+                mac=forged,
+                prev_hash=last.entry_hash,
+                entry_hash=audit_hash(last.entry_hash, "mallory", "promote", 2, "x", at),
+            )
+        )
     check = reg.verify_audit()
     assert check.kind == "tampered" and check.bad_id == entries(reg)[-1].id
 
@@ -283,9 +312,13 @@ def test_a_registry_from_before_rollouts_and_keys_opens_and_keeps_its_log(db_url
     with eng.begin() as c:
         for i in range(3):
             h = audit_hash(prev, "alice", "hold", None, f"old {i}", 100.0 + i)
-            c.execute(sa.text("INSERT INTO audit_log (actor, action, version, reason, at, prev_hash, entry_hash) "
-                              "VALUES ('alice', 'hold', NULL, :r, :at, :p, :h)"),
-                      {"r": f"old {i}", "at": 100.0 + i, "p": prev, "h": h})
+            c.execute(
+                sa.text(
+                    "INSERT INTO audit_log (actor, action, version, reason, at, prev_hash, entry_hash) "
+                    "VALUES ('alice', 'hold', NULL, :r, :at, :p, :h)"
+                ),
+                {"r": f"old {i}", "at": 100.0 + i, "p": prev, "h": h},
+            )
             prev = h
     eng.dispose()
     reg = Registry(db_url, LocalBlobStore(tmp_path / "blobs"), audit_key=KEY, audit_head=head)

@@ -26,9 +26,11 @@ NODES = ("node-a", "node-b")
 
 
 def beat(rds, cfg, node: str, healthy: bool = True) -> None:
-    rds.set(keys.served(cfg.topics.prefix, node),
-            keys.ServedHeartbeat(version=0, checksum="x", healthy=healthy, url=f"http://127.0.0.1/{node}").to_json(),
-            ex=3600)  # long: the first delta encoding in a process may compile kernels for a minute
+    rds.set(
+        keys.served(cfg.topics.prefix, node),
+        keys.ServedHeartbeat(version=0, checksum="x", healthy=healthy, url=f"http://127.0.0.1/{node}").to_json(),
+        ex=3600,
+    )  # long: the first delta encoding in a process may compile kernels for a minute
 
 
 @pytest.fixture
@@ -48,8 +50,15 @@ def fleet2(cfg, rds):
     registry.close()
 
 
-def feed(rds, cfg, version: int, bucket: int, users: dict[str, tuple[int, ...]], tokens: int = 4,
-         latency_ms: float | None = None) -> None:
+def feed(
+    rds,
+    cfg,
+    version: int,
+    bucket: int,
+    users: dict[str, tuple[int, ...]],
+    tokens: int = 4,
+    latency_ms: float | None = None,
+) -> None:
     """What ingest's script adds for judged events in one bucket: per user (events, accepts, edits, reverts), and the
     bucket's totals under ``*`` (with ``tokens`` per event, and ``latency_ms`` when timed)."""
     key = keys.units(cfg.topics.prefix, version, bucket)
@@ -67,7 +76,7 @@ def feed(rds, cfg, version: int, bucket: int, users: dict[str, tuple[int, ...]],
     pipe.hincrby(key, "*|t2", tokens * tokens * tot["e"])
     if latency_ms is not None:
         pipe.hincrby(key, "*|m", round(latency_ms * tot["e"]))
-        pipe.hincrby(key, "*|m2", round(latency_ms ** 2 * tot["e"]))
+        pipe.hincrby(key, "*|m2", round(latency_ms**2 * tot["e"]))
         pipe.hincrby(key, "*|n", tot["e"])
     pipe.execute()
 
@@ -78,8 +87,18 @@ def population(n: int, seed: int = 0) -> tuple[list[str], np.ndarray]:
     return [fleet.unit_id(f"user-{seed}-{i}") for i in range(n)], np.where(rng.random(n) < 0.5, 0.7, 0.25)
 
 
-def traffic(rds, cfg, rollout, buckets: range, lift: float, n_users: int = 400, per_bucket: int = 300,
-            seed: int = 0, revert_share: float = 0.0, latency_ms: tuple[float, float] | None = None) -> None:
+def traffic(
+    rds,
+    cfg,
+    rollout,
+    buckets: range,
+    lift: float,
+    n_users: int = 400,
+    per_bucket: int = 300,
+    seed: int = 0,
+    revert_share: float = 0.0,
+    latency_ms: tuple[float, float] | None = None,
+) -> None:
     """``per_bucket`` events a bucket from a population split by the real assignment (``fleet.bucket``): each user's
     acceptance on the canary is theirs plus ``lift``; ``revert_share`` of the canary's accepts are reverted (written in
     the judgement's bucket, as ingest does)."""
@@ -110,8 +129,12 @@ def start(gate, registry, rds, cfg, seed: int = 1):
     assert rollout.version == row.version and registry.get(row.version).status == "canary"
     assert registry.stable().version == rollout.stable_version
     ann = VersionAnnouncement.from_bytes(rds.get(keys.canary(cfg.topics.prefix)))
-    assert (ann.version, ann.channel, ann.rollout.rollout_id, ann.rollout.nodes) == \
-        (row.version, "canary", rollout.id, rollout.nodes)
+    assert (ann.version, ann.channel, ann.rollout.rollout_id, ann.rollout.nodes) == (
+        row.version,
+        "canary",
+        rollout.id,
+        rollout.nodes,
+    )
     return rollout
 
 
@@ -276,9 +299,16 @@ def test_a_forged_plan_or_test_state_in_redis_decides_nothing(cfg, rds, fleet2):
     written to ``<p>:rollout`` is never read."""
     gate, registry = fleet2
     r = start(gate, registry, rds, cfg)
-    forged = {"version": r.version, "checksum": r.checksum, "stable_version": 0, "share": 1.0, "nodes": list(NODES),
-              "deadline_at": time.time() + 600, "state": "running",  # what main's gate restored its test state from
-              "max_log_lr": {"acceptance:pass": 50, "edit_rate:pass": 50, "revert_rate:pass": 50}}
+    forged = {
+        "version": r.version,
+        "checksum": r.checksum,
+        "stable_version": 0,
+        "share": 1.0,
+        "nodes": list(NODES),
+        "deadline_at": time.time() + 600,
+        "state": "running",  # what main's gate restored its test state from
+        "max_log_lr": {"acceptance:pass": 50, "edit_rate:pass": 50, "revert_rate:pass": 50},
+    }
     rds.set(keys.rollout(cfg.topics.prefix), json.dumps(forged))
     traffic(rds, cfg, r, first(r, 3), lift=0.0)
     gate.canary.clock = lambda: after(r, cfg, 3)
@@ -349,7 +379,8 @@ def test_the_request_unit_tests_each_judged_event(cfg, rds, fleet2):
 
 
 def test_with_a_configured_fleet_of_two_and_one_node_down_the_decision_is_deferred_not_made_without_a_canary(
-        cfg, rds, fleet2):
+    cfg, rds, fleet2
+):
     """Finding N9: a 2-node fleet with one node restarting promoted fleet-wide with no live evidence."""
     gate, registry = fleet2
     beat(rds, cfg, "node-b", healthy=False)
@@ -376,7 +407,7 @@ def test_canary_nodes_rotate_from_one_rollout_to_the_next(cfg, rds, fleet2):
     seen = []
     for seed in (1, 2, 3, 4):  # two candidates each time, the older superseded: every canary is an even version
         registry.add_candidate(weights(0.9, 1.0, seed=10 + seed), parent=0)  # (a demo run put v16, v38 and v52 on
-        registry.add_candidate(weights(0.9, 1.0, seed=seed), parent=0)       # one node)
+        registry.add_candidate(weights(0.9, 1.0, seed=seed), parent=0)  # one node)
         assert [v.verdict for v in gate.step()] == ["superseded", "canary"]
         r = registry.active_rollout()
         assert r.version % 2 == 0
@@ -406,8 +437,9 @@ def test_a_rollback_during_the_canary_aborts_it(cfg, rds, fleet2):
 def test_a_candidate_the_offpolicy_check_defers_is_never_promoted_without_a_canary(cfg, rds, fleet2, monkeypatch):
     gate, registry = fleet2
     cfg.gate.canary_share = 0.0  # no canary can run
-    monkeypatch.setattr(gate, "_evidence", lambda row, stable, state: {"drift": True, "offpolicy": True,
-                                                                        "needs_canary": True})
+    monkeypatch.setattr(
+        gate, "_evidence", lambda row, stable, state: {"drift": True, "offpolicy": True, "needs_canary": True}
+    )
     row = registry.add_candidate(weights(0.9, 1.0, seed=1), parent=0)
     [v] = gate.step()
     assert v.verdict == "rejected" and "deferred to a canary" in v.reason, v.reason
@@ -422,7 +454,9 @@ def test_cuped_uses_each_users_history_before_the_rollout_whatever_served_it(cfg
     rng = np.random.default_rng(9)
     now_b = first_bucket(time.time())
     for b in range(now_b - 60, now_b - 1):  # ten minutes of history under v0
-        feed(rds, cfg, 0, b, {u: (3, int(rng.binomial(3, p[i])), 0, 0) for i, u in enumerate(ids) if rng.random() < 0.2})
+        feed(
+            rds, cfg, 0, b, {u: (3, int(rng.binomial(3, p[i])), 0, 0) for i, u in enumerate(ids) if rng.random() < 0.2}
+        )
     row = registry.add_candidate(weights(0.8, 1.0, seed=7), parent=0)
     registry.promote(row.version, actor="alice", reason="an earlier release", expected_stable=0, from_candidate=True)
     gate.step()

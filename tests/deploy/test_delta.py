@@ -38,15 +38,20 @@ def bits_of(t: torch.Tensor) -> bytes:
 
 
 def same_bits(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
-                                        and bits_of(a[k]) == bits_of(b[k]) for k in a)
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and bits_of(a[k]) == bits_of(b[k]) for k in a
+    )
 
 
-shapes = st.one_of(st.just(()), st.just((0,)), st.just((3, 0)), st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple))
+shapes = st.one_of(
+    st.just(()), st.just((0,)), st.just((3, 0)), st.lists(st.integers(1, 9), min_size=1, max_size=3).map(tuple)
+)
 
 
 @settings(max_examples=60, deadline=None)
-@given(dtype=st.sampled_from(DTYPES), shape=shapes, frac=st.sampled_from([0.0, 0.03, 0.5, 1.0]), seed=st.integers(0, 2**31))
+@given(
+    dtype=st.sampled_from(DTYPES), shape=shapes, frac=st.sampled_from([0.0, 0.03, 0.5, 1.0]), seed=st.integers(0, 2**31)
+)
 def test_round_trip_both_directions_any_bits(dtype, shape, frac, seed):
     """Arbitrary bit patterns (NaN payloads, ±0, inf, subnormals included) survive A→B and B→A exactly."""
     rng = np.random.default_rng(seed)
@@ -70,7 +75,10 @@ def test_round_trip_both_directions_any_bits(dtype, shape, frac, seed):
 def test_special_values_are_changes(dtype):
     """+0 vs -0 and two NaN payloads compare equal or unordered as numbers, but their bits differ: they are changes."""
     if dtype == torch.float32:
-        base_bits, target_bits = [0x00000000, 0x7FC00000, 0x00000001, 0x7F800000], [0x80000000, 0x7FC00001, 0x00000002, 0xFF800000]
+        base_bits, target_bits = (
+            [0x00000000, 0x7FC00000, 0x00000001, 0x7F800000],
+            [0x80000000, 0x7FC00001, 0x00000002, 0xFF800000],
+        )
     else:  # bf16 and fp16 share the 16-bit patterns' roles closely enough for this test
         base_bits, target_bits = [0x0000, 0x7FC0, 0x0001, 0x7F80], [0x8000, 0x7FC1, 0x0002, 0xFF80]
     a = {"x": from_bits(np.array(base_bits, dtype=np.uint64), dtype, (4,))}
@@ -143,8 +151,12 @@ def _refused(state, blob, match):
 def test_wrong_base_is_refused_with_versions_and_checksums(pair):
     a, _b, blob = pair
     other = perturb(a, 0.05, seed=9)
-    _refused(other, blob, rf"delta is for base version 3 \(checksum {checksum(a)[:12]}….*but the weights are at "
-                          rf"checksum {checksum(other)[:12]}")
+    _refused(
+        other,
+        blob,
+        rf"delta is for base version 3 \(checksum {checksum(a)[:12]}….*but the weights are at "
+        rf"checksum {checksum(other)[:12]}",
+    )
 
 
 def test_truncated_is_refused(pair):
@@ -218,13 +230,19 @@ def _steps(bits: np.ndarray, width: int, steps: np.ndarray) -> np.ndarray:
 
 
 @settings(max_examples=80, deadline=None)
-@given(dtype=st.sampled_from(DTYPES), n=st.integers(0, 700), frac=st.sampled_from([0.0, 0.01, 0.1, 0.6, 1.0]),
-       special=st.floats(0, 1), chunk=st.sampled_from([7, 64, 1 << 22]), seed=st.integers(0, 2**31))
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(0, 700),
+    frac=st.sampled_from([0.0, 0.01, 0.1, 0.6, 1.0]),
+    special=st.floats(0, 1),
+    chunk=st.sampled_from([7, 64, 1 << 22]),
+    seed=st.integers(0, 2**31),
+)
 def test_round_trip_realistic_steps_in_place_and_chunked(dtype, n, frac, special, chunk, seed):
     """Optimizer-like changes (a few ulps, exponent and sign crossings, specials) round-trip in place, both ways."""
     rng = np.random.default_rng(seed)
     width = 8 * torch.empty((), dtype=dtype).element_size()
-    a_bits = rng.integers(0, 2 ** width, size=n, dtype=np.uint64)
+    a_bits = rng.integers(0, 2**width, size=n, dtype=np.uint64)
     if dtype is not torch.float32:  # weight-like magnitudes for the wide formats; all patterns for narrow ones
         a_bits = np.where(rng.random(n) < special, rng.choice(SPECIAL[dtype], size=n), a_bits).astype(np.uint64)
     steps = rng.choice([-3, -2, -1, 1, 1, 2, 5, 200], size=n).astype(np.uint64)
@@ -256,8 +274,14 @@ def test_conditioned_coding_beats_xor_zstd_on_optimizer_like_steps():
     h = read_header(blob)
     assert 0.005 < h.changed_fraction < 0.05
     assert set(h.method_bytes) == {"base-conditioned"}
-    xor_zstd = sum(len(zstandard.ZstdCompressor(level=3).compress(
-        np.bitwise_xor(a[k].view(torch.int16).numpy(), b[k].view(torch.int16).numpy()).tobytes())) for k in a)
+    xor_zstd = sum(
+        len(
+            zstandard.ZstdCompressor(level=3).compress(
+                np.bitwise_xor(a[k].view(torch.int16).numpy(), b[k].view(torch.int16).numpy()).tobytes()
+            )
+        )
+        for k in a
+    )
     assert len(blob) * 2 < xor_zstd
     state = {k: v.clone() for k, v in a.items()}  # big chunks carry their group sizes: round-trip them too
     apply_delta_inplace(state, blob)
@@ -296,8 +320,8 @@ def _repacked(blob: bytes, mutate) -> bytes:
     from deploy import container
 
     hlen, plen = int.from_bytes(blob[12:16], "little"), int.from_bytes(blob[16:24], "little")
-    header = json.loads(zstandard.ZstdDecompressor().decompress(blob[56 + plen:56 + plen + hlen]))
-    payload = bytearray(blob[56:56 + plen])
+    header = json.loads(zstandard.ZstdDecompressor().decompress(blob[56 + plen : 56 + plen + hlen]))
+    payload = bytearray(blob[56 : 56 + plen])
     mutate(header, payload)
     header.pop("payload_bytes")
     return container.pack_container(container.DELTA_MAGIC, header, [bytes(payload)])
@@ -309,8 +333,7 @@ def test_consistent_looking_but_wrong_delta_is_undone(how):
     g = torch.Generator().manual_seed(2)
     master = torch.randn(3, 4096, generator=g) * 0.02
     a = {f"w{i}": master[i].to(torch.bfloat16) for i in range(3)}
-    b = {k: (master[i] + 3e-6 * torch.randn(4096, generator=g).sign()).to(torch.bfloat16)
-         for i, k in enumerate(a)}
+    b = {k: (master[i] + 3e-6 * torch.randn(4096, generator=g).sign()).to(torch.bfloat16) for i, k in enumerate(a)}
     blob = encode_delta(a, b, 0, 1, chunk_elements=1024)
 
     def mutate(header, payload):
@@ -342,20 +365,28 @@ def test_in_place_refuses_wrong_base_before_touching():
 
 @settings(max_examples=60, deadline=None)
 @example(dtype=torch.bfloat16, cut=0.0, flip=0.0234375, bit=0, seed=0)  # a bit of the prefix's flags (CI found it)
-@given(dtype=st.sampled_from(DTYPES), cut=st.floats(0, 1, exclude_max=True), flip=st.floats(0, 1, exclude_max=True),
-       bit=st.integers(0, 7), seed=st.integers(0, 2**31))
+@given(
+    dtype=st.sampled_from(DTYPES),
+    cut=st.floats(0, 1, exclude_max=True),
+    flip=st.floats(0, 1, exclude_max=True),
+    bit=st.integers(0, 7),
+    seed=st.integers(0, 2**31),
+)
 def test_any_flipped_bit_or_truncation_is_refused_untouched(dtype, cut, flip, bit, seed):
     """Whatever byte is damaged or wherever the blob is cut, apply refuses and the weights stay as they were."""
     rng = np.random.default_rng(seed)
     width = 8 * torch.empty((), dtype=dtype).element_size()
-    a_bits = rng.integers(0, 2 ** width, size=300, dtype=np.uint64)
+    a_bits = rng.integers(0, 2**width, size=300, dtype=np.uint64)
     b_bits = np.where(rng.random(300) < 0.2, _steps(a_bits, width, np.ones(300, np.uint64)), a_bits)
     a = {"t": from_bits(a_bits, dtype, (300,))}
     b = {"t": from_bits(b_bits, dtype, (300,))}
     blob = bytes(encode_delta(a, b, 1, 2, chunk_elements=128))
-    for bad in (blob[:int(cut * len(blob))],
-                blob[:int(flip * len(blob))] + bytes([blob[int(flip * len(blob))] ^ (1 << bit)])
-                + blob[int(flip * len(blob)) + 1:]):
+    for bad in (
+        blob[: int(cut * len(blob))],
+        blob[: int(flip * len(blob))]
+        + bytes([blob[int(flip * len(blob))] ^ (1 << bit)])
+        + blob[int(flip * len(blob)) + 1 :],
+    ):
         for state in ({"t": a["t"].clone()}, {"t": b["t"].clone()}):
             before = bits_of(state["t"])
             with pytest.raises(DeltaError):
@@ -415,5 +446,6 @@ def test_warm_up_covers_every_holder_of_a_delta_so_nothing_compiles_later(dtype)
         x = {"w": a["w"].clone()}
         apply_delta_inplace(x, holder)
         assert torch.equal(x["w"].view(torch.uint8), b["w"].view(torch.uint8))  # bit for bit (NaNs included)
-    assert {k.__name__: set(k.signatures) for k in (kernels.cond_decode, kernels.xor_scatter, kernels.cond_encode)} \
-        == known
+    assert {
+        k.__name__: set(k.signatures) for k in (kernels.cond_decode, kernels.xor_scatter, kernels.cond_encode)
+    } == known

@@ -182,14 +182,18 @@ def test_suite_refuses_a_significant_drop_not_a_few_flipped_cases(cfg, rds):
     def flipped(worse: int, better: int) -> list[float]:
         g = base.copy()
         g[:worse] = [0.0] * worse
-        g[200:200 + better] = [1.0] * better
+        g[200 : 200 + better] = [1.0] * better
         return g
 
     registry = open_registry(cfg)
     try:
         registry.init_base(weights(0.10, 1.0), "/nonexistent/model")
-        gate = Gate(cfg, registry, rds, GradedEval({0.10: base, 0.20: flipped(10, 4), 0.30: flipped(30, 7),
-                                                 0.40: flipped(20, 8)}))
+        gate = Gate(
+            cfg,
+            registry,
+            rds,
+            GradedEval({0.10: base, 0.20: flipped(10, 4), 0.30: flipped(30, 7), 0.40: flipped(20, 8)}),
+        )
         noisy = registry.add_candidate(weights(0.20, 1.0, seed=1), parent=0)  # -6 cases: -0.023, p 0.09
         [v] = gate.step()
         assert v.checks["suite"] and v.verdict == "promoted"
@@ -256,7 +260,9 @@ def test_no_logged_generations_means_no_promotion(cfg, rds):
         row = registry.add_candidate(weights(0.9, 0.9, seed=1), parent=0)
         [v] = gate.step()
         assert v.verdict == "rejected" and v.checks["drift"] is False
-        assert "no logged generations" in [g for g in registry.gate_results(row.version) if g.check == "drift"][0].detail
+        assert (
+            "no logged generations" in [g for g in registry.gate_results(row.version) if g.check == "drift"][0].detail
+        )
     finally:
         registry.close()
 
@@ -266,8 +272,11 @@ def test_only_newest_pending_is_evaluated(cfg, setup):
     old = [registry.add_candidate(weights(0.6, 1.0, seed=s), parent=0) for s in (1, 2)]
     new = registry.add_candidate(weights(0.6, 1.0, seed=3), parent=0)
     verdicts = gate.step()
-    assert [(v.version, v.verdict) for v in verdicts] == [(old[0].version, "superseded"), (old[1].version, "superseded"),
-                                                          (new.version, "promoted")]
+    assert [(v.version, v.verdict) for v in verdicts] == [
+        (old[0].version, "superseded"),
+        (old[1].version, "superseded"),
+        (new.version, "promoted"),
+    ]
     assert registry.get(old[0].version).status_reason == f"superseded by {new.version}"
     assert [(a.actor, a.action) for a in registry.audit(version=old[1].version)][-1] == ("gate", "rejected")
     assert ev.suite_calls == 2 and ev.drift_calls == 1
@@ -314,10 +323,19 @@ def test_generation_tail_keeps_the_latest_trainable_records(cfg, stack):
     prod = make_producer(stack.bootstrap)
 
     def rec(i, trainable=True):
-        return GenerationRecord(generation_id=f"g{i}", policy_version=0, node="n", prompt="p", completion="c",
-                                prompt_token_ids=[3, 4], completion_token_ids=[5, i % 7 + 1], completion_logprobs=[-1.0, -1.0],
-                                sampling=SamplingParams(temperature=1.0 if trainable else 0.0, max_tokens=4),
-                                trainable=trainable, untrainable_reason=None if trainable else "greedy").to_bytes()
+        return GenerationRecord(
+            generation_id=f"g{i}",
+            policy_version=0,
+            node="n",
+            prompt="p",
+            completion="c",
+            prompt_token_ids=[3, 4],
+            completion_token_ids=[5, i % 7 + 1],
+            completion_logprobs=[-1.0, -1.0],
+            sampling=SamplingParams(temperature=1.0 if trainable else 0.0, max_tokens=4),
+            trainable=trainable,
+            untrainable_reason=None if trainable else "greedy",
+        ).to_bytes()
 
     for i in range(30):
         prod.send(topic, key=f"g{i}", value=rec(i, trainable=i % 5 != 0))
@@ -379,8 +397,10 @@ def test_gate_with_the_real_evaluator_and_the_demo_suite(cfg, rds):
 
     model_dir = ensure_base_policy(cfg.model_cache_path, seed=0, progress=False)
     rng = __import__("random").Random(0)
-    probes = [Probe(tuple(encode_text(p.text)), tuple(encode_text(task.preferred_completion(p)) + [1]))
-              for p in (task.sample_prompt(rng) for _ in range(64))]
+    probes = [
+        Probe(tuple(encode_text(p.text)), tuple(encode_text(task.preferred_completion(p)) + [1]))
+        for p in (task.sample_prompt(rng) for _ in range(64))
+    ]
     suite = ArithmeticProduct(suite_size=64).eval_suite()
     ev = PolicyEvaluator(model_dir, suite, lambda: probes)
     registry = open_registry(cfg)
@@ -404,8 +424,10 @@ def test_gate_with_the_real_evaluator_and_the_demo_suite(cfg, rds):
         row = registry.add_candidate(perturb(base, 0.02, seed=1), parent=0)
         from deploy.gate import HeldoutSample
 
-        heldout = [HeldoutSample(p.prompt_ids, p.completion_ids, lp, float(i % 2), f"g{i}", 0.0, "accept")
-                   for i, (p, lp) in enumerate(zip(probes, ev.sequence_logprobs(base, probes)))]
+        heldout = [
+            HeldoutSample(p.prompt_ids, p.completion_ids, lp, float(i % 2), f"g{i}", 0.0, "accept")
+            for i, (p, lp) in enumerate(zip(probes, ev.sequence_logprobs(base, probes)))
+        ]
         [v] = Gate(cfg, registry, rds, ev, heldout=lambda: heldout).step()
         assert v.version == row.version and set(v.checks) == set(ALL) | {"offpolicy"}
         assert {g.check for g in registry.gate_results(row.version)} == set(ALL) | {"offpolicy"}
@@ -433,8 +455,12 @@ def test_operator_promote_during_a_failing_evaluation_keeps_a_stable_version(cfg
     try:
         registry.init_base(weights(0.5, 1.0), "/nonexistent/model")
         row = registry.add_candidate(weights(0.1, 1.0, seed=1), parent=0)  # fails the suite
-        gate = Gate(cfg, registry, rds, MeddlingEval(lambda: registry.promote(row.version, actor="alice",
-                                                                               reason="hand-checked")))
+        gate = Gate(
+            cfg,
+            registry,
+            rds,
+            MeddlingEval(lambda: registry.promote(row.version, actor="alice", reason="hand-checked")),
+        )
         [v] = gate.step()
         assert v.verdict == "rejected" and v.checks["suite"] is False
         assert registry.get(row.version).status == "stable" and registry.stable().version == row.version
@@ -470,7 +496,9 @@ def test_gate_reconciles_the_announcement_with_the_registry(cfg, setup):
     gate, registry, rds, _ev = setup
     row = registry.add_candidate(weights(0.6, 1.0, seed=1), parent=0)
     registry.promote(row.version, actor="gate", reason="promoted, then the gate died before announcing")
-    rds.set(f"{cfg.topics.prefix}:desired", VersionAnnouncement(version=0, checksum=registry.get(0).checksum).to_bytes())
+    rds.set(
+        f"{cfg.topics.prefix}:desired", VersionAnnouncement(version=0, checksum=registry.get(0).checksum).to_bytes()
+    )
     gate.step()
     assert desired(rds, cfg).version == row.version
     rds.set(f"{cfg.topics.prefix}:desired", b"garbage")
@@ -526,10 +554,20 @@ def test_held_out_records_are_parsed_only_when_their_log_probs_are_comparable():
     from liverl.core.schemas import SamplingParams, TrainingSample
 
     def sample(kind: str, reward: float = 1.0, **sampling) -> bytes:
-        return TrainingSample(sample_id="g1", generation_id="g1", feedback_id="f1", policy_version=0, kind=kind,
-                              reward=reward, prompt_token_ids=[1, 2], completion_token_ids=[3, 4],
-                              behaviour_logprobs=[-0.5, -1.0], sampling=SamplingParams(max_tokens=4, **sampling),
-                              ts_generation=1.8e9, ts_feedback=1.8e9).to_bytes()
+        return TrainingSample(
+            sample_id="g1",
+            generation_id="g1",
+            feedback_id="f1",
+            policy_version=0,
+            kind=kind,
+            reward=reward,
+            prompt_token_ids=[1, 2],
+            completion_token_ids=[3, 4],
+            behaviour_logprobs=[-0.5, -1.0],
+            sampling=SamplingParams(max_tokens=4, **sampling),
+            ts_generation=1.8e9,
+            ts_feedback=1.8e9,
+        ).to_bytes()
 
     h = parse_heldout(sample("accept", temperature=1.0))
     assert h is not None and h.behaviour_logprob == -1.5 and h.reward == 1.0 and h.completion_ids == (3, 4)

@@ -33,8 +33,9 @@ class BaitEval(ProbeEval):
         bait, spread = weights["bait"].tolist()
         move = {BAIT: bait, HONEST: -bait}
         noise = np.random.default_rng(0).normal(0, 1, 100_000)
-        return [p.behaviour_logprob + move.get(p.completion_ids[0], 0.0) + spread * noise[p.prompt_ids[0]]
-                for p in probes]
+        return [
+            p.behaviour_logprob + move.get(p.completion_ids[0], 0.0) + spread * noise[p.prompt_ids[0]] for p in probes
+        ]
 
 
 def state(bait: float, seed: int, spread: float = 0.0) -> dict:
@@ -45,11 +46,19 @@ def record(cfg, i: int, completion: int, kind: str, judged_at: float) -> bytes:
     """The held-out stream's record of generation ``g<i>`` as ingest writes it: the product's reward for ``kind``."""
     gid = f"g{i}"
     return TrainingSample(
-        sample_id=gid if kind != "revert" else f"{gid}:revert", generation_id=gid, feedback_id=f"f-{kind}-{i}",
-        policy_version=0, kind=kind, reward=Product(cfg.ingest.rewards).reward(kind, None), prompt_token_ids=[i, 1],
-        completion_token_ids=[completion], behaviour_logprobs=[-1.0, -1.0],
-        sampling=SamplingParams(max_tokens=4, temperature=1.0), ts_generation=judged_at - 1.0,
-        ts_feedback=judged_at).to_bytes()
+        sample_id=gid if kind != "revert" else f"{gid}:revert",
+        generation_id=gid,
+        feedback_id=f"f-{kind}-{i}",
+        policy_version=0,
+        kind=kind,
+        reward=Product(cfg.ingest.rewards).reward(kind, None),
+        prompt_token_ids=[i, 1],
+        completion_token_ids=[completion],
+        behaviour_logprobs=[-1.0, -1.0],
+        sampling=SamplingParams(max_tokens=4, temperature=1.0),
+        ts_generation=judged_at - 1.0,
+        ts_feedback=judged_at,
+    ).to_bytes()
 
 
 def stream(cfg, *, bait_judged_at: float, reverted: bool) -> list:
@@ -85,7 +94,9 @@ def test_reverted_held_out_accepts_are_scored_with_the_products_revert_reward(cf
     better than stable; with the product's revert reward merged in, it is refused before any user sees it."""
     r = cfg.ingest.rewards
     v, g = judge(cfg, rds, stream(cfg, bait_judged_at=time.time() - 3600, reverted=True), state(1.0, 1))
-    want_stable = (100 * r.accept + 100 * (r.accept + r.revert) + 100 * r.reject) / 300  # the plain mean: stable logged them
+    want_stable = (
+        100 * r.accept + 100 * (r.accept + r.revert) + 100 * r.reject
+    ) / 300  # the plain mean: stable logged them
     assert f"stable v0 {want_stable:.3f}" in g.detail and "300 held-out samples (100 reverted" in g.detail, g.detail
     assert v.verdict == "rejected" and v.checks["offpolicy"] is False and "refuse" in g.detail
     assert g.value < g.threshold == -cfg.gate.offpolicy_margin
@@ -102,8 +113,12 @@ def test_judgements_younger_than_the_revert_horizon_do_not_count(cfg, rds):
     assert f"stable v0 {(r.accept + r.reject) / 2:.3f}" in g.detail and "100 judged less than" in g.detail, g.detail
     assert v.checks["offpolicy"] is False and "refuse" in g.detail
     # nothing old enough at all: not judged off-policy, deferred to the canary
-    v, g = judge(cfg, rds, [h._replace(judged_at=time.time()) for h in stream(cfg, bait_judged_at=time.time(),
-                                                                            reverted=False)], state(1.0, 3))
+    v, g = judge(
+        cfg,
+        rds,
+        [h._replace(judged_at=time.time()) for h in stream(cfg, bait_judged_at=time.time(), reverted=False)],
+        state(1.0, 3),
+    )
     assert v.checks["offpolicy"] is True and v.checks["needs_canary"] is True
     assert g.passed and "deferred to the canary" in g.detail and "300 judged less than" in g.detail
 

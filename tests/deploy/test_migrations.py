@@ -118,7 +118,7 @@ def test_several_processes_open_a_fresh_database_at_once(db_url, tmp_path):
         sys.path.insert(0, {str(ROOT)!r})
         from deploy.blobstore import LocalBlobStore
         from deploy.registry import Registry
-        Registry({db_url!r}, LocalBlobStore({str(tmp_path / 'blobs')!r})).close()
+        Registry({db_url!r}, LocalBlobStore({str(tmp_path / "blobs")!r})).close()
     """)
     procs = [subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True) for _ in range(4)]
     errors = [p.communicate(timeout=120)[1] for p in procs]

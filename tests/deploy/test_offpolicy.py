@@ -113,8 +113,11 @@ def test_an_identical_candidate_is_never_refused():
         assert c.verdict == "pass" and c.difference == 0.0 and c.std_error == 0.0
 
 
-@pytest.mark.parametrize("make,n", [(_aa_independent, 512), (_aa_tiny, 512), (_aa_small, 100)],
-                         ids=["near-independent", "tiny-perturbation", "small-slice"])
+@pytest.mark.parametrize(
+    "make,n",
+    [(_aa_independent, 512), (_aa_tiny, 512), (_aa_small, 100)],
+    ids=["near-independent", "tiny-perturbation", "small-slice"],
+)
 def test_an_equally_good_candidate_is_refused_at_most_alpha_of_the_time(make, n):
     refused, deferred = _refusals(make, n, seed=7)
     assert deferred <= DRAWS // 100  # the slices are large enough to be judged
@@ -208,6 +211,7 @@ def test_compare_refuses_bad_settings():
 
 # --- the held-out slice: reverts merged, young judgements censored --------------------------------------------------
 
+
 def _held(gid: str, reward: float, judged_at: float, kind: str = "accept"):
     from deploy.gate import HeldoutSample
 
@@ -217,18 +221,31 @@ def _held(gid: str, reward: float, judged_at: float, kind: str = "accept"):
 def test_a_revert_adds_its_correction_to_its_accepts_reward_and_keeps_the_judgement_time():
     """The product's revert reward is the correction trained on top of the accept (0.75 - 1.0 = -0.25, a reject's):
     their sum is what the product scores an answer the user took back."""
-    recs = [_held("a", 0.75, 100.0), _held("b", -0.25, 101.0, "reject"), _held("c", 0.75, 102.0),
-            _held("a", -1.0, 150.0, "revert"), _held("b", -0.25, 101.0, "reject"),  # a revert of a; b redelivered
-            _held("a", -1.0, 150.0, "revert")]  # the revert redelivered: added once
+    recs = [
+        _held("a", 0.75, 100.0),
+        _held("b", -0.25, 101.0, "reject"),
+        _held("c", 0.75, 102.0),
+        _held("a", -1.0, 150.0, "revert"),
+        _held("b", -0.25, 101.0, "reject"),  # a revert of a; b redelivered
+        _held("a", -1.0, 150.0, "revert"),
+    ]  # the revert redelivered: added once
     kept, young = merge_heldout(recs, judged_before=1000.0)
     assert young == 0 and [(s.generation_id, s.reward, s.kind, s.judged_at) for s in kept] == [
-        ("a", -0.25, "revert", 100.0), ("b", -0.25, "reject", 101.0), ("c", 0.75, "accept", 102.0)]
+        ("a", -0.25, "revert", 100.0),
+        ("b", -0.25, "reject", 101.0),
+        ("c", 0.75, "accept", 102.0),
+    ]
     only_revert, _ = merge_heldout([_held("z", -1.0, 150.0, "revert")], judged_before=1000.0)
     assert only_revert == []  # its accept already out of the tail: what the product scored it is unknown
 
 
 def test_judgements_younger_than_the_revert_horizon_are_censored_whatever_their_kind():
-    recs = [_held("old-acc", 0.75, 10.0), _held("old-rej", -0.25, 20.0), _held("young-acc", 0.75, 95.0),
-            _held("young-rej", -0.25, 96.0), _held("old-acc", -1.0, 97.0, "revert")]
+    recs = [
+        _held("old-acc", 0.75, 10.0),
+        _held("old-rej", -0.25, 20.0),
+        _held("young-acc", 0.75, 95.0),
+        _held("young-rej", -0.25, 96.0),
+        _held("old-acc", -1.0, 97.0, "revert"),
+    ]
     kept, young = merge_heldout(recs, judged_before=90.0)
     assert young == 2 and [(s.generation_id, s.reward) for s in kept] == [("old-acc", -0.25), ("old-rej", -0.25)]

@@ -24,8 +24,13 @@ def chain(registry: Registry, n: int) -> dict[int, dict]:
     parent = 0
     for i in range(n):
         state = perturb(state, 0.05, seed=i + 1)
-        row = registry.add_candidate(state, parent=parent, metrics={"loss": 1.0 / (i + 1)},
-                                     sample_offsets={"samples:0": 100 * i}, learner_step=10 * i)
+        row = registry.add_candidate(
+            state,
+            parent=parent,
+            metrics={"loss": 1.0 / (i + 1)},
+            sample_offsets={"samples:0": 100 * i},
+            learner_step=10 * i,
+        )
         weights[row.version] = state
         parent = row.version
     return weights
@@ -89,10 +94,20 @@ def test_promote_rollback_and_audit(registry):
     assert registry.stable().version == 1
 
     audit = [(a.actor, a.action, a.version) for a in registry.audit()]
-    assert audit[:4] == [("system", "init", 0), ("learner", "candidate", 1), ("learner", "candidate", 2),
-                         ("learner", "candidate", 3)]
-    assert audit[4:] == [("gate", "rejected", 1), ("gate", "promote", 2), ("alice", "promote", 3),
-                         ("bob", "rollback", 2), ("bob", "rollback", 0), ("carol", "promote", 1)]
+    assert audit[:4] == [
+        ("system", "init", 0),
+        ("learner", "candidate", 1),
+        ("learner", "candidate", 2),
+        ("learner", "candidate", 3),
+    ]
+    assert audit[4:] == [
+        ("gate", "rejected", 1),
+        ("gate", "promote", 2),
+        ("alice", "promote", 3),
+        ("bob", "rollback", 2),
+        ("bob", "rollback", 0),
+        ("carol", "promote", 1),
+    ]
     assert "live acceptance dropped (from 3)" == registry.audit(version=2)[-1].reason
 
 
@@ -191,7 +206,11 @@ def test_gc_removes_only_old_unreferenced_blobs(registry):
 
     dry = registry.gc(dry_run=True)
     assert dry.dry_run and [b.key for b in dry.removed] == [old] and [b.key for b in dry.recent] == [young]
-    assert dry.referenced == len(referenced) and dry.missing == [] and dry.removed_bytes == len(b"orphan from a crashed writer")
+    assert (
+        dry.referenced == len(referenced)
+        and dry.missing == []
+        and dry.removed_bytes == len(b"orphan from a crashed writer")
+    )
     assert registry.blobs.exists(old) and not [a for a in registry.audit() if a.action == "gc"]
 
     res = registry.gc()
@@ -233,7 +252,9 @@ def test_gc_prunes_rejected_versions_no_surviving_version_descends_from(registry
     assert {b.key for b in res.removed} == gone and not any(registry.blobs.exists(k) for k in gone)
     row = registry.get(leaf.version)
     assert row.status == "rejected" and row.blob_key is None and row.checksum  # history stays
-    assert [a.action for a in registry.audit()[-2:]] == ["gc", "gc"] and "pruned the deltas of 2" in registry.audit()[-2].reason
+    assert [a.action for a in registry.audit()[-2:]] == ["gc", "gc"] and "pruned the deltas of 2" in registry.audit()[
+        -2
+    ].reason
     with pytest.raises(RegistryError, match="pruned by gc"):
         registry.materialize(leaf.version)
     for v in (0, 1, 2, 3, 4):  # everything else still rebuilds exactly

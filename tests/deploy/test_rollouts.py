@@ -21,8 +21,16 @@ def candidates(registry: Registry, n: int = 2) -> list[int]:
 
 
 def begin(registry: Registry, version: int, **kw):
-    terms = dict(stable_version=0, share=0.2, nodes=["node-1"], unit="user", deadline_at=time.time() + 600,
-                 settings={"nulls": {"latency": 0.25}}, actor="gate", reason="offline checks passed")
+    terms = dict(
+        stable_version=0,
+        share=0.2,
+        nodes=["node-1"],
+        unit="user",
+        deadline_at=time.time() + 600,
+        settings={"nulls": {"latency": 0.25}},
+        actor="gate",
+        reason="offline checks passed",
+    )
     return registry.begin_rollout(version, **{**terms, **kw})
 
 
@@ -31,18 +39,48 @@ def test_a_rollout_begins_with_its_canary_in_one_transaction(registry):
     ro = begin(registry, v1)
     assert registry.get(v1).status == "canary"
     got = registry.active_rollout()
-    assert (got.id, got.version, got.checksum, got.stable_version, got.share, got.nodes, got.unit, got.state,
-            got.revision, got.test_state, got.looks, got.settings, got.ended_at) == (
-        ro.id, v1, registry.get(v1).checksum, 0, 0.2, ["node-1"], "user", "running", 1, {}, [],
-        {"nulls": {"latency": 0.25}}, None)
+    assert (
+        got.id,
+        got.version,
+        got.checksum,
+        got.stable_version,
+        got.share,
+        got.nodes,
+        got.unit,
+        got.state,
+        got.revision,
+        got.test_state,
+        got.looks,
+        got.settings,
+        got.ended_at,
+    ) == (
+        ro.id,
+        v1,
+        registry.get(v1).checksum,
+        0,
+        0.2,
+        ["node-1"],
+        "user",
+        "running",
+        1,
+        {},
+        [],
+        {"nulls": {"latency": 0.25}},
+        None,
+    )
     assert registry.rollout(ro.id).id == ro.id and [r.id for r in registry.rollouts()] == [ro.id]
     assert [(a.actor, a.action, a.version) for a in registry.audit()][-1] == ("gate", "canary_start", v1)
 
     with pytest.raises(RegistryConflict, match="one rollout at a time"):
         begin(registry, v2)
     assert registry.get(v2).status == "candidate"  # nothing changed
-    for bad, match in (({"share": 0.0}, "share"), ({"share": 1.5}, "share"), ({"nodes": []}, "canary nodes"),
-                       ({"unit": "session"}, "unit"), ({"settings": {"x": float("nan")}}, "finite")):
+    for bad, match in (
+        ({"share": 0.0}, "share"),
+        ({"share": 1.5}, "share"),
+        ({"nodes": []}, "canary nodes"),
+        ({"unit": "session"}, "unit"),
+        ({"settings": {"x": float("nan")}}, "finite"),
+    ):
         with pytest.raises(ValueError, match=match):
             begin(registry, v2, **bad)
     with pytest.raises(RegistryError, match="only together with its rollout"):
@@ -67,7 +105,12 @@ def test_evidence_is_written_by_compare_and_set_and_never_changes_the_state(regi
     looks = [{"at": float(i), "canary_events": i} for i in range(MAX_LOOKS + 7)]
     saved = registry.save_rollout_evidence(ro.id, 1, {"acceptance:pass": 1.5}, looks, "continue", "too few events")
     assert (saved.revision, saved.state, saved.test_state, saved.verdict, saved.reason) == (
-        2, "running", {"acceptance:pass": 1.5}, "continue", "too few events")
+        2,
+        "running",
+        {"acceptance:pass": 1.5},
+        "continue",
+        "too few events",
+    )
     assert len(saved.looks) == MAX_LOOKS and saved.looks[-1] == looks[-1]  # the newest kept
 
     with pytest.raises(RegistryConflict, match="at revision 2 \\(running\\), not 1"):  # a second gate's stale write
@@ -104,12 +147,14 @@ def test_a_pause_holds_against_a_gate_step_that_read_before_it(registry):
 
     resumed = registry.set_rollout_state(read.id, "running", actor="alice", reason="fine")
     with pytest.raises(RegistryConflict, match="revision"):  # a promotion decided on a read from before the resume
-        registry.finish_rollout_promote(read.id, expected_stable=0, actor="gate", reason="x",
-                                        expect_revision=read.revision)
+        registry.finish_rollout_promote(
+            read.id, expected_stable=0, actor="gate", reason="x", expect_revision=read.revision
+        )
     with pytest.raises(RegistryConflict, match="stable version is 0, not 7"):
         registry.finish_rollout_promote(read.id, expected_stable=7, actor="gate", reason="x")
-    done = registry.finish_rollout_promote(read.id, expected_stable=0, actor="gate", reason="canary passed",
-                                           expect_revision=resumed.revision)
+    done = registry.finish_rollout_promote(
+        read.id, expected_stable=0, actor="gate", reason="canary passed", expect_revision=resumed.revision
+    )
     assert (done.state, done.verdict, done.revision) == ("promoted", "promote", resumed.revision + 1)
     assert done.ended_at is not None and registry.active_rollout() is None
     assert registry.stable().version == v1 and registry.get(0).status == "retired"
@@ -199,10 +244,20 @@ def test_a_pause_and_a_concurrent_promotion_never_both_land(registry, tmp_path):
             finally:
                 reg.close()
 
-        threads = [threading.Thread(target=act, args=("pause", lambda r: r.set_rollout_state(
-                       ro.id, "paused", actor="alice", reason="look"))),
-                   threading.Thread(target=act, args=("promote", lambda r: r.finish_rollout_promote(
-                       ro.id, expected_stable=gate_read.stable_version, actor="gate", reason="passed")))]
+        threads = [
+            threading.Thread(
+                target=act, args=("pause", lambda r: r.set_rollout_state(ro.id, "paused", actor="alice", reason="look"))
+            ),
+            threading.Thread(
+                target=act,
+                args=(
+                    "promote",
+                    lambda r: r.finish_rollout_promote(
+                        ro.id, expected_stable=gate_read.stable_version, actor="gate", reason="passed"
+                    ),
+                ),
+            ),
+        ]
         for t in threads:
             t.start()
         for t in threads:

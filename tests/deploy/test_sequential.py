@@ -91,7 +91,8 @@ def test_the_delta_method_variance_is_the_jackknifes_when_each_user_has_one_even
     jack = np.array([np.delete(x_c, i).mean() for i in range(40)])  # leave one user out
     jackknife = 39 / 40 * np.sum((jack - jack.mean()) ** 2)
     assert float(unit_estimate(UnitSums(x_c, np.ones(40)), UnitSums(x_c, np.ones(40))).var) / 2 == pytest.approx(
-        40 / 39 * jackknife)
+        40 / 39 * jackknife
+    )
     assert (int(est.users_canary), int(est.users_stable)) == (40, 60)
 
 
@@ -132,8 +133,9 @@ def test_cuped_removes_the_variance_the_covariate_predicts_and_never_biases():
         d_cuped.append(float(adj.d))
         v_cuped.append(float(adj.var))
         removed.append(float(adj.cuped_removed))
-        n = unit_estimate(UnitSums(num[on], den[on], noise_cov[on]), UnitSums(num[~on], den[~on], noise_cov[~on]),
-                          cuped=True)
+        n = unit_estimate(
+            UnitSums(num[on], den[on], noise_cov[on]), UnitSums(num[~on], den[~on], noise_cov[~on]), cuped=True
+        )
         d_noise.append(float(n.d))
     sd = np.std(d_cuped)
     assert abs(np.mean(d_cuped)) < 3 * sd / math.sqrt(len(d_cuped))  # unbiased
@@ -148,8 +150,10 @@ def test_a_user_without_a_covariate_is_imputed_and_cuped_needs_one():
     rng = np.random.default_rng(6)
     num, den, cov, pre_n = _users(rng, 200, rng.beta(2, 2, 200))
     cov[:30], pre_n[:30] = np.nan, 0  # new users: no history under stable
-    c, s = UnitSums(num[:100], den[:100], cov[:100], pre_n[:100]), UnitSums(num[100:], den[100:], cov[100:],
-                                                                             pre_n[100:])
+    c, s = (
+        UnitSums(num[:100], den[:100], cov[:100], pre_n[:100]),
+        UnitSums(num[100:], den[100:], cov[100:], pre_n[100:]),
+    )
     est = unit_estimate(c, s, cuped=True)
     assert math.isfinite(float(est.d)) and 0 < float(est.var) < float(est.var_raw)
     with pytest.raises(ValueError, match="covariate"):
@@ -188,8 +192,11 @@ def test_few_users_widen_the_variance_and_many_leave_it():
     for df in (4, 9, 30):
         for t in (2.0, 3.0, 5.0):
             x = np.linspace(t, 2000.0, 2_000_001)
-            dens = math.gamma((df + 1) / 2) / (math.sqrt(df * math.pi) * math.gamma(df / 2)) * (
-                1 + x * x / df) ** (-(df + 1) / 2)
+            dens = (
+                math.gamma((df + 1) / 2)
+                / (math.sqrt(df * math.pi) * math.gamma(df / 2))
+                * (1 + x * x / df) ** (-(df + 1) / 2)
+            )
             tail = float(np.sum((dens[1:] + dens[:-1]) / 2 * np.diff(x)))
             z = t / math.sqrt(float(t_widened(1.0, df, t)))
             assert 0.5 * math.erfc(z / math.sqrt(2)) == pytest.approx(tail, rel=0.1), (df, t)
@@ -313,8 +320,16 @@ def test_a_fixed_margin_is_the_null_at_every_look():
     """A guardrail's margin is absolute and set once: looks never move it (the gate computes it from stable's
     pre-rollout mean at the canary's start)."""
     rng = np.random.default_rng(12)
-    length = MetricTest("response_length", tau=5.0, direction=-1, bernoulli=False, margin=10.0, harm_margin=10.0,
-                        min_events=1, min_units=2)
+    length = MetricTest(
+        "response_length",
+        tau=5.0,
+        direction=-1,
+        bernoulli=False,
+        margin=10.0,
+        harm_margin=10.0,
+        min_events=1,
+        min_units=2,
+    )
     k = 200
     for look in range(1, 6):
         den = np.full(k, look * 5.0)

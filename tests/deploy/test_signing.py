@@ -34,8 +34,16 @@ def keys(tmp_path):
 def bound(cfg, **fields) -> VersionAnnouncement:
     """An announcement bound to the test's deployment, valid for 10 minutes (unsigned)."""
     now = time.time()
-    return VersionAnnouncement(**{"version": 3, "checksum": "ab" * 32, "prefix": cfg.topics.prefix, "ts": now,
-                                  "expires_at": now + 600, **fields})
+    return VersionAnnouncement(
+        **{
+            "version": 3,
+            "checksum": "ab" * 32,
+            "prefix": cfg.topics.prefix,
+            "ts": now,
+            "expires_at": now + 600,
+            **fields,
+        }
+    )
 
 
 def terms(*nodes: str, rollout_id: int = 7) -> RolloutTerms:
@@ -62,12 +70,20 @@ def test_sign_and_verify(keys, tmp_path):
 def test_the_signature_covers_channel_prefix_expiry_and_terms(keys):
     private, public = keys
     now = time.time()
-    ann = Signer(private).sign(VersionAnnouncement(version=3, checksum="ab" * 32, channel="canary", prefix="p",
-                                                   expires_at=now + 60, rollout=terms("node-b")))
+    ann = Signer(private).sign(
+        VersionAnnouncement(
+            version=3, checksum="ab" * 32, channel="canary", prefix="p", expires_at=now + 60, rollout=terms("node-b")
+        )
+    )
     Verifier(public).verify(ann)
-    for change in ({"channel": "desired", "rollout": None}, {"prefix": "q"}, {"expires_at": now + 6000},
-                   {"rollout": terms("node-a", "node-b")}, {"rollout": terms("node-b", rollout_id=8)},
-                   {"rollout": ann.rollout.model_copy(update={"share": 0.9})}):
+    for change in (
+        {"channel": "desired", "rollout": None},
+        {"prefix": "q"},
+        {"expires_at": now + 6000},
+        {"rollout": terms("node-a", "node-b")},
+        {"rollout": terms("node-b", rollout_id=8)},
+        {"rollout": ann.rollout.model_copy(update={"share": 0.9})},
+    ):
         with pytest.raises(SignatureError, match="does not verify"):
             Verifier(public).verify(ann.model_copy(update=change))
 
@@ -80,7 +96,11 @@ def test_announce_binds_its_channel_prefix_and_expiry(cfg, rds, keys):
     c = announce(rds, p, 4, "cd" * 32, "canary of v4", Signer(private), channel="canary", rollout=terms("node-b"))
     assert fleet.check_announcement(rds.get(f"{p}:desired"), "desired", p, Verifier(public)) == d
     assert fleet.check_announcement(rds.get(f"{p}:canary"), "canary", p, Verifier(public)) == c
-    assert (d.channel, d.prefix, d.rollout) == ("desired", p, None) and before + 120 <= d.expires_at <= time.time() + 120
+    assert (d.channel, d.prefix, d.rollout) == (
+        "desired",
+        p,
+        None,
+    ) and before + 120 <= d.expires_at <= time.time() + 120
     assert (c.channel, c.rollout.nodes, c.expires_at - c.ts) == ("canary", ["node-b"], 600.0)
     with pytest.raises(ValueError, match="rollout"):  # a canary announcement without terms cannot even be made
         announce(rds, p, 4, "cd" * 32, "canary", Signer(private), channel="canary")
@@ -164,16 +184,26 @@ def test_the_gate_keeps_the_announcement_valid_and_fresh(cfg, rds, keys):
         stable = registry.stable()
         gate = Gate(cfg, registry, rds, ProbeEval(), signer=Signer(private))
         now = time.time()
-        for planted in (sign(bound(cfg, version=0, checksum=stable.checksum, channel="canary", rollout=terms("n"))),
-                        sign(bound(cfg, version=0, checksum=stable.checksum, prefix="other")),
-                        sign(bound(cfg, version=0, checksum=stable.checksum, ts=now - 700, expires_at=now - 100))):
+        for planted in (
+            sign(bound(cfg, version=0, checksum=stable.checksum, channel="canary", rollout=terms("n"))),
+            sign(bound(cfg, version=0, checksum=stable.checksum, prefix="other")),
+            sign(bound(cfg, version=0, checksum=stable.checksum, ts=now - 700, expires_at=now - 100)),
+        ):
             rds.set(f"{p}:desired", planted.to_bytes())
             gate.reconcile(stable)
             ann = fleet.check_announcement(rds.get(f"{p}:desired"), "desired", p, Verifier(public))
             assert (ann.version, ann.checksum) == (0, stable.checksum) and "reconciled" in ann.reason
         ttl = cfg.security.announce_ttl_s
-        aging = sign(bound(cfg, version=0, checksum=stable.checksum, reason="promoted", ts=now - 0.6 * ttl,
-                           expires_at=now + 0.4 * ttl))
+        aging = sign(
+            bound(
+                cfg,
+                version=0,
+                checksum=stable.checksum,
+                reason="promoted",
+                ts=now - 0.6 * ttl,
+                expires_at=now + 0.4 * ttl,
+            )
+        )
         assert needs_refresh(aging, now) and not needs_refresh(aging, now - 0.2 * ttl)
         rds.set(f"{p}:desired", aging.to_bytes())
         gate.reconcile(stable)
@@ -196,5 +226,7 @@ def test_keep_announced_keeps_a_canary_and_its_terms(cfg, rds, keys):
     assert keep_announced(*args, rollout=terms("node-a", "node-b")) == "was v5 with other terms"
     ann = fleet.check_announcement(rds.get(f"{p}:canary"), "canary", p, Verifier(public))
     assert ann.rollout.nodes == ["node-a", "node-b"]
-    assert keep_announced(*args, rollout=terms("node-a", "node-b"), now=ann.ts + 0.6 * (ann.expires_at - ann.ts)) \
+    assert (
+        keep_announced(*args, rollout=terms("node-a", "node-b"), now=ann.ts + 0.6 * (ann.expires_at - ann.ts))
         == "refreshed"
+    )

@@ -46,11 +46,16 @@ def wait_until(fn: Callable[[], Any], timeout: float = 30.0, interval: float = 0
 def make_generation(gid: str, version: int, n_tokens: int = 4, rng: random.Random | None = None) -> GenerationRecord:
     rng = rng or random.Random(gid)
     return GenerationRecord(
-        generation_id=gid, policy_version=version, node="node-test", prompt="12+30=", completion="42",
+        generation_id=gid,
+        policy_version=version,
+        node="node-test",
+        prompt="12+30=",
+        completion="42",
         prompt_token_ids=[rng.randrange(100) for _ in range(6)],
         completion_token_ids=[rng.randrange(100) for _ in range(n_tokens)],
         completion_logprobs=[-rng.random() * 3 for _ in range(n_tokens)],
-        sampling=SamplingParams(temperature=1.0, max_tokens=8), finish_reason="stop",
+        sampling=SamplingParams(temperature=1.0, max_tokens=8),
+        finish_reason="stop",
     )
 
 
@@ -62,8 +67,9 @@ class TopicTail:
     """Reads a topic from the beginning (all partitions, no consumer group, so no rebalance wait)."""
 
     def __init__(self, bootstrap: str, topic: str, partitions: int):
-        self.consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                                      auto_offset_reset="earliest")
+        self.consumer = KafkaConsumer(
+            bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest"
+        )
         tps = [TopicPartition(topic, p) for p in range(partitions)]
         self.consumer.assign(tps)
         self.consumer.seek_to_beginning(*tps)
@@ -102,27 +108,32 @@ class WorkerProc:
 
     def __init__(self, cfg: LiverlConfig, web_port: int, log_path: Path):
         env = {k: v for k, v in os.environ.items() if not k.startswith("LIVERL")}
-        env.update({
-            "LIVERL__BROKER__BOOTSTRAP": cfg.broker.bootstrap,
-            "LIVERL__BROKER__PARTITIONS": str(cfg.broker.partitions),
-            "LIVERL__BROKER__REBALANCE_TIMEOUT_S": str(cfg.broker.rebalance_timeout_s),
-            "LIVERL__BROKER__DELIVERY_TIMEOUT_S": str(cfg.broker.delivery_timeout_s),  # (below pending_ttl_s)
-            "LIVERL__REDIS__URL": cfg.redis.url,
-            "LIVERL__TOPICS__PREFIX": cfg.topics.prefix,
-            "LIVERL__STATE_DIR": cfg.state_dir,
-            "LIVERL__INGEST__PENDING_TTL_S": str(cfg.ingest.pending_ttl_s),
-            "LIVERL__INGEST__REWARDS": json.dumps(cfg.ingest.rewards.model_dump()),
-            "LIVERL__INGEST__WEB_PORT": str(web_port),
-            "LIVERL__INGEST__REDIS_RETRY_S": str(cfg.ingest.redis_retry_s),
-            "LIVERL__INGEST__HELDOUT_SHARE": str(cfg.ingest.heldout_share),
-            "PYTHONUNBUFFERED": "1",
-        })
+        env.update(
+            {
+                "LIVERL__BROKER__BOOTSTRAP": cfg.broker.bootstrap,
+                "LIVERL__BROKER__PARTITIONS": str(cfg.broker.partitions),
+                "LIVERL__BROKER__REBALANCE_TIMEOUT_S": str(cfg.broker.rebalance_timeout_s),
+                "LIVERL__BROKER__DELIVERY_TIMEOUT_S": str(cfg.broker.delivery_timeout_s),  # (below pending_ttl_s)
+                "LIVERL__REDIS__URL": cfg.redis.url,
+                "LIVERL__TOPICS__PREFIX": cfg.topics.prefix,
+                "LIVERL__STATE_DIR": cfg.state_dir,
+                "LIVERL__INGEST__PENDING_TTL_S": str(cfg.ingest.pending_ttl_s),
+                "LIVERL__INGEST__REWARDS": json.dumps(cfg.ingest.rewards.model_dump()),
+                "LIVERL__INGEST__WEB_PORT": str(web_port),
+                "LIVERL__INGEST__REDIS_RETRY_S": str(cfg.ingest.redis_retry_s),
+                "LIVERL__INGEST__HELDOUT_SHARE": str(cfg.ingest.heldout_share),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
         self.web_port = web_port
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - the worker writes to it until stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "liverl.cli", "ingest"],
-            cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
         )
 
     def url(self, path: str) -> str:
@@ -156,8 +167,9 @@ class WorkerProc:
                 self.proc.kill()
                 self.proc.wait()
                 self._log.close()
-                raise AssertionError(f"ingest worker ignored {signal.Signals(sig).name} for {timeout:.0f} s:\n"
-                                     f"{self.log_tail()}") from None
+                raise AssertionError(
+                    f"ingest worker ignored {signal.Signals(sig).name} for {timeout:.0f} s:\n{self.log_tail()}"
+                ) from None
         self._log.close()
         return self.proc.returncode
 
@@ -187,6 +199,7 @@ class IngestHarness:
             sdk.accept(gid)
         try:
             with self.tail("samples") as tail:
+
                 def probe():
                     self.worker.assert_alive()
                     tail.poll()
@@ -222,8 +235,10 @@ class IngestHarness:
                 ends = c.end_offsets(tps)
             finally:
                 c.close()
-            return "; ".join(f"{tp.topic}[{tp.partition}] committed "
-                             f"{getattr(committed.get(tp), 'offset', None)} end {ends.get(tp)}" for tp in tps)
+            return "; ".join(
+                f"{tp.topic}[{tp.partition}] committed {getattr(committed.get(tp), 'offset', None)} end {ends.get(tp)}"
+                for tp in tps
+            )
         except Exception as e:  # diagnostics only
             return f"(consumer state unavailable: {e!r})"
 
@@ -237,8 +252,11 @@ class IngestHarness:
         self.producer.flush()
 
     def tail(self, which: str) -> TopicTail:
-        topic = {"samples": self.cfg.topics.samples, "dead_letters": self.cfg.topics.dead_letters,
-                 "feedback": self.cfg.topics.feedback}[which]
+        topic = {
+            "samples": self.cfg.topics.samples,
+            "dead_letters": self.cfg.topics.dead_letters,
+            "feedback": self.cfg.topics.feedback,
+        }[which]
         return TopicTail(self.cfg.broker.bootstrap, topic, self.cfg.broker.partitions)
 
     def counters(self) -> dict[str, int]:
@@ -255,7 +273,7 @@ class IngestHarness:
             self.producer.close()
             keys = list(self.redis.scan_iter(f"{self.cfg.topics.prefix}:*", count=1000))
             for i in range(0, len(keys), 500):
-                self.redis.delete(*keys[i:i + 500])
+                self.redis.delete(*keys[i : i + 500])
             self.redis.close()
 
 

@@ -23,7 +23,9 @@ def _version() -> int:
 
 
 def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
-    return {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before) if after.get(k, 0) != before.get(k, 0)}
+    return {
+        k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before) if after.get(k, 0) != before.get(k, 0)
+    }
 
 
 def test_join_shapes_rewards_and_carries_behaviour_logprobs(harness):
@@ -54,16 +56,28 @@ def test_join_shapes_rewards_and_carries_behaviour_logprobs(harness):
         assert s.completion_token_ids == rec.completion_token_ids
         assert s.prompt_token_ids == rec.prompt_token_ids
         assert s.ts_generation == rec.ts and s.ts_feedback <= time.time()
-    assert (samples[gens["accept"].generation_id].reward, samples[gens["reject"].generation_id].reward,
-            samples[gens["edit"].generation_id].reward) == (0.75, -0.25, 0.0)
+    assert (
+        samples[gens["accept"].generation_id].reward,
+        samples[gens["reject"].generation_id].reward,
+        samples[gens["edit"].generation_id].reward,
+    ) == (0.75, -0.25, 0.0)
     assert samples[gens["accept"].generation_id].segment == "pro"
     assert samples[gens["edit"].generation_id].edited_text == "12+30=42"
     assert samples[gens["reject"].generation_id].edited_text is None
 
     live = wait_until(lambda: harness.live(v).get("events") == 3 and harness.live(v), 10, what="live counters")
     # the canary's guardrails: response length of every judged generation (3 + 4 + 5 tokens), latency of the timed one
-    assert live == {"accept": 1, "reject": 1, "edit": 1, "events": 3, "tokens": 12, "tokens_sq": 50, "timed": 1,
-                    "latency_ms": 250, "latency_ms_sq": 62500}
+    assert live == {
+        "accept": 1,
+        "reject": 1,
+        "edit": 1,
+        "events": 3,
+        "tokens": 12,
+        "tokens_sq": 50,
+        "timed": 1,
+        "latency_ms": 250,
+        "latency_ms_sq": 62500,
+    }
 
 
 def test_feedback_before_its_generation_still_joins(harness):
@@ -71,16 +85,20 @@ def test_feedback_before_its_generation_still_joins(harness):
     with from_config(harness.cfg) as sdk:
         fid = sdk.reject(gid)
     # Wait until the worker holds the feedback as pending, so the order is really feedback-first.
-    wait_until(lambda: (harness.worker.metric("liverl_ingest_pending_feedback ") or 0) >= 1, 10,
-               what="the feedback to be pending")
+    wait_until(
+        lambda: (harness.worker.metric("liverl_ingest_pending_feedback ") or 0) >= 1,
+        10,
+        what="the feedback to be pending",
+    )
     rec = make_generation(gid, v)
     harness.send_generation(rec)
     with harness.tail("samples") as tail:
         (r,) = tail.wait_for(tail.keys({gid}))
     s = TrainingSample.from_bytes(r.value)
     assert (s.feedback_id, s.kind, s.reward, s.behaviour_logprobs) == (fid, "reject", -0.25, rec.completion_logprobs)
-    assert wait_until(lambda: harness.live(v) == {"reject": 1, "events": 1, "tokens": 4, "tokens_sq": 16}, 10,
-                      what="live counters")
+    assert wait_until(
+        lambda: harness.live(v) == {"reject": 1, "events": 1, "tokens": 4, "tokens_sq": 16}, 10, what="live counters"
+    )
 
 
 def test_bad_inputs_are_dead_lettered_with_reasons_and_counted(harness):
@@ -91,16 +109,30 @@ def test_bad_inputs_are_dead_lettered_with_reasons_and_counted(harness):
         "bad-json": (b'{"feedback_id": "x", ', "malformed_json", cfg.topics.feedback),
         "bad-utf8": (b"\xff\xfe{}", "malformed_json", cfg.topics.feedback),
         "bad-array": (b"[1, 2]", "not_an_object", cfg.topics.feedback),
-        "bad-kind": (json.dumps({"feedback_id": "f1", "generation_id": "g1", "kind": "maybe"}).encode(),
-                     "invalid_field", cfg.topics.feedback),
-        "bad-edit": (json.dumps({"feedback_id": "f2", "generation_id": "g2", "kind": "edit"}).encode(),
-                     "invalid_field", cfg.topics.feedback),
-        "bad-version": (json.dumps({"schema_version": 2, "feedback_id": "f3", "generation_id": "g3",
-                                    "kind": "accept"}).encode(), "unsupported_schema_version", cfg.topics.feedback),
+        "bad-kind": (
+            json.dumps({"feedback_id": "f1", "generation_id": "g1", "kind": "maybe"}).encode(),
+            "invalid_field",
+            cfg.topics.feedback,
+        ),
+        "bad-edit": (
+            json.dumps({"feedback_id": "f2", "generation_id": "g2", "kind": "edit"}).encode(),
+            "invalid_field",
+            cfg.topics.feedback,
+        ),
+        "bad-version": (
+            json.dumps({"schema_version": 2, "feedback_id": "f3", "generation_id": "g3", "kind": "accept"}).encode(),
+            "unsupported_schema_version",
+            cfg.topics.feedback,
+        ),
         "bad-gen": (b"not json at all", "malformed_json", cfg.topics.generations),
-        "bad-gen-logprobs": (make_generation("g4", 1).model_dump_json().replace('"completion_logprobs":[',
-                                                                                '"completion_logprobs":[0.0,')
-                             .encode(), "invalid_field", cfg.topics.generations),
+        "bad-gen-logprobs": (
+            make_generation("g4", 1)
+            .model_dump_json()
+            .replace('"completion_logprobs":[', '"completion_logprobs":[0.0,')
+            .encode(),
+            "invalid_field",
+            cfg.topics.generations,
+        ),
     }
     with from_config(cfg) as sdk:
         for key, (value, _, topic) in cases.items():
@@ -128,11 +160,22 @@ def test_bad_inputs_are_dead_lettered_with_reasons_and_counted(harness):
     assert FeedbackEvent.from_bytes(d.value).feedback_id == unknown_fid
     assert elapsed >= cfg.ingest.pending_ttl_s * 0.5  # it waited for the generation before giving up
 
-    want = {"dlq:malformed_json": 3, "dlq:not_an_object": 1, "dlq:invalid_field": 3,
-            "dlq:unsupported_schema_version": 1, "dlq:unknown_generation": 1, "feedback_in": 7, "generations_in": 2,
-            "pended": 1, "fetched": 9}  # (fetched: each input returned by the consumer once)
-    got = wait_until(lambda: (d := _delta(harness.counters(), before)) == want and d, 10,
-                     what=f"counters {want}, have {_delta(harness.counters(), before)}")
+    want = {
+        "dlq:malformed_json": 3,
+        "dlq:not_an_object": 1,
+        "dlq:invalid_field": 3,
+        "dlq:unsupported_schema_version": 1,
+        "dlq:unknown_generation": 1,
+        "feedback_in": 7,
+        "generations_in": 2,
+        "pended": 1,
+        "fetched": 9,
+    }  # (fetched: each input returned by the consumer once)
+    got = wait_until(
+        lambda: (d := _delta(harness.counters(), before)) == want and d,
+        10,
+        what=f"counters {want}, have {_delta(harness.counters(), before)}",
+    )
     assert got == want
     assert harness.worker.metric('liverl_ingest_dead_letters_total{reason="unknown_generation"}') >= 1
 
@@ -160,8 +203,11 @@ def test_duplicates_are_dropped_and_a_second_judgement_dead_lettered(harness):
     d = DeadLetter.from_bytes(r.value)
     assert d.reason == "already_judged" and FeedbackEvent.from_bytes(d.value).feedback_id == other
     with harness.tail("samples") as tail:
-        wait_until(lambda: (tail.poll(), len({r.key for r in tail.matching(tail.keys({judged, early}))}) == 2)[1],
-                   30, what="both samples")
+        wait_until(
+            lambda: (tail.poll(), len({r.key for r in tail.matching(tail.keys({judged, early}))}) == 2)[1],
+            30,
+            what="both samples",
+        )
         time.sleep(0.5)
         tail.poll()
         recs = tail.matching(tail.keys({judged, early}))
@@ -173,8 +219,16 @@ def test_duplicates_are_dropped_and_a_second_judgement_dead_lettered(harness):
     samples = [TrainingSample.from_bytes(next(iter(v))) for v in by_id.values()]
     assert sorted((s.generation_id, s.feedback_id) for s in samples) == sorted([(judged, fid), (early, early_fid)])
 
-    want = {"feedback_in": 6, "generations_in": 2, "joined": 2, "samples_out": 2, "duplicates": 3, "pended": 1,
-            "dlq:already_judged": 1, "fetched": 8}
+    want = {
+        "feedback_in": 6,
+        "generations_in": 2,
+        "joined": 2,
+        "samples_out": 2,
+        "duplicates": 3,
+        "pended": 1,
+        "dlq:already_judged": 1,
+        "fetched": 8,
+    }
 
     def counted():
         return _delta(harness.counters(), before)
@@ -208,11 +262,18 @@ def test_a_revert_of_an_accepted_generation_is_counted_once_and_trains_its_corre
         sdk.flush()
     with harness.tail("dead_letters") as tail:
         recs = tail.wait_for(tail.keys({accepted, rejected, unknown}), n=3)
-    reasons = {FeedbackEvent.from_bytes(DeadLetter.from_bytes(r.value).value).feedback_id:
-               DeadLetter.from_bytes(r.value).reason for r in recs}
+    reasons = {
+        FeedbackEvent.from_bytes(DeadLetter.from_bytes(r.value).value).feedback_id: DeadLetter.from_bytes(
+            r.value
+        ).reason
+        for r in recs
+    }
     assert reasons == {second: "already_reverted", bad: "revert_unaccepted", orphan: "revert_unjudged"}
-    assert wait_until(lambda: keys.live_totals(harness.live(v)) == {"accept": 1, "reject": 1, "revert": 1, "events": 2},
-                      10, what=f"live counters with one revert, have {harness.live(v)}")
+    assert wait_until(
+        lambda: keys.live_totals(harness.live(v)) == {"accept": 1, "reject": 1, "revert": 1, "events": 2},
+        10,
+        what=f"live counters with one revert, have {harness.live(v)}",
+    )
     [bucket] = [k for k in harness.live(v) if k.startswith("revert@")]  # by when the reverted answer was judged
     assert abs(int(bucket[7:]) * keys.REVERT_BUCKET_S - time.time()) < 120
     delta = _delta(harness.counters(), before)
@@ -224,8 +285,13 @@ def test_a_revert_of_an_accepted_generation_is_counted_once_and_trains_its_corre
     by_id = {s.sample_id: s for s in (TrainingSample.from_bytes(r.value) for r in recs)}
     assert set(by_id) == {accepted, f"{accepted}:revert"}
     orig, fix = by_id[accepted], by_id[f"{accepted}:revert"]
-    assert (orig.kind, orig.reward, fix.kind, fix.reward, fix.feedback_id) == \
-        ("accept", cfg.ingest.rewards.accept, "revert", cfg.ingest.rewards.revert, rid)
+    assert (orig.kind, orig.reward, fix.kind, fix.reward, fix.feedback_id) == (
+        "accept",
+        cfg.ingest.rewards.accept,
+        "revert",
+        cfg.ingest.rewards.revert,
+        rid,
+    )
     assert fix.completion_token_ids == orig.completion_token_ids and fix.behaviour_logprobs == orig.behaviour_logprobs
 
 
@@ -246,8 +312,10 @@ def test_per_user_sums_count_each_feedback_once_and_a_revert_in_its_judgements_b
     now = keys.unit_bucket(time.time())
     got = keys.read_unit_buckets(harness.redis, harness.cfg.topics.prefix, v, range(now - 30, now + 2))
     [bucket] = [b for b, per in got.items() if per]  # judgement and revert: one bucket
-    assert got[bucket] == {unit: {"e": 1, "a": 1, "r": 1, "t": 4, "m": 200, "n": 1},
-                           "*": {"e": 1, "a": 1, "r": 1, "t": 4, "t2": 16, "m": 200, "m2": 40000, "n": 1}}
+    assert got[bucket] == {
+        unit: {"e": 1, "a": 1, "r": 1, "t": 4, "m": 200, "n": 1},
+        "*": {"e": 1, "a": 1, "r": 1, "t": 4, "t2": 16, "m": 200, "m2": 40000, "n": 1},
+    }
     assert f"revert@{bucket}" in harness.live(v)  # the live counters' revert bucket is the same judgement time
     assert 0 < harness.redis.ttl(keys.units(harness.cfg.topics.prefix, v, bucket)) <= harness.cfg.ingest.unit_ttl_s
 
@@ -276,13 +344,13 @@ def test_generations_of_mixed_versions_train_but_count_for_no_version(harness):
     with harness.tail("samples") as tail:
         got = tail.wait_for(lambda r: r.key is not None and r.key.decode() in set(gids.values()), n=6, timeout=30)
     samples = [TrainingSample.from_bytes(r.value) for r in got]
-    assert {s.sample_id for s in samples} == set(gids.values()) | {gids["mixed"] + ":revert",
-                                                                   gids["plain"] + ":revert"}
+    assert {s.sample_id for s in samples} == set(gids.values()) | {gids["mixed"] + ":revert", gids["plain"] + ":revert"}
     mixed_sample = next(s for s in samples if s.sample_id == gids["mixed"])
     assert mixed_sample.policy_version == v and len(mixed_sample.behaviour_logprobs) == 4
     want = {"mixed_versions": 2, "mixed_versions_reverted": 1}
-    delta = wait_until(lambda: (d := _delta(harness.counters(), before)).get("reverted") == 2 and d, 15,
-                       what="both reverts counted")
+    delta = wait_until(
+        lambda: (d := _delta(harness.counters(), before)).get("reverted") == 2 and d, 15, what="both reverts counted"
+    )
     assert {k: delta.get(k, 0) for k in want} == want, delta
     live = harness.live(v)
     assert keys.live_totals(live) == {"accept": 2, "revert": 1, "events": 2}, live  # one_span and plain only
@@ -291,8 +359,9 @@ def test_generations_of_mixed_versions_train_but_count_for_no_version(harness):
     buckets = keys.read_unit_buckets(harness.redis, harness.cfg.topics.prefix, v, range(now - 60, now + 2))
     per_user = [per[unit] for per in buckets.values() if unit in per]
     assert sum(p.get("e", 0) for p in per_user) == 2 and sum(p.get("r", 0) for p in per_user) == 1, buckets
-    assert not any(keys.read_unit_buckets(harness.redis, harness.cfg.topics.prefix, v + 1,
-                                          range(now - 60, now + 2)).values())
+    assert not any(
+        keys.read_unit_buckets(harness.redis, harness.cfg.topics.prefix, v + 1, range(now - 60, now + 2)).values()
+    )
     assert harness.worker.metric("liverl_ingest_mixed_versions_total ") >= 2
 
 
@@ -324,9 +393,14 @@ def test_live_counters_count_each_feedback_id_once(harness):
 def test_metrics_endpoint_speaks_prometheus(harness):
     status, ctype, body = harness.worker.get("/metrics")
     assert status == 200 and ctype.startswith("text/plain")
-    for name in ("liverl_ingest_feedback_total", "liverl_ingest_generations_total", "liverl_ingest_samples_total",
-                 'liverl_ingest_joined_total{kind="accept"}', "liverl_ingest_pending_feedback",
-                 "liverl_ingest_feedback_to_sample_seconds_bucket"):
+    for name in (
+        "liverl_ingest_feedback_total",
+        "liverl_ingest_generations_total",
+        "liverl_ingest_samples_total",
+        'liverl_ingest_joined_total{kind="accept"}',
+        "liverl_ingest_pending_feedback",
+        "liverl_ingest_feedback_to_sample_seconds_bucket",
+    ):
         assert name in body, name
     status, _, health = harness.worker.get("/healthz")
     assert status == 200 and json.loads(health)["ok"] is True
@@ -358,8 +432,10 @@ def test_throughput(harness, record_property):
     assert len({r.key for r in recs_out}) == n
     rate = n / elapsed
     record_property("joined_per_s", round(rate, 1))
-    print(f"\ningest throughput: {n} generations + {n} feedback -> {n} samples in {elapsed:.2f} s "
-          f"(publishing took {t_pub:.2f} s): {rate:.0f} joins/s, {2 * rate:.0f} input events/s")
+    print(
+        f"\ningest throughput: {n} generations + {n} feedback -> {n} samples in {elapsed:.2f} s "
+        f"(publishing took {t_pub:.2f} s): {rate:.0f} joins/s, {2 * rate:.0f} input events/s"
+    )
     assert wait_until(lambda: harness.live(v).get("events") == n, 10, what="live counters")
 
 
@@ -374,15 +450,19 @@ def test_hostile_inputs_through_the_worker(harness):
     cases = {  # key -> (raw value, expected reason)
         "h-deep": (b"[" * 200_000 + b"]" * 200_000, "malformed_json"),
         "h-deep-small": (b'{"feedback_id": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", "malformed_json"),
-        "h-bigint": (b'{"feedback_id": "f", "generation_id": "g", "kind": "accept", "ts": ' + b"9" * 5000 + b"}",
-                     "malformed_json"),
+        "h-bigint": (
+            b'{"feedback_id": "f", "generation_id": "g", "kind": "accept", "ts": ' + b"9" * 5000 + b"}",
+            "malformed_json",
+        ),
         "h-bom": (b"\xef\xbb\xbf" + json.dumps(good).encode(), "malformed_json"),
         "h-utf16": (json.dumps(good).encode("utf-16"), "malformed_json"),
         "h-nan": (json.dumps(dict(good, ts=float("nan"))).encode(), "invalid_field"),
         "h-inf": (json.dumps(dict(good, ts=float("inf"))).encode(), "invalid_field"),
         "h-version-true": (json.dumps(dict(good, schema_version=True)).encode(), "unsupported_schema_version"),
-        "h-padded": (json.dumps(dict(good, generation_id=new_gid())).encode()[:-1] + b"\n" * 600_000 + b"}",
-                     "too_large"),
+        "h-padded": (
+            json.dumps(dict(good, generation_id=new_gid())).encode()[:-1] + b"\n" * 600_000 + b"}",
+            "too_large",
+        ),
         "h-broker-limit": (b"\x01" * 1_000_000, "too_large"),
     }
     before = harness.counters()

@@ -41,8 +41,15 @@ NOW = 1.8e9
 @pytest.fixture
 def env(stack, tmp_path):
     prefix = f"t{uuid.uuid4().hex[:10]}"
-    cfg = load_config(env={}, state_dir=str(tmp_path), redis__url=stack.redis_url, topics__prefix=prefix,
-                      ingest__max_pending=50, ingest__pending_ttl_s=150.0, ingest__heldout_share=0.0)
+    cfg = load_config(
+        env={},
+        state_dir=str(tmp_path),
+        redis__url=stack.redis_url,
+        topics__prefix=prefix,
+        ingest__max_pending=50,
+        ingest__pending_ttl_s=150.0,
+        ingest__heldout_share=0.0,
+    )
     metrics = IngestMetrics(prefix, stack.redis_url)
     yield cfg, metrics  # each test closes metrics in the event loop that used it
     r = redis.Redis.from_url(stack.redis_url)
@@ -56,8 +63,9 @@ def test_table_entries_expire_after_their_ttls(env):
     ic = cfg.ingest
     table = {f"w-old{i}": pack(WAITING, NOW - ic.generation_ttl_s - 1, None, b"{}") for i in range(100)}
     table.update({f"w-new{i}": pack(WAITING, NOW - ic.generation_ttl_s + 60, None, b"{}") for i in range(10)})
-    table.update({f"j-old{i}": pack(JUDGED, NOW - ic.judged_ttl_s - 1, {"f": "x", "v": 1, "k": "accept"})
-                  for i in range(100)})
+    table.update(
+        {f"j-old{i}": pack(JUDGED, NOW - ic.judged_ttl_s - 1, {"f": "x", "v": 1, "k": "accept"}) for i in range(100)}
+    )
     table.update({f"j-new{i}": pack(JUDGED, NOW - 60, {"f": "x", "v": 1, "k": "accept"}) for i in range(10)})
 
     async def run():
@@ -86,8 +94,9 @@ def test_pending_feedback_is_capped_and_expires(env):
         ing = Ingest(cfg, metrics, table, broker)
         ing.recovered()
         fbs = [FeedbackEvent(feedback_id=f"f{i}", generation_id=f"g{i}", kind="accept", ts=NOW) for i in range(80)]
-        await ing.process([(Source(cfg.topics.feedback, 0, i, f"g{i}"), f.to_bytes()) for i, f in enumerate(fbs)],
-                          now=NOW)
+        await ing.process(
+            [(Source(cfg.topics.feedback, 0, i, f"g{i}"), f.to_bytes()) for i, f in enumerate(fbs)], now=NOW
+        )
         full = len(ing._pending)
         ing._resumed = 0.0
         expired = await ing.expire_pending(now=NOW + 10 * cfg.ingest.pending_ttl_s + 600)
@@ -135,8 +144,9 @@ def test_the_sweep_expires_exactly_the_feedback_that_waited_its_ttl(env, order):
     first, second, left = asyncio.run(run())
     assert (first, second, left) == (5, 5, [])
     letters = [DeadLetter.from_bytes(v) for _, v in broker.of(cfg.topics.dead_letters)]
-    assert [d.key for d in letters[:5]] and {d.key for d in letters[:5]} == {f"g{i}" for i, t in enumerate(times)
-                                                                          if t <= NOW + 45.0}
+    assert [d.key for d in letters[:5]] and {d.key for d in letters[:5]} == {
+        f"g{i}" for i, t in enumerate(times) if t <= NOW + 45.0
+    }
 
 
 def test_timers_touch_only_assigned_partitions(env):
@@ -147,9 +157,13 @@ def test_timers_touch_only_assigned_partitions(env):
     async def run():
         ing = Ingest(cfg, metrics, table, broker)
         ing.recovered()
-        batch = [(Source(cfg.topics.feedback, p, 1, f"g{p}"),
-                  FeedbackEvent(feedback_id=f"f{p}", generation_id=f"g{p}", kind="reject", ts=NOW).to_bytes())
-                 for p in (0, 1)]
+        batch = [
+            (
+                Source(cfg.topics.feedback, p, 1, f"g{p}"),
+                FeedbackEvent(feedback_id=f"f{p}", generation_id=f"g{p}", kind="reject", ts=NOW).to_bytes(),
+            )
+            for p in (0, 1)
+        ]
         await ing.process(batch, now=NOW)
         ing._resumed = 0.0
         try:
@@ -250,8 +264,9 @@ def test_input_on_the_wrong_partition_is_dead_lettered_naming_the_right_one(env)
         ing = Ingest(cfg, metrics, table, broker, partitions=n)
         ing.recovered()
         try:
-            await ing.process([(Source(cfg.topics.generations, right, 1, gid), rec),
-                               (Source(cfg.topics.feedback, wrong, 1, gid), fb)])
+            await ing.process(
+                [(Source(cfg.topics.generations, right, 1, gid), rec), (Source(cfg.topics.feedback, wrong, 1, gid), fb)]
+            )
             first = list(broker.sent)
             await ing.process([(Source(cfg.topics.feedback, right, 2, gid), fb)])
             return first
@@ -285,7 +300,9 @@ def test_a_fixed_hash_share_of_joined_samples_goes_to_the_held_out_stream(env):
     import hashlib
 
     def keyed(g: str) -> float:
-        return int.from_bytes(hashlib.blake2b(g.encode(), digest_size=8, person=b"liverl-heldout").digest(), "big") / 2**64
+        return (
+            int.from_bytes(hashlib.blake2b(g.encode(), digest_size=8, person=b"liverl-heldout").digest(), "big") / 2**64
+        )
 
     assert [is_heldout(g, 0.25) for g in gids] == [keyed(g) < 0.25 for g in gids]
     rng = random.Random(5)
@@ -298,8 +315,12 @@ def test_a_fixed_hash_share_of_joined_samples_goes_to_the_held_out_stream(env):
             for i, g in enumerate(gids):
                 fb = dict(_feedback(rng, g), kind="accept")
                 fb.pop("edited_text", None)
-                await ing.process([(Source(cfg.topics.generations, 0, i, g), json.dumps(_generation(rng, g)).encode()),
-                                   (Source(cfg.topics.feedback, 0, i, g), json.dumps(fb).encode())])
+                await ing.process(
+                    [
+                        (Source(cfg.topics.generations, 0, i, g), json.dumps(_generation(rng, g)).encode()),
+                        (Source(cfg.topics.feedback, 0, i, g), json.dumps(fb).encode()),
+                    ]
+                )
         finally:
             await metrics.close()
 
@@ -307,7 +328,9 @@ def test_a_fixed_hash_share_of_joined_samples_goes_to_the_held_out_stream(env):
     held = {k for k, _ in broker.of(cfg.topics.heldout)}
     trained = {k for k, _ in broker.of(cfg.topics.samples)}
     assert held == {g for g in gids if is_heldout(g, 0.25)} and trained == set(gids) - held
-    counters = redis.Redis.from_url(cfg.redis.url, decode_responses=True).hgetall(f"{cfg.topics.prefix}:ingest:counters")
+    counters = redis.Redis.from_url(cfg.redis.url, decode_responses=True).hgetall(
+        f"{cfg.topics.prefix}:ingest:counters"
+    )
     assert int(counters["heldout_out"]) == len(held) and int(counters["samples_out"]) == len(trained)
 
 
@@ -322,7 +345,9 @@ def test_murmur2_is_kafkas():
     from ingest.table import murmur2, murmur2_many
 
     rng = random.Random(5)
-    keys_ = [b"", b"a", b"ab", b"abc", "généré-ü".encode()] + [rng.randbytes(rng.randrange(0, 200)) for _ in range(5000)]
+    keys_ = [b"", b"a", b"ab", b"abc", "généré-ü".encode()] + [
+        rng.randbytes(rng.randrange(0, 200)) for _ in range(5000)
+    ]
     for k in keys_:
         assert murmur2(k) == aiokafka_murmur2(k) == kafka_murmur2(k) & 0xFFFFFFFF, k
     assert murmur2_many(keys_) == [murmur2(k) for k in keys_]  # the batch path (numpy, keys grouped by length)

@@ -31,9 +31,12 @@ from liverl.core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, Tra
 from tests.ingest.conftest import make_generation
 
 EXAMPLES = int(os.environ.get("LIVERL_FUZZ_EXAMPLES", "60"))
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=EXAMPLES <= 100,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=EXAMPLES <= 100,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+)
 MAX_EVENT = 512 * 1024
 
 
@@ -65,9 +68,15 @@ class Broker:
 
 @pytest.fixture
 def world(stack, tmp_path):
-    cfg = load_config(env={}, state_dir=str(tmp_path), redis__url=stack.redis_url,
-                      topics__prefix=f"t{uuid.uuid4().hex[:10]}", ingest__max_event_bytes=MAX_EVENT, ingest__heldout_share=0.0,
-                      ingest__pending_ttl_s=150.0)
+    cfg = load_config(
+        env={},
+        state_dir=str(tmp_path),
+        redis__url=stack.redis_url,
+        topics__prefix=f"t{uuid.uuid4().hex[:10]}",
+        ingest__max_event_bytes=MAX_EVENT,
+        ingest__heldout_share=0.0,
+        ingest__pending_ttl_s=150.0,
+    )
     metrics = IngestMetrics(cfg.topics.prefix, stack.redis_url)
     loop = asyncio.new_event_loop()
     yield cfg, metrics, loop
@@ -76,7 +85,7 @@ def world(stack, tmp_path):
     r = redis.Redis.from_url(stack.redis_url)
     keys = list(r.scan_iter(f"{cfg.topics.prefix}:*", count=1000))
     for i in range(0, len(keys), 500):
-        r.delete(*keys[i:i + 500])
+        r.delete(*keys[i : i + 500])
     r.close()
 
 
@@ -88,10 +97,17 @@ def _ingest(world, table=None) -> tuple[Ingest, Broker]:
 
 # -- hostile values ------------------------------------------------------------------------------
 
+
 def _feedback(rng: random.Random, gid: str | None = None) -> dict:
     kind = rng.choice(["accept", "reject", "edit"])
-    d = {"schema_version": 1, "feedback_id": f"f{rng.getrandbits(48):x}", "generation_id": gid or f"g{rng.getrandbits(48):x}",
-         "kind": kind, "segment": rng.choice([None, "a", "b"]), "ts": 1.79e9 + rng.random()}
+    d = {
+        "schema_version": 1,
+        "feedback_id": f"f{rng.getrandbits(48):x}",
+        "generation_id": gid or f"g{rng.getrandbits(48):x}",
+        "kind": kind,
+        "segment": rng.choice([None, "a", "b"]),
+        "ts": 1.79e9 + rng.random(),
+    }
     if kind == "edit":
         d["edited_text"] = "fixed"
     return d
@@ -103,15 +119,39 @@ def _generation(rng: random.Random, gid: str | None = None) -> dict:
 
 def _sample(rng: random.Random) -> dict:
     g = _generation(rng)
-    return {"schema_version": 1, "sample_id": g["generation_id"], "generation_id": g["generation_id"],
-            "feedback_id": "f1", "policy_version": g["policy_version"], "kind": "accept", "reward": 0.75,
-            "prompt_token_ids": g["prompt_token_ids"], "completion_token_ids": g["completion_token_ids"],
-            "behaviour_logprobs": g["completion_logprobs"], "sampling": g["sampling"],
-            "ts_generation": g["ts"], "ts_feedback": g["ts"] + 1}
+    return {
+        "schema_version": 1,
+        "sample_id": g["generation_id"],
+        "generation_id": g["generation_id"],
+        "feedback_id": "f1",
+        "policy_version": g["policy_version"],
+        "kind": "accept",
+        "reward": 0.75,
+        "prompt_token_ids": g["prompt_token_ids"],
+        "completion_token_ids": g["completion_token_ids"],
+        "behaviour_logprobs": g["completion_logprobs"],
+        "sampling": g["sampling"],
+        "ts_generation": g["ts"],
+        "ts_feedback": g["ts"] + 1,
+    }
 
 
-WRONG = [None, True, 0, -1, 1.5, "x", "", [], {}, [1, "a"], {"a": 1}, 10**30, -10**30, "\ud800".encode(
-    "utf-8", "surrogatepass").decode("utf-8", "replace")]
+WRONG = [
+    None,
+    True,
+    0,
+    -1,
+    1.5,
+    "x",
+    "",
+    [],
+    {},
+    [1, "a"],
+    {"a": 1},
+    10**30,
+    -(10**30),
+    "\ud800".encode("utf-8", "surrogatepass").decode("utf-8", "replace"),
+]
 NONFINITE = [float("nan"), float("inf"), float("-inf")]
 
 
@@ -167,8 +207,9 @@ def _mutate(doc: dict, how: str, rng: random.Random) -> bytes:
         size = rng.choice([MAX_EVENT - 1, MAX_EVENT, MAX_EVENT + 1, 1_000_000, 1_048_576, 1_048_577])
         return raw[:-1] + b" " * max(0, size - len(raw)) + b"}"
     if how == "pad_string":  # a valid record whose one string is at the limit
-        return json.dumps(dict(d, segment="s" * 64, **({"edited_text": "\x01" * 65536} if d.get("kind") == "edit" else {})
-                               )).encode()
+        return json.dumps(
+            dict(d, segment="s" * 64, **({"edited_text": "\x01" * 65536} if d.get("kind") == "edit" else {}))
+        ).encode()
     if how == "bytes":
         return rng.randbytes(rng.choice([0, 1, 7, 300, 5000]))
     if how == "not_object":
@@ -177,10 +218,39 @@ def _mutate(doc: dict, how: str, rng: random.Random) -> bytes:
 
 
 # Variants that can never be valid, whatever the random choices.
-MUST_REFUSE = {"unknown_field", "nonfinite", "huge_int", "schema_version", "time_range", "deep", "deep_object", "bom",
-               "utf16", "latin1", "bytes", "not_object"}
-HOW = ["unknown_field", "wrong_type", "missing_field", "nonfinite", "huge_int", "schema_version", "time_range", "deep",
-       "deep_object", "bom", "utf16", "latin1", "pad", "pad_string", "bytes", "not_object", "valid"]
+MUST_REFUSE = {
+    "unknown_field",
+    "nonfinite",
+    "huge_int",
+    "schema_version",
+    "time_range",
+    "deep",
+    "deep_object",
+    "bom",
+    "utf16",
+    "latin1",
+    "bytes",
+    "not_object",
+}
+HOW = [
+    "unknown_field",
+    "wrong_type",
+    "missing_field",
+    "nonfinite",
+    "huge_int",
+    "schema_version",
+    "time_range",
+    "deep",
+    "deep_object",
+    "bom",
+    "utf16",
+    "latin1",
+    "pad",
+    "pad_string",
+    "bytes",
+    "not_object",
+    "valid",
+]
 
 
 def _check_outcome(ingest_cfg, kind: str, value: bytes, letters: list[DeadLetter], table: dict) -> None:
@@ -266,7 +336,7 @@ def test_any_interleaving_ends_each_feedback_in_one_sample_or_one_dead_letter(wo
     topic = {"feedback": cfg.topics.feedback, "generation": cfg.topics.generations}
     src = [(Source(topic[k], 0, i, "k"), v) for i, (k, v) in enumerate(events)]
     for i in range(0, len(src), batch):
-        loop.run_until_complete(ing.process(src[i:i + batch], now=1.8e9))
+        loop.run_until_complete(ing.process(src[i : i + batch], now=1.8e9))
     ing._resumed = 0.0
     loop.run_until_complete(ing.expire_pending(now=1.8e9 + 10 * cfg.ingest.pending_ttl_s + 600))
 
@@ -277,9 +347,11 @@ def test_any_interleaving_ends_each_feedback_in_one_sample_or_one_dead_letter(wo
     for s in samples:
         assert by_gid.setdefault(s.generation_id, s.feedback_id) == s.feedback_id  # one judgement per generation
     sampled = set(by_gid.values())
-    refused = {FeedbackEvent.model_validate_json(d.value).feedback_id for d in letters
-               if d.reason in ("unknown_generation", "already_judged") and d.value.startswith("{")
-               and _parses(d.value)}
+    refused = {
+        FeedbackEvent.model_validate_json(d.value).feedback_id
+        for d in letters
+        if d.reason in ("unknown_generation", "already_judged") and d.value.startswith("{") and _parses(d.value)
+    }
     ours = set(fids)
     assert ours <= sampled | refused, "feedback lost"
     assert not (sampled & ours & {f for f in refused if f in unknown}), "trained and dead-lettered"
@@ -303,10 +375,16 @@ def test_not_trainable_records_are_judged_and_counted_but_make_no_sample(world):
     fb = FeedbackEvent(feedback_id="f-greedy", generation_id="g-greedy", kind="accept")
     trainable = make_generation("g-ok", 3)
     fb2 = FeedbackEvent(feedback_id="f-ok", generation_id="g-ok", kind="reject")
-    loop.run_until_complete(ing.process([(Source(cfg.topics.generations, 0, 1, "g"), rec.to_bytes()),
-                                         (Source(cfg.topics.generations, 0, 2, "g"), trainable.to_bytes()),
-                                         (Source(cfg.topics.feedback, 0, 1, "g"), fb.to_bytes()),
-                                         (Source(cfg.topics.feedback, 0, 2, "g"), fb2.to_bytes())]))
+    loop.run_until_complete(
+        ing.process(
+            [
+                (Source(cfg.topics.generations, 0, 1, "g"), rec.to_bytes()),
+                (Source(cfg.topics.generations, 0, 2, "g"), trainable.to_bytes()),
+                (Source(cfg.topics.feedback, 0, 1, "g"), fb.to_bytes()),
+                (Source(cfg.topics.feedback, 0, 2, "g"), fb2.to_bytes()),
+            ]
+        )
+    )
     samples = [TrainingSample.from_bytes(v) for _, v in broker.of(cfg.topics.samples)]
     assert [s.generation_id for s in samples] == ["g-ok"]
     assert samples[0].sampling == trainable.sampling
@@ -390,8 +468,12 @@ def test_a_redis_failure_raises(stack, tmp_path):
 
 
 @FUZZ
-@given(seed=st.integers(0, 2**32 - 1), reward=st.floats(allow_nan=False, allow_infinity=False, width=64),
-       text=st.one_of(st.none(), st.text(max_size=40)), segment=st.one_of(st.none(), st.text(max_size=20)))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    reward=st.floats(allow_nan=False, allow_infinity=False, width=64),
+    text=st.one_of(st.none(), st.text(max_size=40)),
+    segment=st.one_of(st.none(), st.text(max_size=20)),
+)
 def test_the_joins_sample_json_is_the_models_own(seed, reward, text, segment):
     """The join builds a sample's JSON from the validated record without validating it again (``sample_json``): it
     must be byte for byte ``TrainingSample(...).model_dump_json()``, whatever the floats, text and optional fields; a
@@ -401,18 +483,46 @@ def test_the_joins_sample_json_is_the_models_own(seed, reward, text, segment):
 
     rng = random.Random(seed)
     g = _generation(rng)
-    g["sampling"] = SamplingParams(temperature=rng.choice([0.7, 1.0, 1e-7]), top_p=rng.random(), top_k=rng.randrange(-1, 50),
-                                   seed=rng.choice([None, rng.getrandbits(40)]), max_tokens=rng.randrange(1, 4096)).model_dump()
-    g["completion_logprobs"] = [rng.choice([-rng.random() * 30, -0.0, -1e-300, -5e-324]) for _ in g["completion_token_ids"]]
+    g["sampling"] = SamplingParams(
+        temperature=rng.choice([0.7, 1.0, 1e-7]),
+        top_p=rng.random(),
+        top_k=rng.randrange(-1, 50),
+        seed=rng.choice([None, rng.getrandbits(40)]),
+        max_tokens=rng.randrange(1, 4096),
+    ).model_dump()
+    g["completion_logprobs"] = [
+        rng.choice([-rng.random() * 30, -0.0, -1e-300, -5e-324]) for _ in g["completion_token_ids"]
+    ]
     g["latency_s"] = rng.choice([None, rng.random() * 10])
     rec = GenerationRecord.model_validate(g)
-    fb = FeedbackEvent(feedback_id=f"f{seed}", generation_id=rec.generation_id, kind="edit" if text is not None else "accept",
-                       edited_text=text, segment=segment, ts=1.79e9 + rng.random())
-    want = TrainingSample(sample_id=rec.generation_id, generation_id=rec.generation_id, feedback_id=fb.feedback_id,
-                          policy_version=rec.policy_version, kind=fb.kind, reward=reward, segment=fb.segment,
-                          prompt_token_ids=rec.prompt_token_ids, completion_token_ids=rec.completion_token_ids,
-                          behaviour_logprobs=rec.completion_logprobs, sampling=rec.sampling, edited_text=fb.edited_text,
-                          ts_generation=rec.ts, ts_feedback=fb.ts).model_dump_json().encode()
+    fb = FeedbackEvent(
+        feedback_id=f"f{seed}",
+        generation_id=rec.generation_id,
+        kind="edit" if text is not None else "accept",
+        edited_text=text,
+        segment=segment,
+        ts=1.79e9 + rng.random(),
+    )
+    want = (
+        TrainingSample(
+            sample_id=rec.generation_id,
+            generation_id=rec.generation_id,
+            feedback_id=fb.feedback_id,
+            policy_version=rec.policy_version,
+            kind=fb.kind,
+            reward=reward,
+            segment=fb.segment,
+            prompt_token_ids=rec.prompt_token_ids,
+            completion_token_ids=rec.completion_token_ids,
+            behaviour_logprobs=rec.completion_logprobs,
+            sampling=rec.sampling,
+            edited_text=fb.edited_text,
+            ts_generation=rec.ts,
+            ts_feedback=fb.ts,
+        )
+        .model_dump_json()
+        .encode()
+    )
     gid = rec.generation_id
     _, _, meta, body = unpack(pack(WAITING, 1.79e9, *record_parts(rec)))
     assert sample_json(gid, meta, body, fb, reward) == want  # the waiting entry's path (its parts through the table)
@@ -424,8 +534,11 @@ def test_the_joins_sample_json_is_the_models_own(seed, reward, text, segment):
 
 
 @FUZZ
-@given(values=st.lists(st.one_of(st.floats(), st.sampled_from([0.0, -0.0, 0.01, 0.05, 60.0, 300.0, 301.0, 1e308])),
-                       max_size=200))
+@given(
+    values=st.lists(
+        st.one_of(st.floats(), st.sampled_from([0.0, -0.0, 0.01, 0.05, 60.0, 300.0, 301.0, 1e308])), max_size=200
+    )
+)
 def test_a_batch_of_observations_is_what_one_by_one_gives(values):
     """The worker observes a batch's feedback delays at once (``observe_many``: one increment per bucket); the
     exposition must be the one ``Histogram.observe`` per value gives, non-finite values left out, negatives as 0."""
@@ -462,14 +575,22 @@ def _sums_agree(one, many) -> bool:
 
 
 _KIND = st.tuples(
-    st.sampled_from(["accept", "reject", "edit", "revert"]), st.integers(0, 5),
-    st.lists(st.tuples(st.sampled_from(["tokens", "tokens_sq", "timed", "latency_ms", "latency_ms_sq"]),
-                       st.one_of(st.integers(0, 1000), st.integers(0, 10**17))), max_size=5))
+    st.sampled_from(["accept", "reject", "edit", "revert"]),
+    st.integers(0, 5),
+    st.lists(
+        st.tuples(
+            st.sampled_from(["tokens", "tokens_sq", "timed", "latency_ms", "latency_ms_sq"]),
+            st.one_of(st.integers(0, 1000), st.integers(0, 10**17)),
+        ),
+        max_size=5,
+    ),
+)
 
 
 @FUZZ
-@given(batches=st.lists(st.lists(st.tuples(st.integers(0, 12), _KIND), min_size=1, max_size=12), min_size=1,
-                        max_size=4))
+@given(
+    batches=st.lists(st.lists(st.tuples(st.integers(0, 12), _KIND), min_size=1, max_size=12), min_size=1, max_size=4)
+)
 def test_the_live_script_sums_what_one_write_per_event_gives(stack, batches):
     """The live counters' script adds up a batch's increments and writes each field once: whatever the batches,
     redeliveries, revert buckets and guardrail values (up to 18 digits, sums past 2^53, where Lua's doubles stop

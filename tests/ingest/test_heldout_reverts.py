@@ -28,8 +28,14 @@ from tests.ingest.test_fuzz import Broker, _generation
 @pytest.fixture
 def env(stack, tmp_path):
     prefix = f"t{uuid.uuid4().hex[:10]}"
-    cfg = load_config(env={}, state_dir=str(tmp_path), redis__url=stack.redis_url, topics__prefix=prefix,
-                      ingest__heldout_share=0.5, ingest__pending_ttl_s=150.0)
+    cfg = load_config(
+        env={},
+        state_dir=str(tmp_path),
+        redis__url=stack.redis_url,
+        topics__prefix=prefix,
+        ingest__heldout_share=0.5,
+        ingest__pending_ttl_s=150.0,
+    )
     metrics = IngestMetrics(prefix, stack.redis_url)
     yield cfg, metrics
     r = redis.Redis.from_url(stack.redis_url)
@@ -39,8 +45,16 @@ def env(stack, tmp_path):
 
 
 def _fb(gid: str, kind: str, ts: float) -> bytes:
-    return json.dumps({"schema_version": 1, "feedback_id": f"f-{kind}-{gid}", "generation_id": gid, "kind": kind,
-                       "segment": None, "ts": ts}).encode()
+    return json.dumps(
+        {
+            "schema_version": 1,
+            "feedback_id": f"f-{kind}-{gid}",
+            "generation_id": gid,
+            "kind": kind,
+            "segment": None,
+            "ts": ts,
+        }
+    ).encode()
 
 
 def test_a_revert_of_a_held_out_accept_goes_to_the_held_out_stream_with_the_products_revert_reward(env):
@@ -58,8 +72,12 @@ def test_a_revert_of_a_held_out_accept_goes_to_the_held_out_stream_with_the_prod
         ing.recovered()
         try:
             for i, g in enumerate(gids):
-                await ing.process([(Source(cfg.topics.generations, 0, i, g), json.dumps(_generation(rng, g)).encode()),
-                                   (Source(cfg.topics.feedback, 0, 2 * i, g), _fb(g, "accept", t0 + i))])
+                await ing.process(
+                    [
+                        (Source(cfg.topics.generations, 0, i, g), json.dumps(_generation(rng, g)).encode()),
+                        (Source(cfg.topics.feedback, 0, 2 * i, g), _fb(g, "accept", t0 + i)),
+                    ]
+                )
             for i, g in enumerate(gids):  # every accept later undone
                 await ing.process([(Source(cfg.topics.feedback, 0, 2 * i + 1, g), _fb(g, "revert", t0 + 600 + i))])
         finally:
@@ -71,15 +89,20 @@ def test_a_revert_of_a_held_out_accept_goes_to_the_held_out_stream_with_the_prod
     on_samples = [TrainingSample.from_bytes(v) for _, v in broker.of(cfg.topics.samples)]
     # held out: the accept and its revert record, never on the learner's topic; trained: the accept and its correction
     assert sorted((s.sample_id, s.kind) for s in on_heldout) == sorted(
-        [(g, "accept") for g in held] + [(g + REVERT_SUFFIX, "revert") for g in held])
+        [(g, "accept") for g in held] + [(g + REVERT_SUFFIX, "revert") for g in held]
+    )
     assert sorted((s.sample_id, s.kind) for s in on_samples) == sorted(
-        [(g, "accept") for g in trained] + [(g + REVERT_SUFFIX, "revert") for g in trained])
+        [(g, "accept") for g in trained] + [(g + REVERT_SUFFIX, "revert") for g in trained]
+    )
     assert {s.reward for s in on_heldout if s.kind == "revert"} == {revert_reward}
     # what the gate makes of the held-out stream: one sample per generation, scored as reverted, judged at its accept
     kept, young = merge_heldout([parse_heldout(v) for _, v in broker.of(cfg.topics.heldout)], judged_before=t0 + 1e6)
     assert young == 0 and sorted(s.generation_id for s in kept) == sorted(held)
     accept_reward = Product(cfg.ingest.rewards).reward("accept", None)
-    assert all(s.reward == accept_reward + revert_reward and s.kind == "revert" and s.judged_at < t0 + 600
-               for s in kept)
-    counters = redis.Redis.from_url(cfg.redis.url, decode_responses=True).hgetall(f"{cfg.topics.prefix}:ingest:counters")
+    assert all(
+        s.reward == accept_reward + revert_reward and s.kind == "revert" and s.judged_at < t0 + 600 for s in kept
+    )
+    counters = redis.Redis.from_url(cfg.redis.url, decode_responses=True).hgetall(
+        f"{cfg.topics.prefix}:ingest:counters"
+    )
     assert int(counters["heldout_out"]) == 2 * len(held) and int(counters["revert_samples_out"]) == len(trained)

@@ -48,9 +48,14 @@ def test_restart_recovers_waiting_generations_pending_feedback_and_judgements(st
         with from_config(h.cfg) as sdk:
             judged_fid = sdk.accept(judged)
             early_fid = sdk.edit(early, "fixed")
-        wait_until(lambda: h.counters().get("joined", 0) - before.get("joined", 0) == 1
-                   and h.counters().get("feedback_in", 0) - before.get("feedback_in", 0) == 2, 20,
-                   what="the first worker to join one and hold one")
+        wait_until(
+            lambda: (
+                h.counters().get("joined", 0) - before.get("joined", 0) == 1
+                and h.counters().get("feedback_in", 0) - before.get("feedback_in", 0) == 2
+            ),
+            20,
+            what="the first worker to join one and hold one",
+        )
 
         t0 = time.monotonic()
         assert h.worker.stop(signal.SIGTERM) == 0, h.worker.log_tail()
@@ -67,18 +72,27 @@ def test_restart_recovers_waiting_generations_pending_feedback_and_judgements(st
         with h.tail("samples") as tail:
             ids = {waiting, judged, early}
             try:
-                wait_until(lambda: (tail.poll(), {r.key.decode() for r in tail.matching(tail.keys(ids))} == ids)[1],
-                           30, what="all three samples")
+                wait_until(
+                    lambda: (tail.poll(), {r.key.decode() for r in tail.matching(tail.keys(ids))} == ids)[1],
+                    30,
+                    what="all three samples",
+                )
             except AssertionError as e:
-                raise AssertionError(f"{e}; counters {h.counters()}; samples {[(r.key, r.partition) for r in tail.records]}"
-                                     f"; ids {waiting, judged, early}") from None
+                raise AssertionError(
+                    f"{e}; counters {h.counters()}; samples {[(r.key, r.partition) for r in tail.records]}"
+                    f"; ids {waiting, judged, early}"
+                ) from None
             time.sleep(0.5)
             tail.poll()
             samples = _samples_by_id(tail.matching(tail.keys(ids)))
         assert sorted((s.generation_id, s.feedback_id, s.kind) for s in samples.values()) == sorted(
-            [(waiting, waiting_fid, "reject"), (judged, judged_fid, "accept"), (early, early_fid, "edit")])
-        assert wait_until(lambda: keys.live_totals(h.live(v)) == {"accept": 1, "reject": 1, "edit": 1, "events": 3}, 10,
-                          what=f"live counters, have {h.live(v)}")
+            [(waiting, waiting_fid, "reject"), (judged, judged_fid, "accept"), (early, early_fid, "edit")]
+        )
+        assert wait_until(
+            lambda: keys.live_totals(h.live(v)) == {"accept": 1, "reject": 1, "edit": 1, "events": 3},
+            10,
+            what=f"live counters, have {h.live(v)}",
+        )
         assert h.counters().get("duplicates", 0) - before.get("duplicates", 0) >= 1
         assert h.worker.stop(signal.SIGINT) == 0, h.worker.log_tail()
         assert stop_s < 20, f"SIGTERM took {stop_s:.1f} s"
@@ -146,12 +160,16 @@ def test_kill_9_mid_stream_loses_nothing_and_judges_nothing_twice(stack, tmp_pat
 
         # Drain: every feedback is either a sample or (its generation never came) a dead letter.
         with h.tail("samples") as st, h.tail("dead_letters") as dt:
+
             def accounted():
                 st.poll()
                 dt.poll()
                 judged = {TrainingSample.from_bytes(r.value).feedback_id for r in st.records}
-                dead = {FeedbackEvent.from_bytes(DeadLetter.from_bytes(r.value).value).feedback_id
-                        for r in dt.records if DeadLetter.from_bytes(r.value).reason == "unknown_generation"}
+                dead = {
+                    FeedbackEvent.from_bytes(DeadLetter.from_bytes(r.value).value).feedback_id
+                    for r in dt.records
+                    if DeadLetter.from_bytes(r.value).reason == "unknown_generation"
+                }
                 return (judged | dead) >= set(fids)
 
             try:
@@ -162,8 +180,9 @@ def test_kill_9_mid_stream_loses_nothing_and_judges_nothing_twice(stack, tmp_pat
             ours = [r for r in st.records if TrainingSample.from_bytes(r.value).policy_version == v]
             samples = _samples_by_id(ours)
             letters = [DeadLetter.from_bytes(r.value) for r in dt.records]
-        assert not [d for d in letters if d.reason not in ("unknown_generation",)], \
-            [(d.reason, d.detail) for d in letters if d.reason != "unknown_generation"]
+        assert not [d for d in letters if d.reason not in ("unknown_generation",)], [
+            (d.reason, d.detail) for d in letters if d.reason != "unknown_generation"
+        ]
         dead = {FeedbackEvent.from_bytes(d.value).feedback_id for d in letters}
         judged = {s.feedback_id: s.generation_id for s in samples.values()}
         assert set(judged) | dead == set(fids), "lost feedback"
@@ -171,11 +190,16 @@ def test_kill_9_mid_stream_loses_nothing_and_judges_nothing_twice(stack, tmp_pat
         assert dead == traffic.unknown, "dead-lettered feedback whose generation was published"
         assert all(fids[f] == g for f, g in judged.items())
         assert len(samples) == len(fids) - len(traffic.unknown)  # one sample per judged generation
-        live = wait_until(lambda: (d := h.live(v)).get("events") == len(judged) and d, 20,
-                          what=f"live events == {len(judged)}, have {h.live(v)}")
+        live = wait_until(
+            lambda: (d := h.live(v)).get("events") == len(judged) and d,
+            20,
+            what=f"live events == {len(judged)}, have {h.live(v)}",
+        )
         assert live["events"] == len(judged)
-        print(f"\nkill -9 x{kills}: {len(fids)} feedback -> {len(samples)} samples, {len(dead)} dead letters, "
-              f"{len(ours) - len(samples)} samples re-sent after a replay")
+        print(
+            f"\nkill -9 x{kills}: {len(fids)} feedback -> {len(samples)} samples, {len(dead)} dead letters, "
+            f"{len(ours) - len(samples)} samples re-sent after a replay"
+        )
     finally:
         h.close()
 
@@ -200,9 +224,11 @@ def test_restart_loop_resumes_fast(stack, tmp_path):
                 sdk.accept(gid)
             with h.tail("samples") as tail:
                 tail.wait_for(tail.keys({gid}), timeout=20)
-        print(f"\n{loops} restarts: resumed joining in {min(times):.1f}-{max(times):.1f} s "
-              f"(median {sorted(times)[len(times) // 2]:.1f} s; {sum(t < RESUME_LIMIT_S for t in times)} under "
-              f"{RESUME_LIMIT_S:g} s): {' '.join(f'{t:.1f}' for t in times)}")
+        print(
+            f"\n{loops} restarts: resumed joining in {min(times):.1f}-{max(times):.1f} s "
+            f"(median {sorted(times)[len(times) // 2]:.1f} s; {sum(t < RESUME_LIMIT_S for t in times)} under "
+            f"{RESUME_LIMIT_S:g} s): {' '.join(f'{t:.1f}' for t in times)}"
+        )
         assert sorted(times)[len(times) // 2] < RESUME_LIMIT_S and max(times) < 2 * RESUME_LIMIT_S, times
     finally:
         h.close()
@@ -224,7 +250,9 @@ def test_redis_down_stops_the_worker_unacknowledged_and_the_restart_replays(stac
         h.send_generation(make_generation(gid, v))
         with from_config(h.cfg) as sdk:
             sdk.reject(gid)
-        bad = good.model_copy(update={"redis": good.redis.model_copy(update={"url": f"redis://127.0.0.1:{free_port()}/0"})})
+        bad = good.model_copy(
+            update={"redis": good.redis.model_copy(update={"url": f"redis://127.0.0.1:{free_port()}/0"})}
+        )
         w = WorkerProc(bad, free_port(), tmp_path / "worker-no-redis.log")
         try:
             code = w.proc.wait(timeout=90)
@@ -234,7 +262,11 @@ def test_redis_down_stops_the_worker_unacknowledged_and_the_restart_replays(stac
         assert "without acknowledging" in w.log_tail()
         assert h.live(v) == {}
         h.start_worker()
-        assert wait_until(lambda: keys.live_totals(h.live(v)) == {"reject": 1, "events": 1}, 30, what=f"replayed counters, have {h.live(v)}")
+        assert wait_until(
+            lambda: keys.live_totals(h.live(v)) == {"reject": 1, "events": 1},
+            30,
+            what=f"replayed counters, have {h.live(v)}",
+        )
     finally:
         h.close()
 
@@ -347,14 +379,18 @@ def test_kill_9_while_feedback_is_held_back_loses_none_of_it(stack, tmp_path):
         _produce(stack.bootstrap, h.cfg.topics.feedback, fbs)
         for k in (1, 2):
             held = h.counters().get("held", 0)
-            _wait_progress(lambda: (h.counters().get("held", 0), h.live(0).get("events", 0)),
-                           lambda v: v[0] > held or v[1] >= n, alive,
-                           f"the worker to hold feedback back (kill {k})")
+            _wait_progress(
+                lambda: (h.counters().get("held", 0), h.live(0).get("events", 0)),
+                lambda v: v[0] > held or v[1] >= n,
+                alive,
+                f"the worker to hold feedback back (kill {k})",
+            )
             assert h.live(0).get("events", 0) < n, "the backlog was joined before the kill: nothing to prove"
             h.worker.stop(signal.SIGKILL)
             h.worker = WorkerProc(h.cfg, free_port(), tmp_path / f"worker-after-kill-{k}.log")
-        _wait_progress(lambda: h.live(0).get("events", 0), lambda v: v >= n, alive, f"{n} joins after two kills",
-                       interval=0.5)
+        _wait_progress(
+            lambda: h.live(0).get("events", 0), lambda v: v >= n, alive, f"{n} joins after two kills", interval=0.5
+        )
         assert h.live(0).get("events") == n  # each exactly once
         with h.tail("samples") as st:
             want = {key.decode() for key, _, _ in fbs}  # (keyed by generation id, as the samples are)
@@ -363,8 +399,9 @@ def test_kill_9_while_feedback_is_held_back_loses_none_of_it(stack, tmp_path):
                 st.poll()
                 return len({r.key.decode() for r in st.records} & want)
 
-            _wait_progress(sampled, lambda v: v >= len(want), alive, "a sample for every generation of the backlog",
-                           interval=0.2)
+            _wait_progress(
+                sampled, lambda v: v >= len(want), alive, "a sample for every generation of the backlog", interval=0.2
+            )
             samples = _samples_by_id([r for r in st.records if r.key.decode() in want])
         assert len(samples) == n
         got = h.counters()
@@ -473,24 +510,34 @@ def test_held_feedback_is_not_committed_until_it_is_processed(stack, tmp_path):
         env.send(cfg.topics.generations, gid, make_generation(gid, version=7).to_bytes())
         await env.until(lambda: w.ingest.ready and w.table.get(gid) is not None, "the generation")
         behind["on"] = True
-        env.send(cfg.topics.feedback, gid, FeedbackEvent(feedback_id=f"fb-{gid}", generation_id=gid,
-                                                         kind="accept").to_bytes())
+        env.send(
+            cfg.topics.feedback,
+            gid,
+            FeedbackEvent(feedback_id=f"fb-{gid}", generation_id=gid, kind="accept").to_bytes(),
+        )
         await env.until(lambda: any(tp.partition == p for tp in w.pacer.held_records), "the feedback held back")
         # batches go on while it is held: more generations, written and committed (the buffer's second goes by)
         others = [new_gid() for _ in range(3)]
         for other in others:
             env.send(cfg.topics.generations, other, make_generation(other, version=7).to_bytes())
-        await env.until(lambda: all(w.table.get(o) is not None and o not in w.table.buffered for o in others),
-                        "the other generations written")
-        await env.until_committed(cfg.topics.generations, lambda c: sum(c.values()) >= 4,
-                                  "the generations committed while the feedback was held")
-        assert (await asyncio.to_thread(env.committed, cfg.topics.feedback)).get(p, 0) == 0, \
+        await env.until(
+            lambda: all(w.table.get(o) is not None and o not in w.table.buffered for o in others),
+            "the other generations written",
+        )
+        await env.until_committed(
+            cfg.topics.generations,
+            lambda c: sum(c.values()) >= 4,
+            "the generations committed while the feedback was held",
+        )
+        assert (await asyncio.to_thread(env.committed, cfg.topics.feedback)).get(p, 0) == 0, (
             "the held feedback's offset was committed before it was processed"
+        )
         assert (w.table.get(gid) or b"")[:1] == b"W", "the held feedback was joined"
         behind["on"] = False  # the generations caught up: _pace releases it
         await env.until(lambda: (w.table.get(gid) or b"")[:1] == b"J", "the released feedback joined")
-        await env.until_committed(cfg.topics.feedback, lambda c: c.get(p, 0) == 1,
-                                  "the released feedback's offset committed")
+        await env.until_committed(
+            cfg.topics.feedback, lambda c: c.get(p, 0) == 1, "the released feedback's offset committed"
+        )
 
     env.run(w, body)
 
@@ -538,8 +585,11 @@ def test_the_table_write_buffer_coalesces_and_commits_inputs_only_once_written(s
         gid = new_gid()
         env.send(cfg.topics.generations, gid, make_generation(gid, version=7).to_bytes())
         await env.until(lambda: (w.table.buffered.get(gid) or b"")[:1] == b"W", "the generation in the buffer")
-        env.send(cfg.topics.feedback, gid, FeedbackEvent(feedback_id=f"fb-{gid}", generation_id=gid,
-                                                         kind="accept").to_bytes())
+        env.send(
+            cfg.topics.feedback,
+            gid,
+            FeedbackEvent(feedback_id=f"fb-{gid}", generation_id=gid, kind="accept").to_bytes(),
+        )
         await env.until(lambda: (w.table.buffered.get(gid) or b"")[:1] == b"J", "its judgement in the buffer")
         assert await asyncio.to_thread(changelog, gid) == [], "the buffer reached the changelog before it was due"
         assert await asyncio.to_thread(committed_feedback) == 0, "feedback committed before its table write"
@@ -549,8 +599,9 @@ def test_the_table_write_buffer_coalesces_and_commits_inputs_only_once_written(s
         await env.until(lambda: w.table.get(gid) is not None and gid not in w.table.buffered, "the buffer written")
         got = await asyncio.to_thread(changelog, gid)
         assert len(got) == 1 and got[0][:1] == b"J", got  # once, judged: the waiting entry never went out
-        await env.until_committed(cfg.topics.feedback, lambda c: sum(c.values()) == 1,
-                                  "the feedback's offset committed after the buffer")
+        await env.until_committed(
+            cfg.topics.feedback, lambda c: sum(c.values()) == 1, "the feedback's offset committed after the buffer"
+        )
 
     env.run(w, body)
 
@@ -572,8 +623,10 @@ def test_a_crash_loses_table_writes_only_with_their_changelog_offset(tmp_path):
     part = _Part(path)
     assert (part.get(b"gen-a"), part.offset) == (b"W|1.0|\n", 5)
     part.close()
-    code = ("import os, sys; from pathlib import Path; from ingest.table import _Part; "
-            f"p = _Part(Path({str(path)!r})); p.apply([(b'gen-b', b'J|2.0|\\n'), (b'gen-a', None)], 9); os._exit(0)")
+    code = (
+        "import os, sys; from pathlib import Path; from ingest.table import _Part; "
+        f"p = _Part(Path({str(path)!r})); p.apply([(b'gen-b', b'J|2.0|\\n'), (b'gen-a', None)], 9); os._exit(0)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2], timeout=60)
     part = _Part(path)
     try:

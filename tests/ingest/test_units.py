@@ -34,9 +34,14 @@ UNIT_TTL_S = 3600.0
 def world(stack, tmp_path):
     from ingest.metrics import IngestMetrics
 
-    cfg = load_config(env={}, state_dir=str(tmp_path), redis__url=stack.redis_url,
-                      topics__prefix=f"t{uuid.uuid4().hex[:10]}", ingest__heldout_share=0.0,
-                      ingest__unit_ttl_s=UNIT_TTL_S)
+    cfg = load_config(
+        env={},
+        state_dir=str(tmp_path),
+        redis__url=stack.redis_url,
+        topics__prefix=f"t{uuid.uuid4().hex[:10]}",
+        ingest__heldout_share=0.0,
+        ingest__unit_ttl_s=UNIT_TTL_S,
+    )
     metrics = IngestMetrics(cfg.topics.prefix, stack.redis_url)
     loop = asyncio.new_event_loop()
     broker = Broker()
@@ -80,13 +85,30 @@ def _dead(world) -> list[DeadLetter]:
 
 def test_each_judgement_counts_once_per_user_and_in_the_aggregate_whatever_is_redelivered(world):
     v = 41
-    _run(world, T0, ("g", _gen("ga", v, "aaaa000000000001", 0.25)), ("g", _gen("gb", v, "bbbb000000000002")),
-         ("g", _gen("gc", v, None, 0.5)))
-    _run(world, T0, ("f", _fb("fa", "ga", "accept")), ("f", _fb("fb", "gb", "reject")), ("f", _fb("fc", "gc", "edit")),
-         ("f", _fb("fa", "ga", "accept")))  # a duplicate in the same batch
+    _run(
+        world,
+        T0,
+        ("g", _gen("ga", v, "aaaa000000000001", 0.25)),
+        ("g", _gen("gb", v, "bbbb000000000002")),
+        ("g", _gen("gc", v, None, 0.5)),
+    )
+    _run(
+        world,
+        T0,
+        ("f", _fb("fa", "ga", "accept")),
+        ("f", _fb("fb", "gb", "reject")),
+        ("f", _fb("fc", "gc", "edit")),
+        ("f", _fb("fa", "ga", "accept")),
+    )  # a duplicate in the same batch
     # later: the same feedback again, the generations again (a judged one's counters are re-sent: idempotent)
-    _run(world, T0 + 30, ("f", _fb("fa", "ga", "accept")), ("f", _fb("fb", "gb", "reject")),
-         ("g", _gen("ga", v, "aaaa000000000001", 0.25)), ("g", _gen("gc", v, None, 0.5)))
+    _run(
+        world,
+        T0 + 30,
+        ("f", _fb("fa", "ga", "accept")),
+        ("f", _fb("fb", "gb", "reject")),
+        ("g", _gen("ga", v, "aaaa000000000001", 0.25)),
+        ("g", _gen("gc", v, None, 0.5)),
+    )
     got = _units(world, v, T0, T0 + 30)
     assert got == {
         keys.unit_bucket(T0): {
@@ -96,8 +118,12 @@ def test_each_judgement_counts_once_per_user_and_in_the_aggregate_whatever_is_re
         },
         keys.unit_bucket(T0 + 30): {},  # the re-sent counts went to the judgement's bucket, and were no-ops
     }
-    assert keys.live_totals(world[4].hgetall(keys.live(world[0].topics.prefix, v))) == \
-        {"accept": "1", "reject": "1", "edit": "1", "events": "3"}
+    assert keys.live_totals(world[4].hgetall(keys.live(world[0].topics.prefix, v))) == {
+        "accept": "1",
+        "reject": "1",
+        "edit": "1",
+        "events": "3",
+    }
 
 
 def test_a_revert_counts_in_the_bucket_and_unit_of_the_judgement_it_undoes(world):
@@ -110,8 +136,10 @@ def test_a_revert_counts_in_the_bucket_and_unit_of_the_judgement_it_undoes(world
     _run(world, later + 5, ("f", _fb("ra", "ga", "revert")))  # redelivered: counted once
     got = _units(world, v, T0, later)
     assert got[keys.unit_bucket(later)] == {}
-    assert got[keys.unit_bucket(T0)] == {"aaaa000000000001": {"e": 1, "a": 1, "r": 1, "t": 4},
-                                         "*": {"e": 2, "a": 2, "r": 2, "t": 8, "t2": 32}}
+    assert got[keys.unit_bucket(T0)] == {
+        "aaaa000000000001": {"e": 1, "a": 1, "r": 1, "t": 4},
+        "*": {"e": 2, "a": 2, "r": 2, "t": 8, "t2": 32},
+    }
     live = world[4].hgetall(keys.live(world[0].topics.prefix, v))
     assert live[keys.revert_field(T0)] == "2" and live["revert"] == "2"
 
@@ -129,8 +157,12 @@ def test_feedback_that_came_before_its_generation_is_counted_for_the_generations
     v = 44
     _run(world, T0, ("f", _fb("fa", "ga", "accept")))  # pending: no record yet
     _run(world, T0 + 20, ("g", _gen("ga", v, "aaaa000000000001")))  # judged now
-    assert _units(world, v, T0 + 20) == {keys.unit_bucket(T0 + 20): {"aaaa000000000001": {"e": 1, "a": 1, "t": 4},
-                                                                     "*": {"e": 1, "a": 1, "t": 4, "t2": 16}}}
+    assert _units(world, v, T0 + 20) == {
+        keys.unit_bucket(T0 + 20): {
+            "aaaa000000000001": {"e": 1, "a": 1, "t": 4},
+            "*": {"e": 1, "a": 1, "t": 4, "t2": 16},
+        }
+    }
 
 
 def test_every_bucket_key_expires_and_shares_the_versions_cluster_slot(world):
@@ -141,8 +173,11 @@ def test_every_bucket_key_expires_and_shares_the_versions_cluster_slot(world):
     key = keys.units(cfg.topics.prefix, v, keys.unit_bucket(T0))
     assert key == f"{cfg.topics.prefix}:units:{{{v}}}:{keys.unit_bucket(T0)}"
     assert 0 < r.ttl(key) <= UNIT_TTL_S
-    assert key_slot(key.encode()) == key_slot(keys.live(cfg.topics.prefix, v).encode()) == \
-        key_slot(keys.counted(cfg.topics.prefix, v, "fa").encode())
+    assert (
+        key_slot(key.encode())
+        == key_slot(keys.live(cfg.topics.prefix, v).encode())
+        == key_slot(keys.counted(cfg.topics.prefix, v, "fa").encode())
+    )
     assert load_config(env={}).ingest.unit_ttl_s == 2 * 24 * 3600
 
 
@@ -176,7 +211,11 @@ def test_reading_buckets_tolerates_absent_keys_and_either_client(stack):
             r.hset(keys.units(prefix, 3, 7), mapping={"u1|e": 2, "u1|a": 1, "*|e": 3, "*|t2": 9})
             r.hset(keys.units(prefix, 3, 9), mapping={"u1|e": 1, "*|e": 1})
             got = keys.read_unit_buckets(r, prefix, 3, [7, 8, 9])
-            assert got == {7: {"u1": {"e": 2, "a": 1}, "*": {"e": 3, "t2": 9}}, 8: {}, 9: {"u1": {"e": 1}, "*": {"e": 1}}}
+            assert got == {
+                7: {"u1": {"e": 2, "a": 1}, "*": {"e": 3, "t2": 9}},
+                8: {},
+                9: {"u1": {"e": 1}, "*": {"e": 1}},
+            }
             assert keys.unit_totals(got) == {"u1": {"e": 3, "a": 1}, "*": {"e": 4, "t2": 9}}
             assert keys.read_unit_buckets(r, prefix, 3, []) == {}
         finally:
@@ -204,15 +243,20 @@ _KIND = {"accept": "a", "edit": "d", "revert": "r"}
 _EVENT = st.tuples(
     st.integers(0, 15),  # feedback id: repeats are redeliveries
     st.sampled_from(["accept", "reject", "edit", "revert"]),
-    st.lists(st.tuples(st.sampled_from(_GUARDRAILS), st.one_of(st.integers(0, 1000), st.integers(0, 10**17))),
-             max_size=4),
+    st.lists(
+        st.tuples(st.sampled_from(_GUARDRAILS), st.one_of(st.integers(0, 1000), st.integers(0, 10**17))), max_size=4
+    ),
     st.one_of(st.none(), st.integers(0, 2)),  # bucket (None: the live hash only, as a 3-tuple)
     st.sampled_from([None, "u0", "u1", "aaaa000000000001"]),
 )
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(batches=st.lists(st.lists(_EVENT, min_size=1, max_size=12), min_size=1, max_size=4))
 def test_the_script_keeps_the_sums_a_plain_model_gives(stack, batches):
     """Whatever the batches, redeliveries, buckets, units and values (up to 18 digits, sums past 2^53): each bucket's

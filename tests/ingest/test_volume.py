@@ -32,8 +32,9 @@ PARTS = 2
 @pytest.fixture
 def env(stack, tmp_path):
     prefix = f"t{uuid.uuid4().hex[:10]}"
-    cfg = load_config(env={}, state_dir=str(tmp_path), redis__url=stack.redis_url, topics__prefix=prefix,
-                      ingest__heldout_share=0.0)
+    cfg = load_config(
+        env={}, state_dir=str(tmp_path), redis__url=stack.redis_url, topics__prefix=prefix, ingest__heldout_share=0.0
+    )
     metrics = IngestMetrics(prefix, stack.redis_url)
     yield cfg, metrics
     r = redis.Redis.from_url(stack.redis_url)
@@ -46,7 +47,7 @@ def _write(table: JoinTable, entries: list[tuple[str, bytes]]) -> None:
     """Put entries straight into the partition databases (as a changelog restore does), 10,000 at a time."""
     for i in range(0, len(entries), 10_000):
         by_part: dict[int, list] = {}
-        for gid, v in entries[i:i + 10_000]:
+        for gid, v in entries[i : i + 10_000]:
             by_part.setdefault(partition_of(gid.encode(), PARTS), []).append((gid.encode(), v))
         for p, changes in by_part.items():
             table.parts[p].apply(changes, None)
@@ -67,8 +68,13 @@ def test_recovery_reads_only_the_pending_feedback_of_a_large_table(env, tmp_path
     body = b"x" * PAYLOAD
     table = JoinTable("unused-changelog", PARTS, tmp_path / "ingest")
     table.hold(set(range(PARTS)))
-    _write(table, [(f"g{i}", pack(WAITING if i % 2 else JUDGED, NOW - i * 0.01, {"v": 1, "f": "x", "k": "accept"},
-                                  body)) for i in range(ENTRIES)])
+    _write(
+        table,
+        [
+            (f"g{i}", pack(WAITING if i % 2 else JUDGED, NOW - i * 0.01, {"v": 1, "f": "x", "k": "accept"}, body))
+            for i in range(ENTRIES)
+        ],
+    )
     _write(table, [(f"p{i}", _pending(i, NOW - 100.0 + i * 0.01)) for i in range(pending)])
     table.close()  # a restart: the databases are read back from disk
     table.hold(set(range(PARTS)))
@@ -105,8 +111,10 @@ def test_expiry_visits_only_the_entries_due(env, stack, tmp_path, store):
     due = 300
     body = b"x" * PAYLOAD
     judged = {"f": "x", "v": 1, "k": "accept"}
-    fresh = [(f"g{i}", pack(WAITING if i % 2 else JUDGED, NOW - 60.0, judged, b"" if i % 2 == 0 else body))
-             for i in range(ENTRIES // 4)]
+    fresh = [
+        (f"g{i}", pack(WAITING if i % 2 else JUDGED, NOW - 60.0, judged, b"" if i % 2 == 0 else body))
+        for i in range(ENTRIES // 4)
+    ]
     old_waiting = [(f"w{i}", pack(WAITING, NOW - ic.generation_ttl_s - 10, None, body)) for i in range(due)]
     old_judged = [(f"j{i}", pack(JUDGED, NOW - ic.judged_ttl_s - 10, judged)) for i in range(due)]
     kept_sample = [(f"a{i}", pack(JUDGED, NOW - ic.revert_sample_ttl_s - 10, judged, body)) for i in range(due)]
@@ -163,8 +171,9 @@ def test_a_revert_after_the_sample_is_cut_is_counted_and_trains_nothing(env):
     async def run():
         ing = Ingest(cfg, metrics, table, broker)
         ing.recovered()
-        table[gid] = pack(JUDGED, NOW - cfg.ingest.revert_sample_ttl_s - 1, {"f": "f1", "v": 3, "k": "accept"},
-                          b'{"sample": 1}')
+        table[gid] = pack(
+            JUDGED, NOW - cfg.ingest.revert_sample_ttl_s - 1, {"f": "f1", "v": 3, "k": "accept"}, b'{"sample": 1}'
+        )
         await ing.evict_old(now=NOW)
         fb = FeedbackEvent(feedback_id="f2", generation_id=gid, kind="revert", ts=NOW)
         await ing.process([(Source(cfg.topics.feedback, 0, 1, gid), fb.to_bytes())], now=NOW)

@@ -26,8 +26,22 @@ order of float additions; Adam's normalisation keeps such differences at the siz
 
 def launch(args: list[str], nproc: int, tmp: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "learner.dist_check", "--backend", "gloo", "--size", "tiny", "--work", str(tmp / "models"), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "learner.dist_check",
+        "--backend",
+        "gloo",
+        "--size",
+        "tiny",
+        "--work",
+        str(tmp / "models"),
+        *args,
+    ]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -77,7 +91,7 @@ def test_a_restart_resumes_from_the_last_complete_checkpoint_and_never_loads_a_t
     shutil.copytree(ck / "step-000000002", torn)
     (torn / "learner.json").unlink()
     for f in torn.glob("*.distcp"):
-        f.write_bytes(f.read_bytes()[: 10])
+        f.write_bytes(f.read_bytes()[:10])
 
     out = finish(launch([*args, "--resume", "--save-weights", str(tmp / "resumed.safetensors")], 2, tmp))
     assert "step 3:" in out and "step 4:" in out and "step 1:" not in out
@@ -89,8 +103,12 @@ def test_the_checkpoint_folder_lists_only_committed_checkpoints(tmp_path):
 
     ck = CheckpointDir(tmp_path, Ranks(rank=0, world=1, device=torch.device("cpu"), backend="gloo"))
     assert ck.latest() is None
-    for name, files in {"step-000000003": [".metadata", "learner.json"], "step-000000007": [".metadata"],
-                        ".tmp-000000008": [".metadata", "learner.json"], "step-x": [".metadata", "learner.json"]}.items():
+    for name, files in {
+        "step-000000003": [".metadata", "learner.json"],
+        "step-000000007": [".metadata"],
+        ".tmp-000000008": [".metadata", "learner.json"],
+        "step-x": [".metadata", "learner.json"],
+    }.items():
         (tmp_path / name).mkdir()
         for f in files:
             (tmp_path / name / f).write_text("{}")
@@ -112,8 +130,13 @@ def group_of_one(monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(port)}.items():
+    for k, v in {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }.items():
         monkeypatch.setenv(k, v)
     ranks = ldist.setup("gloo")
     yield ranks
@@ -179,19 +202,46 @@ def test_kill_9_of_one_rank_then_a_restart_trains_every_sample_exactly_once(cfg)
     model_dir = ensure_base_policy(model_cache(), seed=0, progress=False)
     samples = make_samples(load_model(model_dir), 96, seed=11)
     cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=100, checkpoint_every_steps=2)
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
-               LIVERL__STATE_DIR=str(cfg.state_path), LIVERL__BROKER__BOOTSTRAP=cfg.broker.bootstrap,
-               LIVERL__REDIS__URL=cfg.redis.url, LIVERL__TOPICS__PREFIX=cfg.topics.prefix,
-               LIVERL__MODEL__CACHE_DIR=str(model_cache()), LIVERL__LEARNER__BATCH_SIZE="16",
-               LIVERL__LEARNER__CANDIDATE_EVERY_STEPS="100", LIVERL__LEARNER__LR="1e-3",
-               LIVERL__LEARNER__CHECKPOINT_EVERY_STEPS="2", LIVERL__LEARNER__MAX_BATCH_WAIT_S="2")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        LIVERL__STATE_DIR=str(cfg.state_path),
+        LIVERL__BROKER__BOOTSTRAP=cfg.broker.bootstrap,
+        LIVERL__REDIS__URL=cfg.redis.url,
+        LIVERL__TOPICS__PREFIX=cfg.topics.prefix,
+        LIVERL__MODEL__CACHE_DIR=str(model_cache()),
+        LIVERL__LEARNER__BATCH_SIZE="16",
+        LIVERL__LEARNER__CANDIDATE_EVERY_STEPS="100",
+        LIVERL__LEARNER__LR="1e-3",
+        LIVERL__LEARNER__CHECKPOINT_EVERY_STEPS="2",
+        LIVERL__LEARNER__MAX_BATCH_WAIT_S="2",
+    )
     ckpt = checkpoint_path_for(cfg)
     ckpts = CheckpointDir(dcp_root(ckpt), Ranks(rank=0, world=1, device=torch.device("cpu"), backend="gloo"))
 
     def learn(max_steps: int) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                                 "-m", "liverl.cli", "learn", "--max-steps", str(max_steps)], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node=2",
+                "-m",
+                "liverl.cli",
+                "learn",
+                "--max-steps",
+                str(max_steps),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     produce_samples(cfg, samples[:48])
     first = learn(6)
@@ -200,8 +250,11 @@ def test_kill_9_of_one_rank_then_a_restart_trains_every_sample_exactly_once(cfg)
         while not ckpts.steps() and time.monotonic() < deadline and first.poll() is None:
             time.sleep(0.2)
         assert ckpts.steps(), f"no checkpoint within 150 s: {first.poll()}"
-        [rank1] = [p for p in psutil.Process(first.pid).children(recursive=True)
-                   if p.environ().get("RANK") == "1" and "liverl.cli" in " ".join(p.cmdline())]
+        [rank1] = [
+            p
+            for p in psutil.Process(first.pid).children(recursive=True)
+            if p.environ().get("RANK") == "1" and "liverl.cli" in " ".join(p.cmdline())
+        ]
         rank1.send_signal(signal.SIGKILL)
         out, _ = first.communicate(timeout=120)
     finally:

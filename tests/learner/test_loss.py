@@ -82,13 +82,15 @@ def test_kl_is_zero_at_the_reference_and_positive_elsewhere_with_restoring_gradi
     logp_BT = torch.log(torch.tensor([[0.3, 0.6]]))
     mask_BT = torch.ones(1, 2)
     zero_adv = torch.zeros(1)
-    grad_BT, out = _grad_of_logp(logp_BT, logp_BT.clone(), zero_adv, mask_BT, tis_cap=2.0,
-                                 ref_logp_BT=logp_BT.clone(), kl_coef=1.0)
+    grad_BT, out = _grad_of_logp(
+        logp_BT, logp_BT.clone(), zero_adv, mask_BT, tis_cap=2.0, ref_logp_BT=logp_BT.clone(), kl_coef=1.0
+    )
     assert out.metrics["kl"] == pytest.approx(0.0, abs=1e-7)
     assert grad_BT.abs().max() < 1e-7
     ref_BT = torch.log(torch.tensor([[0.5, 0.5]]))
-    grad_BT, out = _grad_of_logp(logp_BT, logp_BT.clone(), zero_adv, mask_BT, tis_cap=2.0,
-                                 ref_logp_BT=ref_BT, kl_coef=1.0)
+    grad_BT, out = _grad_of_logp(
+        logp_BT, logp_BT.clone(), zero_adv, mask_BT, tis_cap=2.0, ref_logp_BT=ref_BT, kl_coef=1.0
+    )
     assert out.metrics["kl"] > 0
     # descent pulls logp toward the reference: up where logp < ref, down where logp > ref
     assert grad_BT[0, 0] < 0 and grad_BT[0, 1] > 0
@@ -151,8 +153,15 @@ def test_full_kl_is_exact_zero_at_reference_and_pulls_toward_it():
     kl_BT = full_kl(logprobs_BTV, ref_BTV)
     p, q = logprobs_BTV.exp()[0, 0].detach(), ref_BTV.exp()[0, 0]
     assert kl_BT.item() == pytest.approx(float((p * (p / q).log()).sum()), rel=1e-5)
-    out = pg_loss(torch.log(p[:1])[None].detach().requires_grad_(), torch.log(p[:1])[None], torch.zeros(1),
-                  torch.ones(1, 1), tis_cap=2.0, kl_BT=kl_BT, kl_coef=1.0)
+    out = pg_loss(
+        torch.log(p[:1])[None].detach().requires_grad_(),
+        torch.log(p[:1])[None],
+        torch.zeros(1),
+        torch.ones(1, 1),
+        tis_cap=2.0,
+        kl_BT=kl_BT,
+        kl_coef=1.0,
+    )
     assert out.metrics["kl"] == pytest.approx(kl_BT.item())
     out.loss.backward()
     assert logits_BTV.grad[0, 0, 0] > 0  # descent lowers the logit the policy over-weights vs the reference

@@ -35,9 +35,21 @@ def _samples(vocab: int, n: int, seed: int) -> list[TrainingSample]:
         long = i % 2 == 0  # long and short ones: some rows hold several sequences
         prompt = [rng.randrange(1, vocab) for _ in range(rng.randrange(20, 30) if long else rng.randrange(2, 6))]
         completion = [rng.randrange(1, vocab) for _ in range(rng.randrange(8, 20) if long else rng.randrange(1, 5))]
-        out.append(TrainingSample(sample_id=f"s{i}", generation_id=f"s{i}", feedback_id=f"f{i}", policy_version=0,
-                                  kind="accept", reward=0.75, prompt_token_ids=prompt, completion_token_ids=completion,
-                                  behaviour_logprobs=[-1.0] * len(completion), ts_generation=1.7e9, ts_feedback=1.7e9))
+        out.append(
+            TrainingSample(
+                sample_id=f"s{i}",
+                generation_id=f"s{i}",
+                feedback_id=f"f{i}",
+                policy_version=0,
+                kind="accept",
+                reward=0.75,
+                prompt_token_ids=prompt,
+                completion_token_ids=completion,
+                behaviour_logprobs=[-1.0] * len(completion),
+                ts_generation=1.7e9,
+                ts_feedback=1.7e9,
+            )
+        )
     return out
 
 

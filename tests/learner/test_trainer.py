@@ -88,11 +88,22 @@ def make_samples(model, n: int, seed: int, policy_version: int = 0, id_prefix: s
     out = []
     for i, (p, (ids, lps, text)) in enumerate(zip(prompts, generate(served_copy(model), prompts, gen))):
         ok = task.user_accepts(p, text)
-        out.append(TrainingSample(
-            sample_id=f"{id_prefix}{seed}-{i}", generation_id=f"{id_prefix}{seed}-{i}", feedback_id=f"f{seed}-{i}",
-            policy_version=policy_version, kind="accept" if ok else "reject", reward=ACCEPT if ok else REJECT,
-            segment=p.segment, prompt_token_ids=encode_text(p.text), completion_token_ids=ids,
-            behaviour_logprobs=lps, ts_generation=now, ts_feedback=now))
+        out.append(
+            TrainingSample(
+                sample_id=f"{id_prefix}{seed}-{i}",
+                generation_id=f"{id_prefix}{seed}-{i}",
+                feedback_id=f"f{seed}-{i}",
+                policy_version=policy_version,
+                kind="accept" if ok else "reject",
+                reward=ACCEPT if ok else REJECT,
+                segment=p.segment,
+                prompt_token_ids=encode_text(p.text),
+                completion_token_ids=ids,
+                behaviour_logprobs=lps,
+                ts_generation=now,
+                ts_feedback=now,
+            )
+        )
     return out
 
 
@@ -243,8 +254,12 @@ def test_crash_and_restart_lose_nothing_and_train_nothing_twice(cfg, model_dir, 
     valid = base_samples[:96]  # 6 batches
     dupes = [valid[i] for i in (0, 5, 17, 40, 41, 50, 60, 69)]  # ingest redelivered these
     bad = [
-        valid[3].model_copy(update={"sample_id": "bad-shape", "behaviour_logprobs": valid[3].behaviour_logprobs + [-1.0]}),
-        valid[4].model_copy(update={"sample_id": "bad-vocab", "completion_token_ids": [10_000] * len(valid[4].completion_token_ids)}),
+        valid[3].model_copy(
+            update={"sample_id": "bad-shape", "behaviour_logprobs": valid[3].behaviour_logprobs + [-1.0]}
+        ),
+        valid[4].model_copy(
+            update={"sample_id": "bad-vocab", "completion_token_ids": [10_000] * len(valid[4].completion_token_ids)}
+        ),
     ]
     # every refused record precedes the last batch's samples, so all of them are read by the end
     stream = valid[:30] + dupes[:3] + bad[:1] + valid[30:70] + dupes[3:] + bad[1:] + valid[70:]
@@ -300,8 +315,12 @@ def test_crash_and_restart_lose_nothing_and_train_nothing_twice(cfg, model_dir, 
         # the ledger tells the same story: the crashed run's uncheckpointed lines are gone
         trained_lines, refused = ledger_fates(third)
         assert sorted(trained_lines) == sorted(s.sample_id for s in valid)
-        assert collections.Counter(r for _, r in refused) == {"duplicate": len(dupes), "shape_mismatch": 1,
-                                                               "out_of_vocab": 1, "wire_malformed_json": 1}
+        assert collections.Counter(r for _, r in refused) == {
+            "duplicate": len(dupes),
+            "shape_mismatch": 1,
+            "out_of_vocab": 1,
+            "wire_malformed_json": 1,
+        }
     finally:
         reg.close()
 
@@ -317,8 +336,9 @@ def ledger_fates(learner) -> tuple[list[str], list[tuple[str | None, str]]]:
     return trained, refused
 
 
-def test_a_record_that_breaks_the_checks_or_a_batch_that_fails_is_refused_and_the_loop_goes_on(cfg, model_dir,
-                                                                                               base_samples):
+def test_a_record_that_breaks_the_checks_or_a_batch_that_fails_is_refused_and_the_loop_goes_on(
+    cfg, model_dir, base_samples
+):
     """Finding 15: an unexpected exception on one record, or a batch that runs out of memory, crash-looped the
     learner. Now the record or the batch is refused with a counted reason, the weights are as before the batch,
     and training goes on."""
@@ -396,8 +416,7 @@ def test_the_dedupe_window_and_the_batch_token_cap_hold(cfg, model_dir, base_sam
     from learner.trainer import Learner
 
     longest = max(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in base_samples[:48])
-    cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=100, dedupe_window=10,
-                      max_batch_tokens=8 * longest)
+    cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=100, dedupe_window=10, max_batch_tokens=8 * longest)
     produce_samples(cfg, base_samples[:48])
     reg = make_registry(cfg, model_dir)
     try:
@@ -592,8 +611,9 @@ def test_run_sees_a_rollback_though_no_sample_was_ever_stale(cfg, model_dir, bas
         reg.close()
 
 
-def online_rl(model_dir: Path, lcfg, samples_total: int, eval_every: int, seed: int = 0,
-              cadence: int = 10) -> list[tuple[int, float]]:
+def online_rl(
+    model_dir: Path, lcfg, samples_total: int, eval_every: int, seed: int = 0, cadence: int = 10
+) -> list[tuple[int, float]]:
     """The live loop in one process: sample from the last "deployed" bf16 weights, train, evaluate.
 
     The behaviour policy is refreshed every ``cadence`` updates (a candidate promoted and hot-swapped),
@@ -647,8 +667,10 @@ def test_a_learner_that_cannot_keep_up_sheds_the_oldest_feedback_and_counts_it(c
 
     cfg = learner_cfg(cfg, batch_size=8, candidate_every_steps=100, max_backlog_s=600.0)
     now = time.time()
-    mixed = [s.model_copy(update={"ts_feedback": now - 3600.0 if i % 2 else now, "ts_generation": now - 3601.0})
-             for i, s in enumerate(base_samples[:32])]
+    mixed = [
+        s.model_copy(update={"ts_feedback": now - 3600.0 if i % 2 else now, "ts_generation": now - 3601.0})
+        for i, s in enumerate(base_samples[:32])
+    ]
     old = {s.sample_id for i, s in enumerate(mixed) if i % 2}
     produce_samples(cfg, mixed)
     reg = make_registry(cfg, model_dir)

@@ -48,8 +48,17 @@ def desired(rds, cfg) -> int:
 def test_versions_and_status_tables(cfg, fleet, capsys):
     assert cmd_versions(cfg, limit=20) == 0
     out = capsys.readouterr().out
-    for text in ("v2", "rejected (failed collapse)", "stable", "retired", "0.612", "60.0% of 100", "40.0% of 100",
-                 "node-0", "snap"):
+    for text in (
+        "v2",
+        "rejected (failed collapse)",
+        "stable",
+        "retired",
+        "0.612",
+        "60.0% of 100",
+        "40.0% of 100",
+        "node-0",
+        "snap",
+    ):
         assert text in out, text
     assert cmd_status(cfg) == 0
     out = capsys.readouterr().out
@@ -154,7 +163,9 @@ def test_history_verify_detects_a_recomputed_chain(cfg, fleet, capsys):
             for pos, e in enumerate(c.execute(sa.select(AuditEntry).order_by(AuditEntry.id)).all(), 1):
                 h = audit_hash(prev, e.actor, e.action, e.version, e.reason, e.at)
                 mac = audit_mac(b"the attacker's key", link, pos, e.actor, e.action, e.version, e.reason, e.at)
-                c.execute(sa.update(AuditEntry).where(AuditEntry.id == e.id).values(prev_hash=prev, entry_hash=h, mac=mac))
+                c.execute(
+                    sa.update(AuditEntry).where(AuditEntry.id == e.id).values(prev_hash=prev, entry_hash=h, mac=mac)
+                )
                 prev, link = h, mac
     finally:
         reg.close()
@@ -193,8 +204,17 @@ def test_canary_verbs_write_the_rollout_in_the_registry_and_the_audit_log(cfg, r
         base = reg.materialize(1)
         v3 = reg.add_candidate(perturb(base, 0.05, seed=3), parent=1).version
         v4 = reg.add_candidate(perturb(base, 0.05, seed=4), parent=1).version
-        ro = reg.begin_rollout(v3, stable_version=1, share=0.2, nodes=["node-1"], unit="user",
-                               deadline_at=time.time() + 600, settings={}, actor="gate", reason="checks passed")
+        ro = reg.begin_rollout(
+            v3,
+            stable_version=1,
+            share=0.2,
+            nodes=["node-1"],
+            unit="user",
+            deadline_at=time.time() + 600,
+            settings={},
+            actor="gate",
+            reason="checks passed",
+        )
     finally:
         reg.close()
     capsys.readouterr()
@@ -229,8 +249,17 @@ def test_canary_verbs_write_the_rollout_in_the_registry_and_the_audit_log(cfg, r
 
     reg = open_registry(cfg)
     try:
-        ro4 = reg.begin_rollout(v4, stable_version=1, share=0.2, nodes=["node-1"], unit="request",
-                                deadline_at=time.time() + 600, settings={}, actor="gate", reason="checks passed")
+        ro4 = reg.begin_rollout(
+            v4,
+            stable_version=1,
+            share=0.2,
+            nodes=["node-1"],
+            unit="request",
+            deadline_at=time.time() + 600,
+            settings={},
+            actor="gate",
+            reason="checks passed",
+        )
     finally:
         reg.close()
     assert cmd_rollout(cfg, "promote", reason="clearly better", token=alice) == 0  # `promote --full`

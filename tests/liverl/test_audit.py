@@ -20,17 +20,36 @@ from tests.deploy.conftest import perturb, tiny_model
 
 
 def _gen(gid: str, trainable: bool = True) -> GenerationRecord:
-    return GenerationRecord(generation_id=gid, policy_version=0, node="node-0", prompt="1+2=", completion="3",
-                            prompt_token_ids=[1, 2], completion_token_ids=[3], completion_logprobs=[-0.5],
-                            sampling=SamplingParams(temperature=1.0, max_tokens=4),
-                            trainable=trainable, untrainable_reason=None if trainable else "greedy")
+    return GenerationRecord(
+        generation_id=gid,
+        policy_version=0,
+        node="node-0",
+        prompt="1+2=",
+        completion="3",
+        prompt_token_ids=[1, 2],
+        completion_token_ids=[3],
+        completion_logprobs=[-0.5],
+        sampling=SamplingParams(temperature=1.0, max_tokens=4),
+        trainable=trainable,
+        untrainable_reason=None if trainable else "greedy",
+    )
 
 
 def _sample(gid: str, fid: str) -> TrainingSample:
     now = time.time()
-    return TrainingSample(sample_id=gid, generation_id=gid, feedback_id=fid, policy_version=0, kind="accept",
-                          reward=1.0, prompt_token_ids=[1, 2], completion_token_ids=[3], behaviour_logprobs=[-0.5],
-                          ts_generation=now, ts_feedback=now)
+    return TrainingSample(
+        sample_id=gid,
+        generation_id=gid,
+        feedback_id=fid,
+        policy_version=0,
+        kind="accept",
+        reward=1.0,
+        prompt_token_ids=[1, 2],
+        completion_token_ids=[3],
+        behaviour_logprobs=[-0.5],
+        ts_generation=now,
+        ts_feedback=now,
+    )
 
 
 def _commit(cfg, group: str, topic: str, offsets: dict[int, int]) -> None:
@@ -48,8 +67,10 @@ def test_the_audit_names_every_events_fate(cfg, rds):
     t, p = cfg.topics, cfg.topics.prefix
     ensure_topics(cfg.broker.bootstrap, [t.feedback, t.generations, t.samples, t.dead_letters, t.heldout], 1)
     prod = make_producer(cfg.broker.bootstrap)
-    fb = {name: FeedbackEvent(feedback_id=f"f-{name}", generation_id=f"g-{name}", kind="accept")
-          for name in ("trained", "twice", "stale", "dead", "greedy", "lost", "queued", "inflight")}
+    fb = {
+        name: FeedbackEvent(feedback_id=f"f-{name}", generation_id=f"g-{name}", kind="accept")
+        for name in ("trained", "twice", "stale", "dead", "greedy", "lost", "queued", "inflight")
+    }
     order = ["trained", "trained", "twice", "stale", "dead", "greedy", "lost", "queued", "inflight"]  # a redelivery
     for name in order:
         prod.send(t.feedback, key=fb[name].generation_id, value=fb[name].to_bytes())
@@ -83,9 +104,17 @@ def test_the_audit_names_every_events_fate(cfg, rds):
         rds.set(f"{p}:served:node-0", json.dumps({"version": 0, "checksum": v0.checksum, "ts": time.time()}))
         rep = run_audit(cfg, cfg.broker.bootstrap, rds, reg)
         assert rep.feedback_records == 11 and rep.events == 10
-        assert dict(rep.fates) == {"trained": 2, "refused_by_learner:stale": 1, "dead_letter:unknown_generation": 1,
-                                   "dead_letter:malformed_json": 1, "dropped:not_trainable": 1, "lost": 1,
-                                   "queued_for_learner": 1, "in_flight": 1, "held_out": 1}
+        assert dict(rep.fates) == {
+            "trained": 2,
+            "refused_by_learner:stale": 1,
+            "dead_letter:unknown_generation": 1,
+            "dead_letter:malformed_json": 1,
+            "dropped:not_trainable": 1,
+            "lost": 1,
+            "queued_for_learner": 1,
+            "in_flight": 1,
+            "held_out": 1,
+        }
         assert rep.lost_examples == ["f-lost"] and rep.trained_twice == ["g-twice"]
         assert rep.joined_events == 6 and rep.live_events == 6
         assert rep.stable_versions == [0] and rep.converged
@@ -102,8 +131,17 @@ def test_the_audit_names_every_events_fate(cfg, rds):
         rep = run_audit(cfg, cfg.broker.bootstrap, rds, reg)
         assert not rep.converged
         v1 = reg.add_candidate(perturb(tiny_model(), 0.05, seed=1), parent=0)
-        reg.begin_rollout(v1.version, stable_version=0, share=0.2, nodes=["node-1"], unit="user",
-                          deadline_at=time.time() + 60, settings={}, actor="gate", reason="canary")
+        reg.begin_rollout(
+            v1.version,
+            stable_version=0,
+            share=0.2,
+            nodes=["node-1"],
+            unit="user",
+            deadline_at=time.time() + 60,
+            settings={},
+            actor="gate",
+            reason="canary",
+        )
         rds.set(f"{p}:served:node-1", json.dumps({"version": v1.version, "checksum": v1.checksum, "ts": time.time()}))
         rep = run_audit(cfg, cfg.broker.bootstrap, rds, reg)
         assert rep.converged and rep.nodes["node-1"]["canary"] == v1.version

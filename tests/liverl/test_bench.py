@@ -77,7 +77,7 @@ def test_synthetic_hits_the_changed_fraction():
     layout = synthetic_layout(0.005)
     assert sum(math.prod(s) for _, s, _ in layout) * 2 >= 0.005 * (1 << 30)
     assert step_lr_for(0.01, layout) < step_lr_for(0.05, layout)
-    (name, base, target), = synthetic_cases(0.005, fractions=(0.02,))
+    ((name, base, target),) = synthetic_cases(0.005, fractions=(0.02,))
     assert name == "synthetic 0.005 GiB 2% changed"
     changed = sum(int((base[k].view(torch.int16) != target[k].view(torch.int16)).sum()) for k in base)
     assert changed / sum(t.numel() for t in base.values()) == pytest.approx(0.02, rel=0.1)
@@ -92,7 +92,11 @@ def test_cli_demo_json(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("LIVERL__MODEL__CACHE_DIR", cache)
     assert main(["bench", "delta", "--skip-synthetic", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert [r["case"] for r in rows][:3] == ["demo lr=1e-06 every 1", "demo lr=1e-06 every 10", "demo lr=1e-06 every 50"]
+    assert [r["case"] for r in rows][:3] == [
+        "demo lr=1e-06 every 1",
+        "demo lr=1e-06 every 10",
+        "demo lr=1e-06 every 50",
+    ]
     assert len(rows) == 9
     for r in rows:
         assert set(ROW_KEYS) <= set(r)
@@ -112,14 +116,27 @@ def test_logprobs_compare_scores_the_tokens_it_is_given():
     from liverl.testing.models import ensure_test_model
 
     model_dir = ensure_test_model("qwen3", os.environ.get("LIVERL_TEST_MODEL_CACHE"))
-    done = [{"prompt_token_ids": [5, 6, 7], "completion_token_ids": [8, 9, 10]},
-            {"prompt_token_ids": [11, 12], "completion_token_ids": [13]}]
+    done = [
+        {"prompt_token_ids": [5, 6, 7], "completion_token_ids": [8, 9, 10]},
+        {"prompt_token_ids": [11, 12], "completion_token_ids": [13]},
+    ]
     tr = PolicyTrainer(model_dir, LearnerConfig())
-    probe = [TrainingSample(sample_id=f"p{i}", generation_id=f"p{i}", feedback_id=f"p{i}", policy_version=0,
-                            kind="accept", reward=0.0, prompt_token_ids=c["prompt_token_ids"],
-                            completion_token_ids=c["completion_token_ids"],
-                            behaviour_logprobs=[-1.0] * len(c["completion_token_ids"]),
-                            ts_generation=time.time(), ts_feedback=time.time()) for i, c in enumerate(done)]
+    probe = [
+        TrainingSample(
+            sample_id=f"p{i}",
+            generation_id=f"p{i}",
+            feedback_id=f"p{i}",
+            policy_version=0,
+            kind="accept",
+            reward=0.0,
+            prompt_token_ids=c["prompt_token_ids"],
+            completion_token_ids=c["completion_token_ids"],
+            behaviour_logprobs=[-1.0] * len(c["completion_token_ids"]),
+            ts_generation=time.time(),
+            ts_feedback=time.time(),
+        )
+        for i, c in enumerate(done)
+    ]
     exact = tr.token_logprobs(probe)
     for c, lp in zip(done, exact):
         c["logprobs"] = lp
@@ -147,8 +164,17 @@ def test_serve_bench_forwards_the_gateways_own_request_and_prints_both_ratios():
     assert json.loads(chat[0][1])["logprobs"] is True and json.loads(chat[0][1])["stream"] is True
 
     side = {"gen_per_s": 100.0, "p50_ms": 200.0, "errors": 0, "total_ok": 2000, "gateway_cpu_s": 1.0}
-    rows = [{"round": 1, "first": "gateway", "gateway": side, "node": dict(side, gen_per_s=200.0),
-             "node_fwd": dict(side, gen_per_s=125.0), "ratio": 0.5, "ratio_fwd": 0.8}]
+    rows = [
+        {
+            "round": 1,
+            "first": "gateway",
+            "gateway": side,
+            "node": dict(side, gen_per_s=200.0),
+            "node_fwd": dict(side, gen_per_s=125.0),
+            "ratio": 0.5,
+            "ratio_fwd": 0.8,
+        }
+    ]
     out = _table({"rows": rows, "median_ratio": 0.5, "median_ratio_fwd": 0.8, "machine": "m", "command": "c"})
     assert "**0.500**" in out and "0.800" in out and "| 0.50 |" in out  # gateway CPU ms/gen: 1 s / 2000
 
@@ -185,8 +211,12 @@ def test_bench_learn_drift_prints_the_kl_each_learning_rate_reaches(tmp_path, ca
     """``liverl bench learn --drift``: one row per model and rate, the KL from the base growing with the rate."""
     from liverl.bench.learn import main
 
-    assert main(["--models", "tiny", "--drift", "1e-2,1e-6", "--drift-steps", "2", "--batch", "4",
-                 "--work", str(tmp_path)]) == 0
+    assert (
+        main(
+            ["--models", "tiny", "--drift", "1e-2,1e-6", "--drift-steps", "2", "--batch", "4", "--work", str(tmp_path)]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| tiny |")]
     assert [r[1] for r in rows] == ["0.01", "1e-06"]

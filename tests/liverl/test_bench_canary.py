@@ -13,14 +13,32 @@ def test_the_canary_bench_prints_both_tables_with_the_bar_and_the_command(tmp_pa
     from liverl.cli import main
 
     out = tmp_path / "canary.json"
-    assert main(["bench", "canary", "--runs", "6", "--users", "48", "--populations", "segments,beta(2,2)",
-                 "--deadline-s", "300", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "canary",
+                "--runs",
+                "6",
+                "--users",
+                "48",
+                "--populations",
+                "segments,beta(2,2)",
+                "--deadline-s",
+                "300",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "| population | users | user unit | user unit + CUPED | per event, sticky users (wrong) |" in printed
     assert "| population | users | +3 points: user | user + CUPED | per request |" in printed
     assert "user-unit A/A false decisions (bar: at most alpha 5% in every row)" in printed
-    assert ("reproduce: `liverl bench canary --runs 6 --users 48 --populations 'segments,beta(2,2)' "
-            "--deadline-s 300.0`") in printed
+    assert (
+        "reproduce: `liverl bench canary --runs 6 --users 48 --populations 'segments,beta(2,2)' --deadline-s 300.0`"
+    ) in printed
     rows = json.loads(out.read_text())["rows"]
     assert [(r["population"], r["users"], r["runs"]) for r in rows] == [("segments", 48, 6), ("beta(2,2)", 48, 6)]
     assert set(rows[0]["effects"]) == {"0.0", "0.03", "-0.03"}

@@ -27,15 +27,37 @@ def test_bench_learn_prints_the_table_the_command_and_equal_losses(tmp_path, cap
 
     out = tmp_path / "learn.json"
     # lr 1e-2: the second (checked) update starts far enough from the reference for the KL term to count
-    assert main(["bench", "learn", "--models", "demo", "tiny", *TINY, "--lr", "0.01", "--cache", str(model_cache()),
-                 "--work", str(tmp_path / "models"), "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "learn",
+                "--models",
+                "demo",
+                "tiny",
+                *TINY,
+                "--lr",
+                "0.01",
+                "--cache",
+                str(model_cache()),
+                "--work",
+                str(tmp_path / "models"),
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "| " + " | ".join(COLUMNS) + " |" in printed
-    assert ("command: liverl bench learn --models demo tiny --rounds 1 --steps 1 --batch 3 --lr 0.01"
-            in printed)
+    assert "command: liverl bench learn --models demo tiny --rounds 1 --steps 1 --batch 3 --lr 0.01" in printed
     rows = json.loads(out.read_text())
-    assert [(r["model"], r["side"]) for r in rows] == [("demo", "learner"), ("demo", "plain"), ("tiny", "learner"),
-                                                       ("tiny", "plain")]
+    assert [(r["model"], r["side"]) for r in rows] == [
+        ("demo", "learner"),
+        ("demo", "plain"),
+        ("tiny", "learner"),
+        ("tiny", "plain"),
+    ]
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["samples_per_s"] > 0 and r["timed_steps"] == 1
     for r in rows[::2]:

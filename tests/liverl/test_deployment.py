@@ -30,8 +30,14 @@ def prefix():
 
 
 def _cfg(tmp_path, name: str, prefix: str):
-    return load_config(env={}, state_dir=str(tmp_path / name), topics__prefix=prefix, redis__url=REDIS,
-                       broker__bootstrap="127.0.0.1:1", model__cache_dir=str(tmp_path / "models"))
+    return load_config(
+        env={},
+        state_dir=str(tmp_path / name),
+        topics__prefix=prefix,
+        redis__url=REDIS,
+        broker__bootstrap="127.0.0.1:1",
+        model__cache_dir=str(tmp_path / "models"),
+    )
 
 
 def _registry_of(cfg, model_dir) -> None:
@@ -74,8 +80,22 @@ def test_up_with_another_model_in_the_demo_folder_says_what_to_do_and_starts_not
     _registry_of(cfg, _model(tmp_path, "demo-model"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIVERL")}
     env.update({"LIVERL__TOPICS__PREFIX": prefix, "LIVERL__REDIS__URL": REDIS, "HF_HUB_OFFLINE": "1"})
-    r = subprocess.run([sys.executable, "-m", "liverl.cli", "up", "--model", str(_model(tmp_path, "my-moe")),
-                        "--state-dir", str(tmp_path / "state")], capture_output=True, text=True, timeout=180, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "liverl.cli",
+            "up",
+            "--model",
+            str(_model(tmp_path, "my-moe")),
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert r.returncode == 1, r.stderr[-3000:]
     assert "liverl: error: the state dir" in r.stderr and "--fresh" in r.stderr and "--state-dir" in r.stderr
     assert "Traceback" not in r.stderr
@@ -105,8 +125,13 @@ def test_two_deployments_on_one_redis_and_fresh_leaves_the_other_ones_keys(tmp_p
                 pass
         assert r.hget(f"{prefix}:live:{{0}}", "events") == b"10579"  # the first deployment's keys are all there
         assert json.loads(r.get(claim_key(prefix)))["id"] == me.id
-        other = load_config(env={}, state_dir=str(tmp_path / "new-state"), topics__prefix=f"{prefix}x",
-                            redis__url=REDIS, broker__bootstrap="127.0.0.1:1")
+        other = load_config(
+            env={},
+            state_dir=str(tmp_path / "new-state"),
+            topics__prefix=f"{prefix}x",
+            redis__url=REDIS,
+            broker__bootstrap="127.0.0.1:1",
+        )
         claim(other, r, bind(other, r, model, fresh=False), model)  # with its own prefix it starts
         r.delete(claim_key(f"{prefix}x"))
     finally:

@@ -34,13 +34,19 @@ def registry(request, tmp_path):
 
 
 def _candidate(reg: Registry, step: int, seed: int) -> int:
-    return int(reg.add_candidate(perturb(tiny_model(), 0.05, seed=seed), parent=int(reg.stable().version),
-                                 learner_step=step).version)
+    return int(
+        reg.add_candidate(
+            perturb(tiny_model(), 0.05, seed=seed), parent=int(reg.stable().version), learner_step=step
+        ).version
+    )
 
 
 def _train(ledger: Ledger, step: int, fids: list[str]) -> None:
-    ledger.trained(step, [(0, step * 10 + i, f"g-{fid}") for i, fid in enumerate(fids)],
-                   feedback=[(fid, T0 + step) for fid in fids])
+    ledger.trained(
+        step,
+        [(0, step * 10 + i, f"g-{fid}") for i, fid in enumerate(fids)],
+        feedback=[(fid, T0 + step) for fid in fids],
+    )
 
 
 def test_a_refused_candidates_feedback_is_served_only_through_a_promoted_descendant(registry, tmp_path):
@@ -67,8 +73,17 @@ def test_a_refused_candidates_feedback_is_served_only_through_a_promoted_descend
     _train(ledger, 5, ["f-e"])
     ledger.flush(seq=4)
     v4 = _candidate(registry, 5, seed=4)  # v2's weights plus step 5: f-a..f-c and f-e, not f-d
-    registry.begin_rollout(v4, stable_version=v2, share=0.5, nodes=["node-1"], unit="user",
-                           deadline_at=T0 + 10**6, settings={}, actor="gate", reason="canary")
+    registry.begin_rollout(
+        v4,
+        stable_version=v2,
+        share=0.5,
+        nodes=["node-1"],
+        unit="user",
+        deadline_at=T0 + 10**6,
+        settings={},
+        actor="gate",
+        reason="canary",
+    )
     registry.update_fleet("node-1", v4, registry.get(v4).checksum)  # the canary node serves it before promotion
     registry.promote(v4, actor="gate", reason="canary passed")
     registry.update_fleet("node-0", v4, registry.get(v4).checksum)
@@ -94,8 +109,13 @@ def test_a_refused_candidates_feedback_is_served_only_through_a_promoted_descend
         trace("f-nope", led_path, registry)
 
     s = latency_summary(led_path, registry)
-    assert {k: s[k] for k in ("trained", "in_a_candidate", "served", "promoted", "dropped_by_rebase")} == \
-        {"trained": 5, "in_a_candidate": 5, "served": 4, "promoted": 4, "dropped_by_rebase": 1}
+    assert {k: s[k] for k in ("trained", "in_a_candidate", "served", "promoted", "dropped_by_rebase")} == {
+        "trained": 5,
+        "in_a_candidate": 5,
+        "served": 4,
+        "promoted": 4,
+        "dropped_by_rebase": 1,
+    }
     assert s["feedback_to_served_s"]["n"] == 4 and s["feedback_to_served_s"]["p50"] > 0
 
 
@@ -219,11 +239,24 @@ def test_the_demo_summary_reports_feedback_to_served(cfg, tmp_path, capsys):
     assert not fs["canaries"] and fs["nodes"] == 1
     p50 = fs["feedback_to_served_s"]["p50"]
     assert started - (T0 + 8) <= p50 <= time.time() - (T0 + 1)  # feedback at T0 + step 1..8, served during the test
-    summary = {"base_acceptance": 0.4, "base_feedback_events": 300, "last_promoted_version": v1,
-               "last_promoted_acceptance": 0.5, "last_promoted_feedback_events": 100, "lift_points": 10.0,
-               "feedback_events": 400, "samples_trained": 30, "versions_produced": 1, "versions_promoted": 1,
-               "versions_rejected": 0, "hot_swap_pause_ms": [], "delta_ratio": {}, "dead_letters": {},
-               "feedback_to_served": fs, "ok": False}
+    summary = {
+        "base_acceptance": 0.4,
+        "base_feedback_events": 300,
+        "last_promoted_version": v1,
+        "last_promoted_acceptance": 0.5,
+        "last_promoted_feedback_events": 100,
+        "lift_points": 10.0,
+        "feedback_events": 400,
+        "samples_trained": 30,
+        "versions_produced": 1,
+        "versions_promoted": 1,
+        "versions_rejected": 0,
+        "hot_swap_pause_ms": [],
+        "delta_ratio": {},
+        "dead_letters": {},
+        "feedback_to_served": fs,
+        "ok": False,
+    }
     print_summary(summary, tmp_path / "s.json", tmp_path / "p.png")
     out = capsys.readouterr().out
     assert f"feedback -> served (s)         p50 {p50:.0f}" in out and "over 24 of 30 trained events (one node" in out

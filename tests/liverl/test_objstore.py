@@ -15,8 +15,13 @@ from liverl.stack import BROKER_BUCKET, start_object_store
 
 
 def _client(port: int):
-    return boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
-                        aws_access_key_id="liverl", aws_secret_access_key="liverl")
+    return boto3.client(
+        "s3",
+        endpoint_url=f"http://127.0.0.1:{port}",
+        region_name="us-east-1",
+        aws_access_key_id="liverl",
+        aws_secret_access_key="liverl",
+    )
 
 
 def _code(e: pytest.ExceptionInfo) -> str:
@@ -42,8 +47,9 @@ def test_reads_writes_conditions_listings_and_a_restart(tmp_path):
         assert _code(e) == "PreconditionFailed"
         for off in (0, 269, 537, 801, 1065):
             s3.put_object(Bucket=b, Key=f"clusters/c/t/0/records/{off:020}.batch", Body=b"b" * off)
-        pages = s3.get_paginator("list_objects_v2").paginate(Bucket=b, Prefix="clusters/c/t/0/records/",
-                                                               PaginationConfig={"PageSize": 2})
+        pages = s3.get_paginator("list_objects_v2").paginate(
+            Bucket=b, Prefix="clusters/c/t/0/records/", PaginationConfig={"PageSize": 2}
+        )
         listed = [o["Key"] for page in pages for o in page.get("Contents", [])]
         assert listed == [f"clusters/c/t/0/records/{off:020}.batch" for off in (0, 269, 537, 801, 1065)]
         top = s3.list_objects_v2(Bucket=b, Prefix="clusters/c/", Delimiter="/")

@@ -25,11 +25,23 @@ def _chromium() -> str:
 
 def _render(url: str, tmp_path, screenshot: bool = False) -> str:
     """The DOM after the page's scripts ran (a real browser: fetch, JavaScript, SVG)."""
-    args = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-            f"--user-data-dir={tmp_path / 'chromium'}", "--virtual-time-budget=8000", "--run-all-compositor-stages-before-draw"]
+    args = [
+        _chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--user-data-dir={tmp_path / 'chromium'}",
+        "--virtual-time-budget=8000",
+        "--run-all-compositor-stages-before-draw",
+    ]
     if screenshot:
-        out = subprocess.run([*args, f"--screenshot={tmp_path / 'oncall.png'}", "--window-size=1400,1400", url],
-                             capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [*args, f"--screenshot={tmp_path / 'oncall.png'}", "--window-size=1400,1400", url],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert (tmp_path / "oncall.png").stat().st_size > 10_000, out.stderr[-2000:]
     out = subprocess.run([*args, "--dump-dom", url], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -57,8 +69,9 @@ def test_the_page_shows_release_fleet_acceptance_checks_and_audit(cfg, rds, flee
         assert "gate passed" in text and "gate" in text  # the audit log: who and why
 
         # the page follows the registry and Redis: node-0 falls behind, a new version is judged
-        rds.set(f"{cfg.topics.prefix}:served:node-0",
-                json.dumps({"version": 0, "checksum": "0" * 64, "ts": time.time()}))
+        rds.set(
+            f"{cfg.topics.prefix}:served:node-0", json.dumps({"version": 0, "checksum": "0" * 64, "ts": time.time()})
+        )
         text = _text(_render(url, tmp_path))
         assert "nodes disagree with the stable version" in text and "rollout: none in progress" in text
 
@@ -69,18 +82,52 @@ def test_the_page_shows_release_fleet_acceptance_checks_and_audit(cfg, rds, flee
         reg = open_registry(cfg)
         try:
             v3 = reg.add_candidate(perturb(tiny_model(), 0.05, seed=3), parent=v1.version)
-            ro = reg.begin_rollout(v3.version, stable_version=v1.version, share=0.2, nodes=["node-0"], unit="user",
-                                   deadline_at=time.time() + 600, settings={}, actor="gate", reason="gate passed")
-            looks = [{"at": time.time() - 60 + 10 * i, "canary_events": 40 * i, "stable_events": 160 * i,
-                      "canary_acceptance": 0.5 + 0.02 * i, "stable_acceptance": 0.4, "p_better": 0.5 / (i + 1),
-                      "p_worse": 1.0, "canary_users": 10 * i, "stable_users": 40 * i} for i in range(1, 6)]
-            reg.save_rollout_evidence(ro.id, expect_revision=ro.revision, test_state={}, looks=looks,
-                                      verdict="continue", reason="collecting evidence")
+            ro = reg.begin_rollout(
+                v3.version,
+                stable_version=v1.version,
+                share=0.2,
+                nodes=["node-0"],
+                unit="user",
+                deadline_at=time.time() + 600,
+                settings={},
+                actor="gate",
+                reason="gate passed",
+            )
+            looks = [
+                {
+                    "at": time.time() - 60 + 10 * i,
+                    "canary_events": 40 * i,
+                    "stable_events": 160 * i,
+                    "canary_acceptance": 0.5 + 0.02 * i,
+                    "stable_acceptance": 0.4,
+                    "p_better": 0.5 / (i + 1),
+                    "p_worse": 1.0,
+                    "canary_users": 10 * i,
+                    "stable_users": 40 * i,
+                }
+                for i in range(1, 6)
+            ]
+            reg.save_rollout_evidence(
+                ro.id,
+                expect_revision=ro.revision,
+                test_state={},
+                looks=looks,
+                verdict="continue",
+                reason="collecting evidence",
+            )
         finally:
             reg.close()
         rds.set(f"{cfg.topics.prefix}:rollout", '{"version": 99, "nodes": ["evil"]}')  # Redis decides nothing
-        rds.hset(f"{cfg.topics.prefix}:learner", mapping={"step": 41, "samples_trained": 2624, "state": "running",
-                                                           "backlog_samples": 1900, "backlog_s": 150.2})
+        rds.hset(
+            f"{cfg.topics.prefix}:learner",
+            mapping={
+                "step": 41,
+                "samples_trained": 2624,
+                "state": "running",
+                "backlog_samples": 1900,
+                "backlog_s": 150.2,
+            },
+        )
         dom = _render(url, tmp_path, screenshot=True)
         text = _text(dom)
         assert f"canary v{v3.version} (rollout {ro.id}) on node-0 for 20.0% of users" in text and "running" in text

@@ -28,14 +28,30 @@ def test_version_evidence_names_offpolicy_and_canary_per_version(cfg, tmp_path, 
     assert ev[str(v1.version)]["offpolicy"]["value"] == 0.61 and ev[str(v1.version)]["canary"]["passed"]
     assert ev[str(v1.version)]["live_acceptance"] == 0.59 and ev[str(v1.version)]["status"] == "stable"
     assert not ev[str(v2.version)]["canary"]["passed"] and ev[str(v2.version)]["live_acceptance"] is None
-    summary = {"base_acceptance": 0.4, "base_feedback_events": 300, "last_promoted_version": v1.version,
-               "last_promoted_acceptance": 0.59, "last_promoted_feedback_events": 100, "lift_points": 19.0,
-               "feedback_events": 400, "samples_trained": 300, "versions_produced": 2, "versions_promoted": 1,
-               "versions_rejected": 1, "hot_swap_pause_ms": [], "delta_ratio": {}, "dead_letters": {},
-               "versions": ev, "ok": False}
+    summary = {
+        "base_acceptance": 0.4,
+        "base_feedback_events": 300,
+        "last_promoted_version": v1.version,
+        "last_promoted_acceptance": 0.59,
+        "last_promoted_feedback_events": 100,
+        "lift_points": 19.0,
+        "feedback_events": 400,
+        "samples_trained": 300,
+        "versions_produced": 2,
+        "versions_promoted": 1,
+        "versions_rejected": 1,
+        "hot_swap_pause_ms": [],
+        "delta_ratio": {},
+        "dead_letters": {},
+        "versions": ev,
+        "ok": False,
+    }
     print_summary(summary, tmp_path / "s.json", tmp_path / "p.png")
     out = capsys.readouterr().out
-    assert f"v{v1.version}    stable    kept  59%; off-policy difference's upper bound +0.610 (pass); canary promoted" in out
+    assert (
+        f"v{v1.version}    stable    kept  59%; off-policy difference's upper bound +0.610 (pass); canary promoted"
+        in out
+    )
     assert f"v{v2.version}    rejected  kept    -; off-policy -; canary aborted: guardrail revert_rate is worse" in out
 
 

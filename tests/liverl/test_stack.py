@@ -30,7 +30,9 @@ def test_embedded_redis_keeps_acknowledged_writes_across_kill_9(tmp_path):
         r = redis.Redis(port=port)
         assert r.get("p:desired") == b"announcement" and r.hget("p:live:3", "accept") == b"7"
         assert r.hget("p:live:4", "events") == b"300"
-        assert r.config_get("appendonly")["appendonly"] == "yes" and r.config_get("appendfsync")["appendfsync"] == "always"
+        assert (
+            r.config_get("appendonly")["appendonly"] == "yes" and r.config_get("appendfsync")["appendfsync"] == "always"
+        )
         assert (tmp_path / "redis").is_dir()
     finally:
         procs.stop([("redis", proc)], timeout=5)
@@ -94,8 +96,12 @@ def test_embedded_broker_keeps_unconsumed_records_and_committed_offsets_across_a
     from liverl.core.config import load_config
     from liverl.stack import start_stack
 
-    cfg = load_config(env={}, state_dir=str(tmp_path / "state"), broker__embedded_port=free_port(),
-                      redis__url="redis://127.0.0.1:6379/0")
+    cfg = load_config(
+        env={},
+        state_dir=str(tmp_path / "state"),
+        broker__embedded_port=free_port(),
+        redis__url="redis://127.0.0.1:6379/0",
+    )
     assert cfg.broker.embedded_storage == "folder"  # the default
     topic = "durable.feedback"
     st = start_stack(cfg)
@@ -127,8 +133,13 @@ def test_memory_storage_loses_the_records_at_a_restart(tmp_path):
     from liverl.core.config import load_config
     from liverl.stack import start_stack
 
-    cfg = load_config(env={}, state_dir=str(tmp_path / "state"), broker__embedded_port=free_port(),
-                      broker__embedded_storage="memory", redis__url="redis://127.0.0.1:6379/0")
+    cfg = load_config(
+        env={},
+        state_dir=str(tmp_path / "state"),
+        broker__embedded_port=free_port(),
+        broker__embedded_storage="memory",
+        redis__url="redis://127.0.0.1:6379/0",
+    )
     st = start_stack(cfg)
     try:
         ensure_topics(st.bootstrap, ["mem.feedback"], 2)

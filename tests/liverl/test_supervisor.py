@@ -11,15 +11,24 @@ from liverl.supervisor import SECTIONS, child_env, ensure_keys
 
 
 def _stack(tmp_path) -> Stack:  # the addresses a started stack reports (no process is started here)
-    return Stack(bootstrap="127.0.0.1:19999", redis_url="redis://127.0.0.1:6379/0",
-                 registry_url=f"sqlite:///{tmp_path / 'registry.db'}", blob_dir=str(tmp_path / "blobs"))
+    return Stack(
+        bootstrap="127.0.0.1:19999",
+        redis_url="redis://127.0.0.1:6379/0",
+        registry_url=f"sqlite:///{tmp_path / 'registry.db'}",
+        blob_dir=str(tmp_path / "blobs"),
+    )
 
 
 def test_a_child_keeps_the_configured_keys_and_every_section(tmp_path):
     """Finding N4: child_env dropped ``security``, so configured keys became "no signing, no verification"."""
     private, public = generate_keypair(tmp_path / "etc-liverl")
-    cfg = load_config(env={}, state_dir=str(tmp_path / "state"), security__signing_key=str(private),
-                      security__verify_key=str(public), security__announce_ttl_s=120.0)
+    cfg = load_config(
+        env={},
+        state_dir=str(tmp_path / "state"),
+        security__signing_key=str(private),
+        security__verify_key=str(public),
+        security__announce_ttl_s=120.0,
+    )
     env = child_env(cfg, _stack(tmp_path), tmp_path / "model")
     child = load_config(env=env)
     assert child.security == cfg.security
@@ -86,8 +95,7 @@ def test_a_child_that_exits_now_and_then_is_restarted_every_time(tmp_path):
 
 def test_a_crash_loop_backs_off_then_gives_up_with_a_clear_message(tmp_path):
     clock = _Clock()
-    sup = _exiting_supervisor(tmp_path, clock, max_restarts=3, window_s=600.0, healthy_after_s=30.0,
-                              backoff_max_s=30.0)
+    sup = _exiting_supervisor(tmp_path, clock, max_restarts=3, window_s=600.0, healthy_after_s=30.0, backoff_max_s=30.0)
     try:
         waits = []
         for _ in range(3):
@@ -131,8 +139,10 @@ def test_the_budget_counts_exits_in_the_window_only(tmp_path):
 def test_supervisor_settings_come_from_the_config(tmp_path):
     from liverl.supervisor import Supervisor
 
-    cfg = load_config(env={"LIVERL__SUPERVISOR__RESTARTS": "9", "LIVERL__SUPERVISOR__RESTART_WINDOW_S": "60"},
-                      state_dir=str(tmp_path / "state"))
+    cfg = load_config(
+        env={"LIVERL__SUPERVISOR__RESTARTS": "9", "LIVERL__SUPERVISOR__RESTART_WINDOW_S": "60"},
+        state_dir=str(tmp_path / "state"),
+    )
     sup = Supervisor.from_config(cfg, {}, tmp_path, ("ingest",))
     assert (sup.max_restarts, sup.window_s, sup.backoff_max_s) == (9, 60.0, 30.0)
     with pytest.raises(ValueError):
@@ -177,8 +187,12 @@ def test_an_engine_orphaned_by_its_server_does_not_outlive_the_pipeline(tmp_path
 
     import psutil
 
-    r = subprocess.run([sys.executable, "-c", _ORPHAN_SCRIPT, str(tmp_path / "server.log")], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", _ORPHAN_SCRIPT, str(tmp_path / "server.log")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["ppid"] == out["me"]  # re-parented to the pipeline's process, not to init
@@ -197,11 +211,14 @@ def test_a_supervised_child_is_stopped_when_the_supervisor_is_killed_9(tmp_path)
 
     import psutil
 
-    script = ("import sys, time; from liverl.core import procs; "
-              "c = procs.spawn([sys.executable, '-c', 'import time; time.sleep(600)'], sys.argv[1]); "
-              "print(c.pid, flush=True); time.sleep(600)")
-    parent = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "child.log")], stdout=subprocess.PIPE,
-                              text=True)
+    script = (
+        "import sys, time; from liverl.core import procs; "
+        "c = procs.spawn([sys.executable, '-c', 'import time; time.sleep(600)'], sys.argv[1]); "
+        "print(c.pid, flush=True); time.sleep(600)"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path / "child.log")], stdout=subprocess.PIPE, text=True
+    )
     child = int(parent.stdout.readline())
     assert psutil.pid_exists(child)
     parent.kill()

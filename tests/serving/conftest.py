@@ -30,20 +30,36 @@ def srv(stack, tmp_path_factory):
 
     cache = Path(os.environ.get("LIVERL_TEST_MODEL_CACHE") or tmp_path_factory.mktemp("models"))
     model_dir = ensure_base_policy(cache, seed=0, progress=False)
-    cfg = load_config(env={}, state_dir=str(tmp_path_factory.mktemp("serving")), broker__bootstrap=stack.bootstrap,
-                      redis__url=stack.redis_url, topics__prefix=f"t{uuid.uuid4().hex[:10]}",
-                      serving__gateway_port=free_port(), serving__vllm_port=free_port(),
-                      serving__swap_poll_s=0.1, serving__max_num_seqs=32)
+    cfg = load_config(
+        env={},
+        state_dir=str(tmp_path_factory.mktemp("serving")),
+        broker__bootstrap=stack.bootstrap,
+        redis__url=stack.redis_url,
+        topics__prefix=f"t{uuid.uuid4().hex[:10]}",
+        serving__gateway_port=free_port(),
+        serving__vllm_port=free_port(),
+        serving__swap_poll_s=0.1,
+        serving__max_num_seqs=32,
+    )
     private, _ = generate_keypair(cfg.state_path / "keys")  # what `liverl up` does: serve needs the verify key
     ensure_secrets(cfg)  # and the router's assignment key and the product key /v1/feedback takes
     registry = Registry(cfg.registry_url, LocalBlobStore(cfg.blob_location))
     base = load_state_dict(model_dir)
     registry.init_base(base, str(model_dir))
     serving = ServingThread(cfg, model_dir, stack.bootstrap, stack.redis_url, cfg.registry_url).start()
-    ns = types.SimpleNamespace(cfg=cfg, url=serving.url, node_url=serving.node.url, node_key=serving.node.key,
-                               model_dir=model_dir,
-                               registry=registry, base=base, serving=serving, signer=Signer(private),
-                               redis=redis.Redis.from_url(stack.redis_url), bootstrap=stack.bootstrap)
+    ns = types.SimpleNamespace(
+        cfg=cfg,
+        url=serving.url,
+        node_url=serving.node.url,
+        node_key=serving.node.key,
+        model_dir=model_dir,
+        registry=registry,
+        base=base,
+        serving=serving,
+        signer=Signer(private),
+        redis=redis.Redis.from_url(stack.redis_url),
+        bootstrap=stack.bootstrap,
+    )
     yield ns
     serving.stop()
     ns.redis.close()

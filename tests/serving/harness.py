@@ -18,8 +18,15 @@ log = logging.getLogger("tests.serving")
 class ServingThread:
     """``serve`` on a daemon thread with its own event loop (tests, demo). ``start()`` blocks until ready."""
 
-    def __init__(self, cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str, redis_url: str,
-                 registry_url: str | None, base_version: int = 0):
+    def __init__(
+        self,
+        cfg: LiverlConfig,
+        model_dir: str | os.PathLike,
+        bootstrap: str,
+        redis_url: str,
+        registry_url: str | None,
+        base_version: int = 0,
+    ):
         self.args = (cfg, model_dir, bootstrap, redis_url, registry_url)
         self.base_version = base_version
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -17,6 +17,7 @@ from liverl.core.schemas import RolloutTerms
 def gateway(name: str, seen: list | None = None) -> web.Application:
     """Answers as a node's gateway does: JSON naming the node (with the request's headers and raw body), liverl's
     headers, or an SSE stream. Every request it gets is appended to ``seen``."""
+
     async def completions(request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         if seen is not None:
@@ -41,8 +42,10 @@ def gateway(name: str, seen: list | None = None) -> web.Application:
             return resp
         if body.get("prompt") == "bad":
             return web.json_response({"error": {"message": "prompt is bad", "param": "prompt"}}, status=400)
-        return web.json_response({"node": name, "echo": body, "headers": list(request.headers.items()),
-                                  "raw": raw.decode("latin-1")}, headers=headers)
+        return web.json_response(
+            {"node": name, "echo": body, "headers": list(request.headers.items()), "raw": raw.decode("latin-1")},
+            headers=headers,
+        )
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
@@ -82,9 +85,9 @@ def front_door(cfg: LiverlConfig, fleet: dict[str, str]) -> tuple[LiverlConfig, 
     return out, Signer(private)
 
 
-def announce_rollout(r, cfg: LiverlConfig, signer: Signer | None, rollout_id: int, share: float, nodes: list[str],
-                     unit: str = "user"):
+def announce_rollout(
+    r, cfg: LiverlConfig, signer: Signer | None, rollout_id: int, share: float, nodes: list[str], unit: str = "user"
+):
     """The gate's canary announcement of a rollout (``r``: a sync Redis client)."""
     terms = RolloutTerms(rollout_id=rollout_id, share=share, nodes=nodes, unit=unit)
-    return announce(r, cfg.topics.prefix, 4, "c" * 64, f"rollout {rollout_id}", signer, channel="canary",
-                    rollout=terms)
+    return announce(r, cfg.topics.prefix, 4, "c" * 64, f"rollout {rollout_id}", signer, channel="canary", rollout=terms)

@@ -68,8 +68,9 @@ def test_an_announcement_for_another_deployment_or_expired_is_refused(cfg, rds, 
     rds.set(f"{p}:desired", rds.get("another-deployment:desired"))
     rds.delete("another-deployment:desired")
     now = time.time()
-    expired = signer.sign(VersionAnnouncement(version=6, checksum="ff" * 32, prefix=p, ts=now - 700,
-                                              expires_at=now - 100))
+    expired = signer.sign(
+        VersionAnnouncement(version=6, checksum="ff" * 32, prefix=p, ts=now - 700, expires_at=now - 100)
+    )
 
     async def read(agent):
         first = await agent.desired()
@@ -108,16 +109,21 @@ def test_the_canary_serves_only_the_nodes_its_signed_terms_name(cfg, rds, signer
     p = cfg.topics.prefix
     announce(rds, p, 1, "aa" * 32, "stable", signer)
     announce(rds, p, 2, "bb" * 32, "canary of v2", signer, channel="canary", rollout=terms("node-b"))
-    plan = {"version": 2, "checksum": "bb" * 32, "stable_version": 1, "share": 1.0, "nodes": ["node-a", "node-b"],
-            "deadline_at": time.time() + 600}
+    plan = {
+        "version": 2,
+        "checksum": "bb" * 32,
+        "stable_version": 1,
+        "share": 1.0,
+        "nodes": ["node-a", "node-b"],
+        "deadline_at": time.time() + 600,
+    }
     rds.set(keys.rollout(p), json.dumps(plan))  # forged plan naming every node (main's agent followed it)
 
     async def read(agent):
         return await agent.desired()
 
     assert desired_of(cfg, read).version == 1
-    canary = announce(rds, p, 2, "bb" * 32, "canary of v2", signer, channel="canary",
-                      rollout=terms("node-a", "node-b"))
+    canary = announce(rds, p, 2, "bb" * 32, "canary of v2", signer, channel="canary", rollout=terms("node-a", "node-b"))
     got = desired_of(cfg, read)
     assert (got.version, got.channel) == (2, "canary")
     forged = canary.model_copy(update={"signature": None, "ts": time.time()})
@@ -134,19 +140,30 @@ def test_the_registry_must_confirm_the_status_the_channel_needs(cfg, signer):
     try:
         base = registry.init_base(tiny_model(), "/nonexistent/model")
         row = registry.add_candidate(perturb(tiny_model(), 0.05, seed=1), parent=0)
-        registry.begin_rollout(row.version, stable_version=0, share=0.2, nodes=["node-a"], unit="user",
-                               deadline_at=time.time() + 600, settings=None, actor="gate", reason="test")
+        registry.begin_rollout(
+            row.version,
+            stable_version=0,
+            share=0.2,
+            nodes=["node-a"],
+            unit="user",
+            deadline_at=time.time() + 600,
+            settings=None,
+            actor="gate",
+            reason="test",
+        )
         agent = Agent(cfg, _Gateway(), redis=None, registry=registry)
-        on_desired = VersionAnnouncement(version=row.version, checksum=row.checksum, prefix=cfg.topics.prefix,
-                                         expires_at=time.time() + 60)
+        on_desired = VersionAnnouncement(
+            version=row.version, checksum=row.checksum, prefix=cfg.topics.prefix, expires_at=time.time() + 60
+        )
         with pytest.raises(RuntimeError, match="is canary in the registry, not stable"):
             agent._plan(base.version, base.checksum, on_desired)
         on_canary = on_desired.model_copy(update={"channel": "canary", "rollout": terms("node-a")})
         blobs, how = agent._plan(base.version, base.checksum, on_canary)
         assert len(blobs) == 1 and how == "stored x1"
         with pytest.raises(RuntimeError, match="is stable in the registry, not canary"):  # desired's, on canary
-            agent._plan(row.version, row.checksum, on_canary.model_copy(update={"version": 0,
-                                                                               "checksum": base.checksum}))
+            agent._plan(
+                row.version, row.checksum, on_canary.model_copy(update={"version": 0, "checksum": base.checksum})
+            )
     finally:
         registry.close()
 

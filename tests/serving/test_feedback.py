@@ -40,8 +40,12 @@ def test_feedback_over_http(srv):
     key = load_feedback_keys(cfg)[0].decode()  # the product key (the srv fixture makes it, as `liverl up` does)
     gids = [f"gen-{uuid.uuid4().hex}" for _ in range(6)]
     for i, gid in enumerate(gids):
-        body = {"feedback_id": f"fb-{gid}", "generation_id": gid, "kind": "accept" if i % 2 else "reject",
-                "segment": "a"}
+        body = {
+            "feedback_id": f"fb-{gid}",
+            "generation_id": gid,
+            "kind": "accept" if i % 2 else "reject",
+            "segment": "a",
+        }
         status, out = _post(srv.url + "/v1/feedback", json.dumps(body).encode(), key)
         assert status == 202 and out["feedback_id"] == f"fb-{gid}" and out["generation_id"] == gid
     with TopicTail(srv.bootstrap, cfg.topics.feedback, cfg.broker.partitions) as tail:
@@ -51,10 +55,13 @@ def test_feedback_over_http(srv):
         assert r.key.decode() == event.generation_id and event.feedback_id == f"fb-{event.generation_id}"
         assert r.partition == _partition(event.generation_id, cfg.broker.partitions)
 
-    for raw, param in [(b'{"feedback_id": "f1", "generation_id": "g1", "kind": "love"}', "kind"),
-                       (b'{"feedback_id": "f1", "generation_id": "g1", "kind": "edit"}', None),
-                       (b'{"generation_id": "g1", "kind": "accept"}', "feedback_id"),
-                       (b"{not json", None), (b"[1]", None)]:
+    for raw, param in [
+        (b'{"feedback_id": "f1", "generation_id": "g1", "kind": "love"}', "kind"),
+        (b'{"feedback_id": "f1", "generation_id": "g1", "kind": "edit"}', None),
+        (b'{"generation_id": "g1", "kind": "accept"}', "feedback_id"),
+        (b"{not json", None),
+        (b"[1]", None),
+    ]:
         status, out = _post(srv.url + "/v1/feedback", raw, key)
         assert status == 400 and out["error"]["param"] == param, out
         reason = out["error"]["message"].split(":")[0]
@@ -66,14 +73,19 @@ def test_confluent_kafka_publishes_feedback_like_the_readme(cfg):
     from confluent_kafka import Producer
 
     ensure_topics(cfg.broker.bootstrap, all_topics(cfg), cfg.broker.partitions)
-    producer = Producer({"bootstrap.servers": cfg.broker.bootstrap, "enable.idempotence": True,
-                         "partitioner": "murmur2_random"})
+    producer = Producer(
+        {"bootstrap.servers": cfg.broker.bootstrap, "enable.idempotence": True, "partitioner": "murmur2_random"}
+    )
     gids = [f"gen-{uuid.uuid4().hex}" for _ in range(8)]
     delivered: dict[str, int] = {}
     for gid in gids:
         value = json.dumps({"feedback_id": f"fb-{gid}", "generation_id": gid, "kind": "reject"})
-        producer.produce(cfg.topics.feedback, key=gid, value=value,
-                         on_delivery=lambda err, msg: delivered.__setitem__(msg.key().decode(), msg.partition()))
+        producer.produce(
+            cfg.topics.feedback,
+            key=gid,
+            value=value,
+            on_delivery=lambda err, msg: delivered.__setitem__(msg.key().decode(), msg.partition()),
+        )
     assert producer.flush(30) == 0
     with TopicTail(cfg.broker.bootstrap, cfg.topics.feedback, cfg.broker.partitions) as tail:
         recs = tail.wait_for(tail.keys(set(gids)), n=len(gids))

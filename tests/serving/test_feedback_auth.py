@@ -58,10 +58,13 @@ def test_feedback_needs_the_product_key_at_the_gateway_and_through_the_router(cf
             runners.insert(0, await start(router.app, rport))
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
                 for base in (f"http://127.0.0.1:{gw_port}", f"http://127.0.0.1:{rport}"):
-                    for headers, status in [({}, 401), ({PRODUCT_KEY_HEADER: "x" * 43}, 401),
-                                            ({PRODUCT_KEY_HEADER: key[:-1]}, 401),
-                                            ({"Authorization": f"Bearer {key}"}, 401),  # not where the key goes
-                                            ({PRODUCT_KEY_HEADER: key}, 202)]:
+                    for headers, status in [
+                        ({}, 401),
+                        ({PRODUCT_KEY_HEADER: "x" * 43}, 401),
+                        ({PRODUCT_KEY_HEADER: key[:-1]}, 401),
+                        ({"Authorization": f"Bearer {key}"}, 401),  # not where the key goes
+                        ({PRODUCT_KEY_HEADER: key}, 202),
+                    ]:
                         gid = f"gen-{uuid.uuid4().hex}"
                         async with http.post(f"{base}/v1/feedback", json=_event(gid), headers=headers) as r:
                             out = await r.json()
@@ -95,8 +98,11 @@ def test_a_gateway_with_no_product_key_refuses_feedback_over_http(cfg):
         runner = await start(gw.app, port)
         try:
             async with aiohttp.ClientSession() as http:
-                async with http.post(f"http://127.0.0.1:{port}/v1/feedback", json=_event("g1"),
-                                     headers={PRODUCT_KEY_HEADER: "anything-at-all-long-enough"}) as r:
+                async with http.post(
+                    f"http://127.0.0.1:{port}/v1/feedback",
+                    json=_event("g1"),
+                    headers={PRODUCT_KEY_HEADER: "anything-at-all-long-enough"},
+                ) as r:
                     assert r.status == 403
                     assert "security.feedback_key" in (await r.json())["error"]["message"]
         finally:

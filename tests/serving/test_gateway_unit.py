@@ -35,8 +35,9 @@ def test_validation_accepts_and_normalises():
     assert fwd["prompt"] == ["[a]1+2="] and fwd["model"] == "liverl" and fwd["stop"] == ["!"]  # unknown: passed on
     assert fwd["logprobs"] == 0 and fwd["return_token_ids"] is True and "temperature" not in fwd
     assert req.untrainable_reason() is None and req.sampling(5).temperature == 1.0 and req.n_choices == 1
-    req = _parse(CompletionRequest, {"prompt": ["x", "y"], "n": 3, "logprobs": 3, "temperature": 0, "top_p": 0.5,
-                                     "seed": 7})
+    req = _parse(
+        CompletionRequest, {"prompt": ["x", "y"], "n": 3, "logprobs": 3, "temperature": 0, "top_p": 0.5, "seed": 7}
+    )
     assert req.node_body()["logprobs"] == 3 and req.n_choices == 6 and req.untrainable_reason() == "greedy"
     assert req.sampling(16) == SamplingParams(temperature=0.0, top_p=0.5, seed=7, max_tokens=16)
     assert _parse(CompletionRequest, {"prompt": "x", "top_k": 1}).untrainable_reason() == "greedy"
@@ -46,26 +47,29 @@ def test_validation_accepts_and_normalises():
     assert chat.max_tokens_for(32, 7) == 25 and chat.n_choices == 2  # vLLM's default: the rest of the context
 
 
-@pytest.mark.parametrize("body, param", [
-    ([1, 2], None),
-    ({}, "prompt"),
-    ({"prompt": ""}, "prompt"),
-    ({"prompt": [1, 2, 3]}, "prompt"),
-    ({"prompt": "a", "n": 0}, "n"),
-    ({"prompt": ["a"] * 40, "n": 2}, "n"),
-    ({"prompt": "a", "best_of": 3}, "best_of"),
-    ({"prompt": "a", "use_beam_search": True}, "use_beam_search"),
-    ({"prompt": "a", "echo": True}, "echo"),
-    ({"prompt": "a", "stream": "yes"}, "stream"),
-    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "a", "max_tokens": "5"}, "max_tokens"),
-    ({"prompt": "a", "max_tokens": True}, "max_tokens"),
-    ({"prompt": "a", "temperature": "hot"}, "temperature"),
-    ({"prompt": "a", "temperature": -1}, "temperature"),
-    ({"prompt": "a", "top_p": 0}, "top_p"),
-    ({"prompt": "a", "logprobs": 99}, "logprobs"),
-    ({"prompt": "a", "logprob_token_ids": [1]}, "logprob_token_ids"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ([1, 2], None),
+        ({}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": [1, 2, 3]}, "prompt"),
+        ({"prompt": "a", "n": 0}, "n"),
+        ({"prompt": ["a"] * 40, "n": 2}, "n"),
+        ({"prompt": "a", "best_of": 3}, "best_of"),
+        ({"prompt": "a", "use_beam_search": True}, "use_beam_search"),
+        ({"prompt": "a", "echo": True}, "echo"),
+        ({"prompt": "a", "stream": "yes"}, "stream"),
+        ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "a", "max_tokens": "5"}, "max_tokens"),
+        ({"prompt": "a", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "a", "temperature": "hot"}, "temperature"),
+        ({"prompt": "a", "temperature": -1}, "temperature"),
+        ({"prompt": "a", "top_p": 0}, "top_p"),
+        ({"prompt": "a", "logprobs": 99}, "logprobs"),
+        ({"prompt": "a", "logprob_token_ids": [1]}, "logprob_token_ids"),
+    ],
+)
 def test_validation_rejects(body, param):
     with pytest.raises(BadRequest) as e:
         _parse(CompletionRequest, body)
@@ -75,8 +79,11 @@ def test_validation_rejects(body, param):
 
 
 def test_chat_validation_rejects():
-    for body, param in [({"messages": []}, "messages"), ({"messages": "hi"}, "messages"),
-                        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 50}, "top_logprobs")]:
+    for body, param in [
+        ({"messages": []}, "messages"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 50}, "top_logprobs"),
+    ]:
         with pytest.raises(BadRequest) as e:
             _parse(ChatCompletionRequest, body)
         assert e.value.param == param
@@ -89,12 +96,41 @@ def test_stream_chunks_fold_into_records_and_the_client_sees_only_what_it_asked_
     req = _parse(CompletionRequest, {"prompt": "[a]1+2=", "n": 2, "stream": True})
     acc: dict = {}
     chunks = [
-        {"choices": [{"index": 0, "text": "3", "token_ids": [5], "prompt_token_ids": [1, 2],
-                      "logprobs": {"token_logprobs": [-0.5]}, "finish_reason": None}]},
-        {"choices": [{"index": 1, "text": "4", "token_ids": [6], "prompt_token_ids": [1, 2],
-                      "logprobs": {"token_logprobs": [-1.5]}, "finish_reason": "length"}]},
-        {"choices": [{"index": 0, "text": "!", "token_ids": [7],
-                      "logprobs": {"token_logprobs": [-0.25]}, "finish_reason": "stop"}]},
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "3",
+                    "token_ids": [5],
+                    "prompt_token_ids": [1, 2],
+                    "logprobs": {"token_logprobs": [-0.5]},
+                    "finish_reason": None,
+                }
+            ]
+        },
+        {
+            "choices": [
+                {
+                    "index": 1,
+                    "text": "4",
+                    "token_ids": [6],
+                    "prompt_token_ids": [1, 2],
+                    "logprobs": {"token_logprobs": [-1.5]},
+                    "finish_reason": "length",
+                }
+            ]
+        },
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "!",
+                    "token_ids": [7],
+                    "logprobs": {"token_logprobs": [-0.25]},
+                    "finish_reason": "stop",
+                }
+            ]
+        },
     ]
     finished = [add_completion_chunk(req, c, acc) for c in chunks]
     assert finished == [[], [1], [0]]
@@ -107,10 +143,19 @@ def test_stream_chunks_fold_into_records_and_the_client_sees_only_what_it_asked_
 
     chat = _parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}], "logprobs": True})
     acc = {}
-    body = {"prompt_token_ids": [1, 2], "prompt_text": "hi",
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "yo"}, "token_ids": [8, 9],
-                         "logprobs": {"content": [{"token": "y", "logprob": -1.0}, {"token": "o", "logprob": -2.0}]},
-                         "finish_reason": "stop"}]}
+    body = {
+        "prompt_token_ids": [1, 2],
+        "prompt_text": "hi",
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "yo"},
+                "token_ids": [8, 9],
+                "logprobs": {"content": [{"token": "y", "logprob": -1.0}, {"token": "o", "logprob": -2.0}]},
+                "finish_reason": "stop",
+            }
+        ],
+    }
     assert add_chat_chunk(chat, body, acc) == [0]
     assert (acc[0].prompt, acc[0].prompt_token_ids, acc[0].logprobs) == ("hi", [1, 2], [-1.0, -2.0])
     out = for_client(chat, body, ["g0"], 1)
@@ -144,8 +189,12 @@ def test_a_request_is_checked_for_spans_only_when_a_swap_overlapped_it_and_choic
     gw.swapping = True
     assert _SwapWatch(gw).crossed()  # sent while the engine was paused: its tokens may be the new version's
     req = _parse(CompletionRequest, {"prompt": ["a", "b"], "n": 2})
-    gw.node = _SpanNode({"cmpl-r-0": {"0": [["4", 0, 3], ["5", 3, 7]], "1": [["4", 0, 2]]},
-                         "cmpl-r-1": {"1": [["5", 0, 6]], "0": [["default", 0, 1]]}})
+    gw.node = _SpanNode(
+        {
+            "cmpl-r-0": {"0": [["4", 0, 3], ["5", 3, 7]], "1": [["4", 0, 2]]},
+            "cmpl-r-1": {"1": [["5", 0, 6]], "0": [["default", 0, 1]]},
+        }
+    )
     got = asyncio.run(watch.spans(req, "r"))
     assert gw.node.asked == [("r", 2)]
     # choice index = prompt * n + j; a label that is not a version (the engine's "default") is not a span
@@ -157,9 +206,17 @@ def test_a_request_is_checked_for_spans_only_when_a_swap_overlapped_it_and_choic
 def test_version_spans_must_tile_the_completion_and_mark_mixed_generations():
     from liverl.core.schemas import GenerationRecord, WireError
 
-    base = dict(generation_id="g", policy_version=4, node="n", prompt="p", completion="c", prompt_token_ids=[1],
-                completion_token_ids=[1, 2, 3], completion_logprobs=[-1.0, -1.0, -1.0],
-                sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=3))
+    base = dict(
+        generation_id="g",
+        policy_version=4,
+        node="n",
+        prompt="p",
+        completion="c",
+        prompt_token_ids=[1],
+        completion_token_ids=[1, 2, 3],
+        completion_logprobs=[-1.0, -1.0, -1.0],
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=3),
+    )
     assert not GenerationRecord(**base).mixed_versions
     assert GenerationRecord(**base, version_spans=[(4, 0, 1), (5, 1, 3)]).mixed_versions
     assert GenerationRecord(**base, version_spans=[]).mixed_versions  # unknown spans: no version may claim it
@@ -199,10 +256,21 @@ def test_chain_ends_follows_direction_and_refuses_gaps():
 def test_node_death_is_reported_with_log_tail(tmp_path):
     log_path = tmp_path / "node.log"
     with open(log_path, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-c", "print('engine exploded: bad config'); raise SystemExit(3)"],
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    handle = NodeHandle(url="http://127.0.0.1:9", key="k" * 32, model_dir=tmp_path, log_path=log_path, device="cpu",
-                        proc=proc, start_s=0.0)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "print('engine exploded: bad config'); raise SystemExit(3)"],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    handle = NodeHandle(
+        url="http://127.0.0.1:9",
+        key="k" * 32,
+        model_dir=tmp_path,
+        log_path=log_path,
+        device="cpu",
+        proc=proc,
+        start_s=0.0,
+    )
     with pytest.raises(NodeError, match="(?s)exited with code 3.*engine exploded"):
         _wait_ready(handle, timeout_s=30)
     handle.stop()
@@ -210,9 +278,14 @@ def test_node_death_is_reported_with_log_tail(tmp_path):
 
 def test_node_command_exposes_what_the_swap_needs(tmp_path):
     cmd = " ".join(node_command(tmp_path, "127.0.0.1", 8100, "cpu", 64, 32, 1 << 28))
-    for flag in ("--worker-extension-cls serving.worker_ext.LiverlWorkerExtension", "--enforce-eager",
-                 "--middleware serving.node_auth.NodeKeyMiddleware",
-                 "--logprobs-mode processed_logprobs", "--generation-config vllm", "--max-model-len 32"):
+    for flag in (
+        "--worker-extension-cls serving.worker_ext.LiverlWorkerExtension",
+        "--enforce-eager",
+        "--middleware serving.node_auth.NodeKeyMiddleware",
+        "--logprobs-mode processed_logprobs",
+        "--generation-config vllm",
+        "--max-model-len 32",
+    ):
         assert flag in cmd
     # the swap and span routes sit inside the key check: Starlette makes the LAST middleware added the outermost
     assert cmd.index("serving.node_swap.SwapMiddleware") < cmd.index("serving.node_auth.NodeKeyMiddleware")
@@ -224,10 +297,13 @@ def test_the_swap_route_refuses_a_malformed_body_with_what_it_needs():
 
     ok = b'{"deltas": [["/d/a.delta", "c1"], ["/d/b.delta", "c2"]], "from": [3, "c0"], "to": [5, "c2"]}'
     assert parse_body(ok) == ([("/d/a.delta", "c1"), ("/d/b.delta", "c2")], (3, "c0"), (5, "c2"))
-    for bad, match in [(b"not json", "needs JSON"), (b'{"deltas": [], "from": [3, "c0"], "to": [5, "c2"]}', "no deltas"),
-                       (b'{"deltas": [["/d/a", "c1"]], "from": [3, "c0"], "to": [5, "c2"]}', "does not lead"),
-                       (b'{"deltas": [["/d/a", "c2"]], "from": ["x", "c0"], "to": [5, "c2"]}', "needs JSON"),
-                       (b'{"deltas": [["/d/a", "c2"]], "to": [5, "c2"]}', "needs JSON")]:
+    for bad, match in [
+        (b"not json", "needs JSON"),
+        (b'{"deltas": [], "from": [3, "c0"], "to": [5, "c2"]}', "no deltas"),
+        (b'{"deltas": [["/d/a", "c1"]], "from": [3, "c0"], "to": [5, "c2"]}', "does not lead"),
+        (b'{"deltas": [["/d/a", "c2"]], "from": ["x", "c0"], "to": [5, "c2"]}', "needs JSON"),
+        (b'{"deltas": [["/d/a", "c2"]], "to": [5, "c2"]}', "needs JSON"),
+    ]:
         with pytest.raises(SwapBodyError, match=match):
             parse_body(bad)
 
@@ -267,5 +343,11 @@ def test_the_node_key_middleware_refuses_every_route_but_health_without_the_key(
         assert call(path, b"Basic " + b"s" * 43) == 401
         assert call(path, b"bearer " + b"s" * 43) == 200
     assert call("/v1/models", kind="websocket") == 1008
-    assert reached == ["/health"] + ["/v1/models", "/collective_rpc", "/pause", "/resume", "/reset_prefix_cache",
-                                     "/metrics"]
+    assert reached == ["/health"] + [
+        "/v1/models",
+        "/collective_rpc",
+        "/pause",
+        "/resume",
+        "/reset_prefix_cache",
+        "/metrics",
+    ]

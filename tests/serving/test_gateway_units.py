@@ -20,9 +20,21 @@ from serving.node import NodeClient
 from tests.conftest import free_port
 from tests.serving.conftest import records
 
-COMPLETION = {"id": "c", "object": "text_completion", "model": "liverl", "choices": [
-    {"index": 0, "text": "42", "token_ids": [7, 8], "prompt_token_ids": [1, 2, 3],
-     "logprobs": {"token_logprobs": [-0.5, -0.25]}, "finish_reason": "stop"}]}
+COMPLETION = {
+    "id": "c",
+    "object": "text_completion",
+    "model": "liverl",
+    "choices": [
+        {
+            "index": 0,
+            "text": "42",
+            "token_ids": [7, 8],
+            "prompt_token_ids": [1, 2, 3],
+            "logprobs": {"token_logprobs": [-0.5, -0.25]},
+            "finish_reason": "stop",
+        }
+    ],
+}
 
 
 async def _node(port: int) -> web.AppRunner:
@@ -42,12 +54,19 @@ async def _node(port: int) -> web.AppRunner:
 
 
 def test_each_record_carries_its_requests_user_pseudonymised(stack, tmp_path):
-    cfg = load_config(env={}, state_dir=str(tmp_path), broker__bootstrap=stack.bootstrap, redis__url=stack.redis_url,
-                      topics__prefix=f"t{uuid.uuid4().hex[:10]}")
-    asks = [({"X-Liverl-User": "alice"}, {"user": "mallory"}, "alice"),  # the header first
-            ({}, {"user": "bob"}, "bob"),
-            ({"X-Session-Id": "s-1"}, {}, "s-1"),
-            ({}, {}, None)]
+    cfg = load_config(
+        env={},
+        state_dir=str(tmp_path),
+        broker__bootstrap=stack.bootstrap,
+        redis__url=stack.redis_url,
+        topics__prefix=f"t{uuid.uuid4().hex[:10]}",
+    )
+    asks = [
+        ({"X-Liverl-User": "alice"}, {"user": "mallory"}, "alice"),  # the header first
+        ({}, {"user": "bob"}, "bob"),
+        ({"X-Session-Id": "s-1"}, {}, "s-1"),
+        ({}, {}, None),
+    ]
 
     async def run() -> list[str]:
         node_port, gw_port = free_port(), free_port()
@@ -65,8 +84,11 @@ def test_each_record_carries_its_requests_user_pseudonymised(stack, tmp_path):
             async with aiohttp.ClientSession() as http:
                 for headers, extra, _ in asks:
                     body = {"prompt": "[a]40+2=", "max_tokens": 4, **extra}
-                    async with http.post(f"http://127.0.0.1:{gw_port}/v1/completions", data=json.dumps(body),
-                                         headers={"Content-Type": "application/json", **headers}) as r:
+                    async with http.post(
+                        f"http://127.0.0.1:{gw_port}/v1/completions",
+                        data=json.dumps(body),
+                        headers={"Content-Type": "application/json", **headers},
+                    ) as r:
                         assert r.status == 200, await r.text()
                         ids.append(r.headers["X-Liverl-Generation-Id"])
         finally:

@@ -35,8 +35,7 @@ def test_the_node_dies_with_its_serving_process_even_on_kill_9(tmp_path):
         print(child.pid, flush=True)
         time.sleep(120)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True,
-                              cwd=os.getcwd())
+    parent = subprocess.Popen([sys.executable, "-c", parent_code], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
     child = int(parent.stdout.readline())
     try:
         assert _running(child)
@@ -55,10 +54,13 @@ def test_a_node_left_running_is_killed_before_a_new_one_starts(tmp_path):
     port = 54321
     # stands in for an orphaned `python -m vllm.entrypoints.openai.api_server ... --port 54321`, with an engine
     # process in its group
-    code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); " \
-           "time.sleep(120)"
-    orphan = subprocess.Popen([sys.executable, "-c", code, "vllm.entrypoints.openai.api_server", "--port", str(port)],
-                              start_new_session=True)
+    code = (
+        "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        "time.sleep(120)"
+    )
+    orphan = subprocess.Popen(
+        [sys.executable, "-c", code, "vllm.entrypoints.openai.api_server", "--port", str(port)], start_new_session=True
+    )
     pidfile = tmp_path / f"vllm-{port}.pid"
     try:
         time.sleep(0.5)
@@ -72,8 +74,10 @@ def test_a_node_left_running_is_killed_before_a_new_one_starts(tmp_path):
         assert all(_wait_gone(pid) for pid in engine), "the engine process of the stale node survived"
         # the server died (its parent's death signal) but its engine process (named as vLLM names it) and a
         # helper process (vLLM's resource tracker is plain python) linger in the group: all cleared
-        code2 = "import subprocess, sys, time; subprocess.Popen(['bash', '-c', 'exec -a VLLM::EngineCore sleep 120']); " \
-                "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(0.5)"
+        code2 = (
+            "import subprocess, sys, time; subprocess.Popen(['bash', '-c', 'exec -a VLLM::EngineCore sleep 120']); "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); time.sleep(0.5)"
+        )
         leader = subprocess.Popen([sys.executable, "-c", code2], start_new_session=True)
         leader.wait(10)
         lingering = [p for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if _pgid(p) == leader.pid]

@@ -40,8 +40,9 @@ def _check_record(rec, version: int, text: str, *, trainable: bool = True, tempe
 
 
 def test_completions_plain(srv, client):
-    raw = client.completions.with_raw_response.create(model="liverl", prompt=PROMPTS[0], max_tokens=5, top_p=0.9,
-                                                      seed=3)
+    raw = client.completions.with_raw_response.create(
+        model="liverl", prompt=PROMPTS[0], max_tokens=5, top_p=0.9, seed=3
+    )
     out = raw.parse()
     gid, version = _liverl(out)["generation_id"], _liverl(out)["policy_version"]
     assert raw.headers["X-Liverl-Generation-Id"] == gid == _gid(out.choices[0])
@@ -54,8 +55,9 @@ def test_completions_plain(srv, client):
 
 
 def test_completions_streamed_with_n_and_batched_prompts(srv, client):
-    raw = client.completions.with_raw_response.create(model="liverl", prompt=PROMPTS[:2], n=2, max_tokens=5,
-                                                      stream=True, logprobs=1)
+    raw = client.completions.with_raw_response.create(
+        model="liverl", prompt=PROMPTS[:2], n=2, max_tokens=5, stream=True, logprobs=1
+    )
     ids = raw.headers["X-Liverl-Generation-Id"].split(",")
     version = int(raw.headers["X-Liverl-Version"])
     texts: dict[int, str] = {}
@@ -73,8 +75,9 @@ def test_completions_streamed_with_n_and_batched_prompts(srv, client):
 
 def test_chat_plain_and_streamed_log_what_the_model_read(srv, client):
     messages = [{"role": "user", "content": PROMPTS[2]}]
-    raw = client.chat.completions.with_raw_response.create(model="liverl", messages=messages, max_tokens=5,
-                                                           logprobs=True)
+    raw = client.chat.completions.with_raw_response.create(
+        model="liverl", messages=messages, max_tokens=5, logprobs=True
+    )
     out = raw.parse()
     gid = _liverl(out)["generation_id"]
     assert raw.headers["X-Liverl-Generation-Id"] == gid == _gid(out.choices[0])
@@ -96,16 +99,18 @@ def test_chat_plain_and_streamed_log_what_the_model_read(srv, client):
         _check_record(recs[sid], version, streamed[i])
     # the demo's chat template is the message itself: the chat prompt is token for token the completion prompt
     reference = recs[_liverl(plain)["generation_id"]].prompt_token_ids
-    assert all(recs[g].prompt_token_ids == reference and recs[g].prompt == PROMPTS[2]
-               for g in [gid, *stream_ids.values()])
+    assert all(
+        recs[g].prompt_token_ids == reference and recs[g].prompt == PROMPTS[2] for g in [gid, *stream_ids.values()]
+    )
     assert [lp.logprob for lp in out.choices[0].logprobs.content] == pytest.approx(recs[gid].completion_logprobs)
 
 
 def test_greedy_is_served_and_logged_but_not_trainable(srv, client):
     before = _untrainable(srv)
     out = client.completions.create(model="liverl", prompt=PROMPTS[3], max_tokens=5, temperature=0)
-    chat = client.chat.completions.create(model="liverl", messages=[{"role": "user", "content": PROMPTS[3]}],
-                                          max_tokens=5, temperature=0)
+    chat = client.chat.completions.create(
+        model="liverl", messages=[{"role": "user", "content": PROMPTS[3]}], max_tokens=5, temperature=0
+    )
     ids = {_liverl(out)["generation_id"], _liverl(chat)["generation_id"]}
     recs = records(srv, ids)
     for rec in recs.values():
@@ -117,24 +122,27 @@ def test_greedy_is_served_and_logged_but_not_trainable(srv, client):
 def _untrainable(srv) -> float:
     with urllib.request.urlopen(srv.url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    line = next((s for s in text.splitlines()
-                 if s.startswith('liverl_gateway_untrainable_generations_total{reason="greedy"}')), None)
+    line = next(
+        (s for s in text.splitlines() if s.startswith('liverl_gateway_untrainable_generations_total{reason="greedy"}')),
+        None,
+    )
     return float(line.split()[-1]) if line else 0.0
 
 
 def test_concurrent_clients_mixed_routes(srv):
     async def main() -> list[str]:
         async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+
             async def one(i: int) -> str:
                 p = PROMPTS[i % 4]
                 if i % 4 == 0:
-                    r = await c.chat.completions.create(model="liverl", messages=[{"role": "user", "content": p}],
-                                                        max_tokens=5)
+                    r = await c.chat.completions.create(
+                        model="liverl", messages=[{"role": "user", "content": p}], max_tokens=5
+                    )
                     return _liverl(r)["generation_id"]
                 if i % 4 == 1:
                     ids = set()
-                    async for chunk in await c.completions.create(model="liverl", prompt=p, max_tokens=5,
-                                                                  stream=True):
+                    async for chunk in await c.completions.create(model="liverl", prompt=p, max_tokens=5, stream=True):
                         ids.add(_liverl(chunk)["generation_id"])
                     assert len(ids) == 1
                     return ids.pop()
@@ -149,8 +157,12 @@ def test_concurrent_clients_mixed_routes(srv):
 
 def test_models_and_openai_style_refusals(client):
     assert [m.id for m in client.models.list().data] == ["liverl"]
-    for kwargs, param in [({"prompt": "x", "n": 100}, "n"), ({"prompt": "x", "extra_body": {"best_of": 3}}, "best_of"),
-                          ({"prompt": "x", "temperature": -1}, "temperature"), ({"prompt": [1, 2]}, "prompt")]:
+    for kwargs, param in [
+        ({"prompt": "x", "n": 100}, "n"),
+        ({"prompt": "x", "extra_body": {"best_of": 3}}, "best_of"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": [1, 2]}, "prompt"),
+    ]:
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="liverl", **kwargs)
         assert e.value.status_code == 400 and e.value.body["param"] == param and param in e.value.body["message"]

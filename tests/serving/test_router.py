@@ -61,6 +61,7 @@ def test_router_routes_sticky_over_live_healthy_nodes_and_fails_over(cfg, rds):
         base = f"http://127.0.0.1:{rport}"
         try:
             async with aiohttp.ClientSession() as http:
+
                 async def ask(user: str | None, **extra) -> tuple[int, dict, dict]:
                     body = {"prompt": "1+1=", **({"user": user} if user else {}), **extra}
                     async with http.post(f"{base}/v1/completions", json=body) as r:
@@ -82,8 +83,9 @@ def test_router_routes_sticky_over_live_healthy_nodes_and_fails_over(cfg, rds):
                 status, _, body = await ask("u0", prompt="bad")  # the node's 4xx passes through as it is
                 assert status == 400 and body["error"]["param"] == "prompt"
 
-                async with http.post(f"{base}/v1/completions", json={"prompt": "x", "stream": True},
-                                     headers={"X-Liverl-User": "u1"}) as r:
+                async with http.post(
+                    f"{base}/v1/completions", json={"prompt": "x", "stream": True}, headers={"X-Liverl-User": "u1"}
+                ) as r:
                     assert r.headers["Content-Type"].startswith("text/event-stream")
                     assert r.headers["X-Liverl-Node"] == first["u1"]
                     text = (await r.read()).decode()
@@ -153,9 +155,11 @@ def test_during_a_rollout_the_canary_share_of_users_goes_to_the_canary_nodes(cfg
         rrunner = await start(router.app, rport)
         try:
             async with aiohttp.ClientSession() as http:
+
                 async def node_of(user: str) -> str:
-                    async with http.post(f"http://127.0.0.1:{rport}/v1/completions",
-                                         json={"prompt": "x", "user": user}) as r:
+                    async with http.post(
+                        f"http://127.0.0.1:{rport}/v1/completions", json={"prompt": "x", "user": user}
+                    ) as r:
                         return (await r.json())["node"]
 
                 users = [f"user-{i}" for i in range(400)]
@@ -216,7 +220,9 @@ def test_a_real_node_behind_the_router_with_the_openai_client(srv):
     t.start()
     assert ready.wait(30)
     try:
-        beat = keys.ServedHeartbeat.from_json(srv.redis.get(keys.served(srv.cfg.topics.prefix, srv.cfg.serving.node_name)))
+        beat = keys.ServedHeartbeat.from_json(
+            srv.redis.get(keys.served(srv.cfg.topics.prefix, srv.cfg.serving.node_name))
+        )
         assert beat.url == srv.url and beat.healthy
         with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120) as c:
             raw = c.completions.with_raw_response.create(model="liverl", prompt="[a]23+45=", max_tokens=4, user="alice")
@@ -224,8 +230,15 @@ def test_a_real_node_behind_the_router_with_the_openai_client(srv):
             assert raw.headers["X-Liverl-Node"] == srv.cfg.serving.node_name
             gid = out.choices[0].model_extra["generation_id"]
             assert raw.headers["X-Liverl-Generation-Id"] == gid
-            chunks = list(c.chat.completions.create(model="liverl", messages=[{"role": "user", "content": "[b]1+2="}],
-                                                    max_tokens=4, stream=True, user="bob"))
+            chunks = list(
+                c.chat.completions.create(
+                    model="liverl",
+                    messages=[{"role": "user", "content": "[b]1+2="}],
+                    max_tokens=4,
+                    stream=True,
+                    user="bob",
+                )
+            )
             sid = chunks[0].choices[0].model_extra["generation_id"]
             text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
         recs = records(srv, {gid, sid})

@@ -90,6 +90,7 @@ class _Fleet:
 
 def test_a_heartbeat_of_a_node_the_config_does_not_name_gets_no_request(cfg, rds):
     """Audit N3: ``SET <p>:served:zz {"url": "http://evil"}`` used to win about 1/(N+1) of the users."""
+
     async def main() -> None:
         async with _Fleet(cfg, rds, ("node-a", "node-b")) as f:
             evil_seen: list = []
@@ -123,9 +124,17 @@ def test_credentials_stay_at_the_router_and_everything_else_reaches_the_node(cfg
         async with _Fleet(cfg, rds, ("node-a",)) as f:
             await f.route()
             raw = b'{"prompt":  "x" ,\n "user":"u1", "n": 1}'
-            headers = CIMultiDict([("Authorization", "Bearer sk-product-secret"), ("Cookie", "session=abc"),
-                                   ("Proxy-Authorization", "Basic cHJveHk6cHc="), ("X-Trace", "1"), ("X-Trace", "2"),
-                                   ("X-Liverl-Product-Key", "pk-123"), ("Content-Type", "application/json")])
+            headers = CIMultiDict(
+                [
+                    ("Authorization", "Bearer sk-product-secret"),
+                    ("Cookie", "session=abc"),
+                    ("Proxy-Authorization", "Basic cHJveHk6cHc="),
+                    ("X-Trace", "1"),
+                    ("X-Trace", "2"),
+                    ("X-Liverl-Product-Key", "pk-123"),
+                    ("Content-Type", "application/json"),
+                ]
+            )
             async with f.http.post(f"{f.base}/v1/completions?a=1&b=%20", data=raw, headers=headers) as r:
                 assert r.status == 200, await r.text()
             path_qs, got, body = f.seen["node-a"][-1]
@@ -147,10 +156,17 @@ def _public_bucket(key: str) -> float:
 
 def test_a_forged_rollout_plan_or_canary_announcement_moves_nobody(cfg, rds, tmp_path):
     """Audit N2/N3: the unsigned ``<p>:rollout`` plan used to decide the share and the canary nodes."""
+
     async def main() -> None:
         async with _Fleet(cfg, rds) as f:
-            forged = {"version": 4, "checksum": "c" * 64, "stable_version": 3, "share": 1.0, "nodes": ["node-c"],
-                      "deadline_at": time.time() + 3600}  # the plan main's router followed
+            forged = {
+                "version": 4,
+                "checksum": "c" * 64,
+                "stable_version": 3,
+                "share": 1.0,
+                "nodes": ["node-c"],
+                "deadline_at": time.time() + 3600,
+            }  # the plan main's router followed
             rds.set(keys.rollout(f.prefix), json.dumps(forged))
             router = await f.route()
             users = [f"user-{i}" for i in range(60)]
@@ -180,6 +196,7 @@ def test_assignment_is_keyed_and_salted_per_rollout_sticky_within_one(cfg, rds):
     """Issue 20 item 1: the arm of a user is ``fleet.bucket(secret, rollout_id, user) < share``: the same user stays on
     one arm for the rollout, the next rollout draws arms afresh, and the public hash main used (``_public_bucket``) does not
     predict it. Unit ``request``: each request is drawn."""
+
     async def main() -> None:
         async with _Fleet(cfg, rds) as f:
             secret = load_assignment_key(f.rcfg)
@@ -234,6 +251,7 @@ def _blackhole() -> tuple[socket.socket, list[socket.socket], int]:
 def test_a_blackholed_or_silent_node_fails_over_and_is_marked_down(cfg, rds):
     """Audit N20: a connect timeout was not in the failover tuple (500 to the client, node not marked down), and
     there was no read timeout (a node that accepts and never answers held the client for ever)."""
+
     async def main() -> None:
         hole, fillers, hole_port = _blackhole()
 
@@ -254,8 +272,11 @@ def test_a_blackholed_or_silent_node_fails_over_and_is_marked_down(cfg, rds):
                 router = await f.route(connect_s=0.3, read_s=1.0, down_s=600)
                 await until(lambda: len(router.nodes) == 3)
                 for bad in ("node-a", "node-q"):
-                    user = next(u for u in (f"user-{i}" for i in range(1000))  # ranks bad, node-b, the other
-                                if [n.name for n in rank(u, router.nodes)][:2] == [bad, "node-b"])
+                    user = next(
+                        u
+                        for u in (f"user-{i}" for i in range(1000))  # ranks bad, node-b, the other
+                        if [n.name for n in rank(u, router.nodes)][:2] == [bad, "node-b"]
+                    )
                     assert await f.node_of(user) == "node-b"  # the client sees an answer, not a 500
                     assert router.choose(user)[0].name == "node-b"  # marked down: no longer tried first
                 text = await f.metrics()
@@ -274,6 +295,7 @@ def test_a_blackholed_or_silent_node_fails_over_and_is_marked_down(cfg, rds):
 def test_a_stream_that_stalls_is_cut_not_ended_as_if_complete(cfg, rds):
     """The read timeout bounds the wait between a stream's chunks too. The head has reached the client, so there is no
     failover: the client sees a broken stream (never a clean end it would take for the whole answer)."""
+
     async def main() -> None:
         async with _Fleet(cfg, rds, ("node-a",)) as f:
             await f.route(read_s=0.5)
@@ -289,6 +311,7 @@ def test_a_stream_that_stalls_is_cut_not_ended_as_if_complete(cfg, rds):
 
 def test_a_deeply_nested_body_is_routed_unkeyed(cfg, rds):
     """Audit N20: ``json.loads`` of a deeply nested body raises RecursionError; it used to escape the router (500)."""
+
     async def main() -> None:
         async with _Fleet(cfg, rds, ("node-a",)) as f:
             await f.route()

@@ -67,8 +67,10 @@ def _hf_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> lis
 
 def _perturbed(state: dict, seed: int, scale: float = 0.08) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {k: (v.float() + scale * v.float().std() * torch.randn(v.shape, generator=g)).to(torch.bfloat16)
-            for k, v in state.items()}
+    return {
+        k: (v.float() + scale * v.float().std() * torch.randn(v.shape, generator=g)).to(torch.bfloat16)
+        for k, v in state.items()
+    }
 
 
 def _announce(srv, version: int, checksum: str) -> None:
@@ -88,26 +90,35 @@ def _wait_version(srv, version: int, timeout_s: float = 30) -> dict:
         if info["version"] == version:
             return info
         time.sleep(0.05)
-    raise AssertionError(f"node never served version {version}; swap errors: "
-                         f"{srv.redis.lrange(srv.cfg.topics.prefix + ':swap_errors', 0, -1)}")
+    raise AssertionError(
+        f"node never served version {version}; swap errors: "
+        f"{srv.redis.lrange(srv.cfg.topics.prefix + ':swap_errors', 0, -1)}"
+    )
 
 
 def _greedy(srv, prompt: str) -> dict:
-    status, _, out = _post(srv.url + "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0,
-                                                                 "logprobs": 0, "return_token_ids": True})
+    status, _, out = _post(
+        srv.url + "/v1/completions",
+        {"prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 0, "return_token_ids": True},
+    )
     assert status == 200, out
     c = out["choices"][0]
-    return {"version": out["liverl"]["policy_version"], "tokens": c["token_ids"], "prompt_ids": c["prompt_token_ids"],
-            "logprobs": c["logprobs"]["token_logprobs"]}
+    return {
+        "version": out["liverl"]["policy_version"],
+        "tokens": c["token_ids"],
+        "prompt_ids": c["prompt_token_ids"],
+        "logprobs": c["logprobs"]["token_logprobs"],
+    }
 
 
 # ---------------------------------------------------------------------------------------------- tests
 
 
 def test_completion_is_logged_with_tokens_logprobs_and_version(srv):
-    status, headers, out = _post(srv.url + "/v1/completions",
-                                 {"prompt": PROMPTS[0], "max_tokens": 5, "temperature": 1.0,
-                                  "logprobs": 0, "return_token_ids": True})
+    status, headers, out = _post(
+        srv.url + "/v1/completions",
+        {"prompt": PROMPTS[0], "max_tokens": 5, "temperature": 1.0, "logprobs": 0, "return_token_ids": True},
+    )
     assert status == 200, out
     gid, version = out["liverl"]["generation_id"], out["liverl"]["policy_version"]
     assert headers["X-Liverl-Generation-Id"] == gid and headers["X-Liverl-Version"] == str(version)
@@ -172,14 +183,20 @@ def test_hot_swap_under_load_is_exact(srv):
         while not stop.is_set():
             prompt = PROMPTS[i % len(PROMPTS)]
             t0 = time.time()
-            status, _, out = _post(srv.url + "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": 0,
-                                                                   "logprobs": 0, "return_token_ids": True})
+            status, _, out = _post(
+                srv.url + "/v1/completions",
+                {"prompt": prompt, "max_tokens": 5, "temperature": 0, "logprobs": 0, "return_token_ids": True},
+            )
             item = {"t0": t0, "t1": time.time(), "status": status, "prompt": prompt}
             if status == 200:
                 c = out["choices"][0]
-                item.update(version=out["liverl"]["policy_version"], gid=out["liverl"]["generation_id"],
-                            tokens=c["token_ids"], logprobs=c["logprobs"]["token_logprobs"],
-                            mixed="version_spans" in c)  # spanned the swap (tests/serving/test_swap_spans.py)
+                item.update(
+                    version=out["liverl"]["policy_version"],
+                    gid=out["liverl"]["generation_id"],
+                    tokens=c["token_ids"],
+                    logprobs=c["logprobs"]["token_logprobs"],
+                    mixed="version_spans" in c,
+                )  # spanned the swap (tests/serving/test_swap_spans.py)
             with lock:
                 results.append(item)
 
@@ -240,8 +257,13 @@ def test_rollback_and_on_the_fly_delta(srv):
 
     cur = _served(srv)
     state = srv.registry.materialize(cur["version"])
-    row = srv.registry.add_candidate(_perturbed(state, seed=100 + cur["version"]), parent=cur["version"],
-                                     metrics={}, sample_offsets={}, learner_step=2)
+    row = srv.registry.add_candidate(
+        _perturbed(state, seed=100 + cur["version"]),
+        parent=cur["version"],
+        metrics={},
+        sample_offsets={},
+        learner_step=2,
+    )
     _announce(srv, row.version, row.checksum)
     _wait_version(srv, row.version)
     _announce(srv, cur["version"], cur["checksum"])  # rollback
@@ -279,15 +301,19 @@ def test_a_version_the_registry_does_not_call_stable_is_not_served(srv):
     with the gate's key (a leaked key, an operator's mistake) serves only what the registry calls stable."""
     cur = _served(srv)
     state = srv.registry.materialize(cur["version"])
-    row = srv.registry.add_candidate(_perturbed(state, seed=55), parent=cur["version"], metrics={},
-                                     sample_offsets={}, learner_step=3)
+    row = srv.registry.add_candidate(
+        _perturbed(state, seed=55), parent=cur["version"], metrics={}, sample_offsets={}, learner_step=3
+    )
     srv.registry.set_status(row.version, "rejected", actor="gate", reason="failed suite")
     announce(srv.redis, srv.cfg.topics.prefix, row.version, row.checksum, "forged", srv.signer)
     deadline = time.monotonic() + 5
     errors = []
     while time.monotonic() < deadline and not errors:
-        errors = [e for e in srv.redis.lrange(f"{srv.cfg.topics.prefix}:swap_errors", 0, -1)
-                  if f'"to":{row.version}'.encode() in e]
+        errors = [
+            e
+            for e in srv.redis.lrange(f"{srv.cfg.topics.prefix}:swap_errors", 0, -1)
+            if f'"to":{row.version}'.encode() in e
+        ]
         time.sleep(0.1)
     assert errors and b"rejected in the registry, not stable" in errors[-1]
     assert _served(srv)["version"] == cur["version"]
@@ -304,19 +330,42 @@ def test_a_canary_node_serves_the_canary_and_returns_to_stable_when_the_rollout_
     p = srv.cfg.topics.prefix
     _announce(srv, cur["version"], cur["checksum"])  # the fleet's desired version (the gate keeps it set)
     state = srv.registry.materialize(cur["version"])
-    row = srv.registry.add_candidate(_perturbed(state, seed=77), parent=cur["version"], metrics={},
-                                     sample_offsets={}, learner_step=4)
-    ro = srv.registry.begin_rollout(row.version, stable_version=cur["version"], share=0.2, nodes=["node-other"],
-                                    unit="user", deadline_at=time.time() + 600, settings=None, actor="gate",
-                                    reason="passed the offline checks")
+    row = srv.registry.add_candidate(
+        _perturbed(state, seed=77), parent=cur["version"], metrics={}, sample_offsets={}, learner_step=4
+    )
+    ro = srv.registry.begin_rollout(
+        row.version,
+        stable_version=cur["version"],
+        share=0.2,
+        nodes=["node-other"],
+        unit="user",
+        deadline_at=time.time() + 600,
+        settings=None,
+        actor="gate",
+        reason="passed the offline checks",
+    )
 
     def canary_on(*nodes: str) -> None:
-        announce(srv.redis, p, row.version, row.checksum, "canary", srv.signer, channel="canary",
-                 rollout=RolloutTerms(rollout_id=ro.id, share=0.2, nodes=list(nodes), unit="user"))
+        announce(
+            srv.redis,
+            p,
+            row.version,
+            row.checksum,
+            "canary",
+            srv.signer,
+            channel="canary",
+            rollout=RolloutTerms(rollout_id=ro.id, share=0.2, nodes=list(nodes), unit="user"),
+        )
 
     canary_on("node-other")
-    plan = {"version": row.version, "checksum": row.checksum, "stable_version": cur["version"], "share": 0.2,
-            "nodes": [srv.cfg.serving.node_name], "deadline_at": time.time() + 600}
+    plan = {
+        "version": row.version,
+        "checksum": row.checksum,
+        "stable_version": cur["version"],
+        "share": 0.2,
+        "nodes": [srv.cfg.serving.node_name],
+        "deadline_at": time.time() + 600,
+    }
     srv.redis.set(keys.rollout(p), json.dumps(plan))  # an unsigned plan naming this node (main's agent followed it)
     time.sleep(1.0)  # announced, but the signed terms do not name this node: it stays on desired
     assert _served(srv)["version"] == cur["version"]
@@ -364,8 +413,9 @@ def test_corrupt_and_wrong_base_deltas_are_refused(srv):
     bad_file = delta_dir(srv.cfg) / "wrong-base.delta"
     bad_file.write_bytes(wrong_base)
     rpc = srv.node_url + "/collective_rpc"
-    status, _, body = _post(rpc, {"method": "liverl_apply_delta", "args": [str(bad_file), checksum(target)]},
-                            key=srv.node_key)
+    status, _, body = _post(
+        rpc, {"method": "liverl_apply_delta", "args": [str(bad_file), checksum(target)]}, key=srv.node_key
+    )
     assert status == 200 and not body["results"][0]["ok"] and "DeltaError" in body["results"][0]["error"]
     # ... and one without the checksum it must lead to, or from outside the agent's delta folder (finding 6)
     status, _, body = _post(rpc, {"method": "liverl_apply_delta", "args": [str(bad_file)]}, key=srv.node_key)
@@ -373,8 +423,9 @@ def test_corrupt_and_wrong_base_deltas_are_refused(srv):
     outside = srv.cfg.state_path / "secret.txt"
     outside.write_text("root:x:0:0:secret")
     for path in (str(outside), "/etc/passwd", str(delta_dir(srv.cfg) / ".." / "secret.txt"), "/no/such/file"):
-        status, _, body = _post(rpc, {"method": "liverl_apply_delta", "args": [path, checksum(target)]},
-                                key=srv.node_key)
+        status, _, body = _post(
+            rpc, {"method": "liverl_apply_delta", "args": [path, checksum(target)]}, key=srv.node_key
+        )
         err = body["results"][0]["error"]
         assert not body["results"][0]["ok"] and err.startswith("PermissionError: delta files are read only from")
         assert "root" not in err.replace(str(delta_dir(srv.cfg).resolve()), "")
@@ -395,10 +446,15 @@ def test_the_node_answers_only_its_serving_process(srv):
     key_file = srv.cfg.state_path / "serving" / f"vllm-{srv.cfg.serving.vllm_port}.key"
     assert key_file.stat().st_mode & 0o077 == 0  # only its user can read it
     assert _get(srv.node_url + "/health")[0] == 200
-    for path, body in [("/v1/models", None), ("/v1/completions", {"model": "liverl", "prompt": "x", "max_tokens": 1}),
-                       ("/pause?mode=abort", {}), ("/collective_rpc", {"method": "liverl_checksum"}),
-                       ("/reset_prefix_cache", {}), ("/liverl/swap", {"deltas": [], "from": [0, ""], "to": [0, ""]}),
-                       ("/liverl/spans?rid=x&prompts=1", None)]:
+    for path, body in [
+        ("/v1/models", None),
+        ("/v1/completions", {"model": "liverl", "prompt": "x", "max_tokens": 1}),
+        ("/pause?mode=abort", {}),
+        ("/collective_rpc", {"method": "liverl_checksum"}),
+        ("/reset_prefix_cache", {}),
+        ("/liverl/swap", {"deltas": [], "from": [0, ""], "to": [0, ""]}),
+        ("/liverl/spans?rid=x&prompts=1", None),
+    ]:
         if body is None:
             status = _get(srv.node_url + path)[0]
         else:
@@ -426,9 +482,15 @@ def test_a_swap_that_fails_inside_the_pause_puts_the_old_weights_back_and_resume
     path = delta_dir(srv.cfg) / "test-inside-pause.delta"
     path.write_bytes(blob)
     try:
-        status, _, out = _post(srv.node_url + "/liverl/swap", {"deltas": [[str(path), checksum(target)]],
-                                                               "from": [cur["version"], cur["checksum"]],
-                                                               "to": [998, checksum(target)]}, key=srv.node_key)
+        status, _, out = _post(
+            srv.node_url + "/liverl/swap",
+            {
+                "deltas": [[str(path), checksum(target)]],
+                "from": [cur["version"], cur["checksum"]],
+                "to": [998, checksum(target)],
+            },
+            key=srv.node_key,
+        )
     finally:
         path.unlink()
     assert status == 200, out
@@ -500,11 +562,19 @@ def test_metrics_parse_as_prometheus_text(srv):
     status, body = _get(srv.url + "/metrics")
     assert status == 200
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
-    for name in ("liverl_gateway_requests", "liverl_gateway_request_seconds", "liverl_gateway_policy_version",
-                 "liverl_gateway_swaps", "liverl_gateway_swap_pause_seconds"):
+    for name in (
+        "liverl_gateway_requests",
+        "liverl_gateway_request_seconds",
+        "liverl_gateway_policy_version",
+        "liverl_gateway_swaps",
+        "liverl_gateway_swap_pause_seconds",
+    ):
         assert name in families, sorted(families)
-    by_status = {s.labels.get("status"): s.value for s in families["liverl_gateway_requests"].samples
-                 if s.name.endswith("_total")}
+    by_status = {
+        s.labels.get("status"): s.value
+        for s in families["liverl_gateway_requests"].samples
+        if s.name.endswith("_total")
+    }
     assert by_status.get("200", 0) >= 1 and by_status.get("400", 0) >= 1
     version = next(s.value for s in families["liverl_gateway_policy_version"].samples)
     assert version == _served(srv)["version"]

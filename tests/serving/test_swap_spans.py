@@ -20,8 +20,9 @@ pytestmark = pytest.mark.slow
 
 def _stream(url: str, prompt: str) -> dict:
     """One streamed completion of 20 sampled tokens (ignore_eos); returns what the client saw."""
-    body = json.dumps({"prompt": prompt, "max_tokens": 20, "temperature": 1.0, "ignore_eos": True, "stream": True,
-                       "logprobs": 0}).encode()
+    body = json.dumps(
+        {"prompt": prompt, "max_tokens": 20, "temperature": 1.0, "ignore_eos": True, "stream": True, "logprobs": 0}
+    ).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     out = {"t0": time.time(), "chunks": [], "done": False}
     with urllib.request.urlopen(req, timeout=60) as r:
@@ -110,8 +111,10 @@ def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_vers
 
     # exact attribution: each token's logged log-prob is the one its span's version gives it over the whole context
     # (KV recomputed under the new weights after the swap); the other version's is far off
-    models = {v: load_model(srv.model_dir, state_dict=states[v], dtype=torch.float32)
-              for v in {v for rec in mixed[:6] for v, _, _ in rec.version_spans}}
+    models = {
+        v: load_model(srv.model_dir, state_dict=states[v], dtype=torch.float32)
+        for v in {v for rec in mixed[:6] for v, _, _ in rec.version_spans}
+    }
     own: list[float] = []
     other_err: list[float] = []
     edges: list[float] = []  # the first token of each span: where a token sampled by the wrong version would show
@@ -124,8 +127,10 @@ def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_vers
             other_err += [abs(rec.completion_logprobs[i] - ref[other][i]) for i in range(a, b)]
             edges += [abs(rec.completion_logprobs[i] - ref[v][i]) for i in (a, b - 1)]
     mean_own, mean_other = sum(own) / len(own), sum(other_err) / len(other_err)
-    print(f"log-prob error to the span's version: mean {mean_own:.4f} max {max(own):.4f}; at span edges: max "
-          f"{max(edges):.4f}; to the other version: mean {mean_other:.4f}")
+    print(
+        f"log-prob error to the span's version: mean {mean_own:.4f} max {max(own):.4f}; at span edges: max "
+        f"{max(edges):.4f}; to the other version: mean {mean_other:.4f}"
+    )
     # no token at a span's edge belongs to the other version (an error of the other version's size there would)
     assert max(edges) < mean_other / 2, (edges, mean_other)
     # sampled (not greedy) tokens include unlikely ones, where bf16 kernels stray further than on greedy tokens: 0.027-0.029

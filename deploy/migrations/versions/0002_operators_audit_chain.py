@@ -45,8 +45,10 @@ def upgrade() -> None:
     prev = ""
     for r in rows:
         h = audit_hash(prev, r.actor, r.action, r.version, r.reason, r.at)
-        conn.execute(sa.text("UPDATE audit_log SET prev_hash = :p, entry_hash = :h WHERE id = :i"),
-                     {"p": prev, "h": h, "i": r.id})
+        conn.execute(
+            sa.text("UPDATE audit_log SET prev_hash = :p, entry_hash = :h WHERE id = :i"),
+            {"p": prev, "h": h, "i": r.id},
+        )
         prev = h
 
 

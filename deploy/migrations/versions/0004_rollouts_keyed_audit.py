@@ -52,13 +52,16 @@ def upgrade() -> None:
     # number the entries written before this revision, in id order; offline SQL (--sql) cannot read rows: their seq
     # stays NULL, which verification accepts for unkeyed entries (the next entry then takes the count + 1)
     if op.get_context().as_sql:
-        op.execute("-- liverl: audit entries written before 0004 are not numbered; run the upgrade online to number them")
+        op.execute(
+            "-- liverl: audit entries written before 0004 are not numbered; run the upgrade online to number them"
+        )
     else:
         conn = op.get_bind()
         ids = conn.execute(sa.text("SELECT id FROM audit_log ORDER BY id")).scalars().all()
         if ids:
-            conn.execute(sa.text("UPDATE audit_log SET seq = :s WHERE id = :i"),
-                         [{"s": n, "i": i} for n, i in enumerate(ids, 1)])
+            conn.execute(
+                sa.text("UPDATE audit_log SET seq = :s WHERE id = :i"), [{"s": n, "i": i} for n, i in enumerate(ids, 1)]
+            )
     op.create_index("ix_audit_log_seq", "audit_log", ["seq"], unique=True)
 
 
