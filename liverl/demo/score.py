@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from liverl.demo import task
+from liverl.demo.vocab import EOS_ID, VOCAB, encode_text, sft_batch
 
 
 @contextlib.contextmanager
@@ -37,8 +38,6 @@ def score_model(model, prompts: list[task.TaskPrompt]) -> dict:
     ``{"expected_acceptance", "greedy_acceptance", "entropy", "n_prompts", "per_segment": {seg: {...}}}``.
     """
     import torch
-
-    from liverl.demo.base_policy import sft_batch
 
     if not prompts:
         raise ValueError("score_model needs at least one prompt")
@@ -109,8 +108,6 @@ def sample_completions(model, prompts: list[task.TaskPrompt], seed: int = 0) -> 
     a completion is never accepted). For tests and offline checks; production sampling is vLLM's.
     """
     import torch
-
-    from liverl.demo.base_policy import EOS_ID, VOCAB, encode_text
 
     gen = torch.Generator().manual_seed(seed)
     ids_BT = torch.tensor([encode_text(p.text) for p in prompts])  # all prompts have the same length
