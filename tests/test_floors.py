@@ -132,3 +132,27 @@ def test_the_cli_names_the_same_chaos_kinds_as_the_chaos_command():
     from liverl.cli import KILL_KINDS
 
     assert KILL_KINDS == KINDS
+
+
+def test_no_import_circles():
+    """No module reaches itself through imports, top of file or inside a function (a lazy import hides a circle from
+    Python, not from a reader following the code)."""
+    mods = modules()
+    graph = {m: {d for d in imports_of(p) if d in mods and d != m} for m, p in mods.items()}
+    graph = {m: {d for d in ds if not m.startswith(d + ".")} for m, ds in graph.items()}  # a package's own __init__
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                circles.append(" -> ".join(path[path.index(d) :] + [d]))
+            elif d not in state:
+                visit(d, [*path, d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not circles, "import circles:\n" + "\n".join(circles)
