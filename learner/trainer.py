@@ -20,7 +20,10 @@ Guarantees (the checkpoint is the source of truth, Kafka offsets only mirror it)
   number says nothing of it: the registry numbers every candidate, rejected ones included). While a canary
   runs, the stable version's samples may all be stale; the canary's keep the learner fed. If only stale
   samples come for ``STARVE_S`` (the gate refuses this lineage, or an operator rolled back), the learner
-  would starve, so it rebases: it restarts from the stable weights.
+  would starve, so it rebases: it restarts from the stable weights. It also rebases when the gate refused its
+  newest ``rebase_after_refusals`` candidates in a row on their evidence (a 60-minute demo run: the lineage's
+  entropy fell under the gate's collapse floor and every candidate was refused for 5 minutes and more; training it
+  further does not bring it back).
 - Bad samples (token/logprob length mismatch, out-of-vocab ids, non-finite values, too long) are refused
   with a counted reason; the loop never crashes on input.
 
@@ -115,6 +118,7 @@ class Learner(ConsumerRebalanceListener):
         self.last_candidate: int | None = None
         self.last_metrics: dict[str, float] = {}
         self._shed_said_at = float("-inf")  # when the log last said the learner sheds load
+        self._rebased_wall = 0.0  # when this learner last rebased (wall clock, as the registry's times)
         self.last_backlog: tuple[int, float] = (-1, -1.0)  # (samples, seconds) as of the last publish (``backlog``)
         self.queue: collections.deque = collections.deque()  # (partition, offset, raw value), as fetched
         self.pending: list[tuple[int, int, TrainingSample]] = []  # accepted, waiting for a full batch
@@ -540,7 +544,8 @@ class Learner(ConsumerRebalanceListener):
         Called on every loop iteration, whatever the counters say: a deployment that never dropped a stale
         sample must see a rollback too. The rollback check is one indexed registry read; it runs before every
         update (``before_update``: no step trains a lineage the registry has rolled back) and at most every
-        ``ROLLBACK_CHECK_S`` while idle. The starvation rule applies once samples were refused as stale.
+        ``ROLLBACK_CHECK_S`` while idle. Then a lineage the gate keeps refusing (``_refused_in_a_row``); the
+        starvation rule applies once samples were refused as stale.
         """
         now = time.monotonic()
         if not before_update and now - self._last_rebase_check < ROLLBACK_CHECK_S:
@@ -549,6 +554,17 @@ class Learner(ConsumerRebalanceListener):
         rollback, _ = self.registry.last_rollback()
         if self.rollback_seen is None or rollback <= self.rollback_seen:
             self.rollback_seen = rollback
+            refused = self._refused_in_a_row()
+            if refused:
+                stable = int(self.registry.stable().version)
+                log.warning(
+                    "learner: the gate refused this lineage's last %d candidates (%s); rebasing onto stable v%d",
+                    len(refused),
+                    "; ".join(refused[:3]),
+                    stable,
+                )
+                self._rebase(stable)
+                return
             if not self.counters["dropped:stale"]:
                 return  # nothing was ever refused as stale: the fleet follows this learner
             stable = int(self.registry.stable().version)
@@ -567,7 +583,30 @@ class Learner(ConsumerRebalanceListener):
             self.rollback_seen = rollback
             stable = int(self.registry.stable().version)
             log.warning("learner: the registry was rolled back to v%d: rebasing onto it", stable)
+        self._rebase(stable)
+
+    def _refused_in_a_row(self) -> list[str]:
+        """The gate's reasons when it refused this learner's newest ``rebase_after_refusals`` candidates in a row on
+        their evidence since the stable version's promotion and this learner's last rebase; else []."""
+        k = self.lcfg.rebase_after_refusals
+        if not k:
+            return []
+        stable = self.registry.stable()
+        since = max(stable.promoted_at or 0.0, self._rebased_wall)
+        reasons = []
+        for v in self.registry.list(limit=8 * k):  # newest first; supersessions in between are skipped
+            if v.created_at <= since or v.status != "rejected":
+                break
+            if (v.status_reason or "").startswith("superseded"):
+                continue
+            reasons.append(f"v{v.version}: {v.status_reason}")
+            if len(reasons) >= k:
+                return reasons
+        return []
+
+    def _rebase(self, stable: int) -> None:
         self.trainer.load_weights(self.registry.materialize(stable), reset_optimizer=True)
+        self._rebased_wall = time.time()
         self.last_emitted = stable
         self.version_steps[stable] = self.step
         self.ledger.rebased(self.step, stable)

@@ -360,6 +360,13 @@ class LearnerConfig(_Section):
         description="Drop samples whose policy is more than this many candidates' worth of updates "
         "(max_staleness x candidate_every_steps learner steps) behind the learner's weights.",
     )
+    rebase_after_refusals: int = Field(
+        default=5,
+        ge=0,
+        description="Rebase onto the stable version when the gate refused this many of the learner's "
+        "newest candidates in a row on their evidence (drift, collapse, suite, off-policy, canary; supersessions do "
+        "not count): a lineage the gate keeps refusing does not recover by training further. 0: never.",
+    )
     max_backlog_s: float = Field(
         default=600.0,
         ge=0,

@@ -684,3 +684,32 @@ def test_a_learner_that_cannot_keep_up_sheds_the_oldest_feedback_and_counts_it(c
         assert stats["step"] == 2
     finally:
         reg.close()
+
+
+def test_a_lineage_the_gate_keeps_refusing_is_dropped_for_the_stable_weights(cfg, model_dir, base_samples):
+    """A 60-minute demo run: the learner's lineage fell under the gate's collapse floor and the gate refused every
+    candidate for minutes; training it further did not bring it back. Now ``run()`` rebases onto the stable version
+    once the gate refused ``rebase_after_refusals`` of its newest candidates in a row on their evidence
+    (supersessions do not count, and refusals from before the rebase do not count again)."""
+    from deploy.delta import checksum
+    from learner.trainer import Learner
+
+    cfg = learner_cfg(cfg, batch_size=8, candidate_every_steps=1, rebase_after_refusals=2)
+    produce_samples(cfg, base_samples[:64])
+    reg = make_registry(cfg, model_dir)
+    try:
+        learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
+        learner.run(max_steps=3)  # v1, v2, v3
+        v1, v2, v3 = (c.version for c in reg.candidates())
+        reg.set_status(v1, "rejected", actor="gate", reason="failed collapse", expect="candidate")
+        reg.set_status(v2, "rejected", actor="gate", reason="superseded by 3", expect="candidate")
+        reg.set_status(v3, "rejected", actor="gate", reason="failed drift", expect="candidate")
+        learner.run(max_steps=1)  # checked before the update
+        assert learner.counters["rebases"] == 1 and learner.version_steps[0] == 3  # rebased onto v0 at step 3
+        assert checksum(reg.materialize(0)) != checksum(learner.trainer.bf16_state_dict())  # then trained one step
+        [v4] = [c.version for c in reg.candidates()]
+        reg.set_status(v4, "rejected", actor="gate", reason="failed suite", expect="candidate")
+        learner._maybe_rebase(before_update=True)  # one refusal since the rebase: not enough
+        assert learner.counters["rebases"] == 1
+    finally:
+        reg.close()
