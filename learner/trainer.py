@@ -76,6 +76,16 @@ class LeaseLost(RuntimeError):
     """This learner's lease is gone (another learner may be running): it must not write anything more."""
 
 
+def evidence_against(reason: str) -> bool:
+    """Whether a rejection says the candidate itself is bad: a failed gate check (``failed drift, collapse``...) or a
+    canary aborted on its live evidence. Not: superseded by a newer candidate, deferred for too little evidence with
+    no canary to run, a sample-ratio mismatch or a deadline (the rollout's trouble, not the candidate's), an operator's
+    rejection without a check."""
+    if reason.startswith("failed "):
+        return True
+    return reason.startswith("canary aborted:") and not any(w in reason for w in ("srm:", "deadline passed"))
+
+
 class Learner(ConsumerRebalanceListener):
     """Kafka consumer + PolicyTrainer + checkpoint + registry candidates + live state in Redis."""
 
@@ -594,11 +604,11 @@ class Learner(ConsumerRebalanceListener):
         stable = self.registry.stable()
         since = max(stable.promoted_at or 0.0, self._rebased_wall)
         reasons = []
-        for v in self.registry.list(limit=8 * k):  # newest first; supersessions in between are skipped
+        for v in self.registry.list(limit=8 * k):  # newest first
             if v.created_at <= since or v.status != "rejected":
                 break
-            if (v.status_reason or "").startswith("superseded"):
-                continue
+            if not evidence_against(v.status_reason or ""):
+                continue  # superseded, too little evidence to judge, an operator's or the rollout's own trouble
             reasons.append(f"v{v.version}: {v.status_reason}")
             if len(reasons) >= k:
                 return reasons

@@ -702,7 +702,7 @@ def test_a_lineage_the_gate_keeps_refusing_is_dropped_for_the_stable_weights(cfg
         learner.run(max_steps=3)  # v1, v2, v3
         v1, v2, v3 = (c.version for c in reg.candidates())
         reg.set_status(v1, "rejected", actor="gate", reason="failed collapse", expect="candidate")
-        reg.set_status(v2, "rejected", actor="gate", reason="superseded by 3", expect="candidate")
+        reg.set_status(v2, "rejected", actor="gate", reason="superseded by 3", expect="candidate")  # not counted
         reg.set_status(v3, "rejected", actor="gate", reason="failed drift", expect="candidate")
         learner.run(max_steps=1)  # checked before the update
         assert learner.counters["rebases"] == 1 and learner.version_steps[0] == 3  # rebased onto v0 at step 3
@@ -713,3 +713,19 @@ def test_a_lineage_the_gate_keeps_refusing_is_dropped_for_the_stable_weights(cfg
         assert learner.counters["rebases"] == 1
     finally:
         reg.close()
+
+
+def test_only_a_rejection_on_the_candidates_own_evidence_counts_against_its_lineage():
+    from learner.trainer import evidence_against
+
+    assert evidence_against("failed collapse, suite")
+    assert evidence_against("canary aborted: guardrail revert_rate is worse than stable (p 0.0005): ...")
+    for reason in (
+        "superseded by 12",
+        "canary aborted: srm: the arms' users ...",
+        "canary aborted: deadline passed: x",
+        "off-policy evidence too thin to judge it (deferred to a canary) and no canary can run (...)",
+        "emitted before the last rollback",
+        "bad idea (operator)",
+    ):
+        assert not evidence_against(reason), reason
