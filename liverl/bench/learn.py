@@ -210,6 +210,7 @@ def run_drift(args: argparse.Namespace, spans) -> int:
     import torch
 
     from learner.dist_check import make_samples, on_policy
+    from learner.loss import full_kl
     from learner.policy_trainer import PolicyTrainer
     from liverl.core.config import GateConfig, LearnerConfig
 
@@ -246,7 +247,7 @@ def run_drift(args: argparse.Namespace, spans) -> int:
                     with torch.no_grad():
                         _, lp = tr._token_logp(tr.model, x)
                         _, ref = tr._token_logp(tr.ref, x)
-                        kl = float(((lp.exp() * (lp - ref)).sum(-1) * x["mask_BT"]).sum() / x["mask_BT"].sum())
+                        kl = float((full_kl(lp, ref) * x["mask_BT"]).sum() / x["mask_BT"].sum())
                     if step in marks:
                         kls[step] = kl
                     if over is None and kl > max_kl:
