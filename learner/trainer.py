@@ -129,6 +129,7 @@ class Learner(ConsumerRebalanceListener):
         self.last_metrics: dict[str, float] = {}
         self._shed_said_at = float("-inf")  # when the log last said the learner sheds load
         self._rebased_wall = 0.0  # when this learner last rebased (wall clock, as the registry's times)
+        self._emitted_since_rebase = 0  # candidates this process emitted since then
         self.last_backlog: tuple[int, float] = (-1, -1.0)  # (samples, seconds) as of the last publish (``backlog``)
         self.queue: collections.deque = collections.deque()  # (partition, offset, raw value), as fetched
         self.pending: list[tuple[int, int, TrainingSample]] = []  # accepted, waiting for a full batch
@@ -521,6 +522,7 @@ class Learner(ConsumerRebalanceListener):
             return
         self._candidate_due = False
         self.last_emitted = self.last_candidate = int(row.version)
+        self._emitted_since_rebase += 1
         self.version_steps[int(row.version)] = self.step
         self.since_candidate = {k: 0.0 for k in sc}
         log.info(
@@ -599,8 +601,8 @@ class Learner(ConsumerRebalanceListener):
         """The gate's reasons when it refused this learner's newest ``rebase_after_refusals`` candidates in a row on
         their evidence since the stable version's promotion and this learner's last rebase; else []."""
         k = self.lcfg.rebase_after_refusals
-        if not k:
-            return []
+        if not k or self._emitted_since_rebase < k:
+            return []  # too few candidates of this lineage for k refusals: no registry read before the update
         stable = self.registry.stable()
         since = max(stable.promoted_at or 0.0, self._rebased_wall)
         reasons = []
@@ -617,6 +619,7 @@ class Learner(ConsumerRebalanceListener):
     def _rebase(self, stable: int) -> None:
         self.trainer.load_weights(self.registry.materialize(stable), reset_optimizer=True)
         self._rebased_wall = time.time()
+        self._emitted_since_rebase = 0
         self.last_emitted = stable
         self.version_steps[stable] = self.step
         self.ledger.rebased(self.step, stable)
