@@ -125,7 +125,7 @@ def _pending(tests: seq.Canary, info: dict) -> str:
         ready = info.get(s.name, {}).get("ready", True)
         waiting.append(f"{s.name} (p better {s.p_pass:.3g}" + ("" if ready else ", too few users or events") + ")")
     for g in tests.guardrails:
-        if g.p_pass > g.alpha:
+        if g.required and g.p_pass > g.alpha:
             extra = ""
             if g.name == "latency":
                 extra = f", {info.get('latency', {}).get('batches', 0)} of {LATENCY_MIN_BATCHES} batches"
@@ -331,7 +331,14 @@ class CanaryController:
         if st.get("latency_band"):
             band = st["latency_band"]
             latency = seq.MetricTest(
-                "latency", tau=band, direction=-1, margin=band, harm_margin=band, bernoulli=False, alpha=g.canary_alpha
+                "latency",
+                tau=band,
+                direction=-1,
+                margin=band,
+                harm_margin=band,
+                bernoulli=False,
+                alpha=g.canary_alpha,
+                required=g.latency_guardrail == "non_inferior",
             )
             guardrails.append(latency)
         for t in (success, *guardrails):

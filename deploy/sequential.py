@@ -164,6 +164,8 @@ class MetricTest:
     > 0 only when shown worse by more than this (a tolerance, for metrics such as latency where a small, precisely
     measured difference is not a harm). Both are absolute and fixed for the test's life (see the module docstring).
     ``min_events``: events each arm needs before any decision; ``min_units``: users each arm needs (``look_units``).
+    ``required``: as a guardrail of a ``Canary``, whether a promotion waits for it to be shown non-inferior (True) or
+    it only stops a canary it shows worse (False: ``gate.latency_guardrail = "harm"``).
 
     Two ways to feed it: events (``add``, the per-event test of ``canary_unit = "request"``), or one estimate per
     look from elsewhere (``look``: ``look_units`` for the user unit, ``batch_means`` for latency).
@@ -178,6 +180,7 @@ class MetricTest:
     bernoulli: bool = True
     min_events: int = 100
     min_units: int = 10
+    required: bool = True
     canary: Arm = field(default_factory=Arm)
     stable: Arm = field(default_factory=Arm)
     max_log_lr_pass: float = float("-inf")  # running maxima: the always-valid p-values are 1 / exp(these)
@@ -404,10 +407,15 @@ def unit_estimate(canary: UnitSums, stable: UnitSums, direction: int = 1, cuped:
         with np.errstate(invalid="ignore", divide="ignore"):
             b = np.where(zc["zz"] + zs["zz"] > 0, (zc["lz"] + zs["lz"]) / (zc["zz"] + zs["zz"]), 0.0)  # pooled
             d = direction * ((mc["ratio"] - b * zc["ratio"]) - (ms["ratio"] - b * zs["ratio"]))
-            # each arm's residuals L - b Z, with the leverage of b (pooled) added to the user's own
+            # each arm's residuals L - b Z, with the leverage of b (pooled) added to the user's own (none when no
+            # user's covariate differs from its arm's: Z is 0 throughout and CUPED changes nothing)
             zz = zc["zz"] + zs["zz"]
             parts = [
-                _cr3(m["lin"] - _last(b) * z["z"], m["lev"] + z["z"] ** 2 / _last(zz), m["n"])
+                _cr3(
+                    m["lin"] - _last(b) * z["z"],
+                    m["lev"] + z["z"] ** 2 / np.where(_last(zz) > 0, _last(zz), 1.0),
+                    m["n"],
+                )
                 for m, z in ((mc, zc), (ms, zs))
             ]
             (var_c, df_c), (var_s, df_s) = parts
@@ -647,8 +655,10 @@ class Canary:
     """The success metric and the guardrails of one rollout.
 
     An abort on any guardrail shown worse splits alpha across the guardrails (Bonferroni: k chances of a false
-    alarm); a promotion needs every guardrail shown non-inferior, each at alpha (an intersection-union test: all must
-    pass, so no split is needed for the promotion's error to stay at alpha)."""
+    alarm); a promotion needs every required guardrail shown non-inferior, each at alpha (an intersection-union test:
+    all must pass, so no split is needed for the promotion's error to stay at alpha). A guardrail not ``required``
+    only aborts: a promotion does not wait for it, so nothing bounds the chance of promoting a canary worse on it by
+    less than what the test can show."""
 
     success: MetricTest
     guardrails: list[MetricTest] = field(default_factory=list)
@@ -662,14 +672,20 @@ class Canary:
         s = self.success.verdict()
         if s == WORSE:
             return ABORT, f"{self.success.name} is worse than stable (p {self.success.p_harm:.3g})"
-        pending = [g.name for g in self.guardrails if g.p_pass > g.alpha]
+        pending = [g.name for g in self.guardrails if g.required and g.p_pass > g.alpha]
         if s == BETTER and not pending:
             shown = (
                 "better than stable"
                 if self.success.margin == 0
                 else f"not worse than stable by more than {self.success.margin:g}"
             )
-            return PROMOTE, f"{self.success.name} {shown} (p {self.success.p_pass:.3g}), every guardrail non-inferior"
+            watched = [g.name for g in self.guardrails if not g.required]
+            return PROMOTE, (
+                f"{self.success.name} {shown} (p {self.success.p_pass:.3g}), every "
+                + ("required " if watched else "")
+                + "guardrail non-inferior"
+                + (f" ({', '.join(watched)}: not shown worse)" if watched else "")
+            )
         if deadline_passed:
             return ABORT, "deadline passed: " + (
                 "; ".join(

@@ -549,6 +549,16 @@ class GateConfig(_Section):
         "(timed by the gateway). Wider: the canary and stable arms run on different nodes, so node load shows in it "
         "as much as the version does.",
     )
+    latency_guardrail: Literal["non_inferior", "harm"] = Field(
+        default="non_inferior",
+        description="'non_inferior': a promotion waits until the canary's latency is shown no more "
+        "than latency_tolerance above stable's; 'harm': latency only stops a canary it shows slower by more than that, "
+        "and a promotion does not wait for it. A weight delta cannot change the compute per token, only how many "
+        "tokens an answer takes (the response length guardrail, non-inferior either way), so the arms' latency "
+        "differs by node more than by version; where nodes share their hardware (the demo: two vLLM engines on "
+        "the same cores, whose load they trade), its batch means are too noisy to show non-inferiority in a canary's "
+        "life.",
+    )
     canary_unit: Literal["user", "request"] = Field(
         default="user",
         description="The canary's unit of randomisation and of analysis. 'user': each user (the "

@@ -160,6 +160,18 @@ def test_a_user_without_a_covariate_is_imputed_and_cuped_needs_one():
         unit_estimate(UnitSums(num, den), UnitSums(num, den), cuped=True)
 
 
+def test_a_covariate_every_user_shares_leaves_the_estimate_as_without_cuped():
+    """Every user's history the same (a young deployment: two judgements each, one kept): CUPED has nothing to
+    regress on and must change nothing. It gave a NaN variance (0/0 in the leverage), and a canary that never decided."""
+    rng = np.random.default_rng(8)
+    num, den, _, _ = _users(rng, 200, rng.beta(2, 2, 200))
+    flat = np.full(100, 0.5), np.full(100, 2.0)
+    c, s = UnitSums(num[:100], den[:100], *flat), UnitSums(num[100:], den[100:], *flat)
+    with_cuped, without = unit_estimate(c, s, cuped=True), unit_estimate(c, s)
+    assert float(with_cuped.var) == pytest.approx(float(without.var), rel=1e-9)
+    assert float(with_cuped.d) == pytest.approx(float(without.d)) and float(with_cuped.cuped_removed) == 0.0
+
+
 def test_a_stack_of_looks_is_the_gate_looking_at_each_in_turn():
     """``look_units`` on a whole canary's looks at once (the calibration) and look by look (the gate): same
     running maxima, same verdict, and its arms show the ratios."""
@@ -377,6 +389,12 @@ def test_the_canary_promotes_only_with_every_guardrail_and_aborts_on_any_harm_or
     assert canary(0.80).verdict()[0] == PROMOTE
     verdict, why = canary(0.60).verdict()  # accepted more, kept less: the reward-hacking shape
     assert verdict == ABORT and "kept" in why
+    watched = Canary(MetricTest("acceptance"), [MetricTest("latency", margin=0.05, required=False)])
+    _feed(watched.success, rng, 0.65, 0.50, 6000)  # the watched guardrail has no evidence: a promotion does not wait
+    verdict, why = watched.verdict()
+    assert verdict == PROMOTE and "latency: not shown worse" in why
+    _feed(watched.guardrails[0], rng, 0.50, 0.80, 6000)  # but shown worse, it still aborts
+    assert watched.verdict()[0] == ABORT
     early = Canary(MetricTest("acceptance"), [MetricTest("kept", margin=0.02)])
     assert early.verdict() == (CONTINUE, "collecting evidence")
     verdict, why = early.verdict(deadline_passed=True)
