@@ -129,6 +129,20 @@ class Served(Base):
     first_at: Mapped[float] = mapped_column(sa.Float, doc="when the node resumed serving with this version's weights")
 
 
+class DeploymentRow(Base):
+    """The deployment this registry belongs to (one row, written once by ``liverl up`` or the demo): its id, which
+    also claims its Redis prefix (``liverl.deployment``). A standalone process (``liverl serve``, ``ingest``, ``learn``,
+    ``gate`` on another machine, with no state dir in common) reads it here and refuses a prefix another deployment
+    claims."""
+
+    __tablename__ = "deployment"
+
+    id: Mapped[str] = mapped_column(sa.String(64), primary_key=True)
+    state_dir: Mapped[str] = mapped_column(sa.Text, doc="where `liverl up` made it")
+    model: Mapped[str | None] = mapped_column(sa.Text, doc="the model directory of version 0")
+    made_at: Mapped[float] = mapped_column(sa.Float)
+
+
 ROLLOUT_STATES = ("running", "paused", "promoted", "aborted", "ended")
 ACTIVE_ROLLOUT_STATES = ("running", "paused")
 ROLLOUT_UNITS = ("user", "request")

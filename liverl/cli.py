@@ -150,11 +150,30 @@ def model_dir_for(cfg: LiverlConfig):
     return ensure_base_policy(cfg.model_cache_path, seed=cfg.model.seed)
 
 
+def _bound(cfg: LiverlConfig, role: str) -> None:
+    """A pipeline process refuses to start on a Redis prefix another deployment claims than the one its registry
+    belongs to (``liverl.deployment.check_process``)."""
+    import redis
+
+    from liverl.core.services import redis_from_url, redis_url
+    from liverl.deployment import check_process
+
+    url = redis_url(cfg)
+    r = redis_from_url(url)  # connects only when the registry names a deployment to check
+    try:
+        check_process(cfg, r, role)
+    except redis.RedisError as e:
+        raise LiverlError(f"liverl {role}: cannot check the deployment's Redis namespace at {url}: {e}") from None
+    finally:
+        r.close()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from liverl.core.services import kafka_bootstrap, redis_url, required_verify_key
     from serving.main import run_serving
 
     cfg = _cfg(args)
+    _bound(cfg, "serve")
     required_verify_key(cfg)  # refused before the model is built or loaded (serving.main.serve checks it too)
     run_serving(cfg, model_dir_for(cfg), kafka_bootstrap(cfg), redis_url(cfg), cfg.registry_url)
     return 0
@@ -165,6 +184,7 @@ def cmd_route(args: argparse.Namespace) -> int:
     from serving.router import run_router
 
     cfg = _cfg(args)
+    _bound(cfg, "route")
     run_router(cfg, redis_url(cfg), args.host or cfg.serving.host, args.port or cfg.serving.router_port)
     return 0
 
@@ -174,6 +194,7 @@ def cmd_ingest(args: argparse.Namespace) -> int:
     from liverl.core.services import kafka_bootstrap, redis_url
 
     cfg = _cfg(args)
+    _bound(cfg, "ingest")
     return run_worker(cfg, kafka_bootstrap(cfg), redis_url(cfg))
 
 
@@ -184,6 +205,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
     from learner.trainer import run_learner
 
     cfg = _cfg(args)
+    _bound(cfg, "learn")
     model_dir = model_dir_for(cfg)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -198,6 +220,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from liverl.core.product import load_product
 
     cfg = _cfg(args)
+    _bound(cfg, "gate")
     model_dir, suite = model_dir_for(cfg), load_product(cfg).eval_suite()
     run_gate(
         cfg,

@@ -5,6 +5,10 @@ under its prefix (``topics.prefix``). The namespace is claimed in Redis by ``<pr
 owner's id, state dir and model. Without the binding two deployments on one Redis read and wrote each other's live
 counters, rollout plan and desired version, and ``--fresh`` deleted the other one's keys (issue 22).
 
+The registry records the deployment too (its ``deployment`` table, written by ``record`` once ``up`` made the
+registry), so a standalone process on another machine, sharing only the registry and Redis with the rest, checks the
+same binding before it starts (``check_process``: ``liverl serve``, ``route``, ``ingest``, ``learn``, ``gate``).
+
 Refused, each with a message naming both sides and what to do:
 - a state dir whose registry holds another model's base (``liverl up --model OTHER`` after the demo): pass
   ``--fresh`` (start over in that state dir) or ``--state-dir NEW``; before this check the learner died on a torch
@@ -69,8 +73,9 @@ def identity(cfg: LiverlConfig) -> Deployment:
     return d
 
 
-def registry_base(cfg: LiverlConfig) -> str | None:
-    """The model directory version 0 of this state dir's registry was made from, or None without a registry."""
+def _registry_row(cfg: LiverlConfig, table: str, sql: str) -> tuple | None:
+    """The first row of ``sql`` on the registry's ``table``; None without a registry, that table (a registry from
+    before it) or a row."""
     import sqlalchemy as sa
 
     url = cfg.registry_url
@@ -79,12 +84,84 @@ def registry_base(cfg: LiverlConfig) -> str | None:
     engine = sa.create_engine(url)
     try:
         with engine.connect() as c:
-            if not sa.inspect(c).has_table("versions"):
+            if not sa.inspect(c).has_table(table):
                 return None
-            row = c.execute(sa.text("SELECT model_dir FROM versions WHERE version = 0")).first()
+            row = c.execute(sa.text(sql)).first()
     finally:
         engine.dispose()
+    return None if row is None else tuple(row)
+
+
+def registry_base(cfg: LiverlConfig) -> str | None:
+    """The model directory version 0 of this state dir's registry was made from, or None without a registry."""
+    row = _registry_row(cfg, "versions", "SELECT model_dir FROM versions WHERE version = 0")
     return None if row is None or row[0] is None else str(row[0])
+
+
+def registry_deployment(cfg: LiverlConfig) -> Deployment | None:
+    """The deployment the registry (``registry.url``) belongs to, as ``record`` wrote it; None before one did."""
+    row = _registry_row(cfg, "deployment", "SELECT id, state_dir, model FROM deployment ORDER BY made_at LIMIT 1")
+    return None if row is None else Deployment(id=str(row[0]), state_dir=str(row[1]), model=row[2])
+
+
+def _another_registry(cfg: LiverlConfig, me: Deployment, owner: Deployment) -> DeploymentError:
+    return DeploymentError(
+        f"the registry {cfg.registry_url} belongs to {owner.describe()}, not to this {me.describe()}. Run with "
+        f"--state-dir {owner.state_dir}, or give this deployment its own registry (registry.url) and Redis prefix "
+        f"(topics.prefix)"
+    )
+
+
+def record(cfg: LiverlConfig, me: Deployment, model_dir: Path | None = None) -> None:
+    """Write this deployment into its registry (once; after the registry's migrations ran), so standalone processes
+    that share only the registry and Redis can check the prefix (``check_process``). Refuses a registry another
+    deployment wrote."""
+    import time
+
+    import sqlalchemy as sa
+
+    engine = sa.create_engine(cfg.registry_url)
+    try:
+        with engine.begin() as c:
+            row = c.execute(sa.text("SELECT id, state_dir, model FROM deployment LIMIT 1")).first()
+            if row is None:
+                c.execute(
+                    sa.text("INSERT INTO deployment (id, state_dir, model, made_at) VALUES (:i, :s, :m, :t)"),
+                    {"i": me.id, "s": me.state_dir, "m": str(model_dir) if model_dir else None, "t": time.time()},
+                )
+                return
+    finally:
+        engine.dispose()
+    if str(row[0]) != me.id:
+        raise _another_registry(cfg, me, Deployment(id=str(row[0]), state_dir=str(row[1]), model=row[2]))
+
+
+def check_process(cfg: LiverlConfig, redis, role: str) -> Deployment | None:
+    """What a standalone ``liverl serve | route | ingest | learn | gate`` checks before it starts: the deployment its
+    registry belongs to must be the one that claims ``topics.prefix`` in Redis. It claims an unclaimed prefix for
+    that deployment; it refuses one another deployment claims, naming both. A registry no deployment was recorded
+    in (made before deployment ids, or not reachable from this machine) has nothing to check: returns None."""
+    me = registry_deployment(cfg)
+    if me is None:
+        return None
+    prefix = cfg.topics.prefix
+    if redis.set(claim_key(prefix), json.dumps(asdict(me)), nx=True):
+        return me
+    raw = redis.get(claim_key(prefix))
+    try:
+        owner = Deployment(**json.loads(raw))
+    except (ValueError, TypeError):
+        raise DeploymentError(
+            f"liverl {role}: the Redis key {claim_key(prefix)} is not a deployment claim ({raw[:80]!r}); "
+            "remove it by hand if no deployment uses this prefix"
+        ) from None
+    if owner.id != me.id:
+        raise DeploymentError(
+            f"liverl {role}: its registry {cfg.registry_url} belongs to {me.describe()}, but the Redis namespace "
+            f"{prefix!r} ({prefix}:*) is claimed by {owner.describe()}. Point this process at that deployment's "
+            f"registry (registry.url), or give it its own prefix (topics.prefix, e.g. LIVERL__TOPICS__PREFIX=myapp)"
+        )
+    return me
 
 
 def check_model(cfg: LiverlConfig, model_dir: Path, fresh: bool) -> None:
@@ -153,5 +230,8 @@ def bind(cfg: LiverlConfig, redis, model_dir: Path, fresh: bool, adopt: bool | N
     given). Returns the deployment."""
     adopt = made_before_ids(cfg) if adopt is None else adopt
     me = identity(cfg)
+    owner = registry_deployment(cfg)
+    if owner is not None and owner.id != me.id and not fresh:  # a registry.url another deployment uses
+        raise _another_registry(cfg, me, owner)
     check_namespace(cfg, redis, me, adopt=adopt)
     return me

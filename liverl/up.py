@@ -14,7 +14,7 @@ from liverl.core import procs
 from liverl.core.config import LiverlConfig, ServingConfig, advertised_url
 from liverl.core.credentials import PRODUCT_KEY_HEADER, ensure_secrets, feedback_key_path
 from liverl.core.product import load_product
-from liverl.deployment import bind, check_model, claim, made_before_ids
+from liverl.deployment import bind, check_model, claim, made_before_ids, record
 from liverl.stack import Stack, start_stack
 from liverl.supervisor import (
     Supervisor,
@@ -74,6 +74,7 @@ class Pipeline:
             ensure_keys(cfg)
             ensure_secrets(cfg)  # the router's assignment key and the product key of /v1/feedback
             init_registry(cfg, self.model_dir, self.redis)
+            record(cfg, me, self.model_dir)  # in the registry too: what standalone processes check (before they start)
             self.supervisor = Supervisor.from_config(
                 cfg, child_env(cfg, self.stack, self.model_dir), cfg.state_path / "logs", roles_for(cfg)
             ).start()

@@ -29,7 +29,7 @@ from deploy.tables import Base, Counter, make_engine
 from tests.deploy.conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
-TABLES = {"versions", "gate_results", "audit_log", "fleet", "counters"}
+TABLES = {"versions", "gate_results", "audit_log", "fleet", "counters", "deployment"}
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -154,3 +154,80 @@ def test_unclaimed_keys_are_refused_from_a_new_state_dir_and_adopted_by_the_stat
         assert not made_before_ids(old)  # it has its deployment file now
     finally:
         r.close()
+
+
+def _recorded(cfg, model):
+    """A state dir as `up` leaves it: its registry, and its deployment recorded in it."""
+    from liverl.deployment import identity, record
+
+    _registry_of(cfg, model)
+    me = identity(cfg)
+    record(cfg, me, model)
+    return me
+
+
+def test_a_standalone_process_checks_its_registrys_deployment_against_the_redis_claim(tmp_path, prefix):
+    """A pipeline process on another machine shares only the registry and Redis with the rest: it reads the
+    deployment from the registry and refuses a prefix another deployment claims (before: no check at all outside
+    `up`, so a second deployment's `liverl gate` read and wrote the first one's rollout plan and desired version)."""
+    from liverl.deployment import check_process, record, registry_deployment
+
+    r = redis_lib.Redis.from_url(REDIS)
+    try:
+        assert check_process(_cfg(tmp_path, "no-registry", prefix), r, "gate") is None  # nothing recorded to check
+        assert r.get(claim_key(prefix)) is None
+        mine = _cfg(tmp_path, "mine", prefix)
+        me = _recorded(mine, _model(tmp_path, "m"))
+        assert registry_deployment(mine).id == me.id
+        assert check_process(mine, r, "gate").id == me.id  # an unclaimed prefix is claimed for its deployment
+        assert json.loads(r.get(claim_key(prefix)))["id"] == me.id
+        assert check_process(mine, r, "serve").id == me.id  # its own claim: starts
+
+        theirs = _cfg(tmp_path, "theirs", prefix)
+        them = _recorded(theirs, _model(tmp_path, "other"))
+        with pytest.raises(DeploymentError) as e:
+            check_process(theirs, r, "ingest")
+        msg = str(e.value)
+        assert me.id in msg and them.id in msg and "liverl ingest" in msg and "topics.prefix" in msg
+        with pytest.raises(DeploymentError, match="belongs to"):  # one registry, one deployment
+            record(theirs, me)
+        with pytest.raises(DeploymentError, match="registry"):  # `up` on a registry.url another deployment uses
+            bind(
+                load_config(
+                    env={},
+                    state_dir=str(tmp_path / "third"),
+                    topics__prefix=f"{prefix}y",
+                    redis__url=REDIS,
+                    registry__url=theirs.registry_url,
+                ),
+                r,
+                tmp_path,
+                fresh=False,
+            )
+    finally:
+        r.close()
+
+
+def test_liverl_ingest_on_another_deployments_prefix_exits_with_the_reason_and_starts_nothing(tmp_path, prefix):
+    r = redis_lib.Redis.from_url(REDIS)
+    try:
+        r.set(claim_key(prefix), json.dumps({"id": "0123456789ab", "state_dir": "/elsewhere", "model": None}))
+    finally:
+        r.close()
+    cfg = _cfg(tmp_path, "state", prefix)
+    me = _recorded(cfg, _model(tmp_path, "m"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIVERL")}
+    env.update(
+        {
+            "LIVERL__TOPICS__PREFIX": prefix,
+            "LIVERL__REDIS__URL": REDIS,
+            "LIVERL__STATE_DIR": str(cfg.state_path),
+            "LIVERL__BROKER__BOOTSTRAP": "127.0.0.1:1",
+        }
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "liverl.cli", "ingest"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "liverl ingest" in p.stderr and "0123456789ab" in p.stderr and me.id in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
