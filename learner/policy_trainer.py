@@ -13,6 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from learner.dist import Ranks, all_sum, grad_scale, shard, share
@@ -128,28 +129,33 @@ class PolicyTrainer:
         lens = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
         rows = pack(lens)
         N = max(lens)
-        ids_RN = torch.full((len(rows), N), self.pad_id, dtype=torch.long)
-        posid_RN = torch.zeros((len(rows), N), dtype=torch.long)
         T = max(len(s.completion_token_ids) for s in samples)
-        row_BT = torch.zeros((B, T), dtype=torch.long)
-        col_BT = torch.zeros((B, T), dtype=torch.long)
-        tgt_BT = torch.zeros((B, T), dtype=torch.long)
-        mask_BT = torch.zeros((B, T))
-        beh_BT = torch.zeros((B, T))
+        # built in numpy and handed to torch once: a torch op per sample and field was most of a small model's update
+        ids_RN = np.full((len(rows), N), self.pad_id, dtype=np.int64)
+        posid_RN = np.zeros((len(rows), N), dtype=np.int64)
+        row_BT = np.zeros((B, T), dtype=np.int64)
+        col_BT = np.zeros((B, T), dtype=np.int64)
+        tgt_BT = np.zeros((B, T), dtype=np.int64)
+        mask_BT = np.zeros((B, T), dtype=np.float32)
+        beh_BT = np.zeros((B, T), dtype=np.float32)
         for r, members in enumerate(rows):
             at = 0
             for b in members:
                 s = samples[b]
                 P, C = len(s.prompt_token_ids), len(s.completion_token_ids)
-                ids_RN[r, at : at + P + C] = torch.tensor(s.prompt_token_ids + s.completion_token_ids)
-                posid_RN[r, at : at + P + C] = torch.arange(P + C)  # restarts: each sequence attends only to itself
+                ids_RN[r, at : at + P] = s.prompt_token_ids
+                ids_RN[r, at + P : at + P + C] = s.completion_token_ids
+                posid_RN[r, at : at + P + C] = np.arange(P + C)  # restarts: each sequence attends only to itself
                 row_BT[b, :C] = r
-                col_BT[b, :C] = torch.arange(at + P - 1, at + P + C - 1)  # logits at position i predict token i+1
-                tgt_BT[b, :C] = torch.tensor(s.completion_token_ids)
+                col_BT[b, :C] = np.arange(at + P - 1, at + P + C - 1)  # logits at position i predict token i+1
+                tgt_BT[b, :C] = s.completion_token_ids
                 mask_BT[b, :C] = 1.0
-                beh_BT[b, :C] = torch.tensor(s.behaviour_logprobs)
+                beh_BT[b, :C] = s.behaviour_logprobs
                 at += P + C
-            posid_RN[r, at:] = torch.arange(N - at)  # the row's padding: a sequence of its own, never read
+            posid_RN[r, at:] = np.arange(N - at)  # the row's padding: a sequence of its own, never read
+        ids_RN, posid_RN, row_BT, col_BT, tgt_BT, mask_BT, beh_BT = map(
+            torch.from_numpy, (ids_RN, posid_RN, row_BT, col_BT, tgt_BT, mask_BT, beh_BT)
+        )
         reward_B = torch.tensor([s.reward for s in samples], dtype=torch.float32)
         x = {
             "ids_RN": ids_RN,
