@@ -152,6 +152,7 @@ class Gate:
             registry=self.metrics,
         )
         self._in_a_row = 0
+        self._waited_on: int | None = None  # the candidate last deferred as too early (logged once each)
         self._rollouts = prom.Counter(
             "liverl_gate_rollouts",
             "Canary rollouts ended, by outcome (promoted, aborted)",
@@ -447,8 +448,36 @@ class Gate:
             self._record(row.version, "offpolicy", c.upper, -g.offpolicy_margin, c.verdict == "pass", reason)
         return c.verdict
 
+    def _too_early(self) -> str | None:
+        """Why no candidate can be judged yet, or None. Before any held-out feedback has had its whole revert horizon
+        (``gate.revert_horizon_s``), no judgement could count a revert: the learner has trained on accepts its users
+        may still undo, and neither the off-policy check nor a canary has anything final to read. A deployment's first
+        minute (in the demo the candidates of its first 75 s were bait, rewarded for accepts reverted later, and
+        each of them canaried for 100-200 s before the revert rate showed it). Only with a held-out stream that has
+        records (``gate.heldout_samples`` > 0): without one there is nothing to wait for."""
+        g = self.cfg.gate
+        if g.integrity_only or self.heldout is None or not g.heldout_samples or g.revert_horizon_s <= 0:
+            return None
+        from deploy.offpolicy import merge_heldout
+
+        usable, young = merge_heldout(self.heldout(), time.time() - g.revert_horizon_s)
+        if usable or not young:
+            return None
+        return (
+            f"too early: none of the {young} held-out judgements is older than gate.revert_horizon_s "
+            f"{g.revert_horizon_s:g} s, so no evidence could include a revert yet; the newest candidate is judged "
+            "once one is"
+        )
+
     def _judge(self, row: Version, stable: Version) -> Verdict:
         checks: dict[str, bool] = {}
+        early = self._too_early()
+        if early is not None:  # left a candidate: superseded by a newer one, or judged when the horizon has passed
+            if self._waited_on != row.version:
+                self._waited_on = row.version
+                self._verdicts.labels("deferred").inc()
+                log.info("gate: version %d deferred: %s", row.version, early)
+            return Verdict(row.version, "deferred", early, checks)
         _, rolled_back_at = self.registry.last_rollback()
         if row.created_at <= rolled_back_at:  # it may carry the change an operator just rolled back
             reason = "emitted before the last rollback"

@@ -604,3 +604,34 @@ def test_the_heldout_tail_keeps_its_size_in_samples_old_enough_to_judge():
     tail.young_s = 0.5  # judged 1 s ago: now old enough
     usable, young = merge_heldout(tail(), time.time() - 0.5)
     assert [h.generation_id for h in usable] == ["young7", "young8", "young9"] and young == 0
+
+
+def test_no_candidate_is_judged_before_any_held_out_feedback_has_had_its_revert_horizon(cfg, rds):
+    """A deployment's first minute: every held-out judgement is younger than gate.revert_horizon_s, so nothing the
+    gate could read (off-policy or live) includes a revert, and the learner has trained on accepts its users may still
+    undo (in the demo those first candidates were the trap's bait, each canaried for 100-200 s). The candidate waits,
+    untouched and unjudged; once a judgement is old enough the newest candidate is judged as before."""
+    from deploy.gate import HeldoutSample
+
+    cfg.gate.revert_horizon_s = 60.0
+    registry = open_registry(cfg)
+    registry.init_base({**weights(0.5, 0.8), "op_shift": torch.tensor([0.0])}, "/nonexistent/model")
+    now = time.time()
+    heldout = [HeldoutSample((1, 2, 3), (4, 5), -2.0, float(i % 2), f"g{i}", now - 5.0, "accept") for i in range(400)]
+    ev = OffPolicyEval()
+    gate = Gate(cfg, registry, rds, ev, heldout=lambda: heldout)
+    try:
+        gate.step()
+        row = registry.add_candidate({**weights(0.5, 0.8, seed=1), "op_shift": torch.tensor([0.5])}, parent=0)
+        for _ in range(3):
+            [v] = gate.step()
+            assert v.verdict == "deferred" and "too early" in v.reason and "gate.revert_horizon_s" in v.reason, v
+        assert registry.get(row.version).status == "candidate" and registry.gate_results(row.version) == []
+        assert ev.drift_calls == 0 and ev.logprob_calls == 0  # nothing evaluated while it waits
+        assert 'liverl_gate_verdicts_total{verdict="deferred"} 1.0' in gate.metrics_text().decode()  # once a version
+        heldout[:200] = [h._replace(judged_at=now - 120.0) for h in heldout[:200]]  # the first ones' horizon has passed
+        [v] = gate.step()
+        assert v.verdict == "promoted", v  # judged as before (one node: no canary), the off-policy check included
+        assert "offpolicy" in v.checks
+    finally:
+        registry.close()
