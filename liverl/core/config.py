@@ -516,6 +516,14 @@ class GateConfig(_Section):
     )
     canary_tau: float = Field(default=0.03, gt=0, description="Effect size the test is tuned for (acceptance points).")
     canary_min_events: int = Field(default=100, ge=1, description="Judged events each arm needs before any decision.")
+    canary_warmup_s: float = Field(
+        default=3.0,
+        ge=0.0,
+        description="A canary's evidence counts from the first whole 10 s bucket that starts this long "
+        "after every canary node first served the candidate (the registry's served times). Answers the stable version "
+        "served the canary's users just before (the router learns of a rollout within a second) are judged in the "
+        "next seconds and would count for stable: raise it to the time your users take to judge an answer.",
+    )
     canary_min_s: float = Field(
         default=0.0,
         ge=0,
