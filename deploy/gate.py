@@ -451,10 +451,10 @@ class Gate:
     def _too_early(self) -> str | None:
         """Why no candidate can be judged yet, or None. Before any held-out feedback has had its whole revert horizon
         (``gate.revert_horizon_s``), no judgement could count a revert: the learner has trained on accepts its users
-        may still undo, and neither the off-policy check nor a canary has anything final to read. A deployment's first
-        minute (in the demo the candidates of its first 75 s were bait, rewarded for accepts reverted later, and
-        each of them canaried for 100-200 s before the revert rate showed it). Only with a held-out stream that has
-        records (``gate.heldout_samples`` > 0): without one there is nothing to wait for."""
+        may still undo, and neither the off-policy check nor a canary has anything final to read. That is a
+        deployment's first minute or so: in the demo the candidates of its first 75 s were bait, rewarded for accepts
+        reverted later, and each was canaried for 100-200 s before the revert rate showed it. It applies only with a
+        held-out stream that has records (``gate.heldout_samples`` > 0): without one there is nothing to wait for."""
         g = self.cfg.gate
         if g.integrity_only or self.heldout is None or not g.heldout_samples or g.revert_horizon_s <= 0:
             return None
