@@ -112,15 +112,20 @@ def test_judgements_younger_than_the_revert_horizon_do_not_count(cfg, rds):
     r = cfg.ingest.rewards
     assert f"stable v0 {(r.accept + r.reject) / 2:.3f}" in g.detail and "100 judged less than" in g.detail, g.detail
     assert v.checks["offpolicy"] is False and "refuse" in g.detail
-    # nothing old enough at all: not judged off-policy, deferred to the canary
-    v, g = judge(
-        cfg,
-        rds,
-        [h._replace(judged_at=time.time()) for h in stream(cfg, bait_judged_at=time.time(), reverted=False)],
-        state(1.0, 3),
-    )
-    assert v.checks["offpolicy"] is True and v.checks["needs_canary"] is True
-    assert g.passed and "deferred to the canary" in g.detail and "300 judged less than" in g.detail
+    # nothing old enough at all: the candidate is not judged yet (the gate's cold start, tests/deploy/test_gate.py)
+    young = [h._replace(judged_at=time.time()) for h in stream(cfg, bait_judged_at=time.time(), reverted=False)]
+    cfg = cfg.model_copy(update={"state_dir": str(Path(cfg.state_dir) / uuid.uuid4().hex[:8])})
+    registry = open_registry(cfg)
+    registry.init_base(state(0.0, 0), "/nonexistent/model")
+    try:
+        gate = Gate(cfg, registry, rds, BaitEval(), heldout=lambda: young)
+        gate.step()
+        row = registry.add_candidate(state(1.0, 3), parent=0)
+        [v] = gate.step()
+        assert v.verdict == "deferred" and "too early" in v.reason and "300 held-out judgements" in v.reason, v
+        assert registry.get(row.version).status == "candidate" and registry.gate_results(row.version) == []
+    finally:
+        registry.close()
 
 
 def test_an_effective_sample_size_below_the_minimum_defers_to_the_canary(cfg, rds):
