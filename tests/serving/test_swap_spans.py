@@ -134,6 +134,8 @@ def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_vers
     # no token at a span's edge belongs to the other version (an error of the other version's size there would)
     assert max(edges) < mean_other / 2, (edges, mean_other)
     # sampled (not greedy) tokens include unlikely ones, where bf16 kernels stray further than on greedy tokens: 0.027-0.029
-    # on the base weights' first swap, 0.054 once other tests had perturbed the weights twice before (larger logits)
-    assert mean_own < 0.08, mean_own
+    # on the base weights' first swap, 0.054 once other tests had perturbed the weights twice before, 0.122 on a fresh
+    # clone's CI run swapping 2 -> 5 (each perturbation grows the logits, and bf16's error with them): the bound that
+    # says which version sampled a token is the relative one below; this one only catches a broken scoring path
+    assert mean_own < 0.25, mean_own
     assert mean_other > 10 * mean_own, (mean_other, mean_own)
