@@ -136,6 +136,20 @@ def record(cfg: LiverlConfig, me: Deployment, model_dir: Path | None = None) -> 
         raise _another_registry(cfg, me, Deployment(id=str(row[0]), state_dir=str(row[1]), model=row[2]))
 
 
+def _claimant(redis, prefix: str) -> Deployment | None:
+    """The deployment that claims ``prefix`` in Redis, or None; a key that is no claim is refused."""
+    raw = redis.get(claim_key(prefix))
+    if raw is None:
+        return None
+    try:
+        return Deployment(**json.loads(raw))
+    except (ValueError, TypeError):
+        raise DeploymentError(
+            f"the Redis key {claim_key(prefix)} is not a deployment claim ({raw[:80]!r}); "
+            "remove it by hand if no deployment uses this prefix"
+        ) from None
+
+
 def check_process(cfg: LiverlConfig, redis, role: str) -> Deployment | None:
     """What a standalone ``liverl serve | route | ingest | learn | gate`` checks before it starts: the deployment its
     registry belongs to must be the one that claims ``topics.prefix`` in Redis. It claims an unclaimed prefix for
@@ -147,15 +161,8 @@ def check_process(cfg: LiverlConfig, redis, role: str) -> Deployment | None:
     prefix = cfg.topics.prefix
     if redis.set(claim_key(prefix), json.dumps(asdict(me)), nx=True):
         return me
-    raw = redis.get(claim_key(prefix))
-    try:
-        owner = Deployment(**json.loads(raw))
-    except (ValueError, TypeError):
-        raise DeploymentError(
-            f"liverl {role}: the Redis key {claim_key(prefix)} is not a deployment claim ({raw[:80]!r}); "
-            "remove it by hand if no deployment uses this prefix"
-        ) from None
-    if owner.id != me.id:
+    owner = _claimant(redis, prefix)
+    if owner is not None and owner.id != me.id:
         raise DeploymentError(
             f"liverl {role}: its registry {cfg.registry_url} belongs to {me.describe()}, but the Redis namespace "
             f"{prefix!r} ({prefix}:*) is claimed by {owner.describe()}. Point this process at that deployment's "
@@ -183,15 +190,8 @@ def check_namespace(cfg: LiverlConfig, redis, me: Deployment, adopt: bool) -> No
     """Refuse ``topics.prefix`` when another deployment claims it, or when unclaimed keys are there and this
     deployment cannot say they are its own (``adopt``: its state dir already has a registry, from before ids)."""
     prefix = cfg.topics.prefix
-    raw = redis.get(claim_key(prefix))
-    if raw is not None:
-        try:
-            owner = Deployment(**json.loads(raw))
-        except (ValueError, TypeError):
-            raise DeploymentError(
-                f"the Redis key {claim_key(prefix)} is not a deployment claim ({raw[:80]!r}); "
-                "remove it by hand if no deployment uses this prefix"
-            ) from None
+    owner = _claimant(redis, prefix)
+    if owner is not None:
         if owner.id != me.id:
             raise DeploymentError(
                 f"the Redis namespace {prefix!r} ({prefix}:*) belongs to {owner.describe()}, not to this "
