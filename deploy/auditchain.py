@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from deploy.tables import audit_hash
 from liverl.core.config import LiverlConfig
+from liverl.core.credentials import write_secret
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
@@ -115,8 +117,6 @@ def load_audit_key(cfg: LiverlConfig) -> bytes | None:
 
 def ensure_audit_key(cfg: LiverlConfig) -> Path:
     """``liverl up``: ``<state_dir>/keys/audit.key`` (random, mode 0600) unless a key is configured or made already."""
-    from liverl.core.credentials import write_secret
-
     path = audit_key_path(cfg)
     if path is not None:
         read_audit_key(path)  # a configured key that is missing or short stops `up` before anything starts
@@ -205,8 +205,6 @@ def check_chain(entries: Iterable[Any], key: bytes | None, head: AuditHead | Non
 
     Without ``key``: only the plain hash chain of unkeyed entries can be checked; a keyed log is reported as not
     verifiable (a problem). With ``key`` and no ``head``: the tail is not checked (a warning)."""
-    from deploy.tables import audit_hash
-
     res = AuditCheck()
     prev_hash, link = "", ""
     by_seq: dict[int, str] = {}

@@ -154,7 +154,7 @@ class S3BlobStore:
             raise ValueError("S3BlobStore needs a bucket name, e.g. s3://my-bucket/liverl/blobs")
         self.bucket, self.prefix, self.endpoint_url = bucket, prefix.strip("/"), endpoint_url
         if client is None:
-            import boto3
+            import boto3  # noqa: PLC0415 boto3: only the S3 store loads it
 
             client = boto3.client("s3", endpoint_url=endpoint_url, region_name=region_name, **client_kwargs)
         elif endpoint_url is not None or region_name is not None or client_kwargs:
@@ -182,7 +182,7 @@ class S3BlobStore:
         return key
 
     def get(self, key: str) -> bytes:
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import ClientError  # noqa: PLC0415 botocore: only the S3 store loads it
 
         try:
             data = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
@@ -195,7 +195,7 @@ class S3BlobStore:
         return data
 
     def _head(self, key: str) -> dict | None:
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import ClientError  # noqa: PLC0415 botocore: only the S3 store loads it
 
         try:
             return self.client.head_object(Bucket=self.bucket, Key=self._key(key))

@@ -16,6 +16,7 @@ from functools import lru_cache
 import numpy as np
 
 from deploy.sequential import ABORT, MISMATCH, PROMOTE, MetricTest, SrmTest, UnitSums, bernoulli_estimate, look_units
+from liverl.core.fleet import bucket
 
 POPULATIONS = {
     "segments": "two segments, half the users accept 0.70, half 0.25 (the demo's shape)",
@@ -41,8 +42,6 @@ def user_rates(population: str, n_users: int, rng: np.random.Generator) -> np.nd
 def assign(secret: bytes, rollout_id: int, n_users: int, share: float) -> np.ndarray:
     """Which of users ``sim-user-0 .. n_users-1`` are on the canary: the router's own rule (``fleet.bucket``).
     Cached (read-only), so the bench's populations of one size replay the same rollouts without hashing again."""
-    from liverl.core.fleet import bucket
-
     on = np.fromiter((bucket(secret, rollout_id, f"sim-user-{u}") < share for u in range(n_users)), bool, n_users)
     on.flags.writeable = False
     return on

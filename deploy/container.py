@@ -18,6 +18,7 @@ keyed by sha256 in the blob store). ``checksum`` (THE checksum of a version): bl
 
 from __future__ import annotations
 
+import ctypes
 import json
 import struct
 import sys
@@ -169,8 +170,6 @@ class Output:
 
 def _resize(buf: bytearray, size: int) -> None:
     """Resize a bytearray without initialising new bytes (CPython's PyByteArray_Resize)."""
-    import ctypes
-
     if ctypes.pythonapi.PyByteArray_Resize(ctypes.py_object(buf), ctypes.c_ssize_t(size)) != 0:
         raise MemoryError(f"cannot resize the delta buffer to {size} bytes")
 

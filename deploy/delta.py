@@ -114,7 +114,7 @@ def _work(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
 
 def _encode_chunk(b: np.ndarray, t: np.ndarray, dt: ElementType, level: int) -> tuple[str, bytes, int]:
     """(method, frame, changed elements) for one chunk that differs; the smaller of the codings tried."""
-    from deploy import kernels
+    from deploy import kernels  # noqa: PLC0415 numba: its kernels load only when a delta is coded
 
     n = b.size
     best: tuple[str, bytes] | None = None
@@ -148,7 +148,7 @@ def _xor_chunk(
 
     Running it again with ``forward`` flipped undoes it. Raises DeltaError with ``x`` untouched.
     """
-    from deploy import kernels
+    from deploy import kernels  # noqa: PLC0415 numba: its kernels load only when a delta is coded
 
     if method == COND:
         pos = _work("pos", (max(changed, 1),), np.int64)

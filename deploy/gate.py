@@ -39,6 +39,7 @@ import collections
 import json
 import logging
 import math
+import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -47,16 +48,19 @@ from typing import Any, NamedTuple, Protocol
 
 import prometheus_client as prom
 import redis as redis_lib
+from kafka import TopicPartition
 
 from deploy.blobstore import BlobError
 from deploy.canary import CanaryController, Deferred
-from deploy.delta import DeltaError, apply_delta, checksum
+from deploy.delta import DeltaError, apply_delta, checksum, warm_up
+from deploy.offpolicy import compare, merge_heldout
 from deploy.registry import Registry, RegistryConflict, RegistryError, Version, open_registry
 from deploy.signing import Signer, announce, keep_announced
 from liverl.core import keys
 from liverl.core.bus import make_reader
 from liverl.core.config import BrokerConfig, LiverlConfig
 from liverl.core.schemas import GenerationRecord, TrainingSample, WireError
+from liverl.core.services import kafka_bootstrap, required_signing_key, setup_redis
 
 log = logging.getLogger("liverl.gate")
 
@@ -402,8 +406,6 @@ class Gate:
         held-out sample whose revert horizon has closed: not judged here, the candidate must go through the canary)
         or "pass" (``deploy.offpolicy.compare``). The samples are the held-out stream's records merged by generation
         (a revert replaces its accept's reward) and censored at ``gate.revert_horizon_s`` (``merge_heldout``)."""
-        from deploy.offpolicy import compare, merge_heldout
-
         g = self.cfg.gate
         merged, young = merge_heldout(heldout, time.time() - g.revert_horizon_s)
         heldout = merged[-g.heldout_samples :]
@@ -458,7 +460,6 @@ class Gate:
         g = self.cfg.gate
         if g.integrity_only or self.heldout is None or not g.heldout_samples or g.revert_horizon_s <= 0:
             return None
-        from deploy.offpolicy import merge_heldout
 
         usable, young = merge_heldout(self.heldout(), time.time() - g.revert_horizon_s)
         if usable or not young:
@@ -664,8 +665,6 @@ class GenerationTail:
                 self._stop.wait(2.0)
 
     def _tail(self) -> None:
-        from kafka import TopicPartition
-
         consumer = make_reader(self.bootstrap, self.broker)
         try:
             while not self._stop.is_set():
@@ -721,11 +720,6 @@ def run_gate(
     ``make_evaluator(probes)`` builds the evaluator from a callable returning the current probe sequences
     (the command that starts the gate passes ``learner.evaluate.PolicyEvaluator`` with the product's suite).
     """
-    import signal
-
-    from deploy.delta import warm_up
-    from liverl.core.services import kafka_bootstrap, required_signing_key, setup_redis
-
     warm_up()  # the delta codec's kernels (cached on disk after the first compile)
     registry = open_registry(cfg)
     r = setup_redis(cfg, decode_responses=True)

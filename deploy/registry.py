@@ -87,6 +87,7 @@ from deploy.tables import (  # noqa: F401
     make_engine,
 )
 from liverl.core.config import LiverlConfig
+from liverl.core.services import setup_redis
 
 log = logging.getLogger("liverl.registry")
 
@@ -1118,7 +1119,5 @@ def open_registry(cfg: LiverlConfig) -> Registry:
     key = load_audit_key(cfg)
     head = None
     if key is not None:
-        from liverl.core.services import setup_redis
-
         head = AuditHead(lambda: setup_redis(cfg), cfg.topics.prefix)
     return Registry(cfg.registry_url, open_blob_store(cfg.blob_location), audit_key=key, audit_head=head)

@@ -26,6 +26,7 @@ from bisect import bisect_left
 from collections import Counter as _Counter
 from dataclasses import dataclass, field
 
+import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from liverl.core import keys
@@ -410,7 +411,6 @@ class IngestMetrics:
         """
         if not tally:
             return
-        import redis
 
         client = await self._client()
         ckey = keys.ingest_counters(self.prefix)

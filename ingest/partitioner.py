@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
+
 _M = 0x5BD1E995
 _MASK = 0xFFFFFFFF
 
@@ -41,8 +43,6 @@ def murmur2_many(keys: list[bytes]) -> list[int]:
     """``murmur2`` of many keys at once: numpy over the keys of each length, a fiftieth of the per-key time on a
     batch (the worker hashes every new generation id it reads). tests/ingest/test_bounds.py checks it against
     ``murmur2``."""
-    import numpy as np
-
     m = np.uint32(_M)
     out = [0] * len(keys)
     by_len: dict[int, list[int]] = {}

@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rocksdict import BlockBasedOptions, Cache, Options, Rdict, WriteBatch, WriteOptions
+
 from ingest.entry import PENDING, expiry_class, from_json, pending_info, to_json
 
 log = logging.getLogger("liverl.ingest")
@@ -49,8 +51,6 @@ class RocksStore:
     """A partition's entries in RocksDB (no write-ahead log: the changelog is the log)."""
 
     def __init__(self, path: Path):
-        from rocksdict import BlockBasedOptions, Cache, Options, Rdict, WriteOptions
-
         self.path = path
         opts = Options(raw_mode=True)
         opts.create_if_missing(True)
@@ -92,8 +92,6 @@ class RocksStore:
 
     def apply(self, changes: list[tuple[bytes, bytes | None]], offset: int | None) -> None:
         """Write ``changes`` (None deletes), their index keys and the changelog offset they end at, all or nothing."""
-        from rocksdict import WriteBatch
-
         wb = WriteBatch(raw_mode=True)
         for k in self._drop:
             wb.delete(k)
@@ -150,8 +148,6 @@ class RocksStore:
                 yield gid
         finally:
             if stale:
-                from rocksdict import WriteBatch
-
                 wb = WriteBatch(raw_mode=True)
                 for k in stale:
                     wb.delete(k)
@@ -165,7 +161,6 @@ class RocksStore:
         """Empty the database (its files removed: no per-key work)."""
         self.db.close()
         shutil.rmtree(self.path, ignore_errors=True)
-        from rocksdict import Rdict
 
         self.db = Rdict(str(self.path), options=self._opts)
         self.db.put(FORMAT_KEY, FORMAT, self._write_opts)

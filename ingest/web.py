@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from aiohttp import web
+
 
 async def start_web(exposition: Callable[[], bytes], health: Callable[[], dict], bind: str, port: int):
     """Serve on ``bind:port`` (0: no server; returns None), else the aiohttp runner to ``cleanup()`` at the end."""
     if port <= 0:
         return None
-    from aiohttp import web
 
     async def metrics_view(request):
         return web.Response(body=exposition(), headers={"Content-Type": "text/plain; version=0.0.4"})

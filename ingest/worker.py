@@ -15,6 +15,9 @@ from __future__ import annotations
 import asyncio
 import gc
 
+from ingest.app import IngestWorker, leave_previous_member
+from ingest.table import changelog_topic
+from liverl.core.bus import all_topics, ensure_topics, topic_configs
 from liverl.core.config import LiverlConfig
 
 # The worker allocates a few dozen short-lived objects per event, nearly all freed by reference counting; Python's
@@ -32,10 +35,6 @@ def run_worker(
     main thread of a process dedicated to ingest. ``web_port`` (default ``cfg.ingest.web_port``; 0 = off)
     and ``web_bind`` place the ``/metrics`` + ``/healthz`` server (bind 0.0.0.0 for a remote Prometheus).
     """
-    from ingest.app import IngestWorker, leave_previous_member
-    from ingest.table import changelog_topic
-    from liverl.core.bus import all_topics, ensure_topics, topic_configs
-
     ensure_topics(bootstrap, all_topics(cfg), cfg.broker.partitions, broker=cfg.broker, configs=topic_configs(cfg))
     # the join table's changelog: compacted (the latest entry per generation id; evictions are tombstones)
     ensure_topics(

@@ -39,6 +39,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
 
 log = logging.getLogger("liverl.learner")
 
@@ -119,8 +128,6 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 def shard(model, ranks: Ranks):
     """FSDP2 over ``ranks``: each decoder layer its own unit, then the root. Moves ``model`` to the rank's device."""
-    from torch.distributed.fsdp import fully_shard
-
     model.to(ranks.device)
     for layer in decoder_layers(model):
         fully_shard(layer)
@@ -160,15 +167,11 @@ def broadcast(obj: Any, ranks: Ranks) -> Any:
 
 def full_state_dict(model) -> dict[str, torch.Tensor]:
     """The whole model state (in-memory names, fp32, CPU) on EVERY rank, gathered from the shards (a collective)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
 
 
 def load_full_state_dict(model, module_sd: dict[str, torch.Tensor]) -> None:
     """Every rank passes the same whole state (in-memory names): each keeps its shards (parameters in place)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     set_model_state_dict(model, module_sd, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
@@ -202,9 +205,6 @@ class CheckpointDir:
 
     def write_uncommitted(self, step: int, model, opt) -> Path:
         """Every rank writes its shards of the weights and the optimizer into ``.tmp-<step>`` (a collective)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
         tmp = self.root / f".tmp-{step:09d}"
         if self.ranks.main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -242,14 +242,6 @@ class CheckpointDir:
     def load(self, model, opt, path: Path | None = None) -> dict[str, Any] | None:
         """Load the latest complete checkpoint (or ``path``) into ``model`` and ``opt`` on every rank (a collective);
         returns its ``learner.json``, or None when there is none. Works for another world size than the one saved."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (
-            get_model_state_dict,
-            get_optimizer_state_dict,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
         path = path if path is not None else self.latest()
         if path is None:
             return None

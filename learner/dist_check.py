@@ -23,9 +23,21 @@ import json
 import os
 import random
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+from learner import dist as ldist
+from learner.families import FAMILIES
+from learner.model import _seeded, state_dict_from_model
+from learner.policy_trainer import PolicyTrainer
+from liverl.core.config import LearnerConfig
+from liverl.core.schemas import TrainingSample
 
 SIZES: dict[str, dict] = {
     # ~0.1M parameters: the gloo tests on 2 CPU cores
@@ -72,13 +84,6 @@ SIZES: dict[str, dict] = {
 
 def generate_model(size: str, out: Path, seed: int = 0) -> Path:
     """A Qwen3-MoE model dir of ``size`` (config.json + model.safetensors, bf16), built once per size and seed."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    from learner.families import FAMILIES
-    from learner.model import _seeded, state_dict_from_model
-
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; one of {', '.join(SIZES)}")
     out = Path(out) / f"qwen3_moe-{size}-s{seed}"
@@ -114,7 +119,6 @@ def generate_model(size: str, out: Path, seed: int = 0) -> Path:
     except OSError:  # another process built it at the same time: keep theirs
         if not (out / "model.safetensors").is_file():
             raise
-        import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -122,8 +126,6 @@ def generate_model(size: str, out: Path, seed: int = 0) -> Path:
 
 def make_samples(n: int, seed: int, vocab: int, prompt_len: tuple[int, int], completion_len: tuple[int, int]):
     """``n`` valid TrainingSamples from ``seed`` (behaviour log-probs filled in later by ``on_policy``)."""
-    from liverl.core.schemas import TrainingSample
-
     rng = random.Random(seed)
     now = time.time()
     out = []
@@ -195,12 +197,6 @@ def main(argv: list[str] | None = None) -> int:
     if any(len(s) != 2 or not 1 <= s[0] <= s[1] for s in span):
         ap.error("--prompt-len and --completion-len are MIN-MAX with 1 <= MIN <= MAX")
 
-    import torch
-
-    from learner import dist as ldist
-    from learner.policy_trainer import PolicyTrainer
-    from liverl.core.config import LearnerConfig
-
     ranks = ldist.setup(args.backend)
     try:
         model_dir = args.model
@@ -253,8 +249,6 @@ def main(argv: list[str] | None = None) -> int:
         weights = trainer.weights(torch.float32) if args.save_weights is not None else None
         if ranks.main:
             if weights is not None:
-                from safetensors.torch import save_file
-
                 args.save_weights.parent.mkdir(parents=True, exist_ok=True)
                 save_file(weights, str(args.save_weights))
             report(args, argv, ranks, n_params, times, tokens, scatter)
@@ -265,8 +259,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(args, argv, ranks, n_params: int, times: list[float], tokens: int, scatter: list[float]) -> None:
-    import torch
-
     secs = sum(times)
     dev = torch.cuda.get_device_name(ranks.device) if ranks.device.type == "cuda" else "cpu"
     row = {

@@ -43,7 +43,7 @@ class Family:
     # -- file names -> memory ------------------------------------------------------------------------------
     def to_memory(self, files: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """File-named tensors -> the names (and stacked shapes) of the transformers model's state dict."""
-        import torch
+        import torch  # noqa: PLC0415 torch: the CLI loads this module
 
         out: dict[str, torch.Tensor] = {}
         stacks: dict[str, dict[int, dict[str, torch.Tensor]]] = {}

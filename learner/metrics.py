@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 from typing import Protocol
 
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
 
 class LearnerState(Protocol):
     """What the collector reads of a live learner (``learner.trainer.Learner`` has it; this module does not import
@@ -24,8 +26,6 @@ class PrometheusCollector:
         self.learner = learner
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
         lr = self.learner
         yield CounterMetricFamily("liverl_learner_steps", "Policy updates made.", value=lr.step)
         yield CounterMetricFamily(

@@ -21,6 +21,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from safetensors import safe_open
+
 from learner.families import Family, family_for
 
 if TYPE_CHECKING:
@@ -34,7 +36,7 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h
 
 def load_tokenizer(model_dir: Path) -> PreTrainedTokenizerFast:
     """The model dir's tokenizer, as transformers (and vLLM) load it."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # noqa: PLC0415 transformers: the CLI loads this module
 
     return AutoTokenizer.from_pretrained(str(model_dir))
 
@@ -69,8 +71,6 @@ def weight_files(model_dir: Path) -> dict[str, str]:
         return dict(weight_map)
     single = model_dir / SINGLE_FILE
     if single.is_file():
-        from safetensors import safe_open
-
         with safe_open(str(single), "pt") as f:
             return {name: SINGLE_FILE for name in f.keys()}  # noqa: SIM118 - a safetensors handle, not a dict
     raise ValueError(f"{model_dir} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
@@ -78,8 +78,8 @@ def weight_files(model_dir: Path) -> dict[str, str]:
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     """The weights of a model dir exactly as stored (bf16, file names), from one file or all shards."""
-    import torch
-    from safetensors.torch import load_file
+    import torch  # noqa: PLC0415 torch: the CLI loads this module
+    from safetensors.torch import load_file  # noqa: PLC0415 torch: the CLI loads this module
 
     model_dir = Path(model_dir)
     where = weight_files(model_dir)
@@ -107,7 +107,7 @@ def save_model_dir(src_dir: Path, state_dict: Mapping[str, torch.Tensor], dst_di
     names in each and a new index. Written as given (callers pass bf16 for served versions), each file to a
     temp name then renamed, the index last, so a reader never sees a half-written file.
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # noqa: PLC0415 torch: the CLI loads this module
 
     src_dir, dst_dir = Path(src_dir), Path(dst_dir)
     dst_dir.mkdir(parents=True, exist_ok=True)
@@ -148,8 +148,8 @@ def load_model(model_dir: Path, state_dict: Mapping[str, torch.Tensor] | None = 
     ``state_dict`` uses the file names (as ``load_state_dict`` returns); it must cover every weight.
     ValueError when the dir's architecture family is not handled.
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import torch  # noqa: PLC0415 torch: the CLI loads this module
+    from transformers import AutoConfig, AutoModelForCausalLM  # noqa: PLC0415 transformers: the CLI loads this module
 
     dtype = torch.float32 if dtype is None else dtype
     family = model_family(model_dir)
@@ -172,12 +172,12 @@ def assign_weights(model, state_dict: Mapping[str, torch.Tensor]) -> None:
 
     Every weight must be given, except those tied to another one (an LM head sharing the embedding).
     """
-    import torch
+    import torch  # noqa: PLC0415 torch: the CLI loads this module
 
     family = _family_of(model)
     module_sd = to_module_state(state_dict, family, dtype=torch.float32)
     if _sharded(model):  # FSDP2 (learner.dist): every rank passes the whole state and keeps its shards
-        from learner.dist import load_full_state_dict
+        from learner.dist import load_full_state_dict  # noqa: PLC0415 torch: learner.dist imports it
 
         own = _own_names(model)
         missing, unexpected = sorted(own - set(module_sd)), sorted(set(module_sd) - set(model.state_dict()))
@@ -199,7 +199,7 @@ def state_dict_from_model(
     Tied aliases (an LM head sharing the embedding) are left out, as in the files. ``module_state``: the model's
     state already gathered (a sharded model's, ``learner.dist.full_state_dict``) instead of ``model.state_dict()``.
     """
-    import torch
+    import torch  # noqa: PLC0415 torch: the CLI loads this module
 
     dtype = torch.bfloat16 if dtype is None else dtype
     own = _own_names(model)
@@ -229,7 +229,7 @@ def _own_names(model) -> set[str]:
 
 @contextlib.contextmanager
 def _seeded(seed: int) -> Iterator[None]:
-    import torch
+    import torch  # noqa: PLC0415 torch: the CLI loads this module
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -16,8 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from learner.dist import Ranks, all_sum, grad_scale, shard, share
+from learner.dist import Ranks, all_sum, full_state_dict, grad_scale, shard, share
 from learner.loss import RunningBaseline, advantages, full_kl, pg_loss
+from learner.model import assign_weights, load_model, state_dict_from_model
 from liverl.core.config import LearnerConfig
 from liverl.core.schemas import TrainingSample
 
@@ -72,8 +73,6 @@ class PolicyTrainer:
         kl_estimator: str | None = None,
         ranks: Ranks | None = None,
     ):
-        from learner.model import load_model
-
         if ranks is None or ranks.device.type == "cpu":
             torch.set_num_threads(1)  # 2 cores shared with vLLM, ingest and the gate (and the other ranks)
         self.lcfg = lcfg
@@ -303,11 +302,8 @@ class PolicyTrainer:
     # -- weights & state ---------------------------------------------------------------------------
     def weights(self, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
         """The current weights under the file names (the weights convention); bf16 is the served form."""
-        from learner.model import state_dict_from_model
-
         if self.ranks is None:
             return state_dict_from_model(self.model, dtype=dtype)
-        from learner.dist import full_state_dict
 
         return state_dict_from_model(self.model, dtype=dtype, module_state=full_state_dict(self.model))
 
@@ -316,16 +312,12 @@ class PolicyTrainer:
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], reset_optimizer: bool) -> None:
         """Overwrite the weights in place (file names, any dtype) so the optimizer keeps its parameters."""
-        from learner.model import assign_weights
-
         assign_weights(self.model, state_dict)
         if reset_optimizer:
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lcfg.lr, weight_decay=0.0)
 
     def set_reference(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Move the KL anchor (file names, any dtype): the learner stays near what is served, not only near the base."""
-        from learner.model import assign_weights
-
         assign_weights(self.ref, state_dict)
 
     def state(self) -> dict[str, Any]:

@@ -47,19 +47,25 @@ import torch
 from kafka import ConsumerRebalanceListener, TopicPartition
 from kafka.errors import CommitFailedError, RebalanceInProgressError
 from kafka.structs import OffsetAndMetadata
+from prometheus_client import CollectorRegistry, start_http_server
 from sqlalchemy.exc import SQLAlchemyError
 
-from deploy.registry import RegistryError
+from deploy.delta import warm_up
+from deploy.registry import RegistryError, open_registry
+from learner import dist as ldist
 from learner.dist import CheckpointDir, Ranks, dcp_root
 from learner.lease import LearnerLease
 from learner.ledger import Ledger, checkpoint_path_for, ledger_path
 from learner.metrics import PrometheusCollector
+from learner.model import load_state_dict
 from learner.policy_trainer import BatchFailed, PolicyTrainer
+from learner.ranks import Leader, follow
 from learner.seen import SeenIds, seen_path
 from liverl.core import keys
-from liverl.core.bus import make_consumer
+from liverl.core.bus import ensure_topics, make_consumer, topic_configs
 from liverl.core.config import LiverlConfig
 from liverl.core.schemas import TrainingSample, WireError
+from liverl.core.services import kafka_bootstrap, setup_redis
 
 log = logging.getLogger("liverl.learner")
 
@@ -112,8 +118,6 @@ class Learner(ConsumerRebalanceListener):
         self.trainer = PolicyTrainer(self.model_dir, self.lcfg, ranks=ranks)
         self.ckpts: CheckpointDir | None = None
         if ranks is not None:
-            from learner.ranks import Leader
-
             self.ckpts = CheckpointDir(dcp_root(self.ckpt_path), ranks)
             self.trainer = Leader(self.trainer, ranks, self.ckpts)
         self._ckpt_step, self._ckpt_at = 0, time.monotonic()  # the last checkpoint's step and time
@@ -745,16 +749,9 @@ def run_learner(
     """
     ranks = None
     if "WORLD_SIZE" in os.environ:
-        from learner import dist as ldist
-
         ranks = ldist.setup()
         if not ranks.main:
             return _follow(cfg, model_dir, ranks)
-    from deploy.delta import warm_up
-    from deploy.registry import RegistryError, open_registry
-    from learner.model import load_state_dict
-    from liverl.core.bus import ensure_topics, topic_configs
-    from liverl.core.services import kafka_bootstrap, setup_redis
 
     bootstrap = kafka_bootstrap(cfg)
     ensure_topics(bootstrap, [cfg.topics.samples], cfg.broker.partitions, broker=cfg.broker, configs=topic_configs(cfg))
@@ -778,8 +775,6 @@ def run_learner(
     learner.lease = lease
     server = None
     if metrics_port is not None:
-        from prometheus_client import CollectorRegistry, start_http_server
-
         prom = CollectorRegistry()
         prom.register(PrometheusCollector(learner))
         server, _ = start_http_server(metrics_port, addr=cfg.serving.host, registry=prom)
@@ -802,9 +797,6 @@ def run_learner(
 
 def _follow(cfg: LiverlConfig, model_dir: Path, ranks: Ranks) -> dict:
     """A rank > 0 of ``liverl learn`` under torchrun: its shards of the policy, rank 0's calls, until told to stop."""
-    from learner import dist as ldist
-    from learner.ranks import follow
-
     clean = False
     try:
         trainer = PolicyTrainer(Path(model_dir), cfg.learner, ranks=ranks)

@@ -4,39 +4,42 @@ Each returns a process exit code and prints rich tables. They read the registry 
 ``cfg.blob_location``) and Redis (live acceptance ``<prefix>:live:<version>``, heartbeats ``<prefix>:served:<node>``);
 promote/rollback change the registry (audited) and then write ``<prefix>:desired`` so the serving agents swap.
 abort/pause/resume (and promoting the canary) change the rollout in the registry (audited), where the gate reads it.
-Heavy modules (torch via the registry) are imported inside the functions: ``liverl --help`` stays light.
+The CLI imports this module only when one of these verbs runs (``liverl --help`` stays light), and every verb opens
+the registry (torch), so the imports sit at the top.
 """
 
 from __future__ import annotations
 
+import getpass
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+import redis
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from deploy.registry import RegistryError
+from deploy.registry import open_registry as _open_registry
+from deploy.signing import Signer, announce
 from liverl.core import fleet, keys
 from liverl.core.config import LiverlConfig
+from liverl.core.services import setup_redis, signing_key_path
 
 if TYPE_CHECKING:
-    import redis
-
     from deploy.registry import Registry
 
 
 def open_redis(cfg: LiverlConfig) -> redis.Redis:
-    from liverl.core.services import setup_redis
-
     return setup_redis(cfg, decode_responses=True)
 
 
 def open_registry(cfg: LiverlConfig) -> Registry:
-    from deploy.registry import open_registry
-
-    return open_registry(cfg)
+    return _open_registry(cfg)
 
 
 def _console():
-    from rich.console import Console
-
     return Console(width=None if sys.stdout.isatty() else 160)
 
 
@@ -87,8 +90,6 @@ def _acc(c: dict[str, int] | None) -> str:
 
 
 def _redis_or_none(cfg: LiverlConfig):
-    import redis
-
     r = open_redis(cfg)
     try:
         r.ping()
@@ -99,8 +100,6 @@ def _redis_or_none(cfg: LiverlConfig):
 
 
 def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str):
-    from rich.table import Table
-
     rows = reg.list(limit=limit)
     scores: dict[int, dict[str, float]] = {}
     for g in reg.gate_results():
@@ -147,10 +146,6 @@ def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str
 
 def cmd_status(cfg: LiverlConfig) -> int:
     """Stable and desired version, what each node serves, pending candidates, recent versions."""
-    from rich.table import Table
-
-    from deploy.registry import RegistryError
-
     prefix = cfg.topics.prefix
     reg = open_registry(cfg)
     try:
@@ -246,11 +241,6 @@ def cmd_diff(cfg: LiverlConfig, a: int, b: int, top: int = 20) -> int:
     """What changed from version ``a`` to ``b``: both rebuilt from the registry (checksum-verified), per tensor
     the share of elements whose bits differ, the largest and the relative change; then the gate's evidence for
     each side by side, and their live acceptance."""
-    import torch
-    from rich.table import Table
-
-    from deploy.registry import RegistryError
-
     reg = open_registry(cfg)
     try:
         try:
@@ -319,8 +309,6 @@ def cmd_history(cfg: LiverlConfig, limit: int | None = 50, verify: bool = False)
     """The audit log: who did what to which version, and why. ``verify``: first check the chain (HMAC with the audit
     key for keyed entries, plain hash for older ones) and its end against the head anchored in Redis; exit 1 when an
     entry was rewritten, removed or added, the tail was cut, or the check could not be made."""
-    from rich.table import Table
-
     reg = open_registry(cfg)
     try:
         if verify:
@@ -361,12 +349,6 @@ def cmd_history(cfg: LiverlConfig, limit: int | None = 50, verify: bool = False)
 def _change(cfg: LiverlConfig, verb: str, token: str | None, do) -> int:
     """Authenticate, run a registry change as that operator, then announce the new stable. Redis is checked first;
     should the announcement still fail, the gate reconciles it with the registry on its next step."""
-    import redis
-
-    from deploy.registry import RegistryError
-    from deploy.signing import Signer, announce
-    from liverl.core.services import signing_key_path
-
     r = open_redis(cfg)
     try:
         r.ping()
@@ -398,7 +380,6 @@ def _change(cfg: LiverlConfig, verb: str, token: str | None, do) -> int:
 def cmd_promote(cfg: LiverlConfig, version: int, reason: str, token: str | None, force: bool = False) -> int:
     """Make ``version`` stable and announce it. A version the gate rejected, or a candidate it has not judged
     yet, needs ``force``."""
-    from deploy.registry import RegistryError
 
     def promote(reg, actor):
         row = reg.get(version)
@@ -419,8 +400,6 @@ def cmd_rollback(cfg: LiverlConfig, reason: str, token: str | None, to: int | No
 
 def cmd_hold(cfg: LiverlConfig, hold: bool, reason: str, token: str | None) -> int:
     """Hold the learner's candidates (it keeps training) or release them; audited."""
-    from deploy.registry import RegistryError
-
     r = open_redis(cfg)
     reg = open_registry(cfg)
     try:
@@ -453,8 +432,6 @@ def cmd_rollout(cfg: LiverlConfig, action: str, reason: str, token: str | None) 
     compare-and-set). ``abort`` rejects the canary at once; the gate then withdraws its announcement, and the canary
     nodes return to stable. ``promote`` makes the canary stable and announces it to the whole fleet (the rollout ends).
     """
-    from deploy.registry import RegistryError
-
     if action not in ROLLOUT_ACTIONS:
         raise ValueError(f"unknown rollout action {action!r}; one of {ROLLOUT_ACTIONS}")
     if action == "promote":
@@ -513,10 +490,6 @@ def gc_command(
     """Delete blobs no version references (older than ``grace_s``), or with ``dry_run`` only list them. Deleting
     needs an admin token. ``prune_rejected_s``: also drop the deltas of rejected versions older than this that no
     surviving version descends from."""
-    from rich.table import Table
-
-    from deploy.registry import RegistryError
-
     reg = open_registry(cfg)
     try:
         actor = "dry-run"
@@ -562,12 +535,6 @@ def cmd_operator(
 ) -> int:
     """Manage operator identities. The very first operator of a registry can be added without a token (whoever
     can write the registry database already controls it); every later change needs an admin token."""
-    import getpass
-
-    from rich.table import Table
-
-    from deploy.registry import RegistryError
-
     reg = open_registry(cfg)
     try:
         if action == "list":

@@ -25,8 +25,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kafka import TopicPartition
+from kafka.admin import KafkaAdminClient
+
+from learner.ledger import Ledger, checkpoint_path_for, ledger_path
 from liverl.core import fleet, keys
-from liverl.core.bus import kafka_python_security
+from liverl.core.bus import kafka_python_security, make_reader
 from liverl.core.config import BrokerConfig, LiverlConfig
 from liverl.core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, TrainingSample, WireError
 
@@ -116,10 +120,6 @@ def read_topic(bootstrap: str, topic: str, broker: BrokerConfig | None = None):
     The end is the high watermark of the fetch responses, not ListOffsets: the embedded Tansu broker's ListOffsets
     answers the start of the last batch (see ``ingest.app._log_end_offsets``).
     """
-    from kafka import TopicPartition
-
-    from liverl.core.bus import make_reader
-
     c = make_reader(bootstrap, broker, fetch_max_bytes=64 << 20, max_partition_fetch_bytes=16 << 20)
     try:
         tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or ())]
@@ -143,8 +143,6 @@ def read_topic(bootstrap: str, topic: str, broker: BrokerConfig | None = None):
 
 
 def committed(bootstrap: str, group: str, topic: str, broker: BrokerConfig | None = None) -> dict[int, int]:
-    from kafka.admin import KafkaAdminClient
-
     admin = KafkaAdminClient(bootstrap_servers=bootstrap, client_id="liverl-audit", **kafka_python_security(broker))
     try:
         got = admin.list_group_offsets({group: None}).get(group, {})
@@ -156,8 +154,6 @@ def committed(bootstrap: str, group: str, topic: str, broker: BrokerConfig | Non
 
 
 def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | None = None) -> Report:
-    from learner.ledger import Ledger, checkpoint_path_for, ledger_path
-
     t, rep = cfg.topics, Report()
     now = time.time() if now is None else now
     # ingest's verdicts

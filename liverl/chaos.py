@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import glob
+import inspect
 import json
 import logging
 import os
@@ -29,9 +30,17 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
+
+from deploy.registry import open_registry
+from ingest.sdk import FeedbackClient
+from learner.ledger import checkpoint_path_for
+from liverl.audit import print_report, run_audit
 from liverl.core import fleet, keys
 from liverl.core.config import LiverlConfig
 from liverl.core.product import load_product
+from liverl.demo.run import DEMO_PRODUCT
+from liverl.demo.sim import SimStats
 from liverl.up import Pipeline
 
 log = logging.getLogger("liverl.chaos")
@@ -51,7 +60,6 @@ MIN_UPTIME_S = {"ingest": 20.0, "learn": 15.0, "gate": 10.0, "serve": 5.0}
 
 def _acked_client(bootstrap: str, topic: str, broker=None):
     """The SDK's client, counting the records the broker acknowledged."""
-    from ingest.sdk import FeedbackClient
 
     class Counting(FeedbackClient):
         acked = 0
@@ -70,8 +78,6 @@ def _acked_client(bootstrap: str, topic: str, broker=None):
 
 def _vllm_pid(serve_pid: int) -> int | None:
     """The vLLM server process the serving process started (its child running the OpenAI entrypoint)."""
-    import psutil
-
     try:
         for child in psutil.Process(serve_pid).children(recursive=True):
             if any("vllm.entrypoints" in part for part in child.cmdline()):
@@ -150,8 +156,6 @@ class Killer:
 
     def _wait_for_checkpoint_write(self, timeout_s: float) -> str:
         """Spin until the learner's checkpoint temp file exists (it lives a few milliseconds)."""
-        from learner.ledger import checkpoint_path_for
-
         pattern = str(checkpoint_path_for(self.cfg)) + ".tmp*"
         deadline = time.monotonic() + timeout_s
         next_check = time.monotonic() + 0.5
@@ -198,11 +202,6 @@ def run_chaos(
     summary_path: str | None = None,
     kinds: tuple[str, ...] = KINDS,
 ) -> dict:
-    from deploy.registry import open_registry
-    from liverl.audit import print_report, run_audit
-    from liverl.demo.run import DEMO_PRODUCT
-    from liverl.demo.sim import SimStats
-
     logging.getLogger("kafka.net.selector").setLevel(logging.ERROR)
     if cfg.product is None:
         cfg.product = DEMO_PRODUCT
@@ -315,8 +314,6 @@ def run_chaos(
 def _leftover_processes(cfg: LiverlConfig, since: float, settle_s: float = 10.0) -> list[dict]:
     """Processes this run started that outlived the pipeline: any naming its state folder, and orphaned vLLM engine
     processes (``VLLM::...``, reparented to init) started during the run. A kill -9 must not leak them."""
-    import psutil
-
     me = os.getpid()
     state = str(cfg.state_path)
     deadline = time.monotonic() + settle_s  # a stopped node's engine takes a moment to exit
@@ -338,8 +335,6 @@ def _leftover_processes(cfg: LiverlConfig, since: float, settle_s: float = 10.0)
 
 def _concurrency_kwargs(users, cfg: LiverlConfig) -> dict:
     """The demo's traffic (``demo.concurrency``), for a product's users that take it (the demo's do)."""
-    import inspect
-
     return (
         {"concurrency": min(cfg.demo.concurrency, cfg.demo.users)}
         if "concurrency" in inspect.signature(users).parameters

@@ -10,10 +10,27 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
+from pathlib import Path
 
-from liverl.core.config import LiverlConfig, load_config
-from liverl.core.services import LiverlError
+from liverl.bench import canary as bench_canary  # light: heavy imports happen when they run
+from liverl.bench import ingest as bench_ingest
+from liverl.bench import learn as bench_learn
+from liverl.bench import logprobs as bench_logprobs
+from liverl.bench import serve as bench_serve
+from liverl.bench import swap as bench_swap
+from liverl.core.config import LiverlConfig, load_config, redact_url
+from liverl.core.schemas import json_schemas
+from liverl.core.services import (
+    LiverlError,
+    kafka_bootstrap,
+    redis_from_url,
+    redis_url,
+    required_verify_key,
+    setup_redis,
+)
 
 # what `liverl chaos` can kill (liverl.chaos.KINDS; spelled here so --help does not import the pipeline)
 KILL_KINDS = ("ingest", "learn", "gate", "serve", "vllm", "learn@checkpoint", "serve@swap")
@@ -137,8 +154,6 @@ def cmd_hold(args: argparse.Namespace) -> int:
 
 def model_dir_for(cfg: LiverlConfig):
     """The base model directory: ``model.path``, else the built-in demo policy (built once, then cached)."""
-    from pathlib import Path
-
     if cfg.model.path:
         from learner.model import model_family
 
@@ -155,7 +170,6 @@ def _bound(cfg: LiverlConfig, role: str) -> None:
     belongs to (``liverl.deployment.check_process``)."""
     import redis
 
-    from liverl.core.services import redis_from_url, redis_url
     from liverl.deployment import check_process
 
     url = redis_url(cfg)
@@ -169,7 +183,6 @@ def _bound(cfg: LiverlConfig, role: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from liverl.core.services import kafka_bootstrap, redis_url, required_verify_key
     from serving.main import run_serving
 
     cfg = _cfg(args)
@@ -180,7 +193,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_route(args: argparse.Namespace) -> int:
-    from liverl.core.services import redis_url
     from serving.router import run_router
 
     cfg = _cfg(args)
@@ -191,7 +203,6 @@ def cmd_route(args: argparse.Namespace) -> int:
 
 def cmd_ingest(args: argparse.Namespace) -> int:
     from ingest.worker import run_worker
-    from liverl.core.services import kafka_bootstrap, redis_url
 
     cfg = _cfg(args)
     _bound(cfg, "ingest")
@@ -199,9 +210,6 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
     from learner.trainer import run_learner
 
     cfg = _cfg(args)
@@ -298,8 +306,6 @@ def cmd_history(args: argparse.Namespace) -> int:
 def _token(args: argparse.Namespace) -> str | None:
     """The operator's token: --token-file, else $LIVERL_TOKEN."""
     if getattr(args, "token_file", None):
-        from pathlib import Path
-
         return Path(args.token_file).read_text().strip()
     return os.environ.get("LIVERL_TOKEN")
 
@@ -339,7 +345,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_audit(args: argparse.Namespace) -> int:
     from deploy.registry import open_registry
     from liverl.audit import print_report, run_audit
-    from liverl.core.services import kafka_bootstrap, setup_redis
 
     cfg = _cfg(args)
     r, registry = setup_redis(cfg), open_registry(cfg)
@@ -374,8 +379,6 @@ def cmd_lineage(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    from liverl.core.schemas import json_schemas
-
     schemas = json_schemas()
     print(json.dumps(schemas if args.name is None else schemas[args.name], indent=2))
     return 0
@@ -383,8 +386,6 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 def cmd_config(args: argparse.Namespace) -> int:
     """The effective config as JSON; passwords in URLs and secrets are masked."""
-    from liverl.core.config import redact_url
-
     cfg = _cfg(args).model_dump(mode="json")
     for section, name in (("redis", "url"), ("registry", "url"), ("broker", "bootstrap")):
         cfg[section][name] = redact_url(cfg[section][name])
@@ -606,12 +607,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--repeat", type=int, default=1, metavar="N", help="time each encode and apply N times, keep the best"
     )
     s.set_defaults(fn=cmd_bench_delta)
-    from liverl.bench import canary as bench_canary  # light: heavy imports happen when they run
-    from liverl.bench import ingest as bench_ingest
-    from liverl.bench import learn as bench_learn
-    from liverl.bench import logprobs as bench_logprobs
-    from liverl.bench import serve as bench_serve
-    from liverl.bench import swap as bench_swap
 
     bench_serve.add_parser(bench_sub)
     bench_swap.add_parser(bench_sub)

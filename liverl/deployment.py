@@ -23,9 +23,12 @@ Torch-free (the registry is read with SQLAlchemy's core, not through ``deploy.re
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import sqlalchemy as sa
 
 from liverl.core import keys
 from liverl.core.config import LiverlConfig
@@ -76,8 +79,6 @@ def identity(cfg: LiverlConfig) -> Deployment:
 def _registry_row(cfg: LiverlConfig, table: str, sql: str) -> tuple | None:
     """The first row of ``sql`` on the registry's ``table``; None without a registry, that table (a registry from
     before it) or a row."""
-    import sqlalchemy as sa
-
     url = cfg.registry_url
     if url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).is_file():
         return None
@@ -116,10 +117,6 @@ def record(cfg: LiverlConfig, me: Deployment, model_dir: Path | None = None) -> 
     """Write this deployment into its registry (once; after the registry's migrations ran), so standalone processes
     that share only the registry and Redis can check the prefix (``check_process``). Refuses a registry another
     deployment wrote."""
-    import time
-
-    import sqlalchemy as sa
-
     engine = sa.create_engine(cfg.registry_url)
     try:
         with engine.begin() as c:

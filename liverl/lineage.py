@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 QUANTILES = (50, 90, 99)
 
 
@@ -335,8 +337,6 @@ def print_trace(tr: dict[str, Any]) -> None:
 
 
 def _quantiles(xs: list[float]) -> dict[str, float | int | None]:
-    import numpy as np
-
     out: dict[str, float | int | None] = {"n": len(xs)}
     for q in QUANTILES:
         out[f"p{q}"] = round(float(np.percentile(xs, q)), 2) if xs else None

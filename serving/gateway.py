@@ -36,14 +36,17 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic_core import from_json, to_json
 
 from liverl.core import fleet
+from liverl.core.bus import ensure_topics, librdkafka_security, topic_configs
 from liverl.core.config import LiverlConfig
 from liverl.core.credentials import PRODUCT_KEY_HEADER, load_feedback_keys
 from liverl.core.schemas import FeedbackEvent, GenerationRecord, WireError
 from serving import openai_api as oa
 from serving.node import NodeClient, NodeUnreachable
+from serving.producer import AsyncProducer
 
 log = logging.getLogger("liverl.serving.gateway")
 
@@ -58,7 +61,7 @@ def event_loop_factory():
     """uvloop's loop when it is installed (vLLM depends on it), else asyncio's: the gateway's HTTP server and client
     spend less CPU per request on it."""
     try:
-        import uvloop
+        import uvloop  # noqa: PLC0415 uvloop: optional, else asyncio's loop
     except ImportError:
         log.info("uvloop is not installed; the gateway runs on asyncio's default event loop")
         return asyncio.new_event_loop
@@ -124,8 +127,6 @@ class Gateway:
     def __init__(
         self, cfg: LiverlConfig, node: NodeClient, node_name: str, bootstrap: str, feedback_wait_s: float = 10.0
     ):
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-
         self.cfg = cfg
         self.node = node
         self.node_name = node_name
@@ -229,9 +230,6 @@ class Gateway:
 
     async def start(self) -> None:
         """Create the generations and feedback topics if needed, start the producer, read the context length."""
-        from liverl.core.bus import ensure_topics, topic_configs
-        from serving.producer import AsyncProducer
-
         topics = [self.cfg.topics.generations, self.cfg.topics.feedback]
         await asyncio.to_thread(
             ensure_topics,
@@ -241,7 +239,6 @@ class Gateway:
             broker=self.cfg.broker,
             configs=topic_configs(self.cfg),
         )
-        from liverl.core.bus import librdkafka_security
 
         producer = AsyncProducer(
             self.bootstrap,
@@ -568,6 +565,4 @@ class Gateway:
         )
 
     async def metrics(self, request: web.Request) -> web.Response:
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
         return web.Response(body=generate_latest(self.metrics_registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -14,11 +14,16 @@ import logging
 import os
 import signal
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
+from aiohttp import web
+
+from deploy.blobstore import open_blob_store
 from liverl.core.config import LiverlConfig
+from liverl.core.services import redis_from_url, required_verify_key
 from serving.agent import Agent
 from serving.gateway import Gateway, event_loop_factory
-from serving.node import NodeClient
+from serving.node import NodeClient, start_node
 
 log = logging.getLogger("liverl.serving")
 
@@ -26,8 +31,6 @@ log = logging.getLogger("liverl.serving")
 async def _bounded_executor(loop: asyncio.AbstractEventLoop, n: int) -> None:
     """Give the loop a fixed pool of ``n`` worker threads, all started now (registry, codec and DNS calls run
     there): the thread count stays bounded and constant while serving, rather than growing on demand."""
-    from concurrent.futures import ThreadPoolExecutor
-
     pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="liverl-serving")
     loop.set_default_executor(pool)
     barrier = threading.Barrier(n)
@@ -46,11 +49,6 @@ async def serve(
 ) -> None:
     """Start node + gateway + agent, serve until ``stop`` is set, then shut everything down. Refuses to start (a
     ``ValueError`` naming both ways out) without an announcement verify key, unless ``security.allow_unsigned``."""
-    from aiohttp import web
-
-    from liverl.core.services import redis_from_url, required_verify_key
-    from serving.node import start_node
-
     required_verify_key(cfg)  # before the node starts: an agent that would follow any Redis writer does not start
     await _bounded_executor(asyncio.get_running_loop(), 4)
     log_path = cfg.state_path / "logs" / f"vllm-{cfg.serving.node_name}.log"
@@ -64,8 +62,7 @@ async def serve(
         await client.start()
         await gw.start()
         if registry_url:
-            from deploy.blobstore import open_blob_store
-            from deploy.registry import Registry
+            from deploy.registry import Registry  # noqa: PLC0415 torch: via deploy.registry, with a registry only
 
             registry = Registry(registry_url, open_blob_store(cfg.blob_location))
         agent = Agent(cfg, gw, rds, registry)

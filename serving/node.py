@@ -35,6 +35,7 @@ hot-swap agent drives). This module imports neither torch nor vLLM at import tim
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -47,12 +48,14 @@ import urllib.parse
 import urllib.request
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from liverl.core.config import LiverlConfig
+from serving.node_auth import ENV_KEY, new_key
 from serving.node_http import NodeHTTP, NodeStream, NodeUnreachable  # noqa: F401  (NodeUnreachable: re-exported)
 
 log = logging.getLogger("liverl.serving.node")
@@ -73,7 +76,6 @@ def resolve_device(requested: str) -> str:
     """``auto`` -> ``cuda`` when the installed vLLM is a CUDA build and a GPU is visible, else ``cpu``."""
     if requested not in ("auto", "cpu", "cuda"):
         raise ValueError(f"serving.device must be auto, cpu or cuda, not {requested!r}")
-    from importlib import metadata
 
     def installed(dist: str) -> bool:
         try:
@@ -94,7 +96,7 @@ def resolve_device(requested: str) -> str:
         return "cuda"
     if cpu_build:
         return "cpu"
-    import torch
+    import torch  # noqa: PLC0415 torch: this module stays torch-free
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -164,8 +166,7 @@ def node_command(
 
 
 def node_env(device: str, threads: int, base_version: int, key: str = "", deltas: Path | None = None) -> dict[str, str]:
-    from serving.node_auth import ENV_KEY
-    from serving.worker_ext import ENV_DELTA_DIR
+    from serving.worker_ext import ENV_DELTA_DIR  # noqa: PLC0415 torch: serving.worker_ext imports it
 
     env = dict(os.environ)
     env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -271,7 +272,6 @@ def start_node(
     if max_model_len is None:  # the model's own context length (the demo policy has 32), capped
         model_cfg = json.loads((model_dir / "config.json").read_text())
         max_model_len = min(int(model_cfg.get("max_position_embeddings", 512)), 4096)
-    from serving.node_auth import new_key
 
     host, port = cfg.serving.node_host, port or cfg.serving.vllm_port
     kv = kv_cache_bytes or (256 << 20 if device == "cpu" else 1 << 30)
@@ -328,8 +328,6 @@ def _die_with_parent() -> None:
     """In the node's child process before exec: SIGKILL it when the serving process dies, even by kill -9 (Linux
     PR_SET_PDEATHSIG), so no node outlives the process that owns it. The engine core's processes are in the node's
     process group; a restart clears the group of any node that still survived (``kill_stale_node``)."""
-    import ctypes
-
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
     except OSError:  # not glibc Linux: the pidfile check at the next start is what remains

@@ -19,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from confluent_kafka import KafkaException, Producer
+
 log = logging.getLogger("liverl.serving.producer")
 
 IDLE_POLL_S = 0.05
@@ -27,8 +29,6 @@ WAIT_POLL_S = 0.001
 
 class AsyncProducer:
     def __init__(self, bootstrap: str, client_id: str, delivery_timeout_s: float, linger_ms: float = 2.0, **config):
-        from confluent_kafka import Producer
-
         self.settings = {
             "bootstrap.servers": bootstrap,
             "client.id": client_id,
@@ -58,8 +58,6 @@ class AsyncProducer:
     def produce(self, topic: str, key: str, value: bytes) -> asyncio.Future:
         """Queue one record; the future resolves when the broker has it (or fails with the KafkaError).
         Raises ``BufferError`` when the local queue is full, ``ValueError`` when librdkafka refuses the record."""
-        from confluent_kafka import KafkaException
-
         fut = self._loop.create_future()
         try:
             self._producer.produce(topic, value=value, key=key, on_delivery=lambda err, _msg: _settle(fut, err))

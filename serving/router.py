@@ -50,11 +50,13 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from deploy.signing import Verifier
 from liverl.core import fleet
 from liverl.core.config import LiverlConfig
 from liverl.core.credentials import load_assignment_key
 from liverl.core.fleet import Node
 from liverl.core.schemas import RolloutTerms
+from liverl.core.services import redis_from_url, verify_key_path
 
 log = logging.getLogger("liverl.serving.router")
 
@@ -347,9 +349,6 @@ class Router:
 def _verifier(cfg: LiverlConfig):
     """The announcement verifier of ``security.verify_key``. Without a key: None (unsigned canary announcements are
     followed) with ``security.allow_unsigned``, else ValueError."""
-    from deploy.signing import Verifier
-    from liverl.core.services import verify_key_path
-
     path = verify_key_path(cfg)
     if path is not None:
         return Verifier(path)
@@ -369,7 +368,6 @@ def _verifier(cfg: LiverlConfig):
 
 def run_router(cfg: LiverlConfig, redis_url: str, host: str, port: int) -> None:
     """Blocking entry point (``liverl route``)."""
-    from liverl.core.services import redis_from_url
 
     async def main() -> None:
         rds = redis_from_url(redis_url, asyncio=True)

@@ -38,12 +38,12 @@ def install_cpu_patches() -> None:
     imports this module first) to pack with ``remove_weight=False``.
     """
     try:
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # noqa: PLC0415 vllm: optional; absent, nothing to patch
     except ImportError:  # pragma: no cover - vLLM absent: nothing to patch
         return
     if not current_platform.is_cpu():
         return
-    from vllm.model_executor.layers import linear as _linear
+    from vllm.model_executor.layers import linear as _linear  # noqa: PLC0415 vllm: CPU only
 
     lin_cls = _linear.UnquantizedLinearMethod
     if getattr(lin_cls, "_liverl_patched", False):
@@ -53,7 +53,7 @@ def install_cpu_patches() -> None:
     def keep_weight(self, layer: torch.nn.Module) -> None:
         if getattr(layer, "_cpu_skip_gemm_dispatch", False):
             return orig(self, layer)
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # noqa: PLC0415 vllm: CPU only
 
         dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
 
@@ -63,11 +63,11 @@ def install_cpu_patches() -> None:
 
 def repack_cpu_linears(model: torch.nn.Module, module_names: set[str]) -> int:
     """Rebuild the CPU GEMM kernels (oneDNN handles) of the named modules from their updated weights."""
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # noqa: PLC0415 vllm: only in the vLLM worker
 
     if not current_platform.is_cpu():
         return 0
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # noqa: PLC0415 vllm: CPU only
 
     modules = dict(model.named_modules())
     # a weight shared with a changed module counts as changed: a tied lm_head reads the embedding's parameter
@@ -128,7 +128,7 @@ class MoELayout:
         if self.isa is None:
             return None
         if shape not in self._perms:
-            from vllm._custom_ops import cpu_prepack_moe_weight
+            from vllm._custom_ops import cpu_prepack_moe_weight  # noqa: PLC0415 vllm: CPU-only op
 
             n = 1
             for d in shape:
@@ -194,7 +194,7 @@ class MoELayout:
 
 def _cpu_moe_isa(module: torch.nn.Module) -> str | None:
     """The ISA string of the CPU MoE kernel that prepacked this layer's weights, or None if not prepacked."""
-    from vllm.platforms import current_platform
+    from vllm.platforms import current_platform  # noqa: PLC0415 vllm: only in the vLLM worker
 
     if not current_platform.is_cpu():
         return None
@@ -253,7 +253,7 @@ class ServedLayout:
     """
 
     def __init__(self, model: torch.nn.Module, files: Mapping[str, torch.Tensor]):
-        from vllm.distributed import get_tensor_model_parallel_world_size
+        from vllm.distributed import get_tensor_model_parallel_world_size  # noqa: PLC0415 vllm: only in the vLLM worker
 
         if get_tensor_model_parallel_world_size() != 1:
             raise RuntimeError("served-weight read-back supports tensor parallel size 1 only")

@@ -26,6 +26,7 @@ clear message over HTTP and the engine keeps running.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -35,7 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 
+from deploy.container import combine_checksums, tensor_checksum
+from deploy.delta import DTYPES, DeltaError, checksum, plan_delta, warm_up
 from serving.vllm_layout import ServedLayout, check_cpu_kernels, install_cpu_patches, repack_cpu_linears
 
 log = logging.getLogger("liverl.serving.worker_ext")
@@ -60,8 +64,6 @@ class _State:
 
     def tensor_sums(self) -> dict[str, str]:
         if self._sums is None:
-            from deploy.container import tensor_checksum
-
             self._sums = {n: tensor_checksum(t) for n, t in self.shadow.items()}
         return self._sums
 
@@ -81,9 +83,6 @@ class _Stage:
         self.ms: float | None = None
 
     def run(self, st: _State, paths: list[Path], expects: list[str]) -> None:
-        from deploy.container import combine_checksums, tensor_checksum
-        from deploy.delta import DeltaError, plan_delta
-
         t0 = time.perf_counter()
         try:
             view = dict(st.shadow)  # the weights each delta applies to (shadow tensors are never written in place)
@@ -147,10 +146,6 @@ class LiverlWorkerExtension:
 
     def _liverl_load_shadow(self) -> _State:
         """Read the model dir's weights, check that they are exactly what the engine serves, keep them as shadow."""
-        from safetensors.torch import load_file
-
-        from deploy.delta import DTYPES, warm_up
-
         dtype_names = {d.torch: name for name, d in DTYPES.items()}
         model_dir = Path(self.vllm_config.model_config.model)
         shadow: dict[str, torch.Tensor] = {}
@@ -168,7 +163,6 @@ class LiverlWorkerExtension:
         warm_up(
             tuple(sorted({dtype_names[t.dtype] for t in shadow.values() if t.dtype in dtype_names}))
         )  # not mid-swap
-        from deploy.container import combine_checksums, tensor_checksum
 
         sums = {n: tensor_checksum(t) for n, t in shadow.items()}
         st = _State(shadow, version, combine_checksums(sums), layout)
@@ -185,8 +179,6 @@ class LiverlWorkerExtension:
     @_rpc
     def liverl_checksum(self) -> dict[str, Any]:
         """Checksum of the weights the kernels actually read, rebuilt under HF names (bit-exact with the learner)."""
-        from deploy.delta import checksum
-
         st = self._liverl_state()
         served = st.layout.read()
         bad = check_cpu_kernels(self._liverl_model())
@@ -204,8 +196,6 @@ class LiverlWorkerExtension:
         the call is a no-op (safe to repeat; an XOR delta applied twice would otherwise undo itself), and a delta
         leading elsewhere is refused. Returns the version and checksum now loaded.
         """
-        from deploy.delta import DeltaError, plan_delta
-
         if not expect_checksum:
             raise ValueError("expect_checksum is required: name the weights this delta must lead to")
         path = _delta_file(blob_path)
@@ -228,8 +218,6 @@ class LiverlWorkerExtension:
             )
         # The header's claim is not enough (anyone can write a self-consistent header): hash what the weights will
         # be, the decoded copies with the unchanged shadow, and compare with the caller's checksum before writing.
-        from deploy.container import combine_checksums, tensor_checksum
-
         sums = dict(st.tensor_sums())
         sums.update({n: tensor_checksum(t) for n, t in plan})
         arriving = combine_checksums(sums)
@@ -297,8 +285,6 @@ class LiverlWorkerExtension:
 
         The read-back covers the tensors this swap wrote; the others were proved by the last full read-back
         (``liverl_checksum``, which the agent runs again right after the swap, outside the pause)."""
-        from deploy.container import tensor_checksum
-
         stage = self.__dict__.pop("_liverl_stage", None)
         if stage is None:
             raise RuntimeError("nothing staged")
@@ -389,8 +375,6 @@ def _delta_file(blob_path: str) -> Path:
 
 def _weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files vLLM loaded from ``model_dir``: those its index lists, else the single file(s)."""
-    import json
-
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))

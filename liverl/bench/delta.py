@@ -29,6 +29,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Self
 
 import numpy as np
+import zstandard
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
+from rich.table import Table
 
 if TYPE_CHECKING:
     import torch
@@ -310,8 +321,6 @@ def _raw(t: torch.Tensor) -> np.ndarray:
 def baseline_bytes(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> tuple[int, int]:
     """The obvious alternatives on the same change: (plain zstd(3) of the target's bytes, zstd(3) of base XOR
     target), summed over tensors."""
-    import zstandard
-
     zc = zstandard.ZstdCompressor(level=3, threads=-1)
     zstd_bytes = xor_zstd_bytes = 0
     for name in sorted(target):
@@ -453,7 +462,6 @@ def _x(r: float) -> str:
 def machine() -> str:
     """Cores, CPU model, memory, and the versions that the numbers depend on."""
     import torch
-    import zstandard
 
     model = platform.processor() or platform.machine()
     try:
@@ -489,8 +497,6 @@ def _commit() -> str:
 
 def table(rows: list[dict], title: str):
     """The rich Table of ``rows`` (one per case)."""
-    from rich.table import Table
-
     t = Table(title=title, title_justify="left")
     t.add_column("case")
     t.add_column("changed", justify="right")
@@ -554,16 +560,6 @@ def run(
     console=None,
 ) -> list[dict]:
     """Measure every case, print the table (with the command and machine under it), optionally write JSON."""
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        SpinnerColumn,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-
     from deploy import delta
 
     if skip_demo and skip_synthetic:

@@ -35,18 +35,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
+import logging
 import math
+import multiprocessing
 import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
-from liverl.core import fleet
+from liverl.bench.serve import _free_port, _machine
+from liverl.core import fleet, keys
+from liverl.core.config import load_config
+from liverl.core.schemas import FeedbackEvent, GenerationRecord, SamplingParams, WireError
+from liverl.core.services import forget_prefix, free_port
 
 DEFAULTS = {"pairs": 50_000, "partitions": 4, "workers": "1,2", "timeout": 600.0, "repeat": 1}
 
@@ -68,8 +76,6 @@ def _records(n: int, seed: int = 0) -> tuple[list[tuple[bytes, bytes, int]], lis
     schemas, timed and from ``BENCH_USERS`` users (the canary's per-user sums cost Redis work). The timestamps are a
     product's: generations ``GENERATIONS_PER_S`` a second, each judged
     ``FEEDBACK_DELAY_S`` later, all in the past (a backlog a worker catches up on)."""
-    from liverl.core.schemas import FeedbackEvent, GenerationRecord, SamplingParams
-
     rng = random.Random(seed)
     sampling = SamplingParams(temperature=1.0, max_tokens=16)
     now = time.time()
@@ -143,8 +149,6 @@ async def _raw_consume(bootstrap: str, topics: list[str], partitions: int, expec
     """Read ``expect`` records from the start of ``topics`` with one aiokafka consumer; optionally parse each."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from liverl.core.schemas import FeedbackEvent, GenerationRecord, WireError
-
     model = {topics[0]: GenerationRecord, topics[1]: FeedbackEvent}
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap,
@@ -186,8 +190,6 @@ async def _raw_consume(bootstrap: str, topics: list[str], partitions: int, expec
 
 def _faust_floor_child(bootstrap: str, topics: list[str], partitions: int, expect: int, out_path: str) -> None:
     """A faust app that only consumes: both topics, ``take_events`` batches as ingest takes them, no work."""
-    import logging
-
     import faust
 
     logging.basicConfig(level=logging.WARNING)
@@ -226,14 +228,11 @@ def _faust_floor_child(bootstrap: str, topics: list[str], partitions: int, expec
 
 def _faust_floor(bootstrap: str, topics: list[str], partitions: int, expect: int, work_dir: Path) -> dict:
     """What faust's consume path alone costs: the ceiling of any faust-based worker on this machine."""
-    import importlib.util
-
     if importlib.util.find_spec("faust") is None:
         raise ValueError(
             "`liverl bench ingest` compares the worker with faust-streaming, which is not installed: "
             "pip install 'liverl[bench]' (scripts/setup.sh installs it)"
         )
-    import multiprocessing
 
     out = work_dir / "faust-floor.json"
     out.unlink(missing_ok=True)
@@ -292,8 +291,6 @@ def _wait_ready(
     ports: list[int], procs: list[subprocess.Popen], partitions: int, timeout_s: float, log_dir: Path
 ) -> None:
     """Until every worker's ``/healthz`` says its join table is ready and together they hold every partition."""
-    import urllib.request
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         held: list[int] = []
@@ -327,9 +324,6 @@ def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_d
     backlog alone meanwhile (a 50,000-pair backlog takes two workers about 1.3 s). The start-up is reported apart.
     """
     import redis
-
-    from liverl.core import keys
-    from liverl.core.services import free_port
 
     env_base = {
         **os.environ,
@@ -455,8 +449,6 @@ def run(
 ) -> dict:
     """Start the stack, write the backlogs, measure the ceilings and the workers; print the table."""
     from liverl.core.bus import all_topics, ensure_topics
-    from liverl.core.config import load_config
-    from liverl.core.services import forget_prefix
     from liverl.stack import start_stack
 
     if pairs < 100 or partitions < 1 or not workers or min(workers) < 1:
@@ -465,7 +457,6 @@ def run(
     user_cfg.state_path.mkdir(parents=True, exist_ok=True)
     state = Path(tempfile.mkdtemp(prefix="bench-ingest-", dir=user_cfg.state_path))
     base = f"bi{os.getpid()}"
-    from liverl.bench.serve import _free_port, _machine
 
     cfg = load_config(
         config,

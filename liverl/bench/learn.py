@@ -45,6 +45,8 @@ import sys
 import time
 from pathlib import Path
 
+from liverl.core.config import GateConfig, LearnerConfig, load_config
+
 DEFAULTS = {
     "models": ["demo", "moe24m"],
     "rounds": 4,
@@ -212,7 +214,6 @@ def run_drift(args: argparse.Namespace, spans) -> int:
     from learner.dist_check import make_samples, on_policy
     from learner.loss import full_kl
     from learner.policy_trainer import PolicyTrainer
-    from liverl.core.config import GateConfig, LearnerConfig
 
     try:
         lrs = [float(x) for x in args.drift.split(",") if x.strip()]
@@ -271,8 +272,6 @@ def resolve_model(name: str, args: argparse.Namespace) -> Path:
 
         cache = args.cache
         if cache is None:
-            from liverl.core.config import load_config
-
             cache = load_config().model_cache_path
         return ensure_base_policy(Path(cache), seed=0, progress=False)
     if name in SIZES:
@@ -366,7 +365,6 @@ def measure(model_dir: Path, name: str, args: argparse.Namespace, spans, ranks=N
 
     from learner.dist_check import make_samples, on_policy
     from learner.policy_trainer import PolicyTrainer
-    from liverl.core.config import LearnerConfig
 
     lcfg = LearnerConfig(lr=args.lr, batch_size=args.batch, micro_epochs=1, max_batch_tokens=1 << 30)
     learner = PolicyTrainer(model_dir, lcfg, ranks=ranks)

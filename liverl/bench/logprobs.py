@@ -15,12 +15,16 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import random
 import shlex
 import sys
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from liverl.core.config import LearnerConfig, load_config
+from liverl.core.schemas import TrainingSample
 
 DEFAULTS = {"prompts": 32, "max_tokens": 16, "seed": 0}
 
@@ -116,8 +120,6 @@ def format_table(rows: list[dict]) -> str:
 
 def chat_prompts(model_dir: Path, n: int, seed: int) -> list[str]:
     """``n`` user messages of made-up text, rendered with the model's chat template (generation prompt added)."""
-    import random
-
     from learner.model import load_tokenizer
     from liverl.testing.models import made_up_text
 
@@ -170,8 +172,6 @@ def compare(model_dir: Path, completions: list[dict]) -> dict:
 
     from learner.model import load_model
     from learner.policy_trainer import PolicyTrainer
-    from liverl.core.config import LearnerConfig
-    from liverl.core.schemas import TrainingSample
 
     trainer = PolicyTrainer(model_dir, LearnerConfig())
     now = time.time()
@@ -213,7 +213,6 @@ def compare(model_dir: Path, completions: list[dict]) -> dict:
 
 def measure(model_dir: Path, n_prompts: int, max_tokens: int, seed: int) -> dict:
     """Serve ``model_dir`` on a fresh vLLM node, sample, stop the node, compare."""
-    from liverl.core.config import load_config
     from serving.node import start_node
 
     model_dir = Path(model_dir).resolve()

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
+import logging
 import multiprocessing
 import os
 import platform
@@ -32,6 +34,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from liverl.core.config import LiverlConfig, load_config
+
 PROFILE_ENV = "LIVERL_BENCH_PROFILE"  # a path: the serving process is run under cProfile and its stats written there
 DEFAULTS = {"clients": 64, "duration": 20.0, "rounds": 3, "warmup": 3.0, "api": "completions"}
 
@@ -41,9 +45,6 @@ DEFAULTS = {"clients": 64, "duration": 20.0, "rounds": 3, "warmup": 3.0, "api": 
 
 def _serve_child(cfg_json: str, model_dir: str, bootstrap: str, redis_url: str) -> None:
     """The serving process: node + gateway + agent, as ``liverl serve`` runs them (no registry: nothing swaps)."""
-    import logging
-
-    from liverl.core.config import LiverlConfig
     from serving.main import run_serving
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -51,7 +52,6 @@ def _serve_child(cfg_json: str, model_dir: str, bootstrap: str, redis_url: str) 
     if not profile:
         run_serving(LiverlConfig.model_validate_json(cfg_json), model_dir, bootstrap, redis_url, None)
         return
-    import cProfile
 
     prof = cProfile.Profile()  # the serving process's main thread: its event loop runs the gateway and the agent
     try:
@@ -62,9 +62,6 @@ def _serve_child(cfg_json: str, model_dir: str, bootstrap: str, redis_url: str) 
 
 def _serve_child_registry(cfg_json: str, model_dir: str, bootstrap: str, redis_url: str, registry_url: str) -> None:
     """The serving process with a registry, so its agent swaps (``liverl bench swap``)."""
-    import logging
-
-    from liverl.core.config import LiverlConfig
     from serving.main import run_serving
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -199,7 +196,6 @@ def run(
     command: str = "liverl bench serve",
 ) -> dict:
     """Start the stack, measure, print the table and the command; returns the rows and the median ratio."""
-    from liverl.core.config import load_config
     from liverl.stack import start_stack
 
     if clients < 1 or duration_s <= 0 or rounds < 1 or warmup_s < 0:

@@ -22,10 +22,12 @@ import statistics
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 from liverl.bench.serve import _demo_model, _free_port, _machine, _run_loop, _serve_child_registry, _wait_http
+from liverl.core.config import load_config
 
 DEFAULTS = {"swaps": 12, "clients": 16, "interval": 2.0, "max_tokens": 20, "changed": 0.1, "stall_ms": 100.0}
 
@@ -87,7 +89,6 @@ def run(
     from deploy.blobstore import open_blob_store
     from deploy.registry import Registry
     from deploy.signing import Signer, announce, generate_keypair
-    from liverl.core.config import load_config
     from liverl.demo.base_policy import load_state_dict
     from liverl.stack import start_stack
 
@@ -182,8 +183,6 @@ def run(
 
 
 def _get(url: str) -> bytes:
-    import urllib.request
-
     with urllib.request.urlopen(url, timeout=10) as r:
         return r.read()
 

@@ -13,6 +13,7 @@ gateway's producer). ``kafka_python_security``, ``aiokafka_security`` and ``libr
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from typing import Any
 
@@ -53,8 +54,6 @@ def kafka_python_security(broker: BrokerConfig | None) -> dict[str, Any]:
 
 
 def _ssl_context(broker: BrokerConfig):
-    import ssl
-
     ctx = ssl.create_default_context(cafile=broker.ssl_cafile)
     if broker.ssl_certfile:
         ctx.load_cert_chain(broker.ssl_certfile, broker.ssl_keyfile)
@@ -232,7 +231,7 @@ def make_aio_producer(bootstrap: str, broker: BrokerConfig | None, client_id: st
     """An aiokafka producer, acks=all, sending at once (ingest batches records itself, ``ingest.outbox``), that gives
     up on a request after 30 s (then the worker stops and replays: its outputs are not what ``pending_ttl_s`` waits
     for). Not started: ``await producer.start()``."""
-    from aiokafka import AIOKafkaProducer
+    from aiokafka import AIOKafkaProducer  # noqa: PLC0415 aiokafka: only the ingest worker loads it
 
     opts: dict[str, Any] = dict(
         bootstrap_servers=bootstrap,
@@ -251,7 +250,7 @@ def make_aio_consumer(bootstrap: str, broker: BrokerConfig | None, group: str | 
     group (assign partitions yourself). With a group, the rebalance timeout is ``broker.rebalance_timeout_s`` (Tansu
     completes a join only after it: kept short, or the first poll waits minutes) and the session timeout no shorter
     than the heartbeat cadence allows. Not started: ``await consumer.start()``."""
-    from aiokafka import AIOKafkaConsumer
+    from aiokafka import AIOKafkaConsumer  # noqa: PLC0415 aiokafka: only the ingest worker loads it
 
     opts: dict[str, Any] = dict(
         bootstrap_servers=bootstrap,
@@ -274,7 +273,7 @@ def make_aio_consumer(bootstrap: str, broker: BrokerConfig | None, group: str | 
 
 def make_aio_client(bootstrap: str, broker: BrokerConfig | None, **kw) -> Any:
     """aiokafka's low-level client (one request at a time, e.g. a LeaveGroup). Not started: ``await c.bootstrap()``."""
-    from aiokafka.client import AIOKafkaClient
+    from aiokafka.client import AIOKafkaClient  # noqa: PLC0415 aiokafka: only the ingest worker loads it
 
     opts: dict[str, Any] = dict(bootstrap_servers=bootstrap, request_timeout_ms=5000, **aiokafka_security(broker))
     opts.update(kw)

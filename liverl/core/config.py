@@ -14,6 +14,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
@@ -230,8 +231,6 @@ class ServingConfig(_Section):
 
     @model_validator(mode="after")
     def _fleet_urls(self):
-        from urllib.parse import urlsplit
-
         for name, url in self.fleet.items():
             parts = urlsplit(url)
             if (

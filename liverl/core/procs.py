@@ -7,6 +7,7 @@ node launcher. Torch-free.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -14,6 +15,8 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+import psutil
 
 from liverl.core.services import LiverlError, port_open
 
@@ -43,8 +46,6 @@ def spawn(cmd: Sequence[str], log_path: str | os.PathLike, env: Mapping[str, str
 
 def _term_with_parent() -> None:
     """In the child before exec: SIGTERM when the parent dies (Linux PR_SET_PDEATHSIG; elsewhere nothing)."""
-    import ctypes
-
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
     except OSError:
@@ -55,8 +56,6 @@ def become_subreaper() -> bool:
     """Make this process the "child subreaper" of everything it starts (Linux PR_SET_CHILD_SUBREAPER): a
     grandchild whose parent dies (a vLLM engine core whose server was killed) is re-parented here instead of to
     init, so ``orphans`` finds it. True where the kernel supports it."""
-    import ctypes
-
     try:
         return ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER = 36
     except OSError:
@@ -65,8 +64,6 @@ def become_subreaper() -> bool:
 
 def descendants() -> set[int]:
     """The pids of every live process below this one."""
-    import psutil
-
     try:
         return {p.pid for p in psutil.Process().children(recursive=True)}
     except psutil.Error:
@@ -76,8 +73,6 @@ def descendants() -> set[int]:
 def kill_descendants(keep: set[int], timeout: float = 10.0) -> list[str]:
     """SIGTERM, then after ``timeout`` SIGKILL, every process below this one that is not in ``keep`` (what was
     running before the caller started its own). Returns a description of each one it had to stop."""
-    import psutil
-
     me = psutil.Process()
     try:
         left = [p for p in me.children(recursive=True) if p.pid not in keep]

@@ -15,6 +15,7 @@ The registry and blob store themselves are opened by the library that owns them
 from __future__ import annotations
 
 import logging
+import random
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -46,8 +47,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     later (a gateway after vLLM's start) found its port taken (a CI run failed so). Below the range only listeners
     compete for a port, and they are ours.
     """
-    import random
-
     low = 32768
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -110,11 +109,11 @@ def redis_from_url(url: str, *, asyncio: bool = False, **kw):
     if cluster:
         url = url.replace("+cluster", "", 1)
     if asyncio:
-        import redis.asyncio as aioredis
-        from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+        import redis.asyncio as aioredis  # noqa: PLC0415 redis: `liverl --help` loads this module
+        from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster  # noqa: PLC0415 redis: `liverl --help` loads this module
 
         return (AsyncRedisCluster if cluster else aioredis.Redis).from_url(url, **kw)
-    import redis
+    import redis  # noqa: PLC0415 redis: `liverl --help` loads this module
 
     return (redis.RedisCluster if cluster else redis.Redis).from_url(url, **kw)
 
@@ -217,7 +216,7 @@ def required_signing_key(cfg: LiverlConfig) -> Path | None:
 
 
 def check_redis(url: str) -> None:
-    import redis
+    import redis  # noqa: PLC0415 redis: `liverl --help` loads this module
 
     try:
         redis_from_url(url, socket_connect_timeout=2).ping()

@@ -33,6 +33,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
 from learner.model import _seeded, load_model, load_state_dict, save_model_dir, state_dict_from_model  # noqa: F401
 from liverl.demo import task
 from liverl.demo.vocab import (  # noqa: F401 - the tokenizer's names, used here and read from here
@@ -96,8 +98,7 @@ RECIPE: dict = {
 # ----------------------------------------------------------------------------------------------- tokenizer
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """A character-level tokenizer: every character is one token, decoding concatenates (no spaces)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 transformers: the CLI loads this module
 
     tok = Tokenizer(models.WordLevel(vocab=dict(CHAR_TO_ID), unk_token=UNK_TOKEN))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
@@ -133,7 +134,7 @@ def _save_tokenizer(tokenizer, out: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ weights
 def _model_config():
-    from transformers import Qwen3MoeConfig
+    from transformers import Qwen3MoeConfig  # noqa: PLC0415 transformers: the CLI loads this module
 
     m = dict(RECIPE["model"])
     rope_theta = m.pop("rope_theta")
@@ -203,7 +204,7 @@ def _add_chat_template(model_dir: Path) -> None:
 @contextlib.contextmanager
 def _deterministic() -> Iterator[None]:
     """One thread and deterministic kernels for the build, restoring the caller's settings after."""
-    import torch
+    import torch  # noqa: PLC0415 torch: the CLI loads this module
 
     threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(1)
@@ -217,7 +218,7 @@ def _deterministic() -> Iterator[None]:
 
 def _bf16_rounded(model, into):
     """Copy ``model``'s weights, rounded to bf16, into the fp32 model ``into`` (what vLLM will serve)."""
-    import torch
+    import torch  # noqa: PLC0415 torch: the CLI loads this module
 
     with torch.no_grad():
         for (_, p), (_, q) in zip(model.named_parameters(), into.named_parameters()):
@@ -226,10 +227,10 @@ def _bf16_rounded(model, into):
 
 
 def _build(out: Path, seed: int, progress: bool) -> None:
-    import torch
-    from transformers import GenerationConfig, Qwen3MoeForCausalLM
+    import torch  # noqa: PLC0415 torch: the CLI loads this module
+    from transformers import GenerationConfig, Qwen3MoeForCausalLM  # noqa: PLC0415 transformers: the CLI loads this module
 
-    from liverl.demo.score import score_model
+    from liverl.demo.score import score_model  # noqa: PLC0415 torch: liverl.demo.score imports it
 
     sft = RECIPE["sft"]
     t0 = time.monotonic()

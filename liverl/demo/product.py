@@ -16,6 +16,7 @@ import re
 
 from liverl.core.product import EvalCase, EvalSuite, Product, UsersFn
 from liverl.demo import task
+from liverl.demo.sim import run_users
 
 SUITE_SEED = 424242
 """The suite's prompts: fixed, and drawn apart from the users' traffic generator seed."""
@@ -44,8 +45,6 @@ class ArithmeticProduct(Product):
         return EvalSuite(name="sums", cases=cases, grade=grade_sum, temperature=0.0)
 
     def simulated_users(self) -> UsersFn:
-        from liverl.demo.sim import run_users
-
         return run_users
 
 

@@ -6,7 +6,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deploy.delta import read_header
+from learner.ledger import checkpoint_path_for, ledger_path
+from liverl.bench.delta import baseline_bytes
 from liverl.core import keys
+from liverl.lineage import latency_summary
 
 GOAL_LIFT_POINTS = 25
 """The demo's goal: the last promoted version at least this many points of live acceptance above the base."""
@@ -187,9 +191,6 @@ def feedback_to_served(cfg, registry) -> dict:
     trained in this run, from its ledger and the registry (``liverl.lineage.latency_summary``), with the serving
     topology it was measured on: with two or more nodes a candidate is canaried first, so served (a canary node
     counts) comes before promoted."""
-    from learner.ledger import checkpoint_path_for, ledger_path
-    from liverl.lineage import latency_summary
-
     out = latency_summary(ledger_path(checkpoint_path_for(cfg)), registry)
     out["nodes"] = cfg.serving.nodes
     out["canaries"] = bool(cfg.serving.nodes > 1 and cfg.gate.canary_share > 0 and not cfg.gate.integrity_only)
@@ -203,9 +204,6 @@ def codec_report(registry, candidates, sample: int = 12) -> dict:
     (``liverl.bench.delta.baseline_bytes``), next to the registry's delta (header and checksums included).
     Medians of the ratios (raw / bytes).
     """
-    from deploy.delta import read_header
-    from liverl.bench.delta import baseline_bytes
-
     rows = []
     recent = sorted((c for c in candidates if c.parent is not None and c.delta_bytes), key=lambda c: c.version)
     for v in recent[-sample:]:
@@ -292,10 +290,10 @@ def gate_checks(registry) -> dict[str, dict[str, int]]:
 
 def plot_timeline(timeline: Timeline, summary: dict, path: Path, window_s: float = 10.0) -> None:
     """Live acceptance per version over time: the rate over each `window_s` window of feedback, colour by version."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415 matplotlib: loaded only to draw the plot
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 matplotlib: after matplotlib.use("Agg")
 
     fig, ax = plt.subplots(figsize=(12, 5))
     pts = timeline.points

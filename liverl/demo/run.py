@@ -9,16 +9,20 @@ counters and writes a summary (JSON) and a plot (PNG) of live acceptance per ver
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import threading
 import time
 from pathlib import Path
 
+from deploy.registry import open_registry
+from ingest.sdk import FeedbackClient
 from liverl.core import fleet, keys
 from liverl.core.config import LiverlConfig
 from liverl.core.product import load_product
 from liverl.demo.report import Timeline, build_summary, plot_timeline, print_summary, read_hash, read_live
+from liverl.demo.sim import SimStats
 from liverl.demo.view import LiveView
 from liverl.up import Pipeline
 
@@ -74,8 +78,6 @@ ONE_NODE_PROFILE: dict[str, float] = {"heldout_share": 0.2}
 
 def apply_demo_profile(cfg: LiverlConfig) -> dict[str, float | int | str]:
     """Sets ``DEMO_PROFILE``'s values that ``cfg`` did not set explicitly; returns what it set (section.field: value)."""
-    from liverl.core import fleet
-
     applied = {}
 
     def fill(section: str, values: dict) -> None:
@@ -95,8 +97,6 @@ def apply_demo_profile(cfg: LiverlConfig) -> dict[str, float | int | str]:
 def _trap_kwargs(users, cfg: LiverlConfig) -> dict:
     """The reward-hacking trap (``demo.trap``) and the traffic (``demo.concurrency``), for a product's users that
     know them (the demo's do)."""
-    import inspect
-
     params = inspect.signature(users).parameters
     out = {"trap": cfg.demo.trap} if "trap" in params else {}
     if "concurrency" in params:
@@ -107,8 +107,6 @@ def _trap_kwargs(users, cfg: LiverlConfig) -> dict:
 def run_demo(
     cfg: LiverlConfig, model_dir: Path, summary_path: str | None = None, plot_path: str | None = None, live: bool = True
 ) -> dict:
-    from ingest.sdk import FeedbackClient
-
     # the SDK's producer shares this process with the users' event loop; its "slow task" warnings are noise here
     logging.getLogger("kafka.net.selector").setLevel(logging.ERROR)
     if cfg.product is None:
@@ -154,7 +152,6 @@ def run_demo(
         stats, failure = _drive(cfg, pipe, users, sdk, timeline, live)
         sdk.flush()
         time.sleep(3.0)  # let ingest count the last feedback
-        from deploy.registry import open_registry
 
         registry = open_registry(cfg)
         try:
@@ -174,9 +171,6 @@ def run_demo(
 
 def _drive(cfg: LiverlConfig, pipe: Pipeline, users, sdk, timeline: Timeline, live: bool) -> tuple[object, str | None]:
     """Run the users in an asyncio loop on a thread while this thread supervises and displays."""
-    from deploy.registry import open_registry
-    from liverl.demo.sim import SimStats
-
     r, prefix = pipe.redis, cfg.topics.prefix
     stats = SimStats()
     loop = asyncio.new_event_loop()

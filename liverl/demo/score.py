@@ -15,14 +15,15 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
+from learner.model import load_model
 from liverl.demo import task
 from liverl.demo.vocab import EOS_ID, VOCAB, encode_text, sft_batch
 
 
 @contextlib.contextmanager
 def _one_thread() -> Iterator[None]:
-    import torch
-
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -37,8 +38,6 @@ def score_model(model, prompts: list[task.TaskPrompt]) -> dict:
     ``model`` is a transformers causal LM over the ``liverl.demo.base_policy`` tokenizer (any dtype). Returns
     ``{"expected_acceptance", "greedy_acceptance", "entropy", "n_prompts", "per_segment": {seg: {...}}}``.
     """
-    import torch
-
     if not prompts:
         raise ValueError("score_model needs at least one prompt")
     rows_p, rows_c, owner = [], [], []
@@ -91,8 +90,6 @@ def heldout_score(model_dir: Path, state_dict: dict | None, n_prompts: int = 256
     ``expected_acceptance`` (exact P(accept) under sampling at ``task.TEMPERATURE``), ``greedy_acceptance``,
     ``entropy`` (mean entropy in nats of the first completion token), ``n_prompts`` and ``per_segment``.
     """
-    from learner.model import load_model
-
     if n_prompts <= 0:
         raise ValueError(f"n_prompts must be positive, got {n_prompts}")
     with _one_thread():
@@ -107,8 +104,6 @@ def sample_completions(model, prompts: list[task.TaskPrompt], seed: int = 0) -> 
     sampled; ``text`` is the decoded completion without EOS, or None when the budget ran out first (such
     a completion is never accepted). For tests and offline checks; production sampling is vLLM's.
     """
-    import torch
-
     gen = torch.Generator().manual_seed(seed)
     ids_BT = torch.tensor([encode_text(p.text) for p in prompts])  # all prompts have the same length
     done_B = torch.zeros(len(prompts), dtype=torch.bool)

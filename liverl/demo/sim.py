@@ -38,6 +38,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import aiohttp
+
 from liverl.demo import task
 
 EDIT_SEGMENTS: dict[str, float] = {"b": 0.3}
@@ -193,8 +195,6 @@ def _malformed(rng: random.Random, generation_id: str) -> bytes:
 
 
 async def _complete(session, url: str, p: task.TaskPrompt, timeout_s: float, user: str) -> tuple[str, str, int]:
-    import aiohttp
-
     body = {
         "model": "liverl",
         "prompt": p.text,
@@ -308,8 +308,6 @@ async def _user(
     population: Population,
 ) -> None:
     """One loop of the simulation: each turn, a user of the population (by activity) asks and judges."""
-    import aiohttp
-
     rng = random.Random(seed * 1_000_003 + idx)
     backoff = _BACKOFF_START_S
     while not stop_event.is_set():
@@ -374,8 +372,6 @@ async def run_users(
     (0: back-to-back). ``trap``: the reward-hacking trap's knobs (True: the defaults; None or False: no trap). Users finish their in-flight request,
     then return. The caller owns ``sdk`` (flush it).
     """
-    import aiohttp
-
     trap = Trap() if trap is True else (trap or None)
     if n_users < 1:
         raise ValueError(f"n_users must be >= 1, got {n_users}")

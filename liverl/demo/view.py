@@ -5,6 +5,9 @@ from __future__ import annotations
 import sys
 import time
 
+from rich.live import Live
+from rich.table import Table
+
 from liverl.core.config import LiverlConfig
 from liverl.demo.report import feedback_sent, rate
 
@@ -22,8 +25,6 @@ class LiveView:
 
     def __enter__(self):
         if self.live:
-            from rich.live import Live
-
             self._rich = Live(refresh_per_second=2, transient=False)
             self._rich.__enter__()
         return self
@@ -53,8 +54,6 @@ class LiveView:
             acc = rate(live.get(v))
             rows.append((v, row.status if row else "?", live.get(v, {}).get("events", 0), acc))
         if self._rich is not None:
-            from rich.table import Table
-
             t = Table(
                 title=f"liverl demo  {elapsed:5.0f}/{self.cfg.demo.duration_s:.0f} s"
                 + ("  (learner frozen: measuring the last version)" if froze else "")

@@ -34,7 +34,7 @@ def sft_batch(prompts: list, completions: list[str]):
 
     Labels are -100 on the prompt and padding, so only completion tokens (and EOS) are learned.
     """
-    import torch
+    import torch  # noqa: PLC0415 torch: the CLI loads this module
 
     seqs, n_prompt = [], []
     for p, c in zip(prompts, completions):

@@ -27,6 +27,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from learner.families import FAMILIES
+from learner.model import _seeded, load_model, state_dict_from_model
+
 BUILD_VERSION = 1
 
 COMMON: dict = {
@@ -121,8 +126,6 @@ CHAT_TEMPLATE = (
 
 
 def spec_hash(family: str, seed: int) -> str:
-    from learner.families import FAMILIES
-
     blob = json.dumps(
         {
             "v": BUILD_VERSION,
@@ -192,8 +195,7 @@ def made_up_text(seed: int, n_sentences: int = 3000) -> list[str]:
 
 def build_tokenizer(seed: int, vocab_size: int):
     """A byte-level BPE tokenizer trained on ``made_up_text(seed)``, with ChatML special tokens and template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 transformers: a cached model needs none
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -236,7 +238,7 @@ def _save_tokenizer(tokenizer, out: Path) -> None:
 
 @contextlib.contextmanager
 def _one_thread():
-    import torch
+    import torch  # noqa: PLC0415 torch: a cached model needs none
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -247,12 +249,9 @@ def _one_thread():
 
 
 def _build(out: Path, family: str, seed: int) -> None:
-    import torch
-    from safetensors.torch import save_file
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM, GenerationConfig
-
-    from learner.families import FAMILIES
-    from learner.model import _seeded, load_model, state_dict_from_model
+    import torch  # noqa: PLC0415 torch: a cached model needs none
+    from safetensors.torch import save_file  # noqa: PLC0415 torch: a cached model needs none
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM, GenerationConfig  # noqa: PLC0415 transformers: a cached model needs none
 
     spec = dict(SPECS[family])
     shards = spec.pop("shards", 1)

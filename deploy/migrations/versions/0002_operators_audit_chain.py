@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
+from deploy.tables import audit_hash
+
 revision: str = "0002"
 down_revision: str | None = "0001"
 branch_labels: str | Sequence[str] | None = None
@@ -38,7 +40,6 @@ def upgrade() -> None:
     if op.get_context().as_sql:
         op.execute("-- liverl: audit entries written before 0002 are not chained; run the upgrade online to chain them")
         return
-    from deploy.tables import audit_hash
 
     conn = op.get_bind()
     rows = conn.execute(sa.text("SELECT id, actor, action, version, reason, at FROM audit_log ORDER BY id")).all()
