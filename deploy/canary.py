@@ -12,7 +12,8 @@ registry):
    caller can choose or predict one. With fewer than two routable nodes the decision is deferred, never made without
    a canary.
 2. **Evidence, at the gate's look cadence.** Ingest keeps per-user sums per version and 10 s bucket of judgement time
-   (``keys.units``). A bucket is read once its revert horizon has closed (``gate.revert_horizon_s`` after its end, plus
+   (``keys.units``; the feedback's own time, not ingest's clock, so a lagging worker moves no judgement of an answer
+   stable served before the swap into the canary's buckets: ``ingest.records.judged_bucket``). A bucket is read once its revert horizon has closed (``gate.revert_horizon_s`` after its end, plus
    ingest's settling margin), so a bait answer accepted now and reverted later is never counted as kept: every metric
    is right-censored the same way on both arms. What reverts cannot change (the edit rate, the response length,
    latency) is read from a second cursor as soon as ingest has settled a bucket, a revert horizon sooner. A bucket
@@ -62,7 +63,9 @@ LATENCY_MIN_BATCHES = 5
 """Buckets both arms served before the latency guardrail decides (its variance has this many less one degrees of
 freedom, and the test reads its statistic as a Student t)."""
 SETTLE_S = 5.0
-"""A bucket is read this long after its revert horizon closed: ingest's own lag (a batch, the write buffer)."""
+"""A bucket is read this long after its revert horizon closed: ingest's own lag (a batch, the write buffer). Buckets
+are of the judgements' own time, so a worker further behind than this has not joined all of a bucket when the fast
+cursor reads it: both arms lose the same share of that bucket (partitions are keyed by generation, not by arm)."""
 FIELDS = "eadrtmn"
 """Per-user sums ingest keeps (``keys.units``): events, accepts, edits, reverts, tokens, latency ms, timed events."""
 

@@ -17,7 +17,8 @@ partition (ordered, all or nothing):
 ``P``       pending: feedback that came before its record (canonical JSON) and where it came from
 ``J``       judged: the judgement only (feedback id, version, kind, the user's unit), so redelivered feedback is a
             duplicate and a different judgement of the same generation is dead-lettered ``already_judged``; the
-            time written is the judgement's (a revert rewrites the entry with it): the per-user sums' bucket; ``m``
+            time written is the judgement's (a revert rewrites the entry with it); ``b`` the per-user sums' bucket,
+            of the feedback's own time (``records.judged_bucket``: ingest's lag moves no judgement across buckets); ``m``
             when the generation's tokens came from more than one version (``GenerationRecord.mixed_versions``): its
             sample trains, but it counts for no version (live counters, per-user sums), only in ``mixed_versions``
 ==========  =========================================================================================
@@ -71,10 +72,12 @@ from ingest.records import (
     _guardrails,
     dead_letter,
     is_heldout,
+    judged_bucket,
     key_text,
     legacy_parts,
     record_parts,
     sample_json,
+    unit_bucket_of,
 )
 from liverl.core import keys
 from liverl.core.config import LiverlConfig, redact_url
@@ -395,7 +398,7 @@ class Ingest:
             return
         _, t, meta, accepted = unpack(entry)  # accepted: the sample its accept trained, kept for this correction
         # counted by when, and for whom, the reverted generation was judged (an entry from before units: in '*' only)
-        counted = (fb.feedback_id, meta["v"], keys.revert_field(t), keys.unit_bucket(t), meta.get("u"))
+        counted = (fb.feedback_id, meta["v"], keys.revert_field(t), unit_bucket_of(meta, t), meta.get("u"))
         mixed = bool(meta.get("m"))  # sampled by several versions: counted for none (see _join)
         if meta.get("r") == fb.feedback_id:
             out.tally.inc("duplicates")
@@ -448,7 +451,7 @@ class Ingest:
     ) -> None:
         """Judge a generation: ``rec`` and ``body`` are its validated record's ``record_parts``."""
         version = rec["v"]
-        meta = {"f": fb.feedback_id, "v": version, "k": fb.kind, "n": rec["n"]}
+        meta = {"f": fb.feedback_id, "v": version, "k": fb.kind, "n": rec["n"], "b": judged_bucket(fb.ts, now)}
         if "ms" in rec:
             meta["ms"] = rec["ms"]
         unit = rec.get("u")
@@ -491,7 +494,7 @@ class Ingest:
             # else the gate and the canary read. Its sample still trains (behaviour log-probs are per token).
             out.tally.inc("mixed_versions")
         else:
-            out.tally.live.append((fb.feedback_id, version, fb.kind + guardrails, keys.unit_bucket(now), unit))
+            out.tally.live.append((fb.feedback_id, version, fb.kind + guardrails, meta["b"], unit))
         out.tally.feedback_delays_s.append(now - fb.ts)
 
     @staticmethod

@@ -46,7 +46,24 @@ def _counted_again(meta: dict, t: float) -> tuple | None:
     a generation of mixed versions (``m``): it was never counted for any version."""
     if meta.get("m"):
         return None
-    return meta["f"], meta["v"], meta["k"] + _guardrails(meta), keys.unit_bucket(t), meta.get("u")
+    return meta["f"], meta["v"], meta["k"] + _guardrails(meta), unit_bucket_of(meta, t), meta.get("u")
+
+
+def judged_bucket(feedback_ts: float, now: float) -> int:
+    """The per-user sums' bucket (``keys.units``) of a judgement: the bucket of the user's own judgement time (the
+    feedback's ``ts``), no later than ``now`` (a timestamp from the future cannot reach a bucket the canary has not
+    read yet). Not ingest's clock: a worker that lags, or pacing that holds feedback back, would move judgements of
+    answers served before a canary swap into the canary's first buckets of evidence, counted for stable's version
+    (a 60-minute demo under load aborted three canaries on a sample-ratio mismatch that way: 26-42% canary events in
+    their first bucket, against the 50% share)."""
+    return keys.unit_bucket(min(feedback_ts, now))
+
+
+def unit_bucket_of(meta: dict, t: float) -> int:
+    """The bucket a judged entry's judgement counts in (``b``, written by the join); an entry written before
+    ``b`` existed: the bucket of the time it was written."""
+    b = meta.get("b")
+    return b if isinstance(b, int) else keys.unit_bucket(t)
 
 
 def is_heldout(generation_id: str, share: float) -> bool:

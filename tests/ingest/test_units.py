@@ -156,13 +156,39 @@ def test_a_judgement_from_before_units_is_reverted_in_the_aggregate_only(world):
 def test_feedback_that_came_before_its_generation_is_counted_for_the_generations_user(world):
     v = 44
     _run(world, T0, ("f", _fb("fa", "ga", "accept")))  # pending: no record yet
-    _run(world, T0 + 20, ("g", _gen("ga", v, "aaaa000000000001")))  # judged now
-    assert _units(world, v, T0 + 20) == {
-        keys.unit_bucket(T0 + 20): {
+    _run(world, T0 + 20, ("g", _gen("ga", v, "aaaa000000000001")))  # joined now, in the bucket of its judgement (T0)
+    assert _units(world, v, T0, T0 + 20) == {
+        keys.unit_bucket(T0): {
             "aaaa000000000001": {"e": 1, "a": 1, "t": 4},
             "*": {"e": 1, "a": 1, "t": 4, "t2": 16},
-        }
+        },
+        keys.unit_bucket(T0 + 20): {},
     }
+
+
+def test_a_judgement_ingest_joins_late_counts_in_the_bucket_of_its_own_time_and_so_does_its_revert(world):
+    """The canary's buckets are of the users' judgement time, not of ingest's clock: a worker 25 s behind (load,
+    pacing) must not move a judgement of an answer served before a canary swap into the canary's first bucket of
+    evidence, counted for stable's version (a 60-minute demo under load aborted three good canaries on the sample-ratio
+    mismatch that made: 26-42% canary events in their first bucket against a 50% share). A timestamp from the future
+    counts no later than ingest's clock."""
+    v = 47
+    _run(world, T0, ("g", _gen("ga", v, "aaaa000000000001")), ("g", _gen("gf", v, "ffff000000000001")))
+    _run(world, T0 + 25, ("f", _fb("fa", "ga", "accept")))  # judged at T0 (its ts), joined 25 s later
+    future = json.loads(_fb("ff", "gf", "accept"))
+    future["ts"] = T0 + 3600  # a product clock an hour ahead
+    _run(world, T0 + 25, ("f", json.dumps(future).encode()))
+    _run(world, T0 + 90, ("f", _fb("ra", "ga", "revert")))  # the revert follows its judgement's bucket
+    got = _units(world, v, T0, T0 + 25, T0 + 90)
+    assert got[keys.unit_bucket(T0)] == {
+        "aaaa000000000001": {"e": 1, "a": 1, "r": 1, "t": 4},
+        "*": {"e": 1, "a": 1, "r": 1, "t": 4, "t2": 16},
+    }
+    assert got[keys.unit_bucket(T0 + 25)] == {
+        "ffff000000000001": {"e": 1, "a": 1, "t": 4},
+        "*": {"e": 1, "a": 1, "t": 4, "t2": 16},
+    }
+    assert got[keys.unit_bucket(T0 + 90)] == {}
 
 
 def test_every_bucket_key_expires_and_shares_the_versions_cluster_slot(world):
