@@ -54,7 +54,7 @@ def judged_bucket(feedback_ts: float, now: float) -> int:
     feedback's ``ts``), no later than ``now`` (a timestamp from the future cannot reach a bucket the canary has not
     read yet). Not ingest's clock: a worker that lags, or pacing that holds feedback back, would move judgements of
     answers served before a canary swap into the canary's first buckets of evidence, counted for stable's version
-    (a 60-minute demo under load aborted three canaries on a sample-ratio mismatch that way: 26-42% canary events in
+    (a 60-minute demo under load aborted three canaries on a sample-ratio mismatch that way: 26-34% canary events in
     their first bucket, against the 50% share)."""
     return keys.unit_bucket(min(feedback_ts, now))
 
