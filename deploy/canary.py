@@ -14,8 +14,9 @@ registry):
 2. **Evidence, at the gate's look cadence.** Ingest keeps per-user sums per version and 10 s bucket of judgement time
    (``keys.units``; the feedback's own time, not ingest's clock, so a lagging worker moves no judgement of an answer
    stable served before the swap into the canary's buckets: ``ingest.records.judged_bucket``). A bucket is read once
-   its revert horizon has closed (``gate.revert_horizon_s`` after its end, plus ingest's settling margin), so a bait answer accepted now and reverted later is never counted as kept: every metric
-   is right-censored the same way on both arms. What reverts cannot change (the edit rate, the response length,
+   its revert horizon has closed (``gate.revert_horizon_s`` after its end, plus ingest's settling margin), so a bait
+   answer accepted now and reverted later is never counted as kept: every metric is right-censored the same way on
+   both arms. What reverts cannot change (the edit rate, the response length,
    latency) is read from a second cursor as soon as ingest has settled a bucket, a revert horizon sooner. A bucket
    is one of judgement time, so the evidence starts only with the first whole bucket ``gate.canary_warmup_s`` after
    every canary node served the candidate (``evidence_start``, from the registry's served times): the buckets
