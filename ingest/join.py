@@ -17,9 +17,9 @@ partition (ordered, all or nothing):
 ``P``       pending: feedback that came before its record (canonical JSON) and where it came from
 ``J``       judged: the judgement only (feedback id, version, kind, the user's unit), so redelivered feedback is a
             duplicate and a different judgement of the same generation is dead-lettered ``already_judged``; the
-            time written is the judgement's (a revert rewrites the entry with it); ``b`` the per-user sums' bucket,
-            of the feedback's own time (``records.judged_bucket``: ingest's lag moves no judgement across buckets); ``m``
-            when the generation's tokens came from more than one version (``GenerationRecord.mixed_versions``): its
+            time written is the judgement's (a revert rewrites the entry with it); ``b`` the per-user sums'
+            bucket, of the feedback's own time (``records.judged_bucket``: ingest's lag moves no judgement across
+            buckets); ``m`` when the generation's tokens came from more than one version (``GenerationRecord.mixed_versions``): its
             sample trains, but it counts for no version (live counters, per-user sums), only in ``mixed_versions``
 ==========  =========================================================================================
 
