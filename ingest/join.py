@@ -20,7 +20,8 @@ partition (ordered, all or nothing):
             time written is the judgement's (a revert rewrites the entry with it); ``b`` the per-user sums'
             bucket, of the feedback's own time (``records.judged_bucket``: ingest's lag moves no judgement across
             buckets); ``m`` when the generation's tokens came from more than one version
-            (``GenerationRecord.mixed_versions``): its sample trains, but it counts for no version (live counters, per-user sums), only in ``mixed_versions``
+            (``GenerationRecord.mixed_versions``): its sample trains, but it counts for no version (live counters,
+            per-user sums), only in ``mixed_versions``
 ==========  =========================================================================================
 
 A batch's table writes are held back until the broker has acknowledged the batch's samples and dead letters
