@@ -362,7 +362,8 @@ def test_kill_9_while_feedback_is_held_back_loses_none_of_it(stack, tmp_path):
     from tests.conftest import free_port
     from tests.ingest.conftest import WorkerProc
 
-    n = 40_000
+    half = 20_000
+    n = 2 * half
     # pending_ttl_s at its default, not the harness's 2 s: on a loaded machine feedback may wait longer than 2 s for
     # its generation, and this test is about kills, not expiry (a 2 s TTL made it depend on the machine's speed)
     from ingest.commit import EXIT_INFRA
@@ -381,21 +382,30 @@ def test_kill_9_while_feedback_is_held_back_loses_none_of_it(stack, tmp_path):
         h.worker.assert_alive()
 
     try:
-        h.start_worker()  # up and joined before the backlog arrives, so the first kill lands mid-backlog
-        gens, fbs = _records(n, seed=13)
-        _produce(stack.bootstrap, h.cfg.topics.generations, gens)
-        _produce(stack.bootstrap, h.cfg.topics.feedback, fbs)
-        for k in (1, 2):
+        # Each kill gets a backlog of its own, produced while no worker runs past it: the first lands on a worker
+        # that was up before its half arrived, the second on the restarted worker with the second half still ahead
+        # of it. (One 40,000-event backlog for both kills failed on a fast CI machine: the restarted worker had read
+        # every generation before the first kill, so nothing was held back and the backlog was joined before the
+        # second kill.)
+        h.start_worker()
+        gens, fbs = [], []
+        for k, seed in ((1, 13), (2, 14)):
+            g, f = _records(half, seed=seed)
+            gens, fbs = gens + g, fbs + f
+            _produce(stack.bootstrap, h.cfg.topics.generations, g)
+            _produce(stack.bootstrap, h.cfg.topics.feedback, f)
+            if k == 2:
+                h.worker = WorkerProc(h.cfg, free_port(), tmp_path / "worker-after-kill-1.log")
             held = h.counters().get("held", 0)
             _wait_progress(
                 lambda: (h.counters().get("held", 0), h.live(0).get("events", 0)),
-                lambda v: v[0] > held or v[1] >= n,
+                lambda v: v[0] > held or v[1] >= len(fbs),
                 alive,
                 f"the worker to hold feedback back (kill {k})",
             )
-            assert h.live(0).get("events", 0) < n, "the backlog was joined before the kill: nothing to prove"
+            assert h.live(0).get("events", 0) < len(fbs), f"the backlog was joined before kill {k}: nothing to prove"
             h.worker.stop(signal.SIGKILL)
-            h.worker = WorkerProc(h.cfg, free_port(), tmp_path / f"worker-after-kill-{k}.log")
+        h.worker = WorkerProc(h.cfg, free_port(), tmp_path / "worker-after-kill-2.log")
         _wait_progress(
             lambda: h.live(0).get("events", 0), lambda v: v >= n, alive, f"{n} joins after two kills", interval=0.5
         )
