@@ -55,7 +55,8 @@ class Report:
     trained_twice: list[str] = field(default_factory=list)
     dead_letters_repeated: int = 0
     live_events: int = 0
-    joined_events: int = 0
+    joined_events: int = 0  # judged events that count for one version (the live counters' share)
+    joined_unversioned: int = 0  # judged events on a generation two versions sampled: counted for none, by design
     stable_versions: list[int] = field(default_factory=list)
     stable_checksum: str | None = None
     nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -104,6 +105,7 @@ class Report:
             "dead_letters_repeated": self.dead_letters_repeated,
             "live_events": self.live_events,
             "joined_events": self.joined_events,
+            "joined_unversioned": self.joined_unversioned,
             "stable_versions": self.stable_versions,
             "stable_checksum": self.stable_checksum,
             "nodes": self.nodes,
@@ -168,12 +170,15 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
                 rep.dead_letters_repeated += 1
             dead[(d.partition, d.offset)] = d.reason
     generations: dict[str, bool] = {}
+    unversioned: set[str] = set()  # generations a hot-swap split between versions (``mixed_versions``)
     for _, _, raw in read_topic(bootstrap, t.generations, cfg.broker):
         try:
             g = GenerationRecord.from_bytes(raw or b"")
         except WireError:
             continue
         generations[g.generation_id] = g.trainable
+        if g.mixed_versions:
+            unversioned.add(g.generation_id)
     samples: dict[str, list[tuple[int, int, str]]] = collections.defaultdict(list)  # feedback id -> records
     for part, off, raw in read_topic(bootstrap, t.samples, cfg.broker):
         try:
@@ -240,7 +245,10 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
         if fate == "lost":
             rep.lost_examples.append(fid)
         if fate.startswith(JOINED):
-            rep.joined_events += 1
+            if recs[0][2].generation_id in unversioned:  # ingest counts it for no version (ingest/__init__.py)
+                rep.joined_unversioned += 1
+            else:
+                rep.joined_events += 1
     # live counters, registry, fleet
     for key in redis.scan_iter(keys.live_pattern(t.prefix), count=1000):
         if keys.version_of_live(key) is not None:
@@ -306,6 +314,7 @@ def print_report(rep: Report) -> None:
         ("trained twice", len(rep.trained_twice)),
         ("still moving (queued, in flight, waiting)", rep.moving),
         ("live counter events / judged generations", f"{rep.live_events} / {rep.joined_events}"),
+        ("  judged on a swap-split generation (no version)", rep.joined_unversioned),
         ("stable versions in the registry", ", ".join(f"v{v}" for v in rep.stable_versions) or "none"),
     ]
     for node, n in sorted(rep.nodes.items()):
