@@ -9,6 +9,12 @@ seconds (jittered) one process is killed with ``kill -9``, the kind chosen in sh
   agent drains, pauses vLLM and writes the delta.
 
 A kind is only killed once its process is back up (the supervisor restarts what dies, as ``liverl up`` does).
+With ``--restarts N`` the whole pipeline (``liverl up``: the embedded broker and its storage, every supervised
+process, every vLLM node) is also restarted N times under the load, at even intervals of up time (the load runs
+``--duration`` seconds while the pipeline is up). The odd restarts stop it as Ctrl-C does; the even ones kill -9 every
+process it started at once (a power cut, as far as this machine can make one). Each time it starts again on the same
+state folder, as the next ``liverl up`` would. The users keep sending through it; what they send while it is down
+fails or waits in the SDK's producer, as it would for a product.
 Then the users stop, the learner is held (no new candidates), and the run drains: until ``liverl audit`` finds
 nothing queued or in flight and every node serves the stable version, verified by checksum. The summary (printed,
 and JSON with ``--summary``) has the kills by kind, the events, lost, trained twice and the time to converge.
@@ -36,7 +42,7 @@ from deploy.registry import open_registry
 from ingest.sdk import FeedbackClient
 from learner.ledger import checkpoint_path_for
 from liverl.audit import print_report, run_audit
-from liverl.core import fleet, keys
+from liverl.core import fleet, keys, procs
 from liverl.core.config import LiverlConfig
 from liverl.core.product import load_product
 from liverl.demo.run import DEMO_PRODUCT
@@ -201,6 +207,7 @@ def run_chaos(
     drain_timeout_s: float = 600.0,
     summary_path: str | None = None,
     kinds: tuple[str, ...] = KINDS,
+    restarts: int = 0,
 ) -> dict:
     logging.getLogger("kafka.net.selector").setLevel(logging.ERROR)
     if cfg.product is None:
@@ -210,25 +217,45 @@ def run_chaos(
         raise ValueError(f"product {cfg.product!r} has no simulated users to drive the load")
     rng = random.Random(seed)
     started = time.time()
+    what = [f"a kill -9 every ~{kill_every_s:.0f} s"] if kinds and kill_every_s > 0 else []
+    what += [f"{restarts} restarts of the whole pipeline"] if restarts else []
     print(
-        f"liverl chaos: {duration_s:.0f} s of load, a kill -9 every ~{kill_every_s:.0f} s, then drain and audit "
+        f"liverl chaos: {duration_s:.0f} s of load, {' and '.join(what) or 'no kills'}, then drain and audit "
         f"(state in {cfg.state_path})",
         flush=True,
     )
-    with Pipeline(cfg, model_dir, fresh=True) as pipe:
-        pipe.supervisor.max_restarts = 1_000_000  # chaos kills on purpose; the supervisor restarts every time
-        pipe.supervisor.backoff_max_s = 0.0  # ... and at once (a kill is not a crash loop)
+    pipe = _start_pipeline(cfg, model_dir, fresh=True)
+    up_restarts: list[dict] = []
+    try:
         sdk = _acked_client(pipe.stack.bootstrap, cfg.topics.feedback, cfg.broker)
         stats = SimStats()
         stop_users, thread = _start_users(users, pipe, sdk, cfg, stats, seed)
         killer = Killer(cfg, pipe, rng, kinds)
         t0 = time.monotonic()
-        next_kill = t0 + kill_every_s * rng.uniform(0.5, 1.5)
+        next_kill = t0 + kill_every_s * rng.uniform(0.5, 1.5) if kinds and kill_every_s > 0 else float("inf")
+        # the load runs ``duration_s`` while the pipeline is up: a restart's down time extends it, and the next
+        # restart comes an even share of the up time after the pipeline is back
+        every = duration_s / (restarts + 1)
+        restart_at, end = (t0 + every if restarts else float("inf")), t0 + duration_s
         try:
-            while time.monotonic() - t0 < duration_s:
+            while time.monotonic() < end:
                 failure = pipe.supervisor.check()
                 if failure:
                     raise RuntimeError(f"chaos: {failure}")
+                if time.monotonic() >= restart_at:
+                    how = "stop" if len(up_restarts) % 2 == 0 else "kill -9"
+                    pipe, rec = _restart_pipeline(cfg, model_dir, pipe, how, t0)
+                    killer.pipe = pipe
+                    up_restarts.append(rec)
+                    end += rec["down_s"]
+                    restart_at = time.monotonic() + every if len(up_restarts) < restarts else float("inf")
+                    next_kill = max(next_kill, time.monotonic() + MIN_UPTIME_S["ingest"])
+                    print(
+                        f"  {rec['t']:7.1f} s  restart of the whole pipeline ({how}): {rec['processes']} processes, "
+                        f"down {rec['down_s']:.0f} s",
+                        flush=True,
+                    )
+                    continue
                 if time.monotonic() >= next_kill:
                     kind = killer.next_kind()
                     if kind is not None:
@@ -241,7 +268,11 @@ def run_chaos(
             thread.join(timeout=60)
         sdk.flush()
         load_end = time.monotonic()
-        print(f"load stopped after {load_end - t0:.0f} s and {len(killer.kills)} kills; draining ...", flush=True)
+        print(
+            f"load stopped after {load_end - t0:.0f} s, {len(killer.kills)} kills and {len(up_restarts)} restarts of "
+            "the pipeline; draining ...",
+            flush=True,
+        )
         pipe.redis.set(keys.learner_hold(cfg.topics.prefix), "1")
         registry = open_registry(cfg)
         try:
@@ -264,7 +295,9 @@ def run_chaos(
         finally:
             registry.close()
         sdk.close()
-        restarts = dict(pipe.supervisor.restarts)
+        restarts_by_role = dict(pipe.supervisor.restarts)
+    finally:
+        pipe.__exit__(None, None, None)
     leftover = _leftover_processes(cfg, started)
     by_kind = {k: sum(1 for x in killer.kills if x["kind"] == k) for k in kinds}
     summary = {
@@ -274,7 +307,8 @@ def run_chaos(
         "kills": len(killer.kills),
         "kills_by_kind": by_kind,
         "kill_log": killer.kills,
-        "restarts": restarts,
+        "restarts": restarts_by_role,
+        "pipeline_restarts": up_restarts,
         "acked_feedback_records": sdk.acked,
         "requests": stats.requests,
         "request_errors": stats.errors,
@@ -288,7 +322,12 @@ def run_chaos(
         report is not None and not report.problems() and converge_s is not None and missing <= 0 and not leftover
     )
     print("\nkills by kind: " + ", ".join(f"{k} {n}" for k, n in by_kind.items()))
-    print(f"restarts by the supervisor: {restarts}")
+    print(f"restarts by the supervisor: {restarts_by_role}")
+    if up_restarts:
+        print(
+            "restarts of the whole pipeline: "
+            + ", ".join(f"{r['how']} at {r['t']:.0f} s (down {r['down_s']:.0f} s)" for r in up_restarts)
+        )
     print(
         f"feedback records acknowledged by the broker: {sdk.acked} (in the topic: "
         f"{report.feedback_records if report else '?'}); requests {stats.requests}, errors {stats.errors}"
@@ -309,6 +348,35 @@ def run_chaos(
         Path(summary_path).write_text(json.dumps(summary, indent=2))
         print(f"summary: {summary_path}")
     return summary
+
+
+def _start_pipeline(cfg: LiverlConfig, model_dir: Path, fresh: bool) -> Pipeline:
+    pipe = Pipeline(cfg, model_dir, fresh=fresh).__enter__()
+    pipe.supervisor.max_restarts = 1_000_000  # chaos kills on purpose; the supervisor restarts every time
+    pipe.supervisor.backoff_max_s = 0.0  # ... and at once (a kill is not a crash loop)
+    return pipe
+
+
+def _restart_pipeline(cfg: LiverlConfig, model_dir: Path, pipe: Pipeline, how: str, t0: float) -> tuple[Pipeline, dict]:
+    """Stop the whole pipeline (``stop``: as Ctrl-C stops ``liverl up``; ``kill -9``: every process it started, at
+    once, before anything else), then start it again on the same state folder, as the next ``liverl up`` does."""
+    t = time.monotonic()
+    quiet = logging.getLogger("kafka")  # the users' feedback client retries while the broker is down: expected
+    level, quiet.level = quiet.level, logging.CRITICAL
+    victims = [psutil.Process(pid) for pid in procs.descendants() - pipe._before]
+    if how == "kill -9":
+        for p in victims:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(victims, timeout=10)
+    log.warning("chaos: restarting the whole pipeline (%s, %d processes)", how, len(victims))
+    pipe.__exit__(None, None, None)  # after a kill -9: reaps what died, stops what a kill left (nothing should)
+    pipe = _start_pipeline(cfg, model_dir, fresh=False)
+    quiet.setLevel(level)
+    rec = {"t": round(t - t0, 1), "how": how, "processes": len(victims), "down_s": round(time.monotonic() - t, 1)}
+    return pipe, rec
 
 
 def _leftover_processes(cfg: LiverlConfig, since: float, settle_s: float = 10.0) -> list[dict]:

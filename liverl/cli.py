@@ -135,6 +135,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         summary_path=args.summary,
         kinds=tuple(args.kinds),
+        restarts=args.restarts,
     )
     return 0 if summary["ok"] else 1
 
@@ -401,7 +402,12 @@ is hit in each shuffled round; the supervisor restarts what dies. Then the load 
 the run drains until `liverl audit` finds every acknowledged feedback event trained once, refused or dead-lettered
 with its reason, and every node serving the stable version (by checksum). Exit code 1 otherwise.
 
+--restarts N also restarts the whole pipeline N times under the load, as an operator restarting `liverl up` would:
+the odd restarts stop it as Ctrl-C does, the even ones kill -9 every process it started at once (broker and its
+storage, vLLM, every worker), and each time it comes back on the same state folder. --kill-every 0 kills nothing else.
+
   liverl chaos --duration 600 --kill-every 15 --summary out/chaos.json
+  liverl chaos --duration 300 --kill-every 0 --restarts 3       # only whole-pipeline restarts
 """
 
 AUDIT_HELP = """\
@@ -511,7 +517,16 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     c.add_argument("--duration", type=float, default=600.0, help="seconds of load and kills (default 600)")
-    c.add_argument("--kill-every", type=float, default=15.0, help="mean seconds between kills (default 15)")
+    c.add_argument(
+        "--kill-every", type=float, default=15.0, help="mean seconds between kills (default 15; 0: no single kills)"
+    )
+    c.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also restart the whole pipeline N times, evenly spread, alternating Ctrl-C and kill -9 (default 0)",
+    )
     c.add_argument("--seed", type=int, default=0, help="seed of the kill schedule and the users (default 0)")
     c.add_argument(
         "--drain-timeout",
