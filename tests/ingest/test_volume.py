@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import random
 import resource
 import time
 import tracemalloc
@@ -73,13 +74,17 @@ def test_recovery_reads_only_the_pending_feedback_of_a_large_table(env, tmp_path
     list (over 100 MB here, at 100 generations/s of 5 KB tens of GB) on the event loop."""
     cfg, metrics = env
     pending = 2000
-    body = b"x" * PAYLOAD
+    # incompressible payloads, as token ids and log-probs nearly are: each entry a different slice of random bytes
+    # (a repeated byte compressed 10 GB to 0.7 GB on disk)
+    noise = random.Random(0).randbytes(1 << 20)
     table = JoinTable("unused-changelog", PARTS, tmp_path / "ingest")
     table.hold(set(range(PARTS)))
+    meta = {"v": 1, "f": "x", "k": "accept"}
+    at = [(i * 7919) % (len(noise) - PAYLOAD) for i in range(4096)]
     _write(
         table,
         (
-            (f"g{i}", pack(WAITING if i % 2 else JUDGED, NOW - i * 0.01, {"v": 1, "f": "x", "k": "accept"}, body))
+            (f"g{i}", pack(WAITING if i % 2 else JUDGED, NOW - i * 0.01, meta, noise[at[i % 4096] :][:PAYLOAD]))
             for i in range(ENTRIES)
         ),
     )
