@@ -72,7 +72,8 @@ def descendants() -> set[int]:
 
 def kill_descendants(keep: set[int], timeout: float = 10.0) -> list[str]:
     """SIGTERM, then after ``timeout`` SIGKILL, every process below this one that is not in ``keep`` (what was
-    running before the caller started its own). Returns a description of each one it had to stop."""
+    running before the caller started its own), and reap those that already exited. Returns a description of each one
+    it had to stop (not the exited ones)."""
     me = psutil.Process()
     try:
         left = [p for p in me.children(recursive=True) if p.pid not in keep]
@@ -81,6 +82,8 @@ def kill_descendants(keep: set[int], timeout: float = 10.0) -> list[str]:
     names = []
     for p in left:
         try:
+            if p.status() == psutil.STATUS_ZOMBIE:  # exited already (a vLLM engine core its server killed), reaped
+                continue  # here as their subreaper below: not one left running
             names.append(f"{p.pid} {p.name()}")
             p.terminate()
         except psutil.Error:
