@@ -26,6 +26,29 @@ def free_port() -> int:
     return pick()
 
 
+def pipeline_env(prefix: str, **settings: str) -> dict[str, str]:
+    """The environment for a whole pipeline (`liverl up`, `demo`, `chaos`) run by a test as a user runs it: this
+    process's environment, every port the pipeline opens free, its own topic prefix, no Hugging Face downloads, the
+    tests' model cache, and ``settings`` (``LIVERL__SECTION__FIELD``: value)."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "LIVERL__BROKER__EMBEDDED_PORT": str(free_port()),
+            "LIVERL__REDIS__EMBEDDED_PORT": str(free_port()),
+            "LIVERL__SERVING__GATEWAY_PORT": str(free_port()),
+            "LIVERL__SERVING__VLLM_PORT": str(free_port()),
+            "LIVERL__INGEST__WEB_PORT": str(free_port()),
+            "LIVERL__GATE__METRICS_PORT": str(free_port()),
+            "LIVERL__TOPICS__PREFIX": f"{prefix}{os.getpid()}",
+            "HF_HUB_OFFLINE": "1",
+            **settings,
+        }
+    )
+    if os.environ.get("LIVERL_TEST_MODEL_CACHE"):
+        env["LIVERL__MODEL__CACHE_DIR"] = os.environ["LIVERL_TEST_MODEL_CACHE"]
+    return env
+
+
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Stack:
     state = tmp_path_factory.mktemp("stack")

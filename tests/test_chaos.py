@@ -9,33 +9,18 @@ in BENCHMARKS.md ("Restarting the whole pipeline under load"). It fails without 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import free_port
+from tests.conftest import pipeline_env
 
 
 @pytest.mark.chaos
 @pytest.mark.slow
 def test_three_restarts_of_the_whole_pipeline_under_load_lose_nothing_and_judge_nothing_twice(tmp_path):
-    env = dict(os.environ)
-    env.update(
-        {
-            "LIVERL__BROKER__EMBEDDED_PORT": str(free_port()),
-            "LIVERL__REDIS__EMBEDDED_PORT": str(free_port()),
-            "LIVERL__SERVING__GATEWAY_PORT": str(free_port()),
-            "LIVERL__SERVING__VLLM_PORT": str(free_port()),
-            "LIVERL__INGEST__WEB_PORT": str(free_port()),
-            "LIVERL__GATE__METRICS_PORT": str(free_port()),
-            "LIVERL__TOPICS__PREFIX": f"chaos{os.getpid()}",
-            "HF_HUB_OFFLINE": "1",
-        }
-    )
-    if os.environ.get("LIVERL_TEST_MODEL_CACHE"):
-        env["LIVERL__MODEL__CACHE_DIR"] = os.environ["LIVERL_TEST_MODEL_CACHE"]
+    env = pipeline_env("chaos")
     summary_path = tmp_path / "chaos.json"
     cmd = [sys.executable, "-m", "liverl.cli", "chaos", "--duration", "120", "--kill-every", "0", "--restarts", "3"]
     cmd += ["--state-dir", str(tmp_path / "state"), "--summary", str(summary_path), "--drain-timeout", "300"]

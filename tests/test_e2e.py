@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from liverl.core.services import forget_prefix, port_open
-from tests.conftest import free_port
+from tests.conftest import pipeline_env
 
 DURATION_S = int(os.environ.get("LIVERL_E2E_DURATION", "240"))
 
@@ -25,25 +25,13 @@ def test_demo_acceptance_goes_up(tmp_path):
     state = tmp_path / "state"
     summary_path = tmp_path / "summary.json"
     plot_path = tmp_path / "acceptance.png"
-    env = dict(os.environ)
-    env.update(
-        {
-            "LIVERL__BROKER__EMBEDDED_PORT": str(free_port()),
-            "LIVERL__REDIS__EMBEDDED_PORT": str(free_port()),
-            "LIVERL__SERVING__GATEWAY_PORT": str(free_port()),
-            "LIVERL__SERVING__VLLM_PORT": str(free_port()),
-            "LIVERL__INGEST__WEB_PORT": str(free_port()),
-            "LIVERL__GATE__METRICS_PORT": str(free_port()),
-            "LIVERL__TOPICS__PREFIX": f"e2e{os.getpid()}",
-            "LIVERL__DEMO__FINAL_WINDOW_S": "60",
-            # one node, no canary: this checks the loop; two vLLM engines on CI's 2 cores would double its time (the
-            # demo's default, two nodes with canaries and the trap, is measured in BENCHMARKS.md)
-            "LIVERL__SERVING__NODES": "1",
-            "HF_HUB_OFFLINE": "1",
-        }
+    env = pipeline_env(
+        "e2e",
+        LIVERL__DEMO__FINAL_WINDOW_S="60",
+        # one node, no canary: this checks the loop; two vLLM engines on CI's 2 cores would double its time (the
+        # demo's default, two nodes with canaries and the trap, is measured in BENCHMARKS.md)
+        LIVERL__SERVING__NODES="1",
     )
-    if os.environ.get("LIVERL_TEST_MODEL_CACHE"):
-        env["LIVERL__MODEL__CACHE_DIR"] = os.environ["LIVERL_TEST_MODEL_CACHE"]
     cmd = [
         sys.executable,
         "-m",
