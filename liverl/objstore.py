@@ -16,7 +16,7 @@ Durability: an object is written to a temporary file, then renamed over the old 
 or the new one, never part of one, and an acknowledged write survives a kill -9 of any process (it is in the page
 cache). That is Apache Kafka's own default (no fsync per message; a single broker then loses the last writes only to
 a power loss). With ``--fsync`` (``broker.embedded_fsync``) every object and its rename are fsynced before the reply:
-power-loss safe, and produce was ~4x slower here (4 ms per fsync, three objects per record batch). Only one writer
+power-loss safe, and produce was ~4x slower here (4 ms per fsync, two objects per record batch). Only one writer
 (this process) touches the folder.
 
 Access: it listens on 127.0.0.1 only and checks no signature, like the embedded Redis: anything that can reach the

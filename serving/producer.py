@@ -6,7 +6,9 @@ latency doubled (measured with ``liverl bench serve``). librdkafka's threads run
 a C call. Delivery reports are served on the event loop's thread by a task calling ``poll(0)``: every
 ``IDLE_POLL_S`` normally (the reports only settle counters), every ``WAIT_POLL_S`` while someone awaits an ack.
 
-Settings: idempotent (``enable.idempotence``, which implies ``acks=all``), so a retried batch is written once;
+Settings: ``acks=all``, not idempotent and one request in flight, in order across retries (a retry may write a
+record twice, which ingest dedupes; idempotence lost acknowledged records on the embedded broker:
+``liverl.core.bus.PRODUCER_ORDER``);
 ``message.timeout.ms`` from ``broker.delivery_timeout_s`` (librdkafka's default, 300 s, outlived ingest's
 pending_ttl_s, so feedback was dead-lettered while its generation record was still retried: finding 12);
 ``partitioner=murmur2_random``, the Java client's and kafka-python's partitioner, so a record lands on the
@@ -32,7 +34,8 @@ class AsyncProducer:
         self.settings = {
             "bootstrap.servers": bootstrap,
             "client.id": client_id,
-            "enable.idempotence": True,
+            "enable.idempotence": False,
+            "max.in.flight.requests.per.connection": 1,
             "acks": "all",
             "partitioner": "murmur2_random",
             "linger.ms": linger_ms,

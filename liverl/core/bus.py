@@ -170,15 +170,26 @@ def librdkafka_producer_config(broker: BrokerConfig | None) -> dict[str, str | i
     return {"message.timeout.ms": int(delivery_timeout_s(broker) * 1000), **librdkafka_security(broker)}
 
 
+PRODUCER_ORDER = """Why no producer liverl builds is idempotent: Tansu's object-store engine (the embedded broker) writes an
+idempotent producer's next sequence number before the record batch. A broker killed between the two comes back with
+the sequence counted and the batch missing; the producer retries the batch with the same sequence, the broker answers
+DUPLICATE_SEQUENCE_NUMBER, and every Kafka client takes that as "already written": the record is acknowledged and lost
+(``tests/liverl/test_broker_crash.py``, found by ``pytest -m chaos``). Without idempotence the retry is written again.
+A retry after a lost acknowledgement may then write a record twice, which every consumer absorbs by the key it
+already dedupes on (``feedback_id``, ``generation_id``, ``sample_id``). One request in flight per connection keeps a
+producer's records in order across retries, which idempotence did before."""
+
+
 def make_producer(bootstrap: str, broker: BrokerConfig | None = None, **kw) -> KafkaProducer:
-    """Idempotent, acks=all producer whose values are bytes and keys str (uncompressed: every consumer reads it),
-    that gives up on a record after ``broker.delivery_timeout_s`` (set explicitly: ingest's pending_ttl_s is checked
-    against it)."""
+    """An acks=all producer whose values are bytes and keys str (uncompressed: every consumer reads it), that gives
+    up on a record after ``broker.delivery_timeout_s`` (set explicitly: ingest's pending_ttl_s is checked against it).
+    Not idempotent, one request in flight: ``PRODUCER_ORDER`` says why."""
     timeout_ms = int(delivery_timeout_s(broker) * 1000)
     opts = dict(
         bootstrap_servers=bootstrap,
         acks="all",
-        enable_idempotence=True,
+        enable_idempotence=False,
+        max_in_flight_requests_per_connection=1,
         linger_ms=5,
         delivery_timeout_ms=timeout_ms,
         key_serializer=KeySerializer(),
@@ -237,6 +248,7 @@ def make_aio_producer(bootstrap: str, broker: BrokerConfig | None, client_id: st
         bootstrap_servers=bootstrap,
         client_id=client_id,
         acks="all",
+        enable_idempotence=False,  # PRODUCER_ORDER
         linger_ms=0,
         request_timeout_ms=30_000,
         **aiokafka_security(broker),
