@@ -41,6 +41,11 @@ from xml.sax.saxutils import escape
 from aiohttp import web
 
 MAX_KEYS = 1000
+"""The most keys in one listing page when the client asks for a number (``max-keys``): S3's own cap."""
+PAGE_KEYS = 100_000
+"""Keys in one listing page when the client does not ask (Tansu never does): Tansu lists a partition's record batches
+at every fetch, so S3's 1,000 a page cost one HTTP round trip per thousand batches of every partition fetched. A client
+follows ``IsTruncated`` whatever the page size, so a larger page changes nothing but the round trips."""
 
 
 def _xml(body: str, status: int = 200) -> web.Response:
@@ -73,6 +78,7 @@ class Folder:
             stale.unlink(missing_ok=True)
         self.index: dict[str, list[str]] = {}  # bucket -> its keys, sorted
         self.meta: dict[tuple[str, str], tuple[int, float, str]] = {}  # (bucket, key) -> size, mtime, etag
+        self._listed: dict[tuple[str, str], str] = {}  # (bucket, key) -> its <Contents> in a listing, made once
         for bucket in (d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".")):
             keys = []
             for dirpath, _, files in os.walk(bucket):
@@ -122,6 +128,7 @@ class Folder:
         if (bucket, key) not in self.meta:
             insort(self.index.setdefault(bucket, []), key)
         self.meta[(bucket, key)] = m = self._stat(path)
+        self._listed.pop((bucket, key), None)
         return m[2]
 
     def delete(self, bucket: str, key: str) -> None:
@@ -129,6 +136,15 @@ class Folder:
         if self.meta.pop((bucket, key), None) is not None:
             keys = self.index[bucket]
             del keys[bisect_left(keys, key)]
+        self._listed.pop((bucket, key), None)
+
+    def listed(self, bucket: str, key: str) -> str:
+        """The object's ``<Contents>`` element of a listing (key unencoded), rendered once per version of the object:
+        a listing is a join of these, where rendering each one (its time above all) was most of a listing's cost."""
+        entry = self._listed.get((bucket, key))
+        if entry is None:
+            entry = self._listed[(bucket, key)] = _contents(key, *self.meta[(bucket, key)])
+        return entry
 
     def keys(self, bucket: str, prefix: str, after: str = "") -> Iterator[str]:
         """The keys of ``bucket`` that start with ``prefix`` and sort after ``after``, in order."""
@@ -145,6 +161,13 @@ def _http_date(ts: float) -> str:
 
 def _iso(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%S.000Z")
+
+
+def _contents(key: str, size: int, mtime: float, etag: str) -> str:
+    return (
+        f"<Contents><Key>{escape(key)}</Key><LastModified>{_iso(mtime)}</LastModified>"
+        f"<ETag>{escape(etag)}</ETag><Size>{size}</Size><StorageClass>STANDARD</StorageClass></Contents>"
+    )
 
 
 def make_app(folder: Folder) -> web.Application:
@@ -167,7 +190,7 @@ def make_app(folder: Folder) -> web.Application:
         q = request.query
         prefix, delimiter = q.get("prefix", ""), q.get("delimiter", "")
         after = q.get("continuation-token") or q.get("start-after") or ""
-        limit = max(1, min(int(q.get("max-keys", MAX_KEYS)), MAX_KEYS))
+        limit = max(1, min(int(q["max-keys"]), MAX_KEYS)) if "max-keys" in q else PAGE_KEYS
         url = q.get("encoding-type") == "url"
         enc = (lambda s: urllib.parse.quote(s, safe="/")) if url else (lambda s: s)
         contents, prefixes, truncated, last = [], [], False, ""
@@ -187,11 +210,9 @@ def make_app(folder: Folder) -> web.Application:
             if len(contents) + len(prefixes) >= limit:
                 truncated = True
                 break
-            size, mtime, etag = folder.meta[(bucket, key)]
+            coded = enc(key)
             contents.append(
-                f"<Contents><Key>{escape(enc(key))}</Key><LastModified>{_iso(mtime)}</LastModified>"
-                f"<ETag>{escape(etag)}</ETag><Size>{size}</Size>"
-                "<StorageClass>STANDARD</StorageClass></Contents>"
+                folder.listed(bucket, key) if coded == key else _contents(coded, *folder.meta[(bucket, key)])
             )
             last = key
         body = (

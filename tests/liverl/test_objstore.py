@@ -71,3 +71,27 @@ def test_reads_writes_conditions_listings_and_a_restart(tmp_path):
         assert len(listed) == 4
     finally:
         procs.stop([("objstore", proc)], timeout=5)
+
+
+def test_a_listing_shows_each_object_as_it_is_now_in_pages_as_large_as_asked(tmp_path):
+    """Listings are joined from entries rendered once per object version (Tansu lists a partition's batches at every
+    fetch): an overwrite or a delete shows at once. A client that names no page size gets every key in one page (one
+    round trip per fetch, not one per thousand batches); one that asks gets at most S3's 1,000."""
+    proc, port = start_object_store(tmp_path / "broker", tmp_path / "logs")
+    try:
+        s3, b, prefix = _client(port), BROKER_BUCKET, "clusters/c/t/0/records/"
+        keys = [f"{prefix}{i:020}.batch" for i in range(1500)]
+        for k in keys:
+            s3.put_object(Bucket=b, Key=k, Body=b"x")
+        whole = s3.list_objects_v2(Bucket=b, Prefix=prefix)
+        assert whole["KeyCount"] == 1500 and not whole["IsTruncated"]
+        assert [o["Key"] for o in whole["Contents"]] == keys and {o["Size"] for o in whole["Contents"]} == {1}
+        asked = s3.list_objects_v2(Bucket=b, Prefix=prefix, MaxKeys=5000)
+        assert asked["KeyCount"] == 1000 and asked["IsTruncated"]
+        s3.put_object(Bucket=b, Key=keys[7], Body=b"longer")
+        s3.delete_object(Bucket=b, Key=keys[8])
+        now = {o["Key"]: o for o in s3.list_objects_v2(Bucket=b, Prefix=prefix)["Contents"]}
+        assert len(now) == 1499 and keys[8] not in now
+        assert now[keys[7]]["Size"] == 6 and now[keys[7]]["ETag"] == s3.head_object(Bucket=b, Key=keys[7])["ETag"]
+    finally:
+        procs.stop([("objstore", proc)], timeout=5)
