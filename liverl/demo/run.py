@@ -33,7 +33,6 @@ DEMO_PRODUCT = "liverl.demo.product:PRODUCT"
 
 DEMO_PROFILE: dict[str, dict[str, float | int | str]] = {
     "serving": {"nodes": 2},
-    "broker": {"embedded_storage": "memory"},
     "gate": {
         "canary_share": 0.5,
         "canary_margin": 0.03,
@@ -60,12 +59,10 @@ two engines trade the cores' load, so their 10 s latency means are anti-correlat
 canaries already shown better waited 75-85 s on latency alone, their arms at 296 against 293 ms. The learner accepts samples up to
 40 candidates' worth of updates (400) behind its weights, not 8: one gate cycle (evaluation, then a 90-240 s canary) is
 150-250 of its updates here, so with 8 most of the stable arm's samples were dropped as stale and it starved (23,552
-of 55,841 trained in one run). The embedded broker keeps its log in memory for the demo, not in the state folder
-(`liverl up`'s default): two 10-minute demo runs on the folder-backed broker (2026-11-26) had ingest judging the
-canary's feedback minutes late (the first canary at 420 s, its per-user sums empty after 94 s, aborted as a
-sample-ratio mismatch), against the first canary at 52 s on the in-memory broker the same hour. Until that lag is
-found and fixed, the demo, a throwaway run, does not pay it; `LIVERL__BROKER__EMBEDDED_STORAGE=folder` brings it
-back."""
+of 55,841 trained in one run). The embedded broker keeps its log in the state folder, as `liverl up` does
+(durable: a restart of the demo loses nothing acknowledged); on two cores it costs the demo about a quarter of its
+requests against the in-memory broker (31,020 against 42,325 in 10 minutes, BENCHMARKS.md), and
+`LIVERL__BROKER__EMBEDDED_STORAGE=memory` takes that back for a throwaway run."""
 
 
 # With one serving node no canary can run: the off-policy check on held-out samples is the only evidence a candidate

@@ -133,4 +133,4 @@ def test_the_demo_profile_fills_in_only_what_config_did_not_set():
     cfg = load_config(None, env={})
     applied = apply_demo_profile(cfg)
     assert cfg.ingest.heldout_share == 0.05 and "ingest.heldout_share" not in applied  # canaries: the default
-    assert cfg.broker.embedded_storage == "memory"  # liverl up keeps "folder" (see DEMO_PROFILE)
+    assert cfg.broker.embedded_storage == "folder" and "broker.embedded_storage" not in applied  # durable, as up
