@@ -382,21 +382,20 @@ def test_kill_9_while_feedback_is_held_back_loses_none_of_it(stack, tmp_path):
         h.worker.assert_alive()
 
     try:
-        # Each kill gets a backlog of its own, produced while no worker runs past it: the first lands on a worker
-        # that was up before its half arrived, the second on the restarted worker with the second half still ahead
-        # of it. (One 40,000-event backlog for both kills failed on a fast CI machine: the restarted worker had read
-        # every generation before the first kill, so nothing was held back and the backlog was joined before the
-        # second kill.)
-        h.start_worker()
+        # Each kill gets a backlog of its own, written while no worker runs, then a worker starts on it: a backlog on
+        # any machine. (Twice a fast machine had no backlog to kill in: one 40,000-event backlog for both kills was
+        # all read before the second kill, and a worker running while its half was written kept up with the writes,
+        # so it held nothing back and had joined it all before the first kill.)
+        h.start_worker()  # the topics, the group and the worker's state exist; then no worker until a backlog waits
+        h.worker.stop(signal.SIGTERM)
         gens, fbs = [], []
         for k, seed in ((1, 13), (2, 14)):
             g, f = _records(half, seed=seed)
             gens, fbs = gens + g, fbs + f
             _produce(stack.bootstrap, h.cfg.topics.generations, g)
             _produce(stack.bootstrap, h.cfg.topics.feedback, f)
-            if k == 2:
-                h.worker = WorkerProc(h.cfg, free_port(), tmp_path / "worker-after-kill-1.log")
             held = h.counters().get("held", 0)
+            h.worker = WorkerProc(h.cfg, free_port(), tmp_path / f"worker-on-backlog-{k}.log")
             _wait_progress(
                 lambda: (h.counters().get("held", 0), h.live(0).get("events", 0)),
                 lambda v: v[0] > held or v[1] >= len(fbs),
