@@ -190,9 +190,15 @@ def _contents(key: str, size: int, mtime: float, etag: str) -> str:
 def _retained_topics(folder: Folder, bucket: str) -> Iterator[tuple[str, float]]:
     """(records prefix of a topic, its retention in seconds) for every topic of every Tansu cluster in ``bucket``
     whose policy deletes and whose ``retention.ms`` is set and not -1 (Tansu keeps topics in ``clusters/<c>/meta.json``)."""
-    for key in list(folder.keys(bucket, "clusters/")):
-        parts = key.split("/")
-        if len(parts) != 3 or parts[2] != "meta.json":
+    keys, i = folder.index.get(bucket, []), 0
+    clusters = []
+    while (i := bisect_left(keys, "clusters/", i)) < len(keys) and keys[i].startswith("clusters/"):
+        cluster = keys[i].split("/")[1]
+        clusters.append(cluster)
+        i = bisect_left(keys, f"clusters/{cluster}0", i)  # past every key of the cluster ("0" follows "/")
+    for cluster in clusters:
+        key = f"clusters/{cluster}/meta.json"
+        if (bucket, key) not in folder.meta:
             continue
         try:
             topics = json.loads(folder.path(bucket, key).read_bytes()).get("topics") or {}
@@ -208,7 +214,7 @@ def _retained_topics(folder: Folder, bucket: str) -> Iterator[tuple[str, float]]
             except ValueError:
                 continue
             if ms >= 0:
-                yield f"clusters/{parts[1]}/topics/{name}/partitions/", ms / 1000.0
+                yield f"clusters/{cluster}/topics/{name}/partitions/", ms / 1000.0
 
 
 async def sweep(folder: Folder, now: float | None = None, chunk: int = 500) -> int:
