@@ -56,16 +56,17 @@ def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_vers
             except Exception as e:  # noqa: BLE001 - collected and asserted on below
                 errors.append(e)
 
-    def spanned_seen() -> bool:  # a client saw a choice's version_spans (it spanned a swap)
-        return any("version_spans" in c["choices"][0] for r in list(results) for c in r["chunks"] if c.get("choices"))
+    def spanned_seen() -> int:  # how many choices the clients saw with version_spans (they spanned a swap)
+        return sum("version_spans" in c["choices"][0] for r in list(results) for c in r["chunks"] if c.get("choices"))
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(16)]
     for t in threads:
         t.start()
     time.sleep(1.5)
     # one swap normally leaves streams spanning it; on a starved box the gateway (in this process, beside the 16
-    # client threads) can lag so far behind the node that nothing is generating at the pause: swap again (<= 3 times)
-    for attempt in range(3):
+    # client threads) can lag so far behind the node that nothing is generating at the pause: swap again (<= 5 times)
+    # until 4 streams spanned one (the attribution check below tolerates one record in four a routing flip blurs)
+    for attempt in range(5):
         state = _perturbed(states[chain[-1]], seed=chain[-1] + 7 + attempt, scale=0.3)
         row = srv.registry.add_candidate(state, parent=chain[-1], metrics={}, sample_offsets={}, learner_step=1)
         states[row.version] = state
@@ -73,7 +74,7 @@ def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_vers
         _wait_version(srv, row.version)
         chain.append(row.version)
         time.sleep(1.5)
-        if spanned_seen():
+        if spanned_seen() >= 4:
             break
     stop.set()
     for t in threads:
@@ -110,32 +111,51 @@ def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_vers
                 assert last["version_spans"] == [list(s) for s in rec.version_spans]
 
     # exact attribution: each token's logged log-prob is the one its span's version gives it over the whole context
-    # (KV recomputed under the new weights after the swap); the other version's is far off
-    models = {
-        v: load_model(srv.model_dir, state_dict=states[v], dtype=torch.float32)
-        for v in {v for rec in mixed[:6] for v, _, _ in rec.version_spans}
-    }
+    # (KV recomputed under the new weights after the swap); the other version's is far off. One token is no proof
+    # either way: this is an MoE with top-2 routing, and bf16 rounding flips a token's experts now and then. The same
+    # weights computed in bf16 and in fp32 by transformers differ by p50 0.0035, p99 0.47 and at most 7.6 nats over 400
+    # sampled tokens, the tail vLLM shows too (a CI run once saw 4.1 nats on a span's last token). The split itself is
+    # what the labels claim, and a mislabelled token moves it: for each record, the boundary at which the first version
+    # best explains the tokens before it and the second the rest is the labelled one (off by one token, the cost grows
+    # by that token's gap between the versions; one stray token away from the boundary cannot move it)
+    models = {v: load_model(srv.model_dir, state_dict=states[v], dtype=torch.float32) for v in chain}
     own: list[float] = []
     other_err: list[float] = []
-    edges: list[float] = []  # the first token of each span: where a token sampled by the wrong version would show
-    for rec in mixed[:6]:
-        (v0, _, _), (v1, _, _) = rec.version_spans
+    off: list[str] = []  # records whose log-probs point to another split than their labels
+    table: list[str] = []
+    checked = mixed[:6]
+    for n, rec in enumerate(checked):
+        (v0, _, _), (v1, split, _) = rec.version_spans
+        lp = rec.completion_logprobs
         ref = {v: _hf_logprobs(models[v], rec.prompt_token_ids, rec.completion_token_ids) for v in (v0, v1)}
         for v, a, b in rec.version_spans:
             other = v1 if v == v0 else v0
-            own += [abs(rec.completion_logprobs[i] - ref[v][i]) for i in range(a, b)]
-            other_err += [abs(rec.completion_logprobs[i] - ref[other][i]) for i in range(a, b)]
-            edges += [abs(rec.completion_logprobs[i] - ref[v][i]) for i in (a, b - 1)]
+            for i in range(a, b):
+                own.append(abs(lp[i] - ref[v][i]))
+                other_err.append(abs(lp[i] - ref[other][i]))
+                table.append(
+                    f"rec {n} token {i:2d} label {v} logged {lp[i]:8.4f} v{v0} {ref[v0][i]:8.4f} v{v1} {ref[v1][i]:8.4f}"
+                )
+        cost = [
+            sum(abs(lp[i] - ref[v0][i]) for i in range(s)) + sum(abs(lp[i] - ref[v1][i]) for i in range(s, len(lp)))
+            for s in range(len(lp) + 1)
+        ]
+        best = min(range(len(lp) + 1), key=cost.__getitem__)
+        if cost[split] > cost[best] + 0.5:
+            off.append(
+                f"rec {n}: labelled split at token {split} (cost {cost[split]:.2f}), the log-probs' at {best} ({cost[best]:.2f})"
+            )
     mean_own, mean_other = sum(own) / len(own), sum(other_err) / len(other_err)
+    worst = sorted(range(len(own)), key=lambda k: -own[k])[:5]
     print(
-        f"log-prob error to the span's version: mean {mean_own:.4f} max {max(own):.4f}; at span edges: max "
-        f"{max(edges):.4f}; to the other version: mean {mean_other:.4f}"
+        f"log-prob error to the span's version: mean {mean_own:.4f} max {max(own):.4f}; to the other version: mean "
+        f"{mean_other:.4f}; the worst tokens:\n" + "\n".join(table[k] for k in worst)
     )
-    # no token at a span's edge belongs to the other version (an error of the other version's size there would)
-    assert max(edges) < mean_other / 2, (edges, mean_other)
+    # a mislabelling bug moves the split of (nearly) every record; a routing flip at a boundary token, one at most
+    assert len(off) <= len(checked) // 4, "splits the log-probs do not support:\n" + "\n".join(off)
     # sampled (not greedy) tokens include unlikely ones, where bf16 kernels stray further than on greedy tokens: 0.027-0.029
     # on the base weights' first swap, 0.054 once other tests had perturbed the weights twice before, 0.122 on a fresh
     # clone's CI run swapping 2 -> 5 (each perturbation grows the logits, and bf16's error with them): the bound that
-    # says which version sampled a token is the relative one below; this one only catches a broken scoring path
+    # says which version sampled a token is the split check above; this one only catches a broken scoring path
     assert mean_own < 0.25, mean_own
     assert mean_other > 10 * mean_own, (mean_other, mean_own)
