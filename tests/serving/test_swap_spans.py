@@ -96,17 +96,17 @@ def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_vers
     mixed = [rec for rec in recs.values() if rec.mixed_versions]
     spanned = sorted((r.version_spans for r in recs.values() if r.version_spans is not None), key=str)
     assert mixed, f"no stream spanned any of {len(swaps)} swaps (16 clients of 20-token streams); spans: {spanned[:20]}"
-    pairs = set(zip(chain, chain[1:]))
     for rec in recs.values():
         assert len(rec.completion_token_ids) == 20
         if rec.version_spans is None:
             assert rec.policy_version in chain
         else:
             vs = [v for v, _, _ in rec.version_spans]
-            assert len(vs) == 1 and vs[0] in chain or len(vs) == 2 and tuple(vs) in pairs, rec.version_spans
+            # versions served one after the other (a slow stream may span two swaps)
+            assert vs[0] in chain and vs == chain[chain.index(vs[0]) : chain.index(vs[0]) + len(vs)], rec.version_spans
             assert rec.policy_version == vs[0]
             # the client saw the spans too, in the choice's last chunk
-            if len(vs) == 2:
+            if len(vs) > 1:
                 last = [c for c in gids[rec.generation_id]["chunks"] if c.get("choices")][-1]["choices"][0]
                 assert last["version_spans"] == [list(s) for s in rec.version_spans]
 
@@ -123,7 +123,8 @@ def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_vers
     other_err: list[float] = []
     off: list[str] = []  # records whose log-probs point to another split than their labels
     table: list[str] = []
-    checked = mixed[:6]
+    checked = [rec for rec in mixed if len(rec.version_spans) == 2][:6]
+    assert checked, [rec.version_spans for rec in mixed]
     for n, rec in enumerate(checked):
         (v0, _, _), (v1, split, _) = rec.version_spans
         lp = rec.completion_logprobs
