@@ -118,13 +118,16 @@ def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_vers
     # what the labels claim, and a mislabelled token moves it: for each record, the boundary at which the first version
     # best explains the tokens before it and the second the rest is the labelled one (off by one token, the cost grows
     # by that token's gap between the versions; one stray token away from the boundary cannot move it)
-    models = {v: load_model(srv.model_dir, state_dict=states[v], dtype=torch.float32) for v in chain}
+    checked = [rec for rec in mixed if len(rec.version_spans) == 2][:6]
+    assert checked, [rec.version_spans for rec in mixed]
+    models = {
+        v: load_model(srv.model_dir, state_dict=states[v], dtype=torch.float32)
+        for v in {v for rec in checked for v, _, _ in rec.version_spans}
+    }
     own: list[float] = []
     other_err: list[float] = []
     off: list[str] = []  # records whose log-probs point to another split than their labels
     table: list[str] = []
-    checked = [rec for rec in mixed if len(rec.version_spans) == 2][:6]
-    assert checked, [rec.version_spans for rec in mixed]
     for n, rec in enumerate(checked):
         (v0, _, _), (v1, split, _) = rec.version_spans
         lp = rec.completion_logprobs
