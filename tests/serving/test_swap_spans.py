@@ -17,11 +17,13 @@ from tests.serving.test_serving import _announce, _hf_logprobs, _perturbed, _ser
 
 pytestmark = pytest.mark.slow
 
+TOKENS = 20  # the longest completion the test node's max_model_len leaves room for after these prompts
+
 
 def _stream(url: str, prompt: str) -> dict:
-    """One streamed completion of 20 sampled tokens (ignore_eos); returns what the client saw."""
+    """One streamed completion of TOKENS sampled tokens (ignore_eos); returns what the client saw."""
     body = json.dumps(
-        {"prompt": prompt, "max_tokens": 20, "temperature": 1.0, "ignore_eos": True, "stream": True, "logprobs": 0}
+        {"prompt": prompt, "max_tokens": TOKENS, "temperature": 1.0, "ignore_eos": True, "stream": True, "logprobs": 0}
     ).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     out = {"t0": time.time(), "chunks": [], "done": False}
@@ -64,9 +66,9 @@ def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_vers
         t.start()
     time.sleep(1.5)
     # one swap normally leaves streams spanning it; on a starved box the gateway (in this process, beside the 16
-    # client threads) can lag so far behind the node that nothing is generating at the pause: swap again (<= 5 times)
+    # client threads) can lag so far behind the node that nothing is generating at the pause: swap again (<= 8 times)
     # until 4 streams spanned one (the attribution check below tolerates one record in four a routing flip blurs)
-    for attempt in range(5):
+    for attempt in range(8):
         state = _perturbed(states[chain[-1]], seed=chain[-1] + 7 + attempt, scale=0.3)
         row = srv.registry.add_candidate(state, parent=chain[-1], metrics={}, sample_offsets={}, learner_step=1)
         states[row.version] = state
@@ -80,24 +82,29 @@ def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_vers
     for t in threads:
         t.join(60)
 
-    # nothing dropped, nothing failed: every stream ended with [DONE] and 20 tokens
+    # nothing dropped, nothing failed: every stream ended with [DONE] and TOKENS tokens
     assert not errors, errors[:3]
     assert results and all(r["status"] == 200 and r["done"] for r in results)
     swaps = [json.loads(x) for x in srv.redis.lrange(f"{srv.cfg.topics.prefix}:swaps", swaps_before, -1)]
     assert [(w["from"], w["to"]) for w in swaps] == list(zip(chain, chain[1:])), swaps
     for swap in swaps:
-        assert swap["verify_ok"] and swap["inflight"] > 0, swap
+        assert swap["verify_ok"], swap
         assert swap.get("drain_ms") is None  # nothing drained
         print("swap record:", swap)
+    # requests were in flight at a swap (a later swap, made to collect more spanning streams, may find none on a
+    # starved box: the clients' threads are waiting on the gateway in this same process)
+    assert any(swap["inflight"] > 0 for swap in swaps), swaps
 
     gids = {r["chunks"][0]["choices"][0]["generation_id"]: r for r in results}
     recs = _records(srv, set(gids))
     assert set(recs) == set(gids)
     mixed = [rec for rec in recs.values() if rec.mixed_versions]
     spanned = sorted((r.version_spans for r in recs.values() if r.version_spans is not None), key=str)
-    assert mixed, f"no stream spanned any of {len(swaps)} swaps (16 clients of 20-token streams); spans: {spanned[:20]}"
+    assert mixed, (
+        f"no stream spanned any of {len(swaps)} swaps (16 clients of {TOKENS}-token streams); spans: {spanned[:20]}"
+    )
     for rec in recs.values():
-        assert len(rec.completion_token_ids) == 20
+        assert len(rec.completion_token_ids) == TOKENS
         if rec.version_spans is None:
             assert rec.policy_version in chain
         else:
