@@ -15,6 +15,7 @@ did not.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -348,27 +349,59 @@ def _wait_progress(value, done, alive, what: str, stall_s: float = 300.0, interv
             last, since = now, time.monotonic()
 
 
+def _committed(cfg, topic: str) -> dict[int, int]:
+    """The ingest group's committed offsets of ``topic``, per partition (those with one)."""
+    from kafka import KafkaAdminClient, TopicPartition
+
+    group = f"{cfg.topics.prefix}-ingest"
+    admin = KafkaAdminClient(bootstrap_servers=cfg.broker.bootstrap)
+    try:
+        tps = [TopicPartition(topic, p) for p in range(cfg.broker.partitions)]
+        offsets = admin.list_group_offsets({group: tps}).get(group, {})
+    finally:
+        admin.close()
+    return {tp.partition: m.offset for tp, m in offsets.items() if m is not None and m.offset >= 0}
+
+
+def _padded(gens: list[tuple[bytes, bytes, int]], size: int) -> list[tuple[bytes, bytes, int]]:
+    """The generation records with their prompt padded to about ``size`` bytes: a product's records (the issue's 5 KB),
+    not the bench's 600 B ones."""
+    out = []
+    for key, value, ts in gens:
+        rec = json.loads(value)
+        rec["prompt"] += " " + "x" * max(0, size - len(value))
+        out.append((key, json.dumps(rec).encode(), ts))
+    return out
+
+
+BACKLOGS_PER_KILL = 4
+
+
 def test_kill_9_while_feedback_is_held_back_loses_none_of_it(stack, tmp_path):
     """The feedback a worker holds back on a backlog (``_hold_back``) lives only in its memory, past the consumer's
     position: a kill -9 then must lose none of it. Its offsets are never committed before it is processed, so the
     restarted worker reads it again. Two kills -9 while the worker is catching up and holding feedback back; then
     every feedback event is judged exactly once (live counters) and has its sample.
 
-    Every wait is on a property (the worker holds feedback back; the backlog is joined), never on a fixed time: this
-    failed once as "timed out after 60 s waiting for the worker to hold feedback back" while another process loaded
-    the machine (issue 22). It waits as long as the worker makes progress; the kill is valid as long as the backlog
-    is not joined yet, which the assert checks."""
+    The backlog makes the hold certain on any machine, and long: its generation records are 5 KB (a product's), so a
+    generations partition is several fetches (``max_partition_fetch_bytes`` 4 MB) while its feedback is one. The first
+    batch then brings feedback far ahead of the generations read, and it stays held until they catch up, several
+    fetches later. (With the bench's 600 B records a partition's generations were nearly one fetch: a fast machine
+    held little, for one batch, and had joined the whole backlog when the test first saw the hold; CI failed so.)
+    The kill comes when the worker's gauge says a partition is held now; a backlog joined between two looks at the
+    gauge (the first run on a cold machine did that once) is followed by another, up to ``BACKLOGS_PER_KILL``. Every
+    wait is on a property, never on a fixed time: it waits as long as the worker makes progress."""
     from liverl.bench.ingest import _produce, _records
     from tests.conftest import free_port
     from tests.ingest.conftest import WorkerProc
 
-    half = 20_000
-    n = 2 * half
+    half = 5_000
     # pending_ttl_s at its default, not the harness's 2 s: on a loaded machine feedback may wait longer than 2 s for
     # its generation, and this test is about kills, not expiry (a 2 s TTL made it depend on the machine's speed)
     from ingest.commit import EXIT_INFRA
 
     h = IngestHarness(ingest_config(stack, tmp_path / "state", ingest__pending_ttl_s=150.0), tmp_path)
+    assert h.cfg.broker.partitions == 2  # (5,000 records of 5 KB: 12 MB, three fetches, per generations partition)
     restarts: list[str] = []
 
     def alive() -> None:
@@ -381,34 +414,55 @@ def test_kill_9_while_feedback_is_held_back_loses_none_of_it(stack, tmp_path):
             return
         h.worker.assert_alive()
 
+    def held_now() -> float:
+        try:
+            return h.worker.metric("liverl_ingest_feedback_partitions_paused ") or 0.0
+        except OSError:  # (not serving yet)
+            return 0.0
+
     try:
         # Each kill gets a backlog of its own, written while no worker runs, then a worker starts on it: a backlog on
-        # any machine. (Twice a fast machine had no backlog to kill in: one 40,000-event backlog for both kills was
-        # all read before the second kill, and a worker running while its half was written kept up with the writes,
-        # so it held nothing back and had joined it all before the first kill.)
+        # any machine (a worker running while the records are written keeps up with them and holds nothing back).
         h.start_worker()  # the topics, the group and the worker's state exist; then no worker until a backlog waits
         h.worker.stop(signal.SIGTERM)
         gens, fbs = [], []
-        for k, seed in ((1, 13), (2, 14)):
-            g, f = _records(half, seed=seed)
-            gens, fbs = gens + g, fbs + f
-            _produce(stack.bootstrap, h.cfg.topics.generations, g)
-            _produce(stack.bootstrap, h.cfg.topics.feedback, f)
-            held = h.counters().get("held", 0)
-            h.worker = WorkerProc(h.cfg, free_port(), tmp_path / f"worker-on-backlog-{k}.log")
-            _wait_progress(
-                lambda: (h.counters().get("held", 0), h.live(0).get("events", 0)),
-                lambda v: v[0] > held or v[1] >= len(fbs),
-                alive,
-                f"the worker to hold feedback back (kill {k})",
-            )
-            assert h.live(0).get("events", 0) < len(fbs), f"the backlog was joined before kill {k}: nothing to prove"
-            h.worker.stop(signal.SIGKILL)
+        seeds = iter(range(13, 13 + 2 * BACKLOGS_PER_KILL))
+        for k in (1, 2):
+            for attempt in range(1, BACKLOGS_PER_KILL + 1):
+                g, f = _records(half, seed=next(seeds))
+                g = _padded(g, 5_000)
+                gens, fbs = gens + g, fbs + f
+                _produce(stack.bootstrap, h.cfg.topics.generations, g)
+                _produce(stack.bootstrap, h.cfg.topics.feedback, f)
+                before = _committed(h.cfg, h.cfg.topics.generations)
+                h.worker = WorkerProc(h.cfg, free_port(), tmp_path / f"worker-on-backlog-{k}-{attempt}.log")
+                # the kill comes while a partition is held and after the worker committed offsets on this backlog:
+                # a commit that covered the held records (past the batches' own) would lose them here
+                _wait_progress(
+                    lambda: (
+                        _committed(h.cfg, h.cfg.topics.generations) != before and held_now() > 0,
+                        h.live(0).get("events", 0),
+                    ),
+                    lambda v: v[0] or v[1] >= len(fbs),
+                    alive,
+                    f"the worker to commit while it holds feedback back (kill {k})",
+                    interval=0.05,
+                )
+                if h.live(0).get("events", 0) < len(fbs):
+                    h.worker.stop(signal.SIGKILL)  # (the gauge said held a moment ago: this kills in the hold)
+                    break
+                # the whole backlog joined between two looks at the gauge: another backlog, then kill in its hold
+                h.worker.stop(signal.SIGTERM)
+            else:
+                raise AssertionError(f"{BACKLOGS_PER_KILL} backlogs were joined before a hold was seen (kill {k})")
         h.worker = WorkerProc(h.cfg, free_port(), tmp_path / "worker-after-kill-2.log")
+        n = len(fbs)
         _wait_progress(
             lambda: h.live(0).get("events", 0), lambda v: v >= n, alive, f"{n} joins after two kills", interval=0.5
         )
         assert h.live(0).get("events") == n  # each exactly once
+        got = h.counters()
+        assert got.get("held", 0) > 0, got  # (the hold that the kills interrupted: counted when its batch settled)
         with h.tail("samples") as st:
             want = {key.decode() for key, _, _ in fbs}  # (keyed by generation id, as the samples are)
 
@@ -421,8 +475,7 @@ def test_kill_9_while_feedback_is_held_back_loses_none_of_it(stack, tmp_path):
             )
             samples = _samples_by_id([r for r in st.records if r.key.decode() in want])
         assert len(samples) == n
-        got = h.counters()
-        assert not {k: v for k, v in got.items() if k.startswith("dlq:")}, got
+        assert not {k: v for k, v in h.counters().items() if k.startswith("dlq:")}, got
     finally:
         h.close()
 
@@ -447,17 +500,7 @@ class _InProcess:
         self.producer.flush()
 
     def committed(self, topic: str) -> dict[int, int]:
-        """The ingest group's committed offsets of ``topic``, per partition (those with one)."""
-        from kafka import KafkaAdminClient, TopicPartition
-
-        group = f"{self.cfg.topics.prefix}-ingest"
-        admin = KafkaAdminClient(bootstrap_servers=self.cfg.broker.bootstrap)
-        try:
-            tps = [TopicPartition(topic, p) for p in range(self.parts)]
-            offsets = admin.list_group_offsets({group: tps}).get(group, {})
-        finally:
-            admin.close()
-        return {tp.partition: m.offset for tp, m in offsets.items() if m is not None and m.offset >= 0}
+        return _committed(self.cfg, topic)
 
     @staticmethod
     async def until(pred, what: str, timeout: float = 60.0) -> None:
