@@ -59,6 +59,6 @@ class PrometheusCollector:
             "trained yet, by its feedback time (0: none waits; -1: unknown).",
             value=seconds,
         )
-        for k in ("reward_mean", "kl", "entropy", "ratio_mean", "clipped_frac", "masked_frac", "loss"):
+        for k in ("reward_mean", "kl", "entropy", "ratio_mean", "clipped_frac", "masked_frac", "loss", "lr"):
             if k in lr.last_metrics:
                 yield GaugeMetricFamily(f"liverl_learner_{k}", f"Last update's {k}.", value=lr.last_metrics[k])

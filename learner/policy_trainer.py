@@ -94,6 +94,7 @@ class PolicyTrainer:
         self.vocab_size = int(conf.vocab_size)
         self.max_len = int(getattr(conf, "max_position_embeddings", 1 << 30))
         self.pad_id = int(getattr(conf, "pad_token_id", None) or 0)
+        self.lr_scale = 1.0  # the learner's back-off after refused candidates (``set_lr_scale``)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lcfg.lr, weight_decay=0.0)
         self.baseline = RunningBaseline()
 
@@ -286,6 +287,7 @@ class PolicyTrainer:
         metrics = dict(first)
         metrics["reward_mean"] = float(reward_N.mean())
         metrics["samples"] = float(len(samples))
+        metrics["lr"] = self.lr
         if out is not None and self.lcfg.micro_epochs > 1:
             metrics["loss_last"] = out.metrics["loss"]
         return metrics
@@ -314,7 +316,18 @@ class PolicyTrainer:
         """Overwrite the weights in place (file names, any dtype) so the optimizer keeps its parameters."""
         assign_weights(self.model, state_dict)
         if reset_optimizer:
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lcfg.lr, weight_decay=0.0)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.0)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next update uses: ``lcfg.lr`` times the back-off scale."""
+        return self.lcfg.lr * self.lr_scale
+
+    def set_lr_scale(self, scale: float) -> None:
+        """Train at ``scale`` x ``lcfg.lr`` from the next update on (the optimizer's moments are kept)."""
+        self.lr_scale = float(scale)
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr
 
     def set_reference(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Move the KL anchor (file names, any dtype): the learner stays near what is served, not only near the base."""
@@ -330,4 +343,5 @@ class PolicyTrainer:
     def load_state(self, st: dict[str, Any]) -> None:
         self.load_weights(st["model"], reset_optimizer=True)
         self.opt.load_state_dict(st["optimizer"])
+        self.set_lr_scale(self.lr_scale)  # the configured rate times the scale, not the rate the checkpoint ran at
         self.baseline.load_state_dict(st["baseline"])

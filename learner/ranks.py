@@ -29,7 +29,15 @@ from learner.policy_trainer import BatchFailed, PolicyTrainer
 log = logging.getLogger("liverl.learner")
 
 # the trainer calls every rank must make together; anything else (refusal, vocab_size...) is rank 0's alone
-COLLECTIVE = ("train_step", "weights", "bf16_state_dict", "load_weights", "set_reference", "token_logprobs")
+COLLECTIVE = (
+    "train_step",
+    "weights",
+    "bf16_state_dict",
+    "load_weights",
+    "set_reference",
+    "token_logprobs",
+    "set_lr_scale",
+)
 
 
 class Leader:

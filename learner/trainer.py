@@ -134,6 +134,7 @@ class Learner(ConsumerRebalanceListener):
         self._shed_said_at = float("-inf")  # when the log last said the learner sheds load
         self._rebased_wall = 0.0  # when this learner last rebased (wall clock, as the registry's times)
         self._emitted_since_rebase = 0  # candidates this process emitted since then
+        self._lr_scale_since = 0.0  # when the learning rate last backed off or recovered (wall clock; ``_adjust_lr``)
         self.last_backlog: tuple[int, float] = (-1, -1.0)  # (samples, seconds) as of the last publish (``backlog``)
         self.queue: collections.deque = collections.deque()  # (partition, offset, raw value), as fetched
         self.pending: list[tuple[int, int, TrainingSample]] = []  # accepted, waiting for a full batch
@@ -181,6 +182,8 @@ class Learner(ConsumerRebalanceListener):
             topic=self.topic,
             rollback_seen=self.rollback_seen,
             version_steps=dict(sorted(self.version_steps.items())[-VERSION_STEPS_KEPT:]),
+            lr_scale=self.trainer.lr_scale,
+            lr_scale_since=self._lr_scale_since,
         )
         if self.ckpts is not None:  # every rank writes its shards; rank 0 adds this state as learner.json
             self.trainer.save_checkpoint(self.step, dict(st, baseline=self.trainer.baseline.state_dict()))
@@ -224,6 +227,8 @@ class Learner(ConsumerRebalanceListener):
         self.since_candidate = dict(st["since_candidate"])
         self.rollback_seen = st.get("rollback_seen")
         self.version_steps = {int(v): int(n) for v, n in (st.get("version_steps") or {}).items()}
+        self.trainer.set_lr_scale(float(st.get("lr_scale", 1.0)))
+        self._lr_scale_since = float(st.get("lr_scale_since", 0.0))
         log.info(
             "learner: resumed from %s at step %d, %d samples trained, offsets %s, last emitted v%d",
             self.ckpt_path,
@@ -570,15 +575,21 @@ class Learner(ConsumerRebalanceListener):
         rollback, _ = self.registry.last_rollback()
         if self.rollback_seen is None or rollback <= self.rollback_seen:
             self.rollback_seen = rollback
+            self._recover_lr()
             refused = self._refused_in_a_row()
             if refused:
                 stable = int(self.registry.stable().version)
+                scale = max(self.lcfg.min_lr_scale, self.trainer.lr_scale * self.lcfg.lr_backoff)
                 log.warning(
-                    "learner: the gate refused this lineage's last %d candidates (%s); rebasing onto stable v%d",
+                    "learner: the gate refused this lineage's last %d candidates (%s); rebasing onto stable v%d "
+                    "at learning rate %.3g (%.3g x lr)",
                     len(refused),
                     "; ".join(refused[:3]),
                     stable,
+                    self.lcfg.lr * scale,
+                    scale,
                 )
+                self._set_lr_scale(scale)
                 self._rebase(stable)
                 return
             if not self.counters["dropped:stale"]:
@@ -600,6 +611,29 @@ class Learner(ConsumerRebalanceListener):
             stable = int(self.registry.stable().version)
             log.warning("learner: the registry was rolled back to v%d: rebasing onto it", stable)
         self._rebase(stable)
+
+    def _set_lr_scale(self, scale: float) -> None:
+        if scale != self.trainer.lr_scale:
+            self.trainer.set_lr_scale(scale)
+            self.counters["lr_changes"] += 1
+        self._lr_scale_since = time.time()
+
+    def _recover_lr(self) -> None:
+        """A learning rate backed off after refusals (``learner.lr_backoff``) comes back one step per promotion since
+        it last changed: the gate accepts this lineage's steps again. One registry read, only while backed off."""
+        if self.trainer.lr_scale >= 1.0:
+            return
+        promoted_at = self.registry.stable().promoted_at or 0.0
+        if promoted_at <= self._lr_scale_since:
+            return
+        scale = min(1.0, self.trainer.lr_scale / self.lcfg.lr_backoff)
+        log.info(
+            "learner: a candidate was promoted since the learning rate backed off: learning rate %.3g (%.3g x lr)",
+            self.lcfg.lr * scale,
+            scale,
+        )
+        self._set_lr_scale(scale)
+        self._lr_scale_since = promoted_at
 
     def _refused_in_a_row(self) -> list[str]:
         """The gate's reasons when it refused this learner's newest ``rebase_after_refusals`` candidates in a row on
@@ -648,7 +682,17 @@ class Learner(ConsumerRebalanceListener):
             "backlog_s": self.last_backlog[1],
             **{
                 k: round(m[k], 6)
-                for k in ("reward_mean", "kl", "loss", "entropy", "ratio_mean", "clipped_frac", "masked_frac", "step_s")
+                for k in (
+                    "reward_mean",
+                    "kl",
+                    "loss",
+                    "entropy",
+                    "ratio_mean",
+                    "clipped_frac",
+                    "masked_frac",
+                    "step_s",
+                    "lr",
+                )
                 if k in m
             },
             **{k: v for k, v in self.counters.items() if k != "samples_trained"},

@@ -366,6 +366,22 @@ class LearnerConfig(_Section):
         "newest candidates in a row on their evidence (drift, collapse, suite, off-policy, canary; supersessions do "
         "not count): a lineage the gate keeps refusing does not recover by training further. 0: never.",
     )
+    lr_backoff: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="At each rebase after refused candidates (rebase_after_refusals), the learning rate is "
+        "multiplied by this, down to min_lr_scale x lr; each promotion of a candidate divides it back, up to lr. "
+        "The rebased lineage then moves in smaller steps, the ones the gate can accept (a 60-minute demo run: every "
+        "rebased lineage at the full rate was refused again within minutes, on the product's suite or the entropy "
+        "floor). 1: never back off.",
+    )
+    min_lr_scale: float = Field(
+        default=0.125,
+        gt=0,
+        le=1,
+        description="The lowest learning rate the back-off (lr_backoff) goes to, as a fraction of lr.",
+    )
     max_backlog_s: float = Field(
         default=600.0,
         ge=0,

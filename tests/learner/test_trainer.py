@@ -569,8 +569,7 @@ def test_a_rollback_makes_the_learner_rebase_onto_the_stable_version(cfg, model_
         produce_samples(cfg, base_samples[:48])
         learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg, redis=r)
         learner.run(max_steps=1)
-        [c] = reg.candidates()
-        reg.promote(c.version, actor="gate", reason="passed")
+        reg.promote(max(c.version for c in reg.candidates()), actor="gate", reason="passed")
         learner._last_rebase_check = 0.0
         learner._maybe_rebase()  # sees no rollback yet: nothing happens
         assert learner.counters["rebases"] == 0
@@ -599,8 +598,7 @@ def test_run_sees_a_rollback_though_no_sample_was_ever_stale(cfg, model_dir, bas
         produce_samples(cfg, base_samples[:48])
         learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
         learner.run(max_steps=1)
-        [c] = reg.candidates()
-        reg.promote(c.version, actor="gate", reason="passed")
+        reg.promote(max(c.version for c in reg.candidates()), actor="gate", reason="passed")
         reg.rollback(actor="bob", reason="complaints")
         stats = learner.run(max_steps=1)
         assert stats["counters"].get("dropped:stale", 0) == 0
@@ -711,6 +709,76 @@ def test_a_lineage_the_gate_keeps_refusing_is_dropped_for_the_stable_weights(cfg
         reg.set_status(v4, "rejected", actor="gate", reason="failed suite", expect="candidate")
         learner._maybe_rebase(before_update=True)  # one refusal since the rebase: not enough
         assert learner.counters["rebases"] == 1
+    finally:
+        reg.close()
+
+
+def test_a_rebase_after_refusals_backs_the_learning_rate_off_and_promotions_bring_it_back(cfg, model_dir, base_samples):
+    """The hour-long demo run after the rebase rule: every lineage rebased at the full rate was refused again within
+    minutes (suite, entropy floor, canaries), and runs of refusals lasted up to 14 minutes. Now each rebase after
+    refusals multiplies the learning rate by ``lr_backoff`` (not under ``min_lr_scale``), the optimizer trains at it
+    from the next update, a restart keeps it, and each promotion since it last changed divides it back, up to lr.
+
+    One ``run()`` while a thread plays the gate and refuses every candidate until the learner rebased three times
+    (one consumer: a consumer per step churned the group until it could not settle)."""
+    from learner.trainer import Learner
+
+    cfg = learner_cfg(
+        cfg, batch_size=8, candidate_every_steps=1, rebase_after_refusals=1, lr_backoff=0.5, min_lr_scale=0.25
+    )
+    lr = cfg.learner.lr
+    produce_samples(cfg, base_samples[:96])
+    reg = make_registry(cfg, model_dir)
+    try:
+        learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
+        stop = threading.Event()
+        rates: list[float] = []  # the learning rate of each update, as the trainer reported it
+
+        def gate() -> None:
+            deadline = time.monotonic() + 120
+            while not stop.is_set() and time.monotonic() < deadline:
+                if learner.counters["rebases"] >= 3:
+                    break
+                for c in reg.candidates():
+                    reg.set_status(c.version, "rejected", actor="gate", reason="failed suite", expect="candidate")
+                time.sleep(0.05)
+            stop.set()
+
+        def record(step_metrics) -> None:
+            rates.append(step_metrics["lr"])
+
+        thread = threading.Thread(target=gate)
+        thread.start()
+        original = learner.trainer.train_step
+        learner.trainer.train_step = lambda samples: (lambda m: (record(m), m)[1])(original(samples))
+        try:
+            learner.run(stop_event=stop)
+        finally:
+            stop.set()
+            thread.join()
+            learner.trainer.train_step = original
+        assert learner.counters["rebases"] == 3, dict(learner.counters)
+        assert rates[0] == lr and set(rates) <= {lr, lr * 0.5, lr * 0.25} and lr * 0.5 in rates, rates
+        assert rates == sorted(rates, reverse=True), rates  # only down while the gate refuses
+        assert learner.trainer.lr == lr * 0.25  # 0.125 would be under the floor
+        assert all(g["lr"] == lr * 0.25 for g in learner.trainer.opt.param_groups)
+        assert learner.counters["lr_changes"] == 2
+
+        second = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)  # a restart from the checkpoint
+        assert second.trainer.lr == lr * 0.25
+        second.run(max_steps=1)
+        assert second.last_metrics["lr"] == lr * 0.25  # the update after the restart ran at the backed-off rate
+        reg.promote(max(c.version for c in reg.candidates()), actor="gate", reason="passed")
+        second._maybe_rebase(before_update=True)
+        assert second.trainer.lr == lr * 0.5  # one promotion: one step back
+        second._maybe_rebase(before_update=True)
+        assert second.trainer.lr == lr * 0.5  # the same promotion does not count twice
+        second.run(max_steps=1)
+        assert second.last_metrics["lr"] == lr * 0.5
+        reg.promote(max(c.version for c in reg.candidates()), actor="gate", reason="passed")
+        second._maybe_rebase(before_update=True)
+        assert second.trainer.lr == lr  # back to the configured rate
+        assert second.counters["rebases"] == 3  # promotions do not rebase
     finally:
         reg.close()
 
