@@ -134,7 +134,9 @@ class Learner(ConsumerRebalanceListener):
         self._shed_said_at = float("-inf")  # when the log last said the learner sheds load
         self._rebased_wall = 0.0  # when this learner last rebased (wall clock, as the registry's times)
         self._emitted_since_rebase = 0  # candidates this process emitted since then
-        self._lr_scale_since = 0.0  # when the learning rate last backed off or recovered (wall clock; ``_adjust_lr``)
+        self._lr_scale_since = (
+            0.0  # when the learning rate last backed off or recovered (wall clock; ``_set_lr_scale``)
+        )
         self.last_backlog: tuple[int, float] = (-1, -1.0)  # (samples, seconds) as of the last publish (``backlog``)
         self.queue: collections.deque = collections.deque()  # (partition, offset, raw value), as fetched
         self.pending: list[tuple[int, int, TrainingSample]] = []  # accepted, waiting for a full batch
@@ -612,11 +614,12 @@ class Learner(ConsumerRebalanceListener):
             log.warning("learner: the registry was rolled back to v%d: rebasing onto it", stable)
         self._rebase(stable)
 
-    def _set_lr_scale(self, scale: float) -> None:
+    def _set_lr_scale(self, scale: float, since: float | None = None) -> None:
+        """Train at ``scale`` x lr; promotions after ``since`` (default: now) count towards the next recovery."""
         if scale != self.trainer.lr_scale:
             self.trainer.set_lr_scale(scale)
             self.counters["lr_changes"] += 1
-        self._lr_scale_since = time.time()
+        self._lr_scale_since = time.time() if since is None else since
 
     def _recover_lr(self) -> None:
         """A learning rate backed off after refusals (``learner.lr_backoff``) comes back one step per promotion since
@@ -632,8 +635,7 @@ class Learner(ConsumerRebalanceListener):
             self.lcfg.lr * scale,
             scale,
         )
-        self._set_lr_scale(scale)
-        self._lr_scale_since = promoted_at
+        self._set_lr_scale(scale, since=promoted_at)
 
     def _refused_in_a_row(self) -> list[str]:
         """The gate's reasons when it refused this learner's newest ``rebase_after_refusals`` candidates in a row on

@@ -16,17 +16,16 @@ import argparse
 import re
 from pathlib import Path
 
+from deploy.registry import open_registry
+from learner.trainer import evidence_against
+from liverl.core.config import load_config
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("state_dir", type=Path)
     ap.add_argument("--start", type=float, help="the run's start (unix time; default: the first audit entry)")
     args = ap.parse_args()
-
-    from deploy.registry import open_registry
-    from learner.trainer import evidence_against
-    from liverl.core.config import load_config
-
     cfg = load_config(state_dir=str(args.state_dir))
     reg = open_registry(cfg)
     try:
