@@ -54,6 +54,8 @@ from xml.sax.saxutils import escape
 
 from aiohttp import web
 
+from liverl import batchmerge
+
 log = logging.getLogger("liverl.objstore")
 
 MAX_KEYS = 1000
@@ -104,6 +106,7 @@ class Folder:
                     self.meta[(bucket.name, key)] = self._stat(bucket / key)
                     keys.append(key)
             self.index[bucket.name] = sorted(keys)
+        batchmerge.recover(self)
 
     @staticmethod
     def _stat(path: Path) -> tuple[int, float, str]:
@@ -124,8 +127,9 @@ class Folder:
     def head(self, bucket: str, key: str) -> tuple[int, float, str] | None:
         return self.meta.get((bucket, key))
 
-    def write(self, bucket: str, key: str, data: bytes) -> str:
-        """Replace the object atomically (temporary file, fsync, rename, fsync of the folder); returns its ETag."""
+    def write(self, bucket: str, key: str, data: bytes, mtime: float | None = None) -> str:
+        """Replace the object atomically (temporary file, fsync, rename, fsync of the folder); returns its ETag.
+        ``mtime``: the object's time, if not now (a merged batch keeps its newest source's: ``liverl.batchmerge``)."""
         path = self.path(bucket, key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.tmp / uuid.uuid4().hex
@@ -134,6 +138,8 @@ class Folder:
             if self.fsync:
                 f.flush()
                 os.fsync(f.fileno())
+        if mtime is not None:
+            os.utime(tmp, (mtime, mtime))
         os.replace(tmp, path)
         if self.fsync:
             fd = os.open(path.parent, os.O_RDONLY)
@@ -245,6 +251,9 @@ async def sweep(folder: Folder, now: float | None = None, chunk: int = 500) -> i
             if expired and expired[-1] == last_of_partition:
                 expired.pop()
             for i, key in enumerate(expired):
+                meta = folder.meta.get((bucket, key))
+                if meta is None or meta[1] >= now - retention_s:
+                    continue  # rewritten since it was read (a merge: liverl.batchmerge), or gone
                 folder.delete(bucket, key)
                 if (i + 1) % chunk == 0:
                     await asyncio.sleep(0)
@@ -252,7 +261,9 @@ async def sweep(folder: Folder, now: float | None = None, chunk: int = 500) -> i
     return deleted
 
 
-def make_app(folder: Folder, sweep_s: float = 0.0) -> web.Application:
+def make_app(
+    folder: Folder, sweep_s: float = 0.0, merger: batchmerge.Merger | None = None, merge_s: float = 10.0
+) -> web.Application:
     async def bucket_op(request: web.Request) -> web.Response:
         bucket = request.match_info["bucket"]
         if folder.path(bucket, "x") is None:
@@ -265,7 +276,12 @@ def make_app(folder: Folder, sweep_s: float = 0.0) -> web.Application:
                 return _error(404, "NoSuchBucket", "the bucket does not exist", bucket)
             if request.method == "HEAD":
                 return web.Response(status=200)
-            return list_objects(request, bucket)
+            if merger is not None:
+                await merger.hold(request.query.get("prefix", ""))
+            response = list_objects(request, bucket)
+            if merger is not None:
+                merger.listed(request.query.get("prefix", ""))
+            return response
         return _error(501, "NotImplemented", f"{request.method} on a bucket is not served here", bucket)
 
     def list_objects(request: web.Request, bucket: str) -> web.Response:
@@ -351,6 +367,8 @@ def make_app(folder: Folder, sweep_s: float = 0.0) -> web.Application:
         if request.method == "HEAD":
             headers["Content-Length"] = str(size)
             return web.Response(status=200, headers=headers)
+        if merger is not None:
+            merger.read(key)
         data = path.read_bytes()
         rng = request.headers.get("Range")
         status = 200
@@ -384,9 +402,24 @@ def make_app(folder: Folder, sweep_s: float = 0.0) -> web.Application:
         yield
         task.cancel()
 
+    async def merging(app: web.Application):
+        async def loop():
+            while True:
+                await asyncio.sleep(merge_s)
+                try:
+                    await merger.run_once()
+                except Exception:  # noqa: BLE001 - a failed merge changed nothing (batchmerge.apply); retried later
+                    log.exception("merge: failed; retried in %.0f s", merge_s)
+
+        task = asyncio.create_task(loop(), name="liverl-objstore-merge")
+        yield
+        task.cancel()
+
     app = web.Application(client_max_size=64 << 20)
     if sweep_s > 0:
         app.cleanup_ctx.append(sweeping)
+    if merger is not None and merge_s > 0:
+        app.cleanup_ctx.append(merging)
     app.router.add_route("*", "/{bucket}", bucket_op)
     app.router.add_route("*", "/{bucket}/", bucket_op)
     app.router.add_route("*", "/{bucket}/{key:.+}", object_op)
@@ -404,11 +437,32 @@ def main(argv: list[str] | None = None) -> None:
         default=60.0,
         help="apply the topics' retention.ms every this many seconds (0: never; see the module's docstring)",
     )
+    ap.add_argument(
+        "--merge-batches",
+        type=int,
+        default=1000,
+        help="merge a partition's small settled record batches once it has this many (0: never; liverl.batchmerge)",
+    )
+    ap.add_argument("--merge-every-s", type=float, default=10.0, help="look for partitions to merge this often")
+    ap.add_argument("--merge-min-age-s", type=float, default=30.0, help="merge only batches written this long ago")
+    ap.add_argument(
+        "--merge-quiet-s",
+        type=float,
+        default=2.0,
+        help="hold a partition's listings until its reads were quiet this long",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     folder = Folder(Path(args.root), fsync=args.fsync)
+    merger = (
+        batchmerge.Merger(
+            folder, min_batches=args.merge_batches, min_age_s=args.merge_min_age_s, quiet_s=args.merge_quiet_s
+        )
+        if args.merge_batches > 0
+        else None
+    )
     web.run_app(
-        make_app(folder, args.retention_sweep_s),
+        make_app(folder, args.retention_sweep_s, merger, args.merge_every_s),
         host="127.0.0.1",
         port=args.port,
         print=None,

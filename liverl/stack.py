@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,15 +68,17 @@ BROKER_BUCKET = "liverl"
 
 
 def start_object_store(
-    root: Path, log_dir: Path, fsync: bool = False, retention_sweep_s: float = 60.0
+    root: Path, log_dir: Path, fsync: bool = False, retention_sweep_s: float = 60.0, extra_args: Sequence[str] = ()
 ) -> tuple[subprocess.Popen, int]:
     """Serve ``root`` over the S3 subset Tansu uses (``liverl.objstore``) on a free loopback port; makes the bucket.
-    It applies the topics' ``retention.ms`` every ``retention_sweep_s``. Returns the process and its port."""
+    It applies the topics' ``retention.ms`` every ``retention_sweep_s`` and merges small record batches
+    (``liverl.batchmerge``; ``extra_args`` may set its ``--merge-*`` options). Returns the process and its port."""
     port = free_port()
     proc = procs.spawn(
         [sys.executable, "-m", "liverl.objstore", "--root", str(root), "--port", str(port)]
         + ["--retention-sweep-s", str(retention_sweep_s)]
-        + (["--fsync"] if fsync else []),
+        + (["--fsync"] if fsync else [])
+        + list(extra_args),
         log_dir / "broker-storage.log",
     )
     _wait(port, 30, "the embedded broker's storage (liverl.objstore)", proc)
