@@ -29,6 +29,10 @@ always stays (Kafka's active segment), and compacted topics (ingest's changelogs
 the time this server wrote it (Kafka's log-append time), never a timestamp a producer chose. A consumer whose offset
 fell below what remains reads on from the oldest batch left, as a Kafka consumer does after OffsetOutOfRange.
 
+Merging: Tansu lists every batch of a partition at each fetch, so each fetch cost more as a partition grew (an hour
+of the demo fell minutes behind). ``liverl.batchmerge`` rewrites a partition's small settled batches as larger ones
+(``--merge-*``), with every record kept at its offset; its docstring says how readers never see half a merge.
+
 Access: it listens on 127.0.0.1 only and checks no signature, like the embedded Redis: anything that can reach the
 machine's loopback can reach it. A production deployment uses its own Kafka (``broker.bootstrap``).
 
