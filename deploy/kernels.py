@@ -29,6 +29,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+# The small helpers below are plain @njit functions: numba links them into their callers, where LLVM inlines them.
+# Inlining them at numba's IR level (inline="always") as well compiled the kernels in 195 s instead of 30 s and coded
+# no faster (liverl bench delta, 0.25 GiB, alternated rounds; BENCHMARKS.md).
+
 LIMIT = 24  # Rice quotient at or above which a code escapes to a fixed-width field
 GAP_BITS = 32  # fixed width of an escaped gap (chunks hold fewer than 2**31 elements)
 BIG_CHUNK = 1 << 16  # chunks of at least this many elements carry their group sizes in the stream
@@ -39,7 +43,7 @@ E_TRUNCATED, E_POSITION, E_COUNTS, E_TRAILING = -1, -2, -3, -4
 
 # ------------------------------------------------------------------------------------------------ bit I/O
 # The writer/reader state lives in a small uint64 array: [accumulator, bits in accumulator, byte position].
-@njit(inline="always")
+@njit
 def _put(buf, st, value, nbits):
     """Append the low ``nbits`` (<= 32) of ``value``, least significant bit first."""
     if nbits == 0:
@@ -55,7 +59,7 @@ def _put(buf, st, value, nbits):
     st[0], st[1], st[2] = acc, fill, pos
 
 
-@njit(inline="always")
+@njit
 def _put_wide(buf, st, value, nbits):
     if nbits > 32:
         _put(buf, st, value & np.uint64(0xFFFFFFFF), 32)
@@ -64,7 +68,7 @@ def _put_wide(buf, st, value, nbits):
         _put(buf, st, value, nbits)
 
 
-@njit(inline="always")
+@njit
 def _flush(buf, st):
     if st[1] > 0:
         buf[st[2]] = np.uint8(st[0] & np.uint64(0xFF))
@@ -73,7 +77,7 @@ def _flush(buf, st):
     return st[2]
 
 
-@njit(inline="always")
+@njit
 def _refill(buf, st):
     """Top the accumulator up to at least 57 bits. Past the end it shifts in zeros; the caller checks at the
     end that the bits consumed match the stream's length (``_consumed``), which catches truncation."""
@@ -87,7 +91,7 @@ def _refill(buf, st):
     st[0], st[1], st[2] = acc, fill, pos
 
 
-@njit(inline="always")
+@njit
 def _get(buf, st, nbits):
     """Read ``nbits`` (<= 56)."""
     if nbits == 0:
@@ -100,7 +104,7 @@ def _get(buf, st, nbits):
     return out
 
 
-@njit(inline="always")
+@njit
 def _get_wide(buf, st, nbits):
     if nbits > 32:
         lo = _get(buf, st, 32)
@@ -108,14 +112,14 @@ def _get_wide(buf, st, nbits):
     return _get(buf, st, nbits)
 
 
-@njit(inline="always")
+@njit
 def _consumed(st):
     """Bytes of the stream actually used (the reader may have fetched a few ahead)."""
     bits = st[2] * np.uint64(8) - st[1]
     return (bits + np.uint64(7)) // np.uint64(8)
 
 
-@njit(inline="always")
+@njit
 def _put_rice(buf, st, v, r, esc_bits):
     q = np.uint64(v) >> np.uint64(r)
     if q < LIMIT:
@@ -126,7 +130,7 @@ def _put_rice(buf, st, v, r, esc_bits):
         _put_wide(buf, st, v, esc_bits)
 
 
-@njit(inline="always")
+@njit
 def _get_rice(buf, st, r, esc_bits):
     if st[1] < np.uint64(LIMIT + 1):
         _refill(buf, st)
@@ -142,7 +146,7 @@ def _get_rice(buf, st, r, esc_bits):
     return (np.uint64(q) << np.uint64(r)) | _get(buf, st, r)
 
 
-@njit(inline="always")
+@njit
 def _put_gamma(buf, st, v):
     """Elias gamma of v >= 1."""
     nb = 0
@@ -155,7 +159,7 @@ def _put_gamma(buf, st, v):
     _put_wide(buf, st, v, nb)
 
 
-@njit(inline="always")
+@njit
 def _get_gamma(buf, st):
     nb = 0
     while _get(buf, st, 1) == 0:
@@ -166,7 +170,7 @@ def _get_gamma(buf, st):
     return (np.uint64(1) << np.uint64(nb)) | _get_wide(buf, st, nb)
 
 
-@njit(inline="always")
+@njit
 def _rice_param(total, count):
     """Smallest r with count * 2**r >= total (the JPEG-LS rule): the Rice parameter for values averaging total/count."""
     r = 0
@@ -179,7 +183,7 @@ def _rice_param(total, count):
 
 # Register-resident variants for the hot loops: the state travels as (acc, fill, pos) values, which numba
 # keeps in registers (an array-held state is reloaded after every byte store, as arrays may alias).
-@njit(inline="always")
+@njit
 def _wr(buf, acc, fill, pos, value, nbits):
     """Append the low ``nbits`` (<= 32) of ``value``; returns the new (acc, fill, pos)."""
     acc |= (np.uint64(value) & ((np.uint64(1) << np.uint64(nbits)) - np.uint64(1))) << fill
@@ -192,7 +196,7 @@ def _wr(buf, acc, fill, pos, value, nbits):
     return acc, fill, pos
 
 
-@njit(inline="always")
+@njit
 def _wr_rice(buf, acc, fill, pos, v, r, esc_bits):
     q = np.uint64(v) >> np.uint64(r)
     if q < LIMIT:
@@ -212,7 +216,7 @@ def _wr_rice(buf, acc, fill, pos, v, r, esc_bits):
     return acc, fill, pos
 
 
-@njit(inline="always")
+@njit
 def _rd(buf, acc, fill, pos, nbits):
     """Read ``nbits`` (<= 32); returns (value, acc, fill, pos). Past the end it reads zeros."""
     if fill < np.uint64(nbits):
@@ -226,7 +230,7 @@ def _rd(buf, acc, fill, pos, nbits):
     return out, acc >> np.uint64(nbits), fill - np.uint64(nbits), pos
 
 
-@njit(inline="always")
+@njit
 def _rd_rice(buf, acc, fill, pos, r, esc_bits):
     if fill < np.uint64(LIMIT + 1):
         size = buf.size
@@ -257,18 +261,18 @@ def _rd_rice(buf, acc, fill, pos, r, esc_bits):
 
 
 # ------------------------------------------------------------------------------------ ordered integers
-@njit(inline="always")
+@njit
 def _ord(u, sign, allm):
     """Float bits -> a monotone unsigned integer (negatives below positives, -0 next to +0)."""
     return (~u) & allm if u & sign else u | sign
 
 
-@njit(inline="always")
+@njit
 def _unord(k, sign, allm):
     return k ^ sign if k & sign else (~k) & allm
 
 
-@njit(inline="always")
+@njit
 def _diff_code(b, t, sign, allm, w):
     """(target - base) on the ordered line, wrapped to w bits, zigzagged, minus one (the elements differ)."""
     d = np.int64((_ord(t, sign, allm) - _ord(b, sign, allm)) & allm)
@@ -278,7 +282,7 @@ def _diff_code(b, t, sign, allm, w):
     return np.uint64(zz - 1)
 
 
-@njit(inline="always")
+@njit
 def _apply_code(x, v, forward, sign, allm):
     zz = np.int64(v + np.uint64(1))
     d = (zz >> 1) ^ -(zz & 1)

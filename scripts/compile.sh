@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compile the delta codec's numba kernels once per checkout (about a minute per element width on a fresh
+# Compile the delta codec's numba kernels once per checkout (about 10 s per element width on a fresh
 # clone; a few seconds when numba's on-disk cache in deploy/__pycache__ is current). Serving workers and
 # tests then load them from the cache instead of compiling in the middle of a hot-swap or a timed test.
 set -euo pipefail

@@ -16,7 +16,7 @@ import pytest
 from liverl.core.services import forget_prefix, port_open
 from tests.conftest import pipeline_env
 
-DURATION_S = int(os.environ.get("LIVERL_E2E_DURATION", "240"))
+DURATION_S = int(os.environ.get("LIVERL_E2E_DURATION", "200"))
 
 
 @pytest.mark.e2e
