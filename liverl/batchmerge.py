@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -70,6 +69,7 @@ class Folder(Protocol):
 
     def path(self, bucket: str, key: str) -> Path | None: ...
     def write(self, bucket: str, key: str, data: bytes, mtime: float | None = None) -> str: ...
+    def replace_file(self, path: Path, data: bytes, mtime: float | None = None) -> None: ...
     def delete(self, bucket: str, key: str) -> None: ...
 
 
@@ -299,16 +299,6 @@ def _journal_dir(folder: Folder) -> Path:
     return folder.root / ".merges"
 
 
-def _write_file(folder: Folder, path: Path, data: bytes) -> None:
-    tmp = folder.tmp / uuid.uuid4().hex
-    with open(tmp, "wb") as f:
-        f.write(data)
-        if folder.fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def apply(folder: Folder, bucket: str, merges: list[Merge]) -> int:
     """Write the merges: journal, each merged object (its time its newest source's), the replaced objects deleted,
     journal removed. Skips a merge whose sources changed since they were read. Returns how many were applied."""
@@ -326,7 +316,7 @@ def apply(folder: Folder, bucket: str, merges: list[Merge]) -> int:
     entries = [
         {"key": m.sources[0].key, "last": m.sources[-1].last, "drop": [s.key for s in m.sources[1:]]} for m in live
     ]
-    _write_file(folder, journal, json.dumps({"bucket": bucket, "merges": entries}).encode())
+    folder.replace_file(journal, json.dumps({"bucket": bucket, "merges": entries}).encode())
     for m in live:
         first = m.sources[0]
         folder.write(bucket, first.key, m.data, mtime=max(s.mtime for s in m.sources))
@@ -351,6 +341,8 @@ def recover(folder: Folder) -> int:
         bucket = j["bucket"]
         for m in j["merges"]:
             path = folder.path(bucket, m["key"])
+            if path is None:
+                continue  # not a key of this folder: nothing to finish
             try:
                 head = path.read_bytes()[:HEADER_BYTES]
             except OSError:

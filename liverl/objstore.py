@@ -136,15 +136,7 @@ class Folder:
         ``mtime``: the object's time, if not now (a merged batch keeps its newest source's: ``liverl.batchmerge``)."""
         path = self.path(bucket, key)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.tmp / uuid.uuid4().hex
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        if mtime is not None:
-            os.utime(tmp, (mtime, mtime))
-        os.replace(tmp, path)
+        self.replace_file(path, data, mtime)
         if self.fsync:
             fd = os.open(path.parent, os.O_RDONLY)
             try:
@@ -156,6 +148,19 @@ class Folder:
         self.meta[(bucket, key)] = m = self._stat(path)
         self._listed.pop((bucket, key), None)
         return m[2]
+
+    def replace_file(self, path: Path, data: bytes, mtime: float | None = None) -> None:
+        """Write ``path`` whole through a temporary file and a rename (fsynced when the folder is): a reader sees the
+        old content or the new, never part of it. Objects, and the merge journal (``liverl.batchmerge``)."""
+        tmp = self.tmp / uuid.uuid4().hex
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        if mtime is not None:
+            os.utime(tmp, (mtime, mtime))
+        os.replace(tmp, path)
 
     def delete(self, bucket: str, key: str) -> None:
         self.path(bucket, key).unlink(missing_ok=True)
