@@ -1,6 +1,7 @@
 """The serving agent: keeps the node on the version the release gate wants, and reports what it serves.
 
-Runs as an asyncio task inside the gateway process. Every ``cfg.serving.swap_poll_s`` it reads the signed
+Runs as an asyncio task in the serving process (``serving.main``), beside the node whose API-server process runs
+the gateway; it reports to that gateway through ``serving.node_gateway.GatewayLink``. Every ``cfg.serving.swap_poll_s`` it reads the signed
 announcements ``<prefix>:desired`` and ``<prefix>:canary`` (``VersionAnnouncement``s) from Redis through
 ``liverl.core.fleet`` (verified, bound to their channel, prefix and expiry, replays refused); its target is the canary
 when the canary's signed terms name this node, else the desired version. The registry must call the target ``stable``
@@ -36,7 +37,7 @@ phases stage_ms (before the pause) / pause_call_ms / apply_ms / label_ms / resum
 the agent's whole call, inflight, ...),
 and a heartbeat ``<prefix>:served:<node>`` = {version, checksum, ts, last_swap_pause_ms} is refreshed every poll.
 
-The process that runs node, gateway and agent together is ``serving.main``.
+The process that starts the node (the gateway inside it) and runs the agent is ``serving.main``.
 """
 
 from __future__ import annotations
@@ -57,8 +58,8 @@ from liverl.core import fleet, keys
 from liverl.core.config import LiverlConfig, advertised_url
 from liverl.core.schemas import VersionAnnouncement
 from liverl.core.services import required_verify_key
-from serving.gateway import Gateway
 from serving.node import NodeClient, delta_dir
+from serving.node_gateway import GatewayLink
 
 log = logging.getLogger("liverl.serving.agent")
 
@@ -83,7 +84,7 @@ class Agent:
     def __init__(
         self,
         cfg: LiverlConfig,
-        gateway: Gateway,
+        gateway: GatewayLink,
         redis,
         registry=None,
         work_dir: Path | None = None,
@@ -184,9 +185,11 @@ class Agent:
         if not ck.get("ok"):
             self.gw.m_reverify.labels(result="error").inc()
             log.error("re-verification could not read the served weights back: %s", ck.get("error"))
+            await self._flush()
             return False
         if ck["checksum"] == self.gw.checksum:
             self.gw.m_reverify.labels(result="ok").inc()
+            await self._flush()
             return True
         self.gw.m_reverify.labels(result="mismatch").inc()
         msg = (
@@ -195,6 +198,7 @@ class Agent:
         )
         log.critical(msg)
         self.gw.unhealthy_reason = msg
+        await self._flush()
         await self._report_error(self.gw.version, self.gw.version, msg, restored=False)
         return False
 
@@ -217,7 +221,16 @@ class Agent:
                     log.error("refusing %s: %s", fleet.announcement_key(self.prefix, channel), e)
         return fleet.serving_target(self.name, got["desired"], got["canary"])
 
+    async def _flush(self) -> None:
+        """Send what the agent reported to the gateway in the node's process (``GatewayLink.flush``); a failure is
+        logged and counted, and the reports go with the next flush."""
+        try:
+            await self.gw.flush()
+        except Exception as e:  # noqa: BLE001 - the node answers again or dies (then node_alive ends the agent)
+            log.error("could not report to the node's gateway: %s", e)
+
     async def heartbeat(self) -> None:
+        await self._flush()
         beat = keys.ServedHeartbeat(
             version=self.gw.version,
             checksum=self.gw.checksum,
@@ -303,7 +316,7 @@ class Agent:
             "verify_ok": False,
         }
         error: SwapError | None = None
-        rec["inflight"] = self.gw.swap_begin()  # requests frozen by this swap (kept, not dropped)
+        self.gw.swap_begin()
         t_call = time.perf_counter()
         try:
             try:
@@ -313,6 +326,7 @@ class Agent:
             except Exception as e:  # HTTP error or no answer: ask the weights what happened
                 r = await self._after_lost_swap(e, from_v, from_sum, target_version, target_checksum)
             rec["call_ms"] = round((time.perf_counter() - t_call) * 1e3, 3)
+            rec["inflight"] = r.get("inflight")  # requests frozen by this swap (kept, not dropped), counted in the node
             rec["pause_ms"] = r.get("pause_ms")  # measured in the node: the time the engine stepped no request
             rec["pause_wall"] = r.get("pause_wall")
             rec.update({k: v for k, v in (r.get("phases") or {}).items()})
@@ -339,10 +353,11 @@ class Agent:
             for p in paths:
                 p.unlink(missing_ok=True)
         rec["ts"] = time.time()
-        if rec["pause_ms"] is not None:
+        if rec.get("pause_ms") is not None:
             self.gw.last_swap_pause_ms = rec["pause_ms"]
             self.gw.m_pause.observe(rec["pause_ms"] / 1e3)
         self.gw.m_swaps.labels(outcome="ok" if error is None else "failed").inc()
+        await self._flush()
         self.swaps.append(rec)
         await self.redis.rpush(keys.swaps(self.prefix), keys.SwapRecord.model_validate(rec).to_json())
         await self.redis.ltrim(keys.swaps(self.prefix), -keys.LIST_CAP, -1)

@@ -1,5 +1,8 @@
 """The product's front door: an OpenAI-compatible gateway that logs every generation with its exact policy version.
 
+It runs inside the vLLM node's API-server process (``serving.node_gateway`` starts it there, with a node client
+that calls vLLM's route in memory); with an HTTP ``serving.node.NodeClient`` it runs anywhere (the unit tests).
+
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (plain or streamed, any ``n``; the chat template
 is the model's, applied by the node, so a record's prompt token ids are exactly what the model read),
 ``GET /v1/models``, and ``POST /v1/feedback`` (the feedback JSON of the topic, for backends that cannot speak
@@ -14,8 +17,8 @@ each choice's ``generation_id``), in every chunk of a stream, and in the ``X-Liv
 in choice order) and ``X-Liverl-Version`` headers.
 
 Exact version attribution without a drain: a hot-swap freezes the engine at a scheduler step, writes the changed
-weights, labels them and resumes (``serving.agent``); requests in flight are neither dropped nor held back for more
-than that pause. The gateway counts swaps (``swap_begin``/``swap_end``). A request during which no swap began, and
+weights, labels them and resumes (``serving.node_swap``, in the same process); requests in flight are neither dropped
+nor held back for more than that pause. The swap marks its start and end here (``swap_begin``/``swap_end``). A request during which no swap began, and
 that did not start inside one, was sampled by one version: the one served when it was sent. Any other asks the node
 for vLLM's per-token weight-version spans (``serving.node_versions``, the request is sent with ``request_id`` = its
 first generation id) and its record carries them (``GenerationRecord.version_spans``, ``policy_version`` = the first

@@ -1,10 +1,13 @@
-"""The serving process (``liverl serve``): a vLLM node, the OpenAI gateway in front of it, and the hot-swap agent.
+"""The serving process (``liverl serve``): a vLLM node with the OpenAI gateway inside it, and the hot-swap agent.
+
+The gateway runs in the node's API-server process (``serving.node_gateway``): product requests reach vLLM's engine
+client with no second process and no second HTTP hop. This process starts that node, runs the agent (which decides
+what the node serves: ``serving.agent``) and watches the node.
 
 ``serve`` refuses to start without an announcement verify key (``security.verify_key`` or
-``<state_dir>/keys/announce.pub``) unless ``security.allow_unsigned`` is set; it starts the three and runs until its
-stop event is set (or the node dies: the process then exits with the
-node's log tail, and its supervisor restarts it); ``run_serving`` is the blocking entry point that sets the stop
-event on SIGTERM or SIGINT.
+``<state_dir>/keys/announce.pub``) unless ``security.allow_unsigned`` is set; it starts the node and the agent and
+runs until its stop event is set (or the node dies: the process then exits with the node's log tail, and its
+supervisor restarts it); ``run_serving`` is the blocking entry point that sets the stop event on SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
@@ -16,14 +19,13 @@ import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from aiohttp import web
-
 from deploy.blobstore import open_blob_store
 from liverl.core.config import LiverlConfig
 from liverl.core.services import redis_from_url, required_verify_key
 from serving.agent import Agent
-from serving.gateway import Gateway, event_loop_factory
+from serving.gateway import event_loop_factory
 from serving.node import NodeClient, start_node
+from serving.node_gateway import GatewayLink
 
 log = logging.getLogger("liverl.serving")
 
@@ -47,39 +49,38 @@ async def serve(
     on_ready=None,
     base_version: int = 0,
 ) -> None:
-    """Start node + gateway + agent, serve until ``stop`` is set, then shut everything down. Refuses to start (a
-    ``ValueError`` naming both ways out) without an announcement verify key, unless ``security.allow_unsigned``."""
+    """Start the node (its gateway inside) and the agent, serve until ``stop`` is set, then shut everything down.
+    Refuses to start (a ``ValueError`` naming both ways out) without an announcement verify key, unless
+    ``security.allow_unsigned``. ``on_ready(gateway_link, agent, node)`` is called once the node serves."""
     required_verify_key(cfg)  # before the node starts: an agent that would follow any Redis writer does not start
     await _bounded_executor(asyncio.get_running_loop(), 4)
     log_path = cfg.state_path / "logs" / f"vllm-{cfg.serving.node_name}.log"
-    node = await asyncio.to_thread(start_node, cfg, model_dir, log_path, base_version=base_version)
-    client = NodeClient(node.url, max_connections=max(64, 2 * cfg.serving.max_num_seqs), key=node.key)
-    gw = Gateway(cfg, client, cfg.serving.node_name, bootstrap)
+    node = await asyncio.to_thread(
+        start_node, cfg, model_dir, log_path, base_version=base_version, gateway_bootstrap=bootstrap
+    )
+    client = NodeClient(node.url, key=node.key)
+    link = GatewayLink(client, cfg.serving.node_name)
     rds = redis_from_url(redis_url, asyncio=True)
-    registry = runner = None
+    registry = None
     agent_task = None
     try:
         await client.start()
-        await gw.start()
         if registry_url:
             from deploy.registry import Registry  # noqa: PLC0415 torch: via deploy.registry, with a registry only
 
             registry = Registry(registry_url, open_blob_store(cfg.blob_location))
-        agent = Agent(cfg, gw, rds, registry)
+        agent = Agent(cfg, link, rds, registry)
         await agent.init()
-        runner = web.AppRunner(gw.app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, cfg.serving.host, cfg.serving.gateway_port).start()
         agent_task = asyncio.create_task(agent.run(stop, node_alive=lambda: node.alive))
         log.info(
-            "gateway on http://%s:%d (node %s, engine start %.1f s)",
+            "gateway on http://%s:%d, in the vLLM node's process (node %s, engine start %.1f s)",
             cfg.serving.host,
             cfg.serving.gateway_port,
             node.url,
             node.start_s,
         )
         if on_ready is not None:
-            on_ready(gw, agent, node)
+            on_ready(link, agent, node)
         stop_task = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({agent_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
         stop_task.cancel()
@@ -89,14 +90,11 @@ async def serve(
         if agent_task is not None and not agent_task.done():
             agent_task.cancel()
             await asyncio.gather(agent_task, return_exceptions=True)
-        if runner is not None:
-            await runner.cleanup()
-        await gw.close()
         await client.close()
         await rds.aclose()
         if registry is not None:
             registry.close()
-        await asyncio.to_thread(node.stop)
+        await asyncio.to_thread(node.stop)  # SIGTERM: the node's gateway flushes its producer before it exits
 
 
 def run_serving(

@@ -1,8 +1,10 @@
-"""Launch one vLLM serving node: the stock OpenAI server, as a subprocess, with liverl's worker extension.
+"""Launch one vLLM serving node: the stock OpenAI server, as a subprocess, with liverl's worker extension and the
+gateway inside its API-server process.
 
 Why a subprocess running the stock server (``python -m vllm.entrypoints.openai.api_server``): the node is exactly
-what an operator would run on a GPU box, so the gateway talks to it over HTTP only, and a crash of the engine is
-contained and reported (with the tail of its log) instead of taking the gateway down.
+what an operator would run on a GPU box, and a crash of the engine is contained and reported (with the tail of its
+log) instead of taking the serving process and its agent down. The gateway runs in the node's process
+(``serving.node_gateway``, ``gateway_bootstrap`` of ``start_node``), so product requests cross no second process.
 
 Options that matter (all exact vLLM 0.32 names):
 - ``VLLM_SERVER_DEV_MODE=1`` registers the dev and RL routes used for hot-swaps: ``POST /pause?mode=wait``,
@@ -17,6 +19,9 @@ Options that matter (all exact vLLM 0.32 names):
 - ``--middleware serving.node_versions.VersionSpansMiddleware`` (inside the key check): keeps vLLM's per-token
   weight-version spans of each finished request and answers ``GET /liverl/spans``, so a request that spans a
   hot-swap is attributed token by token.
+- ``--middleware serving.node_gateway.GatewayMiddleware`` (inside the key check too): runs the gateway in this
+  process on ``serving.host:serving.gateway_port`` (``LIVERL_NODE_GATEWAY`` in the node's environment) and answers
+  the agent's ``/liverl/gateway`` reports.
 - ``--middleware serving.node_swap.SwapMiddleware`` (inside the key check too): ``POST /liverl/swap`` runs a whole
   hot-swap (pause, apply, verify, label, resume) on the engine in the node's process, so the engine is paused for the
   engine calls only, not for HTTP round trips through a busy server.
@@ -29,8 +34,8 @@ Options that matter (all exact vLLM 0.32 names):
   overhead-bound anyway), ``OMP_NUM_THREADS`` = ``threads`` (default 1) and ``VLLM_CPU_OMP_THREADS_BIND=nobind``
   so the engine neither pins nor spins both cores of a small machine.
 
-``NodeClient`` is the node's HTTP client (the OpenAI routes the gateway forwards to, and the dev/RL routes the
-hot-swap agent drives). This module imports neither torch nor vLLM at import time.
+``NodeClient`` is the node's HTTP client (the OpenAI routes, and the dev/RL routes the hot-swap agent drives).
+This module imports neither torch nor vLLM at import time.
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ WORKER_EXTENSION = "serving.worker_ext.LiverlWorkerExtension"
 NODE_MIDDLEWARE = "serving.node_auth.NodeKeyMiddleware"
 SPANS_MIDDLEWARE = "serving.node_versions.VersionSpansMiddleware"  # listed before the key check: inside it
 SWAP_MIDDLEWARE = "serving.node_swap.SwapMiddleware"  # likewise
+GATEWAY_MIDDLEWARE = "serving.node_gateway.GatewayMiddleware"  # likewise: its control route is keyed
+ENV_GATEWAY = "LIVERL_NODE_GATEWAY"  # JSON {config, bootstrap}: the gateway serving.node_gateway starts in the node
 NODE_KEEPALIVE_S = 75  # > NodeClient's aiohttp pool (30 s); its raw pool retries a request the node closed on unread
 
 
@@ -149,6 +156,8 @@ def node_command(
         SWAP_MIDDLEWARE,
         "--middleware",
         SPANS_MIDDLEWARE,
+        "--middleware",
+        GATEWAY_MIDDLEWARE,
         "--middleware",
         NODE_MIDDLEWARE,
         "--logprobs-mode",
@@ -260,10 +269,13 @@ def start_node(
     max_model_len: int | None = None,
     kv_cache_bytes: int | None = None,
     ready_timeout_s: float = 300.0,
+    gateway_bootstrap: str | None = None,
 ) -> NodeHandle:
     """Start ``vllm`` on ``model_dir`` and wait until it serves; raise ``NodeError`` with the log tail if it dies.
 
     ``base_version``: the registry version whose weights ``model_dir`` holds (0 for the base policy dir).
+    ``gateway_bootstrap``: run the gateway in the node's process (``serving.node_gateway``) on
+    ``serving.host:serving.gateway_port``, logging to the Kafka at this bootstrap; None: no gateway.
     """
     model_dir = Path(model_dir).resolve()
     if not (model_dir / "config.json").is_file():
@@ -291,13 +303,16 @@ def start_node(
         f.write(key)
     deltas = delta_dir(cfg).resolve()
     deltas.mkdir(parents=True, exist_ok=True)
+    env = node_env(device, threads, base_version, key, deltas)
+    if gateway_bootstrap is not None:
+        env[ENV_GATEWAY] = json.dumps({"config": cfg.model_dump_json(), "bootstrap": gateway_bootstrap})
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd,
         stdout=log_file,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        env=node_env(device, threads, base_version, key, deltas),
+        env=env,
         start_new_session=True,
         preexec_fn=_die_with_parent,
         cwd=str(Path(__file__).resolve().parent.parent),

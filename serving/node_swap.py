@@ -44,6 +44,8 @@ import logging
 import time
 from typing import Any
 
+from serving import node_gateway
+
 log = logging.getLogger("liverl.serving.node_swap")
 
 SWAP_PATH = "/liverl/swap"
@@ -118,7 +120,12 @@ class EngineSwap:
             return f"worker refused the deltas: {r.get('error')}"
         return None
 
-    async def run(self, deltas: list[tuple[str, str]], frm: tuple[int, str], to: tuple[int, str]) -> dict[str, Any]:
+    async def run(
+        self, deltas: list[tuple[str, str]], frm: tuple[int, str], to: tuple[int, str], gateway=None
+    ) -> dict[str, Any]:
+        """The swap; ``gateway``: the ``serving.gateway.Gateway`` in this process (``serving.node_gateway``), told
+        just before the pause that a swap begins and, after the resume and the read-back, which version it left
+        served (or why the node must stop serving) and that it ended."""
         out: dict[str, Any] = {
             "ok": False,
             "version": frm[0],
@@ -128,11 +135,24 @@ class EngineSwap:
             "phases": {},
             "worker": [],
         }
-        ph = out["phases"]
         refused = await self._stage(deltas, out)
         if refused:  # nothing paused, nothing written
             out.update(error=refused, restored=True, pause_ms=0.0)
             return out
+        if gateway is None:
+            return await self._paused(deltas, frm, to, out)
+        out["inflight"] = gateway.swap_begin()  # requests in flight now: frozen by the pause, kept
+        try:
+            await self._paused(deltas, frm, to, out)
+        finally:
+            _book(gateway, out, frm, to)
+            gateway.swap_end()  # after the version is set: a request sent before it asks for its spans
+        return out
+
+    async def _paused(
+        self, deltas: list[tuple[str, str]], frm: tuple[int, str], to: tuple[int, str], out: dict[str, Any]
+    ) -> dict[str, Any]:
+        ph = out["phases"]
         t0, w0 = time.perf_counter(), time.time()
         pause = asyncio.ensure_future(self._pause())
         # a probe queued right behind the pause: the engine core runs it just after it took the pause, so its start
@@ -212,6 +232,20 @@ class EngineSwap:
         return False
 
 
+def _book(gateway, out: dict[str, Any], frm: tuple[int, str], to: tuple[int, str]) -> None:
+    """What the swap left served, on the gateway of this process (before its ``swap_end``)."""
+    if out.get("pause_ms") is not None:
+        gateway.last_swap_pause_ms = out["pause_ms"]
+    if out.get("resume_error"):
+        gateway.unhealthy_reason = f"vLLM did not resume after a swap: {out['resume_error']}"
+    elif out.get("ok"):
+        gateway.set_served(to[0], to[1])
+    elif out.get("restored") is False:
+        gateway.unhealthy_reason = f"swap failed and the previous weights could not be restored: {out.get('error')}"
+    elif out.get("restored"):
+        gateway.set_served(frm[0], frm[1])
+
+
 def _ms(a: float, b: float) -> float:
     return round((b - a) * 1e3, 3)
 
@@ -247,7 +281,7 @@ class SwapMiddleware:
             return await _reply(send, 409, {"error": "a swap is already running on this node"})
         async with self.swap.lock:
             try:
-                out = await self.swap.run(deltas, frm, to)
+                out = await self.swap.run(deltas, frm, to, gateway=node_gateway.current())
             except Exception as e:  # staging or the pause call failed: nothing was written
                 log.exception("swap failed before any write")
                 return await _reply(

@@ -1,26 +1,26 @@
 """``liverl bench serve``: generations/s through the gateway against the vLLM node alone, same load, one run.
 
-The stack is started once (embedded broker and Redis, one vLLM node, the gateway with its agent, in a child
-process as ``liverl serve`` runs them). Then ``--rounds`` rounds of three runs, each ``--clients`` closed-loop
-clients for ``--duration`` seconds: against the gateway; against the node's own OpenAI server with the same
-request (the demo product's: one prompt, its ``max_tokens`` and temperature, plain or streamed); and against the
-node with the request as the gateway forwards it (token ids and the sampled log-probs asked for, which liverl
-must log). The order rotates each round, so drift of the machine's load hits every side alike. ``ratio`` is
-gateway / node (the issue's measure); ``ratio, same request`` is gateway / node doing the same work, i.e. the
-gateway's own cost. A generation counts when its response is complete (HTTP 200, or the stream's ``[DONE]``)
-inside the measured window; a ``--warmup`` before each window is not counted.
+The stack is started once (embedded broker and Redis, one vLLM node with the gateway running inside its API-server
+process, and the agent, in a child process as ``liverl serve`` runs them). Then ``--rounds`` rounds of three runs,
+each ``--clients`` closed-loop clients for ``--duration`` seconds: against the gateway; against the node's own
+OpenAI server with the same request (the demo product's: one prompt, its ``max_tokens`` and temperature, plain or
+streamed); and against the node with the request as the gateway forwards it (token ids and the sampled log-probs
+asked for, which liverl must log). The order rotates each round, so drift of the machine's load hits every side
+alike. ``ratio`` is gateway / node (the issue's measure); ``ratio, same request`` is gateway / node doing the same
+work, i.e. the gateway's own cost. A generation counts when its response is complete (HTTP 200, or the stream's
+``[DONE]``) inside the measured window; a ``--warmup`` before each window is not counted.
 
-Nothing is pinned: the node, the gateway, the broker and the clients share the machine's cores, which is what a
-single-box deployment sees; the gateway's own CPU per generation is read from its process and printed too.
-``LIVERL_BENCH_PROFILE=PATH`` runs the serving process (gateway and agent) under cProfile and writes its stats to PATH
-(``python -m pstats PATH``): where the gateway's time goes.
+Nothing is pinned: the node, the broker and the clients share the machine's cores, which is what a single-box
+deployment sees. The CPU the node's API-server process spends per generation is printed for the gateway's side and
+the node's: the gateway runs in that process, so the difference is what it costs there.
+``LIVERL_BENCH_PROFILE=PATH`` runs the node's API-server event loop under cProfile (``serving.node_gateway``) and
+writes its stats to PATH when the node stops (``python -m pstats PATH``): where the time of that process goes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
 import json
 import logging
 import multiprocessing
@@ -36,7 +36,9 @@ from typing import Any
 
 from liverl.core.config import LiverlConfig, load_config
 
-PROFILE_ENV = "LIVERL_BENCH_PROFILE"  # a path: the serving process is run under cProfile and its stats written there
+PROFILE_ENV = (
+    "LIVERL_BENCH_PROFILE"  # a path: the node's API-server event loop runs under cProfile, stats written there
+)
 DEFAULTS = {"clients": 64, "duration": 20.0, "rounds": 3, "warmup": 3.0, "api": "completions"}
 
 
@@ -44,20 +46,12 @@ DEFAULTS = {"clients": 64, "duration": 20.0, "rounds": 3, "warmup": 3.0, "api": 
 
 
 def _serve_child(cfg_json: str, model_dir: str, bootstrap: str, redis_url: str) -> None:
-    """The serving process: node + gateway + agent, as ``liverl serve`` runs them (no registry: nothing swaps)."""
+    """The serving process: the node (its gateway inside) and the agent, as ``liverl serve`` runs them (no registry:
+    nothing swaps)."""
     from serving.main import run_serving
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    profile = os.environ.get(PROFILE_ENV)
-    if not profile:
-        run_serving(LiverlConfig.model_validate_json(cfg_json), model_dir, bootstrap, redis_url, None)
-        return
-
-    prof = cProfile.Profile()  # the serving process's main thread: its event loop runs the gateway and the agent
-    try:
-        prof.runcall(run_serving, LiverlConfig.model_validate_json(cfg_json), model_dir, bootstrap, redis_url, None)
-    finally:
-        prof.dump_stats(profile)
+    run_serving(LiverlConfig.model_validate_json(cfg_json), model_dir, bootstrap, redis_url, None)
 
 
 def _serve_child_registry(cfg_json: str, model_dir: str, bootstrap: str, redis_url: str, registry_url: str) -> None:
@@ -84,9 +78,46 @@ def _wait_http(url: str, proc: multiprocessing.Process, timeout_s: float) -> Non
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of one process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    """User + system CPU seconds of one process, all its threads (Linux /proc); 0 when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    """Every process below ``pid`` (vLLM's engine core and its helpers under the API server)."""
+    parents: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                parents[int(d)] = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def _machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot (/proc/stat)."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    tck = os.sysconf("SC_CLK_TCK")
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    return (sum(vals) - idle) / tck, sum(vals) / tck
+
+
+def _cpu_split(groups: dict[str, list[int]]) -> dict[str, float]:
+    out = {name: sum(_cpu_seconds(p) for p in pids) for name, pids in groups.items()}
+    t = os.times()
+    out["bench clients"] = t.user + t.system
+    out["machine"] = _machine_cpu()[0]
+    return out
 
 
 # ------------------------------------------------------------------------------------------------ the load
@@ -233,6 +264,10 @@ def run(
 
     generate_keypair(state / "keys")  # serve refuses to start without a verify key (nothing is announced here)
     stack = start_stack(cfg)
+    if os.environ.get(PROFILE_ENV):
+        from serving.node_gateway import ENV_PROFILE
+
+        os.environ[ENV_PROFILE] = str(Path(os.environ[PROFILE_ENV]).resolve())  # the node inherits it
     proc = multiprocessing.get_context("spawn").Process(
         target=_serve_child,
         args=(cfg.model_dump_json(), str(model_dir), stack.bootstrap, stack.redis_url),
@@ -245,15 +280,24 @@ def run(
         from serving.node import read_node_key
 
         node_key = read_node_key(cfg)  # the node answers only with its key (the serving process wrote it)
+        node_pid = int((cfg.state_path / "serving" / f"vllm-{cfg.serving.vllm_port}.pid").read_text())
+        groups = {  # where the machine's CPU goes, per side: what the table's last columns split
+            "API server (gateway inside)": [node_pid],
+            "engine core": _children(node_pid),
+            "broker": [p.pid for name, p in stack.procs if "redis" not in name],
+            "serving process (agent)": [proc.pid],
+        }
         for r in range(rounds):
             order = sides[r % 3 :] + sides[: r % 3]  # each side goes first, second and third in turn
             row: dict[str, Any] = {"round": r + 1, "first": order[0][0]}
             for side, url, reqs in order:
-                cpu0 = _cpu_seconds(proc.pid)
+                cpu0 = _cpu_split(groups)
                 res = _run_loop(
                     _load(url, reqs, clients, warmup_s, duration_s, key="" if side == "gateway" else node_key)
                 )
-                res["gateway_cpu_s"] = _cpu_seconds(proc.pid) - cpu0
+                cpu1 = _cpu_split(groups)
+                res["cpu_s"] = {k: cpu1[k] - cpu0[k] for k in cpu0}  # whole run, warm-up included
+                res["api_cpu_s"] = res["cpu_s"]["API server (gateway inside)"]
                 row[side] = res
             row["ratio"] = row["gateway"]["gen_per_s"] / max(row["node"]["gen_per_s"], 1e-9)
             row["ratio_fwd"] = row["gateway"]["gen_per_s"] / max(row["node_fwd"]["gen_per_s"], 1e-9)
@@ -276,6 +320,7 @@ def run(
         "rows": rows,
         "median_ratio": statistics.median(r["ratio"] for r in rows),
         "median_ratio_fwd": statistics.median(r["ratio_fwd"] for r in rows),
+        "median_p50_overhead_ms": statistics.median(r["gateway"]["p50_ms"] - r["node"]["p50_ms"] for r in rows),
         "clients": clients,
         "duration_s": duration_s,
         "api": api,
@@ -318,21 +363,40 @@ def _machine() -> str:
 def _table(summary: dict) -> str:
     header = (
         "| round | first | gateway gen/s | node gen/s | node gen/s, gateway's request | ratio | ratio, same "
-        "request | gateway p50 ms | node p50 ms | gateway CPU ms/gen | errors (gw/node/fwd) |"
+        "request | gateway p50 ms | node p50 ms | p50 overhead ms | API-server CPU ms/gen, gateway / node / node fwd | "
+        "errors (gw/node/fwd) |"
     )
-    lines = ["", header, "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["", header, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         g, n, f = r["gateway"], r["node"], r["node_fwd"]
-        cpu = 1e3 * g["gateway_cpu_s"] / max(g["total_ok"], 1)
+        cpu_g, cpu_n, cpu_f = (1e3 * x["api_cpu_s"] / max(x["total_ok"], 1) for x in (g, n, f))
         lines.append(
             f"| {r['round']} | {r['first']} | {g['gen_per_s']:.1f} | {n['gen_per_s']:.1f} | "
             f"{f['gen_per_s']:.1f} | **{r['ratio']:.3f}** | {r['ratio_fwd']:.3f} | {g['p50_ms']:.0f} | "
-            f"{n['p50_ms']:.0f} | {cpu:.2f} | {g['errors']}/{n['errors']}/{f['errors']} |"
+            f"{n['p50_ms']:.0f} | {g['p50_ms'] - n['p50_ms']:.0f} | {cpu_g:.2f} / {cpu_n:.2f} / {cpu_f:.2f} | "
+            f"{g['errors']}/{n['errors']}/{f['errors']} |"
         )
+    split = [k for k in summary["rows"][0]["gateway"].get("cpu_s", {})]
+    if split:
+        lines += [
+            "",
+            "Where the machine's CPU went, ms per completed generation (medians over the rounds; each run's warm-up "
+            "included):",
+            "",
+            "| side | " + " | ".join(split) + " |",
+            "|---|" + "---|" * len(split),
+        ]
+        for side in ("gateway", "node", "node_fwd"):
+            per = [
+                statistics.median(1e3 * r[side]["cpu_s"][k] / max(r[side]["total_ok"], 1) for r in summary["rows"])
+                for k in split
+            ]
+            lines.append(f"| {side} | " + " | ".join(f"{v:.2f}" for v in per) + " |")
     lines += [
         "",
         f"median ratio (gateway / node): **{summary['median_ratio']:.3f}**; the gateway against the node "
-        f"doing the same work (token ids and log-probs asked for): {summary['median_ratio_fwd']:.3f}",
+        f"doing the same work (token ids and log-probs asked for): {summary['median_ratio_fwd']:.3f}; "
+        f"median p50 overhead {summary['median_p50_overhead_ms']:.0f} ms",
         f"machine: {summary['machine']}",
         f"reproduce: `{summary['command']}`",
     ]

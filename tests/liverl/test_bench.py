@@ -163,7 +163,7 @@ def test_serve_bench_forwards_the_gateways_own_request_and_prints_both_ratios():
     chat = _forwarded(_requests("chat", stream=True, n_prompts=1))
     assert json.loads(chat[0][1])["logprobs"] is True and json.loads(chat[0][1])["stream"] is True
 
-    side = {"gen_per_s": 100.0, "p50_ms": 200.0, "errors": 0, "total_ok": 2000, "gateway_cpu_s": 1.0}
+    side = {"gen_per_s": 100.0, "p50_ms": 200.0, "errors": 0, "total_ok": 2000, "api_cpu_s": 1.0}
     rows = [
         {
             "round": 1,
@@ -175,8 +175,19 @@ def test_serve_bench_forwards_the_gateways_own_request_and_prints_both_ratios():
             "ratio_fwd": 0.8,
         }
     ]
-    out = _table({"rows": rows, "median_ratio": 0.5, "median_ratio_fwd": 0.8, "machine": "m", "command": "c"})
-    assert "**0.500**" in out and "0.800" in out and "| 0.50 |" in out  # gateway CPU ms/gen: 1 s / 2000
+    out = _table(
+        {
+            "rows": rows,
+            "median_ratio": 0.5,
+            "median_ratio_fwd": 0.8,
+            "median_p50_overhead_ms": 0.0,
+            "machine": "m",
+            "command": "c",
+        }
+    )
+    assert (
+        "**0.500**" in out and "0.800" in out and "| 0.50 / 0.50 / 0.50 |" in out
+    )  # API-server CPU ms/gen: 1 s / 2000
 
 
 def test_ingest_bench_joins_every_pair_once_and_prints_its_table(stack, tmp_path, monkeypatch, capsys):

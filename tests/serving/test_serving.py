@@ -549,7 +549,8 @@ def test_a_crafted_delta_is_refused_before_any_write_and_an_out_of_band_change_i
     finally:
         assert _rpc(srv, "liverl_apply_delta", str(oob), cur["checksum"])["ok"]  # the XOR delta undoes itself
         assert srv.serving.call(agent.reverify) is True
-        gw.set_served(cur["version"], cur["checksum"])
+        gw.set_served(cur["version"], cur["checksum"])  # the operator's fix: told to the gateway in the node
+        srv.serving.call(gw.flush)
     status, _, out = _post(srv.url + "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2})
     assert status == 200, out
 

@@ -1,0 +1,132 @@
+"""The gateway runs inside the vLLM node's API-server process (``serving.node_gateway``, issue #21): the product's
+port is a socket of the node's process, the serving process holds none, the agent's reports reach the gateway only
+with the node key, and what they may touch is bounded."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import psutil
+import pytest
+
+from serving.node_gateway import CONTROL_PATH, GatewayLink, apply_ops
+
+
+def _listeners(pid: int) -> set[int]:
+    return {c.laddr.port for c in psutil.Process(pid).net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+
+
+def _call(url: str, body=None, key: str = "") -> tuple[int, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_the_gateway_port_is_the_node_process_s_and_the_serving_process_holds_no_socket_for_it(srv):
+    """No second hop: the gateway's port is listened on by the vLLM API-server process itself, beside vLLM's own
+    port; the serving process (the agent, here the test's own process) listens on neither."""
+    node_pid = srv.serving.node.proc.pid
+    node_ports = _listeners(node_pid)
+    assert srv.cfg.serving.gateway_port in node_ports and srv.cfg.serving.vllm_port in node_ports
+    assert srv.cfg.serving.gateway_port not in _listeners(psutil.Process().pid)
+    status, out = _call(srv.url + "/v1/completions", {"prompt": "[a]23+45=", "max_tokens": 3})
+    assert status == 200 and out["choices"][0]["generation_id"], out
+
+
+def test_the_agent_s_reports_need_the_node_key_and_reach_the_gateway(srv):
+    """``/liverl/gateway`` sits inside the node key check; with the key it answers the gateway's state, which agrees
+    with what the product sees at ``/liverl/version`` and with what the agent holds."""
+    url = srv.node_url + CONTROL_PATH
+    assert _call(url)[0] == 401
+    assert _call(url, {"ops": [["unhealthy", "forged"]]})[0] == 401
+    status, state = _call(url, key=srv.node_key)
+    served = json.loads(urllib.request.urlopen(srv.url + "/liverl/version", timeout=30).read())
+    link = srv.serving.gateway
+    assert status == 200 and state["version"] == served["version"] == link.version
+    assert state["checksum"] == served["checksum"] == link.checksum and state["unhealthy_reason"] is None
+    status, out = _call(url, {"ops": [["inc", "m_requests", {}, 1]]}, key=srv.node_key)  # only the agent's metrics
+    assert status == 400 and "no metric" in out["error"]
+    status, out = _call(url, {"ops": [["served", 1]]}, key=srv.node_key)
+    assert status == 400, out
+    assert _call(url, key=srv.node_key)[1]["version"] == served["version"]
+
+
+class _Metric:
+    def __init__(self):
+        self.counts: dict[tuple, float] = {}
+
+    def labels(self, **kw):
+        m = _Metric()
+        m.counts = self.counts
+        m.key = tuple(sorted(kw.items()))
+        return m
+
+    def inc(self, amount=1.0):
+        key = getattr(self, "key", ())
+        self.counts[key] = self.counts.get(key, 0) + amount
+
+    def observe(self, value):
+        self.counts[("observed",)] = value
+
+
+class _Gateway:
+    def __init__(self):
+        self.version = self.checksum = None
+        self.unhealthy_reason = "not initialised"
+        for name in ("m_swaps", "m_pause", "m_reverify", "m_agent_errors"):
+            setattr(self, name, _Metric())
+
+    def set_served(self, version, checksum):
+        self.version, self.checksum, self.unhealthy_reason = version, checksum, None
+
+
+class _Node:
+    """What GatewayLink posts to: applies the ops to a gateway, or fails like an unreachable node."""
+
+    def __init__(self, gw):
+        self.gw, self.down, self.calls = gw, False, 0
+
+    async def request(self, method, path, retry=True, json=None):
+        self.calls += 1
+        if self.down:
+            raise ConnectionError("node unreachable")
+        try:
+            apply_ops(self.gw, json["ops"])
+        except ValueError as e:
+            return 400, {"error": str(e)}
+        return 200, {}
+
+
+def test_the_link_sends_the_agent_s_reports_in_order_and_keeps_them_while_the_node_is_unreachable():
+    import asyncio
+
+    gw = _Gateway()
+    node = _Node(gw)
+    link = GatewayLink(node, "node-x")
+    link.set_served(3, "c" * 64)
+    link.unhealthy_reason = "SERVED WEIGHTS CHANGED"
+    link.m_swaps.labels(outcome="refused").inc()
+    link.m_pause.observe(0.02)
+    assert gw.version is None  # nothing sent before the flush
+    asyncio.run(link.flush())
+    assert (gw.version, gw.unhealthy_reason) == (3, "SERVED WEIGHTS CHANGED")  # served first, then unhealthy
+    assert gw.m_swaps.counts[(("outcome", "refused"),)] == 1 and gw.m_pause.counts[("observed",)] == 0.02
+
+    node.down = True
+    link.set_served(4, "d" * 64)
+    with pytest.raises(ConnectionError):
+        asyncio.run(link.flush())
+    assert gw.version == 3 and link.version == 4  # kept, not lost
+    node.down = False
+    asyncio.run(link.flush())
+    assert (gw.version, gw.checksum, gw.unhealthy_reason) == (4, "d" * 64, None)
+    calls = node.calls
+    asyncio.run(link.flush())
+    assert node.calls == calls  # nothing queued: no call
