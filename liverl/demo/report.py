@@ -372,15 +372,20 @@ def print_summary(summary: dict, summary_path: Path, plot_path: Path) -> None:
     print(
         f"base (v0) live acceptance      {pct(summary['base_acceptance'])} on {summary['base_feedback_events']} events"
     )
+
+    def pts(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    last = summary["last_promoted_version"]
     print(
-        f"last promoted (v{summary['last_promoted_version']}) acceptance "
+        f"last promoted ({'none yet' if last is None else f'v{last}'}) acceptance "
         f"{pct(summary['last_promoted_acceptance'])} on {summary['last_promoted_feedback_events']} events"
     )
-    print(f"lift                           {summary['lift_points']} points")
+    print(f"lift                           {pts(summary['lift_points'])} points")
     if summary.get("base_kept") is not None:
         print(
             f"kept (accepted, not reverted)  base {pct(summary['base_kept'])}, last promoted "
-            f"{pct(summary.get('last_promoted_kept'))}  ({summary.get('kept_lift_points')} points)"
+            f"{pct(summary.get('last_promoted_kept'))}  ({pts(summary.get('kept_lift_points'))} points)"
         )
     trap = summary.get("trap_report") or {}
     if summary.get("trap"):

@@ -73,6 +73,13 @@ requests against the in-memory broker (31,020 against 42,325 in 10 minutes, BENC
 ONE_NODE_PROFILE: dict[str, float] = {"heldout_share": 0.2}
 
 
+def final_window(demo) -> float:
+    """Seconds at the end of the run in which the learner emits no candidates (``demo.final_window_s``), so that the
+    last promoted version is measured on fresh traffic; at most half the run, so that a short run still trains: a
+    120-s run with the 120-s default held the learner from its first second and produced no version at all."""
+    return max(0.0, min(demo.final_window_s, demo.duration_s / 2))
+
+
 def apply_demo_profile(cfg: LiverlConfig) -> dict[str, float | int | str]:
     """Sets ``DEMO_PROFILE``'s values that ``cfg`` did not set explicitly; returns what it set (section.field: value)."""
     applied = {}
@@ -119,9 +126,11 @@ def run_demo(
     summary_path = Path(summary_path) if summary_path else demo_dir / "summary.json"
     plot_path = Path(plot_path) if plot_path else demo_dir / "acceptance.png"
 
+    hold_s = final_window(cfg.demo)
     print(
         f"liverl demo: {cfg.demo.duration_s:.0f} s, {cfg.demo.users} simulated users ({cfg.demo.concurrency} at once), product "
-        f"{product.describe()}, state in {state}",
+        f"{product.describe()}, state in {state}; no new candidates in the last {hold_s:.0f} s (the last promoted "
+        "version is measured then)",
         flush=True,
     )
     print(
@@ -198,7 +207,7 @@ def _drive(cfg: LiverlConfig, pipe: Pipeline, users, sdk, timeline: Timeline, li
                 failure = pipe.supervisor.check()
                 if failure:
                     break
-                if not held and elapsed >= cfg.demo.duration_s - cfg.demo.final_window_s:
+                if not held and elapsed >= cfg.demo.duration_s - final_window(cfg.demo):
                     r.set(keys.learner_hold(prefix), "1")  # measure the last promoted version on fresh traffic
                     held = True
                 served = _served_version(r, prefix)

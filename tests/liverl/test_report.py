@@ -134,3 +134,15 @@ def test_the_demo_profile_fills_in_only_what_config_did_not_set():
     applied = apply_demo_profile(cfg)
     assert cfg.ingest.heldout_share == 0.05 and "ingest.heldout_share" not in applied  # canaries: the default
     assert cfg.broker.embedded_storage == "folder" and "broker.embedded_storage" not in applied  # durable, as up
+
+
+def test_a_short_demo_still_trains_for_half_its_run():
+    """A 120-s demo with the 120-s final window held the learner from its first second: no version at all (found
+    running ``scripts/demo.sh --duration 120`` on a fresh clone). The window is now at most half the run."""
+    from liverl.core.config import DemoConfig
+    from liverl.demo.run import final_window
+
+    assert final_window(DemoConfig(duration_s=120, final_window_s=120)) == 60
+    assert final_window(DemoConfig(duration_s=600, final_window_s=120)) == 120  # the default run: unchanged
+    assert final_window(DemoConfig(duration_s=200, final_window_s=60)) == 60  # the e2e test's: unchanged
+    assert final_window(DemoConfig(duration_s=30, final_window_s=120)) == 15
