@@ -36,6 +36,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from serving.node import ENV_GATEWAY
+from serving.node_http import NodeUnreachable
 
 log = logging.getLogger("liverl.serving.node_gateway")
 
@@ -88,19 +89,28 @@ class InProcessStream:
     """``serving.node_http.NodeStream``'s interface over an in-memory exchange: ``status``, ``body()``,
     ``events()`` (the SSE ``data:`` payloads)."""
 
-    def __init__(self, call: _Call, task: asyncio.Task):
-        self.call, self.task = call, task
+    def __init__(self, call: _Call, task: asyncio.Task, timeout_s: float = 120.0):
+        self.call, self.task, self.timeout_s = call, task, timeout_s
         self.status = call.status
+
+    async def _next(self) -> bytes | None:
+        """The next body chunk (None at the end); ``NodeUnreachable`` after ``timeout_s`` of silence, as the HTTP
+        client raises it (the gateway then ends the client's stream with an error event)."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await self.call.chunks.get()
+        except TimeoutError:
+            raise NodeUnreachable(f"no output from the vLLM engine within {self.timeout_s:g} s") from None
 
     async def body(self) -> bytes:
         out = bytearray()
-        while (chunk := await self.call.chunks.get()) is not None:
+        while (chunk := await self._next()) is not None:
             out += chunk
         return bytes(out)
 
     async def events(self) -> AsyncIterator[bytes]:
         buf = b""
-        while (chunk := await self.call.chunks.get()) is not None:
+        while (chunk := await self._next()) is not None:
             buf += chunk
             while (end := buf.find(b"\n\n")) >= 0:
                 event, buf = buf[:end], buf[end + 2 :]
@@ -193,12 +203,19 @@ class InProcessNode:
         task.add_done_callback(done)
         return call, task
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        call, task = self._start("POST", path, body)
+    async def _headers(self, call: _Call) -> None:
         try:
             async with asyncio.timeout(self.timeout_s):
                 await call.headers_done
-                out = await InProcessStream(call, task).body()
+        except TimeoutError:
+            raise NodeUnreachable(f"no answer from the vLLM engine within {self.timeout_s:g} s") from None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        """(status, body) of a generation call; ``NodeUnreachable`` after ``timeout_s`` of silence."""
+        call, task = self._start("POST", path, body)
+        try:
+            await self._headers(call)
+            out = await InProcessStream(call, task, self.timeout_s).body()
         finally:
             call.disconnected.set()
         return call.status, out
@@ -207,8 +224,8 @@ class InProcessNode:
     async def stream(self, path: str, body: bytes) -> AsyncIterator[InProcessStream]:
         call, task = self._start("POST", path, body)
         try:
-            await call.headers_done
-            yield InProcessStream(call, task)
+            await self._headers(call)
+            yield InProcessStream(call, task, self.timeout_s)
         finally:
             call.disconnected.set()  # leaving early: vLLM sees the client gone and aborts the request
 
@@ -216,8 +233,8 @@ class InProcessNode:
         body = json.dumps(kw["json"]).encode() if "json" in kw else b""
         call, task = self._start(method, path, body)
         try:
-            await call.headers_done
-            raw = await InProcessStream(call, task).body()
+            await self._headers(call)
+            raw = await InProcessStream(call, task, self.timeout_s).body()
         finally:
             call.disconnected.set()
         try:

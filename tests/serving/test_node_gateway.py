@@ -130,3 +130,37 @@ def test_the_link_sends_the_agent_s_reports_in_order_and_keeps_them_while_the_no
     calls = node.calls
     asyncio.run(link.flush())
     assert node.calls == calls  # nothing queued: no call
+
+
+def test_in_process_calls_time_out_like_the_http_client_and_a_left_stream_tells_the_app():
+    """A silent engine ends a call with ``NodeUnreachable`` (what the gateway answers 502 or an error event for),
+    not a hang; leaving a stream early makes the app's ``receive`` say ``http.disconnect`` (vLLM then aborts)."""
+    import asyncio
+
+    from serving.node_gateway import InProcessNode
+    from serving.node_http import NodeUnreachable
+
+    seen: list[str] = []
+
+    async def silent(scope, receive, send):
+        await asyncio.sleep(3600)
+
+    async def stalls_after_one_event(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b'data: {"a": 1}\n\n', "more_body": True})
+        seen.append((await receive())["type"])  # blocks until the gateway leaves the stream
+
+    async def run() -> None:
+        with pytest.raises(NodeUnreachable, match="within 0.2 s"):
+            await InProcessNode(silent, "k" * 32, timeout_s=0.2).post("/v1/completions", b"{}")
+        node = InProcessNode(stalls_after_one_event, "k" * 32, timeout_s=0.2)
+        async with node.stream("/v1/completions", b"{}") as s:
+            events = s.events()
+            assert await events.__anext__() == b'{"a": 1}'
+            with pytest.raises(NodeUnreachable):
+                await events.__anext__()
+        await asyncio.sleep(0.05)
+        assert seen == ["http.disconnect"]
+
+    asyncio.run(run())
