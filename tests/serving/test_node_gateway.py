@@ -154,7 +154,7 @@ def test_in_process_calls_time_out_like_the_http_client_and_a_left_stream_tells_
     async def run() -> None:
         with pytest.raises(NodeUnreachable, match="within 0.2 s"):
             await InProcessNode(silent, "k" * 32, timeout_s=0.2).post("/v1/completions", b"{}")
-        node = InProcessNode(stalls_after_one_event, "k" * 32, timeout_s=0.2)
+        node = InProcessNode(stalls_after_one_event, "k" * 32, timeout_s=2.0)  # the first event comes at once
         async with node.stream("/v1/completions", b"{}") as s:
             events = s.events()
             assert await events.__anext__() == b'{"a": 1}'
