@@ -12,8 +12,11 @@ bare node). Now:
   start; without it the middleware passes everything through.
 - The gateway's aiohttp server listens on ``serving.host:serving.gateway_port``, the product's front door as
   before (the router forwards there), while vLLM's own server keeps ``serving.node_host:serving.vllm_port`` behind
-  the node key. The gateway's node client is ``InProcessNode``: each OpenAI call is an ASGI call on vLLM's own app
-  object, in memory (its middlewares and the key check included), not an HTTP exchange over a socket.
+  the node key. The gateway's node client is ``InProcessNode``: each call is an ASGI call in memory, not an HTTP
+  exchange over a socket. Generation calls go to vLLM's route object itself, inside FastAPI's exception handlers
+  (``InProcessNode._target``); other calls (``/v1/models``, ``/liverl/spans``) go through vLLM's whole app. The
+  first of them, at start, installs ``serving.node_versions``' span recorder. A call silent for ``timeout_s`` ends
+  with ``NodeUnreachable``, as over HTTP.
 - The swap bookkeeping happens here too, with no round trip: ``serving.node_swap`` marks the swap's start on this
   gateway just before it pauses the engine, and its end, with the version it left served, after the resume, so a
   request is known to have crossed a swap exactly.
