@@ -47,15 +47,21 @@ class NodeKeyMiddleware:
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
             return
-        body = json.dumps({"error": "unauthorized: this vLLM node answers only its serving process"}).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        await reply_json(send, 401, {"error": "unauthorized: this vLLM node answers only its serving process"})
+
+
+async def reply_json(send, status: int, body: dict) -> None:
+    """Answer an ASGI HTTP request with ``body`` as JSON (the node's own routes: this module's, the swap, the
+    spans, the gateway's control route)."""
+    raw = json.dumps(body).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": raw})
 
 
 def new_key() -> str:

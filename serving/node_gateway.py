@@ -39,6 +39,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from serving.node import ENV_GATEWAY
+from serving.node_auth import reply_json
 from serving.node_http import NodeUnreachable
 
 log = logging.getLogger("liverl.serving.node_gateway")
@@ -334,7 +335,7 @@ class GatewayMiddleware:
     async def _control(self, scope, receive, send) -> None:
         gw = self.gateway
         if gw is None:
-            return await _reply(send, 503, {"error": "no gateway runs in this node"})
+            return await reply_json(send, 503, {"error": "no gateway runs in this node"})
         if scope.get("method") == "POST":
             raw = b""
             while True:
@@ -345,10 +346,10 @@ class GatewayMiddleware:
             try:
                 apply_ops(gw, json.loads(raw)["ops"])
             except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
-                return await _reply(send, 400, {"error": f"bad {CONTROL_PATH} ops: {type(e).__name__}: {e}"})
+                return await reply_json(send, 400, {"error": f"bad {CONTROL_PATH} ops: {type(e).__name__}: {e}"})
         elif scope.get("method") != "GET":
-            return await _reply(send, 405, {"error": f"{CONTROL_PATH} takes GET or POST"})
-        await _reply(send, 200, state_of(gw))
+            return await reply_json(send, 405, {"error": f"{CONTROL_PATH} takes GET or POST"})
+        await reply_json(send, 200, state_of(gw))
 
 
 def state_of(gw) -> dict:
@@ -383,18 +384,6 @@ def apply_ops(gw, ops: list) -> None:
                 metric.observe(float(op[2]))
         else:
             raise ValueError(f"unknown op {kind!r}")
-
-
-async def _reply(send, status: int, body: dict) -> None:
-    raw = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": raw})
 
 
 class _RemoteMetric:

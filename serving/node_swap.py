@@ -45,6 +45,7 @@ import time
 from typing import Any
 
 from serving import node_gateway
+from serving.node_auth import reply_json
 
 log = logging.getLogger("liverl.serving.node_swap")
 
@@ -261,11 +262,11 @@ class SwapMiddleware:
         if scope["type"] != "http" or scope.get("path") != SWAP_PATH:
             return await self.app(scope, receive, send)
         if scope.get("method") != "POST":
-            return await _reply(send, 405, {"error": f"{SWAP_PATH} takes POST"})
+            return await reply_json(send, 405, {"error": f"{SWAP_PATH} takes POST"})
         if self.swap is None:
             engine = getattr(scope["app"].state, "engine_client", None)
             if engine is None:
-                return await _reply(send, 503, {"error": "the engine is not ready"})
+                return await reply_json(send, 503, {"error": "the engine is not ready"})
             self.swap = EngineSwap(engine)
         raw = b""
         while True:
@@ -276,28 +277,16 @@ class SwapMiddleware:
         try:
             deltas, frm, to = parse_body(raw)
         except SwapBodyError as e:
-            return await _reply(send, 400, {"error": str(e)})
+            return await reply_json(send, 400, {"error": str(e)})
         if self.swap.lock.locked():
-            return await _reply(send, 409, {"error": "a swap is already running on this node"})
+            return await reply_json(send, 409, {"error": "a swap is already running on this node"})
         async with self.swap.lock:
             try:
                 out = await self.swap.run(deltas, frm, to, gateway=node_gateway.current())
             except Exception as e:  # staging or the pause call failed: nothing was written
                 log.exception("swap failed before any write")
-                return await _reply(
+                return await reply_json(
                     send, 500, {"error": f"swap failed before any write (staging or pausing): {type(e).__name__}: {e}"}
                 )
         log.info("swap %d -> %d: ok=%s pause %.1f ms %s", frm[0], to[0], out["ok"], out["pause_ms"], out["phases"])
-        return await _reply(send, 200, out)
-
-
-async def _reply(send, status: int, body: dict) -> None:
-    raw = json.dumps(body).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
-        }
-    )
-    await send({"type": "http.response.body", "body": raw})
+        return await reply_json(send, 200, out)

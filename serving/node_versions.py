@@ -21,9 +21,10 @@ node key like every other. This module imports neither torch nor vLLM.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import urllib.parse
+
+from serving.node_auth import reply_json
 
 log = logging.getLogger("liverl.serving.node_versions")
 
@@ -92,12 +93,4 @@ class VersionSpansMiddleware:
             status, body = 400, {"error": "GET /liverl/spans needs rid=<request_id> and prompts=1..64"}
         else:
             status, body = 200, {"requests": self.recorder.lookup(rid, prompts)}
-        raw = json.dumps(body).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())],
-            }
-        )
-        await send({"type": "http.response.body", "body": raw})
+        await reply_json(send, status, body)
