@@ -1,7 +1,8 @@
 """The serving agent: keeps the node on the version the release gate wants, and reports what it serves.
 
 Runs as an asyncio task in the serving process (``serving.main``), beside the node whose API-server process runs
-the gateway; it reports to that gateway through ``serving.node_gateway.GatewayLink``. Every ``cfg.serving.swap_poll_s`` it reads the signed
+the gateway; it reports to that gateway through ``serving.node_gateway.GatewayLink`` (the swap's own start and end are
+marked on the gateway inside the node, at the pause). Every ``cfg.serving.swap_poll_s`` it reads the signed
 announcements ``<prefix>:desired`` and ``<prefix>:canary`` (``VersionAnnouncement``s) from Redis through
 ``liverl.core.fleet`` (verified, bound to their channel, prefix and expiry, replays refused); its target is the canary
 when the canary's signed terms name this node, else the desired version. The registry must call the target ``stable``
@@ -223,7 +224,7 @@ class Agent:
 
     async def _flush(self) -> None:
         """Send what the agent reported to the gateway in the node's process (``GatewayLink.flush``); a failure is
-        logged and counted, and the reports go with the next flush."""
+        logged, and the reports go with the next flush."""
         try:
             await self.gw.flush()
         except Exception as e:  # noqa: BLE001 - the node answers again or dies (then node_alive ends the agent)
@@ -316,7 +317,6 @@ class Agent:
             "verify_ok": False,
         }
         error: SwapError | None = None
-        self.gw.swap_begin()
         t_call = time.perf_counter()
         try:
             try:
@@ -349,7 +349,6 @@ class Agent:
                     self.gw.set_served(from_v, from_sum)
                 error = error or SwapError(str(r.get("error")), restored=r.get("restored") is not False)
         finally:
-            self.gw.swap_end()  # after set_served: a request sent before it asks for its spans
             for p in paths:
                 p.unlink(missing_ok=True)
         rec["ts"] = time.time()

@@ -408,7 +408,7 @@ class GatewayLink:
     and histograms), with what the agent sets queued for the node in order and sent by ``flush()`` (the agent
     flushes before each heartbeat, after a swap and after a re-verification). The swap's own bookkeeping (its
     start, the version it leaves served, its end) is done in the node by ``serving.node_swap``, exactly at the
-    pause, not from here; ``swap_begin`` / ``swap_end`` are no-ops kept for the agent's sequence."""
+    pause, not from here."""
 
     def __init__(self, node, node_name: str):
         self.node, self.node_name = node, node_name
@@ -433,12 +433,6 @@ class GatewayLink:
     def set_served(self, version: int, checksum: str) -> None:
         self.version, self.checksum, self._unhealthy = version, checksum, None
         self._queue(["served", version, checksum], state=True)
-
-    def swap_begin(self) -> None:
-        return None
-
-    def swap_end(self) -> None:
-        return None
 
     def _queue(self, op: list, state: bool = False) -> None:
         if len(self._ops) >= MAX_QUEUED_OPS and not state:  # the node is unreachable for long: drop counts, not state
