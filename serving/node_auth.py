@@ -50,6 +50,16 @@ class NodeKeyMiddleware:
         await reply_json(send, 401, {"error": "unauthorized: this vLLM node answers only its serving process"})
 
 
+async def read_body(receive) -> bytes:
+    """The whole body of an ASGI HTTP request (the node's own POST routes)."""
+    raw = b""
+    while True:
+        msg = await receive()
+        raw += msg.get("body", b"")
+        if not msg.get("more_body"):
+            return raw
+
+
 async def reply_json(send, status: int, body: dict) -> None:
     """Answer an ASGI HTTP request with ``body`` as JSON (the node's own routes: this module's, the swap, the
     spans, the gateway's control route)."""

@@ -39,7 +39,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from serving.node import ENV_GATEWAY
-from serving.node_auth import reply_json
+from serving.node_auth import read_body, reply_json
 from serving.node_http import NodeUnreachable
 
 log = logging.getLogger("liverl.serving.node_gateway")
@@ -337,12 +337,7 @@ class GatewayMiddleware:
         if gw is None:
             return await reply_json(send, 503, {"error": "no gateway runs in this node"})
         if scope.get("method") == "POST":
-            raw = b""
-            while True:
-                msg = await receive()
-                raw += msg.get("body", b"")
-                if not msg.get("more_body"):
-                    break
+            raw = await read_body(receive)
             try:
                 apply_ops(gw, json.loads(raw)["ops"])
             except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:

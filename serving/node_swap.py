@@ -45,7 +45,7 @@ import time
 from typing import Any
 
 from serving import node_gateway
-from serving.node_auth import reply_json
+from serving.node_auth import read_body, reply_json
 
 log = logging.getLogger("liverl.serving.node_swap")
 
@@ -268,12 +268,7 @@ class SwapMiddleware:
             if engine is None:
                 return await reply_json(send, 503, {"error": "the engine is not ready"})
             self.swap = EngineSwap(engine)
-        raw = b""
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
+        raw = await read_body(receive)
         try:
             deltas, frm, to = parse_body(raw)
         except SwapBodyError as e:

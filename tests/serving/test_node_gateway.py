@@ -58,6 +58,11 @@ def test_the_agent_s_reports_need_the_node_key_and_reach_the_gateway(srv):
     assert _call(url, key=srv.node_key)[1]["version"] == served["version"]
 
 
+# The two tests below use stand-ins on purpose: a node that is unreachable on demand, and an engine that goes silent
+# mid-stream, are failure modes the real vLLM node cannot be made to show at a chosen moment. The real node's side
+# of the same routes is checked by the two tests above.
+
+
 class _Metric:
     def __init__(self):
         self.counts: dict[tuple, float] = {}
