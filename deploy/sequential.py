@@ -672,7 +672,7 @@ class Canary:
         s = self.success.verdict()
         if s == WORSE:
             return ABORT, f"{self.success.name} is worse than stable (p {self.success.p_harm:.3g})"
-        pending = [g.name for g in self.guardrails if g.required and g.p_pass > g.alpha]
+        pending = [g for g in self.guardrails if g.required and g.p_pass > g.alpha]
         if s == BETTER and not pending:
             shown = (
                 "better than stable"
@@ -687,10 +687,18 @@ class Canary:
                 + (f" ({', '.join(watched)}: not shown worse)" if watched else "")
             )
         if deadline_passed:
+            # with the p-values it ended at, so that on-call sees how far each test was from deciding
             return ABORT, "deadline passed: " + (
                 "; ".join(
-                    ([f"{self.success.name} undecided"] if s != BETTER else [])
-                    + [f"guardrail {name} not shown non-inferior" for name in pending]
+                    (
+                        [f"{self.success.name} undecided (p {self.success.p_pass:.3g} against {self.success.alpha:g})"]
+                        if s != BETTER
+                        else []
+                    )
+                    + [
+                        f"guardrail {g.name} not shown non-inferior (p {g.p_pass:.3g} against {g.alpha:g})"
+                        for g in pending
+                    ]
                 )
             )
         return CONTINUE, "collecting evidence"

@@ -399,6 +399,9 @@ def test_the_canary_promotes_only_with_every_guardrail_and_aborts_on_any_harm_or
     assert early.verdict() == (CONTINUE, "collecting evidence")
     verdict, why = early.verdict(deadline_passed=True)
     assert verdict == ABORT and "deadline" in why
+    # the reason names each undecided test with the p-value it ended at, against its alpha (what on-call reads)
+    assert "acceptance undecided (p 1 against 0.05)" in why, why
+    assert "guardrail kept not shown non-inferior (p 1 against 0.05)" in why, why
 
 
 def test_bad_input_is_refused():
