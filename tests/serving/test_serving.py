@@ -96,6 +96,21 @@ def _wait_version(srv, version: int, timeout_s: float = 30) -> dict:
     )
 
 
+def _wait_swap(srv, from_: int, to: int, timeout_s: float = 30) -> dict:
+    """The latest swap record from ``from_`` to ``to``: the agent pushes it right after the node reports the new version
+    (``_wait_version`` can return first), so wait for it."""
+    key = f"{srv.cfg.topics.prefix}:swaps"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for raw in reversed(srv.redis.lrange(key, -20, -1)):
+            rec = json.loads(raw)
+            if (rec["from"], rec["to"]) == (from_, to):
+                return rec
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no swap record {from_} -> {to}: {srv.redis.lrange(key, -5, -1)}")
+        time.sleep(0.05)
+
+
 def _greedy(srv, prompt: str) -> dict:
     status, _, out = _post(
         srv.url + "/v1/completions",
@@ -213,8 +228,8 @@ def test_hot_swap_under_load_is_exact(srv):
 
     # no request failed or was dropped, and the swap was verified against the target checksum
     assert results and all(r["status"] == 200 for r in results), [r for r in results if r["status"] != 200][:3]
-    swap = json.loads(srv.redis.lrange(f"{srv.cfg.topics.prefix}:swaps", -1, -1)[0])
-    assert swap["from"] == old["version"] and swap["to"] == row.version and swap["verify_ok"]
+    swap = _wait_swap(srv, old["version"], row.version)
+    assert swap["verify_ok"]
     assert info["checksum"] == row.checksum == _node_checksum(srv)["checksum"] == checksum(new_state)
     versions = {r["version"] for r in results}
     assert versions == {old["version"], row.version}, versions
@@ -268,7 +283,7 @@ def test_rollback_and_on_the_fly_delta(srv):
     _wait_version(srv, row.version)
     _announce(srv, cur["version"], cur["checksum"])  # rollback
     info = _wait_version(srv, cur["version"])
-    swap = json.loads(srv.redis.lrange(f"{srv.cfg.topics.prefix}:swaps", -1, -1)[0])
+    swap = _wait_swap(srv, row.version, cur["version"])
     assert swap["how"] == "stored x1" and swap["verify_ok"] and info["checksum"] == cur["checksum"]
     assert _node_checksum(srv)["checksum"] == checksum(state)
 
@@ -372,13 +387,12 @@ def test_a_canary_node_serves_the_canary_and_returns_to_stable_when_the_rollout_
     canary_on("node-other", srv.cfg.serving.node_name)
     info = _wait_version(srv, row.version)
     assert info["checksum"] == row.checksum == _node_checksum(srv)["checksum"]
-    swaps_before = srv.redis.llen(f"{p}:swaps")
     srv.redis.delete(keys.rollout(p), keys.canary(p))  # aborted
     srv.registry.finish_rollout_abort(ro.id, actor="gate", reason="canary aborted")
     info = _wait_version(srv, cur["version"])
     assert info["checksum"] == cur["checksum"] == _node_checksum(srv)["checksum"]
-    back = keys.SwapRecord.from_json(srv.redis.lrange(f"{p}:swaps", swaps_before, -1)[-1])
-    assert (back.from_, back.to, back.deltas) == (row.version, cur["version"], 1)  # the one delta it holds, inverted
+    back = _wait_swap(srv, row.version, cur["version"])
+    assert back["deltas"] == 1  # the one delta it holds, inverted
 
 
 def test_corrupt_and_wrong_base_deltas_are_refused(srv):

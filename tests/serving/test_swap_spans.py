@@ -85,7 +85,12 @@ def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_vers
     # nothing dropped, nothing failed: every stream ended with [DONE] and TOKENS tokens
     assert not errors, errors[:3]
     assert results and all(r["status"] == 200 and r["done"] for r in results)
-    swaps = [json.loads(x) for x in srv.redis.lrange(f"{srv.cfg.topics.prefix}:swaps", swaps_before, -1)]
+    deadline = time.monotonic() + 30  # the agent pushes a swap's record right after the node reports the new version
+    while True:
+        swaps = [json.loads(x) for x in srv.redis.lrange(f"{srv.cfg.topics.prefix}:swaps", swaps_before, -1)]
+        if len(swaps) >= len(chain) - 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert [(w["from"], w["to"]) for w in swaps] == list(zip(chain, chain[1:])), swaps
     for swap in swaps:
         assert swap["verify_ok"], swap
