@@ -29,8 +29,10 @@ registry):
    figures before the rollout); latency is tested on the batch means of the buckets (its events are autocorrelated
    through node load). A sample-ratio mismatch of users or events stops the canary (reason ``srm``).
 3. **Decision.** Promote when kept acceptance is shown better (``gate.canary_margin`` > 0: not worse by more than it)
-   and every guardrail non-inferior; abort as soon as any is shown worse, on an SRM, or at ``gate.canary_deadline_s``.
-   The test state lives in the registry (compare-and-set by revision), so a restarted gate goes on where it was, and
+   and every guardrail non-inferior; abort as soon as any is shown worse, on an SRM, or at ``gate.canary_deadline_s``
+   (or earlier once the canary arm has ``gate.canary_max_events`` judged events: a budget in evidence, so that a
+   canary's power does not follow the day's traffic; the tests are always valid, so where they stop moves no error
+   rate, only their power). The test state lives in the registry (compare-and-set by revision), so a restarted gate goes on where it was, and
    a promotion is a compare-and-set on a *running* rollout: an operator's pause between the gate's read and its write
    wins. A promotion announces the canary as ``desired``; an abort rejects it and withdraws the canary announcement
    (the canary nodes return to stable). Each decision is a gate check (``canary``) in the registry with its evidence.
@@ -275,6 +277,7 @@ class CanaryController:
             "stable_length": length,
             "stable_latency_ms": latency,
             "fixed_at": now,
+            "max_events": g.canary_max_events,  # the evidence budget, fixed with the nulls
         }
 
     def clear(self) -> None:
@@ -461,7 +464,16 @@ class CanaryController:
         ev.looked_at = (ev.next_bucket, ev.next_fast)
         settling = now - rollout.started_at < self.cfg.gate.canary_min_s
         tests, srm, info = self.build_tests(rollout, ev, settling)
-        verdict, why = tests.verdict(deadline_passed=now >= rollout.deadline_at)
+        budget = (rollout.settings or {}).get("max_events")
+        c_judged = info["events"][0]
+        if budget is not None and c_judged >= budget and now < rollout.deadline_at:
+            verdict, why = tests.verdict(
+                deadline_passed=True,
+                deadline_why=f"deadline passed: evidence budget spent ({c_judged} judged events on the canary arm, "
+                f"gate.canary_max_events {budget})",
+            )
+        else:
+            verdict, why = tests.verdict(deadline_passed=now >= rollout.deadline_at)
         if verdict == seq.CONTINUE:
             why = (
                 _pending(tests, info)

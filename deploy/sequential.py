@@ -663,8 +663,9 @@ class Canary:
     success: MetricTest
     guardrails: list[MetricTest] = field(default_factory=list)
 
-    def verdict(self, deadline_passed: bool = False) -> tuple[str, str]:
-        """(promote | abort | continue, why)."""
+    def verdict(self, deadline_passed: bool = False, deadline_why: str = "deadline passed") -> tuple[str, str]:
+        """(promote | abort | continue, why). Past the deadline (in time or evidence: ``deadline_why`` says which),
+        what is undecided aborts."""
         k = max(len(self.guardrails), 1)
         for g in self.guardrails:
             if g.verdict(g.alpha / k) == WORSE:
@@ -688,7 +689,7 @@ class Canary:
             )
         if deadline_passed:
             # with the p-values it ended at, so that on-call sees how far each test was from deciding
-            return ABORT, "deadline passed: " + (
+            return ABORT, deadline_why + ": " + (
                 "; ".join(
                     (
                         [f"{self.success.name} undecided (p {self.success.p_pass:.3g} against {self.success.alpha:g})"]

@@ -520,7 +520,18 @@ class GateConfig(_Section):
         description="How many serving nodes serve the canary (at least one node always stays on the stable version).",
     )
     canary_deadline_s: float = Field(
-        default=1800.0, gt=0, description="A canary still undecided after this is aborted."
+        default=1800.0,
+        gt=0,
+        description="A canary still undecided after this is aborted (with canary_max_events set: the cap in time).",
+    )
+    canary_max_events: int | None = Field(
+        default=None,
+        ge=1,
+        description="The canary's evidence budget: a canary still undecided once its own arm has this "
+        "many judged events (whose revert horizon has closed) is aborted, as at canary_deadline_s, which stays the cap "
+        "in time. A deadline in seconds alone gives a canary on a quiet day a fraction of the evidence it gets on a "
+        "busy one, so its power follows the traffic; a budget in events does not. Fixed at the rollout's start. None: "
+        "the deadline in seconds only.",
     )
     canary_alpha: float = Field(
         default=0.05,

@@ -320,6 +320,37 @@ def test_an_undecided_canary_is_aborted_at_its_deadline(cfg, rds, fleet2):
     assert v.verdict == "aborted" and "deadline passed" in v.reason, v.reason
 
 
+def test_an_undecided_canary_is_aborted_once_its_evidence_budget_is_spent(cfg, rds, fleet2):
+    """``gate.canary_max_events``: the deadline in judged events of the canary arm, long before the one in seconds;
+    fixed at the rollout's start (a config changed later does not move it). Without it the same look continues."""
+    gate, registry = fleet2
+    cfg.gate.canary_max_events = 400
+    r = start(gate, registry, rds, cfg)
+    assert registry.rollout(r.id).settings["max_events"] == 400
+    cfg.gate.canary_max_events = None  # the rollout keeps the budget it started with
+    traffic(rds, cfg, r, first(r, 1), lift=0.0)
+    gate.canary.clock = lambda: after(r, cfg, 1)
+    [v] = gate.step()
+    assert v.verdict == "canary", v.reason  # under the budget yet (one bucket: about 150 events on the canary arm)
+    traffic(rds, cfg, r, range(first(r, 1).stop, first(r, 4).stop), lift=0.0, seed=5)
+    gate.canary.clock = lambda: after(r, cfg, 4)
+    assert gate.canary.clock() < r.deadline_at
+    [v] = gate.step()
+    assert v.verdict == "aborted", v.reason
+    assert "deadline passed: evidence budget spent (" in v.reason and "gate.canary_max_events 400" in v.reason
+    assert "acceptance undecided (p " in v.reason
+
+
+def test_without_an_evidence_budget_the_same_canary_runs_on(cfg, rds, fleet2):
+    gate, registry = fleet2
+    r = start(gate, registry, rds, cfg)
+    assert registry.rollout(r.id).settings["max_events"] is None
+    traffic(rds, cfg, r, first(r, 3), lift=0.0)
+    gate.canary.clock = lambda: after(r, cfg, 3)
+    [v] = gate.step()
+    assert v.verdict == "canary", v.reason
+
+
 def test_the_test_state_lives_in_the_registry_and_survives_a_gate_restart(cfg, rds, fleet2):
     gate, registry = fleet2
     r = start(gate, registry, rds, cfg)

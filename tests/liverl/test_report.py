@@ -119,7 +119,7 @@ def test_the_demo_profile_fills_in_only_what_config_did_not_set():
     applied = apply_demo_profile(cfg)
     assert (cfg.serving.nodes, cfg.gate.canary_share, cfg.gate.revert_horizon_s) == (1, 0.3, 75.0)
     assert "serving.nodes" not in applied and "gate.canary_share" not in applied
-    assert applied["gate.canary_deadline_s"] == 240.0
+    assert applied["gate.canary_deadline_s"] == 480.0 and applied["gate.canary_max_events"] == 6000
     assert cfg.ingest.heldout_share == 0.2  # one node: the off-policy check is its only evidence (ONE_NODE_PROFILE)
     cfg = load_config(None, env={"LIVERL__SERVING__NODES": "1", "LIVERL__INGEST__HELDOUT_SHARE": "0.1"})
     assert "ingest.heldout_share" not in apply_demo_profile(cfg) and cfg.ingest.heldout_share == 0.1
