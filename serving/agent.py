@@ -35,7 +35,7 @@ The re-prefill runs after the resume, outside the pause; it is one prefill per f
 
 Each swap is appended to ``<prefix>:swaps`` (JSON: from, to, pause_ms = the engine's pause measured in the node, its
 phases stage_ms (before the pause) / pause_call_ms / apply_ms / label_ms / resume_ms / verify_ms (after it), call_ms =
-the agent's whole call, inflight, ...),
+the agent's whole call, called_at = when it began (epoch s), inflight, ...),
 and a heartbeat ``<prefix>:served:<node>`` = {version, checksum, ts, last_swap_pause_ms} is refreshed every poll.
 
 The process that starts the node (the gateway inside it) and runs the agent is ``serving.main``.
@@ -317,6 +317,7 @@ class Agent:
             "verify_ok": False,
         }
         error: SwapError | None = None
+        rec["called_at"] = time.time()  # when the node was asked to swap (``ts``: when the record was written)
         t_call = time.perf_counter()
         try:
             try:
