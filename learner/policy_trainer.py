@@ -257,6 +257,12 @@ class PolicyTrainer:
             logp_BT, logprobs_BTV = self._token_logp(self.model, x)
             with torch.no_grad():
                 ent_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
+            batch_entropy = None
+            if self.lcfg.entropy_coef > 0 and self.lcfg.entropy_floor > 0:  # the floor's hinge (learner.loss)
+                part = float((ent_BT * x["mask_BT"]).sum()) / n_tokens * (weight > 0)
+                batch_entropy = part if self.ranks is None else all_sum([part], self.ranks)[0]  # the whole batch's
+                if batch_entropy < self.lcfg.entropy_floor:  # it acts: the entropy again, with its gradient
+                    ent_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
             kl_BT = full_kl(logprobs_BTV, ref_BTV) if self.kl_estimator == "full" else None
             out = pg_loss(
                 logp_BT,
@@ -269,6 +275,9 @@ class PolicyTrainer:
                 kl_BT=kl_BT,
                 entropy_BT=ent_BT,
                 n_tokens=n_tokens,
+                entropy_floor=self.lcfg.entropy_floor,
+                entropy_coef=self.lcfg.entropy_coef,
+                batch_entropy=batch_entropy,
             )
             if self.ranks is not None:  # this share's parts -> the batch's values, the same on every rank
                 parts = ("loss", "loss_pg", "kl", "entropy")

@@ -350,6 +350,20 @@ class LearnerConfig(_Section):
     micro_epochs: int = Field(default=1, ge=1, description="Passes over each batch.")
     tis_cap: float = Field(default=2.0, description="Truncated importance sampling cap C on pi/mu per token.")
     kl_coef: float = Field(default=0.05, description="Weight of the KL penalty to the anchor (learner.kl_reference).")
+    entropy_floor: float = Field(
+        default=0.1,
+        ge=0,
+        description="The learner's entropy floor (mean nats per completion token of its batch): under it, the loss "
+        "pushes the entropy back up (learner.loss, weight entropy_coef); above it, nothing. Keep it above "
+        "gate.min_entropy (0.05 by default), the floor under which the gate refuses a candidate as collapsed: in "
+        "hour-long demo runs, lineages past ~85% kept acceptance fell under the gate's floor within minutes and every "
+        "candidate was refused for minutes on end. 0: off.",
+    )
+    entropy_coef: float = Field(
+        default=0.1,
+        ge=0,
+        description="Weight of the entropy floor's hinge in the loss (learner.entropy_floor). 0: off.",
+    )
     candidate_every_steps: int = Field(
         default=10, ge=1, description="Emit a candidate version every this many updates."
     )

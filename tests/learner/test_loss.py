@@ -165,3 +165,58 @@ def test_full_kl_is_exact_zero_at_reference_and_pulls_toward_it():
     assert out.metrics["kl"] == pytest.approx(kl_BT.item())
     out.loss.backward()
     assert logits_BTV.grad[0, 0, 0] > 0  # descent lowers the logit the policy over-weights vs the reference
+
+
+def _entropy_case(floor: float, coef: float):
+    """A peaked two-position policy over 4 tokens (entropy ~0.17 nats), its loss with the entropy floor, and the
+    gradient on its logits."""
+    logits_BTV = torch.tensor([[[4.0, 0.0, 0.0, 0.0], [0.0, 4.5, 0.0, 0.0]]], requires_grad=True)
+    logprobs_BTV = torch.log_softmax(logits_BTV, -1)
+    logp_BT = logprobs_BTV[0, [0, 1], [0, 1]][None]
+    ent_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
+    out = pg_loss(
+        logp_BT,
+        logp_BT.detach(),
+        torch.tensor([0.5]),
+        torch.ones(1, 2),
+        tis_cap=2.0,
+        entropy_BT=ent_BT,
+        entropy_floor=floor,
+        entropy_coef=coef,
+    )
+    out.loss.backward()
+    return float((ent_BT.detach()).mean()), out, logits_BTV.grad
+
+
+def test_the_entropy_floor_acts_only_under_it_and_pushes_the_entropy_up():
+    """learner.entropy_floor: above it the loss and its gradient are the plain loss's; under it a gradient step
+    raises the entropy, where the plain loss (a positive advantage on the likeliest tokens) lowers it."""
+    h, plain, g_plain = _entropy_case(0.0, 0.0)
+    assert 0.1 < h < 0.3
+    _, above, g_above = _entropy_case(h - 0.05, 1.0)  # the floor under the policy's entropy: nothing changes
+    assert above.loss.item() == pytest.approx(plain.loss.item()) and torch.equal(g_above, g_plain)
+    assert above.metrics["entropy_floor_gap"] == 0.0 and "entropy_floor_gap" not in plain.metrics
+    _, under, g_under = _entropy_case(h + 0.3, 1.0)
+    assert under.metrics["entropy_floor_gap"] == pytest.approx(0.3, abs=1e-6)
+
+    def entropy_after(grad):
+        logits = torch.tensor([[[4.0, 0.0, 0.0, 0.0], [0.0, 4.5, 0.0, 0.0]]]) - 0.5 * grad
+        lp = torch.log_softmax(logits, -1)
+        return float(-(lp.exp() * lp).sum(-1).mean())
+
+    assert entropy_after(g_plain) < h < entropy_after(g_under)
+
+
+def test_the_entropy_floor_is_decided_on_the_whole_batchs_entropy():
+    """Over ranks each call holds a share: the hinge acts when the batch's mean (batch_entropy) is under the floor,
+    whatever this share's own entropy, and not otherwise."""
+    h, plain, g_plain = _entropy_case(0.0, 0.0)
+    logits_BTV = torch.tensor([[[4.0, 0.0, 0.0, 0.0], [0.0, 4.5, 0.0, 0.0]]], requires_grad=True)
+    lp = torch.log_softmax(logits_BTV, -1)
+    ent_BT = -(lp.exp() * lp).sum(-1)
+    logp_BT = lp[0, [0, 1], [0, 1]][None]
+    kw = dict(tis_cap=2.0, entropy_BT=ent_BT, entropy_floor=h + 0.3, entropy_coef=1.0)
+    high = pg_loss(logp_BT, logp_BT.detach(), torch.tensor([0.5]), torch.ones(1, 2), batch_entropy=h + 0.5, **kw)
+    assert high.metrics["entropy_floor_gap"] == 0.0 and high.loss.item() == pytest.approx(plain.loss.item())
+    low = pg_loss(logp_BT, logp_BT.detach(), torch.tensor([0.5]), torch.ones(1, 2), batch_entropy=h, **kw)
+    assert low.loss.item() == pytest.approx(plain.loss.item() - h)

@@ -797,3 +797,27 @@ def test_only_a_rejection_on_the_candidates_own_evidence_counts_against_its_line
         "bad idea (operator)",
     ):
         assert not evidence_against(reason), reason
+
+
+def test_the_learners_entropy_floor_raises_a_batch_under_it(model_dir, base_samples):
+    """learner.entropy_floor through PolicyTrainer: from the same weights on the same batch, an update under the
+    floor leaves the policy's entropy on that batch higher than the plain update does, and says by how much the
+    batch was under the floor; one above it trains exactly as the plain update."""
+    from deploy.delta import checksum
+    from learner.policy_trainer import PolicyTrainer
+    from liverl.core.config import LearnerConfig
+
+    batch = base_samples[:16]
+
+    def update(floor: float, coef: float):
+        tr = PolicyTrainer(model_dir, LearnerConfig(lr=3e-3, entropy_floor=floor, entropy_coef=coef))
+        m = tr.train_step(batch)
+        after = tr.train_step(batch)  # the second update's metrics report the entropy the first one left
+        return m, after["entropy"], checksum(tr.bf16_state_dict())
+
+    plain, h_plain, w_plain = update(0.0, 0.0)
+    above, _, w_above = update(plain["entropy"] / 4, 1.0)
+    assert above["entropy_floor_gap"] == 0.0 and w_above == w_plain
+    under, h_under, _ = update(plain["entropy"] + 1.0, 0.1)
+    assert under["entropy_floor_gap"] == pytest.approx(1.0, rel=1e-4)
+    assert h_under > h_plain
