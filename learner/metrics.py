@@ -59,6 +59,16 @@ class PrometheusCollector:
             "trained yet, by its feedback time (0: none waits; -1: unknown).",
             value=seconds,
         )
-        for k in ("reward_mean", "kl", "entropy", "ratio_mean", "clipped_frac", "masked_frac", "loss", "lr"):
+        for k in (
+            "reward_mean",
+            "kl",
+            "entropy",
+            "entropy_floor_gap",  # how far the last batch was under learner.entropy_floor (0: above it)
+            "ratio_mean",
+            "clipped_frac",
+            "masked_frac",
+            "loss",
+            "lr",
+        ):
             if k in lr.last_metrics:
                 yield GaugeMetricFamily(f"liverl_learner_{k}", f"Last update's {k}.", value=lr.last_metrics[k])

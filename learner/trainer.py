@@ -509,7 +509,7 @@ class Learner(ConsumerRebalanceListener):
             "loss_mean": sc["loss_sum"] / max(sc["steps"], 1.0),
             **{
                 k: self.last_metrics[k]
-                for k in ("kl", "entropy", "ratio_mean", "clipped_frac", "masked_frac")
+                for k in ("kl", "entropy", "entropy_floor_gap", "ratio_mean", "clipped_frac", "masked_frac")
                 if k in self.last_metrics
             },
         }
@@ -689,6 +689,7 @@ class Learner(ConsumerRebalanceListener):
                     "kl",
                     "loss",
                     "entropy",
+                    "entropy_floor_gap",
                     "ratio_mean",
                     "clipped_frac",
                     "masked_frac",
