@@ -354,8 +354,8 @@ class LearnerConfig(_Section):
         default=0.1,
         ge=0,
         description="The learner's entropy floor (mean nats per completion token of its batch): under it, the loss "
-        "pushes the entropy back up (learner.loss, weight entropy_coef); above it, nothing. Keep it above "
-        "gate.min_entropy (0.05 by default), the floor under which the gate refuses a candidate as collapsed: in "
+        "pushes the entropy back up (learner.loss, weight entropy_coef); above it, nothing. It must be above "
+        "gate.min_entropy (0.05 by default; the config refuses it otherwise), the floor under which the gate refuses a candidate as collapsed: in "
         "hour-long demo runs, lineages past ~85% kept acceptance fell under the gate's floor within minutes and every "
         "candidate was refused for minutes on end. 0: off.",
     )
@@ -791,6 +791,13 @@ class LiverlConfig(BaseSettings):
                 f"({delivery:g} s) by at least {margin:g} s: feedback waits that long "
                 "for its generation record, which a producer may still be retrying until its delivery timeout. Raise "
                 "ingest.pending_ttl_s or lower broker.delivery_timeout_s"
+            )
+        lr, g = self.learner, self.gate
+        if lr.entropy_floor > 0 and lr.entropy_coef > 0 and lr.entropy_floor <= g.min_entropy:
+            raise ValueError(
+                f"learner.entropy_floor ({lr.entropy_floor:g}) must be above gate.min_entropy ({g.min_entropy:g}): "
+                "the learner's floor keeps its lineage out of the gate's collapse refusals only from above it. Raise "
+                "learner.entropy_floor, lower gate.min_entropy, or set learner.entropy_floor = 0 to turn the floor off"
             )
         return self
 

@@ -91,3 +91,14 @@ def test_several_nodes_get_their_own_names_and_ports_and_a_router_in_front():
     assert node1.serving.node_name == "node-1" and node1.serving.gateway_port == 9001
     assert Pipeline(cfg, "/m").gateway_url == f"http://127.0.0.1:{cfg.serving.router_port}"
     assert Pipeline(load_config(env={}), "/m").gateway_url == "http://127.0.0.1:8000"
+
+
+def test_the_learners_entropy_floor_must_be_above_the_gates_collapse_floor():
+    """learner.entropy_floor at or under gate.min_entropy would let the lineage fall into the gate's collapse refusals
+    before the floor acts: refused, naming both; 0 turns the floor off and is accepted."""
+    with pytest.raises(ValueError, match=r"learner.entropy_floor \(0.05\) must be above gate.min_entropy \(0.05\)"):
+        load_config(env={}, learner__entropy_floor=0.05)
+    with pytest.raises(ValueError, match=r"learner.entropy_floor \(0.1\) must be above gate.min_entropy \(0.2\)"):
+        load_config(env={}, gate__min_entropy=0.2)
+    assert load_config(env={}, learner__entropy_floor=0.0, gate__min_entropy=0.2).learner.entropy_floor == 0.0
+    assert load_config(env={}).learner.entropy_floor > load_config(env={}).gate.min_entropy
