@@ -355,9 +355,9 @@ class LearnerConfig(_Section):
         ge=0,
         description="The learner's entropy floor (mean nats per completion token of its batch): under it, the loss "
         "pushes the entropy back up (learner.loss, weight entropy_coef); above it, nothing. It must be above "
-        "gate.min_entropy (0.05 by default; the config refuses it otherwise), the floor under which the gate refuses a candidate as collapsed: in "
-        "hour-long demo runs, lineages past ~85% kept acceptance fell under the gate's floor within minutes and every "
-        "candidate was refused for minutes on end. 0: off.",
+        "gate.min_entropy (0.05 by default; the config refuses it otherwise), the floor under which the gate refuses "
+        "a candidate as collapsed: in hour-long demo runs, lineages past ~85% kept acceptance fell under the gate's "
+        "floor within minutes and every candidate was refused for minutes on end. 0: off.",
     )
     entropy_coef: float = Field(
         default=0.1,
