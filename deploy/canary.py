@@ -278,6 +278,7 @@ class CanaryController:
             "stable_latency_ms": latency,
             "fixed_at": now,
             "max_events": g.canary_max_events,  # the evidence budget, fixed with the nulls
+            "futility_z": g.canary_futility_z,  # and the futility stop that reads it
         }
 
     def clear(self) -> None:
@@ -466,14 +467,18 @@ class CanaryController:
         tests, srm, info = self.build_tests(rollout, ev, settling)
         budget = (rollout.settings or {}).get("max_events")
         c_judged = info["events"][0]
+        futility = {}  # with a budget: how much of it is spent, for the futility stop (``seq.futile``)
+        if budget is not None:
+            futility = {"spent": c_judged / budget, "futility_z": (rollout.settings or {}).get("futility_z")}
         if budget is not None and c_judged >= budget and now < rollout.deadline_at:
             verdict, why = tests.verdict(
                 deadline_passed=True,
                 deadline_why=f"deadline passed: evidence budget spent ({c_judged} judged events on the canary arm, "
                 f"gate.canary_max_events {budget})",
+                **futility,
             )
         else:
-            verdict, why = tests.verdict(deadline_passed=now >= rollout.deadline_at)
+            verdict, why = tests.verdict(deadline_passed=now >= rollout.deadline_at, **futility)
         if verdict == seq.CONTINUE:
             why = (
                 _pending(tests, info)

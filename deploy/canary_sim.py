@@ -15,13 +15,25 @@ from functools import lru_cache
 
 import numpy as np
 
-from deploy.sequential import ABORT, MISMATCH, PROMOTE, MetricTest, SrmTest, UnitSums, bernoulli_estimate, look_units
+from deploy.sequential import (
+    ABORT,
+    FUTILITY_Z,
+    MISMATCH,
+    PROMOTE,
+    MetricTest,
+    SrmTest,
+    UnitSums,
+    bernoulli_estimate,
+    futile,
+    look_units,
+)
 from liverl.core.fleet import bucket
 
 POPULATIONS = {
     "segments": "two segments, half the users accept 0.70, half 0.25 (the demo's shape)",
     "beta(2,2)": "acceptance ~ Beta(2, 2): mean 0.5, spread 0.22",
     "beta(0.5,1.5)": "acceptance ~ Beta(0.5, 1.5): mean 0.25, skewed, many users near 0",
+    "beta(5,1)": "acceptance ~ Beta(5, 1): mean 0.83, many users near 1 (the demo's plateau)",
 }
 SCHEMES = ("user", "user+cuped", "event, sticky users", "event, per request")
 """The tests the simulation runs on each canary: the user-unit test without and with CUPED, and the per-event test
@@ -193,3 +205,114 @@ def _rates(out: dict, runs: int) -> dict:
     rows["cuped_removed"] = float(np.median(cr)) if cr else None
     rows["srm"] = out["srm"] / runs
     return rows
+
+
+BUDGET_ENDS = ("promoted", "worse", "futile", "budget")
+"""How a canary with an evidence budget ends: promoted, aborted shown worse, aborted as futile, or aborted with its
+budget spent undecided."""
+
+
+def simulate_budget(
+    population: str = "beta(5,1)",
+    n_users: int = 5000,
+    effects: tuple[float, ...] = (0.0, -0.015, -0.03, -0.06),
+    runs: int = 500,
+    *,
+    budget: int = 6000,
+    margin: float = 0.03,
+    futility_z: tuple[float | None, ...] = (None, FUTILITY_Z),
+    share: float = 0.5,
+    events_per_s: float = 60.0,
+    bucket_s: float = 10.0,
+    pre_s: float = 1800.0,
+    activity_sigma: float = 1.0,
+    alpha: float = 0.05,
+    tau: float = 0.03,
+    min_events: int = 50,
+    min_units: int = 10,
+    seed: int = 0,
+) -> dict:
+    """Canaries as the demo runs them at its plateau: a non-inferiority test on kept acceptance (``margin``), the
+    user as the unit with CUPED, and an evidence budget of ``budget`` judged events on the canary arm
+    (``gate.canary_max_events``), judged with and without the futility stop (``futility_z``: None is without;
+    ``deploy.sequential.futile``, as ``Canary.verdict`` applies it). Users, activity, assignment and looks as in
+    ``simulate_sticky``; each run plays every effect on the same users, assignment and event times.
+
+    Per effect and futility setting: the share of runs that ended each way (``BUDGET_ENDS``) and the canary events
+    spent until the end (median and mean). A promotion at ``effect <= -margin`` is a false one: the futility stop
+    can only lower that rate; at ``effect`` 0 or above a futile stop is a lost promotion."""
+    if not (0 < share < 1 and runs >= 1 and n_users >= 2 and events_per_s > 0 and bucket_s > 0 and budget >= 1):
+        raise ValueError("share in (0, 1), runs >= 1, n_users >= 2, events_per_s > 0, bucket_s > 0, budget >= 1")
+    per_bucket = max(1, round(events_per_s * bucket_s))
+    looks = int(math.ceil(budget / (share * per_bucket) * 1.5)) + 2  # past the budget in (almost) every run
+    threshold = math.log(1.0 / alpha)
+    secret = f"liverl-bench-canary-budget-{seed}".encode()
+    ends = {(eff, z): {e: 0 for e in BUDGET_ENDS} | {"events": []} for eff in effects for z in futility_z}
+    for run in range(runs):
+        rng = np.random.default_rng([seed, 7, run])
+        p = user_rates(population, n_users, rng)
+        w = rng.lognormal(0.0, activity_sigma, n_users)
+        w /= w.sum()
+        on = assign(secret, 2_000_003 * seed + run + 1, n_users, share)
+        k = int(on.sum())
+        if k in (0, n_users):
+            continue
+        order = np.argsort(~on, kind="stable")
+        p, w, on = p[order], w[order], on[order]
+        pre_n = rng.poisson(events_per_s * pre_s * w)
+        pre_x = rng.binomial(pre_n, p)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            cov = np.where(pre_n > 0, pre_x / np.maximum(pre_n, 1), np.nan)
+        user = np.minimum(np.searchsorted(np.cumsum(w), rng.random(looks * per_bucket) * w.sum()), n_users - 1)
+        slot = np.repeat(np.arange(looks), per_bucket) * n_users + user
+        u01 = rng.random(user.size)
+        p_e, on_e = p[user], on[user]
+        den = _cumulative(np.bincount(slot, minlength=looks * n_users), looks)
+        c_events = den[:, :k].sum(1)
+        spent = c_events / budget
+        for eff in effects:
+            accept = u01 < np.clip(p_e + eff * on_e, 0.0, 1.0)
+            num = _cumulative(np.bincount(slot, weights=accept, minlength=looks * n_users), looks)
+            c = UnitSums(num[:, :k], den[:, :k], cov[:k], pre_n[:k])
+            st = UnitSums(num[:, k:], den[:, k:], cov[k:], pre_n[k:])
+            test = MetricTest(
+                "acceptance", alpha=alpha, tau=tau, margin=margin, min_events=min_events, min_units=min_units
+            )
+            pl = look_units(test, c, st, cuped=True)["per_look"]
+            worse, promoted = pl["max_log_lr_harm"] >= threshold, pl["max_log_lr_pass"] >= threshold
+            for z in futility_z:
+                hopeless = (
+                    np.zeros(looks, bool)
+                    if z is None
+                    else pl["ready"] & futile(pl["d"], pl["var"], spent, -margin, tau, alpha, z)
+                )
+                over = spent >= 1.0
+                first = np.nonzero(worse | promoted | hopeless | over)[0]
+                i = int(first[0]) if first.size else looks - 1
+                end = "worse" if worse[i] else "promoted" if promoted[i] else "futile" if hopeless[i] else "budget"
+                out = ends[(eff, z)]
+                out[end] += 1
+                out["events"].append(int(c_events[i]))
+    rows = []
+    for (eff, z), out in ends.items():
+        ev = sorted(out["events"])
+        n = max(len(ev), 1)
+        rows.append(
+            {"effect": eff, "futility_z": z}
+            | {e: out[e] / n for e in BUDGET_ENDS}
+            | {"median_events": ev[len(ev) // 2] if ev else None, "mean_events": float(np.mean(ev)) if ev else None}
+        )
+    return {
+        "population": population,
+        "users": n_users,
+        "runs": runs,
+        "budget": budget,
+        "margin": margin,
+        "share": share,
+        "events_per_s": events_per_s,
+        "bucket_s": bucket_s,
+        "alpha": alpha,
+        "tau": tau,
+        "seed": seed,
+        "rows": rows,
+    }

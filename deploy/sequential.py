@@ -114,6 +114,38 @@ def t_widened(var, df, t=3.0):
     return var * np.where(np.isfinite(factor), factor, 1.0)
 
 
+FUTILITY_Z: float = 2.0
+"""How optimistic the futility projection is (``futile``): the estimate it projects is ``z`` standard errors above
+the current one (a one-sided 97.7% upper bound at 2)."""
+FUTILITY_MIN_SPENT: float = 0.25
+"""No futility stop before this share of the evidence budget is spent: the first looks' variances rest on few users."""
+
+
+def futile(d, var, spent, theta0: float, tau: float, alpha: float, z: float = FUTILITY_Z):
+    """Whether a test that has not passed yet could not pass by the end of its evidence budget, even if the effect
+    were ``z`` standard errors better than estimated now. ``spent``: the share of the budget behind ``(d, var)``.
+
+    The projection is optimistic on both counts: the effect is the current estimate's upper bound ``d + z sqrt(var)``,
+    and the variance at the budget is ``var * spent``, as if information grew in proportion to the events (with the
+    user as the unit it grows more slowly: users come back). Futile when that effect is not above ``theta0`` or
+    when, read at the budget, its mixture likelihood ratio (``log_mixture_lr``) stays under ``1 / alpha``.
+
+    Stopping for futility never promotes, so it cannot raise the false-promotion rate; what it costs is the
+    candidates it stops that would have passed by the budget (``deploy.canary_sim.simulate_budget`` measures both).
+    Arrays allowed (one value per look)."""
+    d, var, spent = (np.asarray(x, dtype=float) for x in (d, var, spent))
+    with np.errstate(invalid="ignore"):
+        best = d + z * np.sqrt(np.maximum(var, 0.0))
+        at_end = np.maximum(var, 1e-12) * np.clip(spent, 1e-6, 1.0)
+        lr = log_mixture_lr(best, at_end, theta0, tau)
+    return (
+        (spent >= FUTILITY_MIN_SPENT)
+        & np.isfinite(d)
+        & np.isfinite(var)
+        & ((best <= theta0) | (lr < math.log(1.0 / alpha)))
+    )
+
+
 # ------------------------------------------------------------------------------------------- one metric's test
 
 
@@ -273,6 +305,14 @@ class MetricTest:
         if self.p_pass <= a:
             return BETTER
         return UNDECIDED
+
+    def futile(self, spent: float, z: float = FUTILITY_Z) -> bool:
+        """Whether this test, not passed yet, could not pass within its budget (``futile``; ``spent``: the share of
+        the evidence budget behind the latest estimate)."""
+        if self.p_pass <= self.alpha or (self.last is None and min(self.canary.n, self.stable.n) < self.min_events):
+            return False  # passed, or nothing measured yet
+        d, var = self.estimate()
+        return bool(futile(d, var, spent, -self.margin, self.tau, self.alpha, z))
 
     def summary(self) -> dict:
         d, var = self.estimate()
@@ -663,9 +703,17 @@ class Canary:
     success: MetricTest
     guardrails: list[MetricTest] = field(default_factory=list)
 
-    def verdict(self, deadline_passed: bool = False, deadline_why: str = "deadline passed") -> tuple[str, str]:
+    def verdict(
+        self,
+        deadline_passed: bool = False,
+        deadline_why: str = "deadline passed",
+        spent: float | None = None,
+        futility_z: float | None = None,
+    ) -> tuple[str, str]:
         """(promote | abort | continue, why). Past the deadline (in time or evidence: ``deadline_why`` says which),
-        what is undecided aborts."""
+        what is undecided aborts. With an evidence budget (``spent``: the share of it used so far) and
+        ``futility_z``, a canary whose success metric or a required guardrail could not pass within the budget even
+        ``futility_z`` standard errors better than estimated (``futile``) aborts now, as "futile"."""
         k = max(len(self.guardrails), 1)
         for g in self.guardrails:
             if g.verdict(g.alpha / k) == WORSE:
@@ -687,6 +735,12 @@ class Canary:
                 + "guardrail non-inferior"
                 + (f" ({', '.join(watched)}: not shown worse)" if watched else "")
             )
+        if spent is not None and futility_z is not None and spent < 1.0 and not deadline_passed:
+            hopeless = [t for t in ([] if s == BETTER else [self.success]) + pending if t.futile(spent, futility_z)]
+            if hopeless:
+                return ABORT, f"futile with {spent:.0%} of the evidence budget spent: " + "; ".join(
+                    _futile_why(t, futility_z) for t in hopeless
+                )
         if deadline_passed:
             # with the p-values it ended at, so that on-call sees how far each test was from deciding
             return ABORT, deadline_why + ": " + (
@@ -703,3 +757,12 @@ class Canary:
                 )
             )
         return CONTINUE, "collecting evidence"
+
+
+def _futile_why(t: MetricTest, z: float) -> str:
+    d, var = t.estimate()
+    goal = "better than stable" if t.margin == 0 else f"not worse than stable by more than {t.margin:g}"
+    return (
+        f"{t.name} cannot be shown {goal} by the budget even {z:g} standard errors above its estimate "
+        f"({t.direction * d:+.4g} ± {math.sqrt(max(var, 0.0)):.2g}, p {t.p_pass:.3g} against {t.alpha:g})"
+    )

@@ -19,6 +19,12 @@ bound in brackets):
 - **+N / -N points** (``--effect`` added to every canary user's rate): power, the share of canaries promoted
   (+N) or aborted (-N) by the deadline, and the median events (all traffic) to that decision among those decided,
   for the user-unit test without and with CUPED, and for the per-event test with per-request randomisation.
+
+``--budget N`` measures something else: canaries as the demo runs them (a non-inferiority test within ``--margin``,
+the user unit with CUPED, an evidence budget of N judged events on the canary arm, ``gate.canary_max_events``),
+with and without the futility stop (``--futility-z``, ``gate.canary_futility_z``; ``deploy.sequential.futile``),
+for candidates as good as stable and 1.5, 3 and 6 points worse (``deploy.canary_sim.simulate_budget``; default
+population Beta(5,1), mean 0.83: the demo's plateau). A promotion at 3 points worse or more is a false one.
 """
 
 from __future__ import annotations
@@ -152,6 +158,71 @@ def binomial_upper(k: int, n: int, level: float = 0.95) -> float:
     return hi
 
 
+BUDGET_EFFECTS = (0.0, -0.015, -0.03, -0.06)
+
+
+def run_budget(
+    budget: int,
+    margin: float,
+    futility_z: float,
+    runs: int,
+    users: str,
+    populations: str,
+    events_per_s: float,
+    seed: int,
+    json_path: str | None = None,
+    command: str = "liverl bench canary --budget",
+) -> dict:
+    """The ``--budget`` table: each population and size, each effect, without and with the futility stop."""
+    from deploy.canary_sim import simulate_budget
+
+    rows, t_all = [], time.perf_counter()
+    for k in [int(u) for u in str(users).split(",") if u.strip()]:
+        for pop in _split_populations(populations):
+            t0 = time.perf_counter()
+            res = simulate_budget(
+                pop,
+                k,
+                effects=BUDGET_EFFECTS,
+                runs=runs,
+                budget=budget,
+                margin=margin,
+                futility_z=(None, futility_z),
+                events_per_s=events_per_s,
+                seed=seed,
+            )
+            for r in res["rows"]:
+                rows.append({"population": pop, "users": k} | r)
+            print(f"  {pop}, {k:,} users ({time.perf_counter() - t0:.0f} s)", flush=True)
+    lines = [
+        "",
+        f"Canaries with an evidence budget of {budget:,} canary events, non-inferiority within {margin:g}: how each "
+        "ended, and the canary events spent until then",
+        "",
+        "| population | users | candidate vs stable | futility stop | promoted | shown worse | futile | budget spent "
+        "undecided | canary events (median) | (mean) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        stop = "off" if r["futility_z"] is None else f"z {r['futility_z']:g}"
+        lines.append(
+            f"| {r['population']} | {r['users']:,} | {r['effect'] * 100:+g} points | {stop} | "
+            + " | ".join(f"{r[e]:.1%}" for e in ("promoted", "worse", "futile", "budget"))
+            + f" | {r['median_events']:,} | {r['mean_events']:,.0f} |"
+        )
+    lines += [
+        "",
+        f"{runs:,} canaries per row; {events_per_s:g} judged events/s (all traffic), half the users on the canary, "
+        f"a look per closed 10 s bucket; a promotion at {-margin * 100:g} points or worse is a false one",
+        f"reproduce: `{command}` ({(time.perf_counter() - t_all) / 60:.0f} min here)",
+    ]
+    print("\n".join(lines))
+    summary = {"rows": rows, "command": command, "budget": budget, "margin": margin}
+    if json_path:
+        Path(json_path).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
 def _rate(rate: float, runs: int) -> str:
     return f"{rate:.1%} (≤{binomial_upper(round(rate * runs), runs):.1%})"
 
@@ -252,12 +323,47 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--min-units", type=int, default=d["min_units"], help="users per arm before a decision (10)")
     s.add_argument("--srm-alpha", type=float, default=d["srm_alpha"], help="sample-ratio check's level (0.001)")
     s.add_argument("--seed", type=int, default=d["seed"], help="seed (default 0)")
+    s.add_argument(
+        "--budget",
+        type=int,
+        metavar="N",
+        help="instead: canaries with an evidence budget of N canary events (the demo's is 6000), with and without the "
+        "futility stop (defaults then: --users 2000,5000 --populations 'beta(5,1)' --events-per-s 60)",
+    )
+    s.add_argument("--margin", type=float, default=0.03, help="with --budget: non-inferiority margin (default 0.03)")
+    s.add_argument(
+        "--futility-z",
+        type=float,
+        default=None,
+        help="with --budget: the futility stop's optimism (default: gate.canary_futility_z's default)",
+    )
     s.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     s.set_defaults(fn=_cmd)
     return s
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    if args.budget is not None:
+        from liverl.core.config import GateConfig
+
+        z = GateConfig().canary_futility_z if args.futility_z is None else args.futility_z
+        users = "2000,5000" if args.users == DEFAULTS["users"] else args.users
+        pops = "beta(5,1)" if args.populations == DEFAULTS["populations"] else args.populations
+        eps = 60.0 if args.events_per_s == DEFAULTS["events_per_s"] else args.events_per_s
+        command = f"liverl bench canary --budget {args.budget} --runs {args.runs}" + "".join(
+            f" {flag} {value}"
+            for flag, value, default in (
+                ("--users", users, "2000,5000"),
+                ("--populations", f"'{pops}'", "'beta(5,1)'"),
+                ("--events-per-s", eps, 60.0),
+                ("--margin", args.margin, 0.03),
+                ("--futility-z", z, GateConfig().canary_futility_z),
+                ("--seed", args.seed, 0),
+            )
+            if value != default
+        )
+        run_budget(args.budget, args.margin, z, args.runs, users, pops, eps, args.seed, args.json, command)
+        return 0
     names = [n for n in DEFAULTS]
     command = "liverl bench canary" + "".join(
         f" --{n.replace('_', '-')} '{getattr(args, n)}'"

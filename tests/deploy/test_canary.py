@@ -18,6 +18,7 @@ import pytest
 from deploy.canary import SETTLE_S, evidence_start, first_bucket
 from deploy.gate import Gate
 from deploy.registry import open_registry
+from learner.trainer import evidence_against
 from liverl.core import fleet, keys
 from liverl.core.config import GateConfig
 from liverl.core.schemas import VersionAnnouncement
@@ -325,6 +326,7 @@ def test_an_undecided_canary_is_aborted_once_its_evidence_budget_is_spent(cfg, r
     fixed at the rollout's start (a config changed later does not move it). Without it the same look continues."""
     gate, registry = fleet2
     cfg.gate.canary_max_events = 400
+    cfg.gate.canary_futility_z = None  # the budget alone (the futility stop has its own test below)
     r = start(gate, registry, rds, cfg)
     assert registry.rollout(r.id).settings["max_events"] == 400
     cfg.gate.canary_max_events = None  # the rollout keeps the budget it started with
@@ -339,6 +341,33 @@ def test_an_undecided_canary_is_aborted_once_its_evidence_budget_is_spent(cfg, r
     assert v.verdict == "aborted", v.reason
     assert "deadline passed: evidence budget spent (" in v.reason and "gate.canary_max_events 400" in v.reason
     assert "acceptance undecided (p " in v.reason
+
+
+def test_a_canary_that_cannot_pass_within_its_budget_is_aborted_as_futile_before_spending_it(cfg, rds, fleet2):
+    """``gate.canary_futility_z``: a candidate clearly worse than what it must be shown, with a
+    quarter of the budget spent, stops now, and says why; the learner counts it as evidence against the candidate.
+    The setting is fixed at the rollout's start."""
+    gate, registry = fleet2
+    cfg.gate.canary_max_events = 1200
+    r = start(gate, registry, rds, cfg)
+    assert registry.rollout(r.id).settings["futility_z"] == GateConfig().canary_futility_z  # the default
+    cfg.gate.canary_futility_z = None  # the rollout keeps the setting it started with
+    traffic(rds, cfg, r, first(r, 4), lift=-0.04, seed=3)
+    gate.canary.clock = lambda: after(r, cfg, 4)
+    [v] = gate.step()
+    assert v.verdict == "aborted", v.reason
+    assert "futile with " in v.reason and "of the evidence budget spent: acceptance cannot be shown " in v.reason
+    assert "deadline passed" not in v.reason and evidence_against(registry.get(r.version).status_reason)
+
+
+def test_the_futility_stop_leaves_a_better_canary_to_be_promoted(cfg, rds, fleet2):
+    gate, registry = fleet2
+    cfg.gate.canary_max_events = 1200
+    r = start(gate, registry, rds, cfg)
+    traffic(rds, cfg, r, first(r, 4), lift=0.15, seed=4)
+    gate.canary.clock = lambda: after(r, cfg, 4)
+    [v] = gate.step()
+    assert v.verdict == "promoted", v.reason
 
 
 def test_without_an_evidence_budget_the_same_canary_runs_on(cfg, rds, fleet2):

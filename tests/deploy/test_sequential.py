@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from deploy.canary_sim import assign, simulate_sticky
+from deploy.canary_sim import assign, simulate_budget, simulate_sticky
 from deploy.sequential import (
     ABORT,
     BETTER,
@@ -24,12 +24,14 @@ from deploy.sequential import (
     UnitSums,
     batch_means,
     bernoulli_estimate,
+    futile,
     log_mixture_lr,
     look_batches,
     look_units,
     t_widened,
     unit_estimate,
 )
+from liverl.core.config import GateConfig
 
 
 def test_the_mixture_ratio_matches_its_formula_and_is_one_at_no_evidence():
@@ -402,6 +404,53 @@ def test_the_canary_promotes_only_with_every_guardrail_and_aborts_on_any_harm_or
     # the reason names each undecided test with the p-value it ended at, against its alpha (what on-call reads)
     assert "acceptance undecided (p 1 against 0.05)" in why, why
     assert "guardrail kept not shown non-inferior (p 1 against 0.05)" in why, why
+
+
+def test_futility_needs_a_quarter_of_the_budget_and_a_hopeless_estimate():
+    """``futile``: a canary as good as stable is not stopped; one whose estimate sits at the margin's
+    null with half the budget spent is; no stop before a quarter of the budget, whatever the estimate."""
+    tau, alpha, theta0 = 0.03, 0.05, -0.03
+    se = 0.01
+    assert not futile(0.0, se**2, 0.5, theta0, tau, alpha)  # as good as stable: it may still pass by the budget
+    assert futile(-0.03, se**2, 0.5, theta0, tau, alpha)  # at the null: even 1 se better cannot pass
+    assert futile(-0.05, se**2, 0.5, theta0, tau, alpha, z=1.0)
+    assert not futile(-0.05, se**2, 0.2, theta0, tau, alpha)  # too early to say
+    assert not futile(float("nan"), se**2, 0.5, theta0, tau, alpha)
+    more = futile(np.full(3, -0.02), np.full(3, se**2), np.array([0.3, 0.6, 0.9]), theta0, tau, alpha, z=1.0)
+    assert more.dtype == bool and more.shape == (3,) and list(more) == sorted(more)  # later looks: more often futile
+    t = MetricTest("acceptance", margin=0.03, min_events=10, min_units=2)
+    assert not t.futile(0.9)  # nothing measured yet
+    t.look(-0.04, se**2)
+    assert t.futile(0.9) and not t.futile(0.1)
+
+
+def test_the_canary_aborts_as_futile_only_with_a_budget_left_and_never_once_shown_better():
+    def canary(d):
+        c = Canary(MetricTest("acceptance", margin=0.03, min_events=10, min_units=2))
+        c.success.look(d, 0.01**2)
+        return c
+
+    verdict, why = canary(-0.025).verdict(spent=0.5, futility_z=1.0)
+    assert verdict == ABORT and why.startswith("futile with 50% of the evidence budget spent: acceptance cannot be ")
+    assert canary(-0.025).verdict(spent=0.5)[0] == CONTINUE  # no futility_z: no futility stop
+    assert canary(-0.025).verdict()[0] == CONTINUE  # no budget
+    verdict, why = canary(-0.025).verdict(deadline_passed=True, spent=1.0, futility_z=1.0)
+    assert verdict == ABORT and why.startswith("deadline passed")  # a spent budget says so, not "futile"
+    assert canary(0.05).verdict(spent=0.9, futility_z=5.0)[0] == PROMOTE
+
+
+def test_the_futility_stop_saves_evidence_and_costs_little_power_in_the_demos_world():
+    """``simulate_budget`` (``liverl bench canary --budget``): a non-inferiority canary with the demo's budget,
+    sticky users at the plateau's acceptance, with and without the stop. It never promotes what the budget alone
+    would not; it spends less on a candidate at the margin's null; it loses few promotions of one as good as stable."""
+    z = GateConfig().canary_futility_z
+    r = simulate_budget(n_users=2000, runs=60, effects=(0.0, -0.03), futility_z=(None, z), events_per_s=60.0)
+    rows = {(row["effect"], row["futility_z"]): row for row in r["rows"]}
+    assert rows[(-0.03, z)]["promoted"] <= rows[(-0.03, None)]["promoted"] <= 0.1
+    assert rows[(-0.03, z)]["mean_events"] < 0.85 * rows[(-0.03, None)]["mean_events"]
+    assert rows[(-0.03, z)]["futile"] > 0.3
+    assert rows[(0.0, z)]["promoted"] >= rows[(0.0, None)]["promoted"] - 0.05
+    assert rows[(0.0, None)]["futile"] == rows[(-0.03, None)]["futile"] == 0.0
 
 
 def test_bad_input_is_refused():
