@@ -75,7 +75,10 @@ Decisions per metric (``MetricTest.verdict``):
 Margins are absolute and fixed when the test is made: a guardrail's tolerance is turned into one from stable's
 pre-rollout mean once, at the canary's start, so every look tests the same null.
 ``Canary.verdict`` combines them as Spotify's rule does: promote when the success metric is ``better`` and every
-guardrail is non-inferior; abort as soon as any metric is ``worse``; abort at the deadline if undecided.
+guardrail is non-inferior; abort as soon as any metric is ``worse``; abort at the deadline if undecided; with an
+evidence budget, abort as ``futile`` a canary whose success metric or a required guardrail could not pass by the end
+of the budget even if its effect were ``futility_z`` standard errors better than estimated (``futile``: a non-binding
+futility stop, which can only lower the false-promotion rate).
 
 The calibration (``deploy.canary_sim.simulate_sticky``, run by ``liverl bench canary``) replays this code, look by look at the gate's
 cadence, on populations of sticky users assigned by ``liverl.core.fleet.bucket``.
