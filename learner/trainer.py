@@ -638,8 +638,12 @@ class Learner(ConsumerRebalanceListener):
         self._set_lr_scale(scale, since=promoted_at)
 
     def _refused_in_a_row(self) -> list[str]:
-        """The gate's reasons when it refused this learner's newest ``rebase_after_refusals`` candidates in a row on
-        their evidence since the stable version's promotion and this learner's last rebase; else []."""
+        """The gate's reasons when it refused this learner's newest ``rebase_after_refusals`` judged candidates in a row
+        on their evidence since the stable version's promotion and this learner's last rebase; else []. Candidates not
+        judged yet are passed over (there nearly always is one: the learner emits while the gate judges), and one on
+        a canary defers the decision to its verdict. (Stopping at any unjudged candidate, as this once did, meant the
+        rule almost never fired: in an hour's demo two canaries in a row were aborted with a newer candidate already
+        waiting, and the learner went on training the refused lineage.)"""
         k = self.lcfg.rebase_after_refusals
         if not k or self._emitted_since_rebase < k:
             return []  # too few candidates of this lineage for k refusals: no registry read before the update
@@ -647,7 +651,13 @@ class Learner(ConsumerRebalanceListener):
         since = max(stable.promoted_at or 0.0, self._rebased_wall)
         reasons = []
         for v in self.registry.list(limit=8 * k):  # newest first
-            if v.created_at <= since or v.status != "rejected":
+            if v.created_at <= since:
+                break
+            if v.status == "candidate":
+                continue  # not judged yet (the gate judges the newest; the older ones it supersedes): no verdict
+            if v.status == "canary":
+                return []  # on live users now: its verdict may end the run, so wait for it
+            if v.status != "rejected":
                 break
             if not evidence_against(v.status_reason or ""):
                 continue  # superseded, too little evidence to judge, an operator's or the rollout's own trouble

@@ -713,6 +713,29 @@ def test_a_lineage_the_gate_keeps_refusing_is_dropped_for_the_stable_weights(cfg
         reg.close()
 
 
+def test_candidates_not_judged_yet_do_not_hide_refusals_and_a_canary_defers_the_rebase(cfg, model_dir, base_samples):
+    """The rule counts the gate's verdicts: a newer candidate still waiting to be judged (there nearly always is one)
+    does not hide the refusals before it, and one on a canary holds the rebase until its own verdict is in."""
+    from learner.trainer import Learner
+
+    cfg = learner_cfg(cfg, batch_size=8, candidate_every_steps=1, rebase_after_refusals=2)
+    produce_samples(cfg, base_samples[:64])
+    reg = make_registry(cfg, model_dir)
+    try:
+        learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
+        learner.run(max_steps=3)  # v1, v2, v3
+        v1, v2, v3 = (c.version for c in reg.candidates())
+        reg.set_status(v1, "rejected", actor="gate", reason="canary aborted: acceptance is worse than stable (p 0.02)")
+        ro = reg.begin_rollout(v2, 0, 0.5, ["node-1"], "user", time.time() + 600, None, "gate", "gate passed")
+        learner._maybe_rebase(before_update=True)  # v3 not judged, v2 on live users: wait for v2's verdict
+        assert learner.counters["rebases"] == 0
+        reg.finish_rollout_abort(ro.id, actor="gate", reason="canary aborted: futile with 40% of the evidence budget")
+        learner._maybe_rebase(before_update=True)  # v3 still waits to be judged: two refusals in a row before it
+        assert learner.counters["rebases"] == 1
+    finally:
+        reg.close()
+
+
 def test_a_rebase_after_refusals_backs_the_learning_rate_off_and_promotions_bring_it_back(cfg, model_dir, base_samples):
     """The hour-long demo run after the rebase rule: every lineage rebased at the full rate was refused again within
     minutes (suite, entropy floor, canaries), and runs of refusals lasted up to 14 minutes. Now each rebase after
