@@ -3,9 +3,12 @@
     python scripts/refusal_runs.py STATE_DIR [--start TS]
 
 Issue #23's bar for a 60-minute demo run: no run of refusals lasts more than 5 minutes. A run starts at the first
-rejection on the candidate's own evidence (``learner.trainer.evidence_against``: a failed gate check, a canary aborted
-on its live evidence; not a supersession, a sample-ratio mismatch or a deadline) after a promotion, and ends at the
-next promotion, or at the end of the registry's history (then it is marked open). Times come from the audit log
+refusal after a promotion: a failed gate check (``rejected`` in the audit log, on the candidate's own evidence:
+``learner.trainer.evidence_against``; not a supersession) or any aborted canary (``canary_abort``: shown worse,
+futile, its deadline or evidence budget spent, a sample-ratio mismatch: the candidate was not shipped whatever the
+reason). It ends at the next promotion, or at the end of the registry's history (then it is marked open). (Until the
+sixteenth session it counted only the ``rejected`` entries, so a run of aborted canaries with no failed check in it
+was not counted at all.) Times come from the audit log
 (the gate's ``rejected`` and ``promote`` entries). Also prints the learner's rebases and learning-rate changes that its
 log recorded (``<state_dir>/logs/learn.log``), so a run can be read beside what the learner did about it.
 """
@@ -41,11 +44,12 @@ def main() -> int:
                 cur["end"], cur["ended_by"] = e.at, f"promotion of v{e.version}"
                 runs.append(cur)
                 cur = None
-        elif e.action == "rejected" and evidence_against(e.reason or ""):
+        elif (e.action == "rejected" and evidence_against(e.reason or "")) or e.action == "canary_abort":
             if cur is None:
                 cur = {"start": e.at, "refusals": 0, "reasons": {}}
             cur["refusals"] += 1
-            key = re.sub(r"[\d.]+", "N", (e.reason or "")[:40])
+            reason = (e.reason or "").removeprefix("canary aborted: ")
+            key = ("canary: " if e.action == "canary_abort" else "") + re.sub(r"[\d.]+", "N", reason[:32])
             cur["reasons"][key] = cur["reasons"].get(key, 0) + 1
     if cur is not None:
         cur["end"], cur["ended_by"] = entries[-1].at, "open at the end"
