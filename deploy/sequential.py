@@ -117,9 +117,9 @@ def t_widened(var, df, t=3.0):
     return var * np.where(np.isfinite(factor), factor, 1.0)
 
 
-FUTILITY_Z: float = 2.0
+FUTILITY_Z: float = 1.5
 """How optimistic the futility projection is (``futile``): the estimate it projects is ``z`` standard errors above
-the current one (a one-sided 97.7% upper bound at 2)."""
+the current one (a one-sided 93% upper bound at 1.5). ``gate.canary_futility_z``'s default."""
 FUTILITY_MIN_SPENT: float = 0.25
 """No futility stop before this share of the evidence budget is spent: the first looks' variances rest on few users."""
 
@@ -767,5 +767,6 @@ def _futile_why(t: MetricTest, z: float) -> str:
     goal = "better than stable" if t.margin == 0 else f"not worse than stable by more than {t.margin:g}"
     return (
         f"{t.name} cannot be shown {goal} by the budget even {z:g} standard errors above its estimate "
-        f"({t.direction * d:+.4g} ± {math.sqrt(max(var, 0.0)):.2g}, p {t.p_pass:.3g} against {t.alpha:g})"
+        f"(effect {d:+.4g} ± {math.sqrt(max(var, 0.0)):.2g}, positive when better; p {t.p_pass:.3g} against "
+        f"{t.alpha:g})"
     )

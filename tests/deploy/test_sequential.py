@@ -13,6 +13,7 @@ from deploy.sequential import (
     ABORT,
     BETTER,
     CONTINUE,
+    FUTILITY_Z,
     MATCH,
     MISMATCH,
     PROMOTE,
@@ -444,6 +445,7 @@ def test_the_futility_stop_saves_evidence_and_costs_little_power_in_the_demos_wo
     sticky users at the plateau's acceptance, with and without the stop. It never promotes what the budget alone
     would not; it spends less on a candidate at the margin's null; it loses few promotions of one as good as stable."""
     z = GateConfig().canary_futility_z
+    assert z == FUTILITY_Z  # the gate's default is the function's
     r = simulate_budget(n_users=2000, runs=60, effects=(0.0, -0.03), futility_z=(None, z), events_per_s=60.0)
     rows = {(row["effect"], row["futility_z"]): row for row in r["rows"]}
     assert rows[(-0.03, z)]["promoted"] <= rows[(-0.03, None)]["promoted"] <= 0.1
