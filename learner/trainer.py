@@ -639,7 +639,7 @@ class Learner(ConsumerRebalanceListener):
 
     def _refused_in_a_row(self) -> list[str]:
         """The gate's reasons when it refused this learner's newest ``rebase_after_refusals`` judged candidates in a row
-        on their evidence since the stable version's promotion and this learner's last rebase; else []. Candidates not
+        on their evidence since the stable version was emitted and this learner's last rebase; else []. Candidates not
         judged yet are passed over (there nearly always is one: the learner emits while the gate judges), and one on
         a canary defers the decision to its verdict. (Stopping at any unjudged candidate, as this once did, meant the
         rule almost never fired: in an hour's demo two canaries in a row were aborted with a newer candidate already
@@ -648,7 +648,10 @@ class Learner(ConsumerRebalanceListener):
         if not k or self._emitted_since_rebase < k:
             return []  # too few candidates of this lineage for k refusals: no registry read before the update
         stable = self.registry.stable()
-        since = max(stable.promoted_at or 0.0, self._rebased_wall)
+        # the stable version's successors: candidates emitted during its canary are judged after its promotion,
+        # against it (counting from the promotion left out the first canary after each one: a second run of the
+        # hour's demo had two futile canaries in a row and no rebase)
+        since = max(stable.created_at, self._rebased_wall)
         reasons = []
         for v in self.registry.list(limit=8 * k):  # newest first
             if v.created_at <= since:

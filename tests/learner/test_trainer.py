@@ -736,6 +736,28 @@ def test_candidates_not_judged_yet_do_not_hide_refusals_and_a_canary_defers_the_
         reg.close()
 
 
+def test_candidates_emitted_during_the_stables_canary_count_once_it_is_promoted(cfg, model_dir, base_samples):
+    """The first candidates judged against a newly promoted version were emitted during its canary, before its
+    promotion: their refusals count (counting from the promotion left them out, and the rule needed a third)."""
+    from learner.trainer import Learner
+
+    cfg = learner_cfg(cfg, batch_size=8, candidate_every_steps=1, rebase_after_refusals=2)
+    produce_samples(cfg, base_samples[:64])
+    reg = make_registry(cfg, model_dir)
+    try:
+        learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
+        learner.run(max_steps=4)  # v1 .. v4
+        v1, v2, v3, _ = (c.version for c in reg.candidates())
+        time.sleep(0.01)
+        reg.promote(v1, actor="gate", reason="canary passed")  # after v2 .. v4 were emitted
+        reg.set_status(v2, "rejected", actor="gate", reason="failed suite", expect="candidate")
+        reg.set_status(v3, "rejected", actor="gate", reason="canary aborted: futile with 30% of the evidence budget")
+        learner._maybe_rebase(before_update=True)  # v4 waits to be judged
+        assert learner.counters["rebases"] == 1
+    finally:
+        reg.close()
+
+
 def test_a_rebase_after_refusals_backs_the_learning_rate_off_and_promotions_bring_it_back(cfg, model_dir, base_samples):
     """The hour-long demo run after the rebase rule: every lineage rebased at the full rate was refused again within
     minutes (suite, entropy floor, canaries), and runs of refusals lasted up to 14 minutes. Now each rebase after
