@@ -64,8 +64,7 @@ canaries already shown better waited 75-85 s on latency alone, their arms at 296
 150-250 of its updates here, so with 8 most of the stable arm's samples were dropped as stale and it starved (23,552
 of 55,841 trained in one run). The learner rebases onto stable after 2 candidates in a row refused on their
 evidence, not 5: in the hour-long runs (BENCHMARKS.md, fifteenth and sixteenth sessions) a run of refusals held 1-4
-refused candidates and lasted until another of the same lineage got through a canary (up to 574 s); a lineage the
-gate refused twice in a row was seldom the one it promoted next.
+refused candidates and lasted until another of the same lineage got through a canary (up to 574 s).
 The embedded broker keeps its log in the state folder, as `liverl up` does
 (durable: a restart of the demo loses nothing acknowledged); on two cores it costs the demo about a quarter of its
 requests against the in-memory broker (31,020 against 42,325 in 10 minutes, BENCHMARKS.md), and
