@@ -96,29 +96,18 @@ def simulate_sticky(
     looks = int(deadline_s // bucket_s)
     threshold = math.log(1.0 / alpha)
     secret = f"liverl-bench-canary-{seed}".encode()
+    draws = {"events_per_s": events_per_s, "pre_s": pre_s, "activity_sigma": activity_sigma, "looks": looks}
+    draws["per_bucket"] = per_bucket
     res = {
         eff: {s: {PROMOTE: 0, ABORT: 0, "events": []} for s in SCHEMES} | {"cuped_removed": [], "srm": 0}
         for eff in effects
     }
     for run in range(runs):
         rng = np.random.default_rng([seed, run])
-        p = user_rates(population, n_users, rng)
-        w = rng.lognormal(0.0, activity_sigma, n_users)
-        w /= w.sum()
-        on = assign(secret, 1_000_003 * seed + run + 1, n_users, share)
-        k = int(on.sum())
-        if k in (0, n_users):
+        world = _world(rng, population, assign(secret, 1_000_003 * seed + run + 1, n_users, share), **draws)
+        if world is None:
             continue  # every user on one arm: no canary to judge (counted undecided)
-        order = np.argsort(~on, kind="stable")  # relabel: the canary's users first, so each arm is a slice
-        p, w, on = p[order], w[order], on[order]
-        pre_n = rng.poisson(events_per_s * pre_s * w)
-        pre_x = rng.binomial(pre_n, p)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            cov = np.where(pre_n > 0, pre_x / np.maximum(pre_n, 1), np.nan)
-        # who sends each event, in time order (drawn by activity)
-        user = np.minimum(np.searchsorted(np.cumsum(w), rng.random(looks * per_bucket) * w.sum()), n_users - 1)
-        slot = np.repeat(np.arange(looks), per_bucket) * n_users + user
-        u01 = rng.random(user.size)
+        p, on, k, cov, pre_n, user, slot, u01 = world
         p_e, on_e = p[user], on[user]
         to_canary = rng.random(user.size) < share  # the per-request world's draw
         den = _cumulative(np.bincount(slot, minlength=looks * n_users), looks)
@@ -170,6 +159,29 @@ def simulate_sticky(
         "events_at_deadline": looks * per_bucket,
         "effects": {eff: _rates(out, runs) for eff, out in res.items()},
     }
+
+
+def _world(rng, population, on, *, events_per_s, pre_s, activity_sigma, looks, per_bucket):
+    """One simulated canary's world: each user's rate and activity (log-normal), their arm ``on`` (the router's
+    rule), relabelled so that the canary's users come first; each user's events under stable in the ``pre_s`` before
+    the start (CUPED's covariate); who sends each event, in time order (drawn by activity), the flat (look, user)
+    slot it counts in, and a uniform draw for its judgement. None when every user is on one arm."""
+    n_users = on.size
+    p = user_rates(population, n_users, rng)
+    w = rng.lognormal(0.0, activity_sigma, n_users)
+    w /= w.sum()
+    k = int(on.sum())
+    if k in (0, n_users):
+        return None
+    order = np.argsort(~on, kind="stable")
+    p, w, on = p[order], w[order], on[order]
+    pre_n = rng.poisson(events_per_s * pre_s * w)
+    pre_x = rng.binomial(pre_n, p)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cov = np.where(pre_n > 0, pre_x / np.maximum(pre_n, 1), np.nan)
+    user = np.minimum(np.searchsorted(np.cumsum(w), rng.random(looks * per_bucket) * w.sum()), n_users - 1)
+    slot = np.repeat(np.arange(looks), per_bucket) * n_users + user
+    return p, on, k, cov, pre_n, user, slot, rng.random(user.size)
 
 
 def _cumulative(counts: np.ndarray, looks: int) -> np.ndarray:
@@ -248,24 +260,14 @@ def simulate_budget(
     threshold = math.log(1.0 / alpha)
     secret = f"liverl-bench-canary-budget-{seed}".encode()
     ends = {(eff, z): {e: 0 for e in BUDGET_ENDS} | {"events": []} for eff in effects for z in futility_z}
+    draws = {"events_per_s": events_per_s, "pre_s": pre_s, "activity_sigma": activity_sigma, "looks": looks}
+    draws["per_bucket"] = per_bucket
     for run in range(runs):
         rng = np.random.default_rng([seed, 7, run])
-        p = user_rates(population, n_users, rng)
-        w = rng.lognormal(0.0, activity_sigma, n_users)
-        w /= w.sum()
-        on = assign(secret, 2_000_003 * seed + run + 1, n_users, share)
-        k = int(on.sum())
-        if k in (0, n_users):
+        world = _world(rng, population, assign(secret, 2_000_003 * seed + run + 1, n_users, share), **draws)
+        if world is None:
             continue
-        order = np.argsort(~on, kind="stable")
-        p, w, on = p[order], w[order], on[order]
-        pre_n = rng.poisson(events_per_s * pre_s * w)
-        pre_x = rng.binomial(pre_n, p)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            cov = np.where(pre_n > 0, pre_x / np.maximum(pre_n, 1), np.nan)
-        user = np.minimum(np.searchsorted(np.cumsum(w), rng.random(looks * per_bucket) * w.sum()), n_users - 1)
-        slot = np.repeat(np.arange(looks), per_bucket) * n_users + user
-        u01 = rng.random(user.size)
+        p, on, k, cov, pre_n, user, slot, u01 = world
         p_e, on_e = p[user], on[user]
         den = _cumulative(np.bincount(slot, minlength=looks * n_users), looks)
         c_events = den[:, :k].sum(1)
