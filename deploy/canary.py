@@ -34,7 +34,8 @@ registry):
    canary's power does not follow the day's traffic; the tests are always valid, so where they stop moves no error
    rate, only their power). With a budget, a canary that could not pass by it even ``gate.canary_futility_z``
    standard errors better than estimated stops once a quarter is spent (reason ``futile``): it never promotes, so
-   no false-promotion rate rises, and ``liverl bench canary --budget`` measures the promotions it costs. The test state lives in the registry (compare-and-set by revision), so a restarted gate
+   no false-promotion rate rises, and ``liverl bench canary --budget`` measures the promotions it costs. The test
+   state lives in the registry (compare-and-set by revision), so a restarted gate
    goes on where it was, and a promotion is a compare-and-set on a *running* rollout: an operator's pause between the gate's read and its write
    wins. A promotion announces the canary as ``desired``; an abort rejects it and withdraws the canary announcement
    (the canary nodes return to stable). Each decision is a gate check (``canary``) in the registry with its evidence.
