@@ -17,6 +17,7 @@ class LearnerState(Protocol):
     last_candidate: int | None
     last_backlog: tuple[int, float]
     last_metrics: dict[str, float]
+    last_hops: dict[str, float]
 
 
 class PrometheusCollector:
@@ -59,6 +60,15 @@ class PrometheusCollector:
             "trained yet, by its feedback time (0: none waits; -1: unknown).",
             value=seconds,
         )
+        hops = GaugeMetricFamily(
+            "liverl_learner_sample_hop_seconds",
+            "Where the last batch's oldest sample waited before its update: hop 'ingest' (feedback to ingest's "
+            "sample record), 'fetch' (record to this learner's fetch), 'queue' (fetch to the update).",
+            labels=["hop"],
+        )
+        for k, v in sorted(getattr(lr, "last_hops", {}).items()):
+            hops.add_metric([k.removesuffix("_s")], v)
+        yield hops
         for k in (
             "reward_mean",
             "kl",

@@ -138,7 +138,10 @@ class Learner(ConsumerRebalanceListener):
             0.0  # when the learning rate last backed off or recovered (wall clock; ``_set_lr_scale``)
         )
         self.last_backlog: tuple[int, float] = (-1, -1.0)  # (samples, seconds) as of the last publish (``backlog``)
-        self.queue: collections.deque = collections.deque()  # (partition, offset, raw value), as fetched
+        self.queue: collections.deque = collections.deque()  # (partition, offset, raw value, hop times), as fetched
+        self.arrival: dict[tuple[int, int], tuple[float, float]] = {}  # (partition, offset) of a pending sample ->
+        # (its record's timestamp: when ingest produced it, when this learner fetched it), wall clock: ``hops``
+        self.last_hops: dict[str, float] = {}  # the last batch's hop times (``hops``)
         self.pending: list[tuple[int, int, TrainingSample]] = []  # accepted, waiting for a full batch
         self.read_pos: dict[int, int] = {}  # next offset to classify per partition
         self._consumer = None
@@ -249,6 +252,7 @@ class Learner(ConsumerRebalanceListener):
         parts = {tp.partition for tp in assigned if tp.topic == self.topic}
         self.queue.clear()  # re-fetched from read_pos below
         self.pending = [e for e in self.pending if e[0] in parts]
+        self.arrival = {k: v for k, v in self.arrival.items() if k[0] in parts}
         self.read_pos = {p: o for p, o in self.read_pos.items() if p in parts}
         for tp in assigned:
             pos = self.read_pos.get(tp.partition, self.offsets.get(tp.partition))
@@ -268,11 +272,14 @@ class Learner(ConsumerRebalanceListener):
             c.pause(*assigned)
         elif c.paused():
             c.resume(*c.paused())
-        for tp, records in c.poll(timeout_ms=0 if full else timeout_ms, max_records=4 * self.lcfg.batch_size).items():
+        polled = c.poll(timeout_ms=0 if full else timeout_ms, max_records=4 * self.lcfg.batch_size)
+        now = time.time()
+        for tp, records in polled.items():
             if isinstance(tp, TopicPartition) and tp.topic != self.topic:
                 continue
             for r in records:
-                self.queue.append((r.partition, r.offset, r.value))
+                ts = r.timestamp / 1000.0 if getattr(r, "timestamp", None) and r.timestamp > 0 else now
+                self.queue.append((r.partition, r.offset, r.value, (ts, now)))
 
     def backlog(self) -> tuple[int, float]:
         """What ingest judged that this learner has not trained yet: (samples, seconds). Samples: the samples topic's
@@ -306,7 +313,7 @@ class Learner(ConsumerRebalanceListener):
     def _classify(self) -> None:
         """Move fetched records into ``pending`` (accepted) or refuse them, until a batch is full."""
         while self.queue and not self._batch_ready():
-            part, off, raw = self.queue.popleft()
+            part, off, raw, arrived = self.queue.popleft()
             self.read_pos[part] = off + 1
             s = None
             try:
@@ -324,6 +331,7 @@ class Learner(ConsumerRebalanceListener):
                 if not self.pending:
                     self._pending_since = self._fresh_at
                 self.pending.append((part, off, s))
+                self.arrival[(part, off)] = arrived
                 continue
             self.counters[f"dropped:{reason}"] += 1
             self.ledger.refused(part, off, s.sample_id if s is not None else None, reason)
@@ -392,6 +400,26 @@ class Learner(ConsumerRebalanceListener):
             return True
         return not self.queue and time.monotonic() - self._pending_since > self.lcfg.max_batch_wait_s
 
+    def hops(self, batch: list[tuple[int, int, TrainingSample]]) -> dict[str, float]:
+        """Where a batch's oldest sample spent its time before this update, in seconds (wall clocks): ``ingest_s`` from
+        its feedback to ingest's sample record (the record's timestamp: ingest waiting for the generation, or behind
+        its input), ``fetch_s`` from that record to this learner's fetch (the broker, or this learner's reads behind),
+        ``queue_s`` from the fetch to now (waiting here for a batch, or for earlier updates). They add up to the
+        backlog's seconds for that sample, so ``liverl status`` and the log say which hop a lag is in."""
+        now, worst = time.time(), None
+        for part, off, s in batch:
+            emitted, fetched = self.arrival.pop((part, off), (now, now))
+            if worst is None or s.ts_feedback < worst[0]:
+                worst = (s.ts_feedback, emitted, fetched)
+        if worst is None:
+            return {}
+        fb, emitted, fetched = worst
+        return {
+            "ingest_s": max(0.0, emitted - fb),
+            "fetch_s": max(0.0, fetched - emitted),
+            "queue_s": max(0.0, now - fetched),
+        }
+
     def _checkpoint_due(self) -> bool:
         """``checkpoint_every_steps`` updates or ``checkpoint_every_s`` seconds since the last checkpoint."""
         return (
@@ -437,6 +465,7 @@ class Learner(ConsumerRebalanceListener):
         batch, self.pending = self.pending[:n], self.pending[n:]
         self._pending_since = time.monotonic()  # the rest waits anew (an approximation of its oldest sample's age)
         samples = [e[2] for e in batch]
+        self.last_hops = self.hops(batch)
         t0 = time.monotonic()
         try:
             m = self.trainer.train_step(samples)
@@ -474,7 +503,7 @@ class Learner(ConsumerRebalanceListener):
         sc["loss_sum"] += m["loss"]
         log.info(
             "learner: step %d trained %d samples (total %d, v%d) reward %.3f loss %.4f kl %.4f ratio %.3f "
-            "clip %.3f masked %.3f entropy %.3f in %.2fs",
+            "clip %.3f masked %.3f entropy %.3f in %.2fs; oldest sample: ingest %.1fs fetch %.1fs queue %.1fs",
             self.step,
             len(samples),
             self.counters["samples_trained"],
@@ -487,6 +516,9 @@ class Learner(ConsumerRebalanceListener):
             m["masked_frac"],
             m.get("entropy", float("nan")),
             self.last_metrics["step_s"],
+            self.last_hops.get("ingest_s", 0.0),
+            self.last_hops.get("fetch_s", 0.0),
+            self.last_hops.get("queue_s", 0.0),
         )
         return True
 
@@ -695,6 +727,7 @@ class Learner(ConsumerRebalanceListener):
             "ts": time.time(),
             "backlog_samples": self.last_backlog[0],
             "backlog_s": self.last_backlog[1],
+            **{f"hop_{k}": round(v, 1) for k, v in self.last_hops.items()},
             **{
                 k: round(m[k], 6)
                 for k in (

@@ -223,7 +223,13 @@ def learner_line(live: dict) -> str:
     samples, seconds = int(float(h.get("backlog_samples", -1))), float(h.get("backlog_s", -1))
     if samples < 0:
         return text + "; backlog unknown"
-    return text + f"; backlog {samples} samples, oldest {seconds:.0f} s"
+    text += f"; backlog {samples} samples, oldest {seconds:.0f} s"
+    if "hop_ingest_s" in h:  # where the last batch's oldest sample waited (Learner.hops)
+        text += (
+            f" (last batch's oldest: ingest {float(h['hop_ingest_s']):.0f} s, fetch {float(h['hop_fetch_s']):.0f} s, "
+            f"learner queue {float(h['hop_queue_s']):.0f} s)"
+        )
+    return text
 
 
 def cmd_versions(cfg: LiverlConfig, limit: int | None = 20) -> int:

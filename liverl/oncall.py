@@ -230,7 +230,8 @@ function render(s) {
     `<div>desired (announced to the fleet): ${d ? "v" + d.version + " — " + esc(d.reason || "") : "none"}</div>` +
     rollout(s) +
     (s.learner ? `<div class="${Number(s.learner.backlog_s) > 120 ? "bad" : "muted"}" id="learner">learner: step ${esc(s.learner.step)}, ${esc(s.learner.samples_trained)} samples trained` +
-      (Number(s.learner.backlog_samples) >= 0 ? `; backlog ${esc(s.learner.backlog_samples)} samples, oldest ${Math.round(Number(s.learner.backlog_s))} s` : "; backlog unknown") + `</div>` : "") +
+      (Number(s.learner.backlog_samples) >= 0 ? `; backlog ${esc(s.learner.backlog_samples)} samples, oldest ${Math.round(Number(s.learner.backlog_s))} s` : "; backlog unknown") +
+      (s.learner.hop_ingest_s !== undefined ? ` (last batch's oldest: ingest ${Math.round(Number(s.learner.hop_ingest_s))} s, fetch ${Math.round(Number(s.learner.hop_fetch_s))} s, learner queue ${Math.round(Number(s.learner.hop_queue_s))} s)` : "") + `</div>` : "") +
     (s.redis_error ? `<div class="bad">Redis unreachable: ${esc(s.redis_error)}</div>` : "");
   document.getElementById("fleet").innerHTML = s.nodes.length
     ? `<div class="${s.converged ? "ok" : "bad"}" id="converged">${s.converged ? (s.rollout ? "every node serves what it should (canary nodes: the canary)" : "all nodes serve the stable version")

@@ -24,7 +24,10 @@ def sample(out: str, seconds: float, prefix: str, url: str) -> None:
     end = time.time() + seconds
     with open(out, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["ts", "backlog_samples", "backlog_s", "step", "samples_trained", "events", "accepts", "reverts"])
+        hops = ["hop_ingest_s", "hop_fetch_s", "hop_queue_s"]  # the last batch's oldest sample (Learner.hops)
+        w.writerow(
+            ["ts", "backlog_samples", "backlog_s", "step", "samples_trained", "events", "accepts", "reverts", *hops]
+        )
         while time.time() < end:
             h = r.hgetall(f"{prefix}:learner")
             ev = acc = rev = 0
@@ -42,6 +45,7 @@ def sample(out: str, seconds: float, prefix: str, url: str) -> None:
                     ev,
                     acc,
                     rev,
+                    *(h.get(k, "") for k in hops),
                 ]
             )
             f.flush()

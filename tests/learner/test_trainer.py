@@ -239,6 +239,18 @@ def test_the_backlog_counts_judged_samples_not_trained_and_the_age_of_the_oldest
         assert scraped["liverl_learner_backlog_samples"] == 32 and scraped["liverl_learner_backlog_seconds"] >= 300
         line = learner_line(r.hgetall(f"{cfg.topics.prefix}:learner"))
         assert "backlog 32 samples, oldest" in line, line
+        # the 300 s were spent before ingest's record (its feedback is 300 s older than the record), not in the broker
+        # or the learner: the hops say which part of the path a lag is in
+        hops = learner.last_hops
+        assert 300.0 <= hops["ingest_s"] < 600.0 and hops["fetch_s"] < 300.0 and hops["queue_s"] < 300.0, hops
+        assert "last batch's oldest: ingest 3" in line, line
+        scraped_hops = {
+            s.labels["hop"]: s.value
+            for m in PrometheusCollector(learner).collect()
+            if m.name == "liverl_learner_sample_hop_seconds"
+            for s in m.samples
+        }
+        assert set(scraped_hops) == {"ingest", "fetch", "queue"} and scraped_hops["ingest"] >= 300.0
         learner.run(max_steps=2)
         assert learner.last_backlog == (0, 0.0)
     finally:

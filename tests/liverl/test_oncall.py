@@ -126,6 +126,9 @@ def test_the_page_shows_release_fleet_acceptance_checks_and_audit(cfg, rds, flee
                 "state": "running",
                 "backlog_samples": 1900,
                 "backlog_s": 150.2,
+                "hop_ingest_s": 131.0,
+                "hop_fetch_s": 4.2,
+                "hop_queue_s": 15.0,
             },
         )
         dom = _render(url, tmp_path, screenshot=True)
@@ -134,6 +137,7 @@ def test_the_page_shows_release_fleet_acceptance_checks_and_audit(cfg, rds, flee
         assert "kept acceptance canary 60.0% on 200 events of 50 users vs stable 40.0% on 800 of 200 users" in text
         assert 'id="canary-chart"' in dom and "v99" not in text
         assert "learner: step 41, 2624 samples trained; backlog 1900 samples, oldest 150 s" in text  # its lag
+        assert "(last batch's oldest: ingest 131 s, fetch 4 s, learner queue 15 s)" in text  # and where it was spent
         assert '<div class="bad" id="learner">' in dom  # over the alert's 2 minutes
 
         state = json.loads(urllib.request.urlopen(url + "api/state", timeout=10).read())
