@@ -6,7 +6,7 @@ Guarantees (the checkpoint is the source of truth, Kafka offsets only mirror it)
   when idle, on a clean stop) an atomic checkpoint holds the fp32 weights, the optimizer, the step, the next
   offset per partition, the recent trained sample ids, the last emitted version, the baseline and the counters:
   one file (temp file + ``os.replace``) in one process, a DCP folder committed by a rename under torchrun
-  (``learner.dist``, ``learner.ranks``). Only THEN are the offsets committed to the consumer group. On restart
+  (``learner.dist``, ``learner.ranks``). Only THEN are the offsets committed to the group ``<prefix>.learner``. On restart
   the learner seeks every partition to the checkpoint's offsets: updates after it are trained again from the
   same weights, and the ledger lines past its seq are cut, so none is lost or trained twice in the lineage
   that goes on. Samples are taken in offset order per partition, so "next offset" is an exact watermark:
@@ -28,9 +28,10 @@ Guarantees (the checkpoint is the source of truth, Kafka offsets only mirror it)
   with a counted reason; the loop never crashes on input.
 
 Run as a process: ``liverl learn [--config FILE] [--max-steps N]``.
-The learner is a singleton per deployment (one consumer in group ``<prefix>.learner``), fenced by a lease in
-Redis (``learner.lease``): a second learner waits for the first to go, and a learner that lost its lease stops
-before it writes another checkpoint, candidate or offset commit.
+The learner is a singleton per deployment, fenced by a lease in Redis (``learner.lease``): a second learner waits for
+the first to go, and a learner that lost its lease stops before it writes another checkpoint, candidate or offset
+commit. So it reads every partition of the samples topic itself (``Learner._assign``), without joining a consumer
+group: it commits its offsets to the group ``<prefix>.learner`` for lag tools, and starts at once.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kafka import ConsumerRebalanceListener, TopicPartition
+from kafka import TopicPartition
 from kafka.errors import CommitFailedError, RebalanceInProgressError
 from kafka.structs import OffsetAndMetadata
 from prometheus_client import CollectorRegistry, start_http_server
@@ -76,6 +77,7 @@ STARVE_S = 30.0  # only stale samples for this long (the fleet stopped following
 VERSION_STEPS_KEPT = 512  # versions whose learner step the checkpoint remembers
 # what a registry call may raise when the database or the blob store is unreachable or refuses
 REGISTRY_ERRORS = (RegistryError, SQLAlchemyError, OSError)
+PARTITIONS_CHECK_S = 30.0  # how often the learner looks for partitions added to the samples topic
 
 
 class LeaseLost(RuntimeError):
@@ -92,7 +94,7 @@ def evidence_against(reason: str) -> bool:
     return reason.startswith("canary aborted:") and not any(w in reason for w in ("srm:", "deadline passed"))
 
 
-class Learner(ConsumerRebalanceListener):
+class Learner:
     """Kafka consumer + PolicyTrainer + checkpoint + registry candidates + live state in Redis."""
 
     def __init__(
@@ -145,6 +147,7 @@ class Learner(ConsumerRebalanceListener):
         self.pending: list[tuple[int, int, TrainingSample]] = []  # accepted, waiting for a full batch
         self.read_pos: dict[int, int] = {}  # next offset to classify per partition
         self._consumer = None
+        self._parts_checked_at = 0.0  # when _assign last looked at the samples topic's partitions
         self._last_rebase_check = 0.0
         self.rollback_seen: int | None = None  # audit id of the last rollback this learner rebased for
         self._last_ref_check = 0.0
@@ -244,11 +247,26 @@ class Learner(ConsumerRebalanceListener):
         )
 
     # -- Kafka ------------------------------------------------------------------------------------
-    def on_partitions_revoked(self, revoked) -> None:  # ConsumerRebalanceListener
-        log.info("learner: partitions revoked %s", sorted(tp.partition for tp in revoked))
+    def _assign(self) -> bool:
+        """Read every partition of the samples topic, each from where this learner stands. The learner takes them all
+        itself (``assign``), in no consumer-group membership: its lease (``learner.lease``) is what makes it the only
+        reader, and the checkpoint, not the group, holds its positions (committed offsets follow the checkpoint, for
+        lag tools). A group join would add nothing but its wait (Tansu completes one only after the rebalance
+        timeout, 10 s at every start) and a member that a long candidate encode could get dropped. Partitions added
+        to the topic later are taken at the next check (``PARTITIONS_CHECK_S``). False: the topic has none yet."""
+        self._parts_checked_at = time.monotonic()
+        parts = self._consumer.partitions_for_topic(self.topic)
+        tps = [TopicPartition(self.topic, p) for p in sorted(parts or ())]
+        if not tps:
+            return False
+        if set(tps) != set(self._consumer.assignment()):
+            self._consumer.assign(tps)
+            self.on_partitions_assigned(tps)
+        return True
 
     def on_partitions_assigned(self, assigned) -> None:
-        """Seek each partition to where this learner stands; the checkpoint outranks committed offsets."""
+        """Seek each partition to where this learner stands; the checkpoint outranks committed offsets (a partition
+        this learner never read starts at the group's committed offset, else the earliest)."""
         parts = {tp.partition for tp in assigned if tp.topic == self.topic}
         self.queue.clear()  # re-fetched from read_pos below
         self.pending = [e for e in self.pending if e[0] in parts]
@@ -754,21 +772,16 @@ class Learner(ConsumerRebalanceListener):
 
     def run(self, stop_event: threading.Event | None = None, max_steps: int | None = None) -> dict[str, Any]:
         """Consume and train until ``stop_event`` is set or ``max_steps`` updates were made in this call."""
-        # a candidate (encode + registry write) can keep the loop from polling for seconds on a busy machine:
-        # allow 10 s between polls before the group drops this consumer
-        self._consumer = make_consumer(
-            self.bootstrap,
-            self.group,
-            [self.topic],
-            broker=self.cfg.broker,
-            rebalance_timeout_s=max(self.cfg.broker.rebalance_timeout_s, 10.0),
-        )
-        self._consumer.subscribe([self.topic], listener=self)  # seek to the checkpoint on every assignment
+        self._consumer = make_consumer(self.bootstrap, self.group, [], broker=self.cfg.broker)  # assigned: _assign
         start_step, last_pub = self.step, 0.0
         try:
             while not (stop_event is not None and stop_event.is_set()):
                 if max_steps is not None and self.step - start_step >= max_steps:
                     break
+                if not self._consumer.assignment() or time.monotonic() - self._parts_checked_at > PARTITIONS_CHECK_S:
+                    if not self._assign():  # no samples topic yet (ingest creates it)
+                        time.sleep(0.2)
+                        continue
                 self._poll(timeout_ms=200)
                 self._classify()
                 ready = self._batch_ready()

@@ -208,7 +208,9 @@ def make_consumer(
     broker: BrokerConfig | None = None,
     **kw,
 ) -> KafkaConsumer:
-    """A consumer that commits by hand (after the work is durable) and starts from the earliest offset."""
+    """A consumer that commits by hand (after the work is durable) and starts from the earliest offset. ``topics``
+    empty: subscribed to nothing, for a caller that assigns its partitions itself and commits to ``group`` without
+    joining it (the learner: ``Learner._assign``)."""
     opts = dict(
         **kafka_python_security(broker),
         bootstrap_servers=bootstrap,
@@ -221,7 +223,8 @@ def make_consumer(
     )
     opts.update(kw)
     consumer = KafkaConsumer(**opts)
-    consumer.subscribe(topics)
+    if topics:
+        consumer.subscribe(topics)
     return consumer
 
 

@@ -259,6 +259,62 @@ def test_the_backlog_counts_judged_samples_not_trained_and_the_age_of_the_oldest
         reg.close()
 
 
+def test_the_learner_reads_every_partition_without_joining_a_group_and_takes_partitions_added_later(
+    cfg, model_dir, base_samples
+):
+    """The learner takes every partition of the samples topic itself (``assign``): its lease makes it the only reader
+    and its checkpoint holds its positions, so it joins no consumer group (a join that Tansu completes only after
+    the rebalance timeout). It still commits its offsets to ``<prefix>.learner`` for lag tools."""
+    from learner.trainer import Learner
+
+    cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=100)
+    produce_samples(cfg, base_samples[:32])
+    reg = make_registry(cfg, model_dir)
+    try:
+        learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
+        seen: list[tuple] = []
+        real_update = learner._update
+
+        def update_and_look() -> bool:  # while the learner reads: subscribed to nothing (no group), every partition
+            c = learner._consumer
+            seen.append((c.subscription(), sorted(tp.partition for tp in c.assignment())))
+            return real_update()
+
+        learner._update = update_and_look
+        stats = learner.run(max_steps=2)
+        everyone = list(range(cfg.broker.partitions))
+        assert stats["samples_trained"] == 32 and seen == [(None, everyone)] * 2, seen
+        assert sum(committed_offsets(cfg).values()) == 32
+
+        # a partition added to the topic is taken at the next check. Tansu 0.6 refuses CreatePartitions, so the
+        # growth is played by a stand-in for the consumer whose metadata grows (the real one is exercised above)
+        class Growing:
+            def __init__(self):
+                self.parts, self.assigned, self.sought = {0, 1}, [], {}
+
+            def partitions_for_topic(self, topic):
+                return set(self.parts) if topic == cfg.topics.samples else set()
+
+            def assignment(self):
+                return set(self.assigned)
+
+            def assign(self, tps):
+                self.assigned = list(tps)
+
+            def seek(self, tp, pos):
+                self.sought[tp.partition] = pos
+
+        learner._consumer = grown = Growing()
+        assert learner._assign() and sorted(tp.partition for tp in grown.assigned) == [0, 1]
+        assert grown.sought == learner.offsets  # each partition from where the checkpoint stands
+        grown.parts.add(2)
+        assert learner._assign() and sorted(tp.partition for tp in grown.assigned) == [0, 1, 2]
+        assert 2 not in grown.sought  # never read: from the group's committed offset, else the earliest
+        learner._consumer = None
+    finally:
+        reg.close()
+
+
 def test_crash_and_restart_lose_nothing_and_train_nothing_twice(cfg, model_dir, base_samples):
     from learner.trainer import Learner
 
