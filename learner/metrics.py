@@ -66,7 +66,7 @@ class PrometheusCollector:
             "sample record), 'fetch' (record to this learner's fetch), 'queue' (fetch to the update).",
             labels=["hop"],
         )
-        for k, v in sorted(getattr(lr, "last_hops", {}).items()):
+        for k, v in sorted(lr.last_hops.items()):
             hops.add_metric([k.removesuffix("_s")], v)
         yield hops
         for k in (

@@ -296,7 +296,7 @@ class Learner:
             if isinstance(tp, TopicPartition) and tp.topic != self.topic:
                 continue
             for r in records:
-                ts = r.timestamp / 1000.0 if getattr(r, "timestamp", None) and r.timestamp > 0 else now
+                ts = r.timestamp / 1000.0 if r.timestamp and r.timestamp > 0 else now  # -1: no timestamp
                 self.queue.append((r.partition, r.offset, r.value, (ts, now)))
 
     def backlog(self) -> tuple[int, float]:
