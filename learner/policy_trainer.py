@@ -175,10 +175,30 @@ class PolicyTrainer:
 
         Packed rows and no attention mask: transformers reads the restarts of ``position_ids`` as sequence
         boundaries and masks attention across them (``masking_utils.find_packed_sequence_indices``), so each
-        sequence sees exactly what it would alone, and no token is spent on padding between them."""
-        logits_RNV = model(input_ids=x["ids_RN"], position_ids=x["posid_RN"], use_cache=False).logits  # a cache turns
-        # transformers' detection of packed sequences off
-        logits_BTV = logits_RNV[x["row_BT"], x["col_BT"]].float()
+        sequence sees exactly what it would alone, and no token is spent on padding between them.
+
+        The output head runs at the completion positions only: a pre-hook on it takes the final hidden states
+        ``[R, N, H]`` and hands it the ``[B, T, H]`` rows that predict completion tokens. A prompt position's logits
+        are never read, and for a real vocabulary (150K) they are most of the head's matrix product and of the
+        activations kept for backward (``[R, N, V]`` in fp32). The hook sits inside the model's own forward, so FSDP2
+        units gather and free around it as before."""
+        head = model.get_output_embeddings()
+        picked: list[bool] = []
+
+        def completion_positions(_module, args):
+            if len(args) != 1 or args[0].dim() != 3:  # not the call shape this expects: leave it alone
+                return None
+            picked.append(True)
+            return (args[0][x["row_BT"], x["col_BT"]],)
+
+        handle = head.register_forward_pre_hook(completion_positions) if head is not None else None
+        try:
+            logits = model(input_ids=x["ids_RN"], position_ids=x["posid_RN"], use_cache=False).logits  # a cache
+            # turns transformers' detection of packed sequences off
+        finally:
+            if handle is not None:
+                handle.remove()
+        logits_BTV = (logits if picked else logits[x["row_BT"], x["col_BT"]]).float()
         logprobs_BTV = torch.log_softmax(logits_BTV, dim=-1)
         logp_BT = torch.gather(logprobs_BTV, 2, x["tgt_BT"][..., None]).squeeze(-1)
         return logp_BT, logprobs_BTV

@@ -1,5 +1,6 @@
 """The learner packs a batch's sequences into rows instead of padding each one (``learner.policy_trainer.pack``):
-the log-probs it trains on must be those of each sequence alone, in every family liverl handles."""
+the log-probs it trains on must be those of each sequence alone, in every family liverl handles, with the output
+head run at the completion positions only."""
 
 from __future__ import annotations
 
@@ -60,7 +61,12 @@ def test_packed_logprobs_are_each_sequence_alone(family):
     tr.model.eval()  # phimoe's router adds jitter noise in training mode: compare like with like
     samples = _samples(tr.vocab_size, 11, seed=len(family))
     assert len(pack([len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples])) < len(samples)
+    seen = []  # the output head's input: the completion positions only, [B, T, H], not every packed position
+    handle = tr.model.get_output_embeddings().register_forward_hook(lambda m, a, out: seen.append(tuple(a[0].shape)))
     got = tr.token_logprobs(samples)
+    handle.remove()
+    T = max(len(s.completion_token_ids) for s in samples)
+    assert [s[:2] for s in seen] == [(len(samples), T)], family
     alone_model = load_model(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         for s, lp in zip(samples, got, strict=True):
