@@ -203,14 +203,17 @@ class CheckpointDir:
         steps = self.steps()
         return self.root / f"step-{steps[-1]:09d}" if steps else None
 
-    def write_uncommitted(self, step: int, model, opt) -> Path:
-        """Every rank writes its shards of the weights and the optimizer into ``.tmp-<step>`` (a collective)."""
+    def write_uncommitted(self, step: int, model, opt, ema: dict[str, torch.Tensor] | None = None) -> Path:
+        """Every rank writes its shards of the weights and the optimizer (and of the candidates' weight average,
+        ``ema``, when there is one) into ``.tmp-<step>`` (a collective)."""
         tmp = self.root / f".tmp-{step:09d}"
         if self.ranks.main:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        if ema:
+            state["ema"] = ema
         dcp.save(state, checkpoint_id=str(tmp))
         dist.barrier()  # every rank's files are on disk before rank 0 may commit
         return tmp
@@ -236,20 +239,29 @@ class CheckpointDir:
         dist.barrier()
         return final
 
-    def save(self, step: int, model, opt, extra: dict[str, Any]) -> Path:
-        return self.commit(self.write_uncommitted(step, model, opt), step, extra)
+    def save(self, step: int, model, opt, extra: dict[str, Any], ema: dict[str, torch.Tensor] | None = None) -> Path:
+        return self.commit(self.write_uncommitted(step, model, opt, ema), step, extra)
 
-    def load(self, model, opt, path: Path | None = None) -> dict[str, Any] | None:
+    def load(
+        self, model, opt, path: Path | None = None, ema: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, Any] | None:
         """Load the latest complete checkpoint (or ``path``) into ``model`` and ``opt`` on every rank (a collective);
-        returns its ``learner.json``, or None when there is none. Works for another world size than the one saved."""
+        returns its ``learner.json``, or None when there is none. Works for another world size than the one saved.
+        ``ema``: the candidates' weight average, loaded in place when the checkpoint has one (the returned
+        ``ema_loaded`` says whether it had)."""
         path = path if path is not None else self.latest()
         if path is None:
             return None
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        ema_loaded = bool(ema) and any(k.startswith("ema.") for k in saved)
+        if ema_loaded:
+            state["ema"] = ema
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(model, state["model"])
         set_optimizer_state_dict(model, opt, state["optim"])
         meta = json.loads((Path(path) / META).read_text(encoding="utf-8"))
+        meta["ema_loaded"] = ema_loaded
         log.info(
             "learner: loaded checkpoint %s (step %s, saved by %s ranks)", path, meta.get("step"), meta.get("world")
         )

@@ -97,6 +97,8 @@ class PolicyTrainer:
         self.lr_scale = 1.0  # the learner's back-off after refused candidates (``set_lr_scale``)
         self.opt = self._adamw(lcfg.lr)
         self.baseline = RunningBaseline()
+        self._ema: list[torch.Tensor] | None = None  # the candidates' weights (``candidate_weights``)
+        self._reset_ema()
 
     # -- input checks ---------------------------------------------------------------------------
     def refusal(self, s: TrainingSample) -> str | None:
@@ -313,6 +315,9 @@ class PolicyTrainer:
             self.opt.step()
             if epoch == 0:
                 first = dict(out.metrics, grad_norm=gnorm)
+        if self._ema is not None:  # after every epoch took: a failed batch leaves the average as it was
+            with torch.no_grad():
+                torch._foreach_lerp_(self._ema, [p.detach() for p in self.model.parameters()], 1.0 - self.ema_decay)
         metrics = dict(first)
         metrics["reward_mean"] = float(reward_N.mean())
         metrics["samples"] = float(len(samples))
@@ -341,9 +346,58 @@ class PolicyTrainer:
     def bf16_state_dict(self) -> dict[str, torch.Tensor]:
         return self.weights(torch.bfloat16)
 
+    # -- the candidates' weights: an exponential moving average of the updates ------------------------
+    @property
+    def ema_decay(self) -> float:
+        return float(self.lcfg.candidate_ema)
+
+    def _reset_ema(self) -> None:
+        """The average restarts at the weights as they are (at the start, a rebase, a load)."""
+        self._ema = [p.detach().clone() for p in self.model.parameters()] if self.ema_decay > 0 else None
+
+    def ema_state(self) -> dict[str, torch.Tensor]:
+        """The average under the model's in-memory parameter names (this rank's shards); {} when it is off."""
+        if self._ema is None:
+            return {}
+        return {n: e for (n, _), e in zip(self.model.named_parameters(), self._ema)}
+
+    def load_ema_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Put back an average saved by ``ema_state`` (a checkpoint); one saved with it off leaves it at the weights."""
+        self._reset_ema()
+        if self._ema is None or not state:
+            return
+        names = [n for n, _ in self.model.named_parameters()]
+        if set(state) != set(names):
+            raise ValueError(f"the checkpoint's weight average has {len(state)} tensors; the model has {len(names)}")
+        with torch.no_grad():
+            for n, e in zip(names, self._ema):
+                e.copy_(state[n])
+
+    def candidate_weights(self) -> dict[str, torch.Tensor]:
+        """What the learner emits as a candidate (file names, bf16, whole on every rank): the exponential moving
+        average of its weights over its recent updates (``learner.candidate_ema``), or the weights as they are when
+        that is 0. The learner trains on; only what it serves is averaged."""
+        if self._ema is None:
+            return self.weights(torch.bfloat16)
+        by_param = {id(p): e for p, e in zip(self.model.parameters(), self._ema)}
+        averaged = {n: by_param[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False)}
+        if self.ranks is None:
+            module_state = dict(self.model.state_dict(), **averaged)
+        else:  # the shards gathered, as full_state_dict gathers the weights
+            full = full_state_dict(self.model)
+            module_state = {
+                k: (averaged[k].full_tensor() if hasattr(averaged[k], "full_tensor") else averaged[k])
+                if k in averaged
+                else v
+                for k, v in full.items()
+            }
+        return state_dict_from_model(self.model, dtype=torch.bfloat16, module_state=module_state)
+
     def load_weights(self, state_dict: dict[str, torch.Tensor], reset_optimizer: bool) -> None:
-        """Overwrite the weights in place (file names, any dtype) so the optimizer keeps its parameters."""
+        """Overwrite the weights in place (file names, any dtype) so the optimizer keeps its parameters; the
+        candidates' average restarts at them."""
         assign_weights(self.model, state_dict)
+        self._reset_ema()
         if reset_optimizer:
             self.opt = self._adamw(self.lr)
 
@@ -373,10 +427,12 @@ class PolicyTrainer:
             "model": self.weights(torch.float32),
             "optimizer": self.opt.state_dict(),
             "baseline": self.baseline.state_dict(),
+            "ema": {n: e.detach().clone() for n, e in self.ema_state().items()},
         }
 
     def load_state(self, st: dict[str, Any]) -> None:
         self.load_weights(st["model"], reset_optimizer=True)
+        self.load_ema_state(st.get("ema") or {})
         self.opt.load_state_dict(st["optimizer"])
         self.set_lr_scale(self.lr_scale)  # the configured rate times the scale, not the rate the checkpoint ran at
         self.baseline.load_state_dict(st["baseline"])

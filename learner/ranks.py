@@ -33,6 +33,7 @@ COLLECTIVE = (
     "train_step",
     "weights",
     "bf16_state_dict",
+    "candidate_weights",
     "load_weights",
     "set_reference",
     "token_logprobs",
@@ -62,14 +63,24 @@ class Leader:
 
     def save_checkpoint(self, step: int, extra: dict[str, Any]):
         broadcast(("save", (step,), {}), self.ranks)
-        return self.ckpts.save(step, self._trainer.model, self._trainer.opt, extra)
+        return self.ckpts.save(step, self._trainer.model, self._trainer.opt, extra, ema=self._trainer.ema_state())
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         broadcast(("load", (), {}), self.ranks)
-        return self.ckpts.load(self._trainer.model, self._trainer.opt)
+        return load_checkpoint(self._trainer, self.ckpts)
 
     def stop(self) -> None:
         broadcast(("stop", (), {}), self.ranks)
+
+
+def load_checkpoint(trainer: PolicyTrainer, ckpts: CheckpointDir) -> dict[str, Any] | None:
+    """The latest complete checkpoint into ``trainer`` on this rank (every rank calls it): the weights, the optimizer
+    and the candidates' weight average; one saved without an average starts it at the loaded weights."""
+    ema = trainer.ema_state()
+    meta = ckpts.load(trainer.model, trainer.opt, ema=ema)
+    if meta is not None and not meta["ema_loaded"]:
+        trainer.load_ema_state({})
+    return meta
 
 
 def follow(trainer: PolicyTrainer, ranks: Ranks, ckpts: CheckpointDir) -> int:
@@ -81,9 +92,9 @@ def follow(trainer: PolicyTrainer, ranks: Ranks, ckpts: CheckpointDir) -> int:
         if name == "stop":
             return n
         if name == "save":
-            ckpts.save(args[0], trainer.model, trainer.opt, {})  # rank 0 writes learner.json
+            ckpts.save(args[0], trainer.model, trainer.opt, {}, ema=trainer.ema_state())  # rank 0 writes learner.json
         elif name == "load":
-            ckpts.load(trainer.model, trainer.opt)
+            load_checkpoint(trainer, ckpts)
         elif name in COLLECTIVE:
             try:
                 getattr(trainer, name)(*args, **kwargs)

@@ -571,7 +571,7 @@ class Learner:
         try:
             parent = int(self.registry.stable().version)
             row = self.registry.add_candidate(
-                self.trainer.bf16_state_dict(),
+                self.trainer.candidate_weights(),
                 parent=parent,
                 metrics=metrics,
                 sample_offsets={str(p): o for p, o in sorted(self.offsets.items())},

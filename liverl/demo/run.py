@@ -43,7 +43,7 @@ DEMO_PROFILE: dict[str, dict[str, float | int | str]] = {
         "latency_tolerance": 1.0,
         "latency_guardrail": "harm",
     },
-    "learner": {"max_staleness": 40, "lr": 3e-4, "rebase_after_refusals": 2},
+    "learner": {"max_staleness": 40, "lr": 3e-4, "rebase_after_refusals": 2, "candidate_ema": 0.97},
 }
 """What ``liverl demo`` changes from the production defaults, where the config file, the environment or a flag did not
 set it: two serving nodes behind the router, and canaries sized for a 10-minute run on a laptop's traffic (~50 judged
@@ -65,6 +65,8 @@ canaries already shown better waited 75-85 s on latency alone, their arms at 296
 of 55,841 trained in one run). The learner rebases onto stable after 2 candidates in a row refused on their
 evidence, not 5: in the hour-long runs (BENCHMARKS.md, fifteenth and sixteenth sessions) a run of refusals held 1-4
 refused candidates and lasted until another of the same lineage got through a canary (up to 574 s).
+Each candidate is the average of the learner's weights over its last ~33 updates (``learner.candidate_ema`` 0.97), not
+its last update's: at lr 3e-4 one update's weights are a random draw around the lineage (``scripts/plateau_sim.py``).
 The embedded broker keeps its log in the state folder, as `liverl up` does
 (durable: a restart of the demo loses nothing acknowledged); on two cores it costs the demo about a quarter of its
 requests against the in-memory broker (31,020 against 42,325 in 10 minutes, BENCHMARKS.md), and

@@ -270,3 +270,40 @@ def test_kill_9_of_one_rank_then_a_restart_trains_every_sample_exactly_once(cfg)
     assert ckpts.steps()[-1] == 6
     trained = [sid for line in Ledger.read(ledger_path(ckpt)) for _, _, sid in line.get("trained", [])]
     assert sorted(trained) == sorted(s.sample_id for s in samples)  # each once: none lost, none twice
+
+
+def test_a_dcp_checkpoint_carries_the_candidates_weight_average(tmp_path, group_of_one):
+    """FSDP2 over a group of one: the average (``learner.candidate_ema``) is saved with the shards and loaded back in
+    place; a checkpoint written without one starts it at the loaded weights."""
+    from learner.dist import CheckpointDir
+    from learner.model import load_model
+    from learner.policy_trainer import PolicyTrainer
+    from learner.ranks import load_checkpoint
+    from liverl.core.config import LearnerConfig
+    from liverl.demo.base_policy import ensure_base_policy
+
+    from .test_trainer import make_samples, model_cache
+
+    model_dir = ensure_base_policy(model_cache(), seed=0, progress=False)
+    samples = make_samples(load_model(model_dir), 32, seed=5)
+    lcfg = LearnerConfig(lr=1e-3, candidate_ema=0.9)
+
+    def same(a, b):
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    tr = PolicyTrainer(model_dir, lcfg, ranks=group_of_one)
+    tr.train_step(samples[:16])
+    tr.train_step(samples[16:])
+    assert not same(tr.candidate_weights(), tr.bf16_state_dict())
+    with_avg = CheckpointDir(tmp_path / "with", group_of_one)
+    with_avg.save(2, tr.model, tr.opt, {}, ema=tr.ema_state())
+    without = CheckpointDir(tmp_path / "without", group_of_one)
+    without.save(2, tr.model, tr.opt, {})
+
+    back = PolicyTrainer(model_dir, lcfg, ranks=group_of_one)
+    assert load_checkpoint(back, with_avg)["ema_loaded"]
+    assert same(back.candidate_weights(), tr.candidate_weights())
+    assert same(back.bf16_state_dict(), tr.bf16_state_dict())
+    fresh = PolicyTrainer(model_dir, lcfg, ranks=group_of_one)
+    assert not load_checkpoint(fresh, without)["ema_loaded"]
+    assert same(fresh.candidate_weights(), tr.bf16_state_dict())

@@ -129,6 +129,7 @@ def test_the_demo_profile_fills_in_only_what_config_did_not_set():
     assert cfg.serving.nodes == 2 and cfg.gate.canary_share == 0.5
     assert cfg.learner.lr == 3e-4 and applied["learner.lr"] == 3e-4  # the demo's tiny policy sets its own
     assert cfg.learner.rebase_after_refusals == 2 and applied["learner.rebase_after_refusals"] == 2
+    assert cfg.learner.candidate_ema == 0.97 and applied["learner.candidate_ema"] == 0.97  # production: 0 (off)
     cfg = load_config(None, env={"LIVERL__LEARNER__LR": "1e-5"})
     assert "learner.lr" not in apply_demo_profile(cfg) and cfg.learner.lr == 1e-5
     cfg = load_config(None, env={})
