@@ -592,12 +592,15 @@ class Learner:
         self.version_steps[int(row.version)] = self.step
         self.since_candidate = {k: 0.0 for k in sc}
         log.info(
-            "learner: step %d -> candidate v%d (parent v%d, %d samples trained, reward %.3f since last)",
+            "learner: step %d -> candidate v%d (parent v%d, %d samples trained, reward %.3f since last%s)",
             self.step,
             row.version,
             parent,
             metrics["samples_trained"],
             metrics["reward_mean"],
+            f"; its weights averaged over its updates, decay {self.lcfg.candidate_ema}"
+            if self.lcfg.candidate_ema
+            else "",
         )
 
     def _maybe_move_reference(self) -> None:
