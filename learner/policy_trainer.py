@@ -380,17 +380,10 @@ class PolicyTrainer:
         if self._ema is None:
             return self.weights(torch.bfloat16)
         by_param = {id(p): e for p, e in zip(self.model.parameters(), self._ema)}
-        averaged = {n: by_param[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False)}
-        if self.ranks is None:
-            module_state = dict(self.model.state_dict(), **averaged)
-        else:  # the shards gathered, as full_state_dict gathers the weights
-            full = full_state_dict(self.model)
-            module_state = {
-                k: (averaged[k].full_tensor() if hasattr(averaged[k], "full_tensor") else averaged[k])
-                if k in averaged
-                else v
-                for k, v in full.items()
-            }
+        module_state = dict(self.model.named_buffers())  # FSDP2 leaves buffers whole on every rank
+        for n, p in self.model.named_parameters(remove_duplicate=False):
+            e = by_param[id(p)]
+            module_state[n] = e.full_tensor() if hasattr(e, "full_tensor") else e  # a shard: gathered (a collective)
         return state_dict_from_model(self.model, dtype=torch.bfloat16, module_state=module_state)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], reset_optimizer: bool) -> None:
