@@ -98,7 +98,7 @@ class PolicyTrainer:
         self.opt = self._adamw(lcfg.lr)
         self.baseline = RunningBaseline()
         self._ema: list[torch.Tensor] | None = None  # the candidates' weights (``candidate_weights``)
-        self._reset_ema()
+        self.reset_ema()
 
     # -- input checks ---------------------------------------------------------------------------
     def refusal(self, s: TrainingSample) -> str | None:
@@ -351,7 +351,7 @@ class PolicyTrainer:
     def ema_decay(self) -> float:
         return float(self.lcfg.candidate_ema)
 
-    def _reset_ema(self) -> None:
+    def reset_ema(self) -> None:
         """The average restarts at the weights as they are (at the start, a rebase, a load)."""
         self._ema = [p.detach().clone() for p in self.model.parameters()] if self.ema_decay > 0 else None
 
@@ -363,7 +363,7 @@ class PolicyTrainer:
 
     def load_ema_state(self, state: dict[str, torch.Tensor]) -> None:
         """Put back an average saved by ``ema_state`` (a checkpoint); one saved with it off leaves it at the weights."""
-        self._reset_ema()
+        self.reset_ema()
         if self._ema is None or not state:
             return
         names = [n for n, _ in self.model.named_parameters()]
@@ -390,7 +390,7 @@ class PolicyTrainer:
         """Overwrite the weights in place (file names, any dtype) so the optimizer keeps its parameters; the
         candidates' average restarts at them."""
         assign_weights(self.model, state_dict)
-        self._reset_ema()
+        self.reset_ema()
         if reset_optimizer:
             self.opt = self._adamw(self.lr)
 

@@ -79,7 +79,7 @@ def load_checkpoint(trainer: PolicyTrainer, ckpts: CheckpointDir) -> dict[str, A
     ema = trainer.ema_state()
     meta = ckpts.load(trainer.model, trainer.opt, ema=ema)
     if meta is not None and not meta["ema_loaded"]:
-        trainer.load_ema_state({})
+        trainer.reset_ema()
     return meta
 
 

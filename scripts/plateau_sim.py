@@ -38,13 +38,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from deploy.gate import paired_sign_test  # noqa: E402
 from learner.model import load_model  # noqa: E402
 from learner.policy_trainer import PolicyTrainer  # noqa: E402
 from liverl.core.config import LearnerConfig  # noqa: E402
+from liverl.core.product import EvalCase  # noqa: E402
 from liverl.demo import task  # noqa: E402
 from liverl.demo.base_policy import ensure_base_policy  # noqa: E402
+from liverl.demo.product import grade_sum  # noqa: E402
 from liverl.demo.score import sample_completions, score_model  # noqa: E402
-from liverl.demo.vocab import encode_text  # noqa: E402
+from liverl.demo.vocab import VOCAB, encode_text  # noqa: E402
 
 UPDATES_PER_S = 0.8
 BATCH = 64
@@ -71,7 +74,8 @@ def served(model_dir: Path, weights: dict) -> torch.nn.Module:
     return m
 
 
-def suite_grades(model, prompts) -> list[int]:
+def suite_grades(model, prompts) -> list[float]:
+    """The product's suite grades (``liverl.demo.product.grade_sum``) of the greedy completions, 3 tokens each."""
     ids = torch.tensor([encode_text(p.text) for p in prompts])
     out = []
     with torch.no_grad():
@@ -79,28 +83,16 @@ def suite_grades(model, prompts) -> list[int]:
             nxt = model(input_ids=ids).logits[:, -1].argmax(-1)
             out.append(nxt)
             ids = torch.cat([ids, nxt[:, None]], 1)
-    from liverl.demo.vocab import VOCAB  # noqa: PLC0415
-
-    grades = []
-    for i, p in enumerate(prompts):
-        text = "".join(VOCAB[int(t[i])] for t in out)
-        digits = ""
-        for c in text:
-            if not c.isdigit():
-                break
-            digits += c
-        grades.append(int(bool(digits) and int(digits) == p.answer))
-    return grades
+    return [
+        grade_sum(EvalCase(prompt=p.text, data={"answer": p.answer}), "".join(VOCAB[int(t[i])] for t in out))
+        for i, p in enumerate(prompts)
+    ]
 
 
-def mcnemar_worse(cand: list[int], stable: list[int], alpha: float = 0.05) -> bool:
-    worse = sum(1 for c, s in zip(cand, stable) if s and not c)
-    better = sum(1 for c, s in zip(cand, stable) if c and not s)
-    n = worse + better
-    if n == 0 or worse <= better:
-        return False
-    p = sum(math.comb(n, k) for k in range(worse, n + 1)) / 2**n
-    return p < alpha
+def suite_refuses(cand: list[float], stable: list[float], alpha: float = 0.05) -> bool:
+    """The gate's suite rule: worse on more cases than better, and the paired sign test shows it at ``alpha``."""
+    worse, better, p = paired_sign_test(cand, stable)
+    return worse > better and p < alpha
 
 
 def run(args, variant: str, seed: int, model_dir: Path, writer) -> dict:
@@ -215,7 +207,7 @@ def run(args, variant: str, seed: int, model_dir: Path, writer) -> dict:
             newest = None
             cm = served(model_dir, cw)
             acc = true_acc(cm)
-            if mcnemar_worse(suite_grades(cm, suite_prompts), stable_suite):
+            if suite_refuses(suite_grades(cm, suite_prompts), stable_suite):
                 writer.writerow([variant, seed, u, "suite", f"{acc - stable_acc:+.4f}", f"{stable_acc:.4f}", lr_scale])
                 refused_in_row += 1
                 run_start = u if run_start is None else run_start
