@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 log = logging.getLogger("liverl.learner")
 
@@ -133,6 +133,15 @@ def shard(model, ranks: Ranks):
         fully_shard(layer)
     fully_shard(model)
     return model
+
+
+def reshard(model) -> None:
+    """Free the gathered weights FSDP2 keeps after a forward without backward (the root keeps its own: the next
+    forward then reuses them), so that the next forward gathers the shards again: after the shards were written in
+    place (``PolicyTrainer.measure_candidate_entropy``). A model without FSDP2 units: nothing to do."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def grad_scale(ranks: Ranks) -> float:

@@ -73,7 +73,8 @@ class PrometheusCollector:
             "reward_mean",
             "kl",
             "entropy",
-            "entropy_floor_gap",  # how far the last batch was under learner.entropy_floor (0: above it)
+            "entropy_floor_gap",  # how far the last batch was under the floor (0: above it)
+            "entropy_floor",  # the floor the last batch was held to, when raised for averaged candidates
             "ratio_mean",
             "clipped_frac",
             "masked_frac",

@@ -34,6 +34,7 @@ COLLECTIVE = (
     "weights",
     "bf16_state_dict",
     "candidate_weights",
+    "measure_candidate_entropy",
     "load_weights",
     "set_reference",
     "token_logprobs",

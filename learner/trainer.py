@@ -195,6 +195,7 @@ class Learner:
             version_steps=dict(sorted(self.version_steps.items())[-VERSION_STEPS_KEPT:]),
             lr_scale=self.trainer.lr_scale,
             lr_scale_since=self._lr_scale_since,
+            floor_lift=self.trainer.floor_lift,
         )
         if self.ckpts is not None:  # every rank writes its shards; rank 0 adds this state as learner.json
             self.trainer.save_checkpoint(self.step, dict(st, baseline=self.trainer.baseline.state_dict()))
@@ -242,6 +243,7 @@ class Learner:
         self.version_steps = {int(v): int(n) for v, n in (st.get("version_steps") or {}).items()}
         self.trainer.set_lr_scale(float(st.get("lr_scale", 1.0)))
         self._lr_scale_since = float(st.get("lr_scale_since", 0.0))
+        self.trainer.floor_lift = float(st.get("floor_lift", 1.0))
         log.info(
             "learner: resumed from %s at step %d, %d samples trained, offsets %s, last emitted v%d",
             self.ckpt_path,
@@ -568,6 +570,9 @@ class Learner:
                 if k in self.last_metrics
             },
         }
+        held = self.trainer.measure_candidate_entropy()  # with averaged candidates: what the gate will measure
+        if held is not None:
+            metrics["candidate_entropy"] = held["candidate_entropy"]
         try:
             parent = int(self.registry.stable().version)
             row = self.registry.add_candidate(
@@ -592,7 +597,7 @@ class Learner:
         self.version_steps[int(row.version)] = self.step
         self.since_candidate = {k: 0.0 for k in sc}
         log.info(
-            "learner: step %d -> candidate v%d (parent v%d, %d samples trained, reward %.3f since last%s)",
+            "learner: step %d -> candidate v%d (parent v%d, %d samples trained, reward %.3f since last%s%s)",
             self.step,
             row.version,
             parent,
@@ -600,6 +605,14 @@ class Learner:
             metrics["reward_mean"],
             f"; its weights averaged over its updates, decay {self.lcfg.candidate_ema}"
             if self.lcfg.candidate_ema
+            else "",
+            f"; entropy {held['candidate_entropy']:.3f} nats a token against its updates' {held['entropy']:.3f}"
+            + (
+                f", the floor {self.lcfg.entropy_floor * held['floor_lift']:.3f} from now on"
+                if self.lcfg.floor_for_candidate
+                else ""
+            )
+            if held is not None
             else "",
         )
 

@@ -364,6 +364,16 @@ class LearnerConfig(_Section):
         ge=0,
         description="Weight of the entropy floor's hinge in the loss (learner.entropy_floor). 0: off.",
     )
+    floor_for_candidate: bool = Field(
+        default=False,
+        description="With learner.candidate_ema: hold the entropy floor for the averaged candidate, not for the "
+        "weights of the last update. An average is sharper than the weights it averages (the demo's seventh hour: "
+        "batches at the floor, 0.09-0.10 nats a token; candidates 0.058-0.073 on the same generations, the gate "
+        "refusing under 0.05). At each candidate the learner measures both on its last batch (it always does and logs "
+        "it) and, with this on, raises the floor of its next updates by their ratio (1-4x). Off by default: in the "
+        "demo's loop (scripts/plateau_sim.py, 2 seeds) no candidate fell under the gate's floor either way, and held "
+        "floors ended 1-2 points lower.",
+    )
     candidate_every_steps: int = Field(
         default=10, ge=1, description="Emit a candidate version every this many updates."
     )

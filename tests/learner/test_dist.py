@@ -273,8 +273,9 @@ def test_kill_9_of_one_rank_then_a_restart_trains_every_sample_exactly_once(cfg)
 
 
 def test_a_dcp_checkpoint_carries_the_candidates_weight_average(tmp_path, group_of_one):
-    """FSDP2 over a group of one: the average (``learner.candidate_ema``) is saved with the shards and loaded back in
-    place; a checkpoint written without one starts it at the loaded weights."""
+    """FSDP2 over a group of one: the average (``learner.candidate_ema``) is measured for the entropy floor through the
+    sharded forward as in one process, saved with the shards and loaded back in place; a checkpoint written without
+    one starts it at the loaded weights."""
     from learner.dist import CheckpointDir
     from learner.model import load_model
     from learner.policy_trainer import PolicyTrainer
@@ -295,6 +296,15 @@ def test_a_dcp_checkpoint_carries_the_candidates_weight_average(tmp_path, group_
     tr.train_step(samples[:16])
     tr.train_step(samples[16:])
     assert not same(tr.candidate_weights(), tr.bf16_state_dict())
+    weights, cand = tr.bf16_state_dict(), tr.candidate_weights()
+    held = tr.measure_candidate_entropy()  # the average through the sharded forward, then the shards put back
+    assert same(tr.bf16_state_dict(), weights) and same(tr.candidate_weights(), cand)
+    alone = PolicyTrainer(model_dir, lcfg)  # one process, no group: the same measurement
+    alone.train_step(samples[:16])
+    alone.train_step(samples[16:])
+    ref = alone.measure_candidate_entropy()
+    assert held["entropy"] == pytest.approx(ref["entropy"], rel=1e-3)
+    assert held["candidate_entropy"] == pytest.approx(ref["candidate_entropy"], rel=1e-3)
     with_avg = CheckpointDir(tmp_path / "with", group_of_one)
     with_avg.save(2, tr.model, tr.opt, {}, ema=tr.ema_state())
     without = CheckpointDir(tmp_path / "without", group_of_one)
