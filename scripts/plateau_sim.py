@@ -12,8 +12,12 @@ stand-ins, so that a change to the learner can be compared over several seeds in
 - serving: completions sampled from the served weights (bf16, as vLLM serves them) at the product's temperature,
   their behaviour log-probs computed by the same weights; half the traffic on the canary while one runs;
 - the learner: ``learner.policy_trainer.PolicyTrainer`` with the demo's config (lr 3e-4, batch 64, KL to stable),
-  a candidate every 10 updates (``--variants emaD``: ``learner.candidate_ema`` = D, its weights' average), the rebase after 2 refusals in a row, the learning-rate back-off and its recovery;
-- the gate: the product's suite (greedy sums on 256 prompts, McNemar's one-sided at 0.05: ``deploy.gate``'s rule)
+  a candidate every 10 updates, the rebase after 2 refusals in a row, the learning-rate back-off and its recovery.
+  ``--variants`` names settings joined by ``+``: ``emaD`` (``learner.candidate_ema`` = D, the candidates are its
+  weights' average), ``lift`` (``learner.floor_for_candidate``: the entropy floor held for the averaged
+  candidate); ``main`` is none of them;
+- the gate: the collapse floor (``gate.min_entropy``: the candidate's mean per-token entropy on the last 256
+  generations, teacher-forced, as ``learner.evaluate`` measures it), the product's suite (greedy sums on 256 prompts, McNemar's one-sided at 0.05: ``deploy.gate``'s rule)
   and a canary whose estimate is the candidate's exact expected acceptance difference plus the noise of a
   user-clustered sequential test at the demo's traffic (design effect 1.5, a 3-s.e. always-valid bound,
   non-inferiority within 3 points, the 6,000-event budget), looked at every 10 updates after the revert horizon.
@@ -29,6 +33,7 @@ import argparse
 import csv
 import math
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -41,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from deploy.gate import paired_sign_test  # noqa: E402
 from learner.model import load_model  # noqa: E402
 from learner.policy_trainer import PolicyTrainer  # noqa: E402
-from liverl.core.config import LearnerConfig  # noqa: E402
+from liverl.core.config import GateConfig, LearnerConfig  # noqa: E402
 from liverl.core.product import EvalCase  # noqa: E402
 from liverl.demo import task  # noqa: E402
 from liverl.demo.base_policy import ensure_base_policy  # noqa: E402
@@ -57,6 +62,7 @@ HORIZON_UPDATES = int(90 * UPDATES_PER_S)  # the first canary evidence: a bucket
 BUDGET_UPDATES = int(6000 / (BATCH / 2))  # 6,000 events on the canary arm at half the traffic
 MARGIN = 0.03
 DEFF = 1.5
+MIN_ENTROPY = GateConfig().min_entropy
 
 
 @dataclass
@@ -95,12 +101,28 @@ def suite_refuses(cand: list[float], stable: list[float], alpha: float = 0.05) -
     return worse > better and p < alpha
 
 
+def collapse_entropy(tr: PolicyTrainer, model, probes: list[Sample]) -> float:
+    """The gate's collapse measure (``learner.evaluate.PolicyEvaluator.drift``): the candidate's mean per-token
+    entropy at the completion positions of the recent generations, teacher-forced."""
+    x = tr._collate(probes)
+    with torch.no_grad():
+        _, logprobs_BTV = tr._token_logp(model, x)
+    ent_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
+    return float((ent_BT * x["mask_BT"]).sum() / x["mask_BT"].sum())
+
+
 def run(args, variant: str, seed: int, model_dir: Path, writer) -> dict:
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    ema_decay = float(variant[3:] or 0.9) if variant.startswith("ema") else 0.0
+    parts = {re.match(r"[a-z]+", p).group(0): p for p in variant.split("+")}  # e.g. ema0.97+lift
+    ema_decay = float(parts["ema"][3:] or 0.9) if "ema" in parts else 0.0
     lcfg = LearnerConfig(
-        lr=args.lr, batch_size=BATCH, max_staleness=40, rebase_after_refusals=2, candidate_ema=ema_decay
+        lr=args.lr,
+        batch_size=BATCH,
+        max_staleness=40,
+        rebase_after_refusals=2,
+        candidate_ema=ema_decay,
+        floor_for_candidate="lift" in parts,
     )
     tr = PolicyTrainer(model_dir, lcfg)
     eval_prompts = task.heldout_prompts(512, seed=999)
@@ -115,12 +137,13 @@ def run(args, variant: str, seed: int, model_dir: Path, writer) -> dict:
     stable_suite = suite_grades(stable_m, suite_prompts)
     tr.set_reference(stable_w)
     pending: list[tuple[float, Sample]] = []  # (due update, correction sample)
+    probes: list[Sample] = []  # the gate's drift and collapse probes: the last 256 generations
     canary = None  # dict(w, model, acc, start, walk)
     newest = None  # (weights, update)
     refused_in_row = 0
     lr_scale = 1.0
     runs, run_start = [], None
-    promotions = 0
+    promotions = collapses = 0
     t0 = time.time()
     for u in range(args.updates):
         # -- traffic: 64 judged generations, half on the canary while one runs
@@ -162,8 +185,10 @@ def run(args, variant: str, seed: int, model_dir: Path, writer) -> dict:
                 batch.append(s)
         due = [s for d, s in pending if d <= u]
         pending = [(d, s) for d, s in pending if d > u]
+        probes = (probes + batch)[-256:]
         tr.train_step(batch + due)
         if (u + 1) % CANDIDATE_EVERY == 0:  # the learner's candidate: its weights' average when candidate_ema > 0
+            tr.measure_candidate_entropy()  # as the learner does at each candidate (``lift``: and raises its floor)
             newest = (tr.candidate_weights(), u)
         # -- the gate: a canary looked at every 10 updates; otherwise judge the newest candidate
         if canary is not None and (u - canary["start"]) % 10 == 0 and u - canary["start"] >= HORIZON_UPDATES:
@@ -207,7 +232,13 @@ def run(args, variant: str, seed: int, model_dir: Path, writer) -> dict:
             newest = None
             cm = served(model_dir, cw)
             acc = true_acc(cm)
-            if suite_refuses(suite_grades(cm, suite_prompts), stable_suite):
+            entropy = collapse_entropy(tr, cm, probes)
+            if entropy < MIN_ENTROPY:  # the gate's collapse floor (gate.min_entropy), checked before the suite
+                writer.writerow([variant, seed, u, "collapse", f"{entropy:.4f}", f"{stable_acc:.4f}", lr_scale])
+                collapses += 1
+                refused_in_row += 1
+                run_start = u if run_start is None else run_start
+            elif suite_refuses(suite_grades(cm, suite_prompts), stable_suite):
                 writer.writerow([variant, seed, u, "suite", f"{acc - stable_acc:+.4f}", f"{stable_acc:.4f}", lr_scale])
                 refused_in_row += 1
                 run_start = u if run_start is None else run_start
@@ -227,7 +258,14 @@ def run(args, variant: str, seed: int, model_dir: Path, writer) -> dict:
             )
     if run_start is not None:
         runs.append((run_start, args.updates))
-    return {"variant": variant, "seed": seed, "promotions": promotions, "final": stable_acc, "runs": runs}
+    return {
+        "variant": variant,
+        "seed": seed,
+        "promotions": promotions,
+        "collapses": collapses,
+        "final": stable_acc,
+        "runs": runs,
+    }
 
 
 def main() -> int:
@@ -250,13 +288,19 @@ def main() -> int:
             for seed in args.seeds:
                 results.append(run(args, variant, seed, model_dir, writer))
                 f.flush()
-    print("\n| variant | seed | promotions | final stable acc | longest run after plateau-from (s) | runs > 300 s |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "\n| variant | seed | promotions | collapse refusals | final stable acc | longest run after plateau-from (s) "
+        "| runs > 300 s |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         late = [(a, b) for a, b in r["runs"] if b > args.plateau_from]
         longest = max(((b - max(a, args.plateau_from)) / UPDATES_PER_S for a, b in late), default=0.0)
         over = sum(1 for a, b in r["runs"] if (b - a) / UPDATES_PER_S > 300)
-        print(f"| {r['variant']} | {r['seed']} | {r['promotions']} | {r['final']:.3f} | {longest:.0f} | {over} |")
+        print(
+            f"| {r['variant']} | {r['seed']} | {r['promotions']} | {r['collapses']} | {r['final']:.3f} "
+            f"| {longest:.0f} | {over} |"
+        )
     return 0
 
 
