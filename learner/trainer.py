@@ -243,7 +243,8 @@ class Learner:
         self.version_steps = {int(v): int(n) for v, n in (st.get("version_steps") or {}).items()}
         self.trainer.set_lr_scale(float(st.get("lr_scale", 1.0)))
         self._lr_scale_since = float(st.get("lr_scale_since", 0.0))
-        self.trainer.floor_lift = float(st.get("floor_lift", 1.0))
+        if self.lcfg.floor_for_candidate:  # turned off since: the configured floor again
+            self.trainer.floor_lift = float(st.get("floor_lift", 1.0))
         log.info(
             "learner: resumed from %s at step %d, %d samples trained, offsets %s, last emitted v%d",
             self.ckpt_path,

@@ -138,5 +138,10 @@ def test_the_candidates_entropy_is_measured_and_the_floor_can_be_held_for_it(cfg
         assert all("candidate_entropy" in c.metrics for c in reg.candidates())
         restarted = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
         assert restarted.trainer.floor_lift == learner.trainer.floor_lift
+        restarted.trainer.floor_lift = 2.5
+        restarted._save_checkpoint()
+        assert Learner(cfg, model_dir, cfg.broker.bootstrap, reg).trainer.floor_lift == 2.5
+        cfg.learner.floor_for_candidate = False  # turned off since the checkpoint: the configured floor again
+        assert Learner(cfg, model_dir, cfg.broker.bootstrap, reg).trainer.floor_lift == 1.0
     finally:
         reg.close()
