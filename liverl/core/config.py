@@ -371,8 +371,8 @@ class LearnerConfig(_Section):
         "batches at the floor, 0.09-0.10 nats a token; candidates 0.058-0.073 on the same generations, the gate "
         "refusing under 0.05). At each candidate the learner measures both on its last batch (it always does and logs "
         "it) and, with this on, raises the floor of its next updates by their ratio (1-4x). Off by default: in the "
-        "demo's loop (scripts/plateau_sim.py, 2 seeds) no candidate fell under the gate's floor either way, and held "
-        "floors ended 1-2 points lower.",
+        "demo's loop (scripts/plateau_sim.py, 4 seeds) no candidate fell under the gate's floor either way, and it "
+        "changed nothing beyond the seeds' spread (70 promotions against 71, final acceptance 0.915 against 0.924).",
     )
     candidate_every_steps: int = Field(
         default=10, ge=1, description="Emit a candidate version every this many updates."
