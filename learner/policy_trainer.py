@@ -337,9 +337,10 @@ class PolicyTrainer:
         return metrics
 
     @torch.no_grad()
-    def _entropy_part(self, x: dict[str, torch.Tensor], n_tokens: int, weight: float) -> float:
-        """This rank's part of the batch's mean per-token entropy under the weights as they are (no gradient)."""
-        _, logprobs_BTV = self._token_logp(self.model, x)
+    def _entropy_part(self, x: dict[str, torch.Tensor], n_tokens: int, weight: float, model=None) -> float:
+        """This rank's part of the batch's mean per-token entropy under the weights as they are (no gradient);
+        ``model``: another transformers model to measure with the same code (``scripts/plateau_sim.py``'s gate)."""
+        _, logprobs_BTV = self._token_logp(self.model if model is None else model, x)
         ent_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
         return float((ent_BT * x["mask_BT"]).sum()) / n_tokens * (weight > 0)
 

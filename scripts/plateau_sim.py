@@ -17,8 +17,8 @@ stand-ins, so that a change to the learner can be compared over several seeds in
   weights' average), ``lift`` (``learner.floor_for_candidate``: the entropy floor held for the averaged
   candidate); ``main`` is none of them;
 - the gate: the collapse floor (``gate.min_entropy``: the candidate's mean per-token entropy on the last 256
-  generations, teacher-forced, as ``learner.evaluate`` measures it), the product's suite (greedy sums on 256 prompts, McNemar's one-sided at 0.05: ``deploy.gate``'s rule)
-  and a canary whose estimate is the candidate's exact expected acceptance difference plus the noise of a
+  generations, teacher-forced, as ``learner.evaluate`` measures it), the product's suite (greedy sums on 256
+  prompts, McNemar's one-sided at 0.05: ``deploy.gate``'s rule) and a canary whose estimate is the candidate's exact expected acceptance difference plus the noise of a
   user-clustered sequential test at the demo's traffic (design effect 1.5, a 3-s.e. always-valid bound,
   non-inferiority within 3 points, the 6,000-event budget), looked at every 10 updates after the revert horizon.
 
@@ -105,10 +105,7 @@ def collapse_entropy(tr: PolicyTrainer, model, probes: list[Sample]) -> float:
     """The gate's collapse measure (``learner.evaluate.PolicyEvaluator.drift``): the candidate's mean per-token
     entropy at the completion positions of the recent generations, teacher-forced."""
     x = tr._collate(probes)
-    with torch.no_grad():
-        _, logprobs_BTV = tr._token_logp(model, x)
-    ent_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
-    return float((ent_BT * x["mask_BT"]).sum() / x["mask_BT"].sum())
+    return tr._entropy_part(x, int(x["mask_BT"].sum()), 1.0, model=model)
 
 
 def run(args, variant: str, seed: int, model_dir: Path, writer) -> dict:
