@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from learner import fastpath
 from learner.dist import Ranks, all_sum, full_state_dict, grad_scale, reshard, shard, share
 from learner.loss import RunningBaseline, advantages, full_kl, pg_loss
 from learner.model import assign_weights, load_model, state_dict_from_model
@@ -177,9 +178,11 @@ class PolicyTrainer:
         }
         return x if self.device.type == "cpu" else {k: v.to(self.device, non_blocking=True) for k, v in x.items()}
 
-    @staticmethod
-    def _token_logp(model, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _token_logp(self, model, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the completion tokens ``logp_BT`` and the full distributions ``logprobs_BTV``.
+
+        A Qwen3-MoE model in one process goes through ``learner.fastpath`` (the same maths in fewer operator calls;
+        ``learner.fast_forward``); any other model through transformers' forward, as follows.
 
         Packed rows and no attention mask: transformers reads the restarts of ``position_ids`` as sequence
         boundaries and masks attention across them (``masking_utils.find_packed_sequence_indices``), so each
@@ -190,6 +193,8 @@ class PolicyTrainer:
         are never read, and for a real vocabulary (150K) they are most of the head's matrix product and of the
         activations kept for backward (``[R, N, V]`` in fp32). The hook sits inside the model's own forward, so FSDP2
         units gather and free around it as before."""
+        if self.lcfg.fast_forward and fastpath.handles(model):
+            return fastpath.token_logp(model, x)
         head = model.get_output_embeddings()
         picked: list[bool] = []
 

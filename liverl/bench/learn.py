@@ -128,6 +128,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="cuda: the learner runs as in `liverl learn` on a GPU (FSDP2 over a group of one, NCCL); the "
         "plain loop on the same GPU",
     )
+    p.add_argument(
+        "--transformers-forward",
+        action="store_true",
+        help="the learner side through transformers' forward (learner.fast_forward = false), to see what "
+        "learner/fastpath.py saves",
+    )
     p.add_argument("--profile", action="store_true", help="also print torch.profiler's top 10 of one step per side")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--drift", metavar="LR,LR", help="instead: KL from the base after N updates at each learning rate")
@@ -161,6 +167,8 @@ def command_line(args: argparse.Namespace) -> str:
             parts += ["--" + key.replace("_", "-"), getattr(args, key)]
     if args.device != "cpu":
         parts += ["--device", args.device]
+    if getattr(args, "transformers_forward", False):
+        parts.append("--transformers-forward")
     if args.profile:
         parts.append("--profile")
     return shlex.join(parts)
@@ -366,7 +374,13 @@ def measure(model_dir: Path, name: str, args: argparse.Namespace, spans, ranks=N
     from learner.dist_check import make_samples, on_policy
     from learner.policy_trainer import PolicyTrainer
 
-    lcfg = LearnerConfig(lr=args.lr, batch_size=args.batch, micro_epochs=1, max_batch_tokens=1 << 30)
+    lcfg = LearnerConfig(
+        lr=args.lr,
+        batch_size=args.batch,
+        micro_epochs=1,
+        max_batch_tokens=1 << 30,
+        fast_forward=not getattr(args, "transformers_forward", False),
+    )
     learner = PolicyTrainer(model_dir, lcfg, ranks=ranks)
     plain = PlainLoop(model_dir, lcfg, learner.device)
     torch.set_num_threads(args.threads)  # after PolicyTrainer, which sets 1 for the shared box

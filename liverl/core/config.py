@@ -374,6 +374,13 @@ class LearnerConfig(_Section):
         "demo's loop (scripts/plateau_sim.py, 4 seeds) no candidate fell under the gate's floor either way, and it "
         "changed nothing beyond the seeds' spread (70 promotions against 71, final acceptance 0.915 against 0.924).",
     )
+    fast_forward: bool = Field(
+        default=True,
+        description="Run Qwen3-MoE models through the learner's own forward (learner/fastpath.py) in one process: "
+        "transformers' maths with fewer operator calls (the attention mask and rotary tables once per batch, no "
+        "module machinery); the demo model's reference forward about 20% cheaper. Other families and FSDP2-sharded "
+        "weights always use transformers' forward. false: transformers' forward everywhere.",
+    )
     candidate_every_steps: int = Field(
         default=10, ge=1, description="Emit a candidate version every this many updates."
     )

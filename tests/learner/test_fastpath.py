@@ -1,0 +1,120 @@
+"""The learner's own Qwen3-MoE forward (``learner.fastpath``) computes what transformers' forward computes.
+
+Each layout is a small random Qwen3-MoE saved to disk and loaded twice, once with ``learner.fast_forward`` on and
+once off (transformers' forward). On the same packed batch, the completion log-probs, the full distributions the KL
+and the entropy read, and the gradient of a loss over both must agree. The layouts cover what the fast path reads
+from the model: grouped-query attention (2 query heads a KV head) and plain multi-head, attention biases, a dense
+MLP layer among the MoE ones (``mlp_only_layers``), top-3 routing with and without renormalised weights.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from learner import fastpath
+from learner.policy_trainer import PolicyTrainer
+from liverl.core.config import LearnerConfig
+from liverl.core.schemas import TrainingSample
+from liverl.testing.models import default_cache, ensure_test_model
+
+LAYOUTS = {
+    "gqa": {},
+    "mha-bias-dense-layer": {"num_key_value_heads": 2, "attention_bias": True, "mlp_only_layers": [1]},
+    "top3-unnormalised": {"num_experts_per_tok": 3, "norm_topk_prob": False, "num_hidden_layers": 3},
+}
+
+
+def _samples(vocab: int, n: int, seed: int) -> list[TrainingSample]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        prompt = [rng.randrange(1, vocab) for _ in range(rng.randrange(2, 24))]
+        completion = [rng.randrange(1, vocab) for _ in range(rng.randrange(1, 9))]
+        out.append(
+            TrainingSample(
+                sample_id=f"s{i}",
+                generation_id=f"s{i}",
+                feedback_id=f"f{i}",
+                policy_version=0,
+                kind="accept",
+                reward=0.75 if i % 3 else -0.25,
+                prompt_token_ids=prompt,
+                completion_token_ids=completion,
+                behaviour_logprobs=[-1.0] * len(completion),
+                ts_generation=1.7e9,
+                ts_feedback=1.7e9,
+            )
+        )
+    return out
+
+
+def _model_dir(tmp_path, layout: dict):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = ensure_test_model("qwen3_moe", default_cache())
+    config = AutoConfig.from_pretrained(base)
+    for k, v in layout.items():
+        setattr(config, k, v)
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():  # away from the init's ones and zeros: every weight shows in the output
+            p.add_(torch.randn_like(p) * 0.1)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)  # liverl's weights are bf16 on disk
+    return tmp_path
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_the_fast_forward_is_transformers_forward(tmp_path, layout):
+    model_dir = _model_dir(tmp_path, LAYOUTS[layout])
+    fast = PolicyTrainer(model_dir, LearnerConfig(fast_forward=True))
+    slow = PolicyTrainer(model_dir, LearnerConfig(fast_forward=False))
+    assert fastpath.handles(fast.model) and fastpath.handles(fast.ref)
+    samples = _samples(fast.vocab_size, 13, seed=len(layout))
+    grads, outs = [], []
+    for tr in (fast, slow):
+        x = tr._collate(samples)
+        assert len(x["ids_RN"]) < len(samples), "some rows must hold several sequences"
+        logp, logprobs = tr._token_logp(tr.model, x)
+        loss = (logp * x["mask_BT"]).sum() + (logprobs.exp() * logprobs).sum()
+        grads.append(torch.autograd.grad(loss, list(tr.model.parameters())))
+        outs.append((logp.detach(), logprobs.detach()))
+    (a, av), (b, bv) = outs
+    assert torch.allclose(a, b, rtol=0, atol=1e-5), (a - b).abs().max()
+    assert torch.allclose(av, bv, rtol=0, atol=1e-5), (av - bv).abs().max()
+    for (name, _), ga, gb in zip(fast.model.named_parameters(), *grads, strict=True):
+        scale = max(float(gb.abs().max()), 1.0)
+        assert float((ga - gb).abs().max()) <= 1e-5 * scale, name
+    # whole updates: the same metrics from the same weights
+    ma, mb = fast.train_step(samples), slow.train_step(samples)
+    for k in ("loss", "kl", "grad_norm"):
+        assert ma[k] == pytest.approx(mb[k], rel=1e-5, abs=1e-6), k
+
+
+def test_other_families_and_other_precisions_use_transformers_forward():
+    mixtral = PolicyTrainer(ensure_test_model("mixtral", default_cache()), LearnerConfig())
+    assert not fastpath.handles(mixtral.model)
+    qwen = PolicyTrainer(ensure_test_model("qwen3_moe", default_cache()), LearnerConfig())
+    assert fastpath.handles(qwen.model)
+    assert not fastpath.handles(qwen.model.to(torch.bfloat16))  # transformers upcasts inside its norms
+
+
+def test_the_fast_forward_follows_weights_changed_in_place():
+    """The tables it keeps per batch are not weights: a new reference (``set_reference``) is read at once."""
+    tr = PolicyTrainer(ensure_test_model("qwen3_moe", default_cache()), LearnerConfig())
+    samples = _samples(tr.vocab_size, 6, seed=1)
+    x = tr._collate(samples)
+    before, _ = tr._token_logp(tr.ref, x)
+    with torch.no_grad():
+        tr.ref.model.layers[0].self_attn.o_proj.weight.mul_(3.0)
+    after, _ = tr._token_logp(tr.ref, x)
+    x2 = tr._collate(samples)
+    slow = PolicyTrainer(ensure_test_model("qwen3_moe", default_cache()), LearnerConfig(fast_forward=False))
+    with torch.no_grad():
+        slow.ref.model.layers[0].self_attn.o_proj.weight.mul_(3.0)
+    want, _ = slow._token_logp(slow.ref, x2)
+    assert not torch.allclose(before, after)
+    assert torch.allclose(after, want, rtol=0, atol=1e-5)
