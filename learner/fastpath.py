@@ -1,26 +1,34 @@
-"""The learner's own forward pass for Qwen3-MoE in one process: the same maths as transformers, fewer operators.
+"""The learner's own forward pass for Qwen3-MoE in one process: the same maths as transformers, less work.
 
 Why: on a small model the update is bound by the cost of each operator call, not by arithmetic. transformers'
 forward rebuilds the packed-sequence attention mask and the rotary tables on every call (about 40 operators a
 forward, twice an update: the policy and the KL reference), and runs each of ~35 submodules through
-``nn.Module.__call__`` and its output-capturing decorators. Here the mask and the rotary tables are built once per
-batch (``prepare``, kept in the batch dict and shared by both models), and each decoder layer is straight-line
-torch over the layer's own parameters. ``liverl bench learn`` on the demo model measured the reference forward
-about 20% cheaper and the policy's forward and backward about 12% cheaper (``BENCHMARKS.md``).
+``nn.Module.__call__`` and its output-capturing decorators. Here:
 
-Same maths, operator for operator: the RMS norms, the rotary embedding, SDPA with the same boolean block-causal
-mask, the router's softmax / top-k / renormalisation and the experts' grouped products are those of
-``transformers.models.qwen3_moe`` and ``transformers.integrations.moe.grouped_mm_experts_forward``; the
-log-probs and the gradients agreed bit for bit with transformers' on the demo model
-(``tests/learner/test_fastpath.py`` asserts agreement within 1e-5 for several layouts).
+- the mask and the rotary tables are built once per batch (``prepare``, kept in the batch dict and shared by both
+  models), and each decoder layer is straight-line torch over the model's tensors (``_spec_and_weights``);
+- the last decoder layer runs past its keys and values only at the positions the loss reads, as the output head
+  does (``_body``): each token's output projection, MLP or experts and residual are its own, so the other
+  positions' values were computed and never read. On the demo model (2 layers) that is most of the second
+  layer's experts, in the reference's forward, the policy's and its backward;
+- ``learner.compile``: the same code under ``torch.compile``, which fuses the elementwise chains and above all the
+  backward's (``token_logp``).
+
+Same maths: the RMS norms, the rotary embedding, SDPA with the same boolean block-causal mask, the router's
+softmax / top-k / renormalisation and the experts' grouped products are those of ``transformers.models.qwen3_moe``
+and ``transformers.integrations.moe.grouped_mm_experts_forward``. ``tests/learner/test_fastpath.py`` holds the
+log-probs, the distributions and every gradient to transformers' within 1e-5 for several layouts (1e-4 compiled).
+``liverl bench learn`` (``--transformers-forward``, ``--compile``) measures what it saves (``BENCHMARKS.md``).
 
 Where it applies (``handles``): ``model_type == "qwen3_moe"`` (the demo's family and ``moe24m``), default RoPE, no
-sliding window, no attention dropout, SiLU experts with a gate, fp32 weights that are plain tensors. Anything else,
-and every FSDP2-sharded model (DTensor weights: its all-gathers run in module hooks this path would skip), goes
-through transformers' own forward, as does everything with ``learner.fast_forward = false``.
+sliding window, no attention dropout, SiLU experts with a gate, fp32 weights. Anything else, and every
+FSDP2-sharded model (its all-gathers run in module hooks this path would skip), goes through transformers' own
+forward, as does everything with ``learner.fast_forward = false``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -81,69 +89,194 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _attention(a, h: torch.Tensor, cos, sin, mask) -> torch.Tensor:
+@dataclass(frozen=True)
+class _Layer:
+    """What a decoder layer's maths needs besides its tensors (constants to ``torch.compile``)."""
+
+    eps: tuple[float, float, float, float]  # input norm, q norm, k norm, post-attention norm
+    head_dim: int
+    groups: int  # query heads per KV head
+    scaling: float
+    moe: bool
+    top_k: int
+    norm_topk: bool
+    n_experts: int
+
+
+@dataclass(frozen=True)
+class _Spec:
+    layers: tuple[_Layer, ...]
+    final_eps: float
+    padding_idx: int | None
+
+
+def _spec_and_weights(model) -> tuple[_Spec, list]:
+    """The model as constants and a flat list of its tensors (the compiled code guards on tensors, not modules)."""
+    m = model.model
+    layers, weights = [], [m.embed_tokens.weight]
+    for layer in m.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        moe = hasattr(mlp, "experts")
+        gate = mlp.gate if moe else None
+        layers.append(
+            _Layer(
+                eps=(
+                    layer.input_layernorm.variance_epsilon,
+                    a.q_norm.variance_epsilon,
+                    a.k_norm.variance_epsilon,
+                    layer.post_attention_layernorm.variance_epsilon,
+                ),
+                head_dim=a.head_dim,
+                groups=a.num_key_value_groups,
+                scaling=float(a.scaling),
+                moe=moe,
+                top_k=gate.top_k if moe else 0,
+                norm_topk=bool(gate.norm_topk_prob) if moe else False,
+                n_experts=mlp.experts.num_experts if moe else 0,
+            )
+        )
+        weights += [
+            layer.input_layernorm.weight,
+            a.q_norm.weight,
+            a.k_norm.weight,
+            layer.post_attention_layernorm.weight,
+        ]
+        for proj in (a.q_proj, a.k_proj, a.v_proj, a.o_proj):
+            weights += [proj.weight, proj.bias]
+        if moe:
+            weights += [gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj]
+        else:
+            weights += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    weights.append(m.norm.weight)
+    return _Spec(tuple(layers), m.norm.variance_epsilon, m.embed_tokens.padding_idx), weights
+
+
+def _attention(L: _Layer, w: list, h: torch.Tensor, cos, sin, mask, pick=None) -> torch.Tensor:
+    """Qwen3-MoE attention; ``w``: q norm, k norm, then (weight, bias) of q, k, v, o. ``pick`` (rows, columns):
+    the output projection at those positions only ([B, T, H] out instead of [R, N, H])."""
     R, N, _ = h.shape
-    D = a.head_dim
-    q = F.linear(h, a.q_proj.weight, a.q_proj.bias).view(R, N, -1, D)
-    k = F.linear(h, a.k_proj.weight, a.k_proj.bias).view(R, N, -1, D)
-    q = _rms(q, a.q_norm.weight, a.q_norm.variance_epsilon)
-    k = _rms(k, a.k_norm.weight, a.k_norm.variance_epsilon)
-    v = F.linear(h, a.v_proj.weight, a.v_proj.bias).view(R, N, -1, D).transpose(1, 2)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    D = L.head_dim
+    q_norm, k_norm, wq, bq, wk, bk, wv, bv, wo, bo = w
+    q = _rms(F.linear(h, wq, bq).view(R, N, -1, D), q_norm, L.eps[1]).transpose(1, 2)
+    k = _rms(F.linear(h, wk, bk).view(R, N, -1, D), k_norm, L.eps[2]).transpose(1, 2)
+    v = F.linear(h, wv, bv).view(R, N, -1, D).transpose(1, 2)
     q = q * cos + _rotate_half(q) * sin
     k = k * cos + _rotate_half(k) * sin
-    if a.num_key_value_groups > 1:  # transformers' repeat_kv (with a mask it does not use SDPA's enable_gqa)
-        k = k.repeat_interleave(a.num_key_value_groups, dim=1)
-        v = v.repeat_interleave(a.num_key_value_groups, dim=1)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=a.scaling)
-    return F.linear(o.transpose(1, 2).reshape(R, N, -1), a.o_proj.weight, a.o_proj.bias)
+    if L.groups > 1:  # transformers' repeat_kv (with a mask it does not use SDPA's enable_gqa)
+        k = k.repeat_interleave(L.groups, dim=1)
+        v = v.repeat_interleave(L.groups, dim=1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=L.scaling).transpose(1, 2)
+    o = o.reshape(R, N, -1) if pick is None else o[pick].flatten(-2)
+    return F.linear(o, wo, bo)
 
 
-def _moe(block, h: torch.Tensor) -> torch.Tensor:
-    """Router (softmax, top-k, renormalised) and the experts as two grouped products over tokens sorted by expert."""
-    router, ex = block.gate, block.experts
-    logits = F.linear(h, router.weight)
-    weights, index = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), router.top_k, dim=-1)
-    if router.norm_topk_prob:
+@torch.library.custom_op("liverl::grouped_mm", mutates_args=())
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` as an operator ``torch.compile`` treats as opaque: its own shape function (torch's
+    requires bf16 inputs while tracing, though the CPU kernel runs fp32) and its backward in grouped products."""
+    return torch._grouped_mm(a, b, offs=offs)
+
+
+@grouped_mm.register_fake
+def _(a, b, offs):
+    if b.dim() == 3:  # [M, K] x [E, K, N] -> [M, N]
+        return a.new_empty((a.shape[0], b.shape[-1]))
+    return a.new_empty((offs.shape[0], a.shape[0], b.shape[-1]))  # [K, M] x [M, N] -> [E, K, N]: a weight's grad
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_mm_backward(ctx, grad):
+    a, b, offs = ctx.saved_tensors
+    grad_a = grouped_mm(grad, b.transpose(-2, -1), offs) if ctx.needs_input_grad[0] else None
+    grad_b = grouped_mm(a.t(), grad, offs) if ctx.needs_input_grad[1] else None
+    return grad_a, grad_b, None
+
+
+grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
+def _moe(L: _Layer, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, h: torch.Tensor, traced: bool):
+    """Router (softmax, top-k, renormalised) and the experts as two grouped products over tokens sorted by expert.
+    ``traced``: under ``torch.compile`` (the opaque ``grouped_mm``, and token counts of a fixed shape)."""
+    logits = F.linear(h, router)
+    weights, index = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), L.top_k, dim=-1)
+    if L.norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     weights = weights.to(logits.dtype)
     flat = index.reshape(-1)
     _, perm = torch.sort(flat)
-    token = perm // router.top_k
-    offsets = torch.cumsum(torch.bincount(flat, minlength=ex.num_experts), dim=0, dtype=torch.int32)
-    gate, up = torch._grouped_mm(h[token], ex.gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, ex.down_proj.transpose(-2, -1), offs=offsets)
+    token = perm // L.top_k
+    if traced:
+        counts = torch.zeros(L.n_experts, dtype=torch.int64, device=h.device).index_add_(0, flat, torch.ones_like(flat))
+        mm = grouped_mm
+    else:
+        counts, mm = torch.bincount(flat, minlength=L.n_experts), torch._grouped_mm
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    gate, up = mm(h[token], gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+    y = mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offsets)
     y = y * weights.reshape(-1)[perm, None]
     return torch.zeros_like(h).index_add_(0, token, y)
 
 
-def _mlp(mlp, h: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight), mlp.down_proj.weight)
-
-
-def hidden_states(model, x: dict) -> torch.Tensor:
-    """The final (normed) hidden states [R, N, H] of the packed rows ``x["ids_RN"]``. The batch's rotary tables and
-    mask are kept in ``x["fastpath"]`` for the next model of the same rotary configuration."""
+def _tables(model, x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch's rotary tables and mask, kept in ``x["fastpath"]`` for the next model of the same rotary
+    configuration (the policy and the reference share them)."""
     rope = model.model.rotary_emb
     key = (tuple(rope.inv_freq.tolist()), float(rope.attention_scaling))
-    if x.get("fastpath", (None,))[0] != key:  # once per batch: the policy and the reference share the tables
+    if x.get("fastpath", (None,))[0] != key:
         x["fastpath"] = (key, *prepare(model, x))
-    _, cos, sin, mask = x["fastpath"]
-    m = model.model
-    h = F.embedding(x["ids_RN"], m.embed_tokens.weight, m.embed_tokens.padding_idx)
-    R, N, H = h.shape
-    for layer in m.layers:
-        pre, post = layer.input_layernorm, layer.post_attention_layernorm
-        h = h + _attention(layer.self_attn, _rms(h, pre.weight, pre.variance_epsilon), cos, sin, mask)
-        n = _rms(h, post.weight, post.variance_epsilon).view(-1, H)
-        h = h + (_moe(layer.mlp, n) if hasattr(layer.mlp, "experts") else _mlp(layer.mlp, n)).view(R, N, H)
-    return _rms(h, m.norm.weight, m.norm.variance_epsilon)
+    return x["fastpath"][1:]
 
 
-def token_logp(model, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def _body(spec: _Spec, weights: list, ids, cos, sin, mask, row, col, traced: bool = False) -> torch.Tensor:
+    """The final hidden states at the positions ``row``, ``col`` ([B, T, H])."""
+    h = F.embedding(ids, weights[0], spec.padding_idx)
+    H = h.shape[-1]
+    at = 1
+    for i, L in enumerate(spec.layers):
+        w_in, q_norm, k_norm, w_post = weights[at : at + 4]
+        attn = [q_norm, k_norm, *weights[at + 4 : at + 12]]
+        a, b, c = weights[at + 12 : at + 15]
+        at += 15
+        if i < len(spec.layers) - 1:
+            h = h + _attention(L, attn, _rms(h, w_in, L.eps[0]), cos, sin, mask)
+        else:  # the last layer past its keys and values: only the positions the loss reads (each token's MLP and
+            # residual are its own), as the output head does; [R, N, H] -> [B, T, H]
+            h = h[row, col] + _attention(L, attn, _rms(h, w_in, L.eps[0]), cos, sin, mask, pick=(row, col))
+        n = _rms(h, w_post, L.eps[3])
+        shape, n = n.shape, n.reshape(-1, H)
+        y = _moe(L, a, b, c, n, traced) if L.moe else F.linear(F.silu(F.linear(n, a)) * F.linear(n, b), c)
+        h = h + y.view(shape)
+    return _rms(h, weights[at], spec.final_eps)
+
+
+_compiled = None  # _body under torch.compile, made at the first call that asks for it
+
+
+def token_logp(model, x: dict, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``PolicyTrainer._token_logp`` for a model ``handles`` accepts: ``logp_BT`` and ``logprobs_BTV``. The output
-    head runs (as a module, so its hooks see it) on the completion positions only."""
-    h = hidden_states(model, x)
-    logits_BTV = model.get_output_embeddings()(h[x["row_BT"], x["col_BT"]]).float()
-    logprobs_BTV = torch.log_softmax(logits_BTV, dim=-1)
+    head runs (as a module, so its hooks see it) on the completion positions only.
+
+    ``compiled`` (``learner.compile``): the same code under ``torch.compile(dynamic=True)``, which fuses the
+    elementwise chains (norms, rotary, gating) and their backward into a few generated kernels. The first call for
+    each grad mode compiles (about a minute on a 2-core machine; inductor keeps the result on disk, and a later
+    process loads it in seconds); the log-probs agree with the eager path within 1e-4 (reductions reordered). The
+    policy and the reference share the compiled code: it takes their weights as inputs."""
+    cos, sin, mask = _tables(model, x)
+    spec, weights = _spec_and_weights(model)
+    args = (spec, weights, x["ids_RN"], cos, sin, mask, x["row_BT"], x["col_BT"])
+    if not compiled:  # (the reference's no-grad forward is compiled too: under one numerics, the policy's KL to
+        h_BTH = _body(*args)  # the reference is 0 at the same weights; eager against compiled is not, by ~1e-5)
+    else:
+        global _compiled
+        if _compiled is None:
+            import torch._inductor.config as inductor  # noqa: PLC0415 only with learner.compile
+
+            inductor.compile_threads = 1  # in this thread: no pool of compile workers left behind on a shared box
+            _compiled = torch.compile(_body, dynamic=True)
+        h_BTH = _compiled(*args, traced=True)
+    logprobs_BTV = torch.log_softmax(model.get_output_embeddings()(h_BTH).float(), dim=-1)
     return torch.gather(logprobs_BTV, 2, x["tgt_BT"][..., None]).squeeze(-1), logprobs_BTV

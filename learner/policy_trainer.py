@@ -194,7 +194,7 @@ class PolicyTrainer:
         activations kept for backward (``[R, N, V]`` in fp32). The hook sits inside the model's own forward, so FSDP2
         units gather and free around it as before."""
         if self.lcfg.fast_forward and fastpath.handles(model):
-            return fastpath.token_logp(model, x)
+            return fastpath.token_logp(model, x, compiled=self.lcfg.compile)
         head = model.get_output_embeddings()
         picked: list[bool] = []
 

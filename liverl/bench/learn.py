@@ -134,6 +134,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="the learner side through transformers' forward (learner.fast_forward = false), to see what "
         "learner/fastpath.py saves",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="the learner side with learner.compile (its forward under torch.compile; the untimed first updates "
+        "compile it, and the table's note says how long that took)",
+    )
     p.add_argument("--profile", action="store_true", help="also print torch.profiler's top 10 of one step per side")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--drift", metavar="LR,LR", help="instead: KL from the base after N updates at each learning rate")
@@ -169,6 +175,8 @@ def command_line(args: argparse.Namespace) -> str:
         parts += ["--device", args.device]
     if getattr(args, "transformers_forward", False):
         parts.append("--transformers-forward")
+    if getattr(args, "compile", False):
+        parts.append("--compile")
     if args.profile:
         parts.append("--profile")
     return shlex.join(parts)
@@ -205,7 +213,8 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"first update, {r['model']}: loss learner {r['loss_learner']:.6g} plain {r['loss_plain']:.6g}; "
                 f"grad norm learner {r['gnorm_learner']:.6g} plain {r['gnorm_plain']:.6g}; "
-                f"{r['padded_frac']:.0%} of the padded batch is padding; {r['device']}, {r['threads']} CPU thread(s)"
+                f"{r['padded_frac']:.0%} of the padded batch is padding; {r['device']}, {r['threads']} CPU thread(s); "
+                f"the learner's untimed calls took {r['warmup_s']:.1f} s{' (compiling)' if getattr(args, 'compile', False) else ''}"
             )
     for title, table in profiles:
         print(f"\n{title}\n{table}")
@@ -380,6 +389,7 @@ def measure(model_dir: Path, name: str, args: argparse.Namespace, spans, ranks=N
         micro_epochs=1,
         max_batch_tokens=1 << 30,
         fast_forward=not getattr(args, "transformers_forward", False),
+        compile=getattr(args, "compile", False),
     )
     learner = PolicyTrainer(model_dir, lcfg, ranks=ranks)
     plain = PlainLoop(model_dir, lcfg, learner.device)
@@ -394,16 +404,21 @@ def measure(model_dir: Path, name: str, args: argparse.Namespace, spans, ranks=N
         )
     steps = args.steps or STEPS["demo" if name == "demo" else "default"]
     n_batches = max(steps, 1 + args.warmup)
+    t_warm = time.perf_counter()  # the learner's untimed calls (with --compile: where it compiles)
     samples = on_policy(
         learner, make_samples(n_batches * args.batch, args.seed, learner.vocab_size, prompt, completion)
     )
+    warm_s = time.perf_counter() - t_warm
     batches = [samples[i * args.batch : (i + 1) * args.batch] for i in range(n_batches)]
     sides = {"learner": learner, "plain": plain}
     sync = torch.cuda.synchronize if learner.device.type == "cuda" else (lambda: None)
 
     untimed = {}  # both sides' untimed updates, from the same weights on the same batches
     for side, t in sides.items():
+        t0 = time.perf_counter()
         untimed[side] = [t.train_step(batches[i % n_batches]) for i in range(1 + args.warmup)]
+        if side == "learner":
+            warm_s += time.perf_counter() - t0
     # The first update checks the PG part (at the reference the full KL and its gradient are 0); the second, after an
     # AdamW step, also checks the KL term.
     for i in range(min(2, 1 + args.warmup)):
@@ -458,6 +473,7 @@ def measure(model_dir: Path, name: str, args: argparse.Namespace, spans, ranks=N
         gnorm_learner=first["learner"]["grad_norm"],
         gnorm_plain=first["plain"]["grad_norm"],
         padded_frac=1 - real / padded,
+        warmup_s=warm_s,
         threads=args.threads,
         model_dir=str(model_dir),
         device=torch.cuda.get_device_name() if learner.device.type == "cuda" else "cpu",
