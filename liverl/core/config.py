@@ -378,16 +378,17 @@ class LearnerConfig(_Section):
         default=True,
         description="Run Qwen3-MoE models through the learner's own forward (learner/fastpath.py) in one process: "
         "transformers' maths with fewer operator calls (the attention mask and rotary tables once per batch, no "
-        "module machinery); the demo model's reference forward about 20% cheaper. Other families and FSDP2-sharded "
+        "module machinery, the last layer only where the loss reads it). liverl bench learn, demo model: 1.71x the "
+        "plain loop at batch 64 against 1.29x through transformers' forward. Other families and FSDP2-sharded "
         "weights always use transformers' forward. false: transformers' forward everywhere.",
     )
     compile: bool = Field(
         default=False,
         description="With learner.fast_forward: run that forward (and so its backward) under torch.compile, which "
-        "fuses its elementwise chains into generated kernels. The first update compiles, about a minute on a 2-core "
-        "machine (inductor caches the result on disk: later starts load it in seconds); the demo model's "
-        "reference and policy passes then take about 30% less time (liverl bench learn --compile). Off by default: "
-        "that first minute stalls a learner that has just started, and every process that trains compiles once.",
+        "fuses its elementwise chains into generated kernels. The first update compiles, 1-2 minutes on a 2-core "
+        "machine (inductor caches the result on disk: later starts load it in 10-20 s); liverl bench learn "
+        "--compile, demo model at batch 16: 1.55x the plain loop against 1.48x eager. Off by default: "
+        "that stall falls on a learner that has just started, and every process that trains compiles once.",
     )
     candidate_every_steps: int = Field(
         default=10, ge=1, description="Emit a candidate version every this many updates."
