@@ -226,6 +226,19 @@ class PolicyTrainer:
         logp_BT, _ = self._token_logp(self.model if model is None else model, x)
         return [logp_BT[b, : len(s.completion_token_ids)].tolist() for b, s in enumerate(samples)]
 
+    def forward_path(self) -> str:
+        """Which forward the policy and the reference run through, and why (the learner logs it at start)."""
+        if self.lcfg.fast_forward and fastpath.handles(self.model):
+            compiled = " under torch.compile (learner.compile: the first update compiles)" if self.lcfg.compile else ""
+            return f"learner/fastpath.py{compiled}"
+        if not self.lcfg.fast_forward:
+            why = "learner.fast_forward = false"
+        elif self.ranks is not None:
+            why = "FSDP2-sharded: the fast path runs in one process"
+        else:
+            why = f"{self.model.config.model_type} in {next(self.model.parameters()).dtype}: not a layout learner/fastpath.py handles"
+        return f"transformers' forward ({why})"
+
     def padded_tokens(self, samples: list[TrainingSample]) -> int:
         """The tokens a batch of ``samples`` takes in the forward pass once packed (what its activations scale with)."""
         lens = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]

@@ -119,6 +119,7 @@ class Learner:
         self.seen = SeenIds(seen_path(self.ckpt_path), horizon_s=self.lcfg.dedupe_horizon_h * 3600.0)
         self.ranks = ranks  # under torchrun: this is rank 0, the leader (learner.ranks); checkpoints are DCP folders
         self.trainer = PolicyTrainer(self.model_dir, self.lcfg, ranks=ranks)
+        log.info("learner: forward: %s", self.trainer.forward_path())
         self.ckpts: CheckpointDir | None = None
         if ranks is not None:
             self.ckpts = CheckpointDir(dcp_root(self.ckpt_path), ranks)

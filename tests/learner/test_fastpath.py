@@ -100,6 +100,10 @@ def test_other_families_and_other_precisions_use_transformers_forward():
     assert not fastpath.handles(mixtral.model)
     qwen = PolicyTrainer(ensure_test_model("qwen3_moe", default_cache()), LearnerConfig())
     assert fastpath.handles(qwen.model)
+    assert qwen.forward_path() == "learner/fastpath.py"
+    assert mixtral.forward_path().startswith("transformers' forward (mixtral")
+    off = PolicyTrainer(ensure_test_model("qwen3_moe", default_cache()), LearnerConfig(fast_forward=False))
+    assert off.forward_path() == "transformers' forward (learner.fast_forward = false)"
     assert not fastpath.handles(qwen.model.to(torch.bfloat16))  # transformers upcasts inside its norms
 
 
