@@ -9,13 +9,11 @@ MLP layer among the MoE ones (``mlp_only_layers``), top-3 routing with and witho
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from learner import fastpath
-from learner.dist_check import on_policy
+from learner.dist_check import make_samples, on_policy
 from learner.policy_trainer import PolicyTrainer
 from liverl.core.config import LearnerConfig
 from liverl.core.schemas import TrainingSample
@@ -28,28 +26,31 @@ LAYOUTS = {
 }
 
 
-def _samples(vocab: int, n: int, seed: int) -> list[TrainingSample]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        prompt = [rng.randrange(1, vocab) for _ in range(rng.randrange(2, 24))]
-        completion = [rng.randrange(1, vocab) for _ in range(rng.randrange(1, 9))]
-        out.append(
-            TrainingSample(
-                sample_id=f"s{i}",
-                generation_id=f"s{i}",
-                feedback_id=f"f{i}",
-                policy_version=0,
-                kind="accept",
-                reward=0.75 if i % 3 else -0.25,
-                prompt_token_ids=prompt,
-                completion_token_ids=completion,
-                behaviour_logprobs=[-1.0] * len(completion),
-                ts_generation=1.7e9,
-                ts_feedback=1.7e9,
-            )
-        )
-    return out
+def _samples(tr: PolicyTrainer, seed: int) -> list[TrainingSample]:
+    """13 samples of mixed lengths (some rows hold several), on-policy: the off-policy mask keeps them."""
+    return on_policy(tr, make_samples(13, seed, tr.vocab_size, (2, 23), (1, 8)))
+
+
+def _agree(a: PolicyTrainer, b: PolicyTrainer, samples: list[TrainingSample], tol: float) -> None:
+    """The same log-probs, distributions and gradients (within ``tol``), then whole updates with the same metrics."""
+    grads, outs = [], []
+    for tr in (a, b):
+        x = tr._collate(samples)
+        assert len(x["ids_RN"]) < len(samples), "some rows must hold several sequences"
+        logp, logprobs = tr._token_logp(tr.model, x)
+        loss = (logp * x["mask_BT"]).sum() + (logprobs.exp() * logprobs).sum()
+        grads.append(torch.autograd.grad(loss, list(tr.model.parameters())))
+        outs.append((logp.detach(), logprobs.detach()))
+    (lp_a, dist_a), (lp_b, dist_b) = outs
+    assert torch.allclose(lp_a, lp_b, rtol=0, atol=tol), (lp_a - lp_b).abs().max()
+    assert torch.allclose(dist_a, dist_b, rtol=0, atol=tol), (dist_a - dist_b).abs().max()
+    for (name, _), ga, gb in zip(a.model.named_parameters(), *grads, strict=True):
+        assert float((ga - gb).abs().max()) <= tol * max(float(gb.abs().max()), 1.0), name
+    for batch in (samples, samples[4:]):  # another batch shape
+        ma, mb = a.train_step(batch), b.train_step(batch)
+        assert ma["grad_norm"] > 0.01  # the policy gradient, not rounding noise around a masked batch
+        for k in ("loss", "kl", "grad_norm"):
+            assert ma[k] == pytest.approx(mb[k], rel=tol, abs=tol / 10), k
 
 
 def _model_dir(tmp_path, layout: dict):
@@ -74,25 +75,7 @@ def test_the_fast_forward_is_transformers_forward(tmp_path, layout):
     fast = PolicyTrainer(model_dir, LearnerConfig(fast_forward=True))
     slow = PolicyTrainer(model_dir, LearnerConfig(fast_forward=False))
     assert fastpath.handles(fast.model) and fastpath.handles(fast.ref)
-    samples = _samples(fast.vocab_size, 13, seed=len(layout))
-    grads, outs = [], []
-    for tr in (fast, slow):
-        x = tr._collate(samples)
-        assert len(x["ids_RN"]) < len(samples), "some rows must hold several sequences"
-        logp, logprobs = tr._token_logp(tr.model, x)
-        loss = (logp * x["mask_BT"]).sum() + (logprobs.exp() * logprobs).sum()
-        grads.append(torch.autograd.grad(loss, list(tr.model.parameters())))
-        outs.append((logp.detach(), logprobs.detach()))
-    (a, av), (b, bv) = outs
-    assert torch.allclose(a, b, rtol=0, atol=1e-5), (a - b).abs().max()
-    assert torch.allclose(av, bv, rtol=0, atol=1e-5), (av - bv).abs().max()
-    for (name, _), ga, gb in zip(fast.model.named_parameters(), *grads, strict=True):
-        scale = max(float(gb.abs().max()), 1.0)
-        assert float((ga - gb).abs().max()) <= 1e-5 * scale, name
-    # whole updates: the same metrics from the same weights
-    ma, mb = fast.train_step(samples), slow.train_step(samples)
-    for k in ("loss", "kl", "grad_norm"):
-        assert ma[k] == pytest.approx(mb[k], rel=1e-5, abs=1e-6), k
+    _agree(fast, slow, _samples(slow, seed=len(layout)), tol=1e-5)
 
 
 def test_other_families_and_other_precisions_use_transformers_forward():
@@ -110,7 +93,7 @@ def test_other_families_and_other_precisions_use_transformers_forward():
 def test_the_fast_forward_follows_weights_changed_in_place():
     """The tables it keeps per batch are not weights: a new reference (``set_reference``) is read at once."""
     tr = PolicyTrainer(ensure_test_model("qwen3_moe", default_cache()), LearnerConfig())
-    samples = _samples(tr.vocab_size, 6, seed=1)
+    samples = _samples(tr, seed=1)
     x = tr._collate(samples)
     before, _ = tr._token_logp(tr.ref, x)
     with torch.no_grad():
@@ -132,22 +115,4 @@ def test_the_compiled_forward_is_the_eager_one():
     model_dir = ensure_test_model("qwen3_moe", default_cache())
     eager = PolicyTrainer(model_dir, LearnerConfig())
     comp = PolicyTrainer(model_dir, LearnerConfig(compile=True))
-    samples = on_policy(eager, _samples(eager.vocab_size, 13, seed=5))  # kept by the off-policy mask: PG gradients
-    grads, outs = [], []
-    for tr in (eager, comp):
-        x = tr._collate(samples)
-        logp, logprobs = tr._token_logp(tr.model, x)
-        loss = (logp * x["mask_BT"]).sum() + (logprobs.exp() * logprobs).sum()
-        grads.append(torch.autograd.grad(loss, list(tr.model.parameters())))
-        outs.append((logp.detach(), logprobs.detach()))
-    (a, av), (b, bv) = outs
-    assert torch.allclose(a, b, rtol=0, atol=1e-4), (a - b).abs().max()
-    assert torch.allclose(av, bv, rtol=0, atol=1e-4), (av - bv).abs().max()
-    for (name, _), ga, gb in zip(eager.model.named_parameters(), *grads, strict=True):
-        scale = max(float(ga.abs().max()), 1.0)
-        assert float((ga - gb).abs().max()) <= 1e-4 * scale, name
-    for batch in (samples, samples[:5]):  # another batch shape: the compiled code takes dynamic shapes
-        ma, mb = eager.train_step(batch), comp.train_step(batch)
-        assert ma["grad_norm"] > 0.01  # the policy gradient, not rounding noise around a masked batch
-        for k in ("loss", "kl", "grad_norm"):
-            assert ma[k] == pytest.approx(mb[k], rel=1e-4, abs=1e-5), k
+    _agree(comp, eager, _samples(eager, seed=5), tol=1e-4)
