@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 
 def handles(model) -> bool:
-    """Whether ``token_logp`` computes exactly what transformers' forward of ``model`` computes."""
+    """Whether ``token_logp`` computes what transformers' forward of ``model`` computes (the same operators; the
+    test holds them within 1e-5)."""
     cfg = model.config
     if getattr(cfg, "model_type", None) != "qwen3_moe":
         return False
@@ -262,14 +263,16 @@ def token_logp(model, x: dict, compiled: bool = False) -> tuple[torch.Tensor, to
 
     ``compiled`` (``learner.compile``): the same code under ``torch.compile(dynamic=True)``, which fuses the
     elementwise chains (norms, rotary, gating) and their backward into a few generated kernels. The first call for
-    each grad mode compiles (about a minute on a 2-core machine; inductor keeps the result on disk, and a later
-    process loads it in seconds); the log-probs agree with the eager path within 1e-4 (reductions reordered). The
-    policy and the reference share the compiled code: it takes their weights as inputs."""
+    grad mode compiles (1-2 minutes on a 2-core machine; inductor keeps the result on disk, and a later process
+    loads it in 10-20 s); the log-probs agree with the eager path within 1e-4 (reductions reordered). The policy and
+    the reference share the compiled code (it takes their weights as inputs), and the reference is compiled too: an
+    eager reference against a compiled policy differs by ~1e-5 in log-probs, so their KL would not be 0 at equal
+    weights."""
     cos, sin, mask = _tables(model, x)
     spec, weights = _spec_and_weights(model)
     args = (spec, weights, x["ids_RN"], cos, sin, mask, x["row_BT"], x["col_BT"])
-    if not compiled:  # (the reference's no-grad forward is compiled too: under one numerics, the policy's KL to
-        h_BTH = _body(*args)  # the reference is 0 at the same weights; eager against compiled is not, by ~1e-5)
+    if not compiled:
+        h_BTH = _body(*args)
     else:
         global _compiled
         if _compiled is None:
