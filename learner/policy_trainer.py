@@ -193,7 +193,7 @@ class PolicyTrainer:
         are never read, and for a real vocabulary (150K) they are most of the head's matrix product and of the
         activations kept for backward (``[R, N, V]`` in fp32). The hook sits inside the model's own forward, so FSDP2
         units gather and free around it as before."""
-        if self.lcfg.fast_forward and fastpath.handles(model):
+        if self._fast(model):
             return fastpath.token_logp(model, x, compiled=self.lcfg.compile)
         head = model.get_output_embeddings()
         picked: list[bool] = []
@@ -226,9 +226,13 @@ class PolicyTrainer:
         logp_BT, _ = self._token_logp(self.model if model is None else model, x)
         return [logp_BT[b, : len(s.completion_token_ids)].tolist() for b, s in enumerate(samples)]
 
+    def _fast(self, model) -> bool:
+        """Whether ``model`` runs through ``learner.fastpath`` (``_token_logp``; ``forward_path`` says it)."""
+        return self.lcfg.fast_forward and fastpath.handles(model)
+
     def forward_path(self) -> str:
         """Which forward the policy and the reference run through, and why (the learner logs it at start)."""
-        if self.lcfg.fast_forward and fastpath.handles(self.model):
+        if self._fast(self.model):
             compiled = " under torch.compile (learner.compile: the first update compiles)" if self.lcfg.compile else ""
             return f"learner/fastpath.py{compiled}"
         if not self.lcfg.fast_forward:
