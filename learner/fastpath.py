@@ -65,19 +65,30 @@ def handles(model) -> bool:
 
 
 def prepare(model, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The batch's rotary tables ``cos``, ``sin`` [R, 1, N, D] and its attention mask [R, 1, N, N] (True: may
-    attend): causal within each packed sequence. A sequence starts where its position id restarts at 0, the rule
-    transformers applies to packed rows (``masking_utils.find_packed_sequence_indices``)."""
+    """The batch's rotary tables ``cos`` and ``sin_signed`` [R, 1, N, D] and its attention mask [R, 1, N, N] (True:
+    may attend): causal within each packed sequence. A sequence starts where its position id restarts at 0, the
+    rule transformers applies to packed rows (``masking_utils.find_packed_sequence_indices``). Refuses a batch in
+    which one sample's entries (``row_BT``) span several rows.
+
+    ``sin_signed`` is transformers' ``sin`` with its first half negated: ``rotate_half(q) * sin``, that is
+    ``cat(-q2, q1) * sin``, is ``roll(q, D/2) * sin_signed`` to the bit (``_rope``), in one operator instead of four."""
     rope = model.model.rotary_emb
     pos = x["posid_RN"]
     freqs = pos[..., None].float() * rope.inv_freq.to(device=pos.device, dtype=torch.float)
     emb = torch.cat((freqs, freqs), dim=-1)
     cos = (emb.cos() * rope.attention_scaling)[:, None]
     sin = (emb.sin() * rope.attention_scaling)[:, None]
+    half = sin.shape[-1] // 2
+    sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
     p = pos.cpu().numpy()
     seq = np.cumsum(p == 0, axis=1)
     causal = np.tril(np.ones((p.shape[1], p.shape[1]), dtype=bool))
     mask = torch.from_numpy((seq[:, :, None] == seq[:, None, :]) & causal)[:, None].to(pos.device)
+    row = x["row_BT"]
+    if not bool((row == row[:, :1]).all()):  # the last layer's queries are gathered per sample (``_attention``)
+        raise ValueError(
+            "row_BT: a sample's positions span several packed rows; PolicyTrainer._collate keeps each in one"
+        )
     return cos, sin, mask
 
 
@@ -85,9 +96,9 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin`` (``prepare``: ``sin_signed``)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
 
 
 @dataclass(frozen=True)
@@ -153,22 +164,26 @@ def _spec_and_weights(model) -> tuple[_Spec, list]:
 
 
 def _attention(L: _Layer, w: list, h: torch.Tensor, cos, sin, mask, pick=None) -> torch.Tensor:
-    """Qwen3-MoE attention; ``w``: q norm, k norm, then (weight, bias) of q, k, v, o. ``pick`` (rows, columns):
-    the output projection at those positions only ([B, T, H] out instead of [R, N, H])."""
+    """Qwen3-MoE attention; ``w``: q norm, k norm, then (weight, bias) of q, k, v, o. ``pick`` (rows, columns
+    [B, T]): the queries at those positions only, against their rows' keys and values ([B, T, H] out instead of
+    [R, N, H]). A query's output reads its own row of the mask and its own row's keys: each of the B*T picked
+    queries is an attention of one query, its row's keys gathered to it."""
     R, N, _ = h.shape
     D = L.head_dim
     q_norm, k_norm, wq, bq, wk, bk, wv, bv, wo, bo = w
-    q = _rms(F.linear(h, wq, bq).view(R, N, -1, D), q_norm, L.eps[1]).transpose(1, 2)
-    k = _rms(F.linear(h, wk, bk).view(R, N, -1, D), k_norm, L.eps[2]).transpose(1, 2)
+    k = _rope(_rms(F.linear(h, wk, bk).view(R, N, -1, D), k_norm, L.eps[2]).transpose(1, 2), cos, sin)
     v = F.linear(h, wv, bv).view(R, N, -1, D).transpose(1, 2)
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
-    if L.groups > 1:  # transformers' repeat_kv (with a mask it does not use SDPA's enable_gqa)
-        k = k.repeat_interleave(L.groups, dim=1)
-        v = v.repeat_interleave(L.groups, dim=1)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=L.scaling).transpose(1, 2)
-    o = o.reshape(R, N, -1) if pick is None else o[pick].flatten(-2)
-    return F.linear(o, wo, bo)
+    if pick is not None:  # per sample its T queries [B, heads, T, D] against its row's keys [B, heads, N, D]
+        rows, at, (B, T) = pick
+        h = h.reshape(R * N, -1).index_select(0, at)
+        cos, sin = cos.reshape(R * N, D).index_select(0, at), sin.reshape(R * N, D).index_select(0, at)
+        mask = mask.reshape(R * N, N).index_select(0, at).view(B, 1, T, N)
+        k, v, R, N = k.index_select(0, rows), v.index_select(0, rows), B, T
+        cos, sin = cos.view(B, 1, T, D), sin.view(B, 1, T, D)
+    q = _rope(_rms(F.linear(h, wq, bq).view(R, N, -1, D), q_norm, L.eps[1]).transpose(1, 2), cos, sin)
+    # GQA: SDPA's own (transformers repeats k and v with a mask; the same products, without the copies)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=L.scaling, enable_gqa=L.groups > 1)
+    return F.linear(o.transpose(1, 2).reshape(R, N, -1), wo, bo)
 
 
 @torch.library.custom_op("liverl::grouped_mm", mutates_args=())
@@ -216,9 +231,9 @@ def _moe(L: _Layer, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
     else:
         counts, mm = torch.bincount(flat, minlength=L.n_experts), torch._grouped_mm
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    gate, up = mm(h[token], gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+    gate, up = mm(h.index_select(0, token), gate_up.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
     y = mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offsets)
-    y = y * weights.reshape(-1)[perm, None]
+    y = y * weights.reshape(-1).index_select(0, perm)[:, None]
     return torch.zeros_like(h).index_add_(0, token, y)
 
 
@@ -235,7 +250,10 @@ def _tables(model, x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def _body(spec: _Spec, weights: list, ids, cos, sin, mask, row, col, traced: bool = False) -> torch.Tensor:
     """The final hidden states at the positions ``row``, ``col`` ([B, T, H])."""
     h = F.embedding(ids, weights[0], spec.padding_idx)
-    H = h.shape[-1]
+    R, N, H = h.shape
+    # the positions the loss reads: each sample's row [B] (all its entries lie in one row: ``prepare`` checks it)
+    # and their places in the flattened [R*N] positions [B*T]
+    pick = (row[:, 0], (row * N + col).reshape(-1), row.shape)
     at = 1
     for i, L in enumerate(spec.layers):
         w_in, q_norm, k_norm, w_post = weights[at : at + 4]
@@ -246,7 +264,8 @@ def _body(spec: _Spec, weights: list, ids, cos, sin, mask, row, col, traced: boo
             h = h + _attention(L, attn, _rms(h, w_in, L.eps[0]), cos, sin, mask)
         else:  # the last layer past its keys and values: only the positions the loss reads (each token's MLP and
             # residual are its own), as the output head does; [R, N, H] -> [B, T, H]
-            h = h[row, col] + _attention(L, attn, _rms(h, w_in, L.eps[0]), cos, sin, mask, pick=(row, col))
+            attn_BTH = _attention(L, attn, _rms(h, w_in, L.eps[0]), cos, sin, mask, pick=pick)
+            h = h.reshape(R * N, H).index_select(0, pick[1]).view(attn_BTH.shape) + attn_BTH
         n = _rms(h, w_post, L.eps[3])
         shape, n = n.shape, n.reshape(-1, H)
         y = _moe(L, a, b, c, n, traced) if L.moe else F.linear(F.silu(F.linear(n, a)) * F.linear(n, b), c)

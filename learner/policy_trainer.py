@@ -133,7 +133,9 @@ class PolicyTrainer:
     def _collate(self, samples: list[TrainingSample]) -> dict[str, torch.Tensor]:
         """The batch as the forward pass takes it: the sequences (prompt + completion) packed into rows (``pack``),
         and per sample its completion's targets, mask, behaviour log-probs and where each completion token's logits
-        sit in the packed rows (``row_BT``, ``col_BT``: the position before the token)."""
+        sit in the packed rows (``row_BT``, ``col_BT``: the position before the token). A sample's padding entries
+        (past its completion, masked out) point at its own last completion position: all of a sample's entries lie
+        in its own row, which ``learner.fastpath`` relies on."""
         B = len(samples)
         lens = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
         rows = pack(lens)
@@ -155,8 +157,9 @@ class PolicyTrainer:
                 ids_RN[r, at : at + P] = s.prompt_token_ids
                 ids_RN[r, at + P : at + P + C] = s.completion_token_ids
                 posid_RN[r, at : at + P + C] = np.arange(P + C)  # restarts: each sequence attends only to itself
-                row_BT[b, :C] = r
+                row_BT[b] = r
                 col_BT[b, :C] = np.arange(at + P - 1, at + P + C - 1)  # logits at position i predict token i+1
+                col_BT[b, C:] = at + P + C - 2  # padding (masked): the sample's last completion position again
                 tgt_BT[b, :C] = s.completion_token_ids
                 mask_BT[b, :C] = 1.0
                 beh_BT[b, :C] = s.behaviour_logprobs
@@ -402,6 +405,11 @@ class PolicyTrainer:
     def _clip_grad_norm(self, max_norm: float) -> float:
         """Clip the gradient to ``max_norm`` by its global norm (across the shards of every rank); the norm before."""
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.ranks is None:  # one device, one dtype: torch's own operators without its grouping (half the time)
+            grads = [p.grad for p in params]
+            total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+            torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))  # as clip_grads_with_norm_
+            return float(total)
         total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
         if hasattr(total, "full_tensor"):  # a DTensor: the shards' norms reduced over the group
             total = total.full_tensor()

@@ -15,11 +15,13 @@ the same maths per update:
 Samples are those of ``learner.dist_check``: random prompts and completions whose behaviour log-probs are the
 starting policy's own, rewards +0.75 / -0.25. Both sides start from the same weights; the loss and gradient norm of
 their first two (untimed) updates must agree (checked, ``--tol``; the second one, after an AdamW step, covers the KL
-term, which is 0 at the reference), which is what makes the speeds comparable. The two sides then
-alternate, round by round (the order flips every round), each running ``--steps`` timed updates over the same
-batches; tokens are real tokens (prompt + completion, no padding). On CPU each side runs on ``--threads`` threads
+term, which is 0 at the reference), which is what makes the speeds comparable. Each round then runs ``--steps``
+timed updates of each side over the same batches, the two sides alternating update by update (the learner's update
+of batch i, the plain loop's of batch i, then batch i+1; the order flips every round), so that a neighbour's burst
+on the shared box falls on both sides of a pair, not on one side's whole block; tokens are real tokens (prompt +
+completion, no padding). On CPU each side runs on ``--threads`` threads
 (the learner's own setting is 1: the box is shared with vLLM and ingest). The ratio is the median over rounds of
-the plain side's time over the learner's (same batches, run back to back). ``--profile`` prints torch.profiler's
+the plain side's time over the learner's (same batches, alternating). ``--profile`` prints torch.profiler's
 top 10 operators (self CPU time) of one update of each side. ``--device cuda`` runs the learner as ``liverl learn``
 does on a GPU (FSDP2 over a group of one, NCCL) and the plain loop on the same GPU, each step timed to a synchronize.
 
@@ -428,18 +430,19 @@ def measure(model_dir: Path, name: str, args: argparse.Namespace, spans, ranks=N
     times = {s: [] for s in sides}  # per round: seconds per timed step
     tokens = {s: [] for s in sides}  # per round: real tokens trained
     for r in range(args.rounds):
-        for side in ("learner", "plain") if r % 2 == 0 else ("plain", "learner"):
-            dts, toks = [], 0
-            for i in range(steps):
-                batch = batches[i]
+        order = ("learner", "plain") if r % 2 == 0 else ("plain", "learner")
+        for side in order:
+            times[side].append([])
+            tokens[side].append(0)
+        for i in range(steps):  # the sides alternate update by update: a pair of updates sees the same box
+            batch = batches[i]
+            for side in order:
                 sync()
                 t0 = time.perf_counter()
                 sides[side].train_step(batch)
                 sync()
-                dts.append(time.perf_counter() - t0)
-                toks += sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in batch)
-            times[side].append(dts)
-            tokens[side].append(toks)
+                times[side][-1].append(time.perf_counter() - t0)
+                tokens[side][-1] += sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in batch)
 
     padded = sum(len(b) * max(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in b) for b in batches)
     real = sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples)
@@ -461,8 +464,8 @@ def measure(model_dir: Path, name: str, args: argparse.Namespace, spans, ranks=N
                 "samples_per_s": args.rounds * steps * args.batch / sum(secs),
             }
         )
-    # The ratio pairs the two sides round by round (they ran back to back, under the same load from the rest of the
-    # box) and takes the median round: one round slowed down by a neighbour does not decide it.
+    # The ratio pairs the two sides round by round (their updates alternated, under the same load from the rest of
+    # the box) and takes the median round: one round slowed down by a neighbour does not decide it.
     paired = [sum(p) / sum(lt) for lt, p in zip(times["learner"], times["plain"])]
     rows[0].update(
         ratio=statistics.median(paired),
