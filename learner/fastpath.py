@@ -107,7 +107,7 @@ class _Layer:
 
     eps: tuple[float, float, float, float]  # input norm, q norm, k norm, post-attention norm
     head_dim: int
-    groups: int  # query heads per KV head
+    gqa: bool  # fewer KV heads than query heads (a bool, not a count: torch.compile keeps it a constant)
     scaling: float
     moe: bool
     top_k: int
@@ -139,7 +139,7 @@ def _spec_and_weights(model) -> tuple[_Spec, list]:
                     layer.post_attention_layernorm.variance_epsilon,
                 ),
                 head_dim=a.head_dim,
-                groups=a.num_key_value_groups,
+                gqa=a.num_key_value_groups > 1,
                 scaling=float(a.scaling),
                 moe=moe,
                 top_k=gate.top_k if moe else 0,
@@ -182,7 +182,7 @@ def _attention(L: _Layer, w: list, h: torch.Tensor, cos, sin, mask, pick=None) -
         cos, sin = cos.view(B, 1, T, D), sin.view(B, 1, T, D)
     q = _rope(_rms(F.linear(h, wq, bq).view(R, N, -1, D), q_norm, L.eps[1]).transpose(1, 2), cos, sin)
     # GQA: SDPA's own (transformers repeats k and v with a mask; the same products, without the copies)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=L.scaling, enable_gqa=L.groups > 1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=L.scaling, enable_gqa=L.gqa)
     return F.linear(o.transpose(1, 2).reshape(R, N, -1), wo, bo)
 
 

@@ -340,7 +340,7 @@ class PolicyTrainer:
             if not math.isfinite(out.metrics["loss"]):  # every rank sees the batch's loss: all raise or none
                 raise FloatingPointError(f"non-finite loss {out.metrics['loss']} (metrics {out.metrics})")
             self.opt.zero_grad(set_to_none=True)
-            (out.loss * weight).backward()
+            (out.loss if weight == 1.0 else out.loss * weight).backward()
             gnorm = self._clip_grad_norm(1.0)
             if not math.isfinite(gnorm):
                 raise FloatingPointError(f"non-finite gradient norm {gnorm}")

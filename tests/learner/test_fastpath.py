@@ -112,7 +112,12 @@ def test_the_compiled_forward_is_the_eager_one():
     """``learner.compile``: the same forward under ``torch.compile``. Inductor reorders reductions, so the
     log-probs and the gradients agree within a tolerance, not bit for bit; whole updates give the same metrics.
     The first calls compile (tens of seconds here; inductor's disk cache makes later processes faster)."""
+    from torch._dynamo.utils import counters
+
     model_dir = ensure_test_model("qwen3_moe", default_cache())
     eager = PolicyTrainer(model_dir, LearnerConfig())
     comp = PolicyTrainer(model_dir, LearnerConfig(compile=True))
+    counters.clear()
     _agree(comp, eager, _samples(eager, seed=5), tol=1e-4)
+    # compiled whole: a graph break makes torch.compile run the frame eagerly, which would pass the line above
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
