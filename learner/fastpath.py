@@ -7,10 +7,15 @@ forward, twice an update: the policy and the KL reference), and runs each of ~35
 
 - the mask and the rotary tables are built once per batch (``prepare``, kept in the batch dict and shared by both
   models), and each decoder layer is straight-line torch over the model's tensors (``_spec_and_weights``);
-- the last decoder layer runs past its keys and values only at the positions the loss reads, as the output head
-  does (``_body``): each token's output projection, MLP or experts and residual are its own, so the other
-  positions' values were computed and never read. On the demo model (2 layers) that is most of the second
-  layer's experts, in the reference's forward, the policy's and its backward;
+- the last decoder layer computes keys and values at every position and everything else (its queries, their
+  attention, its output projection, experts and residual) only at the positions the loss reads, as the output
+  head does (``_body``, ``_attention``'s ``pick``): each position's query and what follows it are its own, so the
+  other positions' were computed and never read. On the demo model (2 layers) that is most of the second layer's
+  attention and experts, in the reference's forward, the policy's and its backward. The picked queries attend per
+  sample: a sample's T queries against its own row's keys (``PolicyTrainer._collate`` keeps a sample in one row);
+- the rotary embedding is one ``roll`` against a sine table with its sign folded in (``prepare``), not
+  ``rotate_half``'s slice, negation and concatenation; grouped-query attention is SDPA's own (``enable_gqa``),
+  not k and v repeated; rows are gathered with ``index_select``, whose backward is one ``index_add``;
 - ``learner.compile``: the same code under ``torch.compile``, which fuses the elementwise chains and above all the
   backward's (``token_logp``).
 
