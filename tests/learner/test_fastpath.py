@@ -121,3 +121,17 @@ def test_the_compiled_forward_is_the_eager_one():
     _agree(comp, eager, _samples(eager, seed=5), tol=1e-4)
     # compiled whole: a graph break makes torch.compile run the frame eagerly, which would pass the line above
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_a_batch_whose_sample_spans_two_rows_is_refused():
+    """The last layer gathers each sample's queries against one row's keys, so a batch in which a sample's entries
+    (``row_BT``) lie in two rows is refused with a reason, not computed wrongly. ``PolicyTrainer._collate`` keeps a
+    sample in one row, padding entries included."""
+    tr = PolicyTrainer(ensure_test_model("qwen3_moe", default_cache()), LearnerConfig())
+    x = tr._collate(_samples(tr, seed=3))
+    assert bool((x["row_BT"] == x["row_BT"][:, :1]).all())  # what _collate guarantees
+    fastpath.token_logp(tr.model, dict(x))  # and what the fast path then accepts
+    bad = dict(x, row_BT=x["row_BT"].clone())
+    bad["row_BT"][0, -1] = (int(bad["row_BT"][0, 0]) + 1) % len(x["ids_RN"])
+    with pytest.raises(ValueError, match="span several packed rows"):
+        fastpath.token_logp(tr.model, bad)
