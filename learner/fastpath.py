@@ -169,10 +169,10 @@ def _spec_and_weights(model) -> tuple[_Spec, list]:
 
 
 def _attention(L: _Layer, w: list, h: torch.Tensor, cos, sin, mask, pick=None) -> torch.Tensor:
-    """Qwen3-MoE attention; ``w``: q norm, k norm, then (weight, bias) of q, k, v, o. ``pick`` (rows, columns
-    [B, T]): the queries at those positions only, against their rows' keys and values ([B, T, H] out instead of
-    [R, N, H]). A query's output reads its own row of the mask and its own row's keys: each of the B*T picked
-    queries is an attention of one query, its row's keys gathered to it."""
+    """Qwen3-MoE attention; ``w``: q norm, k norm, then (weight, bias) of q, k, v, o. ``pick`` (each sample's row
+    [B], the picked positions' places in the flattened [R*N] positions [B*T], and (B, T)): the queries at those
+    positions only ([B, T, H] out instead of [R, N, H]). Each sample's T queries attend to its own row's keys and
+    values, gathered to it, under their own rows of the mask."""
     R, N, _ = h.shape
     D = L.head_dim
     q_norm, k_norm, wq, bq, wk, bk, wv, bv, wo, bo = w
