@@ -510,7 +510,14 @@ def gc_command(
         reg.close()
     con = _console()
     verb = "would remove" if dry_run else "removed"
-    t = Table(title=f"garbage collection of {store}" + (" (dry run: nothing deleted)" if dry_run else ""))
+    # a line of its own, never wrapped: a table's title wraps at the table's width, and a long store path split
+    # "dry run" over two lines
+    con.print(
+        f"garbage collection of {store}" + (" (dry run: nothing deleted)" if dry_run else ""),
+        soft_wrap=True,
+        highlight=False,
+    )
+    t = Table()
     for col in ("blob", "size", "age", "action"):
         t.add_column(col, justify="right" if col in ("size", "age") else "left")
     for b in res.removed:

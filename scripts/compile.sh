@@ -5,6 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
+# our own modules' bytecode (setup.sh does the installed ones; see there why)
+python -m compileall -q -j 0 ingest learner serving deploy liverl >/dev/null
 python -c '
 import time
 t0 = time.monotonic()

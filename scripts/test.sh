@@ -11,4 +11,6 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 export LIVERL_TEST_MODEL_CACHE=${LIVERL_TEST_MODEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/liverl/models}
 bash scripts/lint.sh
 bash scripts/compile.sh
-python -m pytest "$@"
+# two workers, a file (or a package that shares one vLLM node) at a time: tests/conftest.py says how and in which order;
+# LIVERL_TEST_WORKERS=0 runs it in one process
+python -m pytest -n "${LIVERL_TEST_WORKERS:-2}" --dist loadgroup "$@"

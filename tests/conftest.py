@@ -118,3 +118,47 @@ def rds(cfg):
     for key in r.scan_iter(match=f"{cfg.topics.prefix}:*", count=1000):  # one round trip per 1,000 keys
         r.delete(key)
     r.close()
+
+
+# scripts/test.sh runs the suite on two workers (pytest-xdist, --dist loadgroup). Each unit of work goes whole to one
+# worker, which takes the next unit when it is done with one:
+# - a unit is a file, so a module's fixtures start once;
+# - or a whole package, where the package shares a package-scoped fixture (tests/serving: one vLLM node for all its
+#   files), so that it starts once and not once per worker.
+# The longest units start first (seconds each, serial, on a 2-core CI machine, 2026-11-29). That keeps both workers
+# busy to the end, instead of one finishing the e2e demo alone while the other has nothing left. The order is only a
+# schedule: any order passes, and a plain `pytest` (one process) ignores the groups.
+LONGEST_FIRST = (
+    "test_e2e.py",  # 350: the real `liverl demo`
+    "test_model_families.py",  # 387: one vLLM start per family
+    "test_up.py",  # 257: the whole pipeline twice
+    "demo/test_base_policy.py",  # 205: vLLM serves the base exactly
+    "learner/test_dist.py",  # 179: gloo ranks, kill -9 of one
+    "ingest/test_restart.py",  # 179: kill -9 of the worker
+    "serving/",  # 110: one vLLM node behind the gateway for the package
+    "learner/test_fastpath.py",  # 126 cold, 28 warm: one torch.compile
+)
+
+
+def _unit(item) -> str:
+    """The file of a test, or its package where one of its fixtures is package-scoped."""
+    info = getattr(item, "_fixtureinfo", None)
+    for defs in getattr(info, "name2fixturedefs", {}).values():
+        for d in defs:
+            if d.scope == "package":
+                return d.baseid or "."
+    return item.nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        for i, name in enumerate(LONGEST_FIRST):
+            if path.endswith(name) or (name.endswith("/") and f"/{name}" in path):
+                return i
+        return len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their order
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_unit(item)))
