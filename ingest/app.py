@@ -31,6 +31,8 @@ from typing import Any
 from aiokafka import TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
+from core.bus import make_aio_consumer, make_aio_producer
+from core.config import LiverlConfig
 from ingest.commit import EXIT_INFRA, Committer, die
 from ingest.join import InfraError, Ingest, Source
 from ingest.metrics import IngestMetrics
@@ -39,8 +41,6 @@ from ingest.pacing import Pacer
 from ingest.table import JoinTable, changelog_topic, warm_hashes
 from ingest.tasks import Tasks, leave_previous_member, lock_state, state_dir
 from ingest.web import start_web
-from liverl.core.bus import make_aio_consumer, make_aio_producer
-from liverl.core.config import LiverlConfig
 
 log = logging.getLogger("liverl.ingest")
 

@@ -49,6 +49,10 @@ from collections.abc import Awaitable, Callable, Collection, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from core import keys
+from core.config import LiverlConfig, redact_url
+from core.product import load_product
+from core.schemas import FeedbackEvent, GenerationRecord, TrainingSample, WireError
 from ingest.entry import (
     ACCEPT_KEPT,
     JUDGED,
@@ -80,10 +84,6 @@ from ingest.records import (
     sample_json,
     unit_bucket_of,
 )
-from liverl.core import keys
-from liverl.core.config import LiverlConfig, redact_url
-from liverl.core.product import load_product
-from liverl.core.schemas import FeedbackEvent, GenerationRecord, TrainingSample, WireError
 
 log = logging.getLogger("liverl.ingest")
 
@@ -385,7 +385,7 @@ class Ingest:
         correction: the accepted sample again (sample id ``<generation>:revert``) with reward ``rewards.revert``. An
         acceptance a user later undid is what a policy that games acceptance earns; the learner must see it too. When
         the accept was held out, that record goes to the held-out stream instead: the gate's off-policy check scores
-        the generation with the revert's reward (``deploy.offpolicy.merge_heldout``), not as the accept it was."""
+        the generation with the revert's reward (``deploy.gate.offpolicy.merge_heldout``), not as the accept it was."""
         gid = fb.generation_id
         if kind != JUDGED:
             self._dead(

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from liverl.core import keys
-from liverl.core.config import redact_url
-from liverl.core.services import is_cluster_url, redis_from_url
+from core import keys
+from core.config import redact_url
+from core.services import is_cluster_url, redis_from_url
 
 log = logging.getLogger("liverl.ingest.metrics")
 

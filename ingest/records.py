@@ -1,6 +1,6 @@
 """What the join reads from its inputs and writes out: a record's parts, samples, dead letters, the held-out share.
 
-Pure functions of validated data (``liverl.core.schemas``), no state: ``ingest.join`` calls them per event.
+Pure functions of validated data (``core.schemas``), no state: ``ingest.join`` calls them per event.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import hashlib
 import math
 from typing import Any, NamedTuple
 
+from core import keys
+from core.schemas import SCHEMA_VERSION, DeadLetter, FeedbackEvent, GenerationRecord
 from ingest.entry import from_json, to_json
-from liverl.core import keys
-from liverl.core.schemas import SCHEMA_VERSION, DeadLetter, FeedbackEvent, GenerationRecord
 
 # Largest record ingest writes (table entry, sample, dead letter): under the 1,000,000-byte produce request limit
 # of the worker's producer (and the broker's default 1 MiB message limit), with room for the record's framing.

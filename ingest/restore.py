@@ -16,8 +16,8 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
-from liverl.core.bus import make_aio_consumer
-from liverl.core.config import BrokerConfig
+from core.bus import make_aio_consumer
+from core.config import BrokerConfig
 
 log = logging.getLogger("liverl.ingest")
 

@@ -12,7 +12,7 @@ pass one. Pass your own when you may retry: the ``feedback_id`` is the idempoten
 with the same id is counted and trained on once.
 
 Wire format (any Kafka client can publish): topic ``<prefix>.feedback``, key = the generation id (UTF-8),
-value = one JSON object (schema: ``liverl.core.schemas.FeedbackEvent``, or ``liverl schema``)::
+value = one JSON object (schema: ``core.schemas.FeedbackEvent``, or ``liverl schema``)::
 
     {"schema_version": 1, "feedback_id": "f-123", "generation_id": "<id>", "kind": "accept",
      "edited_text": null, "segment": "free", "ts": 1760000000.0}
@@ -33,13 +33,13 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Self
 
-from liverl.core.bus import make_producer
-from liverl.core.schemas import FeedbackEvent, new_id
+from core.bus import make_producer
+from core.schemas import FeedbackEvent, new_id
 
 if TYPE_CHECKING:
     from kafka.producer.future import FutureRecordMetadata
 
-    from liverl.core.config import BrokerConfig, LiverlConfig
+    from core.config import BrokerConfig, LiverlConfig
 
 
 class DeliveryError(RuntimeError):

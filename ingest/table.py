@@ -19,12 +19,12 @@ from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
+from core.config import BrokerConfig
 from ingest.entry import PENDING, ms, pending_info
 from ingest.outbox import MAX_BATCH_BYTES, MAX_REQUEST_BYTES, Outbox
 from ingest.partitioner import murmur2, murmur2_many, partition_of, partitions_of, warm_hashes
 from ingest.restore import restore
 from ingest.store import PendingInfo, Store, open_store
-from liverl.core.config import BrokerConfig
 
 log = logging.getLogger("liverl.ingest")
 

@@ -24,12 +24,12 @@ from aiokafka.abc import ConsumerRebalanceListener
 from aiokafka.client import CoordinationType
 from aiokafka.protocol.group import LeaveGroupRequest
 
+from core.bus import make_aio_client
+from core.config import LiverlConfig
 from ingest.commit import Committer, die
 from ingest.join import Ingest
 from ingest.pacing import Pacer
 from ingest.table import JoinTable
-from liverl.core.bus import make_aio_client
-from liverl.core.config import LiverlConfig
 
 log = logging.getLogger("liverl.ingest")
 

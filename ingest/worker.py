@@ -15,10 +15,10 @@ from __future__ import annotations
 import asyncio
 import gc
 
+from core.bus import all_topics, ensure_topics, topic_configs
+from core.config import LiverlConfig
 from ingest.app import IngestWorker, leave_previous_member
 from ingest.table import changelog_topic
-from liverl.core.bus import all_topics, ensure_topics, topic_configs
-from liverl.core.config import LiverlConfig
 
 # The worker allocates a few dozen short-lived objects per event, nearly all freed by reference counting; Python's
 # default cycle-collection threshold (700 allocations) then runs the collector several times per batch, about a tenth

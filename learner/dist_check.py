@@ -32,12 +32,12 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
+from core.config import LearnerConfig
+from core.schemas import TrainingSample
 from learner import dist as ldist
 from learner.families import FAMILIES
 from learner.model import _seeded, state_dict_from_model
 from learner.policy_trainer import PolicyTrainer
-from liverl.core.config import LearnerConfig
-from liverl.core.schemas import TrainingSample
 
 SIZES: dict[str, dict] = {
     # ~0.1M parameters: the gloo tests on 2 CPU cores

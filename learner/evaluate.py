@@ -1,6 +1,6 @@
 """What the release gate asks of a policy, answered with the learner's model code (torch, transformers).
 
-The gate (``deploy/gate.py``) never imports this module: the command that starts the gate builds a
+The gate (``deploy/gate/gate.py``) never imports this module: the command that starts the gate builds a
 ``PolicyEvaluator`` and hands it in, so the release tier stays free of the learner and of any product.
 It answers with evidence a real product has, never with an answer key:
 
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from core.product import EvalCase, EvalSuite
 from learner.model import load_model, load_tokenizer
-from liverl.core.product import EvalCase, EvalSuite
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import redis
 
-from liverl.core import keys
+from core import keys
 
 log = logging.getLogger("liverl.learner")
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from liverl.core.config import LiverlConfig
+from core.config import LiverlConfig
 
 log = logging.getLogger("liverl.learner")
 

@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from core.config import LearnerConfig
+from core.schemas import TrainingSample
 from learner import fastpath
 from learner.dist import Ranks, all_sum, full_state_dict, grad_scale, reshard, shard, share
 from learner.loss import RunningBaseline, advantages, full_kl, pg_loss
 from learner.model import assign_weights, load_model, state_dict_from_model
-from liverl.core.config import LearnerConfig
-from liverl.core.schemas import TrainingSample
 
 
 def pack(lengths: list[int]) -> list[list[int]]:

@@ -52,8 +52,13 @@ from kafka.structs import OffsetAndMetadata
 from prometheus_client import CollectorRegistry, start_http_server
 from sqlalchemy.exc import SQLAlchemyError
 
-from deploy.delta import warm_up
-from deploy.registry import RegistryError, open_registry
+from core import keys
+from core.bus import ensure_topics, make_consumer, topic_configs
+from core.config import LiverlConfig
+from core.schemas import TrainingSample, WireError
+from core.services import kafka_bootstrap, setup_redis
+from deploy.registry.delta import warm_up
+from deploy.registry.registry import RegistryError, open_registry
 from learner import dist as ldist
 from learner.dist import CheckpointDir, Ranks, dcp_root
 from learner.lease import LearnerLease
@@ -63,11 +68,6 @@ from learner.model import load_state_dict
 from learner.policy_trainer import BatchFailed, PolicyTrainer
 from learner.ranks import Leader, follow
 from learner.seen import SeenIds, seen_path
-from liverl.core import keys
-from liverl.core.bus import ensure_topics, make_consumer, topic_configs
-from liverl.core.config import LiverlConfig
-from liverl.core.schemas import TrainingSample, WireError
-from liverl.core.services import kafka_bootstrap, setup_redis
 
 log = logging.getLogger("liverl.learner")
 

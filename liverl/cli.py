@@ -15,15 +15,9 @@ import sys
 import threading
 from pathlib import Path
 
-from liverl.bench import canary as bench_canary  # light: heavy imports happen when they run
-from liverl.bench import ingest as bench_ingest
-from liverl.bench import learn as bench_learn
-from liverl.bench import logprobs as bench_logprobs
-from liverl.bench import serve as bench_serve
-from liverl.bench import swap as bench_swap
-from liverl.core.config import LiverlConfig, load_config, redact_url
-from liverl.core.schemas import json_schemas
-from liverl.core.services import (
+from core.config import LiverlConfig, load_config, redact_url
+from core.schemas import json_schemas
+from core.services import (
     LiverlError,
     kafka_bootstrap,
     redis_from_url,
@@ -31,8 +25,14 @@ from liverl.core.services import (
     required_verify_key,
     setup_redis,
 )
+from liverl.bench import canary as bench_canary  # light: heavy imports happen when they run
+from liverl.bench import ingest as bench_ingest
+from liverl.bench import learn as bench_learn
+from liverl.bench import logprobs as bench_logprobs
+from liverl.bench import serve as bench_serve
+from liverl.bench import swap as bench_swap
 
-# what `liverl chaos` can kill (liverl.chaos.KINDS; spelled here so --help does not import the pipeline)
+# what `liverl chaos` can kill (liverl.ops.chaos.KINDS; spelled here so --help does not import the pipeline)
 KILL_KINDS = ("ingest", "learn", "gate", "serve", "vllm", "learn@checkpoint", "serve@swap")
 
 DESCRIPTION = """\
@@ -55,7 +55,7 @@ e.g. LIVERL__BROKER__BOOTSTRAP=kafka:9092 LIVERL__LEARNER__LR=1e-4. `liverl conf
 """
 
 BENCH_DELTA_HELP = """\
-Benchmark the weight-delta codec (deploy.delta) on realistic RL updates and print one row per case:
+Benchmark the weight-delta codec (deploy.registry.delta) on realistic RL updates and print one row per case:
 
   demo lr=L every N     the demo policy -> itself after N AdamW steps at learning rate L (N = 1, 10, 50;
                         L = 1e-6, 3e-6, 1e-5; causal-LM loss on random tokens, weights in bf16)
@@ -122,7 +122,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
-    from liverl.chaos import run_chaos
+    from liverl.ops.chaos import run_chaos
 
     cfg = _cfg(args)
     cfg.learner.max_batch_wait_s = min(cfg.learner.max_batch_wait_s, 5.0)  # the drain waits for partial batches
@@ -141,14 +141,14 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from liverl.up import run_up
+    from liverl.stack.up import run_up
 
     cfg = _cfg(args)
     return run_up(cfg, model_dir_for(cfg), fresh=args.fresh)
 
 
 def cmd_hold(args: argparse.Namespace) -> int:
-    from liverl.admin import cmd_hold as run
+    from liverl.ops.admin import cmd_hold as run
 
     return run(_cfg(args), hold=not args.release, reason=args.reason, token=_token(args))
 
@@ -168,10 +168,10 @@ def model_dir_for(cfg: LiverlConfig):
 
 def _bound(cfg: LiverlConfig, role: str) -> None:
     """A pipeline process refuses to start on a Redis prefix another deployment claims than the one its registry
-    belongs to (``liverl.deployment.check_process``)."""
+    belongs to (``liverl.stack.deployment.check_process``)."""
     import redis
 
-    from liverl.deployment import check_process
+    from liverl.stack.deployment import check_process
 
     url = redis_url(cfg)
     r = redis_from_url(url)  # connects only when the registry names a deployment to check
@@ -184,17 +184,17 @@ def _bound(cfg: LiverlConfig, role: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from serving.main import run_serving
+    from serving.agent.main import run_serving
 
     cfg = _cfg(args)
     _bound(cfg, "serve")
-    required_verify_key(cfg)  # refused before the model is built or loaded (serving.main.serve checks it too)
+    required_verify_key(cfg)  # refused before the model is built or loaded (serving.agent.main.serve checks it too)
     run_serving(cfg, model_dir_for(cfg), kafka_bootstrap(cfg), redis_url(cfg), cfg.registry_url)
     return 0
 
 
 def cmd_route(args: argparse.Namespace) -> int:
-    from serving.router import run_router
+    from serving.router.router import run_router
 
     cfg = _cfg(args)
     _bound(cfg, "route")
@@ -224,9 +224,9 @@ def cmd_learn(args: argparse.Namespace) -> int:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    from deploy.gate import run_gate
+    from core.product import load_product
+    from deploy.gate.gate import run_gate
     from learner.evaluate import PolicyEvaluator
-    from liverl.core.product import load_product
 
     cfg = _cfg(args)
     _bound(cfg, "gate")
@@ -274,32 +274,32 @@ def cmd_bench_delta(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from liverl.admin import cmd_status as run
+    from liverl.ops.admin import cmd_status as run
 
     return run(_cfg(args))
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from liverl.admin import cmd_diff as run
+    from liverl.ops.admin import cmd_diff as run
 
     return run(_cfg(args), args.a, args.b, top=args.top)
 
 
 def cmd_oncall(args: argparse.Namespace) -> int:
-    from liverl.oncall import serve
+    from liverl.ops.oncall import serve
 
     cfg = _cfg(args)
     return serve(cfg, args.host or cfg.serving.host, args.port, refresh_s=args.refresh)
 
 
 def cmd_versions(args: argparse.Namespace) -> int:
-    from liverl.admin import cmd_versions as run
+    from liverl.ops.admin import cmd_versions as run
 
     return run(_cfg(args), limit=args.limit)
 
 
 def cmd_history(args: argparse.Namespace) -> int:
-    from liverl.admin import cmd_history as run
+    from liverl.ops.admin import cmd_history as run
 
     return run(_cfg(args), verify=args.verify)
 
@@ -312,31 +312,31 @@ def _token(args: argparse.Namespace) -> str | None:
 
 
 def cmd_operator(args: argparse.Namespace) -> int:
-    from liverl.admin import cmd_operator as run
+    from liverl.ops.admin import cmd_operator as run
 
     return run(_cfg(args), args.action, args.name, args.role, args.reason, _token(args))
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    from liverl.admin import cmd_promote as run
+    from liverl.ops.admin import cmd_promote as run
 
     return run(_cfg(args), version=args.version, reason=args.reason, token=_token(args), force=args.force)
 
 
 def cmd_rollback(args: argparse.Namespace) -> int:
-    from liverl.admin import cmd_rollback as run
+    from liverl.ops.admin import cmd_rollback as run
 
     return run(_cfg(args), reason=args.reason, token=_token(args), to=args.to)
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
-    from liverl.admin import cmd_rollout as run
+    from liverl.ops.admin import cmd_rollout as run
 
     return run(_cfg(args), args.action, reason=args.reason, token=_token(args))
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from liverl.admin import gc_command
+    from liverl.ops.admin import gc_command
 
     return gc_command(
         _cfg(args), dry_run=args.dry_run, grace_s=args.grace, token=_token(args), prune_rejected_s=args.prune_rejected
@@ -344,8 +344,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from deploy.registry import open_registry
-    from liverl.audit import print_report, run_audit
+    from deploy.registry.registry import open_registry
+    from liverl.ops.audit import print_report, run_audit
 
     cfg = _cfg(args)
     r, registry = setup_redis(cfg), open_registry(cfg)
@@ -362,9 +362,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_lineage(args: argparse.Namespace) -> int:
-    from deploy.registry import open_registry
+    from deploy.registry.registry import open_registry
     from learner.ledger import checkpoint_path_for, ledger_path
-    from liverl.lineage import print_trace, trace
+    from liverl.ops.lineage import print_trace, trace
 
     cfg = _cfg(args)
     registry = open_registry(cfg)
@@ -587,7 +587,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics (liverl_learner_*) on this port")
     _model_args(s)
     s.set_defaults(fn=cmd_learn)
-    s = sub.add_parser("gate", help="run the release gate (deploy.gate)", description="run the release gate loop")
+    s = sub.add_parser("gate", help="run the release gate (deploy.gate.gate)", description="run the release gate loop")
     s.add_argument("--once", action="store_true", help="process pending candidates once and exit")
     _model_args(s)
     s.set_defaults(fn=cmd_gate)
@@ -769,7 +769,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="one feedback event's path: sample, learner step, candidate, gate verdicts, promotion, first "
         "served, each with its time",
         description="The path of one feedback event to a served model, read from the "
-        "learner's ledger and the registry (liverl.lineage says where each fact lives). Run it where the learner runs.",
+        "learner's ledger and the registry (liverl.ops.lineage says where each fact lives). Run it where the learner runs.",
     )
     s.add_argument("feedback_id", help="the FeedbackEvent.feedback_id the product sent")
     s.add_argument("--state-dir", help="state folder of the deployment (default: state_dir = .liverl)")

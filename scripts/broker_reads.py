@@ -1,4 +1,4 @@
-"""How fast the embedded durable broker (Tansu on ``liverl.objstore``) reads a partition of small record batches, and
+"""How fast the embedded durable broker (Tansu on ``liverl.stack.objstore``) reads a partition of small record batches, and
 how many listings a consumer at the tail costs it. Issue #23's hour runs found ingest and the learner minutes behind
 on this broker; this separates the broker's read path from the rest of the demo's load.
 
@@ -23,8 +23,8 @@ from pathlib import Path
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 
-from liverl import stack
-from liverl.core.services import free_port
+from core.services import free_port
+from liverl.stack import stack
 
 
 def listings(log: Path) -> int:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
+from core.config import LearnerConfig, load_config
 from learner.policy_trainer import PolicyTrainer
-from liverl.core.config import LearnerConfig, load_config
 from liverl.demo.base_policy import ensure_base_policy
 
 

@@ -10,7 +10,7 @@ python -m compileall -q -j 0 ingest learner serving deploy liverl >/dev/null
 python -c '
 import time
 t0 = time.monotonic()
-from deploy.delta import warm_up
+from deploy.registry.delta import warm_up
 warm_up(("bfloat16", "float32", "float8_e4m3fn"))  # bf16/fp16 share the 16-bit kernels, e4m3/e5m2 the 8-bit ones
 dt = time.monotonic() - t0
 if dt > 10:

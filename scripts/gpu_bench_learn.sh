@@ -2,7 +2,7 @@
 # liverl bench learn --device cuda on a GPU machine: the learner's update against the plain transformers loop, on the
 # generated moe24m and the demo model (issue #23). Results and logs go to $OUT.
 #
-# The GPU machine may have torch and transformers but not pydantic (liverl.core.config). Make the wheels here first
+# The GPU machine may have torch and transformers but not pydantic (core.config). Make the wheels here first
 # and carry them (the device tool's carry: [".whl"]):
 #   mkdir -p .whl && for v in 3.10 3.11 3.12; do .venv/bin/pip download -q --only-binary :all: --python-version $v \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl pydantic pydantic-settings python-dotenv; done

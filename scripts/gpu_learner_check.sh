@@ -56,7 +56,7 @@ for mod, what in need.items():
         importlib.import_module(mod)
     except Exception as e:  # noqa: BLE001 - report every missing piece, then stop
         missing.append(f"  {mod}: needs {what} ({type(e).__name__}: {e})")
-for mod in ("learner.dist", "learner.policy_trainer", "learner.dist_check", "liverl.core.config"):
+for mod in ("learner.dist", "learner.policy_trainer", "learner.dist_check", "core.config"):
     try:
         importlib.import_module(mod)
     except Exception as e:  # noqa: BLE001

@@ -18,7 +18,7 @@ stand-ins, so that a change to the learner can be compared over several seeds in
   candidate); ``main`` is none of them;
 - the gate: the collapse floor (``gate.min_entropy``: the candidate's mean per-token entropy on the last 256
   generations, teacher-forced, as ``learner.evaluate`` measures it), the product's suite (greedy sums on 256
-  prompts, McNemar's one-sided at 0.05: ``deploy.gate``'s rule) and a canary whose estimate is the candidate's exact expected acceptance difference plus the noise of a
+  prompts, McNemar's one-sided at 0.05: ``deploy.gate.gate``'s rule) and a canary whose estimate is the candidate's exact expected acceptance difference plus the noise of a
   user-clustered sequential test at the demo's traffic (design effect 1.5, a 3-s.e. always-valid bound,
   non-inferiority within 3 points, the 6,000-event budget), looked at every 10 updates after the revert horizon.
 
@@ -43,11 +43,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deploy.gate import paired_sign_test  # noqa: E402
+from core.config import GateConfig, LearnerConfig  # noqa: E402
+from core.product import EvalCase  # noqa: E402
+from deploy.gate.gate import paired_sign_test  # noqa: E402
 from learner.model import load_model  # noqa: E402
 from learner.policy_trainer import PolicyTrainer  # noqa: E402
-from liverl.core.config import GateConfig, LearnerConfig  # noqa: E402
-from liverl.core.product import EvalCase  # noqa: E402
 from liverl.demo import task  # noqa: E402
 from liverl.demo.base_policy import ensure_base_policy  # noqa: E402
 from liverl.demo.product import grade_sum  # noqa: E402

@@ -19,9 +19,9 @@ import argparse
 import re
 from pathlib import Path
 
-from deploy.registry import open_registry
+from core.config import load_config
+from deploy.registry.registry import open_registry
 from learner.trainer import evidence_against
-from liverl.core.config import load_config
 
 
 def main() -> int:

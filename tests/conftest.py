@@ -15,13 +15,13 @@ import uuid
 import pytest
 import redis
 
-from liverl.core.config import LiverlConfig, load_config
-from liverl.core.services import port_open
-from liverl.stack import Stack, start_stack
+from core.config import LiverlConfig, load_config
+from core.services import port_open
+from liverl.stack.stack import Stack, start_stack
 
 
 def free_port() -> int:
-    from liverl.core.services import free_port as pick
+    from core.services import free_port as pick
 
     return pick()
 
@@ -52,7 +52,7 @@ def pipeline_env(prefix: str, **settings: str) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Stack:
     state = tmp_path_factory.mktemp("stack")
-    # memory storage: the suite's topics are throwaway, and the folder storage's cost (liverl.objstore) would land on
+    # memory storage: the suite's topics are throwaway, and the folder storage's cost (liverl.stack.objstore) would land on
     # every test; the durable default has its own tests (tests/liverl/test_stack.py, test_objstore.py)
     cfg = load_config(
         env={},

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from liverl.core.services import forget_prefix, port_open
+from core.services import forget_prefix, port_open
 from tests.conftest import pipeline_env
 
 DURATION_S = int(os.environ.get("LIVERL_E2E_DURATION", "200"))

@@ -1,12 +1,20 @@
-"""One floor per package, enforced: every import in the source (top of file or inside a function) may only point
-down (or sideways within its own package), and the core never imports a product.
+"""One floor per folder, enforced: every import in the source (top of file or inside a function) points down, or
+stays in its own folder; folders on the same floor never import each other; and the core never imports a product.
 
-  commands   liverl/{cli,admin,up,supervisor,stack}.py, liverl/bench/, liverl/demo/   (anything below)
-  processes  serving/  ingest/  learner/  deploy/gate.py      (the core + deploy's library; never each other)
-  library    deploy/ (codec, container, blobstore, registry, migrations)              (the core only)
-  core       liverl/core/                                       (itself only; torch-free)
+  floor  folders                                   what they are
+  8      liverl (cli.py)                           the command line: every verb
+  7      liverl/bench                              benchmarks (they drive the demo and the stack)
+  6      liverl/demo                               the demo product, a customer, and its runner
+  5      liverl/ops                                operator verbs: admin, audit, on-call, lineage, chaos
+  4      liverl/stack  liverl/testing              the embedded stack and its supervisor; test models
+  3      serving/agent                             the serving process: launches a vLLM node and drives it
+  2      ingest  learner  deploy/gate              the processes of the pipeline
+         serving/node  serving/router              (serving/node: what vLLM's API server and workers load)
+  1      deploy/registry                           the registry library: codec, container, blob store, registry
+  0      core                                      config, wire schemas, Kafka bus, Redis keys (torch-free)
 
-The demo's product (liverl/demo/) is a customer: nothing in ingest/, learner/, serving/ or deploy/ imports it.
+A folder is the longest one in the table that holds the file (serving/node/worker belongs to serving/node).
+The demo's product (liverl/demo/) is a customer: nothing below it imports it.
 """
 
 from __future__ import annotations
@@ -19,17 +27,44 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROCESS = ("serving", "ingest", "learner")
-DEPLOY_PROCESS = {"deploy.gate"}
+FLOORS = {
+    "core": 0,
+    "deploy/registry": 1,
+    "ingest": 2,
+    "learner": 2,
+    "deploy/gate": 2,
+    "serving/node": 2,
+    "serving/router": 2,
+    "serving/agent": 3,
+    "liverl/stack": 4,
+    "liverl/testing": 4,
+    "liverl/ops": 5,
+    "liverl/demo": 6,
+    "liverl/bench": 7,
+    "liverl": 8,
+}
+TOPS = ("core", "deploy", "ingest", "learner", "serving", "liverl")
 
 
 def modules() -> dict[str, Path]:
     out = {}
-    for pkg in ("liverl", "ingest", "learner", "serving", "deploy"):
+    for pkg in TOPS:
         for path in (ROOT / pkg).rglob("*.py"):
+            if path.name == "__init__.py" and not path.read_text().strip():
+                continue  # an empty package file holds nothing to place on a floor
             rel = path.relative_to(ROOT).with_suffix("")
             out[".".join(rel.parts).removesuffix(".__init__")] = path
     return out
+
+
+def folder(mod: str) -> str:
+    """The folder of the table that holds a module (the longest match)."""
+    path = "/".join(mod.split("."))
+    if not (ROOT / path).is_dir():  # a module file: its folder; a package: itself
+        path = path.rpartition("/")[0]
+    matches = [f for f in FLOORS if path == f or path.startswith(f + "/")]
+    assert matches, f"{mod} lies in no folder of the floor table: add its folder to FLOORS"
+    return max(matches, key=len)
 
 
 def imports_of(path: Path) -> set[str]:
@@ -43,27 +78,10 @@ def imports_of(path: Path) -> set[str]:
     return names
 
 
-def floor(mod: str) -> str:
-    top = mod.split(".")[0]
-    if mod.startswith("liverl.core"):
-        return "core"
-    if top == "deploy":
-        return "process" if mod in DEPLOY_PROCESS else "library"
-    if top in PROCESS:
-        return "process"
-    return "command"
-
-
 def allowed(src: str, dst: str) -> bool:
-    f_src, f_dst = floor(src), floor(dst)
-    if f_src == "command":
-        return True
-    if f_src == "core":
-        return f_dst == "core"
-    if f_src == "library":
-        return f_dst in ("core", "library")
-    # a process: the core, deploy's library, and its own package
-    return f_dst in ("core", "library") or dst.split(".")[0] == src.split(".")[0]
+    """Down, or within the same folder."""
+    f_src, f_dst = folder(src), folder(dst)
+    return f_src == f_dst or FLOORS[f_dst] < FLOORS[f_src]
 
 
 def project(name: str, mods: dict[str, Path]) -> str | None:
@@ -83,7 +101,7 @@ def test_no_import_runs_the_wrong_way():
         for name in imports_of(path):
             dst = project(name, mods)
             if dst is not None and dst != src and not allowed(src, dst):
-                wrong.append(f"{src} ({floor(src)}) imports {dst} ({floor(dst)})")
+                wrong.append(f"{src} ({folder(src)}) imports {dst} ({folder(dst)})")
     assert not wrong, "imports that run the wrong way:\n" + "\n".join(sorted(set(wrong)))
 
 
@@ -92,7 +110,7 @@ def test_no_process_or_library_imports_the_demo_product():
     offenders = [
         f"{src} imports {name}"
         for src, path in mods.items()
-        if floor(src) != "command"
+        if FLOORS[folder(src)] < FLOORS["liverl/demo"]
         for name in imports_of(path)
         if name.startswith("liverl.demo")
     ]
@@ -102,12 +120,12 @@ def test_no_process_or_library_imports_the_demo_product():
 @pytest.mark.parametrize(
     "module",
     [
-        "liverl.core.config",
-        "liverl.core.schemas",
-        "liverl.core.bus",
-        "liverl.core.services",
-        "liverl.core.keys",
-        "liverl.core.product",
+        "core.config",
+        "core.schemas",
+        "core.bus",
+        "core.services",
+        "core.keys",
+        "core.product",
         "liverl.cli",
     ],
 )
@@ -121,15 +139,27 @@ def test_core_and_cli_are_torch_free(module):
 
 
 def test_the_checker_catches_a_wrong_way_arrow():
-    assert not allowed("deploy.registry", "learner.model")
-    assert not allowed("serving.agent", "ingest.sdk")
-    assert not allowed("liverl.core.config", "deploy.registry")
-    assert allowed("serving.agent", "deploy.registry") and allowed("liverl.cli", "learner.trainer")
+    assert not allowed("deploy.registry.registry", "learner.model")
+    assert not allowed("serving.node.gateway", "ingest.sdk")
+    assert not allowed("core.config", "deploy.registry.registry")
+    assert not allowed("serving.node.gateway", "serving.agent.launch")
+    assert not allowed("deploy.gate.gate", "learner.evaluate")
+    assert not allowed("liverl.ops.chaos", "liverl.demo.run")
+    assert allowed("serving.agent.agent", "deploy.registry.registry") and allowed("liverl.cli", "learner.trainer")
+    assert allowed("serving.agent.agent", "serving.node.client") and allowed(
+        "serving.node.worker.extension", "serving.node.worker.layout"
+    )
+
+
+def test_every_module_lies_on_a_floor():
+    for mod in modules():
+        if ".migrations" not in mod:
+            folder(mod)
 
 
 def test_the_cli_names_the_same_chaos_kinds_as_the_chaos_command():
-    from liverl.chaos import KINDS
     from liverl.cli import KILL_KINDS
+    from liverl.ops.chaos import KINDS
 
     assert KILL_KINDS == KINDS
 

@@ -28,10 +28,10 @@ import uuid
 import pytest
 import torch
 
+from core import keys
+from core.config import load_config
+from core.schemas import GenerationRecord, TrainingSample
 from learner.families import FAMILIES
-from liverl.core import keys
-from liverl.core.config import load_config
-from liverl.core.schemas import GenerationRecord, TrainingSample
 from liverl.testing.models import TESTED, default_cache, ensure_test_model
 from tests.conftest import free_port
 
@@ -140,14 +140,14 @@ def _median_abs(a: list[float], b: list[float]) -> float:
 def test_full_path(family, stack, tmp_path):
     import redis
 
-    from deploy.blobstore import LocalBlobStore
-    from deploy.delta import checksum
-    from deploy.registry import Registry
-    from deploy.signing import Signer, announce, generate_keypair
+    from core.bus import ensure_topics, make_producer
+    from deploy.registry.blobstore import LocalBlobStore
+    from deploy.registry.delta import checksum
+    from deploy.registry.registry import Registry
+    from deploy.registry.signing import Signer, announce, generate_keypair
     from learner.model import load_model, load_state_dict
     from learner.trainer import Learner
     from liverl.bench.logprobs import chat_prompts
-    from liverl.core.bus import ensure_topics, make_producer
     from tests.serving.harness import ServingThread
 
     model_dir = ensure_test_model(family, default_cache())
@@ -233,9 +233,9 @@ def test_full_path(family, stack, tmp_path):
         registry.promote(row.version, actor="test", reason="full-path test")
         announce(r, cfg.topics.prefix, row.version, row.checksum, "full-path test", signer=Signer(private))
         deadline = time.monotonic() + 60
-        while serving.gateway.version != row.version and time.monotonic() < deadline:
+        while serving.node.gateway.version != row.version and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert serving.gateway.version == row.version, r.lrange(keys.swap_errors(cfg.topics.prefix), 0, -1)
+        assert serving.node.gateway.version == row.version, r.lrange(keys.swap_errors(cfg.topics.prefix), 0, -1)
         while not r.llen(keys.swaps(cfg.topics.prefix)) and time.monotonic() < deadline:
             time.sleep(0.05)  # the record is written just after the gateway switches
         swap = json.loads(r.lrange(keys.swaps(cfg.topics.prefix), -1, -1)[0])

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from liverl.core.services import port_open
+from core.services import port_open
 from tests.conftest import free_port
 
 

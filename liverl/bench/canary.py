@@ -3,10 +3,10 @@
 Each simulated canary replays what the gate sees: a population of **sticky users** (``--users``, each population of
 ``--populations``: the demo's two segments accepting 0.70 and 0.25, Beta(2,2), a skewed Beta(0.5,1.5)) with
 log-normal activity (``--activity-sigma``; the demo's is 1.0), assigned to the canary by the router's own function
-(``liverl.core.fleet.bucket(secret, rollout_id, user) < share``, a fresh rollout id per canary), judging
+(``core.fleet.bucket(secret, rollout_id, user) < share``, a fresh rollout id per canary), judging
 ``--events-per-s`` answers (all traffic), and the gate's look once per closed 10 s bucket until
 ``--deadline-s``. CUPED's covariate is each user's acceptance under stable in the ``--pre-s`` before the rollout.
-The user-unit test is ``deploy.sequential.look_units``, the function the gate calls, on every look.
+The user-unit test is ``deploy.gate.sequential.look_units``, the function the gate calls, on every look.
 
 Tables (one row per population and size; rates over ``--runs`` canaries, each with its exact binomial 95% upper
 bound in brackets):
@@ -22,8 +22,8 @@ bound in brackets):
 
 ``--budget N`` measures something else: canaries as the demo runs them (a non-inferiority test within ``--margin``,
 the user unit with CUPED, an evidence budget of N judged events on the canary arm, ``gate.canary_max_events``),
-with and without the futility stop (``--futility-z``, ``gate.canary_futility_z``; ``deploy.sequential.futile``),
-for candidates as good as stable and 1.5, 3 and 6 points worse (``deploy.canary_sim.simulate_budget``; default
+with and without the futility stop (``--futility-z``, ``gate.canary_futility_z``; ``deploy.gate.sequential.futile``),
+for candidates as good as stable and 1.5, 3 and 6 points worse (``deploy.gate.canary_sim.simulate_budget``; default
 population Beta(5,1), mean 0.83: the demo's plateau). A promotion at 3 points worse or more is a false one.
 """
 
@@ -74,7 +74,7 @@ def run(
     json_path: str | None = None,
     command: str = "liverl bench canary",
 ) -> dict:
-    from deploy.canary_sim import simulate_sticky
+    from deploy.gate.canary_sim import simulate_sticky
 
     sizes = [int(u) for u in str(users).split(",") if u.strip()]
     pops = _split_populations(populations)
@@ -174,7 +174,7 @@ def run_budget(
     command: str = "liverl bench canary --budget",
 ) -> dict:
     """The ``--budget`` table: each population and size, each effect, without and with the futility stop."""
-    from deploy.canary_sim import simulate_budget
+    from deploy.gate.canary_sim import simulate_budget
 
     rows, t_all = [], time.perf_counter()
     for k in [int(u) for u in str(users).split(",") if u.strip()]:
@@ -344,7 +344,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _cmd(args: argparse.Namespace) -> int:
     if args.budget is not None:
-        from liverl.core.config import GateConfig
+        from core.config import GateConfig
 
         z = GateConfig().canary_futility_z if args.futility_z is None else args.futility_z
         users = "2000,5000" if args.users == DEFAULTS["users"] else args.users

@@ -312,24 +312,6 @@ class PeakRss:
 # ------------------------------------------------------------------------------------------------ measure
 
 
-def _raw(t: torch.Tensor) -> np.ndarray:
-    import torch
-
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
-def baseline_bytes(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor]) -> tuple[int, int]:
-    """The obvious alternatives on the same change: (plain zstd(3) of the target's bytes, zstd(3) of base XOR
-    target), summed over tensors."""
-    zc = zstandard.ZstdCompressor(level=3, threads=-1)
-    zstd_bytes = xor_zstd_bytes = 0
-    for name in sorted(target):
-        rb, rt = _raw(base[name]), _raw(target[name])
-        zstd_bytes += len(zc.compress(rt))
-        xor_zstd_bytes += len(zc.compress(np.bitwise_xor(rb, rt)))
-    return zstd_bytes, xor_zstd_bytes
-
-
 def _check_bit_exact(case: str, got: Mapping, target: Mapping) -> None:
     import torch
 
@@ -365,7 +347,7 @@ def measure(
     """
     import torch
 
-    from deploy import delta
+    from deploy.registry import delta
 
     if repeat < 1:
         raise ValueError(f"--repeat must be >= 1, got {repeat}")
@@ -399,12 +381,12 @@ def measure(
         del state
 
     phase("baselines")
-    zstd_bytes, xor_zstd_bytes = baseline_bytes(base, target)
+    zstd_bytes, xor_zstd_bytes = delta.baseline_bytes(base, target)
 
     phase("entropy bounds")
     counter = ChangeCounter()
     for name in sorted(target):
-        counter.add(_raw(base[name]).view(np.uint16), _raw(target[name]).view(np.uint16))
+        counter.add(delta.raw_bytes(base[name]).view(np.uint16), delta.raw_bytes(target[name]).view(np.uint16))
     bits = counter.bits()
     raw_bits = 8.0 * raw_bytes
 
@@ -543,7 +525,7 @@ def _json_safe(row: dict) -> dict:
 
 def _warm_up() -> None:
     """Load (or compile) the codec's kernels first, so one-time costs stay out of the timings."""
-    from deploy import delta
+    from deploy.registry import delta
 
     delta.warm_up()
 
@@ -560,7 +542,7 @@ def run(
     console=None,
 ) -> list[dict]:
     """Measure every case, print the table (with the command and machine under it), optionally write JSON."""
-    from deploy import delta
+    from deploy.registry import delta
 
     if skip_demo and skip_synthetic:
         raise ValueError("--skip-demo and --skip-synthetic together leave nothing to measure")

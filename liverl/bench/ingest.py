@@ -9,7 +9,7 @@ What it measures, on one broker (the embedded one, or ``broker.bootstrap``) and 
    on after an outage. Generations first, then feedback; the worker reads the two in step by timestamp
    (``ingest.app`` ``_hold_back``), so each feedback finds its generation waiting, the common case.
 2. **raw consumer**: an aiokafka consumer (the client faust runs on) reads both topics from the start to the end;
-   **raw + parse** does the same and also validates every record with ``liverl.core.schemas``; **faust agent,
+   **raw + parse** does the same and also validates every record with ``core.schemas``; **faust agent,
    consume only** is a faust app that takes the same records in ``take_events`` batches, as ingest does, and does
    nothing with them. These are the ceilings: what the broker hands one Python process, what is left after
    parsing, and what faust's own consume path leaves for any faust-based worker.
@@ -50,11 +50,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from core import fleet, keys
+from core.config import load_config
+from core.schemas import FeedbackEvent, GenerationRecord, SamplingParams, WireError
+from core.services import forget_prefix, free_port
 from liverl.bench.serve import _free_port, _machine
-from liverl.core import fleet, keys
-from liverl.core.config import load_config
-from liverl.core.schemas import FeedbackEvent, GenerationRecord, SamplingParams, WireError
-from liverl.core.services import forget_prefix, free_port
 
 DEFAULTS = {"pairs": 50_000, "partitions": 4, "workers": "1,2", "timeout": 600.0, "repeat": 1}
 
@@ -448,8 +448,8 @@ def run(
     command: str = "liverl bench ingest",
 ) -> dict:
     """Start the stack, write the backlogs, measure the ceilings and the workers; print the table."""
-    from liverl.core.bus import all_topics, ensure_topics
-    from liverl.stack import start_stack
+    from core.bus import all_topics, ensure_topics
+    from liverl.stack.stack import start_stack
 
     if pairs < 100 or partitions < 1 or not workers or min(workers) < 1:
         raise ValueError("pairs must be >= 100, partitions and workers >= 1")

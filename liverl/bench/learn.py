@@ -47,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-from liverl.core.config import GateConfig, LearnerConfig, load_config
+from core.config import GateConfig, LearnerConfig, load_config
 
 DEFAULTS = {
     "models": ["demo", "moe24m"],

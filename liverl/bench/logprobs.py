@@ -23,8 +23,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from liverl.core.config import LearnerConfig, load_config
-from liverl.core.schemas import TrainingSample
+from core.config import LearnerConfig, load_config
+from core.schemas import TrainingSample
 
 DEFAULTS = {"prompts": 32, "max_tokens": 16, "seed": 0}
 
@@ -213,7 +213,7 @@ def compare(model_dir: Path, completions: list[dict]) -> dict:
 
 def measure(model_dir: Path, n_prompts: int, max_tokens: int, seed: int) -> dict:
     """Serve ``model_dir`` on a fresh vLLM node, sample, stop the node, compare."""
-    from serving.node import start_node
+    from serving.agent.launch import start_node
 
     model_dir = Path(model_dir).resolve()
     prompts = chat_prompts(model_dir, n_prompts, seed)
@@ -228,7 +228,7 @@ def measure(model_dir: Path, n_prompts: int, max_tokens: int, seed: int) -> dict
 
 
 def _free_port() -> int:
-    from liverl.core.services import free_port as pick
+    from core.services import free_port as pick
 
     return pick()
 

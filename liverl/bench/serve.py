@@ -13,7 +13,7 @@ work, i.e. the gateway's own cost. A generation counts when its response is comp
 Nothing is pinned: the node, the broker and the clients share the machine's cores, which is what a single-box
 deployment sees. The CPU the node's API-server process spends per generation is printed for the gateway's side and
 the node's: the gateway runs in that process, so the difference is what it costs there.
-``LIVERL_BENCH_PROFILE=PATH`` runs the node's API-server event loop under cProfile (``serving.node_gateway``) and
+``LIVERL_BENCH_PROFILE=PATH`` runs the node's API-server event loop under cProfile (``serving.node.gateway_host``) and
 writes its stats to PATH when the node stops (``python -m pstats PATH``): where the time of that process goes.
 """
 
@@ -34,7 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from liverl.core.config import LiverlConfig, load_config
+from core.config import LiverlConfig, load_config
 
 PROFILE_ENV = (
     "LIVERL_BENCH_PROFILE"  # a path: the node's API-server event loop runs under cProfile, stats written there
@@ -48,7 +48,7 @@ DEFAULTS = {"clients": 64, "duration": 20.0, "rounds": 3, "warmup": 3.0, "api": 
 def _serve_child(cfg_json: str, model_dir: str, bootstrap: str, redis_url: str) -> None:
     """The serving process: the node (its gateway inside) and the agent, as ``liverl serve`` runs them (no registry:
     nothing swaps)."""
-    from serving.main import run_serving
+    from serving.agent.main import run_serving
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_serving(LiverlConfig.model_validate_json(cfg_json), model_dir, bootstrap, redis_url, None)
@@ -56,7 +56,7 @@ def _serve_child(cfg_json: str, model_dir: str, bootstrap: str, redis_url: str) 
 
 def _serve_child_registry(cfg_json: str, model_dir: str, bootstrap: str, redis_url: str, registry_url: str) -> None:
     """The serving process with a registry, so its agent swaps (``liverl bench swap``)."""
-    from serving.main import run_serving
+    from serving.agent.main import run_serving
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     run_serving(LiverlConfig.model_validate_json(cfg_json), model_dir, bootstrap, redis_url, registry_url)
@@ -142,7 +142,7 @@ def _requests(api: str, stream: bool, n_prompts: int = 64) -> list[tuple[str, by
 
 def _forwarded(requests: list[tuple[str, bytes]]) -> list[tuple[str, bytes]]:
     """The same requests as the gateway forwards them to the node (token ids and sampled log-probs asked for)."""
-    from serving.openai_api import ChatCompletionRequest, CompletionRequest
+    from serving.node.openai_api import ChatCompletionRequest, CompletionRequest
 
     model = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
     return [(path, json.dumps(model[path].model_validate_json(body).node_body()).encode()) for path, body in requests]
@@ -227,7 +227,7 @@ def run(
     command: str = "liverl bench serve",
 ) -> dict:
     """Start the stack, measure, print the table and the command; returns the rows and the median ratio."""
-    from liverl.stack import start_stack
+    from liverl.stack.stack import start_stack
 
     if clients < 1 or duration_s <= 0 or rounds < 1 or warmup_s < 0:
         raise ValueError("clients and rounds must be >= 1, duration > 0 and warmup >= 0")
@@ -260,12 +260,12 @@ def run(
         flush=True,
     )
 
-    from deploy.signing import generate_keypair
+    from deploy.registry.signing import generate_keypair
 
     generate_keypair(state / "keys")  # serve refuses to start without a verify key (nothing is announced here)
     stack = start_stack(cfg)
     if os.environ.get(PROFILE_ENV):
-        from serving.node_gateway import ENV_PROFILE
+        from serving.node.gateway_host import ENV_PROFILE
 
         os.environ[ENV_PROFILE] = str(Path(os.environ[PROFILE_ENV]).resolve())  # the node inherits it
     proc = multiprocessing.get_context("spawn").Process(
@@ -277,7 +277,7 @@ def run(
     try:
         proc.start()
         _wait_http(gateway_url + "/healthz", proc, timeout_s=600)
-        from serving.node import read_node_key
+        from serving.agent.launch import read_node_key
 
         node_key = read_node_key(cfg)  # the node answers only with its key (the serving process wrote it)
         node_pid = int((cfg.state_path / "serving" / f"vllm-{cfg.serving.vllm_port}.pid").read_text())
@@ -351,7 +351,7 @@ def _demo_model(cfg) -> Path:
 
 
 def _free_port() -> int:
-    from liverl.core.services import free_port as pick
+    from core.services import free_port as pick
 
     return pick()
 

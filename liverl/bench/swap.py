@@ -26,8 +26,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from core.config import load_config
 from liverl.bench.serve import _demo_model, _free_port, _machine, _run_loop, _serve_child_registry, _wait_http
-from liverl.core.config import load_config
 
 DEFAULTS = {"swaps": 12, "clients": 16, "interval": 2.0, "max_tokens": 20, "changed": 0.1, "stall_ms": 100.0}
 
@@ -86,11 +86,11 @@ def run(
     """Start the stack, swap under load, print the table and the command; returns the summary."""
     import redis
 
-    from deploy.blobstore import open_blob_store
-    from deploy.registry import Registry
-    from deploy.signing import Signer, announce, generate_keypair
+    from deploy.registry.blobstore import open_blob_store
+    from deploy.registry.registry import Registry
+    from deploy.registry.signing import Signer, announce, generate_keypair
     from liverl.demo.base_policy import load_state_dict
-    from liverl.stack import start_stack
+    from liverl.stack.stack import start_stack
 
     if swaps < 1 or clients < 1 or interval_s <= 0 or max_tokens < 1 or not 0 < changed <= 1:
         raise ValueError("swaps, clients and max_tokens must be >= 1, interval > 0 and changed in (0, 1]")

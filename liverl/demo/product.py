@@ -1,4 +1,4 @@
-"""The demo's product, written against ``liverl.core.product`` like any customer's.
+"""The demo's product, written against ``core.product`` like any customer's.
 
 What it gives liverl:
 - rewards: the default kinds (+0.75 accept / -0.25 reject / 0 edit, from ``[ingest.rewards]``);
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import re
 
-from liverl.core.product import EvalCase, EvalSuite, Product, UsersFn
+from core.product import EvalCase, EvalSuite, Product, UsersFn
 from liverl.demo import task
-from liverl.demo.sim import run_users
+from liverl.demo.sim import SimStats, run_users
 
 SUITE_SEED = 424242
 """The suite's prompts: fixed, and drawn apart from the users' traffic generator seed."""
@@ -46,6 +46,9 @@ class ArithmeticProduct(Product):
 
     def simulated_users(self) -> UsersFn:
         return run_users
+
+    def simulated_stats(self) -> SimStats:
+        return SimStats()
 
 
 PRODUCT = ArithmeticProduct

@@ -6,11 +6,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deploy.delta import read_header
+from core import keys
+from deploy.registry.delta import baseline_bytes, read_header
 from learner.ledger import checkpoint_path_for, ledger_path
-from liverl.bench.delta import baseline_bytes
-from liverl.core import keys
-from liverl.lineage import latency_summary
+from liverl.ops.lineage import latency_summary
 
 GOAL_LIFT_POINTS = 25
 """The demo's goal: the last promoted version at least this many points of live acceptance above the base."""
@@ -188,7 +187,7 @@ def build_summary(cfg, r, registry, timeline: Timeline, stats, product_name: str
 
 def feedback_to_served(cfg, registry) -> dict:
     """Feedback -> served and feedback -> promoted (seconds, p50/p90/p99) over every feedback event the learner
-    trained in this run, from its ledger and the registry (``liverl.lineage.latency_summary``), with the serving
+    trained in this run, from its ledger and the registry (``liverl.ops.lineage.latency_summary``), with the serving
     topology it was measured on: with two or more nodes a candidate is canaried first, so served (a canary node
     counts) comes before promoted."""
     out = latency_summary(ledger_path(checkpoint_path_for(cfg)), registry)
@@ -201,7 +200,7 @@ def codec_report(registry, candidates, sample: int = 12) -> dict:
     """How the stored deltas compare with the obvious alternatives, on the last ``sample`` versions.
 
     For each, the same parent -> child change as XOR + zstd(3) and as plain zstd(3) of the child's weights
-    (``liverl.bench.delta.baseline_bytes``), next to the registry's delta (header and checksums included).
+    (``deploy.registry.delta.baseline_bytes``), next to the registry's delta (header and checksums included).
     Medians of the ratios (raw / bytes).
     """
     rows = []

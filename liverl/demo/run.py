@@ -16,19 +16,18 @@ import threading
 import time
 from pathlib import Path
 
-from deploy.registry import open_registry
+from core import fleet, keys
+from core.config import LiverlConfig
+from core.product import DEMO_PRODUCT, load_product
+from deploy.registry.registry import open_registry
 from ingest.sdk import FeedbackClient
-from liverl.core import fleet, keys
-from liverl.core.config import LiverlConfig
-from liverl.core.product import load_product
 from liverl.demo.report import Timeline, build_summary, plot_timeline, print_summary, read_hash, read_live
 from liverl.demo.sim import SimStats
 from liverl.demo.view import LiveView
-from liverl.up import Pipeline
+from liverl.stack.up import Pipeline
 
 log = logging.getLogger("liverl.demo")
 
-DEMO_PRODUCT = "liverl.demo.product:PRODUCT"
 
 
 DEMO_PROFILE: dict[str, dict[str, float | int | str]] = {

@@ -22,7 +22,7 @@ each with a fixed segment, a fixed activity (how often they come back: log-norma
 traffic, as in a real product) and, in the trap's segment, a fixed susceptibility to the bait. ``concurrency`` loops
 (``demo.concurrency``) play them: each request is sent for a user drawn by activity, with the user's id in the OpenAI
 ``user`` field, so the router keeps each user on one node and one canary arm. Users therefore differ in how often
-they accept, which is what makes a canary's evidence cluster by user (``deploy.sequential``).
+they accept, which is what makes a canary's evidence cluster by user (``deploy.gate.sequential``).
 
 Errors from the gateway or the SDK never crash a user: they are counted in ``SimStats`` (with the last
 error's text) and the user retries with exponential backoff. The SDK is called directly from the event

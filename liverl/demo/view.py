@@ -8,7 +8,7 @@ import time
 from rich.live import Live
 from rich.table import Table
 
-from liverl.core.config import LiverlConfig
+from core.config import LiverlConfig
 from liverl.demo.report import feedback_sent, rate
 
 

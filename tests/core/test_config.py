@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from liverl.core.config import LiverlConfig, load_config
+from core.config import LiverlConfig, load_config
 
 CONFIGS = sorted((Path(__file__).parents[2] / "configs").glob("*.toml"))
 
@@ -79,8 +79,8 @@ def test_missing_or_broken_file_is_a_clear_error(tmp_path):
 
 
 def test_several_nodes_get_their_own_names_and_ports_and_a_router_in_front():
-    from liverl.supervisor import ROLES, node_serving, roles_for
-    from liverl.up import Pipeline
+    from liverl.stack.supervisor import ROLES, node_serving, roles_for
+    from liverl.stack.up import Pipeline
 
     cfg = load_config(env={}, serving__nodes=2, serving__gateway_port=9000, serving__vllm_port=9100)
     assert roles_for(cfg) == ("serve@0", "serve@1", "route", "ingest", "learn", "gate")

@@ -12,8 +12,8 @@ import uuid
 import pytest
 import redis
 
-from liverl.core.bus import aiokafka_security, kafka_python_security, librdkafka_security
-from liverl.core.config import BrokerConfig, load_config, redact_url
+from core.bus import aiokafka_security, kafka_python_security, librdkafka_security
+from core.config import BrokerConfig, load_config, redact_url
 from tests.conftest import free_port
 
 LOCAL_REDIS = "redis://127.0.0.1:6379/0"
@@ -39,11 +39,11 @@ def acl_user():
 def test_liverl_runs_on_a_redis_acl_user_confined_to_its_prefix(acl_user):
     """The live counters' Lua script, the announcement and the admin reads work as a user that may touch only
     ``<prefix>:*`` (so every key liverl writes is in its key space), and a wrong password is refused clearly."""
+    from core import keys
+    from core.fleet import read_desired
+    from core.services import setup_redis
     from ingest.metrics import IngestMetrics, Tally
-    from liverl.admin import _live
-    from liverl.core import keys
-    from liverl.core.fleet import read_desired
-    from liverl.core.services import setup_redis
+    from liverl.ops.admin import _live
 
     name, password, prefix = acl_user
     url = f"redis://{name}:{password}@127.0.0.1:6379/0"
@@ -135,7 +135,7 @@ def test_kafka_security_maps_onto_every_client_library(tmp_path):
 def test_incomplete_credentials_are_refused_and_secrets_stay_masked_except_for_children():
     from pydantic import ValidationError
 
-    from liverl.supervisor import section_json
+    from liverl.stack.supervisor import section_json
 
     with pytest.raises(ValidationError, match="sasl_username and broker.sasl_password"):
         BrokerConfig(security_protocol="SASL_PLAINTEXT")

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from liverl.core.config import DELIVERY_MARGIN_S, load_config
+from core.config import DELIVERY_MARGIN_S, load_config
 
 
 def test_a_pending_ttl_below_the_delivery_timeout_plus_margin_is_refused_at_load():
@@ -25,9 +25,9 @@ def test_a_pending_ttl_below_the_delivery_timeout_plus_margin_is_refused_at_load
 
 
 def test_every_producer_liverl_builds_carries_the_configured_delivery_timeout(cfg):
+    from core.bus import librdkafka_producer_config, make_producer
     from ingest.sdk import FeedbackClient
-    from liverl.core.bus import librdkafka_producer_config, make_producer
-    from serving.producer import AsyncProducer
+    from serving.node.producer import AsyncProducer
 
     cfg = load_config(env={}, broker__bootstrap=cfg.broker.bootstrap, broker__delivery_timeout_s=42.0)
     want_ms = 42_000
@@ -49,7 +49,7 @@ def test_every_producer_liverl_builds_carries_the_configured_delivery_timeout(cf
     finally:
         default.close()
 
-    async def gateway_producer():  # the gateway's librdkafka producer, built as serving.gateway builds it
+    async def gateway_producer():  # the gateway's librdkafka producer, built as serving.node.gateway builds it
         gw = AsyncProducer(cfg.broker.bootstrap, "t-gw", delivery_timeout_s=cfg.broker.delivery_timeout_s)
         return gw.settings
 

@@ -1,12 +1,12 @@
-"""``liverl.core.fleet``'s nodes: which serving nodes may take traffic (the router, the gate's canary and ``liverl
+"""``core.fleet``'s nodes: which serving nodes may take traffic (the router, the gate's canary and ``liverl
 status`` share the rule), on the real Redis; and the fleet ``liverl up`` names for the nodes it starts."""
 
 from __future__ import annotations
 
 import pytest
 
-from liverl.core import fleet, keys
-from liverl.core.config import load_config
+from core import fleet, keys
+from core.config import load_config
 
 
 def _beat(rds, prefix: str, node: str, url: str | None, healthy: bool = True) -> None:
@@ -66,7 +66,7 @@ def test_fleet_urls_are_checked():
 
 
 def test_up_names_the_nodes_it_starts():
-    from liverl.up import Pipeline, with_local_fleet
+    from liverl.stack.up import Pipeline, with_local_fleet
 
     two = load_config(env={}, serving__nodes=2, serving__gateway_port=9000, serving__host="0.0.0.0")
     assert with_local_fleet(two).serving.fleet == {"node-0": "http://127.0.0.1:9000", "node-1": "http://127.0.0.1:9001"}

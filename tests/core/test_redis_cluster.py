@@ -1,7 +1,7 @@
 """liverl on a real Redis Cluster (three masters started here from the machine's redis-server): review finding "the
 Lua script uses keys in different slots, so it is incompatible with Redis Cluster (CROSSSLOT)". Keys one step writes
-together now share a hash tag (liverl.core.keys), ingest calls its script once per version, and every client is
-built by liverl.core.services.redis_from_url from a redis+cluster:// URL."""
+together now share a hash tag (core.keys), ingest calls its script once per version, and every client is
+built by core.services.redis_from_url from a redis+cluster:// URL."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import time
 import pytest
 import redis
 
+from core import keys
+from core.services import redis_from_url
 from ingest.metrics import _LIVE_LUA, COUNTED_TTL_S, IngestMetrics, Tally
-from liverl.core import keys
-from liverl.core.services import redis_from_url
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +151,8 @@ def test_ingest_counts_live_acceptance_exactly_once_on_a_cluster(cluster_url):
         assert 0 < r.ttl(keys.counted(prefix, 1, "fb-0")) <= COUNTED_TTL_S
         assert int(r.hget(keys.ingest_counters(prefix), "joined")) == 4
         # readers on the same cluster: the gate's canary (scan over every node) and the operators' tables
-        from liverl.admin import _live
-        from liverl.core.fleet import routable_nodes
+        from core.fleet import routable_nodes
+        from liverl.ops.admin import _live
 
         for node in ("node-a", "node-b", "node-c"):
             r.set(

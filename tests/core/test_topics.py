@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
-from liverl.core.bus import all_topics, ensure_topics, topic_configs
+from core.bus import all_topics, ensure_topics, topic_configs
 
 
 def _described(bootstrap: str, topic: str) -> dict:

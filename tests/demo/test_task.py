@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from liverl.core.schemas import FeedbackEvent, WireError
+from core.schemas import FeedbackEvent, WireError
 from liverl.demo import task
 from liverl.demo.sim import SimStats, Trap, run_users
 
@@ -103,7 +103,7 @@ class RecordingSDK:
 
 
 def _free_port() -> int:
-    from liverl.core.services import free_port as pick
+    from core.services import free_port as pick
 
     return pick()
 

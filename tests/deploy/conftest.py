@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deploy.blobstore import LocalBlobStore
-from deploy.registry import Registry
+from deploy.registry.blobstore import LocalBlobStore
+from deploy.registry.registry import Registry
 
 
 def tiny_model(seed: int = 0) -> dict[str, torch.Tensor]:

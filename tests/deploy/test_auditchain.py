@@ -10,10 +10,10 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from deploy.auditchain import AuditHead, audit_head_key, audit_mac, ensure_audit_key, load_audit_key
-from deploy.blobstore import LocalBlobStore
-from deploy.registry import Registry, RegistryError
-from deploy.tables import AuditEntry, audit_hash
+from deploy.registry.auditchain import AuditHead, audit_head_key, audit_mac, ensure_audit_key, load_audit_key
+from deploy.registry.blobstore import LocalBlobStore
+from deploy.registry.registry import Registry, RegistryError
+from deploy.registry.tables import AuditEntry, audit_hash
 from tests.deploy.conftest import perturb, tiny_model
 
 KEY = b"0123456789abcdef0123456789abcdef-audit"
@@ -276,8 +276,8 @@ def test_verifying_a_keyed_log_needs_the_key(open_reg):
 
 
 def test_liverl_up_makes_an_audit_key_file_0600_and_open_registry_uses_it(cfg, rds):
-    from deploy.registry import open_registry
-    from liverl.supervisor import ensure_keys
+    from deploy.registry.registry import open_registry
+    from liverl.stack.supervisor import ensure_keys
 
     assert load_audit_key(cfg) is None
     ensure_keys(cfg)
@@ -303,8 +303,8 @@ def test_liverl_up_makes_an_audit_key_file_0600_and_open_registry_uses_it(cfg, r
 def test_a_registry_from_before_rollouts_and_keys_opens_and_keeps_its_log(db_url, tmp_path, head):
     """A database at revision 0003 (audit entries chained by hash, no seq or MAC, no rollouts table) is migrated on
     open: its entries are numbered and reported unkeyed, and keyed entries follow them."""
-    from deploy.migrations import upgrade
-    from deploy.tables import make_engine
+    from deploy.registry.migrations import upgrade
+    from deploy.registry.tables import make_engine
 
     eng = make_engine(db_url)
     upgrade(eng, "0003")

@@ -14,7 +14,7 @@ import time
 import boto3
 import pytest
 
-from deploy.blobstore import BlobError, LocalBlobStore, S3BlobStore, open_blob_store
+from deploy.registry.blobstore import BlobError, LocalBlobStore, S3BlobStore, open_blob_store
 
 
 def test_local_list_keys_stat_and_reput_refreshes_mtime(tmp_path):

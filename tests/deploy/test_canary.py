@@ -15,13 +15,13 @@ import time
 import numpy as np
 import pytest
 
-from deploy.canary import SETTLE_S, evidence_start, first_bucket
-from deploy.gate import Gate
-from deploy.registry import open_registry
+from core import fleet, keys
+from core.config import GateConfig
+from core.schemas import VersionAnnouncement
+from deploy.gate.canary import SETTLE_S, evidence_start, first_bucket
+from deploy.gate.gate import Gate
+from deploy.registry.registry import open_registry
 from learner.trainer import evidence_against
-from liverl.core import fleet, keys
-from liverl.core.config import GateConfig
-from liverl.core.schemas import VersionAnnouncement
 from tests.deploy.test_gate import ProbeEval, desired, weights
 
 NODES = ("node-a", "node-b")

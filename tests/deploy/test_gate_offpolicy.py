@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from deploy.gate import Gate, parse_heldout
-from deploy.registry import open_registry
-from liverl.core.product import Product
-from liverl.core.schemas import SamplingParams, TrainingSample
+from core.product import Product
+from core.schemas import SamplingParams, TrainingSample
+from deploy.gate.gate import Gate, parse_heldout
+from deploy.registry.registry import open_registry
 from tests.deploy.test_gate import ProbeEval, weights
 
 HONEST, BAIT, REJECTED = 5, 7, 6  # the completion token of each kind of held-out sample below

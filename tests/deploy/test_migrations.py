@@ -14,8 +14,8 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
-from deploy.blobstore import LocalBlobStore
-from deploy.migrations import (
+from deploy.registry.blobstore import LocalBlobStore
+from deploy.registry.migrations import (
     INITIAL_REVISION,
     MIGRATIONS_DIR,
     alembic_config,
@@ -24,8 +24,8 @@ from deploy.migrations import (
     head_revision,
     upgrade,
 )
-from deploy.registry import Registry
-from deploy.tables import Base, Counter, make_engine
+from deploy.registry.registry import Registry
+from deploy.registry.tables import Base, Counter, make_engine
 from tests.deploy.conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +88,7 @@ def test_database_made_by_create_all_is_stamped_not_recreated(engine, db_url, tm
     """A registry from before migrations (tables, no alembic_version) keeps its data and gets stamped."""
     from alembic import command
 
-    from deploy.migrations import INITIAL_REVISION, alembic_config
+    from deploy.registry.migrations import INITIAL_REVISION, alembic_config
 
     with engine.begin() as conn:  # the schema create_all made before migrations existed: revision 0001, unstamped
         command.upgrade(alembic_config(connection=conn), INITIAL_REVISION)
@@ -116,8 +116,8 @@ def test_several_processes_open_a_fresh_database_at_once(db_url, tmp_path):
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(ROOT)!r})
-        from deploy.blobstore import LocalBlobStore
-        from deploy.registry import Registry
+        from deploy.registry.blobstore import LocalBlobStore
+        from deploy.registry.registry import Registry
         Registry({db_url!r}, LocalBlobStore({str(tmp_path / "blobs")!r})).close()
     """)
     procs = [subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True) for _ in range(4)]
@@ -146,8 +146,10 @@ def test_migrations_ship_with_the_package():
     for name in ("__init__.py", "env.py", "script.py.mako", "versions/__init__.py", "versions/0001_initial.py"):
         assert (MIGRATIONS_DIR / name).is_file(), name
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    packages = project["tool"]["setuptools"]["packages"]
-    assert {"deploy.migrations", "deploy.migrations.versions"} <= set(packages)
-    assert "script.py.mako" in project["tool"]["setuptools"]["package-data"]["deploy.migrations"]
+    from setuptools import find_packages
+
+    packages = find_packages(str(ROOT), include=project["tool"]["setuptools"]["packages"]["find"]["include"])
+    assert {"deploy.registry.migrations", "deploy.registry.migrations.versions"} <= set(packages)
+    assert "script.py.mako" in project["tool"]["setuptools"]["package-data"]["deploy.registry.migrations"]
     deps = " ".join(project["project"]["dependencies"])
     assert "alembic" in deps and "boto3" in deps

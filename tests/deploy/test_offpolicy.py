@@ -1,4 +1,4 @@
-"""Off-policy estimates of a candidate's acceptance from logged feedback (deploy.offpolicy)."""
+"""Off-policy estimates of a candidate's acceptance from logged feedback (deploy.gate.offpolicy)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from deploy.offpolicy import ALPHA, compare, merge_heldout, snis
+from deploy.gate.offpolicy import ALPHA, compare, merge_heldout, snis
 
 
 def _bandit(rng, n: int, p_behaviour: float, p_target: float):
@@ -213,7 +213,7 @@ def test_compare_refuses_bad_settings():
 
 
 def _held(gid: str, reward: float, judged_at: float, kind: str = "accept"):
-    from deploy.gate import HeldoutSample
+    from deploy.gate.gate import HeldoutSample
 
     return HeldoutSample((1, 2), (3,), -1.0, reward, gid, judged_at, kind)
 

@@ -10,9 +10,9 @@ import pytest
 import sqlalchemy as sa
 import torch
 
-from deploy.blobstore import BlobError, LocalBlobStore, S3BlobStore
-from deploy.delta import apply_delta, checksum, read_header
-from deploy.registry import Registry, RegistryError, Version
+from deploy.registry.blobstore import BlobError, LocalBlobStore, S3BlobStore
+from deploy.registry.delta import apply_delta, checksum, read_header
+from deploy.registry.registry import Registry, RegistryError, Version
 from tests.deploy.conftest import perturb, tiny_model
 
 
@@ -346,7 +346,7 @@ def test_compose_refuses_a_chain_that_misses_the_recorded_checksum(registry):
 
 def test_gc_command_prints_what_it_would_remove_then_removes_it(cfg, capsys):
     """The admin verb behind ``liverl gc``: a dry run needs no identity, deleting needs an admin's token."""
-    from liverl.admin import gc_command, open_registry
+    from liverl.ops.admin import gc_command, open_registry
 
     reg = open_registry(cfg)
     try:

@@ -9,8 +9,8 @@ import time
 import pytest
 import sqlalchemy as sa
 
-from deploy.registry import MAX_LOOKS, Registry, RegistryConflict, RegistryError
-from deploy.tables import Rollout, Version
+from deploy.registry.registry import MAX_LOOKS, Registry, RegistryConflict, RegistryError
+from deploy.registry.tables import Rollout, Version
 from tests.deploy.conftest import perturb, tiny_model
 
 
@@ -225,7 +225,7 @@ def test_a_pause_and_a_concurrent_promotion_never_both_land(registry, tmp_path):
     other is refused, so the rollout never ends promoted after a pause that succeeded."""
     import threading
 
-    from deploy.blobstore import LocalBlobStore
+    from deploy.registry.blobstore import LocalBlobStore
 
     versions = candidates(registry, 4)
     for v in versions:

@@ -1,4 +1,4 @@
-"""The canary's always-valid sequential test (deploy.sequential): its statistic, its decisions and its error rate, on
+"""The canary's always-valid sequential test (deploy.gate.sequential): its statistic, its decisions and its error rate, on
 the unit the canary actually randomises (sticky users) as well as on requests."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from deploy.canary_sim import assign, simulate_budget, simulate_sticky
-from deploy.sequential import (
+from core.config import GateConfig
+from deploy.gate.canary_sim import assign, simulate_budget, simulate_sticky
+from deploy.gate.sequential import (
     ABORT,
     BETTER,
     CONTINUE,
@@ -32,7 +33,6 @@ from deploy.sequential import (
     t_widened,
     unit_estimate,
 )
-from liverl.core.config import GateConfig
 
 
 def test_the_mixture_ratio_matches_its_formula_and_is_one_at_no_evidence():
@@ -242,7 +242,7 @@ def test_the_user_unit_test_with_cuped_finds_three_points_on_the_demo_population
 def test_assignment_is_the_routers_bucket_and_moves_with_the_rollout():
     a, b = assign(b"k", 1, 2000, 0.5), assign(b"k", 2, 2000, 0.5)
     assert 0.45 < a.mean() < 0.55 and 0.4 < (a != b).mean() < 0.6  # each rollout draws its arms afresh
-    from liverl.core.fleet import bucket
+    from core.fleet import bucket
 
     assert bool(a[17]) == (bucket(b"k", 1, "sim-user-17") < 0.5)
 

@@ -1,7 +1,7 @@
 """Signed announcements: the gate signs, agents verify; Redis write access alone cannot choose what is served.
 
 A signature binds the announcement's channel, its deployment (prefix), its expiry and a canary's terms; the one reader
-(``liverl.core.fleet``) refuses one read from another channel, another deployment's, an expired one and a replay.
+(``core.fleet``) refuses one read from another channel, another deployment's, an expired one and a replay.
 """
 
 from __future__ import annotations
@@ -10,9 +10,11 @@ import time
 
 import pytest
 
-from deploy.gate import Gate
-from deploy.registry import open_registry
-from deploy.signing import (
+from core import fleet
+from core.schemas import RolloutTerms, VersionAnnouncement
+from deploy.gate.gate import Gate
+from deploy.registry.registry import open_registry
+from deploy.registry.signing import (
     SignatureError,
     Signer,
     Verifier,
@@ -21,8 +23,6 @@ from deploy.signing import (
     keep_announced,
     needs_refresh,
 )
-from liverl.core import fleet
-from liverl.core.schemas import RolloutTerms, VersionAnnouncement
 from tests.deploy.test_gate import ProbeEval, weights
 
 

@@ -22,10 +22,10 @@ import pytest
 import redis
 from kafka import KafkaConsumer, TopicPartition
 
-from liverl.core import keys
-from liverl.core.bus import all_topics, ensure_topics, make_producer
-from liverl.core.config import LiverlConfig, load_config
-from liverl.core.schemas import GenerationRecord, SamplingParams
+from core import keys
+from core.bus import all_topics, ensure_topics, make_producer
+from core.config import LiverlConfig, load_config
+from core.schemas import GenerationRecord, SamplingParams
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+from core import keys
+from core.schemas import DeadLetter, FeedbackEvent, TrainingSample
 from ingest.sdk import from_config
-from liverl.core import keys
-from liverl.core.schemas import DeadLetter, FeedbackEvent, TrainingSample
 from tests.ingest.conftest import make_generation, new_gid, wait_until
 
 
@@ -489,7 +489,7 @@ def test_hostile_inputs_through_the_worker(harness):
 
 def test_rewards_come_from_the_product(cfg):
     """The product names the reward of each kind, per segment if it wishes; ingest asks it, not a constant."""
-    from liverl.core.product import Product, load_product
+    from core.product import Product, load_product
 
     class Strict(Product):
         def reward(self, kind, segment):

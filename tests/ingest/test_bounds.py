@@ -28,11 +28,11 @@ import uuid
 import pytest
 import redis
 
+from core import keys
+from core.config import IngestConfig, load_config
+from core.schemas import DeadLetter, FeedbackEvent
 from ingest.join import JUDGED, PENDING, WAITING, Ingest, Source, head, pack
 from ingest.metrics import COUNTED_TTL_S, IngestMetrics, Tally
-from liverl.core import keys
-from liverl.core.config import IngestConfig, load_config
-from liverl.core.schemas import DeadLetter, FeedbackEvent
 from tests.ingest.test_fuzz import Broker
 
 NOW = 1.8e9
@@ -215,7 +215,7 @@ def test_redis_guard_keys_expire(env):
 
 
 def test_pending_ttl_default_outlasts_a_producers_delivery_timeout():
-    from liverl.core.config import DELIVERY_MARGIN_S, BrokerConfig
+    from core.config import DELIVERY_MARGIN_S, BrokerConfig
 
     assert IngestConfig().pending_ttl_s >= BrokerConfig().delivery_timeout_s + DELIVERY_MARGIN_S
 
@@ -386,8 +386,8 @@ def test_table_writes_stay_readable_while_the_changelog_has_them_in_flight(stack
     unknown, and expire as ``unknown_generation``."""
     from aiokafka import AIOKafkaProducer
 
+    from core.bus import ensure_topics
     from ingest.table import JoinTable, Outbox, changelog_topic
-    from liverl.core.bus import ensure_topics
 
     topic = changelog_topic(f"t{uuid.uuid4().hex[:10]}")
     ensure_topics(stack.bootstrap, [topic], 2)

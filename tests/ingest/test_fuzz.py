@@ -23,11 +23,11 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from core import keys
+from core.config import load_config
+from core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, TrainingSample, WireError
 from ingest.join import DEAD_VALUE_BYTES, MAX_RECORD_BYTES, InfraError, Ingest, Source
 from ingest.metrics import IngestMetrics
-from liverl.core import keys
-from liverl.core.config import load_config
-from liverl.core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, TrainingSample, WireError
 from tests.ingest.conftest import make_generation
 
 EXAMPLES = int(os.environ.get("LIVERL_FUZZ_EXAMPLES", "60"))
@@ -478,8 +478,8 @@ def test_the_joins_sample_json_is_the_models_own(seed, reward, text, segment):
     """The join builds a sample's JSON from the validated record without validating it again (``sample_json``): it
     must be byte for byte ``TrainingSample(...).model_dump_json()``, whatever the floats, text and optional fields; a
     non-finite reward from the product is refused, as the model refuses it."""
+    from core.schemas import SamplingParams
     from ingest.join import WAITING, legacy_parts, pack, record_parts, sample_json, unpack
-    from liverl.core.schemas import SamplingParams
 
     rng = random.Random(seed)
     g = _generation(rng)

@@ -15,13 +15,13 @@ import uuid
 import pytest
 import redis
 
-from deploy.gate import parse_heldout
-from deploy.offpolicy import merge_heldout
+from core.config import load_config
+from core.product import Product
+from core.schemas import TrainingSample
+from deploy.gate.gate import parse_heldout
+from deploy.gate.offpolicy import merge_heldout
 from ingest.join import REVERT_SUFFIX, Ingest, Source, is_heldout
 from ingest.metrics import IngestMetrics
-from liverl.core.config import load_config
-from liverl.core.product import Product
-from liverl.core.schemas import TrainingSample
 from tests.ingest.test_fuzz import Broker, _generation
 
 

@@ -23,9 +23,9 @@ import threading
 import time
 from pathlib import Path
 
+from core import keys
+from core.schemas import DeadLetter, FeedbackEvent, TrainingSample
 from ingest.sdk import from_config
-from liverl.core import keys
-from liverl.core.schemas import DeadLetter, FeedbackEvent, TrainingSample
 from tests.ingest.conftest import IngestHarness, ingest_config, make_generation, new_gid, wait_until
 
 # From a restarted process's start to its first joined sample, on the embedded broker: the target is 10 s (the median
@@ -485,8 +485,8 @@ class _InProcess:
     for its inputs, the group's committed offsets, and a clean-up of the test's Redis keys."""
 
     def __init__(self, cfg):
+        from core.bus import all_topics, ensure_topics, make_producer
         from ingest.table import changelog_topic
-        from liverl.core.bus import all_topics, ensure_topics, make_producer
 
         self.cfg = cfg
         self.parts = cfg.broker.partitions

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from core.bus import all_topics, ensure_topics
+from core.schemas import FeedbackEvent
 from ingest.sdk import FeedbackClient, from_config
-from liverl.core.bus import all_topics, ensure_topics
-from liverl.core.schemas import FeedbackEvent
 from tests.ingest.conftest import TopicTail, new_gid
 
 

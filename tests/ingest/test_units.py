@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.crc import key_slot
 
+from core import keys
+from core.config import load_config
+from core.schemas import DeadLetter, GenerationRecord, WireError, json_schemas
 from ingest.join import JUDGED, Ingest, Source, pack
 from ingest.metrics import _LIVE_LUA, _script_call
-from liverl.core import keys
-from liverl.core.config import load_config
-from liverl.core.schemas import DeadLetter, GenerationRecord, WireError, json_schemas
 from tests.ingest.conftest import make_generation
 from tests.ingest.test_fuzz import Broker
 

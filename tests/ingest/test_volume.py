@@ -20,12 +20,12 @@ import uuid
 import pytest
 import redis
 
+from core.config import load_config
+from core.schemas import FeedbackEvent
 from ingest.entry import JUDGED, PENDING, WAITING, pack, unpack
 from ingest.join import Ingest, Source
 from ingest.metrics import IngestMetrics
 from ingest.table import JoinTable, partition_of
-from liverl.core.config import load_config
-from liverl.core.schemas import FeedbackEvent
 from tests.ingest.test_fuzz import Broker
 
 NOW = 1.8e9
@@ -147,8 +147,8 @@ def test_expiry_visits_only_the_entries_due(env, stack, tmp_path, store):
     async def run():
         from aiokafka import AIOKafkaProducer
 
+        from core.bus import ensure_topics
         from ingest.table import Outbox, changelog_topic
-        from liverl.core.bus import ensure_topics
 
         table.topic = changelog_topic(cfg.topics.prefix)
         ensure_topics(stack.bootstrap, [table.topic], PARTS)

@@ -11,8 +11,8 @@ from .test_trainer import base_samples, model_dir  # noqa: F401 -- fixtures
 
 
 def trainer(model_dir, ema: float):  # noqa: F811
+    from core.config import LearnerConfig
     from learner.policy_trainer import PolicyTrainer
-    from liverl.core.config import LearnerConfig
 
     return PolicyTrainer(model_dir, LearnerConfig(lr=1e-3, candidate_ema=ema))
 
@@ -82,9 +82,9 @@ def test_the_candidates_entropy_is_measured_and_the_floor_can_be_held_for_it(cfg
     candidate the learner measures both on the last batch, without changing the weights or the average; with
     ``learner.floor_for_candidate`` it raises the floor of its next updates by their ratio (1 to 4), and a restart
     keeps the raised floor."""
+    from core.config import LearnerConfig
     from learner.policy_trainer import FLOOR_LIFT_MAX, PolicyTrainer
     from learner.trainer import Learner
-    from liverl.core.config import LearnerConfig
 
     from .test_trainer import learner_cfg, make_registry, produce_samples
 

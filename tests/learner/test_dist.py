@@ -276,11 +276,11 @@ def test_a_dcp_checkpoint_carries_the_candidates_weight_average(tmp_path, group_
     """FSDP2 over a group of one: the average (``learner.candidate_ema``) is measured for the entropy floor through the
     sharded forward as in one process, saved with the shards and loaded back in place; a checkpoint written without
     one starts it at the loaded weights."""
+    from core.config import LearnerConfig
     from learner.dist import CheckpointDir
     from learner.model import load_model
     from learner.policy_trainer import PolicyTrainer
     from learner.ranks import load_checkpoint
-    from liverl.core.config import LearnerConfig
     from liverl.demo.base_policy import ensure_base_policy
 
     from .test_trainer import make_samples, model_cache

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from core.config import LearnerConfig
+from core.schemas import TrainingSample
 from learner import fastpath
 from learner.dist_check import make_samples, on_policy
 from learner.policy_trainer import PolicyTrainer
-from liverl.core.config import LearnerConfig
-from liverl.core.schemas import TrainingSample
 from liverl.testing.models import default_cache, ensure_test_model
 
 LAYOUTS = {

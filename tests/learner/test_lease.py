@@ -8,8 +8,8 @@ import uuid
 import pytest
 import redis
 
+from core import keys
 from learner.lease import LearnerLease, LeaseHeld
-from liverl.core import keys
 
 
 @pytest.fixture

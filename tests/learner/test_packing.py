@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
+from core.config import LearnerConfig
+from core.schemas import TrainingSample
 from learner.families import FAMILIES
 from learner.model import load_model
 from learner.policy_trainer import PolicyTrainer, pack
-from liverl.core.config import LearnerConfig
-from liverl.core.schemas import TrainingSample
 from liverl.testing.models import default_cache, ensure_test_model
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from liverl.core.config import LiverlConfig
-from liverl.core.schemas import TrainingSample
+from core.config import LiverlConfig
+from core.schemas import TrainingSample
 from liverl.demo import task
 
 ACCEPT, REJECT = 0.75, -0.25
@@ -109,7 +109,7 @@ def make_samples(model, n: int, seed: int, policy_version: int = 0, id_prefix: s
 
 
 def produce(cfg: LiverlConfig, values: list[bytes], keys: list[str]) -> None:
-    from liverl.core.bus import ensure_topics, make_producer
+    from core.bus import ensure_topics, make_producer
 
     ensure_topics(cfg.broker.bootstrap, [cfg.topics.samples], cfg.broker.partitions)
     prod = make_producer(cfg.broker.bootstrap)
@@ -138,8 +138,8 @@ def committed_offsets(cfg: LiverlConfig) -> dict[int, int]:
 
 
 def make_registry(cfg: LiverlConfig, model_dir: Path):
-    from deploy.blobstore import LocalBlobStore
-    from deploy.registry import Registry
+    from deploy.registry.blobstore import LocalBlobStore
+    from deploy.registry.registry import Registry
     from learner.model import load_state_dict
 
     reg = Registry(cfg.registry_url, LocalBlobStore(cfg.blob_location))
@@ -203,7 +203,7 @@ def test_trains_checkpoints_before_committing_and_emits_a_candidate(cfg, model_d
         assert c.parent == 0 and c.metrics["samples_trained"] == 32 and c.metrics["samples_since_last"] == 32
         assert -0.25 <= c.metrics["reward_mean"] <= 0.75 and "kl" in c.metrics
         assert sum(c.sample_offsets.values()) == 32
-        from deploy.delta import checksum
+        from deploy.registry.delta import checksum
 
         assert checksum(reg.materialize(c.version)) == c.checksum
         assert stats["last_candidate"] == c.version
@@ -222,7 +222,7 @@ def test_the_backlog_counts_judged_samples_not_trained_and_the_age_of_the_oldest
     import redis
 
     from learner.trainer import Learner
-    from liverl.admin import learner_line
+    from liverl.ops.admin import learner_line
 
     cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=100)
     old = time.time() - 300.0
@@ -411,7 +411,7 @@ def test_a_record_that_breaks_the_checks_or_a_batch_that_fails_is_refused_and_th
     """Finding 15: an unexpected exception on one record, or a batch that runs out of memory, crash-looped the
     learner. Now the record or the batch is refused with a counted reason, the weights are as before the batch,
     and training goes on."""
-    from deploy.delta import checksum
+    from deploy.registry.delta import checksum
     from learner.trainer import Learner
 
     cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=100)
@@ -457,9 +457,9 @@ def test_a_record_that_breaks_the_checks_or_a_batch_that_fails_is_refused_and_th
 
 def test_a_failed_epoch_puts_the_weights_and_the_optimizer_back(model_dir, base_samples):
     """Finding 26: with micro_epochs > 1, a failure in epoch 2 left epoch 1's update in the weights."""
-    from deploy.delta import checksum
+    from core.config import LearnerConfig
+    from deploy.registry.delta import checksum
     from learner.policy_trainer import BatchFailed, PolicyTrainer
-    from liverl.core.config import LearnerConfig
 
     tr = PolicyTrainer(model_dir, LearnerConfig(micro_epochs=3, lr=1e-3))
     tr.train_step(base_samples[:8])  # optimizer state exists
@@ -651,7 +651,7 @@ def test_a_rollback_makes_the_learner_rebase_onto_the_stable_version(cfg, model_
         learner._last_rebase_check = 0.0
         learner._maybe_rebase()
         assert learner.counters["rebases"] == 1 and learner.last_emitted == 0
-        from deploy.delta import checksum
+        from deploy.registry.delta import checksum
 
         assert checksum(learner.trainer.bf16_state_dict()) == reg.get(0).checksum
         assert read_checkpoint(learner.ckpt_path)["rollback_seen"] == reg.last_rollback()[0]
@@ -720,7 +720,7 @@ def test_online_rl_lifts_expected_acceptance_by_15_points(model_dir):
     Measured on the recipe-3 base (0.363): lr 3e-4, full KL 0.05, batch 64, behaviour refreshed every 10
     updates: +15 points after 2,560 samples (3 of 3 seeds, 3,840 at worst), ~0.66 after 10k samples.
     """
-    from liverl.core.config import LearnerConfig
+    from core.config import LearnerConfig
 
     lcfg = LearnerConfig(lr=3e-4, batch_size=64, kl_coef=0.05, tis_cap=2.0, micro_epochs=1)
     curve = online_rl(model_dir, lcfg, samples_total=6400, eval_every=1280, seed=0)
@@ -763,7 +763,7 @@ def test_a_lineage_the_gate_keeps_refusing_is_dropped_for_the_stable_weights(cfg
     candidate for minutes; training it further did not bring it back. Now ``run()`` rebases onto the stable version
     once the gate refused ``rebase_after_refusals`` of its newest candidates in a row on their evidence
     (supersessions do not count, and refusals from before the rebase do not count again)."""
-    from deploy.delta import checksum
+    from deploy.registry.delta import checksum
     from learner.trainer import Learner
 
     cfg = learner_cfg(cfg, batch_size=8, candidate_every_steps=1, rebase_after_refusals=2)
@@ -922,9 +922,9 @@ def test_the_learners_entropy_floor_raises_a_batch_under_it(model_dir, base_samp
     """learner.entropy_floor through PolicyTrainer: from the same weights on the same batch, an update under the
     floor leaves the policy's entropy on that batch higher than the plain update does, and says by how much the
     batch was under the floor; one above it trains exactly as the plain update."""
-    from deploy.delta import checksum
+    from core.config import LearnerConfig
+    from deploy.registry.delta import checksum
     from learner.policy_trainer import PolicyTrainer
-    from liverl.core.config import LearnerConfig
 
     batch = base_samples[:16]
 

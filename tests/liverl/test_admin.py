@@ -7,16 +7,16 @@ import time
 
 import pytest
 
-from liverl.admin import cmd_history, cmd_promote, cmd_rollback, cmd_status, cmd_versions, open_registry
-from liverl.core import keys
-from liverl.core.schemas import VersionAnnouncement
+from core import keys
+from core.schemas import VersionAnnouncement
+from liverl.ops.admin import cmd_history, cmd_promote, cmd_rollback, cmd_status, cmd_versions, open_registry
 from tests.deploy.conftest import perturb, tiny_model
 
 
 @pytest.fixture(autouse=True)
 def audit_key(cfg):
     """Every test here runs with the audit key `liverl up` makes (<state_dir>/keys/audit.key)."""
-    from deploy.auditchain import ensure_audit_key
+    from deploy.registry.auditchain import ensure_audit_key
 
     return ensure_audit_key(cfg)
 
@@ -70,7 +70,7 @@ def _operators(cfg) -> tuple[str, str, str]:
     """An admin (the bootstrap operator), an operator and a viewer; their tokens."""
     import re
 
-    from liverl.admin import cmd_operator
+    from liverl.ops.admin import cmd_operator
 
     tokens = []
     for name, role in (("root", "admin"), ("alice", "operator"), ("vic", "viewer")):
@@ -132,7 +132,7 @@ def test_promote_and_rollback_update_registry_audit_and_redis(cfg, rds, fleet, c
 def test_a_tampered_audit_log_is_detected(cfg, fleet, capsys):
     import sqlalchemy as sa
 
-    from deploy.tables import AuditEntry
+    from deploy.registry.tables import AuditEntry
 
     assert cmd_history(cfg, verify=True) == 0
     reg = open_registry(cfg)
@@ -152,8 +152,8 @@ def test_history_verify_detects_a_recomputed_chain(cfg, fleet, capsys):
     be made with a key of their own): `liverl history --verify` still says tampered."""
     import sqlalchemy as sa
 
-    from deploy.auditchain import audit_mac
-    from deploy.tables import AuditEntry, audit_hash
+    from deploy.registry.auditchain import audit_mac
+    from deploy.registry.tables import AuditEntry, audit_hash
 
     reg = open_registry(cfg)
     try:
@@ -178,7 +178,7 @@ def test_history_verify_detects_a_recomputed_chain(cfg, fleet, capsys):
 def test_history_verify_detects_a_cut_tail(cfg, fleet, capsys):
     import sqlalchemy as sa
 
-    from deploy.tables import AuditEntry
+    from deploy.registry.tables import AuditEntry
 
     reg = open_registry(cfg)
     try:
@@ -196,7 +196,7 @@ def test_history_verify_detects_a_cut_tail(cfg, fleet, capsys):
 def test_canary_verbs_write_the_rollout_in_the_registry_and_the_audit_log(cfg, rds, fleet, capsys):
     """`liverl pause | resume | abort` and promoting the canary act on the registry's rollout (not the Redis plan),
     need an operator token and a reason, and are audited."""
-    from liverl.admin import cmd_rollout
+    from liverl.ops.admin import cmd_rollout
 
     _admin, alice, vic = _operators(cfg)
     reg = open_registry(cfg)
@@ -275,7 +275,7 @@ def test_canary_verbs_write_the_rollout_in_the_registry_and_the_audit_log(cfg, r
 
 
 def test_operator_management_needs_an_admin(cfg, fleet, capsys):
-    from liverl.admin import cmd_operator
+    from liverl.ops.admin import cmd_operator
 
     admin, alice, _vic = _operators(cfg)
     capsys.readouterr()
@@ -294,7 +294,7 @@ def test_status_without_a_registered_base_says_so(cfg, rds, capsys):
 
 
 def test_diff_lists_changed_tensors_and_the_gate_evidence_side_by_side(cfg, fleet, capsys):
-    from liverl.admin import cmd_diff
+    from liverl.ops.admin import cmd_diff
 
     v1, v2 = fleet
     assert cmd_diff(cfg, v1.version, v2.version) == 0

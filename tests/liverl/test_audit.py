@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import time
 
+from core import keys
+from core.bus import ensure_topics, make_producer
+from core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, SamplingParams, TrainingSample
 from learner.ledger import Ledger, checkpoint_path_for, ledger_path
-from liverl.admin import open_registry
-from liverl.audit import run_audit
-from liverl.core import keys
-from liverl.core.bus import ensure_topics, make_producer
-from liverl.core.schemas import DeadLetter, FeedbackEvent, GenerationRecord, SamplingParams, TrainingSample
+from liverl.ops.admin import open_registry
+from liverl.ops.audit import run_audit
 from tests.deploy.conftest import perturb, tiny_model
 
 

@@ -1,4 +1,4 @@
-"""``liverl.batchmerge``: the embedded broker's small record batches merged into larger ones, with every record kept
+"""``liverl.stack.batchmerge``: the embedded broker's small record batches merged into larger ones, with every record kept
 once, at its offset, for every Kafka client liverl uses, while they read; and a merge a kill interrupted finished or
 dropped at the next start."""
 
@@ -12,11 +12,11 @@ import time
 import pytest
 from kafka.record.default_records import DefaultRecordBatch, DefaultRecordBatchBuilder
 
-from liverl import batchmerge
-from liverl.batchmerge import MERGE_BYTES, Source, merge, mergeable, plan
-from liverl.core import procs
-from liverl.objstore import Folder
-from liverl.stack import BROKER_BUCKET, broker_env, start_broker, start_object_store
+from core import procs
+from liverl.stack import batchmerge
+from liverl.stack.batchmerge import MERGE_BYTES, Source, merge, mergeable, plan
+from liverl.stack.objstore import Folder
+from liverl.stack.stack import BROKER_BUCKET, broker_env, start_broker, start_object_store
 from tests.conftest import free_port
 
 PREFIX = "clusters/c/topics/t/partitions/0000000000/records/"
@@ -144,7 +144,7 @@ def test_consumers_of_every_client_read_each_record_once_while_the_broker_merges
     from kafka import KafkaConsumer
     from kafka import TopicPartition as KTP
 
-    from liverl.core.bus import ensure_topics
+    from core.bus import ensure_topics
 
     logs, port = tmp_path / "logs", free_port()
     extra = ["--merge-batches", "20", "--merge-every-s", "0.3", "--merge-min-age-s", "1", "--merge-quiet-s", "1"]

@@ -109,10 +109,10 @@ def test_cli_demo_json(tmp_path, capsys, monkeypatch):
 def test_logprobs_compare_scores_the_tokens_it_is_given():
     """``liverl bench logprobs``'s comparison half, without vLLM: behaviour log-probs set to the learner's own
     (so the difference is 0) and then shifted by 0.5 nats (so it is 0.5)."""
+    from core.config import LearnerConfig
+    from core.schemas import TrainingSample
     from learner.policy_trainer import PolicyTrainer
     from liverl.bench.logprobs import compare
-    from liverl.core.config import LearnerConfig
-    from liverl.core.schemas import TrainingSample
     from liverl.testing.models import ensure_test_model
 
     model_dir = ensure_test_model("qwen3", os.environ.get("LIVERL_TEST_MODEL_CACHE"))
@@ -152,7 +152,7 @@ def test_serve_bench_forwards_the_gateways_own_request_and_prints_both_ratios():
     """``liverl bench serve``'s third side sends the node exactly what the gateway forwards, and the table shows the
     ratio against the plain node (the issue's measure) and against the node doing the same work."""
     from liverl.bench.serve import _forwarded, _requests, _table
-    from serving.openai_api import CompletionRequest
+    from serving.node.openai_api import CompletionRequest
 
     plain = _requests("completions", stream=False, n_prompts=3)
     fwd = _forwarded(plain)

@@ -8,7 +8,7 @@ answers DUPLICATE_SEQUENCE_NUMBER, which Kafka clients take as "already written"
 the record is acknowledged and lost.
 
 The window between the two writes is a few milliseconds, so the test widens it on purpose: the broker's storage is
-reached through a proxy (here, in the test) that forwards every request to the real ``liverl.objstore`` but holds the
+reached through a proxy (here, in the test) that forwards every request to the real ``liverl.stack.objstore`` but holds the
 chosen record batch's PUT. The test kills the broker while that PUT is held, starts it again on the same storage, and
 asks: is every record the producer saw acknowledged in the topic?
 """
@@ -24,9 +24,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from liverl.core import procs
-from liverl.core.bus import ensure_topics, make_consumer
-from liverl.stack import BROKER_BUCKET, broker_env, start_broker, start_object_store
+from core import procs
+from core.bus import ensure_topics, make_consumer
+from liverl.stack.stack import BROKER_BUCKET, broker_env, start_broker, start_object_store
 from tests.conftest import free_port
 
 
@@ -98,12 +98,12 @@ def _values(bootstrap: str, topic: str, want: int, timeout_s: float = 30.0) -> l
 
 
 class Librdkafka:
-    """The gateway's producer settings (``serving.producer.AsyncProducer``), driven synchronously."""
+    """The gateway's producer settings (``serving.node.producer.AsyncProducer``), driven synchronously."""
 
     def __init__(self, bootstrap: str):
         from confluent_kafka import Producer
 
-        from serving.producer import AsyncProducer
+        from serving.node.producer import AsyncProducer
 
         settings = AsyncProducer(bootstrap, "crash-test", delivery_timeout_s=60.0).settings
         self._p = Producer(settings)

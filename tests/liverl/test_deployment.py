@@ -13,8 +13,8 @@ import uuid
 import pytest
 import redis as redis_lib
 
-from liverl.core.config import load_config
-from liverl.deployment import DeploymentError, bind, check_model, claim, claim_key, made_before_ids
+from core.config import load_config
+from liverl.stack.deployment import DeploymentError, bind, check_model, claim, claim_key, made_before_ids
 
 REDIS = "redis://127.0.0.1:6379/0"
 
@@ -44,7 +44,7 @@ def _registry_of(cfg, model_dir) -> None:
     """A state dir whose registry was made from ``model_dir`` (what `up` and the demo leave)."""
     import torch
 
-    from deploy.registry import open_registry
+    from deploy.registry.registry import open_registry
 
     reg = open_registry(cfg)
     try:
@@ -103,7 +103,7 @@ def test_up_with_another_model_in_the_demo_folder_says_what_to_do_and_starts_not
 
 
 def test_two_deployments_on_one_redis_and_fresh_leaves_the_other_ones_keys(tmp_path, prefix):
-    from liverl.up import Pipeline
+    from liverl.stack.up import Pipeline
 
     r = redis_lib.Redis.from_url(REDIS)
     try:
@@ -158,7 +158,7 @@ def test_unclaimed_keys_are_refused_from_a_new_state_dir_and_adopted_by_the_stat
 
 def _recorded(cfg, model):
     """A state dir as `up` leaves it: its registry, and its deployment recorded in it."""
-    from liverl.deployment import identity, record
+    from liverl.stack.deployment import identity, record
 
     _registry_of(cfg, model)
     me = identity(cfg)
@@ -170,7 +170,7 @@ def test_a_standalone_process_checks_its_registrys_deployment_against_the_redis_
     """A pipeline process on another machine shares only the registry and Redis with the rest: it reads the
     deployment from the registry and refuses a prefix another deployment claims (before: no check at all outside
     `up`, so a second deployment's `liverl gate` read and wrote the first one's rollout plan and desired version)."""
-    from liverl.deployment import check_process, record, registry_deployment
+    from liverl.stack.deployment import check_process, record, registry_deployment
 
     r = redis_lib.Redis.from_url(REDIS)
     try:

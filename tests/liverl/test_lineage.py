@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from deploy.blobstore import LocalBlobStore
-from deploy.registry import Registry
+from deploy.registry.blobstore import LocalBlobStore
+from deploy.registry.registry import Registry
 from learner.ledger import Ledger
 from liverl.cli import main
-from liverl.lineage import latency_summary, trace
+from liverl.ops.lineage import latency_summary, trace
 from tests.deploy.conftest import perturb, tiny_model
 
 T0 = time.time() - 100.0  # feedback times, set in the ledger; the registry's own times are when the test runs
@@ -216,8 +216,8 @@ def test_the_real_learner_records_what_lineage_needs(cfg, tmp_path):
 def test_the_demo_summary_reports_feedback_to_served(cfg, tmp_path, capsys):
     """The summary's figures come from the deployment's own ledger and registry, as a demo leaves them."""
     from learner.ledger import checkpoint_path_for, ledger_path
-    from liverl.admin import open_registry
     from liverl.demo.report import feedback_to_served, print_summary
+    from liverl.ops.admin import open_registry
 
     started = time.time()
     ledger = Ledger(ledger_path(checkpoint_path_for(cfg)), max_bytes=1 << 20)

@@ -1,4 +1,4 @@
-"""``liverl.objstore``, the folder the embedded broker keeps its log in, through a real S3 client (boto3): what Tansu's
+"""``liverl.stack.objstore``, the folder the embedded broker keeps its log in, through a real S3 client (boto3): what Tansu's
 object-store engine relies on: whole and ranged reads, conditional writes, listings that page, deletes, and the
 objects still there after the server restarts (a kill -9 included)."""
 
@@ -10,8 +10,8 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError
 
-from liverl.core import procs
-from liverl.stack import BROKER_BUCKET, start_object_store
+from core import procs
+from liverl.stack.stack import BROKER_BUCKET, start_object_store
 
 
 def _client(port: int):
@@ -105,7 +105,7 @@ def test_the_sweep_deletes_expired_batches_from_the_oldest_on_and_keeps_each_par
     import json
     import os
 
-    from liverl.objstore import Folder, sweep
+    from liverl.stack.objstore import Folder, sweep
 
     folder = Folder(tmp_path / "broker", fsync=False)
     folder.make_bucket(BROKER_BUCKET)
@@ -155,8 +155,8 @@ def test_the_embedded_broker_deletes_records_past_the_topics_retention_and_serve
     import os
     import time
 
-    from liverl.core.bus import ensure_topics, make_consumer, make_producer
-    from liverl.stack import broker_env, start_broker
+    from core.bus import ensure_topics, make_consumer, make_producer
+    from liverl.stack.stack import broker_env, start_broker
     from tests.conftest import free_port
 
     logs, port = tmp_path / "logs", free_port()

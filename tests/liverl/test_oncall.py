@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from liverl.oncall import start_in_thread
+from liverl.ops.oncall import start_in_thread
 from tests.liverl.test_admin import fleet  # noqa: F401 - the fixture: v0, v1 promoted, v2 rejected, node-0 on v1
 
 
@@ -76,7 +76,7 @@ def test_the_page_shows_release_fleet_acceptance_checks_and_audit(cfg, rds, flee
         assert "nodes disagree with the stable version" in text and "rollout: none in progress" in text
 
         # a canary in progress: the registry's rollout, its evidence over time
-        from deploy.registry import open_registry
+        from deploy.registry.registry import open_registry
         from tests.deploy.conftest import perturb, tiny_model
 
         reg = open_registry(cfg)

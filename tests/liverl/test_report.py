@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from liverl.admin import open_registry
 from liverl.demo.report import print_summary, version_evidence
+from liverl.ops.admin import open_registry
 from tests.deploy.conftest import perturb, tiny_model
 
 
@@ -112,7 +112,7 @@ def test_the_plot_marks_promotions_and_aborted_canaries(cfg, tmp_path):
 
 def test_the_demo_profile_fills_in_only_what_config_did_not_set():
     """`liverl demo` runs two nodes with demo-sized canaries, unless the file, environment or a flag said otherwise."""
-    from liverl.core.config import load_config
+    from core.config import load_config
     from liverl.demo.run import apply_demo_profile
 
     cfg = load_config(None, env={"LIVERL__SERVING__NODES": "1", "LIVERL__GATE__CANARY_SHARE": "0.3"})
@@ -141,7 +141,7 @@ def test_the_demo_profile_fills_in_only_what_config_did_not_set():
 def test_a_short_demo_still_trains_for_half_its_run():
     """A 120-s demo with the 120-s final window held the learner from its first second: no version at all (found
     running ``scripts/demo.sh --duration 120`` on a fresh clone). The window is now at most half the run."""
-    from liverl.core.config import DemoConfig
+    from core.config import DemoConfig
     from liverl.demo.run import final_window
 
     assert final_window(DemoConfig(duration_s=120, final_window_s=120)) == 60

@@ -9,8 +9,8 @@ import signal
 import pytest
 import redis
 
-from liverl.core import procs
-from liverl.stack import start_redis
+from core import procs
+from liverl.stack.stack import start_redis
 from tests.conftest import free_port
 
 
@@ -45,7 +45,7 @@ def test_free_ports_come_from_outside_the_outgoing_connections_range():
     import socket
     from pathlib import Path
 
-    from liverl.core.services import free_port
+    from core.services import free_port
 
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     ports = {free_port() for _ in range(50)}
@@ -56,7 +56,7 @@ def test_free_ports_come_from_outside_the_outgoing_connections_range():
 
 
 def _produce(bootstrap: str, topic: str, n: int) -> None:
-    from liverl.core.bus import make_producer
+    from core.bus import make_producer
 
     p = make_producer(bootstrap)
     for i in range(n):
@@ -70,7 +70,7 @@ def _read(bootstrap: str, topic: str, group: str, want: int | None, timeout_s: f
     import json
     import time
 
-    from liverl.core.bus import make_consumer
+    from core.bus import make_consumer
 
     c = make_consumer(bootstrap, group, [topic])
     got: list[int] = []
@@ -92,9 +92,9 @@ def test_embedded_broker_keeps_unconsumed_records_and_committed_offsets_across_a
     consumed (and the consumer groups' offsets). Now: 300 records, 120 consumed and committed, the stack stopped (or
     its broker killed -9), the stack started again on the same state dir: the group reads exactly the other 180, and
     the topic still holds all 300."""
-    from liverl.core.bus import ensure_topics
-    from liverl.core.config import load_config
-    from liverl.stack import start_stack
+    from core.bus import ensure_topics
+    from core.config import load_config
+    from liverl.stack.stack import start_stack
 
     cfg = load_config(
         env={},
@@ -129,9 +129,9 @@ def test_embedded_broker_keeps_unconsumed_records_and_committed_offsets_across_a
 def test_memory_storage_loses_the_records_at_a_restart(tmp_path):
     """The control for the test above: with ``broker.embedded_storage = "memory"`` (the old default) the same
     restart finds nothing, so that test fails without the durable storage."""
-    from liverl.core.bus import ensure_topics
-    from liverl.core.config import load_config
-    from liverl.stack import start_stack
+    from core.bus import ensure_topics
+    from core.config import load_config
+    from liverl.stack.stack import start_stack
 
     cfg = load_config(
         env={},

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.signing import generate_keypair
-from liverl.core.config import load_config
-from liverl.stack import Stack
-from liverl.supervisor import SECTIONS, child_env, ensure_keys
+from core.config import load_config
+from deploy.registry.signing import generate_keypair
+from liverl.stack.stack import Stack
+from liverl.stack.supervisor import SECTIONS, child_env, ensure_keys
 
 
 def _stack(tmp_path) -> Stack:  # the addresses a started stack reports (no process is started here)
@@ -63,8 +63,8 @@ def _exiting_supervisor(tmp_path, clock, **kw):
     """A supervisor of one real child that exits with code 3 at once (``python -c``), on a clock the test moves."""
     import sys
 
-    from liverl.core import procs
-    from liverl.supervisor import Child, Supervisor
+    from core import procs
+    from liverl.stack.supervisor import Child, Supervisor
 
     def spawn(role, env, log_dir):
         log = log_dir / f"{role}.log"
@@ -137,7 +137,7 @@ def test_the_budget_counts_exits_in_the_window_only(tmp_path):
 
 
 def test_supervisor_settings_come_from_the_config(tmp_path):
-    from liverl.supervisor import Supervisor
+    from liverl.stack.supervisor import Supervisor
 
     cfg = load_config(
         env={"LIVERL__SUPERVISOR__RESTARTS": "9", "LIVERL__SUPERVISOR__RESTART_WINDOW_S": "60"},
@@ -152,8 +152,8 @@ def test_supervisor_settings_come_from_the_config(tmp_path):
 _ORPHAN_SCRIPT = r"""
 import json, os, signal, subprocess, sys, time
 from pathlib import Path
-from liverl.core import procs
-from liverl.up import Pipeline
+from core import procs
+from liverl.stack.up import Pipeline
 
 log = Path(sys.argv[1])
 procs.become_subreaper()
@@ -212,7 +212,7 @@ def test_a_supervised_child_is_stopped_when_the_supervisor_is_killed_9(tmp_path)
     import psutil
 
     script = (
-        "import sys, time; from liverl.core import procs; "
+        "import sys, time; from core import procs; "
         "c = procs.spawn([sys.executable, '-c', 'import time; time.sleep(600)'], sys.argv[1]); "
         "print(c.pid, flush=True); time.sleep(600)"
     )

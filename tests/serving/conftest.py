@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from liverl.core.config import load_config
-from liverl.core.schemas import GenerationRecord
+from core.config import load_config
+from core.schemas import GenerationRecord
 from tests.conftest import free_port
 
 
@@ -21,10 +21,10 @@ def srv(stack, tmp_path_factory):
     """One node + gateway + agent for the package, with a registry whose version 0 is the base policy."""
     import redis
 
-    from deploy.blobstore import LocalBlobStore
-    from deploy.registry import Registry
-    from deploy.signing import Signer, generate_keypair
-    from liverl.core.credentials import ensure_secrets
+    from core.credentials import ensure_secrets
+    from deploy.registry.blobstore import LocalBlobStore
+    from deploy.registry.registry import Registry
+    from deploy.registry.signing import Signer, generate_keypair
     from liverl.demo.base_policy import ensure_base_policy, load_state_dict
     from tests.serving.harness import ServingThread
 

@@ -7,10 +7,10 @@ import logging
 import os
 import threading
 
-from liverl.core.config import LiverlConfig
-from serving.agent import Agent
-from serving.gateway import Gateway
-from serving.main import serve
+from core.config import LiverlConfig
+from serving.agent.agent import Agent
+from serving.agent.main import serve
+from serving.node.gateway import Gateway
 
 log = logging.getLogger("tests.serving")
 

@@ -7,11 +7,11 @@ import json
 
 from aiohttp import web
 
-from deploy.signing import Signer, announce, generate_keypair
-from liverl.core import keys
-from liverl.core.config import LiverlConfig
-from liverl.core.credentials import ensure_secrets
-from liverl.core.schemas import RolloutTerms
+from core import keys
+from core.config import LiverlConfig
+from core.credentials import ensure_secrets
+from core.schemas import RolloutTerms
+from deploy.registry.signing import Signer, announce, generate_keypair
 
 
 def gateway(name: str, seen: list | None = None) -> web.Application:

@@ -11,9 +11,9 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from deploy.registry import open_registry
-from deploy.signing import Signer, announce, generate_keypair
-from liverl.core.schemas import RolloutTerms, VersionAnnouncement
+from core.schemas import RolloutTerms, VersionAnnouncement
+from deploy.registry.registry import open_registry
+from deploy.registry.signing import Signer, announce, generate_keypair
 from tests.deploy.conftest import perturb, tiny_model
 
 
@@ -31,7 +31,7 @@ def signer(cfg):
 
 def desired_of(cfg, fn):
     """``fn(agent)`` on a fresh agent (an async Redis client of its own) and its result."""
-    from serving.agent import Agent
+    from serving.agent.agent import Agent
 
     async def run():
         r = aioredis.Redis.from_url(cfg.redis.url)
@@ -104,7 +104,7 @@ def test_a_replayed_older_announcement_is_refused_after_a_newer_one(cfg, rds, si
 def test_the_canary_serves_only_the_nodes_its_signed_terms_name(cfg, rds, signer):
     """A canary announcement not naming this node is ignored; a forged one naming it leaves the node on desired; the
     unsigned <p>:rollout plan moves nothing."""
-    from liverl.core import keys
+    from core import keys
 
     p = cfg.topics.prefix
     announce(rds, p, 1, "aa" * 32, "stable", signer)
@@ -134,7 +134,7 @@ def test_the_canary_serves_only_the_nodes_its_signed_terms_name(cfg, rds, signer
 def test_the_registry_must_confirm_the_status_the_channel_needs(cfg, signer):
     """Finding N2: the agent accepted registry status 'canary' on any channel, so a canary version announced (even
     validly) as desired was served fleet-wide."""
-    from serving.agent import Agent
+    from serving.agent.agent import Agent
 
     registry = open_registry(cfg)
     try:
@@ -170,8 +170,8 @@ def test_the_registry_must_confirm_the_status_the_channel_needs(cfg, signer):
 
 def test_serve_refuses_to_start_without_a_verify_key(cfg):
     """Finding N4: without a key the agent followed any announcement, signed or not, and said nothing."""
-    from serving.agent import Agent
-    from serving.main import serve
+    from serving.agent.agent import Agent
+    from serving.agent.main import serve
 
     async def start():
         await serve(cfg, "/nonexistent/model", "127.0.0.1:1", cfg.redis.url, None, asyncio.Event())
@@ -191,7 +191,7 @@ def test_serve_refuses_to_start_without_a_verify_key(cfg):
 
 
 def test_the_gate_refuses_to_announce_unsigned_unless_allowed(cfg):
-    from liverl.core.services import required_signing_key
+    from core.services import required_signing_key
 
     with pytest.raises(ValueError, match="security.signing_key.*security.allow_unsigned = true"):
         required_signing_key(cfg)

@@ -13,9 +13,9 @@ import uuid
 import pytest
 from kafka.partitioner.default import murmur2
 
-from liverl.core.bus import all_topics, ensure_topics
-from liverl.core.credentials import PRODUCT_KEY_HEADER, load_feedback_keys
-from liverl.core.schemas import FeedbackEvent
+from core.bus import all_topics, ensure_topics
+from core.credentials import PRODUCT_KEY_HEADER, load_feedback_keys
+from core.schemas import FeedbackEvent
 from tests.ingest.conftest import TopicTail
 
 

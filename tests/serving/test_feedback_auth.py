@@ -16,14 +16,14 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from liverl.core.credentials import (
+from core.credentials import (
     PRODUCT_KEY_HEADER,
     ensure_secrets,
     load_assignment_key,
     load_feedback_keys,
 )
-from serving.gateway import Gateway
-from serving.router import Router
+from serving.node.gateway import Gateway
+from serving.router.router import Router
 from tests.conftest import free_port
 from tests.ingest.conftest import TopicTail
 from tests.serving.routing import beat, front_door, start

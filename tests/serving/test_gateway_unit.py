@@ -11,11 +11,11 @@ import sys
 import pytest
 import torch
 
-from deploy.delta import checksum, encode_delta
-from liverl.core.schemas import SamplingParams
-from serving.agent import chain_ends
-from serving.node import NodeError, NodeHandle, _wait_ready, node_command
-from serving.openai_api import (
+from core.schemas import SamplingParams
+from deploy.registry.delta import checksum, encode_delta
+from serving.agent.agent import chain_ends
+from serving.agent.launch import NodeError, NodeHandle, _wait_ready, node_command
+from serving.node.openai_api import (
     BadRequest,
     ChatCompletionRequest,
     CompletionRequest,
@@ -164,7 +164,7 @@ def test_stream_chunks_fold_into_records_and_the_client_sees_only_what_it_asked_
 
 
 class _SpanNode:
-    """Answers ``spans`` as the node's ``serving.node_versions`` route would, for a request of 2 prompts x n=2."""
+    """Answers ``spans`` as the node's ``serving.node.versions`` route would, for a request of 2 prompts x n=2."""
 
     def __init__(self, reply):
         self.reply, self.asked = reply, []
@@ -179,7 +179,7 @@ class _SpanNode:
 def test_a_request_is_checked_for_spans_only_when_a_swap_overlapped_it_and_choices_map_to_their_index():
     import types
 
-    from serving.gateway import _SwapWatch
+    from serving.node.gateway import _SwapWatch
 
     gw = types.SimpleNamespace(swap_epoch=3, swapping=False, node=None)
     watch = _SwapWatch(gw)
@@ -204,7 +204,7 @@ def test_a_request_is_checked_for_spans_only_when_a_swap_overlapped_it_and_choic
 
 
 def test_version_spans_must_tile_the_completion_and_mark_mixed_generations():
-    from liverl.core.schemas import GenerationRecord, WireError
+    from core.schemas import GenerationRecord, WireError
 
     base = dict(
         generation_id="g",
@@ -238,7 +238,7 @@ def _states(n: int) -> list[dict[str, torch.Tensor]]:
 
 
 def test_chain_ends_follows_direction_and_refuses_gaps():
-    from deploy.delta import DeltaError
+    from deploy.registry.delta import DeltaError
 
     s0, s1, s2 = _states(3)
     c0, c1, c2 = map(checksum, (s0, s1, s2))
@@ -279,21 +279,21 @@ def test_node_death_is_reported_with_log_tail(tmp_path):
 def test_node_command_exposes_what_the_swap_needs(tmp_path):
     cmd = " ".join(node_command(tmp_path, "127.0.0.1", 8100, "cpu", 64, 32, 1 << 28))
     for flag in (
-        "--worker-extension-cls serving.worker_ext.LiverlWorkerExtension",
+        "--worker-extension-cls serving.node.worker.extension.LiverlWorkerExtension",
         "--enforce-eager",
-        "--middleware serving.node_auth.NodeKeyMiddleware",
+        "--middleware serving.node.auth.NodeKeyMiddleware",
         "--logprobs-mode processed_logprobs",
         "--generation-config vllm",
         "--max-model-len 32",
     ):
         assert flag in cmd
     # the swap and span routes sit inside the key check: Starlette makes the LAST middleware added the outermost
-    assert cmd.index("serving.node_swap.SwapMiddleware") < cmd.index("serving.node_auth.NodeKeyMiddleware")
-    assert cmd.index("serving.node_versions.VersionSpansMiddleware") < cmd.index("serving.node_auth.NodeKeyMiddleware")
+    assert cmd.index("serving.node.swap.SwapMiddleware") < cmd.index("serving.node.auth.NodeKeyMiddleware")
+    assert cmd.index("serving.node.versions.VersionSpansMiddleware") < cmd.index("serving.node.auth.NodeKeyMiddleware")
 
 
 def test_the_swap_route_refuses_a_malformed_body_with_what_it_needs():
-    from serving.node_swap import SwapBodyError, parse_body
+    from serving.node.swap import SwapBodyError, parse_body
 
     ok = b'{"deltas": [["/d/a.delta", "c1"], ["/d/b.delta", "c2"]], "from": [3, "c0"], "to": [5, "c2"]}'
     assert parse_body(ok) == ([("/d/a.delta", "c1"), ("/d/b.delta", "c2")], (3, "c0"), (5, "c2"))
@@ -312,7 +312,7 @@ def test_the_node_key_middleware_refuses_every_route_but_health_without_the_key(
     """The ASGI middleware vLLM loads (finding 6), on its own: which requests reach the app."""
     import asyncio
 
-    from serving.node_auth import ENV_KEY, NodeKeyMiddleware
+    from serving.node.auth import ENV_KEY, NodeKeyMiddleware
 
     monkeypatch.delenv(ENV_KEY, raising=False)
     with pytest.raises(RuntimeError, match=ENV_KEY):

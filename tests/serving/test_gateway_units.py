@@ -13,10 +13,10 @@ import uuid
 import aiohttp
 from aiohttp import web
 
-from liverl.core import fleet
-from liverl.core.config import load_config
-from serving.gateway import Gateway
-from serving.node import NodeClient
+from core import fleet
+from core.config import load_config
+from serving.node.client import NodeClient
+from serving.node.gateway import Gateway
 from tests.conftest import free_port
 from tests.serving.conftest import records
 

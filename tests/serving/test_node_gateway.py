@@ -1,4 +1,4 @@
-"""The gateway runs inside the vLLM node's API-server process (``serving.node_gateway``, issue #21): the product's
+"""The gateway runs inside the vLLM node's API-server process (``serving.node.gateway_host``, issue #21): the product's
 port is a socket of the node's process, the serving process holds none, the agent's reports reach the gateway only
 with the node key, and what they may touch is bounded."""
 
@@ -11,7 +11,7 @@ import urllib.request
 import psutil
 import pytest
 
-from serving.node_gateway import CONTROL_PATH, GatewayLink, apply_ops
+from serving.node.gateway_host import CONTROL_PATH, GatewayLink, apply_ops
 
 
 def _listeners(pid: int) -> set[int]:
@@ -142,8 +142,8 @@ def test_in_process_calls_time_out_like_the_http_client_and_a_left_stream_tells_
     not a hang; leaving a stream early makes the app's ``receive`` say ``http.disconnect`` (vLLM then aborts)."""
     import asyncio
 
-    from serving.node_gateway import InProcessNode
-    from serving.node_http import NodeUnreachable
+    from serving.node.gateway_host import InProcessNode
+    from serving.node.rawhttp import NodeUnreachable
 
     seen: list[str] = []
 

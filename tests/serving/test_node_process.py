@@ -14,7 +14,7 @@ import sys
 import textwrap
 import time
 
-from serving.node import _pgid, _running, kill_stale_node
+from serving.agent.launch import _pgid, _running, kill_stale_node
 
 
 def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
@@ -29,7 +29,7 @@ def _wait_gone(pid: int, timeout_s: float = 10.0) -> bool:
 def test_the_node_dies_with_its_serving_process_even_on_kill_9(tmp_path):
     parent_code = textwrap.dedent("""
         import subprocess, sys, time
-        from serving.node import _die_with_parent
+        from serving.agent.launch import _die_with_parent
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True,
                                  preexec_fn=_die_with_parent)
         print(child.pid, flush=True)

@@ -1,4 +1,4 @@
-"""The gateway's producer (``serving/producer.py``) on the real broker: review finding 13, "the gateway hands out ids
+"""The gateway's producer (``serving/node/producer.py``) on the real broker: review finding 13, "the gateway hands out ids
 for records never logged". The gateway answers a client only after ``wait`` says the broker has the generation
 record (``serving.log_wait_s``, bounded): an acknowledged record is in the topic at that moment, and a wait that
 cannot be met returns after its bound, counted, instead of holding the client."""
@@ -10,8 +10,8 @@ import time
 
 from kafka import KafkaConsumer, TopicPartition
 
-from liverl.core.bus import all_topics, ensure_topics
-from serving.producer import AsyncProducer
+from core.bus import all_topics, ensure_topics
+from serving.node.producer import AsyncProducer
 
 
 def _keys(bootstrap: str, topic: str, partitions: int, want: int) -> set[str]:

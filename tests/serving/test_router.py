@@ -15,10 +15,10 @@ import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
-from liverl.core import fleet, keys
-from liverl.core.credentials import load_assignment_key
-from liverl.core.fleet import Node, user_key
-from serving.router import Router, rank
+from core import fleet, keys
+from core.credentials import load_assignment_key
+from core.fleet import Node, user_key
+from serving.router.router import Router, rank
 from tests.conftest import free_port
 from tests.serving.routing import announce_rollout, beat, front_door, gateway, start, until
 

@@ -14,8 +14,8 @@ import urllib.request
 import pytest
 import torch
 
-from deploy.signing import announce
-from liverl.core.schemas import RolloutTerms
+from core.schemas import RolloutTerms
+from deploy.registry.signing import announce
 from tests.serving.conftest import records as _records
 
 pytestmark = pytest.mark.slow
@@ -181,7 +181,7 @@ def test_bad_requests_get_400_with_a_clear_message(srv):
 
 def test_hot_swap_under_load_is_exact(srv):
     """Swap while 12 clients generate: nothing fails, versions are exact, the served weights are the target's."""
-    from deploy.delta import checksum
+    from deploy.registry.delta import checksum
 
     old = _served(srv)
     old_state = srv.registry.materialize(old["version"])
@@ -269,7 +269,7 @@ def test_hot_swap_under_load_is_exact(srv):
 
 def test_rollback_and_on_the_fly_delta(srv):
     """Back to the parent with the current version's own delta inverted, then forward with an encoded delta."""
-    from deploy.delta import checksum
+    from deploy.registry.delta import checksum
 
     cur = _served(srv)
     state = srv.registry.materialize(cur["version"])
@@ -340,7 +340,7 @@ def test_a_canary_node_serves_the_canary_and_returns_to_stable_when_the_rollout_
     """The signed canary announcement's terms name this node: its agent serves <p>:canary (a version the registry has
     on canary) instead of <p>:desired; when the canary goes (an abort) it swaps back to the stable version by the
     inverse delta. The unsigned <p>:rollout plan moves nothing."""
-    from liverl.core import keys
+    from core import keys
 
     cur = _served(srv)
     p = srv.cfg.topics.prefix
@@ -397,8 +397,8 @@ def test_a_canary_node_serves_the_canary_and_returns_to_stable_when_the_rollout_
 
 
 def test_corrupt_and_wrong_base_deltas_are_refused(srv):
-    from deploy.delta import checksum, encode_delta
-    from serving.agent import SwapError
+    from deploy.registry.delta import checksum, encode_delta
+    from serving.agent.agent import SwapError
 
     cur = _served(srv)
     before = _node_checksum(srv)["checksum"]
@@ -423,7 +423,7 @@ def test_corrupt_and_wrong_base_deltas_are_refused(srv):
     assert last["restored"] and last["to"] == 999
 
     # the worker refuses a bad delta on its own too (nothing changes before verification)
-    from serving.node import delta_dir
+    from serving.agent.launch import delta_dir
 
     bad_file = delta_dir(srv.cfg) / "wrong-base.delta"
     bad_file.write_bytes(wrong_base)
@@ -455,7 +455,7 @@ def test_corrupt_and_wrong_base_deltas_are_refused(srv):
 def test_the_node_answers_only_its_serving_process(srv):
     """Finding 6: every route of the vLLM node but /health needs the key the serving process generated, the dev and
     RL routes (pause, collective_rpc) included, which vLLM's --api-key leaves open."""
-    from serving.node import read_node_key
+    from serving.agent.launch import read_node_key
 
     assert read_node_key(srv.cfg) == srv.node_key and len(srv.node_key) >= 32
     key_file = srv.cfg.state_path / "serving" / f"vllm-{srv.cfg.serving.vllm_port}.key"
@@ -484,11 +484,11 @@ def test_the_node_answers_only_its_serving_process(srv):
 
 
 def test_a_swap_that_fails_inside_the_pause_puts_the_old_weights_back_and_resumes(srv):
-    """The node's own swap route (serving.node_swap), driven directly: the delta is valid and is written inside the
+    """The node's own swap route (serving.node.swap), driven directly: the delta is valid and is written inside the
     pause, but it leads to a version other than the one asked for, so the route must undo the write, check the old
     checksum, and resume; the node keeps serving the old weights."""
-    from deploy.delta import checksum, encode_delta
-    from serving.node import delta_dir
+    from deploy.registry.delta import checksum, encode_delta
+    from serving.agent.launch import delta_dir
 
     cur = _served(srv)
     state = srv.registry.materialize(cur["version"])
@@ -535,9 +535,9 @@ def test_a_crafted_delta_is_refused_before_any_write_and_an_out_of_band_change_i
     """Finding 24: a delta whose header claims the expected checksum but decodes to other weights is refused before
     the write (the worker hashes what the weights would be); weights changed behind the agent's back are found by
     the agent's periodic read-back, which takes the node out of service."""
-    from deploy.container import open_container, pack_container
-    from deploy.delta import DELTA_MAGIC, checksum, encode_delta
-    from serving.node import delta_dir
+    from deploy.registry.container import open_container, pack_container
+    from deploy.registry.delta import DELTA_MAGIC, checksum, encode_delta
+    from serving.agent.launch import delta_dir
 
     cur = _served(srv)
     state = srv.registry.materialize(cur["version"])

@@ -1,0 +1,356 @@
+"""The wire contract: every message that crosses a process boundary in liverl.
+
+Every stage imports these models; a change here is a change to a public API. Messages travel as
+UTF-8 JSON (one object per Kafka record), keyed by ``generation_id`` on every topic that takes
+part in the feedback/generation join, so that the join is co-partitioned. Non-Python producers use
+the JSON Schemas that ``liverl schema`` prints (generated from these models).
+
+Versioning: every message carries ``schema_version``. A consumer accepts the versions it knows
+and dead-letters the rest with reason ``unsupported_schema_version``; additive, optional fields do
+not bump the version.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+SCHEMA_VERSION = 1
+
+FeedbackKind = Literal["accept", "reject", "edit", "revert"]
+"""accept, reject, edit judge a generation (its first judgement trains); revert is a follow-up on an accepted one (the
+user undid or rewrote it later): counted per version as the gate's kept rate, and, when the accept trained, trained
+again as a correction (sample id ``<generation>:revert``, reward ``ingest.rewards.revert``)."""
+
+_Id = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+_Unit = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:\-]+$")]  # (no '|', no '*')
+# Unix seconds in 2000..2100: no NaN, no infinities, nothing a clock could not have said.
+_Time = Annotated[float, Field(allow_inf_nan=False, ge=946_684_800.0, le=4_102_444_800.0)]
+_Finite = Annotated[float, Field(allow_inf_nan=False)]
+_TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+_Version = Annotated[int, Field(ge=0, lt=2**63)]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("schema_version", mode="before", check_fields=False)
+    @classmethod
+    def _exact_version(cls, v):
+        # pydantic's Literal[1] takes true and 1.0 too (strict mode included): the version is the integer 1, nothing else
+        if type(v) is not int or v != SCHEMA_VERSION:
+            raise ValueError(f"schema_version must be the integer {SCHEMA_VERSION}")
+        return v
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes | str):
+        """Parse one wire message; raises ``WireError`` with a machine-readable reason.
+
+        Only UTF-8 without a byte order mark is JSON here (RFC 8259): other encodings, nesting too deep for
+        the parser and integers too long to convert are ``malformed_json``, never an exception of another kind.
+
+        Fast path: pydantic's own JSON parser in strict mode (a third of the time of ``json.loads`` plus validation;
+        the ingest join parses every record). Whatever it refuses goes through the lax path below, which accepts what
+        it always did and names the reason; what strict mode accepts, the lax path would accept with the same value.
+        """
+        try:  # (the validator itself: what model_validate_json calls, without its Python frame)
+            return cls.__pydantic_validator__.validate_json(raw, strict=True)
+        except (ValidationError, ValueError, RecursionError):
+            pass
+        try:
+            text = raw.decode("utf-8") if isinstance(raw, (bytes, bytearray)) else raw
+            if text.startswith("\ufeff"):
+                raise WireError("malformed_json", "a byte order mark before the JSON (send UTF-8 without one)")
+            data = json.loads(text)
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+            if isinstance(e, WireError):
+                raise
+            raise WireError("malformed_json", f"{type(e).__name__}: {str(e)[:200]}") from None
+        if not isinstance(data, dict):
+            raise WireError("not_an_object", f"expected a JSON object, got {type(data).__name__}")
+        version = data.get("schema_version", SCHEMA_VERSION)
+        if type(version) is not int or version != SCHEMA_VERSION:  # strict: true and 1.0 are not 1
+            shown = repr(version) if isinstance(version, (int, float, bool)) else type(version).__name__
+            raise WireError(
+                "unsupported_schema_version", f"schema_version {shown[:40]} (this build reads {SCHEMA_VERSION})"
+            )
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "<root>"
+            raise WireError("invalid_field", f"{where[:200]}: {first['msg'][:300]}") from None
+
+
+class WireError(ValueError):
+    """A message that does not match the wire contract. ``reason`` is a short, countable code."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class FeedbackEvent(_Wire):
+    """A user's judgement of one generation, published by the product backend (SDK or any Kafka client).
+
+    Topic ``<prefix>.feedback``, key = ``generation_id``.
+    """
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    feedback_id: _Id = Field(description="Idempotency key: the same feedback_id is counted and trained on once.")
+    generation_id: _Id = Field(description="The id the gateway returned with the generation being judged.")
+    kind: FeedbackKind = Field(
+        description="accept | reject | edit, or revert: a later follow-up on an accepted "
+        "generation (the user undid it); its own feedback_id, the same generation_id"
+    )
+    edited_text: str | None = Field(
+        default=None, max_length=65536, description="The user's corrected completion; required when kind is edit."
+    )
+    segment: str | None = Field(
+        default=None, max_length=64, description="Optional coarse user segment (never a user id)."
+    )
+    ts: _Time = Field(default_factory=time.time, description="Unix seconds when the user gave the feedback.")
+
+    @model_validator(mode="after")
+    def _edit_needs_text(self):
+        if self.kind == "edit" and self.edited_text is None:
+            raise ValueError("kind 'edit' needs edited_text")
+        if self.kind != "edit" and self.edited_text is not None:
+            raise ValueError(f"edited_text is only allowed with kind 'edit', not {self.kind!r}")
+        return self
+
+
+class SamplingParams(_Wire):
+    """The decoding a generation used: which distribution the behaviour log-probs belong to.
+
+    Additive fields default to vLLM's neutral values, so older records still parse.
+    """
+
+    temperature: _Finite
+    top_p: _Finite = 1.0
+    top_k: int = Field(default=-1, description="-1 (or 0): no top-k truncation.")
+    min_p: _Finite = 0.0
+    presence_penalty: _Finite = 0.0
+    frequency_penalty: _Finite = 0.0
+    repetition_penalty: _Finite = 1.0
+    seed: int | None = None
+    max_tokens: int
+
+
+class GenerationRecord(_Wire):
+    """What the serving tier logs for every generation it returns.
+
+    Topic ``<prefix>.generations``, key = ``generation_id``.
+    """
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    generation_id: _Id
+    policy_version: _Version = Field(description="The registry version whose weights produced every token.")
+    node: str = Field(description="Which serving node produced it.")
+    prompt: str
+    completion: str
+    prompt_token_ids: list[_TokenId]
+    completion_token_ids: list[_TokenId]
+    completion_logprobs: list[_Finite] = Field(
+        description="Sampling log-prob of each completion token (behaviour policy)."
+    )
+    sampling: SamplingParams
+    finish_reason: str | None = None
+    trainable: bool = Field(
+        default=True,
+        description="False when the learner cannot treat this generation as a sample of the policy "
+        "(greedy decoding, for one); it is served and logged, but never trained on.",
+    )
+    untrainable_reason: str | None = Field(default=None, max_length=64, description="Why not trainable, e.g. greedy.")
+    latency_s: _Finite | None = Field(
+        default=None,
+        ge=0,
+        le=86400,
+        description="Seconds the version took to serve it: from the gateway admitting "
+        "the request (after any wait behind a hot-swap, a deployment's cost) to this completion being done (the "
+        "canary's latency guardrail). None: not timed.",
+    )
+    unit: _Unit | None = Field(
+        default=None,
+        description="Pseudonymous id of the user the generation was served to (the gateway's "
+        "core.fleet.unit_id of the request's user key: 16 hex digits; never a user id itself): ingest keeps "
+        "per-user sums by it, so the canary's test takes the user as its unit. None: no user key.",
+    )
+    version_spans: list[tuple[_Version, int, int]] | None = Field(
+        default=None,
+        description="Set when a hot-swap happened while this generation was in flight: (version, start, "
+        "end) for each run of completion tokens [start, end) one version sampled, in order, as vLLM recorded them "
+        "(policy_version is then the first span's). An empty list: the spans could not be read, so no version may "
+        "claim it. None: policy_version sampled every token. See mixed_versions.",
+    )
+    ts: _Time = Field(default_factory=time.time)
+
+    @property
+    def mixed_versions(self) -> bool:
+        """True unless one version sampled every token: such a generation must not count for any one version (live
+        counters, a canary's arms); its per-token behaviour log-probs stay exact for the learner."""
+        return self.version_spans is not None and len({v for v, _, _ in self.version_spans}) != 1
+
+    @model_validator(mode="after")
+    def _aligned(self):
+        if len(self.completion_logprobs) != len(self.completion_token_ids):
+            raise ValueError(
+                f"{len(self.completion_logprobs)} logprobs for {len(self.completion_token_ids)} completion tokens"
+            )
+        if self.version_spans:
+            ends = [0] + [e for _, _, e in self.version_spans]
+            if (
+                [s for _, s, _ in self.version_spans] != ends[:-1]
+                or ends[-1] != len(self.completion_token_ids)
+                or any(s >= e for _, s, e in self.version_spans)
+            ):
+                raise ValueError(
+                    f"version_spans {self.version_spans} do not tile the "
+                    f"{len(self.completion_token_ids)} completion tokens"
+                )
+        return self
+
+
+class TrainingSample(_Wire):
+    """One generation joined with its (first) feedback and shaped into a reward.
+
+    Topic ``<prefix>.samples``, key = ``generation_id``. ``sample_id`` equals the generation id: a
+    generation is trained on at most once, whatever the number of feedback events about it.
+    """
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    sample_id: _Id
+    generation_id: _Id
+    feedback_id: _Id
+    policy_version: _Version
+    kind: FeedbackKind
+    reward: _Finite
+    segment: str | None = None
+    prompt_token_ids: list[_TokenId]
+    completion_token_ids: list[_TokenId]
+    behaviour_logprobs: list[_Finite]
+    sampling: SamplingParams | None = Field(default=None, description="The decoding that produced the completion.")
+    edited_text: str | None = None
+    ts_generation: _Time
+    ts_feedback: _Time
+
+
+class DeadLetter(_Wire):
+    """An input that was refused, with why. Topic ``<prefix>.dead-letters``, key = the input's key."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    reason: str = Field(description="Short countable code, e.g. malformed_json, unknown_generation.")
+    detail: str
+    source_topic: str
+    partition: int | None = None
+    offset: int | None = None
+    key: str | None = None
+    value: str = Field(
+        description="The refused value, decoded as UTF-8 with replacement characters "
+        "(cut to its first characters when value_truncated)."
+    )
+    value_truncated: bool = Field(default=False, description="value holds only the start of the refused value.")
+    value_size: int | None = Field(default=None, description="Size of the refused value in bytes.")
+    value_sha256: str | None = Field(default=None, description="sha256 of the refused value's bytes (hex).")
+    ts: float = Field(default_factory=time.time)
+
+
+AnnouncementChannel = Literal["desired", "canary"]
+"""``desired``: what every node serves (``<prefix>:desired``); ``canary``: what the nodes a rollout names serve
+(``<prefix>:canary``, with the rollout's terms)."""
+
+_NodeName = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class RolloutTerms(_Wire):
+    """A canary rollout's terms, signed inside its announcement (``VersionAnnouncement.rollout``): the agents and the
+    router act on these, never on the unsigned ``<prefix>:rollout`` plan (display only)."""
+
+    rollout_id: int = Field(ge=0, lt=2**63, description="The rollout's id (salts the users' buckets, core.fleet).")
+    share: float = Field(
+        gt=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="Share of users (or of requests) sent to "
+        "the canary nodes, in (0, 1] as the registry's rollout has it.",
+    )
+    nodes: list[_NodeName] = Field(
+        min_length=1,
+        max_length=1024,
+        description="The nodes that serve the canary, by name; every other node serves the desired version.",
+    )
+    unit: Literal["user", "request"] = Field(
+        description="What is assigned to an arm: each user for the whole rollout, "
+        "or each request afresh (gate.canary_unit)."
+    )
+
+
+class VersionAnnouncement(_Wire):
+    """The release gate's word on which version a fleet channel should serve (kept in Redis at
+    ``<prefix>:<channel>``). The signature covers every other field, so a signed announcement is bound to its channel,
+    its deployment (``prefix``), its expiry and, on the canary channel, to the rollout's terms; readers
+    (``core.fleet.check_announcement``) refuse one read from another key, another deployment's, an expired one,
+    and one older than the newest they accepted (a replay)."""
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    version: int = Field(ge=0)
+    checksum: str = Field(description="sha256 of the version's canonical weights (see deploy.registry.delta).")
+    reason: str = Field(default="", max_length=1024)
+    ts: float = Field(default_factory=time.time)
+    channel: AnnouncementChannel = Field(
+        default="desired", description="The channel it was announced on; valid only under <prefix>:<channel>."
+    )
+    prefix: str | None = Field(
+        default=None,
+        max_length=256,
+        description="The deployment's topics prefix (topics.prefix) it was announced "
+        "for. None (an announcement bound to no deployment) is refused by every reader.",
+    )
+    expires_at: _Time | None = Field(
+        default=None,
+        description="Unix seconds after which readers refuse it (security.announce_ttl_s after ts; the "
+        "gate re-announces before half of it is left). None is refused by every reader.",
+    )
+    rollout: RolloutTerms | None = Field(
+        default=None, description="The rollout's terms: required on the canary channel, absent on desired."
+    )
+    signature: str | None = Field(
+        default=None,
+        max_length=256,
+        description="Ed25519 signature (base64) by the release tier over every other "
+        "field; agents that hold the public key serve nothing unsigned (see deploy.registry.signing).",
+    )
+
+    @model_validator(mode="after")
+    def _terms_on_the_canary_channel(self):
+        if self.channel == "canary" and self.rollout is None:
+            raise ValueError("a canary announcement carries the rollout's terms (rollout)")
+        if self.channel == "desired" and self.rollout is not None:
+            raise ValueError("a desired announcement carries no rollout terms")
+        return self
+
+
+WIRE_MODELS: dict[str, type[_Wire]] = {
+    "feedback": FeedbackEvent,
+    "generation": GenerationRecord,
+    "sample": TrainingSample,
+    "dead_letter": DeadLetter,
+    "version": VersionAnnouncement,
+}
+
+
+def json_schemas() -> dict[str, Any]:
+    """JSON Schema of every wire message, for producers that are not written in Python."""
+    return {name: model.model_json_schema() for name, model in WIRE_MODELS.items()}

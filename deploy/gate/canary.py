@@ -1,0 +1,615 @@
+"""The canary: a candidate that passed the gate's offline checks is shown to a share of users before it is promoted.
+
+How a rollout runs (the gate drives it; ``liverl abort | pause | resume | promote --full`` step in through the
+registry):
+
+1. **Start.** A configured fleet of two or more nodes (``serving.nodes``) and ``gate.canary_share > 0``: the gate
+   opens a rollout in the registry (``Registry.begin_rollout``: the candidate becomes ``canary`` in the same
+   transaction), picks its canary nodes among the routable ones (``fleet.canary_nodes``: they rotate from one rollout
+   to the next, and one node at least stays stable) and announces it on ``<p>:canary``, signed with the rollout's terms
+   (id, share, nodes, unit). The canary nodes' agents swap to it; the router sends a user to them when the user's
+   keyed bucket for this rollout (``fleet.bucket``) is below the share, so each rollout draws its arms afresh and no
+   caller can choose or predict one. With fewer than two routable nodes the decision is deferred, never made without
+   a canary.
+2. **Evidence, at the gate's look cadence.** Ingest keeps per-user sums per version and 10 s bucket of judgement time
+   (``keys.units``; the feedback's own time, not ingest's clock, so a lagging worker moves no judgement of an answer
+   stable served before the swap into the canary's buckets: ``ingest.records.judged_bucket``). A bucket is read once
+   its revert horizon has closed (``gate.revert_horizon_s`` after its end, plus ingest's settling margin), so a bait
+   answer accepted now and reverted later is never counted as kept: every metric is right-censored the same way on
+   both arms. What reverts cannot change (the edit rate, the response length,
+   latency) is read from a second cursor as soon as ingest has settled a bucket, a revert horizon sooner. A bucket
+   is one of judgement time, so the evidence starts only with the first whole bucket ``gate.canary_warmup_s`` after
+   every canary node served the candidate (``evidence_start``, from the registry's served times): the buckets
+   before hold stable's judgements of answers it served the canary's users before they moved, which the canary
+   cannot have (read as evidence, they made the first bucket 9-34% short of canary events, and aborted a canary
+   as a sample-ratio mismatch). The sample-ratio check reads the horizon's cursor. The always-valid tests (``deploy.gate.sequential``) take the user as the
+   unit (``gate.canary_unit = "user"``: delta method for ratio metrics, CUPED with each user's kept acceptance under
+   stable before the rollout) or the judged event (``"request"``). Kept acceptance is the success metric; the edit
+   rate, the revert rate and the response length are guardrails with nulls fixed at the start (from stable's own
+   figures before the rollout); latency is tested on the batch means of the buckets (its events are autocorrelated
+   through node load). A sample-ratio mismatch of users or events stops the canary (reason ``srm``).
+3. **Decision.** Promote when kept acceptance is shown better (``gate.canary_margin`` > 0: not worse by more than it)
+   and every guardrail non-inferior; abort as soon as any is shown worse, on an SRM, or at ``gate.canary_deadline_s``
+   (or earlier once the canary arm has ``gate.canary_max_events`` judged events: a budget in evidence, so that a
+   canary's power does not follow the day's traffic; the tests are always valid, so where they stop moves no error
+   rate, only their power). With a budget, a canary that could not pass by it even ``gate.canary_futility_z``
+   standard errors better than estimated stops once a quarter is spent (reason ``futile``): it never promotes, so
+   no false-promotion rate rises, and ``liverl bench canary --budget`` measures the promotions it costs. The test
+   state lives in the registry (compare-and-set by revision), so a restarted gate
+   goes on where it was, and a promotion is a compare-and-set on a *running* rollout: an operator's pause between the gate's read and its write
+   wins. A promotion announces the canary as ``desired``; an abort rejects it and withdraws the canary announcement
+   (the canary nodes return to stable). Each decision is a gate check (``canary``) in the registry with its evidence.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from core import fleet, keys
+from core.config import LiverlConfig
+from core.schemas import RolloutTerms
+from deploy.gate import sequential as seq
+from deploy.registry.registry import Registry, RegistryConflict, Version
+from deploy.registry.signing import Signer, announce, keep_announced
+from deploy.registry.tables import Rollout
+
+log = logging.getLogger("liverl.gate.canary")
+
+MAX_LOOKS = 500  # looks kept with the rollout (the page's plot); the test's state does not need them
+MAX_COVARIATE_VERSIONS = 50
+"""The newest versions CUPED's look-back reads users' history from."""
+MIN_USERS = 10
+"""Users each arm needs before a user-unit test decides anything."""
+LATENCY_MIN_BATCHES = 5
+"""Buckets both arms served before the latency guardrail decides (its variance has this many less one degrees of
+freedom, and the test reads its statistic as a Student t)."""
+SETTLE_S = 5.0
+"""A bucket is read this long after its revert horizon closed: ingest's own lag (a batch, the write buffer). Buckets
+are of the judgements' own time, so a worker further behind than this has not joined all of a bucket when the fast
+cursor reads it: both arms lose the same share of that bucket (partitions are keyed by generation, not by arm)."""
+FIELDS = "eadrtmn"
+"""Per-user sums ingest keeps (``keys.units``): events, accepts, edits, reverts, tokens, latency ms, timed events."""
+
+
+class Deferred(Exception):
+    """No canary can run now (fewer routable nodes than the configured fleet needs): judge again later."""
+
+
+@dataclass
+class ArmSums:
+    """One arm's evidence over the buckets read so far: per-user sums, and per-bucket totals (batch means)."""
+
+    users: dict[str, np.ndarray] = field(default_factory=dict)  # unit -> sums in FIELDS order
+    buckets: dict[int, dict[str, int]] = field(default_factory=dict)  # bucket -> the '*' totals
+
+    def add(self, bucket: int, data: dict[str, dict[str, int]]) -> None:
+        for unit, sums in data.items():
+            if unit == "*":
+                self.buckets[bucket] = dict(sums)
+                continue
+            row = np.array([sums.get(f, 0) for f in FIELDS], dtype=np.float64)
+            if unit in self.users:
+                self.users[unit] += row
+            else:
+                self.users[unit] = row
+
+    def total(self, f: str) -> int:
+        return sum(b.get(f, 0) for b in self.buckets.values())
+
+    def matrix(self) -> tuple[list[str], np.ndarray]:
+        names = sorted(self.users)
+        return names, (np.stack([self.users[u] for u in names]) if names else np.zeros((0, len(FIELDS))))
+
+
+@dataclass
+class Evidence:
+    """What the gate has read of one rollout (rebuilt from Redis after a gate restart)."""
+
+    rollout_id: int
+    canary: ArmSums = field(default_factory=ArmSums)  # buckets whose revert horizon has closed: kept, reverts
+    stable: ArmSums = field(default_factory=ArmSums)
+    fast_canary: ArmSums = field(default_factory=ArmSums)  # buckets ingest has settled: what reverts do not touch
+    fast_stable: ArmSums = field(default_factory=ArmSums)  # (edits, length, latency)
+    covariate: dict[str, tuple[float, float]] = field(default_factory=dict)  # unit -> (kept rate, events) under
+    # stable before the rollout (CUPED)
+    start: int | None = None  # the first bucket of evidence (``evidence_start``); None until the canary serves
+    next_bucket: int = 0
+    next_fast: int = 0
+    looked_at: tuple[int, int] = (-1, -1)  # (next_bucket, next_fast) at the last look
+
+
+def _finite(d: dict) -> dict:
+    """A look for the registry's JSON: no NaN or infinities (PostgreSQL's JSON has none)."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+
+def _pending(tests: seq.Canary, info: dict) -> str:
+    """Why a look decided nothing: what each test still waits for."""
+    waiting = []
+    s = tests.success
+    if s.p_pass > s.alpha:
+        ready = info.get(s.name, {}).get("ready", True)
+        waiting.append(f"{s.name} (p better {s.p_pass:.3g}" + ("" if ready else ", too few users or events") + ")")
+    for g in tests.guardrails:
+        if g.required and g.p_pass > g.alpha:
+            extra = ""
+            if g.name == "latency":
+                extra = f", {info.get('latency', {}).get('batches', 0)} of {LATENCY_MIN_BATCHES} batches"
+            elif not info.get(g.name, {}).get("ready", True):
+                extra = ", too few users or events"
+            waiting.append(f"guardrail {g.name} not yet shown non-inferior (p {g.p_pass:.3g}{extra})")
+    return "collecting evidence" + (": waiting on " + "; ".join(waiting) if waiting else "")
+
+
+def first_bucket(started_at: float) -> int:
+    """The first whole bucket at or after ``started_at`` (the one it falls inside holds what came before it)."""
+    return math.ceil(started_at / keys.UNIT_BUCKET_S)
+
+
+def evidence_start(live_at: float, warmup_s: float) -> int:
+    """A rollout's first bucket of evidence: the first whole one ``gate.canary_warmup_s`` after every canary node
+    served the candidate. Before it, the canary's users were still served by the stable version (the router learns
+    of a rollout within its refresh, the node swaps within a second or so) and those answers are judged in the next
+    seconds: counted for stable, they left the first bucket 9-34% short of canary events in 8 of 13 canaries of
+    three demo runs, and caused one sample-ratio abort (315 against 478 events) of a canary that was better."""
+    return first_bucket(live_at + warmup_s)
+
+
+def last_final_bucket(now: float, horizon_s: float) -> int:
+    """The newest bucket whose every judgement is in and whose revert horizon has closed."""
+    return math.floor((now - horizon_s - SETTLE_S) / keys.UNIT_BUCKET_S) - 1
+
+
+def _col(m: np.ndarray, f: str) -> np.ndarray:
+    return m[:, FIELDS.index(f)] if m.size else np.zeros(0)
+
+
+class CanaryController:
+    """Starts, watches and ends rollouts for the gate (one at a time)."""
+
+    def __init__(self, cfg: LiverlConfig, registry: Registry, redis, signer: Signer | None, record):
+        self.cfg, self.registry, self.redis, self.signer = cfg, registry, redis, signer
+        self.prefix = cfg.topics.prefix
+        self.record = record  # Gate._record(version, check, value, threshold, passed, detail)
+        self._evidence: Evidence | None = None
+        self.clock = time.time  # what "now" is for a rollout's buckets and deadline (tests move it)
+
+    # ------------------------------------------------------------------------------------------ start
+
+    def configured_fleet(self) -> int:
+        """How many serving nodes this deployment is configured to run (``serving.fleet``, else ``serving.nodes``)."""
+        return fleet.configured_nodes(self.cfg.serving)
+
+    def wanted(self) -> bool:
+        """Whether a candidate must go through a canary before it is promoted."""
+        return self.cfg.gate.canary_share > 0 and self.configured_fleet() >= 2
+
+    def start(self, row: Version, stable: Version, reason: str) -> Rollout:
+        """Open a rollout of ``row``. Raises ``Deferred`` when fewer than two nodes can take traffic now."""
+        g = self.cfg.gate
+        nodes = fleet.routable_nodes(self.redis, self.prefix, self.cfg.serving.fleet)
+        if len(nodes) < 2:
+            raise Deferred(
+                f"a canary needs 2 routable nodes of the {self.configured_fleet()} configured, "
+                f"{len(nodes)} in rotation ({', '.join(nodes) or 'none'}); judged again when they are"
+            )
+        last = self.registry.rollouts(limit=1)  # rotate by rollout, not by version: superseded candidates make the
+        # versions that reach a canary skip numbers (a demo run put v16, v38 and v52 all on node-0)
+        canary_nodes = fleet.canary_nodes(nodes, (last[0].id if last else 0) + 1, g.canary_nodes)
+        now = self.clock()
+        settings = self._fixed_nulls(stable, now)
+        rollout = self.registry.begin_rollout(
+            row.version,
+            stable_version=stable.version,
+            share=g.canary_share,
+            nodes=canary_nodes,
+            unit=g.canary_unit,
+            deadline_at=now + g.canary_deadline_s,
+            settings=settings,
+            actor="gate",
+            reason=f"{reason}; canary on {', '.join(canary_nodes)} at {g.canary_share:.0%} of users, unit {g.canary_unit}",
+        )
+        self._announce(rollout)
+        self._evidence = None
+        log.info(
+            "gate: canary v%d started (rollout %d) on %s with %.0f%% of %ss (stable v%d)",
+            row.version,
+            rollout.id,
+            ", ".join(canary_nodes),
+            100 * g.canary_share,
+            g.canary_unit,
+            stable.version,
+        )
+        return rollout
+
+    @staticmethod
+    def terms(rollout: Rollout) -> RolloutTerms:
+        return RolloutTerms(rollout_id=rollout.id, share=rollout.share, nodes=list(rollout.nodes), unit=rollout.unit)
+
+    def _announce(self, rollout: Rollout) -> None:
+        announce(
+            self.redis,
+            self.prefix,
+            rollout.version,
+            rollout.checksum,
+            f"canary of v{rollout.version}",
+            self.signer,
+            channel="canary",
+            rollout=self.terms(rollout),
+            ttl_s=self.cfg.security.announce_ttl_s,
+        )
+
+    def refresh(self, rollout: Rollout) -> None:
+        """Keep the canary's announcement present, signed, naming the rollout's terms and fresh (it expires, so a
+        replayed copy cannot outlive it): after a lost Redis key, a gate restart, or half its lifetime."""
+        keep_announced(
+            self.redis,
+            self.prefix,
+            "canary",
+            rollout.version,
+            rollout.checksum,
+            f"canary of v{rollout.version}",
+            self.signer,
+            rollout=self.terms(rollout),
+            ttl_s=self.cfg.security.announce_ttl_s,
+        )
+
+    def _fixed_nulls(self, stable: Version, now: float) -> dict:
+        """The continuous guardrails' bands, fixed for the whole rollout from stable's own figures before it: mean
+        response length and latency over the CUPED look-back (or stable's whole life), times the tolerance."""
+        g = self.cfg.gate
+        lo = first_bucket(now - max(g.cuped_lookback_s, keys.UNIT_BUCKET_S))
+        hi = math.floor(now / keys.UNIT_BUCKET_S) - 1
+        tokens = events = ms = timed = 0
+        for data in keys.read_unit_buckets(self.redis, self.prefix, stable.version, range(lo, hi + 1)).values():
+            agg = data.get("*", {})
+            tokens += agg.get("t", 0)
+            events += agg.get("e", 0)
+            ms += agg.get("m", 0)
+            timed += agg.get("n", 0)
+        length = tokens / events if events else None
+        latency = ms / timed if timed else None
+        return {
+            "length_band": None if length is None else g.guardrail_tolerance * max(length, 1e-9),
+            "latency_band": None if latency is None else g.latency_tolerance * max(latency, 1e-9),
+            "stable_length": length,
+            "stable_latency_ms": latency,
+            "fixed_at": now,
+            "max_events": g.canary_max_events,  # the evidence budget, fixed with the nulls
+            "futility_z": g.canary_futility_z,  # and the futility stop that reads it
+        }
+
+    def clear(self) -> None:
+        self.redis.delete(keys.canary(self.prefix))  # the canary nodes return to desired
+        self._evidence = None
+
+    # ------------------------------------------------------------------------------------------ evidence
+
+    def _read(self, rollout: Rollout, now: float) -> Evidence:
+        ev = self._evidence
+        if ev is None or ev.rollout_id != rollout.id:
+            ev = self._evidence = Evidence(rollout.id)
+        if ev.start is None:
+            live = self.live_at(rollout)
+            if live is None:  # a canary node has not swapped to the candidate yet: nothing of it to read
+                return ev
+            ev.start = ev.next_bucket = ev.next_fast = evidence_start(live, self.cfg.gate.canary_warmup_s)
+            if self.cfg.gate.cuped and rollout.unit == "user":
+                ev.covariate = self._covariate(rollout)
+        end = math.floor(rollout.deadline_at / keys.UNIT_BUCKET_S)
+        # two cursors over the same buckets: one waits for the revert horizon (kept acceptance and the revert rate),
+        # the other only for ingest's settling (edits, length and latency are final when judged; reverts never
+        # change them), so those guardrails gather evidence a revert horizon sooner, censored no less fairly
+        for horizon, cursor, arms in (
+            (self.cfg.gate.revert_horizon_s, "next_bucket", (ev.canary, ev.stable)),
+            (0.0, "next_fast", (ev.fast_canary, ev.fast_stable)),
+        ):
+            last, first = min(last_final_bucket(now, horizon), end), getattr(ev, cursor)
+            if last < first:
+                continue
+            for arm, version in zip(arms, (rollout.version, rollout.stable_version)):
+                for b, data in keys.read_unit_buckets(self.redis, self.prefix, version, range(first, last + 1)).items():
+                    arm.add(b, data)
+            setattr(ev, cursor, last + 1)
+        return ev
+
+    def live_at(self, rollout: Rollout) -> float | None:
+        """When the last of the rollout's canary nodes first served its version (the registry's ``served`` rows, each
+        written by a node's agent on its verified swap), not before the rollout started; None while one has not."""
+        first = {s.node: s.first_at for s in self.registry.served(rollout.version)}
+        if any(n not in first for n in rollout.nodes):
+            return None
+        return max(rollout.started_at, *(first[n] for n in rollout.nodes))
+
+    def _covariate(self, rollout: Rollout) -> dict[str, tuple[float, float]]:
+        """Each user's kept acceptance before the rollout (CUPED), over the ``gate.cuped_lookback_s`` before it and
+        whatever served them then (the stable version, earlier stable versions, earlier canaries): anything before
+        the rollout is untouched by it, and a user's own history predicts the user. With the events behind it."""
+        t0 = rollout.started_at - self.cfg.gate.cuped_lookback_s
+        wanted = range(first_bucket(t0), first_bucket(rollout.started_at))
+        versions = {rollout.stable_version} | {
+            v.version
+            for v in self.registry.list(limit=MAX_COVARIATE_VERSIONS)
+            if v.version != rollout.version and (v.created_at >= t0 or (v.promoted_at or 0.0) >= t0)
+        }
+        pre = ArmSums()
+        for version in sorted(versions):
+            for b, data in keys.read_unit_buckets(self.redis, self.prefix, version, wanted).items():
+                pre.add(b, data)
+        return {u: ((s[1] - s[3]) / s[0], float(s[0])) for u, s in pre.users.items() if s[0] > 0}
+
+    def build_tests(self, rollout: Rollout, ev: Evidence, settling: bool) -> tuple[seq.Canary, seq.SrmTest, dict]:
+        """The rollout's tests at this look, their always-valid state restored from the registry and updated with the
+        evidence read so far; with the sample-ratio check and what each look estimated."""
+        g = self.cfg.gate
+        st = rollout.settings or {}
+        state = rollout.test_state or {}
+        common = {"alpha": g.canary_alpha, "min_events": g.canary_min_events, "min_units": MIN_USERS}
+        success = seq.MetricTest("acceptance", tau=g.canary_tau, direction=1, margin=g.canary_margin, **common)
+        edit = seq.MetricTest("edit_rate", tau=g.canary_tau, direction=-1, margin=g.guardrail_margin, **common)
+        revert = seq.MetricTest("revert_rate", tau=g.canary_tau, direction=-1, margin=g.guardrail_margin, **common)
+        guardrails = [edit, revert]
+        length = latency = None
+        if st.get("length_band"):  # bands fixed at the start from stable's own figures (``_fixed_nulls``)
+            band = st["length_band"]
+            length = seq.MetricTest(
+                "response_length", tau=band, direction=-1, margin=band, harm_margin=band, bernoulli=False, **common
+            )
+            guardrails.append(length)
+        if st.get("latency_band"):
+            band = st["latency_band"]
+            latency = seq.MetricTest(
+                "latency",
+                tau=band,
+                direction=-1,
+                margin=band,
+                harm_margin=band,
+                bernoulli=False,
+                alpha=g.canary_alpha,
+                required=g.latency_guardrail == "non_inferior",
+            )
+            guardrails.append(latency)
+        for t in (success, *guardrails):
+            t.max_log_lr_pass = state.get(f"{t.name}:pass", float("-inf"))
+            t.max_log_lr_harm = state.get(f"{t.name}:harm", float("-inf"))
+        srm = seq.SrmTest(
+            rollout.share,
+            alpha=g.srm_alpha,
+            max_log_bf_users=state.get("srm:users", float("-inf")),
+            max_log_bf_events=state.get("srm:events", float("-inf")),
+        )
+        info: dict = {"events": (ev.canary.total("e"), ev.stable.total("e"))}
+        if rollout.unit == "user":
+            names_c, m_c = ev.canary.matrix()
+            names_s, m_s = ev.stable.matrix()
+            e_c, e_s = _col(m_c, "e"), _col(m_s, "e")
+            f_c, f_s = ev.fast_canary.matrix()[1], ev.fast_stable.matrix()[1]
+
+            def arms(f: str, fast: bool = False) -> tuple[seq.UnitSums, seq.UnitSums]:
+                if fast:
+                    return seq.UnitSums(_col(f_c, f), _col(f_c, "e")), seq.UnitSums(_col(f_s, f), _col(f_s, "e"))
+                return seq.UnitSums(_col(m_c, f), e_c), seq.UnitSums(_col(m_s, f), e_s)
+
+            kept_c, kept_s = _col(m_c, "a") - _col(m_c, "r"), _col(m_s, "a") - _col(m_s, "r")
+            cuped = g.cuped and bool(ev.covariate)
+            if cuped:  # each user's kept rate under stable before the rollout, weighed by the events behind it
+                cov = {
+                    arm: (
+                        np.array([ev.covariate.get(u, (np.nan, 0.0))[0] for u in names]),
+                        np.array([ev.covariate.get(u, (np.nan, 0.0))[1] for u in names]),
+                    )
+                    for arm, names in (("canary", names_c), ("stable", names_s))
+                }
+                kept = (seq.UnitSums(kept_c, e_c, *cov["canary"]), seq.UnitSums(kept_s, e_s, *cov["stable"]))
+            else:
+                kept = (seq.UnitSums(kept_c, e_c), seq.UnitSums(kept_s, e_s))
+            info["acceptance"] = seq.look_units(success, *kept, cuped=cuped)
+            info["edit_rate"] = seq.look_units(edit, *arms("d", fast=True))
+            info["revert_rate"] = seq.look_units(revert, *arms("r"))
+            if length is not None:
+                info["response_length"] = seq.look_units(length, *arms("t", fast=True))
+            info["users"] = (len(names_c), len(names_s))
+            info["srm"] = srm.look_units(*kept)  # on the horizon's cursor: see the module doc
+        else:
+            for test, f, (canary, stable) in (
+                (success, None, (ev.canary, ev.stable)),
+                (edit, "d", (ev.fast_canary, ev.fast_stable)),
+                (revert, "r", (ev.canary, ev.stable)),
+            ):
+                for arm, sums in ((test.canary, canary), (test.stable, stable)):
+                    n = sums.total("e")
+                    hits = min(n, max(0, sums.total("a") - sums.total("r") if f is None else sums.total(f)))
+                    arm.add(1.0, hits)
+                    arm.add(0.0, n - hits)
+                test._look()
+            if length is not None:
+                for arm, sums in ((length.canary, ev.fast_canary), (length.stable, ev.fast_stable)):
+                    arm.n, arm.total, arm.total_sq = sums.total("e"), float(sums.total("t")), float(sums.total("t2"))
+                length._look()
+            info["srm"] = srm.look_requests(*info["events"])
+        if latency is not None:  # batch means: the buckets pair by time, so load both arms share cancels
+            cb, sb = ev.fast_canary.buckets, ev.fast_stable.buckets
+            means = [
+                (cb[b]["m"] / cb[b]["n"], sb[b]["m"] / sb[b]["n"])
+                for b in sorted(set(cb) & set(sb))
+                if cb[b].get("n") and sb[b].get("n")
+            ]
+            info["latency"] = seq.look_batches(
+                latency, [c for c, _ in means], [s for _, s in means], min_batches=LATENCY_MIN_BATCHES
+            )
+            if means:  # the mean of the buckets' means, each arm (what the batch-means test compares)
+                info["latency_means"] = (float(np.mean([c for c, _ in means])), float(np.mean([s for _, s in means])))
+        if settling:  # a node that has just swapped runs hot for a few seconds: latency and length not judged worse
+            for t in guardrails:
+                if t.name in ("latency", "response_length"):
+                    t.max_log_lr_harm = float("-inf")
+        return seq.Canary(success, guardrails), srm, info
+
+    # ------------------------------------------------------------------------------------------ looks
+
+    def watch(self, rollout: Rollout, stable: Version) -> tuple[str, str]:
+        """One look: update the evidence, decide. Returns (promoted | aborted | continue | ended, why)."""
+        row = self.registry.get(rollout.version)
+        if row.status != "canary":  # an operator promoted or rejected it meanwhile: their word stands
+            self.registry.end_rollout(rollout.id, actor="gate", reason=f"v{rollout.version} is {row.status} now")
+            self.clear()
+            return "ended", f"v{rollout.version} is {row.status} now"
+        if stable.version != rollout.stable_version:
+            return self.abort(rollout, f"the stable version changed to v{stable.version} during the canary")
+        self.refresh(rollout)
+        now = self.clock()
+        ev = self._read(rollout, now)
+        fresh = (ev.next_bucket, ev.next_fast) != ev.looked_at  # a bucket closed since the last look: new evidence
+        ev.looked_at = (ev.next_bucket, ev.next_fast)
+        settling = now - rollout.started_at < self.cfg.gate.canary_min_s
+        tests, srm, info = self.build_tests(rollout, ev, settling)
+        budget = (rollout.settings or {}).get("max_events")
+        c_judged = info["events"][0]
+        futility = {}  # with a budget: how much of it is spent, for the futility stop (``seq.futile``)
+        if budget is not None:
+            futility = {"spent": c_judged / budget, "futility_z": (rollout.settings or {}).get("futility_z")}
+        if budget is not None and c_judged >= budget and now < rollout.deadline_at:
+            verdict, why = tests.verdict(
+                deadline_passed=True,
+                deadline_why=f"deadline passed: evidence budget spent ({c_judged} judged events on the canary arm, "
+                f"gate.canary_max_events {budget})",
+                **futility,
+            )
+        else:
+            verdict, why = tests.verdict(deadline_passed=now >= rollout.deadline_at, **futility)
+        if verdict == seq.CONTINUE:
+            why = (
+                _pending(tests, info)
+                if ev.start is not None
+                else f"waiting for {', '.join(rollout.nodes)} to serve v{rollout.version} (evidence counts from "
+                f"gate.canary_warmup_s {self.cfg.gate.canary_warmup_s:g} s after)"
+            )
+        if srm.verdict() == seq.MISMATCH:  # the arms are not what the assignment drew: nothing of them can be trusted
+            verdict, why = (
+                seq.ABORT,
+                (
+                    f"srm: the arms' users or events do not match the share {rollout.share:g} "
+                    f"(p users {srm.p_users:.3g}, p events {srm.p_events:.3g} <= "
+                    f"gate.srm_alpha/2): the assignment, routing or logging is broken"
+                ),
+            )
+        elif rollout.state == "paused" and verdict != seq.ABORT:
+            verdict, why = "continue", "paused by an operator"
+        elif settling and verdict != seq.ABORT:
+            verdict, why = (
+                "continue",
+                (
+                    f"settling: no promotion in the first gate.canary_min_s "
+                    f"{self.cfg.gate.canary_min_s:.0f} s ({now - rollout.started_at:.0f} s so far)"
+                ),
+            )
+        summary = tests.success.summary()
+        c_events, s_events = info["events"]
+        users = info.get("users", (None, None))
+        look = _finite(
+            {
+                "at": now,
+                "canary_events": c_events,
+                "stable_events": s_events,
+                "canary_acceptance": summary["canary_mean"],
+                "stable_acceptance": summary["stable_mean"],
+                "p_better": tests.success.p_pass,
+                "p_worse": tests.success.p_harm,
+                "canary_users": users[0],
+                "stable_users": users[1],
+                "cuped_removed": info.get("acceptance", {}).get("cuped_removed"),
+                "p_srm": min(srm.p_users, srm.p_events),
+                "through_bucket": ev.next_bucket - 1,
+            }
+        )
+        state = {
+            f"{t.name}:{side}": v
+            for t in (tests.success, *tests.guardrails)
+            for side, v in (("pass", t.max_log_lr_pass), ("harm", t.max_log_lr_harm))
+            if v > float("-inf") and not (settling and side == "pass")
+        }  # passing evidence counts after settling
+        state |= {
+            k: v
+            for k, v in (("srm:users", srm.max_log_bf_users), ("srm:events", srm.max_log_bf_events))
+            if v > float("-inf")
+        }
+        state = {k: min(v, 1e300) for k, v in state.items()}  # finite JSON
+        evidence = self._evidence_text(rollout, stable, tests, info)
+        if verdict == seq.CONTINUE and not fresh and why == rollout.reason:
+            return "continue", f"{why}: {evidence}"  # nothing new since the last look: nothing to record
+        try:
+            rollout = self.registry.save_rollout_evidence(
+                rollout.id,
+                expect_revision=rollout.revision,
+                test_state=state,
+                looks=[*(rollout.looks or []), look][-MAX_LOOKS:],
+                verdict=verdict,
+                reason=why,
+            )
+        except RegistryConflict as e:  # an operator changed the rollout since it was read: look again next step
+            return "continue", f"rollout changed while judged ({e}); looking again"
+        if verdict == seq.PROMOTE:
+            return self.promote(rollout, stable, f"{why}: {evidence}")
+        if verdict == seq.ABORT:
+            return self.abort(rollout, f"{why}: {evidence}")
+        return "continue", f"{why}: {evidence}"
+
+    def _evidence_text(self, rollout: Rollout, stable: Version, tests: seq.Canary, info: dict) -> str:
+        s = tests.success.summary()
+        c_events, s_events = info["events"]
+        users = info.get("users")
+        text = (
+            f"canary v{rollout.version} kept acceptance {s['canary_mean']:.3f} on {c_events} events"
+            + (f" of {users[0]} users" if users else "")
+            + f" vs stable v{stable.version} {s['stable_mean']:.3f} on {s_events}"
+            + (f" of {users[1]} users" if users else "")
+            + f" (unit {rollout.unit}; p better {tests.success.p_pass:.3g}, p worse {tests.success.p_harm:.3g}"
+        )
+        removed = info.get("acceptance", {}).get("cuped_removed")
+        if removed is not None and removed >= 0.005:  # below it: too little history before the rollout to help
+            text += f"; CUPED removed {100 * removed:.0f}% of the variance"
+        text += ")"
+        means = {t.name: (t.canary.mean, t.stable.mean) for t in tests.guardrails}
+        if "latency_means" in info:
+            means["latency"] = info["latency_means"]
+        text += "".join(f"; {name} {c:.4g} vs {s:.4g}" for name, (c, s) in means.items())
+        return text
+
+    def promote(self, rollout: Rollout, stable: Version, why: str, actor: str = "gate") -> tuple[str, str]:
+        last = (rollout.looks or [{}])[-1]
+        try:
+            self.registry.finish_rollout_promote(
+                rollout.id, expected_stable=stable.version, actor=actor, reason=f"canary passed: {why}"
+            )
+        except RegistryConflict as e:  # paused, aborted or promoted by an operator since it was read: theirs stands
+            return "continue", f"not promoted: {e}"
+        self.record(rollout.version, "canary", last.get("canary_acceptance"), last.get("stable_acceptance"), True, why)
+        announce(
+            self.redis,
+            self.prefix,
+            rollout.version,
+            rollout.checksum,
+            f"canary passed: {why}"[:1024],
+            self.signer,
+            ttl_s=self.cfg.security.announce_ttl_s,
+        )
+        self.clear()
+        log.info("gate: canary v%d promoted: %s", rollout.version, why)
+        return "promoted", why
+
+    def abort(self, rollout: Rollout, why: str, actor: str = "gate") -> tuple[str, str]:
+        last = (rollout.looks or [{}])[-1]
+        try:
+            self.registry.finish_rollout_abort(rollout.id, actor=actor, reason=f"canary aborted: {why}")
+        except RegistryConflict as e:
+            log.info("gate: canary v%d not aborted: %s", rollout.version, e)
+            return "continue", f"not aborted: {e}"
+        self.clear()
+        self.record(rollout.version, "canary", last.get("canary_acceptance"), last.get("stable_acceptance"), False, why)
+        log.warning("gate: canary v%d aborted: %s", rollout.version, why)
+        return "aborted", why

@@ -1,0 +1,772 @@
+"""Always-valid sequential tests for canaries: peek at every look, keep the error rate at alpha, on the right unit.
+
+A canary compares a metric of the candidate's traffic with the stable version's (kept acceptance, edit rate,
+response length, latency). The gate looks at the comparison continuously and must be free to stop the moment the
+evidence is clear, which a fixed-sample test does not allow: peeking at a t-test after every event promotes a
+candidate that is no better about a third of the time. The mixture sequential probability ratio test (mSPRT;
+Robbins 1970, Johari, Pekelis and Walsh, "Always valid inference", 2017) does.
+
+**The test.** Given an estimate ``d`` of ``theta = direction * (metric_canary - metric_stable)`` with variance ``V``,
+the mixture likelihood ratio of ``theta = theta0`` against ``theta ~ N(theta0, tau^2)`` is
+
+    Lambda = sqrt(V / (V + tau^2)) * exp(tau^2 * (d - theta0)^2 / (2 V (V + tau^2)))
+
+and ``1 / max Lambda`` over the looks so far is an always-valid p-value: under ``theta = theta0`` the chance that
+``Lambda`` ever reaches ``1 / alpha`` is at most ``alpha`` (Ville's inequality; exact when ``d`` is a Gaussian mean
+whose information ``1 / V`` grows look by look, asymptotic otherwise). ``tau`` is the effect the test is tuned for
+(``tau = 0.03``: 3 points of acceptance); the guarantee holds for any ``tau``. ``MetricTest`` keeps the running
+maxima; each look hands it one ``(d, V)`` (``MetricTest.look``). Where ``(d, V)`` come from is the unit's business:
+
+- ``gate.canary_unit = "request"`` (each request drawn into an arm afresh): the events are the units, ``d`` is the
+  difference of the arms' means and ``V = var_c / n_c + var_s / n_s`` with plug-in variances (a Bernoulli arm's
+  ``p(1-p)``, shrunk towards 1/2 by one pseudo-event per outcome so an arm of all accepts has a variance).
+- ``gate.canary_unit = "user"`` (a user stays on one arm for the whole rollout): the user is the unit
+  (``look_units``). A per-event variance is wrong here: users differ (one accepts 70%, another 25%), the two arms
+  differ in their mix of users, the difference converges to that mix difference, not to zero, while a per-event
+  variance shrinks as 1 / events, so an A/A canary ends up deciding, either way. Each arm's metric is a ratio of
+  per-user sums, ``R = sum(num_u) / sum(den_u)`` (kept accepts over judged events), and its variance is the delta
+  method's (Deng, Knoblich and Lu, "Applying the Delta Method in Metric Analytics", KDD 2018): the user's
+  linearised contribution ``L_u = (num_u - R den_u) / mean(den)`` and ``Var(R) = sum(L_u^2) / n^2`` over the arm's
+  ``n`` users (a cluster-robust variance: each user's events stay together), with the small-sample care below.
+- **CUPED** (Deng, Xu, Kohavi and Walker, WSDM 2013) on the user unit: a covariate each user had before the rollout
+  (``UnitSums.cov``, e.g. the user's kept rate under stable in the ``gate.cuped_lookback_s`` before the start, with
+  ``cov_den`` its number of events). Like the metric, each arm's covariate is a ratio over its users,
+  ``C = sum(cov_den cov) / sum(cov_den)``, linearised as ``Z_u = cov_den_u (cov_u - C) / mean(cov_den)`` (a user
+  without one gets ``Z_u = 0``: the mean imputed). ``d`` becomes ``(R_c - b C_c) - (R_s - b C_s)`` with
+  ``b = sum(L Z) / sum(Z^2)`` pooled over both arms, and ``V`` the residuals' ``sum((L - b Z)^2) / n^2`` per arm.
+  The covariate is fixed before the rollout, so ``C_c - C_s`` is 0 on average and the estimate unbiased whatever
+  ``b``; the variance drops by the share of the users' metric the covariate predicts (``cuped_removed``). Weighing
+  ``Z`` by ``cov_den`` matters: users differ in activity as much as in taste, and ``L_u`` grows with the user's
+  events, so a covariate that is the rate alone predicts little of it.
+- **Latency** (``batch_means``): per-request latencies are autocorrelated (the node's load), so the test takes the
+  per-bucket means of each arm, pairs them by time (a load both arms share cancels) and uses the differences'
+  variance across buckets.
+
+Departures from the papers, and small-sample care:
+- The test is used one-sided (a rejection counts only when ``d`` is on the tested side, which can only lower the
+  error) and ``V`` is re-estimated at every look (the paper's plug-in version for unknown variance).
+- With the user as the unit the information does not grow without bound: a fixed set of users, each measured ever
+  more precisely, leaves the between-user variance. ``d`` then still has the nested-means structure the mixture needs
+  (its variance at a later look is its covariance with an earlier one), so the guarantee holds; the test simply
+  cannot decide effects smaller than the users' spread allows.
+- Few users, of very different activity, make the plain cluster-robust variance too small and ``d / sqrt(V)``
+  heavier-tailed than a normal (a heavy user pulls its arm's ratio towards itself, so its residual understates its
+  noise). Three corrections, checked by the calibration: each user's residual is divided by ``1 - h_u``, its
+  leverage ``h_u = den_u / sum(den)`` (plus ``Z_u^2 / sum(Z^2)`` with CUPED): the CR3 / jackknife variance
+  (``sum(L^2) / (n - 1)^2`` when users are alike, a little above the textbook ``sum(L^2) / (n (n - 1))``); each
+  side's statistic is read as a Student t (``t_widened``, Wallace's 1959 normal equivalent) with
+  Welch-Satterthwaite degrees of freedom, each arm's the effective number of users behind its variance
+  (``3 (sum r^2)^2 / sum r^4``, which heavy users lower); and no decision is taken before ``min_units`` users per
+  arm. The batch-means latency test reads its statistic as a t
+  with buckets - 1 degrees of freedom.
+
+**Sample-ratio mismatch** (``SrmTest``): the arms' user counts against the configured share, as a Bernoulli
+sequence with a conjugate Beta mixture (the two-arm case of Lindon and Malek, "Anytime-valid inference for
+multinomial count data", 2020), and their event counts with a cluster-aware variance (events of one user share its
+arm: ``Var = s (1 - s) sum(e_u^2) / E^2``) in the normal mixture above, two-sided. A mismatch means the assignment
+or the logging is broken: no metric of that canary can be trusted.
+
+Decisions per metric (``MetricTest.verdict``):
+- ``better``: the candidate is better than stable (``theta0 = 0``), or with a ``margin``, not worse by more than it
+  (non-inferiority: ``theta0 = -margin``);
+- ``worse``: the candidate is worse than stable (``theta0 = 0``, the other side), or worse by more than
+  ``harm_margin``;
+- ``undecided`` otherwise.
+Margins are absolute and fixed when the test is made: a guardrail's tolerance is turned into one from stable's
+pre-rollout mean once, at the canary's start, so every look tests the same null.
+``Canary.verdict`` combines them as Spotify's rule does: promote when the success metric is ``better`` and every
+guardrail is non-inferior; abort as soon as any metric is ``worse``; abort at the deadline if undecided; with an
+evidence budget, abort as ``futile`` a canary whose success metric or a required guardrail could not pass by the end
+of the budget even if its effect were ``futility_z`` standard errors better than estimated (``futile``: a non-binding
+futility stop, which can only lower the false-promotion rate).
+
+The calibration (``deploy.gate.canary_sim.simulate_sticky``, run by ``liverl bench canary``) replays this code, look by look at the gate's
+cadence, on populations of sticky users assigned by ``core.fleet.bucket``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+BETTER, WORSE, UNDECIDED = "better", "worse", "undecided"
+PROMOTE, ABORT, CONTINUE = "promote", "abort", "continue"
+MISMATCH, MATCH = "mismatch", "ok"
+
+
+def log_mixture_lr(d, var, theta0: float, tau: float):
+    """log Lambda of the normal-mixture SPRT; ``d`` and ``var`` may be arrays (one value per look)."""
+    t2 = tau * tau
+    var = np.maximum(var, 1e-12)
+    return 0.5 * np.log(var / (var + t2)) + t2 * (d - theta0) ** 2 / (2.0 * var * (var + t2))
+
+
+def t_widened(var, df, t=3.0):
+    """``var`` widened so that ``t = (d - theta0) / sqrt(var)``, a Student t with ``df`` degrees of freedom, reads as
+    the normal ``z`` of the same tail: ``var * t^2 / z^2`` with Wallace's (1959) normal equivalent
+    ``z = (8 df + 1) / (8 df + 3) * sqrt(df * log(1 + t^2 / df))`` (within a few percent of the exact tail from 3
+    degrees of freedom). ``t`` may be an array (one per look); ``df`` below 3 counts as 3; ``inf`` leaves ``var``."""
+    df = np.maximum(np.asarray(df, dtype=float), 3.0)
+    t2 = np.maximum(np.asarray(t, dtype=float) ** 2, 1e-9)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        c2 = ((8 * df + 1) / (8 * df + 3)) ** 2
+        factor = np.where(np.isfinite(df), t2 / (c2 * df * np.log1p(t2 / df)), 1.0)
+    return var * np.where(np.isfinite(factor), factor, 1.0)
+
+
+FUTILITY_Z: float = 1.5
+"""How optimistic the futility projection is (``futile``): the estimate it projects is ``z`` standard errors above
+the current one (a one-sided 93% upper bound at 1.5). ``gate.canary_futility_z``'s default."""
+FUTILITY_MIN_SPENT: float = 0.25
+"""No futility stop before this share of the evidence budget is spent: the first looks' variances rest on few users."""
+
+
+def futile(d, var, spent, theta0: float, tau: float, alpha: float, z: float = FUTILITY_Z):
+    """Whether a test that has not passed yet could not pass by the end of its evidence budget, even if the effect
+    were ``z`` standard errors better than estimated now. ``spent``: the share of the budget behind ``(d, var)``.
+
+    The projection is optimistic on both counts: the effect is the current estimate's upper bound ``d + z sqrt(var)``,
+    and the variance at the budget is ``var * spent``, as if information grew in proportion to the events (with the
+    user as the unit it grows more slowly: users come back). Futile when that effect is not above ``theta0`` or
+    when, read at the budget, its mixture likelihood ratio (``log_mixture_lr``) stays under ``1 / alpha``.
+
+    Stopping for futility never promotes, so it cannot raise the false-promotion rate; what it costs is the
+    candidates it stops that would have passed by the budget (``deploy.gate.canary_sim.simulate_budget`` measures both).
+    Arrays allowed (one value per look)."""
+    d, var, spent = (np.asarray(x, dtype=float) for x in (d, var, spent))
+    with np.errstate(invalid="ignore"):
+        best = d + z * np.sqrt(np.maximum(var, 0.0))
+        at_end = np.maximum(var, 1e-12) * np.clip(spent, 1e-6, 1.0)
+        lr = log_mixture_lr(best, at_end, theta0, tau)
+    return (
+        (spent >= FUTILITY_MIN_SPENT)
+        & np.isfinite(d)
+        & np.isfinite(var)
+        & ((best <= theta0) | (lr < math.log(1.0 / alpha)))
+    )
+
+
+# ------------------------------------------------------------------------------------------- one metric's test
+
+
+@dataclass
+class Arm:
+    """Running sums of one arm's metric (Bernoulli outcomes or any bounded number)."""
+
+    n: int = 0
+    total: float = 0.0
+    total_sq: float = 0.0
+
+    def add(self, value: float, count: int = 1) -> None:
+        if not math.isfinite(value):
+            raise ValueError(f"a metric value must be finite, got {value}")
+        self.n += count
+        self.total += value * count
+        self.total_sq += value * value * count
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.n if self.n else 0.0
+
+    def variance(self, bernoulli: bool) -> float:
+        if bernoulli:
+            p = (self.total + 1.0) / (self.n + 2.0)  # one pseudo accept and one pseudo reject
+            return p * (1.0 - p)
+        if self.n < 2:
+            return float("inf")
+        return max((self.total_sq - self.total * self.total / self.n) / (self.n - 1), 1e-12)
+
+
+def bernoulli_estimate(n_c, x_c, n_s, x_s, direction: int = 1):
+    """(d, var) of the per-event test on Bernoulli counts (events ``n``, successes ``x`` per arm); arrays allowed
+    (one value per look). The arithmetic of ``MetricTest.estimate`` for a Bernoulli metric."""
+    n_c, n_s = np.maximum(n_c, 1), np.maximum(n_s, 1)
+    p_c, p_s = (x_c + 1.0) / (n_c + 2.0), (x_s + 1.0) / (n_s + 2.0)
+    d = direction * (x_c / n_c - x_s / n_s)
+    return d, p_c * (1 - p_c) / n_c + p_s * (1 - p_s) / n_s
+
+
+@dataclass
+class MetricTest:
+    """One metric's always-valid comparison, canary against stable.
+
+    ``direction``: +1 when higher is better (acceptance), -1 when lower is better (latency, edit rate).
+    ``margin``: 0 tests "better"; > 0 tests "not worse by more than margin" (a guardrail's non-inferiority).
+    ``harm_margin``: 0 calls the canary worse as soon as it is shown worse at all (Spotify's deterioration test);
+    > 0 only when shown worse by more than this (a tolerance, for metrics such as latency where a small, precisely
+    measured difference is not a harm). Both are absolute and fixed for the test's life (see the module docstring).
+    ``min_events``: events each arm needs before any decision; ``min_units``: users each arm needs (``look_units``).
+    ``required``: as a guardrail of a ``Canary``, whether a promotion waits for it to be shown non-inferior (True) or
+    it only stops a canary it shows worse (False: ``gate.latency_guardrail = "harm"``).
+
+    Two ways to feed it: events (``add``, the per-event test of ``canary_unit = "request"``), or one estimate per
+    look from elsewhere (``look``: ``look_units`` for the user unit, ``batch_means`` for latency).
+    """
+
+    name: str
+    alpha: float = 0.05
+    tau: float = 0.03
+    direction: int = 1
+    margin: float = 0.0
+    harm_margin: float = 0.0
+    bernoulli: bool = True
+    min_events: int = 100
+    min_units: int = 10
+    required: bool = True
+    canary: Arm = field(default_factory=Arm)
+    stable: Arm = field(default_factory=Arm)
+    max_log_lr_pass: float = float("-inf")  # running maxima: the always-valid p-values are 1 / exp(these)
+    max_log_lr_harm: float = float("-inf")
+    last: tuple[float, float] | None = None  # the latest external (d, var), when fed by ``look``
+
+    def __post_init__(self):
+        if not 0 < self.alpha < 1:
+            raise ValueError(f"alpha must be in (0, 1), got {self.alpha}")
+        if (
+            self.tau <= 0
+            or self.margin < 0
+            or self.harm_margin < 0
+            or self.direction not in (1, -1)
+            or self.min_events < 1
+            or self.min_units < 2
+        ):
+            raise ValueError("tau must be > 0, margins >= 0, direction +1 or -1, min_events >= 1, min_units >= 2")
+
+    def add(self, arm: str, value: float, count: int = 1) -> None:
+        (self.canary if arm == "canary" else self.stable if arm == "stable" else _bad_arm(arm)).add(value, count)
+        self._look()
+
+    def estimate(self) -> tuple[float, float]:
+        """(theta, its variance): the signed difference, positive when the canary is better. The latest external
+        estimate when the test is fed by ``look``, else the per-event one from the arms' sums."""
+        if self.last is not None:
+            return self.last
+        if self.bernoulli:
+            d, var = bernoulli_estimate(
+                self.canary.n, self.canary.total, self.stable.n, self.stable.total, self.direction
+            )
+            return float(d), float(var)
+        d = self.direction * (self.canary.mean - self.stable.mean)
+        var = self.canary.variance(False) / max(self.canary.n, 1) + self.stable.variance(False) / max(self.stable.n, 1)
+        return d, var
+
+    def _look(self) -> None:
+        """A look at the arms' event sums (the per-event path; scalar, as it runs once per event in ``add``)."""
+        if min(self.canary.n, self.stable.n) < self.min_events:
+            return
+        d, var = self.estimate()
+        if not math.isfinite(var):
+            return
+        if d > -self.margin:
+            self.max_log_lr_pass = max(self.max_log_lr_pass, float(log_mixture_lr(d, var, -self.margin, self.tau)))
+        if d < -self.harm_margin:
+            self.max_log_lr_harm = max(self.max_log_lr_harm, float(log_mixture_lr(d, var, -self.harm_margin, self.tau)))
+
+    def look(self, d, var, ready=True, df=np.inf) -> tuple[np.ndarray, np.ndarray]:
+        """One look from an external estimate ``d`` of ``theta`` with variance ``var``: the running maxima take it.
+
+        ``df``: the degrees of freedom of ``var`` when it is estimated from few units (users, batches): each side's
+        statistic is then read as a Student t (``t_widened``). ``d``, ``var``, ``ready`` (whether the look may count:
+        enough users and events) and ``df`` may be arrays of looks in time order (the simulation hands a whole
+        canary's looks at once); the state afterwards is the same as after looking at each in turn. Returns the
+        running maxima (pass, harm) after each look."""
+        self.last = (float(np.ravel(d)[-1]), float(np.ravel(var)[-1]))
+        return self._update(d, var, ready, df)
+
+    def _update(self, d, var, ready, df=np.inf) -> tuple[np.ndarray, np.ndarray]:
+        d, var, ready, df = np.broadcast_arrays(
+            np.asarray(d, float), np.asarray(var, float), np.asarray(ready, bool), np.asarray(df, float)
+        )
+        ok = ready & np.isfinite(var) & np.isfinite(d)
+        sides = []
+        for theta0, on_side in ((-self.margin, d > -self.margin), (-self.harm_margin, d < -self.harm_margin)):
+            with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+                v = t_widened(var, df, (d - theta0) / np.sqrt(var))
+                sides.append(np.where(ok & on_side, log_mixture_lr(d, v, theta0, self.tau), -np.inf))
+        pass_ = np.maximum(np.maximum.accumulate(np.atleast_1d(sides[0])), self.max_log_lr_pass)
+        harm = np.maximum(np.maximum.accumulate(np.atleast_1d(sides[1])), self.max_log_lr_harm)
+        self.max_log_lr_pass, self.max_log_lr_harm = float(pass_[-1]), float(harm[-1])
+        return pass_, harm
+
+    @property
+    def p_pass(self) -> float:
+        """Always-valid p-value of "not better" (or "worse by more than the margin")."""
+        return min(1.0, math.exp(-self.max_log_lr_pass)) if self.max_log_lr_pass > float("-inf") else 1.0
+
+    @property
+    def p_harm(self) -> float:
+        """Always-valid p-value of "not worse" (by more than ``harm_margin``)."""
+        return min(1.0, math.exp(-self.max_log_lr_harm)) if self.max_log_lr_harm > float("-inf") else 1.0
+
+    def verdict(self, alpha: float | None = None) -> str:
+        a = self.alpha if alpha is None else alpha
+        if self.p_harm <= a:
+            return WORSE
+        if self.p_pass <= a:
+            return BETTER
+        return UNDECIDED
+
+    def futile(self, spent: float, z: float = FUTILITY_Z) -> bool:
+        """Whether this test, not passed yet, could not pass within its budget (``futile``; ``spent``: the share of
+        the evidence budget behind the latest estimate)."""
+        if self.p_pass <= self.alpha or (self.last is None and min(self.canary.n, self.stable.n) < self.min_events):
+            return False  # passed, or nothing measured yet
+        d, var = self.estimate()
+        return bool(futile(d, var, spent, -self.margin, self.tau, self.alpha, z))
+
+    def summary(self) -> dict:
+        d, var = self.estimate()
+        return {
+            "metric": self.name,
+            "canary_n": self.canary.n,
+            "stable_n": self.stable.n,
+            "canary_mean": self.canary.mean,
+            "stable_mean": self.stable.mean,
+            "difference": d,
+            "std_error": math.sqrt(var) if math.isfinite(var) else None,
+            "p_pass": self.p_pass,
+            "p_harm": self.p_harm,
+            "margin": self.margin,
+            "harm_margin": self.harm_margin,
+            "verdict": self.verdict(),
+        }
+
+
+def _bad_arm(arm: str):
+    raise ValueError(f"arm must be 'canary' or 'stable', not {arm!r}")
+
+
+# ----------------------------------------------------------------------------------------- the user as the unit
+
+
+@dataclass(frozen=True, eq=False)
+class UnitSums:
+    """One arm's per-user sums of one ratio metric, the last axis over users (a leading axis, if any, over looks in
+    time order; the covariate has no look axis).
+
+    ``num``, ``den``: each user's sums in the rollout so far (kept accepts and judged events; or the sum of response
+    lengths and their count). Users with ``den == 0`` have not been seen yet and do not count.
+    ``cov``: each user's pre-rollout covariate (e.g. kept rate under stable before the rollout), NaN when the user
+    has none; ``cov_den``: the events behind it (its weight; leave it out to weigh every user alike).
+    """
+
+    num: np.ndarray
+    den: np.ndarray
+    cov: np.ndarray | None = None
+    cov_den: np.ndarray | None = None
+
+    def __post_init__(self):
+        num, den = np.asarray(self.num, dtype=float), np.asarray(self.den, dtype=float)
+        if num.shape != den.shape or num.ndim not in (1, 2):
+            raise ValueError(
+                f"num and den must be per-user arrays of one shape (users, or looks x users), got "
+                f"{num.shape} and {den.shape}"
+            )
+        if not np.isfinite(num.sum() + den.sum()) or (den.size and den.min() < 0):
+            raise ValueError("per-user sums must be finite and den >= 0")
+        object.__setattr__(self, "num", num)
+        object.__setattr__(self, "den", den)
+        users = num.shape[-1]
+        if self.cov is not None:
+            cov = np.asarray(self.cov, dtype=float)
+            w = np.ones(users) if self.cov_den is None else np.asarray(self.cov_den, dtype=float)
+            if cov.shape != (users,) or w.shape != (users,):
+                raise ValueError(f"cov and cov_den must have one value per user ({users}), got {cov.shape}, {w.shape}")
+            if np.any(~np.isfinite(w)) or np.any(w < 0) or np.any(np.isinf(cov)):
+                raise ValueError("cov_den must be finite and >= 0; cov finite or NaN (no covariate)")
+            has = np.isfinite(cov) & (w > 0)
+            object.__setattr__(self, "cov", np.where(has, cov, 0.0))
+            object.__setattr__(self, "cov_den", np.where(has, w, 0.0))
+
+    @cached_property
+    def moments(self) -> dict:
+        """The arm's sums the estimator needs (per look): users seen, totals, ratio, each user's linearised
+        ``L_u = (num_u - R den_u) / mean(den)`` and leverage ``h_u = den_u / sum(den)`` (0 for users not seen), and the
+        delta-method variance with its degrees of freedom."""
+        seen = self.den > 0
+        if np.any((self.num != 0) & ~seen):
+            raise ValueError("a user with no events (den 0) cannot have a numerator")
+        n = np.count_nonzero(seen, axis=-1)
+        total_num, total_den = self.num.sum(-1), self.den.sum(-1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            ratio = np.where(total_den > 0, total_num / total_den, 0.0)
+            mean_den = total_den / n
+            lin = (self.num - _last(ratio) * self.den) / _last(mean_den)
+            lev = self.den / _last(total_den)
+            var, df = _cr3(lin, lev, n)
+        return {
+            "seen": seen,
+            "n": n,
+            "num": total_num,
+            "den": total_den,
+            "ratio": ratio,
+            "lin": lin,
+            "lev": lev,
+            "var": var,
+            "df": df,
+        }
+
+
+def _last(a):
+    """``a`` with a trailing axis, to broadcast a per-look value over users."""
+    return np.asarray(a)[..., None]
+
+
+@dataclass(frozen=True)
+class UnitEstimate:
+    """``unit_estimate``'s result (arrays when given a stack of looks): ``d`` and ``var`` (CUPED's when asked),
+    the plain delta-method ``var_raw``, Welch's ``df``, users and events per arm, each arm's ratio, and the share of
+    variance CUPED removed (0 without it)."""
+
+    d: np.ndarray
+    var: np.ndarray
+    var_raw: np.ndarray
+    df: np.ndarray
+    users_canary: np.ndarray
+    users_stable: np.ndarray
+    events_canary: np.ndarray
+    events_stable: np.ndarray
+    ratio_canary: np.ndarray
+    ratio_stable: np.ndarray
+    cuped_removed: np.ndarray
+
+
+def unit_estimate(canary: UnitSums, stable: UnitSums, direction: int = 1, cuped: bool = False) -> UnitEstimate:
+    """theta = direction * (R_canary - R_stable) with the user as the unit: the delta method for ratio metrics, and
+    with ``cuped`` the regression on the users' pre-rollout covariate (module docstring). Needs ``cov`` on both arms
+    when ``cuped``; a stack of looks gives one value per look."""
+    mc, ms = canary.moments, stable.moments
+    d = direction * (mc["ratio"] - ms["ratio"])
+    var_raw = mc["var"] + ms["var"]
+    var = var_raw
+    removed = np.zeros_like(var_raw)
+    if cuped:
+        if canary.cov is None or stable.cov is None:
+            raise ValueError("CUPED needs each arm's pre-rollout covariate (UnitSums.cov)")
+        zc, zs = _covariate(canary, mc), _covariate(stable, ms)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            b = np.where(zc["zz"] + zs["zz"] > 0, (zc["lz"] + zs["lz"]) / (zc["zz"] + zs["zz"]), 0.0)  # pooled
+            d = direction * ((mc["ratio"] - b * zc["ratio"]) - (ms["ratio"] - b * zs["ratio"]))
+            # each arm's residuals L - b Z, with the leverage of b (pooled) added to the user's own (none when no
+            # user's covariate differs from its arm's: Z is 0 throughout and CUPED changes nothing)
+            zz = zc["zz"] + zs["zz"]
+            parts = [
+                _cr3(
+                    m["lin"] - _last(b) * z["z"],
+                    m["lev"] + z["z"] ** 2 / np.where(_last(zz) > 0, _last(zz), 1.0),
+                    m["n"],
+                )
+                for m, z in ((mc, zc), (ms, zs))
+            ]
+            (var_c, df_c), (var_s, df_s) = parts
+            var = np.where((mc["n"] >= 3) & (ms["n"] >= 3), var_c + var_s, np.inf)
+            removed = np.where(np.isfinite(var) & np.isfinite(var_raw) & (var_raw > 0), 1.0 - var / var_raw, 0.0)
+        df = _welch_df(var_c, var_s, df_c, df_s)
+    else:
+        df = _welch_df(mc["var"], ms["var"], mc["df"], ms["df"])
+    return UnitEstimate(
+        d=d,
+        var=var,
+        var_raw=var_raw,
+        df=df,
+        users_canary=mc["n"],
+        users_stable=ms["n"],
+        events_canary=mc["den"],
+        events_stable=ms["den"],
+        ratio_canary=mc["ratio"],
+        ratio_stable=ms["ratio"],
+        cuped_removed=removed,
+    )
+
+
+def _covariate(arm: UnitSums, m: dict) -> dict:
+    """The arm's covariate as a ratio over the users seen so far, ``C = sum(cov_den cov) / sum(cov_den)``, each
+    user's linearised part of it, ``Z_u = cov_den_u (cov_u - C) / mean(cov_den)`` (0 for a user without one, or not
+    seen yet: the arm's mean imputed; ``Z`` has mean 0 in the arm, as ``L`` has), and ``sum L_u Z_u``, ``sum Z_u^2``."""
+    w = np.where(m["seen"], arm.cov_den, 0.0)
+    w_total = w.sum(-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = np.where(w_total > 0, np.einsum("...u,u->...", w, arm.cov) / w_total, 0.0)
+        w_mean = np.where(w_total > 0, w_total / m["n"], 1.0)
+        z = w * (arm.cov - _last(ratio)) / _last(w_mean)
+        lz = np.einsum("...u,...u->...", m["lin"], z)
+    return {"ratio": ratio, "z": z, "lz": lz, "zz": _sum_sq(z)}
+
+
+def _cr3(r, lev, n):
+    """Variance of an arm's mean of ``n`` users' linearised contributions ``r`` (with mean 0), and its degrees of
+    freedom: ``sum((r_u / (1 - h_u))^2) / n^2``, the cluster-robust variance with each user's residual scaled up by
+    its leverage ``h_u`` (CR3, the jackknife's up to ``n / (n - 1)``: a heavy user pulls the mean towards itself, so its own residual
+    understates its noise; see MacKinnon, Nielsen and Webb, "Cluster-robust inference: a guide to empirical
+    practice", 2023). Infinite below 2 users."""
+    adj = r / np.maximum(1.0 - lev, 1e-9)
+    ss = _sum_sq(adj)
+    return np.where(n >= 2, ss / (n * n), np.inf), _units_df(adj, ss, n)
+
+
+def _sum_sq(a):
+    return np.einsum("...u,...u->...", a, a)
+
+
+def _units_df(r, ss, n):
+    """The effective number of users behind ``ss = sum(r_u^2)``, less one: ``3 ss^2 / sum r^4 - 1`` (Kish's
+    effective size ``(sum s_u^2)^2 / sum s_u^4`` for normal ``r_u`` of variances ``s_u^2``, whose ``E r^4 = 3 s^4``),
+    at most ``n - 1``. Heavy users lower it: a few of them carry the variance."""
+    r2 = r * r
+    with np.errstate(invalid="ignore", divide="ignore"):
+        df = 3.0 * ss * ss / _sum_sq(r2) - 1.0
+    return np.minimum(np.where(np.isfinite(df), df, 1.0), n - 1.0)
+
+
+def _welch_df(var_c, var_s, df_c, df_s):
+    """Welch-Satterthwaite degrees of freedom of ``var_c + var_s``."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        df = (var_c + var_s) ** 2 / (var_c**2 / np.maximum(df_c, 1.0) + var_s**2 / np.maximum(df_s, 1.0))
+    return np.where(np.isfinite(df), df, 1.0)
+
+
+def look_units(test: MetricTest, canary: UnitSums, stable: UnitSums, cuped: bool = False) -> dict:
+    """One look of ``test`` with the user as the unit: what the gate calls at each look, and what the calibration
+    (``deploy.gate.canary_sim.simulate_sticky``) calls, on a stack of looks at once.
+
+    Estimates theta by ``unit_estimate`` (CUPED when ``cuped``), widens the variance for few users (``t_widened``),
+    and feeds the test when each arm has ``test.min_units`` users and ``test.min_events`` events. The arms' event
+    sums are kept in ``test.canary`` / ``test.stable`` (so ``test.summary()`` shows the arms' ratios). Returns a
+    summary: the test's (``MetricTest.summary``) and the estimate's parts; with a stack of looks, the per-look arrays
+    too (``per_look``: ``d``, ``var``, ``max_log_lr_pass``, ``max_log_lr_harm``, ``cuped_removed``, ``ready``)."""
+    est = unit_estimate(canary, stable, test.direction, cuped)
+    ready = (np.minimum(est.users_canary, est.users_stable) >= test.min_units) & (
+        np.minimum(est.events_canary, est.events_stable) >= test.min_events
+    )
+    pass_, harm = test.look(est.d, est.var, ready, est.df)
+    for arm, n, ratio in (
+        (test.canary, est.events_canary, est.ratio_canary),
+        (test.stable, est.events_stable, est.ratio_stable),
+    ):
+        n, ratio = float(np.ravel(n)[-1]), float(np.ravel(ratio)[-1])
+        arm.n, arm.total = int(n), (ratio * n if math.isfinite(ratio) else 0.0)
+    last = lambda a: float(np.ravel(a)[-1])  # noqa: E731
+    out = test.summary() | {
+        "unit": "user",
+        "cuped": cuped,
+        "canary_users": int(last(est.users_canary)),
+        "stable_users": int(last(est.users_stable)),
+        "variance": last(est.var),
+        "variance_raw": last(est.var_raw),
+        "df": last(est.df),
+        "cuped_removed": last(est.cuped_removed),
+        "ready": bool(np.ravel(ready)[-1]),
+    }
+    if np.ndim(est.d) > 0:
+        out["per_look"] = {
+            "d": est.d,
+            "var": est.var,
+            "df": est.df,
+            "max_log_lr_pass": pass_,
+            "max_log_lr_harm": harm,
+            "cuped_removed": est.cuped_removed,
+            "ready": ready,
+        }
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- latency
+
+
+def batch_means(
+    canary_means, stable_means, direction: int = -1, min_batches: int = 10
+) -> tuple[float, float, int] | None:
+    """(d, var, df) of a latency-like metric from per-bucket means of each arm (one value per time bucket, in the
+    same buckets; NaN where an arm had no request): the buckets pair by time, so a load both arms share cancels, and
+    the mean of the paired differences has the variance of the differences across buckets over their number, with
+    ``df`` = buckets - 1. None below ``min_batches`` buckets with both arms."""
+    if min_batches < 3:
+        raise ValueError(f"min_batches must be >= 3, got {min_batches}")
+    c, s = np.asarray(canary_means, dtype=float), np.asarray(stable_means, dtype=float)
+    if c.shape != s.shape or c.ndim != 1:
+        raise ValueError(f"per-bucket means of both arms must be 1-d arrays of one length, got {c.shape}, {s.shape}")
+    diff = direction * (c - s)
+    diff = diff[np.isfinite(diff)]
+    b = diff.size
+    if b < min_batches:
+        return None
+    return float(diff.mean()), max(float(diff.var(ddof=1)) / b, 1e-12), b - 1
+
+
+def look_batches(test: MetricTest, canary_means, stable_means, min_batches: int = 10) -> dict:
+    """One look of ``test`` (latency: ``direction`` -1, margins fixed at the canary's start) on per-bucket means
+    (``batch_means``); no look below ``min_batches`` buckets. Returns ``test.summary()`` with the buckets used."""
+    est = batch_means(canary_means, stable_means, test.direction, min_batches)
+    if est is not None:
+        d, var, df = est
+        test.look(d, var, True, df)
+    return test.summary() | {"unit": "batch", "batches": 0 if est is None else est[2] + 1}
+
+
+# ------------------------------------------------------------------------------------- sample-ratio mismatch
+
+
+def _lbeta(a, b):
+    lg = np.vectorize(math.lgamma, otypes=[float])
+    return lg(a) + lg(b) - lg(np.asarray(a) + np.asarray(b))
+
+
+def srm_log_bf_counts(x, n, share: float, tau: float = 0.05):
+    """log Bayes factor of "a unit lands on the canary with some probability p" (p ~ Beta with mean ``share`` and
+    standard deviation ``tau``) against p = ``share``, after ``x`` of ``n`` units on the canary: a nonnegative
+    martingale under the null however the units arrive, so 1 / its running maximum is an always-valid p-value."""
+    k = max(share * (1 - share) / (tau * tau) - 1.0, 1.0)  # the prior's concentration
+    a, b = k * share, k * (1 - share)
+    x, n = np.asarray(x, dtype=float), np.asarray(n, dtype=float)
+    return _lbeta(a + x, b + n - x) - _lbeta(a, b) - x * math.log(share) - (n - x) * math.log(1 - share)
+
+
+@dataclass
+class SrmTest:
+    """Sample-ratio mismatch: do the arms' user and event counts match the configured ``share``? Always valid at
+    ``alpha`` (``gate.srm_alpha``) however often it looks; split in two (users, events). Keeps running maxima like
+    ``MetricTest`` (store them with the rollout). ``tau``: the size of mismatch it is tuned for (share points)."""
+
+    share: float
+    alpha: float = 0.001
+    tau: float = 0.05
+    max_log_bf_users: float = float("-inf")
+    max_log_bf_events: float = float("-inf")
+
+    def __post_init__(self):
+        if not (0 < self.share < 1 and 0 < self.alpha < 1 and 0 < self.tau < 0.5):
+            raise ValueError(
+                f"share and alpha must be in (0, 1), tau in (0, 0.5), got {self.share}, {self.alpha}, {self.tau}"
+            )
+
+    def look_units(self, canary: UnitSums, stable: UnitSums) -> dict:
+        """One look (or a stack of them) with the user as the unit: users seen per arm (a Beta-binomial mixture)
+        and judged events per arm (normal mixture, cluster-aware variance). Uses each arm's ``den`` (the events)."""
+        mc, ms = canary.moments, stable.moments
+        n = mc["n"] + ms["n"]
+        users = srm_log_bf_counts(mc["n"], n, self.share, self.tau)
+        e_c, e_s = mc["den"], ms["den"]
+        total = e_c + e_s
+        s = self.share
+        with np.errstate(invalid="ignore", divide="ignore"):
+            d = e_c / total - s
+            var = s * (1 - s) * ((canary.den**2).sum(-1) + (stable.den**2).sum(-1)) / (total * total)
+            events = np.where(total > 0, log_mixture_lr(d, var, 0.0, self.tau), -np.inf)
+        return self._update(
+            users,
+            events,
+            {"canary_users": mc["n"], "stable_users": ms["n"], "canary_events": e_c, "stable_events": e_s},
+        )
+
+    def look_requests(self, events_canary, events_stable) -> dict:
+        """One look (or a stack) with the request as the unit: each event is drawn into an arm on its own."""
+        x, n = np.asarray(events_canary, float), np.asarray(events_canary, float) + np.asarray(events_stable, float)
+        events = srm_log_bf_counts(x, n, self.share, self.tau)
+        return self._update(np.full_like(events, -np.inf), events, {"canary_events": x, "stable_events": n - x})
+
+    def _update(self, users, events, counts: dict) -> dict:
+        users = np.maximum(np.maximum.accumulate(np.atleast_1d(users)), self.max_log_bf_users)
+        events = np.maximum(np.maximum.accumulate(np.atleast_1d(events)), self.max_log_bf_events)
+        self.max_log_bf_users, self.max_log_bf_events = float(users[-1]), float(events[-1])
+        out = {k: int(round(float(np.ravel(v)[-1]))) for k, v in counts.items()}  # counts of users and events
+        out |= {"share": self.share, "p_users": self.p_users, "p_events": self.p_events, "verdict": self.verdict()}
+        if np.ndim(next(iter(counts.values()))) > 0:
+            out["per_look"] = {"mismatch": np.minimum(np.exp(-users), np.exp(-events)) <= self.alpha / 2}
+        return out
+
+    @property
+    def p_users(self) -> float:
+        return min(1.0, math.exp(-self.max_log_bf_users)) if self.max_log_bf_users > float("-inf") else 1.0
+
+    @property
+    def p_events(self) -> float:
+        return min(1.0, math.exp(-self.max_log_bf_events)) if self.max_log_bf_events > float("-inf") else 1.0
+
+    def verdict(self) -> str:
+        """``mismatch`` when either count is shown off the share at ``alpha / 2`` (Bonferroni over the two)."""
+        return MISMATCH if min(self.p_users, self.p_events) <= self.alpha / 2 else MATCH
+
+
+# ------------------------------------------------------------------------------------------------- the canary
+
+
+@dataclass
+class Canary:
+    """The success metric and the guardrails of one rollout.
+
+    An abort on any guardrail shown worse splits alpha across the guardrails (Bonferroni: k chances of a false
+    alarm); a promotion needs every required guardrail shown non-inferior, each at alpha (an intersection-union test:
+    all must pass, so no split is needed for the promotion's error to stay at alpha). A guardrail not ``required``
+    only aborts: a promotion does not wait for it, so nothing bounds the chance of promoting a canary worse on it by
+    less than what the test can show."""
+
+    success: MetricTest
+    guardrails: list[MetricTest] = field(default_factory=list)
+
+    def verdict(
+        self,
+        deadline_passed: bool = False,
+        deadline_why: str = "deadline passed",
+        spent: float | None = None,
+        futility_z: float | None = None,
+    ) -> tuple[str, str]:
+        """(promote | abort | continue, why). Past the deadline (in time or evidence: ``deadline_why`` says which),
+        what is undecided aborts. With an evidence budget (``spent``: the share of it used so far) and
+        ``futility_z``, a canary whose success metric or a required guardrail could not pass within the budget even
+        ``futility_z`` standard errors better than estimated (``futile``) aborts now, as "futile"."""
+        k = max(len(self.guardrails), 1)
+        for g in self.guardrails:
+            if g.verdict(g.alpha / k) == WORSE:
+                return ABORT, f"guardrail {g.name} is worse than stable (p {g.p_harm:.3g})"
+        s = self.success.verdict()
+        if s == WORSE:
+            return ABORT, f"{self.success.name} is worse than stable (p {self.success.p_harm:.3g})"
+        pending = [g for g in self.guardrails if g.required and g.p_pass > g.alpha]
+        if s == BETTER and not pending:
+            shown = (
+                "better than stable"
+                if self.success.margin == 0
+                else f"not worse than stable by more than {self.success.margin:g}"
+            )
+            watched = [g.name for g in self.guardrails if not g.required]
+            return PROMOTE, (
+                f"{self.success.name} {shown} (p {self.success.p_pass:.3g}), every "
+                + ("required " if watched else "")
+                + "guardrail non-inferior"
+                + (f" ({', '.join(watched)}: not shown worse)" if watched else "")
+            )
+        if spent is not None and futility_z is not None and spent < 1.0 and not deadline_passed:
+            hopeless = [t for t in ([] if s == BETTER else [self.success]) + pending if t.futile(spent, futility_z)]
+            if hopeless:
+                return ABORT, f"futile with {spent:.0%} of the evidence budget spent: " + "; ".join(
+                    _futile_why(t, futility_z) for t in hopeless
+                )
+        if deadline_passed:
+            # with the p-values it ended at, so that on-call sees how far each test was from deciding
+            return ABORT, deadline_why + ": " + (
+                "; ".join(
+                    (
+                        [f"{self.success.name} undecided (p {self.success.p_pass:.3g} against {self.success.alpha:g})"]
+                        if s != BETTER
+                        else []
+                    )
+                    + [
+                        f"guardrail {g.name} not shown non-inferior (p {g.p_pass:.3g} against {g.alpha:g})"
+                        for g in pending
+                    ]
+                )
+            )
+        return CONTINUE, "collecting evidence"
+
+
+def _futile_why(t: MetricTest, z: float) -> str:
+    d, var = t.estimate()
+    goal = "better than stable" if t.margin == 0 else f"not worse than stable by more than {t.margin:g}"
+    return (
+        f"{t.name} cannot be shown {goal} by the budget even {z:g} standard errors above its estimate "
+        f"(effect {d:+.4g} ± {math.sqrt(max(var, 0.0)):.2g}, positive when better; p {t.p_pass:.3g} against "
+        f"{t.alpha:g})"
+    )

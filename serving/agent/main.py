@@ -1,0 +1,114 @@
+"""The serving process (``liverl serve``): a vLLM node with the OpenAI gateway inside it, and the hot-swap agent.
+
+The gateway runs in the node's API-server process (``serving.node.gateway_host``): product requests reach vLLM's engine
+client with no second process and no second HTTP hop. This process starts that node, runs the agent (which decides
+what the node serves: ``serving.agent.agent``) and watches the node.
+
+``serve`` refuses to start without an announcement verify key (``security.verify_key`` or
+``<state_dir>/keys/announce.pub``) unless ``security.allow_unsigned`` is set; it starts the node and the agent and
+runs until its stop event is set (or the node dies: the process then exits with the node's log tail, and its
+supervisor restarts it); ``run_serving`` is the blocking entry point that sets the stop event on SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from core.config import LiverlConfig
+from core.services import redis_from_url, required_verify_key
+from deploy.registry.blobstore import open_blob_store
+from serving.agent.agent import Agent
+from serving.agent.launch import start_node
+from serving.node.client import NodeClient
+from serving.node.gateway import event_loop_factory
+from serving.node.gateway_host import GatewayLink
+
+log = logging.getLogger("liverl.serving")
+
+
+async def _bounded_executor(loop: asyncio.AbstractEventLoop, n: int) -> None:
+    """Give the loop a fixed pool of ``n`` worker threads, all started now (registry, codec and DNS calls run
+    there): the thread count stays bounded and constant while serving, rather than growing on demand."""
+    pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="liverl-serving")
+    loop.set_default_executor(pool)
+    barrier = threading.Barrier(n)
+    await asyncio.gather(*[loop.run_in_executor(pool, barrier.wait, 10) for _ in range(n)])
+
+
+async def serve(
+    cfg: LiverlConfig,
+    model_dir: str | os.PathLike,
+    bootstrap: str,
+    redis_url: str,
+    registry_url: str | None,
+    stop: asyncio.Event,
+    on_ready=None,
+    base_version: int = 0,
+) -> None:
+    """Start the node (its gateway inside) and the agent, serve until ``stop`` is set, then shut everything down.
+    Refuses to start (a ``ValueError`` naming both ways out) without an announcement verify key, unless
+    ``security.allow_unsigned``. ``on_ready(gateway_link, agent, node)`` is called once the node serves."""
+    required_verify_key(cfg)  # before the node starts: an agent that would follow any Redis writer does not start
+    await _bounded_executor(asyncio.get_running_loop(), 4)
+    log_path = cfg.state_path / "logs" / f"vllm-{cfg.serving.node_name}.log"
+    node = await asyncio.to_thread(
+        start_node, cfg, model_dir, log_path, base_version=base_version, gateway_bootstrap=bootstrap
+    )
+    client = NodeClient(node.url, key=node.key)
+    link = GatewayLink(client, cfg.serving.node_name)
+    rds = redis_from_url(redis_url, asyncio=True)
+    registry = None
+    agent_task = None
+    try:
+        await client.start()
+        if registry_url:
+            from deploy.registry.registry import Registry  # noqa: PLC0415 torch: via deploy.registry.registry, with a registry only
+
+            registry = Registry(registry_url, open_blob_store(cfg.blob_location))
+        agent = Agent(cfg, link, rds, registry)
+        await agent.init()
+        agent_task = asyncio.create_task(agent.run(stop, node_alive=lambda: node.alive))
+        log.info(
+            "gateway on http://%s:%d, in the vLLM node's process (node %s, engine start %.1f s)",
+            cfg.serving.host,
+            cfg.serving.gateway_port,
+            node.url,
+            node.start_s,
+        )
+        if on_ready is not None:
+            on_ready(link, agent, node)
+        stop_task = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({agent_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+        stop_task.cancel()
+        if agent_task in done and agent_task.exception() is not None:
+            raise RuntimeError(f"serving stopped: {agent_task.exception()}; vLLM log tail:\n{node.log_tail()}")
+    finally:
+        if agent_task is not None and not agent_task.done():
+            agent_task.cancel()
+            await asyncio.gather(agent_task, return_exceptions=True)
+        await client.close()
+        await rds.aclose()
+        if registry is not None:
+            registry.close()
+        await asyncio.to_thread(node.stop)  # SIGTERM: the node's gateway flushes its producer before it exits
+
+
+def run_serving(
+    cfg: LiverlConfig, model_dir: str | os.PathLike, bootstrap: str, redis_url: str, registry_url: str | None
+) -> None:
+    """Blocking entry point (``liverl serve``): serve until SIGTERM or SIGINT."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(cfg, model_dir, bootstrap, redis_url, registry_url, stop)
+
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(main())

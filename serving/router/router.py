@@ -1,0 +1,401 @@
+"""The fleet's front door: ``liverl route`` spreads the product's requests over the serving nodes, sticky per user.
+
+The router sends requests only to the nodes the config names (``serving.fleet``: node name -> gateway URL; ``liverl
+up`` and ``liverl demo`` fill it). Each serving process (``liverl serve``: gateway + agent + vLLM node) writes a
+heartbeat (``<prefix>:served:<node>``, ``core.keys``) saying whether it is healthy and what it serves; the
+router reads them every ``refresh_s`` (``core.fleet``: the same rule the gate's canary and ``liverl status``
+use) and routes each request:
+
+- **Only nodes the config knows.** A heartbeat of a node ``serving.fleet`` does not name moves nothing (it is logged
+  once and counted, ``liverl_router_unknown_heartbeats``), and a node's URL is the config's, never its heartbeat's.
+  Redis is a signal here (is the node up, healthy), not an authority on where users go.
+- **Sticky per user.** The key is the request's ``X-Liverl-User`` header, else the OpenAI ``user`` field of the
+  body, else ``X-Session-Id`` (``fleet.user_key``); the node is chosen by rendezvous (highest-random-weight) hashing
+  of that key over the routable nodes, so a user keeps their node while it serves, and a node joining or leaving
+  moves only the users it gains or loses. A request with no key goes to a random node (``liverl_router_unkeyed``).
+- **Only nodes that may serve.** A node whose heartbeat expired (it stopped) or that reports itself unhealthy (a
+  failed weight check takes it out of service) is out of rotation. A node that refuses the connection, resets it,
+  does not accept it within ``connect_s`` (blackholed) or sends no response head within
+  ``serving.router_read_timeout_s`` is skipped for ``down_s`` and the request goes to the user's next node: nothing
+  has reached the client yet, so the retry is invisible to it. The same read timeout bounds the wait for each next
+  chunk of a stream; a stream that stalls that long is cut (counted, ``liverl_router_upstream_errors``).
+- **The canary's share.** During a rollout the router reads the canary announcement (``<p>:canary``), signed by the
+  gate and verified here (``security.verify_key``), for the rollout's terms: its id, share, canary nodes and unit.
+  With unit ``user``, a user goes to the canary nodes when their bucket, a keyed hash of the rollout id and the user
+  key (``fleet.bucket``, with the secret ``security.assignment_key`` that only routers hold), is below the share: the
+  same user stays on one arm for the whole rollout, each rollout draws its arms afresh, and no caller can predict or
+  pick an arm. With unit ``request`` each request is drawn afresh. The unsigned ``<p>:rollout`` plan is never read. If
+  one side has no node in rotation, the other serves.
+- **Credentials stay here.** ``Authorization``, ``Proxy-Authorization`` and ``Cookie`` are not forwarded to nodes (a
+  product's API key for the front door is not the nodes' business). Feedback's product key travels in its own header
+  (``X-Liverl-Product-Key``), which is forwarded: the node's gateway checks it.
+- **Unchanged bytes.** Everything else of the request (method, path, query, body, headers) reaches the node as the
+  client sent it; the body, the status, the headers (``X-Liverl-Generation-Id``, ``X-Liverl-Version``) and a
+  stream's chunks pass back as the node's gateway sent them; the router adds ``X-Liverl-Node``.
+
+Several routers can run side by side (they share Redis, the config and the assignment key) behind any TCP load
+balancer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import time
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from core import fleet
+from core.config import LiverlConfig
+from core.credentials import load_assignment_key
+from core.fleet import Node
+from core.schemas import RolloutTerms
+from core.services import redis_from_url, verify_key_path
+from deploy.registry.signing import Verifier
+
+log = logging.getLogger("liverl.serving.router")
+
+HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailers",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+    "host",
+}
+NOT_FORWARDED = HOP_BY_HOP | {"authorization", "cookie"}  # request headers a node never sees
+MAX_BODY = 8 << 20
+MAX_REMEMBERED = 10_000  # unknown heartbeat names remembered (each logged once)
+# Failures before any byte of the node's response: refused, reset, closed, not accepted within connect_s
+# (ConnectionTimeoutError) or no response head within the read timeout (SocketTimeoutError). Nothing has reached the
+# client, so the next node can answer.
+FAILOVER = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError, aiohttp.ServerTimeoutError)
+
+
+def rank(key: str, nodes: list[Node]) -> list[Node]:
+    """Nodes in the order ``key`` prefers them (rendezvous hashing): the first is its node, the rest the fallbacks."""
+
+    def weight(n: Node) -> bytes:
+        return hashlib.blake2b(f"{n.name}\0{key}".encode(), digest_size=8).digest()
+
+    return sorted(nodes, key=weight, reverse=True)
+
+
+class Router:
+    """The aiohttp app of ``liverl route``. ``assignment_key`` and ``verifier`` default to the config's
+    (``security.assignment_key``, ``security.verify_key``); ``connect_s`` and ``read_s`` bound the wait for a node's
+    connection and for its next bytes (``read_s`` default: ``serving.router_read_timeout_s``)."""
+
+    def __init__(
+        self,
+        cfg: LiverlConfig,
+        redis,
+        refresh_s: float = 1.0,
+        down_s: float = 5.0,
+        connect_s: float = 5.0,
+        read_s: float | None = None,
+        assignment_key: bytes | None = None,
+        verifier=None,
+    ):
+        if not cfg.serving.fleet:
+            raise ValueError(
+                "the router routes only to the nodes the config names: set serving.fleet to each node's "
+                'name and gateway URL (for example serving.fleet = {"node-0" = '
+                '"http://10.0.0.5:8000"}; `liverl up` fills it for the nodes it starts)'
+            )
+        self.cfg, self.redis, self.prefix = cfg, redis, cfg.topics.prefix
+        self.allowed: dict[str, str] = dict(cfg.serving.fleet)
+        self.secret = assignment_key if assignment_key is not None else load_assignment_key(cfg)
+        self.verifier = verifier if verifier is not None else _verifier(cfg)
+        self.refresh_s, self.down_s = refresh_s, down_s
+        self.connect_s = connect_s
+        self.read_s = cfg.serving.router_read_timeout_s if read_s is None else read_s
+        self.nodes: list[Node] = []
+        self.rollout: RolloutTerms | None = None  # the verified canary announcement's terms (None: no rollout)
+        self.announcements = fleet.AnnouncementReader(self.prefix, self.verifier)  # refuses replays too
+        self._last_refused: str | None = None
+        self._down: dict[str, float] = {}  # node -> until when it is skipped (refused a connection)
+        self._said: set[tuple[str, str]] = set()  # (what, name) logged once: unknown heartbeats, URL mismatches
+        self._draw = random.SystemRandom()  # per-request draws no caller can predict from the arms it sees
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        r = self.metrics = CollectorRegistry()
+        self.m_requests = Counter(
+            "liverl_router_requests", "Requests routed, by node and HTTP status", ["node", "status"], registry=r
+        )
+        self.m_arm = Counter(
+            "liverl_router_arm", "Requests by rollout arm (canary, stable; none: no rollout)", ["arm"], registry=r
+        )
+        self.m_failover = Counter(
+            "liverl_router_failovers",
+            "Requests re-routed because their node refused, reset or "
+            "blackholed the connection, or sent no response head in time",
+            ["node"],
+            registry=r,
+        )
+        self.m_upstream_errors = Counter(
+            "liverl_router_upstream_errors",
+            "Responses cut because their node failed after the response had started (the client sees a broken stream)",
+            ["node"],
+            registry=r,
+        )
+        self.m_unkeyed = Counter(
+            "liverl_router_unkeyed", "Requests with no user or session key (routed at random)", registry=r
+        )
+        self.m_nodes = Gauge("liverl_router_nodes", "Nodes in rotation", registry=r)
+        self.m_unknown = Counter(
+            "liverl_router_unknown_heartbeats",
+            "Distinct node names seen in heartbeats that serving.fleet does not name (ignored; each logged once)",
+            registry=r,
+        )
+        self.m_unknown_now = Gauge(
+            "liverl_router_unknown_nodes",
+            "Heartbeats of nodes serving.fleet does not name, at the last refresh",
+            registry=r,
+        )
+        self.m_refresh_errors = Counter(
+            "liverl_router_refresh_errors", "Failed reads of the nodes' heartbeats", registry=r
+        )
+        self.m_refused = Counter(
+            "liverl_router_refused_announcements",
+            "Reads of the canary announcement refused (routed as if there were no rollout), by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.app = web.Application(client_max_size=MAX_BODY)
+        self.app.router.add_get("/healthz", self.healthz)
+        self.app.router.add_get("/metrics", self.metrics_route)
+        self.app.router.add_get("/fleet", self.fleet)
+        self.app.router.add_route("*", "/v1/{tail:.*}", self.proxy)
+        self.app.on_startup.append(self._start)
+        self.app.on_cleanup.append(self._stop)
+
+    # ------------------------------------------------------------------------------------------ membership
+
+    def _once(self, what: str, name: str) -> bool:
+        """True the first time (``what``, ``name``) is seen (bounded memory: forged names cannot grow it forever)."""
+        if (what, name) in self._said or len(self._said) >= MAX_REMEMBERED:
+            return False
+        self._said.add((what, name))
+        return True
+
+    async def refresh(self) -> None:
+        beats = await fleet.read_heartbeats_async(self.redis, self.prefix)
+        strangers = fleet.unknown(beats, self.allowed)
+        for name in strangers:
+            if self._once("unknown", name):
+                self.m_unknown.inc()
+                log.warning(
+                    "router: ignoring the heartbeat of node %r (url %r): serving.fleet does not name it",
+                    name[:200],
+                    (beats[name].url or "")[:200],
+                )
+        self.m_unknown_now.set(len(strangers))
+        nodes = fleet.routable(beats, self.allowed)
+        for n in nodes:
+            url = (beats[n.name].url or "").rstrip("/")
+            if url and url != n.url and self._once(f"url {url[:200]}", n.name):
+                log.warning(
+                    "router: %s's heartbeat advertises %s; routing to serving.fleet's %s", n.name, url[:200], n.url
+                )
+        self.rollout = await self._read_rollout()
+        if [n.name for n in nodes] != [n.name for n in self.nodes]:
+            log.info("router: nodes in rotation: %s", ", ".join(f"{n.name} (v{n.version})" for n in nodes) or "none")
+        self.nodes = nodes
+        self.m_nodes.set(len(nodes))
+
+    async def _read_rollout(self) -> RolloutTerms | None:
+        """The rollout's terms from the canary announcement, when it verifies (signed by the gate, for this channel
+        and deployment, not expired, not older than one accepted before); else None: no rollout, everyone on stable."""
+        try:
+            ann = await self.announcements.read(self.redis, "canary")
+        except fleet.AnnouncementRefused as e:
+            self.m_refused.labels(e.reason).inc()
+            if self._last_refused != e.reason:  # said once per run of refusals, not every refresh
+                self._last_refused = e.reason
+                log.error(
+                    "router: refusing %s (%s); routing as if there were no rollout",
+                    fleet.announcement_key(self.prefix, "canary"),
+                    e,
+                )
+            return None
+        self._last_refused = None
+        return ann.rollout if ann is not None else None
+
+    async def _refresh_loop(self) -> None:
+        while not self._closing:  # not only the cancel: a library that turns it into an error would loop on for ever
+            try:
+                await self.refresh()
+            except Exception as e:  # noqa: BLE001 - keep routing on the last known nodes
+                self.m_refresh_errors.inc()
+                log.warning("router: cannot read the heartbeats (%s); routing on the last known nodes", e)
+            await asyncio.sleep(self.refresh_s)
+
+    async def _start(self, _app: web.Application) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_s, sock_read=self.read_s)
+        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_loop())
+
+    async def _stop(self, _app: web.Application) -> None:
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    def arm(self, key: str | None) -> bool | None:
+        """Whether a request with user key ``key`` goes to the canary (None: no rollout). Unit ``user``: the user's
+        keyed bucket in this rollout (sticky); unit ``request``, or no key: a fresh draw."""
+        terms = self.rollout
+        if terms is None:
+            return None
+        if terms.unit == "user" and key is not None:
+            return fleet.bucket(self.secret, terms.rollout_id, key) < terms.share
+        return self._draw.random() < terms.share
+
+    def choose(self, key: str | None) -> list[Node]:
+        """The nodes to try for ``key``, in order: its rendezvous ranking, nodes that just refused us last."""
+        now = time.monotonic()
+        pool, canary = self.nodes, self.arm(key)
+        if canary is None:
+            self.m_arm.labels("none").inc()
+        else:
+            names = set(self.rollout.nodes)
+            side = [n for n in self.nodes if (n.name in names) == canary]
+            pool = side or self.nodes
+            self.m_arm.labels("canary" if canary and side else "stable").inc()
+        nodes = rank(key, pool) if key is not None else random.sample(pool, len(pool))
+        return [n for n in nodes if self._down.get(n.name, 0) <= now] + [
+            n for n in nodes if self._down.get(n.name, 0) > now
+        ]
+
+    # ------------------------------------------------------------------------------------------ routes
+
+    async def healthz(self, _request: web.Request) -> web.Response:
+        if not self.nodes:
+            return web.Response(status=503, text="no serving node in rotation")
+        return web.Response(text=f"ok: {len(self.nodes)} nodes")
+
+    async def metrics_route(self, _request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics), content_type="text/plain")
+
+    async def fleet(self, _request: web.Request) -> web.Response:
+        return web.json_response([{"node": n.name, "url": n.url, "version": n.version} for n in self.nodes])
+
+    async def proxy(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        key = fleet.user_key(request.headers, body)
+        if key is None:
+            self.m_unkeyed.inc()
+        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED)
+        for node in self.choose(key):
+            try:
+                upstream = await self._session.request(
+                    request.method, node.url + request.path_qs, data=body, headers=headers, allow_redirects=False
+                )
+            except FAILOVER as e:
+                # refused, reset, closed or silent before any byte came back (a pooled keep-alive connection to a
+                # node that just stopped fails this way too): nothing has reached the client, the next node answers
+                self._down[node.name] = time.monotonic() + self.down_s
+                self.m_failover.labels(node.name).inc()
+                log.warning(
+                    "router: %s failed before answering (%s: %s); trying the next node", node.name, type(e).__name__, e
+                )
+                continue
+            try:
+                return await self._relay(request, upstream, node)
+            finally:
+                upstream.release()
+        self.m_requests.labels("none", "503").inc()
+        return web.json_response(
+            {"error": {"message": "no serving node is available", "type": "unavailable"}}, status=503
+        )
+
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, node: Node) -> web.StreamResponse:
+        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        for k, v in upstream.headers.items():
+            if k.lower() not in HOP_BY_HOP:
+                resp.headers.add(k, v)
+        resp.headers["X-Liverl-Node"] = node.name
+        await resp.prepare(request)
+        try:
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)
+        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
+            # the node failed mid-response: the client has the head already, so it gets a broken stream (raising
+            # makes aiohttp drop the connection instead of ending the response as if it were complete)
+            if not isinstance(e, ConnectionResetError):  # not the client leaving
+                self._down[node.name] = time.monotonic() + self.down_s
+                self.m_upstream_errors.labels(node.name).inc()
+                log.warning("router: %s failed mid-response (%s: %s)", node.name, type(e).__name__, e)
+            raise
+        await resp.write_eof()
+        self.m_requests.labels(node.name, str(upstream.status)).inc()
+        return resp
+
+
+def _verifier(cfg: LiverlConfig):
+    """The announcement verifier of ``security.verify_key``. Without a key: None (unsigned canary announcements are
+    followed) with ``security.allow_unsigned``, else ValueError."""
+    path = verify_key_path(cfg)
+    if path is not None:
+        return Verifier(path)
+    if cfg.security.allow_unsigned:
+        log.warning(
+            "UNSIGNED ANNOUNCEMENTS: the router follows any canary announcement written to Redis "
+            "(security.allow_unsigned = true)"
+        )
+        return None
+    raise ValueError(
+        "the router takes a rollout's terms only from a signed canary announcement and has no key to "
+        "verify one: set security.verify_key (or put it at "
+        f"{cfg.state_path / 'keys' / 'announce.pub'}; `liverl up` makes a pair there), or, UNSAFE and "
+        "only where every Redis writer is trusted, set security.allow_unsigned = true"
+    )
+
+
+def run_router(cfg: LiverlConfig, redis_url: str, host: str, port: int) -> None:
+    """Blocking entry point (``liverl route``)."""
+
+    async def main() -> None:
+        rds = redis_from_url(redis_url, asyncio=True)
+        try:
+            router = Router(cfg, rds)  # refuses to start without serving.fleet or the assignment key
+            runner = web.AppRunner(router.app, access_log=None)
+            await runner.setup()
+            try:
+                await web.TCPSite(runner, host, port).start()
+                log.info(
+                    "router on http://%s:%d: %d of the %d configured nodes in rotation",
+                    host,
+                    port,
+                    len(router.nodes),
+                    len(router.allowed),
+                )
+                print(
+                    f"router on http://{host}:{port} ({len(router.nodes)} of the {len(router.allowed)} configured "
+                    "nodes in rotation; GET /fleet lists them)",
+                    flush=True,
+                )
+                await asyncio.Event().wait()
+            finally:
+                await runner.cleanup()
+        finally:
+            await rds.aclose()
+
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
