@@ -317,7 +317,7 @@ def _repacked(blob: bytes, mutate) -> bytes:
 
     import zstandard
 
-    from deploy.registry.registry import container
+    from deploy.registry import container
 
     hlen, plen = int.from_bytes(blob[12:16], "little"), int.from_bytes(blob[16:24], "little")
     header = json.loads(zstandard.ZstdDecompressor().decompress(blob[56 + plen : 56 + plen + hlen]))
