@@ -220,7 +220,7 @@ def make_engine(url: str) -> sa.Engine:
         cur.close()
 
     @event.listens_for(engine, "begin")
-    def _on_begin(conn):  # writers take the write lock up front (see Registry._tx): no busy-upgrade failures
+    def _on_begin(conn):  # writers take the write lock up front (see RegistryDB.tx): no busy-upgrade failures
         conn.exec_driver_sql("BEGIN " + conn.get_execution_options().get("sqlite_begin", "DEFERRED"))
 
     return engine

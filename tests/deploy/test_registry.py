@@ -336,7 +336,7 @@ def test_compose_in_both_directions_and_across_branches(registry):
 
 def test_compose_refuses_a_chain_that_misses_the_recorded_checksum(registry):
     chain(registry, 3)
-    with registry._tx() as s:
+    with registry.db.tx() as s:
         s.execute(sa.update(Version).where(Version.version == 3).values(checksum="0" * 64))
     with pytest.raises(RegistryError, match="registry says"):
         registry.compose(1, 3)
