@@ -18,7 +18,7 @@ import pytest
 from deploy.canary import SETTLE_S, evidence_start, first_bucket
 from deploy.gate import Gate
 from deploy.registry import open_registry
-from learner.trainer import evidence_against
+from learner.candidates import evidence_against
 from liverl.core import fleet, keys
 from liverl.core.config import GateConfig
 from liverl.core.schemas import VersionAnnouncement
