@@ -103,7 +103,7 @@ class Learner:
         self.candidates = Candidates(cfg, self.state, self.trainer, registry, redis, self.ledger, self.admission)
         self.last_metrics: dict[str, float] = {}  # the last update's
         self.last_hops: dict[str, float] = {}  # the last batch's hop times (``Admission.hops``)
-        self.last_backlog: tuple[int, float] = (-1, -1.0)  # (samples, seconds) as of the last publish (``backlog``)
+        self.last_backlog: tuple[int, float] = (-1, -1.0)  # (samples, seconds) at the last publish
         self._consumer = None
         self._parts_checked_at = 0.0  # when _assign last looked at the samples topic's partitions
         if not self.checkpoints.restore(self.state):

@@ -408,9 +408,9 @@ def ledger_fates(learner) -> tuple[list[str], list[tuple[str | None, str]]]:
 def test_a_record_that_breaks_the_checks_or_a_batch_that_fails_is_refused_and_the_loop_goes_on(
     cfg, model_dir, base_samples
 ):
-    """Finding 15: an unexpected exception on one record, or a batch that runs out of memory, crash-looped the
-    learner. Now the record or the batch is refused with a counted reason, the weights are as before the batch,
-    and training goes on."""
+    """An unexpected exception on one record, or a batch that runs out of memory, must not crash-loop the learner:
+    the record or the batch is refused with a counted reason, the weights are as before the batch, and training
+    goes on."""
     from deploy.delta import checksum
     from learner.trainer import Learner
 
@@ -458,7 +458,8 @@ def test_a_record_that_breaks_the_checks_or_a_batch_that_fails_is_refused_and_th
 
 
 def test_a_failed_epoch_puts_the_weights_and_the_optimizer_back(model_dir, base_samples):
-    """Finding 26: with micro_epochs > 1, a failure in epoch 2 left epoch 1's update in the weights."""
+    """With micro_epochs > 1, a failure in epoch 2 leaves neither epoch 1's update in the weights nor its moments in
+    the optimizer."""
     from deploy.delta import checksum
     from learner.policy_trainer import BatchFailed, PolicyTrainer
     from liverl.core.config import LearnerConfig
@@ -481,9 +482,9 @@ def test_a_failed_epoch_puts_the_weights_and_the_optimizer_back(model_dir, base_
 
 
 def test_the_dedupe_window_and_the_batch_token_cap_hold(cfg, model_dir, base_samples):
-    """Finding 16: trained ids grew without bound and went into every checkpoint. Now the learner remembers
-    the last ``dedupe_window`` ids (older ones are below the offset watermark), and a batch is cut short
-    when its padded size would pass ``max_batch_tokens``."""
+    """The learner keeps the last ``dedupe_window`` trained ids in memory and in the checkpoint (older ones are below
+    the offset watermark, and in ``learner.seen``), and a batch is cut short when its padded size would pass
+    ``max_batch_tokens``."""
     from learner.trainer import Learner
 
     longest = max(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in base_samples[:48])
@@ -500,7 +501,7 @@ def test_the_dedupe_window_and_the_batch_token_cap_hold(cfg, model_dir, base_sam
         st = read_checkpoint(learner.ckpt_path)  # one JSON string in the checkpoint: torch.save pickles a list
         assert isinstance(st["trained_ids"], str) and json.loads(st["trained_ids"]) == trained[-10:]  # item by item
         assert list(Learner(cfg, model_dir, cfg.broker.bootstrap, reg).state.trained_ids) == trained[-10:]  # resumed
-        st["trained_ids"] = trained[-10:]  # a checkpoint written before (a list) still resumes
+        st["trained_ids"] = trained[-10:]  # a checkpoint whose ids are a list resumes too
         torch.save(st, learner.ckpt_path)
         assert list(Learner(cfg, model_dir, cfg.broker.bootstrap, reg).state.trained_ids) == trained[-10:]
     finally:
@@ -508,9 +509,9 @@ def test_the_dedupe_window_and_the_batch_token_cap_hold(cfg, model_dir, base_sam
 
 
 def test_a_replay_is_refused_however_late_it_comes(cfg, model_dir, base_samples):
-    """Issue 22: the learner remembered only the last ``dedupe_window`` ids, and a sample that ingest emitted again
-    lands at a new offset, past the watermark: a replay more than a window later was trained again. Now every
-    trained id is kept durably (``learner.seen``), across a restart too. dedupe_window=10: S, 10+ newer ids, S."""
+    """A sample that ingest emits again lands at a new offset, past the watermark, and may come more than
+    ``dedupe_window`` ids later: every trained id is kept durably (``learner.seen``), across a restart too, so the
+    replay is refused. dedupe_window=10: S, 10+ newer ids, S."""
     from learner.trainer import Learner
 
     cfg = learner_cfg(cfg, batch_size=4, candidate_every_steps=100, dedupe_window=10)
@@ -585,10 +586,10 @@ def test_stale_samples_are_dropped_and_a_stalled_fleet_triggers_a_rebase(cfg, mo
 
 def test_a_learner_ahead_of_a_slow_canary_keeps_training_and_does_not_rebase(cfg, model_dir, base_samples):
     """Staleness is the learner's own updates since its weights were a version, not the gap in version numbers: the
-    registry numbers every candidate, so after 12 candidates (most refused or superseded) the version numbers said
-    "12 behind" and the learner threw its weights away every few seconds while a canary ran (42 rebases in one
-    10-minute demo). Samples of its recent candidate (the canary's) are fresh; stable's are stale; it rebases only
-    when nothing but stale samples has come for STARVE_S."""
+    registry numbers every candidate, so after 12 candidates (most refused or superseded) the version numbers say
+    "12 behind", and a learner that went by them would throw its weights away every few seconds while a canary runs.
+    Samples of its recent candidate (the canary's) are fresh; stable's are stale; it rebases only when nothing but
+    stale samples has come for STARVE_S."""
     from learner.candidates import STARVE_S
     from learner.trainer import Learner
 
@@ -641,8 +642,8 @@ def test_frozen_flag_blocks_candidates_but_not_training(cfg, model_dir, base_sam
 
 
 def test_a_rollback_makes_the_learner_rebase_onto_the_stable_version(cfg, model_dir, base_samples):
-    """Finding: after an operator's rollback the learner kept training the rolled-back lineage, and its next
-    candidate brought the change back. Now it rebases onto the stable weights as soon as it sees the rollback."""
+    """After an operator's rollback the learner rebases onto the stable weights as soon as it sees the rollback: a
+    learner that kept training the rolled-back lineage would bring the change back in its next candidate."""
     import redis
 
     from learner.trainer import Learner
@@ -673,8 +674,8 @@ def test_a_rollback_makes_the_learner_rebase_onto_the_stable_version(cfg, model_
 
 
 def test_run_sees_a_rollback_though_no_sample_was_ever_stale(cfg, model_dir, base_samples):
-    """Issue 22: ``run()`` looked for a rollback only after it had dropped a stale sample, so a deployment that never
-    dropped one kept training the rolled-back lineage. Now the loop checks before every update."""
+    """The loop checks for a rollback before every update, whatever the counters say: a deployment that never dropped
+    a stale sample sees a rollback too."""
     from learner.trainer import Learner
 
     cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=1)
@@ -743,7 +744,7 @@ def test_online_rl_lifts_expected_acceptance_by_15_points(model_dir):
 
 
 def test_a_learner_that_cannot_keep_up_sheds_the_oldest_feedback_and_counts_it(cfg, model_dir, base_samples):
-    """Issue 23: where the learner cannot keep up it sheds load on purpose: a sample whose feedback is older than
+    """Where the learner cannot keep up it sheds load on purpose: a sample whose feedback is older than
     ``max_backlog_s`` is skipped, refused as "shed" in the ledger (``liverl audit`` accounts for it) and counted,
     and the newest feedback is trained."""
     from learner.trainer import Learner
@@ -770,10 +771,9 @@ def test_a_learner_that_cannot_keep_up_sheds_the_oldest_feedback_and_counts_it(c
 
 
 def test_a_lineage_the_gate_keeps_refusing_is_dropped_for_the_stable_weights(cfg, model_dir, base_samples):
-    """A 60-minute demo run: the learner's lineage fell under the gate's collapse floor and the gate refused every
-    candidate for minutes; training it further did not bring it back. Now ``run()`` rebases onto the stable version
-    once the gate refused ``rebase_after_refusals`` of its newest candidates in a row on their evidence
-    (supersessions do not count, and refusals from before the rebase do not count again)."""
+    """A lineage under the gate's collapse floor is refused for as long as it is trained further: ``run()`` rebases
+    onto the stable version once the gate refused ``rebase_after_refusals`` of its newest candidates in a row on
+    their evidence (supersessions do not count, and refusals from before the rebase do not count again)."""
     from deploy.delta import checksum
     from learner.trainer import Learner
 
@@ -825,7 +825,7 @@ def test_candidates_not_judged_yet_do_not_hide_refusals_and_a_canary_defers_the_
 
 def test_candidates_emitted_during_the_stables_canary_count_once_it_is_promoted(cfg, model_dir, base_samples):
     """The first candidates judged against a newly promoted version were emitted during its canary, before its
-    promotion: their refusals count (counting from the promotion left them out, and the rule needed a third)."""
+    promotion: their refusals count (counted from the promotion, the rule would need a third)."""
     from learner.trainer import Learner
 
     cfg = learner_cfg(cfg, batch_size=8, candidate_every_steps=1, rebase_after_refusals=2)
@@ -846,13 +846,12 @@ def test_candidates_emitted_during_the_stables_canary_count_once_it_is_promoted(
 
 
 def test_a_rebase_after_refusals_backs_the_learning_rate_off_and_promotions_bring_it_back(cfg, model_dir, base_samples):
-    """The hour-long demo run after the rebase rule: every lineage rebased at the full rate was refused again within
-    minutes (suite, entropy floor, canaries), and runs of refusals lasted up to 14 minutes. Now each rebase after
-    refusals multiplies the learning rate by ``lr_backoff`` (not under ``min_lr_scale``), the optimizer trains at it
+    """A lineage rebased at the full rate can be refused again within minutes (suite, entropy floor, canaries): each
+    rebase after refusals multiplies the learning rate by ``lr_backoff`` (not under ``min_lr_scale``), the optimizer trains at it
     from the next update, a restart keeps it, and each promotion since it last changed divides it back, up to lr.
 
     One ``run()`` while a thread plays the gate and refuses every candidate until the learner rebased three times
-    (one consumer: a consumer per step churned the group until it could not settle)."""
+    (one consumer for the whole run)."""
     from learner.trainer import Learner
 
     cfg = learner_cfg(
