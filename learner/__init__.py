@@ -8,7 +8,7 @@ the registry (``deploy/registry/``, a delta from their parent), the checkpoint b
 in the state folder (``learner/<prefix>.ckpt``), the offsets committed to the group ``<prefix>.learner`` (for lag
 tools), the live state in Redis (``<prefix>:learner``) and the ``liverl_learner_*`` metrics.
 
-One micro-epoch of the loop, a batch at a time (``trainer.Learner.run``):
+One batch's path through the loop (``trainer.Learner.run``), its micro-epochs included:
 
 1. **assign**: every partition of the samples topic, read by this learner alone (its lease, ``lease``), each from
    where its checkpoint stands; no consumer group to join.
@@ -19,9 +19,9 @@ One micro-epoch of the loop, a batch at a time (``trainer.Learner.run``):
    stopped serving this lineage makes the learner rebase onto the stable weights; the KL reference may follow the
    stable version.
 5. **update** (``policy_trainer.PolicyTrainer.train_step``): the reference's log-probs once, then ``micro_epochs``
-   passes over the batch (forward, ``loss``, backward, global grad-norm clip, AdamW); a pass that fails (non-finite
-   loss or gradient, out of memory) puts the weights and the optimizer back and refuses the batch. Then the ledger's
-   line, the trained ids and the watermark move past the batch.
+   micro-epochs, each one pass over the batch (forward, ``loss``, backward, global grad-norm clip, AdamW); a failed
+   one (non-finite loss or gradient, out of memory) puts the weights and the optimizer back and refuses the batch.
+   Then the ledger's line, the trained ids and the watermark move past the batch.
 6. **candidate** (``candidates``): every ``candidate_every_steps`` updates the weights (or their average) become a
    candidate in the registry, unless the hold flag is set.
 7. **checkpoint, then commit** (``checkpoint``): after a candidate or a rebase, every ``checkpoint_every_steps``

@@ -111,7 +111,8 @@ class Candidates:
 
     def frozen(self) -> bool:
         """The hold flag (``keys.learner_hold``, set by ``liverl hold`` or a demo measuring its last version): the
-        learner trains but emits no candidates. An unreadable flag counts as set (no candidate we cannot account for)."""
+        learner trains but emits no candidates. An unreadable flag counts as set (no candidate we cannot account
+        for)."""
         if self.redis is None:
             return False
         try:

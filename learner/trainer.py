@@ -1,26 +1,19 @@
-"""The learner's poll/commit loop: fetch sample records, let admission sort them, train a batch, checkpoint, commit.
+"""The learner's poll/commit loop (``Learner.run``): the steps of one batch and their invariants are on the
+package's page (``learner/__init__.py``); the decisions are in ``learner.admission`` (which record may train) and
+``learner.candidates`` (when the weights become a candidate, when the lineage is dropped), the checkpoint's format
+and order of writes in ``learner.checkpoint``. This module holds what ties them to Kafka, Redis and the lease:
 
-One iteration of ``Learner.run`` (the design and its invariants: ``learner/__init__.py``):
+- the samples topic's partitions, all read by this learner (``Learner._assign``), without joining a consumer group;
+- the update of a batch, its ledger line and its place in the watermark (``Learner._update``);
+- when to checkpoint: after a candidate or a rebase, every ``checkpoint_every_steps`` updates or
+  ``checkpoint_every_s`` seconds, when idle with refusals buffered, on a clean stop; then the offset commit to the
+  group ``<prefix>.learner`` (for lag tools: the checkpoint, not the group, holds the positions);
+- the live state in Redis (``keys.learner``), read by ``liverl status`` and the on-call page.
 
-1. **assign**: every partition of the samples topic, each from where this learner stands (``_assign``), and again
-   every ``PARTITIONS_CHECK_S`` for partitions added later;
-2. **poll**: fetch records into the admission queue (paused while it holds 8 batches);
-3. **classify** (``learner.admission``): accept or refuse each record until a batch is full;
-4. **follow the registry** (``learner.candidates``): rebase on a rollback (before every update), on refusals in a
-   row or on starvation; move the KL reference. A registry error is counted and retried; training goes on;
-5. **update**: train the oldest full batch; the ledger, the seen ids and the watermark follow it;
-6. **candidate** (``learner.candidates``): every ``candidate_every_steps`` updates;
-7. **checkpoint, then commit** (``learner.checkpoint``): after a candidate or a rebase, every
-   ``checkpoint_every_steps`` updates or ``checkpoint_every_s`` seconds, when idle with refusals buffered, on a
-   clean stop; only then are the offsets committed to the group ``<prefix>.learner`` (for lag tools: the checkpoint,
-   not the group, holds the positions);
-8. **publish**: the live state to Redis (``keys.learner``), read by ``liverl status`` and the on-call page.
-
-Run as a process: ``liverl learn [--config FILE] [--max-steps N]``.
+Run as a process: ``liverl learn [--config FILE] [--max-steps N]`` (``run_learner``).
 The learner is a singleton per deployment, fenced by a lease in Redis (``learner.lease``): a second learner waits for
 the first to go, and a learner that lost its lease stops before it writes another checkpoint, candidate or offset
-commit. So it reads every partition of the samples topic itself (``Learner._assign``), without joining a consumer
-group: it commits its offsets to the group ``<prefix>.learner`` for lag tools, and starts at once.
+commit (``LeaseLost``).
 """
 
 from __future__ import annotations
@@ -243,6 +236,7 @@ class Learner:
         return True
 
     def publish(self, state: str = "running") -> None:
+        """The live state to Redis (best effort: an error is counted and logged); the backlog to ``last_backlog``."""
         self.last_backlog = self._backlog_shown()  # in the loop's thread: the consumer is not thread-safe
         if self.redis is None:
             return

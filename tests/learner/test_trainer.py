@@ -847,8 +847,9 @@ def test_candidates_emitted_during_the_stables_canary_count_once_it_is_promoted(
 
 def test_a_rebase_after_refusals_backs_the_learning_rate_off_and_promotions_bring_it_back(cfg, model_dir, base_samples):
     """A lineage rebased at the full rate can be refused again within minutes (suite, entropy floor, canaries): each
-    rebase after refusals multiplies the learning rate by ``lr_backoff`` (not under ``min_lr_scale``), the optimizer trains at it
-    from the next update, a restart keeps it, and each promotion since it last changed divides it back, up to lr.
+    rebase after refusals multiplies the learning rate by ``lr_backoff`` (not under ``min_lr_scale``), the optimizer
+    trains at it from the next update, a restart keeps it, and each promotion since it last changed divides it back,
+    up to lr.
 
     One ``run()`` while a thread plays the gate and refuses every candidate until the learner rebased three times
     (one consumer for the whole run)."""
