@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import collections
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+if TYPE_CHECKING:
+    from learner.checkpoint import LearnerState
 
-class LearnerState(Protocol):
+
+class LiveLearner(Protocol):
     """What the collector reads of a live learner (``learner.trainer.Learner`` has it; this module does not import
     the trainer, which imports this module)."""
 
-    step: int
-    counters: collections.Counter[str]
-    last_candidate: int | None
+    state: LearnerState
     last_backlog: tuple[int, float]
     last_metrics: dict[str, float]
     last_hops: dict[str, float]
@@ -23,29 +23,29 @@ class LearnerState(Protocol):
 class PrometheusCollector:
     """Exposes a learner's live state at scrape time (``liverl_learner_*``; counters end in ``_total``)."""
 
-    def __init__(self, learner: LearnerState):
+    def __init__(self, learner: LiveLearner):
         self.learner = learner
 
     def collect(self):
-        lr = self.learner
-        yield CounterMetricFamily("liverl_learner_steps", "Policy updates made.", value=lr.step)
+        lr, st = self.learner, self.learner.state
+        yield CounterMetricFamily("liverl_learner_steps", "Policy updates made.", value=st.step)
         yield CounterMetricFamily(
-            "liverl_learner_samples_trained", "Samples trained on.", value=lr.counters["samples_trained"]
+            "liverl_learner_samples_trained", "Samples trained on.", value=st.counters["samples_trained"]
         )
         dropped = CounterMetricFamily(
             "liverl_learner_samples_dropped", "Samples refused, by reason.", labels=["reason"]
         )
-        for k, v in sorted(lr.counters.items()):
+        for k, v in sorted(st.counters.items()):
             if k.startswith("dropped:"):
                 dropped.add_metric([k.split(":", 1)[1]], v)
         yield dropped
         yield CounterMetricFamily(
-            "liverl_learner_rebases", "Restarts from the stable weights.", value=lr.counters["rebases"]
+            "liverl_learner_rebases", "Restarts from the stable weights.", value=st.counters["rebases"]
         )
         yield GaugeMetricFamily(
             "liverl_learner_last_candidate_version",
             "Last candidate version emitted (-1: none).",
-            value=-1 if lr.last_candidate is None else lr.last_candidate,
+            value=-1 if st.last_candidate is None else st.last_candidate,
         )
         events, seconds = lr.last_backlog
         yield GaugeMetricFamily(

@@ -2,8 +2,8 @@
 
 ``PolicyTrainer.train_step(samples)`` runs ``micro_epochs`` passes of ``learner.loss`` over one batch and leaves the
 weights untouched when the batch fails (non-finite loss or gradient, out of memory). ``refusal(sample)`` is the
-input check the learner applies to every record before it may reach a batch. Used by ``learner.trainer.Learner``
-(Kafka, checkpoints) and directly by ``liverl bench logprobs`` and in-process experiments.
+input check the learner applies to every record before it may reach a batch (``learner.admission``). Used by
+``learner.trainer.Learner`` (Kafka, checkpoints) and directly by ``liverl bench logprobs`` and in-process experiments.
 """
 
 from __future__ import annotations

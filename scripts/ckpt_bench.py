@@ -3,8 +3,8 @@
     python scripts/ckpt_bench.py [--ids 100000] [--repeats 5]
 
 The state is the learner's own (``PolicyTrainer.state()`` of the demo's base policy: fp32 weights, AdamW, the
-baseline) plus ``--ids`` sample ids, written as ``Learner._save_checkpoint`` writes it (``torch.save`` to a file,
-then fsync). Prints a table for BENCHMARKS.md.
+baseline) plus ``--ids`` sample ids, written as ``learner.checkpoint.Checkpoints.save`` writes it (``torch.save`` to a
+file, then fsync). Prints a table for BENCHMARKS.md.
 """
 
 from __future__ import annotations

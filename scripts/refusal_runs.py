@@ -4,7 +4,7 @@
 
 Issue #23's bar for a 60-minute demo run: no run of refusals lasts more than 5 minutes. A run starts at the first
 refusal after a promotion: a failed gate check (``rejected`` in the audit log, on the candidate's own evidence:
-``learner.trainer.evidence_against``; not a supersession) or any aborted canary (``canary_abort``: shown worse,
+``learner.candidates.evidence_against``; not a supersession) or any aborted canary (``canary_abort``: shown worse,
 futile, its deadline or evidence budget spent, a sample-ratio mismatch: the candidate was not shipped whatever the
 reason). It ends at the next promotion, or at the end of the registry's history (then it is marked open). (Until the
 sixteenth session it counted only the ``rejected`` entries, so a run of aborted canaries with no failed check in it
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from core.config import load_config
 from deploy.registry.registry import open_registry
-from learner.trainer import evidence_against
+from learner.candidates import evidence_against
 
 
 def main() -> int:

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 from sqlalchemy import select
 
-from deploy.blobstore import BlobError, BlobInfo, BlobStore
-from deploy.regdb import RegistryDB
-from deploy.tables import Version
+from deploy.registry.blobstore import BlobError, BlobInfo, BlobStore
+from deploy.registry.regdb import RegistryDB
+from deploy.registry.tables import Version
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """The registry's operators and its audit log: who may change the registry, and what each change was.
 
 An operator authenticates with a token shown once at creation; the registry stores only its sha256. Roles are
-ordered (``deploy.tables.ROLES``): a role may do what every role below it may. Every change to the registry appends
-an audit entry (``RegistryDB.append_audit``); ``verify_audit`` walks the chain (``deploy.auditchain``).
+ordered (``deploy.registry.tables.ROLES``): a role may do what every role below it may. Every change to the registry appends
+an audit entry (``RegistryDB.append_audit``); ``verify_audit`` walks the chain (``deploy.registry.auditchain``).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import time
 
 from sqlalchemy import select
 
-from deploy.auditchain import AuditCheck, check_chain
-from deploy.regdb import AuthError, RegistryDB, RegistryError, lock
-from deploy.tables import ROLES, AuditEntry, Operator
+from deploy.registry.auditchain import AuditCheck, check_chain
+from deploy.registry.regdb import AuthError, RegistryDB, RegistryError, lock
+from deploy.registry.tables import ROLES, AuditEntry, Operator
 
 
 def hash_token(token: str) -> str:
@@ -82,7 +82,7 @@ class Operators:
 
     def verify_audit(self) -> AuditCheck:
         """Walk the audit chain (plain hash for unkeyed entries, HMAC for keyed ones) and compare its end with the
-        head anchored in Redis: ``deploy.auditchain.check_chain``; ``.ok``, ``.problem``, ``.bad_id``, ``.warnings``."""
+        head anchored in Redis: ``deploy.registry.auditchain.check_chain``; ``.ok``, ``.problem``, ``.bad_id``, ``.warnings``."""
         with self.db.session() as s:
             entries = list(s.execute(select(AuditEntry).order_by(AuditEntry.id)).scalars())
         return check_chain(entries, self.db.audit_key, self.db.audit_head)

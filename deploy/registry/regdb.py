@@ -7,12 +7,12 @@ allocation and insert leaves a gap, as a sequence would. Status changes take the
 concurrent promotions cannot leave two stable versions. Heavy work (encoding, blob writes) happens outside
 transactions; each transaction is short.
 
-Schema: Alembic migrations in ``deploy.migrations``; opening a registry upgrades its database to head (under a
+Schema: Alembic migrations in ``deploy.registry.migrations``; opening a registry upgrades its database to head (under a
 lock, so several processes may open one database at once) and stamps a database that has the tables but no
 migration record.
 
 Audit log: every entry is chained by plain hash and, with an audit key (``security.audit_key``, never stored in the
-database), by HMAC; the chain's head is anchored in Redis (``deploy.auditchain`` says exactly what that detects).
+database), by HMAC; the chain's head is anchored in Redis (``deploy.registry.auditchain`` says exactly what that detects).
 Without a key a registry whose log is not keyed yet writes unkeyed entries (and says so in the log once); a registry
 whose log is keyed refuses writes from a process without the key.
 """
@@ -29,9 +29,9 @@ import sqlalchemy as sa
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from deploy.auditchain import AuditHead, audit_mac
-from deploy.migrations import upgrade_connection
-from deploy.tables import AuditEntry, Counter, Version, audit_hash, make_engine
+from deploy.registry.auditchain import AuditHead, audit_mac
+from deploy.registry.migrations import upgrade_connection
+from deploy.registry.tables import AuditEntry, Counter, Version, audit_hash, make_engine
 
 log = logging.getLogger("liverl.registry")
 
@@ -64,7 +64,7 @@ def version_row(s: Session, version: int) -> Version:
 class RegistryDB:
     """The database at ``url``, migrated to head on opening: read sessions, write transactions, the audit append.
 
-    ``audit_key``: the key of the audit log's HMAC chain (``deploy.auditchain``; None: unkeyed, see the module doc).
+    ``audit_key``: the key of the audit log's HMAC chain (``deploy.registry.auditchain``; None: unkeyed, see the module doc).
     ``audit_head``: where the chain's head is anchored after every append (Redis; needs ``audit_key``).
     """
 
@@ -124,7 +124,7 @@ class RegistryDB:
 
     def append_audit(self, s: Session, actor: str, action: str, version: int | None, reason: str | None) -> None:
         """Append one audit entry inside ``s``'s transaction, chained to the previous one (under the registry lock, so
-        the chain is linear): by plain hash, and by HMAC with the audit key (``deploy.auditchain``)."""
+        the chain is linear): by plain hash, and by HMAC with the audit key (``deploy.registry.auditchain``)."""
         lock(s)
         last = s.execute(
             select(AuditEntry.seq, AuditEntry.mac, AuditEntry.entry_hash).order_by(AuditEntry.id.desc()).limit(1)

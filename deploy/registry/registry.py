@@ -4,26 +4,28 @@ Blobs (snapshots and deltas) live in a content-addressed ``BlobStore``; the data
 PostgreSQL) holds the metadata. ``Registry`` is the one object callers hold; each of its jobs is a part over one
 shared database, and each part's module says how it works:
 
-- ``deploy.regdb``: the engine, sessions, the write lock, migrations on opening, the audit chain's append.
-- ``deploy.versions``: the base and the candidates, status changes (promote, reject, rollback), gate results,
+- ``deploy.registry.regdb``: the engine, sessions, the write lock, migrations on opening, the audit chain's append.
+- ``deploy.registry.versions``: the base and the candidates, status changes (promote, reject, rollback), gate results,
   queries of versions; ``Fleet``: which node serves which version.
-- ``deploy.rollouts``: the canaries' rollouts, begun and ended together with their version's status.
-- ``deploy.operators``: operators, their tokens and roles; reading and verifying the audit log.
-- ``deploy.weights``: rebuilding any version's weights from snapshot and deltas; the delta between two versions.
-- ``deploy.blobgc``: garbage collection of unreferenced blobs, and pruning rejected versions' deltas.
+- ``deploy.registry.rollouts``: the canaries' rollouts, begun and ended together with their version's status.
+- ``deploy.registry.operators``: operators, their tokens and roles; reading and verifying the audit log.
+- ``deploy.registry.weights``: rebuilding any version's weights from snapshot and deltas; the delta between two versions.
+- ``deploy.registry.blobgc``: garbage collection of unreferenced blobs, and pruning rejected versions' deltas.
 
-The tables and the engine are in ``deploy.tables``; statuses are listed there.
+The tables and the engine are in ``deploy.registry.tables``; statuses are listed there.
 """
 
 from __future__ import annotations
 
-from deploy.auditchain import AuditHead, load_audit_key
-from deploy.blobgc import Collector, GcResult  # noqa: F401
-from deploy.blobstore import BlobStore, open_blob_store
-from deploy.operators import Operators, hash_token  # noqa: F401
-from deploy.regdb import AuthError, RegistryConflict, RegistryDB, RegistryError  # noqa: F401
-from deploy.rollouts import Rollouts
-from deploy.tables import (  # noqa: F401
+from core.config import LiverlConfig
+from core.services import setup_redis
+from deploy.registry.auditchain import AuditHead, load_audit_key
+from deploy.registry.blobgc import Collector, GcResult  # noqa: F401
+from deploy.registry.blobstore import BlobStore, open_blob_store
+from deploy.registry.operators import Operators, hash_token  # noqa: F401
+from deploy.registry.regdb import AuthError, RegistryConflict, RegistryDB, RegistryError  # noqa: F401
+from deploy.registry.rollouts import Rollouts
+from deploy.registry.tables import (  # noqa: F401
     ACTIVE_ROLLOUT_STATES,
     MAX_LOOKS,
     ROLES,
@@ -42,10 +44,8 @@ from deploy.tables import (  # noqa: F401
     audit_hash,
     make_engine,
 )
-from deploy.versions import Fleet, Versions
-from deploy.weights import Weights
-from liverl.core.config import LiverlConfig
-from liverl.core.services import setup_redis
+from deploy.registry.versions import Fleet, Versions
+from deploy.registry.weights import Weights
 
 
 class _Part:
@@ -67,8 +67,8 @@ class _Part:
 class Registry:
     """Versions, rollouts, gate results, audit log and fleet state over SQLAlchemy, with blobs in ``blobs``.
 
-    ``snapshot_every``: a full snapshot every this many deltas along a parent chain (``deploy.versions``).
-    ``audit_key``: the key of the audit log's HMAC chain (``deploy.auditchain``; None: unkeyed, see ``deploy.regdb``).
+    ``snapshot_every``: a full snapshot every this many deltas along a parent chain (``deploy.registry.versions``).
+    ``audit_key``: the key of the audit log's HMAC chain (``deploy.registry.auditchain``; None: unkeyed, see ``deploy.registry.regdb``).
     ``audit_head``: where the chain's head is anchored after every append (Redis; needs ``audit_key``).
     """
 
@@ -91,7 +91,7 @@ class Registry:
         self._operators = Operators(self.db)
         self._collector = Collector(self.db, blobs)
 
-    # the database: deploy.regdb
+    # the database: deploy.registry.regdb
     url = _Part("db")
     engine = _Part("db")
     audit_key = _Part("db")
@@ -99,7 +99,7 @@ class Registry:
     anchor_failures = _Part("db")
     close = _Part("db")
 
-    # versions: deploy.versions
+    # versions: deploy.registry.versions
     init_base = _Part("_versions")
     add_candidate = _Part("_versions")
     record_gate = _Part("_versions")
@@ -113,12 +113,12 @@ class Registry:
     gate_results = _Part("_versions")
     last_rollback = _Part("_versions")
 
-    # the fleet: deploy.versions
+    # the fleet: deploy.registry.versions
     update_fleet = _Part("_fleet")
     fleet = _Part("_fleet")
     served = _Part("_fleet")
 
-    # rollouts: deploy.rollouts
+    # rollouts: deploy.registry.rollouts
     begin_rollout = _Part("_rollouts")
     active_rollout = _Part("_rollouts")
     rollout = _Part("_rollouts")
@@ -130,7 +130,7 @@ class Registry:
     end_rollout = _Part("_rollouts")
     reap_orphan_canaries = _Part("_rollouts")
 
-    # operators and the audit log: deploy.operators
+    # operators and the audit log: deploy.registry.operators
     add_operator = _Part("_operators")
     disable_operator = _Part("_operators")
     operators = _Part("_operators")
@@ -139,14 +139,14 @@ class Registry:
     log_action = _Part("_operators")
     audit = _Part("_operators")
 
-    # weights: deploy.weights
+    # weights: deploy.registry.weights
     delta_for = _Part("_weights")
     path = _Part("_weights")
     deltas_between = _Part("_weights")
     materialize = _Part("_weights")
     compose = _Part("_weights")
 
-    # housekeeping: deploy.blobgc
+    # housekeeping: deploy.registry.blobgc
     referenced_blobs = _Part("_collector")
     prunable_rejected = _Part("_collector")
     gc = _Part("_collector")

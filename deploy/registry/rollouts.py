@@ -20,8 +20,8 @@ import sqlalchemy as sa
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from deploy.regdb import RegistryConflict, RegistryDB, RegistryError, lock, version_row
-from deploy.tables import ACTIVE_ROLLOUT_STATES, MAX_LOOKS, ROLLOUT_UNITS, Rollout, Version
+from deploy.registry.regdb import RegistryConflict, RegistryDB, RegistryError, lock, version_row
+from deploy.registry.tables import ACTIVE_ROLLOUT_STATES, MAX_LOOKS, ROLLOUT_UNITS, Rollout, Version
 
 
 def rollout_row(s: Session, rollout_id: int, for_update: bool = True) -> Rollout:

@@ -1,9 +1,9 @@
 """The registry's versions: the base and its candidates, their status changes, gate results and queries.
 
 Every version but the base (version 0, a full snapshot) stores a lossless delta from its parent, and every
-``snapshot_every``-th version along a parent chain also a full snapshot (``deploy.weights`` rebuilds any version from
-them). Blobs are stored *before* the row that references them is committed (``deploy.blobgc`` relies on that). A
-version becomes ``canary`` only with its rollout (``deploy.rollouts``); ``promote`` and ``set_status`` end the rollout
+``snapshot_every``-th version along a parent chain also a full snapshot (``deploy.registry.weights`` rebuilds any version from
+them). Blobs are stored *before* the row that references them is committed (``deploy.registry.blobgc`` relies on that). A
+version becomes ``canary`` only with its rollout (``deploy.registry.rollouts``); ``promote`` and ``set_status`` end the rollout
 of a canary they change. ``Fleet`` records which node serves which version.
 """
 
@@ -15,13 +15,13 @@ from collections.abc import Mapping
 import torch
 from sqlalchemy import select
 
-from deploy.blobstore import BlobStore
-from deploy.delta import checksum, encode_delta, read_header
-from deploy.regdb import RegistryConflict, RegistryDB, RegistryError, lock, version_row
-from deploy.rollouts import end_rollouts_of
-from deploy.snapshot import encode_snapshot
-from deploy.tables import STATUSES, AuditEntry, FleetNode, GateResult, Served, Version
-from deploy.weights import Weights
+from deploy.registry.blobstore import BlobStore
+from deploy.registry.delta import checksum, encode_delta, read_header
+from deploy.registry.regdb import RegistryConflict, RegistryDB, RegistryError, lock, version_row
+from deploy.registry.rollouts import end_rollouts_of
+from deploy.registry.snapshot import encode_snapshot
+from deploy.registry.tables import STATUSES, AuditEntry, FleetNode, GateResult, Served, Version
+from deploy.registry.weights import Weights
 
 
 class Versions:

@@ -2,7 +2,7 @@
 
 Storage plan (as Fireworks does for RL checkpoints): version 0 is a full snapshot; every other version stores a
 lossless delta from its parent, and every ``snapshot_every``-th version along a parent chain also stores a
-full snapshot (``deploy.versions``), so rebuilding any version costs one snapshot decode plus at most
+full snapshot (``deploy.registry.versions``), so rebuilding any version costs one snapshot decode plus at most
 ``snapshot_every - 1`` deltas. Every step is checked against the checksums the version rows record.
 """
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from deploy.blobstore import BlobStore
-from deploy.delta import apply_delta, checksum, encode_delta, plan_delta, read_header
-from deploy.regdb import RegistryDB, RegistryError
-from deploy.snapshot import decode_snapshot
-from deploy.tables import Version
+from deploy.registry.blobstore import BlobStore
+from deploy.registry.delta import apply_delta, checksum, encode_delta, plan_delta, read_header
+from deploy.registry.regdb import RegistryDB, RegistryError
+from deploy.registry.snapshot import decode_snapshot
+from deploy.registry.tables import Version
 
 
 class Weights:

@@ -224,7 +224,7 @@ def learner_line(live: dict) -> str:
     if samples < 0:
         return text + "; backlog unknown"
     text += f"; backlog {samples} samples, oldest {seconds:.0f} s"
-    if "hop_ingest_s" in h:  # where the last batch's oldest sample waited (Learner.hops)
+    if "hop_ingest_s" in h:  # where the last batch's oldest sample waited (Admission.hops)
         text += (
             f" (last batch's oldest: ingest {float(h['hop_ingest_s']):.0f} s, fetch {float(h['hop_fetch_s']):.0f} s, "
             f"learner queue {float(h['hop_queue_s']):.0f} s)"

@@ -21,7 +21,7 @@ from core.schemas import VersionAnnouncement
 from deploy.gate.canary import SETTLE_S, evidence_start, first_bucket
 from deploy.gate.gate import Gate
 from deploy.registry.registry import open_registry
-from learner.trainer import evidence_against
+from learner.candidates import evidence_against
 from tests.deploy.test_gate import ProbeEval, desired, weights
 
 NODES = ("node-a", "node-b")

@@ -163,7 +163,7 @@ def test_the_learner_on_ranks_checkpoints_every_k_updates_and_a_crash_trains_not
     class CrashAfter3(Learner):
         def _update(self):
             ok = super()._update()
-            if self.step == 3:
+            if self.state.step == 3:
                 raise RuntimeError("simulated crash after update 3")
             return ok
 
@@ -174,7 +174,7 @@ def test_the_learner_on_ranks_checkpoints_every_k_updates_and_a_crash_trains_not
         assert first.ckpts.steps() == [2]
         second = Learner(cfg, model_dir, cfg.broker.bootstrap, reg, ranks=group_of_one)
         meta = json.loads((first.ckpts.latest() / "learner.json").read_text())
-        assert second.step == 2 and second.offsets == {int(p): o for p, o in meta["offsets"].items()}
+        assert second.state.step == 2 and second.state.offsets == {int(p): o for p, o in meta["offsets"].items()}
         stats = second.run(max_steps=2)
         assert stats["step"] == 4 and second.ckpts.steps() == [2, 4]  # the stop checkpoints step 4
         trained, refused = ledger_fates(second)

@@ -184,7 +184,7 @@ def test_trains_checkpoints_before_committing_and_emits_a_candidate(cfg, model_d
 
     class Checked(Learner):
         def _commit(self):  # what is on disk when the offsets go out
-            seen_at_commit.append((read_checkpoint(self.ckpt_path)["offsets"], dict(self.offsets)))
+            seen_at_commit.append((read_checkpoint(self.ckpt_path)["offsets"], dict(self.state.offsets)))
             super()._commit()
 
     try:
@@ -307,7 +307,7 @@ def test_the_learner_reads_every_partition_without_joining_a_group_and_takes_par
 
         learner._consumer = grown = Growing()
         assert learner._assign() and sorted(tp.partition for tp in grown.assigned) == [0, 1]
-        assert grown.sought == learner.offsets  # each partition from where the checkpoint stands
+        assert grown.sought == learner.state.offsets  # each partition from where the checkpoint stands
         grown.parts.add(2)
         assert learner._assign() and sorted(tp.partition for tp in grown.assigned) == [0, 1, 2]
         assert 2 not in grown.sought  # never read: from the group's committed offset, else the earliest
@@ -344,14 +344,14 @@ def test_crash_and_restart_lose_nothing_and_train_nothing_twice(cfg, model_dir, 
         crash_after_save_at: int | None = None
 
         def _update(self):
-            ids = [e[2].sample_id for e in self.pending[: self.lcfg.batch_size]]
+            ids = [e[2].sample_id for e in self.admission.pending[: self.lcfg.batch_size]]
             ok = super()._update()
             if ok:
                 trained.extend(ids)
             return ok
 
         def _commit(self):
-            if self.step == self.crash_after_save_at:
+            if self.state.step == self.crash_after_save_at:
                 raise RuntimeError("simulated crash between checkpoint and commit")
             super()._commit()
 
@@ -359,7 +359,7 @@ def test_crash_and_restart_lose_nothing_and_train_nothing_twice(cfg, model_dir, 
         first = Recording(cfg, model_dir, cfg.broker.bootstrap, reg)
         first.run(max_steps=2)  # a clean stop after 2 updates
         second = Recording(cfg, model_dir, cfg.broker.bootstrap, reg)
-        assert second.step == 2 and len(second.trained_ids) == 32
+        assert second.state.step == 2 and len(second.state.trained_ids) == 32
         second.crash_after_save_at = 4
         with pytest.raises(RuntimeError, match="simulated crash"):
             second.run(max_steps=10)
@@ -408,9 +408,9 @@ def ledger_fates(learner) -> tuple[list[str], list[tuple[str | None, str]]]:
 def test_a_record_that_breaks_the_checks_or_a_batch_that_fails_is_refused_and_the_loop_goes_on(
     cfg, model_dir, base_samples
 ):
-    """Finding 15: an unexpected exception on one record, or a batch that runs out of memory, crash-looped the
-    learner. Now the record or the batch is refused with a counted reason, the weights are as before the batch,
-    and training goes on."""
+    """An unexpected exception on one record, or a batch that runs out of memory, must not crash-loop the learner:
+    the record or the batch is refused with a counted reason, the weights are as before the batch, and training
+    goes on."""
     from deploy.registry.delta import checksum
     from learner.trainer import Learner
 
@@ -420,14 +420,16 @@ def test_a_record_that_breaks_the_checks_or_a_batch_that_fails_is_refused_and_th
     poison = base_samples[7].sample_id
     calls = {"n": 0}
 
-    class Hostile(Learner):
-        def _refusal(self, s):
+    try:
+        learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
+        real_refusal = learner.admission.refusal
+
+        def hostile(s):
             if s.sample_id == poison:
                 raise RecursionError("maximum recursion depth exceeded")
-            return super()._refusal(s)
+            return real_refusal(s)
 
-    try:
-        learner = Hostile(cfg, model_dir, cfg.broker.bootstrap, reg)
+        learner.admission.refusal = hostile
         real_step = learner.trainer._train_step
 
         before = checksum(learner.trainer.bf16_state_dict())
@@ -456,7 +458,8 @@ def test_a_record_that_breaks_the_checks_or_a_batch_that_fails_is_refused_and_th
 
 
 def test_a_failed_epoch_puts_the_weights_and_the_optimizer_back(model_dir, base_samples):
-    """Finding 26: with micro_epochs > 1, a failure in epoch 2 left epoch 1's update in the weights."""
+    """With micro_epochs > 1, a failure in epoch 2 leaves neither epoch 1's update in the weights nor its moments in
+    the optimizer."""
     from core.config import LearnerConfig
     from deploy.registry.delta import checksum
     from learner.policy_trainer import BatchFailed, PolicyTrainer
@@ -479,9 +482,9 @@ def test_a_failed_epoch_puts_the_weights_and_the_optimizer_back(model_dir, base_
 
 
 def test_the_dedupe_window_and_the_batch_token_cap_hold(cfg, model_dir, base_samples):
-    """Finding 16: trained ids grew without bound and went into every checkpoint. Now the learner remembers
-    the last ``dedupe_window`` ids (older ones are below the offset watermark), and a batch is cut short
-    when its padded size would pass ``max_batch_tokens``."""
+    """The learner keeps the last ``dedupe_window`` trained ids in memory and in the checkpoint (older ones are below
+    the offset watermark, and in ``learner.seen``), and a batch is cut short when its padded size would pass
+    ``max_batch_tokens``."""
     from learner.trainer import Learner
 
     longest = max(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in base_samples[:48])
@@ -492,23 +495,23 @@ def test_the_dedupe_window_and_the_batch_token_cap_hold(cfg, model_dir, base_sam
         learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
         stats = learner.run(max_steps=3)
         assert stats["samples_trained"] <= 24 and stats["step"] == 3  # batches of at most 8
-        assert len(learner.trained_ids) == 10
+        assert len(learner.state.trained_ids) == 10
         trained, _ = ledger_fates(learner)
-        assert list(learner.trained_ids) == trained[-10:]  # the newest ids are the ones remembered
+        assert list(learner.state.trained_ids) == trained[-10:]  # the newest ids are the ones remembered
         st = read_checkpoint(learner.ckpt_path)  # one JSON string in the checkpoint: torch.save pickles a list
         assert isinstance(st["trained_ids"], str) and json.loads(st["trained_ids"]) == trained[-10:]  # item by item
-        assert list(Learner(cfg, model_dir, cfg.broker.bootstrap, reg).trained_ids) == trained[-10:]  # resumed
-        st["trained_ids"] = trained[-10:]  # a checkpoint written before (a list) still resumes
+        assert list(Learner(cfg, model_dir, cfg.broker.bootstrap, reg).state.trained_ids) == trained[-10:]  # resumed
+        st["trained_ids"] = trained[-10:]  # a checkpoint whose ids are a list resumes too
         torch.save(st, learner.ckpt_path)
-        assert list(Learner(cfg, model_dir, cfg.broker.bootstrap, reg).trained_ids) == trained[-10:]
+        assert list(Learner(cfg, model_dir, cfg.broker.bootstrap, reg).state.trained_ids) == trained[-10:]
     finally:
         reg.close()
 
 
 def test_a_replay_is_refused_however_late_it_comes(cfg, model_dir, base_samples):
-    """Issue 22: the learner remembered only the last ``dedupe_window`` ids, and a sample that ingest emitted again
-    lands at a new offset, past the watermark: a replay more than a window later was trained again. Now every
-    trained id is kept durably (``learner.seen``), across a restart too. dedupe_window=10: S, 10+ newer ids, S."""
+    """A sample that ingest emits again lands at a new offset, past the watermark, and may come more than
+    ``dedupe_window`` ids later: every trained id is kept durably (``learner.seen``), across a restart too, so the
+    replay is refused. dedupe_window=10: S, 10+ newer ids, S."""
     from learner.trainer import Learner
 
     cfg = learner_cfg(cfg, batch_size=4, candidate_every_steps=100, dedupe_window=10)
@@ -518,16 +521,18 @@ def test_a_replay_is_refused_however_late_it_comes(cfg, model_dir, base_samples)
         first = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
         first.run(max_steps=3)  # 12 trained; the window keeps the newest 10
         trained, _ = ledger_fates(first)
-        [S, *_] = [s for s in base_samples[:12] if s.sample_id not in first.trained_ids]  # trained, then 10+ others
+        [S, *_] = [
+            s for s in base_samples[:12] if s.sample_id not in first.state.trained_ids
+        ]  # trained, then 10+ others
         assert trained.count(S.sample_id) == 1
         produce_samples(cfg, [S])  # S again, at a new offset, to a learner restarted from its checkpoint
         second = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
-        assert S.sample_id not in second.trained_ids
+        assert S.sample_id not in second.state.trained_ids
         stop = threading.Event()
 
         def until_refused():
             deadline = time.monotonic() + 60
-            while second.counters["dropped:duplicate"] == 0 and time.monotonic() < deadline:
+            while second.state.counters["dropped:duplicate"] == 0 and time.monotonic() < deadline:
                 time.sleep(0.1)
             stop.set()
 
@@ -546,20 +551,22 @@ def test_a_replay_is_refused_however_late_it_comes(cfg, model_dir, base_samples)
 
 
 def test_stale_samples_are_dropped_and_a_stalled_fleet_triggers_a_rebase(cfg, model_dir, base_samples, monkeypatch):
-    from learner import trainer
+    from learner import candidates
     from learner.trainer import Learner
 
-    monkeypatch.setattr(trainer, "STARVE_S", 0.0)  # production waits 30 s of nothing but stale samples
+    monkeypatch.setattr(candidates, "STARVE_S", 0.0)  # production waits 30 s of nothing but stale samples
     cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=100, max_staleness=2)
     reg = make_registry(cfg, model_dir)
     learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
-    learner.last_emitted = 5  # as if v1..v5 had been emitted while the fleet kept serving v0
-    learner.version_steps = {0: -learner.max_lag - 1}  # v0's weights are more updates behind than allowed
+    learner.state.last_emitted = 5  # as if v1..v5 had been emitted while the fleet kept serving v0
+    learner.state.version_steps = {
+        0: -learner.admission.max_lag - 1
+    }  # v0's weights are more updates behind than allowed
     produce_samples(cfg, base_samples[:20])
 
     def later_traffic():  # the fleet's (v0) traffic keeps coming after the rebase
         deadline = time.monotonic() + 60
-        while learner.counters["rebases"] == 0 and time.monotonic() < deadline:
+        while learner.state.counters["rebases"] == 0 and time.monotonic() < deadline:
             time.sleep(0.1)
         produce_samples(cfg, base_samples[20:36])
 
@@ -579,31 +586,36 @@ def test_stale_samples_are_dropped_and_a_stalled_fleet_triggers_a_rebase(cfg, mo
 
 def test_a_learner_ahead_of_a_slow_canary_keeps_training_and_does_not_rebase(cfg, model_dir, base_samples):
     """Staleness is the learner's own updates since its weights were a version, not the gap in version numbers: the
-    registry numbers every candidate, so after 12 candidates (most refused or superseded) the version numbers said
-    "12 behind" and the learner threw its weights away every few seconds while a canary ran (42 rebases in one
-    10-minute demo). Samples of its recent candidate (the canary's) are fresh; stable's are stale; it rebases only
-    when nothing but stale samples has come for STARVE_S."""
-    from learner import trainer
+    registry numbers every candidate, so after 12 candidates (most refused or superseded) the version numbers say
+    "12 behind", and a learner that went by them would throw its weights away every few seconds while a canary runs.
+    Samples of its recent candidate (the canary's) are fresh; stable's are stale; it rebases only when nothing but
+    stale samples has come for STARVE_S."""
+    from learner.candidates import STARVE_S
     from learner.trainer import Learner
 
     cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=10, max_staleness=8)
     reg = make_registry(cfg, model_dir)
     try:
         learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
-        learner.step, learner.last_emitted = 100, 12
-        learner.version_steps = {0: 0, 12: 95}  # v12 (on canary) emitted 5 updates ago; stable v0 100 updates ago
+        learner.state.step, learner.state.last_emitted = 100, 12
+        learner.state.version_steps = {0: 0, 12: 95}  # v12 (on canary) emitted 5 updates ago; stable v0 100 updates ago
         canary_sample = base_samples[0].model_copy(update={"policy_version": 12})
-        assert learner._refusal(canary_sample) is None
-        assert learner._refusal(base_samples[1]) == "stale" and learner.lag(0) == 100 > learner.max_lag == 80
-        learner.counters["dropped:stale"] += 1  # as the loop counts the refusal
-        learner._fresh_at = time.monotonic()  # the canary's samples keep coming
+        assert learner.admission.refusal(canary_sample) is None
+        assert (
+            learner.admission.refusal(base_samples[1]) == "stale"
+            and learner.admission.lag(0) == 100 > learner.admission.max_lag == 80
+        )
+        learner.state.counters["dropped:stale"] += 1  # as the loop counts the refusal
+        learner.admission.fresh_at = time.monotonic()  # the canary's samples keep coming
         learner._maybe_rebase()
-        assert learner.counters["rebases"] == 0
-        learner._fresh_at = time.monotonic() - trainer.STARVE_S - 1  # nothing fresh for longer than STARVE_S
-        learner._last_rebase_check = 0.0
+        assert learner.state.counters["rebases"] == 0
+        learner.admission.fresh_at = time.monotonic() - STARVE_S - 1  # nothing fresh for longer than STARVE_S
+        learner.candidates.rebase_checked_at = 0.0
         learner._maybe_rebase()
-        assert learner.counters["rebases"] == 1 and learner.lag(0) == 0  # back on stable: its samples are fresh
-        assert learner._refusal(base_samples[2]) is None
+        assert (
+            learner.state.counters["rebases"] == 1 and learner.admission.lag(0) == 0
+        )  # back on stable: its samples are fresh
+        assert learner.admission.refusal(base_samples[2]) is None
     finally:
         reg.close()
 
@@ -630,8 +642,8 @@ def test_frozen_flag_blocks_candidates_but_not_training(cfg, model_dir, base_sam
 
 
 def test_a_rollback_makes_the_learner_rebase_onto_the_stable_version(cfg, model_dir, base_samples):
-    """Finding: after an operator's rollback the learner kept training the rolled-back lineage, and its next
-    candidate brought the change back. Now it rebases onto the stable weights as soon as it sees the rollback."""
+    """After an operator's rollback the learner rebases onto the stable weights as soon as it sees the rollback: a
+    learner that kept training the rolled-back lineage would bring the change back in its next candidate."""
     import redis
 
     from learner.trainer import Learner
@@ -644,13 +656,13 @@ def test_a_rollback_makes_the_learner_rebase_onto_the_stable_version(cfg, model_
         learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg, redis=r)
         learner.run(max_steps=1)
         reg.promote(max(c.version for c in reg.candidates()), actor="gate", reason="passed")
-        learner._last_rebase_check = 0.0
+        learner.candidates.rebase_checked_at = 0.0
         learner._maybe_rebase()  # sees no rollback yet: nothing happens
-        assert learner.counters["rebases"] == 0
+        assert learner.state.counters["rebases"] == 0
         reg.rollback(actor="bob", reason="complaints")
-        learner._last_rebase_check = 0.0
+        learner.candidates.rebase_checked_at = 0.0
         learner._maybe_rebase()
-        assert learner.counters["rebases"] == 1 and learner.last_emitted == 0
+        assert learner.state.counters["rebases"] == 1 and learner.state.last_emitted == 0
         from deploy.registry.delta import checksum
 
         assert checksum(learner.trainer.bf16_state_dict()) == reg.get(0).checksum
@@ -662,8 +674,8 @@ def test_a_rollback_makes_the_learner_rebase_onto_the_stable_version(cfg, model_
 
 
 def test_run_sees_a_rollback_though_no_sample_was_ever_stale(cfg, model_dir, base_samples):
-    """Issue 22: ``run()`` looked for a rollback only after it had dropped a stale sample, so a deployment that never
-    dropped one kept training the rolled-back lineage. Now the loop checks before every update."""
+    """The loop checks for a rollback before every update, whatever the counters say: a deployment that never dropped
+    a stale sample sees a rollback too."""
     from learner.trainer import Learner
 
     cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=1)
@@ -677,7 +689,7 @@ def test_run_sees_a_rollback_though_no_sample_was_ever_stale(cfg, model_dir, bas
         stats = learner.run(max_steps=1)
         assert stats["counters"].get("dropped:stale", 0) == 0
         assert stats["counters"]["rebases"] == 1 and stats["step"] == 2
-        assert learner.version_steps[0] == 1  # back on v0 at step 1: step 2 trained the stable weights, not v1's
+        assert learner.state.version_steps[0] == 1  # back on v0 at step 1: step 2 trained the stable weights, not v1's
         assert read_checkpoint(learner.ckpt_path)["rollback_seen"] == reg.last_rollback()[0]
     finally:
         reg.close()
@@ -732,7 +744,7 @@ def test_online_rl_lifts_expected_acceptance_by_15_points(model_dir):
 
 
 def test_a_learner_that_cannot_keep_up_sheds_the_oldest_feedback_and_counts_it(cfg, model_dir, base_samples):
-    """Issue 23: where the learner cannot keep up it sheds load on purpose: a sample whose feedback is older than
+    """Where the learner cannot keep up it sheds load on purpose: a sample whose feedback is older than
     ``max_backlog_s`` is skipped, refused as "shed" in the ledger (``liverl audit`` accounts for it) and counted,
     and the newest feedback is trained."""
     from learner.trainer import Learner
@@ -752,17 +764,16 @@ def test_a_learner_that_cannot_keep_up_sheds_the_oldest_feedback_and_counts_it(c
         trained, refused = ledger_fates(learner)
         assert len(trained) == 16 and not old & set(trained)  # only fresh feedback trained
         shed = {sid for sid, reason in refused if reason == "shed"}
-        assert shed and shed <= old and learner.counters["dropped:shed"] == len(shed)
+        assert shed and shed <= old and learner.state.counters["dropped:shed"] == len(shed)
         assert stats["step"] == 2
     finally:
         reg.close()
 
 
 def test_a_lineage_the_gate_keeps_refusing_is_dropped_for_the_stable_weights(cfg, model_dir, base_samples):
-    """A 60-minute demo run: the learner's lineage fell under the gate's collapse floor and the gate refused every
-    candidate for minutes; training it further did not bring it back. Now ``run()`` rebases onto the stable version
-    once the gate refused ``rebase_after_refusals`` of its newest candidates in a row on their evidence
-    (supersessions do not count, and refusals from before the rebase do not count again)."""
+    """A lineage under the gate's collapse floor is refused for as long as it is trained further: ``run()`` rebases
+    onto the stable version once the gate refused ``rebase_after_refusals`` of its newest candidates in a row on
+    their evidence (supersessions do not count, and refusals from before the rebase do not count again)."""
     from deploy.registry.delta import checksum
     from learner.trainer import Learner
 
@@ -777,12 +788,14 @@ def test_a_lineage_the_gate_keeps_refusing_is_dropped_for_the_stable_weights(cfg
         reg.set_status(v2, "rejected", actor="gate", reason="superseded by 3", expect="candidate")  # not counted
         reg.set_status(v3, "rejected", actor="gate", reason="failed drift", expect="candidate")
         learner.run(max_steps=1)  # checked before the update
-        assert learner.counters["rebases"] == 1 and learner.version_steps[0] == 3  # rebased onto v0 at step 3
+        assert (
+            learner.state.counters["rebases"] == 1 and learner.state.version_steps[0] == 3
+        )  # rebased onto v0 at step 3
         assert checksum(reg.materialize(0)) != checksum(learner.trainer.bf16_state_dict())  # then trained one step
         [v4] = [c.version for c in reg.candidates()]
         reg.set_status(v4, "rejected", actor="gate", reason="failed suite", expect="candidate")
         learner._maybe_rebase(before_update=True)  # one refusal since the rebase: not enough
-        assert learner.counters["rebases"] == 1
+        assert learner.state.counters["rebases"] == 1
     finally:
         reg.close()
 
@@ -802,17 +815,17 @@ def test_candidates_not_judged_yet_do_not_hide_refusals_and_a_canary_defers_the_
         reg.set_status(v1, "rejected", actor="gate", reason="canary aborted: acceptance is worse than stable (p 0.02)")
         ro = reg.begin_rollout(v2, 0, 0.5, ["node-1"], "user", time.time() + 600, None, "gate", "gate passed")
         learner._maybe_rebase(before_update=True)  # v3 not judged, v2 on live users: wait for v2's verdict
-        assert learner.counters["rebases"] == 0
+        assert learner.state.counters["rebases"] == 0
         reg.finish_rollout_abort(ro.id, actor="gate", reason="canary aborted: futile with 40% of the evidence budget")
         learner._maybe_rebase(before_update=True)  # v3 still waits to be judged: two refusals in a row before it
-        assert learner.counters["rebases"] == 1
+        assert learner.state.counters["rebases"] == 1
     finally:
         reg.close()
 
 
 def test_candidates_emitted_during_the_stables_canary_count_once_it_is_promoted(cfg, model_dir, base_samples):
     """The first candidates judged against a newly promoted version were emitted during its canary, before its
-    promotion: their refusals count (counting from the promotion left them out, and the rule needed a third)."""
+    promotion: their refusals count (counted from the promotion, the rule would need a third)."""
     from learner.trainer import Learner
 
     cfg = learner_cfg(cfg, batch_size=8, candidate_every_steps=1, rebase_after_refusals=2)
@@ -827,19 +840,19 @@ def test_candidates_emitted_during_the_stables_canary_count_once_it_is_promoted(
         reg.set_status(v2, "rejected", actor="gate", reason="failed suite", expect="candidate")
         reg.set_status(v3, "rejected", actor="gate", reason="canary aborted: futile with 30% of the evidence budget")
         learner._maybe_rebase(before_update=True)  # v4 waits to be judged
-        assert learner.counters["rebases"] == 1
+        assert learner.state.counters["rebases"] == 1
     finally:
         reg.close()
 
 
 def test_a_rebase_after_refusals_backs_the_learning_rate_off_and_promotions_bring_it_back(cfg, model_dir, base_samples):
-    """The hour-long demo run after the rebase rule: every lineage rebased at the full rate was refused again within
-    minutes (suite, entropy floor, canaries), and runs of refusals lasted up to 14 minutes. Now each rebase after
-    refusals multiplies the learning rate by ``lr_backoff`` (not under ``min_lr_scale``), the optimizer trains at it
-    from the next update, a restart keeps it, and each promotion since it last changed divides it back, up to lr.
+    """A lineage rebased at the full rate can be refused again within minutes (suite, entropy floor, canaries): each
+    rebase after refusals multiplies the learning rate by ``lr_backoff`` (not under ``min_lr_scale``), the optimizer
+    trains at it from the next update, a restart keeps it, and each promotion since it last changed divides it back,
+    up to lr.
 
     One ``run()`` while a thread plays the gate and refuses every candidate until the learner rebased three times
-    (one consumer: a consumer per step churned the group until it could not settle)."""
+    (one consumer for the whole run)."""
     from learner.trainer import Learner
 
     cfg = learner_cfg(
@@ -856,7 +869,7 @@ def test_a_rebase_after_refusals_backs_the_learning_rate_off_and_promotions_brin
         def gate() -> None:
             deadline = time.monotonic() + 120
             while not stop.is_set() and time.monotonic() < deadline:
-                if learner.counters["rebases"] >= 3:
+                if learner.state.counters["rebases"] >= 3:
                     break
                 for c in reg.candidates():
                     reg.set_status(c.version, "rejected", actor="gate", reason="failed suite", expect="candidate")
@@ -876,12 +889,12 @@ def test_a_rebase_after_refusals_backs_the_learning_rate_off_and_promotions_brin
             stop.set()
             thread.join()
             learner.trainer.train_step = original
-        assert learner.counters["rebases"] == 3, dict(learner.counters)
+        assert learner.state.counters["rebases"] == 3, dict(learner.state.counters)
         assert rates[0] == lr and set(rates) <= {lr, lr * 0.5, lr * 0.25} and lr * 0.5 in rates, rates
         assert rates == sorted(rates, reverse=True), rates  # only down while the gate refuses
         assert learner.trainer.lr == lr * 0.25  # 0.125 would be under the floor
         assert all(g["lr"] == lr * 0.25 for g in learner.trainer.opt.param_groups)
-        assert learner.counters["lr_changes"] == 2
+        assert learner.state.counters["lr_changes"] == 2
 
         second = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)  # a restart from the checkpoint
         assert second.trainer.lr == lr * 0.25
@@ -897,13 +910,13 @@ def test_a_rebase_after_refusals_backs_the_learning_rate_off_and_promotions_brin
         reg.promote(max(c.version for c in reg.candidates()), actor="gate", reason="passed")
         second._maybe_rebase(before_update=True)
         assert second.trainer.lr == lr  # back to the configured rate
-        assert second.counters["rebases"] == 3  # promotions do not rebase
+        assert second.state.counters["rebases"] == 3  # promotions do not rebase
     finally:
         reg.close()
 
 
 def test_only_a_rejection_on_the_candidates_own_evidence_counts_against_its_lineage():
-    from learner.trainer import evidence_against
+    from learner.candidates import evidence_against
 
     assert evidence_against("failed collapse, suite")
     assert evidence_against("canary aborted: guardrail revert_rate is worse than stable (p 0.0005): ...")

@@ -181,11 +181,11 @@ def test_the_real_learner_records_what_lineage_needs(cfg, tmp_path):
         steps: list[set[str]] = []
 
         def step() -> int:
-            before = set(learner.trained_ids)
+            before = set(learner.state.trained_ids)
             learner.run(max_steps=1)
-            steps.append({fid_of[s] for s in set(learner.trained_ids) - before})
+            steps.append({fid_of[s] for s in set(learner.state.trained_ids) - before})
             assert len(steps[-1]) == 16
-            return int(learner.last_candidate)
+            return int(learner.state.last_candidate)
 
         v1 = step()
         reg.set_status(v1, "rejected", actor="gate", reason="offpolicy")
@@ -196,7 +196,7 @@ def test_the_real_learner_records_what_lineage_needs(cfg, tmp_path):
         reg.set_status(v3, "rejected", actor="gate", reason="drift")
         reg.rollback(actor="bob", reason="complaints")  # back to v0: the learner rebases, v2's lineage is gone
         v4 = step()
-        assert learner.counters["rebases"] == 1
+        assert learner.state.counters["rebases"] == 1
         reg.promote(v4, actor="gate", reason="passed")
         reg.update_fleet("node-0", v4, reg.get(v4).checksum)
 
