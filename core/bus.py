@@ -20,9 +20,9 @@ from typing import Any
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
-from kafka.serializer import Serializer
 
 from core.config import BrokerConfig, LiverlConfig
+from liverl_sdk.client import PRODUCER_ORDER, FeedbackClient, KeySerializer, producer_options  # noqa: F401  (re-exported)
 
 log = logging.getLogger("liverl.core.bus")
 
@@ -152,13 +152,6 @@ def all_topics(cfg: LiverlConfig) -> list[str]:
     return [t.feedback, t.generations, t.samples, t.dead_letters, t.heldout]
 
 
-class KeySerializer(Serializer):
-    """Keys are generation ids (str); bytes pass through."""
-
-    def serialize(self, topic, key):
-        return key.encode() if isinstance(key, str) else key
-
-
 def delivery_timeout_s(broker: BrokerConfig | None) -> float:
     """How long a producer retries a record (``broker.delivery_timeout_s``; its default without a config)."""
     return (broker or BrokerConfig()).delivery_timeout_s
@@ -170,34 +163,26 @@ def librdkafka_producer_config(broker: BrokerConfig | None) -> dict[str, str | i
     return {"message.timeout.ms": int(delivery_timeout_s(broker) * 1000), **librdkafka_security(broker)}
 
 
-PRODUCER_ORDER = """Why no producer liverl builds is idempotent: Tansu's object-store engine (the embedded broker) writes an
-idempotent producer's next sequence number before the record batch. A broker killed between the two comes back with
-the sequence counted and the batch missing; the producer retries the batch with the same sequence, the broker answers
-DUPLICATE_SEQUENCE_NUMBER, and every Kafka client takes that as "already written": the record is acknowledged and lost
-(``tests/liverl/test_broker_crash.py``, found by ``pytest -m chaos``). Without idempotence the retry is written again.
-A retry after a lost acknowledgement may then write a record twice, which every consumer absorbs by the key it
-already dedupes on (``feedback_id``, ``generation_id``, ``sample_id``). One request in flight per connection keeps a
-producer's records in order across retries, which idempotence did before."""
-
-
 def make_producer(bootstrap: str, broker: BrokerConfig | None = None, **kw) -> KafkaProducer:
-    """An acks=all producer whose values are bytes and keys str (uncompressed: every consumer reads it), that gives
-    up on a record after ``broker.delivery_timeout_s`` (set explicitly: ingest's pending_ttl_s is checked against it).
-    Not idempotent, one request in flight: ``PRODUCER_ORDER`` says why."""
-    timeout_ms = int(delivery_timeout_s(broker) * 1000)
-    opts = dict(
-        bootstrap_servers=bootstrap,
-        acks="all",
-        enable_idempotence=False,
-        max_in_flight_requests_per_connection=1,
-        linger_ms=5,
-        delivery_timeout_ms=timeout_ms,
-        key_serializer=KeySerializer(),
-        **kafka_python_security(broker),
+    """A producer with the options every liverl producer shares (``liverl_sdk.client.producer_options``: acks=all,
+    not idempotent, one request in flight, ``PRODUCER_ORDER`` says why), that gives up on a record after
+    ``broker.delivery_timeout_s`` (set explicitly: ingest's pending_ttl_s is checked against it)."""
+    return KafkaProducer(**producer_options(bootstrap, delivery_timeout_s(broker), kafka_python_security(broker), **kw))
+
+
+def feedback_client(cfg: LiverlConfig, bootstrap: str | None = None, **producer_kw: Any) -> FeedbackClient:
+    """The product's feedback client for ``cfg.topics.feedback`` at ``bootstrap`` (default ``cfg.broker.bootstrap``),
+    with the broker's security settings and delivery timeout."""
+    bootstrap = bootstrap or cfg.broker.bootstrap
+    if not bootstrap:
+        raise ValueError("no Kafka bootstrap: pass bootstrap= (e.g. Stack.bootstrap) or set broker.bootstrap")
+    return FeedbackClient(
+        bootstrap,
+        cfg.topics.feedback,
+        security=kafka_python_security(cfg.broker),
+        delivery_timeout_s=cfg.broker.delivery_timeout_s,
+        **producer_kw,
     )
-    opts.update(kw)
-    opts.setdefault("request_timeout_ms", min(30_000, opts["delivery_timeout_ms"] - opts["linger_ms"]))
-    return KafkaProducer(**opts)
 
 
 def make_consumer(

@@ -34,7 +34,7 @@ fi
 deps=$(python - <<'PY'
 import re, tomllib
 d = tomllib.load(open("pyproject.toml", "rb"))["project"]
-skip = {"torch", "transformers", "tokenizers", "safetensors"}
+skip = {"torch", "transformers", "tokenizers", "safetensors", "liverl-sdk"}  # liverl-sdk: from ./sdk, below
 reqs = d["dependencies"] + d["optional-dependencies"]["test"] + d["optional-dependencies"]["bench"]
 print("\n".join(r for r in reqs if re.split(r"[<>=\[ ;]", r, maxsplit=1)[0].lower() not in skip))
 PY
@@ -42,8 +42,9 @@ PY
 mapfile -t deplist <<<"$deps"
 pip install -q --no-compile --disable-pip-version-check "${deplist[@]}" 2>&1 \
   | grep -v "^WARNING: Location\|dependency conflicts\|requires click\|click<9.0.0,>=8.4.2\|^ERROR: pip's dependency resolver\|^$" || true
+pipq --no-deps -e ./sdk
 pipq --no-deps -e .
-python -W ignore -c "import liverl.cli, torch, vllm, faust, kafka, transformers, huggingface_hub" \
+python -W ignore -c "import liverl_sdk, liverl.cli, torch, vllm, faust, kafka, transformers, huggingface_hub" \
   || { echo "[setup] install failed (see the pip output above)" >&2; exit 1; }
 # Bytecode for every installed module, on all cores. pip install --no-compile writes none (pip would, one file at a
 # time), and where PYTHONDONTWRITEBYTECODE is set, as on this project's CI machines, Python never writes any: every

@@ -2,16 +2,17 @@
 stays in its own folder; folders on the same floor never import each other; and the core never imports a product.
 
   floor  folders                                   what they are
-  8      liverl (cli.py)                           the command line: every verb
-  7      liverl/bench                              benchmarks (they drive the demo and the stack)
-  6      liverl/demo                               the demo product, a customer, and its runner
-  5      liverl/ops                                operator verbs: admin, audit, on-call, lineage, chaos
-  4      liverl/stack  liverl/testing              the embedded stack and its supervisor; test models
-  3      serving/agent                             the serving process: launches a vLLM node and drives it
-  2      ingest  learner  deploy/gate              the processes of the pipeline
+  9      liverl (cli.py)                           the command line: every verb
+  8      liverl/bench                              benchmarks (they drive the demo and the stack)
+  7      liverl/demo                               the demo product, a customer, and its runner
+  6      liverl/ops                                operator verbs: admin, audit, on-call, lineage, chaos
+  5      liverl/stack  liverl/testing              the embedded stack and its supervisor; test models
+  4      serving/agent                             the serving process: launches a vLLM node and drives it
+  3      ingest  learner  deploy/gate              the processes of the pipeline
          serving/node  serving/router              (serving/node: what vLLM's API server and workers load)
-  1      deploy/registry                           the registry library: codec, container, blob store, registry
-  0      core                                      config, wire schemas, Kafka bus, Redis keys (torch-free)
+  2      deploy/registry                           the registry library: codec, container, blob store, registry
+  1      core                                      config, wire schemas, Kafka bus, Redis keys (torch-free)
+  0      liverl_sdk (sdk/)                         the product's feedback client and the feedback wire contract
 
 A folder is the longest one in the table that holds the file (serving/node/worker belongs to serving/node).
 The demo's product (liverl/demo/) is a customer: nothing below it imports it.
@@ -28,40 +29,48 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOORS = {
-    "core": 0,
-    "deploy/registry": 1,
-    "ingest": 2,
-    "learner": 2,
-    "deploy/gate": 2,
-    "serving/node": 2,
-    "serving/router": 2,
-    "serving/agent": 3,
-    "liverl/stack": 4,
-    "liverl/testing": 4,
-    "liverl/ops": 5,
-    "liverl/demo": 6,
-    "liverl/bench": 7,
-    "liverl": 8,
+    "liverl_sdk": 0,
+    "core": 1,
+    "deploy/registry": 2,
+    "ingest": 3,
+    "learner": 3,
+    "deploy/gate": 3,
+    "serving/node": 3,
+    "serving/router": 3,
+    "serving/agent": 4,
+    "liverl/stack": 5,
+    "liverl/testing": 5,
+    "liverl/ops": 6,
+    "liverl/demo": 7,
+    "liverl/bench": 8,
+    "liverl": 9,
 }
-TOPS = ("core", "deploy", "ingest", "learner", "serving", "liverl")
+TOPS = ("liverl_sdk", "core", "deploy", "ingest", "learner", "serving", "liverl")
+SOURCE = {"liverl_sdk": ROOT / "sdk" / "liverl_sdk"}  # its own distribution, in sdk/
+
+
+def source(top: str) -> Path:
+    return SOURCE.get(top, ROOT / top)
 
 
 def modules() -> dict[str, Path]:
     out = {}
     for pkg in TOPS:
-        for path in (ROOT / pkg).rglob("*.py"):
+        base = source(pkg)
+        for path in base.rglob("*.py"):
             if path.name == "__init__.py" and not path.read_text().strip():
                 continue  # an empty package file holds nothing to place on a floor
-            rel = path.relative_to(ROOT).with_suffix("")
+            rel = path.relative_to(base.parent).with_suffix("")
             out[".".join(rel.parts).removesuffix(".__init__")] = path
     return out
 
 
 def folder(mod: str) -> str:
     """The folder of the table that holds a module (the longest match)."""
-    path = "/".join(mod.split("."))
-    if not (ROOT / path).is_dir():  # a module file: its folder; a package: itself
-        path = path.rpartition("/")[0]
+    parts = mod.split(".")
+    if not source(parts[0]).joinpath(*parts[1:]).is_dir():  # a module file: its folder; a package: itself
+        parts = parts[:-1]
+    path = "/".join(parts)
     matches = [f for f in FLOORS if path == f or path.startswith(f + "/")]
     assert matches, f"{mod} lies in no folder of the floor table: add its folder to FLOORS"
     return max(matches, key=len)
@@ -126,6 +135,7 @@ def test_no_process_or_library_imports_the_demo_product():
         "core.services",
         "core.keys",
         "core.product",
+        "liverl_sdk",
         "liverl.cli",
     ],
 )
@@ -140,7 +150,8 @@ def test_core_and_cli_are_torch_free(module):
 
 def test_the_checker_catches_a_wrong_way_arrow():
     assert not allowed("deploy.registry.registry", "learner.model")
-    assert not allowed("serving.node.gateway", "ingest.sdk")
+    assert not allowed("serving.node.gateway", "ingest.app")
+    assert not allowed("liverl_sdk.client", "core.bus")
     assert not allowed("core.config", "deploy.registry.registry")
     assert not allowed("serving.node.gateway", "serving.agent.launch")
     assert not allowed("deploy.gate.gate", "learner.evaluate")

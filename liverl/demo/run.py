@@ -20,11 +20,11 @@ from core import fleet, keys
 from core.config import LiverlConfig
 from core.product import DEMO_PRODUCT, load_product
 from deploy.registry.registry import open_registry
-from ingest.sdk import FeedbackClient
 from liverl.demo.report import Timeline, build_summary, plot_timeline, print_summary, read_hash, read_live
 from liverl.demo.sim import SimStats
 from liverl.demo.view import LiveView
 from liverl.stack.up import Pipeline
+from liverl_sdk import FeedbackClient
 
 log = logging.getLogger("liverl.demo")
 

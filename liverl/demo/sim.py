@@ -49,7 +49,7 @@ _BACKOFF_START_S, _BACKOFF_MAX_S = 0.05, 2.0
 
 
 class FeedbackSDK(Protocol):
-    """What the simulator needs from ``ingest.sdk.FeedbackClient``."""
+    """What the simulator needs from ``liverl_sdk.FeedbackClient``."""
 
     def accept(self, generation_id: str, segment: str | None = None, feedback_id: str | None = None) -> str: ...
     def reject(self, generation_id: str, segment: str | None = None, feedback_id: str | None = None) -> str: ...
@@ -367,7 +367,7 @@ async def run_users(
     until ``stop_event.is_set()``; returns ``stats``.
 
     ``gateway_url`` is the gateway's base URL (``http://127.0.0.1:8000``); ``sdk`` is a feedback client
-    (``ingest.sdk.FeedbackClient`` or anything with its accept/reject/edit/send_raw methods); ``stop_event``
+    (``liverl_sdk.FeedbackClient`` or anything with its accept/reject/edit/send_raw methods); ``stop_event``
     is an ``asyncio.Event`` or a ``threading.Event``. ``think_s`` is each user's mean pause between requests
     (0: back-to-back). ``trap``: the reward-hacking trap's knobs (True: the defaults; None or False: no trap). Users finish their in-flight request,
     then return. The caller owns ``sdk`` (flush it).

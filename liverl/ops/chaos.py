@@ -39,13 +39,14 @@ from pathlib import Path
 import psutil
 
 from core import fleet, keys, procs
+from core.bus import delivery_timeout_s, kafka_python_security
 from core.config import LiverlConfig
 from core.product import DEMO_PRODUCT, load_product
 from deploy.registry.registry import open_registry
-from ingest.sdk import FeedbackClient
 from learner.ledger import checkpoint_path_for
 from liverl.ops.audit import print_report, run_audit
 from liverl.stack.up import Pipeline
+from liverl_sdk import FeedbackClient
 
 log = logging.getLogger("liverl.chaos")
 
@@ -77,7 +78,9 @@ def _acked_client(bootstrap: str, topic: str, broker=None):
             fut.add_callback(ok)
             return super()._track(fut, name)
 
-    return Counting(bootstrap, topic, broker=broker)
+    return Counting(
+        bootstrap, topic, security=kafka_python_security(broker), delivery_timeout_s=delivery_timeout_s(broker)
+    )
 
 
 def _vllm_pid(serve_pid: int) -> int | None:

@@ -25,8 +25,7 @@ def test_a_pending_ttl_below_the_delivery_timeout_plus_margin_is_refused_at_load
 
 
 def test_every_producer_liverl_builds_carries_the_configured_delivery_timeout(cfg):
-    from core.bus import librdkafka_producer_config, make_producer
-    from ingest.sdk import FeedbackClient
+    from core.bus import feedback_client, librdkafka_producer_config, make_producer
     from serving.node.producer import AsyncProducer
 
     cfg = load_config(env={}, broker__bootstrap=cfg.broker.bootstrap, broker__delivery_timeout_s=42.0)
@@ -38,7 +37,7 @@ def test_every_producer_liverl_builds_carries_the_configured_delivery_timeout(cf
         assert p.config["request_timeout_ms"] < want_ms
     finally:
         p.close()
-    sdk = FeedbackClient(cfg.broker.bootstrap, cfg.topics.feedback, broker=cfg.broker)  # the feedback SDK
+    sdk = feedback_client(cfg)  # the feedback SDK, as the server's config builds it
     try:
         assert sdk._producer.config["delivery_timeout_ms"] == want_ms
     finally:
@@ -57,3 +56,11 @@ def test_every_producer_liverl_builds_carries_the_configured_delivery_timeout(cf
     assert librdkafka_producer_config(cfg.broker)["message.timeout.ms"] == want_ms
     with pytest.raises(TypeError):  # no librdkafka producer without an explicit delivery timeout
         AsyncProducer(cfg.broker.bootstrap, "t-gw")
+
+
+def test_the_sdk_default_delivery_timeout_is_the_servers():
+    """A product's client built without liverl's config gives up on a record when the server's default says."""
+    from core.config import BrokerConfig
+    from liverl_sdk.client import DELIVERY_TIMEOUT_S
+
+    assert BrokerConfig().delivery_timeout_s == DELIVERY_TIMEOUT_S

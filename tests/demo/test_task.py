@@ -67,7 +67,7 @@ def test_sampling_and_sft_targets():
 
 # ------------------------------------------------------------------------------------------- simulator
 class RecordingSDK:
-    """Stands in for ingest.sdk.FeedbackClient: records what the simulator would publish."""
+    """Stands in for liverl_sdk.FeedbackClient: records what the simulator would publish."""
 
     def __init__(self):
         self.events: list[FeedbackEvent] = []

@@ -188,7 +188,7 @@ class IngestHarness:
 
     def start_worker(self, ready_timeout: float = 90.0) -> WorkerProc:
         """Start a worker and return once it has joined one probe generation with its feedback."""
-        from ingest.sdk import from_config
+        from core.bus import feedback_client as from_config
 
         self._n += 1
         self.worker = WorkerProc(self.cfg, free_port(), self.log_dir / f"worker-{self._n}.log")

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from core import keys
+from core.bus import feedback_client as from_config
 from core.schemas import DeadLetter, FeedbackEvent, TrainingSample
-from ingest.sdk import from_config
 from tests.ingest.conftest import make_generation, new_gid, wait_until
 
 

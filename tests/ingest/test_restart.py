@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from core import keys
+from core.bus import feedback_client as from_config
 from core.schemas import DeadLetter, FeedbackEvent, TrainingSample
-from ingest.sdk import from_config
 from tests.ingest.conftest import IngestHarness, ingest_config, make_generation, new_gid, wait_until
 
 # From a restarted process's start to its first joined sample, on the embedded broker: the target is 10 s (the median

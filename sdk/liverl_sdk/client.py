@@ -1,6 +1,9 @@
-"""Feedback SDK: how the product backend reports a user's judgement of a generation.
+"""The feedback client: how a product's backend reports a user's judgement of a generation.
 
-    from ingest.sdk import FeedbackClient
+This package installs on its own (``pip install ./sdk``: pydantic and kafka-python, none of the server's
+dependencies)::
+
+    from liverl_sdk import FeedbackClient
 
     with FeedbackClient("127.0.0.1:9092", "liverl.feedback") as fb:
         fid = fb.accept(generation_id)            # or fb.reject(...), fb.edit(generation_id, "fixed text")
@@ -12,7 +15,7 @@ pass one. Pass your own when you may retry: the ``feedback_id`` is the idempoten
 with the same id is counted and trained on once.
 
 Wire format (any Kafka client can publish): topic ``<prefix>.feedback``, key = the generation id (UTF-8),
-value = one JSON object (schema: ``core.schemas.FeedbackEvent``, or ``liverl schema``)::
+value = one JSON object (schema: ``liverl_sdk.wire.FeedbackEvent``, or ``liverl schema``)::
 
     {"schema_version": 1, "feedback_id": "f-123", "generation_id": "<id>", "kind": "accept",
      "edited_text": null, "segment": "free", "ts": 1760000000.0}
@@ -33,13 +36,53 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Self
 
-from core.bus import make_producer
-from core.schemas import FeedbackEvent, new_id
+from kafka import KafkaProducer
+from kafka.serializer import Serializer
+
+from liverl_sdk.wire import FeedbackEvent, new_id
 
 if TYPE_CHECKING:
     from kafka.producer.future import FutureRecordMetadata
 
-    from core.config import BrokerConfig, LiverlConfig
+DELIVERY_TIMEOUT_S = 60.0
+"""How long a producer retries a record by default; the server's ``broker.delivery_timeout_s`` has the same default."""
+
+PRODUCER_ORDER = """Why no producer liverl builds is idempotent: Tansu's object-store engine (the embedded broker) writes an
+idempotent producer's next sequence number before the record batch. A broker killed between the two comes back with
+the sequence counted and the batch missing; the producer retries the batch with the same sequence, the broker answers
+DUPLICATE_SEQUENCE_NUMBER, and every Kafka client takes that as "already written": the record is acknowledged and lost
+(``tests/liverl/test_broker_crash.py``, found by ``pytest -m chaos``). Without idempotence the retry is written again.
+A retry after a lost acknowledgement may then write a record twice, which every consumer absorbs by the key it
+already dedupes on (``feedback_id``, ``generation_id``, ``sample_id``). One request in flight per connection keeps a
+producer's records in order across retries, which idempotence did before."""
+
+
+class KeySerializer(Serializer):
+    """Keys are generation ids (str); bytes pass through."""
+
+    def serialize(self, topic, key):
+        return key.encode() if isinstance(key, str) else key
+
+
+def producer_options(
+    bootstrap: str, delivery_timeout_s: float = DELIVERY_TIMEOUT_S, security: dict[str, Any] | None = None, **kw: Any
+) -> dict[str, Any]:
+    """kafka-python's options for every producer liverl builds, the SDK's and the server's: acks=all, values bytes and
+    keys str (uncompressed: every consumer reads it), a record given up after ``delivery_timeout_s``; not idempotent,
+    one request in flight (``PRODUCER_ORDER`` says why). ``security``: kafka-python's TLS/SASL keyword arguments."""
+    opts: dict[str, Any] = dict(
+        bootstrap_servers=bootstrap,
+        acks="all",
+        enable_idempotence=False,
+        max_in_flight_requests_per_connection=1,
+        linger_ms=5,
+        delivery_timeout_ms=int(delivery_timeout_s * 1000),
+        key_serializer=KeySerializer(),
+        **(security or {}),
+    )
+    opts.update(kw)
+    opts.setdefault("request_timeout_ms", min(30_000, opts["delivery_timeout_ms"] - opts["linger_ms"]))
+    return opts
 
 
 class DeliveryError(RuntimeError):
@@ -64,14 +107,24 @@ class FeedbackClient:
     event with the same ``feedback_id`` is safe.
     """
 
-    def __init__(self, bootstrap: str, topic: str, broker: BrokerConfig | None = None, **producer_kw: Any):
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        *,
+        security: dict[str, Any] | None = None,
+        delivery_timeout_s: float = DELIVERY_TIMEOUT_S,
+        **producer_kw: Any,
+    ):
         if not bootstrap or not isinstance(bootstrap, str):
             raise ValueError(f"bootstrap must be 'host:port[,host:port]', got {bootstrap!r}")
         if not topic or not isinstance(topic, str):
             raise ValueError(f"topic must be the feedback topic name (cfg.topics.feedback), got {topic!r}")
         self.topic = topic
         producer_kw.setdefault("max_block_ms", 5000)
-        self._producer = make_producer(bootstrap, broker=broker, **producer_kw)
+        self._producer: KafkaProducer | None = KafkaProducer(
+            **producer_options(bootstrap, delivery_timeout_s, security, **producer_kw)
+        )
         self._lock = threading.Lock()
         self._failed: list[tuple[str | None, BaseException]] = []
 
@@ -191,11 +244,3 @@ class FeedbackClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def from_config(cfg: LiverlConfig, bootstrap: str | None = None, **producer_kw: Any) -> FeedbackClient:
-    """A client for ``cfg.topics.feedback`` at ``bootstrap`` (default ``cfg.broker.bootstrap``)."""
-    bootstrap = bootstrap or cfg.broker.bootstrap
-    if not bootstrap:
-        raise ValueError("no Kafka bootstrap: pass bootstrap= (e.g. Stack.bootstrap) or set broker.bootstrap")
-    return FeedbackClient(bootstrap, cfg.topics.feedback, broker=cfg.broker, **producer_kw)

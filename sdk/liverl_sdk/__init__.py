@@ -1,0 +1,13 @@
+"""liverl's client for products: publish a user's judgement of a generation (``FeedbackClient``), with the wire
+contract it is checked against (``liverl_sdk.wire``). It installs without the server's dependencies.
+
+    from liverl_sdk import FeedbackClient
+
+    with FeedbackClient("127.0.0.1:9092", "liverl.feedback") as fb:
+        fb.accept(generation_id)
+"""
+
+from liverl_sdk.client import DeliveryError, FeedbackClient
+from liverl_sdk.wire import FeedbackEvent, WireError
+
+__all__ = ["DeliveryError", "FeedbackClient", "FeedbackEvent", "WireError"]
