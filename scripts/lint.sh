@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
-ruff check core ingest learner serving deploy liverl tests scripts
-ruff format --check core ingest learner serving deploy liverl tests scripts
+ruff check sdk core ingest learner serving deploy liverl tests scripts
+ruff format --check sdk core ingest learner serving deploy liverl tests scripts
