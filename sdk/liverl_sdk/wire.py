@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Literal[1] = 1
 
 FeedbackKind = Literal["accept", "reject", "edit", "revert"]
 """accept, reject, edit judge a generation (its first judgement trains); revert is a follow-up on an accepted one (the
