@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # liverl bench learn --device cuda on a GPU machine: the learner's update against the plain transformers loop, on the
-# generated moe24m and the demo model (issue #23). Results and logs go to $OUT.
+# generated moe24m and the demo model. Results and logs go to $OUT.
 #
 # The GPU machine may have torch and transformers but not pydantic (core.config). Make the wheels here first
 # and carry them (the device tool's carry: [".whl"]):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The serving checks of issue 21 on a CUDA box: `liverl bench serve` (gateway vs the bare node, 64 clients, plain and
+# The serving checks on a CUDA box: `liverl bench serve` (gateway vs the bare node, 64 clients, plain and
 # streamed) and `liverl bench swap` (the hot-swap pause under streaming load), on the demo model and on a generated
 # ~1B-parameter Qwen3-MoE. Then the learner's GPU check (scripts/gpu_learner_check.sh, when present).
 #

@@ -2,7 +2,7 @@
 
     python scripts/plateau_sim.py --updates 3000 --seeds 0 1 [--variant main|ema|...] [--csv out.csv]
 
-An hour of ``liverl demo`` costs an hour of the machine and gives one noisy reading of the refusal runs (issue #23).
+An hour of ``liverl demo`` costs an hour of the machine and gives one noisy reading of the refusal runs.
 This loop keeps the demo's learner and its users and replaces everything between them with their simplest faithful
 stand-ins, so that a change to the learner can be compared over several seeds in minutes:
 

@@ -2,13 +2,13 @@
 
     python scripts/refusal_runs.py STATE_DIR [--start TS]
 
-Issue #23's bar for a 60-minute demo run: no run of refusals lasts more than 5 minutes. A run starts at the first
+The learner's bar for a 60-minute demo run: no run of refusals lasts more than 5 minutes. A run starts at the first
 refusal after a promotion: a failed gate check (``rejected`` in the audit log, on the candidate's own evidence:
 ``learner.candidates.evidence_against``; not a supersession) or any aborted canary (``canary_abort``: shown worse,
 futile, its deadline or evidence budget spent, a sample-ratio mismatch: the candidate was not shipped whatever the
-reason). It ends at the next promotion, or at the end of the registry's history (then it is marked open). (Until the
-sixteenth session it counted only the ``rejected`` entries, so a run of aborted canaries with no failed check in it
-was not counted at all.) Times come from the audit log
+reason). It ends at the next promotion, or at the end of the registry's history (then it is marked open). Aborted
+canaries count as refusals: counting only the ``rejected`` entries would miss a run of aborted canaries with no failed
+check in it. Times come from the audit log
 (the gate's ``rejected`` and ``promote`` entries). Also prints the learner's rebases and learning-rate changes that its
 log recorded (``<state_dir>/logs/learn.log``), so a run can be read beside what the learner did about it.
 """

@@ -12,9 +12,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then exit 0; fi
 echo "[setup] creating .venv and installing liverl (first run takes ~3 minutes)" >&2
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
-# quiet pip; this machine's pip config names local index folders that may not exist (harmless warnings).
+# quiet pip; a machine's pip config may name local index folders that do not exist (harmless warnings).
 # --no-compile: pip compiles each file in turn; compileall below does it on all cores (a fresh clone's pip install
-# took 2.25 instead of 3.6 minutes on a 2-core machine, and compileall about 1 minute).
+# measured 2.25 instead of 3.6 minutes on a 2-core machine, and compileall about 1 minute).
 pipq() { pip install -q --no-compile --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; return "${PIPESTATUS[0]}"; }
 pipq -U pip
 # torch first and pinned: the CPU build (an unpinned torch pulls a multi-GB CUDA build).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Run pytest ROUNDS times in a row while a busy loop per core hogs the CPUs (issue 22: a test that fails under load
-# is a defect). Prints one line per round and a table at the end; exits 1 if any round failed.
+# Run pytest ROUNDS times in a row while a busy loop per core hogs the CPUs (a test that fails under load is a
+# defect). Prints one line per round and a table at the end; exits 1 if any round failed.
 #
 #   bash scripts/under_hog.sh 10 tests/ingest/test_restart.py tests/learner/test_trainer.py
 #

@@ -1,4 +1,4 @@
-"""Packaging (issue 22): every package liverl's code lives in is in the wheel, every third-party module it imports
+"""Packaging: every package liverl's code lives in is in the wheel, every third-party module it imports
 is declared in pyproject.toml (not only pulled in by another package), and faust-streaming is no runtime dependency
 (only `liverl bench ingest` uses it, from the ``bench`` extra)."""
 

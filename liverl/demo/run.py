@@ -61,7 +61,7 @@ canaries already shown better waited 75-85 s on latency alone, their arms at 296
 40 candidates' worth of updates (400) behind its weights, not 8: one gate cycle (evaluation, then a 90-240 s canary) is
 150-250 of its updates here, so with 8 most of the stable arm's samples were dropped as stale and it starved (23,552
 of 55,841 trained in one run). The learner rebases onto stable after 2 candidates in a row refused on their
-evidence, not 5: in the hour-long runs (BENCHMARKS.md, fifteenth and sixteenth sessions) a run of refusals held 1-4
+evidence, not 5: in hour-long demo runs a run of refusals held 1-4
 refused candidates and lasted until another of the same lineage got through a canary (up to 574 s).
 Each candidate is the average of the learner's weights over its last ~33 updates (``learner.candidate_ema`` 0.97), not
 its last update's: at lr 3e-4 one update's weights are a random draw around the lineage (``scripts/plateau_sim.py``).

@@ -3,7 +3,7 @@
 A deployment is a state dir (``<state_dir>/deployment.json`` holds its id, made once) together with the Redis keys
 under its prefix (``topics.prefix``). The namespace is claimed in Redis by ``<prefix>:deployment``, which names the
 owner's id, state dir and model. Without the binding two deployments on one Redis read and wrote each other's live
-counters, rollout plan and desired version, and ``--fresh`` deleted the other one's keys (issue 22).
+counters, rollout plan and desired version, and ``--fresh`` would delete the other one's keys.
 
 The registry records the deployment too (its ``deployment`` table, written by ``record`` once ``up`` made the
 registry), so a standalone process on another machine, sharing only the registry and Redis with the rest, checks the
@@ -151,7 +151,7 @@ def check_process(cfg: LiverlConfig, redis, role: str) -> Deployment | None:
     """What a standalone ``liverl serve | route | ingest | learn | gate`` checks before it starts: the deployment its
     registry belongs to must be the one that claims ``topics.prefix`` in Redis. It claims an unclaimed prefix for
     that deployment; it refuses one another deployment claims, naming both. A registry no deployment was recorded
-    in (made before deployment ids, or not reachable from this machine) has nothing to check: returns None."""
+    in (made by a release without deployment ids, or not reachable from this machine) has nothing to check: returns None."""
     me = registry_deployment(cfg)
     if me is None:
         return None

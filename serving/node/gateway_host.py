@@ -1,9 +1,8 @@
-"""The gateway runs inside the vLLM node's API-server process: no second process, no second HTTP hop (issue #21).
+"""The gateway runs inside the vLLM node's API-server process: no second process, no second HTTP hop.
 
-Before, the gateway was an aiohttp server in the serving process, in front of the node's OpenAI server: every
-request and response crossed a second process and a second HTTP exchange, and on a machine whose cores the engine
-keeps busy each crossing waited for a time slice (``liverl bench serve`` measured the gateway at 0.45-0.55 of the
-bare node). Now:
+Why: a gateway as a separate server in front of the node's OpenAI server makes every request and response cross a
+second process and a second HTTP exchange, and on a machine whose cores the engine keeps busy each crossing waits for
+a time slice (``liverl bench serve`` measured such a gateway at 0.45-0.55 of the bare node). So:
 
 - ``GatewayMiddleware``, an ASGI middleware vLLM loads with ``--middleware`` (a supported extension point, like
   ``serving.node.auth``; nothing in vLLM is changed), starts ``serving.node.gateway.Gateway`` on the server's lifespan

@@ -10,7 +10,7 @@ Settings: ``acks=all``, not idempotent and one request in flight, in order acros
 record twice, which ingest dedupes; idempotence lost acknowledged records on the embedded broker:
 ``core.bus.PRODUCER_ORDER``);
 ``message.timeout.ms`` from ``broker.delivery_timeout_s`` (librdkafka's default, 300 s, outlived ingest's
-pending_ttl_s, so feedback was dead-lettered while its generation record was still retried: finding 12);
+pending_ttl_s, so feedback would be dead-lettered while its generation record was still retried);
 ``partitioner=murmur2_random``, the Java client's and kafka-python's partitioner, so a record lands on the
 partition every other liverl client (the feedback SDK, ingest's producers) picks for the same key, which the
 feedback/generation join needs (librdkafka's default, ``consistent_random``, picks differently).

@@ -1,8 +1,8 @@
 """The hot-swap, run inside the vLLM node's API-server process: one HTTP call from the agent, no round trip inside.
 
-Why here: the agent used to drive a swap with five HTTP calls to the node (``/pause``, ``/collective_rpc`` apply,
+Why here: driven from the agent, a swap takes five HTTP calls to the node (``/pause``, ``/collective_rpc`` apply,
 ``/collective_rpc`` checksum, ``/update_weight_version``, ``/resume``), the engine paused across all of them, each
-waiting its turn on the API server's event loop, which under streaming load is busy relaying tokens. On the 2-core
+waiting its turn on the API server's event loop, which under streaming load is busy relaying tokens. On a 2-core
 test box that pause measured 2.5 and 4.4 s, almost all of it inside the ``/pause`` HTTP call. This ASGI middleware,
 loaded with ``--middleware`` like ``serving.node.auth`` (a supported extension point; nothing in vLLM is changed),
 answers ``POST /liverl/swap`` and runs the whole sequence on the engine client in this process, with the decoding

@@ -1,6 +1,6 @@
 """Which policy version sampled which token: vLLM's own per-token weight-version spans, read in the node's process.
 
-A hot-swap no longer drains: the agent freezes the engine at a scheduler step (``/pause?mode=keep``), writes the
+A hot-swap does not drain: the agent freezes the engine at a scheduler step (``/pause?mode=keep``), writes the
 changed weights, labels them (``/update_weight_version``) and resumes. A request in flight across that swap has its
 first tokens from the old version and the rest from the new one. vLLM 0.32 records exactly that: each engine step's
 outputs carry the engine's weight-version label, and a finished ``CompletionOutput`` has ``weight_versions``, the

@@ -1,7 +1,7 @@
-"""Timeouts that agree (issue 22, finding 12 again): every producer liverl builds gives up on a record after
+"""Timeouts that agree: every producer liverl builds gives up on a record after
 ``broker.delivery_timeout_s``, set explicitly, and the config refuses a ``ingest.pending_ttl_s`` that does not exceed
-it by ``DELIVERY_MARGIN_S``. Before, the gateway's librdkafka producer retried a generation record for librdkafka's
-default 300 s while ingest dead-lettered the feedback waiting for it at 150 s."""
+it by ``DELIVERY_MARGIN_S``. Otherwise a librdkafka producer retries a generation record for librdkafka's default
+300 s while ingest dead-letters the feedback waiting for it at 150 s."""
 
 from __future__ import annotations
 

@@ -235,7 +235,7 @@ def test_the_trap_s_users_accept_the_bait_and_revert_it_later():
 
 
 def test_the_population_is_many_users_each_with_a_fixed_segment_activity_and_trap_trait():
-    """The demo's traffic comes from thousands of distinct users who differ (issue #20: a canary's evidence clusters
+    """The demo's traffic comes from thousands of distinct users who differ (a canary's evidence clusters
     by user only when users differ, and they do in a real product)."""
     from liverl.demo.sim import Population
 

@@ -185,7 +185,7 @@ def test_a_worse_canary_is_aborted_and_its_nodes_return_to_stable(cfg, rds, flee
 def test_reverts_that_come_after_the_accept_count_before_any_promotion(cfg, rds, fleet2):
     """A reward-hacking candidate: users accept its bait now and revert most of it up to the revert horizon later. A
     bucket is read only once its horizon has closed, so an accept is never counted as kept before its revert could
-    come in (finding N10: counted as they arrived, the newest accepts looked kept and promoted the bait)."""
+    come in (counted as they arrived, the newest accepts would look kept and promote the bait)."""
     gate, registry = fleet2
     r = start(gate, registry, rds, cfg)
     b0 = first(r, 1)[0]
@@ -399,7 +399,7 @@ def test_the_test_state_lives_in_the_registry_and_survives_a_gate_restart(cfg, r
 
 
 def test_a_forged_plan_or_test_state_in_redis_decides_nothing(cfg, rds, fleet2):
-    """Finding N2 (a), (b): Redis held the rollout plan and the test's state. Now the registry does; whatever is
+    """The registry, not Redis, holds the rollout plan and the test's state; whatever is
     written to ``<p>:rollout`` is never read."""
     gate, registry = fleet2
     r = start(gate, registry, rds, cfg)
@@ -423,7 +423,7 @@ def test_a_forged_plan_or_test_state_in_redis_decides_nothing(cfg, rds, fleet2):
 
 
 def test_an_operator_pause_between_the_gates_read_and_its_promotion_holds(cfg, rds, fleet2, monkeypatch):
-    """Finding N12: the gate decided to promote on a read of a running rollout; an operator paused it meanwhile. The
+    """The gate decides to promote on a read of a running rollout; an operator pauses it meanwhile. The
     promotion is a compare-and-set on a running rollout: the pause wins."""
     gate, registry = fleet2
     r = start(gate, registry, rds, cfg)
@@ -485,7 +485,7 @@ def test_the_request_unit_tests_each_judged_event(cfg, rds, fleet2):
 def test_with_a_configured_fleet_of_two_and_one_node_down_the_decision_is_deferred_not_made_without_a_canary(
     cfg, rds, fleet2
 ):
-    """Finding N9: a 2-node fleet with one node restarting promoted fleet-wide with no live evidence."""
+    """A 2-node fleet with one node restarting does not promote fleet-wide without live evidence."""
     gate, registry = fleet2
     beat(rds, cfg, "node-b", healthy=False)
     row = registry.add_candidate(weights(0.9, 1.0, seed=1), parent=0)
@@ -500,7 +500,7 @@ def test_with_a_configured_fleet_of_two_and_one_node_down_the_decision_is_deferr
 def test_a_heartbeat_of_a_node_the_config_does_not_name_is_never_a_canary_node(cfg, rds, fleet2):
     gate, registry = fleet2
     beat(rds, cfg, "node-b", healthy=False)
-    beat(rds, cfg, "evil")  # a forged heartbeat (finding N3): not in serving.fleet
+    beat(rds, cfg, "evil")  # a forged heartbeat: not in serving.fleet
     registry.add_candidate(weights(0.9, 1.0, seed=1), parent=0)
     [v] = gate.step()
     assert v.verdict == "deferred", v.reason

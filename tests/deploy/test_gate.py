@@ -521,7 +521,7 @@ class OffPolicyEval(ProbeEval):
 
 
 def test_a_candidate_estimated_worse_on_held_out_feedback_is_refused_before_exposure(cfg, rds):
-    """Evidence before exposure (issue #9): the off-policy estimate on held-out samples, against stable's."""
+    """Evidence before exposure: the off-policy estimate on held-out samples, against stable's."""
     from deploy.gate.gate import HeldoutSample
 
     def state(shift: float, seed: int) -> dict:

@@ -1,4 +1,4 @@
-"""The gate's off-policy check (e) against a real Redis and a real (SQLite) registry (issue #20 item 4): the
+"""The gate's off-policy check (e) against a real Redis and a real (SQLite) registry: the
 product's reward with reverts merged in, judgements censored at the revert horizon, and a deferral to the canary
 when the effective sample size is too small. The estimator and its decision rule: test_offpolicy.py."""
 

@@ -64,7 +64,7 @@ def test_bad_input_is_refused():
         snis([], [], [])
 
 
-# --- the paired decision rule (issue #20 item 4) ------------------------------------------------------------------
+# --- the paired decision rule ---------------------------------------------------------------------------------------
 # A/A: the candidate is exactly as good as stable, so every refusal is a false one. Over DRAWS draws the refusal rate
 # must stay within ALPHA plus a binomial allowance of 3 standard errors (39 of 1,000 at alpha 0.025). The rule before
 # this one (the candidate's upper bound against stable's estimate, taken as exact) refused 6% in the near-independent
@@ -87,7 +87,7 @@ def _refusals(make, n: int, seed: int, margin: float = 0.0) -> tuple[int, int]:
 
 def _aa_independent(rng, n):
     """Candidate and stable both moved off the logged behaviour, in opposite directions that do not touch the reward:
-    equally good, and their weights nearly independent (the case the audit measured, N13)."""
+    equally good, and their weights nearly independent (the hardest A/A case for the rule's false refusals)."""
     lb, r, x = rng.normal(-20, 5, n), _product_rewards(rng, n), rng.normal(0, 1.0, n)
     return lb + x, lb - x, lb, r
 

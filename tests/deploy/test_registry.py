@@ -229,7 +229,7 @@ def test_gc_removes_only_old_unreferenced_blobs(registry):
 
 
 def test_gc_prunes_rejected_versions_no_surviving_version_descends_from(registry):
-    """Finding 16: rejected candidates' deltas no longer stay forever. A rejected version that a live version
+    """Rejected candidates' deltas do not stay forever. A rejected version that a live version
     descends from keeps its delta (rebuilding the descendant walks through it); a rejected subtree goes."""
     weights = chain(registry, 4)  # 0 <- 1 <- 2 <- 3 <- 4, snapshot at 3
     side = registry.add_candidate(perturb(weights[2], 0.05, seed=7), parent=2)  # 2 <- 5

@@ -129,7 +129,7 @@ def test_evidence_is_written_by_compare_and_set_and_never_changes_the_state(regi
 
 
 def test_a_pause_holds_against_a_gate_step_that_read_before_it(registry):
-    """N12: the gate reads the rollout, an operator pauses it, the gate decides 'promote' on its stale read. Neither
+    """The gate reads the rollout, an operator pauses it, the gate decides 'promote' on its stale read. Neither
     its evidence nor its promotion lands; the rollout stays paused and the version canary."""
     (v1, _) = candidates(registry)
     begin(registry, v1)
@@ -193,9 +193,9 @@ def test_an_operator_promoting_or_rejecting_the_canary_directly_ends_its_rollout
 
 
 def test_a_crash_after_begin_leaves_no_orphan_and_old_orphans_are_reaped(registry):
-    """N18: begin_rollout is one transaction, so a gate that stops right after it (before announcing anything) leaves
-    a rollout the next gate finds (``active_rollout``), not an orphan. A canary row without a rollout (left by the old
-    code, or a hand edit) is rejected by ``reap_orphan_canaries``, audited; a rollout whose version is no longer canary
+    """begin_rollout is one transaction, so a gate that stops right after it (before announcing anything) leaves
+    a rollout the next gate finds (``active_rollout``), not an orphan. A canary row without a rollout (left by an older
+    release, or a hand edit) is rejected by ``reap_orphan_canaries``, audited; a rollout whose version is not canary any more
     is ended."""
     v1, v2, v3 = candidates(registry, 3)
     begin(registry, v1)  # ... and the gate process dies here

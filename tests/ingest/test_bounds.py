@@ -244,7 +244,7 @@ def test_a_timer_that_raises_is_counted_and_runs_again(env):
 
 
 def test_input_on_the_wrong_partition_is_dead_lettered_naming_the_right_one(env):
-    """Finding 20: a record keyed or partitioned differently from Kafka's murmur2 of its generation id is refused
+    """A record keyed or partitioned differently from Kafka's murmur2 of its generation id is refused
     (``wrong_partition``) instead of waiting for a generation another worker holds; the right partition joins."""
     import json
     import random
@@ -282,7 +282,7 @@ def test_input_on_the_wrong_partition_is_dead_lettered_naming_the_right_one(env)
 
 
 def test_a_fixed_hash_share_of_joined_samples_goes_to_the_held_out_stream(env):
-    """Issue #9: the held-out stream the gate estimates on, which the learner never reads. The share is decided by
+    """The held-out stream the gate estimates on, which the learner never reads. The share is decided by
     the generation id alone, so a replay (or another worker) sends a sample the same way."""
     import json
     import random

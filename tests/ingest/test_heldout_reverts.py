@@ -1,4 +1,4 @@
-"""A revert of a held-out accepted generation reaches the held-out stream (issue #20 item 4): the gate's off-policy
+"""A revert of a held-out accepted generation reaches the held-out stream: the gate's off-policy
 check scores that generation with the product's revert reward, as the learner trains the correction of a trained one.
 
 The join runs in process (``Ingest`` with the join table as a dict and the broker's sends recorded, as in

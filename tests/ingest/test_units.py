@@ -1,4 +1,4 @@
-"""Per-user sums (``keys.units``): what ingest keeps for the canary's per-user test (issue #20 items 1 and 3).
+"""Per-user sums (``keys.units``): what ingest keeps for the canary's per-user test.
 
 Ingest's join with the real Redis (the broker's part is a recorder, as in test_fuzz.py; test_app.py runs the worker on
 the real broker): counted exactly once per feedback id, a revert in the bucket and unit of the judgement it undoes,

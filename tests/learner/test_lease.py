@@ -1,4 +1,4 @@
-"""One learner per deployment: the lease in the real Redis (finding 26: nothing enforced the singleton)."""
+"""One learner per deployment: the lease in the real Redis enforces the singleton."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One deployment, one state dir, one Redis namespace (issue 22): the demo, then `liverl up --model OTHER` in the same
+"""One deployment, one state dir, one Redis namespace: the demo, then `liverl up --model OTHER` in the same
 folder or with a new state dir on the same Redis, must stop with a clear error before anything starts or any key is
 touched; `--fresh` never deletes another deployment's keys."""
 

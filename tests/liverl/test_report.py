@@ -124,7 +124,7 @@ def test_the_demo_profile_fills_in_only_what_config_did_not_set():
     cfg = load_config(None, env={"LIVERL__SERVING__NODES": "1", "LIVERL__INGEST__HELDOUT_SHARE": "0.1"})
     assert "ingest.heldout_share" not in apply_demo_profile(cfg) and cfg.ingest.heldout_share == 0.1
     cfg = load_config(None, env={})
-    assert cfg.learner.lr == 1e-6  # without a config: a real LLM's rate (issue #23), not the demo's
+    assert cfg.learner.lr == 1e-6  # without a config: a real LLM's rate, not the demo's
     applied = apply_demo_profile(cfg)
     assert cfg.serving.nodes == 2 and cfg.gate.canary_share == 0.5
     assert cfg.learner.lr == 3e-4 and applied["learner.lr"] == 3e-4  # the demo's tiny policy sets its own

@@ -1,6 +1,6 @@
-"""The embedded stack's Redis keeps what it was told across a kill -9 (review finding 26: without persistence a
-restart lost the fleet's desired version, the live counters and the feedback guards; with fsync every second, a
-kill -9 under disk load lost the last acknowledged writes)."""
+"""The embedded stack's Redis keeps what it was told across a kill -9 (without persistence a
+restart loses the fleet's desired version, the live counters and the feedback guards; with fsync every second, a
+kill -9 under disk load loses the last acknowledged writes)."""
 
 from __future__ import annotations
 

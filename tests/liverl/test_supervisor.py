@@ -20,7 +20,7 @@ def _stack(tmp_path) -> Stack:  # the addresses a started stack reports (no proc
 
 
 def test_a_child_keeps_the_configured_keys_and_every_section(tmp_path):
-    """Finding N4: child_env dropped ``security``, so configured keys became "no signing, no verification"."""
+    """child_env keeps ``security``, so configured keys never become "no signing, no verification"."""
     private, public = generate_keypair(tmp_path / "etc-liverl")
     cfg = load_config(
         env={},

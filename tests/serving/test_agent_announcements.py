@@ -48,7 +48,7 @@ def terms(*nodes: str) -> RolloutTerms:
 
 
 def test_a_signed_canary_announcement_copied_into_desired_is_refused(cfg, rds, signer):
-    """Finding N2(c): every node swapped to the canary when its signed announcement was copied into <p>:desired."""
+    """A signed canary announcement copied into <p>:desired does not swap every node to the canary."""
     p = cfg.topics.prefix
     announce(rds, p, 1, "aa" * 32, "stable", signer)
     announce(rds, p, 2, "bb" * 32, "canary of v2", signer, channel="canary", rollout=terms("node-b"))
@@ -132,8 +132,8 @@ def test_the_canary_serves_only_the_nodes_its_signed_terms_name(cfg, rds, signer
 
 
 def test_the_registry_must_confirm_the_status_the_channel_needs(cfg, signer):
-    """Finding N2: the agent accepted registry status 'canary' on any channel, so a canary version announced (even
-    validly) as desired was served fleet-wide."""
+    """The agent accepts registry status 'canary' only on the canary channel, so a canary version announced (even
+    validly) as desired is not served fleet-wide."""
     from serving.agent.agent import Agent
 
     registry = open_registry(cfg)
@@ -169,7 +169,8 @@ def test_the_registry_must_confirm_the_status_the_channel_needs(cfg, signer):
 
 
 def test_serve_refuses_to_start_without_a_verify_key(cfg):
-    """Finding N4: without a key the agent followed any announcement, signed or not, and said nothing."""
+    """The agent refuses to start without a verify key unless ``security.allow_unsigned`` says so: without one it
+    would follow any announcement, signed or not."""
     from serving.agent.agent import Agent
     from serving.agent.main import serve
 

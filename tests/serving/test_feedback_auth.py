@@ -1,4 +1,4 @@
-"""``POST /v1/feedback`` takes the product key (issue 20, audit N11): feedback trains the model and decides canaries,
+"""``POST /v1/feedback`` takes the product key: feedback trains the model and decides canaries,
 so a caller without the key gets 401 and nothing reaches the feedback topic; with it, 202 and the event is on the
 topic. The same through the router, which keeps ``Authorization`` to itself but passes the product key's own header.
 

@@ -309,7 +309,7 @@ def test_the_swap_route_refuses_a_malformed_body_with_what_it_needs():
 
 
 def test_the_node_key_middleware_refuses_every_route_but_health_without_the_key(monkeypatch):
-    """The ASGI middleware vLLM loads (finding 6), on its own: which requests reach the app."""
+    """The ASGI middleware vLLM loads, on its own: which requests reach the app."""
     import asyncio
 
     from serving.node.auth import ENV_KEY, NodeKeyMiddleware

@@ -1,4 +1,4 @@
-"""The gateway runs inside the vLLM node's API-server process (``serving.node.gateway_host``, issue #21): the product's
+"""The gateway runs inside the vLLM node's API-server process (``serving.node.gateway_host``): the product's
 port is a socket of the node's process, the serving process holds none, the agent's reports reach the gateway only
 with the node key, and what they may touch is bounded."""
 

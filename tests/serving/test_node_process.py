@@ -1,4 +1,4 @@
-"""The vLLM node never outlives the serving process that started it (review finding 22).
+"""The vLLM node never outlives the serving process that started it.
 
 Both mechanisms are exercised on real processes, without starting vLLM (which takes a minute on CPU): a child
 started the way ``start_node`` starts the node dies when its parent is killed with SIGKILL, and a node left

@@ -3,7 +3,7 @@ nodes joining and leaving move only their own users, a node that refuses connect
 bodies, headers and streamed chunks pass through unchanged.
 
 The two nodes behind it are small aiohttp apps that answer as a node's gateway does (a body naming the node,
-liverl's headers, an SSE stream), not vLLM: two vLLM engines on this machine's 2 CPU cores take minutes to start and
+liverl's headers, an SSE stream), not vLLM: two vLLM engines on a 2-core CI machine take minutes to start and
 would test vLLM, not routing. A real node behind the router is in the serving suite (test_serving.py)."""
 
 from __future__ import annotations

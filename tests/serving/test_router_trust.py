@@ -1,4 +1,4 @@
-"""What the router trusts (issue 20, audit N3, N11, N20): Redis signals health, never where users go.
+"""What the router trusts: Redis signals health, never where users go.
 
 - a heartbeat of a node ``serving.fleet`` does not name gets no request, and a known node is reached at the config's
   URL, not its heartbeat's;
@@ -89,7 +89,7 @@ class _Fleet:
 
 
 def test_a_heartbeat_of_a_node_the_config_does_not_name_gets_no_request(cfg, rds):
-    """Audit N3: ``SET <p>:served:zz {"url": "http://evil"}`` used to win about 1/(N+1) of the users."""
+    """A forged ``SET <p>:served:zz {"url": "http://evil"}`` wins none of the users (it would win about 1/(N+1))."""
 
     async def main() -> None:
         async with _Fleet(cfg, rds, ("node-a", "node-b")) as f:
@@ -155,7 +155,7 @@ def _public_bucket(key: str) -> float:
 
 
 def test_a_forged_rollout_plan_or_canary_announcement_moves_nobody(cfg, rds, tmp_path):
-    """Audit N2/N3: the unsigned ``<p>:rollout`` plan used to decide the share and the canary nodes."""
+    """The unsigned ``<p>:rollout`` plan decides neither the share nor the canary nodes."""
 
     async def main() -> None:
         async with _Fleet(cfg, rds) as f:
@@ -249,8 +249,8 @@ def _blackhole() -> tuple[socket.socket, list[socket.socket], int]:
 
 
 def test_a_blackholed_or_silent_node_fails_over_and_is_marked_down(cfg, rds):
-    """Audit N20: a connect timeout was not in the failover tuple (500 to the client, node not marked down), and
-    there was no read timeout (a node that accepts and never answers held the client for ever)."""
+    """A connect timeout fails over (no 500 to the client; the node is marked down), and a read timeout bounds a
+    node that accepts and never answers (it would hold the client for ever)."""
 
     async def main() -> None:
         hole, fillers, hole_port = _blackhole()
@@ -310,7 +310,8 @@ def test_a_stream_that_stalls_is_cut_not_ended_as_if_complete(cfg, rds):
 
 
 def test_a_deeply_nested_body_is_routed_unkeyed(cfg, rds):
-    """Audit N20: ``json.loads`` of a deeply nested body raises RecursionError; it used to escape the router (500)."""
+    """``json.loads`` of a deeply nested body raises RecursionError; the router routes the request
+    unkeyed, not a 500."""
 
     async def main() -> None:
         async with _Fleet(cfg, rds, ("node-a",)) as f:

@@ -432,7 +432,7 @@ def test_corrupt_and_wrong_base_deltas_are_refused(srv):
         rpc, {"method": "liverl_apply_delta", "args": [str(bad_file), checksum(target)]}, key=srv.node_key
     )
     assert status == 200 and not body["results"][0]["ok"] and "DeltaError" in body["results"][0]["error"]
-    # ... and one without the checksum it must lead to, or from outside the agent's delta folder (finding 6)
+    # ... and one without the checksum it must lead to, or from outside the agent's delta folder
     status, _, body = _post(rpc, {"method": "liverl_apply_delta", "args": [str(bad_file)]}, key=srv.node_key)
     assert not body["results"][0]["ok"] and "expect_checksum is required" in body["results"][0]["error"]
     outside = srv.cfg.state_path / "secret.txt"
@@ -453,7 +453,7 @@ def test_corrupt_and_wrong_base_deltas_are_refused(srv):
 
 
 def test_the_node_answers_only_its_serving_process(srv):
-    """Finding 6: every route of the vLLM node but /health needs the key the serving process generated, the dev and
+    """Every route of the vLLM node but /health needs the key the serving process generated, the dev and
     RL routes (pause, collective_rpc) included, which vLLM's --api-key leaves open."""
     from serving.agent.launch import read_node_key
 
@@ -532,7 +532,7 @@ def _rpc(srv, method: str, *args: str) -> dict:
 
 
 def test_a_crafted_delta_is_refused_before_any_write_and_an_out_of_band_change_is_noticed(srv):
-    """Finding 24: a delta whose header claims the expected checksum but decodes to other weights is refused before
+    """A delta whose header claims the expected checksum but decodes to other weights is refused before
     the write (the worker hashes what the weights would be); weights changed behind the agent's back are found by
     the agent's periodic read-back, which takes the node out of service."""
     from deploy.registry.container import open_container, pack_container
