@@ -171,7 +171,7 @@ def test_what_the_anchor_cannot_show_a_head_rolled_back_with_the_tail(open_reg, 
     assert reg.verify_audit().kind == "truncated"
     head.redis.delete(head.key)
     head.redis.hset(head.key, mapping=seen)
-    assert reg.verify_audit().ok  # NOT detected: the README says so
+    assert reg.verify_audit().ok  # NOT detected: docs/security.md says so
 
     head.redis.delete(head.key)
     check = reg.verify_audit()

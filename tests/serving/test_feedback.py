@@ -1,5 +1,5 @@
 """Feedback without the Python SDK: ``POST /v1/feedback`` on the gateway (with the product key; without it:
-test_feedback_auth.py), and a librdkafka client (confluent-kafka) publishing to the embedded broker as the README
+test_feedback_auth.py), and a librdkafka client (confluent-kafka) publishing to the embedded broker as docs/product.md
 shows. Both land where the SDK's record would: the feedback topic, keyed by generation id, on the partition the Java
 client's murmur2 partitioner picks."""
 
@@ -69,7 +69,7 @@ def test_feedback_over_http(srv):
 
 
 def test_confluent_kafka_publishes_feedback_like_the_readme(cfg):
-    """The README's librdkafka settings: key = generation id, partitioner murmur2_random."""
+    """The librdkafka settings docs/product.md gives: key = generation id, partitioner murmur2_random."""
     from confluent_kafka import Producer
 
     ensure_topics(cfg.broker.bootstrap, all_topics(cfg), cfg.broker.partitions)
