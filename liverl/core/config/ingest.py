@@ -19,7 +19,10 @@ class RewardConfig(Section):
 
 
 class IngestConfig(Section):
-    rewards: RewardConfig = Field(default_factory=RewardConfig)
+    rewards: RewardConfig = Field(
+        default_factory=RewardConfig,
+        description="The reward of each judgement, for a product without its own reward shaping (product).",
+    )
     pending_ttl_s: float = Field(
         default=150.0,
         gt=0,

@@ -33,18 +33,55 @@ class LiverlConfig(BaseSettings):
         "reward shaping, an optional evaluation suite for the gate. None: rewards from [ingest.rewards], no suite.",
     )
     state_dir: str = Field(default=".liverl", description="Where logs, the registry, blobs and checkpoints live.")
-    broker: BrokerConfig = Field(default_factory=BrokerConfig)
-    redis: RedisConfig = Field(default_factory=RedisConfig)
-    registry: RegistryConfig = Field(default_factory=RegistryConfig)
-    topics: TopicsConfig = Field(default_factory=TopicsConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    serving: ServingConfig = Field(default_factory=ServingConfig)
-    ingest: IngestConfig = Field(default_factory=IngestConfig)
-    learner: LearnerConfig = Field(default_factory=LearnerConfig)
-    gate: GateConfig = Field(default_factory=GateConfig)
-    security: SecurityConfig = Field(default_factory=SecurityConfig)
-    supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
-    demo: DemoConfig = Field(default_factory=DemoConfig)
+    broker: BrokerConfig = Field(
+        default_factory=BrokerConfig,
+        description="The Kafka broker every process connects to: external (bootstrap) or the embedded Tansu, and how clients authenticate.",
+    )
+    redis: RedisConfig = Field(
+        default_factory=RedisConfig,
+        description="The Redis that holds the desired version and its announcements, node heartbeats, the "
+        "learner's lease and the canary's per-user evidence.",
+    )
+    registry: RegistryConfig = Field(
+        default_factory=RegistryConfig,
+        description="The version registry (a SQL database) and the store of its snapshots and deltas.",
+    )
+    topics: TopicsConfig = Field(
+        default_factory=TopicsConfig,
+        description="The names and retention of the Kafka topics liverl creates.",
+    )
+    model: ModelConfig = Field(
+        default_factory=ModelConfig,
+        description="The base policy every version descends from.",
+    )
+    serving: ServingConfig = Field(
+        default_factory=ServingConfig,
+        description="The serving nodes (gateway, vLLM node, swap agent) and the router in front of them.",
+    )
+    ingest: IngestConfig = Field(
+        default_factory=IngestConfig,
+        description="The ingest worker, which joins feedback to its generation into training samples.",
+    )
+    learner: LearnerConfig = Field(
+        default_factory=LearnerConfig,
+        description="The learner: the policy-gradient update, its candidates, checkpoints and load shedding.",
+    )
+    gate: GateConfig = Field(
+        default_factory=GateConfig,
+        description="The gate: the offline checks a candidate passes, and the canary that decides its promotion.",
+    )
+    security: SecurityConfig = Field(
+        default_factory=SecurityConfig,
+        description="Keys: announcement signing and verification, the router's assignment secret, the product's feedback key, the audit chain.",
+    )
+    supervisor: SupervisorConfig = Field(
+        default_factory=SupervisorConfig,
+        description="How `liverl up` and `liverl demo` restart a process that exits.",
+    )
+    demo: DemoConfig = Field(
+        default_factory=DemoConfig,
+        description="What `liverl demo` runs: its length, simulated users and their traffic.",
+    )
 
     @model_validator(mode="after")
     def _timeouts_agree(self):

@@ -61,8 +61,8 @@ class ServingConfig(Section):
     swap_drain_s: float = Field(
         default=10.0,
         gt=0,
-        description="IGNORED: a hot-swap no longer drains (requests in flight are frozen at a "
-        "scheduler step and resume after it, serving.node_swap). Kept only so config files that set it still load.",
+        description="Ignored: a hot-swap does not drain (requests in flight are frozen at a scheduler step and "
+        "resume after it, serving.node_swap). Accepted so that config files that set it load.",
     )
     log_wait_s: float = Field(
         default=2.0,
