@@ -3,10 +3,12 @@ description, and every environment variable it names is one the loader accepts."
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 from pydantic import BaseModel, SecretStr
 
 from liverl.core.config import LiverlConfig, load_config
@@ -32,7 +34,13 @@ def leaves(model: type[BaseModel], path: tuple[str, ...] = ()):
 def test_the_committed_reference_is_up_to_date():
     ref = reference()
     committed = ref.OUTPUT.read_text() if ref.OUTPUT.is_file() else ""
-    assert committed == ref.render(), f"docs/configuration.md is stale: run `{ref.COMMAND}` and commit the result"
+    fresh = ref.render()
+    if committed != fresh:
+        diff = difflib.unified_diff(
+            committed.splitlines(), fresh.splitlines(), "committed", "generated", n=0, lineterm=""
+        )
+        first = "\n".join(list(diff)[:8])
+        pytest.fail(f"docs/configuration.md is stale: run `{ref.COMMAND}` and commit the result\n{first}")
 
 
 def test_every_field_has_a_description():
