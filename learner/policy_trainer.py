@@ -2,8 +2,10 @@
 
 ``PolicyTrainer.train_step(samples)`` runs ``micro_epochs`` passes of ``learner.loss`` over one batch and leaves the
 weights untouched when the batch fails (non-finite loss or gradient, out of memory). ``refusal(sample)`` is the
-input check the learner applies to every record before it may reach a batch (``learner.admission``). Used by
-``learner.trainer.Learner`` (Kafka, checkpoints) and directly by ``liverl bench logprobs`` and in-process experiments.
+input check the learner applies to every record before it may reach a batch (``learner.admission``). The batch's
+layout (the input check, packing, collation) is ``learner.batch``'s; which forward the policy and the reference run
+through, and the log-probs it gives, ``learner.forward``'s. Used by ``learner.trainer.Learner`` (Kafka, checkpoints)
+and directly by ``liverl bench logprobs`` and in-process experiments.
 """
 
 from __future__ import annotations
@@ -13,36 +15,15 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from core.config import LearnerConfig
 from core.schemas import TrainingSample
-from learner import fastpath
+from learner import forward
+from learner.batch import collate, padded_tokens, refusal
 from learner.dist import Ranks, all_sum, full_state_dict, grad_scale, reshard, shard, share
 from learner.loss import RunningBaseline, advantages, full_kl, pg_loss
 from learner.model import assign_weights, load_model, state_dict_from_model
-
-
-def pack(lengths: list[int]) -> list[list[int]]:
-    """Sequences packed into rows as long as the longest one: first fit, longest first. Returns each row's sample
-    indices in order. A batch of mixed lengths then runs on fewer, fuller rows than one padded row per sample (the
-    matrix products scale with the rows times their length; measured on ``liverl bench learn``'s batches, 32-37% of a
-    padded batch was padding), and no row is longer than the padded batch's, so attention costs no more either."""
-    cap = max(lengths, default=0)
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for r, free in enumerate(room):
-            if lengths[i] <= free:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            room.append(cap - lengths[i])
-    return rows
-
 
 FLOOR_LIFT_MAX = 4.0
 """The most ``learner.floor_for_candidate`` may raise the entropy floor by (a factor)."""
@@ -109,115 +90,18 @@ class PolicyTrainer:
 
     # -- input checks ---------------------------------------------------------------------------
     def refusal(self, s: TrainingSample) -> str | None:
-        """Why this sample cannot be trained on (a short countable code), or None when it can."""
-        c, lp = s.completion_token_ids, s.behaviour_logprobs
-        if not c:
-            return "empty_completion"
-        if not s.prompt_token_ids:
-            return "empty_prompt"
-        if len(c) != len(lp):
-            return "shape_mismatch"
-        if len(c) + len(s.prompt_token_ids) > self.max_len:
-            return "too_long"
-        if any(not 0 <= t < self.vocab_size for t in s.prompt_token_ids) or any(
-            not 0 <= t < self.vocab_size for t in c
-        ):
-            return "out_of_vocab"
-        if any(not math.isfinite(x) or x > 1e-3 for x in lp):
-            return "bad_logprob"
-        if not math.isfinite(s.reward):
-            return "bad_reward"
-        return None
+        """Why this sample cannot be trained on (a short countable code), or None when it can (``learner.batch``)."""
+        return refusal(s, self.max_len, self.vocab_size)
 
     # -- forward ----------------------------------------------------------------------------------
     def _collate(self, samples: list[TrainingSample]) -> dict[str, torch.Tensor]:
-        """The batch as the forward pass takes it: the sequences (prompt + completion) packed into rows (``pack``),
-        and per sample its completion's targets, mask, behaviour log-probs and where each completion token's logits
-        sit in the packed rows (``row_BT``, ``col_BT``: the position before the token). A sample's padding entries
-        (past its completion, masked out) point at its own last completion position: all of a sample's entries lie
-        in its own row, which ``learner.fastpath`` relies on."""
-        B = len(samples)
-        lens = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
-        rows = pack(lens)
-        N = max(lens)
-        T = max(len(s.completion_token_ids) for s in samples)
-        # built in numpy and handed to torch once: a torch op per sample and field was most of a small model's update
-        ids_RN = np.full((len(rows), N), self.pad_id, dtype=np.int64)
-        posid_RN = np.zeros((len(rows), N), dtype=np.int64)
-        row_BT = np.zeros((B, T), dtype=np.int64)
-        col_BT = np.zeros((B, T), dtype=np.int64)
-        tgt_BT = np.zeros((B, T), dtype=np.int64)
-        mask_BT = np.zeros((B, T), dtype=np.float32)
-        beh_BT = np.zeros((B, T), dtype=np.float32)
-        for r, members in enumerate(rows):
-            at = 0
-            for b in members:
-                s = samples[b]
-                P, C = len(s.prompt_token_ids), len(s.completion_token_ids)
-                ids_RN[r, at : at + P] = s.prompt_token_ids
-                ids_RN[r, at + P : at + P + C] = s.completion_token_ids
-                posid_RN[r, at : at + P + C] = np.arange(P + C)  # restarts: each sequence attends only to itself
-                row_BT[b] = r
-                col_BT[b, :C] = np.arange(at + P - 1, at + P + C - 1)  # logits at position i predict token i+1
-                col_BT[b, C:] = at + P + C - 2  # padding (masked): the sample's last completion position again
-                tgt_BT[b, :C] = s.completion_token_ids
-                mask_BT[b, :C] = 1.0
-                beh_BT[b, :C] = s.behaviour_logprobs
-                at += P + C
-            posid_RN[r, at:] = np.arange(N - at)  # the row's padding: a sequence of its own, never read
-        ids_RN, posid_RN, row_BT, col_BT, tgt_BT, mask_BT, beh_BT = map(
-            torch.from_numpy, (ids_RN, posid_RN, row_BT, col_BT, tgt_BT, mask_BT, beh_BT)
-        )
-        reward_B = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        x = {
-            "ids_RN": ids_RN,
-            "posid_RN": posid_RN,
-            "row_BT": row_BT,
-            "col_BT": col_BT,
-            "tgt_BT": tgt_BT,
-            "mask_BT": mask_BT,
-            "beh_BT": beh_BT,
-            "reward_B": reward_B,
-        }
-        return x if self.device.type == "cpu" else {k: v.to(self.device, non_blocking=True) for k, v in x.items()}
+        """The batch as the forward pass takes it (``learner.batch.collate``), on this trainer's device."""
+        return collate(samples, self.pad_id, self.device)
 
     def _token_logp(self, model, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of the completion tokens ``logp_BT`` and the full distributions ``logprobs_BTV``.
-
-        A Qwen3-MoE model in one process goes through ``learner.fastpath`` (the same maths in fewer operator calls;
-        ``learner.fast_forward``); any other model through transformers' forward, as follows.
-
-        Packed rows and no attention mask: transformers reads the restarts of ``position_ids`` as sequence
-        boundaries and masks attention across them (``masking_utils.find_packed_sequence_indices``), so each
-        sequence sees exactly what it would alone, and no token is spent on padding between them.
-
-        The output head runs at the completion positions only: a pre-hook on it takes the final hidden states
-        ``[R, N, H]`` and hands it the ``[B, T, H]`` rows that predict completion tokens. A prompt position's logits
-        are never read, and for a real vocabulary (150K) they are most of the head's matrix product and of the
-        activations kept for backward (``[R, N, V]`` in fp32). The hook sits inside the model's own forward, so FSDP2
-        units gather and free around it as before."""
-        if self._fast(model):
-            return fastpath.token_logp(model, x, compiled=self.lcfg.compile)
-        head = model.get_output_embeddings()
-        picked: list[bool] = []
-
-        def completion_positions(_module, args):
-            if len(args) != 1 or args[0].dim() != 3:  # not the call shape this expects: leave it alone
-                return None
-            picked.append(True)
-            return (args[0][x["row_BT"], x["col_BT"]],)
-
-        handle = head.register_forward_pre_hook(completion_positions) if head is not None else None
-        try:
-            logits = model(input_ids=x["ids_RN"], position_ids=x["posid_RN"], use_cache=False).logits  # a cache
-            # turns transformers' detection of packed sequences off
-        finally:
-            if handle is not None:
-                handle.remove()
-        logits_BTV = (logits if picked else logits[x["row_BT"], x["col_BT"]]).float()
-        logprobs_BTV = torch.log_softmax(logits_BTV, dim=-1)
-        logp_BT = torch.gather(logprobs_BTV, 2, x["tgt_BT"][..., None]).squeeze(-1)
-        return logp_BT, logprobs_BTV
+        """Log-probs of the completion tokens ``logp_BT`` and the full distributions ``logprobs_BTV``, through the
+        forward ``learner.forward`` picks for ``model``."""
+        return forward.token_logp(model, x, self.lcfg)
 
     @torch.no_grad()
     def token_logprobs(self, samples: list[TrainingSample], model=None) -> list[list[float]]:
@@ -229,27 +113,9 @@ class PolicyTrainer:
         logp_BT, _ = self._token_logp(self.model if model is None else model, x)
         return [logp_BT[b, : len(s.completion_token_ids)].tolist() for b, s in enumerate(samples)]
 
-    def _fast(self, model) -> bool:
-        """Whether ``model`` runs through ``learner.fastpath`` (``_token_logp``; ``forward_path`` says it)."""
-        return self.lcfg.fast_forward and fastpath.handles(model)
-
     def forward_path(self) -> str:
         """Which forward the policy and the reference run through, and why (the learner logs it at start)."""
-        if self._fast(self.model):
-            compiled = " under torch.compile (learner.compile: the first update compiles)" if self.lcfg.compile else ""
-            return f"learner/fastpath.py{compiled}"
-        if not self.lcfg.fast_forward:
-            why = "learner.fast_forward = false"
-        elif self.ranks is not None:
-            why = "FSDP2-sharded: the fast path runs in one process"
-        else:
-            why = f"{self.model.config.model_type} in {next(self.model.parameters()).dtype}: not a layout learner/fastpath.py handles"
-        return f"transformers' forward ({why})"
-
-    def padded_tokens(self, samples: list[TrainingSample]) -> int:
-        """The tokens a batch of ``samples`` takes in the forward pass once packed (what its activations scale with)."""
-        lens = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
-        return len(pack(lens)) * max(lens, default=0)
+        return forward.describe(self.model, self.lcfg, sharded=self.ranks is not None)
 
     def train_step(self, samples: list[TrainingSample]) -> dict[str, float]:
         """One update on ``samples`` (already validated): ``micro_epochs`` AdamW steps, grad-norm clip 1.0.
@@ -269,7 +135,7 @@ class PolicyTrainer:
                 raise BatchFailed("nonfinite_update", str(e)) from e
             if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
                 raise BatchFailed(
-                    "out_of_memory", f"{len(samples)} samples, {self.padded_tokens(samples)} padded tokens"
+                    "out_of_memory", f"{len(samples)} samples, {padded_tokens(samples)} padded tokens"
                 ) from e
             raise BatchFailed("train_error", f"{type(e).__name__}: {e}") from e
 
@@ -310,13 +176,13 @@ class PolicyTrainer:
         for epoch in range(self.lcfg.micro_epochs):
             logp_BT, logprobs_BTV = self._token_logp(self.model, x)
             with torch.no_grad():
-                ent_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
+                ent_BT = forward.entropy_BT(logprobs_BTV)
             batch_entropy = None
             if self.lcfg.entropy_coef > 0 and self.lcfg.entropy_floor > 0:  # the floor's hinge (learner.loss)
                 part = float((ent_BT * x["mask_BT"]).sum()) / n_tokens * (weight > 0)
                 batch_entropy = part if self.ranks is None else all_sum([part], self.ranks)[0]  # the whole batch's
                 if batch_entropy < floor:  # it acts: the entropy again, with its gradient
-                    ent_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
+                    ent_BT = forward.entropy_BT(logprobs_BTV)
             kl_BT = full_kl(logprobs_BTV, ref_BTV) if self.kl_estimator == "full" else None
             out = pg_loss(
                 logp_BT,
@@ -366,7 +232,7 @@ class PolicyTrainer:
         """This rank's part of the batch's mean per-token entropy under the weights as they are (no gradient);
         ``model``: another transformers model to measure with the same code (``scripts/plateau_sim.py``'s gate)."""
         _, logprobs_BTV = self._token_logp(self.model if model is None else model, x)
-        ent_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
+        ent_BT = forward.entropy_BT(logprobs_BTV)
         return float((ent_BT * x["mask_BT"]).sum()) / n_tokens * (weight > 0)
 
     @torch.no_grad()
