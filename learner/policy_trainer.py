@@ -20,8 +20,9 @@ import torch
 from core.config import LearnerConfig
 from core.schemas import TrainingSample
 from learner import forward
+from learner.average import WeightAverage
 from learner.batch import collate, padded_tokens, refusal
-from learner.dist import Ranks, all_sum, full_state_dict, grad_scale, reshard, shard, share
+from learner.dist import Ranks, all_sum, full_state_dict, grad_scale, shard, share
 from learner.loss import RunningBaseline, advantages, full_kl, pg_loss
 from learner.model import assign_weights, load_model, state_dict_from_model
 
@@ -85,8 +86,7 @@ class PolicyTrainer:
         self._last_x: tuple[dict[str, torch.Tensor], int, float] | None = None  # the last batch, where it is measured
         self.opt = self._adamw(lcfg.lr)
         self.baseline = RunningBaseline()
-        self._ema: list[torch.Tensor] | None = None  # the candidates' weights (``candidate_weights``)
-        self.reset_ema()
+        self.average = WeightAverage(self.model, lcfg)  # the candidates' weights (``candidate_weights``)
 
     # -- input checks ---------------------------------------------------------------------------
     def refusal(self, s: TrainingSample) -> str | None:
@@ -213,9 +213,7 @@ class PolicyTrainer:
             self.opt.step()
             if epoch == 0:
                 first = dict(out.metrics, grad_norm=gnorm)
-        if self._ema is not None:  # after every epoch took: a failed batch leaves the average as it was
-            with torch.no_grad():
-                torch._foreach_lerp_(self._ema, [p.detach() for p in self.model.parameters()], 1.0 - self.ema_decay)
+        self.average.update()  # after every epoch took: a failed batch leaves the average as it was
         metrics = dict(first)
         metrics["reward_mean"] = float(reward_N.mean())
         metrics["samples"] = float(len(samples))
@@ -247,21 +245,12 @@ class PolicyTrainer:
         ratio of the two (between 1 and ``FLOOR_LIFT_MAX``), so that the average, not the weights, sits at the floor.
         Returns ``{"entropy", "candidate_entropy", "floor_lift"}``, or None without an average or a batch yet. A
         collective under ranks: the average goes through the same sharded forward as the weights."""
-        if self._ema is None or self._last_x is None:
+        if self.average.tensors is None or self._last_x is None:
             return None
         x, n_tokens, weight = self._last_x
         h = self._entropy_part(x, n_tokens, weight)
-        reshard(self.model)  # the weights as parameters hold them (FSDP2: the shards), not as the forward gathered them
-        params = [p.detach() for p in self.model.parameters()]
-        saved = [p.clone() for p in params]
-        try:
-            for p, e in zip(params, self._ema):
-                p.copy_(e)
+        with self.average.swapped_in():
             h_avg = self._entropy_part(x, n_tokens, weight)
-        finally:
-            reshard(self.model)  # the average's gathered weights go: the next forward gathers the restored shards
-            for p, w in zip(params, saved):
-                p.copy_(w)
         if self.ranks is not None:
             h, h_avg = all_sum([h, h_avg], self.ranks)
         if self.lcfg.floor_for_candidate and self.lcfg.entropy_floor > 0 and self.lcfg.entropy_coef > 0:
@@ -293,45 +282,26 @@ class PolicyTrainer:
     def bf16_state_dict(self) -> dict[str, torch.Tensor]:
         return self.weights(torch.bfloat16)
 
-    # -- the candidates' weights: an exponential moving average of the updates ------------------------
-    @property
-    def ema_decay(self) -> float:
-        return float(self.lcfg.candidate_ema)
-
+    # -- the candidates' weights: an exponential moving average of the updates (``learner.average``) ----------
     def reset_ema(self) -> None:
-        """The average restarts at the weights as they are (at the start, a rebase, a load)."""
-        self._ema = [p.detach().clone() for p in self.model.parameters()] if self.ema_decay > 0 else None
+        """The candidates' average restarts at the weights as they are (at the start, a rebase, a load)."""
+        self.average.reset()
 
     def ema_state(self) -> dict[str, torch.Tensor]:
         """The average under the model's in-memory parameter names (this rank's shards); {} when it is off."""
-        if self._ema is None:
-            return {}
-        return {n: e for (n, _), e in zip(self.model.named_parameters(), self._ema)}
+        return self.average.state()
 
     def load_ema_state(self, state: dict[str, torch.Tensor]) -> None:
         """Put back an average saved by ``ema_state`` (a checkpoint); one saved with it off leaves it at the weights."""
-        self.reset_ema()
-        if self._ema is None or not state:
-            return
-        names = [n for n, _ in self.model.named_parameters()]
-        if set(state) != set(names):
-            raise ValueError(f"the checkpoint's weight average has {len(state)} tensors; the model has {len(names)}")
-        with torch.no_grad():
-            for n, e in zip(names, self._ema):
-                e.copy_(state[n])
+        self.average.load_state(state)
 
     def candidate_weights(self) -> dict[str, torch.Tensor]:
         """What the learner emits as a candidate (file names, bf16, whole on every rank): the exponential moving
         average of its weights over its recent updates (``learner.candidate_ema``), or the weights as they are when
         that is 0. The learner trains on; only what it serves is averaged."""
-        if self._ema is None:
+        if self.average.tensors is None:
             return self.weights(torch.bfloat16)
-        by_param = {id(p): e for p, e in zip(self.model.parameters(), self._ema)}
-        module_state = dict(self.model.named_buffers())  # FSDP2 leaves buffers whole on every rank
-        for n, p in self.model.named_parameters(remove_duplicate=False):
-            e = by_param[id(p)]
-            module_state[n] = e.full_tensor() if hasattr(e, "full_tensor") else e  # a shard: gathered (a collective)
-        return state_dict_from_model(self.model, dtype=torch.bfloat16, module_state=module_state)
+        return state_dict_from_model(self.model, dtype=torch.bfloat16, module_state=self.average.module_state())
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], reset_optimizer: bool) -> None:
         """Overwrite the weights in place (file names, any dtype) so the optimizer keeps its parameters; the
