@@ -55,12 +55,14 @@ The invariants, and why each holds across a kill -9:
 Under torchrun the policy is sharded with FSDP2 over the ranks (``dist``): rank 0 is the learner above and every other
 rank follows its trainer calls (``ranks``); the checkpoint is a DCP folder committed by a rename.
 
-Modules: ``trainer`` (the poll/commit loop, the process entry point ``run_learner``), ``admission`` (accept or refuse
-a record, batches, the watermark, the backlog), ``candidates`` (candidates, rebases, the learning-rate back-off, the
-KL reference), ``checkpoint`` (the learner's state, its save and restore), ``policy_trainer`` (weights, optimizer,
-baseline, one update; no I/O), ``loss`` (the estimator), ``fastpath`` (the learner's own forward for Qwen3-MoE),
-``model`` (a model folder in and out of transformers), ``families`` (weight names per architecture), ``dist``
-(process group, FSDP2, DCP), ``ranks`` (rank 0 leads, the others follow), ``dist_check`` (the update over N ranks on
-generated samples), ``ledger`` (every record's fate), ``seen`` (every trained id), ``lease`` (one learner per
-deployment), ``metrics`` (Prometheus), ``evaluate`` (the gate's questions, answered with this package's model code).
+Modules: ``trainer`` (the poll/commit loop, the process entry point ``run_learner``), ``admission`` (accept or refuse a
+record, batches, the watermark, the backlog), ``candidates`` (candidates, rebases, the learning-rate back-off, the KL
+reference), ``checkpoint`` (the learner's state, its save and restore), ``policy_trainer`` (weights, optimizer,
+baseline, one update; no I/O), ``batch`` (a sample's input check, packing, collation), ``forward`` (which forward a
+model runs through, and the completion tokens' log-probs under it), ``average`` (the candidates' weight average),
+``loss`` (the estimator), ``fastpath`` (the learner's own forward for Qwen3-MoE), ``model`` (a model folder in and out
+of transformers), ``families`` (weight names per architecture), ``dist`` (process group, FSDP2, DCP), ``ranks`` (rank 0
+leads, the others follow), ``dist_check`` (the update over N ranks on generated samples), ``ledger`` (every record's
+fate), ``seen`` (every trained id), ``lease`` (one learner per deployment), ``metrics`` (Prometheus), ``evaluate`` (the
+gate's questions, answered with this package's model code).
 """

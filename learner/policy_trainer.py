@@ -2,8 +2,10 @@
 
 ``PolicyTrainer.train_step(samples)`` runs ``micro_epochs`` passes of ``learner.loss`` over one batch and leaves the
 weights untouched when the batch fails (non-finite loss or gradient, out of memory). ``refusal(sample)`` is the
-input check the learner applies to every record before it may reach a batch (``learner.admission``). Used by
-``learner.trainer.Learner`` (Kafka, checkpoints) and directly by ``liverl bench logprobs`` and in-process experiments.
+input check the learner applies to every record before it may reach a batch (``learner.admission``). The batch's
+layout (the input check, packing, collation) is ``learner.batch``'s; which forward the policy and the reference run
+through, and the log-probs it gives, ``learner.forward``'s. Used by ``learner.trainer.Learner`` (Kafka, checkpoints)
+and directly by ``liverl bench logprobs`` and in-process experiments.
 """
 
 from __future__ import annotations
@@ -13,36 +15,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from core.config import LearnerConfig
 from core.schemas import TrainingSample
-from learner import fastpath
-from learner.dist import Ranks, all_sum, full_state_dict, grad_scale, reshard, shard, share
+from learner import forward
+from learner.average import WeightAverage
+from learner.batch import collate, padded_tokens, refusal
+from learner.dist import Ranks, all_sum, full_state_dict, grad_scale, shard, share
 from learner.loss import RunningBaseline, advantages, full_kl, pg_loss
 from learner.model import assign_weights, load_model, state_dict_from_model
-
-
-def pack(lengths: list[int]) -> list[list[int]]:
-    """Sequences packed into rows as long as the longest one: first fit, longest first. Returns each row's sample
-    indices in order. A batch of mixed lengths then runs on fewer, fuller rows than one padded row per sample (the
-    matrix products scale with the rows times their length; measured on ``liverl bench learn``'s batches, 32-37% of a
-    padded batch was padding), and no row is longer than the padded batch's, so attention costs no more either."""
-    cap = max(lengths, default=0)
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for r, free in enumerate(room):
-            if lengths[i] <= free:
-                rows[r].append(i)
-                room[r] -= lengths[i]
-                break
-        else:
-            rows.append([i])
-            room.append(cap - lengths[i])
-    return rows
-
 
 FLOOR_LIFT_MAX = 4.0
 """The most ``learner.floor_for_candidate`` may raise the entropy floor by (a factor)."""
@@ -104,120 +86,22 @@ class PolicyTrainer:
         self._last_x: tuple[dict[str, torch.Tensor], int, float] | None = None  # the last batch, where it is measured
         self.opt = self._adamw(lcfg.lr)
         self.baseline = RunningBaseline()
-        self._ema: list[torch.Tensor] | None = None  # the candidates' weights (``candidate_weights``)
-        self.reset_ema()
+        self.average = WeightAverage(self.model, lcfg)  # the candidates' weights (``candidate_weights``)
 
     # -- input checks ---------------------------------------------------------------------------
     def refusal(self, s: TrainingSample) -> str | None:
-        """Why this sample cannot be trained on (a short countable code), or None when it can."""
-        c, lp = s.completion_token_ids, s.behaviour_logprobs
-        if not c:
-            return "empty_completion"
-        if not s.prompt_token_ids:
-            return "empty_prompt"
-        if len(c) != len(lp):
-            return "shape_mismatch"
-        if len(c) + len(s.prompt_token_ids) > self.max_len:
-            return "too_long"
-        if any(not 0 <= t < self.vocab_size for t in s.prompt_token_ids) or any(
-            not 0 <= t < self.vocab_size for t in c
-        ):
-            return "out_of_vocab"
-        if any(not math.isfinite(x) or x > 1e-3 for x in lp):
-            return "bad_logprob"
-        if not math.isfinite(s.reward):
-            return "bad_reward"
-        return None
+        """Why this sample cannot be trained on (a short countable code), or None when it can (``learner.batch``)."""
+        return refusal(s, self.max_len, self.vocab_size)
 
     # -- forward ----------------------------------------------------------------------------------
     def _collate(self, samples: list[TrainingSample]) -> dict[str, torch.Tensor]:
-        """The batch as the forward pass takes it: the sequences (prompt + completion) packed into rows (``pack``),
-        and per sample its completion's targets, mask, behaviour log-probs and where each completion token's logits
-        sit in the packed rows (``row_BT``, ``col_BT``: the position before the token). A sample's padding entries
-        (past its completion, masked out) point at its own last completion position: all of a sample's entries lie
-        in its own row, which ``learner.fastpath`` relies on."""
-        B = len(samples)
-        lens = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
-        rows = pack(lens)
-        N = max(lens)
-        T = max(len(s.completion_token_ids) for s in samples)
-        # built in numpy and handed to torch once: a torch op per sample and field was most of a small model's update
-        ids_RN = np.full((len(rows), N), self.pad_id, dtype=np.int64)
-        posid_RN = np.zeros((len(rows), N), dtype=np.int64)
-        row_BT = np.zeros((B, T), dtype=np.int64)
-        col_BT = np.zeros((B, T), dtype=np.int64)
-        tgt_BT = np.zeros((B, T), dtype=np.int64)
-        mask_BT = np.zeros((B, T), dtype=np.float32)
-        beh_BT = np.zeros((B, T), dtype=np.float32)
-        for r, members in enumerate(rows):
-            at = 0
-            for b in members:
-                s = samples[b]
-                P, C = len(s.prompt_token_ids), len(s.completion_token_ids)
-                ids_RN[r, at : at + P] = s.prompt_token_ids
-                ids_RN[r, at + P : at + P + C] = s.completion_token_ids
-                posid_RN[r, at : at + P + C] = np.arange(P + C)  # restarts: each sequence attends only to itself
-                row_BT[b] = r
-                col_BT[b, :C] = np.arange(at + P - 1, at + P + C - 1)  # logits at position i predict token i+1
-                col_BT[b, C:] = at + P + C - 2  # padding (masked): the sample's last completion position again
-                tgt_BT[b, :C] = s.completion_token_ids
-                mask_BT[b, :C] = 1.0
-                beh_BT[b, :C] = s.behaviour_logprobs
-                at += P + C
-            posid_RN[r, at:] = np.arange(N - at)  # the row's padding: a sequence of its own, never read
-        ids_RN, posid_RN, row_BT, col_BT, tgt_BT, mask_BT, beh_BT = map(
-            torch.from_numpy, (ids_RN, posid_RN, row_BT, col_BT, tgt_BT, mask_BT, beh_BT)
-        )
-        reward_B = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        x = {
-            "ids_RN": ids_RN,
-            "posid_RN": posid_RN,
-            "row_BT": row_BT,
-            "col_BT": col_BT,
-            "tgt_BT": tgt_BT,
-            "mask_BT": mask_BT,
-            "beh_BT": beh_BT,
-            "reward_B": reward_B,
-        }
-        return x if self.device.type == "cpu" else {k: v.to(self.device, non_blocking=True) for k, v in x.items()}
+        """The batch as the forward pass takes it (``learner.batch.collate``), on this trainer's device."""
+        return collate(samples, self.pad_id, self.device)
 
     def _token_logp(self, model, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of the completion tokens ``logp_BT`` and the full distributions ``logprobs_BTV``.
-
-        A Qwen3-MoE model in one process goes through ``learner.fastpath`` (the same maths in fewer operator calls;
-        ``learner.fast_forward``); any other model through transformers' forward, as follows.
-
-        Packed rows and no attention mask: transformers reads the restarts of ``position_ids`` as sequence
-        boundaries and masks attention across them (``masking_utils.find_packed_sequence_indices``), so each
-        sequence sees exactly what it would alone, and no token is spent on padding between them.
-
-        The output head runs at the completion positions only: a pre-hook on it takes the final hidden states
-        ``[R, N, H]`` and hands it the ``[B, T, H]`` rows that predict completion tokens. A prompt position's logits
-        are never read, and for a real vocabulary (150K) they are most of the head's matrix product and of the
-        activations kept for backward (``[R, N, V]`` in fp32). The hook sits inside the model's own forward, so FSDP2
-        units gather and free around it as before."""
-        if self._fast(model):
-            return fastpath.token_logp(model, x, compiled=self.lcfg.compile)
-        head = model.get_output_embeddings()
-        picked: list[bool] = []
-
-        def completion_positions(_module, args):
-            if len(args) != 1 or args[0].dim() != 3:  # not the call shape this expects: leave it alone
-                return None
-            picked.append(True)
-            return (args[0][x["row_BT"], x["col_BT"]],)
-
-        handle = head.register_forward_pre_hook(completion_positions) if head is not None else None
-        try:
-            logits = model(input_ids=x["ids_RN"], position_ids=x["posid_RN"], use_cache=False).logits  # a cache
-            # turns transformers' detection of packed sequences off
-        finally:
-            if handle is not None:
-                handle.remove()
-        logits_BTV = (logits if picked else logits[x["row_BT"], x["col_BT"]]).float()
-        logprobs_BTV = torch.log_softmax(logits_BTV, dim=-1)
-        logp_BT = torch.gather(logprobs_BTV, 2, x["tgt_BT"][..., None]).squeeze(-1)
-        return logp_BT, logprobs_BTV
+        """Log-probs of the completion tokens ``logp_BT`` and the full distributions ``logprobs_BTV``, through the
+        forward ``learner.forward`` picks for ``model``."""
+        return forward.token_logp(model, x, self.lcfg)
 
     @torch.no_grad()
     def token_logprobs(self, samples: list[TrainingSample], model=None) -> list[list[float]]:
@@ -229,27 +113,9 @@ class PolicyTrainer:
         logp_BT, _ = self._token_logp(self.model if model is None else model, x)
         return [logp_BT[b, : len(s.completion_token_ids)].tolist() for b, s in enumerate(samples)]
 
-    def _fast(self, model) -> bool:
-        """Whether ``model`` runs through ``learner.fastpath`` (``_token_logp``; ``forward_path`` says it)."""
-        return self.lcfg.fast_forward and fastpath.handles(model)
-
     def forward_path(self) -> str:
         """Which forward the policy and the reference run through, and why (the learner logs it at start)."""
-        if self._fast(self.model):
-            compiled = " under torch.compile (learner.compile: the first update compiles)" if self.lcfg.compile else ""
-            return f"learner/fastpath.py{compiled}"
-        if not self.lcfg.fast_forward:
-            why = "learner.fast_forward = false"
-        elif self.ranks is not None:
-            why = "FSDP2-sharded: the fast path runs in one process"
-        else:
-            why = f"{self.model.config.model_type} in {next(self.model.parameters()).dtype}: not a layout learner/fastpath.py handles"
-        return f"transformers' forward ({why})"
-
-    def padded_tokens(self, samples: list[TrainingSample]) -> int:
-        """The tokens a batch of ``samples`` takes in the forward pass once packed (what its activations scale with)."""
-        lens = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
-        return len(pack(lens)) * max(lens, default=0)
+        return forward.describe(self.model, self.lcfg, sharded=self.ranks is not None)
 
     def train_step(self, samples: list[TrainingSample]) -> dict[str, float]:
         """One update on ``samples`` (already validated): ``micro_epochs`` AdamW steps, grad-norm clip 1.0.
@@ -269,7 +135,7 @@ class PolicyTrainer:
                 raise BatchFailed("nonfinite_update", str(e)) from e
             if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
                 raise BatchFailed(
-                    "out_of_memory", f"{len(samples)} samples, {self.padded_tokens(samples)} padded tokens"
+                    "out_of_memory", f"{len(samples)} samples, {padded_tokens(samples)} padded tokens"
                 ) from e
             raise BatchFailed("train_error", f"{type(e).__name__}: {e}") from e
 
@@ -310,13 +176,13 @@ class PolicyTrainer:
         for epoch in range(self.lcfg.micro_epochs):
             logp_BT, logprobs_BTV = self._token_logp(self.model, x)
             with torch.no_grad():
-                ent_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
+                ent_BT = forward.entropy_BT(logprobs_BTV)
             batch_entropy = None
             if self.lcfg.entropy_coef > 0 and self.lcfg.entropy_floor > 0:  # the floor's hinge (learner.loss)
                 part = float((ent_BT * x["mask_BT"]).sum()) / n_tokens * (weight > 0)
                 batch_entropy = part if self.ranks is None else all_sum([part], self.ranks)[0]  # the whole batch's
                 if batch_entropy < floor:  # it acts: the entropy again, with its gradient
-                    ent_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
+                    ent_BT = forward.entropy_BT(logprobs_BTV)
             kl_BT = full_kl(logprobs_BTV, ref_BTV) if self.kl_estimator == "full" else None
             out = pg_loss(
                 logp_BT,
@@ -347,9 +213,7 @@ class PolicyTrainer:
             self.opt.step()
             if epoch == 0:
                 first = dict(out.metrics, grad_norm=gnorm)
-        if self._ema is not None:  # after every epoch took: a failed batch leaves the average as it was
-            with torch.no_grad():
-                torch._foreach_lerp_(self._ema, [p.detach() for p in self.model.parameters()], 1.0 - self.ema_decay)
+        self.average.update()  # after every epoch took: a failed batch leaves the average as it was
         metrics = dict(first)
         metrics["reward_mean"] = float(reward_N.mean())
         metrics["samples"] = float(len(samples))
@@ -366,7 +230,7 @@ class PolicyTrainer:
         """This rank's part of the batch's mean per-token entropy under the weights as they are (no gradient);
         ``model``: another transformers model to measure with the same code (``scripts/plateau_sim.py``'s gate)."""
         _, logprobs_BTV = self._token_logp(self.model if model is None else model, x)
-        ent_BT = -(logprobs_BTV.exp() * logprobs_BTV).sum(-1)
+        ent_BT = forward.entropy_BT(logprobs_BTV)
         return float((ent_BT * x["mask_BT"]).sum()) / n_tokens * (weight > 0)
 
     @torch.no_grad()
@@ -381,21 +245,12 @@ class PolicyTrainer:
         ratio of the two (between 1 and ``FLOOR_LIFT_MAX``), so that the average, not the weights, sits at the floor.
         Returns ``{"entropy", "candidate_entropy", "floor_lift"}``, or None without an average or a batch yet. A
         collective under ranks: the average goes through the same sharded forward as the weights."""
-        if self._ema is None or self._last_x is None:
+        if self.average.tensors is None or self._last_x is None:
             return None
         x, n_tokens, weight = self._last_x
         h = self._entropy_part(x, n_tokens, weight)
-        reshard(self.model)  # the weights as parameters hold them (FSDP2: the shards), not as the forward gathered them
-        params = [p.detach() for p in self.model.parameters()]
-        saved = [p.clone() for p in params]
-        try:
-            for p, e in zip(params, self._ema):
-                p.copy_(e)
+        with self.average.swapped_in():
             h_avg = self._entropy_part(x, n_tokens, weight)
-        finally:
-            reshard(self.model)  # the average's gathered weights go: the next forward gathers the restored shards
-            for p, w in zip(params, saved):
-                p.copy_(w)
         if self.ranks is not None:
             h, h_avg = all_sum([h, h_avg], self.ranks)
         if self.lcfg.floor_for_candidate and self.lcfg.entropy_floor > 0 and self.lcfg.entropy_coef > 0:
@@ -427,45 +282,26 @@ class PolicyTrainer:
     def bf16_state_dict(self) -> dict[str, torch.Tensor]:
         return self.weights(torch.bfloat16)
 
-    # -- the candidates' weights: an exponential moving average of the updates ------------------------
-    @property
-    def ema_decay(self) -> float:
-        return float(self.lcfg.candidate_ema)
-
+    # -- the candidates' weights: an exponential moving average of the updates (``learner.average``) ----------
     def reset_ema(self) -> None:
-        """The average restarts at the weights as they are (at the start, a rebase, a load)."""
-        self._ema = [p.detach().clone() for p in self.model.parameters()] if self.ema_decay > 0 else None
+        """The candidates' average restarts at the weights as they are (at the start, a rebase, a load)."""
+        self.average.reset()
 
     def ema_state(self) -> dict[str, torch.Tensor]:
         """The average under the model's in-memory parameter names (this rank's shards); {} when it is off."""
-        if self._ema is None:
-            return {}
-        return {n: e for (n, _), e in zip(self.model.named_parameters(), self._ema)}
+        return self.average.state()
 
     def load_ema_state(self, state: dict[str, torch.Tensor]) -> None:
         """Put back an average saved by ``ema_state`` (a checkpoint); one saved with it off leaves it at the weights."""
-        self.reset_ema()
-        if self._ema is None or not state:
-            return
-        names = [n for n, _ in self.model.named_parameters()]
-        if set(state) != set(names):
-            raise ValueError(f"the checkpoint's weight average has {len(state)} tensors; the model has {len(names)}")
-        with torch.no_grad():
-            for n, e in zip(names, self._ema):
-                e.copy_(state[n])
+        self.average.load_state(state)
 
     def candidate_weights(self) -> dict[str, torch.Tensor]:
         """What the learner emits as a candidate (file names, bf16, whole on every rank): the exponential moving
         average of its weights over its recent updates (``learner.candidate_ema``), or the weights as they are when
         that is 0. The learner trains on; only what it serves is averaged."""
-        if self._ema is None:
+        if self.average.tensors is None:
             return self.weights(torch.bfloat16)
-        by_param = {id(p): e for p, e in zip(self.model.parameters(), self._ema)}
-        module_state = dict(self.model.named_buffers())  # FSDP2 leaves buffers whole on every rank
-        for n, p in self.model.named_parameters(remove_duplicate=False):
-            e = by_param[id(p)]
-            module_state[n] = e.full_tensor() if hasattr(e, "full_tensor") else e  # a shard: gathered (a collective)
-        return state_dict_from_model(self.model, dtype=torch.bfloat16, module_state=module_state)
+        return state_dict_from_model(self.model, dtype=torch.bfloat16, module_state=self.average.module_state())
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], reset_optimizer: bool) -> None:
         """Overwrite the weights in place (file names, any dtype) so the optimizer keeps its parameters; the

@@ -6,7 +6,9 @@ that calls vLLM's route in memory); with an HTTP ``serving.node.client.NodeClien
 Routes: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (plain or streamed, any ``n``; the chat template
 is the model's, applied by the node, so a record's prompt token ids are exactly what the model read),
 ``GET /v1/models``, and ``POST /v1/feedback`` (the feedback JSON of the topic, for backends that cannot speak
-Kafka; it takes the product key, ``security.feedback_key``, in the ``X-Liverl-Product-Key`` header). Request validation and response shaping are in ``serving.node.openai_api``.
+Kafka; it takes the product key, ``security.feedback_key``, in the ``X-Liverl-Product-Key`` header;
+``serving.node.feedback``). Request validation and response shaping are in ``serving.node.openai_api``, the records'
+publishing in ``serving.node.generation_log``, the Prometheus metrics in ``serving.node.gateway_metrics``.
 
 Each choice of a response is one generation: it gets a ``generation_id``, and a ``GenerationRecord`` (prompt and
 completion token ids, the sampled tokens' log-probs, the sampling parameters, trainable or why not) is queued for
@@ -30,25 +32,23 @@ the version served when it was sent; the final chunk of a choice that spanned a 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import random
 import time
-from typing import Any
 
 import aiohttp
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic_core import from_json, to_json
 
 from core import fleet
 from core.bus import ensure_topics, librdkafka_security, topic_configs
 from core.config import LiverlConfig
-from core.credentials import PRODUCT_KEY_HEADER, load_feedback_keys
-from core.schemas import FeedbackEvent, GenerationRecord, WireError
 from serving.node import openai_api as oa
 from serving.node.client import NodeClient, NodeUnreachable
+from serving.node.feedback import FeedbackRoute
+from serving.node.gateway_metrics import GatewayMetrics
+from serving.node.generation_log import GenerationLog, first_version, mixed
 from serving.node.producer import AsyncProducer
 
 log = logging.getLogger("liverl.serving.gateway")
@@ -69,12 +69,6 @@ def event_loop_factory():
         log.info("uvloop is not installed; the gateway runs on asyncio's default event loop")
         return asyncio.new_event_loop
     return uvloop.new_event_loop
-
-
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> web.Response:
-    return web.Response(
-        body=to_json(oa.error_body(status, message, param, kind)), status=status, content_type="application/json"
-    )
 
 
 class _SwapWatch:
@@ -109,14 +103,6 @@ class _SwapWatch:
         return out
 
 
-def _mixed(spans: list[list[int]] | None) -> bool:
-    return spans is not None and len({v for v, _, _ in spans}) > 1
-
-
-def _first_version(spans: list[list[int]] | None, default: int) -> int:
-    return spans[0][0] if spans else default
-
-
 class ClientLeft(Exception):
     """The client closed the connection mid-stream (the node's stream was closed too, so vLLM aborted)."""
 
@@ -135,7 +121,6 @@ class Gateway:
         self.node_name = node_name
         self.bootstrap = bootstrap
         self.log_wait_s = cfg.serving.log_wait_s
-        self.feedback_wait_s = feedback_wait_s
         self.swap_epoch = 0  # swaps begun; a request that sees it change may span two versions
         self.swapping = False  # between swap_begin and swap_end (the engine is, or is about to be, paused)
         self.inflight = 0
@@ -146,76 +131,9 @@ class Gateway:
         self.max_model_len = 0
         self.producer = None
         self._ids = random.Random(os.urandom(32))  # generation ids: 128 random bits, no syscall per id
-        r = self.metrics_registry = CollectorRegistry()
-        self.m_requests = Counter(
-            "liverl_gateway_requests",
-            "Requests by route and HTTP status (499: the client left mid-stream)",
-            ["route", "status"],
-            registry=r,
-        )
-        self.m_seconds = Histogram(
-            "liverl_gateway_request_seconds",
-            "Generation latency, any swap pause included",
-            registry=r,
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-        )
-        self.m_version = Gauge("liverl_gateway_policy_version", "Policy version being served", registry=r)
-        self.m_swaps = Counter("liverl_gateway_swaps", "Hot-swaps attempted", ["outcome"], registry=r)
-        self.m_reverify = Counter(
-            "liverl_gateway_reverify",
-            "Read-backs of the served weights between swaps, by result (ok, mismatch, error)",
-            ["result"],
-            registry=r,
-        )
-        self.m_pause = Histogram(
-            "liverl_gateway_swap_pause_seconds",
-            "Time a swap kept the engine paused (requests in flight frozen, new ones queued)",
-            registry=r,
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-        )
-        self.m_inflight = Gauge("liverl_gateway_inflight_requests", "Requests being generated", registry=r)
-        self.m_logged = Counter(
-            "liverl_gateway_generations_logged", "Generation records acknowledged by Kafka", registry=r
-        )
-        self.m_untrainable = Counter(
-            "liverl_gateway_untrainable_generations",
-            "Generations logged as not trainable, by reason",
-            ["reason"],
-            registry=r,
-        )
-        self.m_mixed = Counter(
-            "liverl_gateway_mixed_version_generations",
-            "Generations a hot-swap split between "
-            "versions (spans read: exact), or whose spans could not be read (unknown)",
-            ["spans"],
-            registry=r,
-        )
-        self.m_log_fail = Counter(
-            "liverl_gateway_generation_log_failures",
-            "Generation records Kafka did not take (error), or choices the node never finished",
-            registry=r,
-        )
-        self.m_log_slow = Counter(
-            "liverl_gateway_generation_log_slow",
-            "Responses sent before Kafka acknowledged the record (bounded wait expired)",
-            registry=r,
-        )
-        self._request_counters: dict[tuple[str, int], Any] = {}
-        self.m_agent_errors = Counter(
-            "liverl_gateway_agent_errors",
-            "Hot-swap agent polls that failed, by exception type (logged; the agent goes on)",
-            ["kind"],
-            registry=r,
-        )
-        self.m_feedback = Counter("liverl_gateway_feedback", "POST /v1/feedback by HTTP status", ["status"], registry=r)
-        self.feedback_keys = load_feedback_keys(
-            cfg
-        )  # the product keys /v1/feedback takes (None: feedback over HTTP off)
-        if self.feedback_keys is None:
-            log.warning(
-                "no product key (security.feedback_key): POST /v1/feedback refuses every request; publish "
-                "feedback to Kafka, or give the gateway a key file"
-            )
+        self.metrics = GatewayMetrics()
+        self.records: GenerationLog | None = None  # the generation log, once the producer has started
+        self.feedback_route = FeedbackRoute(cfg, lambda: self.producer, self.metrics.m_feedback, feedback_wait_s)
         self.app = self._make_app()
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -224,11 +142,11 @@ class Gateway:
         app = web.Application(client_max_size=4 << 20)
         for route in ROUTES:
             app.router.add_post(route, self.generate)
-        app.router.add_post("/v1/feedback", self.feedback)
+        app.router.add_post("/v1/feedback", self.feedback_route.handle)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/liverl/version", self.version_info)
         app.router.add_get("/healthz", self.healthz)
-        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/metrics", self.metrics_text)
         return app
 
     async def start(self) -> None:
@@ -252,10 +170,13 @@ class Gateway:
         await producer.start(topics)
         self.producer = producer
         self.max_model_len = await self.node.max_model_len()
+        self.records = GenerationLog(
+            producer, self.cfg.topics.generations, self.node_name, self.max_model_len, self.metrics, self.log_wait_s
+        )
 
     async def close(self) -> None:
         if self.producer is not None:
-            producer, self.producer = self.producer, None
+            producer, self.producer, self.records = self.producer, None, None
             await producer.close()
 
     def swap_begin(self) -> int:
@@ -270,7 +191,7 @@ class Gateway:
 
     def set_served(self, version: int, checksum: str) -> None:
         self.version, self.checksum, self.unhealthy_reason = version, checksum, None
-        self.m_version.set(version)
+        self.metrics.m_version.set(version)
 
     # ------------------------------------------------------------------------------------------ generations
 
@@ -280,23 +201,17 @@ class Gateway:
         try:
             resp = await self._generate(request, route)
         except oa.BadRequest as e:
-            resp = _error(e.status, str(e), e.param)
+            resp = oa.error_response(e.status, str(e), e.param)
         except TimeoutError as e:
-            resp = _error(503, str(e), kind="service_unavailable")
+            resp = oa.error_response(503, str(e), kind="service_unavailable")
         except NodeUnreachable as e:
-            resp = _error(502, f"vLLM node unreachable: {e}", kind="bad_gateway")
+            resp = oa.error_response(502, f"vLLM node unreachable: {e}", kind="bad_gateway")
         except ClientLeft as e:
-            self._count(route, 499)
+            self.metrics.count(route, 499)
             return e.resp
-        self._count(route, resp.status)
-        self.m_seconds.observe(time.perf_counter() - t0)
+        self.metrics.count(route, resp.status)
+        self.metrics.m_seconds.observe(time.perf_counter() - t0)
         return resp
-
-    def _count(self, route: str, status: int) -> None:
-        counter = self._request_counters.get((route, status))
-        if counter is None:
-            counter = self._request_counters[route, status] = self.m_requests.labels(route=route, status=str(status))
-        counter.inc()
 
     async def _generate(self, request: web.Request, route: str) -> web.StreamResponse:
         model, add_chunk = ROUTES[route]
@@ -313,14 +228,14 @@ class Gateway:
         swap = _SwapWatch(self)
         version = self.version
         self.inflight += 1
-        self.m_inflight.inc()
+        self.metrics.m_inflight.inc()
         try:
             if req.stream:
                 return await self._stream(request, req, add_chunk, body, ids, version, t0, unit, swap)
             status, raw = await self.node.post(route, body)
         finally:
             self.inflight -= 1
-            self.m_inflight.dec()
+            self.metrics.m_inflight.dec()
         if status != 200:  # vLLM's own validation errors keep their status and message
             return web.Response(body=raw, status=status, content_type="application/json")
         out = from_json(raw)
@@ -329,14 +244,16 @@ class Gateway:
         latency_s = time.perf_counter() - t0
         spans = await swap.spans(req, ids[0]) if swap.crossed() else None
         acks = [
-            self._log(req, choices.get(i), ids[i], version, latency_s, unit, spans is not None, (spans or {}).get(i))
+            self.records.log(
+                req, choices.get(i), ids[i], version, latency_s, unit, spans is not None, (spans or {}).get(i)
+            )
             for i in range(req.n_choices)
         ]
-        await self._wait_acks(acks)
+        await self.records.wait_acks(acks)
         if spans is not None:
-            version = _first_version(spans.get(0), version)
+            version = first_version(spans.get(0), version)
             for c in out.get("choices") or ():
-                if _mixed(spans.get(c["index"])):
+                if mixed(spans.get(c["index"])):
                     c["version_spans"] = spans.get(c["index"])
         return web.Response(
             body=to_json(oa.for_client(req, out, ids, version)),
@@ -374,7 +291,7 @@ class Gateway:
                         spans = await swap.spans(req, ids[0]) if finished and swap.crossed() else None
                         for i in finished:
                             acks.append(
-                                self._log(
+                                self.records.log(
                                     req,
                                     choices[i],
                                     ids[i],
@@ -387,12 +304,14 @@ class Gateway:
                             )
                         if spans is not None:
                             for c in chunk["choices"]:
-                                if c["index"] in finished and _mixed(spans.get(c["index"])):
+                                if c["index"] in finished and mixed(spans.get(c["index"])):
                                     c["version_spans"] = spans.get(c["index"])
                         data = to_json(oa.for_client(req, chunk, ids, version))
                     await resp.write(b"data: " + data + b"\n\n")
-                self.m_log_fail.inc(req.n_choices - len(acks))  # choices the node never finished (an error came)
-                await self._wait_acks(acks)
+                self.metrics.m_log_fail.inc(
+                    req.n_choices - len(acks)
+                )  # choices the node never finished (an error came)
+                await self.records.wait_acks(acks)
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
             except NodeUnreachable as e:  # the node's stream broke: tell the client in the stream
@@ -407,146 +326,13 @@ class Gateway:
     def _headers(ids: list[str], version: int) -> dict[str, str]:
         return {"X-Liverl-Generation-Id": ",".join(ids), "X-Liverl-Version": str(version)}
 
-    def _log(
-        self,
-        req: oa._GenerationRequest,
-        choice: oa.Choice | None,
-        generation_id: str,
-        version: int,
-        latency_s: float | None = None,
-        unit: str | None = None,
-        crossed: bool = False,
-        spans: list[list[int]] | None = None,
-    ) -> asyncio.Future | None:
-        """Publish one generation's record (``unit``: the user's ``fleet.unit_id``; ``crossed``: the request overlapped
-        a swap, and ``spans`` are this choice's version spans read from the node, None when they could not be read);
-        returns the broker's ack (None when it could not even be queued)."""
-        try:
-            if choice is None:
-                raise ValueError("the node's response has no such choice")
-            reason = req.untrainable_reason()
-            version_spans = None
-            if crossed:
-                version_spans = spans
-                if version_spans is None:  # not read: no version may claim it, and the learner skips it
-                    version_spans, reason = [], reason or "version_unknown"
-                    self.m_mixed.labels(spans="unknown").inc()
-                elif _mixed(version_spans):
-                    self.m_mixed.labels(spans="read").inc()
-                    version = version_spans[0][0]
-                else:
-                    version, version_spans = _first_version(version_spans, version), None
-            record = GenerationRecord(
-                generation_id=generation_id,
-                policy_version=version,
-                version_spans=version_spans,
-                node=self.node_name,
-                prompt=choice.prompt,
-                completion="".join(choice.text),
-                prompt_token_ids=choice.prompt_token_ids,
-                completion_token_ids=choice.token_ids,
-                completion_logprobs=choice.logprobs,
-                sampling=req.sampling(req.max_tokens_for(self.max_model_len, len(choice.prompt_token_ids))),
-                finish_reason=choice.finish_reason,
-                trainable=reason is None,
-                untrainable_reason=reason,
-                latency_s=latency_s,
-                unit=unit,
-            )
-            ack = self.producer.produce(self.cfg.topics.generations, generation_id, record.to_bytes())
-        except (ValueError, TypeError, BufferError) as e:  # a malformed node response, or Kafka refused: count, serve
-            self.m_log_fail.inc()
-            log.error("generation %s not logged: %s", generation_id, e)
-            return None
-        if reason is not None:
-            self.m_untrainable.labels(reason=reason).inc()
-        ack.add_done_callback(self._on_ack)
-        return ack
-
-    def _on_ack(self, fut: asyncio.Future) -> None:
-        if fut.cancelled() or fut.exception() is not None:
-            self.m_log_fail.inc()
-            log.error(
-                "generation record not acknowledged by Kafka: %s", "cancelled" if fut.cancelled() else fut.exception()
-            )
-        else:
-            self.m_logged.inc()
-
-    async def _wait_acks(self, acks: list[asyncio.Future | None]) -> None:
-        if self.log_wait_s > 0:
-            self.m_log_slow.inc(await self.producer.wait([a for a in acks if a is not None], self.log_wait_s))
-
-    # ------------------------------------------------------------------------------------------ feedback
-
-    async def feedback(self, request: web.Request) -> web.Response:
-        """The feedback topic's JSON over HTTP: 202 once the broker has it, 400 with the reason when invalid; 401
-        without a valid product key in ``X-Liverl-Product-Key`` (403 when this gateway has no key at all)."""
-        resp = self._refuse_feedback(request.headers.get(PRODUCT_KEY_HEADER))
-        if resp is None:
-            resp = await self._feedback(await request.read())
-        self.m_feedback.labels(status=str(resp.status)).inc()
-        return resp
-
-    def _refuse_feedback(self, given: str | None) -> web.Response | None:
-        """Feedback trains the model and decides canaries, so only the product may send it: None when ``given`` is
-        one of the product keys (constant-time comparison), else the refusal."""
-        if self.feedback_keys is None:
-            return _error(
-                403,
-                "feedback over HTTP is off on this gateway: it has no product key "
-                "(security.feedback_key); publish feedback to Kafka instead",
-                kind="permission_error",
-            )
-        if not given:
-            return _error(
-                401,
-                f"POST /v1/feedback needs the product key in the {PRODUCT_KEY_HEADER} header "
-                "(the file security.feedback_key; liverl up makes <state_dir>/keys/feedback.key)",
-                kind="authentication_error",
-            )
-        raw = given.encode("utf-8", "surrogateescape")
-        if not any([hmac.compare_digest(raw, k) for k in self.feedback_keys]):  # a list: every key compared
-            return _error(
-                401,
-                f"the {PRODUCT_KEY_HEADER} header does not hold a valid product key (security.feedback_key)",
-                kind="authentication_error",
-            )
-        return None
-
-    async def _feedback(self, raw: bytes) -> web.Response:
-        try:
-            event = FeedbackEvent.from_bytes(raw)
-        except WireError as e:
-            param = e.detail.split(":", 1)[0] if e.reason == "invalid_field" and ":" in e.detail else None
-            return _error(400, str(e), param if param != "<root>" else None)
-        if self.producer is None:
-            return _error(503, "the gateway is not connected to Kafka", kind="service_unavailable")
-        try:
-            ack = self.producer.produce(self.cfg.topics.feedback, event.generation_id, event.to_bytes())
-        except BufferError as e:
-            ack = None
-            problem = str(e)
-        else:
-            late = await self.producer.wait([ack], self.feedback_wait_s)
-            problem = f"no ack within {self.feedback_wait_s:g} s" if late else ack.exception()
-        if problem:
-            return _error(
-                503,
-                f"Kafka did not take the feedback ({problem}); retry with the same feedback_id",
-                kind="service_unavailable",
-            )
-        return web.json_response(
-            {"feedback_id": event.feedback_id, "generation_id": event.generation_id, "topic": self.cfg.topics.feedback},
-            status=202,
-        )
-
     # ------------------------------------------------------------------------------------------ the rest
 
     async def models(self, request: web.Request) -> web.Response:
         try:
             status, out = await self.node.request("GET", "/v1/models")
         except aiohttp.ClientError as e:
-            return _error(502, f"vLLM node unreachable: {e}", kind="bad_gateway")
+            return oa.error_response(502, f"vLLM node unreachable: {e}", kind="bad_gateway")
         return web.json_response(out, status=status)
 
     async def version_info(self, request: web.Request) -> web.Response:
@@ -567,5 +353,5 @@ class Gateway:
             status=200 if ok else 503,
         )
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.metrics_registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.exposition(), headers={"Content-Type": self.metrics.content_type})

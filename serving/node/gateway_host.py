@@ -360,7 +360,8 @@ def state_of(gw) -> dict:
 
 def apply_ops(gw, ops: list) -> None:
     """Apply the agent's reports in order: ``["served", version, checksum]``, ``["unhealthy", reason]``,
-    ``["inc", metric, labels, amount]``, ``["observe", metric, value]`` (metrics: ``REMOTE_METRICS``)."""
+    ``["inc", metric, labels, amount]``, ``["observe", metric, value]`` (metrics: ``REMOTE_METRICS``, attributes of the
+    gateway's ``serving.node.gateway_metrics.GatewayMetrics``)."""
     for op in ops:
         kind = op[0]
         if kind == "served":
@@ -370,7 +371,7 @@ def apply_ops(gw, ops: list) -> None:
         elif kind in ("inc", "observe"):
             if op[1] not in REMOTE_METRICS:
                 raise ValueError(f"no metric {op[1]!r} here")
-            metric = getattr(gw, op[1])
+            metric = getattr(gw.metrics, op[1])
             if kind == "inc":
                 labels = {str(k): str(v) for k, v in (op[2] or {}).items()}
                 (metric.labels(**labels) if labels else metric).inc(float(op[3]))
@@ -397,12 +398,12 @@ class _RemoteMetric:
 
 
 class GatewayLink:
-    """The serving agent's side of the gateway that runs in the node's process: the same attributes the agent used
-    on an in-process ``Gateway`` (``version``, ``checksum``, ``unhealthy_reason``, ``set_served``, the swap counters
-    and histograms), with what the agent sets queued for the node in order and sent by ``flush()`` (the agent
-    flushes before each heartbeat, after a swap and after a re-verification). The swap's own bookkeeping (its
-    start, the version it leaves served, its end) is done in the node by ``serving.node.swap``, exactly at the
-    pause, not from here."""
+    """The serving agent's side of the gateway that runs in the node's process: the ``Gateway``'s ``version``,
+    ``checksum``, ``unhealthy_reason`` and ``set_served``, and its metrics' swap counters and histograms
+    (``REMOTE_METRICS``, as attributes of the link), with what the agent sets queued for the node in order and sent
+    by ``flush()`` (the agent flushes before each heartbeat, after a swap and after a re-verification). The swap's
+    own bookkeeping (its start, the version it leaves served, its end) is done in the node by ``serving.node.swap``,
+    exactly at the pause, not from here."""
 
     def __init__(self, node, node_name: str):
         self.node, self.node_name = node, node_name

@@ -19,7 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import to_json
 
 from core.schemas import SamplingParams
 from serving.node.client import SERVED_MODEL_NAME
@@ -50,6 +52,15 @@ class BadRequest(ValueError):
 
 def error_body(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error") -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
+) -> web.Response:
+    """``error_body`` as the gateway's HTTP answer."""
+    return web.Response(
+        body=to_json(error_body(status, message, param, kind)), status=status, content_type="application/json"
+    )
 
 
 class _GenerationRequest(BaseModel):

@@ -1,4 +1,4 @@
-"""The learner packs a batch's sequences into rows instead of padding each one (``learner.policy_trainer.pack``):
+"""The learner packs a batch's sequences into rows instead of padding each one (``learner.batch.pack``):
 the log-probs it trains on must be those of each sequence alone, in every family liverl handles, with the output
 head run at the completion positions only."""
 
@@ -11,9 +11,10 @@ import torch
 
 from core.config import LearnerConfig
 from core.schemas import TrainingSample
+from learner.batch import pack
 from learner.families import FAMILIES
 from learner.model import load_model
-from learner.policy_trainer import PolicyTrainer, pack
+from learner.policy_trainer import PolicyTrainer
 from liverl.testing.models import default_cache, ensure_test_model
 
 

@@ -5,6 +5,7 @@ with the node key, and what they may touch is bounded."""
 from __future__ import annotations
 
 import json
+import types
 import urllib.error
 import urllib.request
 
@@ -85,8 +86,9 @@ class _Gateway:
     def __init__(self):
         self.version = self.checksum = None
         self.unhealthy_reason = "not initialised"
-        for name in ("m_swaps", "m_pause", "m_reverify", "m_agent_errors"):
-            setattr(self, name, _Metric())
+        self.metrics = types.SimpleNamespace(
+            **{n: _Metric() for n in ("m_swaps", "m_pause", "m_reverify", "m_agent_errors")}
+        )
 
     def set_served(self, version, checksum):
         self.version, self.checksum, self.unhealthy_reason = version, checksum, None
@@ -122,7 +124,9 @@ def test_the_link_sends_the_agent_s_reports_in_order_and_keeps_them_while_the_no
     assert gw.version is None  # nothing sent before the flush
     asyncio.run(link.flush())
     assert (gw.version, gw.unhealthy_reason) == (3, "SERVED WEIGHTS CHANGED")  # served first, then unhealthy
-    assert gw.m_swaps.counts[(("outcome", "refused"),)] == 1 and gw.m_pause.counts[("observed",)] == 0.02
+    assert (
+        gw.metrics.m_swaps.counts[(("outcome", "refused"),)] == 1 and gw.metrics.m_pause.counts[("observed",)] == 0.02
+    )
 
     node.down = True
     link.set_served(4, "d" * 64)

@@ -1,0 +1,93 @@
+"""The gateway's Prometheus metrics, declared once in a registry of their own (the gateway's ``GET /metrics``).
+
+The attribute names are those the serving agent reports on across processes (``serving.node.gateway_host``'s
+``REMOTE_METRICS``: ``m_swaps``, ``m_pause``, ``m_reverify``, ``m_agent_errors``); the metric names are the
+dashboards'.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class GatewayMetrics:
+    """Every metric the gateway exposes; ``count`` is the per-request counter, its children cached."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.m_requests = Counter(
+            "liverl_gateway_requests",
+            "Requests by route and HTTP status (499: the client left mid-stream)",
+            ["route", "status"],
+            registry=r,
+        )
+        self.m_seconds = Histogram(
+            "liverl_gateway_request_seconds",
+            "Generation latency, any swap pause included",
+            registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+        )
+        self.m_version = Gauge("liverl_gateway_policy_version", "Policy version being served", registry=r)
+        self.m_swaps = Counter("liverl_gateway_swaps", "Hot-swaps attempted", ["outcome"], registry=r)
+        self.m_reverify = Counter(
+            "liverl_gateway_reverify",
+            "Read-backs of the served weights between swaps, by result (ok, mismatch, error)",
+            ["result"],
+            registry=r,
+        )
+        self.m_pause = Histogram(
+            "liverl_gateway_swap_pause_seconds",
+            "Time a swap kept the engine paused (requests in flight frozen, new ones queued)",
+            registry=r,
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.m_inflight = Gauge("liverl_gateway_inflight_requests", "Requests being generated", registry=r)
+        self.m_logged = Counter(
+            "liverl_gateway_generations_logged", "Generation records acknowledged by Kafka", registry=r
+        )
+        self.m_untrainable = Counter(
+            "liverl_gateway_untrainable_generations",
+            "Generations logged as not trainable, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.m_mixed = Counter(
+            "liverl_gateway_mixed_version_generations",
+            "Generations a hot-swap split between "
+            "versions (spans read: exact), or whose spans could not be read (unknown)",
+            ["spans"],
+            registry=r,
+        )
+        self.m_log_fail = Counter(
+            "liverl_gateway_generation_log_failures",
+            "Generation records Kafka did not take (error), or choices the node never finished",
+            registry=r,
+        )
+        self.m_log_slow = Counter(
+            "liverl_gateway_generation_log_slow",
+            "Responses sent before Kafka acknowledged the record (bounded wait expired)",
+            registry=r,
+        )
+        self._request_counters: dict[tuple[str, int], Any] = {}
+        self.m_agent_errors = Counter(
+            "liverl_gateway_agent_errors",
+            "Hot-swap agent polls that failed, by exception type (logged; the agent goes on)",
+            ["kind"],
+            registry=r,
+        )
+        self.m_feedback = Counter("liverl_gateway_feedback", "POST /v1/feedback by HTTP status", ["status"], registry=r)
+
+    def count(self, route: str, status: int) -> None:
+        """One request on ``route`` answered ``status``."""
+        counter = self._request_counters.get((route, status))
+        if counter is None:
+            counter = self._request_counters[route, status] = self.m_requests.labels(route=route, status=str(status))
+        counter.inc()
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus' text format (``content_type``)."""
+        return generate_latest(self.registry)

@@ -1,0 +1,116 @@
+"""The gateway's generation log: one ``GenerationRecord`` per choice, published to the generations topic.
+
+Each record is keyed by its generation id and carries the policy version that sampled it, or, for a request a
+hot-swap overlapped, the node's per-token version spans (``version_spans``; unreadable spans make it untrainable,
+``version_unknown``). The broker's acks are counted, and the response waits for them at most ``serving.log_wait_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from core.schemas import GenerationRecord
+from serving.node import openai_api as oa
+from serving.node.gateway_metrics import GatewayMetrics
+from serving.node.producer import AsyncProducer
+
+log = logging.getLogger("liverl.serving.gateway")
+
+
+def mixed(spans: list[list[int]] | None) -> bool:
+    """Whether a choice's version spans name more than one version."""
+    return spans is not None and len({v for v, _, _ in spans}) > 1
+
+
+def first_version(spans: list[list[int]] | None, default: int) -> int:
+    return spans[0][0] if spans else default
+
+
+class GenerationLog:
+    """Publishes the records of one gateway (``node_name``) through its started producer."""
+
+    def __init__(
+        self,
+        producer: AsyncProducer,
+        topic: str,
+        node_name: str,
+        max_model_len: int,
+        metrics: GatewayMetrics,
+        wait_s: float,
+    ):
+        self.producer, self.topic, self.node_name = producer, topic, node_name
+        self.max_model_len = max_model_len  # the node's context length: a record's max_tokens when none was asked
+        self.metrics = metrics
+        self.wait_s = wait_s  # serving.log_wait_s
+
+    def log(
+        self,
+        req: oa._GenerationRequest,
+        choice: oa.Choice | None,
+        generation_id: str,
+        version: int,
+        latency_s: float | None = None,
+        unit: str | None = None,
+        crossed: bool = False,
+        spans: list[list[int]] | None = None,
+    ) -> asyncio.Future | None:
+        """Publish one generation's record (``unit``: the user's ``fleet.unit_id``; ``crossed``: the request overlapped
+        a swap, and ``spans`` are this choice's version spans read from the node, None when they could not be read);
+        returns the broker's ack (None when it could not even be queued)."""
+        m = self.metrics
+        try:
+            if choice is None:
+                raise ValueError("the node's response has no such choice")
+            reason = req.untrainable_reason()
+            version_spans = None
+            if crossed:
+                version_spans = spans
+                if version_spans is None:  # not read: no version may claim it, and the learner skips it
+                    version_spans, reason = [], reason or "version_unknown"
+                    m.m_mixed.labels(spans="unknown").inc()
+                elif mixed(version_spans):
+                    m.m_mixed.labels(spans="read").inc()
+                    version = version_spans[0][0]
+                else:
+                    version, version_spans = first_version(version_spans, version), None
+            record = GenerationRecord(
+                generation_id=generation_id,
+                policy_version=version,
+                version_spans=version_spans,
+                node=self.node_name,
+                prompt=choice.prompt,
+                completion="".join(choice.text),
+                prompt_token_ids=choice.prompt_token_ids,
+                completion_token_ids=choice.token_ids,
+                completion_logprobs=choice.logprobs,
+                sampling=req.sampling(req.max_tokens_for(self.max_model_len, len(choice.prompt_token_ids))),
+                finish_reason=choice.finish_reason,
+                trainable=reason is None,
+                untrainable_reason=reason,
+                latency_s=latency_s,
+                unit=unit,
+            )
+            ack = self.producer.produce(self.topic, generation_id, record.to_bytes())
+        except (ValueError, TypeError, BufferError) as e:  # a malformed node response, or Kafka refused: count, serve
+            m.m_log_fail.inc()
+            log.error("generation %s not logged: %s", generation_id, e)
+            return None
+        if reason is not None:
+            m.m_untrainable.labels(reason=reason).inc()
+        ack.add_done_callback(self._on_ack)
+        return ack
+
+    def _on_ack(self, fut: asyncio.Future) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            self.metrics.m_log_fail.inc()
+            log.error(
+                "generation record not acknowledged by Kafka: %s", "cancelled" if fut.cancelled() else fut.exception()
+            )
+        else:
+            self.metrics.m_logged.inc()
+
+    async def wait_acks(self, acks: list[asyncio.Future | None]) -> None:
+        """Wait for the records' acks, at most ``wait_s`` (0: not at all); the responses sent before are counted."""
+        if self.wait_s > 0:
+            self.metrics.m_log_slow.inc(await self.producer.wait([a for a in acks if a is not None], self.wait_s))
