@@ -12,8 +12,9 @@ One event's path, a batch at a time (``app.IngestWorker``, the poll loop; Kafka 
 1. **poll**: ``getmany`` returns up to ``BATCH_MAX`` records of the assigned partitions of both inputs.
 2. **pace** (``pacing.Pacer``; Kafka Streams' timestamp sync): feedback more than a second ahead of the generations
    read on its partition is held back (not lost: handed to a later batch, its offset not committed).
-3. **decide** (``join.Ingest.decide_some``, plain calls): each event against the table entry of its generation id
-   (``entry``: waiting ``W``, pending ``P``, judged ``J``), giving table writes, samples and dead letters.
+3. **decide** (``join.Ingest.decide_some``, plain calls; the rules are ``decide``'s): each event against the table
+   entry of its generation id (``entry``: waiting ``W``, pending ``P``, judged ``J``), giving table writes, samples and
+   dead letters (a ``batch.Batch``).
 4. **send** (``outbox.Outbox``): the batch's samples and dead letters leave as one record batch per partition.
 5. **acknowledge**: the broker has them (``Ingest.acknowledged``).
 6. **count**: the batch's counters go to Redis, the live counters exactly once per ``feedback_id``
@@ -26,6 +27,9 @@ One event's path, a batch at a time (``app.IngestWorker``, the poll loop; Kafka 
 
 Steps 4-8 run in the background while the next batch is decided (``commit.Committer``, ``SETTLING_MAX`` batches at
 most), in order. Rebalances (``tasks.Tasks``): settle and commit on a revocation, restore on an assignment.
+``join.Ingest`` holds the join's state; the others see only what they need of it, given at construction: the
+committer its three settling methods (``batch.Settle``), the pacer ``generations_read``, the rebalance listener
+``revoked`` and ``restore``.
 
 Three ordering invariants, and why each holds across a kill -9:
 
@@ -49,10 +53,13 @@ A generation whose tokens more than one version sampled (a hot-swap mid-generati
 trains, but counts for no version: not in the live counters or the per-user sums the canary reads (``mixed_versions``).
 
 Modules: ``app`` (the poll loop, batches, timers), ``pacing`` (input pacing), ``commit`` (settling, the write buffer,
-the offset commit), ``tasks`` (task assignment: rebalances, the state folder's lock), ``join`` (the decisions,
-Kafka-free, no callbacks: an ``Output`` to send to, values in),
-``records`` (samples, dead letters), ``entry`` (an entry's bytes), ``table`` (write buffer and flush), ``store`` (a
-partition's database and its indexes), ``restore`` (changelog to database), ``outbox`` (batched produce),
-``partitioner`` (murmur2), ``metrics`` (Prometheus and Redis), ``web`` (/metrics, /healthz), ``worker`` (the process
-entry point), ``sdk`` (the product's feedback client).
+the offset commit), ``tasks`` (task assignment: rebalances, the state folder's lock), ``join`` (the join's state and
+its one door, ``Ingest``: Kafka-free, no callbacks, an ``Output`` to send to, values in; the entry kinds), ``decide``
+(the per-event decisions: generation, feedback, revert), ``pending`` (the pending index and the generations read, the
+pending sweep's rules), ``batch`` (a decided batch, its output and acknowledgement, ``Settle``, ``InfraError``),
+``evict`` (the table's TTLs), ``records`` (samples, dead letters), ``entry`` (an entry's bytes), ``table`` (write
+buffer and flush), ``store`` (a partition's database and its indexes), ``restore`` (changelog to database),
+``outbox`` (batched produce), ``partitioner`` (murmur2), ``metrics`` (Prometheus and Redis), ``web`` (/metrics,
+/healthz), ``worker`` (the process entry point). The product's feedback client is ``liverl_sdk`` (``sdk/``), installable
+on its own.
 """

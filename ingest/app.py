@@ -8,7 +8,7 @@ batch is decided (``ingest.commit``: acknowledgement, Redis, the table's write b
 batches the timers run: pending feedback that waited ``pending_ttl_s`` is dead-lettered, and the table's expired
 entries dropped. Rebalances are ``ingest.tasks``'. The package docstring (``ingest``) has the whole design.
 
-Why not faust's stream and table machinery (the first design): faust hands records to an agent one by one and
+Why batches rather than faust's stream and table machinery: faust hands records to an agent one by one and
 produces one by one; on the demo's records its consume path alone tops out near 6,000 pairs/s on one core, a
 third of the target (``liverl bench ingest`` measures it beside this worker). Batches cost a few microseconds a
 record at each step.
@@ -26,18 +26,19 @@ import os
 import signal
 import time
 from collections import Counter
-from typing import Any
 
 from aiokafka import TopicPartition
 from aiokafka.coordinator.assignors.range import RangePartitionAssignor
 
 from core.bus import make_aio_consumer, make_aio_producer
 from core.config import LiverlConfig
+from ingest.batch import InfraError
 from ingest.commit import EXIT_INFRA, Committer, die
-from ingest.join import InfraError, Ingest, Source
+from ingest.join import Ingest
 from ingest.metrics import IngestMetrics
 from ingest.outbox import MAX_BATCH_BYTES, MAX_REQUEST_BYTES, Outbox
 from ingest.pacing import Pacer
+from ingest.records import Source
 from ingest.table import JoinTable, changelog_topic, warm_hashes
 from ingest.tasks import Tasks, leave_previous_member, lock_state, state_dir
 from ingest.web import start_web
@@ -94,10 +95,8 @@ class IngestWorker:
         self.outbox = Outbox(None)
         self.table_outbox = Outbox(None)
         self.ingest = Ingest(cfg, self.metrics, self.table, self.outbox, partitions=cfg.broker.partitions)
-        self.committer = Committer(self.ingest, self.table, self.table_outbox)
-        self.pacer = Pacer(None, self.ingest, self.metrics, cfg.topics.generations, cfg.topics.feedback)
-        self.tasks = Tasks(cfg, bootstrap, self.ingest, self.table, self.committer, self.pacer, self.state)
-        self.consumer: Any = None
+        # The consumer and the parts that use it (``committer``, ``pacer``, ``tasks``) are built in ``run``, on the
+        # event loop (``_connect``).
         self._uncounted: Counter = Counter()  # records the consumer returned ("fetched") and held back, not counted yet
         self.stopping = False
         self._next_sweep = 0.0
@@ -107,7 +106,7 @@ class IngestWorker:
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def _connect(self) -> None:
-        """Build the clients (on the running loop) and hand them to the parts that use them."""
+        """Build the clients (on the running loop) and the parts that use the consumer."""
         b, broker = self.bootstrap, self.cfg.broker
         for outbox, suffix in ((self.outbox, ""), (self.table_outbox, "-table")):
             outbox.producer = make_aio_producer(
@@ -121,7 +120,22 @@ class IngestWorker:
             max_partition_fetch_bytes=4 << 20,
             partition_assignment_strategy=(RangePartitionAssignor,),
         )
-        self.committer.consumer = self.pacer.consumer = self.tasks.consumer = self.consumer
+        cfg, ingest = self.cfg, self.ingest
+        self.committer = Committer(ingest, self.table, self.table_outbox, self.consumer)
+        self.pacer = Pacer(
+            self.consumer, ingest.generations_read, self.metrics, cfg.topics.generations, cfg.topics.feedback
+        )
+        self.tasks = Tasks(
+            cfg,
+            self.bootstrap,
+            self.consumer,
+            self.table,
+            self.committer,
+            self.pacer,
+            self.state,
+            revoked=ingest.revoked,
+            restore=ingest.restore,
+        )
 
     async def run(self) -> int:
         """Consume until SIGTERM / SIGINT (then finish the batch, commit, leave the group: exit 0)."""
@@ -178,7 +192,7 @@ class IngestWorker:
 
     async def _close(self, web) -> None:
         for what, fn in (
-            ("consumer", self.consumer.stop if self.consumer else None),
+            ("consumer", self.consumer.stop),
             ("producer", self.outbox.producer.stop if self.outbox.producer else None),
             ("table producer", self.table_outbox.producer.stop if self.table_outbox.producer else None),
             ("web", web.cleanup if web else None),

@@ -1,8 +1,9 @@
 """The commit: batches settle in order, their table writes go through the write buffer, then their offsets commit.
 
 Per batch, in the background while the next one is decided (``SETTLING_MAX`` batches at most, in the order decided):
-the broker acknowledges its samples and dead letters (``Ingest.acknowledged``), its counters go to Redis
-(``Ingest.count``), and, after the batch before it, its table writes join the table's write buffer (``Ingest.apply``).
+the broker acknowledges its samples and dead letters (``Settle.acknowledged``), its counters go to Redis
+(``Settle.count``), and, after the batch before it, its table writes join the table's write buffer (``Settle.apply``);
+``ingest.batch.Settle`` is all of the join the committer sees.
 About once a second (``TABLE_FLUSH_S``, or sooner when the buffer holds ``TABLE_BUFFER_WRITES`` entries or
 ``TABLE_BUFFER_BYTES``) the buffer goes to the changelog, is acknowledged, then to the databases
 (``table.JoinTable.flush``); only then are the input offsets of the batches it holds committed. The write buffer is
@@ -20,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from ingest.join import InfraError, Ingest
+from ingest.batch import Batch, InfraError, Settle
 from ingest.outbox import Outbox
 from ingest.table import JoinTable
 
@@ -48,11 +49,11 @@ def die(reason: str) -> None:
 class Committer:
     """The settling batches, the table's write buffer on its way, and the input offsets they make committable."""
 
-    def __init__(self, ingest: Ingest, table: JoinTable, table_outbox: Outbox):
-        self.ingest = ingest
+    def __init__(self, join: Settle, table: JoinTable, table_outbox: Outbox, consumer: Any):
+        self.join = join
         self.table = table
         self.table_outbox = table_outbox
-        self.consumer: Any = None  # (set once the worker's consumer exists: it commits the offsets)
+        self.consumer = consumer  # (an aiokafka consumer: it commits the offsets)
         self.done: dict[Any, int] = {}  # next offset to commit, per input partition
         self.committed: dict[Any, int] = {}
         self._unflushed: dict[Any, int] = {}  # next offsets of settled batches whose table writes are still buffered
@@ -78,22 +79,22 @@ class Committer:
             await asyncio.wait([self._settling[0]])
         return time.monotonic() - t0
 
-    def add(self, out, ends: dict) -> None:
+    def add(self, out: Batch, ends: dict) -> None:
         """Settle a decided batch in the background, after the one decided before it; ``ends``: its input offsets."""
         prev = self._settling[-1] if self._settling else None
         self._settling.append(asyncio.ensure_future(self._settle(prev, out, ends)))
 
-    async def _settle(self, prev: asyncio.Future | None, out, ends: dict) -> None:
+    async def _settle(self, prev: asyncio.Future | None, out: Batch, ends: dict) -> None:
         """Wait for the broker to have this batch's output and count it in Redis (both while earlier batches settle),
-        then, after the batch decided before this one, put its changes in the table (``Ingest.apply``; the table's
+        then, after the batch decided before this one, put its changes in the table (``Settle.apply``; the table's
         write buffer is written when due), then commit its input offsets in the background."""
         try:
-            await self.ingest.acknowledged(out)
-            counting = asyncio.ensure_future(self.ingest.count(out))
+            await self.join.acknowledged(out)
+            counting = asyncio.ensure_future(self.join.count(out))
             try:
                 if prev is not None:
                     await prev
-                self.ingest.apply(out)
+                self.join.apply(out)
                 await self.write_table()
             finally:
                 await counting

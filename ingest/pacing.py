@@ -9,8 +9,8 @@ Why: feedback records are a fifth of a generation record's size, so on a backlog
 new worker catching up) a fetch brings feedback far ahead of the generations it judges. Each such event then waits as
 pending (written, read back and parsed again), and a backlog longer than ``ingest.max_pending`` would dead-letter
 feedback ``pending_full`` only because of the read order. Nothing is skipped (the held records come back in order
-before anything fetched after them; going back to their offset instead had the broker send a sixth of a backlog's
-records twice), and a generations partition read to its end never holds feedback. A partition is held ``HOLD_MAX_S``
+before anything fetched after them; going back to their offset instead would have the broker send a sixth of a
+backlog's records twice), and a generations partition read to its end never holds feedback. A partition is held ``HOLD_MAX_S``
 at most and then read freely as long again, so a record with a wrong clock (a timestamp far ahead) cannot stall its
 partition's feedback while the generations never catch up.
 
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiokafka import TopicPartition
 
-from ingest.join import Ingest
 from ingest.metrics import IngestMetrics
 
 log = logging.getLogger("liverl.ingest")
@@ -39,9 +39,18 @@ HOLD_MAX_S = 60.0  # the longest a feedback partition is held at once; then it i
 class Pacer:
     """The feedback partitions held back, and their records, for one consumer."""
 
-    def __init__(self, consumer: Any, ingest: Ingest, metrics: IngestMetrics, generations: str, feedback: str):
+    def __init__(
+        self,
+        consumer: Any,
+        generations_read: Callable[[int], tuple[float | None, int | None]],
+        metrics: IngestMetrics,
+        generations: str,
+        feedback: str,
+    ):
         self.consumer = consumer  # (an aiokafka consumer: pause, resume, position, highwater)
-        self.ingest = ingest  # what the join has read of the generations (``Ingest.generations_read``)
+        # what the join has decided of a generations partition: (newest record time, next offset), None where nothing
+        # was (``Ingest.generations_read``)
+        self.generations_read = generations_read
         self.metrics = metrics
         self.generations, self.feedback = generations, feedback
         self.held: dict[int, tuple[float, float]] = {}  # partitions held: (held record's time, since when)
@@ -60,7 +69,7 @@ class Pacer:
         gens_read: dict[int, tuple[float | None, int | None]] = {}
         for tp, msgs in got.items():
             if tp.topic == gen_topic and msgs:
-                gen_t, _ = self.ingest.generations_read(tp.partition)
+                gen_t, _ = self.generations_read(tp.partition)
                 newest = max((m.timestamp for m in msgs if m.timestamp is not None and m.timestamp >= 0), default=-1)
                 if newest >= 0:
                     gen_t = max(gen_t or 0.0, newest / 1000.0)
@@ -113,7 +122,7 @@ class Pacer:
     ) -> tuple[float | None, int, int | None]:
         """(newest generation time read, next offset to read, end offset: None until the partition is fetched) of a
         generations partition; ``read`` overrides what the join has decided (a batch not decided yet)."""
-        gen_t, gen_next = read or self.ingest.generations_read(gen_tp.partition)
+        gen_t, gen_next = read or self.generations_read(gen_tp.partition)
         if gen_next is None:  # none decided since the assignment: where the consumer stands
             gen_next = await self.consumer.position(gen_tp)
         return gen_t, gen_next, self.consumer.highwater(gen_tp)

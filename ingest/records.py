@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from core import keys
 from core.schemas import SCHEMA_VERSION, DeadLetter, FeedbackEvent, GenerationRecord
-from ingest.entry import from_json, to_json
+from ingest.entry import to_json
 
 # Largest record ingest writes (table entry, sample, dead letter): under the 1,000,000-byte produce request limit
 # of the worker's producer (and the broker's default 1 MiB message limit), with room for the record's framing.
@@ -35,7 +35,7 @@ class Source(NamedTuple):
 
 def _guardrails(meta: dict) -> str:
     """The guardrail sums of a judgement (kept in its entry as ``n`` tokens and ``ms`` of latency), for its tally kind;
-    entries judged before these were kept have none."""
+    an entry without them has none."""
     ms = meta.get("ms")
     return keys.judged_fields(meta.get("n"), None if ms is None else ms / 1000.0)
 
@@ -54,14 +54,14 @@ def judged_bucket(feedback_ts: float, now: float) -> int:
     feedback's ``ts``), no later than ``now`` (a timestamp from the future cannot reach a bucket the canary has not
     read yet). Not ingest's clock: a worker that lags, or pacing that holds feedback back, would move judgements of
     answers served before a canary swap into the canary's first buckets of evidence, counted for stable's version
-    (a 60-minute demo under load aborted three canaries on a sample-ratio mismatch that way: 26-34% canary events in
-    their first bucket, against the 50% share)."""
+    (under load that is 26-34% canary events in a canary's first bucket against its 50% share: a sample-ratio
+    mismatch that aborts the canary)."""
     return keys.unit_bucket(min(feedback_ts, now))
 
 
 def unit_bucket_of(meta: dict, t: float) -> int:
-    """The bucket a judged entry's judgement counts in (``b``, written by the join); an entry written before
-    ``b`` existed: the bucket of the time it was written."""
+    """The bucket a judged entry's judgement counts in (``b``, written by the join); an entry without ``b``: the
+    bucket of the time it was written."""
     b = meta.get("b")
     return b if isinstance(b, int) else keys.unit_bucket(t)
 
@@ -96,25 +96,6 @@ def record_parts(rec: GenerationRecord) -> tuple[dict[str, Any], bytes]:
         rec.sampling,
         rec.unit,
         rec.mixed_versions,
-    )
-
-
-def legacy_parts(record_json: bytes) -> tuple[dict[str, Any], bytes]:
-    """``record_parts`` of a waiting entry written before entries kept parts: the record's own canonical JSON."""
-    r = from_json(record_json)
-    spans = r.get("version_spans")
-    mixed = spans is not None and len({s[0] for s in spans}) != 1
-    return _parts(
-        r["policy_version"],
-        r["ts"],
-        r.get("latency_s"),
-        r.get("trainable", True),
-        r["prompt_token_ids"],
-        r["completion_token_ids"],
-        r["completion_logprobs"],
-        r["sampling"],
-        r.get("unit"),
-        mixed,
     )
 
 

@@ -4,7 +4,8 @@ The range assignor gives a worker the same partition numbers of both inputs, so 
 one worker (Kafka Streams' tasks: one per partition number, with its store). On a revocation the worker settles every
 decided batch, writes the table's write buffer and commits; on an assignment it opens the partitions' databases,
 reads their changelogs' tails (``ingest.restore``) and rebuilds the join's pending index (``Ingest.restore``). A batch
-fetched before either is not processed (``epoch``).
+fetched before either is not processed (``epoch``). Of the join, the listener sees two calls: ``revoked`` and
+``restore``.
 
 Also here: one worker per state folder (``LOCK_FILE``), and the group member a killed worker left behind
 (``leave_previous_member``).
@@ -17,6 +18,7 @@ import fcntl
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,6 @@ from aiokafka.protocol.group import LeaveGroupRequest
 from core.bus import make_aio_client
 from core.config import LiverlConfig
 from ingest.commit import Committer, die
-from ingest.join import Ingest
 from ingest.pacing import Pacer
 from ingest.table import JoinTable
 
@@ -58,8 +59,8 @@ async def leave_previous_member(cfg: LiverlConfig, bootstrap: str) -> bool:
     """Ask the group coordinator to drop the consumer-group member this worker had before it was killed.
 
     Why: a worker that died without leaving the group (kill -9, OOM, power) stays a member until its session times
-    out, and the group's next join waits for it: on the embedded broker a restarted worker then sat ~12 s before it
-    was given partitions. The member id is kept in the worker's state folder (``MEMBER_FILE``), which no two
+    out, and the group's next join waits for it: on the embedded broker a restarted worker would wait ~12 s before
+    it is given partitions. The member id is kept in the worker's state folder (``MEMBER_FILE``), which no two
     workers share (``LOCK_FILE``). A member that is already gone is answered with an error, which is fine.
     Returns True when a leave was sent. Static membership (group.instance.id) would do this in the protocol, but
     the embedded broker does not shorten the wait for it.
@@ -98,18 +99,24 @@ class Tasks(ConsumerRebalanceListener):
         self,
         cfg: LiverlConfig,
         bootstrap: str,
-        ingest: Ingest,
+        consumer: Any,
         table: JoinTable,
         committer: Committer,
         pacer: Pacer,
         state: Path,
+        *,
+        revoked: Callable[[], None],
+        restore: Callable[[], Awaitable[int]],
     ):
+        """``revoked``: the join decides nothing until ``restore`` (``Ingest.revoked``). ``restore``: rebuild the
+        join's indexes from the table, returning how much feedback is pending (``Ingest.restore``)."""
         self.cfg = cfg
         self.bootstrap = bootstrap
-        self.ingest, self.table, self.committer, self.pacer = ingest, table, committer, pacer
+        self.consumer = consumer  # (an aiokafka consumer: its group member id is remembered)
+        self.table, self.committer, self.pacer = table, committer, pacer
         self.state = state
+        self._revoked, self._restore = revoked, restore
         self.inputs = (cfg.topics.generations, cfg.topics.feedback)
-        self.consumer: Any = None  # (set once the worker's consumer exists)
         self.busy = asyncio.Lock()  # a batch, a timer or a rebalance callback: one at a time
         self.epoch = 0  # bumped by every rebalance: a batch fetched before one is not processed
         self.feedback_partitions: frozenset[int] = frozenset()  # the feedback partitions this worker holds
@@ -117,7 +124,7 @@ class Tasks(ConsumerRebalanceListener):
     async def on_partitions_revoked(self, revoked) -> None:
         async with self.busy:
             self.epoch += 1
-            self.ingest.ready = False
+            self._revoked()
             self.pacer.drop()
             await self.committer.drain()
             await self.committer.commit_now()
@@ -146,13 +153,13 @@ class Tasks(ConsumerRebalanceListener):
                 stats = await self.table.recover(self.bootstrap, self.cfg.broker)
             except Exception as e:  # noqa: BLE001 - without its table the worker must not join anything
                 die(f"reading the join table's changelog failed: {type(e).__name__}: {e}")
-            await self.ingest.restore()
+            pending = await self._restore()
             self._remember_member()
             log.info(
                 "join table ready: partitions %s, %d changelog records read, %d feedback pending (%.2f s)",
                 stats["partitions"],
                 stats["read"],
-                self.ingest.pending,
+                pending,
                 time.monotonic() - t0,
             )
 

@@ -518,25 +518,27 @@ def test_rewards_come_from_the_product(cfg):
 def test_waiting_for_settled_batches_yields_and_ends(cfg):
     """The worker waits for settling batches before deciding a third, and for all of them before a timer, a
     rebalance or a stop. A batch that has just settled must count as settled at once: awaiting a finished task does
-    not yield to the event loop, so a wait that relied on the task's done callback to drop it spun forever (the demo's
-    ingest worker hung that way, SIGTERM included). Run in a thread so a regression fails here instead of hanging."""
+    not yield to the event loop, so a wait that relied on the task's done callback to drop it would spin forever (the
+    worker would hang, SIGTERM included). Run in a thread so a regression fails here instead of hanging."""
     import asyncio
     import threading
 
     from ingest.app import IngestWorker
+    from ingest.commit import Committer
 
     finished: list[bool] = []
 
     def run():
         async def main():
             w = IngestWorker(cfg, cfg.broker.bootstrap, cfg.redis.url, web_port=0)
+            committer = Committer(w.ingest, w.table, w.table_outbox, consumer=None)  # (the worker's, less its consumer)
             loop = asyncio.get_running_loop()
             settled = [loop.create_future(), loop.create_future()]
             for f in settled:
                 f.set_result(None)  # finished; their done callbacks (none here) would run only at the next yield
-            w.committer._settling = list(settled)
-            await w.committer.drain()
-            finished.append(w.committer.unsettled() == [])
+            committer._settling = list(settled)
+            await committer.drain()
+            finished.append(committer.unsettled() == [])
 
         asyncio.run(main())
 

@@ -97,11 +97,11 @@ def test_pending_feedback_is_capped_and_expires(env):
         await ing.process(
             [(Source(cfg.topics.feedback, 0, i, f"g{i}"), f.to_bytes()) for i, f in enumerate(fbs)], now=NOW
         )
-        full = len(ing._pending)
-        ing._resumed = 0.0
+        full = len(ing.index.entries)
+        ing.index.resumed = 0.0
         expired = await ing.expire_pending(now=NOW + 10 * cfg.ingest.pending_ttl_s + 600)
         await metrics.close()
-        return full, expired, len(ing._pending)
+        return full, expired, len(ing.index.entries)
 
     full, expired, left = asyncio.run(run())
     assert full == cfg.ingest.max_pending == 50
@@ -134,12 +134,12 @@ def test_the_sweep_expires_exactly_the_feedback_that_waited_its_ttl(env, order):
             shuffled = list(table.items())
             shuffled.reverse()
             ing.recovered(lambda: shuffled)
-        ing._resumed = 0.0
-        ing._gen_clock[0] = NOW + 100 * ttl  # the generations stream is far ahead: waiting long enough is enough
+        ing.index.resumed = 0.0
+        ing.index.clock[0] = NOW + 100 * ttl  # the generations stream is far ahead: waiting long enough is enough
         first = await ing.expire_pending(now=NOW + 45.0 + ttl)  # entries written at NOW .. NOW + 40 are due
         second = await ing.expire_pending(now=NOW + 90.0 + ttl)
         await metrics.close()
-        return first, second, sorted(ing._pending)
+        return first, second, sorted(ing.index.entries)
 
     first, second, left = asyncio.run(run())
     assert (first, second, left) == (5, 5, [])
@@ -165,7 +165,7 @@ def test_timers_touch_only_assigned_partitions(env):
             for p in (0, 1)
         ]
         await ing.process(batch, now=NOW)
-        ing._resumed = 0.0
+        ing.index.resumed = 0.0
         try:
             return await ing.expire_pending(now=NOW + 10_000, assigned={0})
         finally:

@@ -337,7 +337,7 @@ def test_any_interleaving_ends_each_feedback_in_one_sample_or_one_dead_letter(wo
     src = [(Source(topic[k], 0, i, "k"), v) for i, (k, v) in enumerate(events)]
     for i in range(0, len(src), batch):
         loop.run_until_complete(ing.process(src[i : i + batch], now=1.8e9))
-    ing._resumed = 0.0
+    ing.index.resumed = 0.0
     loop.run_until_complete(ing.expire_pending(now=1.8e9 + 10 * cfg.ingest.pending_ttl_s + 600))
 
     samples = [TrainingSample.from_bytes(v) for _, v in broker.of(cfg.topics.samples)]
@@ -407,14 +407,14 @@ def test_an_exception_inside_one_event_dead_letters_that_event_only(world, monke
     ing, broker = _ingest(world)
     gens = [make_generation(f"g{i}", 1) for i in range(5)]
     fbs = [FeedbackEvent(feedback_id=f"f{i}", generation_id=f"g{i}", kind="accept") for i in range(5)]
-    real = ing._join
+    real = ing.decider._join
 
     def flaky(gid, rec, body, fb, out, now, src):
         if gid == "g2":
             raise RuntimeError("a bug")
         return real(gid, rec, body, fb, out, now, src)
 
-    monkeypatch.setattr(ing, "_join", flaky)
+    monkeypatch.setattr(ing.decider, "_join", flaky)
     batch = [(Source(cfg.topics.generations, 0, i, f"g{i}"), g.to_bytes()) for i, g in enumerate(gens)]
     batch += [(Source(cfg.topics.feedback, 0, i, f"g{i}"), f.to_bytes()) for i, f in enumerate(fbs)]
     loop.run_until_complete(ing.process(batch))
@@ -479,7 +479,7 @@ def test_the_joins_sample_json_is_the_models_own(seed, reward, text, segment):
     must be byte for byte ``TrainingSample(...).model_dump_json()``, whatever the floats, text and optional fields; a
     non-finite reward from the product is refused, as the model refuses it."""
     from core.schemas import SamplingParams
-    from ingest.join import WAITING, legacy_parts, pack, record_parts, sample_json, unpack
+    from ingest.join import WAITING, pack, record_parts, sample_json, unpack
 
     rng = random.Random(seed)
     g = _generation(rng)
@@ -527,7 +527,6 @@ def test_the_joins_sample_json_is_the_models_own(seed, reward, text, segment):
     _, _, meta, body = unpack(pack(WAITING, 1.79e9, *record_parts(rec)))
     assert sample_json(gid, meta, body, fb, reward) == want  # the waiting entry's path (its parts through the table)
     assert sample_json(gid, *record_parts(rec), fb, reward) == want  # the pending feedback's path
-    assert sample_json(gid, *legacy_parts(rec.model_dump_json().encode()), fb, reward) == want  # an older entry
     for bad in NONFINITE:
         with pytest.raises(ValueError, match="finite"):
             sample_json(gid, *record_parts(rec), fb, bad)

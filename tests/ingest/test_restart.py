@@ -541,7 +541,7 @@ class _InProcess:
             r.close()
 
 
-def test_held_feedback_is_not_committed_until_it_is_processed(stack, tmp_path):
+def test_held_feedback_is_not_committed_until_it_is_processed(stack, tmp_path, monkeypatch):
     """The invariant the kill -9 test above relies on, pinned: while a feedback record is held back, batches go on
     and their offsets are committed, but the held record's partition is committed only up to it; once released, it
     is joined and committed past. In-process worker on the real broker; the generations are made to look behind
@@ -549,20 +549,21 @@ def test_held_feedback_is_not_committed_until_it_is_processed(stack, tmp_path):
     import asyncio
 
     from ingest import app
+    from ingest.pacing import Pacer
     from ingest.table import partition_of
 
     cfg = ingest_config(stack, tmp_path / "state")
     env = _InProcess(cfg)
     w = app.IngestWorker(cfg, stack.bootstrap, cfg.redis.url, web_port=0)
-    real_progress = w.pacer.generations_progress
+    real_progress = Pacer.generations_progress
     behind = {"on": False}
 
-    async def progress(gen_tp, read=None):
+    async def progress(self, gen_tp, read=None):
         if behind["on"]:
             return 0.0, 0, 1  # read up to the epoch, a record not read yet: every feedback is far ahead
-        return await real_progress(gen_tp, read)
+        return await real_progress(self, gen_tp, read)
 
-    w.pacer.generations_progress = progress
+    monkeypatch.setattr(Pacer, "generations_progress", progress)  # (the worker's pacer is built in ``run``)
 
     async def body() -> None:
         gid = new_gid()

@@ -115,7 +115,7 @@ def test_recovery_reads_only_the_pending_feedback_of_a_large_table(env, tmp_path
     try:
         ing, reads, peak = asyncio.run(run())
         assert reads == pending  # the pending index only: no waiting or judged entry visited
-        assert ing.pending == pending and list(ing._pending)[:3] == ["p0", "p1", "p2"]  # oldest first
+        assert ing.pending == pending and list(ing.index.entries)[:3] == ["p0", "p1", "p2"]  # oldest first
         assert peak < 2000 * pending, f"recovery allocated {peak} bytes at peak for {pending} pending entries"
     finally:
         table.close()
