@@ -37,6 +37,7 @@ def pipeline_env(prefix: str, **settings: str) -> dict[str, str]:
             "LIVERL__REDIS__EMBEDDED_PORT": str(free_port()),
             "LIVERL__SERVING__GATEWAY_PORT": str(free_port()),
             "LIVERL__SERVING__VLLM_PORT": str(free_port()),
+            "LIVERL__SERVING__AGENT_PORT": str(free_port()),
             "LIVERL__INGEST__WEB_PORT": str(free_port()),
             "LIVERL__GATE__METRICS_PORT": str(free_port()),
             "LIVERL__TOPICS__PREFIX": f"{prefix}{os.getpid()}",

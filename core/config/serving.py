@@ -10,7 +10,11 @@ from core.config.base import Section
 
 
 class ServingConfig(Section):
-    host: str = Field(default="127.0.0.1", description="Interface the gateway binds to (0.0.0.0 to expose it).")
+    host: str = Field(
+        default="127.0.0.1",
+        description="Interface the gateway and the serving agent's /metrics (agent_port) bind to (0.0.0.0 to expose "
+        "them).",
+    )
     node_host: str = Field(
         default="127.0.0.1",
         description="Interface the vLLM node binds to. Keep it on loopback: only the serving "
@@ -18,6 +22,13 @@ class ServingConfig(Section):
     )
     gateway_port: int = Field(default=8000, description="Port of the OpenAI-compatible gateway.")
     vllm_port: int = Field(default=8100, description="Port of the vLLM node's own OpenAI server.")
+    agent_port: int = Field(
+        default=8300,
+        ge=0,
+        le=65535,
+        description="Port of the serving process's own /metrics (the hot-swap agent's swaps, swap pauses, "
+        "re-verifications, poll errors, refused announcements) and /healthz, on serving.host; 0: off.",
+    )
     node_name: str = Field(default="node-0", description="Name of this serving node in logs and records.")
     advertise_url: str | None = Field(
         default=None,
@@ -46,8 +57,8 @@ class ServingConfig(Section):
         ge=1,
         le=16,
         description="How many serving nodes `liverl up` and `liverl demo` run on this machine "
-        "(node-0, node-1, ...; gateway and vLLM ports counted up from gateway_port and vllm_port). More than one: "
-        "`liverl route` runs in front on router_port and the gate can canary.",
+        "(node-0, node-1, ...; gateway, vLLM and agent ports counted up from gateway_port, vllm_port and "
+        "agent_port). More than one: `liverl route` runs in front on router_port and the gate can canary.",
     )
     max_num_seqs: int = Field(default=64, description="vLLM's concurrent sequence limit.")
     device: str = Field(default="auto", description="auto | cpu | cuda: which vLLM build serves.")

@@ -245,6 +245,7 @@ def run(
         redis__embedded_port=_free_port(),
         serving__gateway_port=_free_port(),
         serving__vllm_port=_free_port(),
+        serving__agent_port=_free_port(),
     )
     gateway_url = f"http://{cfg.serving.host}:{cfg.serving.gateway_port}"
     node_url = f"http://{cfg.serving.node_host}:{cfg.serving.vllm_port}"

@@ -106,6 +106,7 @@ def run(
         redis__embedded_port=_free_port(),
         serving__gateway_port=_free_port(),
         serving__vllm_port=_free_port(),
+        serving__agent_port=_free_port(),
         serving__swap_poll_s=0.1,
     )
     url = f"http://{cfg.serving.host}:{cfg.serving.gateway_port}"

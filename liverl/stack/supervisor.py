@@ -98,6 +98,7 @@ def node_serving(serving: dict, i: int) -> dict:
         "node_name": f"node-{i}",
         "gateway_port": serving["gateway_port"] + i,
         "vllm_port": serving["vllm_port"] + i,
+        "agent_port": serving["agent_port"] + i if serving["agent_port"] else 0,  # 0: off on every node
         "advertise_url": None,
     }
 

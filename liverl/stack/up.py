@@ -150,6 +150,15 @@ def reset_keys(cfg: LiverlConfig, r) -> None:
         r.delete(*stale)
 
 
+def agent_metrics(cfg: LiverlConfig) -> str:
+    """The usage line of the serving agents' /metrics (swaps, swap pauses): one port per node, counted up."""
+    s = cfg.serving
+    if not s.agent_port:
+        return ""
+    ports = f"{s.agent_port}" if s.nodes == 1 else f"{s.agent_port}-{s.agent_port + s.nodes - 1}"
+    return f",\n                     http://{s.host}:{ports}/metrics (serving agent: swaps, swap pauses)"
+
+
 def usage(cfg: LiverlConfig, pipe: Pipeline, model_dir: Path) -> str:
     s, t = pipe.stack, cfg.topics
     gw = pipe.gateway_url
@@ -168,7 +177,7 @@ liverl is up: model {model_dir}
   Kafka              {s.bootstrap}  topics {t.feedback}, {t.generations}, {t.samples}, {t.dead_letters}
   Redis / registry   {s.redis_url}  /  {s.registry_url}
   metrics            {gw}/metrics (gateway), http://127.0.0.1:{cfg.ingest.web_port}/metrics (ingest),
-                     http://{cfg.serving.host}:{cfg.gate.metrics_port}/metrics (gate)
+                     http://{cfg.serving.host}:{cfg.gate.metrics_port}/metrics (gate){agent_metrics(cfg)}
   logs               {cfg.state_path / "logs"}/{{serve,ingest,learn,gate}}.log
   operate            liverl status | versions | history | promote N | rollback   (another shell)
 Ctrl-C stops everything."""

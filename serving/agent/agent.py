@@ -1,12 +1,16 @@
 """The serving agent: keeps the node on the version the release gate wants, and reports what it serves.
 
 Runs as an asyncio task in the serving process (``serving.agent.main``), beside the node whose API-server process runs
-the gateway; it reports to that gateway through ``serving.node.gateway_host.GatewayLink`` (the swap's own start and end are
-marked on the gateway inside the node, at the pause). Every ``cfg.serving.swap_poll_s`` it reads the signed
-announcements ``<prefix>:desired`` and ``<prefix>:canary`` (``VersionAnnouncement``s) from Redis through
-``core.fleet`` (verified, bound to their channel, prefix and expiry, replays refused); its target is the canary
-when the canary's signed terms name this node, else the desired version. The registry must call the target ``stable``
-(desired channel) or ``canary`` (canary channel). When the target differs from the served version it
+the gateway; it tells that gateway what it serves and whether it may serve through
+``serving.node.gateway_host.GatewayLink`` (the swap's own start and end are marked on the gateway inside the node, at
+the pause), and counts its own events (swaps, swap pauses, re-verifications, poll errors, refused announcements) in
+``serving.agent.metrics.AgentMetrics``, which the serving process serves on ``serving.agent_port``.
+
+Every ``cfg.serving.swap_poll_s`` it reads the signed announcements ``<prefix>:desired`` and ``<prefix>:canary``
+(``VersionAnnouncement``s) from Redis through ``core.fleet`` (verified, bound to their channel, prefix and expiry,
+replays refused); its target is the canary when the canary's signed terms name this node, else the desired version.
+The registry must call the target ``stable`` (desired channel) or ``canary`` (canary channel). When the target
+differs from the served version it
 1. plans the delta(s) that move the node there, OUTSIDE the pause: stored registry deltas along the version tree
    (``Registry.deltas_between``; XOR deltas apply in either direction, so a rollback to the parent uses the current
    version's own delta) when the chain is short, else one delta encoded on the fly from registry-materialized
@@ -60,6 +64,7 @@ from core.schemas import VersionAnnouncement
 from core.services import required_verify_key
 from deploy.registry.signing import Verifier
 from serving.agent.launch import delta_dir
+from serving.agent.metrics import AgentMetrics
 from serving.node.client import NodeClient
 from serving.node.gateway_host import GatewayLink
 
@@ -92,6 +97,7 @@ class Agent:
         work_dir: Path | None = None,
         max_chain: int = 4,
         retry_failed_after_s: float = 60.0,
+        metrics: AgentMetrics | None = None,
     ):
         self.cfg = cfg
         self.gw = gateway
@@ -105,6 +111,8 @@ class Agent:
         self.retry_failed_after_s = retry_failed_after_s
         self._failed: dict[tuple[str, int, str], float] = {}  # (channel, version, checksum) -> when it failed
         self._verified_at = time.monotonic()  # the served checksum was last read back then (init, swaps, reverify)
+        self.last_swap_pause_ms: float | None = None  # the last swap's engine pause, measured in the node
+        self.metrics = metrics or AgentMetrics()  # what the serving process serves on serving.agent_port
         self.swaps: collections.deque[dict] = collections.deque(maxlen=keys.LIST_CAP)
         key = required_verify_key(cfg)  # none: ValueError, unless security.allow_unsigned
         self.verifier = Verifier(key) if key else None  # with a key, unsigned announcements are refused
@@ -123,6 +131,7 @@ class Agent:
             raise RuntimeError(f"cannot read the served weights' checksum: {r.get('error')}")
         await self.node.set_weight_version(int(r["version"]))  # the label vLLM puts on every token from now on
         self.gw.set_served(int(r["version"]), r["checksum"])
+        self.metrics.verified.set_to_current_time()
         log.info("node %s serves version %s (checksum %s)", self.name, r["version"], r["checksum"][:12])
         if self.registry is not None:
             try:
@@ -150,7 +159,7 @@ class Agent:
             try:
                 await self.step()
             except Exception as e:  # noqa: BLE001 - the agent outlives any one poll; each failure is counted
-                self.gw.m_agent_errors.labels(kind=type(e).__name__).inc()
+                self.metrics.errors.labels(kind=type(e).__name__).inc()
                 log.exception("agent step failed")
             try:
                 await asyncio.wait_for(stop.wait(), self.cfg.serving.swap_poll_s)
@@ -185,15 +194,16 @@ class Agent:
         self._verified_at = time.monotonic()
         ck = await self.node.rpc("liverl_checksum")
         if not ck.get("ok"):
-            self.gw.m_reverify.labels(result="error").inc()
+            self.metrics.reverify.labels(result="error").inc()
             log.error("re-verification could not read the served weights back: %s", ck.get("error"))
             await self._flush()
             return False
+        self.metrics.verified.set_to_current_time()
         if ck["checksum"] == self.gw.checksum:
-            self.gw.m_reverify.labels(result="ok").inc()
+            self.metrics.reverify.labels(result="ok").inc()
             await self._flush()
             return True
-        self.gw.m_reverify.labels(result="mismatch").inc()
+        self.metrics.reverify.labels(result="mismatch").inc()
         msg = (
             f"SERVED WEIGHTS CHANGED: the node serves checksum {ck['checksum'][:12]}, not version "
             f"{self.gw.version}'s {self.gw.checksum[:12]}; the node stops serving"
@@ -218,14 +228,23 @@ class Agent:
                 got[channel] = None
                 self.refused_announcements += 1
                 self.refused_by_reason[e.reason] += 1
+                self.metrics.refused.labels(reason=e.reason).inc()
                 if self._last_refused.get(channel) != str(e):  # say it once per distinct refusal, not every poll
                     self._last_refused[channel] = str(e)
                     log.error("refusing %s: %s", fleet.announcement_key(self.prefix, channel), e)
-        return fleet.serving_target(self.name, got["desired"], got["canary"])
+        target = fleet.serving_target(self.name, got["desired"], got["canary"])
+        if target is not None:
+            self.metrics.target_version.set(target.version)
+        return target
+
+    def health(self) -> tuple[bool, dict]:
+        """(ok, body) of the serving process's ``/healthz``: ok while the node serves a version the agent verified."""
+        reason = self.gw.unhealthy_reason
+        return reason is None, {"ok": reason is None, "reason": reason, "version": self.gw.version, "node": self.name}
 
     async def _flush(self) -> None:
-        """Send what the agent reported to the gateway in the node's process (``GatewayLink.flush``); a failure is
-        logged, and the reports go with the next flush."""
+        """Send the served state to the gateway in the node's process (``GatewayLink.flush``); a failure is logged,
+        and the state goes with the next flush."""
         try:
             await self.gw.flush()
         except Exception as e:  # noqa: BLE001 - the node answers again or dies (then node_alive ends the agent)
@@ -236,7 +255,7 @@ class Agent:
         beat = keys.ServedHeartbeat(
             version=self.gw.version,
             checksum=self.gw.checksum,
-            last_swap_pause_ms=self.gw.last_swap_pause_ms,
+            last_swap_pause_ms=self.last_swap_pause_ms,
             healthy=self.gw.unhealthy_reason is None,
             url=advertised_url(self.cfg.serving),
         )
@@ -253,7 +272,7 @@ class Agent:
         except Exception as e:
             msg = f"cannot plan the swap {cur_v} -> {ann.version}: {e}"
             await self._report_error(cur_v, ann.version, msg, restored=True)
-            self.gw.m_swaps.labels(outcome="refused").inc()
+            self.metrics.swaps.labels(outcome="refused").inc()
             raise SwapError(msg) from e
         return await self.apply_blobs(blobs, ann.version, ann.checksum, how=how)
 
@@ -301,7 +320,7 @@ class Agent:
         except DeltaError as e:
             msg = f"delta refused before pausing: {e}"
             await self._report_error(from_v, target_version, msg, restored=True)
-            self.gw.m_swaps.labels(outcome="refused").inc()
+            self.metrics.swaps.labels(outcome="refused").inc()
             raise SwapError(msg) from e
         self.work_dir.mkdir(parents=True, exist_ok=True)
         paths = []
@@ -339,6 +358,7 @@ class Agent:
                 error = SwapError(self.gw.unhealthy_reason, restored=False)
             if r.get("ok"):
                 rec["verify_ok"] = True
+                self.metrics.verified.set_to_current_time()
                 self.gw.set_served(target_version, r["checksum"])
             else:
                 rec["restored"] = r.get("restored")
@@ -355,9 +375,9 @@ class Agent:
                 p.unlink(missing_ok=True)
         rec["ts"] = time.time()
         if rec.get("pause_ms") is not None:
-            self.gw.last_swap_pause_ms = rec["pause_ms"]
-            self.gw.m_pause.observe(rec["pause_ms"] / 1e3)
-        self.gw.m_swaps.labels(outcome="ok" if error is None else "failed").inc()
+            self.last_swap_pause_ms = rec["pause_ms"]
+            self.metrics.pause.observe(rec["pause_ms"] / 1e3)
+        self.metrics.swaps.labels(outcome="ok" if error is None else "failed").inc()
         await self._flush()
         self.swaps.append(rec)
         await self.redis.rpush(keys.swaps(self.prefix), keys.SwapRecord.model_validate(rec).to_json())

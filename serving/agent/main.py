@@ -2,7 +2,8 @@
 
 The gateway runs in the node's API-server process (``serving.node.gateway_host``): product requests reach vLLM's engine
 client with no second process and no second HTTP hop. This process starts that node, runs the agent (which decides
-what the node serves: ``serving.agent.agent``) and watches the node.
+what the node serves: ``serving.agent.agent``), serves the agent's metrics and health on
+``serving.host:serving.agent_port`` (``serving.agent.metrics``; 0: off) and watches the node.
 
 ``serve`` refuses to start without an announcement verify key (``security.verify_key`` or
 ``<state_dir>/keys/announce.pub``) unless ``security.allow_unsigned`` is set; it starts the node and the agent and
@@ -24,6 +25,7 @@ from core.services import redis_from_url, required_verify_key
 from deploy.registry.blobstore import open_blob_store
 from serving.agent.agent import Agent
 from serving.agent.launch import start_node
+from serving.agent.metrics import AgentMetrics, start_agent_server
 from serving.node.client import NodeClient
 from serving.node.gateway import event_loop_factory
 from serving.node.gateway_host import GatewayLink
@@ -55,22 +57,32 @@ async def serve(
     ``security.allow_unsigned``. ``on_ready(gateway_link, agent, node)`` is called once the node serves."""
     required_verify_key(cfg)  # before the node starts: an agent that would follow any Redis writer does not start
     await _bounded_executor(asyncio.get_running_loop(), 4)
-    log_path = cfg.state_path / "logs" / f"vllm-{cfg.serving.node_name}.log"
-    node = await asyncio.to_thread(
-        start_node, cfg, model_dir, log_path, base_version=base_version, gateway_bootstrap=bootstrap
-    )
-    client = NodeClient(node.url, key=node.key)
-    link = GatewayLink(client, cfg.serving.node_name)
-    rds = redis_from_url(redis_url, asyncio=True)
-    registry = None
-    agent_task = None
+    metrics = AgentMetrics()
+    agent: Agent | None = None
+
+    def health() -> tuple[bool, dict]:
+        if agent is None:
+            starting = "the vLLM node is starting"
+            return False, {"ok": False, "reason": starting, "version": None, "node": cfg.serving.node_name}
+        return agent.health()
+
+    # before the node: a port in use stops the process at once, not after the engine's start
+    web = await start_agent_server(metrics, health, cfg.serving.host, cfg.serving.agent_port)
+    node = client = rds = registry = agent_task = None
     try:
+        log_path = cfg.state_path / "logs" / f"vllm-{cfg.serving.node_name}.log"
+        node = await asyncio.to_thread(
+            start_node, cfg, model_dir, log_path, base_version=base_version, gateway_bootstrap=bootstrap
+        )
+        client = NodeClient(node.url, key=node.key)
+        link = GatewayLink(client, cfg.serving.node_name)
+        rds = redis_from_url(redis_url, asyncio=True)
         await client.start()
         if registry_url:
             from deploy.registry.registry import Registry  # noqa: PLC0415 torch: via deploy.registry.registry, with a registry only
 
             registry = Registry(registry_url, open_blob_store(cfg.blob_location))
-        agent = Agent(cfg, link, rds, registry)
+        agent = Agent(cfg, link, rds, registry, metrics=metrics)
         await agent.init()
         agent_task = asyncio.create_task(agent.run(stop, node_alive=lambda: node.alive))
         log.info(
@@ -91,11 +103,16 @@ async def serve(
         if agent_task is not None and not agent_task.done():
             agent_task.cancel()
             await asyncio.gather(agent_task, return_exceptions=True)
-        await client.close()
-        await rds.aclose()
+        if web is not None:
+            await web.cleanup()
+        if client is not None:
+            await client.close()
+        if rds is not None:
+            await rds.aclose()
         if registry is not None:
             registry.close()
-        await asyncio.to_thread(node.stop)  # SIGTERM: the node's gateway flushes its producer before it exits
+        if node is not None:
+            await asyncio.to_thread(node.stop)  # SIGTERM: the node's gateway flushes its producer before it exits
 
 
 def run_serving(

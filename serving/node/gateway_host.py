@@ -21,8 +21,10 @@ a time slice (``liverl bench serve`` measured such a gateway at 0.45-0.55 of the
   request is known to have crossed a swap exactly.
 - The serving process's agent (``serving.agent.agent``) decides what to serve and talks to this process over the node's
   keyed HTTP routes: ``POST /liverl/swap`` for a swap, ``POST /liverl/gateway`` (this middleware, inside the key
-  check) for what it reports to the gateway: the served version at start, a node taken out of service, and its
-  counters (``GatewayLink`` is its side of that route). ``GET /liverl/gateway`` answers the gateway's state.
+  check) for the state the gateway takes from it: the served version and checksum at start, and a node taken out of
+  service (``GatewayLink`` is its side of that route). ``GET /liverl/gateway`` answers the gateway's state. The
+  agent's counters (swaps, pauses, re-verifications) are the serving process's own, on its own ``/metrics``
+  (``serving.agent.metrics``); this route carries state only.
 
 This module imports neither torch nor vLLM.
 """
@@ -45,8 +47,6 @@ log = logging.getLogger("liverl.serving.node_gateway")
 
 ENV_PROFILE = "LIVERL_NODE_PROFILE"  # a path: profile this process's event loop (cProfile) while the gateway runs
 CONTROL_PATH = "/liverl/gateway"
-REMOTE_METRICS = ("m_swaps", "m_pause", "m_reverify", "m_agent_errors")  # what the agent may count here
-MAX_QUEUED_OPS = 10_000
 DIRECT_ROUTES = ("/v1/completions", "/v1/chat/completions")  # called on vLLM's route itself (InProcessNode._target)
 
 _current = None  # the Gateway running in this process (one per node process), for serving.node.swap
@@ -359,62 +359,32 @@ def state_of(gw) -> dict:
 
 
 def apply_ops(gw, ops: list) -> None:
-    """Apply the agent's reports in order: ``["served", version, checksum]``, ``["unhealthy", reason]``,
-    ``["inc", metric, labels, amount]``, ``["observe", metric, value]`` (metrics: ``REMOTE_METRICS``, attributes of the
-    gateway's ``serving.node.gateway_metrics.GatewayMetrics``)."""
+    """Apply the agent's reports in order: ``["served", version, checksum]``, ``["unhealthy", reason]``."""
     for op in ops:
         kind = op[0]
         if kind == "served":
             gw.set_served(int(op[1]), str(op[2]))
         elif kind == "unhealthy":
             gw.unhealthy_reason = None if op[1] is None else str(op[1])
-        elif kind in ("inc", "observe"):
-            if op[1] not in REMOTE_METRICS:
-                raise ValueError(f"no metric {op[1]!r} here")
-            metric = getattr(gw.metrics, op[1])
-            if kind == "inc":
-                labels = {str(k): str(v) for k, v in (op[2] or {}).items()}
-                (metric.labels(**labels) if labels else metric).inc(float(op[3]))
-            else:
-                metric.observe(float(op[2]))
         else:
             raise ValueError(f"unknown op {kind!r}")
 
 
-class _RemoteMetric:
-    """A Prometheus metric of the node's gateway, as the agent uses it: ``labels(...).inc()``, ``observe(v)``."""
-
-    def __init__(self, link: GatewayLink, name: str, labels: dict | None = None):
-        self.link, self.name, self._labels = link, name, labels
-
-    def labels(self, **labels) -> _RemoteMetric:
-        return _RemoteMetric(self.link, self.name, labels)
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.link._queue(["inc", self.name, self._labels, amount])
-
-    def observe(self, value: float) -> None:
-        self.link._queue(["observe", self.name, value])
-
-
 class GatewayLink:
-    """The serving agent's side of the gateway that runs in the node's process: the ``Gateway``'s ``version``,
-    ``checksum``, ``unhealthy_reason`` and ``set_served``, and its metrics' swap counters and histograms
-    (``REMOTE_METRICS``, as attributes of the link), with what the agent sets queued for the node in order and sent
-    by ``flush()`` (the agent flushes before each heartbeat, after a swap and after a re-verification). The swap's
-    own bookkeeping (its start, the version it leaves served, its end) is done in the node by ``serving.node.swap``,
-    exactly at the pause, not from here."""
+    """The serving agent's side of the gateway that runs in the node's process: what the gateway takes from the
+    agent, the served ``version`` and ``checksum`` (``set_served``) and ``unhealthy_reason``, kept here and sent by
+    ``flush()`` when changed (the agent flushes before each heartbeat, after a swap and after a re-verification).
+    What is sent is the state itself, not a log of changes: a node unreachable for long gets the latest state once it
+    answers. The swap's own bookkeeping (its start, the version it leaves served, its end) is done in the node by
+    ``serving.node.swap``, exactly at the pause, not from here."""
 
     def __init__(self, node, node_name: str):
         self.node, self.node_name = node, node_name
         self.version: int | None = None
         self.checksum: str | None = None
-        self.last_swap_pause_ms: float | None = None
         self._unhealthy: str | None = "not initialised"
-        self._ops: list[list] = []
+        self._changed = False
         self._lock = asyncio.Lock()
-        for name in REMOTE_METRICS:
-            setattr(self, name, _RemoteMetric(self, name))
 
     @property
     def unhealthy_reason(self) -> str | None:
@@ -422,32 +392,32 @@ class GatewayLink:
 
     @unhealthy_reason.setter
     def unhealthy_reason(self, reason: str | None) -> None:
-        self._unhealthy = reason
-        self._queue(["unhealthy", reason], state=True)
+        self._unhealthy, self._changed = reason, True
 
     def set_served(self, version: int, checksum: str) -> None:
-        self.version, self.checksum, self._unhealthy = version, checksum, None
-        self._queue(["served", version, checksum], state=True)
+        self.version, self.checksum, self._unhealthy, self._changed = version, checksum, None, True
 
-    def _queue(self, op: list, state: bool = False) -> None:
-        if len(self._ops) >= MAX_QUEUED_OPS and not state:  # the node is unreachable for long: drop counts, not state
-            log.warning("dropping a report to the node's gateway (%d queued): %s", len(self._ops), op)
-            return
-        self._ops.append(op)
+    def ops(self) -> list[list]:
+        """The state as ``apply_ops`` takes it: the served version (which clears the gateway's unhealthy reason),
+        then the reason."""
+        served = [] if self.version is None else [["served", self.version, self.checksum]]
+        return [*served, ["unhealthy", self._unhealthy]]
 
     async def flush(self) -> None:
-        """Send what is queued, in order; on failure it stays queued (sent with the next flush) and this raises."""
+        """Send the state if it changed since the last flush; on failure it is sent with the next flush and this
+        raises."""
         async with self._lock:
-            while self._ops:
-                batch, self._ops = self._ops, []
-                try:
-                    status, body = await self.node.request("POST", CONTROL_PATH, retry=False, json={"ops": batch})
-                except BaseException:
-                    self._ops[:0] = batch
-                    raise
-                if status != 200:
-                    if status == 400:  # a bad op would block every later one: say so and drop the batch
-                        log.error("the node's gateway refused the agent's reports %s: %s", batch, body)
-                        continue
-                    self._ops[:0] = batch
-                    raise RuntimeError(f"the node's gateway answered {CONTROL_PATH} with HTTP {status}: {body}")
+            if not self._changed:
+                return
+            self._changed = False
+            ops = self.ops()
+            try:
+                status, body = await self.node.request("POST", CONTROL_PATH, retry=False, json={"ops": ops})
+            except BaseException:
+                self._changed = True
+                raise
+            if status == 400:  # a state the gateway refuses would be refused again: say so, send the next change
+                log.error("the node's gateway refused the agent's state %s: %s", ops, body)
+            elif status != 200:
+                self._changed = True
+                raise RuntimeError(f"the node's gateway answered {CONTROL_PATH} with HTTP {status}: {body}")

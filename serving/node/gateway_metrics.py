@@ -1,8 +1,7 @@
 """The gateway's Prometheus metrics, declared once in a registry of their own (the gateway's ``GET /metrics``).
 
-The attribute names are those the serving agent reports on across processes (``serving.node.gateway_host``'s
-``REMOTE_METRICS``: ``m_swaps``, ``m_pause``, ``m_reverify``, ``m_agent_errors``); the metric names are the
-dashboards'.
+The hot-swap agent's own counters (swaps, their pause, re-verifications, its errors) are not here: the agent serves
+them from the serving process (``serving.agent.metrics``).
 """
 
 from __future__ import annotations
@@ -32,19 +31,6 @@ class GatewayMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
         )
         self.m_version = Gauge("liverl_gateway_policy_version", "Policy version being served", registry=r)
-        self.m_swaps = Counter("liverl_gateway_swaps", "Hot-swaps attempted", ["outcome"], registry=r)
-        self.m_reverify = Counter(
-            "liverl_gateway_reverify",
-            "Read-backs of the served weights between swaps, by result (ok, mismatch, error)",
-            ["result"],
-            registry=r,
-        )
-        self.m_pause = Histogram(
-            "liverl_gateway_swap_pause_seconds",
-            "Time a swap kept the engine paused (requests in flight frozen, new ones queued)",
-            registry=r,
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-        )
         self.m_inflight = Gauge("liverl_gateway_inflight_requests", "Requests being generated", registry=r)
         self.m_logged = Counter(
             "liverl_gateway_generations_logged", "Generation records acknowledged by Kafka", registry=r
@@ -73,12 +59,6 @@ class GatewayMetrics:
             registry=r,
         )
         self._request_counters: dict[tuple[str, int], Any] = {}
-        self.m_agent_errors = Counter(
-            "liverl_gateway_agent_errors",
-            "Hot-swap agent polls that failed, by exception type (logged; the agent goes on)",
-            ["kind"],
-            registry=r,
-        )
         self.m_feedback = Counter("liverl_gateway_feedback", "POST /v1/feedback by HTTP status", ["status"], registry=r)
 
     def count(self, route: str, status: int) -> None:

@@ -38,6 +38,7 @@ def srv(stack, tmp_path_factory):
         topics__prefix=f"t{uuid.uuid4().hex[:10]}",
         serving__gateway_port=free_port(),
         serving__vllm_port=free_port(),
+        serving__agent_port=free_port(),
         serving__swap_poll_s=0.1,
         serving__max_num_seqs=32,
     )

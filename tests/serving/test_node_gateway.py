@@ -1,11 +1,11 @@
 """The gateway runs inside the vLLM node's API-server process (``serving.node.gateway_host``): the product's
 port is a socket of the node's process, the serving process holds none, the agent's reports reach the gateway only
-with the node key, and what they may touch is bounded."""
+with the node key, and they carry state (the served version, a node taken out of service), never counters: the
+agent's counters are the serving process's own (``serving.agent.metrics``)."""
 
 from __future__ import annotations
 
 import json
-import types
 import urllib.error
 import urllib.request
 
@@ -52,8 +52,8 @@ def test_the_agent_s_reports_need_the_node_key_and_reach_the_gateway(srv):
     link = srv.serving.gateway
     assert status == 200 and state["version"] == served["version"] == link.version
     assert state["checksum"] == served["checksum"] == link.checksum and state["unhealthy_reason"] is None
-    status, out = _call(url, {"ops": [["inc", "m_requests", {}, 1]]}, key=srv.node_key)  # only the agent's metrics
-    assert status == 400 and "no metric" in out["error"]
+    status, out = _call(url, {"ops": [["inc", "m_requests", {}, 1]]}, key=srv.node_key)  # state only, no counters
+    assert status == 400 and "unknown op" in out["error"]
     status, out = _call(url, {"ops": [["served", 1]]}, key=srv.node_key)
     assert status == 400, out
     assert _call(url, key=srv.node_key)[1]["version"] == served["version"]
@@ -64,31 +64,10 @@ def test_the_agent_s_reports_need_the_node_key_and_reach_the_gateway(srv):
 # of the same routes is checked by the two tests above.
 
 
-class _Metric:
-    def __init__(self):
-        self.counts: dict[tuple, float] = {}
-
-    def labels(self, **kw):
-        m = _Metric()
-        m.counts = self.counts
-        m.key = tuple(sorted(kw.items()))
-        return m
-
-    def inc(self, amount=1.0):
-        key = getattr(self, "key", ())
-        self.counts[key] = self.counts.get(key, 0) + amount
-
-    def observe(self, value):
-        self.counts[("observed",)] = value
-
-
 class _Gateway:
     def __init__(self):
         self.version = self.checksum = None
         self.unhealthy_reason = "not initialised"
-        self.metrics = types.SimpleNamespace(
-            **{n: _Metric() for n in ("m_swaps", "m_pause", "m_reverify", "m_agent_errors")}
-        )
 
     def set_served(self, version, checksum):
         self.version, self.checksum, self.unhealthy_reason = version, checksum, None
@@ -111,34 +90,36 @@ class _Node:
         return 200, {}
 
 
-def test_the_link_sends_the_agent_s_reports_in_order_and_keeps_them_while_the_node_is_unreachable():
+def test_the_link_sends_the_agent_s_latest_state_and_keeps_it_while_the_node_is_unreachable():
     import asyncio
 
     gw = _Gateway()
     node = _Node(gw)
     link = GatewayLink(node, "node-x")
+    assert not hasattr(link, "m_swaps")  # the agent's counters are its own process's (serving.agent.metrics)
     link.set_served(3, "c" * 64)
     link.unhealthy_reason = "SERVED WEIGHTS CHANGED"
-    link.m_swaps.labels(outcome="refused").inc()
-    link.m_pause.observe(0.02)
     assert gw.version is None  # nothing sent before the flush
     asyncio.run(link.flush())
     assert (gw.version, gw.unhealthy_reason) == (3, "SERVED WEIGHTS CHANGED")  # served first, then unhealthy
-    assert (
-        gw.metrics.m_swaps.counts[(("outcome", "refused"),)] == 1 and gw.metrics.m_pause.counts[("observed",)] == 0.02
-    )
 
     node.down = True
     link.set_served(4, "d" * 64)
+    link.unhealthy_reason = "vLLM did not resume"
     with pytest.raises(ConnectionError):
         asyncio.run(link.flush())
     assert gw.version == 3 and link.version == 4  # kept, not lost
+    link.set_served(5, "e" * 64)  # more changes while the node is down: the latest state is what is sent
     node.down = False
     asyncio.run(link.flush())
-    assert (gw.version, gw.checksum, gw.unhealthy_reason) == (4, "d" * 64, None)
+    assert (gw.version, gw.checksum, gw.unhealthy_reason) == (5, "e" * 64, None)
     calls = node.calls
     asyncio.run(link.flush())
-    assert node.calls == calls  # nothing queued: no call
+    assert node.calls == calls  # nothing changed: no call
+
+    for counter_op in (["inc", "m_swaps", {"outcome": "ok"}, 1], ["observe", "m_pause", 0.02]):
+        with pytest.raises(ValueError, match="unknown op"):
+            apply_ops(gw, [counter_op])
 
 
 def test_in_process_calls_time_out_like_the_http_client_and_a_left_stream_tells_the_app():

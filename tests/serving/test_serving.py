@@ -578,14 +578,22 @@ def test_metrics_parse_as_prometheus_text(srv):
     status, body = _get(srv.url + "/metrics")
     assert status == 200
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    for name in ("liverl_gateway_requests", "liverl_gateway_request_seconds", "liverl_gateway_policy_version"):
+        assert name in families, sorted(families)
+    assert "liverl_gateway_swaps" not in families  # the agent counts swaps, in the serving process: its own endpoint
+    agent_url = f"http://{srv.cfg.serving.host}:{srv.cfg.serving.agent_port}"
+    status, agent_body = _get(agent_url + "/metrics")
+    assert status == 200
+    agent_families = {f.name for f in text_string_to_metric_families(agent_body.decode())}
     for name in (
-        "liverl_gateway_requests",
-        "liverl_gateway_request_seconds",
-        "liverl_gateway_policy_version",
         "liverl_gateway_swaps",
         "liverl_gateway_swap_pause_seconds",
+        "liverl_gateway_reverify",
+        "liverl_gateway_agent_errors",
     ):
-        assert name in families, sorted(families)
+        assert name in agent_families, sorted(agent_families)
+    status, health = _get(agent_url + "/healthz")
+    assert status == 200 and json.loads(health)["version"] == _served(srv)["version"], health
     by_status = {
         s.labels.get("status"): s.value
         for s in families["liverl_gateway_requests"].samples
