@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from liverl.bench.serve import _free_port, _machine
+from liverl.bench.subcommand import add_bench_parser
 from liverl.core import fleet, keys
 from liverl.core.config import load_config
 from liverl.core.schemas import FeedbackEvent, GenerationRecord, SamplingParams, WireError
@@ -605,11 +606,11 @@ def _spread(runs: list[float]) -> str:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``ingest`` under ``liverl bench``."""
-    s = subparsers.add_parser(
+    s = add_bench_parser(
+        subparsers,
         "ingest",
-        help="joined feedback events/s of ingest workers vs a raw consumer",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "joined feedback events/s of ingest workers vs a raw consumer",
+        __doc__,
     )
     s.add_argument(
         "--pairs",

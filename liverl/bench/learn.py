@@ -47,6 +47,7 @@ import sys
 import time
 from pathlib import Path
 
+from liverl.bench.subcommand import add_bench_parser
 from liverl.core.config import GateConfig, LearnerConfig, load_config
 
 DEFAULTS = {
@@ -81,11 +82,11 @@ COLUMNS = (
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``learn`` under the ``liverl bench`` subcommands."""
-    p = subparsers.add_parser(
+    p = add_bench_parser(
+        subparsers,
         "learn",
-        help="learner update path vs a plain transformers loop: tokens/s, samples/s",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "learner update path vs a plain transformers loop: tokens/s, samples/s",
+        __doc__,
     )
     p.add_argument(
         "--models",

@@ -34,6 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from liverl.bench.subcommand import add_bench_parser
 from liverl.core.config import LiverlConfig, load_config
 
 PROFILE_ENV = (
@@ -405,11 +406,11 @@ def _table(summary: dict) -> str:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``serve`` under ``liverl bench``."""
-    s = subparsers.add_parser(
+    s = add_bench_parser(
+        subparsers,
         "serve",
-        help="generations/s through the gateway vs the vLLM node alone (ratio)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "generations/s through the gateway vs the vLLM node alone (ratio)",
+        __doc__,
     )
     s.add_argument("--clients", type=int, default=DEFAULTS["clients"], help="concurrent clients (default 64)")
     s.add_argument(
