@@ -22,11 +22,11 @@ from deploy.sequential import (
     PROMOTE,
     MetricTest,
     SrmTest,
-    UnitSums,
     bernoulli_estimate,
     futile,
     look_units,
 )
+from deploy.sequential_units import UnitSums
 from liverl.core.fleet import bucket
 
 POPULATIONS = {

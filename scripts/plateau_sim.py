@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deploy.gate import paired_sign_test  # noqa: E402
+from deploy.gate_evidence import paired_sign_test  # noqa: E402
 from learner.model import load_model  # noqa: E402
 from learner.policy_trainer import PolicyTrainer  # noqa: E402
 from liverl.core.config import GateConfig, LearnerConfig  # noqa: E402

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from deploy.gate import Gate, parse_heldout
+from deploy.gate import Gate
+from deploy.gate_tail import parse_heldout
 from deploy.registry import open_registry
 from liverl.core.product import Product
 from liverl.core.schemas import SamplingParams, TrainingSample

@@ -22,7 +22,6 @@ from deploy.sequential import (
     Canary,
     MetricTest,
     SrmTest,
-    UnitSums,
     batch_means,
     bernoulli_estimate,
     futile,
@@ -30,8 +29,8 @@ from deploy.sequential import (
     look_batches,
     look_units,
     t_widened,
-    unit_estimate,
 )
+from deploy.sequential_units import UnitSums, unit_estimate
 from liverl.core.config import GateConfig
 
 

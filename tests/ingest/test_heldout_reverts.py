@@ -15,7 +15,7 @@ import uuid
 import pytest
 import redis
 
-from deploy.gate import parse_heldout
+from deploy.gate_tail import parse_heldout
 from deploy.offpolicy import merge_heldout
 from ingest.join import REVERT_SUFFIX, Ingest, Source, is_heldout
 from ingest.metrics import IngestMetrics
