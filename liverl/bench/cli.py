@@ -92,7 +92,8 @@ def register(sub) -> None:
 
 
 def add_delta_parser(bench_sub) -> argparse.ArgumentParser:
-    """Register ``delta`` under ``liverl bench`` (the codec's module loads numpy and zstandard, so its entry is here)."""
+    """Register ``delta`` under ``liverl bench``; its entry is here because the codec's module loads numpy and
+    zstandard."""
     s = add_bench_parser(
         bench_sub, "delta", "delta codec: ratio vs zstd, xor+zstd and entropy bounds, speed, memory", BENCH_DELTA_HELP
     )
