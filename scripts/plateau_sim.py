@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.config import GateConfig, LearnerConfig  # noqa: E402
 from core.product import EvalCase  # noqa: E402
-from deploy.gate.gate import paired_sign_test  # noqa: E402
+from deploy.gate.evidence import paired_sign_test  # noqa: E402
 from learner.model import load_model  # noqa: E402
 from learner.policy_trainer import PolicyTrainer  # noqa: E402
 from liverl.demo import task  # noqa: E402

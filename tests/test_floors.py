@@ -2,7 +2,7 @@
 stays in its own folder; folders on the same floor never import each other; and the core never imports a product.
 
   floor  folders                                   what they are
-  9      liverl (cli.py)                           the command line: every verb
+  9      liverl (cli.py, *_cli.py, cliargs.py)     the command line: the root parser, each area's verbs
   8      liverl/bench                              benchmarks (they drive the demo and the stack)
   7      liverl/demo                               the demo product, a customer, and its runner
   6      liverl/ops                                operator verbs: admin, audit, on-call, lineage, chaos

@@ -46,14 +46,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
-
-import numpy as np
 
 from core import fleet, keys
 from core.config import LiverlConfig
 from core.schemas import RolloutTerms
 from deploy.gate import sequential as seq
+from deploy.gate.canary_tests import ArmSums, Evidence, build_tests, look_record, pending, saved_state
 from deploy.registry.registry import Registry, RegistryConflict, Version
 from deploy.registry.signing import Signer, announce, keep_announced
 from deploy.registry.tables import Rollout
@@ -63,87 +61,14 @@ log = logging.getLogger("liverl.gate.canary")
 MAX_LOOKS = 500  # looks kept with the rollout (the page's plot); the test's state does not need them
 MAX_COVARIATE_VERSIONS = 50
 """The newest versions CUPED's look-back reads users' history from."""
-MIN_USERS = 10
-"""Users each arm needs before a user-unit test decides anything."""
-LATENCY_MIN_BATCHES = 5
-"""Buckets both arms served before the latency guardrail decides (its variance has this many less one degrees of
-freedom, and the test reads its statistic as a Student t)."""
 SETTLE_S = 5.0
 """A bucket is read this long after its revert horizon closed: ingest's own lag (a batch, the write buffer). Buckets
 are of the judgements' own time, so a worker further behind than this has not joined all of a bucket when the fast
 cursor reads it: both arms lose the same share of that bucket (partitions are keyed by generation, not by arm)."""
-FIELDS = "eadrtmn"
-"""Per-user sums ingest keeps (``keys.units``): events, accepts, edits, reverts, tokens, latency ms, timed events."""
 
 
 class Deferred(Exception):
     """No canary can run now (fewer routable nodes than the configured fleet needs): judge again later."""
-
-
-@dataclass
-class ArmSums:
-    """One arm's evidence over the buckets read so far: per-user sums, and per-bucket totals (batch means)."""
-
-    users: dict[str, np.ndarray] = field(default_factory=dict)  # unit -> sums in FIELDS order
-    buckets: dict[int, dict[str, int]] = field(default_factory=dict)  # bucket -> the '*' totals
-
-    def add(self, bucket: int, data: dict[str, dict[str, int]]) -> None:
-        for unit, sums in data.items():
-            if unit == "*":
-                self.buckets[bucket] = dict(sums)
-                continue
-            row = np.array([sums.get(f, 0) for f in FIELDS], dtype=np.float64)
-            if unit in self.users:
-                self.users[unit] += row
-            else:
-                self.users[unit] = row
-
-    def total(self, f: str) -> int:
-        return sum(b.get(f, 0) for b in self.buckets.values())
-
-    def matrix(self) -> tuple[list[str], np.ndarray]:
-        names = sorted(self.users)
-        return names, (np.stack([self.users[u] for u in names]) if names else np.zeros((0, len(FIELDS))))
-
-
-@dataclass
-class Evidence:
-    """What the gate has read of one rollout (rebuilt from Redis after a gate restart)."""
-
-    rollout_id: int
-    canary: ArmSums = field(default_factory=ArmSums)  # buckets whose revert horizon has closed: kept, reverts
-    stable: ArmSums = field(default_factory=ArmSums)
-    fast_canary: ArmSums = field(default_factory=ArmSums)  # buckets ingest has settled: what reverts do not touch
-    fast_stable: ArmSums = field(default_factory=ArmSums)  # (edits, length, latency)
-    covariate: dict[str, tuple[float, float]] = field(default_factory=dict)  # unit -> (kept rate, events) under
-    # stable before the rollout (CUPED)
-    start: int | None = None  # the first bucket of evidence (``evidence_start``); None until the canary serves
-    next_bucket: int = 0
-    next_fast: int = 0
-    looked_at: tuple[int, int] = (-1, -1)  # (next_bucket, next_fast) at the last look
-
-
-def _finite(d: dict) -> dict:
-    """A look for the registry's JSON: no NaN or infinities (PostgreSQL's JSON has none)."""
-    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
-
-
-def _pending(tests: seq.Canary, info: dict) -> str:
-    """Why a look decided nothing: what each test still waits for."""
-    waiting = []
-    s = tests.success
-    if s.p_pass > s.alpha:
-        ready = info.get(s.name, {}).get("ready", True)
-        waiting.append(f"{s.name} (p better {s.p_pass:.3g}" + ("" if ready else ", too few users or events") + ")")
-    for g in tests.guardrails:
-        if g.required and g.p_pass > g.alpha:
-            extra = ""
-            if g.name == "latency":
-                extra = f", {info.get('latency', {}).get('batches', 0)} of {LATENCY_MIN_BATCHES} batches"
-            elif not info.get(g.name, {}).get("ready", True):
-                extra = ", too few users or events"
-            waiting.append(f"guardrail {g.name} not yet shown non-inferior (p {g.p_pass:.3g}{extra})")
-    return "collecting evidence" + (": waiting on " + "; ".join(waiting) if waiting else "")
 
 
 def first_bucket(started_at: float) -> int:
@@ -163,10 +88,6 @@ def evidence_start(live_at: float, warmup_s: float) -> int:
 def last_final_bucket(now: float, horizon_s: float) -> int:
     """The newest bucket whose every judgement is in and whose revert horizon has closed."""
     return math.floor((now - horizon_s - SETTLE_S) / keys.UNIT_BUCKET_S) - 1
-
-
-def _col(m: np.ndarray, f: str) -> np.ndarray:
-    return m[:, FIELDS.index(f)] if m.size else np.zeros(0)
 
 
 class CanaryController:
@@ -344,111 +265,8 @@ class CanaryController:
         return {u: ((s[1] - s[3]) / s[0], float(s[0])) for u, s in pre.users.items() if s[0] > 0}
 
     def build_tests(self, rollout: Rollout, ev: Evidence, settling: bool) -> tuple[seq.Canary, seq.SrmTest, dict]:
-        """The rollout's tests at this look, their always-valid state restored from the registry and updated with the
-        evidence read so far; with the sample-ratio check and what each look estimated."""
-        g = self.cfg.gate
-        st = rollout.settings or {}
-        state = rollout.test_state or {}
-        common = {"alpha": g.canary_alpha, "min_events": g.canary_min_events, "min_units": MIN_USERS}
-        success = seq.MetricTest("acceptance", tau=g.canary_tau, direction=1, margin=g.canary_margin, **common)
-        edit = seq.MetricTest("edit_rate", tau=g.canary_tau, direction=-1, margin=g.guardrail_margin, **common)
-        revert = seq.MetricTest("revert_rate", tau=g.canary_tau, direction=-1, margin=g.guardrail_margin, **common)
-        guardrails = [edit, revert]
-        length = latency = None
-        if st.get("length_band"):  # bands fixed at the start from stable's own figures (``_fixed_nulls``)
-            band = st["length_band"]
-            length = seq.MetricTest(
-                "response_length", tau=band, direction=-1, margin=band, harm_margin=band, bernoulli=False, **common
-            )
-            guardrails.append(length)
-        if st.get("latency_band"):
-            band = st["latency_band"]
-            latency = seq.MetricTest(
-                "latency",
-                tau=band,
-                direction=-1,
-                margin=band,
-                harm_margin=band,
-                bernoulli=False,
-                alpha=g.canary_alpha,
-                required=g.latency_guardrail == "non_inferior",
-            )
-            guardrails.append(latency)
-        for t in (success, *guardrails):
-            t.max_log_lr_pass = state.get(f"{t.name}:pass", float("-inf"))
-            t.max_log_lr_harm = state.get(f"{t.name}:harm", float("-inf"))
-        srm = seq.SrmTest(
-            rollout.share,
-            alpha=g.srm_alpha,
-            max_log_bf_users=state.get("srm:users", float("-inf")),
-            max_log_bf_events=state.get("srm:events", float("-inf")),
-        )
-        info: dict = {"events": (ev.canary.total("e"), ev.stable.total("e"))}
-        if rollout.unit == "user":
-            names_c, m_c = ev.canary.matrix()
-            names_s, m_s = ev.stable.matrix()
-            e_c, e_s = _col(m_c, "e"), _col(m_s, "e")
-            f_c, f_s = ev.fast_canary.matrix()[1], ev.fast_stable.matrix()[1]
-
-            def arms(f: str, fast: bool = False) -> tuple[seq.UnitSums, seq.UnitSums]:
-                if fast:
-                    return seq.UnitSums(_col(f_c, f), _col(f_c, "e")), seq.UnitSums(_col(f_s, f), _col(f_s, "e"))
-                return seq.UnitSums(_col(m_c, f), e_c), seq.UnitSums(_col(m_s, f), e_s)
-
-            kept_c, kept_s = _col(m_c, "a") - _col(m_c, "r"), _col(m_s, "a") - _col(m_s, "r")
-            cuped = g.cuped and bool(ev.covariate)
-            if cuped:  # each user's kept rate under stable before the rollout, weighed by the events behind it
-                cov = {
-                    arm: (
-                        np.array([ev.covariate.get(u, (np.nan, 0.0))[0] for u in names]),
-                        np.array([ev.covariate.get(u, (np.nan, 0.0))[1] for u in names]),
-                    )
-                    for arm, names in (("canary", names_c), ("stable", names_s))
-                }
-                kept = (seq.UnitSums(kept_c, e_c, *cov["canary"]), seq.UnitSums(kept_s, e_s, *cov["stable"]))
-            else:
-                kept = (seq.UnitSums(kept_c, e_c), seq.UnitSums(kept_s, e_s))
-            info["acceptance"] = seq.look_units(success, *kept, cuped=cuped)
-            info["edit_rate"] = seq.look_units(edit, *arms("d", fast=True))
-            info["revert_rate"] = seq.look_units(revert, *arms("r"))
-            if length is not None:
-                info["response_length"] = seq.look_units(length, *arms("t", fast=True))
-            info["users"] = (len(names_c), len(names_s))
-            info["srm"] = srm.look_units(*kept)  # on the horizon's cursor: see the module doc
-        else:
-            for test, f, (canary, stable) in (
-                (success, None, (ev.canary, ev.stable)),
-                (edit, "d", (ev.fast_canary, ev.fast_stable)),
-                (revert, "r", (ev.canary, ev.stable)),
-            ):
-                for arm, sums in ((test.canary, canary), (test.stable, stable)):
-                    n = sums.total("e")
-                    hits = min(n, max(0, sums.total("a") - sums.total("r") if f is None else sums.total(f)))
-                    arm.add(1.0, hits)
-                    arm.add(0.0, n - hits)
-                test._look()
-            if length is not None:
-                for arm, sums in ((length.canary, ev.fast_canary), (length.stable, ev.fast_stable)):
-                    arm.n, arm.total, arm.total_sq = sums.total("e"), float(sums.total("t")), float(sums.total("t2"))
-                length._look()
-            info["srm"] = srm.look_requests(*info["events"])
-        if latency is not None:  # batch means: the buckets pair by time, so load both arms share cancels
-            cb, sb = ev.fast_canary.buckets, ev.fast_stable.buckets
-            means = [
-                (cb[b]["m"] / cb[b]["n"], sb[b]["m"] / sb[b]["n"])
-                for b in sorted(set(cb) & set(sb))
-                if cb[b].get("n") and sb[b].get("n")
-            ]
-            info["latency"] = seq.look_batches(
-                latency, [c for c, _ in means], [s for _, s in means], min_batches=LATENCY_MIN_BATCHES
-            )
-            if means:  # the mean of the buckets' means, each arm (what the batch-means test compares)
-                info["latency_means"] = (float(np.mean([c for c, _ in means])), float(np.mean([s for _, s in means])))
-        if settling:  # a node that has just swapped runs hot for a few seconds: latency and length not judged worse
-            for t in guardrails:
-                if t.name in ("latency", "response_length"):
-                    t.max_log_lr_harm = float("-inf")
-        return seq.Canary(success, guardrails), srm, info
+        """The rollout's tests at this look (``deploy.gate.canary_tests.build_tests``)."""
+        return build_tests(self.cfg.gate, rollout, ev, settling)
 
     # ------------------------------------------------------------------------------------------ looks
 
@@ -484,7 +302,7 @@ class CanaryController:
             verdict, why = tests.verdict(deadline_passed=now >= rollout.deadline_at, **futility)
         if verdict == seq.CONTINUE:
             why = (
-                _pending(tests, info)
+                pending(tests, info)
                 if ev.start is not None
                 else f"waiting for {', '.join(rollout.nodes)} to serve v{rollout.version} (evidence counts from "
                 f"gate.canary_warmup_s {self.cfg.gate.canary_warmup_s:g} s after)"
@@ -508,37 +326,8 @@ class CanaryController:
                     f"{self.cfg.gate.canary_min_s:.0f} s ({now - rollout.started_at:.0f} s so far)"
                 ),
             )
-        summary = tests.success.summary()
-        c_events, s_events = info["events"]
-        users = info.get("users", (None, None))
-        look = _finite(
-            {
-                "at": now,
-                "canary_events": c_events,
-                "stable_events": s_events,
-                "canary_acceptance": summary["canary_mean"],
-                "stable_acceptance": summary["stable_mean"],
-                "p_better": tests.success.p_pass,
-                "p_worse": tests.success.p_harm,
-                "canary_users": users[0],
-                "stable_users": users[1],
-                "cuped_removed": info.get("acceptance", {}).get("cuped_removed"),
-                "p_srm": min(srm.p_users, srm.p_events),
-                "through_bucket": ev.next_bucket - 1,
-            }
-        )
-        state = {
-            f"{t.name}:{side}": v
-            for t in (tests.success, *tests.guardrails)
-            for side, v in (("pass", t.max_log_lr_pass), ("harm", t.max_log_lr_harm))
-            if v > float("-inf") and not (settling and side == "pass")
-        }  # passing evidence counts after settling
-        state |= {
-            k: v
-            for k, v in (("srm:users", srm.max_log_bf_users), ("srm:events", srm.max_log_bf_events))
-            if v > float("-inf")
-        }
-        state = {k: min(v, 1e300) for k, v in state.items()}  # finite JSON
+        look = look_record(now, tests, srm, info, ev)
+        state = saved_state(tests, srm, settling)
         evidence = self._evidence_text(rollout, stable, tests, info)
         if verdict == seq.CONTINUE and not fresh and why == rollout.reason:
             return "continue", f"{why}: {evidence}"  # nothing new since the last look: nothing to record

@@ -23,11 +23,11 @@ from deploy.gate.sequential import (
     PROMOTE,
     MetricTest,
     SrmTest,
-    UnitSums,
     bernoulli_estimate,
     futile,
     look_units,
 )
+from deploy.gate.sequential_units import UnitSums
 
 POPULATIONS = {
     "segments": "two segments, half the users accept 0.70, half 0.25 (the demo's shape)",

@@ -26,7 +26,8 @@ that shows what the evidence checks are worth (``liverl demo --integrity-only``)
 The gate judges on evidence a real product has: its logged traffic and, if it has one, its own evaluation
 suite. It never sees an answer key. The figures come from an ``Evaluator`` handed in by the command that
 starts the gate (``learner.evaluate.PolicyEvaluator``), so this module imports neither the learner nor a
-product; the probe sequences come from a tail of the generations topic (``GenerationTail``).
+product; the probe sequences come from a tail of the generations topic (``deploy.gate.tail.GenerationTail``).
+The evidence checks (b)-(e) live in ``deploy.gate.evidence``.
 
 Every check lands in ``gate_results``; a pass promotes the version (audited, actor "gate") and writes
 ``<prefix>:desired`` in Redis, which the serving agents follow. When several candidates are waiting only the
@@ -35,28 +36,23 @@ newest is evaluated; the older ones are rejected as superseded (the learner has 
 
 from __future__ import annotations
 
-import collections
-import json
 import logging
-import math
 import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import prometheus_client as prom
 import redis as redis_lib
-from kafka import TopicPartition
 
 from core import keys
-from core.bus import make_reader
-from core.config import BrokerConfig, LiverlConfig
-from core.schemas import GenerationRecord, TrainingSample, WireError
+from core.config import LiverlConfig
 from core.services import kafka_bootstrap, required_signing_key, setup_redis
 from deploy.gate.canary import CanaryController, Deferred
-from deploy.gate.offpolicy import compare, merge_heldout
+from deploy.gate.evidence import EvidenceChecks
+from deploy.gate.tail import GenerationTail, HeldoutSample, LoggedGeneration, parse_heldout
 from deploy.registry.blobstore import BlobError
 from deploy.registry.delta import DeltaError, apply_delta, checksum, warm_up
 from deploy.registry.registry import Registry, RegistryConflict, RegistryError, Version, open_registry
@@ -79,19 +75,6 @@ class Evaluator(Protocol):
         """log pi(completion | prompt) of each probe (``prompt_ids``, ``completion_ids``) under ``weights``."""
 
 
-def paired_sign_test(candidate: list[float], stable: list[float]) -> tuple[int, int, float]:
-    """(cases worse, cases better, one-sided p) for "the candidate is worse on the suite", pairing each case's grade
-    under both versions: the exact sign test on the cases whose grade changed (McNemar's exact test when grades are
-    pass/fail). Unchanged cases carry no evidence either way."""
-    if len(candidate) != len(stable):
-        raise ValueError(f"{len(candidate)} candidate grades against {len(stable)} stable grades")
-    worse = sum(c < s for c, s in zip(candidate, stable))
-    better = sum(c > s for c, s in zip(candidate, stable))
-    n = worse + better
-    p = sum(math.comb(n, k) for k in range(worse, n + 1)) / 2**n if n else 1.0
-    return worse, better, p
-
-
 @dataclass
 class Verdict:
     version: int
@@ -100,7 +83,7 @@ class Verdict:
     checks: dict[str, bool] = field(default_factory=dict)
 
 
-class Gate:
+class Gate(EvidenceChecks):
     """Evaluates pending candidates with the ``evaluator`` it is given (drift, collapse, optional suite)."""
 
     def __init__(
@@ -308,168 +291,6 @@ class Gate:
         )
         return state if self._record(row.version, "integrity", float(ok), 1.0, ok, detail) else None
 
-    def stable_suite(self, stable: Version) -> dict | None:
-        """The stable version's suite score, computed once per (version, checksum) and recorded for it."""
-        key = (stable.version, stable.checksum)
-        if key not in self._stable_suite:
-            score = self.evaluator.suite_score(self.registry.materialize(stable.version))
-            if score is not None:
-                shown = {k: v for k, v in score.items() if k != "grades"}
-                self.registry.record_gate(
-                    stable.version,
-                    "suite",
-                    score["score"],
-                    None,
-                    True,
-                    "reference score of the stable version " + json.dumps(shown, sort_keys=True),
-                )
-            self._stable_suite[key] = score
-        return self._stable_suite[key]
-
-    def _evidence(self, row: Version, stable: Version, state: Mapping[str, Any]) -> dict[str, bool]:
-        """Checks (b)-(d); each lands in gate_results with its value, threshold and reason."""
-        checks: dict[str, bool] = {}
-        g = self.cfg.gate
-        t0 = time.perf_counter()
-        drift = self.evaluator.drift(state, self.registry.materialize(stable.version))
-        if drift is None:
-            checks["drift"] = self._record(
-                row.version,
-                "drift",
-                None,
-                g.max_kl,
-                False,
-                "no logged generations to measure drift on yet; retried with the next candidate",
-            )
-        else:
-            kl, ent = drift["kl"], drift["entropy"]
-            self._score.labels("kl").set(kl)
-            self._score.labels("entropy").set(ent)
-            checks["drift"] = self._record(
-                row.version,
-                "drift",
-                kl,
-                g.max_kl,
-                kl <= g.max_kl,
-                f"KL(v{row.version} || stable v{stable.version}) {kl:.4f} nats/token vs max {g.max_kl} "
-                f"on {drift['tokens']} tokens of {drift['probes']} logged generations",
-            )
-            checks["collapse"] = self._record(
-                row.version,
-                "collapse",
-                ent,
-                g.min_entropy,
-                ent >= g.min_entropy,
-                f"entropy {ent:.4f} nats/token (stable {drift.get('stable_entropy', float('nan')):.4f}) vs floor {g.min_entropy}",
-            )
-        heldout = self.heldout() if self.heldout is not None and g.heldout_samples else []
-        if heldout:
-            verdict = self._offpolicy(row, stable, state, heldout)
-            checks["offpolicy"] = verdict != "refuse"
-            if verdict == "defer":  # not judged off-policy: only a canary may promote it
-                checks["needs_canary"] = True
-        ref = self.stable_suite(stable)
-        if ref is not None:
-            score = self.evaluator.suite_score(state)
-            self._score.labels("suite").set(score["score"])
-            checks["suite"] = self._suite(row, stable, score, ref)
-        self._eval_s.observe(time.perf_counter() - t0)
-        return checks
-
-    def _suite(self, row: Version, stable: Version, score: dict, ref: dict) -> bool:
-        g = self.cfg.gate
-        floor = ref["score"] - g.max_regression
-        text = (
-            f"suite {score['name']!r} {score['score']:.4f} vs stable v{stable.version} {ref['score']:.4f} "
-            f"(max regression {g.max_regression}, {score['completions']} completions)"
-        )
-        dropped = score["score"] < floor
-        if (
-            dropped
-            and score.get("grades") is not None
-            and ref.get("grades") is not None
-            and len(score["grades"]) == len(ref["grades"])
-        ):
-            worse, better, p = paired_sign_test(score["grades"], ref["grades"])
-            shown = p < g.suite_alpha
-            text += (
-                f"; paired: {worse} cases worse, {better} better, sign test p {p:.3g} "
-                f"{'<' if shown else '>='} suite_alpha {g.suite_alpha}"
-                + ("" if shown else ": the drop is within what the cases that flipped either way explain")
-            )
-            dropped = shown
-        return self._record(row.version, "suite", score["score"], floor, not dropped, text)
-
-    def _offpolicy(self, row: Version, stable: Version, state: Mapping[str, Any], heldout: list[HeldoutSample]) -> str:
-        """Check (e), recorded: "refuse" (the paired test shows the candidate's reward below stable's by more than
-        ``gate.offpolicy_margin``), "defer" (an effective sample size under ``gate.offpolicy_min_ess``, or no
-        held-out sample whose revert horizon has closed: not judged here, the candidate must go through the canary)
-        or "pass" (``deploy.gate.offpolicy.compare``). The samples are the held-out stream's records merged by generation
-        (a revert replaces its accept's reward) and censored at ``gate.revert_horizon_s`` (``merge_heldout``)."""
-        g = self.cfg.gate
-        merged, young = merge_heldout(heldout, time.time() - g.revert_horizon_s)
-        heldout = merged[-g.heldout_samples :]
-        slice_text = (
-            f"{len(heldout)} held-out samples ({sum(h.kind == 'revert' for h in heldout)} reverted; {young} "
-            f"judged less than gate.revert_horizon_s {g.revert_horizon_s:g} s ago left out)"
-        )
-        if not heldout:
-            self._record(
-                row.version,
-                "offpolicy",
-                0.0,
-                g.offpolicy_min_ess,
-                True,
-                f"off-policy v{row.version}: defer: deferred to the canary: no usable {slice_text}",
-            )
-            return "defer"
-        lp_cand = self.evaluator.sequence_logprobs(state, heldout)
-        lp_stable = self.evaluator.sequence_logprobs(self.registry.materialize(stable.version), heldout)
-        c = compare(
-            lp_cand,
-            lp_stable,
-            [h.behaviour_logprob for h in heldout],
-            [h.reward for h in heldout],
-            margin=g.offpolicy_margin,
-            min_ess=g.offpolicy_min_ess,
-            clip=g.offpolicy_clip,
-        )
-        self._score.labels("offpolicy").set(c.candidate.value)
-        self._score.labels("offpolicy_difference").set(c.difference)
-        self._score.labels("offpolicy_ess").set(c.candidate.ess)
-        self._score.labels("offpolicy_ess_unclipped").set(c.candidate.ess_unclipped)
-        reason = (
-            f"off-policy reward v{row.version} {c.candidate.value:.3f} [{c.candidate.lower:.3f}, "
-            f"{c.candidate.upper:.3f}] vs stable v{stable.version} {c.stable.value:.3f} on {slice_text}, "
-            f"ESS {c.candidate.ess:.0f} clipped, {c.candidate.ess_unclipped:.0f} unclipped (stable "
-            f"{c.stable.ess:.0f}, {c.stable.ess_unclipped:.0f}): {c.verdict}: {c.reason}"
-        )
-        if c.verdict == "defer":
-            self._record(row.version, "offpolicy", c.ess, g.offpolicy_min_ess, True, reason)
-        else:
-            self._record(row.version, "offpolicy", c.upper, -g.offpolicy_margin, c.verdict == "pass", reason)
-        return c.verdict
-
-    def _too_early(self) -> str | None:
-        """Why no candidate can be judged yet, or None. Before any held-out feedback has had its whole revert horizon
-        (``gate.revert_horizon_s``), no judgement could count a revert: the learner has trained on accepts its users
-        may still undo, and neither the off-policy check nor a canary has anything final to read. That is a
-        deployment's first minute or so: in the demo the candidates of its first 75 s were bait, rewarded for accepts
-        reverted later, and each was canaried for 100-200 s before the revert rate showed it. It applies only with a
-        held-out stream that has records (``gate.heldout_samples`` > 0): without one there is nothing to wait for."""
-        g = self.cfg.gate
-        if g.integrity_only or self.heldout is None or not g.heldout_samples or g.revert_horizon_s <= 0:
-            return None
-
-        usable, young = merge_heldout(self.heldout(), time.time() - g.revert_horizon_s)
-        if usable or not young:
-            return None
-        return (
-            f"too early: none of the {young} held-out judgements is older than gate.revert_horizon_s "
-            f"{g.revert_horizon_s:g} s, so no evidence could include a revert yet; the newest candidate is judged "
-            "once one is"
-        )
-
     def _judge(self, row: Version, stable: Version) -> Verdict:
         checks: dict[str, bool] = {}
         early = self._too_early()
@@ -547,169 +368,6 @@ class Gate:
         log.info("gate: version %d promoted and announced", row.version)
         self._promoted(row.version)
         return Verdict(row.version, "promoted", reason, checks)
-
-
-class LoggedGeneration(NamedTuple):
-    prompt_ids: tuple[int, ...]
-    completion_ids: tuple[int, ...]
-
-
-class HeldoutSample(NamedTuple):
-    """A held-out joined sample: what was sampled, its behaviour log-prob (summed), the product's reward for it
-    (``TrainingSample.reward``: its judgement's, or ``Product.reward("revert", ...)`` once the user undid an
-    accepted answer), which generation it is, when it was judged (the feedback's time) and the kind of its latest
-    record (``revert`` after a revert)."""
-
-    prompt_ids: tuple[int, ...]
-    completion_ids: tuple[int, ...]
-    behaviour_logprob: float
-    reward: float
-    generation_id: str
-    judged_at: float
-    kind: str
-
-
-def _plain_sampling(s) -> bool:
-    """Sampled from the model's own distribution (temperature 1, no truncation or penalties): the only samples whose
-    logged log-probs are comparable with the candidate's plain softmax."""
-    return (
-        s is not None
-        and s.temperature == 1.0
-        and s.top_p == 1.0
-        and s.top_k in (-1, 0)
-        and s.min_p == 0.0
-        and s.presence_penalty == 0.0
-        and s.frequency_penalty == 0.0
-        and s.repetition_penalty == 1.0
-    )
-
-
-def parse_generation(raw: bytes) -> LoggedGeneration | None:
-    g = GenerationRecord.from_bytes(raw)
-    if g.trainable and g.prompt_token_ids and g.completion_token_ids:
-        return LoggedGeneration(tuple(g.prompt_token_ids), tuple(g.completion_token_ids))
-    return None
-
-
-def parse_heldout(raw: bytes) -> HeldoutSample | None:
-    s = TrainingSample.from_bytes(raw)
-    if not (s.prompt_token_ids and s.completion_token_ids and _plain_sampling(s.sampling)):
-        return None
-    return HeldoutSample(
-        tuple(s.prompt_token_ids),
-        tuple(s.completion_token_ids),
-        float(sum(s.behaviour_logprobs)),
-        float(s.reward),
-        s.generation_id,
-        float(s.ts_feedback),
-        s.kind,
-    )
-
-
-class GenerationTail:
-    """The most recent ``size`` records of a topic, parsed by ``parse`` (None: skipped), kept by a thread that tails
-    the topic without a consumer group (it starts ``size`` records back on each partition and never commits).
-    On the generations topic (the default) these are the gate's probe sequences: real prompts, and completions the
-    served policy sampled; on the held-out topic (``parse_heldout``), the off-policy check's samples."""
-
-    def __init__(
-        self,
-        bootstrap: str,
-        topic: str,
-        size: int,
-        broker: BrokerConfig | None = None,
-        parse: Callable[[bytes], Any] = parse_generation,
-        young_s: float = 0.0,
-        judged_at: Callable[[Any], float] | None = None,
-        young_cap: int = 200_000,
-    ):
-        """``young_s`` (with ``judged_at``): the tail keeps ``size`` records judged more than ``young_s`` ago PLUS every
-        younger one (up to ``young_cap``), so that the off-policy check, which censors what is younger than the revert
-        horizon, always has ``size`` usable samples. A plain last-``size`` tail held only young records once the
-        traffic brought more than ``size`` held-out samples per revert horizon: nothing usable, every candidate
-        deferred."""
-        self.bootstrap, self.topic, self.size, self.broker, self.parse = bootstrap, topic, size, broker, parse
-        self.young_s, self.judged_at = young_s, judged_at
-        self._recent: collections.deque = collections.deque(maxlen=size)
-        self._young: collections.deque = collections.deque(maxlen=young_cap)  # in arrival order, moved on when old
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="gate-generation-tail", daemon=True)
-        self.refused = 0
-        self.errors = 0
-
-    def start(self) -> GenerationTail:
-        self._thread.start()
-        return self
-
-    def __call__(self) -> list[LoggedGeneration]:
-        with self._lock:
-            self._age()
-            return list(self._recent) + list(self._young)
-
-    def _age(self) -> None:
-        """Move the young records judged before now - ``young_s`` into the kept ``size`` (caller holds the lock)."""
-        cutoff = time.time() - self.young_s
-        while self._young and self.judged_at(self._young[0]) <= cutoff:
-            self._recent.append(self._young.popleft())
-
-    def _run(self) -> None:
-        """Tails until closed; a broker error (a timeout on a loaded machine, a restart) is logged and the tail
-        reopened from ``size`` records back, never left dead with the gate judging on what it held."""
-        while not self._stop.is_set():
-            try:
-                self._tail()
-            except Exception as e:  # noqa: BLE001 - any client error: reopen, do not die silently
-                self.errors += 1
-                log.warning("gate: tail of %s failed (%s: %s); reopening in 2 s", self.topic, type(e).__name__, e)
-                self._stop.wait(2.0)
-
-    def _tail(self) -> None:
-        consumer = make_reader(self.bootstrap, self.broker)
-        try:
-            while not self._stop.is_set():
-                parts = consumer.partitions_for_topic(self.topic)
-                if parts:
-                    break
-                self._stop.wait(1.0)
-            else:
-                return
-            tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
-            consumer.assign(tps)
-            ends, begins = consumer.end_offsets(tps), consumer.beginning_offsets(tps)
-            if self.young_s > 0:  # `size` back from where the young records start (record time ~ judgement time)
-                at = consumer.offsets_for_times({tp: int((time.time() - self.young_s) * 1000) for tp in tps})
-                ends = {tp: (at[tp].offset if at.get(tp) is not None else ends[tp]) for tp in tps}
-            for tp in tps:
-                consumer.seek(tp, max(begins[tp], ends[tp] - self.size))
-            with self._lock:  # read again from `size` back: what it held would come twice
-                self._recent.clear()
-                self._young.clear()
-            while not self._stop.is_set():
-                for records in consumer.poll(timeout_ms=500, max_records=1000).values():
-                    for rec in records:
-                        self._add(rec.value)
-        finally:
-            consumer.close()
-
-    def _add(self, raw: bytes) -> None:
-        try:
-            item = self.parse(raw)
-        except WireError:
-            self.refused += 1
-            return
-        if item is not None:
-            with self._lock:
-                if self.judged_at is None or self.young_s <= 0:
-                    self._recent.append(item)
-                else:
-                    self._young.append(item)
-                    self._age()
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=5)
 
 
 def run_gate(

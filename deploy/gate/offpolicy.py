@@ -282,7 +282,7 @@ def compare(
 
 def merge_heldout(samples: Sequence[S], judged_before: float) -> tuple[list[S], int]:
     """The held-out samples the check may use, from the records of the held-out stream in arrival order (each a
-    ``deploy.gate.gate.HeldoutSample``: a NamedTuple with ``generation_id``, ``judged_at``, ``reward`` and ``kind``).
+    ``deploy.gate.tail.HeldoutSample``: a NamedTuple with ``generation_id``, ``judged_at``, ``reward`` and ``kind``).
 
     - One sample per generation. A revert record (ingest's, after the user undid an accepted answer) adds its reward
       to the accept's: the product's revert reward is the correction the learner trains on top of the accept, so

@@ -35,6 +35,8 @@ import math
 import time
 from pathlib import Path
 
+from liverl.bench.subcommand import add_bench_parser
+
 DEFAULTS = {
     "runs": 1000,
     "users": "48,1000,10000",
@@ -286,12 +288,12 @@ def _tables(summary: dict) -> str:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    s = subparsers.add_parser(
+    s = add_bench_parser(
+        subparsers,
         "canary",
-        help="the canary's sequential test on sticky users: A/A false decisions "
+        "the canary's sequential test on sticky users: A/A false decisions "
         "and power, user unit and CUPED against per-event",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        __doc__,
     )
     d = DEFAULTS
     s.add_argument("--runs", type=int, default=d["runs"], help="canaries per row (default 1000)")

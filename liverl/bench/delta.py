@@ -7,6 +7,8 @@ Two families of cases, each a ``(name, base, target)`` triple of bf16 state dict
 - ``synthetic_cases``: a >= 1 GiB model whose target is one Adam-like step (``lr * sign(noise)`` on the
   fp32 master, rounded to bf16), with ``lr`` bisected so that 1%, 2% or 5% of the elements change.
 
+Both are built in ``liverl.bench.delta_cases``.
+
 ``measure`` turns one case into a row: the codec's ratio next to plain zstd, XOR + zstd and two order-0
 entropy bounds of the change, encode and decode-apply throughput, and the codec's working memory. ``run``
 prints the table (see ``liverl bench delta --help`` for what each column means).
@@ -41,14 +43,19 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from liverl.bench.delta_cases import (
+    DEMO_CADENCES,
+    DEMO_LRS,
+    SYNTHETIC_FRACTIONS,
+    Case,
+    demo_cases,
+    synthetic_cases,
+    synthetic_layout,
+)
+
 if TYPE_CHECKING:
     import torch
 
-Case = tuple[str, dict, dict]
-
-DEMO_LRS = (1e-6, 3e-6, 1e-5)
-DEMO_CADENCES = (1, 10, 50)
-SYNTHETIC_FRACTIONS = (0.01, 0.02, 0.05)
 ROW_KEYS = (
     "case",
     "changed_fraction",
@@ -66,131 +73,6 @@ _BOUND_CHUNK = 1 << 24  # elements per step of the entropy counting (a few hundr
 
 class BenchError(RuntimeError):
     """The codec got a case wrong (not bit-exact): the benchmark stops rather than print a number for it."""
-
-
-# ------------------------------------------------------------------------------------------------ cases
-
-
-def demo_cases(
-    cache_dir: Path, seed: int = 0, lrs: tuple[float, ...] = DEMO_LRS, cadences: tuple[int, ...] = DEMO_CADENCES
-) -> Iterator[Case]:
-    """The demo policy moved by AdamW (weight_decay 0) steps; yields ``demo lr=<lr> every <n>`` = base -> step n.
-
-    Each step is a causal-LM loss on a fresh random token batch (16 x 12, seeded), as a stand-in for a
-    policy-gradient step: what matters here is an update of RL size on real weights, not what it learns.
-    """
-    import torch
-
-    from liverl.demo.base_policy import ensure_base_policy, load_model, state_dict_from_model
-
-    model_dir = ensure_base_policy(cache_dir, seed=seed)
-    for lr in lrs:
-        torch.manual_seed(seed)
-        model = load_model(model_dir).train()
-        base = state_dict_from_model(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        g = torch.Generator().manual_seed(seed)
-        vocab = model.config.vocab_size
-        versions = {}
-        for step in range(1, max(cadences) + 1):
-            batch = torch.randint(vocab, (16, 12), generator=g)
-            loss = model(input_ids=batch, labels=batch).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            if step in cadences:
-                versions[step] = state_dict_from_model(model)
-        del model, opt
-        for n in cadences:
-            yield f"demo lr={lr:g} every {n}", base, versions.pop(n)
-
-
-def synthetic_layout(gb: float) -> list[tuple[str, tuple[int, ...], float]]:
-    """``(name, shape, sigma)`` of a model with at least ``gb`` GiB of bf16 weights.
-
-    Eight large matrices (64 Mi elements each at 1 GiB; init scales 0.02 and 0.05 alternately), plus a few
-    small ones: norm-like vectors (sigma 1.0) and a router-like matrix.
-    """
-    if gb <= 0:
-        raise ValueError(f"--synthetic-gb must be positive, got {gb}")
-    cols = 4096
-    per = math.ceil(gb * (1 << 30) / 2 / 8)
-    rows = max(1, math.ceil(per / cols))
-    layout = [(f"model.layers.{i}.mlp.weight", (rows, cols), 0.02 if i % 2 == 0 else 0.05) for i in range(8)]
-    layout += [(f"model.layers.{i}.norm.weight", (cols,), 1.0) for i in range(4)]
-    layout += [("model.router.weight", (64, cols), 0.05)]
-    return layout
-
-
-def _changed_fraction_at(lr: float, sample: list[tuple[torch.Tensor, torch.Tensor, float]]) -> float:
-    import torch
-
-    changed = 0.0
-    for master, sign, weight in sample:
-        moved = (master + sign * lr).to(torch.bfloat16)
-        changed += weight * float((moved.view(torch.int16) != master.to(torch.bfloat16).view(torch.int16)).sum())
-    return changed
-
-
-def step_lr_for(
-    fraction: float, layout: list[tuple[str, tuple[int, ...], float]], seed: int = 0, sample_elements: int = 1 << 22
-) -> float:
-    """The Adam first-step size ``lr`` at which about ``fraction`` of the layout's bf16 elements change.
-
-    Bisection (in log space) on a sample drawn like the model, each tensor represented by its share.
-    """
-    import torch
-
-    if not 0 < fraction < 1:
-        raise ValueError(f"changed fraction must be in (0, 1), got {fraction}")
-    total = sum(math.prod(shape) for _, shape, _ in layout)
-    g = torch.Generator().manual_seed(seed + 7919)
-    sample = []
-    for _, shape, sigma in layout:
-        numel = math.prod(shape)
-        m = max(256, round(sample_elements * numel / total))
-        master = torch.randn(m, generator=g) * sigma
-        sign = torch.randn(m, generator=g).sign()
-        sample.append((master, sign, numel / total / m))
-    lo, hi = math.log(1e-12), math.log(1.0)
-    for _ in range(48):
-        mid = (lo + hi) / 2
-        if _changed_fraction_at(math.exp(mid), sample) < fraction:
-            lo = mid
-        else:
-            hi = mid
-    return math.exp((lo + hi) / 2)
-
-
-def _synthetic_tensor(shape: tuple[int, ...], sigma: float, lr: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bf16(master), bf16(master + lr * sign(noise))) for one tensor; the fp32 master lives only here."""
-    import torch
-
-    g = torch.Generator().manual_seed(seed)
-    master = torch.randn(shape, generator=g).mul_(sigma)
-    base = master.to(torch.bfloat16)
-    step = torch.randn(shape, generator=g).sign_().mul_(lr)
-    target = step.add_(master).to(torch.bfloat16)
-    return base, target
-
-
-def synthetic_cases(
-    gb: float = 1.0, fractions: tuple[float, ...] = SYNTHETIC_FRACTIONS, seed: int = 0
-) -> Iterator[Case]:
-    """A >= ``gb`` GiB bf16 model and, per fraction, its version after one Adam-like step changing that fraction.
-
-    Master weights are fp32 ~ N(0, sigma) (sigma per tensor); base = bf16(master), target =
-    bf16(master + lr * sign(noise)), lr bisected per fraction. Built tensor by tensor, so only base and
-    target (bf16) are held, never the whole fp32 master. The same base (same seeds) for every fraction.
-    """
-    layout = synthetic_layout(gb)
-    for fraction in fractions:
-        lr = step_lr_for(fraction, layout, seed=seed)
-        base, target = {}, {}
-        for i, (name, shape, sigma) in enumerate(layout):
-            base[name], target[name] = _synthetic_tensor(shape, sigma, lr, seed=seed * 1000 + i)
-        yield f"synthetic {gb:g} GiB {fraction:.0%} changed", base, target
-        del base, target
 
 
 # ------------------------------------------------------------------------------------------------ bounds
@@ -333,6 +215,41 @@ def _ratio(raw: float, compressed: float) -> float:
     return raw / compressed if compressed > 0 else math.inf
 
 
+def _time_encode(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], repeat: int) -> tuple:
+    """(best seconds, largest peak RSS above entry, the encoded delta) of ``repeat`` encodes."""
+    from deploy.registry import delta
+
+    encode_s, encode_peak, blob = math.inf, 0, b""
+    for _ in range(repeat):
+        blob = b""
+        with PeakRss() as mem:
+            t0 = time.perf_counter()
+            blob = delta.encode_delta(base, target, 0, 1)
+            seconds = time.perf_counter() - t0
+        encode_s, encode_peak = min(encode_s, seconds), max(encode_peak, mem.peak_above)
+    return encode_s, encode_peak, blob
+
+
+def _time_decode(
+    case_name: str, base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], blob: bytes, repeat: int
+) -> tuple[float, int]:
+    """(best seconds, largest peak RSS above entry) of ``repeat`` decode-applies of ``blob`` onto copies of ``base``,
+    each checked bit-exact against ``target``."""
+    from deploy.registry import delta
+
+    decode_s, decode_peak = math.inf, 0
+    for _ in range(repeat):
+        state = {k: v.clone() for k, v in base.items()}
+        with PeakRss() as mem:
+            t0 = time.perf_counter()
+            delta.apply_delta_inplace(state, blob)
+            seconds = time.perf_counter() - t0
+        decode_s, decode_peak = min(decode_s, seconds), max(decode_peak, mem.peak_above)
+        _check_bit_exact(case_name, state, target)
+        del state
+    return decode_s, decode_peak
+
+
 def measure(
     case_name: str,
     base: Mapping[str, torch.Tensor],
@@ -358,27 +275,11 @@ def measure(
     gc.collect()  # the previous case's garbage, so that it is not freed (or counted) during a measurement
 
     phase("encode")
-    encode_s, encode_peak, blob = math.inf, 0, b""
-    for _ in range(repeat):
-        blob = b""
-        with PeakRss() as mem:
-            t0 = time.perf_counter()
-            blob = delta.encode_delta(base, target, 0, 1)
-            seconds = time.perf_counter() - t0
-        encode_s, encode_peak = min(encode_s, seconds), max(encode_peak, mem.peak_above)
+    encode_s, encode_peak, blob = _time_encode(base, target, repeat)
     header = delta.read_header(blob)
 
     phase("decode-apply")
-    decode_s, decode_peak = math.inf, 0
-    for _ in range(repeat):
-        state = {k: v.clone() for k, v in base.items()}
-        with PeakRss() as mem:
-            t0 = time.perf_counter()
-            delta.apply_delta_inplace(state, blob)
-            seconds = time.perf_counter() - t0
-        decode_s, decode_peak = min(decode_s, seconds), max(decode_peak, mem.peak_above)
-        _check_bit_exact(case_name, state, target)
-        del state
+    decode_s, decode_peak = _time_decode(case_name, base, target, blob, repeat)
 
     phase("baselines")
     zstd_bytes, xor_zstd_bytes = delta.baseline_bytes(base, target)
@@ -559,8 +460,22 @@ def run(
     if not skip_synthetic:
         families.append((len(SYNTHETIC_FRACTIONS), lambda: synthetic_cases(synthetic_gb, seed=seed)))
 
-    rows: list[dict] = []
     _warm_up()
+    rows = _measure_all(families, repeat)
+    console.print(table(rows, "liverl delta codec: compression ratio (raw bytes / compressed bytes) and speed"))
+    _print_notes(console, rows)
+    console.print(f"reproduce: [bold]{command}[/bold]  ({_commit()}, delta format {delta.FORMAT_VERSION})")
+    console.print(f"machine: {machine()}")
+    if json_path:
+        Path(json_path).write_text(json.dumps([_json_safe(r) for r in rows], indent=2) + "\n")
+        console.print(f"wrote {len(rows)} rows to {json_path}")
+    return rows
+
+
+def _measure_all(families: list[tuple[int, Callable[[], Iterator[Case]]]], repeat: int) -> list[dict]:
+    """``measure`` every case of every family, one at a time (a case's weights are freed before the next is built),
+    with a progress bar on stderr."""
+    rows: list[dict] = []
     with Progress(
         SpinnerColumn(),
         TextColumn("{task.description}"),
@@ -591,8 +506,13 @@ def run(
                 )
                 del base, target
                 progress.advance(task)
+    return rows
 
-    console.print(table(rows, "liverl delta codec: compression ratio (raw bytes / compressed bytes) and speed"))
+
+def _print_notes(console, rows: list[dict]) -> None:
+    """What the table's columns rest on: the codec's chunk, the apply path, how memory is sampled."""
+    from deploy.registry import delta
+
     chunk = delta.CHUNK_ELEMENTS
     notes = [
         (
@@ -612,9 +532,3 @@ def run(
         notes.append("inf: nothing changed, so the bound is 0 bits (written as null in JSON)")
     for n in notes:
         console.print(f"[dim]{n}[/dim]")
-    console.print(f"reproduce: [bold]{command}[/bold]  ({_commit()}, delta format {delta.FORMAT_VERSION})")
-    console.print(f"machine: {machine()}")
-    if json_path:
-        Path(json_path).write_text(json.dumps([_json_safe(r) for r in rows], indent=2) + "\n")
-        console.print(f"wrote {len(rows)} rows to {json_path}")
-    return rows

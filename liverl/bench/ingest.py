@@ -42,19 +42,18 @@ import math
 import multiprocessing
 import os
 import random
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from core import fleet, keys
+from core import fleet
 from core.config import load_config
 from core.schemas import FeedbackEvent, GenerationRecord, SamplingParams, WireError
-from core.services import forget_prefix, free_port
+from core.services import forget_prefix
+from liverl.bench.ingest_workers import run_workers
 from liverl.bench.serve import _free_port, _machine
+from liverl.bench.subcommand import add_bench_parser
 
 DEFAULTS = {"pairs": 50_000, "partitions": 4, "workers": "1,2", "timeout": 600.0, "repeat": 1}
 
@@ -62,7 +61,6 @@ DEFAULTS = {"pairs": 50_000, "partitions": 4, "workers": "1,2", "timeout": 600.0
 # ------------------------------------------------------------------------------------------------ the backlog
 
 
-POLL_S = 0.02  # how often the bench reads the joined count from Redis (the span is known to this much)
 GENERATIONS_PER_S = 200  # the backlog's pace: the last GENERATIONS_PER_S x seconds of a product's traffic
 FEEDBACK_DELAY_S = (2.0, 30.0)  # a user judges a generation this long after it was served
 
@@ -252,188 +250,6 @@ def _faust_floor(bootstrap: str, topics: list[str], partitions: int, expect: int
     return res
 
 
-# ------------------------------------------------------------------------------------------------ the workers
-
-
-def _cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _machine_ticks() -> tuple[int, int]:
-    """(busy, total) clock ticks of all the machine's cores so far, from ``/proc/stat``."""
-    try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return 0, 0
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    total = sum(fields[:8])  # guest time is already inside user time
-    return total - idle, total
-
-
-def _helper_pids(stack, r) -> dict[str, int]:
-    """The broker's and Redis's processes, where they run on this machine (their CPU is part of each event's cost)."""
-    pids = {name: proc.pid for name, proc in stack.procs if name in ("broker", "redis")}
-    if "redis" not in pids:
-        try:
-            pid = int(r.info("server")["process_id"])
-            if Path(f"/proc/{pid}/comm").read_text().strip().startswith("redis"):
-                pids["redis"] = pid
-        except (OSError, KeyError, ValueError):
-            pass  # Redis elsewhere: its CPU is not this machine's
-    return pids
-
-
-def _wait_ready(
-    ports: list[int], procs: list[subprocess.Popen], partitions: int, timeout_s: float, log_dir: Path
-) -> None:
-    """Until every worker's ``/healthz`` says its join table is ready and together they hold every partition."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        held: list[int] = []
-        ready = 0
-        for port, p in zip(ports, procs):
-            if p.poll() is not None:
-                raise RuntimeError(f"an ingest worker exited with code {p.returncode}; see {log_dir}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as resp:
-                    health = json.loads(resp.read())
-            except (OSError, ValueError):
-                continue  # not listening yet
-            if health.get("ready") and health.get("partitions"):
-                ready += 1
-                held += health["partitions"]
-        if ready == len(ports) and sorted(held) == list(range(partitions)):
-            return
-        time.sleep(0.1)
-    raise RuntimeError(
-        f"{len(ports)} ingest worker(s) did not share the {partitions} partitions within "
-        f"{timeout_s:.0f} s; see the logs in {log_dir}"
-    )
-
-
-def _run_workers(cfg, stack, n_workers: int, pairs: int, timeout_s: float, log_dir: Path, write) -> dict:
-    """Start ``n_workers`` ``liverl ingest`` processes on the empty topics of ``cfg.topics``; once every one is
-    ready, ``write()`` the backlog and time the join.
-
-    The workers start before the backlog so that the figure is N running workers' throughput: started on a
-    waiting backlog, one worker on a shared machine came up a second after the other and the first took half the
-    backlog alone meanwhile (a 50,000-pair backlog takes two workers about 1.3 s). The start-up is reported apart.
-    """
-    import redis
-
-    env_base = {
-        **os.environ,
-        "LIVERL__BROKER__BOOTSTRAP": stack.bootstrap,
-        "LIVERL__REDIS__URL": stack.redis_url,
-        "LIVERL__TOPICS__PREFIX": cfg.topics.prefix,
-        "LIVERL__BROKER__PARTITIONS": str(cfg.broker.partitions),
-        "PYTHONUNBUFFERED": "1",
-    }
-    r = redis.Redis.from_url(stack.redis_url)
-    helpers = _helper_pids(stack, r)
-    ckey = keys.ingest_counters(cfg.topics.prefix)
-    lkey = keys.live(cfg.topics.prefix, 0)  # the backlog's generations are all policy version 0
-    procs: list[subprocess.Popen] = []
-    logs = []
-    t_start = time.perf_counter()
-    ports = [free_port() for _ in range(n_workers)]
-    try:
-        for i in range(n_workers):
-            env = {
-                **env_base,
-                "LIVERL__STATE_DIR": str(Path(cfg.state_dir) / f"worker{n_workers}-{i}"),
-                "LIVERL__INGEST__WEB_PORT": str(ports[i]),
-            }
-            log = open(log_dir / f"ingest-{cfg.topics.prefix}-{i}.log", "wb")  # noqa: SIM115 - closed below
-            logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "liverl.cli", "ingest"],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-        _wait_ready(ports, procs, cfg.broker.partitions, timeout_s, log_dir)
-        t_ready = time.perf_counter()
-        write()
-        t_first = None
-        joined = joined_first = 0
-        cpu_first = 0.0
-        helpers_first: dict[str, float] = {}
-        ticks_first = (0, 0)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            raw = r.hget(lkey, "events")
-            joined = int(raw or 0)
-            now = time.perf_counter()
-            if joined and t_first is None:
-                t_first, joined_first = now, joined
-                cpu_first = sum(_cpu_seconds(p.pid) for p in procs)
-                helpers_first = {name: _cpu_seconds(pid) for name, pid in helpers.items()}
-                ticks_first = _machine_ticks()
-            if joined >= pairs:
-                break
-            for p in procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"an ingest worker exited with code {p.returncode}; see {log_dir}")
-            time.sleep(POLL_S)
-        t_last = time.perf_counter()
-        cpu = sum(_cpu_seconds(p.pid) for p in procs)
-        helpers_cpu = {name: _cpu_seconds(pid) - helpers_first.get(name, 0.0) for name, pid in helpers.items()}
-        ticks = _machine_ticks()
-        counters = {k.decode(): int(v) for k, v in r.hgetall(ckey).items()}
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(10)
-        for log in logs:
-            log.close()
-        r.close()
-    if joined < pairs:
-        raise RuntimeError(
-            f"{n_workers} worker(s) joined {joined} of {pairs} events within {timeout_s:.0f} s; "
-            f"see the logs in {log_dir}"
-        )
-    dead = sum(v for k, v in counters.items() if k.startswith("dlq:"))
-    span = max(t_last - (t_first or t_last), 1e-9)
-    # events/s counts the events joined between the first poll that saw joins and the last one (those the first poll
-    # saw were joined before the span began: counting them in it flattered a worker whose first count came late); a
-    # backlog joined before the second poll has no span: its rate is shown as at least what one poll interval gives
-    # CPU while joining (start-up imports and the group join left out): what a worker costs per event, and how much
-    # of a core each worker kept busy (below 100%: it waited for the broker or Redis)
-    cpu_join = cpu - cpu_first
-    n_span = max(joined - joined_first, 1)
-    busy, total = ticks[0] - ticks_first[0], ticks[1] - ticks_first[1]
-    return {
-        "workers": n_workers,
-        "joined": joined,
-        "replayed": counters.get("joined", 0) - joined,
-        "dead_letters": dead,
-        "start_s": t_ready - t_start,
-        "seconds": span,
-        "events_per_s": (joined - joined_first) / span if joined > joined_first else joined / max(span, POLL_S),
-        "cpu_us_per_event": 1e6 * cpu_join / n_span,
-        # what the broker and Redis spent per event meanwhile, and how busy the machine's cores were: a machine
-        # near 100% holds no more events/s whatever the number of workers
-        "helpers_us_per_event": {name: 1e6 * c / n_span for name, c in helpers_cpu.items()},
-        "machine_busy": busy / total if total > 0 else float("nan"),
-        "core_use": cpu_join / span / n_workers,
-        "counters": counters,
-    }
-
-
 # ------------------------------------------------------------------------------------------------ the bench
 
 
@@ -496,51 +312,73 @@ def run(
 
         raw_cfg = topics_for(f"{base}raw")
         backlog(raw_cfg)
-        topics = [raw_cfg.topics.generations, raw_cfg.topics.feedback]
-        for parse in (False, True):
-            res = asyncio.run(_raw_consume(stack.bootstrap, topics, partitions, 2 * pairs, parse))
-            res["side"] = "raw consumer + parse" if parse else "raw consumer"
-            rows.append(res)
-            print(
-                f"  {res['side']}: {res['records_per_s']:,.0f} records/s ({res['events_per_s']:,.0f} pairs/s)",
-                flush=True,
-            )
-        res = _faust_floor(stack.bootstrap, topics, partitions, 2 * pairs, state)
-        res["side"] = "faust agent, consume only"
-        rows.append(res)
-        print(
-            f"  {res['side']}: {res['records_per_s']:,.0f} records/s ({res['events_per_s']:,.0f} pairs/s)", flush=True
-        )
+        rows += _ceilings(stack, [raw_cfg.topics.generations, raw_cfg.topics.feedback], partitions, pairs, state)
         for n in workers:
             runs = []
             for k in range(max(1, repeat)):
                 run_cfg = topics_for(f"{base}w{n}" + (f"r{k}" if k else ""))
-                res = _run_workers(run_cfg, stack, n, pairs, timeout_s, state / "logs", lambda c=run_cfg: backlog(c))
+                res = run_workers(run_cfg, stack, n, pairs, timeout_s, state / "logs", lambda c=run_cfg: backlog(c))
                 runs.append(res)
-                print(
-                    f"  ingest, {n} worker(s), run {k + 1}: {res['events_per_s']:,.0f} joined events/s, "
-                    f"{res['cpu_us_per_event']:.0f} us CPU per event, {res['core_use']:.0%} of a core per worker, "
-                    f"{_helpers(res)} us per event in {'/'.join(res['helpers_us_per_event']) or 'no local helper'}, "
-                    f"machine {_share(res['machine_busy'])} busy, "
-                    f"all ready {res['start_s']:.1f} s after start, "
-                    f"{res['replayed']} joins replayed",
-                    flush=True,
-                )
-            res = sorted(runs, key=lambda r: r["events_per_s"])[len(runs) // 2]  # the median run
-            res = {**res, "runs": [r["events_per_s"] for r in runs]}
-            res["side"] = f"ingest, {n} worker{'s' if n > 1 else ''}"
-            rows.append(res)
+                _print_run(n, k, res)
+            rows.append(_median_run(n, runs))
     finally:
         try:
             forget_prefix(stack.redis_url, base)
         finally:
             stack.close()
+    summary = _summary(rows, pairs, partitions, broker_name, command)
+    print(_table(summary))
+    if json_path:
+        Path(json_path).write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _ceilings(stack, topics: list[str], partitions: int, pairs: int, state: Path) -> list[dict[str, Any]]:
+    """The raw consumer's rows (without and with parsing) and the faust agent's, on the backlog in ``topics``."""
+    rows: list[dict[str, Any]] = []
+    for parse in (False, True):
+        res = asyncio.run(_raw_consume(stack.bootstrap, topics, partitions, 2 * pairs, parse))
+        res["side"] = "raw consumer + parse" if parse else "raw consumer"
+        rows.append(res)
+        print(
+            f"  {res['side']}: {res['records_per_s']:,.0f} records/s ({res['events_per_s']:,.0f} pairs/s)",
+            flush=True,
+        )
+    res = _faust_floor(stack.bootstrap, topics, partitions, 2 * pairs, state)
+    res["side"] = "faust agent, consume only"
+    rows.append(res)
+    print(f"  {res['side']}: {res['records_per_s']:,.0f} records/s ({res['events_per_s']:,.0f} pairs/s)", flush=True)
+    return rows
+
+
+def _median_run(n: int, runs: list[dict]) -> dict:
+    """The median of one worker count's runs, with every run's events/s."""
+    res = sorted(runs, key=lambda r: r["events_per_s"])[len(runs) // 2]  # the median run
+    res = {**res, "runs": [r["events_per_s"] for r in runs]}
+    res["side"] = f"ingest, {n} worker{'s' if n > 1 else ''}"
+    return res
+
+
+def _print_run(n: int, k: int, res: dict) -> None:
+    print(
+        f"  ingest, {n} worker(s), run {k + 1}: {res['events_per_s']:,.0f} joined events/s, "
+        f"{res['cpu_us_per_event']:.0f} us CPU per event, {res['core_use']:.0%} of a core per worker, "
+        f"{_helpers(res)} us per event in {'/'.join(res['helpers_us_per_event']) or 'no local helper'}, "
+        f"machine {_share(res['machine_busy'])} busy, "
+        f"all ready {res['start_s']:.1f} s after start, "
+        f"{res['replayed']} joins replayed",
+        flush=True,
+    )
+
+
+def _summary(rows: list[dict[str, Any]], pairs: int, partitions: int, broker_name: str, command: str) -> dict:
+    """The rows with each worker count's scaling against one worker's, and what the table's footer shows."""
     one = next((r for r in rows if r.get("workers") == 1), None)
     for r in rows:
         if "workers" in r and one is not None:
             r["scaling"] = r["events_per_s"] / one["events_per_s"]
     raw = rows[0]
-    summary = {
+    return {
         "rows": rows,
         "pairs": pairs,
         "partitions": partitions,
@@ -549,10 +387,6 @@ def run(
         "machine": _machine(),
         "raw_events_per_s": raw["events_per_s"],
     }
-    print(_table(summary))
-    if json_path:
-        Path(json_path).write_text(json.dumps(summary, indent=2))
-    return summary
 
 
 def _table(summary: dict) -> str:
@@ -605,11 +439,11 @@ def _spread(runs: list[float]) -> str:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``ingest`` under ``liverl bench``."""
-    s = subparsers.add_parser(
+    s = add_bench_parser(
+        subparsers,
         "ingest",
-        help="joined feedback events/s of ingest workers vs a raw consumer",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "joined feedback events/s of ingest workers vs a raw consumer",
+        __doc__,
     )
     s.add_argument(
         "--pairs",

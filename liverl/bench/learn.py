@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 from core.config import GateConfig, LearnerConfig, load_config
+from liverl.bench.subcommand import add_bench_parser
 
 DEFAULTS = {
     "models": ["demo", "moe24m"],
@@ -81,11 +82,11 @@ COLUMNS = (
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``learn`` under the ``liverl bench`` subcommands."""
-    p = subparsers.add_parser(
+    p = add_bench_parser(
+        subparsers,
         "learn",
-        help="learner update path vs a plain transformers loop: tokens/s, samples/s",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "learner update path vs a plain transformers loop: tokens/s, samples/s",
+        __doc__,
     )
     p.add_argument(
         "--models",

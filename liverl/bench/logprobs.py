@@ -25,17 +25,18 @@ from pathlib import Path
 
 from core.config import LearnerConfig, load_config
 from core.schemas import TrainingSample
+from liverl.bench.subcommand import add_bench_parser
 
 DEFAULTS = {"prompts": 32, "max_tokens": 16, "seed": 0}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``logprobs`` under the ``liverl bench`` subcommands."""
-    p = subparsers.add_parser(
+    p = add_bench_parser(
+        subparsers,
         "logprobs",
-        help="learner vs vLLM log-probs of the served tokens, per model family",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "learner vs vLLM log-probs of the served tokens, per model family",
+        __doc__,
     )
     p.add_argument(
         "--families",

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from core.config import LiverlConfig, load_config
+from liverl.bench.subcommand import add_bench_parser
 
 PROFILE_ENV = (
     "LIVERL_BENCH_PROFILE"  # a path: the node's API-server event loop runs under cProfile, stats written there
@@ -406,11 +407,11 @@ def _table(summary: dict) -> str:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``serve`` under ``liverl bench``."""
-    s = subparsers.add_parser(
+    s = add_bench_parser(
+        subparsers,
         "serve",
-        help="generations/s through the gateway vs the vLLM node alone (ratio)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "generations/s through the gateway vs the vLLM node alone (ratio)",
+        __doc__,
     )
     s.add_argument("--clients", type=int, default=DEFAULTS["clients"], help="concurrent clients (default 64)")
     s.add_argument(

@@ -28,6 +28,7 @@ from typing import Any
 
 from core.config import load_config
 from liverl.bench.serve import _demo_model, _free_port, _machine, _run_loop, _serve_child_registry, _wait_http
+from liverl.bench.subcommand import add_bench_parser
 
 DEFAULTS = {"swaps": 12, "clients": 16, "interval": 2.0, "max_tokens": 20, "changed": 0.1, "stall_ms": 100.0}
 
@@ -263,11 +264,11 @@ def _table(s: dict) -> str:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register ``swap`` under ``liverl bench``."""
-    s = subparsers.add_parser(
+    s = add_bench_parser(
+        subparsers,
         "swap",
-        help="hot-swap pause under streaming load (engine pause, client stalls)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "hot-swap pause under streaming load (engine pause, client stalls)",
+        __doc__,
     )
     s.add_argument("--swaps", type=int, default=DEFAULTS["swaps"], help="versions promoted in turn (default 12)")
     s.add_argument("--clients", type=int, default=DEFAULTS["clients"], help="streaming clients (default 16)")

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from core.schemas import VersionAnnouncement
-from deploy.gate.gate import Gate, GenerationTail
+from deploy.gate.gate import Gate
+from deploy.gate.tail import GenerationTail
 from deploy.registry.registry import open_registry
 from tests.deploy.conftest import perturb, tiny_model
 
@@ -145,7 +146,7 @@ def test_collapsed_drifted_and_regressed_candidates_are_refused(cfg, setup):
 
 
 def test_paired_sign_test_counts_flipped_cases():
-    from deploy.gate.gate import paired_sign_test
+    from deploy.gate.evidence import paired_sign_test
 
     stable = [1.0] * 200 + [0.0] * 56
     cand = stable.copy()
@@ -422,7 +423,7 @@ def test_gate_with_the_real_evaluator_and_the_demo_suite(cfg, rds):
             assert got == pytest.approx(want, abs=1e-4)
         registry.init_base(base, str(model_dir))
         row = registry.add_candidate(perturb(base, 0.02, seed=1), parent=0)
-        from deploy.gate.gate import HeldoutSample
+        from deploy.gate.tail import HeldoutSample
 
         heldout = [
             HeldoutSample(p.prompt_ids, p.completion_ids, lp, float(i % 2), f"g{i}", 0.0, "accept")
@@ -522,7 +523,7 @@ class OffPolicyEval(ProbeEval):
 
 def test_a_candidate_estimated_worse_on_held_out_feedback_is_refused_before_exposure(cfg, rds):
     """Evidence before exposure: the off-policy estimate on held-out samples, against stable's."""
-    from deploy.gate.gate import HeldoutSample
+    from deploy.gate.tail import HeldoutSample
 
     def state(shift: float, seed: int) -> dict:
         return {**weights(0.5, 0.8, seed=seed), "op_shift": torch.tensor([shift])}
@@ -551,7 +552,7 @@ def test_a_candidate_estimated_worse_on_held_out_feedback_is_refused_before_expo
 
 def test_held_out_records_are_parsed_only_when_their_log_probs_are_comparable():
     from core.schemas import SamplingParams, TrainingSample
-    from deploy.gate.gate import parse_heldout
+    from deploy.gate.tail import parse_heldout
 
     def sample(kind: str, reward: float = 1.0, **sampling) -> bytes:
         return TrainingSample(
@@ -580,8 +581,8 @@ def test_the_heldout_tail_keeps_its_size_in_samples_old_enough_to_judge():
     """The held-out tail keeps `size` samples past the revert horizon plus every younger one: at any traffic the
     off-policy check has `size` usable samples. A last-`size` tail held only young ones once the traffic brought more
     than `size` per horizon (a one-node CI demo deferred every candidate with "no usable held-out samples")."""
-    from deploy.gate.gate import HeldoutSample
     from deploy.gate.offpolicy import merge_heldout
+    from deploy.gate.tail import HeldoutSample
 
     now = time.time()
 
@@ -611,7 +612,7 @@ def test_no_candidate_is_judged_before_any_held_out_feedback_has_had_its_revert_
     gate could read (off-policy or live) includes a revert, and the learner has trained on accepts its users may still
     undo (in the demo those first candidates were the trap's bait, each canaried for 100-200 s). The candidate waits,
     untouched and unjudged; once a judgement is old enough the newest candidate is judged as before."""
-    from deploy.gate.gate import HeldoutSample
+    from deploy.gate.tail import HeldoutSample
 
     cfg.gate.revert_horizon_s = 60.0
     registry = open_registry(cfg)

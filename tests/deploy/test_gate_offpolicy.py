@@ -14,7 +14,8 @@ import torch
 
 from core.product import Product
 from core.schemas import SamplingParams, TrainingSample
-from deploy.gate.gate import Gate, parse_heldout
+from deploy.gate.gate import Gate
+from deploy.gate.tail import parse_heldout
 from deploy.registry.registry import open_registry
 from tests.deploy.test_gate import ProbeEval, weights
 

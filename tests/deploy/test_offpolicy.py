@@ -213,7 +213,7 @@ def test_compare_refuses_bad_settings():
 
 
 def _held(gid: str, reward: float, judged_at: float, kind: str = "accept"):
-    from deploy.gate.gate import HeldoutSample
+    from deploy.gate.tail import HeldoutSample
 
     return HeldoutSample((1, 2), (3,), -1.0, reward, gid, judged_at, kind)
 

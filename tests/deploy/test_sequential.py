@@ -23,7 +23,6 @@ from deploy.gate.sequential import (
     Canary,
     MetricTest,
     SrmTest,
-    UnitSums,
     batch_means,
     bernoulli_estimate,
     futile,
@@ -31,8 +30,8 @@ from deploy.gate.sequential import (
     look_batches,
     look_units,
     t_widened,
-    unit_estimate,
 )
+from deploy.gate.sequential_units import UnitSums, unit_estimate
 
 
 def test_the_mixture_ratio_matches_its_formula_and_is_one_at_no_evidence():

@@ -18,8 +18,8 @@ import redis
 from core.config import load_config
 from core.product import Product
 from core.schemas import TrainingSample
-from deploy.gate.gate import parse_heldout
 from deploy.gate.offpolicy import merge_heldout
+from deploy.gate.tail import parse_heldout
 from ingest.join import REVERT_SUFFIX, Ingest, Source, is_heldout
 from ingest.metrics import IngestMetrics
 from tests.ingest.test_fuzz import Broker, _generation

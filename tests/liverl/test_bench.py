@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from liverl.bench.delta import ROW_KEYS, ChangeCounter, measure, step_lr_for, synthetic_cases, synthetic_layout
+from liverl.bench.delta import ROW_KEYS, ChangeCounter, measure
+from liverl.bench.delta_cases import step_lr_for, synthetic_cases, synthetic_layout
 from tests.deploy.conftest import perturb, tiny_model
 
 

@@ -1,0 +1,197 @@
+"""The gate's evidence checks on a candidate whose delta is sound: (b) drift, (c) collapse, (d) the product's
+suite and (e) the off-policy estimate on held-out feedback (``deploy.gate.gate`` says what each check asks).
+
+``EvidenceChecks`` is a part of ``deploy.gate.gate.Gate``: it reads the gate's config, registry, evaluator, held-out tail
+and metrics, and records every check with ``Gate._record``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from deploy.gate.offpolicy import compare, merge_heldout
+from deploy.gate.tail import HeldoutSample
+from deploy.registry.registry import Version
+
+
+def paired_sign_test(candidate: list[float], stable: list[float]) -> tuple[int, int, float]:
+    """(cases worse, cases better, one-sided p) for "the candidate is worse on the suite", pairing each case's grade
+    under both versions: the exact sign test on the cases whose grade changed (McNemar's exact test when grades are
+    pass/fail). Unchanged cases carry no evidence either way."""
+    if len(candidate) != len(stable):
+        raise ValueError(f"{len(candidate)} candidate grades against {len(stable)} stable grades")
+    worse = sum(c < s for c, s in zip(candidate, stable))
+    better = sum(c > s for c, s in zip(candidate, stable))
+    n = worse + better
+    p = sum(math.comb(n, k) for k in range(worse, n + 1)) / 2**n if n else 1.0
+    return worse, better, p
+
+
+class EvidenceChecks:
+    """Checks (b)-(e) of ``deploy.gate.gate.Gate``, and the stable version's suite score they compare with."""
+
+    def stable_suite(self, stable: Version) -> dict | None:
+        """The stable version's suite score, computed once per (version, checksum) and recorded for it."""
+        key = (stable.version, stable.checksum)
+        if key not in self._stable_suite:
+            score = self.evaluator.suite_score(self.registry.materialize(stable.version))
+            if score is not None:
+                shown = {k: v for k, v in score.items() if k != "grades"}
+                self.registry.record_gate(
+                    stable.version,
+                    "suite",
+                    score["score"],
+                    None,
+                    True,
+                    "reference score of the stable version " + json.dumps(shown, sort_keys=True),
+                )
+            self._stable_suite[key] = score
+        return self._stable_suite[key]
+
+    def _evidence(self, row: Version, stable: Version, state: Mapping[str, Any]) -> dict[str, bool]:
+        """Checks (b)-(d); each lands in gate_results with its value, threshold and reason."""
+        checks: dict[str, bool] = {}
+        g = self.cfg.gate
+        t0 = time.perf_counter()
+        drift = self.evaluator.drift(state, self.registry.materialize(stable.version))
+        if drift is None:
+            checks["drift"] = self._record(
+                row.version,
+                "drift",
+                None,
+                g.max_kl,
+                False,
+                "no logged generations to measure drift on yet; retried with the next candidate",
+            )
+        else:
+            kl, ent = drift["kl"], drift["entropy"]
+            self._score.labels("kl").set(kl)
+            self._score.labels("entropy").set(ent)
+            checks["drift"] = self._record(
+                row.version,
+                "drift",
+                kl,
+                g.max_kl,
+                kl <= g.max_kl,
+                f"KL(v{row.version} || stable v{stable.version}) {kl:.4f} nats/token vs max {g.max_kl} "
+                f"on {drift['tokens']} tokens of {drift['probes']} logged generations",
+            )
+            checks["collapse"] = self._record(
+                row.version,
+                "collapse",
+                ent,
+                g.min_entropy,
+                ent >= g.min_entropy,
+                f"entropy {ent:.4f} nats/token (stable {drift.get('stable_entropy', float('nan')):.4f}) vs floor {g.min_entropy}",
+            )
+        heldout = self.heldout() if self.heldout is not None and g.heldout_samples else []
+        if heldout:
+            verdict = self._offpolicy(row, stable, state, heldout)
+            checks["offpolicy"] = verdict != "refuse"
+            if verdict == "defer":  # not judged off-policy: only a canary may promote it
+                checks["needs_canary"] = True
+        ref = self.stable_suite(stable)
+        if ref is not None:
+            score = self.evaluator.suite_score(state)
+            self._score.labels("suite").set(score["score"])
+            checks["suite"] = self._suite(row, stable, score, ref)
+        self._eval_s.observe(time.perf_counter() - t0)
+        return checks
+
+    def _suite(self, row: Version, stable: Version, score: dict, ref: dict) -> bool:
+        g = self.cfg.gate
+        floor = ref["score"] - g.max_regression
+        text = (
+            f"suite {score['name']!r} {score['score']:.4f} vs stable v{stable.version} {ref['score']:.4f} "
+            f"(max regression {g.max_regression}, {score['completions']} completions)"
+        )
+        dropped = score["score"] < floor
+        if (
+            dropped
+            and score.get("grades") is not None
+            and ref.get("grades") is not None
+            and len(score["grades"]) == len(ref["grades"])
+        ):
+            worse, better, p = paired_sign_test(score["grades"], ref["grades"])
+            shown = p < g.suite_alpha
+            text += (
+                f"; paired: {worse} cases worse, {better} better, sign test p {p:.3g} "
+                f"{'<' if shown else '>='} suite_alpha {g.suite_alpha}"
+                + ("" if shown else ": the drop is within what the cases that flipped either way explain")
+            )
+            dropped = shown
+        return self._record(row.version, "suite", score["score"], floor, not dropped, text)
+
+    def _offpolicy(self, row: Version, stable: Version, state: Mapping[str, Any], heldout: list[HeldoutSample]) -> str:
+        """Check (e), recorded: "refuse" (the paired test shows the candidate's reward below stable's by more than
+        ``gate.offpolicy_margin``), "defer" (an effective sample size under ``gate.offpolicy_min_ess``, or no
+        held-out sample whose revert horizon has closed: not judged here, the candidate must go through the canary)
+        or "pass" (``deploy.gate.offpolicy.compare``). The samples are the held-out stream's records merged by generation
+        (a revert replaces its accept's reward) and censored at ``gate.revert_horizon_s`` (``merge_heldout``)."""
+        g = self.cfg.gate
+        merged, young = merge_heldout(heldout, time.time() - g.revert_horizon_s)
+        heldout = merged[-g.heldout_samples :]
+        slice_text = (
+            f"{len(heldout)} held-out samples ({sum(h.kind == 'revert' for h in heldout)} reverted; {young} "
+            f"judged less than gate.revert_horizon_s {g.revert_horizon_s:g} s ago left out)"
+        )
+        if not heldout:
+            self._record(
+                row.version,
+                "offpolicy",
+                0.0,
+                g.offpolicy_min_ess,
+                True,
+                f"off-policy v{row.version}: defer: deferred to the canary: no usable {slice_text}",
+            )
+            return "defer"
+        lp_cand = self.evaluator.sequence_logprobs(state, heldout)
+        lp_stable = self.evaluator.sequence_logprobs(self.registry.materialize(stable.version), heldout)
+        c = compare(
+            lp_cand,
+            lp_stable,
+            [h.behaviour_logprob for h in heldout],
+            [h.reward for h in heldout],
+            margin=g.offpolicy_margin,
+            min_ess=g.offpolicy_min_ess,
+            clip=g.offpolicy_clip,
+        )
+        self._score.labels("offpolicy").set(c.candidate.value)
+        self._score.labels("offpolicy_difference").set(c.difference)
+        self._score.labels("offpolicy_ess").set(c.candidate.ess)
+        self._score.labels("offpolicy_ess_unclipped").set(c.candidate.ess_unclipped)
+        reason = (
+            f"off-policy reward v{row.version} {c.candidate.value:.3f} [{c.candidate.lower:.3f}, "
+            f"{c.candidate.upper:.3f}] vs stable v{stable.version} {c.stable.value:.3f} on {slice_text}, "
+            f"ESS {c.candidate.ess:.0f} clipped, {c.candidate.ess_unclipped:.0f} unclipped (stable "
+            f"{c.stable.ess:.0f}, {c.stable.ess_unclipped:.0f}): {c.verdict}: {c.reason}"
+        )
+        if c.verdict == "defer":
+            self._record(row.version, "offpolicy", c.ess, g.offpolicy_min_ess, True, reason)
+        else:
+            self._record(row.version, "offpolicy", c.upper, -g.offpolicy_margin, c.verdict == "pass", reason)
+        return c.verdict
+
+    def _too_early(self) -> str | None:
+        """Why no candidate can be judged yet, or None. Before any held-out feedback has had its whole revert horizon
+        (``gate.revert_horizon_s``), no judgement could count a revert: the learner has trained on accepts its users
+        may still undo, and neither the off-policy check nor a canary has anything final to read. That is a
+        deployment's first minute or so: in the demo the candidates of its first 75 s were bait, rewarded for accepts
+        reverted later, and each was canaried for 100-200 s before the revert rate showed it. It applies only with a
+        held-out stream that has records (``gate.heldout_samples`` > 0): without one there is nothing to wait for."""
+        g = self.cfg.gate
+        if g.integrity_only or self.heldout is None or not g.heldout_samples or g.revert_horizon_s <= 0:
+            return None
+
+        usable, young = merge_heldout(self.heldout(), time.time() - g.revert_horizon_s)
+        if usable or not young:
+            return None
+        return (
+            f"too early: none of the {young} held-out judgements is older than gate.revert_horizon_s "
+            f"{g.revert_horizon_s:g} s, so no evidence could include a revert yet; the newest candidate is judged "
+            "once one is"
+        )

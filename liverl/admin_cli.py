@@ -1,0 +1,316 @@
+"""The `liverl` operator subcommands: status, diff, oncall, versions, history, the audited changes (promote,
+rollback, hold, operator, abort/pause/resume, gc), audit and lineage.
+
+Each command imports liverl.ops.admin (and with it the registry and torch) when it runs, so building the parser
+stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from core.services import kafka_bootstrap, setup_redis
+from liverl.cliargs import add_token_arg, cfg_from_args, operator_token
+
+ADMIN_EPILOG = (
+    "The admin verbs read the registry (registry.url) and Redis (redis.url) named by the config. Verbs "
+    "that change anything need an operator token ($LIVERL_TOKEN or --token-file; `liverl operator`) and "
+    "a --reason; both land in the audit log, chained by HMAC with security.audit_key (`liverl history --verify`)."
+)
+
+AUDIT_HELP = """\
+Reconcile a deployment's accounts: the feedback, generations, samples and dead-letter topics, the learner's
+ledger (every sample it trained on or refused, beside its checkpoint), the live counters in Redis, the registry
+and the serving nodes' heartbeats. Every acknowledged feedback event must end in exactly one place: trained
+once, refused by the learner with a reason, dead-lettered with a reason, or dropped as not trainable; events
+still queued or in flight are shown as such. Exit code 1 when anything is lost, trained twice, counted wrong,
+or when the registry or the fleet disagree about the stable version.
+
+Run it where the learner runs (it reads <state_dir>/learner), with the deployment's config:
+  liverl audit --state-dir .liverl          # after `liverl up` / `liverl demo`
+  liverl audit --json > audit.json
+"""
+
+
+def cmd_hold(args: argparse.Namespace) -> int:
+    from liverl.ops.admin import cmd_hold as run
+
+    return run(cfg_from_args(args), hold=not args.release, reason=args.reason, token=operator_token(args))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from liverl.ops.admin import cmd_status as run
+
+    return run(cfg_from_args(args))
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from liverl.ops.admin import cmd_diff as run
+
+    return run(cfg_from_args(args), args.a, args.b, top=args.top)
+
+
+def cmd_oncall(args: argparse.Namespace) -> int:
+    from liverl.ops.oncall import serve
+
+    cfg = cfg_from_args(args)
+    return serve(cfg, args.host or cfg.serving.host, args.port, refresh_s=args.refresh)
+
+
+def cmd_versions(args: argparse.Namespace) -> int:
+    from liverl.ops.admin import cmd_versions as run
+
+    return run(cfg_from_args(args), limit=args.limit)
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    from liverl.ops.admin import cmd_history as run
+
+    return run(cfg_from_args(args), verify=args.verify)
+
+
+def cmd_operator(args: argparse.Namespace) -> int:
+    from liverl.ops.admin import cmd_operator as run
+
+    return run(cfg_from_args(args), args.action, args.name, args.role, args.reason, operator_token(args))
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    from liverl.ops.admin import cmd_promote as run
+
+    return run(
+        cfg_from_args(args), version=args.version, reason=args.reason, token=operator_token(args), force=args.force
+    )
+
+
+def cmd_rollback(args: argparse.Namespace) -> int:
+    from liverl.ops.admin import cmd_rollback as run
+
+    return run(cfg_from_args(args), reason=args.reason, token=operator_token(args), to=args.to)
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from liverl.ops.admin import cmd_rollout as run
+
+    return run(cfg_from_args(args), args.action, reason=args.reason, token=operator_token(args))
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from liverl.ops.admin import gc_command
+
+    return gc_command(
+        cfg_from_args(args),
+        dry_run=args.dry_run,
+        grace_s=args.grace,
+        token=operator_token(args),
+        prune_rejected_s=args.prune_rejected,
+    )
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    from deploy.registry.registry import open_registry
+    from liverl.ops.audit import print_report, run_audit
+
+    cfg = cfg_from_args(args)
+    r, registry = setup_redis(cfg), open_registry(cfg)
+    try:
+        rep = run_audit(cfg, kafka_bootstrap(cfg), r, registry)
+    finally:
+        r.close()
+        registry.close()
+    if args.json:
+        print(json.dumps(rep.as_dict(), indent=2))
+    else:
+        print_report(rep)
+    return 0 if not rep.problems() else 1
+
+
+def cmd_lineage(args: argparse.Namespace) -> int:
+    from deploy.registry.registry import open_registry
+    from learner.ledger import checkpoint_path_for, ledger_path
+    from liverl.ops.lineage import print_trace, trace
+
+    cfg = cfg_from_args(args)
+    registry = open_registry(cfg)
+    try:
+        tr = trace(args.feedback_id, args.ledger or ledger_path(checkpoint_path_for(cfg)), registry)
+    finally:
+        registry.close()
+    if args.json:
+        print(json.dumps(tr, indent=2))
+    else:
+        print_trace(tr)
+    return 0
+
+
+def register_reads(sub) -> None:
+    """Add status and diff to the `liverl` subcommands."""
+    s = sub.add_parser(
+        "status", help="served version per node, pending candidates, live acceptance", epilog=ADMIN_EPILOG
+    )
+    s.set_defaults(fn=cmd_status)
+    s = sub.add_parser(
+        "diff",
+        help="what changed between two versions: tensors, and the gate's evidence side by side",
+        epilog=ADMIN_EPILOG,
+        description="Rebuild versions A and B from the registry (checksum-verified) "
+        "and list the tensors that differ (share of elements changed, largest change, relative L2 "
+        "change), then each version's gate checks and live acceptance side by side.",
+    )
+    s.add_argument("a", type=int, help="version A (e.g. the stable version)")
+    s.add_argument("b", type=int, help="version B (e.g. a candidate)")
+    s.add_argument("--top", type=int, default=20, help="how many tensors to list, largest relative change first")
+    s.set_defaults(fn=cmd_diff)
+
+
+def register(sub) -> None:
+    """Add oncall, versions, history, the audited changes, gc, audit and lineage to the `liverl` subcommands."""
+    _add_views(sub)
+    _add_changes(sub)
+    _add_rollout(sub)
+    _add_gc(sub)
+    _add_accounts(sub)
+
+
+def _add_views(sub) -> None:
+    s = sub.add_parser(
+        "oncall",
+        help="serve the on-call page: release, fleet, live acceptance, gate checks, audit",
+        epilog=ADMIN_EPILOG,
+        description="Serve a page for on-call, refreshed live: the stable version "
+        "and whether every node serves it, versions and lineage, live acceptance by version (a chart), "
+        "every gate check with its value, threshold and reason, and the audit log. Read-only (no token). "
+        "GET /api/state has the same data as JSON.",
+    )
+    s.add_argument("--port", type=int, default=6068, help="port (default 6068; 0: any free port)")
+    s.add_argument("--host", default=None, help="address to bind (default serving.host, loopback)")
+    s.add_argument("--refresh", type=float, default=2.0, metavar="SECONDS", help="page refresh interval (default 2)")
+    s.set_defaults(fn=cmd_oncall)
+    s = sub.add_parser("versions", help="list versions: lineage, status, delta size, gate scores", epilog=ADMIN_EPILOG)
+    s.add_argument("--limit", type=int, default=20, help="most recent N versions (default 20)")
+    s.set_defaults(fn=cmd_versions)
+    s = sub.add_parser("history", help="the audit log: who promoted or rolled back what, and why", epilog=ADMIN_EPILOG)
+    s.add_argument(
+        "--verify",
+        action="store_true",
+        help="first check the log's chain (HMAC with security.audit_key) "
+        "and its head anchored in Redis: exit 1 if an entry was rewritten, removed or added, or the tail cut",
+    )
+    s.set_defaults(fn=cmd_history)
+
+
+def _add_changes(sub) -> None:
+    s = sub.add_parser(
+        "promote", help="make VERSION the served version (the agents hot-swap to it)", epilog=ADMIN_EPILOG
+    )
+    s.add_argument("version", type=int)
+    s.add_argument("--reason", required=True, help="why (recorded in the audit log with who you are)")
+    add_token_arg(s)
+    s.add_argument("--force", action="store_true", help="promote even a version the gate rejected or has not judged")
+    s.set_defaults(fn=cmd_promote)
+    s = sub.add_parser(
+        "rollback", help="serve the previous stable version again (or --to VERSION)", epilog=ADMIN_EPILOG
+    )
+    s.add_argument("--to", type=int, help="version to return to (default: the one before the current stable)")
+    s.add_argument("--reason", required=True, help="why (recorded in the audit log with who you are)")
+    add_token_arg(s)
+    s.set_defaults(fn=cmd_rollback)
+
+    s = sub.add_parser(
+        "hold",
+        help="stop (or --release: resume) the learner emitting candidates; it keeps training",
+        epilog=ADMIN_EPILOG,
+    )
+    s.add_argument("--release", action="store_true", help="let the learner emit candidates again")
+    s.add_argument("--reason", required=True, help="why (recorded in the audit log with who you are)")
+    add_token_arg(s)
+    s.set_defaults(fn=cmd_hold)
+
+    s = sub.add_parser(
+        "operator",
+        help="operator identities: add NAME --role R, disable NAME, list",
+        epilog=ADMIN_EPILOG,
+        description="Who may change the registry. Each operator has a role (viewer < operator < admin) "
+        "and a token, shown once when added; only its hash is stored. The first operator of a registry "
+        "is added without a token; after that, adding or disabling needs an admin token.",
+    )
+    s.add_argument("action", choices=["add", "disable", "list"])
+    s.add_argument("name", nargs="?")
+    s.add_argument("--role", default="operator", choices=["viewer", "operator", "admin"])
+    s.add_argument("--reason", help="why (recorded in the audit log)")
+    add_token_arg(s)
+    s.set_defaults(fn=cmd_operator)
+
+
+def _add_rollout(sub) -> None:
+    for action, text in (
+        ("abort", "abort the canary in progress: reject it, its nodes return to stable"),
+        ("pause", "pause the canary: it keeps its share of users but is not promoted"),
+        ("resume", "resume a paused canary"),
+    ):
+        s = sub.add_parser(
+            action,
+            help=text,
+            description=text + ". Needs an operator token and a reason (audited).",
+            epilog=ADMIN_EPILOG,
+        )
+        s.add_argument("--reason", required=True, help="why (recorded in the audit log with who you are)")
+        add_token_arg(s)
+        s.set_defaults(fn=cmd_rollout, action=action)
+
+
+def _add_gc(sub) -> None:
+    s = sub.add_parser(
+        "gc",
+        help="delete snapshot/delta blobs that no version references",
+        epilog=ADMIN_EPILOG,
+        description="Delete blobs in the blob store that no registry version references (left by "
+        "crashed writers or removed versions). Blobs younger than --grace are kept: a "
+        "writer may be about to commit the version that references them. Use --dry-run "
+        "first to see what would go.",
+    )
+    s.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
+    s.add_argument(
+        "--grace",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="keep unreferenced blobs younger than this (default 3600)",
+    )
+    s.add_argument(
+        "--prune-rejected",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="also delete the deltas of rejected versions older than this whose descendants are all "
+        "rejected (the rows, gate results and audit entries stay; such a version can no longer be "
+        "rebuilt). A rejected version that a live version descends from is always kept",
+    )
+    add_token_arg(s)
+    s.set_defaults(fn=cmd_gc)
+
+
+def _add_accounts(sub) -> None:
+    s = sub.add_parser(
+        "audit",
+        help="where every feedback event went: trained once, refused or dead-lettered with a reason, or lost",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=AUDIT_HELP,
+    )
+    s.add_argument("--state-dir", help="state folder of the deployment (default: state_dir = .liverl)")
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.set_defaults(fn=cmd_audit)
+
+    s = sub.add_parser(
+        "lineage",
+        help="one feedback event's path: sample, learner step, candidate, gate verdicts, promotion, first "
+        "served, each with its time",
+        description="The path of one feedback event to a served model, read from the "
+        "learner's ledger and the registry (liverl.ops.lineage says where each fact lives). Run it where the learner runs.",
+    )
+    s.add_argument("feedback_id", help="the FeedbackEvent.feedback_id the product sent")
+    s.add_argument("--state-dir", help="state folder of the deployment (default: state_dir = .liverl)")
+    s.add_argument("--ledger", help="the learner's ledger file (default: beside its checkpoint in the state folder)")
+    s.add_argument("--json", action="store_true", help="print the path as JSON")
+    s.set_defaults(fn=cmd_lineage)

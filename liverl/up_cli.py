@@ -1,0 +1,195 @@
+"""The `liverl` subcommands that run the whole pipeline on this machine: demo, chaos and up.
+
+Each command imports its heavy modules (the pipeline, torch, vLLM) when it runs, so building the parser stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from liverl.cliargs import add_model_args, cfg_from_args, model_dir_for
+
+# what `liverl chaos` can kill (liverl.ops.chaos.KINDS; spelled here so --help does not import the pipeline)
+KILL_KINDS = ("ingest", "learn", "gate", "serve", "vllm", "learn@checkpoint", "serve@swap")
+
+CHAOS_HELP = """\
+Prove the delivery claims: run the pipeline under the demo's simulated users and, for --duration seconds, kill -9
+one process every --kill-every seconds (jittered): ingest, learn, gate, serve (gateway + agent), the vLLM node,
+the learner in the middle of a checkpoint write, and the serving process in the middle of a hot-swap. Every kind
+is hit in each shuffled round; the supervisor restarts what dies. Then the load stops, the learner is held, and
+the run drains until `liverl audit` finds every acknowledged feedback event trained once, refused or dead-lettered
+with its reason, and every node serving the stable version (by checksum). Exit code 1 otherwise.
+
+--restarts N also restarts the whole pipeline N times under the load, as an operator restarting `liverl up` would:
+the odd restarts stop it as Ctrl-C does, the even ones kill -9 every process it started at once (broker and its
+storage, vLLM, every worker), and each time it comes back on the same state folder. --kill-every 0 kills nothing else.
+
+  liverl chaos --duration 600 --kill-every 15 --summary out/chaos.json
+  liverl chaos --duration 300 --kill-every 0 --restarts 3       # only whole-pipeline restarts
+"""
+
+UP_HELP = """\
+Run the whole pipeline for your model on this machine until Ctrl-C: the embedded Kafka-compatible broker,
+Redis (the local one, or a private one), the SQLite registry, then `serve` (vLLM + gateway + hot-swap agent),
+`ingest`, `learn` and `gate` as supervised processes. It prints the OpenAI endpoint, how to send feedback
+(SDK, HTTP, kcat) and where the logs and metrics are. State (registry, blobs, checkpoints, logs) stays in
+--state-dir, so a second `liverl up` resumes where the first stopped (--fresh starts over).
+
+  liverl up --model ./my-moe --product my_product.liverl:PRODUCT
+
+--model is a Hugging Face causal-LM directory (config.json, safetensors, tokenizer with a chat template) that
+transformers and vLLM both load; an architecture family liverl does not handle yet is refused at start.
+Without --model the built-in demo policy is served.
+"""
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from liverl.demo.run import run_demo
+
+    cfg = cfg_from_args(args)
+    if args.duration is not None:
+        cfg.demo.duration_s = args.duration
+    if args.users is not None:
+        cfg.demo.users = args.users
+    if args.concurrency is not None:
+        cfg.demo.concurrency = args.concurrency
+    if args.trap is not None:
+        cfg.demo.trap = args.trap == "on"
+    if args.integrity_only:
+        cfg.gate.integrity_only = True
+    summary = run_demo(cfg, model_dir_for(cfg), summary_path=args.summary, plot_path=args.plot, live=not args.no_live)
+    return 0 if summary.get("ok", False) or not args.strict else 1
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from liverl.ops.chaos import run_chaos
+
+    cfg = cfg_from_args(args)
+    cfg.learner.max_batch_wait_s = min(cfg.learner.max_batch_wait_s, 5.0)  # the drain waits for partial batches
+    summary = run_chaos(
+        cfg,
+        model_dir_for(cfg),
+        duration_s=args.duration,
+        kill_every_s=args.kill_every,
+        seed=args.seed,
+        drain_timeout_s=args.drain_timeout,
+        summary_path=args.summary,
+        kinds=tuple(args.kinds),
+        restarts=args.restarts,
+    )
+    return 0 if summary["ok"] else 1
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from liverl.stack.up import run_up
+
+    cfg = cfg_from_args(args)
+    return run_up(cfg, model_dir_for(cfg), fresh=args.fresh)
+
+
+def register(sub) -> None:
+    """Add demo, chaos and up to the `liverl` subcommands."""
+    _add_demo(sub)
+    _add_chaos(sub)
+    _add_up(sub)
+
+
+def _add_demo(sub) -> None:
+    d = sub.add_parser(
+        "demo",
+        help="run the whole loop on the embedded stack with a live view",
+        description="Start the embedded broker and Redis, build the base policy, run serving, ingest, learner "
+        "and gate, drive simulated users against the gateway for --duration seconds, then print a summary "
+        "and write it as JSON (--summary) and a PNG of live acceptance per version (--plot).",
+    )
+    d.add_argument("--duration", type=float, help="seconds to run (default: demo.duration_s = 600)")
+    d.add_argument("--users", type=int, help="distinct simulated users, the population (default: demo.users = 5000)")
+    d.add_argument(
+        "--concurrency",
+        type=int,
+        help="simulated requests in flight at once, the traffic (default: demo.concurrency = 48)",
+    )
+    d.add_argument(
+        "--trap",
+        choices=("on", "off"),
+        help="the reward-hacking trap: some users accept a tempting "
+        "wrong answer and revert it later (default: demo.trap)",
+    )
+    d.add_argument(
+        "--integrity-only",
+        action="store_true",
+        help="cut the gate down to integrity checks: every "
+        "candidate whose delta is sound goes live at once (gate.integrity_only), to see what the evidence "
+        "checks are worth; compare with a default run",
+    )
+    d.add_argument(
+        "--summary", metavar="PATH", help="write the summary JSON here (default: <state_dir>/demo/summary.json)"
+    )
+    d.add_argument(
+        "--plot", metavar="PATH", help="write the acceptance plot here (default: <state_dir>/demo/acceptance.png)"
+    )
+    d.add_argument("--state-dir", help="state folder (default: state_dir = .liverl)")
+    d.add_argument("--no-live", action="store_true", help="plain log lines instead of the live display")
+    d.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 unless the run met its goals (>=3 promotions, +25 points on >=300 events each)",
+    )
+    add_model_args(d, product_help="product (default: the demo's, liverl.demo.product:PRODUCT)")
+    d.set_defaults(fn=cmd_demo)
+
+
+def _add_chaos(sub) -> None:
+    c = sub.add_parser(
+        "chaos",
+        help="kill -9 every kind of process under the demo's load, then drain and audit",
+        description=CHAOS_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    c.add_argument("--duration", type=float, default=600.0, help="seconds of load and kills (default 600)")
+    c.add_argument(
+        "--kill-every", type=float, default=15.0, help="mean seconds between kills (default 15; 0: no single kills)"
+    )
+    c.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also restart the whole pipeline N times, evenly spread, alternating Ctrl-C and kill -9 (default 0)",
+    )
+    c.add_argument("--seed", type=int, default=0, help="seed of the kill schedule and the users (default 0)")
+    c.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait after the load for the audit to come out clean (default 600)",
+    )
+    c.add_argument("--summary", metavar="PATH", help="write the summary JSON here")
+    c.add_argument(
+        "--kinds",
+        nargs="+",
+        default=list(KILL_KINDS),
+        choices=KILL_KINDS,
+        metavar="KIND",
+        help=f"what to kill (default: all of {', '.join(KILL_KINDS)})",
+    )
+    c.add_argument("--state-dir", help="state folder (default: state_dir = .liverl; the run starts it fresh)")
+    add_model_args(c, product_help="product with simulated users (default: the demo's)")
+    c.set_defaults(fn=cmd_chaos)
+
+
+def _add_up(sub) -> None:
+    u = sub.add_parser(
+        "up",
+        help="run the whole pipeline for your model on the embedded stack until Ctrl-C",
+        description=UP_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_args(u)
+    u.add_argument("--state-dir", help="state folder (default: state_dir = .liverl)")
+    u.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start from scratch: delete this state dir's registry, blobs, checkpoints and Redis keys",
+    )
+    u.set_defaults(fn=cmd_up)
