@@ -336,7 +336,7 @@ class PolicyTrainer:
             if self.ranks is not None:  # this share's parts -> the batch's values, the same on every rank
                 parts = ("loss", "loss_pg", "kl", "entropy")
                 summed = all_sum([out.metrics.get(k, 0.0) * (weight > 0) for k in parts], self.ranks)
-                out.metrics.update({k: v for k, v in zip(parts, summed) if k in out.metrics})
+                out.metrics.update({k: v for k, v in zip(parts, summed, strict=True) if k in out.metrics})
             if not math.isfinite(out.metrics["loss"]):  # every rank sees the batch's loss: all raise or none
                 raise FloatingPointError(f"non-finite loss {out.metrics['loss']} (metrics {out.metrics})")
             self.opt.zero_grad(set_to_none=True)
@@ -389,12 +389,12 @@ class PolicyTrainer:
         params = [p.detach() for p in self.model.parameters()]
         saved = [p.clone() for p in params]
         try:
-            for p, e in zip(params, self._ema):
+            for p, e in zip(params, self._ema, strict=True):
                 p.copy_(e)
             h_avg = self._entropy_part(x, n_tokens, weight)
         finally:
             reshard(self.model)  # the average's gathered weights go: the next forward gathers the restored shards
-            for p, w in zip(params, saved):
+            for p, w in zip(params, saved, strict=True):
                 p.copy_(w)
         if self.ranks is not None:
             h, h_avg = all_sum([h, h_avg], self.ranks)
@@ -440,7 +440,7 @@ class PolicyTrainer:
         """The average under the model's in-memory parameter names (this rank's shards); {} when it is off."""
         if self._ema is None:
             return {}
-        return {n: e for (n, _), e in zip(self.model.named_parameters(), self._ema)}
+        return {n: e for (n, _), e in zip(self.model.named_parameters(), self._ema, strict=True)}
 
     def load_ema_state(self, state: dict[str, torch.Tensor]) -> None:
         """Put back an average saved by ``ema_state`` (a checkpoint); one saved with it off leaves it at the weights."""
@@ -451,7 +451,7 @@ class PolicyTrainer:
         if set(state) != set(names):
             raise ValueError(f"the checkpoint's weight average has {len(state)} tensors; the model has {len(names)}")
         with torch.no_grad():
-            for n, e in zip(names, self._ema):
+            for n, e in zip(names, self._ema, strict=True):
                 e.copy_(state[n])
 
     def candidate_weights(self) -> dict[str, torch.Tensor]:
@@ -460,7 +460,7 @@ class PolicyTrainer:
         that is 0. The learner trains on; only what it serves is averaged."""
         if self._ema is None:
             return self.weights(torch.bfloat16)
-        by_param = {id(p): e for p, e in zip(self.model.parameters(), self._ema)}
+        by_param = {id(p): e for p, e in zip(self.model.parameters(), self._ema, strict=True)}
         module_state = dict(self.model.named_buffers())  # FSDP2 leaves buffers whole on every rank
         for n, p in self.model.named_parameters(remove_duplicate=False):
             e = by_param[id(p)]

@@ -154,9 +154,12 @@ def run(args, variant: str, seed: int, model_dir: Path, writer) -> dict:
             model = canary["model"] if arm else stable_m
             ps = [prompts[i] for i in idx]
             comps = sample_completions(model, ps, seed=rng.randrange(1 << 30))
-            raw = [Sample(encode_text(p.text), ids, [0.0] * len(ids), 0.0, p.segment) for p, (ids, _) in zip(ps, comps)]
+            raw = [
+                Sample(encode_text(p.text), ids, [0.0] * len(ids), 0.0, p.segment)
+                for p, (ids, _) in zip(ps, comps, strict=True)
+            ]
             lps = tr.token_logprobs(raw, model=model)
-            for p, (ids, text), s, lp in zip(ps, comps, raw, lps):
+            for p, (ids, text), s, lp in zip(ps, comps, raw, lps, strict=True):
                 s.behaviour_logprobs = [min(0.0, x) for x in lp]
                 truth = text is not None and task.user_accepts(p, text)
                 bait = text is not None and task.tempting(p, text)

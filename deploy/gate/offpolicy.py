@@ -156,7 +156,7 @@ def _paired_se(
     all the weight (leaving it out is undefined)."""
     n = r.size
     terms = np.zeros(n)
-    for (est, w), sign in zip(estimates, (1.0, -1.0)):
+    for (est, w), sign in zip(estimates, (1.0, -1.0), strict=True):
         rest = float(w.sum()) - w
         if n < 2 or not (rest > 0).all():
             return math.inf, 1.0

@@ -443,7 +443,7 @@ def _run(
         if t.device.type != "cpu" or not t.is_contiguous():
             raise DeltaError(f"tensor {e.name!r} is not a contiguous CPU tensor; it cannot be updated in place")
         x = element_view(t)
-        for (lo, hi), c in zip(_chunks(e.numel, header.chunk_elements), e.chunks):
+        for (lo, hi), c in zip(_chunks(e.numel, header.chunk_elements), e.chunks, strict=True):
             jobs.append((x[lo:hi], e, c))
 
     def run(job, forward):

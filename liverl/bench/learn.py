@@ -449,7 +449,7 @@ def measure(model_dir: Path, name: str, args: argparse.Namespace, spans, ranks=N
     rows = []
     for side in sides:
         secs = [sum(d) for d in times[side]]
-        per_round = [tok / s for tok, s in zip(tokens[side], secs)]
+        per_round = [tok / s for tok, s in zip(tokens[side], secs, strict=True)]
         rows.append(
             {
                 "model": name,
@@ -466,7 +466,7 @@ def measure(model_dir: Path, name: str, args: argparse.Namespace, spans, ranks=N
         )
     # The ratio pairs the two sides round by round (their updates alternated, under the same load from the rest of
     # the box) and takes the median round: one round slowed down by a neighbour does not decide it.
-    paired = [sum(p) / sum(lt) for lt, p in zip(times["learner"], times["plain"])]
+    paired = [sum(p) / sum(lt) for lt, p in zip(times["learner"], times["plain"], strict=True)]
     rows[0].update(
         ratio=statistics.median(paired),
         ratio_min=min(paired),

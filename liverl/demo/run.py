@@ -29,7 +29,6 @@ from liverl.stack.up import Pipeline
 log = logging.getLogger("liverl.demo")
 
 
-
 DEMO_PROFILE: dict[str, dict[str, float | int | str]] = {
     "serving": {"nodes": 2},
     "gate": {

@@ -323,7 +323,9 @@ class Agent:
         try:
             try:
                 r = await self.node.swap(
-                    [(str(p), e) for p, e in zip(paths, ends)], (from_v, from_sum), (target_version, target_checksum)
+                    [(str(p), e) for p, e in zip(paths, ends, strict=True)],
+                    (from_v, from_sum),
+                    (target_version, target_checksum),
                 )
             except Exception as e:  # HTTP error or no answer: ask the weights what happened
                 r = await self._after_lost_swap(e, from_v, from_sum, target_version, target_checksum)

@@ -175,7 +175,9 @@ class EngineSwap:
                 out["worker"].append({k: r.get(k) for k in ("rpc_ms", "write_ms", "readback_ms", "changed_tensors")})
                 if not r.get("ok"):
                     raise RuntimeError(f"worker did not commit the staged deltas: {r.get('error')}")
-                applied = [(p, before) for (p, _), before in zip(deltas, [frm[1], *[a for _, a in deltas[:-1]]])]
+                applied = [
+                    (p, before) for (p, _), before in zip(deltas, [frm[1], *[a for _, a in deltas[:-1]]], strict=True)
+                ]
                 t1 = time.perf_counter()
                 ph["apply_ms"] = _ms(t, t1)
                 if r["checksum"] != to[1] or int(r["version"]) != to[0]:

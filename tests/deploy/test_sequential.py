@@ -314,7 +314,7 @@ def test_batch_means_are_calibrated_on_autocorrelated_latency():
     lat_c = 1.0 + common + _ar1(rng, (reps, batches * per), 0.9, 0.05) + rng.normal(0, 0.02, (reps, batches * per))
     lat_s = 1.0 + common + _ar1(rng, (reps, batches * per), 0.9, 0.05) + rng.normal(0, 0.02, (reps, batches * per))
     z_batch, z_naive = [], []
-    for c, s in zip(lat_c, lat_s):
+    for c, s in zip(lat_c, lat_s, strict=True):
         d, var, df = batch_means(c.reshape(batches, per).mean(1), s.reshape(batches, per).mean(1))
         z_batch.append(d / math.sqrt(var))
         assert df == batches - 1

@@ -4,6 +4,7 @@ and their records say which tokens each version sampled, exactly (log-probs chec
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -91,7 +92,7 @@ def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_vers
         if len(swaps) >= len(chain) - 1 or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert [(w["from"], w["to"]) for w in swaps] == list(zip(chain, chain[1:])), swaps
+    assert [(w["from"], w["to"]) for w in swaps] == list(itertools.pairwise(chain)), swaps
     for swap in swaps:
         assert swap["verify_ok"], swap
         assert swap.get("drain_ms") is None  # nothing drained

@@ -87,7 +87,7 @@ class _Stage:
         try:
             view = dict(st.shadow)  # the weights each delta applies to (shadow tensors are never written in place)
             sums, cur = dict(st.tensor_sums()), self.base
-            for path, expect in zip(paths, expects):
+            for path, expect in zip(paths, expects, strict=True):
                 plan = plan_delta(view, path.read_bytes(), known_checksum=cur)
                 if plan.checksum != expect:
                     raise DeltaError(
