@@ -87,8 +87,7 @@ class RocksStore:
 
     def keys(self) -> Iterator[bytes]:
         """Every generation id held (a full scan: for tests and tools, never on the worker's path)."""
-        for k in self.db.keys(from_key=b"\x02"):
-            yield k
+        yield from self.db.keys(from_key=b"\x02")
 
     def apply(self, changes: list[tuple[bytes, bytes | None]], offset: int | None) -> None:
         """Write ``changes`` (None deletes), their index keys and the changelog offset they end at, all or nothing."""

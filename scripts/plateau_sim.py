@@ -159,7 +159,7 @@ def run(args, variant: str, seed: int, model_dir: Path, writer) -> dict:
                 for p, (ids, _) in zip(ps, comps, strict=True)
             ]
             lps = tr.token_logprobs(raw, model=model)
-            for p, (ids, text), s, lp in zip(ps, comps, raw, lps, strict=True):
+            for p, (_ids, text), s, lp in zip(ps, comps, raw, lps, strict=True):
                 s.behaviour_logprobs = [min(0.0, x) for x in lp]
                 truth = text is not None and task.user_accepts(p, text)
                 bait = text is not None and task.tempting(p, text)

@@ -237,7 +237,9 @@ def run_drift(args: argparse.Namespace, spans) -> int:
     try:
         lrs = [float(x) for x in args.drift.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--drift takes learning rates separated by commas, e.g. 3e-4,1e-6; got {args.drift!r}")
+        raise ValueError(
+            f"--drift takes learning rates separated by commas, e.g. 3e-4,1e-6; got {args.drift!r}"
+        ) from None
     if not lrs or any(not lr > 0 for lr in lrs) or args.drift_steps < 1:
         raise ValueError("--drift needs learning rates > 0 and --drift-steps >= 1")
     max_kl = GateConfig().max_kl

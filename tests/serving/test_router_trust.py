@@ -102,7 +102,7 @@ def test_a_heartbeat_of_a_node_the_config_does_not_name_gets_no_request(cfg, rds
             await beat(f.ardis, f.prefix, "node-b", _url(evil_port))
             router = await f.route()
             answered = {await f.node_of(f"user-{i}") for i in range(100)}
-            for i in range(20):
+            for _ in range(20):
                 await f.node_of(None)  # unkeyed: a random node, still only a configured one
             assert answered == {"node-a", "node-b"}
             assert not evil_seen, f"{len(evil_seen)} requests reached a node the config does not name"
