@@ -170,12 +170,12 @@ def librdkafka_producer_config(broker: BrokerConfig | None) -> dict[str, str | i
     return {"message.timeout.ms": int(delivery_timeout_s(broker) * 1000), **librdkafka_security(broker)}
 
 
-PRODUCER_ORDER = """Why no producer liverl builds is idempotent: Tansu's object-store engine (the embedded broker) writes an
-idempotent producer's next sequence number before the record batch. A broker killed between the two comes back with
-the sequence counted and the batch missing; the producer retries the batch with the same sequence, the broker answers
-DUPLICATE_SEQUENCE_NUMBER, and every Kafka client takes that as "already written": the record is acknowledged and lost
-(``tests/liverl/test_broker_crash.py``, found by ``pytest -m chaos``). Without idempotence the retry is written again.
-A retry after a lost acknowledgement may then write a record twice, which every consumer absorbs by the key it
+PRODUCER_ORDER = """Why no producer liverl builds is idempotent: Tansu's object-store engine (the embedded broker)
+writes an idempotent producer's next sequence number before the record batch. A broker killed between the two comes back
+with the sequence counted and the batch missing; the producer retries the batch with the same sequence, the broker
+answers DUPLICATE_SEQUENCE_NUMBER, and every Kafka client takes that as "already written": the record is acknowledged
+and lost (``tests/liverl/test_broker_crash.py``, found by ``pytest -m chaos``). Without idempotence the retry is written
+again. A retry after a lost acknowledgement may then write a record twice, which every consumer absorbs by the key it
 already dedupes on (``feedback_id``, ``generation_id``, ``sample_id``). One request in flight per connection keeps a
 producer's records in order across retries, which idempotence did before."""
 

@@ -55,8 +55,8 @@ class DeliveryError(RuntimeError):
 
 
 class FeedbackClient:
-    """A thread-safe feedback publisher (kafka-python; acks=all, in order, at least once: a retry may write an event twice, and
-    ingest counts it once by ``feedback_id``).
+    """A thread-safe feedback publisher (kafka-python; acks=all, in order, at least once: a retry may write an event
+    twice, and ingest counts it once by ``feedback_id``).
 
     ``send``/``accept``/... return once the event is buffered (blocking at most ``max_block_ms``, 5 s by default,
     when the buffer is full or the broker is unknown); ``flush()`` blocks until every event is acknowledged and

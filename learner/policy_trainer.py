@@ -243,7 +243,8 @@ class PolicyTrainer:
         elif self.ranks is not None:
             why = "FSDP2-sharded: the fast path runs in one process"
         else:
-            why = f"{self.model.config.model_type} in {next(self.model.parameters()).dtype}: not a layout learner/fastpath.py handles"
+            dtype = next(self.model.parameters()).dtype
+            why = f"{self.model.config.model_type} in {dtype}: not a layout learner/fastpath.py handles"
         return f"transformers' forward ({why})"
 
     def padded_tokens(self, samples: list[TrainingSample]) -> int:

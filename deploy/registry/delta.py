@@ -53,7 +53,8 @@ from deploy.registry.container import (
     zstd_compress,
 )
 
-__all__ = [  # checksum, tensor_checksum, DTYPES and DeltaError live in deploy.registry.container; callers of the codec get them here
+# checksum, tensor_checksum, DTYPES and DeltaError live in deploy.registry.container; callers of the codec get them here
+__all__ = [
     "CHUNK_ELEMENTS",
     "DTYPES",
     "FORMAT_VERSION",

@@ -216,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
                 f"first update, {r['model']}: loss learner {r['loss_learner']:.6g} plain {r['loss_plain']:.6g}; "
                 f"grad norm learner {r['gnorm_learner']:.6g} plain {r['gnorm_plain']:.6g}; "
                 f"{r['padded_frac']:.0%} of the padded batch is padding; {r['device']}, {r['threads']} CPU thread(s); "
-                f"the learner's untimed calls took {r['warmup_s']:.1f} s{' (compiling)' if getattr(args, 'compile', False) else ''}"
+                f"the learner's untimed calls took {r['warmup_s']:.1f} s"
+                + (" (compiling)" if getattr(args, "compile", False) else "")
             )
     for title, table in profiles:
         print(f"\n{title}\n{table}")

@@ -1,8 +1,8 @@
 """The serving agent: keeps the node on the version the release gate wants, and reports what it serves.
 
 Runs as an asyncio task in the serving process (``serving.agent.main``), beside the node whose API-server process runs
-the gateway; it reports to that gateway through ``serving.node.gateway_host.GatewayLink`` (the swap's own start and end are
-marked on the gateway inside the node, at the pause). Every ``cfg.serving.swap_poll_s`` it reads the signed
+the gateway; it reports to that gateway through ``serving.node.gateway_host.GatewayLink`` (the swap's own start and end
+are marked on the gateway inside the node, at the pause). Every ``cfg.serving.swap_poll_s`` it reads the signed
 announcements ``<prefix>:desired`` and ``<prefix>:canary`` (``VersionAnnouncement``s) from Redis through
 ``core.fleet`` (verified, bound to their channel, prefix and expiry, replays refused); its target is the canary
 when the canary's signed terms name this node, else the desired version. The registry must call the target ``stable``

@@ -124,8 +124,8 @@ class EngineSwap:
     async def run(
         self, deltas: list[tuple[str, str]], frm: tuple[int, str], to: tuple[int, str], gateway=None
     ) -> dict[str, Any]:
-        """The swap; ``gateway``: the ``serving.node.gateway.Gateway`` in this process (``serving.node.gateway_host``), told
-        just before the pause that a swap begins and, after the resume and the read-back, which version it left
+        """The swap; ``gateway``: the ``serving.node.gateway.Gateway`` in this process (``serving.node.gateway_host``),
+        told just before the pause that a swap begins and, after the resume and the read-back, which version it left
         served (or why the node must stop serving) and that it ended."""
         out: dict[str, Any] = {
             "ok": False,

@@ -1,6 +1,7 @@
 """Helpers for the ingest tests: a real faust worker in a subprocess, topic tails, Redis counters.
 
-The worker runs as ``liverl ingest`` (``python -m liverl.cli ingest``: its own process and event loop), configured through ``LIVERL__*`` environment variables, and is stopped with SIGTERM.
+The worker runs as ``liverl ingest`` (``python -m liverl.cli ingest``: its own process and event loop), configured
+through ``LIVERL__*`` environment variables, and is stopped with SIGTERM.
 """
 
 from __future__ import annotations

@@ -336,8 +336,8 @@ def test_a_backlog_is_read_in_step_so_feedback_finds_its_generation(stack, tmp_p
 
 
 def _wait_progress(value, done, alive, what: str, stall_s: float = 300.0, interval: float = 0.02) -> None:
-    """Wait until ``done(value())``, for as long as the worker is alive and ``value()`` keeps changing: a property, not a
-    clock. A loaded machine only makes it wait longer; it fails when the worker died, or when nothing changed for
+    """Wait until ``done(value())``, for as long as the worker is alive and ``value()`` keeps changing: a property, not
+    a clock. A loaded machine only makes it wait longer; it fails when the worker died, or when nothing changed for
     ``stall_s`` (a hang, not slowness: the backlog moves every second on any machine this runs on)."""
     last, since = value(), time.monotonic()
     while not done(last):

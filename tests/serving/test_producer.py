@@ -1,5 +1,5 @@
-"""The gateway's producer (``serving/node/producer.py``) on the real broker: review finding 13, "the gateway hands out ids
-for records never logged". The gateway answers a client only after ``wait`` says the broker has the generation
+"""The gateway's producer (``serving/node/producer.py``) on the real broker: review finding 13, "the gateway hands out
+ids for records never logged". The gateway answers a client only after ``wait`` says the broker has the generation
 record (``serving.log_wait_s``, bounded): an acknowledged record is in the topic at that moment, and a wait that
 cannot be met returns after its bound, counted, instead of holding the client."""
 

@@ -1,4 +1,5 @@
-"""The serving tier against real parts: vLLM on CPU (one engine for the package, see conftest.py), Kafka, Redis, the registry.
+"""The serving tier against real parts: vLLM on CPU (one engine for the package, see conftest.py), Kafka, Redis, the
+registry.
 
 Order of the tests does not matter: each reads the version being served and moves from there.
 """

@@ -1,7 +1,7 @@
 """vLLM worker extension: in-place hot-swap of policy weights from a delta file, and a checksum of what is served.
 
-Loaded inside the vLLM worker through ``--worker-extension-cls serving.node.worker.extension.LiverlWorkerExtension``; its
-methods run there via ``collective_rpc`` (the node's dev endpoint ``POST /collective_rpc``, string arguments only,
+Loaded inside the vLLM worker through ``--worker-extension-cls serving.node.worker.extension.LiverlWorkerExtension``;
+its methods run there via ``collective_rpc`` (the node's dev endpoint ``POST /collective_rpc``, string arguments only,
 so only a file path crosses HTTP, never a weight payload).
 
 Why it is built this way:
