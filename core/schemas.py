@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION: Final = 1  # Final: its type is Literal[1], the type of every schema_version field
 
 FeedbackKind = Literal["accept", "reject", "edit", "revert"]
 """accept, reject, edit judge a generation (its first judgement trains); revert is a follow-up on an accepted one (the

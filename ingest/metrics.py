@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from redis.commands.core import AsyncScript
 
 from core import keys
 from core.config import redact_url
@@ -363,7 +364,7 @@ class IngestMetrics:
             registry=r,
         )
         self._redis = None
-        self._script = None
+        self._script: AsyncScript | None = None  # the live counters' script, registered with the client
 
     # -- Prometheus --------------------------------------------------------------------------------
 
@@ -413,6 +414,8 @@ class IngestMetrics:
             return
 
         client = await self._client()
+        script = self._script
+        assert script is not None  # _client registers it with the client it makes
         ckey = keys.ingest_counters(self.prefix)
         delay = 0.2
         deadline = time.monotonic() + retry_s
@@ -430,10 +433,10 @@ class IngestMetrics:
                 if self._cluster:  # a cluster pipeline takes no scripts: each call goes to its slot's node
                     await pipe.execute()
                     for lua_keys, args in calls:
-                        await self._script(keys=lua_keys, args=args)
+                        await script(keys=lua_keys, args=args)
                 else:
                     for lua_keys, args in calls:
-                        await self._script(keys=lua_keys, args=args, client=pipe)
+                        await script(keys=lua_keys, args=args, client=pipe)
                     await pipe.execute()
                 break
             except (redis.ConnectionError, redis.TimeoutError) as e:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Lint: ruff with the rules in pyproject.toml ([tool.ruff.lint]: pyflakes, pycodestyle's errors, sorted imports) and
-# ruff's formatter (`ruff format` fixes what `--check` reports). scripts/test.sh (and so CI) runs it first.
+# Lint: ruff with the rules in pyproject.toml ([tool.ruff.lint]: pyflakes, pycodestyle's errors, sorted imports,
+# bugbear, blind excepts, pyupgrade, line length), ruff's formatter (`ruff format` fixes what `--check` reports) and
+# mypy over the files [tool.mypy] names (core, ingest, deploy). scripts/test.sh (and so CI) runs it first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
 ruff check core ingest learner serving deploy liverl tests scripts
 ruff format --check core ingest learner serving deploy liverl tests scripts
+mypy
