@@ -148,9 +148,9 @@ def all_topics(cfg: LiverlConfig) -> list[str]:
 
 
 class KeySerializer(Serializer):
-    """Keys are generation ids (str); bytes pass through."""
+    """Keys are generation ids (str); bytes pass through. kafka-python 3 calls ``serialize(topic, headers, key)``."""
 
-    def serialize(self, topic, key):
+    def serialize(self, topic, headers, key):
         return key.encode() if isinstance(key, str) else key
 
 
