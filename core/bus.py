@@ -27,17 +27,20 @@ from liverl_sdk.client import PRODUCER_ORDER, FeedbackClient, KeySerializer, pro
 log = logging.getLogger("liverl.core.bus")
 
 
+def _sasl_credentials(broker: BrokerConfig) -> tuple[str, str]:
+    """(user name, password) of a SASL protocol: BrokerConfig's validator refuses a SASL protocol without both."""
+    assert broker.sasl_username is not None and broker.sasl_password is not None
+    return broker.sasl_username, broker.sasl_password.get_secret_value()
+
+
 def kafka_python_security(broker: BrokerConfig | None) -> dict[str, Any]:
     """kafka-python's keyword arguments for the broker's security settings (empty for PLAINTEXT)."""
     if broker is None or broker.security_protocol == "PLAINTEXT":
         return {}
     kw: dict[str, Any] = {"security_protocol": broker.security_protocol}
     if broker.security_protocol.startswith("SASL"):
-        kw.update(
-            sasl_mechanism=broker.sasl_mechanism,
-            sasl_plain_username=broker.sasl_username,
-            sasl_plain_password=broker.sasl_password.get_secret_value(),
-        )
+        user, password = _sasl_credentials(broker)
+        kw.update(sasl_mechanism=broker.sasl_mechanism, sasl_plain_username=user, sasl_plain_password=password)
     if broker.security_protocol.endswith("SSL"):
         kw.update(
             {
@@ -66,11 +69,8 @@ def aiokafka_security(broker: BrokerConfig | None) -> dict[str, Any]:
         return {}
     kw: dict[str, Any] = {"security_protocol": broker.security_protocol}
     if broker.security_protocol.startswith("SASL"):
-        kw.update(
-            sasl_mechanism=broker.sasl_mechanism,
-            sasl_plain_username=broker.sasl_username,
-            sasl_plain_password=broker.sasl_password.get_secret_value(),
-        )
+        user, password = _sasl_credentials(broker)
+        kw.update(sasl_mechanism=broker.sasl_mechanism, sasl_plain_username=user, sasl_plain_password=password)
     if broker.security_protocol.endswith("SSL"):
         kw["ssl_context"] = _ssl_context(broker)
     return kw
@@ -82,13 +82,8 @@ def librdkafka_security(broker: BrokerConfig | None) -> dict[str, str]:
         return {}
     conf = {"security.protocol": broker.security_protocol.lower()}
     if broker.security_protocol.startswith("SASL"):
-        conf.update(
-            {
-                "sasl.mechanism": broker.sasl_mechanism,
-                "sasl.username": broker.sasl_username,
-                "sasl.password": broker.sasl_password.get_secret_value(),
-            }
-        )
+        user, password = _sasl_credentials(broker)
+        conf.update({"sasl.mechanism": broker.sasl_mechanism, "sasl.username": user, "sasl.password": password})
     if broker.security_protocol.endswith("SSL"):
         conf.update(
             {

@@ -163,8 +163,8 @@ CHANNELS: tuple[AnnouncementChannel, ...] = ("desired", "canary")
 
 
 class AnnouncementVerifier(Protocol):
-    """What checks a signature (``deploy.registry.signing.Verifier``): raises ``ValueError`` unless ``ann`` is signed by the
-    release tier's key."""
+    """What checks a signature (``deploy.registry.signing.Verifier``): raises ``ValueError`` unless ``ann`` is signed by
+    the release tier's key."""
 
     def verify(self, ann: VersionAnnouncement) -> None: ...
 

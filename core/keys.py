@@ -140,9 +140,9 @@ def unit_bucket(judged_at: float) -> int:
 
 def units(prefix: str, version: int, bucket: int) -> str:
     """Per-user sums of ``version``'s generations judged in ``bucket`` (a hash ``<unit>|<field>`` -> int,
-    ``UNIT_FIELDS``, and ``*|<field>`` for every event of the bucket, ``ALL_FIELDS``). Written by ingest's live counters'
-    script, once per feedback id, with a TTL (``ingest.unit_ttl_s``). The version is the hash tag: the same Redis
-    Cluster slot as ``live`` and the guards."""
+    ``UNIT_FIELDS``, and ``*|<field>`` for every event of the bucket, ``ALL_FIELDS``). Written by ingest's live
+    counters' script, once per feedback id, with a TTL (``ingest.unit_ttl_s``). The version is the hash tag: the same
+    Redis Cluster slot as ``live`` and the guards."""
     return f"{prefix}:units:{{{int(version)}}}:{int(bucket)}"
 
 

@@ -6,7 +6,8 @@ A process never starts a service; ``liverl up`` and ``liverl demo`` start the em
 - Kafka: ``broker.bootstrap``, else the embedded broker's port on 127.0.0.1.
 - Redis: ``redis.url``, else 127.0.0.1:6379 when it answers, else the embedded port.
 - Registry: ``cfg.registry_url`` (``registry.url``, else SQLite in ``<state_dir>/registry.db``).
-- Blobs: ``cfg.blob_location`` (``registry.blob_dir`` as written: a folder or ``s3://`` URL; else ``<state_dir>/blobs``).
+- Blobs: ``cfg.blob_location`` (``registry.blob_dir`` as written: a folder or ``s3://`` URL; else
+  ``<state_dir>/blobs``).
 
 The registry and blob store themselves are opened by the library that owns them
 (``deploy.registry.registry.open_registry``); this module is torch-free and imports no process package.

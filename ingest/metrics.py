@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from redis.commands.core import AsyncScript
 
 from core import keys
 from core.config import redact_url
@@ -40,12 +41,12 @@ log = logging.getLogger("liverl.ingest.metrics")
 COUNTED_TTL_S = 7 * 24 * 3600
 UNIT_TTL_S = 2 * 24 * 3600  # how long per-user sums live after their last write (ingest.unit_ttl_s's default)
 
-# KEYS[1] = the version's live hash, KEYS[1 + i] (i = 1..m) = its per-user sums of bucket i (keys.units), KEYS[1 + m + j]
-# = guard key of event j; ARGV[1] = guard ttl, ARGV[2] = per-user sums' ttl, ARGV[3] = m, and for event j (E of them):
-# ARGV[3 + j] = its kind (a revert's kind carries the bucket of its generation's judgement: revert@<bucket>,
-# keys.revert_field; a judgement's kind may end with the guardrail sums it adds: accept;tokens=5;tokens_sq=25;...,
-# keys.judged_fields), ARGV[3 + E + j] = i, the per-user sums it goes to (0: none), ARGV[3 + 2E + j] = its unit ('':
-# none; it counts in the bucket's aggregate '*' either way).
+# KEYS[1] = the version's live hash, KEYS[1 + i] (i = 1..m) = its per-user sums of bucket i (keys.units),
+# KEYS[1 + m + j] = guard key of event j; ARGV[1] = guard ttl, ARGV[2] = per-user sums' ttl, ARGV[3] = m, and for event
+# j (E of them): ARGV[3 + j] = its kind (a revert's kind carries the bucket of its generation's judgement:
+# revert@<bucket>, keys.revert_field; a judgement's kind may end with the guardrail sums it adds:
+# accept;tokens=5;tokens_sq=25;..., keys.judged_fields), ARGV[3 + E + j] = i, the per-user sums it goes to (0: none),
+# ARGV[3 + 2E + j] = its unit ('': none; it counts in the bucket's aggregate '*' either way).
 # The increments of the events whose guard was new are summed in the script and written once per key and field: a
 # batch costs Redis one SET per event, a few HINCRBYs for the live hash and an HMGET and an HSET per 2,000 per-user
 # fields, not a dozen writes per event (Redis is the one process every worker shares: its cost per event bounds the
@@ -363,7 +364,7 @@ class IngestMetrics:
             registry=r,
         )
         self._redis = None
-        self._script = None
+        self._script: AsyncScript | None = None  # the live counters' script, registered with the client
 
     # -- Prometheus --------------------------------------------------------------------------------
 
@@ -413,6 +414,8 @@ class IngestMetrics:
             return
 
         client = await self._client()
+        script = self._script
+        assert script is not None  # _client registers it with the client it makes
         ckey = keys.ingest_counters(self.prefix)
         delay = 0.2
         deadline = time.monotonic() + retry_s
@@ -430,10 +433,10 @@ class IngestMetrics:
                 if self._cluster:  # a cluster pipeline takes no scripts: each call goes to its slot's node
                     await pipe.execute()
                     for lua_keys, args in calls:
-                        await self._script(keys=lua_keys, args=args)
+                        await script(keys=lua_keys, args=args)
                 else:
                     for lua_keys, args in calls:
-                        await self._script(keys=lua_keys, args=args, client=pipe)
+                        await script(keys=lua_keys, args=args, client=pipe)
                     await pipe.execute()
                 break
             except (redis.ConnectionError, redis.TimeoutError) as e:

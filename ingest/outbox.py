@@ -19,7 +19,7 @@ MAX_REQUEST_BYTES = 1_048_576  # the broker's default message.max.bytes
 class Outbox:
     """Records on their way to the broker, sent as one batch per partition when flushed."""
 
-    def __init__(self, producer):
+    def __init__(self, producer) -> None:
         self.producer = producer
         self._queued: list[tuple[str, bytes, bytes | None]] = []  # send: (topic, key, value), partitioned by key
         self._grouped: list[tuple[str, int, list[tuple[bytes, bytes | None]]]] = []  # put_many: a partition's records

@@ -8,6 +8,7 @@ it writes, so the hash is done in bulk (numpy) and cached.
 from __future__ import annotations
 
 import struct
+from typing import cast
 
 import numpy as np
 
@@ -46,8 +47,8 @@ def murmur2_many(keys: list[bytes]) -> list[int]:
     m = np.uint32(_M)
     out = [0] * len(keys)
     by_len: dict[int, list[int]] = {}
-    for i, k in enumerate(keys):
-        by_len.setdefault(len(k), []).append(i)
+    for i, key in enumerate(keys):
+        by_len.setdefault(len(key), []).append(i)
     for n, idx in by_len.items():
         h = np.full(len(idx), (0x9747B28C ^ n) & _MASK, dtype=np.uint32)
         if n:
@@ -111,7 +112,7 @@ def partitions_of(keys: list[bytes], partitions: int) -> list[int]:
     cur = _HASHES
     hashes = [cur.get(k) for k in keys]
     if None not in hashes:
-        return [h % partitions for h in hashes]
+        return [h % partitions for h in cast("list[int]", hashes)]  # every key cached: no None in the list
     warm_hashes([k for k, h in zip(keys, hashes, strict=True) if h is None])
     return [h % partitions if h is not None else partition_of(k, partitions) for k, h in zip(keys, hashes, strict=True)]
 

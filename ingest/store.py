@@ -67,7 +67,7 @@ class RocksStore:
         # batch, so the database reopens at an earlier offset and ``JoinTable.recover`` reads the changelog from
         # there. A clean close flushes the memtables.
         self._write_opts = WriteOptions()
-        self._write_opts.disable_wal = True
+        self._write_opts.disable_wal = True  # type: ignore[method-assign,assignment]  # a property at run time; rocksdict's stub says a method
         self.reads = 0  # keys visited by ``pending`` and ``due`` (tests count them: recovery's work is O(pending))
         self._drop: list[bytes] = []  # due index keys, deleted with the next apply
         raw = self.db.get(OFFSET_KEY)
@@ -87,8 +87,7 @@ class RocksStore:
 
     def keys(self) -> Iterator[bytes]:
         """Every generation id held (a full scan: for tests and tools, never on the worker's path)."""
-        for k in self.db.keys(from_key=b"\x02"):
-            yield k
+        yield from self.db.keys(from_key=b"\x02")
 
     def apply(self, changes: list[tuple[bytes, bytes | None]], offset: int | None) -> None:
         """Write ``changes`` (None deletes), their index keys and the changelog offset they end at, all or nothing."""
@@ -176,7 +175,7 @@ class MemoryStore:
 
     path = None
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.db: dict[bytes, bytes] = {}
         self._pending: dict[bytes, PendingInfo] = {}
         self._heaps: dict[bytes, list[tuple[int, bytes]]] = {}

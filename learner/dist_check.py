@@ -157,7 +157,10 @@ def on_policy(trainer, samples, chunk: int = 16):
     for i in range(0, len(samples), chunk):
         part = samples[i : i + chunk]
         lps = trainer.token_logprobs(part)
-        out += [s.model_copy(update={"behaviour_logprobs": [min(x, 0.0) for x in lp]}) for s, lp in zip(part, lps)]
+        out += [
+            s.model_copy(update={"behaviour_logprobs": [min(x, 0.0) for x in lp]})
+            for s, lp in zip(part, lps, strict=True)
+        ]
     return out
 
 

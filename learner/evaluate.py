@@ -150,7 +150,9 @@ class PolicyEvaluator:
             model = self._model(weights)
             grades = []
             gen = torch.Generator().manual_seed(0)
-            for case, completion in zip(_repeat(suite.cases, suite.samples), self._decode(model, suite, gen)):
+            for case, completion in zip(
+                _repeat(suite.cases, suite.samples), self._decode(model, suite, gen), strict=True
+            ):
                 g = float(suite.grade(case, completion))
                 if not 0.0 <= g <= 1.0:
                     raise ValueError(f"suite {suite.name!r}: the grader returned {g}, outside [0, 1]")
@@ -179,7 +181,7 @@ class PolicyEvaluator:
         eos = tok.eos_token_id
         out: list[str | None] = [None] * len(cases)
         by_len: dict[tuple[int, int], list[int]] = {}
-        for i, (p, c) in enumerate(zip(prompts, cases)):
+        for i, (p, c) in enumerate(zip(prompts, cases, strict=True)):
             by_len.setdefault((len(p), c.max_tokens), []).append(i)
         for (_, max_tokens), idx in sorted(by_len.items()):
             for j in range(0, len(idx), self.batch_size):

@@ -241,7 +241,7 @@ def pg_loss(
         if entropy_BT is not None:
             names.append("entropy")
             values.append((entropy_BT.detach() * mask_BT).sum() / n_tokens)
-        metrics = dict(zip(names, torch.stack([v.to(logp_BT.dtype) for v in values]).tolist()))
+        metrics = dict(zip(names, torch.stack([v.to(logp_BT.dtype) for v in values]).tolist(), strict=True))
         if entropy_coef:
             metrics["entropy_floor_gap"] = floor_gap
     return LossOutput(loss=loss, metrics=metrics)

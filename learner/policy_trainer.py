@@ -202,7 +202,7 @@ class PolicyTrainer:
             if self.ranks is not None:  # this share's parts -> the batch's values, the same on every rank
                 parts = ("loss", "loss_pg", "kl", "entropy")
                 summed = all_sum([out.metrics.get(k, 0.0) * (weight > 0) for k in parts], self.ranks)
-                out.metrics.update({k: v for k, v in zip(parts, summed) if k in out.metrics})
+                out.metrics.update({k: v for k, v in zip(parts, summed, strict=True) if k in out.metrics})
             if not math.isfinite(out.metrics["loss"]):  # every rank sees the batch's loss: all raise or none
                 raise FloatingPointError(f"non-finite loss {out.metrics['loss']} (metrics {out.metrics})")
             self.opt.zero_grad(set_to_none=True)

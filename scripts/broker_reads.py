@@ -51,7 +51,7 @@ def main() -> None:
         p = KafkaProducer(bootstrap_servers=boot, linger_ms=0)
         n = args.batches
         t0 = time.time()
-        for i in range(n):
+        for _ in range(n):
             p.send("t", value=os.urandom(150))
             p.send("t", value=os.urandom(150))
             p.flush()

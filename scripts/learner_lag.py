@@ -94,7 +94,7 @@ def plot(path: str, png: str) -> None:
     a.axhline(120, color="r", ls="--", label="2 minutes (LiverlLearnerBehind)")
     a.set_ylabel("learner backlog (s of feedback)")
     a.legend()
-    b.plot([x for x, k in zip(t, kept) if k is not None], [k for k in kept if k is not None])
+    b.plot([x for x, k in zip(t, kept, strict=True) if k is not None], [k for k in kept if k is not None])
     b.set_ylabel("kept acceptance, last minute (%)")
     b.set_xlabel("minutes since the learner first published")
     fig.tight_layout()

@@ -18,9 +18,10 @@ stand-ins, so that a change to the learner can be compared over several seeds in
   candidate); ``main`` is none of them;
 - the gate: the collapse floor (``gate.min_entropy``: the candidate's mean per-token entropy on the last 256
   generations, teacher-forced, as ``learner.evaluate`` measures it), the product's suite (greedy sums on 256
-  prompts, McNemar's one-sided at 0.05: ``deploy.gate.gate``'s rule) and a canary whose estimate is the candidate's exact expected acceptance difference plus the noise of a
-  user-clustered sequential test at the demo's traffic (design effect 1.5, a 3-s.e. always-valid bound,
-  non-inferiority within 3 points, the 6,000-event budget), looked at every 10 updates after the revert horizon.
+  prompts, McNemar's one-sided at 0.05: ``deploy.gate.gate``'s rule) and a canary whose estimate is the candidate's
+  exact expected acceptance difference plus the noise of a user-clustered sequential test at the demo's traffic (design
+  effect 1.5, a 3-s.e. always-valid bound, non-inferiority within 3 points, the 6,000-event budget), looked at every 10
+  updates after the revert horizon.
 
 Time is counted in updates; the demo makes about 0.8 a second (64 samples at ~50 judged events a second), which is
 how the table converts to seconds. This is a model of the demo, not the demo: it is for ranking learner variants,
@@ -154,9 +155,12 @@ def run(args, variant: str, seed: int, model_dir: Path, writer) -> dict:
             model = canary["model"] if arm else stable_m
             ps = [prompts[i] for i in idx]
             comps = sample_completions(model, ps, seed=rng.randrange(1 << 30))
-            raw = [Sample(encode_text(p.text), ids, [0.0] * len(ids), 0.0, p.segment) for p, (ids, _) in zip(ps, comps)]
+            raw = [
+                Sample(encode_text(p.text), ids, [0.0] * len(ids), 0.0, p.segment)
+                for p, (ids, _) in zip(ps, comps, strict=True)
+            ]
             lps = tr.token_logprobs(raw, model=model)
-            for p, (ids, text), s, lp in zip(ps, comps, raw, lps):
+            for p, (_ids, text), s, lp in zip(ps, comps, raw, lps, strict=True):
                 s.behaviour_logprobs = [min(0.0, x) for x in lp]
                 truth = text is not None and task.user_accepts(p, text)
                 bait = text is not None and task.tempting(p, text)

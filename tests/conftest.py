@@ -53,8 +53,8 @@ def pipeline_env(prefix: str, **settings: str) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Stack:
     state = tmp_path_factory.mktemp("stack")
-    # memory storage: the suite's topics are throwaway, and the folder storage's cost (liverl.stack.objstore) would land on
-    # every test; the durable default has its own tests (tests/liverl/test_stack.py, test_objstore.py)
+    # memory storage: the suite's topics are throwaway, and the folder storage's cost (liverl.stack.objstore) would land
+    # on every test; the durable default has its own tests (tests/liverl/test_stack.py, test_objstore.py)
     cfg = load_config(
         env={},
         state_dir=str(state),

@@ -131,7 +131,7 @@ def _logprobs(model, gens: list[dict]) -> list[float]:
 def _median_abs(a: list[float], b: list[float]) -> float:
     """Median |a - b|: robust to the few tokens a near-tie in a MoE router sends elsewhere (see BENCHMARKS.md)."""
     assert len(a) == len(b) and a
-    d = sorted(abs(x - y) for x, y in zip(a, b))
+    d = sorted(abs(x - y) for x, y in zip(a, b, strict=True))
     return d[len(d) // 2]
 
 

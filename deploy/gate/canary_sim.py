@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -98,7 +99,8 @@ def simulate_sticky(
     secret = f"liverl-bench-canary-{seed}".encode()
     draws = {"events_per_s": events_per_s, "pre_s": pre_s, "activity_sigma": activity_sigma, "looks": looks}
     draws["per_bucket"] = per_bucket
-    res = {
+    # per effect: per scheme {PROMOTE: runs, ABORT: runs, "events": [to each decision]}, "cuped_removed", "srm"
+    res: dict[float, dict[str, Any]] = {
         eff: {s: {PROMOTE: 0, ABORT: 0, "events": []} for s in SCHEMES} | {"cuped_removed": [], "srm": 0}
         for eff in effects
     }
@@ -203,7 +205,7 @@ def _decide(out: dict, pass_: np.ndarray, harm: np.ndarray, threshold: float, pe
 
 
 def _rates(out: dict, runs: int) -> dict:
-    rows = {}
+    rows: dict[str, Any] = {}
     for scheme in SCHEMES:
         o = out[scheme]
         ev = sorted(o["events"])
@@ -259,7 +261,10 @@ def simulate_budget(
     looks = int(math.ceil(budget / (share * per_bucket) * 1.5)) + 2  # past the budget in (almost) every run
     threshold = math.log(1.0 / alpha)
     secret = f"liverl-bench-canary-budget-{seed}".encode()
-    ends = {(eff, z): {e: 0 for e in BUDGET_ENDS} | {"events": []} for eff in effects for z in futility_z}
+    # per (effect, futility z): runs per end (BUDGET_ENDS) and "events": the canary events each run spent
+    ends: dict[tuple[float, float | None], dict[str, Any]] = {
+        (eff, z): {e: 0 for e in BUDGET_ENDS} | {"events": []} for eff in effects for z in futility_z
+    }
     draws = {"events_per_s": events_per_s, "pre_s": pre_s, "activity_sigma": activity_sigma, "looks": looks}
     draws["per_bucket"] = per_bucket
     for run in range(runs):

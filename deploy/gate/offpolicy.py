@@ -57,11 +57,26 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import TypeVar
+from typing import Protocol, Self, TypeVar
 
 import numpy as np
 
-S = TypeVar("S")  # a held-out sample (merge_heldout)
+
+class HeldoutRecord(Protocol):
+    """What ``merge_heldout`` reads of a held-out sample (``deploy.gate.gate.HeldoutSample`` is one)."""
+
+    @property
+    def generation_id(self) -> str: ...
+    @property
+    def judged_at(self) -> float: ...
+    @property
+    def reward(self) -> float: ...
+    @property
+    def kind(self) -> str: ...
+    def _replace(self, *, reward: float, kind: str, judged_at: float) -> Self: ...
+
+
+S = TypeVar("S", bound=HeldoutRecord)  # a held-out sample (merge_heldout)
 
 ALPHA = 0.025  # one-sided error rate of the off-policy refusal (an equally good candidate refused at most this often)
 
@@ -156,7 +171,7 @@ def _paired_se(
     all the weight (leaving it out is undefined)."""
     n = r.size
     terms = np.zeros(n)
-    for (est, w), sign in zip(estimates, (1.0, -1.0)):
+    for (est, w), sign in zip(estimates, (1.0, -1.0), strict=True):
         rest = float(w.sum()) - w
         if n < 2 or not (rest > 0).all():
             return math.inf, 1.0

@@ -140,7 +140,8 @@ class AuditHead:
     ``connect``: makes the Redis client when first needed (a registry that never writes or verifies opens none)."""
 
     def __init__(self, connect: Callable[[], redis.Redis], prefix: str):
-        self._connect, self.prefix, self._redis = connect, prefix, None
+        self._connect, self.prefix = connect, prefix
+        self._redis: redis.Redis | None = None
         self.key = audit_head_key(prefix)
 
     @property
@@ -157,14 +158,14 @@ class AuditHead:
         raw = self.redis.hgetall(self.key)
         if not raw:
             return None
-        raw = {
+        fields = {
             (k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
             for k, v in raw.items()
         }
         try:
-            return Head(int(raw["seq"]), raw["mac"], raw["tag"])
+            return Head(int(fields["seq"]), fields["mac"], fields["tag"])
         except (KeyError, ValueError):
-            return Head(-1, str(raw), "")  # unreadable: its tag cannot verify, so check_chain calls it forged
+            return Head(-1, str(fields), "")  # unreadable: its tag cannot verify, so check_chain calls it forged
 
     def close(self) -> None:
         if self._redis is not None:

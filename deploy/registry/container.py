@@ -38,6 +38,9 @@ _PREFIX = struct.Struct("<8sHHIQ32s")  # magic, version, flags, header bytes, pa
 _TRAILER = 32
 _THREADED_ABOVE = 8 << 20  # bytes above which zstd compresses one frame with its own worker threads
 
+Blob = bytes | bytearray
+"""A container as read: bytes from a file or the blob store, or the bytearray ``pack_container`` builds."""
+
 
 @dataclass(frozen=True)
 class ElementType:
@@ -91,7 +94,7 @@ def element_view(t: torch.Tensor) -> np.ndarray:
 def tensor_checksum(t: torch.Tensor) -> str:
     """xxh3-128 hex over the dtype name, the shape and the raw bytes of one tensor."""
     h = xxhash.xxh3_128(f"{dtype_name(t)}:{','.join(map(str, t.shape))}\n".encode())
-    h.update(byte_view(t))
+    h.update(byte_view(t).data)  # .data: the array's buffer (numpy types ndarray as one from Python 3.12 only)
     return h.hexdigest()
 
 
@@ -174,7 +177,7 @@ def _resize(buf: bytearray, size: int) -> None:
         raise MemoryError(f"cannot resize the delta buffer to {size} bytes")
 
 
-def open_container(blob: bytes, magic: bytes, what: str, check_payload: bool = True) -> tuple[dict, memoryview]:
+def open_container(blob: Blob, magic: bytes, what: str, check_payload: bool = True) -> tuple[dict, memoryview]:
     """Check framing and hashes; return (header, payload). With ``check_payload=False`` only the header."""
     view = memoryview(blob)
     if len(view) < _PREFIX.size:
@@ -230,4 +233,4 @@ def from_planes(planes: np.ndarray, itemsize: int) -> np.ndarray:
 
 def zstd_compress(data: np.ndarray, level: int) -> bytes:
     threads = -1 if data.nbytes > _THREADED_ABOVE else 0
-    return zstandard.ZstdCompressor(level=level, threads=threads).compress(data)
+    return zstandard.ZstdCompressor(level=level, threads=threads).compress(data.data)

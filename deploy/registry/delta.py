@@ -38,6 +38,7 @@ from deploy.registry.container import (
     DELTA_MAGIC,
     DTYPES,
     FORMAT_VERSION,
+    Blob,
     DeltaError,
     ElementType,
     Output,
@@ -53,7 +54,8 @@ from deploy.registry.container import (
     zstd_compress,
 )
 
-__all__ = [  # checksum, tensor_checksum, DTYPES and DeltaError live in deploy.registry.container; callers of the codec get them here
+# checksum, tensor_checksum, DTYPES and DeltaError live in deploy.registry.container; callers of the codec get them here
+__all__ = [
     "CHUNK_ELEMENTS",
     "DTYPES",
     "FORMAT_VERSION",
@@ -259,23 +261,24 @@ class DeltaHeader:
 
 def _delta_header(h: dict) -> DeltaHeader:
     try:
-        tensors, offset = [], 0
-        for e in h["tensors"]:
+        entries: list[TensorEntry] = []
+        offset = 0
+        for raw in h["tensors"]:
             chunks = []
-            for method, length, changed in e.get("k", ()):  # frames follow each other in header order
+            for method, length, changed in raw.get("k", ()):  # frames follow each other in header order
                 chunks.append(Chunk(str(method), offset, int(length), int(changed)))
                 offset += int(length)
-            tensors.append(
+            entries.append(
                 TensorEntry(
-                    name=e["n"],
-                    dtype=e["d"],
-                    shape=tuple(int(x) for x in e["s"]),
-                    base_digest=e["b"],
-                    target_digest=e.get("t", e["b"]),
+                    name=raw["n"],
+                    dtype=raw["d"],
+                    shape=tuple(int(x) for x in raw["s"]),
+                    base_digest=raw["b"],
+                    target_digest=raw.get("t", raw["b"]),
                     chunks=tuple(chunks),
                 )
             )
-        tensors = tuple(tensors)
+        tensors = tuple(entries)
         header = DeltaHeader(
             FORMAT_VERSION,
             int(h["base_version"]),
@@ -286,8 +289,8 @@ def _delta_header(h: dict) -> DeltaHeader:
             tensors,
             int(h["payload_bytes"]),
         )
-    except (KeyError, TypeError, ValueError, IndexError) as e:
-        raise DeltaError(f"delta corrupted: malformed header ({e!r})") from None
+    except (KeyError, TypeError, ValueError, IndexError) as err:
+        raise DeltaError(f"delta corrupted: malformed header ({err!r})") from None
     bad = sorted({e.dtype for e in tensors if e.dtype not in DTYPES})
     if bad:
         raise DeltaError(f"delta uses unsupported dtypes {bad}")
@@ -300,7 +303,7 @@ def _delta_header(h: dict) -> DeltaHeader:
     return header
 
 
-def read_header(blob: bytes) -> DeltaHeader:
+def read_header(blob: Blob) -> DeltaHeader:
     """Parse and verify a delta's header (not its payload): cheap, for deciding whether a delta fits."""
     h, _ = open_container(blob, DELTA_MAGIC, "delta", check_payload=False)
     return _delta_header(h)
@@ -443,7 +446,7 @@ def _run(
         if t.device.type != "cpu" or not t.is_contiguous():
             raise DeltaError(f"tensor {e.name!r} is not a contiguous CPU tensor; it cannot be updated in place")
         x = element_view(t)
-        for (lo, hi), c in zip(_chunks(e.numel, header.chunk_elements), e.chunks):
+        for (lo, hi), c in zip(_chunks(e.numel, header.chunk_elements), e.chunks, strict=True):
             jobs.append((x[lo:hi], e, c))
 
     def run(job, forward):
@@ -508,7 +511,7 @@ class DeltaResult:
 
 
 def apply_delta_inplace(
-    state: Mapping[str, torch.Tensor], blob: bytes, known_checksum: str | None = None
+    state: Mapping[str, torch.Tensor], blob: Blob, known_checksum: str | None = None
 ) -> DeltaResult:
     """Move ``state`` (contiguous CPU tensors) to the other end of the delta, in place, chunk by chunk.
 
@@ -534,7 +537,7 @@ class DeltaPlan(list):
         self.version, self.checksum, self.from_version = version, checksum, from_version
 
 
-def plan_delta(state: Mapping[str, torch.Tensor], blob: bytes, known_checksum: str | None = None) -> DeltaPlan:
+def plan_delta(state: Mapping[str, torch.Tensor], blob: Blob, known_checksum: str | None = None) -> DeltaPlan:
     """Verify everything and decode the changed tensors into fresh copies, without touching ``state``.
 
     For callers that write the new tensors themselves (a serving worker pushing them through the model's
@@ -548,7 +551,7 @@ def plan_delta(state: Mapping[str, torch.Tensor], blob: bytes, known_checksum: s
     return DeltaPlan(list(copies.items()), ends.version, ends.checksum, ends.from_version)
 
 
-def apply_delta(state: Mapping[str, torch.Tensor], blob: bytes) -> tuple[dict[str, torch.Tensor], int]:
+def apply_delta(state: Mapping[str, torch.Tensor], blob: Blob) -> tuple[dict[str, torch.Tensor], int]:
     """Return (weights at the other end of the delta, that end's version). ``state`` is not modified.
 
     Unchanged tensors are shared with ``state`` (not copied); changed ones are new tensors. When both ends are
@@ -588,6 +591,6 @@ def baseline_bytes(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.
     zstd_bytes = xor_zstd_bytes = 0
     for name in sorted(target):
         rb, rt = raw_bytes(base[name]), raw_bytes(target[name])
-        zstd_bytes += len(zc.compress(rt))
-        xor_zstd_bytes += len(zc.compress(np.bitwise_xor(rb, rt)))
+        zstd_bytes += len(zc.compress(rt.data))
+        xor_zstd_bytes += len(zc.compress(np.bitwise_xor(rb, rt).data))
     return zstd_bytes, xor_zstd_bytes

@@ -18,6 +18,7 @@ import zstandard
 from deploy.registry.container import (
     DTYPES,
     SNAPSHOT_MAGIC,
+    Blob,
     DeltaError,
     byte_view,
     combine_checksums,
@@ -31,7 +32,7 @@ from deploy.registry.container import (
 )
 
 
-def encode_snapshot(state: Mapping[str, torch.Tensor], version: int | None = None, level: int = 3) -> bytes:
+def encode_snapshot(state: Mapping[str, torch.Tensor], version: int | None = None, level: int = 3) -> bytearray:
     """Full weights: byte planes + zstd per tensor, per-tensor and whole-state checksums."""
     entries, frames, offset, sums = [], [], 0, {}
     for name in sorted(state):
@@ -61,7 +62,7 @@ def encode_snapshot(state: Mapping[str, torch.Tensor], version: int | None = Non
     return pack_container(SNAPSHOT_MAGIC, header, frames)
 
 
-def decode_snapshot(blob: bytes) -> dict[str, torch.Tensor]:
+def decode_snapshot(blob: Blob) -> dict[str, torch.Tensor]:
     """Decode and verify a snapshot; every tensor and the whole-state checksum are checked."""
     header, payload = open_container(blob, SNAPSHOT_MAGIC, "snapshot")
     out, sums = {}, {}

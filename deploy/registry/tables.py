@@ -131,9 +131,9 @@ class Served(Base):
 
 class DeploymentRow(Base):
     """The deployment this registry belongs to (one row, written once by ``liverl up`` or the demo): its id, which
-    also claims its Redis prefix (``liverl.stack.deployment``). A standalone process (``liverl serve``, ``ingest``, ``learn``,
-    ``gate`` on another machine, with no state dir in common) reads it here and refuses a prefix another deployment
-    claims."""
+    also claims its Redis prefix (``liverl.stack.deployment``). A standalone process (``liverl serve``, ``ingest``,
+    ``learn``, ``gate`` on another machine, with no state dir in common) reads it here and refuses a prefix another
+    deployment claims."""
 
     __tablename__ = "deployment"
 

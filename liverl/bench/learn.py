@@ -217,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
                 f"first update, {r['model']}: loss learner {r['loss_learner']:.6g} plain {r['loss_plain']:.6g}; "
                 f"grad norm learner {r['gnorm_learner']:.6g} plain {r['gnorm_plain']:.6g}; "
                 f"{r['padded_frac']:.0%} of the padded batch is padding; {r['device']}, {r['threads']} CPU thread(s); "
-                f"the learner's untimed calls took {r['warmup_s']:.1f} s{' (compiling)' if getattr(args, 'compile', False) else ''}"
+                f"the learner's untimed calls took {r['warmup_s']:.1f} s"
+                + (" (compiling)" if getattr(args, "compile", False) else "")
             )
     for title, table in profiles:
         print(f"\n{title}\n{table}")
@@ -238,7 +239,9 @@ def run_drift(args: argparse.Namespace, spans) -> int:
     try:
         lrs = [float(x) for x in args.drift.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--drift takes learning rates separated by commas, e.g. 3e-4,1e-6; got {args.drift!r}")
+        raise ValueError(
+            f"--drift takes learning rates separated by commas, e.g. 3e-4,1e-6; got {args.drift!r}"
+        ) from None
     if not lrs or any(not lr > 0 for lr in lrs) or args.drift_steps < 1:
         raise ValueError("--drift needs learning rates > 0 and --drift-steps >= 1")
     max_kl = GateConfig().max_kl
@@ -450,7 +453,7 @@ def measure(model_dir: Path, name: str, args: argparse.Namespace, spans, ranks=N
     rows = []
     for side in sides:
         secs = [sum(d) for d in times[side]]
-        per_round = [tok / s for tok, s in zip(tokens[side], secs)]
+        per_round = [tok / s for tok, s in zip(tokens[side], secs, strict=True)]
         rows.append(
             {
                 "model": name,
@@ -467,7 +470,7 @@ def measure(model_dir: Path, name: str, args: argparse.Namespace, spans, ranks=N
         )
     # The ratio pairs the two sides round by round (their updates alternated, under the same load from the rest of
     # the box) and takes the median round: one round slowed down by a neighbour does not decide it.
-    paired = [sum(p) / sum(lt) for lt, p in zip(times["learner"], times["plain"])]
+    paired = [sum(p) / sum(lt) for lt, p in zip(times["learner"], times["plain"], strict=True)]
     rows[0].update(
         ratio=statistics.median(paired),
         ratio_min=min(paired),

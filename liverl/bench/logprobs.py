@@ -193,11 +193,15 @@ def compare(model_dir: Path, completions: list[dict]) -> dict:
         for i, c in enumerate(completions)
     ]
     ours = trainer.token_logprobs(samples)
-    diffs = [abs(a - b) for s, mine in zip(samples, ours) for a, b in zip(mine, s.behaviour_logprobs)]
+    diffs = [
+        abs(a - b)
+        for s, mine in zip(samples, ours, strict=True)
+        for a, b in zip(mine, s.behaviour_logprobs, strict=True)
+    ]
     served = [x for s in samples for x in s.behaviour_logprobs]
     # reference: how far transformers itself moves when it computes in bf16 (vLLM's dtype) instead of fp32
     bf16 = trainer.token_logprobs(samples, model=load_model(model_dir, dtype=torch.bfloat16))
-    ref = [abs(a - b) for mine, theirs in zip(ours, bf16) for a, b in zip(mine, theirs)]
+    ref = [abs(a - b) for mine, theirs in zip(ours, bf16, strict=True) for a, b in zip(mine, theirs, strict=True)]
     ranked = sorted(diffs)
     return {
         "completions": len(samples),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import multiprocessing
 import os
@@ -203,7 +204,7 @@ def _summarise(swaps: list[dict], requests: list[dict], stall_ms: float) -> dict
     n_overlap = 0
     for r in requests:
         marks = [r["t0"], *r["times"]]
-        gaps = list(zip(marks, marks[1:]))
+        gaps = list(itertools.pairwise(marks))
         overlaps = any(a < we and b > ws for a, b in gaps for ws, we in windows)
         n_overlap += overlaps
         long = [(a, b) for a, b in gaps if (b - a) * 1e3 > stall_ms]

@@ -221,7 +221,7 @@ def _bf16_rounded(model, into):
     import torch  # noqa: PLC0415 torch: the CLI loads this module
 
     with torch.no_grad():
-        for (_, p), (_, q) in zip(model.named_parameters(), into.named_parameters()):
+        for (_, p), (_, q) in zip(model.named_parameters(), into.named_parameters(), strict=True):
             q.copy_(p.to(torch.bfloat16).to(torch.float32))
     return into
 

@@ -87,7 +87,8 @@ def final_window(demo) -> float:
 
 
 def apply_demo_profile(cfg: LiverlConfig) -> dict[str, float | int | str]:
-    """Sets ``DEMO_PROFILE``'s values that ``cfg`` did not set explicitly; returns what it set (section.field: value)."""
+    """Sets ``DEMO_PROFILE``'s values that ``cfg`` did not set explicitly; returns what it set (section.field:
+    value)."""
     applied = {}
 
     def fill(section: str, values: dict) -> None:
@@ -134,9 +135,9 @@ def run_demo(
 
     hold_s = final_window(cfg.demo)
     print(
-        f"liverl demo: {cfg.demo.duration_s:.0f} s, {cfg.demo.users} simulated users ({cfg.demo.concurrency} at once), product "
-        f"{product.describe()}, state in {state}; no new candidates in the last {hold_s:.0f} s (the last promoted "
-        "version is measured then)",
+        f"liverl demo: {cfg.demo.duration_s:.0f} s, {cfg.demo.users} simulated users ({cfg.demo.concurrency} at once), "
+        f"product {product.describe()}, state in {state}; no new candidates in the last {hold_s:.0f} s "
+        "(the last promoted version is measured then)",
         flush=True,
     )
     print(

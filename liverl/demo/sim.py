@@ -369,8 +369,8 @@ async def run_users(
     ``gateway_url`` is the gateway's base URL (``http://127.0.0.1:8000``); ``sdk`` is a feedback client
     (``liverl_sdk.FeedbackClient`` or anything with its accept/reject/edit/send_raw methods); ``stop_event``
     is an ``asyncio.Event`` or a ``threading.Event``. ``think_s`` is each user's mean pause between requests
-    (0: back-to-back). ``trap``: the reward-hacking trap's knobs (True: the defaults; None or False: no trap). Users finish their in-flight request,
-    then return. The caller owns ``sdk`` (flush it).
+    (0: back-to-back). ``trap``: the reward-hacking trap's knobs (True: the defaults; None or False: no trap). Users
+    finish their in-flight request, then return. The caller owns ``sdk`` (flush it).
     """
     trap = Trap() if trap is True else (trap or None)
     if n_users < 1:

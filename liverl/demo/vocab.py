@@ -37,7 +37,7 @@ def sft_batch(prompts: list, completions: list[str]):
     import torch  # noqa: PLC0415 torch: the CLI loads this module
 
     seqs, n_prompt = [], []
-    for p, c in zip(prompts, completions):
+    for p, c in zip(prompts, completions, strict=True):
         ids_p = encode_text(p.text)
         seqs.append(ids_p + encode_text(c) + [EOS_ID])
         n_prompt.append(len(ids_p))
@@ -45,7 +45,7 @@ def sft_batch(prompts: list, completions: list[str]):
     ids_BT = torch.full((len(seqs), T), PAD_ID, dtype=torch.long)
     labels_BT = torch.full((len(seqs), T), -100, dtype=torch.long)
     mask_BT = torch.zeros((len(seqs), T), dtype=torch.long)
-    for i, (s, n) in enumerate(zip(seqs, n_prompt)):
+    for i, (s, n) in enumerate(zip(seqs, n_prompt, strict=True)):
         ids_BT[i, : len(s)] = torch.tensor(s)
         labels_BT[i, n : len(s)] = torch.tensor(s[n:])
         mask_BT[i, : len(s)] = 1

@@ -72,7 +72,11 @@ def _live(r: redis.Redis, prefix: str, versions: list[int]) -> dict[int, dict[st
     pipe = r.pipeline(transaction=False)  # the versions' hashes live in different Cluster slots
     for v in versions:
         pipe.hgetall(keys.live(prefix, v))
-    return {v: keys.live_totals({k: int(x) for k, x in h.items()}) for v, h in zip(versions, pipe.execute()) if h}
+    return {
+        v: keys.live_totals({k: int(x) for k, x in h.items()})
+        for v, h in zip(versions, pipe.execute(), strict=True)
+        if h
+    }
 
 
 def _served(r: redis.Redis, prefix: str) -> dict[str, dict[str, Any]]:

@@ -13,9 +13,9 @@ With ``--restarts N`` the whole pipeline (``liverl up``: the embedded broker and
 process, every vLLM node) is also restarted N times under the load, at even intervals of up time (the load runs
 ``--duration`` seconds while the pipeline is up). The odd restarts stop it as Ctrl-C does; the even ones kill -9 every
 process it started at once (a crash of all of them; not a power loss: the page cache keeps what they wrote, see
-``broker.embedded_fsync``). Each time it starts again on the same state folder, as the next ``liverl up`` would. The users keep sending through it; what they send while it is down
-fails or waits in the SDK's producer, as it would for a product.
-Then the users stop, the learner is held (no new candidates), and the run drains: until ``liverl audit`` finds
+``broker.embedded_fsync``). Each time it starts again on the same state folder, as the next ``liverl up`` would. The
+users keep sending through it; what they send while it is down fails or waits in the SDK's producer, as it would for a
+product. Then the users stop, the learner is held (no new candidates), and the run drains: until ``liverl audit`` finds
 nothing queued or in flight and every node serves the stable version, verified by checksum. The summary (printed,
 and JSON with ``--summary``) has the kills by kind, the events, lost, trained twice and the time to converge.
 The feedback client counts what the broker acknowledged, and the audit checks that the topic holds all of it.

@@ -274,8 +274,8 @@ def trace(feedback_id: str, ledger_file: Path, registry) -> dict[str, Any]:
                 "promoted",
                 "not promoted"
                 + (
-                    f": the learner restarted from v{dropped.base} at step {dropped.start_step}, which does not hold it "
-                    "(its lineage was refused)"
+                    f": the learner restarted from v{dropped.base} at step {dropped.start_step}, "
+                    "which does not hold it (its lineage was refused)"
                     if dropped
                     else ": no version holding it has been promoted yet"
                 ),

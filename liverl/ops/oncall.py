@@ -143,7 +143,8 @@ def collect_state(cfg: LiverlConfig, limit: int = 40) -> dict[str, Any]:
 
 
 PAGE = (Path(__file__).parent / "templates" / "oncall.html").read_text()
-"""The page: plain HTML and JavaScript, no build step, no outside resources; ``__REFRESH_MS__`` is filled per request."""
+"""The page: plain HTML and JavaScript, no build step, no outside resources; ``__REFRESH_MS__`` is filled per
+request."""
 
 
 class _Handler(BaseHTTPRequestHandler):

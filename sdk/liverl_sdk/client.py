@@ -47,20 +47,20 @@ if TYPE_CHECKING:
 DELIVERY_TIMEOUT_S = 60.0
 """How long a producer retries a record by default; the server's ``broker.delivery_timeout_s`` has the same default."""
 
-PRODUCER_ORDER = """Why no producer liverl builds is idempotent: Tansu's object-store engine (the embedded broker) writes an
-idempotent producer's next sequence number before the record batch. A broker killed between the two comes back with
-the sequence counted and the batch missing; the producer retries the batch with the same sequence, the broker answers
-DUPLICATE_SEQUENCE_NUMBER, and every Kafka client takes that as "already written": the record is acknowledged and lost
-(``tests/liverl/test_broker_crash.py``, found by ``pytest -m chaos``). Without idempotence the retry is written again.
-A retry after a lost acknowledgement may then write a record twice, which every consumer absorbs by the key it
+PRODUCER_ORDER = """Why no producer liverl builds is idempotent: Tansu's object-store engine (the embedded broker)
+writes an idempotent producer's next sequence number before the record batch. A broker killed between the two comes back
+with the sequence counted and the batch missing; the producer retries the batch with the same sequence, the broker
+answers DUPLICATE_SEQUENCE_NUMBER, and every Kafka client takes that as "already written": the record is acknowledged
+and lost (``tests/liverl/test_broker_crash.py``, found by ``pytest -m chaos``). Without idempotence the retry is written
+again. A retry after a lost acknowledgement may then write a record twice, which every consumer absorbs by the key it
 already dedupes on (``feedback_id``, ``generation_id``, ``sample_id``). One request in flight per connection keeps a
-producer's records in order across retries, which idempotence did before."""
+producer's records in order across retries, as idempotence would."""
 
 
 class KeySerializer(Serializer):
-    """Keys are generation ids (str); bytes pass through."""
+    """Keys are generation ids (str); bytes pass through. kafka-python 3 calls ``serialize(topic, headers, key)``."""
 
-    def serialize(self, topic, key):
+    def serialize(self, topic, headers, key):
         return key.encode() if isinstance(key, str) else key
 
 
@@ -98,8 +98,8 @@ class DeliveryError(RuntimeError):
 
 
 class FeedbackClient:
-    """A thread-safe feedback publisher (kafka-python; acks=all, in order, at least once: a retry may write an event twice, and
-    ingest counts it once by ``feedback_id``).
+    """A thread-safe feedback publisher (kafka-python; acks=all, in order, at least once: a retry may write an event
+    twice, and ingest counts it once by ``feedback_id``).
 
     ``send``/``accept``/... return once the event is buffered (blocking at most ``max_block_ms``, 5 s by default,
     when the buffer is full or the broker is unknown); ``flush()`` blocks until every event is acknowledged and

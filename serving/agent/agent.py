@@ -342,9 +342,11 @@ class Agent:
         try:
             try:
                 r = await self.node.swap(
-                    [(str(p), e) for p, e in zip(paths, ends)], (from_v, from_sum), (target_version, target_checksum)
+                    [(str(p), e) for p, e in zip(paths, ends, strict=True)],
+                    (from_v, from_sum),
+                    (target_version, target_checksum),
                 )
-            except Exception as e:  # HTTP error or no answer: ask the weights what happened
+            except Exception as e:  # noqa: BLE001 whatever the call did (HTTP error, no answer), the weights say what happened
                 r = await self._after_lost_swap(e, from_v, from_sum, target_version, target_checksum)
             rec["call_ms"] = round((time.perf_counter() - t_call) * 1e3, 3)
             rec["inflight"] = r.get("inflight")  # requests frozen by this swap (kept, not dropped), counted in the node

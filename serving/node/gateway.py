@@ -14,19 +14,21 @@ Each choice of a response is one generation: it gets a ``generation_id``, and a 
 completion token ids, the sampled tokens' log-probs, the sampling parameters, trainable or why not) is queued for
 the generations topic, keyed by generation id, and the response waits for the broker's ack (at most
 ``serving.log_wait_s``, 2 s by default; an expired wait is counted), so a crash cannot leave a client holding the id
-of a record that was never logged; a record Kafka refuses is counted and logged. ``POST /v1/feedback`` always answers after the broker's ack. The client finds the ids and the version in the body (``liverl`` and
-each choice's ``generation_id``), in every chunk of a stream, and in the ``X-Liverl-Generation-Id`` (comma-separated,
-in choice order) and ``X-Liverl-Version`` headers.
+of a record that was never logged; a record Kafka refuses is counted and logged. ``POST /v1/feedback`` always answers
+after the broker's ack. The client finds the ids and the version in the body (``liverl`` and each choice's
+``generation_id``), in every chunk of a stream, and in the ``X-Liverl-Generation-Id`` (comma-separated, in choice order)
+and ``X-Liverl-Version`` headers.
 
 Exact version attribution without a drain: a hot-swap freezes the engine at a scheduler step, writes the changed
 weights, labels them and resumes (``serving.node.swap``, in the same process); requests in flight are neither dropped
-nor held back for more than that pause. The swap marks its start and end here (``swap_begin``/``swap_end``). A request during which no swap began, and
-that did not start inside one, was sampled by one version: the one served when it was sent. Any other asks the node
-for vLLM's per-token weight-version spans (``serving.node.versions``, the request is sent with ``request_id`` = its
-first generation id) and its record carries them (``GenerationRecord.version_spans``, ``policy_version`` = the first
-span's): the learner keeps exact per-token behaviour log-probs, and ``GenerationRecord.mixed_versions`` keeps a
-generation two versions sampled out of any one version's live counters. A streamed response's headers and chunks name
-the version served when it was sent; the final chunk of a choice that spanned a swap adds ``version_spans``.
+nor held back for more than that pause. The swap marks its start and end here (``swap_begin``/``swap_end``). A request
+during which no swap began, and that did not start inside one, was sampled by one version: the one served when it was
+sent. Any other asks the node for vLLM's per-token weight-version spans (``serving.node.versions``, the request is sent
+with ``request_id`` = its first generation id) and its record carries them (``GenerationRecord.version_spans``,
+``policy_version`` = the first span's): the learner keeps exact per-token behaviour log-probs, and
+``GenerationRecord.mixed_versions`` keeps a generation two versions sampled out of any one version's live counters. A
+streamed response's headers and chunks name the version served when it was sent; the final chunk of a choice that
+spanned a swap adds ``version_spans``.
 """
 
 from __future__ import annotations

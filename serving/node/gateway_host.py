@@ -36,8 +36,9 @@ import json
 import logging
 import os
 import urllib.parse
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 from serving.node.auth import read_body, reply_json
 from serving.node.client import ENV_GATEWAY

@@ -69,7 +69,7 @@ def parse_body(raw: bytes) -> tuple[list[tuple[str, str]], tuple[int, str], tupl
         raise SwapBodyError(
             f'POST {SWAP_PATH} needs JSON {{"deltas": [[path, checksum_after], ...], '
             f'"from": [version, checksum], "to": [version, checksum]}} ({type(e).__name__}: {e})'
-        )
+        ) from e
     if not deltas:
         raise SwapBodyError("no deltas to apply")
     if deltas[-1][1] != to[1]:
@@ -124,8 +124,8 @@ class EngineSwap:
     async def run(
         self, deltas: list[tuple[str, str]], frm: tuple[int, str], to: tuple[int, str], gateway=None
     ) -> dict[str, Any]:
-        """The swap; ``gateway``: the ``serving.node.gateway.Gateway`` in this process (``serving.node.gateway_host``), told
-        just before the pause that a swap begins and, after the resume and the read-back, which version it left
+        """The swap; ``gateway``: the ``serving.node.gateway.Gateway`` in this process (``serving.node.gateway_host``),
+        told just before the pause that a swap begins and, after the resume and the read-back, which version it left
         served (or why the node must stop serving) and that it ended."""
         out: dict[str, Any] = {
             "ok": False,
@@ -175,7 +175,9 @@ class EngineSwap:
                 out["worker"].append({k: r.get(k) for k in ("rpc_ms", "write_ms", "readback_ms", "changed_tensors")})
                 if not r.get("ok"):
                     raise RuntimeError(f"worker did not commit the staged deltas: {r.get('error')}")
-                applied = [(p, before) for (p, _), before in zip(deltas, [frm[1], *[a for _, a in deltas[:-1]]])]
+                applied = [
+                    (p, before) for (p, _), before in zip(deltas, [frm[1], *[a for _, a in deltas[:-1]]], strict=True)
+                ]
                 t1 = time.perf_counter()
                 ph["apply_ms"] = _ms(t, t1)
                 if r["checksum"] != to[1] or int(r["version"]) != to[0]:
@@ -186,7 +188,7 @@ class EngineSwap:
                 await self.engine.update_weight_version(str(to[0]))  # before resume: no token is mislabelled
                 ph["label_ms"] = _ms(t1, time.perf_counter())
                 out.update(ok=True, version=to[0], checksum=to[1])
-            except Exception as e:  # put the old weights back before reopening, whatever went wrong
+            except Exception as e:  # noqa: BLE001 whatever went wrong, the old weights go back before reopening
                 out["error"] = f"{type(e).__name__}: {e}"
                 out["restored"] = await self._restore(applied, frm)
                 if not out["restored"]:
@@ -195,7 +197,7 @@ class EngineSwap:
             t3 = time.perf_counter()
             try:
                 await self.engine.resume_generation()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 reported as resume_error: the agent marks the node unhealthy
                 out["resume_error"] = f"{type(e).__name__}: {e}"
                 out["ok"] = False
             t4 = time.perf_counter()

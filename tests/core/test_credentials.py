@@ -127,7 +127,10 @@ def test_kafka_security_maps_onto_every_client_library(tmp_path):
         from aiokafka import AIOKafkaConsumer
 
         c = AIOKafkaConsumer(bootstrap_servers=f"127.0.0.1:{port}", **aiokafka_security(b))
-        assert c._client._sasl_mechanism == "SCRAM-SHA-256"
+        try:
+            assert c._client._sasl_mechanism == "SCRAM-SHA-256"
+        finally:
+            await c.stop()
 
     asyncio.run(aio())
 

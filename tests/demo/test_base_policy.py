@@ -140,7 +140,9 @@ def test_sampled_acceptance_of_base_is_in_range_and_matches_exact_eval(base_dir)
     model = model_io.load_model(base_dir)  # bf16 weights, as served
     prompts = task.heldout_prompts(256) * 4
     samples = sample_completions(model, prompts, seed=1)
-    sampled = sum(t is not None and task.user_accepts(p, t) for p, (_, t) in zip(prompts, samples)) / len(prompts)
+    sampled = sum(t is not None and task.user_accepts(p, t) for p, (_, t) in zip(prompts, samples, strict=True)) / len(
+        prompts
+    )
     assert 0.2 <= sampled <= 0.6, f"base sampled acceptance {sampled:.3f} outside [0.2, 0.6]"
     t0 = time.monotonic()
     score = heldout_score(base_dir, model_io.load_state_dict(base_dir), n_prompts=256)
@@ -215,7 +217,7 @@ def test_vllm_serves_the_base_exactly(base_dir, tmp_path):
     tok = model_io.load_tokenizer(base_dir)
     model = model_io.load_model(base_dir, dtype=torch.bfloat16)
     diffs, accepted = [], 0
-    for p, r in zip(prompts, res):
+    for p, r in zip(prompts, res, strict=True):
         assert r["prompt_token_ids"] == policy.encode_text(p.text)
         ids = r["token_ids"]
         body = ids[:-1] if ids and ids[-1] == policy.EOS_ID else ids
@@ -233,7 +235,7 @@ def test_vllm_serves_the_base_exactly(base_dir, tmp_path):
         logp_BTV = torch.log_softmax(model(input_ids=ids_BT).logits.float() / task.TEMPERATURE, dim=-1)
     for i, r in enumerate(res):
         n = len(r["prompt_token_ids"])
-        for j, (t, lp) in enumerate(zip(r["token_ids"], r["logprobs"])):
+        for j, (t, lp) in enumerate(zip(r["token_ids"], r["logprobs"], strict=True)):
             diffs.append(abs(float(logp_BTV[i, n + j - 1, t]) - lp))
     mean_diff = sum(diffs) / len(diffs)
     assert mean_diff < 0.05, f"mean |logp_vllm - logp_hf| = {mean_diff:.4f}"

@@ -242,8 +242,8 @@ def test_the_population_is_many_users_each_with_a_fixed_segment_activity_and_tra
     pop = Population.draw(5000, seed=7, trap=Trap())
     assert len(pop) == len(set(pop.ids)) == 5000
     assert Population.draw(5000, seed=7, trap=Trap()) == pop  # the same seed draws the same people
-    assert {s for s, t in zip(pop.segments, pop.tempted) if t} == {task.TRAP_SEGMENT}
-    trap_users = [t for s, t in zip(pop.segments, pop.tempted) if s == task.TRAP_SEGMENT]
+    assert {s for s, t in zip(pop.segments, pop.tempted, strict=True) if t} == {task.TRAP_SEGMENT}
+    trap_users = [t for s, t in zip(pop.segments, pop.tempted, strict=True) if s == task.TRAP_SEGMENT]
     assert 0.6 < sum(trap_users) / len(trap_users) < 0.8  # Trap().share of them, as a fixed trait
     w = sorted(pop.weights, reverse=True)
     assert sum(w[:500]) / sum(w) > 0.25  # the busiest tenth sends a good part of the traffic

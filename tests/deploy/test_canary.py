@@ -9,6 +9,7 @@ of the rollout's first minutes, then move the controller's clock (``gate.canary.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
@@ -67,7 +68,7 @@ def feed(
     pipe = rds.pipeline()
     tot = dict.fromkeys(("e", "a", "d", "r"), 0)
     for u, row in users.items():
-        for f, n in zip("eadr", row):
+        for f, n in zip("eadr", row, strict=True):
             if n:
                 pipe.hincrby(key, f"{u}|{f}", int(n))
                 tot[f] += int(n)
@@ -518,7 +519,7 @@ def test_canary_nodes_rotate_from_one_rollout_to_the_next(cfg, rds, fleet2):
         seen.append(r.nodes)
         registry.finish_rollout_abort(r.id, actor="alice", reason="next one")
         gate.step()
-    assert all(a != b for a, b in zip(seen, seen[1:])), seen  # with two nodes, each rollout on the other one
+    assert all(a != b for a, b in itertools.pairwise(seen)), seen  # with two nodes, each rollout on the other one
 
 
 def test_a_rollback_during_the_canary_aborts_it(cfg, rds, fleet2):

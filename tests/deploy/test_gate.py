@@ -415,7 +415,7 @@ def test_gate_with_the_real_evaluator_and_the_demo_suite(cfg, rds):
 
         seq = ev.sequence_logprobs(base, probes[:5])
         model = load_model(model_dir, dict(base), dtype=torch.float32)
-        for p, got in zip(probes[:5], seq):
+        for p, got in zip(probes[:5], seq, strict=True):
             ids = torch.tensor([list(p.prompt_ids) + list(p.completion_ids)])
             with torch.no_grad():
                 logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]
@@ -427,7 +427,7 @@ def test_gate_with_the_real_evaluator_and_the_demo_suite(cfg, rds):
 
         heldout = [
             HeldoutSample(p.prompt_ids, p.completion_ids, lp, float(i % 2), f"g{i}", 0.0, "accept")
-            for i, (p, lp) in enumerate(zip(probes, ev.sequence_logprobs(base, probes)))
+            for i, (p, lp) in enumerate(zip(probes, ev.sequence_logprobs(base, probes), strict=True))
         ]
         [v] = Gate(cfg, registry, rds, ev, heldout=lambda: heldout).step()
         assert v.version == row.version and set(v.checks) == set(ALL) | {"offpolicy"}

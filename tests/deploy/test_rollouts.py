@@ -233,7 +233,7 @@ def test_a_pause_and_a_concurrent_promotion_never_both_land(registry, tmp_path):
         gate_read = registry.active_rollout()
         start, outcome = threading.Barrier(2), {}
 
-        def act(name, fn):
+        def act(name, fn, start=start, outcome=outcome):
             reg = Registry(registry.url, LocalBlobStore(tmp_path / "blobs"))
             try:
                 start.wait()
@@ -246,14 +246,15 @@ def test_a_pause_and_a_concurrent_promotion_never_both_land(registry, tmp_path):
 
         threads = [
             threading.Thread(
-                target=act, args=("pause", lambda r: r.set_rollout_state(ro.id, "paused", actor="alice", reason="look"))
+                target=act,
+                args=("pause", lambda r, ro=ro: r.set_rollout_state(ro.id, "paused", actor="alice", reason="look")),
             ),
             threading.Thread(
                 target=act,
                 args=(
                     "promote",
-                    lambda r: r.finish_rollout_promote(
-                        ro.id, expected_stable=gate_read.stable_version, actor="gate", reason="passed"
+                    lambda r, ro=ro, stable=gate_read.stable_version: r.finish_rollout_promote(
+                        ro.id, expected_stable=stable, actor="gate", reason="passed"
                     ),
                 ),
             ),

@@ -1,5 +1,5 @@
-"""The canary's always-valid sequential test (deploy.gate.sequential): its statistic, its decisions and its error rate, on
-the unit the canary actually randomises (sticky users) as well as on requests."""
+"""The canary's always-valid sequential test (deploy.gate.sequential): its statistic, its decisions and its error rate,
+on the unit the canary actually randomises (sticky users) as well as on requests."""
 
 from __future__ import annotations
 
@@ -164,7 +164,8 @@ def test_a_user_without_a_covariate_is_imputed_and_cuped_needs_one():
 
 def test_a_covariate_every_user_shares_leaves_the_estimate_as_without_cuped():
     """Every user's history the same (a young deployment: two judgements each, one kept): CUPED has nothing to
-    regress on and must change nothing. It gave a NaN variance (0/0 in the leverage), and a canary that never decided."""
+    regress on and must change nothing. It gave a NaN variance (0/0 in the leverage), and a canary that never
+    decided."""
     rng = np.random.default_rng(8)
     num, den, _, _ = _users(rng, 200, rng.beta(2, 2, 200))
     flat = np.full(100, 0.5), np.full(100, 2.0)
@@ -313,7 +314,7 @@ def test_batch_means_are_calibrated_on_autocorrelated_latency():
     lat_c = 1.0 + common + _ar1(rng, (reps, batches * per), 0.9, 0.05) + rng.normal(0, 0.02, (reps, batches * per))
     lat_s = 1.0 + common + _ar1(rng, (reps, batches * per), 0.9, 0.05) + rng.normal(0, 0.02, (reps, batches * per))
     z_batch, z_naive = [], []
-    for c, s in zip(lat_c, lat_s):
+    for c, s in zip(lat_c, lat_s, strict=True):
         d, var, df = batch_means(c.reshape(batches, per).mean(1), s.reshape(batches, per).mean(1))
         z_batch.append(d / math.sqrt(var))
         assert df == batches - 1

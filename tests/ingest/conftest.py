@@ -1,6 +1,7 @@
 """Helpers for the ingest tests: a real faust worker in a subprocess, topic tails, Redis counters.
 
-The worker runs as ``liverl ingest`` (``python -m liverl.cli ingest``: its own process and event loop), configured through ``LIVERL__*`` environment variables, and is stopped with SIGTERM.
+The worker runs as ``liverl ingest`` (``python -m liverl.cli ingest``: its own process and event loop), configured
+through ``LIVERL__*`` environment variables, and is stopped with SIGTERM.
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ class IngestHarness:
                 f"{tp.topic}[{tp.partition}] committed {getattr(committed.get(tp), 'offset', None)} end {ends.get(tp)}"
                 for tp in tps
             )
-        except Exception as e:  # diagnostics only
+        except Exception as e:  # noqa: BLE001 diagnostics for a failure message: never fails the test itself
             return f"(consumer state unavailable: {e!r})"
 
     def send_generation(self, rec: GenerationRecord, flush: bool = True) -> None:

@@ -11,7 +11,7 @@
 | Redis/Prometheus counter names    | fixed reason codes (never input text)                        |
 | RocksDB memory                    | 16 MiB block cache + 2 x 16 MiB write buffers per partition  |
 | the partitioner's hash cache      | two generations of ``ingest.partitioner._HASHES_MAX`` (65,536)  |
-| the join table's write buffer     | ``ingest.commit.TABLE_BUFFER_WRITES`` / ``TABLE_BUFFER_BYTES``, ``TABLE_FLUSH_S`` |
+| the join table's write buffer     | ``ingest.commit.TABLE_BUFFER_WRITES``, ``TABLE_BUFFER_BYTES``, ``TABLE_FLUSH_S`` |
 | one batch (records, outputs)      | ``ingest.app.BATCH_MAX`` input records                       |
 | batches decided, not yet settled  | ``ingest.commit.SETTLING_MAX`` + the one being decided          |
 | held feedback partitions          | the partitions assigned (one entry each)                     |

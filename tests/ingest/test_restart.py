@@ -336,8 +336,8 @@ def test_a_backlog_is_read_in_step_so_feedback_finds_its_generation(stack, tmp_p
 
 
 def _wait_progress(value, done, alive, what: str, stall_s: float = 300.0, interval: float = 0.02) -> None:
-    """Wait until ``done(value())``, for as long as the worker is alive and ``value()`` keeps changing: a property, not a
-    clock. A loaded machine only makes it wait longer; it fails when the worker died, or when nothing changed for
+    """Wait until ``done(value())``, for as long as the worker is alive and ``value()`` keeps changing: a property, not
+    a clock. A loaded machine only makes it wait longer; it fails when the worker died, or when nothing changed for
     ``stall_s`` (a hang, not slowness: the backlog moves every second on any machine this runs on)."""
     last, since = value(), time.monotonic()
     while not done(last):
@@ -439,11 +439,11 @@ def test_kill_9_while_feedback_is_held_back_loses_none_of_it(stack, tmp_path):
                 # the kill comes while a partition is held and after the worker committed offsets on this backlog:
                 # a commit that covered the held records (past the batches' own) would lose them here
                 _wait_progress(
-                    lambda: (
+                    lambda before=before: (
                         _committed(h.cfg, h.cfg.topics.generations) != before and held_now() > 0,
                         h.live(0).get("events", 0),
                     ),
-                    lambda v: v[0] or v[1] >= len(fbs),
+                    lambda v, fbs=fbs: v[0] or v[1] >= len(fbs),
                     alive,
                     f"the worker to commit while it holds feedback back (kill {k})",
                     interval=0.05,

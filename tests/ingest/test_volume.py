@@ -105,8 +105,9 @@ def test_recovery_reads_only_the_pending_feedback_of_a_large_table(env, tmp_path
             rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # (MB, the whole test process's peak)
             disk = sum(f.stat().st_size for f in (tmp_path / "ingest").rglob("*") if f.is_file()) / 1e9
             print(
-                f"\nrecovery of {ENTRIES:,} entries ({disk:.2f} GB on disk) of {PAYLOAD:,} B and {pending:,} pending: {took:.2f} s, "
-                f"{table.reads() - before:,} keys read, {peak / 1e6:.1f} MB allocated at peak, process peak RSS {rss:.0f} MB"
+                f"\nrecovery of {ENTRIES:,} entries ({disk:.2f} GB on disk) of {PAYLOAD:,} B and {pending:,} pending: "
+                f"{took:.2f} s, {table.reads() - before:,} keys read, {peak / 1e6:.1f} MB allocated at peak, "
+                f"process peak RSS {rss:.0f} MB"
             )
             return ing, table.reads() - before, peak
         finally:

@@ -71,7 +71,7 @@ def generate(model, prompts: list[task.TaskPrompt], gen: torch.Generator) -> lis
         if done_B.all():
             break
     out = []
-    for t, lp in zip(toks, lps):
+    for t, lp in zip(toks, lps, strict=True):
         # ids past the tokenizer's vocabulary (the embedding is padded to 32) decode to U+FFFD, as in vLLM
         text = "".join(VOCAB[i] if i < len(VOCAB) else "\ufffd" for i in t[:-1]) if t[-1:] == [EOS_ID] else "<cut>"
         out.append((t, lp, text))
@@ -87,7 +87,7 @@ def make_samples(model, n: int, seed: int, policy_version: int = 0, id_prefix: s
     prompts = [task.sample_prompt(rng) for _ in range(n)]
     now = time.time()
     out = []
-    for i, (p, (ids, lps, text)) in enumerate(zip(prompts, generate(served_copy(model), prompts, gen))):
+    for i, (p, (ids, lps, text)) in enumerate(zip(prompts, generate(served_copy(model), prompts, gen), strict=True)):
         ok = task.user_accepts(p, text)
         out.append(
             TrainingSample(
@@ -114,7 +114,7 @@ def produce(cfg: LiverlConfig, values: list[bytes], keys: list[str]) -> None:
     ensure_topics(cfg.broker.bootstrap, [cfg.topics.samples], cfg.broker.partitions)
     prod = make_producer(cfg.broker.bootstrap)
     try:
-        for k, v in zip(keys, values):
+        for k, v in zip(keys, values, strict=True):
             prod.send(cfg.topics.samples, key=k, value=v)
         prod.flush()
     finally:

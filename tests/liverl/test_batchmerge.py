@@ -1,6 +1,6 @@
-"""``liverl.stack.batchmerge``: the embedded broker's small record batches merged into larger ones, with every record kept
-once, at its offset, for every Kafka client liverl uses, while they read; and a merge a kill interrupted finished or
-dropped at the next start."""
+"""``liverl.stack.batchmerge``: the embedded broker's small record batches merged into larger ones, with every record
+kept once, at its offset, for every Kafka client liverl uses, while they read; and a merge a kill interrupted finished
+or dropped at the next start."""
 
 from __future__ import annotations
 
@@ -269,8 +269,8 @@ def test_consumers_of_every_client_read_each_record_once_while_the_broker_merges
 def test_record_batch_crcs_are_computed_in_c():
     """kafka-python checks and writes CRC-32C with the ``crc32c`` package when it is installed and in pure Python
     otherwise. Pure Python, the merge of the join changelog's 1,000 batches (about 40 MB) took ~9 s of the object
-    store's CPU in a thread that held the GIL from the server's event loop, and every kafka-python consumer paid the same
-    per fetched batch. A dependency lost from the environment would bring that back silently: this says so."""
+    store's CPU in a thread that held the GIL from the server's event loop, and every kafka-python consumer paid the
+    same per fetched batch. A dependency lost from the environment would bring that back silently: this says so."""
     from kafka.record import util
 
     assert util.crc32c_c is not None, "pip install crc32c (a liverl dependency): kafka-python fell back to pure Python"

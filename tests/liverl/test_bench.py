@@ -139,7 +139,7 @@ def test_logprobs_compare_scores_the_tokens_it_is_given():
         for i, c in enumerate(done)
     ]
     exact = tr.token_logprobs(probe)
-    for c, lp in zip(done, exact):
+    for c, lp in zip(done, exact, strict=True):
         c["logprobs"] = lp
     row = compare(model_dir, done)
     assert row["tokens"] == 4 and row["completions"] == 2 and row["max_abs_diff"] < 1e-5
@@ -157,7 +157,7 @@ def test_serve_bench_forwards_the_gateways_own_request_and_prints_both_ratios():
 
     plain = _requests("completions", stream=False, n_prompts=3)
     fwd = _forwarded(plain)
-    for (path, body), (fpath, fbody) in zip(plain, fwd):
+    for (path, body), (fpath, fbody) in zip(plain, fwd, strict=True):
         assert path == fpath == "/v1/completions"
         assert json.loads(fbody) == CompletionRequest.model_validate_json(body).node_body()
         assert json.loads(fbody)["return_token_ids"] is True and json.loads(fbody)["logprobs"] == 0

@@ -8,9 +8,9 @@ answers DUPLICATE_SEQUENCE_NUMBER, which Kafka clients take as "already written"
 the record is acknowledged and lost.
 
 The window between the two writes is a few milliseconds, so the test widens it on purpose: the broker's storage is
-reached through a proxy (here, in the test) that forwards every request to the real ``liverl.stack.objstore`` but holds the
-chosen record batch's PUT. The test kills the broker while that PUT is held, starts it again on the same storage, and
-asks: is every record the producer saw acknowledged in the topic?
+reached through a proxy (here, in the test) that forwards every request to the real ``liverl.stack.objstore`` but holds
+the chosen record batch's PUT. The test kills the broker while that PUT is held, starts it again on the same storage,
+and asks: is every record the producer saw acknowledged in the topic?
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""``liverl.stack.objstore``, the folder the embedded broker keeps its log in, through a real S3 client (boto3): what Tansu's
-object-store engine relies on: whole and ranged reads, conditional writes, listings that page, deletes, and the
+"""``liverl.stack.objstore``, the folder the embedded broker keeps its log in, through a real S3 client (boto3): what
+Tansu's object-store engine relies on: whole and ranged reads, conditional writes, listings that page, deletes, and the
 objects still there after the server restarts (a kill -9 included)."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ def test_embedded_redis_keeps_acknowledged_writes_across_kill_9(tmp_path):
         r = redis.Redis(port=port)
         r.set("p:desired", b"announcement")
         r.hincrby("p:live:3", "accept", 7)
-        for i in range(300):  # acknowledged one by one, the last just before the kill
+        for _ in range(300):  # acknowledged one by one, the last just before the kill
             r.hincrby("p:live:4", "events", 1)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)

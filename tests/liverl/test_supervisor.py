@@ -124,7 +124,7 @@ def test_the_budget_counts_exits_in_the_window_only(tmp_path):
     clock = _Clock()
     sup = _exiting_supervisor(tmp_path, clock, max_restarts=3, window_s=600.0, healthy_after_s=0.0)
     try:
-        for burst in range(2):
+        for _burst in range(2):
             for _ in range(3):
                 _exit_now(sup)
                 assert sup.check() is None

@@ -102,7 +102,7 @@ def test_a_heartbeat_of_a_node_the_config_does_not_name_gets_no_request(cfg, rds
             await beat(f.ardis, f.prefix, "node-b", _url(evil_port))
             router = await f.route()
             answered = {await f.node_of(f"user-{i}") for i in range(100)}
-            for i in range(20):
+            for _ in range(20):
                 await f.node_of(None)  # unkeyed: a random node, still only a configured one
             assert answered == {"node-a", "node-b"}
             assert not evil_seen, f"{len(evil_seen)} requests reached a node the config does not name"
@@ -194,8 +194,8 @@ def test_a_forged_rollout_plan_or_canary_announcement_moves_nobody(cfg, rds, tmp
 
 def test_assignment_is_keyed_and_salted_per_rollout_sticky_within_one(cfg, rds):
     """Issue 20 item 1: the arm of a user is ``fleet.bucket(secret, rollout_id, user) < share``: the same user stays on
-    one arm for the rollout, the next rollout draws arms afresh, and the public hash main used (``_public_bucket``) does not
-    predict it. Unit ``request``: each request is drawn."""
+    one arm for the rollout, the next rollout draws arms afresh, and the public hash main used (``_public_bucket``) does
+    not predict it. Unit ``request``: each request is drawn."""
 
     async def main() -> None:
         async with _Fleet(cfg, rds) as f:

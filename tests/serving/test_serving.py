@@ -1,4 +1,5 @@
-"""The serving tier against real parts: vLLM on CPU (one engine for the package, see conftest.py), Kafka, Redis, the registry.
+"""The serving tier against real parts: vLLM on CPU (one engine for the package, see conftest.py), Kafka, Redis, the
+registry.
 
 Order of the tests does not matter: each reads the version being served and moves from there.
 """
@@ -259,8 +260,8 @@ def test_hot_swap_under_load_is_exact(srv):
         ref = refs[row.version][prompt]
         hf_new = _hf_logprobs(model_new, ref["prompt_ids"], ref["tokens"])
         hf_old = _hf_logprobs(model_old, ref["prompt_ids"], ref["tokens"])
-        err_to_new = max(err_to_new, *(abs(a - b) for a, b in zip(ref["logprobs"], hf_new)))
-        gap_to_old = max(gap_to_old, *(abs(a - b) for a, b in zip(ref["logprobs"], hf_old)))
+        err_to_new = max(err_to_new, *(abs(a - b) for a, b in zip(ref["logprobs"], hf_new, strict=True)))
+        gap_to_old = max(gap_to_old, *(abs(a - b) for a, b in zip(ref["logprobs"], hf_old, strict=True)))
     # vLLM's bf16 kernels against transformers in fp32: within 0.05 on AVX2 CPUs, up to 0.08 seen on AMX CPUs (their
     # small-GEMM kernels differ); the old weights' log-probs are further away than that, by a wide margin
     assert err_to_new < 0.12, err_to_new

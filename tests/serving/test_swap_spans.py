@@ -4,6 +4,7 @@ and their records say which tokens each version sampled, exactly (log-probs chec
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -91,7 +92,7 @@ def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_vers
         if len(swaps) >= len(chain) - 1 or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert [(w["from"], w["to"]) for w in swaps] == list(zip(chain, chain[1:])), swaps
+    assert [(w["from"], w["to"]) for w in swaps] == list(itertools.pairwise(chain)), swaps
     for swap in swaps:
         assert swap["verify_ok"], swap
         assert swap.get("drain_ms") is None  # nothing drained
@@ -150,7 +151,8 @@ def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_vers
                 own.append(abs(lp[i] - ref[v][i]))
                 other_err.append(abs(lp[i] - ref[other][i]))
                 table.append(
-                    f"rec {n} token {i:2d} label {v} logged {lp[i]:8.4f} v{v0} {ref[v0][i]:8.4f} v{v1} {ref[v1][i]:8.4f}"
+                    f"rec {n} token {i:2d} label {v} logged {lp[i]:8.4f} "
+                    f"v{v0} {ref[v0][i]:8.4f} v{v1} {ref[v1][i]:8.4f}"
                 )
         cost = [
             sum(abs(lp[i] - ref[v0][i]) for i in range(s)) + sum(abs(lp[i] - ref[v1][i]) for i in range(s, len(lp)))
@@ -159,7 +161,8 @@ def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_vers
         best = min(range(len(lp) + 1), key=cost.__getitem__)
         if cost[split] > cost[best] + 0.5:
             off.append(
-                f"rec {n}: labelled split at token {split} (cost {cost[split]:.2f}), the log-probs' at {best} ({cost[best]:.2f})"
+                f"rec {n}: labelled split at token {split} (cost {cost[split]:.2f}), "
+                f"the log-probs' at {best} ({cost[best]:.2f})"
             )
     mean_own, mean_other = sum(own) / len(own), sum(other_err) / len(other_err)
     worst = sorted(range(len(own)), key=lambda k: -own[k])[:5]
@@ -169,9 +172,10 @@ def test_streams_in_flight_across_a_swap_finish_and_their_records_show_both_vers
     )
     # a mislabelling bug moves the split of (nearly) every record; a routing flip at a boundary token, one at most
     assert len(off) <= len(checked) // 4, "splits the log-probs do not support:\n" + "\n".join(off)
-    # sampled (not greedy) tokens include unlikely ones, where bf16 kernels stray further than on greedy tokens: 0.027-0.029
-    # on the base weights' first swap, 0.054 once other tests had perturbed the weights twice before, 0.122 on a fresh
-    # clone's CI run swapping 2 -> 5 (each perturbation grows the logits, and bf16's error with them): the bound that
-    # says which version sampled a token is the split check above; this one only catches a broken scoring path
+    # sampled (not greedy) tokens include unlikely ones, where bf16 kernels stray further than on greedy tokens:
+    # 0.027-0.029 on the base weights' first swap, 0.054 once other tests had perturbed the weights twice before, 0.122
+    # on a fresh clone's CI run swapping 2 -> 5 (each perturbation grows the logits, and bf16's error with them): the
+    # bound that says which version sampled a token is the split check above; this one only catches a broken
+    # scoring path
     assert mean_own < 0.25, mean_own
     assert mean_other > 10 * mean_own, (mean_other, mean_own)

@@ -1,7 +1,7 @@
 """vLLM worker extension: in-place hot-swap of policy weights from a delta file, and a checksum of what is served.
 
-Loaded inside the vLLM worker through ``--worker-extension-cls serving.node.worker.extension.LiverlWorkerExtension``; its
-methods run there via ``collective_rpc`` (the node's dev endpoint ``POST /collective_rpc``, string arguments only,
+Loaded inside the vLLM worker through ``--worker-extension-cls serving.node.worker.extension.LiverlWorkerExtension``;
+its methods run there via ``collective_rpc`` (the node's dev endpoint ``POST /collective_rpc``, string arguments only,
 so only a file path crosses HTTP, never a weight payload).
 
 Why it is built this way:
@@ -87,7 +87,7 @@ class _Stage:
         try:
             view = dict(st.shadow)  # the weights each delta applies to (shadow tensors are never written in place)
             sums, cur = dict(st.tensor_sums()), self.base
-            for path, expect in zip(paths, expects):
+            for path, expect in zip(paths, expects, strict=True):
                 plan = plan_delta(view, path.read_bytes(), known_checksum=cur)
                 if plan.checksum != expect:
                     raise DeltaError(
@@ -104,7 +104,7 @@ class _Stage:
                     )
                 cur, self.version = expect, plan.version
             self.sums, self.checksum = sums, cur
-        except Exception as e:  # reported by liverl_staged / liverl_commit
+        except Exception as e:  # noqa: BLE001 the staging thread's boundary: reported by liverl_staged / liverl_commit
             log.error("liverl staging failed: %s\n%s", e, traceback.format_exc())
             self.error = f"{type(e).__name__}: {e}"
         self.ms = round((time.perf_counter() - t0) * 1e3, 3)
@@ -119,7 +119,7 @@ def _rpc(fn):
         try:
             result = fn(self, *args, **kwargs)
             result.setdefault("ok", True)
-        except Exception as e:  # reported to the caller, never swallowed
+        except Exception as e:  # noqa: BLE001 the RPC boundary: reported to the caller, never swallowed
             log.error("liverl %s failed: %s\n%s", fn.__name__, e, traceback.format_exc())
             result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         result["rpc_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
@@ -345,7 +345,7 @@ class LiverlWorkerExtension:
             try:  # other tensors may be half written: put the (unchanged) shadow values back
                 with torch.no_grad():
                     model.load_weights(iter([(n, st.shadow[n]) for n, _ in changed]))
-            except Exception as e2:
+            except Exception as e2:  # noqa: BLE001 any failed restore leaves unknown weights: raised with both errors
                 raise RuntimeError(
                     f"weight write failed ({e}) and restoring the previous weights failed too "
                     f"({e2}): the node serves unknown weights"

@@ -361,7 +361,9 @@ class ServedLayout:
         slots = self.slots if names is None else {n: self.slots[n] for n in names}
         runners = {s.moe for s in slots.values() if not s.param}
         experts = {
-            runner: dict(zip(("w13", "w2"), lay.read())) for runner, lay in self.moe.items() if runner in runners
+            runner: dict(zip(("w13", "w2"), lay.read(), strict=True))
+            for runner, lay in self.moe.items()
+            if runner in runners
         }
         out: dict[str, torch.Tensor] = {}
         for name, s in slots.items():

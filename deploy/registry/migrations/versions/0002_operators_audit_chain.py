@@ -35,8 +35,8 @@ def upgrade() -> None:
     with op.batch_alter_table("audit_log") as batch:
         batch.add_column(sa.Column("prev_hash", sa.String(64), nullable=True))
         batch.add_column(sa.Column("entry_hash", sa.String(64), nullable=True))
-    # chain the entries written before this revision, in id order (deploy.registry.tables.audit_hash); offline SQL output
-    # (--sql) cannot read rows, so a database upgraded that way starts its chain unverified: say so there
+    # chain the entries written before this revision, in id order (deploy.registry.tables.audit_hash); offline SQL
+    # output (--sql) cannot read rows, so a database upgraded that way starts its chain unverified: say so there
     if op.get_context().as_sql:
         op.execute("-- liverl: audit entries written before 0002 are not chained; run the upgrade online to chain them")
         return
