@@ -13,7 +13,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
-TOPS = ("liverl", "ingest", "learner", "serving", "deploy")
+TOPS = ("core", "liverl", "ingest", "learner", "serving", "deploy")
+SDK = REPO / "sdk"
+SDK_PROJECT = tomllib.loads((SDK / "pyproject.toml").read_text())
 
 
 def _name(req: str) -> str:
@@ -25,10 +27,33 @@ def _shipped() -> list[Path]:
 
 
 def test_every_package_of_the_code_is_in_the_wheel():
-    listed = set(PROJECT["tool"]["setuptools"]["packages"])
+    from setuptools import find_packages
+
+    listed = set(find_packages(str(REPO), include=PROJECT["tool"]["setuptools"]["packages"]["find"]["include"]))
     found = {".".join(p.parent.relative_to(REPO).parts) for top in TOPS for p in (REPO / top).rglob("__init__.py")}
-    assert found - listed == set(), f"packages missing from [tool.setuptools] packages: {sorted(found - listed)}"
+    assert found - listed == set(), f"packages the wheel leaves out: {sorted(found - listed)}"
     assert "liverl.testing" in listed  # `liverl bench logprobs` imports it
+    assert not {p for p in listed if p.split(".")[0] not in TOPS}, "the wheel takes a folder that is no liverl package"
+
+
+def test_the_sdk_wheel_holds_its_packages_and_declares_its_imports():
+    listed = set(SDK_PROJECT["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(SDK).parts) for p in (SDK / "liverl_sdk").rglob("__init__.py")}
+    assert found == listed
+    declared = {_name(r) for r in SDK_PROJECT["project"]["dependencies"]}
+    dists = packages_distributions()
+    for path in sorted((SDK / "liverl_sdk").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                top = node.module.split(".")[0]
+            elif isinstance(node, ast.Import):
+                top = node.names[0].name.split(".")[0]
+            else:
+                continue
+            if top in sys.stdlib_module_names or top == "liverl_sdk":
+                continue
+            names = {d.lower().replace("_", "-") for d in dists.get(top, [])}
+            assert names & declared, f"{path.name} imports {top}, which sdk/pyproject.toml does not declare"
 
 
 def test_faust_is_a_bench_extra_only():
