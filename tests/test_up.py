@@ -136,7 +136,7 @@ def _marked(mark: str) -> list[str]:
 
 @pytest.mark.slow
 def test_a_failed_up_leaves_no_process_behind(tmp_path):
-    """Issue 22: a failed `up` left vLLM's EngineCore and Worker running with parent 1. Here the gateway's port is
+    """A failed `up` leaves no process behind (no vLLM EngineCore or Worker with parent 1). Here the gateway's port is
     taken, so `serve` fails after its vLLM engine started; `up` gives up, and no process of the run is left."""
     import socket
     import uuid

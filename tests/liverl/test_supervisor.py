@@ -79,7 +79,7 @@ def _exit_now(sup) -> None:
 
 
 def test_a_child_that_exits_now_and_then_is_restarted_every_time(tmp_path):
-    """Issue 22: `up` stopped for good at a child's 4th exit over its whole life. Four exits an hour apart (each
+    """The restart budget counts exits within a window, not over a child's whole life: four exits an hour apart (each
     after running an hour) are four restarts, at once, and the pipeline stays up."""
     clock = _Clock()
     sup = _exiting_supervisor(tmp_path, clock, max_restarts=3, window_s=600.0, healthy_after_s=30.0)
@@ -179,8 +179,8 @@ print(json.dumps({"engine": engine, "ppid": ppid, "me": os.getpid()}))
 
 
 def test_an_engine_orphaned_by_its_server_does_not_outlive_the_pipeline(tmp_path):
-    """Issue 22: a failed `up` left vLLM's EngineCore and Worker running with parent 1. The pipeline's process is the
-    subreaper of everything below it, so an engine whose server died comes to it, and its exit stops it."""
+    """No vLLM EngineCore or Worker outlives a failed `up` with parent 1: the pipeline's process is the subreaper of
+    everything below it, so an engine whose server died comes to it, and its exit stops it."""
     import json
     import subprocess
     import sys

@@ -193,9 +193,9 @@ def test_a_forged_rollout_plan_or_canary_announcement_moves_nobody(cfg, rds, tmp
 
 
 def test_assignment_is_keyed_and_salted_per_rollout_sticky_within_one(cfg, rds):
-    """Issue 20 item 1: the arm of a user is ``fleet.bucket(secret, rollout_id, user) < share``: the same user stays on
-    one arm for the rollout, the next rollout draws arms afresh, and the public hash main used (``_public_bucket``) does
-    not predict it. Unit ``request``: each request is drawn."""
+    """The arm of a user is ``fleet.bucket(secret, rollout_id, user) < share``: the same user stays on one arm for the
+    rollout, the next rollout draws arms afresh, and a public hash of the user (``_public_bucket``) does not predict
+    it. Unit ``request``: each request is drawn."""
 
     async def main() -> None:
         async with _Fleet(cfg, rds) as f:
