@@ -233,7 +233,7 @@ class CanaryController:
             last, first = min(last_final_bucket(now, horizon), end), getattr(ev, cursor)
             if last < first:
                 continue
-            for arm, version in zip(arms, (rollout.version, rollout.stable_version)):
+            for arm, version in zip(arms, (rollout.version, rollout.stable_version), strict=True):
                 for b, data in keys.read_unit_buckets(self.redis, self.prefix, version, range(first, last + 1)).items():
                     arm.add(b, data)
             setattr(ev, cursor, last + 1)

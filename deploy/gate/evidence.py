@@ -24,8 +24,8 @@ def paired_sign_test(candidate: list[float], stable: list[float]) -> tuple[int, 
     pass/fail). Unchanged cases carry no evidence either way."""
     if len(candidate) != len(stable):
         raise ValueError(f"{len(candidate)} candidate grades against {len(stable)} stable grades")
-    worse = sum(c < s for c, s in zip(candidate, stable))
-    better = sum(c > s for c, s in zip(candidate, stable))
+    worse = sum(c < s for c, s in zip(candidate, stable, strict=True))
+    better = sum(c > s for c, s in zip(candidate, stable, strict=True))
     n = worse + better
     p = sum(math.comb(n, k) for k in range(worse, n + 1)) / 2**n if n else 1.0
     return worse, better, p
