@@ -1,8 +1,8 @@
 """The gate's evidence checks on a candidate whose delta is sound: (b) drift, (c) collapse, (d) the product's
 suite and (e) the off-policy estimate on held-out feedback (``deploy.gate.gate`` says what each check asks).
 
-``EvidenceChecks`` is a part of ``deploy.gate.gate.Gate``: it reads the gate's config, registry, evaluator, held-out tail
-and metrics, and records every check with ``Gate._record``.
+``EvidenceChecks`` is a part of ``deploy.gate.gate.Gate``: it reads the gate's config, registry, evaluator, held-out
+tail and metrics, and records every check with ``Gate._record``.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ class EvidenceChecks:
                 ent,
                 g.min_entropy,
                 ent >= g.min_entropy,
-                f"entropy {ent:.4f} nats/token (stable {drift.get('stable_entropy', float('nan')):.4f}) vs floor {g.min_entropy}",
+                f"entropy {ent:.4f} nats/token (stable {drift.get('stable_entropy', float('nan')):.4f}) vs floor "
+                f"{g.min_entropy}",
             )
         heldout = self.heldout() if self.heldout is not None and g.heldout_samples else []
         if heldout:
@@ -130,8 +131,9 @@ class EvidenceChecks:
         """Check (e), recorded: "refuse" (the paired test shows the candidate's reward below stable's by more than
         ``gate.offpolicy_margin``), "defer" (an effective sample size under ``gate.offpolicy_min_ess``, or no
         held-out sample whose revert horizon has closed: not judged here, the candidate must go through the canary)
-        or "pass" (``deploy.gate.offpolicy.compare``). The samples are the held-out stream's records merged by generation
-        (a revert replaces its accept's reward) and censored at ``gate.revert_horizon_s`` (``merge_heldout``)."""
+        or "pass" (``deploy.gate.offpolicy.compare``). The samples are the held-out stream's records merged by
+        generation (a revert replaces its accept's reward) and censored at ``gate.revert_horizon_s``
+        (``merge_heldout``)."""
         g = self.cfg.gate
         merged, young = merge_heldout(heldout, time.time() - g.revert_horizon_s)
         heldout = merged[-g.heldout_samples :]

@@ -1,7 +1,8 @@
 """The release gate: turns learner candidates into releases, or refuses them.
 
-Why a gate: online RL on live feedback can regress or collapse (plain REINFORCE on a
-small MoE, measured here, reached 82% accuracy and then collapsed to 0%); Cursor deploys a checkpoint only if it does not regress. Each candidate must pass
+Why a gate: online RL on live feedback can regress or collapse (plain REINFORCE on a small MoE, measured here,
+reached 82% accuracy and then collapsed to 0%); Cursor deploys a checkpoint only if it does not regress. Each candidate
+must pass
 
   (a) integrity   its stored delta, applied to its parent's weights, yields exactly its recorded checksum
                   (what the fleet will do, done first here);
@@ -191,8 +192,8 @@ class Gate(EvidenceChecks):
     def reconcile(self, stable: Version) -> None:
         """The fleet follows ``<prefix>:desired``; make it name the registry's stable version (after a crash between
         a promotion and its announcement, or a lost Redis key), checked as the agents check it (signed, bound to its
-        channel and prefix, unexpired), and keep it fresh (``deploy.registry.signing.keep_announced``). The registry is the
-        truth."""
+        channel and prefix, unexpired), and keep it fresh (``deploy.registry.signing.keep_announced``). The registry is
+        the truth."""
         what = keep_announced(
             self.redis,
             self.prefix,

@@ -80,8 +80,8 @@ evidence budget, abort as ``futile`` a canary whose success metric or a required
 of the budget even if its effect were ``futility_z`` standard errors better than estimated (``futile``: a non-binding
 futility stop, which can only lower the false-promotion rate).
 
-The calibration (``deploy.gate.canary_sim.simulate_sticky``, run by ``liverl bench canary``) replays this code, look by look at the gate's
-cadence, on populations of sticky users assigned by ``core.fleet.bucket``.
+The calibration (``deploy.gate.canary_sim.simulate_sticky``, run by ``liverl bench canary``) replays this code, look by
+look at the gate's cadence, on populations of sticky users assigned by ``core.fleet.bucket``.
 
 The user-unit estimate (``UnitSums``, ``unit_estimate``: delta method, CUPED, CR3, Welch) is in
 ``deploy.gate.sequential_units``; this module holds the tests that read it.

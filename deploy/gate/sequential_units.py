@@ -2,8 +2,8 @@
 estimate of the arms' difference with its variance (``unit_estimate``): the delta method for ratio metrics, CUPED on
 a pre-rollout covariate, and the small-sample corrections (CR3 residuals, Welch's degrees of freedom).
 
-``deploy.gate.sequential`` states the estimator and its references; ``deploy.gate.sequential.look_units`` feeds the estimate
-to the always-valid test.
+``deploy.gate.sequential`` states the estimator and its references; ``deploy.gate.sequential.look_units`` feeds the
+estimate to the always-valid test.
 """
 
 from __future__ import annotations
@@ -171,8 +171,8 @@ def _covariate(arm: UnitSums, m: dict) -> dict:
 def _cr3(r, lev, n):
     """Variance of an arm's mean of ``n`` users' linearised contributions ``r`` (with mean 0), and its degrees of
     freedom: ``sum((r_u / (1 - h_u))^2) / n^2``, the cluster-robust variance with each user's residual scaled up by
-    its leverage ``h_u`` (CR3, the jackknife's up to ``n / (n - 1)``: a heavy user pulls the mean towards itself, so its own residual
-    understates its noise; see MacKinnon, Nielsen and Webb, "Cluster-robust inference: a guide to empirical
+    its leverage ``h_u`` (CR3, the jackknife's up to ``n / (n - 1)``: a heavy user pulls the mean towards itself, so its
+    own residual understates its noise; see MacKinnon, Nielsen and Webb, "Cluster-robust inference: a guide to empirical
     practice", 2023). Infinite below 2 users."""
     adj = r / np.maximum(1.0 - lev, 1e-9)
     ss = _sum_sq(adj)

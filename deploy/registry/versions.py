@@ -1,10 +1,10 @@
 """The registry's versions: the base and its candidates, their status changes, gate results and queries.
 
 Every version but the base (version 0, a full snapshot) stores a lossless delta from its parent, and every
-``snapshot_every``-th version along a parent chain also a full snapshot (``deploy.registry.weights`` rebuilds any version from
-them). Blobs are stored *before* the row that references them is committed (``deploy.registry.blobgc`` relies on that). A
-version becomes ``canary`` only with its rollout (``deploy.registry.rollouts``); ``promote`` and ``set_status`` end the rollout
-of a canary they change. ``Fleet`` records which node serves which version.
+``snapshot_every``-th version along a parent chain also a full snapshot (``deploy.registry.weights`` rebuilds any
+version from them). Blobs are stored *before* the row that references them is committed (``deploy.registry.blobgc``
+relies on that). A version becomes ``canary`` only with its rollout (``deploy.registry.rollouts``); ``promote`` and
+``set_status`` end the rollout of a canary they change. ``Fleet`` records which node serves which version.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ class Weights:
         return [r for r in up if r.version not in common], [r for r in down if r.version not in common][::-1]
 
     def deltas_between(self, from_version: int, to_version: int) -> list[bytes]:
-        """Deltas that take ``from_version``'s weights to ``to_version``'s, in order (up to the common ancestor, then down).
+        """Deltas that take ``from_version``'s weights to ``to_version``'s, in order (up to the common ancestor, then
+        down).
 
         Apply each with ``apply_delta``/``plan_delta``: they detect the direction themselves.
         """
