@@ -48,6 +48,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Any
 
 from core import fleet, keys
 from core.config import LiverlConfig
@@ -153,7 +154,9 @@ class CanaryController:
 
     @staticmethod
     def terms(rollout: Rollout) -> RolloutTerms:
-        return RolloutTerms(rollout_id=rollout.id, share=rollout.share, nodes=list(rollout.nodes), unit=rollout.unit)
+        # the column is a plain string; RolloutTerms validates it against its Literal
+        unit: Any = rollout.unit
+        return RolloutTerms(rollout_id=rollout.id, share=rollout.share, nodes=list(rollout.nodes), unit=unit)
 
     def _announce(self, rollout: Rollout) -> None:
         announce(

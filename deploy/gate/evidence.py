@@ -10,12 +10,19 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from deploy.gate.offpolicy import compare, merge_heldout
 from deploy.gate.tail import HeldoutSample
 from deploy.registry.registry import Version
+
+if TYPE_CHECKING:  # the gate imports this module
+    import prometheus_client as prom
+
+    from core.config import LiverlConfig
+    from deploy.gate.gate import Evaluator
+    from deploy.registry.registry import Registry
 
 
 def paired_sign_test(candidate: list[float], stable: list[float]) -> tuple[int, int, float]:
@@ -33,6 +40,16 @@ def paired_sign_test(candidate: list[float], stable: list[float]) -> tuple[int, 
 
 class EvidenceChecks:
     """Checks (b)-(e) of ``deploy.gate.gate.Gate``, and the stable version's suite score they compare with."""
+
+    # the gate's state the checks read, set by ``Gate.__init__``
+    cfg: LiverlConfig
+    registry: Registry
+    evaluator: Evaluator
+    heldout: Callable[[], list[HeldoutSample]] | None
+    _stable_suite: dict[tuple[int, str], dict | None]
+    _score: prom.Gauge
+    _eval_s: prom.Histogram
+    _record: Callable[[int, str, float | None, float | None, bool, str], bool]
 
     def stable_suite(self, stable: Version) -> dict | None:
         """The stable version's suite score, computed once per (version, checksum) and recorded for it."""
@@ -98,6 +115,7 @@ class EvidenceChecks:
         ref = self.stable_suite(stable)
         if ref is not None:
             score = self.evaluator.suite_score(state)
+            assert score is not None  # the evaluator scored stable on its suite, so it has one
             self._score.labels("suite").set(score["score"])
             checks["suite"] = self._suite(row, stable, score, ref)
         self._eval_s.observe(time.perf_counter() - t0)

@@ -158,6 +158,7 @@ def _covariate(arm: UnitSums, m: dict) -> dict:
     """The arm's covariate as a ratio over the users seen so far, ``C = sum(cov_den cov) / sum(cov_den)``, each
     user's linearised part of it, ``Z_u = cov_den_u (cov_u - C) / mean(cov_den)`` (0 for a user without one, or not
     seen yet: the arm's mean imputed; ``Z`` has mean 0 in the arm, as ``L`` has), and ``sum L_u Z_u``, ``sum Z_u^2``."""
+    assert arm.cov is not None and arm.cov_den is not None  # set together by UnitSums when cov is given
     w = np.where(m["seen"], arm.cov_den, 0.0)
     w_total = w.sum(-1)
     with np.errstate(invalid="ignore", divide="ignore"):

@@ -112,6 +112,7 @@ class RegistryDB:
     def _anchor(self, seq: int, mac: str) -> None:
         if self.audit_head is None:
             return
+        assert self.audit_key is not None  # __init__ refuses an anchor without the key
         try:
             self.audit_head.advance(self.audit_key, seq, mac)
         except redis.RedisError as e:  # the entry is committed; the anchor lags until the next append, and says so

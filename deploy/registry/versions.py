@@ -9,6 +9,7 @@ relies on that). A version becomes ``canary`` only with its rollout (``deploy.re
 
 from __future__ import annotations
 
+import builtins
 import time
 from collections.abc import Mapping
 
@@ -282,7 +283,7 @@ class Versions:
         with self.db.session() as s:
             return list(s.execute(q).scalars())
 
-    def candidates(self) -> list[Version]:
+    def candidates(self) -> builtins.list[Version]:
         """Pending candidates, oldest first (the gate's queue)."""
         return self.list(status="candidate")[::-1]
 
@@ -292,7 +293,7 @@ class Versions:
             raise RegistryError("the registry has no stable version; register the base policy first")
         return rows[0]
 
-    def gate_results(self, version: int | None = None) -> list[GateResult]:
+    def gate_results(self, version: int | None = None) -> builtins.list[GateResult]:
         q = select(GateResult).order_by(GateResult.id)
         if version is not None:
             q = q.where(GateResult.version == version)
