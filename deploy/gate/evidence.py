@@ -11,18 +11,14 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import prometheus_client as prom
+
+from core.config import LiverlConfig
 from deploy.gate.offpolicy import compare, merge_heldout
 from deploy.gate.tail import HeldoutSample
-from deploy.registry.registry import Version
-
-if TYPE_CHECKING:  # the gate imports this module
-    import prometheus_client as prom
-
-    from core.config import LiverlConfig
-    from deploy.gate.gate import Evaluator
-    from deploy.registry.registry import Registry
+from deploy.registry.registry import Registry, Version
 
 
 def paired_sign_test(candidate: list[float], stable: list[float]) -> tuple[int, int, float]:
@@ -36,6 +32,20 @@ def paired_sign_test(candidate: list[float], stable: list[float]) -> tuple[int, 
     n = worse + better
     p = sum(math.comb(n, k) for k in range(worse, n + 1)) / 2**n if n else 1.0
     return worse, better, p
+
+
+class Evaluator(Protocol):
+    """What the gate asks of a policy (see ``learner.evaluate.PolicyEvaluator``)."""
+
+    def drift(self, candidate: Mapping[str, Any], stable: Mapping[str, Any]) -> dict | None:
+        """``{"kl", "entropy", "tokens", ...}`` on the current probes, or None when there are none yet."""
+
+    def suite_score(self, weights: Mapping[str, Any]) -> dict | None:
+        """``{"name", "score", "grades", ...}`` on the product's evaluation suite (``grades``: each completion's, in
+        case order; optional, without it the drop alone decides), or None without one."""
+
+    def sequence_logprobs(self, weights: Mapping[str, Any], probes: list) -> list[float]:
+        """log pi(completion | prompt) of each probe (``prompt_ids``, ``completion_ids``) under ``weights``."""
 
 
 class EvidenceChecks:
