@@ -31,7 +31,9 @@ from liverl_sdk.wire import (  # noqa: F401
     new_id,
 )
 
-_Wire, _Id, _Time = Wire, Id, Time
+_Wire = Wire
+_Id = Id
+_Time = Time
 _Unit = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:\-]+$")]  # (no '|', no '*')
 _Finite = Annotated[float, Field(allow_inf_nan=False)]
 _TokenId = Annotated[int, Field(ge=0, lt=2**31)]

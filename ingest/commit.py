@@ -113,6 +113,7 @@ class Committer:
             await asyncio.wait(self._settling)
         await self.write_table(force=True)
         if self._flushing():  # (nothing was buffered, one was still on its way)
+            assert self._table_flush is not None
             await self._table_flush
         self._release()
 
@@ -136,6 +137,7 @@ class Committer:
         if self._flushing():
             if not (force or self.buffer_full()):
                 return
+            assert self._table_flush is not None
             await self._table_flush
         now = time.monotonic()
         if not self.table.dirty or not (force or now >= self._flush_at or self.buffer_full()):

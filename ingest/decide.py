@@ -129,11 +129,13 @@ class Decider:
         if kind in (WAITING, JUDGED):  # a redelivery (or a reused id: never trained on twice)
             out.tally.inc("generation_duplicates")
             if kind == JUDGED:  # the replay of a join whose counters a crash may have lost: idempotent
+                assert entry is not None  # a kind is read from an entry
                 _, t, meta, _ = unpack(entry)
                 self._count_again(out, meta, t)
             return
         parts = record_parts(rec)
         if kind == PENDING:
+            assert entry is not None  # a kind is read from an entry
             _, _, meta, payload = unpack(entry)
             self._join(gid, *parts, FeedbackEvent.model_validate_json(payload), out, now, src)
             return
@@ -158,6 +160,7 @@ class Decider:
             self._on_revert(fb, entry, kind, src, value, out)
             return
         if kind == JUDGED:
+            assert entry is not None  # a kind is read from an entry
             _, t, meta, _ = unpack(entry)
             if meta["f"] == fid:
                 out.tally.inc("duplicates")
@@ -165,9 +168,11 @@ class Decider:
             else:
                 dead(out, "already_judged", f"generation {gid} was already judged by feedback {meta['f']}", src, value)
         elif kind == WAITING:
+            assert entry is not None  # a kind is read from an entry
             _, _, meta, body = unpack(entry)
             self._join(gid, meta, body, fb, out, now, src)
         elif kind == PENDING:
+            assert entry is not None  # a kind is read from an entry
             _, _, meta, _ = unpack(entry)
             if meta["f"] == fid:
                 out.tally.inc("duplicates")
@@ -214,6 +219,7 @@ class Decider:
                 value,
             )
             return
+        assert entry is not None  # a kind is read from an entry
         _, t, meta, accepted = unpack(entry)  # accepted: the sample its accept trained, kept for this correction
         # counted by when, and for whom, the reverted generation was judged (an entry without a unit: in '*' only)
         counted = (fb.feedback_id, meta["v"], keys.revert_field(t), unit_bucket_of(meta, t), meta.get("u"))

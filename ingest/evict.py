@@ -55,7 +55,7 @@ async def evict_old(
                     break
                 entry = table.get(gid)
                 got = None if entry is None else expiry_class(entry)
-                if got is None or got[0] != cls:  # (changed since the index was written)
+                if entry is None or got is None or got[0] != cls:  # (changed since the index was written)
                     continue
                 age = now - head(entry)[1]
                 if age >= ttls[cls]:

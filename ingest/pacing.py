@@ -10,9 +10,9 @@ new worker catching up) a fetch brings feedback far ahead of the generations it 
 pending (written, read back and parsed again), and a backlog longer than ``ingest.max_pending`` would dead-letter
 feedback ``pending_full`` only because of the read order. Nothing is skipped (the held records come back in order
 before anything fetched after them; going back to their offset instead would have the broker send a sixth of a
-backlog's records twice), and a generations partition read to its end never holds feedback. A partition is held ``HOLD_MAX_S``
-at most and then read freely as long again, so a record with a wrong clock (a timestamp far ahead) cannot stall its
-partition's feedback while the generations never catch up.
+backlog's records twice), and a generations partition read to its end never holds feedback. A partition is held
+``HOLD_MAX_S`` at most and then read freely as long again, so a record with a wrong clock (a timestamp far ahead) cannot
+stall its partition's feedback while the generations never catch up.
 
 A held record's offset is never committed before it is processed: the batches' committed offsets stop before it
 (``ingest.commit``). After a rebalance the consumer reads each partition again from its committed offset, so what is

@@ -43,7 +43,7 @@ class WeightAverage:
         """The average under the model's in-memory parameter names (this rank's shards); {} when it is off."""
         if self.tensors is None:
             return {}
-        return {n: e for (n, _), e in zip(self.model.named_parameters(), self.tensors)}
+        return {n: e for (n, _), e in zip(self.model.named_parameters(), self.tensors, strict=True)}
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Put back an average saved by ``state`` (a checkpoint); one saved with it off leaves it at the weights."""
@@ -54,14 +54,14 @@ class WeightAverage:
         if set(state) != set(names):
             raise ValueError(f"the checkpoint's weight average has {len(state)} tensors; the model has {len(names)}")
         with torch.no_grad():
-            for n, e in zip(names, self.tensors):
+            for n, e in zip(names, self.tensors, strict=True):
                 e.copy_(state[n])
 
     def module_state(self) -> dict[str, torch.Tensor]:
         """The model's state dict with the average in the parameters' place, whole on every rank (a shard is gathered:
         a collective); call only when the average is on."""
         assert self.tensors is not None
-        by_param = {id(p): e for p, e in zip(self.model.parameters(), self.tensors)}
+        by_param = {id(p): e for p, e in zip(self.model.parameters(), self.tensors, strict=True)}
         module_state = dict(self.model.named_buffers())  # FSDP2 leaves buffers whole on every rank
         for n, p in self.model.named_parameters(remove_duplicate=False):
             e = by_param[id(p)]
@@ -77,11 +77,11 @@ class WeightAverage:
         saved = [p.clone() for p in params]
         try:
             with torch.no_grad():
-                for p, e in zip(params, self.tensors):
+                for p, e in zip(params, self.tensors, strict=True):
                     p.copy_(e)
             yield
         finally:
             reshard(self.model)  # the average's gathered weights go: the next forward gathers the restored shards
             with torch.no_grad():
-                for p, w in zip(params, saved):
+                for p, w in zip(params, saved, strict=True):
                     p.copy_(w)

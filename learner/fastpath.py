@@ -287,9 +287,9 @@ def token_logp(model, x: dict, compiled: bool = False) -> tuple[torch.Tensor, to
 
     ``compiled`` (``learner.compile``): the same code under ``torch.compile(dynamic=True)``, which fuses the
     elementwise chains (norms, rotary, gating) and their backward into a few generated kernels. The first call for
-    grad mode compiles (measured: 1-2 minutes on a 2-core machine; inductor keeps the result on disk, and a later process
-    loads it in 10-20 s); the log-probs agree with the eager path within 1e-4 (reductions reordered). The policy and
-    the reference share the compiled code (it takes their weights as inputs), and the reference is compiled too: an
+    grad mode compiles (measured: 1-2 minutes on a 2-core machine; inductor keeps the result on disk, and a later
+    process loads it in 10-20 s); the log-probs agree with the eager path within 1e-4 (reductions reordered). The policy
+    and the reference share the compiled code (it takes their weights as inputs), and the reference is compiled too: an
     eager reference against a compiled policy differs by ~1e-5 in log-probs, so their KL would not be 0 at equal
     weights."""
     cos, sin, mask = _tables(model, x)

@@ -307,7 +307,8 @@ def _add_accounts(sub) -> None:
         help="one feedback event's path: sample, learner step, candidate, gate verdicts, promotion, first "
         "served, each with its time",
         description="The path of one feedback event to a served model, read from the "
-        "learner's ledger and the registry (liverl.ops.lineage says where each fact lives). Run it where the learner runs.",
+        "learner's ledger and the registry (liverl.ops.lineage says where each fact lives). Run it where the learner "
+        "runs.",
     )
     s.add_argument("feedback_id", help="the FeedbackEvent.feedback_id the product sent")
     s.add_argument("--state-dir", help="state folder of the deployment (default: state_dir = .liverl)")

@@ -78,7 +78,8 @@ def register(sub) -> None:
     bench = sub.add_parser(
         "bench",
         help="benchmarks that print a table: delta (the codec), serve (gateway vs "
-        "vLLM node), logprobs (learner vs vLLM per model family), ingest (workers vs a raw consumer), canary (the sequential test)",
+        "vLLM node), logprobs (learner vs vLLM per model family), ingest (workers vs a raw consumer), canary (the "
+        "sequential test)",
     )
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
     bench.set_defaults(fn=lambda _args: bench.print_help() or 2)

@@ -92,9 +92,9 @@ def register(sub) -> None:
         "route",
         help="the fleet's front door: spread requests over the serving nodes, sticky per user",
         description="Route the OpenAI-compatible API (/v1/...) over the serving nodes serving.fleet "
-        "names (node name -> gateway URL) whose heartbeat is live and healthy, sticky per user (X-Liverl-User header, the body's OpenAI 'user' field, or "
-        "X-Session-Id; rendezvous hashing, so nodes joining or leaving move only their own users). A "
-        "node that refuses connections is skipped and the request goes to the next one. Start one "
+        "names (node name -> gateway URL) whose heartbeat is live and healthy, sticky per user (X-Liverl-User header, "
+        "the body's OpenAI 'user' field, or X-Session-Id; rendezvous hashing, so nodes joining or leaving move only "
+        "their own users). A node that refuses connections is skipped and the request goes to the next one. Start one "
         "`liverl serve` per node, each with its own serving.node_name and ports. GET /fleet lists the "
         "nodes in rotation; GET /metrics has liverl_router_*.",
     )

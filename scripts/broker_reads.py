@@ -1,5 +1,5 @@
-"""How fast the embedded durable broker (Tansu on ``liverl.stack.objstore``) reads a partition of small record batches, and
-how many listings a consumer at the tail costs it. In hour-long demo runs ingest and the learner can fall minutes
+"""How fast the embedded durable broker (Tansu on ``liverl.stack.objstore``) reads a partition of small record batches,
+and how many listings a consumer at the tail costs it. In hour-long demo runs ingest and the learner can fall minutes
 behind on this broker; this separates the broker's read path from the rest of the demo's load.
 
     python scripts/broker_reads.py [--batches 3000] [--max-records 100000]

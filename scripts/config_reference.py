@@ -40,9 +40,9 @@ Every liverl process reads one root config: a TOML file (`--config FILE`, else `
 defaults below), then environment variables, then the keyword overrides a process passes its children. Each
 environment variable is `{ENV_PREFIX}` followed by the table path and key, joined by `__` (case-insensitive):
 `LIVERL__LEARNER__LR=1e-4` sets `lr` in `[learner]`. A whole table, a list or a table of strings is given as JSON
-(`LIVERL__INGEST__REWARDS='{{"accept": 1.0}}'`), and `null` leaves a key unset (None in the descriptions). Unknown keys and values out of range
-are refused when the config loads, naming the key. `liverl config` prints the effective values (secrets masked);
-`configs/` holds example files.
+(`LIVERL__INGEST__REWARDS='{{"accept": 1.0}}'`), and `null` leaves a key unset (None in the descriptions). Unknown keys
+and values out of range are refused when the config loads, naming the key. `liverl config` prints the effective values
+(secrets masked); `configs/` holds example files.
 """
 
 

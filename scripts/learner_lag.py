@@ -87,7 +87,7 @@ def plot(path: str, png: str) -> None:
     fig, (a, b) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     a.plot(t, lag, label="backlog: the oldest sample not trained")
     if rows[0].get("hop_ingest_s") is not None:  # where the last batch's oldest sample waited (Admission.hops)
-        hop = [(x, float(r["hop_ingest_s"])) for x, r in zip(t, rows) if r.get("hop_ingest_s")]
+        hop = [(x, float(r["hop_ingest_s"])) for x, r in zip(t, rows, strict=True) if r.get("hop_ingest_s")]
         a.plot(
             [x for x, _ in hop], [h for _, h in hop], lw=0.8, label="last batch's oldest: feedback to ingest's record"
         )

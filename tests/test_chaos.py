@@ -1,9 +1,9 @@
 """`liverl up` restarted under load, three times: then `liverl audit` finds every acknowledged feedback
 event judged exactly once, none lost, and no process of the pipeline outlives it.
 
-Marked ``chaos``: each restart starts vLLM again (measured: 60-100 s on a 2-core machine), so the run takes 6-8 minutes and
-CI's 30-minute budget leaves it out (``addopts`` in pyproject.toml). Run it with ``pytest -m chaos``; its last run is
-in BENCHMARKS.md ("The demo, end to end"). It fails without the durable embedded broker: on
+Marked ``chaos``: each restart starts vLLM again (measured: 60-100 s on a 2-core machine), so the run takes 6-8 minutes
+and CI's 30-minute budget leaves it out (``addopts`` in pyproject.toml). Run it with ``pytest -m chaos``; its last run
+is in BENCHMARKS.md ("The demo, end to end"). It fails without the durable embedded broker: on
 ``memory://`` storage a restart loses every acknowledged record not yet consumed (``acked_not_in_topic``)."""
 
 from __future__ import annotations

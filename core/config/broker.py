@@ -18,8 +18,8 @@ class BrokerConfig(Section):
     embedded_storage: Literal["folder", "memory"] = Field(
         default="folder",
         description="Where the embedded broker keeps its topics, records and committed offsets. "
-        "'folder': files under <state_dir>/broker (served to Tansu's object-store engine by liverl.stack.objstore), so a "
-        "restart of `liverl up` finds the feedback, generations and samples it had not consumed yet. 'memory': lost "
+        "'folder': files under <state_dir>/broker (served to Tansu's object-store engine by liverl.stack.objstore), so "
+        "a restart of `liverl up` finds the feedback, generations and samples it had not consumed yet. 'memory': lost "
         "at every stop (faster; for throwaway tests). Ignored with broker.bootstrap.",
     )
     embedded_fsync: bool = Field(
@@ -38,9 +38,9 @@ class BrokerConfig(Section):
         le=3600.0,
         description="How long every producer liverl builds retries a record before it "
         "reports it failed (kafka-python delivery_timeout_ms, librdkafka message.timeout.ms): the gateway's "
-        "generation records, the feedback SDK's events. ingest.pending_ttl_s must exceed it by DELIVERY_MARGIN_S (or by "
-        "itself, when it is shorter than that; checked when the config loads), or feedback is dead-lettered unknown_generation while "
-        "its generation record is still being retried (librdkafka's own default is 300 s).",
+        "generation records, the feedback SDK's events. ingest.pending_ttl_s must exceed it by DELIVERY_MARGIN_S (or "
+        "by itself, when it is shorter than that; checked when the config loads), or feedback is dead-lettered "
+        "unknown_generation while its generation record is still being retried (librdkafka's own default is 300 s).",
     )
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         default="PLAINTEXT", description="How every liverl Kafka client connects (Kafka's security.protocol)."

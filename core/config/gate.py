@@ -91,9 +91,9 @@ class GateConfig(Section):
         ge=0,
         description="With an evidence budget (canary_max_events): a canary whose success metric or a required "
         "guardrail could not be shown within the budget even this many standard errors better than estimated "
-        "is aborted as futile once a quarter of the budget is spent (deploy.gate.sequential.futile), instead of spending "
-        "the rest. It never promotes, so the false-promotion rate cannot rise; at 1.5, in `liverl bench canary "
-        "--budget 6000` (2,000 and 5,000 users), it cost 1.0-1.3 points of promotions of a candidate as good as "
+        "is aborted as futile once a quarter of the budget is spent (deploy.gate.sequential.futile), instead of "
+        "spending the rest. It never promotes, so the false-promotion rate cannot rise; at 1.5, in `liverl bench "
+        "canary --budget 6000` (2,000 and 5,000 users), it cost 1.0-1.3 points of promotions of a candidate as good as "
         "stable and cut the events spent on one 3 points worse by 29-31%. Fixed at the rollout's start. None: no "
         "futility stop.",
     )
@@ -160,9 +160,9 @@ class GateConfig(Section):
     canary_unit: Literal["user", "request"] = Field(
         default="user",
         description="The canary's unit of randomisation and of analysis. 'user': each user (the "
-        "request's stickiness key, deploy.gate.sequential) stays on one arm for the whole rollout and the test treats the "
-        "user as the unit (delta-method variance of per-user sums, CUPED); 'request': each request is drawn into an "
-        "arm afresh and the test treats each judged event as the unit.",
+        "request's stickiness key, deploy.gate.sequential) stays on one arm for the whole rollout and the test treats "
+        "the user as the unit (delta-method variance of per-user sums, CUPED); 'request': each request is drawn into "
+        "an arm afresh and the test treats each judged event as the unit.",
     )
     revert_horizon_s: float = Field(
         default=60.0,

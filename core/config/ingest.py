@@ -46,7 +46,8 @@ class IngestConfig(Section):
         ge=1024,
         le=900_000,
         description="Inputs larger than this are dead-lettered (too_large) "
-        "unparsed, with their first bytes and a sha256. Bounds every table entry and sample below the 1 MB record limit.",
+        "unparsed, with their first bytes and a sha256. Bounds every table entry and sample below the 1 MB record "
+        "limit.",
     )
     max_pending: int = Field(
         default=100_000,

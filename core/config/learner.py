@@ -56,8 +56,8 @@ class LearnerConfig(Section):
     compile: bool = Field(
         default=False,
         description="With learner.fast_forward: run that forward (and so its backward) under torch.compile, which "
-        "fuses its elementwise chains into generated kernels. The first update compiles (measured: 1-2 minutes on a 2-core "
-        "machine; inductor caches the result on disk: later starts load it in 10-20 s); liverl bench learn "
+        "fuses its elementwise chains into generated kernels. The first update compiles (measured: 1-2 minutes on a "
+        "2-core machine; inductor caches the result on disk: later starts load it in 10-20 s); liverl bench learn "
         "--compile, demo model at batch 16: 1.55x the plain loop against 1.48x eager. Off by default: "
         "that stall falls on a learner that has just started, and every process that trains compiles once.",
     )

@@ -35,7 +35,8 @@ class LiverlConfig(BaseSettings):
     state_dir: str = Field(default=".liverl", description="Where logs, the registry, blobs and checkpoints live.")
     broker: BrokerConfig = Field(
         default_factory=BrokerConfig,
-        description="The Kafka broker every process connects to: external (bootstrap) or the embedded Tansu, and how clients authenticate.",
+        description="The Kafka broker every process connects to: external (bootstrap) or the embedded Tansu, and how "
+        "clients authenticate.",
     )
     redis: RedisConfig = Field(
         default_factory=RedisConfig,
@@ -72,7 +73,8 @@ class LiverlConfig(BaseSettings):
     )
     security: SecurityConfig = Field(
         default_factory=SecurityConfig,
-        description="Keys: announcement signing and verification, the router's assignment secret, the product's feedback key, the audit chain.",
+        description="Keys: announcement signing and verification, the router's assignment secret, the product's "
+        "feedback key, the audit chain.",
     )
     supervisor: SupervisorConfig = Field(
         default_factory=SupervisorConfig,

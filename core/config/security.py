@@ -44,9 +44,9 @@ class SecurityConfig(Section):
     feedback_key: str | None = Field(
         default=None,
         description="File holding the product key(s) POST /v1/feedback requires in its "
-        "X-Liverl-Product-Key header (one key a line, each at least 16 characters; several lines let a key be rotated). "
-        "None: <state_dir>/keys/feedback.key (liverl up makes one, mode 0600); with neither, the gateway refuses "
-        "feedback over HTTP (publish it to Kafka instead).",
+        "X-Liverl-Product-Key header (one key a line, each at least 16 characters; several lines let a key be "
+        "rotated). None: <state_dir>/keys/feedback.key (liverl up makes one, mode 0600); with neither, the gateway "
+        "refuses feedback over HTTP (publish it to Kafka instead).",
     )
     audit_key: str | None = Field(
         default=None,

@@ -22,12 +22,13 @@ registry):
    every canary node served the candidate (``evidence_start``, from the registry's served times): the buckets
    before hold stable's judgements of answers it served the canary's users before they moved, which the canary
    cannot have (read as evidence, they made the first bucket 9-34% short of canary events, and aborted a canary
-   as a sample-ratio mismatch). The sample-ratio check reads the horizon's cursor. The always-valid tests (``deploy.gate.sequential``) take the user as the
-   unit (``gate.canary_unit = "user"``: delta method for ratio metrics, CUPED with each user's kept acceptance under
-   stable before the rollout) or the judged event (``"request"``). Kept acceptance is the success metric; the edit
-   rate, the revert rate and the response length are guardrails with nulls fixed at the start (from stable's own
-   figures before the rollout); latency is tested on the batch means of the buckets (its events are autocorrelated
-   through node load). A sample-ratio mismatch of users or events stops the canary (reason ``srm``).
+   as a sample-ratio mismatch). The sample-ratio check reads the horizon's cursor. The always-valid tests
+   (``deploy.gate.sequential``) take the user as the unit (``gate.canary_unit = "user"``: delta method for ratio
+   metrics, CUPED with each user's kept acceptance under stable before the rollout) or the judged event (``"request"``).
+   Kept acceptance is the success metric; the edit rate, the revert rate and the response length are guardrails with
+   nulls fixed at the start (from stable's own figures before the rollout); latency is tested on the batch means of the
+   buckets (its events are autocorrelated through node load). A sample-ratio mismatch of users or events stops the
+   canary (reason ``srm``).
 3. **Decision.** Promote when kept acceptance is shown better (``gate.canary_margin`` > 0: not worse by more than it)
    and every guardrail non-inferior; abort as soon as any is shown worse, on an SRM, or at ``gate.canary_deadline_s``
    (or earlier once the canary arm has ``gate.canary_max_events`` judged events: a budget in evidence, so that a
@@ -36,9 +37,10 @@ registry):
    standard errors better than estimated stops once a quarter is spent (reason ``futile``): it never promotes, so
    no false-promotion rate rises, and ``liverl bench canary --budget`` measures the promotions it costs. The test
    state lives in the registry (compare-and-set by revision), so a restarted gate
-   goes on where it was, and a promotion is a compare-and-set on a *running* rollout: an operator's pause between the gate's read and its write
-   wins. A promotion announces the canary as ``desired``; an abort rejects it and withdraws the canary announcement
-   (the canary nodes return to stable). Each decision is a gate check (``canary``) in the registry with its evidence.
+   goes on where it was, and a promotion is a compare-and-set on a *running* rollout: an operator's pause between the
+   gate's read and its write wins. A promotion announces the canary as ``desired``; an abort rejects it and withdraws
+   the canary announcement (the canary nodes return to stable). Each decision is a gate check (``canary``) in the
+   registry with its evidence.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Any
 
 from core import fleet, keys
 from core.config import LiverlConfig
@@ -133,7 +136,8 @@ class CanaryController:
             deadline_at=now + g.canary_deadline_s,
             settings=settings,
             actor="gate",
-            reason=f"{reason}; canary on {', '.join(canary_nodes)} at {g.canary_share:.0%} of users, unit {g.canary_unit}",
+            reason=f"{reason}; canary on {', '.join(canary_nodes)} at {g.canary_share:.0%} of users, unit "
+            f"{g.canary_unit}",
         )
         self._announce(rollout)
         self._evidence = None
@@ -150,7 +154,9 @@ class CanaryController:
 
     @staticmethod
     def terms(rollout: Rollout) -> RolloutTerms:
-        return RolloutTerms(rollout_id=rollout.id, share=rollout.share, nodes=list(rollout.nodes), unit=rollout.unit)
+        # the column is a plain string; RolloutTerms validates it against its Literal
+        unit: Any = rollout.unit
+        return RolloutTerms(rollout_id=rollout.id, share=rollout.share, nodes=list(rollout.nodes), unit=unit)
 
     def _announce(self, rollout: Rollout) -> None:
         announce(
@@ -233,7 +239,7 @@ class CanaryController:
             last, first = min(last_final_bucket(now, horizon), end), getattr(ev, cursor)
             if last < first:
                 continue
-            for arm, version in zip(arms, (rollout.version, rollout.stable_version)):
+            for arm, version in zip(arms, (rollout.version, rollout.stable_version), strict=True):
                 for b, data in keys.read_unit_buckets(self.redis, self.prefix, version, range(first, last + 1)).items():
                     arm.add(b, data)
             setattr(ev, cursor, last + 1)

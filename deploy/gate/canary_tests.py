@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -120,7 +121,7 @@ def _restored_tests(g: GateConfig, rollout: Rollout) -> tuple:
     length and latency are None without the band fixed at the start."""
     st = rollout.settings or {}
     state = rollout.test_state or {}
-    common = {"alpha": g.canary_alpha, "min_events": g.canary_min_events, "min_units": MIN_USERS}
+    common: dict[str, Any] = {"alpha": g.canary_alpha, "min_events": g.canary_min_events, "min_units": MIN_USERS}
     success = seq.MetricTest("acceptance", tau=g.canary_tau, direction=1, margin=g.canary_margin, **common)
     edit = seq.MetricTest("edit_rate", tau=g.canary_tau, direction=-1, margin=g.guardrail_margin, **common)
     revert = seq.MetricTest("revert_rate", tau=g.canary_tau, direction=-1, margin=g.guardrail_margin, **common)

@@ -1,8 +1,8 @@
 """The gate's evidence checks on a candidate whose delta is sound: (b) drift, (c) collapse, (d) the product's
 suite and (e) the off-policy estimate on held-out feedback (``deploy.gate.gate`` says what each check asks).
 
-``EvidenceChecks`` is a part of ``deploy.gate.gate.Gate``: it reads the gate's config, registry, evaluator, held-out tail
-and metrics, and records every check with ``Gate._record``.
+``EvidenceChecks`` is a part of ``deploy.gate.gate.Gate``: it reads the gate's config, registry, evaluator, held-out
+tail and metrics, and records every check with ``Gate._record``.
 """
 
 from __future__ import annotations
@@ -10,12 +10,15 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
+import prometheus_client as prom
+
+from core.config import LiverlConfig
 from deploy.gate.offpolicy import compare, merge_heldout
 from deploy.gate.tail import HeldoutSample
-from deploy.registry.registry import Version
+from deploy.registry.registry import Registry, Version
 
 
 def paired_sign_test(candidate: list[float], stable: list[float]) -> tuple[int, int, float]:
@@ -24,15 +27,39 @@ def paired_sign_test(candidate: list[float], stable: list[float]) -> tuple[int, 
     pass/fail). Unchanged cases carry no evidence either way."""
     if len(candidate) != len(stable):
         raise ValueError(f"{len(candidate)} candidate grades against {len(stable)} stable grades")
-    worse = sum(c < s for c, s in zip(candidate, stable))
-    better = sum(c > s for c, s in zip(candidate, stable))
+    worse = sum(c < s for c, s in zip(candidate, stable, strict=True))
+    better = sum(c > s for c, s in zip(candidate, stable, strict=True))
     n = worse + better
     p = sum(math.comb(n, k) for k in range(worse, n + 1)) / 2**n if n else 1.0
     return worse, better, p
 
 
+class Evaluator(Protocol):
+    """What the gate asks of a policy (see ``learner.evaluate.PolicyEvaluator``)."""
+
+    def drift(self, candidate: Mapping[str, Any], stable: Mapping[str, Any]) -> dict | None:
+        """``{"kl", "entropy", "tokens", ...}`` on the current probes, or None when there are none yet."""
+
+    def suite_score(self, weights: Mapping[str, Any]) -> dict | None:
+        """``{"name", "score", "grades", ...}`` on the product's evaluation suite (``grades``: each completion's, in
+        case order; optional, without it the drop alone decides), or None without one."""
+
+    def sequence_logprobs(self, weights: Mapping[str, Any], probes: list) -> list[float]:
+        """log pi(completion | prompt) of each probe (``prompt_ids``, ``completion_ids``) under ``weights``."""
+
+
 class EvidenceChecks:
     """Checks (b)-(e) of ``deploy.gate.gate.Gate``, and the stable version's suite score they compare with."""
+
+    # the gate's state the checks read, set by ``Gate.__init__``
+    cfg: LiverlConfig
+    registry: Registry
+    evaluator: Evaluator
+    heldout: Callable[[], list[HeldoutSample]] | None
+    _stable_suite: dict[tuple[int, str], dict | None]
+    _score: prom.Gauge
+    _eval_s: prom.Histogram
+    _record: Callable[[int, str, float | None, float | None, bool, str], bool]
 
     def stable_suite(self, stable: Version) -> dict | None:
         """The stable version's suite score, computed once per (version, checksum) and recorded for it."""
@@ -86,7 +113,8 @@ class EvidenceChecks:
                 ent,
                 g.min_entropy,
                 ent >= g.min_entropy,
-                f"entropy {ent:.4f} nats/token (stable {drift.get('stable_entropy', float('nan')):.4f}) vs floor {g.min_entropy}",
+                f"entropy {ent:.4f} nats/token (stable {drift.get('stable_entropy', float('nan')):.4f}) vs floor "
+                f"{g.min_entropy}",
             )
         heldout = self.heldout() if self.heldout is not None and g.heldout_samples else []
         if heldout:
@@ -97,6 +125,7 @@ class EvidenceChecks:
         ref = self.stable_suite(stable)
         if ref is not None:
             score = self.evaluator.suite_score(state)
+            assert score is not None  # the evaluator scored stable on its suite, so it has one
             self._score.labels("suite").set(score["score"])
             checks["suite"] = self._suite(row, stable, score, ref)
         self._eval_s.observe(time.perf_counter() - t0)
@@ -130,8 +159,9 @@ class EvidenceChecks:
         """Check (e), recorded: "refuse" (the paired test shows the candidate's reward below stable's by more than
         ``gate.offpolicy_margin``), "defer" (an effective sample size under ``gate.offpolicy_min_ess``, or no
         held-out sample whose revert horizon has closed: not judged here, the candidate must go through the canary)
-        or "pass" (``deploy.gate.offpolicy.compare``). The samples are the held-out stream's records merged by generation
-        (a revert replaces its accept's reward) and censored at ``gate.revert_horizon_s`` (``merge_heldout``)."""
+        or "pass" (``deploy.gate.offpolicy.compare``). The samples are the held-out stream's records merged by
+        generation (a revert replaces its accept's reward) and censored at ``gate.revert_horizon_s``
+        (``merge_heldout``)."""
         g = self.cfg.gate
         merged, young = merge_heldout(heldout, time.time() - g.revert_horizon_s)
         heldout = merged[-g.heldout_samples :]

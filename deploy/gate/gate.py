@@ -1,7 +1,8 @@
 """The release gate: turns learner candidates into releases, or refuses them.
 
-Why a gate: online RL on live feedback can regress or collapse (plain REINFORCE on a
-small MoE, measured here, reached 82% accuracy and then collapsed to 0%); Cursor deploys a checkpoint only if it does not regress. Each candidate must pass
+Why a gate: online RL on live feedback can regress or collapse (plain REINFORCE on a small MoE, measured here,
+reached 82% accuracy and then collapsed to 0%); Cursor deploys a checkpoint only if it does not regress. Each candidate
+must pass
 
   (a) integrity   its stored delta, applied to its parent's weights, yields exactly its recorded checksum
                   (what the fleet will do, done first here);
@@ -40,9 +41,8 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import prometheus_client as prom
 import redis as redis_lib
@@ -51,7 +51,7 @@ from core import keys
 from core.config import LiverlConfig
 from core.services import kafka_bootstrap, required_signing_key, setup_redis
 from deploy.gate.canary import CanaryController, Deferred
-from deploy.gate.evidence import EvidenceChecks
+from deploy.gate.evidence import Evaluator, EvidenceChecks
 from deploy.gate.tail import GenerationTail, HeldoutSample, LoggedGeneration, parse_heldout
 from deploy.registry.blobstore import BlobError
 from deploy.registry.delta import DeltaError, apply_delta, checksum, warm_up
@@ -59,20 +59,6 @@ from deploy.registry.registry import Registry, RegistryConflict, RegistryError, 
 from deploy.registry.signing import Signer, announce, keep_announced
 
 log = logging.getLogger("liverl.gate")
-
-
-class Evaluator(Protocol):
-    """What the gate asks of a policy (see ``learner.evaluate.PolicyEvaluator``)."""
-
-    def drift(self, candidate: Mapping[str, Any], stable: Mapping[str, Any]) -> dict | None:
-        """``{"kl", "entropy", "tokens", ...}`` on the current probes, or None when there are none yet."""
-
-    def suite_score(self, weights: Mapping[str, Any]) -> dict | None:
-        """``{"name", "score", "grades", ...}`` on the product's evaluation suite (``grades``: each completion's, in
-        case order; optional, without it the drop alone decides), or None without one."""
-
-    def sequence_logprobs(self, weights: Mapping[str, Any], probes: list) -> list[float]:
-        """log pi(completion | prompt) of each probe (``prompt_ids``, ``completion_ids``) under ``weights``."""
 
 
 @dataclass
@@ -191,8 +177,8 @@ class Gate(EvidenceChecks):
     def reconcile(self, stable: Version) -> None:
         """The fleet follows ``<prefix>:desired``; make it name the registry's stable version (after a crash between
         a promotion and its announcement, or a lost Redis key), checked as the agents check it (signed, bound to its
-        channel and prefix, unexpired), and keep it fresh (``deploy.registry.signing.keep_announced``). The registry is the
-        truth."""
+        channel and prefix, unexpired), and keep it fresh (``deploy.registry.signing.keep_announced``). The registry is
+        the truth."""
         what = keep_announced(
             self.redis,
             self.prefix,

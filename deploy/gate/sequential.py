@@ -80,8 +80,8 @@ evidence budget, abort as ``futile`` a canary whose success metric or a required
 of the budget even if its effect were ``futility_z`` standard errors better than estimated (``futile``: a non-binding
 futility stop, which can only lower the false-promotion rate).
 
-The calibration (``deploy.gate.canary_sim.simulate_sticky``, run by ``liverl bench canary``) replays this code, look by look at the gate's
-cadence, on populations of sticky users assigned by ``core.fleet.bucket``.
+The calibration (``deploy.gate.canary_sim.simulate_sticky``, run by ``liverl bench canary``) replays this code, look by
+look at the gate's cadence, on populations of sticky users assigned by ``core.fleet.bucket``.
 
 The user-unit estimate (``UnitSums``, ``unit_estimate``: delta method, CUPED, CR3, Welch) is in
 ``deploy.gate.sequential_units``; this module holds the tests that read it.
@@ -91,6 +91,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -360,11 +361,11 @@ def look_units(test: MetricTest, canary: UnitSums, stable: UnitSums, cuped: bool
         np.minimum(est.events_canary, est.events_stable) >= test.min_events
     )
     pass_, harm = test.look(est.d, est.var, ready, est.df)
-    for arm, n, ratio in (
+    for arm, events, ratios in (
         (test.canary, est.events_canary, est.ratio_canary),
         (test.stable, est.events_stable, est.ratio_stable),
     ):
-        n, ratio = float(np.ravel(n)[-1]), float(np.ravel(ratio)[-1])
+        n, ratio = float(np.ravel(events)[-1]), float(np.ravel(ratios)[-1])
         arm.n, arm.total = int(n), (ratio * n if math.isfinite(ratio) else 0.0)
     last = lambda a: float(np.ravel(a)[-1])  # noqa: E731
     out = test.summary() | {
@@ -489,7 +490,8 @@ class SrmTest:
         users = np.maximum(np.maximum.accumulate(np.atleast_1d(users)), self.max_log_bf_users)
         events = np.maximum(np.maximum.accumulate(np.atleast_1d(events)), self.max_log_bf_events)
         self.max_log_bf_users, self.max_log_bf_events = float(users[-1]), float(events[-1])
-        out = {k: int(round(float(np.ravel(v)[-1]))) for k, v in counts.items()}  # counts of users and events
+        # counts of users and events
+        out: dict[str, Any] = {k: int(round(float(np.ravel(v)[-1]))) for k, v in counts.items()}
         out |= {"share": self.share, "p_users": self.p_users, "p_events": self.p_events, "verdict": self.verdict()}
         if np.ndim(next(iter(counts.values()))) > 0:
             out["per_look"] = {"mismatch": np.minimum(np.exp(-users), np.exp(-events)) <= self.alpha / 2}

@@ -2,8 +2,8 @@
 estimate of the arms' difference with its variance (``unit_estimate``): the delta method for ratio metrics, CUPED on
 a pre-rollout covariate, and the small-sample corrections (CR3 residuals, Welch's degrees of freedom).
 
-``deploy.gate.sequential`` states the estimator and its references; ``deploy.gate.sequential.look_units`` feeds the estimate
-to the always-valid test.
+``deploy.gate.sequential`` states the estimator and its references; ``deploy.gate.sequential.look_units`` feeds the
+estimate to the always-valid test.
 """
 
 from __future__ import annotations
@@ -158,6 +158,7 @@ def _covariate(arm: UnitSums, m: dict) -> dict:
     """The arm's covariate as a ratio over the users seen so far, ``C = sum(cov_den cov) / sum(cov_den)``, each
     user's linearised part of it, ``Z_u = cov_den_u (cov_u - C) / mean(cov_den)`` (0 for a user without one, or not
     seen yet: the arm's mean imputed; ``Z`` has mean 0 in the arm, as ``L`` has), and ``sum L_u Z_u``, ``sum Z_u^2``."""
+    assert arm.cov is not None and arm.cov_den is not None  # set together by UnitSums when cov is given
     w = np.where(m["seen"], arm.cov_den, 0.0)
     w_total = w.sum(-1)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -171,8 +172,8 @@ def _covariate(arm: UnitSums, m: dict) -> dict:
 def _cr3(r, lev, n):
     """Variance of an arm's mean of ``n`` users' linearised contributions ``r`` (with mean 0), and its degrees of
     freedom: ``sum((r_u / (1 - h_u))^2) / n^2``, the cluster-robust variance with each user's residual scaled up by
-    its leverage ``h_u`` (CR3, the jackknife's up to ``n / (n - 1)``: a heavy user pulls the mean towards itself, so its own residual
-    understates its noise; see MacKinnon, Nielsen and Webb, "Cluster-robust inference: a guide to empirical
+    its leverage ``h_u`` (CR3, the jackknife's up to ``n / (n - 1)``: a heavy user pulls the mean towards itself, so its
+    own residual understates its noise; see MacKinnon, Nielsen and Webb, "Cluster-robust inference: a guide to empirical
     practice", 2023). Infinite below 2 users."""
     adj = r / np.maximum(1.0 - lev, 1e-9)
     ss = _sum_sq(adj)

@@ -115,13 +115,17 @@ class GenerationTail:
         self._thread.start()
         return self
 
-    def __call__(self) -> list[LoggedGeneration]:
+    def __call__(self) -> list[Any]:
+        """The records kept, oldest first: what ``parse`` made of them (``LoggedGeneration`` by default)."""
         with self._lock:
             self._age()
             return list(self._recent) + list(self._young)
 
     def _age(self) -> None:
         """Move the young records judged before now - ``young_s`` into the kept ``size`` (caller holds the lock)."""
+        if not self._young:
+            return
+        assert self.judged_at is not None  # records wait among the young only with a judged_at
         cutoff = time.time() - self.young_s
         while self._young and self.judged_at(self._young[0]) <= cutoff:
             self._recent.append(self._young.popleft())

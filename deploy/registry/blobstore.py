@@ -40,7 +40,7 @@ class BlobInfo:
 
 @runtime_checkable
 class BlobStore(Protocol):
-    def put(self, data: bytes) -> str:
+    def put(self, data: bytes | bytearray) -> str:
         """Store ``data``; return its key (sha256 hex)."""
 
     def get(self, key: str) -> bytes:
@@ -74,7 +74,7 @@ class LocalBlobStore:
     def _path(self, key: str) -> Path:
         return self.root / _check_key(key)[:2] / key
 
-    def put(self, data: bytes) -> str:
+    def put(self, data: bytes | bytearray) -> str:
         key = hashlib.sha256(data).hexdigest()
         path = self._path(key)
         if path.exists():
@@ -173,7 +173,7 @@ class S3BlobStore:
         code = str(getattr(e, "response", {}).get("Error", {}).get("Code", ""))
         return code in ("404", "NoSuchKey", "NotFound")
 
-    def put(self, data: bytes) -> str:
+    def put(self, data: bytes | bytearray) -> str:
         digest = hashlib.sha256(data).digest()
         key = digest.hex()
         self.client.put_object(

@@ -1,8 +1,8 @@
 """The registry's operators and its audit log: who may change the registry, and what each change was.
 
 An operator authenticates with a token shown once at creation; the registry stores only its sha256. Roles are
-ordered (``deploy.registry.tables.ROLES``): a role may do what every role below it may. Every change to the registry appends
-an audit entry (``RegistryDB.append_audit``); ``verify_audit`` walks the chain (``deploy.registry.auditchain``).
+ordered (``deploy.registry.tables.ROLES``): a role may do what every role below it may. Every change to the registry
+appends an audit entry (``RegistryDB.append_audit``); ``verify_audit`` walks the chain (``deploy.registry.auditchain``).
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ class Operators:
 
     def verify_audit(self) -> AuditCheck:
         """Walk the audit chain (plain hash for unkeyed entries, HMAC for keyed ones) and compare its end with the
-        head anchored in Redis: ``deploy.registry.auditchain.check_chain``; ``.ok``, ``.problem``, ``.bad_id``, ``.warnings``."""
+        head anchored in Redis: ``deploy.registry.auditchain.check_chain``; ``.ok``, ``.problem``, ``.bad_id``,
+        ``.warnings``."""
         with self.db.session() as s:
             entries = list(s.execute(select(AuditEntry).order_by(AuditEntry.id)).scalars())
         return check_chain(entries, self.db.audit_key, self.db.audit_head)

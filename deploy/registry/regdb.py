@@ -12,9 +12,9 @@ lock, so several processes may open one database at once) and stamps a database 
 migration record.
 
 Audit log: every entry is chained by plain hash and, with an audit key (``security.audit_key``, never stored in the
-database), by HMAC; the chain's head is anchored in Redis (``deploy.registry.auditchain`` says exactly what that detects).
-Without a key a registry whose log is not keyed yet writes unkeyed entries (and says so in the log once); a registry
-whose log is keyed refuses writes from a process without the key.
+database), by HMAC; the chain's head is anchored in Redis (``deploy.registry.auditchain`` says exactly what that
+detects). Without a key a registry whose log is not keyed yet writes unkeyed entries (and says so in the log once); a
+registry whose log is keyed refuses writes from a process without the key.
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def version_row(s: Session, version: int) -> Version:
 class RegistryDB:
     """The database at ``url``, migrated to head on opening: read sessions, write transactions, the audit append.
 
-    ``audit_key``: the key of the audit log's HMAC chain (``deploy.registry.auditchain``; None: unkeyed, see the module doc).
+    ``audit_key``: the key of the audit log's HMAC chain (``deploy.registry.auditchain``; None: unkeyed, see the
+    module doc).
     ``audit_head``: where the chain's head is anchored after every append (Redis; needs ``audit_key``).
     """
 
@@ -111,6 +112,7 @@ class RegistryDB:
     def _anchor(self, seq: int, mac: str) -> None:
         if self.audit_head is None:
             return
+        assert self.audit_key is not None  # __init__ refuses an anchor without the key
         try:
             self.audit_head.advance(self.audit_key, seq, mac)
         except redis.RedisError as e:  # the entry is committed; the anchor lags until the next append, and says so

@@ -9,7 +9,8 @@ shared database, and each part's module says how it works:
   queries of versions; ``Fleet``: which node serves which version.
 - ``deploy.registry.rollouts``: the canaries' rollouts, begun and ended together with their version's status.
 - ``deploy.registry.operators``: operators, their tokens and roles; reading and verifying the audit log.
-- ``deploy.registry.weights``: rebuilding any version's weights from snapshot and deltas; the delta between two versions.
+- ``deploy.registry.weights``: rebuilding any version's weights from snapshot and deltas; the delta between two
+  versions.
 - ``deploy.registry.blobgc``: garbage collection of unreferenced blobs, and pruning rejected versions' deltas.
 
 The tables and the engine are in ``deploy.registry.tables``; statuses are listed there.
@@ -68,7 +69,8 @@ class Registry:
     """Versions, rollouts, gate results, audit log and fleet state over SQLAlchemy, with blobs in ``blobs``.
 
     ``snapshot_every``: a full snapshot every this many deltas along a parent chain (``deploy.registry.versions``).
-    ``audit_key``: the key of the audit log's HMAC chain (``deploy.registry.auditchain``; None: unkeyed, see ``deploy.registry.regdb``).
+    ``audit_key``: the key of the audit log's HMAC chain (``deploy.registry.auditchain``; None: unkeyed, see
+    ``deploy.registry.regdb``).
     ``audit_head``: where the chain's head is anchored after every append (Redis; needs ``audit_key``).
     """
 

@@ -15,6 +15,7 @@ import json
 import math
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy import select
@@ -201,18 +202,25 @@ class Rollouts:
         test_state = finite_json(dict(test_state), "test_state")
         looks = finite_json(list(looks)[-MAX_LOOKS:], "looks")
         with self.db.tx() as s:
-            done = s.execute(
-                sa.update(Rollout)
-                .where(
-                    Rollout.id == rollout_id,
-                    Rollout.revision == expect_revision,
-                    Rollout.state.in_(ACTIVE_ROLLOUT_STATES),
-                )
-                .values(
-                    test_state=test_state, looks=looks, verdict=verdict, reason=reason, revision=Rollout.revision + 1
-                )
-                .execution_options(synchronize_session=False)
-            )
+            done = cast(
+                "sa.CursorResult[Any]",
+                s.execute(
+                    sa.update(Rollout)
+                    .where(
+                        Rollout.id == rollout_id,
+                        Rollout.revision == expect_revision,
+                        Rollout.state.in_(ACTIVE_ROLLOUT_STATES),
+                    )
+                    .values(
+                        test_state=test_state,
+                        looks=looks,
+                        verdict=verdict,
+                        reason=reason,
+                        revision=Rollout.revision + 1,
+                    )
+                    .execution_options(synchronize_session=False)
+                ),
+            )  # an UPDATE's result is a CursorResult (rowcount), which Session.execute's annotation does not say
             ro = rollout_row(s, rollout_id, for_update=False)
             if done.rowcount != 1:
                 raise RegistryConflict(

@@ -1,14 +1,15 @@
 """The registry's versions: the base and its candidates, their status changes, gate results and queries.
 
 Every version but the base (version 0, a full snapshot) stores a lossless delta from its parent, and every
-``snapshot_every``-th version along a parent chain also a full snapshot (``deploy.registry.weights`` rebuilds any version from
-them). Blobs are stored *before* the row that references them is committed (``deploy.registry.blobgc`` relies on that). A
-version becomes ``canary`` only with its rollout (``deploy.registry.rollouts``); ``promote`` and ``set_status`` end the rollout
-of a canary they change. ``Fleet`` records which node serves which version.
+``snapshot_every``-th version along a parent chain also a full snapshot (``deploy.registry.weights`` rebuilds any
+version from them). Blobs are stored *before* the row that references them is committed (``deploy.registry.blobgc``
+relies on that). A version becomes ``canary`` only with its rollout (``deploy.registry.rollouts``); ``promote`` and
+``set_status`` end the rollout of a canary they change. ``Fleet`` records which node serves which version.
 """
 
 from __future__ import annotations
 
+import builtins
 import time
 from collections.abc import Mapping
 
@@ -282,7 +283,7 @@ class Versions:
         with self.db.session() as s:
             return list(s.execute(q).scalars())
 
-    def candidates(self) -> list[Version]:
+    def candidates(self) -> builtins.list[Version]:
         """Pending candidates, oldest first (the gate's queue)."""
         return self.list(status="candidate")[::-1]
 
@@ -292,7 +293,7 @@ class Versions:
             raise RegistryError("the registry has no stable version; register the base policy first")
         return rows[0]
 
-    def gate_results(self, version: int | None = None) -> list[GateResult]:
+    def gate_results(self, version: int | None = None) -> builtins.list[GateResult]:
         q = select(GateResult).order_by(GateResult.id)
         if version is not None:
             q = q.where(GateResult.version == version)

@@ -55,7 +55,8 @@ class Weights:
         return [r for r in up if r.version not in common], [r for r in down if r.version not in common][::-1]
 
     def deltas_between(self, from_version: int, to_version: int) -> list[bytes]:
-        """Deltas that take ``from_version``'s weights to ``to_version``'s, in order (up to the common ancestor, then down).
+        """Deltas that take ``from_version``'s weights to ``to_version``'s, in order (up to the common ancestor, then
+        down).
 
         Apply each with ``apply_delta``/``plan_delta``: they detect the direction themselves.
         """
@@ -68,6 +69,7 @@ class Weights:
         row = target = self.db.get(version)
         while row.snapshot_key is None:
             path.append(row)
+            assert row.parent is not None  # only the base has no parent, and it has a snapshot
             row = self.db.get(row.parent)
         state = decode_snapshot(self.blobs.get(row.snapshot_key))
         state_sum = row.checksum
@@ -87,7 +89,7 @@ class Weights:
             )
         return state
 
-    def compose(self, from_version: int, to_version: int) -> bytes:
+    def compose(self, from_version: int, to_version: int) -> bytes | bytearray:
         """One delta taking ``from_version``'s weights to ``to_version``'s (either direction along the lineage).
 
         Rebuilds ``from_version``, walks ``deltas_between`` (each step checked against the registry), verifies

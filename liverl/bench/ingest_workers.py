@@ -59,7 +59,7 @@ def _wait_ready(
     while time.monotonic() < deadline:
         held: list[int] = []
         ready = 0
-        for port, p in zip(ports, procs):
+        for port, p in zip(ports, procs, strict=True):
             if p.poll() is not None:
                 raise RuntimeError(f"an ingest worker exited with code {p.returncode}; see {log_dir}")
             try:

@@ -151,7 +151,8 @@ def check_process(cfg: LiverlConfig, redis, role: str) -> Deployment | None:
     """What a standalone ``liverl serve | route | ingest | learn | gate`` checks before it starts: the deployment its
     registry belongs to must be the one that claims ``topics.prefix`` in Redis. It claims an unclaimed prefix for
     that deployment; it refuses one another deployment claims, naming both. A registry no deployment was recorded
-    in (made by a release without deployment ids, or not reachable from this machine) has nothing to check: returns None."""
+    in (made by a release without deployment ids, or not reachable from this machine) has nothing to check: returns
+    None."""
     me = registry_deployment(cfg)
     if me is None:
         return None

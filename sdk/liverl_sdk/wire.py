@@ -35,7 +35,8 @@ class Wire(BaseModel):
     @field_validator("schema_version", mode="before", check_fields=False)
     @classmethod
     def _exact_version(cls, v):
-        # pydantic's Literal[1] takes true and 1.0 too (strict mode included): the version is the integer 1, nothing else
+        # pydantic's Literal[1] takes true and 1.0 too (strict mode included):
+        # the version is the integer 1, nothing else
         if type(v) is not int or v != SCHEMA_VERSION:
             raise ValueError(f"schema_version must be the integer {SCHEMA_VERSION}")
         return v

@@ -195,8 +195,8 @@ def test_an_operator_promoting_or_rejecting_the_canary_directly_ends_its_rollout
 def test_a_crash_after_begin_leaves_no_orphan_and_old_orphans_are_reaped(registry):
     """begin_rollout is one transaction, so a gate that stops right after it (before announcing anything) leaves
     a rollout the next gate finds (``active_rollout``), not an orphan. A canary row without a rollout (left by an older
-    release, or a hand edit) is rejected by ``reap_orphan_canaries``, audited; a rollout whose version is not canary any more
-    is ended."""
+    release, or a hand edit) is rejected by ``reap_orphan_canaries``, audited; a rollout whose version is not canary any
+    more is ended."""
     v1, v2, v3 = candidates(registry, 3)
     begin(registry, v1)  # ... and the gate process dies here
     assert registry.reap_orphan_canaries() == []  # nothing to reap: the rollout is there to resume
