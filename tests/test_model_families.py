@@ -234,9 +234,9 @@ def test_full_path(family, stack, tmp_path):
         registry.promote(row.version, actor="test", reason="full-path test")
         announce(r, cfg.topics.prefix, row.version, row.checksum, "full-path test", signer=Signer(private))
         deadline = time.monotonic() + 60
-        while serving.node.gateway.version != row.version and time.monotonic() < deadline:
+        while serving.gateway.version != row.version and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert serving.node.gateway.version == row.version, r.lrange(keys.swap_errors(cfg.topics.prefix), 0, -1)
+        assert serving.gateway.version == row.version, r.lrange(keys.swap_errors(cfg.topics.prefix), 0, -1)
         while not r.llen(keys.swaps(cfg.topics.prefix)) and time.monotonic() < deadline:
             time.sleep(0.05)  # the record is written just after the gateway switches
         swap = json.loads(r.lrange(keys.swaps(cfg.topics.prefix), -1, -1)[0])
