@@ -272,130 +272,143 @@ async def sweep(folder: Folder, now: float | None = None, chunk: int = 500) -> i
     return deleted
 
 
-def make_app(
-    folder: Folder, sweep_s: float = 0.0, merger: batchmerge.Merger | None = None, merge_s: float = 10.0
-) -> web.Application:
-    async def bucket_op(request: web.Request) -> web.Response:
-        bucket = request.match_info["bucket"]
-        if folder.path(bucket, "x") is None:
-            return _error(400, "InvalidBucketName", "invalid bucket name", bucket)
-        if request.method == "PUT":
-            folder.make_bucket(bucket)
-            return web.Response(status=200)
-        if request.method in ("GET", "HEAD"):
-            if bucket not in folder.index:
-                return _error(404, "NoSuchBucket", "the bucket does not exist", bucket)
-            if request.method == "HEAD":
-                return web.Response(status=200)
-            if merger is not None:
-                await merger.hold(request.query.get("prefix", ""))
-            response = list_objects(request, bucket)
-            if merger is not None:
-                merger.listed(request.query.get("prefix", ""))
-            return response
-        return _error(501, "NotImplemented", f"{request.method} on a bucket is not served here", bucket)
-
-    def list_objects(request: web.Request, bucket: str) -> web.Response:
-        q = request.query
-        prefix, delimiter = q.get("prefix", ""), q.get("delimiter", "")
-        after = q.get("continuation-token") or q.get("start-after") or ""
-        limit = max(1, min(int(q["max-keys"]), MAX_KEYS)) if "max-keys" in q else PAGE_KEYS
-        url = q.get("encoding-type") == "url"
-        enc = (lambda s: urllib.parse.quote(s, safe="/")) if url else (lambda s: s)
-        contents, prefixes, truncated, last = [], [], False, ""
-        for key in folder.keys(bucket, prefix, after):
-            if delimiter:
-                cut = key.find(delimiter, len(prefix))
-                if cut >= 0:
-                    common = key[: cut + len(delimiter)]
-                    if common <= after or (prefixes and prefixes[-1] == common):
-                        continue
-                    if len(contents) + len(prefixes) >= limit:
-                        truncated = True
-                        break
-                    prefixes.append(common)
-                    last = common
-                    continue
-            if len(contents) + len(prefixes) >= limit:
-                truncated = True
-                break
-            coded = enc(key)
-            contents.append(
-                folder.listed(bucket, key) if coded == key else _contents(coded, *folder.meta[(bucket, key)][:2])
-            )
-            last = key
-        body = (
-            f'<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>{escape(bucket)}</Name>'
-            f"<Prefix>{escape(enc(prefix))}</Prefix><KeyCount>{len(contents) + len(prefixes)}</KeyCount>"
-            f"<MaxKeys>{limit}</MaxKeys><IsTruncated>{'true' if truncated else 'false'}</IsTruncated>"
-        )
-        if delimiter:
-            body += f"<Delimiter>{escape(enc(delimiter))}</Delimiter>"
-        if url:
-            body += "<EncodingType>url</EncodingType>"
-        if truncated:
-            body += f"<NextContinuationToken>{escape(last)}</NextContinuationToken>"
-        body += "".join(contents)
-        body += "".join(f"<CommonPrefixes><Prefix>{escape(enc(c))}</Prefix></CommonPrefixes>" for c in prefixes)
-        return _xml(body + "</ListBucketResult>")
-
-    async def object_op(request: web.Request) -> web.Response:
-        bucket, key = request.match_info["bucket"], request.match_info["key"]
-        path = folder.path(bucket, key)
-        if path is None:
-            return _error(400, "InvalidArgument", "invalid object name", f"{bucket}/{key}")
+async def _bucket_op(folder: Folder, merger: batchmerge.Merger | None, request: web.Request) -> web.Response:
+    """A request on a bucket: create it (PUT), check it (HEAD) or list its objects (GET)."""
+    bucket = request.match_info["bucket"]
+    if folder.path(bucket, "x") is None:
+        return _error(400, "InvalidBucketName", "invalid bucket name", bucket)
+    if request.method == "PUT":
+        folder.make_bucket(bucket)
+        return web.Response(status=200)
+    if request.method in ("GET", "HEAD"):
         if bucket not in folder.index:
             return _error(404, "NoSuchBucket", "the bucket does not exist", bucket)
-        if request.method == "PUT":
-            if "x-amz-copy-source" in request.headers or "uploadId" in request.query:
-                return _error(501, "NotImplemented", "copy and multipart upload are not served here", key)
-            body = await request.read()
-            # the condition is checked and the file replaced with no await in between: one writer, atomically
-            current = folder.head(bucket, key)
-            if request.headers.get("If-None-Match") == "*" and current is not None:
-                return _error(412, "PreconditionFailed", "the object exists", key)
-            match = request.headers.get("If-Match")
-            if match is not None and current is None:
-                return _error(404, "NoSuchKey", "the object does not exist", key)
-            if match is not None and match not in (current[2], "*"):
-                return _error(412, "PreconditionFailed", "the object changed", key)
-            return web.Response(status=200, headers={"ETag": folder.write(bucket, key, body)})
-        if request.method == "DELETE":
-            folder.delete(bucket, key)
-            return web.Response(status=204)
-        current = folder.head(bucket, key)
-        if current is None:
-            if request.method == "HEAD":
-                return web.Response(status=404)
-            return _error(404, "NoSuchKey", "the object does not exist", key)
-        size, mtime, etag = current
-        headers = {"ETag": etag, "Last-Modified": _http_date(mtime), "Accept-Ranges": "bytes"}
-        if request.headers.get("If-None-Match") == etag:
-            return web.Response(status=304, headers=headers)
-        inm = request.headers.get("If-Match")
-        if inm is not None and inm not in (etag, "*"):
-            return _error(412, "PreconditionFailed", "the object changed", key)
         if request.method == "HEAD":
-            headers["Content-Length"] = str(size)
-            return web.Response(status=200, headers=headers)
+            return web.Response(status=200)
         if merger is not None:
-            merger.read(key)
-        data = path.read_bytes()
-        rng = request.headers.get("Range")
-        status = 200
-        if rng and rng.startswith("bytes="):
-            first, _, last = rng.removeprefix("bytes=").partition("-")
-            n = len(data)
-            if first == "":
-                lo, hi = max(0, n - int(last)), n - 1
-            else:
-                lo, hi = int(first), (int(last) if last else n - 1)
-            hi = min(hi, n - 1)
-            if lo > hi or lo >= n:
-                return _error(416, "InvalidRange", "the range is not satisfiable", key)
-            headers["Content-Range"] = f"bytes {lo}-{hi}/{n}"
-            data, status = data[lo : hi + 1], 206
-        return web.Response(status=status, body=data, headers=headers, content_type="application/octet-stream")
+            await merger.hold(request.query.get("prefix", ""))
+        response = _list_objects(folder, request, bucket)
+        if merger is not None:
+            merger.listed(request.query.get("prefix", ""))
+        return response
+    return _error(501, "NotImplemented", f"{request.method} on a bucket is not served here", bucket)
+
+
+def _list_objects(folder: Folder, request: web.Request, bucket: str) -> web.Response:
+    """``ListObjectsV2``: one page of the keys under a prefix, rolled up at a delimiter."""
+    q = request.query
+    prefix, delimiter = q.get("prefix", ""), q.get("delimiter", "")
+    after = q.get("continuation-token") or q.get("start-after") or ""
+    limit = max(1, min(int(q["max-keys"]), MAX_KEYS)) if "max-keys" in q else PAGE_KEYS
+    url = q.get("encoding-type") == "url"
+    enc = (lambda s: urllib.parse.quote(s, safe="/")) if url else (lambda s: s)
+    contents, prefixes, truncated, last = [], [], False, ""
+    for key in folder.keys(bucket, prefix, after):
+        if delimiter:
+            cut = key.find(delimiter, len(prefix))
+            if cut >= 0:
+                common = key[: cut + len(delimiter)]
+                if common <= after or (prefixes and prefixes[-1] == common):
+                    continue
+                if len(contents) + len(prefixes) >= limit:
+                    truncated = True
+                    break
+                prefixes.append(common)
+                last = common
+                continue
+        if len(contents) + len(prefixes) >= limit:
+            truncated = True
+            break
+        coded = enc(key)
+        contents.append(
+            folder.listed(bucket, key) if coded == key else _contents(coded, *folder.meta[(bucket, key)][:2])
+        )
+        last = key
+    body = (
+        f'<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>{escape(bucket)}</Name>'
+        f"<Prefix>{escape(enc(prefix))}</Prefix><KeyCount>{len(contents) + len(prefixes)}</KeyCount>"
+        f"<MaxKeys>{limit}</MaxKeys><IsTruncated>{'true' if truncated else 'false'}</IsTruncated>"
+    )
+    if delimiter:
+        body += f"<Delimiter>{escape(enc(delimiter))}</Delimiter>"
+    if url:
+        body += "<EncodingType>url</EncodingType>"
+    if truncated:
+        body += f"<NextContinuationToken>{escape(last)}</NextContinuationToken>"
+    body += "".join(contents)
+    body += "".join(f"<CommonPrefixes><Prefix>{escape(enc(c))}</Prefix></CommonPrefixes>" for c in prefixes)
+    return _xml(body + "</ListBucketResult>")
+
+
+async def _object_op(folder: Folder, merger: batchmerge.Merger | None, request: web.Request) -> web.Response:
+    """A request on an object: PUT (conditional or not), DELETE, or HEAD and GET (``_read_object``)."""
+    bucket, key = request.match_info["bucket"], request.match_info["key"]
+    path = folder.path(bucket, key)
+    if path is None:
+        return _error(400, "InvalidArgument", "invalid object name", f"{bucket}/{key}")
+    if bucket not in folder.index:
+        return _error(404, "NoSuchBucket", "the bucket does not exist", bucket)
+    if request.method == "PUT":
+        if "x-amz-copy-source" in request.headers or "uploadId" in request.query:
+            return _error(501, "NotImplemented", "copy and multipart upload are not served here", key)
+        body = await request.read()
+        # the condition is checked and the file replaced with no await in between: one writer, atomically
+        current = folder.head(bucket, key)
+        if request.headers.get("If-None-Match") == "*" and current is not None:
+            return _error(412, "PreconditionFailed", "the object exists", key)
+        match = request.headers.get("If-Match")
+        if match is not None and current is None:
+            return _error(404, "NoSuchKey", "the object does not exist", key)
+        if match is not None and match not in (current[2], "*"):
+            return _error(412, "PreconditionFailed", "the object changed", key)
+        return web.Response(status=200, headers={"ETag": folder.write(bucket, key, body)})
+    if request.method == "DELETE":
+        folder.delete(bucket, key)
+        return web.Response(status=204)
+    return _read_object(folder, merger, request, bucket, key, path)
+
+
+def _read_object(
+    folder: Folder, merger: batchmerge.Merger | None, request: web.Request, bucket: str, key: str, path: Path
+) -> web.Response:
+    """HEAD or GET of an object: its ETag conditions, then its headers or its bytes (whole or a ``Range``)."""
+    current = folder.head(bucket, key)
+    if current is None:
+        if request.method == "HEAD":
+            return web.Response(status=404)
+        return _error(404, "NoSuchKey", "the object does not exist", key)
+    size, mtime, etag = current
+    headers = {"ETag": etag, "Last-Modified": _http_date(mtime), "Accept-Ranges": "bytes"}
+    if request.headers.get("If-None-Match") == etag:
+        return web.Response(status=304, headers=headers)
+    inm = request.headers.get("If-Match")
+    if inm is not None and inm not in (etag, "*"):
+        return _error(412, "PreconditionFailed", "the object changed", key)
+    if request.method == "HEAD":
+        headers["Content-Length"] = str(size)
+        return web.Response(status=200, headers=headers)
+    if merger is not None:
+        merger.read(key)
+    data = path.read_bytes()
+    rng = request.headers.get("Range")
+    status = 200
+    if rng and rng.startswith("bytes="):
+        first, _, last = rng.removeprefix("bytes=").partition("-")
+        n = len(data)
+        if first == "":
+            lo, hi = max(0, n - int(last)), n - 1
+        else:
+            lo, hi = int(first), (int(last) if last else n - 1)
+        hi = min(hi, n - 1)
+        if lo > hi or lo >= n:
+            return _error(416, "InvalidRange", "the range is not satisfiable", key)
+        headers["Content-Range"] = f"bytes {lo}-{hi}/{n}"
+        data, status = data[lo : hi + 1], 206
+    return web.Response(status=status, body=data, headers=headers, content_type="application/octet-stream")
+
+
+def _sweeping(folder: Folder, sweep_s: float):
+    """The app's cleanup context that applies retention (``sweep``) every ``sweep_s`` seconds."""
 
     async def sweeping(app: web.Application):
         async def loop():
@@ -413,6 +426,13 @@ def make_app(
         yield
         task.cancel()
 
+    return sweeping
+
+
+def _merging(merger: batchmerge.Merger, merge_s: float):
+    """The app's cleanup context that merges settled record batches (``merger.run_once``) every ``merge_s``
+    seconds."""
+
     async def merging(app: web.Application):
         async def loop():
             while True:
@@ -426,11 +446,23 @@ def make_app(
         yield
         task.cancel()
 
+    return merging
+
+
+def make_app(
+    folder: Folder, sweep_s: float = 0.0, merger: batchmerge.Merger | None = None, merge_s: float = 10.0
+) -> web.Application:
+    async def bucket_op(request: web.Request) -> web.Response:
+        return await _bucket_op(folder, merger, request)
+
+    async def object_op(request: web.Request) -> web.Response:
+        return await _object_op(folder, merger, request)
+
     app = web.Application(client_max_size=64 << 20)
     if sweep_s > 0:
-        app.cleanup_ctx.append(sweeping)
+        app.cleanup_ctx.append(_sweeping(folder, sweep_s))
     if merger is not None and merge_s > 0:
-        app.cleanup_ctx.append(merging)
+        app.cleanup_ctx.append(_merging(merger, merge_s))
     app.router.add_route("*", "/{bucket}", bucket_op)
     app.router.add_route("*", "/{bucket}/", bucket_op)
     app.router.add_route("*", "/{bucket}/{key:.+}", object_op)
