@@ -211,21 +211,10 @@ def run_chaos(
     restarts: int = 0,
 ) -> dict:
     logging.getLogger("kafka.net.selector").setLevel(logging.ERROR)
-    if cfg.product is None:
-        cfg.product = DEMO_PRODUCT
-    product = load_product(cfg)
-    users = product.simulated_users()
-    if users is None:
-        raise ValueError(f"product {cfg.product!r} has no simulated users to drive the load")
+    product, users = _product_users(cfg)
     rng = random.Random(seed)
     started = time.time()
-    what = [f"a kill -9 every ~{kill_every_s:.0f} s"] if kinds and kill_every_s > 0 else []
-    what += [f"{restarts} restarts of the whole pipeline"] if restarts else []
-    print(
-        f"liverl chaos: {duration_s:.0f} s of load, {' and '.join(what) or 'no kills'}, then drain and audit "
-        f"(state in {cfg.state_path})",
-        flush=True,
-    )
+    _print_plan(cfg, duration_s, kill_every_s, kinds, restarts)
     pipe = _start_pipeline(cfg, model_dir, fresh=True)
     up_restarts: list[dict] = []
     try:
@@ -252,11 +241,7 @@ def run_chaos(
                     end += rec["down_s"]
                     restart_at = time.monotonic() + every if len(up_restarts) < restarts else float("inf")
                     next_kill = max(next_kill, time.monotonic() + MIN_UPTIME_S["ingest"])
-                    print(
-                        f"  {rec['t']:7.1f} s  restart of the whole pipeline ({how}): {rec['processes']} processes, "
-                        f"down {rec['down_s']:.0f} s",
-                        flush=True,
-                    )
+                    _print_restart(rec, how)
                     continue
                 if time.monotonic() >= next_kill:
                     kind = killer.next_kind()
@@ -275,54 +260,112 @@ def run_chaos(
             "the pipeline; draining ...",
             flush=True,
         )
-        pipe.redis.set(keys.learner_hold(cfg.topics.prefix), "1")
-        registry = open_registry(cfg)
-        try:
-            report, converge_s = None, None
-            while time.monotonic() - load_end < drain_timeout_s:
-                failure = pipe.supervisor.check()
-                if failure:
-                    raise RuntimeError(f"chaos: {failure}")
-                report = run_audit(cfg, pipe.stack.bootstrap, pipe.redis, registry)
-                pending = [c.version for c in registry.candidates()]
-                if report.moving == 0 and report.converged and not pending:
-                    converge_s = time.monotonic() - load_end
-                    break
-                print(
-                    f"  drain {time.monotonic() - load_end:5.0f} s: {report.moving} events moving, candidates "
-                    f"pending {pending}, nodes converged {report.converged}",
-                    flush=True,
-                )
-                time.sleep(10)
-        finally:
-            registry.close()
+        report, converge_s = _drain(cfg, pipe, load_end, drain_timeout_s)
         sdk.close()
         restarts_by_role = dict(pipe.supervisor.restarts)
     finally:
         pipe.__exit__(None, None, None)
     leftover = _leftover_processes(cfg, started)
-    by_kind = {k: sum(1 for x in killer.kills if x["kind"] == k) for k in kinds}
+    run = {"duration_s": duration_s, "kill_every_s": kill_every_s, "seed": seed}
+    summary = _summary(
+        run, kinds, killer.kills, restarts_by_role, up_restarts, sdk.acked, stats, converge_s, report, leftover
+    )
+    _print_summary(summary, report, converge_s, drain_timeout_s)
+    if summary_path:
+        Path(summary_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(summary_path).write_text(json.dumps(summary, indent=2))
+        print(f"summary: {summary_path}")
+    return summary
+
+
+def _product_users(cfg: LiverlConfig):
+    """The product (the demo's when none is set) and its simulated users, which drive the load."""
+    if cfg.product is None:
+        cfg.product = DEMO_PRODUCT
+    product = load_product(cfg)
+    users = product.simulated_users()
+    if users is None:
+        raise ValueError(f"product {cfg.product!r} has no simulated users to drive the load")
+    return product, users
+
+
+def _print_plan(cfg: LiverlConfig, duration_s: float, kill_every_s: float, kinds: tuple[str, ...], restarts: int):
+    what = [f"a kill -9 every ~{kill_every_s:.0f} s"] if kinds and kill_every_s > 0 else []
+    what += [f"{restarts} restarts of the whole pipeline"] if restarts else []
+    print(
+        f"liverl chaos: {duration_s:.0f} s of load, {' and '.join(what) or 'no kills'}, then drain and audit "
+        f"(state in {cfg.state_path})",
+        flush=True,
+    )
+
+
+def _print_restart(rec: dict, how: str) -> None:
+    print(
+        f"  {rec['t']:7.1f} s  restart of the whole pipeline ({how}): {rec['processes']} processes, "
+        f"down {rec['down_s']:.0f} s",
+        flush=True,
+    )
+
+
+def _drain(cfg: LiverlConfig, pipe: Pipeline, load_end: float, drain_timeout_s: float):
+    """Hold the learner, then audit every 10 s until nothing moves, no candidate is pending and every node serves
+    the stable version (or ``drain_timeout_s`` passed); returns the last audit and the time it took (None if not)."""
+    pipe.redis.set(keys.learner_hold(cfg.topics.prefix), "1")
+    registry = open_registry(cfg)
+    try:
+        report, converge_s = None, None
+        while time.monotonic() - load_end < drain_timeout_s:
+            failure = pipe.supervisor.check()
+            if failure:
+                raise RuntimeError(f"chaos: {failure}")
+            report = run_audit(cfg, pipe.stack.bootstrap, pipe.redis, registry)
+            pending = [c.version for c in registry.candidates()]
+            if report.moving == 0 and report.converged and not pending:
+                converge_s = time.monotonic() - load_end
+                break
+            print(
+                f"  drain {time.monotonic() - load_end:5.0f} s: {report.moving} events moving, candidates "
+                f"pending {pending}, nodes converged {report.converged}",
+                flush=True,
+            )
+            time.sleep(10)
+    finally:
+        registry.close()
+    return report, converge_s
+
+
+def _summary(
+    run: dict, kinds, kills, restarts_by_role, up_restarts, acked, stats, converge_s, report, leftover
+) -> dict:
+    """The run's summary (``--summary``'s JSON): ``run`` (its duration, kill interval and seed) and what happened;
+    ``ok`` when the audit found no problem, the pipeline converged, the topic holds every acknowledged record and no
+    process outlived the pipeline."""
+    by_kind = {k: sum(1 for x in kills if x["kind"] == k) for k in kinds}
     summary = {
-        "duration_s": duration_s,
-        "kill_every_s": kill_every_s,
-        "seed": seed,
-        "kills": len(killer.kills),
+        **run,
+        "kills": len(kills),
         "kills_by_kind": by_kind,
-        "kill_log": killer.kills,
+        "kill_log": kills,
         "restarts": restarts_by_role,
         "pipeline_restarts": up_restarts,
-        "acked_feedback_records": sdk.acked,
+        "acked_feedback_records": acked,
         "requests": stats.requests,
         "request_errors": stats.errors,
         "converge_s": None if converge_s is None else round(converge_s, 1),
         "audit": report.as_dict() if report is not None else None,
     }
-    missing = sdk.acked - (report.feedback_records if report else 0)
+    missing = acked - (report.feedback_records if report else 0)
     summary["acked_not_in_topic"] = max(missing, 0)
     summary["leftover_processes"] = leftover
     summary["ok"] = bool(
         report is not None and not report.problems() and converge_s is not None and missing <= 0 and not leftover
     )
+    return summary
+
+
+def _print_summary(summary: dict, report, converge_s: float | None, drain_timeout_s: float) -> None:
+    by_kind, restarts_by_role = summary["kills_by_kind"], summary["restarts"]
+    up_restarts, leftover = summary["pipeline_restarts"], summary["leftover_processes"]
     print("\nkills by kind: " + ", ".join(f"{k} {n}" for k, n in by_kind.items()))
     print(f"restarts by the supervisor: {restarts_by_role}")
     if up_restarts:
@@ -331,8 +374,9 @@ def run_chaos(
             + ", ".join(f"{r['how']} at {r['t']:.0f} s (down {r['down_s']:.0f} s)" for r in up_restarts)
         )
     print(
-        f"feedback records acknowledged by the broker: {sdk.acked} (in the topic: "
-        f"{report.feedback_records if report else '?'}); requests {stats.requests}, errors {stats.errors}"
+        f"feedback records acknowledged by the broker: {summary['acked_feedback_records']} (in the topic: "
+        f"{report.feedback_records if report else '?'}); requests {summary['requests']}, "
+        f"errors {summary['request_errors']}"
     )
     if report is not None:
         print_report(report)
@@ -345,11 +389,6 @@ def run_chaos(
         f"processes left running after the pipeline stopped: {len(leftover)}"
         + "".join(f"\n  pid {p['pid']} (parent {p['ppid']}): {p['cmd']}" for p in leftover)
     )
-    if summary_path:
-        Path(summary_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(summary_path).write_text(json.dumps(summary, indent=2))
-        print(f"summary: {summary_path}")
-    return summary
 
 
 def _start_pipeline(cfg: LiverlConfig, model_dir: Path, fresh: bool) -> Pipeline:
