@@ -362,31 +362,71 @@ def plot_timeline(timeline: Timeline, summary: dict, path: Path, window_s: float
     plt.close(fig)
 
 
-def print_summary(summary: dict, summary_path: Path, plot_path: Path) -> None:
-    def pct(x):
-        return "-" if x is None else f"{x:.1%}"
+def _pct(x):
+    return "-" if x is None else f"{x:.1%}"
 
+
+def _pts(x):
+    return "-" if x is None else f"{x:.2f}"
+
+
+def print_summary(summary: dict, summary_path: Path, plot_path: Path) -> None:
     print()
     print("liverl demo summary")
     print("-------------------")
     print(
-        f"base (v0) live acceptance      {pct(summary['base_acceptance'])} on {summary['base_feedback_events']} events"
+        f"base (v0) live acceptance      {_pct(summary['base_acceptance'])} on {summary['base_feedback_events']} events"
     )
+    _print_acceptance(summary)
+    _print_trap(summary)
+    if summary.get("integrity_only"):
+        print("gate                           INTEGRITY ONLY (gate.integrity_only): no evidence was checked")
+    if summary.get("whole_run_kept") is not None:
+        print(
+            f"whole run kept                 {_pct(summary['whole_run_kept'])} of every answer served, "
+            f"{summary.get('users')} users"
+        )
+    _print_counts(summary)
+    fs = summary.get("feedback_to_served")
+    if fs:
+        _print_feedback_to_served(fs)
+    if summary["dead_letters"]:
+        print(f"dead letters                   {summary['dead_letters']}")
+    if summary.get("process_restarts"):
+        print(f"process restarts               {summary['process_restarts']} (see .liverl/logs/)")
+    if summary.get("gate_checks"):
+        checks = ", ".join(
+            f"{k} ({c['passed']} passed, {c['failed']} failed)" for k, c in summary["gate_checks"].items()
+        )
+        print(f"gate checks run                {checks}")
+    _print_versions(summary)
+    if summary.get("failure"):
+        print(f"FAILURE: {summary['failure']}")
+    print(
+        f"goals met (>=3 promoted, +{GOAL_LIFT_POINTS} points{' kept' if summary.get('trap') else ''} on >=300 events "
+        "each, no exploiting version live): "
+        f"{'yes' if summary['ok'] else 'NO'}"
+    )
+    print(f"summary: {summary_path}\nplot:    {plot_path}")
 
-    def pts(x):
-        return "-" if x is None else f"{x:.2f}"
 
+def _print_acceptance(summary: dict) -> None:
+    """The last promoted version's acceptance, its lift over the base, and what users kept."""
     last = summary["last_promoted_version"]
     print(
         f"last promoted ({'none yet' if last is None else f'v{last}'}) acceptance "
-        f"{pct(summary['last_promoted_acceptance'])} on {summary['last_promoted_feedback_events']} events"
+        f"{_pct(summary['last_promoted_acceptance'])} on {summary['last_promoted_feedback_events']} events"
     )
-    print(f"lift                           {pts(summary['lift_points'])} points")
+    print(f"lift                           {_pts(summary['lift_points'])} points")
     if summary.get("base_kept") is not None:
         print(
-            f"kept (accepted, not reverted)  base {pct(summary['base_kept'])}, last promoted "
-            f"{pct(summary.get('last_promoted_kept'))}  ({pts(summary.get('kept_lift_points'))} points)"
+            f"kept (accepted, not reverted)  base {_pct(summary['base_kept'])}, last promoted "
+            f"{_pct(summary.get('last_promoted_kept'))}  ({_pts(summary.get('kept_lift_points'))} points)"
         )
+
+
+def _print_trap(summary: dict) -> None:
+    """The reward-hacking trap: which exploiting versions served traffic, and which were caught."""
     trap = summary.get("trap_report") or {}
     if summary.get("trap"):
         print(
@@ -399,16 +439,13 @@ def print_summary(summary: dict, summary_path: Path, plot_path: Path) -> None:
             tk = (trap.get("trap_kept_rate") or {}).get(str(v))
             print(
                 f"  v{v:<4} {'WENT LIVE' if v in trap['exploiting_live'] else 'caught':<9} bait answers "
-                f"{pct(trap['bait_rate'][str(v)])} (base {pct(trap['base_bait_rate'])}); the trap segment's users "
-                f"kept {pct(tk)} (base {pct(trap.get('base_trap_kept_rate'))})"
+                f"{_pct(trap['bait_rate'][str(v)])} (base {_pct(trap['base_bait_rate'])}); the trap segment's users "
+                f"kept {_pct(tk)} (base {_pct(trap.get('base_trap_kept_rate'))})"
             )
-    if summary.get("integrity_only"):
-        print("gate                           INTEGRITY ONLY (gate.integrity_only): no evidence was checked")
-    if summary.get("whole_run_kept") is not None:
-        print(
-            f"whole run kept                 {pct(summary['whole_run_kept'])} of every answer served, "
-            f"{summary.get('users')} users"
-        )
+
+
+def _print_counts(summary: dict) -> None:
+    """Events, versions, hot-swap pauses and delta sizes."""
     print(
         f"feedback events                {summary['feedback_events']}  (samples trained {summary['samples_trained']})"
     )
@@ -431,35 +468,32 @@ def print_summary(summary: dict, summary_path: Path, plot_path: Path) -> None:
             f"xor+zstd {codec['median_ratio_xor_zstd']:.1f}x, plain zstd {codec['median_ratio_zstd']:.2f}x "
             f"(median {codec['median_changed_fraction']:.1%} of elements changed)"
         )
-    fs = summary.get("feedback_to_served")
-    if fs:
 
-        def q(d):
-            return "-" if not d.get("n") else f"p50 {d['p50']:.0f}, p90 {d['p90']:.0f}, p99 {d['p99']:.0f}"
 
+def _print_feedback_to_served(fs: dict) -> None:
+    """How long a feedback event took to be served and promoted (``liverl.ops.lineage.latency_summary``)."""
+
+    def q(d):
+        return "-" if not d.get("n") else f"p50 {d['p50']:.0f}, p90 {d['p90']:.0f}, p99 {d['p99']:.0f}"
+
+    print(
+        f"feedback -> served (s)         {q(fs['feedback_to_served_s'])} over {fs['served']} of {fs['trained']} "
+        f"trained events ({'canaries on: a canary node counts' if fs['canaries'] else 'one node, no canary'})"
+    )
+    print(
+        f"feedback -> promoted (s)       {q(fs['feedback_to_promoted_s'])} over {fs['promoted']}; not served: "
+        f"{fs['trained'] - fs['in_a_candidate']} in no candidate yet, {fs['dropped_by_rebase']} thrown away by a "
+        f"rebase, {fs['in_a_candidate'] - fs['served'] - fs['dropped_by_rebase']} in candidates not served"
+    )
+    if fs["canaries"]:
         print(
-            f"feedback -> served (s)         {q(fs['feedback_to_served_s'])} over {fs['served']} of {fs['trained']} "
-            f"trained events ({'canaries on: a canary node counts' if fs['canaries'] else 'one node, no canary'})"
+            "  (without canaries: LIVERL__SERVING__NODES=1 scripts/demo.sh; `liverl lineage FEEDBACK_ID` shows one "
+            "event's path)"
         )
-        print(
-            f"feedback -> promoted (s)       {q(fs['feedback_to_promoted_s'])} over {fs['promoted']}; not served: "
-            f"{fs['trained'] - fs['in_a_candidate']} in no candidate yet, {fs['dropped_by_rebase']} thrown away by a "
-            f"rebase, {fs['in_a_candidate'] - fs['served'] - fs['dropped_by_rebase']} in candidates not served"
-        )
-        if fs["canaries"]:
-            print(
-                "  (without canaries: LIVERL__SERVING__NODES=1 scripts/demo.sh; `liverl lineage FEEDBACK_ID` shows one "
-                "event's path)"
-            )
-    if summary["dead_letters"]:
-        print(f"dead letters                   {summary['dead_letters']}")
-    if summary.get("process_restarts"):
-        print(f"process restarts               {summary['process_restarts']} (see .liverl/logs/)")
-    if summary.get("gate_checks"):
-        checks = ", ".join(
-            f"{k} ({c['passed']} passed, {c['failed']} failed)" for k, c in summary["gate_checks"].items()
-        )
-        print(f"gate checks run                {checks}")
+
+
+def _print_versions(summary: dict) -> None:
+    """Each version judged on live evidence: its off-policy estimate and its canary's outcome."""
     shown = {v: e for v, e in (summary.get("versions") or {}).items() if "canary" in e or e["status"] == "stable"}
     if shown:
         print("versions judged on live evidence (off-policy estimate; canary outcome):")
@@ -483,11 +517,3 @@ def print_summary(summary: dict, summary_path: Path, plot_path: Path) -> None:
                     else ("promoted" if can["passed"] else "aborted") + f": {(can['detail'] or '')[:110]}"
                 )
             )
-    if summary.get("failure"):
-        print(f"FAILURE: {summary['failure']}")
-    print(
-        f"goals met (>=3 promoted, +{GOAL_LIFT_POINTS} points{' kept' if summary.get('trap') else ''} on >=300 events "
-        "each, no exploiting version live): "
-        f"{'yes' if summary['ok'] else 'NO'}"
-    )
-    print(f"summary: {summary_path}\nplot:    {plot_path}")
