@@ -159,70 +159,18 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
     t, rep = cfg.topics, Report()
     now = time.time() if now is None else now
     # ingest's verdicts
-    dead: dict[tuple[int, int], str] = {}
-    for _, _, raw in read_topic(bootstrap, t.dead_letters, cfg.broker):
-        try:
-            d = DeadLetter.from_bytes(raw or b"")
-        except WireError:
-            continue
-        if d.source_topic == t.feedback and d.partition is not None and d.offset is not None:
-            if (d.partition, d.offset) in dead:
-                rep.dead_letters_repeated += 1
-            dead[(d.partition, d.offset)] = d.reason
-    generations: dict[str, bool] = {}
-    unversioned: set[str] = set()  # generations a hot-swap split between versions (``mixed_versions``)
-    for _, _, raw in read_topic(bootstrap, t.generations, cfg.broker):
-        try:
-            g = GenerationRecord.from_bytes(raw or b"")
-        except WireError:
-            continue
-        generations[g.generation_id] = g.trainable
-        if g.mixed_versions:
-            unversioned.add(g.generation_id)
-    samples: dict[str, list[tuple[int, int, str]]] = collections.defaultdict(list)  # feedback id -> records
-    for part, off, raw in read_topic(bootstrap, t.samples, cfg.broker):
-        try:
-            s = TrainingSample.from_bytes(raw or b"")
-        except WireError:
-            continue
-        samples[s.feedback_id].append((part, off, s.sample_id))
-    held_out = set()  # feedback ids whose sample went to the gate's held-out stream (never trained, by design)
-    for _, _, raw in read_topic(bootstrap, t.heldout, cfg.broker):
-        try:
-            held_out.add(TrainingSample.from_bytes(raw or b"").feedback_id)
-        except WireError:
-            continue
+    dead = _dead_letters(cfg, bootstrap, rep)
+    generations, unversioned = _generations(cfg, bootstrap)
+    samples = _samples(cfg, bootstrap)
+    held_out = _held_out(cfg, bootstrap)
     # the learner's verdicts
-    trained: collections.Counter = collections.Counter()
-    refused: dict[tuple[int, int], str] = {}
-    for line in Ledger.read(ledger_path(checkpoint_path_for(cfg))):
-        rep.ledger_lines += 1
-        for _, _, sid in line.get("trained", []):
-            trained[sid] += 1
-        for part, off, _, reason in line.get("refused", []):
-            refused[(part, off)] = reason
+    trained, refused = _ledger(cfg, rep)
     rep.trained_twice = sorted(sid for sid, n in trained.items() if n > 1)
     ingest_done = committed(bootstrap, f"{t.prefix}-ingest", t.feedback, cfg.broker)
     learner_done = committed(bootstrap, f"{t.prefix}.learner", t.samples, cfg.broker)
     pending_window = cfg.ingest.pending_ttl_s * 10 + 60  # ingest's hard limit on waiting feedback, plus slack
 
-    events: dict[str, list[tuple[int, int, FeedbackEvent]]] = collections.defaultdict(list)
-    for part, off, raw in read_topic(bootstrap, t.feedback, cfg.broker):
-        rep.feedback_records += 1
-        try:
-            fb = FeedbackEvent.from_bytes(raw or b"")
-        except WireError:
-            rep.events += 1
-            if (part, off) in dead:
-                rep.fates[f"dead_letter:{dead[(part, off)]}"] += 1
-            elif off >= ingest_done.get(part, 0):
-                rep.fates["in_flight"] += 1
-            else:
-                rep.fates["lost"] += 1
-                rep.lost_examples.append(f"{t.feedback}[{part}]@{off}")
-            continue
-        events[fb.feedback_id].append((part, off, fb))
-
+    events = _feedback_events(cfg, bootstrap, rep, dead, ingest_done)
     for fid, recs in events.items():
         rep.events += 1
         fate = (
@@ -253,10 +201,107 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
     for key in redis.scan_iter(keys.live_pattern(t.prefix), count=1000):
         if keys.version_of_live(key) is not None:
             rep.live_events += int(redis.hget(key, "events") or 0)
+    _fleet(redis, registry, t.prefix, rep, now)
+    return rep
+
+
+def _dead_letters(cfg: LiverlConfig, bootstrap: str, rep: Report) -> dict[tuple[int, int], str]:
+    """The feedback records ingest dead-lettered: (partition, offset) -> reason; counts those dead-lettered twice."""
+    t = cfg.topics
+    dead: dict[tuple[int, int], str] = {}
+    for _, _, raw in read_topic(bootstrap, t.dead_letters, cfg.broker):
+        try:
+            d = DeadLetter.from_bytes(raw or b"")
+        except WireError:
+            continue
+        if d.source_topic == t.feedback and d.partition is not None and d.offset is not None:
+            if (d.partition, d.offset) in dead:
+                rep.dead_letters_repeated += 1
+            dead[(d.partition, d.offset)] = d.reason
+    return dead
+
+
+def _generations(cfg: LiverlConfig, bootstrap: str) -> tuple[dict[str, bool], set[str]]:
+    """Every generation: id -> trainable; and the ids of those a hot-swap split between versions."""
+    generations: dict[str, bool] = {}
+    unversioned: set[str] = set()  # generations a hot-swap split between versions (``mixed_versions``)
+    for _, _, raw in read_topic(bootstrap, cfg.topics.generations, cfg.broker):
+        try:
+            g = GenerationRecord.from_bytes(raw or b"")
+        except WireError:
+            continue
+        generations[g.generation_id] = g.trainable
+        if g.mixed_versions:
+            unversioned.add(g.generation_id)
+    return generations, unversioned
+
+
+def _samples(cfg: LiverlConfig, bootstrap: str) -> dict[str, list[tuple[int, int, str]]]:
+    """The training samples ingest wrote: feedback id -> (partition, offset, sample id) of each."""
+    samples: dict[str, list[tuple[int, int, str]]] = collections.defaultdict(list)  # feedback id -> records
+    for part, off, raw in read_topic(bootstrap, cfg.topics.samples, cfg.broker):
+        try:
+            s = TrainingSample.from_bytes(raw or b"")
+        except WireError:
+            continue
+        samples[s.feedback_id].append((part, off, s.sample_id))
+    return samples
+
+
+def _held_out(cfg: LiverlConfig, bootstrap: str) -> set[str]:
+    held_out = set()  # feedback ids whose sample went to the gate's held-out stream (never trained, by design)
+    for _, _, raw in read_topic(bootstrap, cfg.topics.heldout, cfg.broker):
+        try:
+            held_out.add(TrainingSample.from_bytes(raw or b"").feedback_id)
+        except WireError:
+            continue
+    return held_out
+
+
+def _ledger(cfg: LiverlConfig, rep: Report) -> tuple[collections.Counter, dict[tuple[int, int], str]]:
+    """The learner's ledger: how often each sample id was trained, and the refused samples' (partition, offset) ->
+    reason."""
+    trained: collections.Counter = collections.Counter()
+    refused: dict[tuple[int, int], str] = {}
+    for line in Ledger.read(ledger_path(checkpoint_path_for(cfg))):
+        rep.ledger_lines += 1
+        for _, _, sid in line.get("trained", []):
+            trained[sid] += 1
+        for part, off, _, reason in line.get("refused", []):
+            refused[(part, off)] = reason
+    return trained, refused
+
+
+def _feedback_events(
+    cfg: LiverlConfig, bootstrap: str, rep: Report, dead: dict[tuple[int, int], str], ingest_done: dict[int, int]
+) -> dict[str, list[tuple[int, int, FeedbackEvent]]]:
+    """The feedback topic's events by feedback id; a record that does not parse gets its fate here."""
+    t = cfg.topics
+    events: dict[str, list[tuple[int, int, FeedbackEvent]]] = collections.defaultdict(list)
+    for part, off, raw in read_topic(bootstrap, t.feedback, cfg.broker):
+        rep.feedback_records += 1
+        try:
+            fb = FeedbackEvent.from_bytes(raw or b"")
+        except WireError:
+            rep.events += 1
+            if (part, off) in dead:
+                rep.fates[f"dead_letter:{dead[(part, off)]}"] += 1
+            elif off >= ingest_done.get(part, 0):
+                rep.fates["in_flight"] += 1
+            else:
+                rep.fates["lost"] += 1
+                rep.lost_examples.append(f"{t.feedback}[{part}]@{off}")
+            continue
+        events[fb.feedback_id].append((part, off, fb))
+    return events
+
+
+def _fleet(redis, registry, prefix: str, rep: Report, now: float) -> None:
+    """The registry's stable versions and what each serving node serves (converged: the version it should)."""
     rep.stable_versions = sorted(int(v.version) for v in registry.list(status="stable"))
     if len(rep.stable_versions) == 1:
         rep.stable_checksum = registry.get(rep.stable_versions[0]).checksum
-        view = fleet.fleet_view(registry, redis, t.prefix)  # during a canary its nodes should serve the canary
+        view = fleet.fleet_view(registry, redis, prefix)  # during a canary its nodes should serve the canary
         for name, n in view.nodes.items():
             rep.nodes[name] = {
                 "version": n.beat.version,
@@ -267,7 +312,7 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
                 **({"canary": view.rollout.version} if n.canary else {}),
             }
     else:  # no single stable version: no node can be in sync with it
-        for name, beat in fleet.read_heartbeats(redis, t.prefix).items():
+        for name, beat in fleet.read_heartbeats(redis, prefix).items():
             rep.nodes[name] = {
                 "version": beat.version,
                 "checksum": beat.checksum,
@@ -275,7 +320,6 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
                 "age_s": round(max(now - beat.ts, 0.0), 1),
                 "converged": False,
             }
-    return rep
 
 
 def _fate(
