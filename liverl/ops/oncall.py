@@ -39,42 +39,12 @@ def collect_state(cfg: LiverlConfig, limit: int = 40) -> dict[str, Any]:
     try:
         rows = reg.list(limit=limit)
         stable = reg.stable()
-        checks: dict[int, list[dict]] = {}
-        for g in reg.gate_results():
-            checks.setdefault(g.version, []).append(
-                {
-                    "check": g.check,
-                    "value": g.value,
-                    "threshold": g.threshold,
-                    "passed": g.passed,
-                    "detail": g.detail,
-                    "at": g.at,
-                }
-            )
+        checks = _gate_checks(reg)
         audit = [
             {"at": a.at, "actor": a.actor, "action": a.action, "version": a.version, "reason": a.reason}
             for a in reg.audit(limit=25)
         ][::-1]
-        ro = reg.active_rollout()
-        rollout = (
-            None
-            if ro is None
-            else {
-                "id": ro.id,
-                "version": ro.version,
-                "checksum": ro.checksum,
-                "stable_version": ro.stable_version,
-                "share": ro.share,
-                "nodes": list(ro.nodes),
-                "unit": ro.unit,
-                "state": ro.state,
-                "started_at": ro.started_at,
-                "deadline_at": ro.deadline_at,
-                "looks": list(ro.looks or []),
-                "verdict": ro.verdict,
-                "reason": ro.reason,
-            }
-        )
+        rollout = _rollout(reg.active_rollout())
         r = open_redis(cfg)
         try:
             live = _live(r, p, [v.version for v in rows])
@@ -87,32 +57,91 @@ def collect_state(cfg: LiverlConfig, limit: int = 40) -> dict[str, Any]:
             r.close()
     finally:
         reg.close()
-    versions = []
-    for v in rows:
-        c = live.get(v.version) or {}
-        events = c.get("events", 0)
-        versions.append(
+    versions = [_version_row(v, checks, live) for v in rows]
+    nodes = _nodes(view)
+    return {
+        "now": time.time(),
+        "prefix": p,
+        "stable": {"version": stable.version, "checksum": stable.checksum, "promoted_at": stable.promoted_at},
+        "desired": desired,
+        "nodes": nodes,
+        "converged": view is not None and view.converged,
+        "versions": versions,
+        "audit": audit,
+        "learner": learner,
+        "redis_error": redis_error,
+        "rollout": rollout,
+    }
+
+
+def _gate_checks(reg) -> dict[int, list[dict]]:
+    """Every gate check the registry holds, by version."""
+    checks: dict[int, list[dict]] = {}
+    for g in reg.gate_results():
+        checks.setdefault(g.version, []).append(
             {
-                "version": v.version,
-                "parent": v.parent,
-                "status": v.status,
-                "reason": v.status_reason,
-                "created_at": v.created_at,
-                "promoted_at": v.promoted_at,
-                "checksum": v.checksum,
-                "delta_bytes": v.delta_bytes,
-                "changed_fraction": v.changed_fraction,
-                "checks": sorted(checks.get(v.version, []), key=lambda x: x["at"]),
-                "live": {
-                    "events": events,
-                    "accept": c.get("accept", 0),
-                    "reject": c.get("reject", 0),
-                    "edit": c.get("edit", 0),
-                    "acceptance": c.get("accept", 0) / events if events else None,
-                },
+                "check": g.check,
+                "value": g.value,
+                "threshold": g.threshold,
+                "passed": g.passed,
+                "detail": g.detail,
+                "at": g.at,
             }
         )
-    nodes = (
+    return checks
+
+
+def _rollout(ro) -> dict[str, Any] | None:
+    """The active canary rollout, if any."""
+    return (
+        None
+        if ro is None
+        else {
+            "id": ro.id,
+            "version": ro.version,
+            "checksum": ro.checksum,
+            "stable_version": ro.stable_version,
+            "share": ro.share,
+            "nodes": list(ro.nodes),
+            "unit": ro.unit,
+            "state": ro.state,
+            "started_at": ro.started_at,
+            "deadline_at": ro.deadline_at,
+            "looks": list(ro.looks or []),
+            "verdict": ro.verdict,
+            "reason": ro.reason,
+        }
+    )
+
+
+def _version_row(v, checks: dict[int, list[dict]], live: dict[int, dict[str, int]]) -> dict[str, Any]:
+    """One version of the page: its registry row, its gate checks in time order and its live counts."""
+    c = live.get(v.version) or {}
+    events = c.get("events", 0)
+    return {
+        "version": v.version,
+        "parent": v.parent,
+        "status": v.status,
+        "reason": v.status_reason,
+        "created_at": v.created_at,
+        "promoted_at": v.promoted_at,
+        "checksum": v.checksum,
+        "delta_bytes": v.delta_bytes,
+        "changed_fraction": v.changed_fraction,
+        "checks": sorted(checks.get(v.version, []), key=lambda x: x["at"]),
+        "live": {
+            "events": events,
+            "accept": c.get("accept", 0),
+            "reject": c.get("reject", 0),
+            "edit": c.get("edit", 0),
+            "acceptance": c.get("accept", 0) / events if events else None,
+        },
+    }
+
+
+def _nodes(view) -> list[dict[str, Any]]:
+    """Each serving node's last heartbeat, its age and whether it serves what it should."""
+    return (
         []
         if view is None
         else [
@@ -127,19 +156,6 @@ def collect_state(cfg: LiverlConfig, limit: int = 40) -> dict[str, Any]:
             for n in view.nodes.values()
         ]
     )
-    return {
-        "now": time.time(),
-        "prefix": p,
-        "stable": {"version": stable.version, "checksum": stable.checksum, "promoted_at": stable.promoted_at},
-        "desired": desired,
-        "nodes": nodes,
-        "converged": view is not None and view.converged,
-        "versions": versions,
-        "audit": audit,
-        "learner": learner,
-        "redis_error": redis_error,
-        "rollout": rollout,
-    }
 
 
 PAGE = (Path(__file__).parent / "templates" / "oncall.html").read_text()
