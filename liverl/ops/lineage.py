@@ -208,7 +208,40 @@ class Lineages:
 def trace(feedback_id: str, ledger_file: Path, registry) -> dict[str, Any]:
     """The path of one feedback event: rows of (stage, what, time), plus the headline times. ``ValueError`` for a
     feedback id the ledger does not show as trained."""
-    ledger_file = Path(ledger_file)
+    led, fb = _trained(feedback_id, Path(ledger_file))
+    reg = RegistryView.load(registry)
+    lin = Lineages(led, reg)
+    rows: list[tuple[str, str, float | None]] = [
+        ("feedback", f"{fb.feedback_id}", fb.ts_feedback),
+        ("sample", f"{fb.sample_id} (trained; sample id = its generation id)", None),
+        ("learner step", f"step {fb.step}", fb.trained_at),
+    ]
+    holding = lin.holding(fb)
+    promoted = lin.first_promoted(fb)
+    served = lin.first_served(fb)
+    end = promoted[0] if promoted else None
+    rows += _version_rows(reg, holding, end)
+    ends = _end_rows(lin, reg, fb, promoted, served)
+    rows += sorted(ends, key=lambda r: float("inf") if r[2] is None else r[2])
+    return {
+        "feedback_id": fb.feedback_id,
+        "sample_id": fb.sample_id,
+        "ts_feedback": fb.ts_feedback,
+        "step": fb.step,
+        "trained_at": fb.trained_at,
+        "versions": holding,
+        "candidate": holding[0] if holding else None,
+        "promoted": None if promoted is None else {"version": promoted[0], "at": promoted[1]},
+        "served": None if served is None else {"version": served[0], "node": served[1], "at": served[2]},
+        "feedback_to_served_s": None if served is None else served[2] - fb.ts_feedback,
+        "feedback_to_promoted_s": None if promoted is None else promoted[1] - fb.ts_feedback,
+        "rows": [{"stage": s, "what": w, "at": t} for s, w, t in rows],
+    }
+
+
+def _trained(feedback_id: str, ledger_file: Path) -> tuple[LedgerView, TrainedFeedback]:
+    """The ledger (read for ``feedback_id``) and the event's training; ``ValueError`` if the ledger does not show it
+    as trained."""
     if not feedback_id or not isinstance(feedback_id, str):
         raise ValueError("a feedback id is a non-empty string (the FeedbackEvent.feedback_id the product sent)")
     led = read_ledger(ledger_file, want=feedback_id)
@@ -222,17 +255,13 @@ def trace(feedback_id: str, ledger_file: Path, registry) -> dict[str, Any]:
             "held out for the gate, refused by the learner, still on its way, or from before the ledger "
             "rolled over; `liverl audit` says where each feedback event went"
         )
-    reg = RegistryView.load(registry)
-    lin = Lineages(led, reg)
-    rows: list[tuple[str, str, float | None]] = [
-        ("feedback", f"{fb.feedback_id}", fb.ts_feedback),
-        ("sample", f"{fb.sample_id} (trained; sample id = its generation id)", None),
-        ("learner step", f"step {fb.step}", fb.trained_at),
-    ]
-    holding = lin.holding(fb)
-    promoted = lin.first_promoted(fb)
-    served = lin.first_served(fb)
-    end = promoted[0] if promoted else None
+    return led, fb
+
+
+def _version_rows(reg: RegistryView, holding: list[int], end: int | None) -> list[tuple[str, str, float | None]]:
+    """The versions holding the event, oldest first up to ``end`` (the first promoted), each with its gate checks
+    and canary start in time order."""
+    rows: list[tuple[str, str, float | None]] = []
     for i, v in enumerate(holding):
         row = reg.versions[v]
         label = "candidate" if i == 0 else "descendant"
@@ -264,7 +293,18 @@ def trace(feedback_id: str, ledger_file: Path, registry) -> dict[str, Any]:
             break
     if not holding:
         rows.append(("candidate", "none yet: no version holds this step (the learner has not emitted one since)", None))
-    ends = []
+    return rows
+
+
+def _end_rows(
+    lin: Lineages,
+    reg: RegistryView,
+    fb: TrainedFeedback,
+    promoted: tuple[int, float] | None,
+    served: tuple[int, str, float] | None,
+) -> list[tuple[str, str, float | None]]:
+    """Where the event ended: its first promotion (or why none), and the first node to serve it."""
+    ends: list[tuple[str, str, float | None]] = []
     if promoted:
         ends.append(("promoted", f"v{promoted[0]} (to every node)", promoted[1]))
     else:
@@ -294,21 +334,7 @@ def trace(feedback_id: str, ledger_file: Path, registry) -> dict[str, Any]:
         )
     else:
         ends.append(("served", "not served yet", None))
-    rows += sorted(ends, key=lambda r: float("inf") if r[2] is None else r[2])
-    return {
-        "feedback_id": fb.feedback_id,
-        "sample_id": fb.sample_id,
-        "ts_feedback": fb.ts_feedback,
-        "step": fb.step,
-        "trained_at": fb.trained_at,
-        "versions": holding,
-        "candidate": holding[0] if holding else None,
-        "promoted": None if promoted is None else {"version": promoted[0], "at": promoted[1]},
-        "served": None if served is None else {"version": served[0], "node": served[1], "at": served[2]},
-        "feedback_to_served_s": None if served is None else served[2] - fb.ts_feedback,
-        "feedback_to_promoted_s": None if promoted is None else promoted[1] - fb.ts_feedback,
-        "rows": [{"stage": s, "what": w, "at": t} for s, w, t in rows],
-    }
+    return ends
 
 
 def _clock(t: float) -> str:
