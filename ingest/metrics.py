@@ -267,6 +267,17 @@ class IngestMetrics:
         self._cluster = is_cluster_url(redis_url)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._declare_records(r)
+        self._declare_pacing(r)
+        self._declare_refused(r)
+        self._declare_progress(r)
+        self._redis = None
+        self._script: AsyncScript | None = None  # the live counters' script, registered with the client
+
+    # -- declarations (in exposition order) --------------------------------------------------------
+
+    def _declare_records(self, r: CollectorRegistry) -> None:
+        """Records consumed, joined and produced."""
         self.feedback = Counter("liverl_ingest_feedback", "Feedback records consumed (valid or not).", registry=r)
         self.generations = Counter(
             "liverl_ingest_generations", "Generation records consumed (valid or not).", registry=r
@@ -284,6 +295,9 @@ class IngestMetrics:
             "Corrections trained for reverted accepts (the accepted sample again with reward ingest.rewards.revert).",
             registry=r,
         )
+
+    def _declare_pacing(self, r: CollectorRegistry) -> None:
+        """Records fetched, held back or waiting, and where joined samples went."""
         self.fetched = Counter(
             "liverl_ingest_records_fetched",
             "Records the consumer returned, both inputs: each once, unless a rebalance or a restart reads it again.",
@@ -312,6 +326,9 @@ class IngestMetrics:
             "Joined samples set aside for the gate's held-out stream (ingest.heldout_share).",
             registry=r,
         )
+
+    def _declare_refused(self, r: CollectorRegistry) -> None:
+        """Inputs dropped: redelivered, dead-lettered, expired, or making no training sample."""
         self.duplicates = Counter(
             "liverl_ingest_duplicates",
             "Redelivered inputs dropped (same feedback_id or generation_id).",
@@ -330,6 +347,9 @@ class IngestMetrics:
             ["reason"],
             registry=r,
         )
+
+    def _declare_progress(self, r: CollectorRegistry) -> None:
+        """The worker's own health: sweep errors, settle waits, backlog gauges and the feedback-to-sample delay."""
         self.timer_errors = Counter(
             "liverl_ingest_timer_errors",
             "Exceptions in the periodic sweeps (logged; the sweep runs again).",
@@ -363,8 +383,6 @@ class IngestMetrics:
             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
             registry=r,
         )
-        self._redis = None
-        self._script: AsyncScript | None = None  # the live counters' script, registered with the client
 
     # -- Prometheus --------------------------------------------------------------------------------
 
