@@ -20,8 +20,10 @@ apply here, and they compose rather than add:
   widening keeps the test from deciding anyway: the cap keeps the variance finite, and the degrees of freedom keep
   the test conservative.
 
-So the variance is at most ``LEVERAGE_MAX``'s factor squared (100) times the plain delta-method variance of the same
-residuals, and it is the jackknife's where the cap does not bind (conservative: the Efron-Stein inequality).
+So the variance is at most ``LEVERAGE_MAX``'s factor squared (100) times the uncorrected cluster-robust variance of
+the same residuals, and it is the jackknife's where the cap does not bind (biased upward, if anything: Efron and
+Stein, 1981). ``tests/deploy/test_sequential_units.py`` holds it within 4 times the plain delta-method variance in a
+Zipf(1.1) world whose top user's summed leverage passes 1, with an A/A calibrated.
 
 ``deploy.gate.sequential`` states the estimator and its references; ``deploy.gate.sequential.look_units`` feeds the
 estimate to the always-valid test.
