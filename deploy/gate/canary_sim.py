@@ -40,7 +40,7 @@ POPULATIONS = {
 ACTIVITIES = {
     "lognormal": "each user's share of traffic log-normal with sigma ``activity_sigma`` (the demo's is 1.0)",
     "zipf(s)": "each user's share of traffic proportional to 1 / rank^s, the ranks shuffled: at s 1.1 the top user "
-    "sends 15-20% of all traffic from 1,000 to 10,000 users",
+    "sends 18% of all traffic among 1,000 users, 15% among 10,000",
 }
 SCHEMES = ("user", "user+cuped", "event, sticky users", "event, per request")
 """The tests the simulation runs on each canary: the user-unit test without and with CUPED, and the per-event test

@@ -3,7 +3,7 @@
 Each simulated canary replays what the gate sees: a population of **sticky users** (``--users``, each population of
 ``--populations``: the demo's two segments accepting 0.70 and 0.25, Beta(2,2), a skewed Beta(0.5,1.5), or
 ``segments3``: three segments accepting 0.75, 0.40 and 0.10 with per-user spread) with log-normal activity
-(``--activity-sigma``; the demo's is 1.0) or Zipf activity (``--activity 'zipf(1.1)'``: the top user sends a fifth
+(``--activity-sigma``; the demo's is 1.0) or Zipf activity (``--activity 'zipf(1.1)'``: the top user sends 15-18%
 of all traffic), assigned to the canary by the router's own function
 (``core.fleet.bucket(secret, rollout_id, user) < share``, a fresh rollout id per canary), judging
 ``--events-per-s`` answers (all traffic), and the gate's look once per closed 10 s bucket until
@@ -333,7 +333,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--activity",
         default=d["activity"],
         help="users' shares of traffic: lognormal (of --activity-sigma) or zipf(s), e.g. zipf(1.1): the top user "
-        "sends a fifth of all traffic (default lognormal)",
+        "sends 15-18%% of all traffic (default lognormal)",
     )
     s.add_argument("--alpha", type=float, default=d["alpha"], help="error rate (default 0.05)")
     s.add_argument("--tau", type=float, default=d["tau"], help="mixture scale (default 0.03)")
