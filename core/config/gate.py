@@ -176,6 +176,11 @@ class GateConfig(Section):
         description="Variance reduction (CUPED, Deng et al. 2013) with each user's kept acceptance "
         "under stable in the cuped_lookback_s before the rollout as the covariate.",
     )
+    cuped_guardrails: bool = Field(
+        default=True,
+        description="With cuped, the same variance reduction on the user-unit guardrails (edit rate, revert rate, "
+        "response length), each with the user's own rate of that metric over cuped_lookback_s as its covariate.",
+    )
     cuped_lookback_s: float = Field(
         default=1800.0, ge=0.0, description="The pre-rollout window CUPED reads each user's covariate from."
     )

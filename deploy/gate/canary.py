@@ -50,6 +50,8 @@ import math
 import time
 from typing import Any
 
+import numpy as np
+
 from core import fleet, keys
 from core.config import LiverlConfig
 from core.schemas import RolloutTerms
@@ -253,10 +255,11 @@ class CanaryController:
             return None
         return max(rollout.started_at, *(first[n] for n in rollout.nodes))
 
-    def _covariate(self, rollout: Rollout) -> dict[str, tuple[float, float]]:
-        """Each user's kept acceptance before the rollout (CUPED), over the ``gate.cuped_lookback_s`` before it and
-        whatever served them then (the stable version, earlier stable versions, earlier canaries): anything before
-        the rollout is untouched by it, and a user's own history predicts the user. With the events behind it."""
+    def _covariate(self, rollout: Rollout) -> dict[str, np.ndarray]:
+        """Each user's sums before the rollout (CUPED's covariates: kept acceptance, and the guardrails' own rates),
+        over the ``gate.cuped_lookback_s`` before it and whatever served them then (the stable version, earlier
+        stable versions, earlier canaries): anything before the rollout is untouched by it, and a user's own history
+        predicts the user. Users with events only (``deploy.gate.canary_tests.pre_rollout_rate`` reads them)."""
         t0 = rollout.started_at - self.cfg.gate.cuped_lookback_s
         wanted = range(first_bucket(t0), first_bucket(rollout.started_at))
         versions = {rollout.stable_version} | {
@@ -268,7 +271,7 @@ class CanaryController:
         for version in sorted(versions):
             for b, data in keys.read_unit_buckets(self.redis, self.prefix, version, wanted).items():
                 pre.add(b, data)
-        return {u: ((s[1] - s[3]) / s[0], float(s[0])) for u, s in pre.users.items() if s[0] > 0}
+        return {u: s for u, s in pre.users.items() if s[0] > 0}
 
     def build_tests(self, rollout: Rollout, ev: Evidence, settling: bool) -> tuple[seq.Canary, seq.SrmTest, dict]:
         """The rollout's tests at this look (``deploy.gate.canary_tests.build_tests``)."""

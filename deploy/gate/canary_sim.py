@@ -35,6 +35,13 @@ POPULATIONS = {
     "beta(2,2)": "acceptance ~ Beta(2, 2): mean 0.5, spread 0.22",
     "beta(0.5,1.5)": "acceptance ~ Beta(0.5, 1.5): mean 0.25, skewed, many users near 0",
     "beta(5,1)": "acceptance ~ Beta(5, 1): mean 0.83, many users near 1 (the demo's plateau)",
+    "segments3": "three segments of a third of the users each, accepting 0.75, 0.40 and 0.10 on average, each user's "
+    "rate ~ Beta with concentration 20 about its segment's (spread 0.07-0.11)",
+}
+ACTIVITIES = {
+    "lognormal": "each user's share of traffic log-normal with sigma ``activity_sigma`` (the demo's is 1.0)",
+    "zipf(s)": "each user's share of traffic proportional to 1 / rank^s, the ranks shuffled: at s 1.1 the top user "
+    "sends 18% of all traffic among 1,000 users, 15% among 10,000",
 }
 SCHEMES = ("user", "user+cuped", "event, sticky users", "event, per request")
 """The tests the simulation runs on each canary: the user-unit test without and with CUPED, and the per-event test
@@ -45,10 +52,24 @@ def user_rates(population: str, n_users: int, rng: np.random.Generator) -> np.nd
     """Each user's acceptance rate, drawn from one of ``POPULATIONS``."""
     if population == "segments":
         return np.where(rng.random(n_users) < 0.5, 0.70, 0.25)
+    if population == "segments3":
+        mean = rng.choice(np.array([0.75, 0.40, 0.10]), n_users)
+        return rng.beta(20.0 * mean, 20.0 * (1.0 - mean))
     if population.startswith("beta(") and population.endswith(")"):
         a, b = (float(v) for v in population[5:-1].split(","))
         return rng.beta(a, b, n_users)
     raise ValueError(f"unknown population {population!r}; one of {', '.join(POPULATIONS)} or beta(a,b)")
+
+
+def user_activity(activity: str, n_users: int, sigma: float, rng: np.random.Generator) -> np.ndarray:
+    """Each user's share of all traffic (summing to 1), drawn as one of ``ACTIVITIES`` says."""
+    if activity == "lognormal":
+        w = rng.lognormal(0.0, sigma, n_users)
+    elif activity.startswith("zipf(") and activity.endswith(")"):
+        w = rng.permutation(np.arange(1, n_users + 1, dtype=float) ** -float(activity[5:-1]))
+    else:
+        raise ValueError(f"unknown activity {activity!r}; lognormal or zipf(s)")
+    return w / w.sum()
 
 
 @lru_cache(maxsize=2048)
@@ -72,6 +93,7 @@ def simulate_sticky(
     deadline_s: float = 1800.0,
     pre_s: float = 1800.0,
     activity_sigma: float = 1.0,
+    activity: str = "lognormal",
     alpha: float = 0.05,
     tau: float = 0.03,
     min_events: int = 100,
@@ -80,9 +102,9 @@ def simulate_sticky(
     seed: int = 0,
 ) -> dict:
     """Canaries in the deployed world: ``n_users`` sticky users of one ``population`` with heterogeneous activity
-    (log-normal weights, ``activity_sigma``; the demo's is 1.0), assigned by the router's ``fleet.bucket`` with a
-    fresh rollout id per run, judged ``events_per_s`` (all traffic) in buckets of ``bucket_s``; the gate looks once
-    per closed bucket, until ``deadline_s``. Each user's events under stable in the ``pre_s`` before the start are
+    (``activity``, one of ``ACTIVITIES``: log-normal weights of ``activity_sigma``, the demo's 1.0, or Zipf),
+    assigned by the router's ``fleet.bucket`` with a fresh rollout id per run, judged ``events_per_s`` (all traffic)
+    in buckets of ``bucket_s``; the gate looks once per closed bucket, until ``deadline_s``. Each user's events under stable in the ``pre_s`` before the start are
     CUPED's covariate. Each run plays every effect in ``effects`` (added to every canary user's rate, clipped to
     [0, 1]) on the same users, assignment and event times.
 
@@ -98,6 +120,7 @@ def simulate_sticky(
     threshold = math.log(1.0 / alpha)
     secret = f"liverl-bench-canary-{seed}".encode()
     draws = {"events_per_s": events_per_s, "pre_s": pre_s, "activity_sigma": activity_sigma, "looks": looks}
+    draws["activity"] = activity
     draws["per_bucket"] = per_bucket
     # per effect: per scheme {PROMOTE: runs, ABORT: runs, "events": [to each decision]}, "cuped_removed", "srm"
     res: dict[float, dict[str, Any]] = {
@@ -152,6 +175,7 @@ def simulate_sticky(
         "deadline_s": deadline_s,
         "pre_s": pre_s,
         "activity_sigma": activity_sigma,
+        "activity": activity,
         "alpha": alpha,
         "tau": tau,
         "min_events": min_events,
@@ -163,15 +187,14 @@ def simulate_sticky(
     }
 
 
-def _world(rng, population, on, *, events_per_s, pre_s, activity_sigma, looks, per_bucket):
-    """One simulated canary's world: each user's rate and activity (log-normal), their arm ``on`` (the router's
+def _world(rng, population, on, *, events_per_s, pre_s, activity_sigma, activity, looks, per_bucket):
+    """One simulated canary's world: each user's rate and activity (``user_activity``), their arm ``on`` (the router's
     rule), relabelled so that the canary's users come first; each user's events under stable in the ``pre_s`` before
     the start (CUPED's covariate); who sends each event, in time order (drawn by activity), the flat (look, user)
     slot it counts in, and a uniform draw for its judgement. None when every user is on one arm."""
     n_users = on.size
     p = user_rates(population, n_users, rng)
-    w = rng.lognormal(0.0, activity_sigma, n_users)
-    w /= w.sum()
+    w = user_activity(activity, n_users, activity_sigma, rng)
     k = int(on.sum())
     if k in (0, n_users):
         return None
@@ -240,6 +263,7 @@ def simulate_budget(
     bucket_s: float = 10.0,
     pre_s: float = 1800.0,
     activity_sigma: float = 1.0,
+    activity: str = "lognormal",
     alpha: float = 0.05,
     tau: float = 0.03,
     min_events: int = 50,
@@ -266,6 +290,7 @@ def simulate_budget(
         (eff, z): {e: 0 for e in BUDGET_ENDS} | {"events": []} for eff in effects for z in futility_z
     }
     draws = {"events_per_s": events_per_s, "pre_s": pre_s, "activity_sigma": activity_sigma, "looks": looks}
+    draws["activity"] = activity
     draws["per_bucket"] = per_bucket
     for run in range(runs):
         rng = np.random.default_rng([seed, 7, run])

@@ -62,8 +62,8 @@ class Evidence:
     stable: ArmSums = field(default_factory=ArmSums)
     fast_canary: ArmSums = field(default_factory=ArmSums)  # buckets ingest has settled: what reverts do not touch
     fast_stable: ArmSums = field(default_factory=ArmSums)  # (edits, length, latency)
-    covariate: dict[str, tuple[float, float]] = field(default_factory=dict)  # unit -> (kept rate, events) under
-    # stable before the rollout (CUPED)
+    covariate: dict[str, np.ndarray] = field(default_factory=dict)  # unit -> its sums in FIELDS order over the
+    # look-back before the rollout (CUPED's covariates: each metric's own rate then)
     start: int | None = None  # the first bucket of evidence (``evidence_start``); None until the canary serves
     next_bucket: int = 0
     next_fast: int = 0
@@ -159,38 +159,43 @@ def _restored_tests(g: GateConfig, rollout: Rollout) -> tuple:
 
 
 def _look_users(g: GateConfig, ev: Evidence, tests: tuple, srm: seq.SrmTest, info: dict) -> None:
-    """One look of each test with the user as the unit (CUPED on acceptance when there is a covariate)."""
+    """One look of each test with the user as the unit: CUPED on acceptance when there is a covariate, and on the
+    edit rate, the revert rate and the response length too with ``gate.cuped_guardrails``; each metric's covariate is
+    the user's own rate of it before the rollout (``pre_rollout_rate``)."""
     success, edit, revert, length = tests
     names_c, m_c = ev.canary.matrix()
     names_s, m_s = ev.stable.matrix()
-    e_c, e_s = _col(m_c, "e"), _col(m_s, "e")
-    f_c, f_s = ev.fast_canary.matrix()[1], ev.fast_stable.matrix()[1]
-
-    def arms(f: str, fast: bool = False) -> tuple[UnitSums, UnitSums]:
-        if fast:
-            return UnitSums(_col(f_c, f), _col(f_c, "e")), UnitSums(_col(f_s, f), _col(f_s, "e"))
-        return UnitSums(_col(m_c, f), e_c), UnitSums(_col(m_s, f), e_s)
-
-    kept_c, kept_s = _col(m_c, "a") - _col(m_c, "r"), _col(m_s, "a") - _col(m_s, "r")
+    fast_c, f_c = ev.fast_canary.matrix()
+    fast_s, f_s = ev.fast_stable.matrix()
     cuped = g.cuped and bool(ev.covariate)
-    if cuped:  # each user's kept rate under stable before the rollout, weighed by the events behind it
-        cov = {
-            arm: (
-                np.array([ev.covariate.get(u, (np.nan, 0.0))[0] for u in names]),
-                np.array([ev.covariate.get(u, (np.nan, 0.0))[1] for u in names]),
-            )
-            for arm, names in (("canary", names_c), ("stable", names_s))
-        }
-        kept = (UnitSums(kept_c, e_c, *cov["canary"]), UnitSums(kept_s, e_s, *cov["stable"]))
-    else:
-        kept = (UnitSums(kept_c, e_c), UnitSums(kept_s, e_s))
+    cuped_guards = cuped and g.cuped_guardrails
+
+    def arms(f: str, fast: bool = False, cov: bool = False) -> tuple[UnitSums, UnitSums]:
+        out = []
+        for names, m in ((fast_c, f_c), (fast_s, f_s)) if fast else ((names_c, m_c), (names_s, m_s)):
+            num = _col(m, "a") - _col(m, "r") if f == "kept" else _col(m, f)
+            out.append(UnitSums(num, _col(m, "e"), *(pre_rollout_rate(ev, names, f) if cov else ())))
+        return out[0], out[1]
+
+    kept = arms("kept", cov=cuped)
     info["acceptance"] = seq.look_units(success, *kept, cuped=cuped)
-    info["edit_rate"] = seq.look_units(edit, *arms("d", fast=True))
-    info["revert_rate"] = seq.look_units(revert, *arms("r"))
+    info["edit_rate"] = seq.look_units(edit, *arms("d", fast=True, cov=cuped_guards), cuped=cuped_guards)
+    info["revert_rate"] = seq.look_units(revert, *arms("r", cov=cuped_guards), cuped=cuped_guards)
     if length is not None:
-        info["response_length"] = seq.look_units(length, *arms("t", fast=True))
+        info["response_length"] = seq.look_units(length, *arms("t", fast=True, cov=cuped_guards), cuped=cuped_guards)
     info["users"] = (len(names_c), len(names_s))
     info["srm"] = srm.look_units(*kept)  # on the horizon's cursor: see deploy.gate.canary's module doc
+
+
+def pre_rollout_rate(ev: Evidence, names: list[str], f: str) -> tuple[np.ndarray, np.ndarray]:
+    """Each user's rate of metric ``f`` (a field of ``FIELDS`` over events, or ``kept``: accepts less reverts) in
+    the look-back before the rollout, and the events behind it; NaN and 0 for a user with no history (CUPED imputes
+    the arm's mean). A covariate fixed before the rollout leaves the estimate unbiased whatever it predicts."""
+    pre = np.array([ev.covariate.get(u, np.zeros(len(FIELDS))) for u in names], dtype=float).reshape(-1, len(FIELDS))
+    events = _col(pre, "e")
+    value = _col(pre, "a") - _col(pre, "r") if f == "kept" else _col(pre, f)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(events > 0, value / events, np.nan), events
 
 
 def _look_requests(ev: Evidence, tests: tuple, srm: seq.SrmTest, info: dict) -> None:

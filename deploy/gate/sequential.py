@@ -52,7 +52,9 @@ Departures from the papers, and small-sample care:
 - Few users, of very different activity, make the plain cluster-robust variance too small and ``d / sqrt(V)``
   heavier-tailed than a normal (a heavy user pulls its arm's ratio towards itself, so its residual understates its
   noise). Three corrections, checked by the calibration: each user's residual is divided by ``1 - h_u``, its
-  leverage ``h_u = den_u / sum(den)`` (plus ``Z_u^2 / sum(Z^2)`` with CUPED): the CR3 / jackknife variance
+  leverage ``h_u = den_u / sum(den)`` capped at 0.9, and with CUPED taken on the slope fitted without the user
+  (``deploy.gate.sequential_units``: the two leverages compose, and a sum of them past 1 never divides anything):
+  the CR3 / jackknife variance
   (``sum(L^2) / (n - 1)^2`` when users are alike, a little above the textbook ``sum(L^2) / (n (n - 1))``); each
   side's statistic is read as a Student t (``t_widened``, Wallace's 1959 normal equivalent) with
   Welch-Satterthwaite degrees of freedom, each arm's the effective number of users behind its variance

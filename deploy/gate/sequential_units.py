@@ -2,6 +2,29 @@
 estimate of the arms' difference with its variance (``unit_estimate``): the delta method for ratio metrics, CUPED on
 a pre-rollout covariate, and the small-sample corrections (CR3 residuals, Welch's degrees of freedom).
 
+The leverage correction is bounded. CR3 scales each user's residual by ``1 / (1 - h_u)``, which is exact for a
+leverage ``h_u`` of a true projection (then ``h_u < 1``) and the jackknife's leave-one-out residual. Two corrections
+apply here, and they compose rather than add:
+
+- CUPED's slope ``b`` is fitted on the users (regression of ``L`` on ``Z`` through the origin, pooled over the
+  arms). Each user's residual is taken on the slope fitted without it, ``L_u - b_(-u) Z_u``: the exact leave-one-out
+  residual, computed directly, so no ``1 - h`` is divided by. A heavy user whose covariate carries nearly all of
+  ``sum Z^2`` gets its own raw ``L_u`` back (nothing else informs the slope for it) instead of a residual the slope
+  was fitted to make zero. Summing the slope's leverage ``Z_u^2 / sum Z^2`` with the ratio's ``h_u`` is what can pass
+  1 for a user who is a fifth of all traffic, and dividing by ``max(1 - h, tiny)`` then inflates the variance by
+  up to 1e11, which silently stops the test.
+- The ratio's own leverage, the user's share of the arm's events ``h_u = den_u / sum den``, is below 1 whenever the
+  arm has two users; it is capped at ``LEVERAGE_MAX`` (0.9: the factor at most 10), as HC4m/HC5
+  (Cribari-Neto et al., 2007, 2011) bound the leverage discount. The cap only binds when one user carries over 90%
+  of an arm's events, where Kish's effective number of users (the degrees of freedom) is about 1 and the Student-t
+  widening keeps the test from deciding anyway: the cap keeps the variance finite, and the degrees of freedom keep
+  the test conservative.
+
+So the variance is at most ``LEVERAGE_MAX``'s factor squared (100) times the uncorrected cluster-robust variance of
+the same residuals, and it is the jackknife's where the cap does not bind (biased upward, if anything: Efron and
+Stein, 1981). ``tests/deploy/test_sequential_units.py`` holds it within 4 times the plain delta-method variance in a
+Zipf(1.1) world whose top user's summed leverage passes 1, with an A/A calibrated.
+
 ``deploy.gate.sequential`` states the estimator and its references; ``deploy.gate.sequential.look_units`` feeds the
 estimate to the always-valid test.
 """
@@ -12,6 +35,12 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
+
+LEVERAGE_MAX = 0.9
+"""The largest share of an arm's events whose leverage correction CR3 applies in full: the factor ``1 / (1 - h)``
+is at most 10 (module docstring)."""
+LOO_TINY = 1e-9
+"""Below this share of ``sum Z^2`` left without a user, no other user informs the slope for it."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -120,19 +149,12 @@ def unit_estimate(canary: UnitSums, stable: UnitSums, direction: int = 1, cuped:
             raise ValueError("CUPED needs each arm's pre-rollout covariate (UnitSums.cov)")
         zc, zs = _covariate(canary, mc), _covariate(stable, ms)
         with np.errstate(invalid="ignore", divide="ignore"):
-            b = np.where(zc["zz"] + zs["zz"] > 0, (zc["lz"] + zs["lz"]) / (zc["zz"] + zs["zz"]), 0.0)  # pooled
+            zz, lz = zc["zz"] + zs["zz"], zc["lz"] + zs["lz"]
+            b = np.where(zz > 0, lz / zz, 0.0)  # pooled
             d = direction * ((mc["ratio"] - b * zc["ratio"]) - (ms["ratio"] - b * zs["ratio"]))
-            # each arm's residuals L - b Z, with the leverage of b (pooled) added to the user's own (none when no
-            # user's covariate differs from its arm's: Z is 0 throughout and CUPED changes nothing)
-            zz = zc["zz"] + zs["zz"]
-            parts = [
-                _cr3(
-                    m["lin"] - _last(b) * z["z"],
-                    m["lev"] + z["z"] ** 2 / np.where(_last(zz) > 0, _last(zz), 1.0),
-                    m["n"],
-                )
-                for m, z in ((mc, zc), (ms, zs))
-            ]
+            # each arm's leave-one-user-out residuals of the regression on Z, then the ratio's own leverage
+            # (module docstring: the two corrections compose, they are not added)
+            parts = [_cr3(_loo_residuals(m["lin"], z["z"], lz, zz), m["lev"], m["n"]) for m, z in ((mc, zc), (ms, zs))]
             (var_c, df_c), (var_s, df_s) = parts
             var = np.where((mc["n"] >= 3) & (ms["n"] >= 3), var_c + var_s, np.inf)
             removed = np.where(np.isfinite(var) & np.isfinite(var_raw) & (var_raw > 0), 1.0 - var / var_raw, 0.0)
@@ -169,13 +191,25 @@ def _covariate(arm: UnitSums, m: dict) -> dict:
     return {"ratio": ratio, "z": z, "lz": lz, "zz": _sum_sq(z)}
 
 
+def _loo_residuals(lin, z, lz, zz):
+    """Each user's residual ``L_u - b_(-u) Z_u`` on the pooled slope fitted without that user,
+    ``b_(-u) = (sum L Z - L_u Z_u) / (sum Z^2 - Z_u^2)`` (the exact leave-one-out residual of the regression through
+    the origin, ``(L_u - b Z_u) / (1 - Z_u^2 / sum Z^2)``, computed without the division by ``1 - h``); a user whose
+    covariate alone carries all of ``sum Z^2`` keeps ``L_u``: no other user informs the slope for it."""
+    zz_o = _last(zz) - z * z
+    with np.errstate(invalid="ignore", divide="ignore"):
+        b_o = np.where(zz_o > LOO_TINY * _last(zz), (_last(lz) - lin * z) / zz_o, 0.0)
+    return lin - b_o * z
+
+
 def _cr3(r, lev, n):
     """Variance of an arm's mean of ``n`` users' linearised contributions ``r`` (with mean 0), and its degrees of
     freedom: ``sum((r_u / (1 - h_u))^2) / n^2``, the cluster-robust variance with each user's residual scaled up by
-    its leverage ``h_u`` (CR3, the jackknife's up to ``n / (n - 1)``: a heavy user pulls the mean towards itself, so its
-    own residual understates its noise; see MacKinnon, Nielsen and Webb, "Cluster-robust inference: a guide to empirical
-    practice", 2023). Infinite below 2 users."""
-    adj = r / np.maximum(1.0 - lev, 1e-9)
+    its share of the arm's events ``h_u`` (CR3, the ratio's jackknife up to ``n / (n - 1)``: a heavy user pulls the
+    ratio towards itself, so its own residual understates its noise; see MacKinnon, Nielsen and Webb,
+    "Cluster-robust inference: a guide to empirical practice", 2023), ``h_u`` capped at ``LEVERAGE_MAX``. Infinite
+    below 2 users."""
+    adj = r / (1.0 - np.minimum(lev, LEVERAGE_MAX))
     ss = _sum_sq(adj)
     return np.where(n >= 2, ss / (n * n), np.inf), _units_df(adj, ss, n)
 

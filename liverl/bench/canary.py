@@ -1,8 +1,10 @@
 """``liverl bench canary``: the canary's sequential test, calibrated (A/A) and its power, in the deployed world.
 
 Each simulated canary replays what the gate sees: a population of **sticky users** (``--users``, each population of
-``--populations``: the demo's two segments accepting 0.70 and 0.25, Beta(2,2), a skewed Beta(0.5,1.5)) with
-log-normal activity (``--activity-sigma``; the demo's is 1.0), assigned to the canary by the router's own function
+``--populations``: the demo's two segments accepting 0.70 and 0.25, Beta(2,2), a skewed Beta(0.5,1.5), or
+``segments3``: three segments accepting 0.75, 0.40 and 0.10 with per-user spread) with log-normal activity
+(``--activity-sigma``; the demo's is 1.0) or Zipf activity (``--activity 'zipf(1.1)'``: the top user sends 15-18%
+of all traffic), assigned to the canary by the router's own function
 (``core.fleet.bucket(secret, rollout_id, user) < share``, a fresh rollout id per canary), judging
 ``--events-per-s`` answers (all traffic), and the gate's look once per closed 10 s bucket until
 ``--deadline-s``. CUPED's covariate is each user's acceptance under stable in the ``--pre-s`` before the rollout.
@@ -47,6 +49,7 @@ DEFAULTS = {
     "deadline_s": 1800.0,
     "pre_s": 1800.0,
     "activity_sigma": 1.0,
+    "activity": "lognormal",
     "alpha": 0.05,
     "tau": 0.03,
     "min_events": 100,
@@ -67,6 +70,7 @@ def run(
     deadline_s: float = DEFAULTS["deadline_s"],
     pre_s: float = DEFAULTS["pre_s"],
     activity_sigma: float = DEFAULTS["activity_sigma"],
+    activity: str = DEFAULTS["activity"],
     alpha: float = DEFAULTS["alpha"],
     tau: float = DEFAULTS["tau"],
     min_events: int = DEFAULTS["min_events"],
@@ -95,6 +99,7 @@ def run(
                 deadline_s=deadline_s,
                 pre_s=pre_s,
                 activity_sigma=activity_sigma,
+                activity=activity,
                 alpha=alpha,
                 tau=tau,
                 min_events=min_events,
@@ -225,6 +230,11 @@ def run_budget(
     return summary
 
 
+def _activity(row: dict) -> str:
+    a = row.get("activity", "lognormal")
+    return f"log-normal sigma {row['activity_sigma']:g}" if a == "lognormal" else a
+
+
 def _rate(rate: float, runs: int) -> str:
     return f"{rate:.1%} (≤{binomial_upper(round(rate * runs), runs):.1%})"
 
@@ -277,7 +287,7 @@ def _tables(summary: dict) -> str:
         f"{r0['runs']:,} canaries per row; canary share {r0['share']:.0%} of users; {r0['events_per_s']:g} "
         f"judged events/s (all traffic), a look per closed {r0['bucket_s']:g} s bucket, deadline "
         f"{r0['deadline_s']:g} s ({r0['events_at_deadline']:,} events); CUPED covariate from {r0['pre_s']:g} s "
-        f"before the rollout; log-normal activity sigma {r0['activity_sigma']:g}; alpha {alpha}, tau "
+        f"before the rollout; {_activity(r0)} activity; alpha {alpha}, tau "
         f"{r0['tau']}, at least {r0['min_events']} events and {r0['min_units']} users per arm before a "
         f"decision; SRM at {r0['srm_alpha']}",
         f"user-unit A/A false decisions (bar: at most alpha {alpha:.0%} in every row): largest {worst:.1%}, "
@@ -318,6 +328,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         type=float,
         default=d["activity_sigma"],
         help="spread of user activity, log-normal sigma (default 1.0, the demo's)",
+    )
+    s.add_argument(
+        "--activity",
+        default=d["activity"],
+        help="users' shares of traffic: lognormal (of --activity-sigma) or zipf(s), e.g. zipf(1.1): the top user "
+        "sends 15-18%% of all traffic (default lognormal)",
     )
     s.add_argument("--alpha", type=float, default=d["alpha"], help="error rate (default 0.05)")
     s.add_argument("--tau", type=float, default=d["tau"], help="mixture scale (default 0.03)")
