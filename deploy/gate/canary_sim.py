@@ -102,11 +102,11 @@ def simulate_sticky(
     seed: int = 0,
 ) -> dict:
     """Canaries in the deployed world: ``n_users`` sticky users of one ``population`` with heterogeneous activity
-    (``activity``, one of ``ACTIVITIES``: log-normal weights of ``activity_sigma``, the demo's 1.0, or Zipf),
-    assigned by the router's ``fleet.bucket`` with a fresh rollout id per run, judged ``events_per_s`` (all traffic)
-    in buckets of ``bucket_s``; the gate looks once per closed bucket, until ``deadline_s``. Each user's events under stable in the ``pre_s`` before the start are
-    CUPED's covariate. Each run plays every effect in ``effects`` (added to every canary user's rate, clipped to
-    [0, 1]) on the same users, assignment and event times.
+    (``activity``, one of ``ACTIVITIES``: log-normal weights of ``activity_sigma``, the demo's 1.0, or Zipf), assigned
+    by the router's ``fleet.bucket`` with a fresh rollout id per run, judged ``events_per_s`` (all traffic) in buckets
+    of ``bucket_s``; the gate looks once per closed bucket, until ``deadline_s``. Each user's events under stable in the
+    ``pre_s`` before the start are CUPED's covariate. Each run plays every effect in ``effects`` (added to every canary
+    user's rate, clipped to [0, 1]) on the same users, assignment and event times.
 
     Each run is judged by ``SCHEMES``: the user-unit test (``look_units``, as the gate calls it, on the whole
     stack of looks at once) without and with CUPED, the per-event test on the same events, and the per-event test on
@@ -119,7 +119,12 @@ def simulate_sticky(
     looks = int(deadline_s // bucket_s)
     threshold = math.log(1.0 / alpha)
     secret = f"liverl-bench-canary-{seed}".encode()
-    draws = {"events_per_s": events_per_s, "pre_s": pre_s, "activity_sigma": activity_sigma, "looks": looks}
+    draws: dict[str, Any] = {
+        "events_per_s": events_per_s,
+        "pre_s": pre_s,
+        "activity_sigma": activity_sigma,
+        "looks": looks,
+    }
     draws["activity"] = activity
     draws["per_bucket"] = per_bucket
     # per effect: per scheme {PROMOTE: runs, ABORT: runs, "events": [to each decision]}, "cuped_removed", "srm"
@@ -289,7 +294,12 @@ def simulate_budget(
     ends: dict[tuple[float, float | None], dict[str, Any]] = {
         (eff, z): {e: 0 for e in BUDGET_ENDS} | {"events": []} for eff in effects for z in futility_z
     }
-    draws = {"events_per_s": events_per_s, "pre_s": pre_s, "activity_sigma": activity_sigma, "looks": looks}
+    draws: dict[str, Any] = {
+        "events_per_s": events_per_s,
+        "pre_s": pre_s,
+        "activity_sigma": activity_sigma,
+        "looks": looks,
+    }
     draws["activity"] = activity
     draws["per_bucket"] = per_bucket
     for run in range(runs):
