@@ -22,7 +22,7 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from core.config import BrokerConfig, LiverlConfig
-from liverl_sdk.client import PRODUCER_ORDER, FeedbackClient, KeySerializer, producer_options  # noqa: F401  (re-exported)
+from liverl_sdk.client import FeedbackClient, producer_options
 
 log = logging.getLogger("liverl.core.bus")
 
@@ -159,8 +159,8 @@ def librdkafka_producer_config(broker: BrokerConfig | None) -> dict[str, str | i
 
 
 def make_producer(bootstrap: str, broker: BrokerConfig | None = None, **kw) -> KafkaProducer:
-    """A producer with the options every liverl producer shares (``liverl_sdk.client.producer_options``: acks=all,
-    not idempotent, one request in flight, ``PRODUCER_ORDER`` says why), that gives up on a record after
+    """A producer with the options every liverl producer shares (``liverl_sdk.client.producer_options``: acks=all, not
+    idempotent, one request in flight, ``liverl_sdk.client.PRODUCER_ORDER`` says why), that gives up on a record after
     ``broker.delivery_timeout_s`` (set explicitly: ingest's pending_ttl_s is checked against it)."""
     return KafkaProducer(**producer_options(bootstrap, delivery_timeout_s(broker), kafka_python_security(broker), **kw))
 
@@ -231,7 +231,7 @@ def make_aio_producer(bootstrap: str, broker: BrokerConfig | None, client_id: st
         bootstrap_servers=bootstrap,
         client_id=client_id,
         acks="all",
-        enable_idempotence=False,  # PRODUCER_ORDER
+        enable_idempotence=False,  # liverl_sdk.client.PRODUCER_ORDER
         linger_ms=0,
         request_timeout_ms=30_000,
         **aiokafka_security(broker),

@@ -16,9 +16,8 @@ from core.schemas import json_schemas
 from core.services import LiverlError
 from liverl import admin_cli, bench_cli, process_cli, up_cli
 from liverl.cliargs import cfg_from_args
-from liverl.up_cli import KILL_KINDS
 
-__all__ = ["KILL_KINDS", "build_parser", "main"]
+__all__ = ["build_parser", "main"]
 
 DESCRIPTION = """\
 liverl turns live product feedback (accept / reject / edit) into a better served model, safely.

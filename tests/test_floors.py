@@ -169,8 +169,8 @@ def test_every_module_lies_on_a_floor():
 
 
 def test_the_cli_names_the_same_chaos_kinds_as_the_chaos_command():
-    from liverl.cli import KILL_KINDS
     from liverl.ops.chaos import KINDS
+    from liverl.up_cli import KILL_KINDS
 
     assert KILL_KINDS == KINDS
 

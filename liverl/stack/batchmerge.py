@@ -12,7 +12,7 @@ What: once a partition has ``min_batches`` small batches that are older than ``m
 ``MERGE_BYTES``, under the first one's key; the others are deleted. Every record keeps its offset, timestamp, key,
 value and headers (kafka-python's record codec decodes and encodes them; each source batch's CRC is checked first,
 and a batch that fails it is left alone). Only what a merge cannot change for any reader is merged: batches with no
-producer id (liverl's producers are not idempotent: ``core.bus.PRODUCER_ORDER``), not transactional, not
+producer id (liverl's producers are not idempotent: ``liverl_sdk.client.PRODUCER_ORDER``), not transactional, not
 control batches, create-time timestamps, uncompressed, of one leader epoch, and contiguous in offsets. A merged
 object's time is its newest source's, so retention (``liverl.stack.objstore.sweep``) deletes it when Kafka would delete
 a segment: once its newest record is past ``retention.ms``. The listing of a partition then grows by one key per

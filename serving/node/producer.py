@@ -8,7 +8,7 @@ a C call. Delivery reports are served on the event loop's thread by a task calli
 
 Settings: ``acks=all``, not idempotent and one request in flight, in order across retries (a retry may write a
 record twice, which ingest dedupes; idempotence lost acknowledged records on the embedded broker:
-``core.bus.PRODUCER_ORDER``);
+``liverl_sdk.client.PRODUCER_ORDER``);
 ``message.timeout.ms`` from ``broker.delivery_timeout_s`` (librdkafka's default, 300 s, outlived ingest's
 pending_ttl_s, so feedback would be dead-lettered while its generation record was still retried);
 ``partitioner=murmur2_random``, the Java client's and kafka-python's partitioner, so a record lands on the
