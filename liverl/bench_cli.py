@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 
+from liverl.bench import broker as bench_broker
 from liverl.bench import canary as bench_canary
 from liverl.bench import ingest as bench_ingest
 from liverl.bench import learn as bench_learn
@@ -90,6 +91,7 @@ def register(sub) -> None:
     bench_ingest.add_parser(bench_sub)
     bench_canary.add_parser(bench_sub)
     bench_learn.add_parser(bench_sub)
+    bench_broker.add_parser(bench_sub)
 
 
 def add_delta_parser(bench_sub) -> argparse.ArgumentParser:

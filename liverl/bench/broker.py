@@ -1,0 +1,233 @@
+"""``liverl bench broker``: what the embedded durable broker's produce batcher buys, and what it costs a producer.
+
+Tansu's ``s3://`` engine writes each produce request's record batch as its own object, plus two metadata objects
+(3 PUTs per request here), and lists a partition's objects at each fetch that finds new records. Its produce batcher
+(``s3://bucket/?batch_min_size=BYTES&batch_max_delay=DURATION``, ``broker.embedded_batch_max_delay_ms``) holds produce
+requests until ``batch_min_size`` bytes have gathered or ``batch_max_delay`` has passed, and writes them as one
+object: fewer objects and listings for the broker, and a wait of up to the delay before a producer's acknowledgement.
+A liverl gateway waits for that acknowledgement before it answers (``serving.log_wait_s``), so the delay lands on
+every request's latency unless enough traffic fills the batch first.
+
+Each setting gets its own object store (``liverl.stack.objstore``, merging as the stack runs it) and broker. For
+``--seconds``, ``--producers`` threads each send records of ``--record-bytes`` at ``--rate`` records/s in all, each
+waiting for its acknowledgement as the gateway does (kafka-python, ``acks=all``, ``linger_ms`` 2), into a topic of
+``--partitions`` partitions that one consumer group member tails. Reported per setting: records acknowledged, the
+acknowledgement's p50/p99, produce-to-consume p50/p99 (the tail lag a consumer such as ingest sees), the object
+store's PUTs and ListObjectsV2 requests per 1,000 records, and the broker's and object store's CPU seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from liverl.bench.subcommand import add_bench_parser
+
+DEFAULTS = {
+    "settings": "off,5ms,20ms,100ms",
+    "min_size": 1 << 20,
+    "seconds": 30.0,
+    "rate": 200.0,
+    "producers": 16,
+    "partitions": 4,
+    "record_bytes": 800,
+}
+
+
+def storage_url(bucket: str, setting: str, min_size: int) -> str:
+    """The broker's storage URL for a batcher ``setting`` ("off", or a delay such as "20ms")."""
+    if setting == "off":
+        return f"s3://{bucket}/"
+    if not setting.rstrip("ms").replace(".", "", 1).isdigit() or not setting.endswith("ms"):
+        raise ValueError(f"a batcher setting is 'off' or a delay in milliseconds such as '20ms', got {setting!r}")
+    return f"s3://{bucket}/?batch_min_size={min_size}&batch_max_delay={setting}"
+
+
+def _cpu_s(pid: int) -> float:
+    import psutil
+
+    try:
+        t = psutil.Process(pid).cpu_times()
+        return t.user + t.system
+    except psutil.Error:
+        return float("nan")
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _requests(log: Path) -> tuple[int, int]:
+    """(PUTs, ListObjectsV2 requests) in the object store's access log."""
+    puts = lists = 0
+    for line in log.read_text(errors="replace").splitlines():
+        if '"PUT /' in line:
+            puts += 1
+        elif "list-type=2" in line:
+            lists += 1
+    return puts, lists
+
+
+def run_setting(setting: str, args: argparse.Namespace) -> dict:
+    """One batcher setting on a fresh object store and broker: the figures of one row."""
+    from kafka import KafkaConsumer, KafkaProducer
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    from core.services import free_port
+    from liverl.stack import stack
+
+    os.environ["LIVERL_OBJSTORE_ACCESS_LOG"] = "1"
+    root = Path(tempfile.mkdtemp(prefix="liverl-bench-broker-"))
+    logs = root / "logs"
+    logs.mkdir()
+    store, sport = stack.start_object_store(root / "broker", logs)
+    port = free_port()
+    url = storage_url(stack.BROKER_BUCKET, setting, args.min_size)
+    broker = stack.start_broker(port, logs, url, stack.broker_env(sport))
+    boot = f"127.0.0.1:{port}"
+    acks: list[float] = []
+    lags: list[float] = []
+    errors = [0]
+    stop, lock = threading.Event(), threading.Lock()
+    try:
+        KafkaAdminClient(bootstrap_servers=boot).create_topics([NewTopic("bench", args.partitions, 1)])
+        consumer = KafkaConsumer(
+            "bench", bootstrap_servers=boot, group_id="bench", auto_offset_reset="earliest", enable_auto_commit=False
+        )
+        consumer.poll(timeout_ms=3000)  # joined and assigned before the first record is sent
+        cpu0 = _cpu_s(broker.pid) + _cpu_s(store.pid)
+        puts0, lists0 = _requests(logs / "broker-storage.log")
+
+        def produce(i: int) -> None:
+            p = KafkaProducer(bootstrap_servers=boot, acks="all", linger_ms=2)
+            gap = args.producers / args.rate
+            pad = os.urandom(max(0, args.record_bytes - 8))
+            nxt = time.time()
+            while not stop.is_set():
+                t0 = time.time()
+                try:
+                    p.send("bench", value=struct.pack("<d", t0) + pad).get(timeout=30)
+                    with lock:
+                        acks.append(time.time() - t0)
+                except Exception:  # noqa: BLE001 - counted: a bench row reports failures, it does not stop
+                    with lock:
+                        errors[0] += 1
+                nxt += gap
+                time.sleep(max(0.0, nxt - time.time()))
+            p.close()
+
+        threads = [threading.Thread(target=produce, args=(i,), daemon=True) for i in range(args.producers)]
+        t_start = time.time()
+        for t in threads:
+            t.start()
+        got = 0
+        while time.time() - t_start < args.seconds:
+            for recs in consumer.poll(timeout_ms=200).values():
+                now = time.time()
+                lags.extend(now - struct.unpack("<d", r.value[:8])[0] for r in recs)
+                got += len(recs)
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+        deadline = time.time() + 20
+        while got < len(acks) and time.time() < deadline:
+            for recs in consumer.poll(timeout_ms=200).values():
+                now = time.time()
+                lags.extend(now - struct.unpack("<d", r.value[:8])[0] for r in recs)
+                got += len(recs)
+        consumer.close()
+        cpu = _cpu_s(broker.pid) + _cpu_s(store.pid) - cpu0
+        puts, lists = _requests(logs / "broker-storage.log")
+        puts, lists = puts - puts0, lists - lists0
+    finally:
+        for proc in (broker, store):
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    n = max(len(acks), 1)
+    return {
+        "setting": setting,
+        "url": url,
+        "acked": len(acks),
+        "failed": errors[0],
+        "consumed": got,
+        "ack_p50_ms": 1000 * _pct(acks, 0.5),
+        "ack_p99_ms": 1000 * _pct(acks, 0.99),
+        "lag_p50_ms": 1000 * _pct(lags, 0.5),
+        "lag_p99_ms": 1000 * _pct(lags, 0.99),
+        "puts_per_1k": 1000 * puts / n,
+        "lists_per_1k": 1000 * lists / n,
+        "storage_cpu_s": cpu,
+    }
+
+
+def _table(rows: list[dict], args: argparse.Namespace, command: str) -> str:
+    out = [
+        f"{args.producers} producers waiting for each acknowledgement, {args.rate:g} records/s of {args.record_bytes} "
+        f"bytes in all, {args.partitions} partitions, {args.seconds:g} s per setting; batch_min_size {args.min_size}",
+        f"command: {command}",
+        "",
+        "| batcher | acked (failed) | consumed | ack p50 / p99 ms | produce->consume p50 / p99 ms | PUTs per 1k "
+        "records | listings per 1k records | broker + store CPU s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['setting']} | {r['acked']:,} ({r['failed']}) | {r['consumed']:,} | {r['ack_p50_ms']:.1f} / "
+            f"{r['ack_p99_ms']:.1f} | {r['lag_p50_ms']:.1f} / {r['lag_p99_ms']:.1f} | {r['puts_per_1k']:,.0f} | "
+            f"{r['lists_per_1k']:,.0f} | {r['storage_cpu_s']:.1f} |"
+        )
+    return "\n".join(out)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    settings = [s.strip() for s in args.settings.split(",") if s.strip()]
+    for s in settings:
+        storage_url("b", s, args.min_size)  # a bad setting fails before any broker starts
+    if args.rate <= 0 or args.producers < 1 or args.partitions < 1 or args.seconds <= 0 or args.record_bytes < 8:
+        raise ValueError("--rate and --seconds > 0, --producers and --partitions >= 1, --record-bytes >= 8")
+    command = "liverl bench broker " + " ".join(
+        f"--{k.replace('_', '-')} {getattr(args, k)}" for k in DEFAULTS if getattr(args, k) != DEFAULTS[k]
+    )
+    rows = []
+    for s in settings:
+        print(f"[bench broker] batcher {s}: {args.seconds:g} s ...", flush=True)
+        rows.append(run_setting(s, args))
+    print(_table(rows, args, command.strip()))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return rows
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``broker`` under ``liverl bench``."""
+    s = add_bench_parser(
+        subparsers, "broker", "embedded broker's produce batcher: objects, listings, ack wait, tail lag", __doc__
+    )
+    d = DEFAULTS
+    s.add_argument(
+        "--settings",
+        default=d["settings"],
+        help=f"batcher settings to compare, comma-separated: off, or a max delay like 20ms (default {d['settings']})",
+    )
+    s.add_argument("--min-size", type=int, default=d["min_size"], help="batch_min_size in bytes (default 1 MiB)")
+    s.add_argument("--seconds", type=float, default=d["seconds"], help="seconds of load per setting (default 30)")
+    s.add_argument("--rate", type=float, default=d["rate"], help="records/s from all producers (default 200)")
+    s.add_argument("--producers", type=int, default=d["producers"], help="producer threads (default 16)")
+    s.add_argument("--partitions", type=int, default=d["partitions"], help="partitions of the topic (default 4)")
+    s.add_argument("--record-bytes", type=int, default=d["record_bytes"], help="bytes per record (default 800)")
+    s.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    s.set_defaults(fn=lambda a: 0 if run(a) else 1)
+    return s
