@@ -53,6 +53,7 @@ from core.services import kafka_bootstrap, required_signing_key, setup_redis
 from deploy.gate.canary import CanaryController, Deferred
 from deploy.gate.evidence import Evaluator, EvidenceChecks
 from deploy.gate.tail import GenerationTail, HeldoutSample, LoggedGeneration, parse_heldout
+from deploy.registry.attest import Attested, Attestor
 from deploy.registry.blobstore import BlobError
 from deploy.registry.delta import DeltaError, apply_delta, checksum, warm_up
 from deploy.registry.registry import Registry, RegistryConflict, RegistryError, Version, open_registry
@@ -136,6 +137,15 @@ class Gate(EvidenceChecks):
             "liverl_gate_canary_share", "Share of users on the canary now (0: none)", registry=self.metrics
         )
         self.canary = CanaryController(cfg, registry, redis, signer, self._record)
+        self.attestor = Attestor(registry.db)  # signs only what the audit log vouches for (deploy.registry.attest)
+        self._unattested = prom.Counter(
+            "liverl_gate_unattested",
+            "Gate steps that signed nothing because the registry's stable version or canary is not what the audit "
+            "log's verified entries made it (alert: the registry's database was written around the gate)",
+            ["channel"],
+            registry=self.metrics,
+        )
+        self._unattested_why: str | None = None
 
     def metrics_text(self) -> bytes:
         """Gate metrics in Prometheus text format."""
@@ -174,11 +184,21 @@ class Gate(EvidenceChecks):
             return
         log.info("gate: evaluator warmed up on stable v%d in %.1f s", stable.version, time.perf_counter() - t0)
 
-    def reconcile(self, stable: Version) -> None:
+    def reconcile(self, stable: Version) -> Attested:
         """The fleet follows ``<prefix>:desired``; make it name the registry's stable version (after a crash between
         a promotion and its announcement, or a lost Redis key), checked as the agents check it (signed, bound to its
         channel and prefix, unexpired), and keep it fresh (``deploy.registry.signing.keep_announced``). The registry is
-        the truth."""
+        the truth, as far as its audit log vouches for it (``deploy.registry.attest``): a stable version that no
+        verified audit entry made stable is not signed. Returns what the audit log vouches for."""
+        att = self.attestor.refresh()
+        if att.problem is not None or att.stable != stable.version:
+            self._not_vouched(
+                "desired",
+                att.problem
+                or f"the registry calls v{stable.version} stable, but the audit log's newest verified promotion or "
+                f"rollback made v{att.stable} stable: not signed",
+            )
+            return att
         what = keep_announced(
             self.redis,
             self.prefix,
@@ -191,6 +211,14 @@ class Gate(EvidenceChecks):
         )
         if what is not None and what != "refreshed":
             log.warning("gate: desired version %s; announced the registry's stable v%d", what, stable.version)
+        return att
+
+    def _not_vouched(self, channel: str, why: str) -> None:
+        """Count a refusal to sign what the audit log does not vouch for; log it once per distinct reason."""
+        self._unattested.labels(channel).inc()
+        if why != self._unattested_why:
+            self._unattested_why = why
+            log.error("gate: %s announcement not signed: %s (`liverl history --verify` checks the log)", channel, why)
 
     def step(self) -> list[Verdict]:
         """Process the pending candidates: the newest is evaluated, older ones are superseded."""
@@ -198,12 +226,19 @@ class Gate(EvidenceChecks):
         self._stable.set(stable.version)
         self._promoted_at.set(stable.promoted_at or 0.0)
         self._rolled_back_at.set(self.registry.last_rollback()[1] or 0.0)
-        self.reconcile(stable)
+        att = self.reconcile(stable)
         for v in self.registry.reap_orphan_canaries(actor="gate"):  # a crash between a rollout's steps
             log.warning("gate: version %d was a canary no rollout runs; rejected", v)
         rollout = self.registry.active_rollout()
         if rollout is None:
             self.redis.delete(keys.canary(self.prefix))  # an operator ended it: the canary nodes return to stable
+        elif att.canary != rollout.version:  # a rollout row no audited canary_start made: neither watched nor signed
+            why = att.problem or (
+                f"rollout {rollout.id} of v{rollout.version} is not the canary the audit log vouches for "
+                f"({'none' if att.canary is None else f'v{att.canary}'})"
+            )
+            self._not_vouched("canary", why)
+            return [Verdict(rollout.version, "canary", why)]
         else:  # one rollout at a time: new candidates wait until it ends
             outcome, why = self.canary.watch(rollout, stable)
             self._canary_share.set(rollout.share if outcome == "continue" else 0.0)
