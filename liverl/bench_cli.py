@@ -80,7 +80,7 @@ def register(sub) -> None:
         "bench",
         help="benchmarks that print a table: delta (the codec), serve (gateway vs "
         "vLLM node), logprobs (learner vs vLLM per model family), ingest (workers vs a raw consumer), canary (the "
-        "sequential test)",
+        "sequential test), learn (update time and drift), broker (the embedded broker's produce batcher)",
     )
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
     bench.set_defaults(fn=lambda _args: bench.print_help() or 2)
