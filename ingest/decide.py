@@ -205,7 +205,8 @@ class Decider:
         """A follow-up on an accepted generation: counted once per generation in its version's live counters
         (``revert``), so the gate sees how many accepted answers were kept, and, when the accept trained, trains the
         correction: the accepted sample again (sample id ``<generation>:revert``) with reward ``rewards.revert``. An
-        acceptance a user later undid is what a policy that games acceptance earns; the learner must see it too. When
+        acceptance a user later undid is what a policy that games acceptance earns; the learner must see it too, unless
+        ``ingest.train_reverts`` is off (the demo's learner that chases raw acceptance, for the gate to catch). When
         the accept was held out, that record goes to the held-out stream instead: the gate's off-policy check scores
         the generation with the revert's reward (``deploy.gate.offpolicy.merge_heldout``), not as the accept it was."""
         gid = fb.generation_id
@@ -253,7 +254,12 @@ class Decider:
                 self._correction(gid, fb, meta, accepted, out)
 
     def _correction(self, gid: str, fb: FeedbackEvent, meta: dict[str, Any], accepted: bytes, out: Batch) -> None:
-        """A revert's correction: the accepted sample again with the revert's reward."""
+        """A revert's correction: the accepted sample again with the revert's reward; with ``ingest.train_reverts``
+        off, only a held-out accept's (the gate's evidence), never the learner's."""
+        held = meta.get("h") == 1  # held out: the gate's stream gets the revert's reward, never the learner
+        if not held and not self.ic.train_reverts:  # the learner chases raw acceptance; the gate still counts it
+            out.tally.inc("drop:revert_not_trained")
+            return
         s = TrainingSample.model_validate_json(accepted)
         fix = s.model_copy(
             update={
@@ -264,7 +270,6 @@ class Decider:
                 "ts_feedback": fb.ts,
             }
         )
-        held = meta.get("h") == 1  # held out: the gate's stream gets the revert's reward, never the learner
         self.emitter.emit(
             out, self._topic_heldout if held else self._topic_samples, gid, fix.model_dump_json().encode()
         )

@@ -6,8 +6,12 @@ Each command imports its heavy modules (the pipeline, torch, vLLM) when it runs,
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from liverl.cliargs import add_model_args, cfg_from_args, model_dir_for
+
+if TYPE_CHECKING:
+    from core.config import LiverlConfig
 
 # what `liverl chaos` can kill (liverl.ops.chaos.KINDS; spelled here so --help does not import the pipeline)
 KILL_KINDS = ("ingest", "learn", "gate", "serve", "vllm", "learn@checkpoint", "serve@swap")
@@ -46,6 +50,14 @@ Without --model the built-in demo policy is served.
 def cmd_demo(args: argparse.Namespace) -> int:
     from liverl.demo.run import run_demo
 
+    cfg = demo_config(args)
+    summary = run_demo(cfg, model_dir_for(cfg), summary_path=args.summary, plot_path=args.plot, live=not args.no_live)
+    return 0 if summary.get("ok", False) or not args.strict else 1
+
+
+def demo_config(args: argparse.Namespace) -> LiverlConfig:
+    """The config `liverl demo` runs: the file's and the environment's, with the demo's flags applied (the demo's
+    profile fills in the rest, ``liverl.demo.run.apply_demo_profile``)."""
     cfg = cfg_from_args(args)
     if args.duration is not None:
         cfg.demo.duration_s = args.duration
@@ -55,10 +67,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         cfg.demo.concurrency = args.concurrency
     if args.trap is not None:
         cfg.demo.trap = args.trap == "on"
+    if args.chase_accepts is not None:
+        cfg.ingest.train_reverts = args.chase_accepts == "off"
     if args.integrity_only:
         cfg.gate.integrity_only = True
-    summary = run_demo(cfg, model_dir_for(cfg), summary_path=args.summary, plot_path=args.plot, live=not args.no_live)
-    return 0 if summary.get("ok", False) or not args.strict else 1
+    return cfg
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
@@ -114,6 +127,13 @@ def _add_demo(sub) -> None:
         choices=("on", "off"),
         help="the reward-hacking trap: some users accept a tempting "
         "wrong answer and revert it later (default: demo.trap)",
+    )
+    d.add_argument(
+        "--chase-accepts",
+        choices=("on", "off"),
+        help="on: reverts train no correction (ingest.train_reverts = false), so the learner chases raw acceptance, "
+        "falls for the trap's bait and gives the gate exploiting candidates to catch; the gate's evidence is the "
+        "same either way (default: off, unless config sets ingest.train_reverts)",
     )
     d.add_argument(
         "--integrity-only",

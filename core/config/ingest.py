@@ -86,6 +86,16 @@ class IngestConfig(Section):
         "counted but trains nothing (liverl_ingest_dropped{reason=revert_no_sample}). Bounds the table's disk: the "
         "judgement itself is kept judged_ttl_s, a few dozen bytes.",
     )
+    train_reverts: bool = Field(
+        default=True,
+        description="Send the learner the correction a revert carries (the accepted sample again with "
+        "rewards.revert). false: the learner's reward is the first judgement alone, so it chases raw acceptance and "
+        "learns whatever users accept and later undo (reward hacking, as a product whose reverts never reach "
+        "training); the revert is still counted (live counters, the canary's kept acceptance and revert-rate "
+        "guardrail) and a held-out accept's revert still reaches the gate's off-policy check, so the gate's evidence "
+        "is unchanged (liverl_ingest_dropped{reason=revert_not_trained}). The demo's learner runs so "
+        "(liverl demo --chase-accepts), to give the gate exploiting candidates to catch.",
+    )
     unit_ttl_s: float = Field(
         default=2 * 24 * 3600.0,
         gt=0,

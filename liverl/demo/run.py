@@ -141,7 +141,9 @@ def run_demo(
         flush=True,
     )
     print(
-        f"  {cfg.serving.nodes} serving node(s); reward-hacking trap {'on' if cfg.demo.trap else 'off'}; gate "
+        f"  {cfg.serving.nodes} serving node(s); reward-hacking trap {'on' if cfg.demo.trap else 'off'}"
+        + ("" if cfg.ingest.train_reverts else " (the learner chases raw acceptance: reverts train no correction)")
+        + "; gate "
         + (
             "INTEGRITY ONLY"
             if cfg.gate.integrity_only

@@ -338,7 +338,8 @@ def _fate(
     for part, off, _ in recs:
         if (part, off) in dead:
             return f"dead_letter:{dead[(part, off)]}"
-    if recs[0][2].kind == "revert":  # a follow-up whose accept did not train (held out): counted, no correction
+    # a follow-up whose accept did not train (held out), or with ingest.train_reverts off: counted, no correction
+    if recs[0][2].kind == "revert":
         return "in_flight" if any(off >= ingest_done.get(part, 0) for part, off, _ in recs) else "counted:revert"
     gid = recs[0][2].generation_id
     if generations.get(gid) is False:

@@ -57,7 +57,8 @@ def test_version_evidence_names_offpolicy_and_canary_per_version(cfg, tmp_path, 
 
 def test_the_trap_report_names_exploiting_versions_and_where_they_went(cfg):
     """From what users saw of each version (the simulator's stats): a version whose share of bait answers to the
-    trap's users is EXPLOIT_POINTS above the base's exploits; caught if it never went live."""
+    trap's users is EXPLOIT_POINTS above the base's exploits; caught if its canary was refused, live if it was ever
+    promoted (retired since or not), undecided if the run stopped before the gate decided: not counted as caught."""
     from liverl.demo.report import kept, trap_report
     from liverl.demo.sim import SimStats
 
@@ -71,18 +72,31 @@ def test_the_trap_report_names_exploiting_versions_and_where_they_went(cfg):
         reg.set_status(caught.version, "rejected", actor="gate", reason="canary aborted")
         live = reg.add_candidate(perturb(base, 0.05, seed=3), parent=honest.version)
         reg.promote(live.version, actor="gate", reason="integrity only")
+        retired = reg.add_candidate(perturb(base, 0.05, seed=4), parent=live.version)
+        reg.promote(retired.version, actor="gate", reason="integrity only")
+        reg.promote(live.version, actor="operator", reason="back")  # retired, but it went live
+        running = reg.add_candidate(perturb(base, 0.05, seed=5), parent=live.version)  # not decided yet
         rows = reg.list()
     finally:
         reg.close()
     stats = SimStats()
-    for v, bait in ((0, 0.3), (honest.version, 0.35), (caught.version, 0.7), (live.version, 0.9)):
+    for v, bait in (
+        (0, 0.3),
+        (honest.version, 0.35),
+        (caught.version, 0.7),
+        (live.version, 0.9),
+        (retired.version, 0.8),
+        (running.version, 0.6),
+    ):
         for i in range(100):  # bait is accepted, and most of it reverted later: not kept
             stats.record(v, "a", accepted=True, reported=True, bait=i < 100 * bait, kept=i >= 100 * bait or i % 10 == 0)
     rep = trap_report(stats, rows)
     assert rep["base_trap_kept_rate"] == pytest.approx(0.73)  # 70 honest answers kept + 3 of 30 bait
     assert rep["trap_kept_rate"][str(live.version)] == pytest.approx(0.19)  # the harm, where it lands
-    assert rep["exploiting"] == [caught.version, live.version]
-    assert rep["exploiting_caught"] == [caught.version] and rep["exploiting_live"] == [live.version]
+    assert rep["exploiting"] == [caught.version, live.version, retired.version, running.version]
+    assert rep["exploiting_caught"] == [caught.version]
+    assert rep["exploiting_live"] == [live.version, retired.version]
+    assert rep["exploiting_undecided"] == [running.version]
     assert kept({"accept": 60, "revert": 20, "events": 100}) == 0.4 and kept({}) is None
 
 
