@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from core.config import LiverlConfig
-from core.config.base import url_with_password_file
+from core.config.base import redact_url, url_with_password_file
 
 if TYPE_CHECKING:
     import redis
@@ -224,4 +224,4 @@ def check_redis(url: str) -> None:
     try:
         redis_from_url(url, socket_connect_timeout=2).ping()
     except redis.RedisError as e:
-        raise ServiceError(f"Redis at {url} does not answer: {e}") from e
+        raise ServiceError(f"Redis at {redact_url(url)} does not answer: {e}") from e

@@ -33,7 +33,7 @@ import sqlalchemy as sa
 from redis.exceptions import NoPermissionError
 
 from core import keys
-from core.config import LiverlConfig
+from core.config import LiverlConfig, redact_url
 from core.services import LiverlError
 
 FILE = "deployment.json"
@@ -110,9 +110,9 @@ def registry_deployment(cfg: LiverlConfig) -> Deployment | None:
 
 def _another_registry(cfg: LiverlConfig, me: Deployment, owner: Deployment) -> DeploymentError:
     return DeploymentError(
-        f"the registry {cfg.registry_url} belongs to {owner.describe()}, not to this {me.describe()}. Run with "
-        f"--state-dir {owner.state_dir}, or give this deployment its own registry (registry.url) and Redis prefix "
-        f"(topics.prefix)"
+        f"the registry {redact_url(cfg.registry_url)} belongs to {owner.describe()}, not to this {me.describe()}. "
+        f"Run with --state-dir {owner.state_dir}, or give this deployment its own registry (registry.url) and Redis "
+        f"prefix (topics.prefix)"
     )
 
 
@@ -176,9 +176,10 @@ def check_process(cfg: LiverlConfig, redis, role: str) -> Deployment | None:
         )
     elif owner.id != me.id:
         raise DeploymentError(
-            f"liverl {role}: its registry {cfg.registry_url} belongs to {me.describe()}, but the Redis namespace "
-            f"{prefix!r} ({prefix}:*) is claimed by {owner.describe()}. Point this process at that deployment's "
-            f"registry (registry.url), or give it its own prefix (topics.prefix, e.g. LIVERL__TOPICS__PREFIX=myapp)"
+            f"liverl {role}: its registry {redact_url(cfg.registry_url)} belongs to {me.describe()}, but the Redis "
+            f"namespace {prefix!r} ({prefix}:*) is claimed by {owner.describe()}. Point this process at that "
+            f"deployment's registry (registry.url), or give it its own prefix (topics.prefix, e.g. "
+            f"LIVERL__TOPICS__PREFIX=myapp)"
         )
     return me
 

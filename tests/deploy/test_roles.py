@@ -187,7 +187,7 @@ def test_roles_apply_again_and_passwords_are_sent_as_postgres_own_scram_verifier
         role_sql("db", db.prefix, {GATE: "bad\npassword"})
 
 
-def test_a_process_takes_its_role_and_password_from_its_config(db, tmp_path):
+def test_a_process_takes_its_role_and_password_from_its_config(db, tmp_path, capsys):
     pw = tmp_path / "db-gate.password"
     pw.write_text("s3cret/with:odd@chars\n")
     cfg = load_config(
@@ -206,6 +206,11 @@ def test_a_process_takes_its_role_and_password_from_its_config(db, tmp_path):
         denied(reg.add_candidate, perturb(db.base, 0.05), parent=0)
     finally:
         reg.close()
+    from liverl.ops.admin import cmd_versions
+
+    assert cmd_versions(cfg, limit=5) == 0
+    out = capsys.readouterr().out
+    assert f"{GATE.name(db.prefix)}:***@" in out and "s3cret" not in out
 
 
 def test_a_role_that_may_not_migrate_says_who_must(db):
