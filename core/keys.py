@@ -26,8 +26,13 @@ one call per version (``redis.url = "redis+cluster://host:port"``, ``core.servic
 | ``<p>:counted:{<v>}:<feedback>`` | string | ingest          | guard: counted once (TTL)                 |
 | ``<p>:learner``                  | hash   | learner         | field -> value (step, samples_trained...) |
 | ``<p>:learner:hold``             | string | operator, demo  | "1": the learner trains but emits no candidates |
+| ``<p>:learner:lease``            | string | learner         | who is the learner (a token with a TTL)   |
 | ``<p>:audit:head``               | hash   | registry writers| ``seq``, ``mac``, ``tag``: the audit chain's  |
 |                                  |        |                 | head (``deploy.registry.auditchain``; only forward)|
+| ``<p>:deployment``               | string | ``up``, gate    | the deployment that claims the prefix     |
+|                                  |        |                 | (``liverl.stack.deployment``)             |
+
+Which process may read or write which of these keys, as a Redis ACL user of its own: ``core.roles``.
 """
 
 from __future__ import annotations
@@ -249,6 +254,24 @@ def learner_hold(prefix: str) -> str:
 def learner_lease(prefix: str) -> str:
     """Who is this deployment's learner (a token with a TTL, renewed while it runs; see ``learner.lease``)."""
     return f"{prefix}:learner:lease"
+
+
+def audit_head(prefix: str) -> str:
+    """The audit chain's anchored head (a hash ``seq``, ``mac``, ``tag``; ``deploy.registry.auditchain``)."""
+    return f"{prefix}:audit:head"
+
+
+def deployment(prefix: str) -> str:
+    """The claim of the deployment that owns ``<prefix>:*`` (``liverl.stack.deployment``)."""
+    return f"{prefix}:deployment"
+
+
+def units_pattern(prefix: str) -> str:
+    return f"{prefix}:units:*"
+
+
+def counted_pattern(prefix: str) -> str:
+    return f"{prefix}:counted:*"
 
 
 def everything(prefix: str) -> str:

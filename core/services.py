@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from core.config import LiverlConfig
+from core.config.base import redact_url, url_with_password_file
 
 if TYPE_CHECKING:
     import redis
@@ -82,9 +83,10 @@ def kafka_bootstrap(cfg: LiverlConfig) -> str:
 
 
 def local_redis_url(cfg: LiverlConfig) -> str | None:
-    """``redis.url``, else the standard local Redis when one answers, else None (the stack starts one)."""
-    if cfg.redis.url:
-        return cfg.redis.url
+    """``redis.url`` (with the password of ``redis.password_file``), else the standard local Redis when one answers,
+    else None (the stack starts one)."""
+    if cfg.redis.url or cfg.redis.password_file:
+        return url_with_password_file(cfg.redis.url, cfg.redis.password_file, "redis")
     if port_open("127.0.0.1", 6379):
         return "redis://127.0.0.1:6379/0"
     return None
@@ -222,4 +224,4 @@ def check_redis(url: str) -> None:
     try:
         redis_from_url(url, socket_connect_timeout=2).ping()
     except redis.RedisError as e:
-        raise ServiceError(f"Redis at {url} does not answer: {e}") from e
+        raise ServiceError(f"Redis at {redact_url(url)} does not answer: {e}") from e

@@ -1,7 +1,8 @@
 """The `liverl` command: the root parser and the dispatch to one subcommand per process, plus the admin verbs.
 
-Each area registers its own subcommands (liverl.up_cli, liverl.process_cli, liverl.bench_cli, liverl.admin_cli)
-and imports its heavy modules (torch, vLLM, aiokafka) only when a subcommand runs, so `liverl --help` stays instant.
+Each area registers its own subcommands (liverl.up_cli, liverl.process_cli, liverl.bench_cli, liverl.admin_cli,
+liverl.keys_cli) and imports its heavy modules (torch, vLLM, aiokafka) only when a subcommand runs, so `liverl --help`
+stays instant.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 from core.config import redact_url
 from core.schemas import json_schemas
 from core.services import LiverlError
-from liverl import admin_cli, bench_cli, process_cli, up_cli
+from liverl import admin_cli, bench_cli, keys_cli, process_cli, up_cli
 from liverl.cliargs import cfg_from_args
 
 __all__ = ["build_parser", "main"]
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.register(sub)
     admin_cli.register_reads(sub)
     admin_cli.register(sub)
+    keys_cli.register(sub)
     s = sub.add_parser("schema", help="print the JSON Schemas of the wire messages (for non-Python producers)")
     s.add_argument("name", nargs="?", choices=["feedback", "generation", "sample", "dead_letter", "version"])
     s.set_defaults(fn=cmd_schema)

@@ -9,7 +9,7 @@ import argparse
 import os
 from pathlib import Path
 
-from core.config import LiverlConfig, load_config
+from core.config import LiverlConfig, load_config, redact_url
 from core.services import LiverlError, redis_from_url, redis_url
 
 
@@ -50,7 +50,9 @@ def check_bound(cfg: LiverlConfig, role: str) -> None:
     try:
         check_process(cfg, r, role)
     except redis.RedisError as e:
-        raise LiverlError(f"liverl {role}: cannot check the deployment's Redis namespace at {url}: {e}") from None
+        raise LiverlError(
+            f"liverl {role}: cannot check the deployment's Redis namespace at {redact_url(url)}: {e}"
+        ) from None
     finally:
         r.close()
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from core.config.base import url_with_password_file
 from core.config.broker import BrokerConfig, TopicsConfig
 from core.config.gate import GateConfig
 from core.config.ingest import IngestConfig
@@ -117,7 +118,9 @@ class LiverlConfig(BaseSettings):
 
     @property
     def registry_url(self) -> str:
-        return self.registry.url or f"sqlite:///{self.state_path / 'registry.db'}"
+        """``registry.url`` with the password of ``registry.password_file``, else SQLite in the state dir."""
+        url = url_with_password_file(self.registry.url, self.registry.password_file, "registry")
+        return url or f"sqlite:///{self.state_path / 'registry.db'}"
 
     @property
     def blob_location(self) -> str:

@@ -14,11 +14,25 @@ class RedisConfig(Section):
         "Redis Cluster. None: use 127.0.0.1:6379 when it answers, else start a private redis-server.",
     )
     embedded_port: int = Field(default=16379, description="Port for a private redis-server when one is started.")
+    password_file: str | None = Field(
+        default=None,
+        description="File holding the password of the Redis ACL user redis.url names "
+        "(redis://liverl_gate@host:6379/0; `liverl keys` makes one per process, `liverl redis acl` makes the users). "
+        "It replaces any password in the URL, so the URL in the config holds none. Needs redis.url. None: the URL "
+        "as written.",
+    )
 
 
 class RegistryConfig(Section):
     url: str | None = Field(
         default=None, description="SQLAlchemy URL of the version registry. None: SQLite in <state_dir>/registry.db."
+    )
+    password_file: str | None = Field(
+        default=None,
+        description="File holding the password of the database role registry.url names "
+        "(postgresql+psycopg://liverl_gate@db/liverl; `liverl keys` makes one per process, `liverl db roles` makes the "
+        "roles and their grants). It replaces any password in the URL, so the URL in the config holds none. Needs "
+        "registry.url. None: the URL as written.",
     )
     blob_dir: str | None = Field(
         default=None,

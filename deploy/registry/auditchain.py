@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
+from core import keys
 from core.config import LiverlConfig
 from core.credentials import write_secret
 from deploy.registry.tables import audit_hash
@@ -58,7 +59,7 @@ return 1
 
 def audit_head_key(prefix: str) -> str:
     """``<p>:audit:head``: a hash ``seq``, ``mac``, ``tag`` (the newest anchored audit entry)."""
-    return f"{prefix}:audit:head"
+    return keys.audit_head(prefix)
 
 
 def audit_mac(

@@ -36,6 +36,10 @@ from deploy.registry.tables import AuditEntry, Counter, Version, audit_hash, mak
 log = logging.getLogger("liverl.registry")
 
 
+INSUFFICIENT_PRIVILEGE = "42501"
+"""PostgreSQL's SQLSTATE for a statement the role has no privilege for (or a row-level security policy refuses)."""
+
+
 class RegistryError(ValueError):
     """A registry operation that cannot be done as asked (unknown version, wrong status, ...)."""
 
@@ -72,17 +76,30 @@ class RegistryDB:
     def __init__(self, url: str, audit_key: bytes | None = None, audit_head: AuditHead | None = None):
         if audit_head is not None and audit_key is None:
             raise ValueError("an audit head anchor needs the audit key (security.audit_key) it is tagged with")
-        self.url, self.audit_key, self.audit_head = url, audit_key, audit_head
+        # for messages and logs: a role's password (registry.password_file) stays out
+        self.url = sa.engine.make_url(url).render_as_string(hide_password=True)
+        self.audit_key, self.audit_head = audit_key, audit_head
         self.anchor_failures = 0  # appends whose head could not be anchored (Redis down): verify reports a lag
         self._warned_unkeyed = False
         self.engine = make_engine(url)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)  # reads
         writer = self.engine.execution_options(sqlite_begin="IMMEDIATE")
         self._write_sessions = sessionmaker(writer, expire_on_commit=False)
-        with writer.begin() as conn:  # one locked transaction: migrate (or stamp) and seed the counter
-            upgrade_connection(conn)
-            if conn.execute(select(Counter.value).where(Counter.name == "version")).first() is None:
-                conn.execute(sa.insert(Counter).values(name="version", value=1))  # 0 is the base's
+        try:
+            with writer.begin() as conn:  # one locked transaction: migrate (or stamp) and seed the counter
+                upgrade_connection(conn)
+                if conn.execute(select(Counter.value).where(Counter.name == "version")).first() is None:
+                    conn.execute(sa.insert(Counter).values(name="version", value=1))  # 0 is the base's
+        except sa.exc.ProgrammingError as e:
+            if getattr(e.orig, "sqlstate", None) != INSUFFICIENT_PRIVILEGE:
+                raise
+            self.engine.dispose()
+            why = str(e.orig).splitlines()[0]
+            raise RegistryError(
+                f"the registry at {self.url} is not at this release's schema (or not made yet) and this process's "
+                f"database role may not migrate it ({why}): open it once as its owner, e.g. `liverl db roles "
+                "--apply`, which migrates before it grants"
+            ) from e
 
     def close(self) -> None:
         self.engine.dispose()

@@ -44,23 +44,27 @@ def message(ann: VersionAnnouncement) -> bytes:
     return ann.model_copy(update={"signature": None}).to_bytes()
 
 
+def keypair_pem() -> tuple[bytes, bytes]:
+    """A new Ed25519 pair: the private key in PKCS8 PEM, the public key in SubjectPublicKeyInfo PEM."""
+    key = Ed25519PrivateKey.generate()
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    public = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return private, public
+
+
 def generate_keypair(folder: str | os.PathLike) -> tuple[Path, Path]:
     """Write a new Ed25519 pair into ``folder`` (private key readable by the owner only); returns both paths."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    key = Ed25519PrivateKey.generate()
+    private_pem, public_pem = keypair_pem()
     private, public = folder / PRIVATE_NAME, folder / PUBLIC_NAME
     tmp = private.with_suffix(".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
-        f.write(
-            key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            )
-        )
-    public.write_bytes(
-        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    )
+        f.write(private_pem)
+    public.write_bytes(public_pem)
     os.replace(tmp, private)
     return private, public
 

@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from core import fleet, keys
-from core.config import LiverlConfig
+from core.config import LiverlConfig, redact_url
 from core.services import setup_redis, signing_key_path
 from deploy.registry.registry import RegistryError
 from deploy.registry.registry import open_registry as _open_registry
@@ -158,7 +158,7 @@ def cmd_status(cfg: LiverlConfig) -> int:
         try:
             stable = reg.stable()
         except RegistryError as e:
-            return _err(f"{e} (registry {cfg.registry_url})")
+            return _err(f"{e} (registry {redact_url(cfg.registry_url)})")
         view = fleet.fleet_view(reg, r, prefix, cfg.serving.fleet) if r is not None else None
         desired = view.desired if view is not None else None
         pending = reg.candidates()
@@ -241,7 +241,8 @@ def cmd_versions(cfg: LiverlConfig, limit: int | None = 20) -> int:
     reg = open_registry(cfg)
     try:
         r = _redis_or_none(cfg)
-        _console().print(_versions_table(reg, r, cfg.topics.prefix, limit, f"versions ({cfg.registry_url})"))
+        title = f"versions ({redact_url(cfg.registry_url)})"
+        _console().print(_versions_table(reg, r, cfg.topics.prefix, limit, title))
         return 0
     finally:
         reg.close()

@@ -23,18 +23,21 @@ Torch-free (the registry is read with SQLAlchemy's core, not through ``deploy.re
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import sqlalchemy as sa
+from redis.exceptions import NoPermissionError
 
 from core import keys
-from core.config import LiverlConfig
+from core.config import LiverlConfig, redact_url
 from core.services import LiverlError
 
 FILE = "deployment.json"
+log = logging.getLogger("liverl.deployment")
 
 
 class DeploymentError(LiverlError):
@@ -53,7 +56,7 @@ class Deployment:
 
 def claim_key(prefix: str) -> str:
     """The Redis key naming the deployment that owns ``<prefix>:*``."""
-    return f"{prefix}:deployment"
+    return keys.deployment(prefix)
 
 
 def identity(cfg: LiverlConfig) -> Deployment:
@@ -107,9 +110,9 @@ def registry_deployment(cfg: LiverlConfig) -> Deployment | None:
 
 def _another_registry(cfg: LiverlConfig, me: Deployment, owner: Deployment) -> DeploymentError:
     return DeploymentError(
-        f"the registry {cfg.registry_url} belongs to {owner.describe()}, not to this {me.describe()}. Run with "
-        f"--state-dir {owner.state_dir}, or give this deployment its own registry (registry.url) and Redis prefix "
-        f"(topics.prefix)"
+        f"the registry {redact_url(cfg.registry_url)} belongs to {owner.describe()}, not to this {me.describe()}. "
+        f"Run with --state-dir {owner.state_dir}, or give this deployment its own registry (registry.url) and Redis "
+        f"prefix (topics.prefix)"
     )
 
 
@@ -150,21 +153,33 @@ def _claimant(redis, prefix: str) -> Deployment | None:
 def check_process(cfg: LiverlConfig, redis, role: str) -> Deployment | None:
     """What a standalone ``liverl serve | route | ingest | learn | gate`` checks before it starts: the deployment its
     registry belongs to must be the one that claims ``topics.prefix`` in Redis. It claims an unclaimed prefix for
-    that deployment; it refuses one another deployment claims, naming both. A registry no deployment was recorded
+    that deployment (unless its Redis user may only read the claim: ``core.roles``); it refuses one another
+    deployment claims, naming both. A registry no deployment was recorded
     in (made by a release without deployment ids, or not reachable from this machine) has nothing to check: returns
     None."""
     me = registry_deployment(cfg)
     if me is None:
         return None
     prefix = cfg.topics.prefix
-    if redis.set(claim_key(prefix), json.dumps(asdict(me)), nx=True):
-        return me
+    try:
+        if redis.set(claim_key(prefix), json.dumps(asdict(me)), nx=True):
+            return me
+    except NoPermissionError:  # a Redis user that may only read the claim (core.roles): checked, not made
+        pass
     owner = _claimant(redis, prefix)
-    if owner is not None and owner.id != me.id:
+    if owner is None:
+        log.warning(
+            "liverl %s: the Redis namespace %r is not claimed yet and this process's Redis user may not claim it "
+            "(the gate's may): started unchecked",
+            role,
+            prefix,
+        )
+    elif owner.id != me.id:
         raise DeploymentError(
-            f"liverl {role}: its registry {cfg.registry_url} belongs to {me.describe()}, but the Redis namespace "
-            f"{prefix!r} ({prefix}:*) is claimed by {owner.describe()}. Point this process at that deployment's "
-            f"registry (registry.url), or give it its own prefix (topics.prefix, e.g. LIVERL__TOPICS__PREFIX=myapp)"
+            f"liverl {role}: its registry {redact_url(cfg.registry_url)} belongs to {me.describe()}, but the Redis "
+            f"namespace {prefix!r} ({prefix}:*) is claimed by {owner.describe()}. Point this process at that "
+            f"deployment's registry (registry.url), or give it its own prefix (topics.prefix, e.g. "
+            f"LIVERL__TOPICS__PREFIX=myapp)"
         )
     return me
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from core import keys, procs
 from core.bus import all_topics, ensure_topics, topic_configs
-from core.config import LiverlConfig, ServingConfig, advertised_url
+from core.config import LiverlConfig, ServingConfig, advertised_url, redact_url
 from core.credentials import PRODUCT_KEY_HEADER, ensure_secrets, feedback_key_path
 from core.product import load_product
 from core.services import redis_from_url
@@ -175,7 +175,7 @@ liverl is up: model {model_dir}
                      kcat:        echo '<id>|{{"feedback_id":"fb-1","generation_id":"<id>","kind":"reject"}}' \\
                                     | kcat -P -b {s.bootstrap} -t {t.feedback} -K'|' -X partitioner=murmur2_random
   Kafka              {s.bootstrap}  topics {t.feedback}, {t.generations}, {t.samples}, {t.dead_letters}
-  Redis / registry   {s.redis_url}  /  {s.registry_url}
+  Redis / registry   {redact_url(s.redis_url)}  /  {redact_url(s.registry_url)}
   metrics            {gw}/metrics (gateway), http://127.0.0.1:{cfg.ingest.web_port}/metrics (ingest),
                      http://{cfg.serving.host}:{cfg.gate.metrics_port}/metrics (gate){agent_metrics(cfg)}
   logs               {cfg.state_path / "logs"}/{{serve,ingest,learn,gate}}.log
