@@ -365,8 +365,8 @@ def test_the_futility_stop_leaves_a_better_canary_to_be_promoted(cfg, rds, fleet
     gate, registry = fleet2
     cfg.gate.canary_max_events = 1200
     r = start(gate, registry, rds, cfg)
-    traffic(rds, cfg, r, first(r, 4), lift=0.15, seed=4)
-    gate.canary.clock = lambda: after(r, cfg, 4)
+    traffic(rds, cfg, r, first(r, 5), lift=0.15, seed=4)
+    gate.canary.clock = lambda: after(r, cfg, 5)
     [v] = gate.step()
     assert v.verdict == "promoted", v.reason
 
