@@ -108,14 +108,19 @@ class GateConfig(Section):
         "arithmetic; every verdict names the levels.",
     )
     canary_readout_share: float = Field(
-        default=0.2,
+        default=0.3,
         ge=0.0,
         lt=1.0,
         description="A canary still undecided at its deadline (canary_deadline_s or canary_max_events) is decided by "
         "one fixed-horizon one-sided test of each pass side still open, on the last look's estimate, variance and "
         "degrees of freedom, at canary_alpha times this share; the sequential tests get the rest (a union bound keeps "
         "a false promotion at canary_alpha). It promotes when the success metric and every required guardrail pass, "
-        "sequentially or there; otherwise the canary aborts as before. 0: no readout. @READOUT_MEASURED@",
+        "sequentially or there; otherwise the canary aborts as before. 0: no readout. Fixed at the rollout's start. "
+        "In `liverl bench canary --stats` (1,000 sticky users, 1,800 s deadline, success metric and two guardrails) "
+        "0.3 raised the promotions of a candidate 1 point better from 29-31% to 50-51% and of one 1.5 points better "
+        "from 64-66% to 84-85%, cost 8-9% more events to promote one 3 points better (the mixture's tau), and kept "
+        "A/A false promotions at 1.8-2.0%; it is the largest share measured (0.1, 0.2, 0.3, 0.5) that keeps that cost "
+        "within 10% (0.5: 16-18%).",
     )
     canary_tau: float = Field(default=0.03, gt=0, description="Effect size the test is tuned for (acceptance points).")
     canary_min_events: int = Field(default=100, ge=1, description="Judged events each arm needs before any decision.")

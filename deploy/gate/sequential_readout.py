@@ -62,10 +62,6 @@ from __future__ import annotations
 
 import math
 
-READOUT_SHARE: float = 0.2
-"""``gate.canary_readout_share``'s default: the share of each pass side's alpha the deadline's readout spends.
-Chosen by the power ``liverl bench canary --stats`` measures (``BENCHMARKS.md``)."""
-
 
 def pass_alphas(alpha: float, share: float) -> tuple[float, float]:
     """(sequential, readout) levels of one pass side: ``alpha (1 - share)`` and ``alpha share``; they sum to alpha."""
