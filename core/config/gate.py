@@ -194,8 +194,10 @@ class GateConfig(Section):
     latency_quantile_guardrail: Literal["non_inferior", "harm"] = Field(
         default="harm",
         description="'harm': the latency quantile only stops a canary it shows slower by more than its tolerance, and "
-        "a promotion does not wait for it (a quantile of one bucket's few events is noisier than their mean); "
-        "'non_inferior': a promotion waits until it is shown within the tolerance.",
+        "a promotion does not wait for it: the mean latency's guardrail is the one a promotion waits for, and the "
+        "quantile's job is the slow tail a mean hides (in `liverl bench canary --stats`, 12% of requests 3 times "
+        "slower: shown worse by the p90 in 76-77% of canaries, by the mean in 6-7%). 'non_inferior': a promotion also "
+        "waits until it is shown within the tolerance.",
     )
     canary_unit: Literal["user", "request"] = Field(
         default="user",
