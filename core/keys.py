@@ -21,7 +21,9 @@ one call per version (``redis.url = "redis+cluster://host:port"``, ``core.servic
 | ``<p>:live:{<version>}``         | hash   | ingest          | kind -> count, ``events`` (live acceptance),|
 |                                  |        |                 | guardrail sums (``judged_fields``)        |
 | ``<p>:units:{<v>}:<bucket>``     | hash   | ingest          | per-user sums of 10 s of judgements       |
-|                                  |        |                 | (``units``, ``UNIT_FIELDS``; TTL)         |
+|                                  |        |                 | (``units``, ``UNIT_FIELDS``; TTL), and    |
+|                                  |        |                 | the bucket's latency histogram            |
+|                                  |        |                 | (``*|h<i>``, ``LATENCY_HIST_EDGES_MS``)   |
 | ``<p>:ingest:counters``          | hash   | ingest          | counter -> count (``dlq:<reason>`` etc.)  |
 | ``<p>:counted:{<v>}:<feedback>`` | string | ingest          | guard: counted once (TTL)                 |
 | ``<p>:learner``                  | hash   | learner         | field -> value (step, samples_trained...) |
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import math
 import time
+from bisect import bisect_right
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -133,9 +136,28 @@ accepts, ``d`` edits, ``r`` reverts of the generations judged in the bucket (cou
 whenever the revert came), ``t`` completion tokens, ``m`` latency in ms (sum), ``n`` timed events (the count ``m``
 sums over). Rejects are ``e - a - d``; a field that is 0 may be absent."""
 
+LATENCY_HIST_EDGES_MS: tuple[int, ...] = tuple(round(4 * 2 ** (i / 4)) for i in range(57))
+"""Edges of the latency histogram kept per version and bucket, in whole ms: 4 ms to 65,536 ms, four bins an octave
+(each bin 19% wide, rounded to whole ms below 32 ms). Bin ``i`` (field ``*|h<i>``, ``latency_bin``) counts the timed
+events of the bucket with ``LATENCY_HIST_EDGES_MS[i - 1] <= ms < LATENCY_HIST_EDGES_MS[i]``; bin 0 those below 4 ms,
+bin 57 those at 65,536 ms or more. So a bucket's hash holds at most ``LATENCY_HIST_BINS`` (58) histogram fields
+whatever its traffic: what a quantile of the bucket's latency needs (``deploy.gate.sequential_quantile``), where the
+sums ``m`` and ``m2`` give only its mean and variance. A quantile read from it is within one bin (19%) of the
+bucket's own at worst, and the same bins on both arms make that error common to them."""
+
+LATENCY_HIST_BINS = len(LATENCY_HIST_EDGES_MS) + 1
+
+
+def latency_bin(ms: int) -> int:
+    """The histogram bin (``LATENCY_HIST_EDGES_MS``) of a latency of ``ms`` whole milliseconds: how many edges are at
+    or below it. Ingest's script computes the same by a binary search over the same edges."""
+    return bisect_right(LATENCY_HIST_EDGES_MS, ms)
+
+
 ALL_FIELDS = UNIT_FIELDS + ("t2", "m2")
 """Fields of the aggregate unit ``ALL_UNITS``: ``UNIT_FIELDS`` and the squares ``t2`` (tokens) and ``m2`` (latency
-ms), for per-request tests and batch means."""
+ms), for per-request tests and batch means. Beside them it holds ``h0`` .. ``h57``, the bucket's latency histogram
+(``LATENCY_HIST_EDGES_MS``; a bin that is 0 is absent)."""
 
 
 def unit_bucket(judged_at: float) -> int:
@@ -145,9 +167,10 @@ def unit_bucket(judged_at: float) -> int:
 
 def units(prefix: str, version: int, bucket: int) -> str:
     """Per-user sums of ``version``'s generations judged in ``bucket`` (a hash ``<unit>|<field>`` -> int,
-    ``UNIT_FIELDS``, and ``*|<field>`` for every event of the bucket, ``ALL_FIELDS``). Written by ingest's live
-    counters' script, once per feedback id, with a TTL (``ingest.unit_ttl_s``). The version is the hash tag: the same
-    Redis Cluster slot as ``live`` and the guards."""
+    ``UNIT_FIELDS``, and ``*|<field>`` for every event of the bucket, ``ALL_FIELDS`` and the latency histogram's
+    ``*|h<i>``, ``LATENCY_HIST_EDGES_MS``: its fields are bounded by the users judged in it, whatever the traffic).
+    Written by ingest's live counters' script, once per feedback id, with a TTL (``ingest.unit_ttl_s``). The version
+    is the hash tag: the same Redis Cluster slot as ``live`` and the guards."""
     return f"{prefix}:units:{{{int(version)}}}:{int(bucket)}"
 
 

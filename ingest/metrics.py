@@ -52,6 +52,8 @@ UNIT_TTL_S = 2 * 24 * 3600  # how long per-user sums live after their last write
 # fields, not a dozen writes per event (Redis is the one process every worker shares: its cost per event bounds the
 # fleet). Lua numbers are doubles, exact below 2^53: a
 # value of more than 15 digits is written alone as it came, and a sum is written out before it reaches 2^52.
+# A timed judgement also counts in its bucket's latency histogram (keys.LATENCY_HIST_EDGES_MS: '*|h<i>', at most 58
+# fields a bucket), what a canary's latency quantile needs.
 _LIVE_LUA = """
 local n = 0
 local m = tonumber(ARGV[3])
@@ -81,6 +83,17 @@ local unit_sum = {tokens = 't', latency_ms = 'm', timed = 'n'}
 local all_sum = {tokens = '*|t', tokens_sq = '*|t2', latency_ms = '*|m', latency_ms_sq = '*|m2', timed = '*|n'}
 local unit_kind = {accept = 'a', edit = 'd', revert = 'r'}
 local all_kind = {accept = '*|a', edit = '*|d', revert = '*|r'}
+-- the latency histogram's edges in ms (keys.LATENCY_HIST_EDGES_MS): a timed event counts once in '*|h<i>', i the
+-- number of edges at or below its latency (keys.latency_bin)
+local hist_edges = {@HIST_EDGES@}
+local function hist_field(ms)
+  local lo, hi = 1, #hist_edges + 1
+  while lo < hi do
+    local mid = math.floor((lo + hi) / 2)
+    if hist_edges[mid] <= ms then lo = mid + 1 else hi = mid end
+  end
+  return '*|h' .. (lo - 1)
+end
 for j = 1, events do
   if redis.call('SET', KEYS[1 + m + j], '1', 'NX', 'EX', ARGV[1]) then
     local kind = ARGV[3 + j]
@@ -111,6 +124,9 @@ for j = 1, events do
           f = unit_sum[field]
           if f and up then
             if big then redis.call('HINCRBY', acc[1], up .. f, value) else add(acc, up .. f, value) end
+          end
+          if field == 'latency_ms' then
+            add(acc, hist_field(big and math.huge or value), 1)
           end
         end
       end
@@ -171,7 +187,7 @@ for i = 2, #accs do
   end
 end
 return n
-"""
+""".replace("@HIST_EDGES@", ", ".join(str(e) for e in keys.LATENCY_HIST_EDGES_MS))
 
 
 @dataclass

@@ -26,20 +26,25 @@ registry):
    (``deploy.gate.sequential``) take the user as the unit (``gate.canary_unit = "user"``: delta method for ratio
    metrics, CUPED with each user's kept acceptance under stable before the rollout) or the judged event (``"request"``).
    Kept acceptance is the success metric; the edit rate, the revert rate and the response length are guardrails with
-   nulls fixed at the start (from stable's own figures before the rollout); latency is tested on the batch means of the
-   buckets (its events are autocorrelated through node load). A sample-ratio mismatch of users or events stops the
-   canary (reason ``srm``).
+   nulls fixed at the start (from stable's own figures before the rollout); latency's mean and its quantile
+   (``gate.latency_quantile``, from ingest's per-bucket histograms) are tested on the batch means of the buckets (its
+   events are autocorrelated through node load). A sample-ratio mismatch of users or events stops the canary (reason
+   ``srm``).
 3. **Decision.** Promote when kept acceptance is shown better (``gate.canary_margin`` > 0: not worse by more than it)
-   and every guardrail non-inferior; abort as soon as any is shown worse, on an SRM, or at ``gate.canary_deadline_s``
-   (or earlier once the canary arm has ``gate.canary_max_events`` judged events: a budget in evidence, so that a
-   canary's power does not follow the day's traffic; the tests are always valid, so where they stop moves no error
-   rate, only their power). With a budget, a canary that could not pass by it even ``gate.canary_futility_z``
-   standard errors better than estimated stops once a quarter is spent (reason ``futile``): it never promotes, so
-   no false-promotion rate rises, and ``liverl bench canary --budget`` measures the promotions it costs. The test
-   state lives in the registry (compare-and-set by revision), so a restarted gate
-   goes on where it was, and a promotion is a compare-and-set on a *running* rollout: an operator's pause between the
-   gate's read and its write wins. A promotion announces the canary as ``desired``; an abort rejects it and withdraws
-   the canary announcement (the canary nodes return to stable). Each decision is a gate check (``canary``) in the
+   and every required guardrail non-inferior; abort as soon as any is shown worse, on an SRM, or at
+   ``gate.canary_deadline_s`` (or earlier once the canary arm has ``gate.canary_max_events`` judged events: a budget
+   in evidence, so that a canary's power does not follow the day's traffic; the tests are always valid, so where they
+   stop moves no error rate, only their power), unless the readout at that deadline passes every test still open
+   (``gate.canary_readout_share``). A false promotion and a false abort are each held at ``gate.canary_alpha`` across
+   the family (``deploy.gate.sequential_readout``); every verdict names the levels and the success metric's raw and
+   bias-corrected effect with its always-valid interval. The levels, the readout's share, the bands, the budget and
+   the futility stop are fixed at the rollout's start. With a budget, a canary that could not pass by it even
+   ``gate.canary_futility_z`` standard errors better than estimated stops once a quarter is spent (reason ``futile``):
+   it never promotes, so no false-promotion rate rises, and ``liverl bench canary --budget`` measures the promotions it
+   costs. The test state lives in the registry (compare-and-set by revision), so a restarted gate goes on where it was,
+   and a promotion is a compare-and-set on a *running* rollout: an operator's pause between the gate's read and its
+   write wins. A promotion announces the canary as ``desired``; an abort rejects it and withdraws the canary
+   announcement (the canary nodes return to stable). Each decision is a gate check (``canary``) in the
    registry with its evidence.
 """
 
@@ -56,7 +61,9 @@ from core import fleet, keys
 from core.config import LiverlConfig
 from core.schemas import RolloutTerms
 from deploy.gate import sequential as seq
+from deploy.gate import sequential_quantile as sq
 from deploy.gate.canary_tests import ArmSums, Evidence, build_tests, look_record, pending, saved_state
+from deploy.gate.srm import MISMATCH, SrmTest
 from deploy.registry.registry import Registry, RegistryConflict, Version
 from deploy.registry.signing import Signer, announce, keep_announced
 from deploy.registry.tables import Rollout
@@ -190,27 +197,36 @@ class CanaryController:
 
     def _fixed_nulls(self, stable: Version, now: float) -> dict:
         """The continuous guardrails' bands, fixed for the whole rollout from stable's own figures before it: mean
-        response length and latency over the CUPED look-back (or stable's whole life), times the tolerance."""
+        response length and latency, and latency's quantile (``gate.latency_quantile``, from ingest's histograms),
+        over the CUPED look-back (or stable's whole life), times the tolerance."""
         g = self.cfg.gate
         lo = first_bucket(now - max(g.cuped_lookback_s, keys.UNIT_BUCKET_S))
         hi = math.floor(now / keys.UNIT_BUCKET_S) - 1
         tokens = events = ms = timed = 0
+        hist = np.zeros(keys.LATENCY_HIST_BINS)
         for data in keys.read_unit_buckets(self.redis, self.prefix, stable.version, range(lo, hi + 1)).values():
             agg = data.get("*", {})
             tokens += agg.get("t", 0)
             events += agg.get("e", 0)
             ms += agg.get("m", 0)
             timed += agg.get("n", 0)
+            hist += sq.hist_counts(agg)
         length = tokens / events if events else None
         latency = ms / timed if timed else None
+        q = g.latency_quantile
+        quantile = float(sq.hist_quantile(hist, q)) if q is not None and hist.sum() > 0 else None
         return {
             "length_band": None if length is None else g.guardrail_tolerance * max(length, 1e-9),
             "latency_band": None if latency is None else g.latency_tolerance * max(latency, 1e-9),
+            "latency_q_band": None if quantile is None else g.latency_quantile_tolerance * max(quantile, 1e-9),
+            "latency_quantile": q,
             "stable_length": length,
             "stable_latency_ms": latency,
+            "stable_latency_q_ms": quantile,
             "fixed_at": now,
             "max_events": g.canary_max_events,  # the evidence budget, fixed with the nulls
             "futility_z": g.canary_futility_z,  # and the futility stop that reads it
+            "readout_share": g.canary_readout_share,  # the deadline readout's share of alpha
         }
 
     def clear(self) -> None:
@@ -273,7 +289,7 @@ class CanaryController:
                 pre.add(b, data)
         return {u: s for u, s in pre.users.items() if s[0] > 0}
 
-    def build_tests(self, rollout: Rollout, ev: Evidence, settling: bool) -> tuple[seq.Canary, seq.SrmTest, dict]:
+    def build_tests(self, rollout: Rollout, ev: Evidence, settling: bool) -> tuple[seq.Canary, SrmTest, dict]:
         """The rollout's tests at this look (``deploy.gate.canary_tests.build_tests``)."""
         return build_tests(self.cfg.gate, rollout, ev, settling)
 
@@ -316,7 +332,7 @@ class CanaryController:
                 else f"waiting for {', '.join(rollout.nodes)} to serve v{rollout.version} (evidence counts from "
                 f"gate.canary_warmup_s {self.cfg.gate.canary_warmup_s:g} s after)"
             )
-        if srm.verdict() == seq.MISMATCH:  # the arms are not what the assignment drew: nothing of them can be trusted
+        if srm.verdict() == MISMATCH:  # the arms are not what the assignment drew: nothing of them can be trusted
             verdict, why = (
                 seq.ABORT,
                 (
@@ -372,9 +388,18 @@ class CanaryController:
         if removed is not None and removed >= 0.005:  # below it: too little history before the rollout to help
             text += f"; CUPED removed {100 * removed:.0f}% of the variance"
         text += ")"
+        eff = tests.success.effect()
+        if eff["effect"] is not None:  # the winner's curse: an early stop overstates; the corrected one shrinks it
+            text += (
+                f"; effect {eff['effect']:+.4f} (bias-corrected {eff['effect_corrected']:+.4f}, always-valid "
+                f"{1 - tests.success.alpha:.0%} interval [{eff['effect_lo']:+.4f}, {eff['effect_hi']:+.4f}])"
+            )
         means = {t.name: (t.canary.mean, t.stable.mean) for t in tests.guardrails}
         if "latency_means" in info:
             means["latency"] = info["latency_means"]
+        for t in tests.guardrails:  # the arms' mean per-bucket quantile (what the quantile's batch means compare)
+            if "quantile_means" in info.get(t.name, {}):
+                means[t.name] = info[t.name]["quantile_means"]
         text += "".join(f"; {name} {c:.4g} vs {s:.4g}" for name, (c, s) in means.items())
         return text
 

@@ -20,15 +20,14 @@ from core.fleet import bucket
 from deploy.gate.sequential import (
     ABORT,
     FUTILITY_Z,
-    MISMATCH,
     PROMOTE,
     MetricTest,
-    SrmTest,
     bernoulli_estimate,
     futile,
     look_units,
 )
 from deploy.gate.sequential_units import UnitSums
+from deploy.gate.srm import MISMATCH, SrmTest
 
 POPULATIONS = {
     "segments": "two segments, half the users accept 0.70, half 0.25 (the demo's shape)",

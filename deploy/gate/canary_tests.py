@@ -1,6 +1,8 @@
 """The canary's tests at one look: each arm's evidence read from ingest's per-user buckets (``Evidence``), the
 always-valid tests restored from the rollout's saved state and fed that evidence (``build_tests``: the user or the
-judged event as the unit, latency on batch means), and what a look saves back (``look_record``, ``saved_state``).
+judged event as the unit, latency's mean and quantile on batch means), and what a look saves back (``look_record``,
+with the family's error levels and the success metric's raw and bias-corrected effect and always-valid interval;
+``saved_state``).
 
 ``deploy.gate.canary`` runs the rollout around them; ``deploy.gate.sequential`` holds the tests.
 """
@@ -15,7 +17,9 @@ import numpy as np
 
 from core.config import GateConfig
 from deploy.gate import sequential as seq
+from deploy.gate import sequential_quantile as sq
 from deploy.gate.sequential_units import UnitSums
+from deploy.gate.srm import SrmTest
 from deploy.registry.tables import Rollout
 
 MIN_USERS = 10
@@ -79,14 +83,14 @@ def pending(tests: seq.Canary, info: dict) -> str:
     """Why a look decided nothing: what each test still waits for."""
     waiting = []
     s = tests.success
-    if s.p_pass > s.alpha:
+    if s.p_pass > tests.pass_alphas(s)[0]:
         ready = info.get(s.name, {}).get("ready", True)
         waiting.append(f"{s.name} (p better {s.p_pass:.3g}" + ("" if ready else ", too few users or events") + ")")
     for g in tests.guardrails:
-        if g.required and g.p_pass > g.alpha:
+        if g.required and g.p_pass > tests.pass_alphas(g)[0]:
             extra = ""
-            if g.name == "latency":
-                extra = f", {info.get('latency', {}).get('batches', 0)} of {LATENCY_MIN_BATCHES} batches"
+            if g.name.startswith("latency"):
+                extra = f", {info.get(g.name, {}).get('batches', 0)} of {LATENCY_MIN_BATCHES} batches"
             elif not info.get(g.name, {}).get("ready", True):
                 extra = ", too few users or events"
             waiting.append(f"guardrail {g.name} not yet shown non-inferior (p {g.p_pass:.3g}{extra})")
@@ -97,11 +101,11 @@ def _col(m: np.ndarray, f: str) -> np.ndarray:
     return m[:, FIELDS.index(f)] if m.size else np.zeros(0)
 
 
-def build_tests(g: GateConfig, rollout: Rollout, ev: Evidence, settling: bool) -> tuple[seq.Canary, seq.SrmTest, dict]:
+def build_tests(g: GateConfig, rollout: Rollout, ev: Evidence, settling: bool) -> tuple[seq.Canary, SrmTest, dict]:
     """The rollout's tests at this look, their always-valid state restored from the registry and updated with the
     evidence read so far; with the sample-ratio check and what each look estimated."""
-    success, edit, revert, length, latency, srm = _restored_tests(g, rollout)
-    guardrails = [t for t in (edit, revert, length, latency) if t is not None]
+    success, edit, revert, length, latency, latency_q, srm = _restored_tests(g, rollout)
+    guardrails = [t for t in (edit, revert, length, latency, latency_q) if t is not None]
     info: dict = {"events": (ev.canary.total("e"), ev.stable.total("e"))}
     if rollout.unit == "user":
         _look_users(g, ev, (success, edit, revert, length), srm, info)
@@ -109,16 +113,22 @@ def build_tests(g: GateConfig, rollout: Rollout, ev: Evidence, settling: bool) -
         _look_requests(ev, (success, edit, revert, length), srm, info)
     if latency is not None:  # batch means: the buckets pair by time, so load both arms share cancels
         _look_latency(ev, latency, info)
+    if latency_q is not None:
+        q = (rollout.settings or {})["latency_quantile"]
+        info[latency_q.name] = sq.look_quantiles(
+            latency_q, *sq.paired_quantiles(ev.fast_canary.buckets, ev.fast_stable.buckets, q), LATENCY_MIN_BATCHES
+        )
     if settling:  # a node that has just swapped runs hot for a few seconds: latency and length not judged worse
         for t in guardrails:
-            if t.name in ("latency", "response_length"):
+            if t.name.startswith("latency") or t.name == "response_length":
                 t.max_log_lr_harm = float("-inf")
-    return seq.Canary(success, guardrails), srm, info
+    share = (rollout.settings or {}).get("readout_share", 0.0)  # fixed at the start (none: a rollout without one)
+    return seq.Canary(success, guardrails, readout_share=share), srm, info
 
 
 def _restored_tests(g: GateConfig, rollout: Rollout) -> tuple:
-    """(success, edit, revert, length, latency, srm): the rollout's tests with the state saved at its last look;
-    length and latency are None without the band fixed at the start."""
+    """(success, edit, revert, length, latency, latency quantile, srm): the rollout's tests with the state saved at
+    its last look; length and latency's are None without the band fixed at the start."""
     st = rollout.settings or {}
     state = rollout.test_state or {}
     common: dict[str, Any] = {"alpha": g.canary_alpha, "min_events": g.canary_min_events, "min_units": MIN_USERS}
@@ -146,19 +156,38 @@ def _restored_tests(g: GateConfig, rollout: Rollout) -> tuple:
             required=g.latency_guardrail == "non_inferior",
         )
         guardrails.append(latency)
+    latency_q = None
+    if st.get("latency_q_band"):  # the quantile and its band, fixed at the start like the others
+        band = st["latency_q_band"]
+        latency_q = seq.MetricTest(
+            quantile_name(st["latency_quantile"]),
+            tau=band,
+            direction=-1,
+            margin=band,
+            harm_margin=band,
+            bernoulli=False,
+            alpha=g.canary_alpha,
+            required=g.latency_quantile_guardrail == "non_inferior",
+        )
+        guardrails.append(latency_q)
     for t in (success, *guardrails):
         t.max_log_lr_pass = state.get(f"{t.name}:pass", float("-inf"))
         t.max_log_lr_harm = state.get(f"{t.name}:harm", float("-inf"))
-    srm = seq.SrmTest(
+    srm = SrmTest(
         rollout.share,
         alpha=g.srm_alpha,
         max_log_bf_users=state.get("srm:users", float("-inf")),
         max_log_bf_events=state.get("srm:events", float("-inf")),
     )
-    return success, edit, revert, length, latency, srm
+    return success, edit, revert, length, latency, latency_q, srm
 
 
-def _look_users(g: GateConfig, ev: Evidence, tests: tuple, srm: seq.SrmTest, info: dict) -> None:
+def quantile_name(q: float) -> str:
+    """The latency quantile guardrail's name: ``latency_p90`` for 0.9."""
+    return f"latency_p{100 * q:g}"
+
+
+def _look_users(g: GateConfig, ev: Evidence, tests: tuple, srm: SrmTest, info: dict) -> None:
     """One look of each test with the user as the unit: CUPED on acceptance when there is a covariate, and on the
     edit rate, the revert rate and the response length too with ``gate.cuped_guardrails``; each metric's covariate is
     the user's own rate of it before the rollout (``pre_rollout_rate``)."""
@@ -198,7 +227,7 @@ def pre_rollout_rate(ev: Evidence, names: list[str], f: str) -> tuple[np.ndarray
         return np.where(events > 0, value / events, np.nan), events
 
 
-def _look_requests(ev: Evidence, tests: tuple, srm: seq.SrmTest, info: dict) -> None:
+def _look_requests(ev: Evidence, tests: tuple, srm: SrmTest, info: dict) -> None:
     """One look of each test with the judged event as the unit."""
     success, edit, revert, length = tests
     for test, f, (canary, stable) in (
@@ -234,7 +263,7 @@ def _look_latency(ev: Evidence, latency: seq.MetricTest, info: dict) -> None:
         info["latency_means"] = (float(np.mean([c for c, _ in means])), float(np.mean([s for _, s in means])))
 
 
-def look_record(now: float, tests: seq.Canary, srm: seq.SrmTest, info: dict, ev: Evidence) -> dict:
+def look_record(now: float, tests: seq.Canary, srm: SrmTest, info: dict, ev: Evidence) -> dict:
     """What a look saves with the rollout (the on-call page's plot), JSON-safe."""
     summary = tests.success.summary()
     c_events, s_events = info["events"]
@@ -254,10 +283,12 @@ def look_record(now: float, tests: seq.Canary, srm: seq.SrmTest, info: dict, ev:
             "p_srm": min(srm.p_users, srm.p_events),
             "through_bucket": ev.next_bucket - 1,
         }
+        | tests.success.effect()  # raw, bias-corrected, always-valid interval (deploy.gate.sequential_readout)
+        | {f"family_{k}": v for k, v in tests.guarantee().items()}  # the levels the verdict was taken at
     )
 
 
-def saved_state(tests: seq.Canary, srm: seq.SrmTest, settling: bool) -> dict:
+def saved_state(tests: seq.Canary, srm: SrmTest, settling: bool) -> dict:
     """The tests' always-valid state to save with the rollout (running maxima; passing evidence counts after
     settling), finite for JSON."""
     state = {

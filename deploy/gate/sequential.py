@@ -62,11 +62,7 @@ Departures from the papers, and small-sample care:
   arm. The batch-means latency test reads its statistic as a t
   with buckets - 1 degrees of freedom.
 
-**Sample-ratio mismatch** (``SrmTest``): the arms' user counts against the configured share, as a Bernoulli
-sequence with a conjugate Beta mixture (the two-arm case of Lindon and Malek, "Anytime-valid inference for
-multinomial count data", 2020), and their event counts with a cluster-aware variance (events of one user share its
-arm: ``Var = s (1 - s) sum(e_u^2) / E^2``) in the normal mixture above, two-sided. A mismatch means the assignment
-or the logging is broken: no metric of that canary can be trusted.
+**Sample-ratio mismatch**: ``deploy.gate.srm``.
 
 Decisions per metric (``MetricTest.verdict``):
 - ``better``: the candidate is better than stable (``theta0 = 0``), or with a ``margin``, not worse by more than it
@@ -77,10 +73,13 @@ Decisions per metric (``MetricTest.verdict``):
 Margins are absolute and fixed when the test is made: a guardrail's tolerance is turned into one from stable's
 pre-rollout mean once, at the canary's start, so every look tests the same null.
 ``Canary.verdict`` combines them as Spotify's rule does: promote when the success metric is ``better`` and every
-guardrail is non-inferior; abort as soon as any metric is ``worse``; abort at the deadline if undecided; with an
-evidence budget, abort as ``futile`` a canary whose success metric or a required guardrail could not pass by the end
-of the budget even if its effect were ``futility_z`` standard errors better than estimated (``futile``: a non-binding
-futility stop, which can only lower the false-promotion rate).
+required guardrail is non-inferior; abort as soon as any metric is ``worse``; at the deadline, decide the pass sides
+still open by one fixed-horizon readout, and abort if one still fails; with an evidence budget, abort as ``futile`` a
+canary whose success metric or a required guardrail could not pass by the end of the budget even if its effect were
+``futility_z`` standard errors better than estimated (``futile``: a non-binding futility stop, which can only lower
+the false-promotion rate). The levels each side tests at, so that a false promotion and a false abort each stay at
+``alpha`` across the family, the readout, the bias-corrected effect and the always-valid interval every verdict
+reports are stated in ``deploy.gate.sequential_readout``.
 
 The calibration (``deploy.gate.canary_sim.simulate_sticky``, run by ``liverl bench canary``) replays this code, look by
 look at the gate's cadence, on populations of sticky users assigned by ``core.fleet.bucket``.
@@ -93,15 +92,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from statistics import NormalDist
 
 import numpy as np
 
+from deploy.gate import sequential_readout as ro
 from deploy.gate.sequential_units import UnitSums, unit_estimate
 
 BETTER, WORSE, UNDECIDED = "better", "worse", "undecided"
 PROMOTE, ABORT, CONTINUE = "promote", "abort", "continue"
-MISMATCH, MATCH = "mismatch", "ok"
 
 
 def log_mixture_lr(d, var, theta0: float, tau: float):
@@ -131,14 +130,16 @@ FUTILITY_MIN_SPENT: float = 0.25
 """No futility stop before this share of the evidence budget is spent: the first looks' variances rest on few users."""
 
 
-def futile(d, var, spent, theta0: float, tau: float, alpha: float, z: float = FUTILITY_Z):
+def futile(d, var, spent, theta0: float, tau: float, alpha: float, z: float = FUTILITY_Z, readout_alpha: float = 0.0):
     """Whether a test that has not passed yet could not pass by the end of its evidence budget, even if the effect
     were ``z`` standard errors better than estimated now. ``spent``: the share of the budget behind ``(d, var)``.
 
     The projection is optimistic on both counts: the effect is the current estimate's upper bound ``d + z sqrt(var)``,
     and the variance at the budget is ``var * spent``, as if information grew in proportion to the events (with the
     user as the unit it grows more slowly: users come back). Futile when that effect is not above ``theta0`` or
-    when, read at the budget, its mixture likelihood ratio (``log_mixture_lr``) stays under ``1 / alpha``.
+    when, read at the budget, its mixture likelihood ratio (``log_mixture_lr``) stays under ``1 / alpha`` and, with
+    a readout at the deadline (``readout_alpha`` > 0, ``deploy.gate.sequential_readout``), its fixed-horizon ``z``
+    there stays under the readout's one-sided quantile.
 
     Stopping for futility never promotes, so it cannot raise the false-promotion rate; what it costs is the
     candidates it stops that would have passed by the budget (``deploy.gate.canary_sim.simulate_budget`` measures both).
@@ -148,11 +149,16 @@ def futile(d, var, spent, theta0: float, tau: float, alpha: float, z: float = FU
         best = d + z * np.sqrt(np.maximum(var, 0.0))
         at_end = np.maximum(var, 1e-12) * np.clip(spent, 1e-6, 1.0)
         lr = log_mixture_lr(best, at_end, theta0, tau)
+        readout = (
+            (best - theta0) / np.sqrt(at_end) >= NormalDist().inv_cdf(1.0 - readout_alpha)
+            if readout_alpha > 0
+            else False
+        )
     return (
         (spent >= FUTILITY_MIN_SPENT)
         & np.isfinite(d)
         & np.isfinite(var)
-        & ((best <= theta0) | (lr < math.log(1.0 / alpha)))
+        & ((best <= theta0) | ((lr < math.log(1.0 / alpha)) & ~np.asarray(readout)))
     )
 
 
@@ -228,6 +234,8 @@ class MetricTest:
     max_log_lr_pass: float = float("-inf")  # running maxima: the always-valid p-values are 1 / exp(these)
     max_log_lr_harm: float = float("-inf")
     last: tuple[float, float] | None = None  # the latest external (d, var), when fed by ``look``
+    last_df: float = math.inf  # and its degrees of freedom, and whether that look could count (``final``)
+    last_ready: bool = False
 
     def __post_init__(self):
         if not 0 < self.alpha < 1:
@@ -281,6 +289,8 @@ class MetricTest:
         canary's looks at once); the state afterwards is the same as after looking at each in turn. Returns the
         running maxima (pass, harm) after each look."""
         self.last = (float(np.ravel(d)[-1]), float(np.ravel(var)[-1]))
+        self.last_df = float(np.ravel(np.broadcast_to(df, np.shape(d)))[-1])
+        self.last_ready = bool(np.ravel(np.broadcast_to(ready, np.shape(d)))[-1])
         return self._update(d, var, ready, df)
 
     def _update(self, d, var, ready, df=np.inf) -> tuple[np.ndarray, np.ndarray]:
@@ -316,13 +326,45 @@ class MetricTest:
             return BETTER
         return UNDECIDED
 
-    def futile(self, spent: float, z: float = FUTILITY_Z) -> bool:
+    def futile(
+        self, spent: float, z: float = FUTILITY_Z, alpha: float | None = None, readout_alpha: float = 0.0
+    ) -> bool:
         """Whether this test, not passed yet, could not pass within its budget (``futile``; ``spent``: the share of
-        the evidence budget behind the latest estimate)."""
-        if self.p_pass <= self.alpha or (self.last is None and min(self.canary.n, self.stable.n) < self.min_events):
+        the evidence budget behind the latest estimate; ``alpha``: its sequential pass level, ``readout_alpha``: the
+        deadline readout's, ``Canary.pass_alphas``)."""
+        a = self.alpha if alpha is None else alpha
+        if self.p_pass <= a or (self.last is None and min(self.canary.n, self.stable.n) < self.min_events):
             return False  # passed, or nothing measured yet
         d, var = self.estimate()
-        return bool(futile(d, var, spent, -self.margin, self.tau, self.alpha, z))
+        return bool(futile(d, var, spent, -self.margin, self.tau, a, z, readout_alpha))
+
+    def final(self) -> tuple[float, float, float] | None:
+        """(d, var, df) of the latest look that could count (enough units and events, a finite variance): what the
+        readout at the deadline tests (``deploy.gate.sequential_readout``); None before one."""
+        if self.last is not None:
+            d, var = self.last
+            ok = self.last_ready
+            df = self.last_df
+        else:
+            (d, var), df = self.estimate(), math.inf
+            ok = min(self.canary.n, self.stable.n) >= self.min_events
+        return (d, var, df) if ok and math.isfinite(d) and math.isfinite(var) and var > 0 else None
+
+    def readout_p(self) -> float:
+        """The fixed-horizon one-sided p-value of the pass side's null at the latest look (``readout_p``); 1 without
+        one that could count."""
+        f = self.final()
+        return 1.0 if f is None else ro.readout_p(f[0], f[1], f[2], -self.margin)
+
+    def effect(self, alpha: float | None = None) -> dict:
+        """The effect at the latest look (positive when the canary is better): raw, bias-corrected (``ro.shrunk``)
+        and its always-valid ``1 - alpha`` interval (``ro.confidence_sequence``); None where there is none yet."""
+        f = self.final()
+        if f is None:
+            return {"effect": None, "effect_corrected": None, "effect_lo": None, "effect_hi": None}
+        d, var, df = f
+        lo, hi = ro.confidence_sequence(d, var, df, self.tau, self.alpha if alpha is None else alpha)
+        return {"effect": d, "effect_corrected": ro.shrunk(d, var, self.tau), "effect_lo": lo, "effect_hi": hi}
 
     def summary(self) -> dict:
         d, var = self.estimate()
@@ -427,106 +469,59 @@ def look_batches(test: MetricTest, canary_means, stable_means, min_batches: int 
     return test.summary() | {"unit": "batch", "batches": 0 if est is None else est[2] + 1}
 
 
-# ------------------------------------------------------------------------------------- sample-ratio mismatch
-
-
-def _lbeta(a, b):
-    lg = np.vectorize(math.lgamma, otypes=[float])
-    return lg(a) + lg(b) - lg(np.asarray(a) + np.asarray(b))
-
-
-def srm_log_bf_counts(x, n, share: float, tau: float = 0.05):
-    """log Bayes factor of "a unit lands on the canary with some probability p" (p ~ Beta with mean ``share`` and
-    standard deviation ``tau``) against p = ``share``, after ``x`` of ``n`` units on the canary: a nonnegative
-    martingale under the null however the units arrive, so 1 / its running maximum is an always-valid p-value."""
-    k = max(share * (1 - share) / (tau * tau) - 1.0, 1.0)  # the prior's concentration
-    a, b = k * share, k * (1 - share)
-    x, n = np.asarray(x, dtype=float), np.asarray(n, dtype=float)
-    return _lbeta(a + x, b + n - x) - _lbeta(a, b) - x * math.log(share) - (n - x) * math.log(1 - share)
-
-
-@dataclass
-class SrmTest:
-    """Sample-ratio mismatch: do the arms' user and event counts match the configured ``share``? Always valid at
-    ``alpha`` (``gate.srm_alpha``) however often it looks; split in two (users, events). Keeps running maxima like
-    ``MetricTest`` (store them with the rollout). ``tau``: the size of mismatch it is tuned for (share points)."""
-
-    share: float
-    alpha: float = 0.001
-    tau: float = 0.05
-    max_log_bf_users: float = float("-inf")
-    max_log_bf_events: float = float("-inf")
-
-    def __post_init__(self):
-        if not (0 < self.share < 1 and 0 < self.alpha < 1 and 0 < self.tau < 0.5):
-            raise ValueError(
-                f"share and alpha must be in (0, 1), tau in (0, 0.5), got {self.share}, {self.alpha}, {self.tau}"
-            )
-
-    def look_units(self, canary: UnitSums, stable: UnitSums) -> dict:
-        """One look (or a stack of them) with the user as the unit: users seen per arm (a Beta-binomial mixture)
-        and judged events per arm (normal mixture, cluster-aware variance). Uses each arm's ``den`` (the events)."""
-        mc, ms = canary.moments, stable.moments
-        n = mc["n"] + ms["n"]
-        users = srm_log_bf_counts(mc["n"], n, self.share, self.tau)
-        e_c, e_s = mc["den"], ms["den"]
-        total = e_c + e_s
-        s = self.share
-        with np.errstate(invalid="ignore", divide="ignore"):
-            d = e_c / total - s
-            var = s * (1 - s) * ((canary.den**2).sum(-1) + (stable.den**2).sum(-1)) / (total * total)
-            events = np.where(total > 0, log_mixture_lr(d, var, 0.0, self.tau), -np.inf)
-        return self._update(
-            users,
-            events,
-            {"canary_users": mc["n"], "stable_users": ms["n"], "canary_events": e_c, "stable_events": e_s},
-        )
-
-    def look_requests(self, events_canary, events_stable) -> dict:
-        """One look (or a stack) with the request as the unit: each event is drawn into an arm on its own."""
-        x, n = np.asarray(events_canary, float), np.asarray(events_canary, float) + np.asarray(events_stable, float)
-        events = srm_log_bf_counts(x, n, self.share, self.tau)
-        return self._update(np.full_like(events, -np.inf), events, {"canary_events": x, "stable_events": n - x})
-
-    def _update(self, users, events, counts: dict) -> dict:
-        users = np.maximum(np.maximum.accumulate(np.atleast_1d(users)), self.max_log_bf_users)
-        events = np.maximum(np.maximum.accumulate(np.atleast_1d(events)), self.max_log_bf_events)
-        self.max_log_bf_users, self.max_log_bf_events = float(users[-1]), float(events[-1])
-        # counts of users and events
-        out: dict[str, Any] = {k: int(round(float(np.ravel(v)[-1]))) for k, v in counts.items()}
-        out |= {"share": self.share, "p_users": self.p_users, "p_events": self.p_events, "verdict": self.verdict()}
-        if np.ndim(next(iter(counts.values()))) > 0:
-            out["per_look"] = {"mismatch": np.minimum(np.exp(-users), np.exp(-events)) <= self.alpha / 2}
-        return out
-
-    @property
-    def p_users(self) -> float:
-        return min(1.0, math.exp(-self.max_log_bf_users)) if self.max_log_bf_users > float("-inf") else 1.0
-
-    @property
-    def p_events(self) -> float:
-        return min(1.0, math.exp(-self.max_log_bf_events)) if self.max_log_bf_events > float("-inf") else 1.0
-
-    def verdict(self) -> str:
-        """``mismatch`` when either count is shown off the share at ``alpha / 2`` (Bonferroni over the two)."""
-        return MISMATCH if min(self.p_users, self.p_events) <= self.alpha / 2 else MATCH
-
-
 # ------------------------------------------------------------------------------------------------- the canary
 
 
 @dataclass
 class Canary:
-    """The success metric and the guardrails of one rollout.
-
-    An abort on any guardrail shown worse splits alpha across the guardrails (Bonferroni: k chances of a false
-    alarm); a promotion needs every required guardrail shown non-inferior, each at alpha (an intersection-union test:
-    all must pass, so no split is needed for the promotion's error to stay at alpha). A guardrail not ``required``
-    only aborts: a promotion does not wait for it, so nothing bounds the chance of promoting a canary worse on it by
-    less than what the test can show."""
+    """The success metric and the guardrails of one rollout, and the error each of its decisions is held at
+    (``deploy.gate.sequential_readout`` states the arithmetic; ``m = 1 + len(guardrails)``): P(false promotion) <=
+    alpha, each pass side at alpha (an intersection-union test), spent as ``alpha (1 - readout_share)`` on the
+    sequential test and ``alpha readout_share`` on one readout at the deadline (union bound); P(false abort) <= alpha,
+    each of the ``m`` harm sides at ``alpha / m`` (Bonferroni). ``readout_share`` 0: no readout, an undecided canary
+    aborts at the deadline. A guardrail not ``required`` only aborts: a promotion does not wait for it, so nothing
+    bounds the chance of promoting a canary worse on it by less than what the test can show."""
 
     success: MetricTest
     guardrails: list[MetricTest] = field(default_factory=list)
+    readout_share: float = 0.0
+
+    def __post_init__(self):
+        ro.pass_alphas(self.success.alpha, self.readout_share)  # validates the share
+
+    @property
+    def tests(self) -> list[MetricTest]:
+        return [self.success, *self.guardrails]
+
+    def pass_alphas(self, t: MetricTest) -> tuple[float, float]:
+        """(sequential, readout) levels of ``t``'s pass side."""
+        return ro.pass_alphas(t.alpha, self.readout_share)
+
+    def harm_alpha(self, t: MetricTest) -> float:
+        """The level of ``t``'s harm side: its alpha over the ``m`` tests that may abort."""
+        return ro.harm_alpha(t.alpha, len(self.tests))
+
+    def guarantee(self) -> dict:
+        """The family's levels, for the look record and the verdict's text."""
+        seq_a, ro_a = self.pass_alphas(self.success)
+        a, m = self.success.alpha, len(self.tests)
+        return {
+            "alpha": a,
+            "tests": m,
+            "pass_alpha": seq_a,
+            "readout_alpha": ro_a,
+            "harm_alpha": self.harm_alpha(self.success),
+        }
+
+    def guarantee_text(self) -> str:
+        g = self.guarantee()
+        split = (
+            f"sequential {g['pass_alpha']:g} + readout {g['readout_alpha']:g}" if g["readout_alpha"] else "sequential"
+        )
+        return (
+            f"false promotion <= {g['alpha']:g} ({split}); false abort <= {g['alpha']:g} "
+            f"({g['harm_alpha']:.3g} on each of {g['tests']} tests' harm side)"
+        )
 
     def verdict(
         self,
@@ -536,59 +531,65 @@ class Canary:
         futility_z: float | None = None,
     ) -> tuple[str, str]:
         """(promote | abort | continue, why). Past the deadline (in time or evidence: ``deadline_why`` says which),
-        what is undecided aborts. With an evidence budget (``spent``: the share of it used so far) and
-        ``futility_z``, a canary whose success metric or a required guardrail could not pass within the budget even
-        ``futility_z`` standard errors better than estimated (``futile``) aborts now, as "futile"."""
-        k = max(len(self.guardrails), 1)
-        for g in self.guardrails:
-            if g.verdict(g.alpha / k) == WORSE:
-                return ABORT, f"guardrail {g.name} is worse than stable (p {g.p_harm:.3g})"
-        s = self.success.verdict()
-        if s == WORSE:
-            return ABORT, f"{self.success.name} is worse than stable (p {self.success.p_harm:.3g})"
-        pending = [g for g in self.guardrails if g.required and g.p_pass > g.alpha]
-        if s == BETTER and not pending:
-            shown = (
-                "better than stable"
-                if self.success.margin == 0
-                else f"not worse than stable by more than {self.success.margin:g}"
-            )
-            watched = [g.name for g in self.guardrails if not g.required]
-            return PROMOTE, (
-                f"{self.success.name} {shown} (p {self.success.p_pass:.3g}), every "
-                + ("required " if watched else "")
-                + "guardrail non-inferior"
-                + (f" ({', '.join(watched)}: not shown worse)" if watched else "")
-            )
+        the pass sides still open are read out once at the fixed horizon (with ``readout_share`` > 0): the canary
+        promotes if they all pass there, and aborts otherwise. With an evidence budget (``spent``: the share of it
+        used so far) and ``futility_z``, a canary whose success metric or a required guardrail could not pass within
+        the budget even ``futility_z`` standard errors better than estimated (``futile``, readout included) aborts
+        now, as "futile"."""
+        for t in (*self.guardrails, self.success):
+            if t.p_harm <= self.harm_alpha(t):
+                what = "guardrail " if t is not self.success else ""
+                return ABORT, (
+                    f"{what}{t.name} is worse than stable (p {t.p_harm:.3g} <= {self.harm_alpha(t):.3g}, alpha "
+                    f"{t.alpha:g} over the {len(self.tests)} tests that may abort; {self.guarantee_text()})"
+                )
+        s = self.success
+        s_passed = s.p_pass <= self.pass_alphas(s)[0]
+        pending = [g for g in self.guardrails if g.required and g.p_pass > self.pass_alphas(g)[0]]
+        watched = [g.name for g in self.guardrails if not g.required]
+        every = "every " + ("required " if watched else "") + "guardrail non-inferior"
+        every += f" ({', '.join(watched)}: not shown worse)" if watched else ""
+        if s_passed and not pending:
+            return PROMOTE, f"{s.name} {_goal(s)} (p {s.p_pass:.3g}), {every}; {self.guarantee_text()}"
         if spent is not None and futility_z is not None and spent < 1.0 and not deadline_passed:
-            hopeless = [t for t in ([] if s == BETTER else [self.success]) + pending if t.futile(spent, futility_z)]
+            hopeless = [
+                t for t in ([] if s_passed else [s]) + pending if t.futile(spent, futility_z, *self.pass_alphas(t))
+            ]
             if hopeless:
                 return ABORT, f"futile with {spent:.0%} of the evidence budget spent: " + "; ".join(
-                    _futile_why(t, futility_z) for t in hopeless
+                    _futile_why(t, futility_z, self.pass_alphas(t)[0]) for t in hopeless
                 )
         if deadline_passed:
-            # with the p-values it ended at, so that on-call sees how far each test was from deciding
-            return ABORT, deadline_why + ": " + (
-                "; ".join(
-                    (
-                        [f"{self.success.name} undecided (p {self.success.p_pass:.3g} against {self.success.alpha:g})"]
-                        if s != BETTER
-                        else []
+            open_ = ([] if s_passed else [s]) + pending
+            read = {t.name: t.readout_p() for t in open_} if self.readout_share > 0 else {}
+            if read and all(read[t.name] <= self.pass_alphas(t)[1] for t in open_):
+                return PROMOTE, (
+                    deadline_why
+                    + ": the readout at the fixed horizon passes: "
+                    + "; ".join(
+                        f"{t.name} {_goal(t)} (p {read[t.name]:.3g} <= {self.pass_alphas(t)[1]:g})" for t in open_
                     )
-                    + [
-                        f"guardrail {g.name} not shown non-inferior (p {g.p_pass:.3g} against {g.alpha:g})"
-                        for g in pending
-                    ]
+                    + f"; {every}; {self.guarantee_text()}"
                 )
+            # with the p-values it ended at, so that on-call sees how far each test was from deciding
+            return ABORT, deadline_why + ": " + "; ".join(
+                (f"{t.name} undecided" if t is s else f"guardrail {t.name} not shown non-inferior")
+                + f" (p {t.p_pass:.3g} against {self.pass_alphas(t)[0]:g}"
+                + (f"; readout p {read[t.name]:.3g} against {self.pass_alphas(t)[1]:g}" if read else "")
+                + ")"
+                for t in open_
             )
         return CONTINUE, "collecting evidence"
 
 
-def _futile_why(t: MetricTest, z: float) -> str:
+def _goal(t: MetricTest) -> str:
+    return "better than stable" if t.margin == 0 else f"not worse than stable by more than {t.margin:g}"
+
+
+def _futile_why(t: MetricTest, z: float, alpha: float) -> str:
     d, var = t.estimate()
-    goal = "better than stable" if t.margin == 0 else f"not worse than stable by more than {t.margin:g}"
     return (
-        f"{t.name} cannot be shown {goal} by the budget even {z:g} standard errors above its estimate "
+        f"{t.name} cannot be shown {_goal(t)} by the budget even {z:g} standard errors above its estimate "
         f"(effect {d:+.4g} ± {math.sqrt(max(var, 0.0)):.2g}, positive when better; p {t.p_pass:.3g} against "
-        f"{t.alpha:g})"
+        f"{alpha:g})"
     )

@@ -355,12 +355,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="with --budget: the futility stop's optimism (default: gate.canary_futility_z's default)",
     )
+    s.add_argument(
+        "--stats",
+        action="store_true",
+        help="instead: the verdict's statistics (liverl.bench.canary_stats): the family's false promotions and aborts, "
+        "the deadline readout's power, the bias-corrected estimate, the latency quantile guardrail (defaults then: "
+        "--users 1000 --populations 'segments,beta(2,2)')",
+    )
     s.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     s.set_defaults(fn=_cmd)
     return s
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    if args.stats:
+        from liverl.bench import canary_stats
+
+        return canary_stats.cmd(args, DEFAULTS["users"], DEFAULTS["populations"], (_split_populations, binomial_upper))
     if args.budget is not None:
         from core.config import GateConfig
 

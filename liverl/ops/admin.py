@@ -187,7 +187,13 @@ def cmd_status(cfg: LiverlConfig) -> int:
                     f"  evidence: kept acceptance canary {_pct(lk.get('canary_acceptance'))} on "
                     f"{lk.get('canary_events')} vs stable {_pct(lk.get('stable_acceptance'))} on "
                     f"{lk.get('stable_events')}{users}; always-valid p better {lk.get('p_better', 1):.3g}, "
-                    f"p worse {lk.get('p_worse', 1):.3g}; {ro.reason}"
+                    f"p worse {lk.get('p_worse', 1):.3g}"
+                    + (
+                        ""
+                        if lk.get("effect") is None
+                        else f"; effect {lk['effect']:+.4f} (bias-corrected {lk['effect_corrected']:+.4f})"
+                    )
+                    + f"; {ro.reason}"
                 )
         if r is not None:
             con.print(learner_line(r.hgetall(keys.learner(prefix))))

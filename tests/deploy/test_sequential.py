@@ -15,14 +15,11 @@ from deploy.gate.sequential import (
     BETTER,
     CONTINUE,
     FUTILITY_Z,
-    MATCH,
-    MISMATCH,
     PROMOTE,
     UNDECIDED,
     WORSE,
     Canary,
     MetricTest,
-    SrmTest,
     batch_means,
     bernoulli_estimate,
     futile,
@@ -32,6 +29,7 @@ from deploy.gate.sequential import (
     t_widened,
 )
 from deploy.gate.sequential_units import UnitSums, unit_estimate
+from deploy.gate.srm import MATCH, MISMATCH, SrmTest
 
 
 def test_the_mixture_ratio_matches_its_formula_and_is_one_at_no_evidence():

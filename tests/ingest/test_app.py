@@ -314,7 +314,7 @@ def test_per_user_sums_count_each_feedback_once_and_a_revert_in_its_judgements_b
     [bucket] = [b for b, per in got.items() if per]  # judgement and revert: one bucket
     assert got[bucket] == {
         unit: {"e": 1, "a": 1, "r": 1, "t": 4, "m": 200, "n": 1},
-        "*": {"e": 1, "a": 1, "r": 1, "t": 4, "t2": 16, "m": 200, "m2": 40000, "n": 1},
+        "*": {"e": 1, "a": 1, "r": 1, "t": 4, "t2": 16, "m": 200, "m2": 40000, "n": 1, "h23": 1},
     }
     assert f"revert@{bucket}" in harness.live(v)  # the live counters' revert bucket is the same judgement time
     assert 0 < harness.redis.ttl(keys.units(harness.cfg.topics.prefix, v, bucket)) <= harness.cfg.ingest.unit_ttl_s

@@ -114,7 +114,18 @@ def test_each_judgement_counts_once_per_user_and_in_the_aggregate_whatever_is_re
         keys.unit_bucket(T0): {
             "aaaa000000000001": {"e": 1, "a": 1, "t": 4, "m": 250, "n": 1},
             "bbbb000000000002": {"e": 1, "t": 4},
-            "*": {"e": 3, "a": 1, "d": 1, "t": 12, "t2": 48, "m": 750, "m2": 250**2 + 500**2, "n": 2},
+            "*": {
+                "e": 3,
+                "a": 1,
+                "d": 1,
+                "t": 12,
+                "t2": 48,
+                "m": 750,
+                "m2": 250**2 + 500**2,
+                "n": 2,
+                "h24": 1,
+                "h28": 1,
+            },
         },
         keys.unit_bucket(T0 + 30): {},  # the re-sent counts went to the judgement's bucket, and were no-ops
     }
@@ -321,6 +332,8 @@ def test_the_script_keeps_the_sums_a_plain_model_gives(stack, batches):
                     add(u, f"*|{_ALL[f]}", n)
                     if unit and f in _PER_UNIT:
                         add(u, f"{unit}|{_PER_UNIT[f]}", n)
+                    if f == "latency_ms":  # the bucket's latency histogram: one count in the value's bin
+                        add(u, f"*|h{keys.latency_bin(n)}", 1)
                 for who in ("*", unit) if unit else ("*",):
                     if base in _KIND:
                         add(u, f"{who}|{_KIND[base]}", 1)
@@ -338,6 +351,29 @@ def test_the_script_keeps_the_sums_a_plain_model_gives(stack, batches):
         if touched:  # the keys the script wrote (a SCAN of a shared Redis's whole keyspace costs minutes in CI)
             r.delete(*touched)
         r.close()
+
+
+def test_the_latency_histogram_has_a_fixed_number_of_log_spaced_bins():
+    """What a bucket's hash may hold for latency is bounded (58 fields, whatever the traffic), and each bin is a fixed
+    share of its latency wide: a quantile read from it is within a bin of the bucket's own."""
+    e = keys.LATENCY_HIST_EDGES_MS
+    assert keys.LATENCY_HIST_BINS == len(e) + 1 == 58 and list(e) == sorted(set(e))
+    assert (e[0], e[-1]) == (4, 65536)
+    ratios = [b / a for a, b in zip(e, e[1:], strict=False) if a >= 32]
+    assert all(1.15 < r < 1.23 for r in ratios), ratios  # four bins an octave
+    assert [keys.latency_bin(ms) for ms in (0, 3, 4, 5, 250, 500, 65535, 65536, 10**17)] == [
+        0,
+        0,
+        1,
+        2,
+        24,
+        28,
+        56,
+        57,
+        57,
+    ]
+    for i in range(1, len(e)):  # each bin holds [edge i-1, edge i)
+        assert keys.latency_bin(e[i - 1]) == i and keys.latency_bin(e[i] - 1) == i
 
 
 def test_a_judgements_time_decides_its_bucket():

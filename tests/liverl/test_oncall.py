@@ -104,6 +104,10 @@ def test_the_page_shows_release_fleet_acceptance_checks_and_audit(cfg, rds, flee
                     "p_worse": 1.0,
                     "canary_users": 10 * i,
                     "stable_users": 40 * i,
+                    "effect": 0.02 * i,
+                    "effect_corrected": 0.018 * i,
+                    "effect_lo": 0.02 * i - 0.05,
+                    "effect_hi": 0.02 * i + 0.05,
                 }
                 for i in range(1, 6)
             ]
@@ -135,6 +139,7 @@ def test_the_page_shows_release_fleet_acceptance_checks_and_audit(cfg, rds, flee
         text = _text(dom)
         assert f"canary v{v3.version} (rollout {ro.id}) on node-0 for 20.0% of users" in text and "running" in text
         assert "kept acceptance canary 60.0% on 200 events of 50 users vs stable 40.0% on 800 of 200 users" in text
+        assert "effect +10.0 points (bias-corrected +9.0, always-valid interval +5.0 to +15.0)" in text
         assert 'id="canary-chart"' in dom and "v99" not in text
         assert "learner: step 41, 2624 samples trained; backlog 1900 samples, oldest 150 s" in text  # its lag
         assert "(last batch's oldest: ingest 131 s, fetch 4 s, learner queue 15 s)" in text  # and where it was spent
