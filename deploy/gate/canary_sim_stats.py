@@ -109,7 +109,7 @@ def simulate_readout(
             )
         drawn = rng.normal(0.0, tau)  # the "prior" row's effect for this canary
         for play in plays:
-            eff = drawn if play == "prior" else float(play)
+            eff: float = drawn if play == "prior" else float(play)
             accept = u01 < np.clip(p[user] + eff * on[user], 0.0, 1.0)
             num = _cumulative(np.bincount(slot, weights=accept, minlength=looks * n_users), looks)
             c = UnitSums(num[:, :k], den[:, :k], cov[:k], pre_n[:k])
@@ -123,13 +123,13 @@ def simulate_readout(
             for s in readout_shares:
                 keep[(s, play)].append(_decide(family, alpha, s, m, tau, eff, per_bucket))
     rows = []
-    for (s, eff), outs in keep.items():
+    for (s, played), outs in keep.items():
         n = max(len(outs), 1)
         won = [o for o in outs if o["end"] in ("promoted", "readout")]
         early = [o for o in won if o["end"] == "promoted"]
         events = sorted(o["events"] for o in outs if o["end"] != "deadline")
         rows.append(
-            {"readout_share": s, "effect": eff}
+            {"readout_share": s, "effect": played}
             | {e: sum(o["end"] == e for o in outs) / n for e in ENDS}
             | {
                 "runs": len(outs),
@@ -143,7 +143,7 @@ def simulate_readout(
                 "early_n": len(early),
                 "early_raw": _mean([o["raw"] for o in early]),
                 "early_corrected": _mean([o["corrected"] for o in early]),
-                "old_split_worse": old_worse[eff] / n if s == readout_shares[0] else None,
+                "old_split_worse": old_worse[played] / n if s == readout_shares[0] else None,
             }
         )
     return {
@@ -251,7 +251,7 @@ def simulate_latency_quantile(
     looks, pre = int(deadline_s // bucket_s), int(pre_s // bucket_s)
     seconds = (pre + looks) * per_s
     threshold = math.log(1 / alpha)
-    out = {
+    out: dict[str, dict[str, dict[str, Any]]] = {
         e: {t: {"worse": 0, "within": 0, "s_worse": [], "s_within": []} for t in ("quantile", "mean")} for e in effects
     }
     truth = {e: _true_change(*LATENCY_EFFECTS[e], sigma, quantile) for e in effects}

@@ -73,7 +73,9 @@ def hist_quantile(counts, q: float) -> np.ndarray:
     return np.where(total[..., 0] > 0, out, np.nan)
 
 
-def paired_quantiles(canary: dict[int, dict], stable: dict[int, dict], q: float, min_events: int = MIN_EVENTS):
+def paired_quantiles(
+    canary: dict[int, dict], stable: dict[int, dict], q: float, min_events: int = MIN_EVENTS
+) -> tuple[np.ndarray, np.ndarray]:
     """Each arm's ``q`` quantile in the buckets both served with at least ``min_events`` timed events each
     (``canary`` / ``stable``: bucket -> its aggregate fields, ``ArmSums.buckets``), in bucket order."""
     both = [b for b in sorted(set(canary) & set(stable))]
