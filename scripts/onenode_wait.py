@@ -2,7 +2,7 @@
 on the off-policy evidence the gate waits for (``deploy.gate.waiting``).
 
 It starts ``liverl up`` (one node, the built-in demo policy, the demo product's rewards and suite) as a user does,
-plays the demo product's simulated users against its gateway with feedback over HTTP (``liverl.testing.live``), and
+plays the demo product's simulated users against its gateway with feedback over HTTP (``liverl.demo.live``), and
 reads the registry every 2 s: each candidate, each look of the wait (ESS, samples), each promotion and refusal, with
 the judged events and seconds since the users started. It stops after ``--promotions`` promotions or ``--seconds``.
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from core.config import load_config  # noqa: E402
 from deploy.registry.registry import open_registry  # noqa: E402
-from liverl.testing.live import HttpFeedback, Users, start_up, stop_up  # noqa: E402
+from liverl.demo.live import HttpFeedback, Users, start_up, stop_up  # noqa: E402
 
 PRODUCT = "liverl.demo.product:PRODUCT"
 PORTS = ("BROKER__EMBEDDED_PORT", "REDIS__EMBEDDED_PORT", "SERVING__GATEWAY_PORT", "SERVING__VLLM_PORT")
@@ -111,6 +111,7 @@ def main() -> int:
     settings = {"LEARNER__LR": "3e-4", **dict(s.split("=", 1) for s in args.set)}
     run = Path(args.state_dir or tempfile.mkdtemp(prefix="onenode-"))
     state, log = run / "state", run / "up.log"
+    run.mkdir(parents=True, exist_ok=True)
     env = up_env(f"onenode{os.getpid()}", settings)
     cfg = load_config(env=env, state_dir=str(state))
     t_start = time.time()

@@ -125,7 +125,7 @@ def test_no_promotion_while_the_evidence_stays_thin_and_a_refusal_with_its_numbe
         assert v.verdict == "deferred" and registry.stable().version == 0
         held.extend(samples(len(held), len(held) + 6))  # evidence grows, not enough
         time.sleep(0.1)
-    time.sleep(0.6)
+    time.sleep(max(0.0, gate.wait.state.since + cfg.gate.offpolicy_wait_s - time.time()) + 0.05)  # the bound
     [v] = gate.step()
     assert v.verdict == "rejected" and registry.get(row.version).status == "rejected", v
     assert v.reason.startswith("failed offpolicy_wait: off-policy evidence still too thin after waiting 2 s")
