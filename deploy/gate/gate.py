@@ -211,7 +211,7 @@ class Gate(EvidenceChecks, WaitSteps):
             return [Verdict(rollout.version, "canary" if outcome == "continue" else outcome, why)]
         self._canary_share.set(0.0)
         pending = self.registry.candidates()
-        waited = self.wait.current(self.registry, pending, stable)
+        waited = None if self.canary.wanted() else self.wait.current(self.registry, pending, stable)
         if waited is not None:  # the newer candidates wait behind it, neither judged nor superseded
             return [self._look_again(waited, stable)]
         if not pending:
