@@ -18,8 +18,9 @@ must pass
                   ``cfg.gate.revert_horizon_s``): clipped, self-normalised importance sampling of the logged
                   completions (``deploy.gate.offpolicy``), paired with stable's estimate on the same samples. Refused
                   when the paired test shows it worse than stable's by more than ``cfg.gate.offpolicy_margin``
-                  (one-sided ``deploy.gate.offpolicy.ALPHA``); deferred to the canary (``needs_canary``) when an
-                  effective sample size is under ``cfg.gate.offpolicy_min_ess``.
+                  (one-sided ``deploy.gate.offpolicy.ALPHA``); deferred (``needs_canary``) when an effective sample
+                  size is under ``cfg.gate.offpolicy_min_ess``: to the canary with two or more nodes; with one, the
+                  gate waits for more held-out evidence (``deploy.gate.waiting``).
 
 With ``cfg.gate.integrity_only`` only (a) runs and a pass is promoted at once, with no canary: a comparison mode
 that shows what the evidence checks are worth (``liverl demo --integrity-only``), never a production setting.

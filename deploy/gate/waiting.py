@@ -356,7 +356,7 @@ class WaitSteps:
                 refusal = self.wait.refusal(now)
                 assert refusal is not None
                 return self._refuse_waited(row, refusal)
-            return Verdict(row.version, "deferred", w.reason, w.checks)
+            return Verdict(row.version, "deferred", w.reason or "waiting for off-policy evidence", w.checks)
         t0 = time.perf_counter()
         try:
             state = self.registry.materialize(row.version)  # checksum-verified, as the integrity check was
