@@ -54,9 +54,12 @@ REGISTRY_ERRORS = (RegistryError, SQLAlchemyError, OSError)
 
 def evidence_against(reason: str) -> bool:
     """Whether a rejection says the candidate itself is bad: a failed gate check (``failed drift, collapse``...) or a
-    canary aborted on its live evidence. Not: superseded by a newer candidate, deferred for too little evidence with
-    no canary to run, a sample-ratio mismatch or a deadline (the rollout's trouble, not the candidate's), an operator's
-    rejection without a check."""
+    canary aborted on its live evidence. That includes a one-node gate's refusal at the end of its wait for
+    off-policy evidence (``failed offpolicy_wait``, ``deploy.gate.waiting``): the lineage moved further from what
+    users were served than the held-out evidence can follow, and a rebase at a backed-off learning rate brings
+    candidates that need fewer samples. Not: superseded by a newer candidate, refused at once for too little evidence
+    with no canary to run and no wait (``gate.offpolicy_wait_s`` 0), a sample-ratio mismatch or a deadline (the
+    rollout's trouble, not the candidate's), an operator's rejection without a check."""
     if reason.startswith("failed "):
         return True
     return reason.startswith("canary aborted:") and not any(w in reason for w in ("srm:", "deadline passed"))

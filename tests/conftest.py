@@ -133,6 +133,7 @@ LONGEST_FIRST = (
     "test_e2e.py",  # 350: the real `liverl demo`
     "test_model_families.py",  # 387: one vLLM start per family
     "test_up.py",  # 257: the whole pipeline twice
+    "test_up_onenode.py",  # 312 on a machine shared with other jobs: one-node `liverl up` until a promotion
     "demo/test_base_policy.py",  # 205: vLLM serves the base exactly
     "learner/test_dist.py",  # 179: gloo ranks, kill -9 of one
     "ingest/test_restart.py",  # 179: kill -9 of the worker

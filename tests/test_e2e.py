@@ -67,10 +67,11 @@ def test_demo_acceptance_goes_up(tmp_path):
     assert all(p is not None and p < 5000 for p in summary["hot_swap_pause_ms"]), summary
     assert summary["samples_trained"] > 0
     # the gate judged on evidence a product has (traffic, its own suite), never on the users' hidden preferences
-    # (offpolicy: on held-out logged feedback; canary: live traffic, when the demo runs two nodes)
+    # (offpolicy: on held-out logged feedback, and offpolicy_wait, one node's wait for more of it; canary: live
+    # traffic, when the demo runs two nodes)
     assert (
         {"integrity", "drift", "collapse", "suite"}
         <= set(summary["gate_checks"])
-        <= {"integrity", "drift", "collapse", "suite", "offpolicy", "canary", "after_rollback"}
+        <= {"integrity", "drift", "collapse", "suite", "offpolicy", "offpolicy_wait", "canary", "after_rollback"}
     ), summary["gate_checks"]
     assert summary["product"].startswith("demo-arithmetic")

@@ -59,6 +59,15 @@ class GateConfig(Section):
         "(it moved too far from the logged behaviour to be judged off-policy).",
     )
     offpolicy_clip: float = Field(default=10.0, gt=1, description="Cap on each importance weight.")
+    offpolicy_wait_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="With no canary to run (one configured node, or canary_share 0): a candidate whose "
+        "off-policy evidence is too thin (effective sample size under offpolicy_min_ess) is kept pending and judged "
+        "again as held-out feedback accumulates (deploy.gate.waiting), saying how much more it waits for; it is "
+        "refused when this long has passed since its first look, or at once when the held-out window "
+        "(heldout_samples) is full and still too thin. Newer candidates wait behind it. 0: refused at once.",
+    )
     canary_share: float = Field(
         default=0.2,
         ge=0.0,

@@ -18,6 +18,7 @@ import prometheus_client as prom
 from core.config import LiverlConfig
 from deploy.gate.offpolicy import compare, merge_heldout
 from deploy.gate.tail import HeldoutSample
+from deploy.gate.waiting import OffpolicyLook, arrival_rate
 from deploy.registry.registry import Registry, Version
 
 
@@ -60,6 +61,7 @@ class EvidenceChecks:
     _score: prom.Gauge
     _eval_s: prom.Histogram
     _record: Callable[[int, str, float | None, float | None, bool, str], bool]
+    offpolicy_look: OffpolicyLook | None  # the last off-policy check's figures (None: not run)
 
     def stable_suite(self, stable: Version) -> dict | None:
         """The stable version's suite score, computed once per (version, checksum) and recorded for it."""
@@ -116,11 +118,13 @@ class EvidenceChecks:
                 f"entropy {ent:.4f} nats/token (stable {drift.get('stable_entropy', float('nan')):.4f}) vs floor "
                 f"{g.min_entropy}",
             )
+        self.offpolicy_look = None
         heldout = self.heldout() if self.heldout is not None and g.heldout_samples else []
-        if heldout:
-            verdict = self._offpolicy(row, stable, state, heldout)
-            checks["offpolicy"] = verdict != "refuse"
-            if verdict == "defer":  # not judged off-policy: only a canary may promote it
+        if heldout or (self.heldout is not None and g.heldout_samples and self.cfg.ingest.heldout_share > 0):
+            # a held-out stream with nothing usable in it yet is no evidence: deferred like a thin one
+            look = self.offpolicy_look = self._offpolicy(row, stable, state, heldout)
+            checks["offpolicy"] = look.verdict != "refuse"
+            if look.verdict == "defer":  # not judged off-policy: a canary, or with none the wait, must decide
                 checks["needs_canary"] = True
         ref = self.stable_suite(stable)
         if ref is not None:
@@ -155,16 +159,22 @@ class EvidenceChecks:
             dropped = shown
         return self._record(row.version, "suite", score["score"], floor, not dropped, text)
 
-    def _offpolicy(self, row: Version, stable: Version, state: Mapping[str, Any], heldout: list[HeldoutSample]) -> str:
+    def _offpolicy(
+        self, row: Version, stable: Version, state: Mapping[str, Any], records: list[HeldoutSample]
+    ) -> OffpolicyLook:
         """Check (e), recorded: "refuse" (the paired test shows the candidate's reward below stable's by more than
         ``gate.offpolicy_margin``), "defer" (an effective sample size under ``gate.offpolicy_min_ess``, or no
-        held-out sample whose revert horizon has closed: not judged here, the candidate must go through the canary)
-        or "pass" (``deploy.gate.offpolicy.compare``). The samples are the held-out stream's records merged by
-        generation (a revert replaces its accept's reward) and censored at ``gate.revert_horizon_s``
-        (``merge_heldout``)."""
+        held-out sample whose revert horizon has closed: not judged here, a canary or the wait decides) or "pass"
+        (``deploy.gate.offpolicy.compare``), with the figures the wait reads (``deploy.gate.waiting``). The samples
+        are the held-out stream's records merged by generation (a revert replaces its accept's reward) and censored
+        at ``gate.revert_horizon_s`` (``merge_heldout``)."""
         g = self.cfg.gate
-        merged, young = merge_heldout(heldout, time.time() - g.revert_horizon_s)
+        now = time.time()
+        cutoff = now - g.revert_horizon_s
+        merged, young = merge_heldout(records, cutoff)
         heldout = merged[-g.heldout_samples :]
+        rate = arrival_rate(records, now)
+        full = sum(h.judged_at <= cutoff for h in records) >= g.heldout_samples
         slice_text = (
             f"{len(heldout)} held-out samples ({sum(h.kind == 'revert' for h in heldout)} reverted; {young} "
             f"judged less than gate.revert_horizon_s {g.revert_horizon_s:g} s ago left out)"
@@ -178,7 +188,7 @@ class EvidenceChecks:
                 True,
                 f"off-policy v{row.version}: defer: deferred to the canary: no usable {slice_text}",
             )
-            return "defer"
+            return OffpolicyLook("defer", 0.0, 0, full, rate)
         lp_cand = self.evaluator.sequence_logprobs(state, heldout)
         lp_stable = self.evaluator.sequence_logprobs(self.registry.materialize(stable.version), heldout)
         c = compare(
@@ -204,7 +214,22 @@ class EvidenceChecks:
             self._record(row.version, "offpolicy", c.ess, g.offpolicy_min_ess, True, reason)
         else:
             self._record(row.version, "offpolicy", c.upper, -g.offpolicy_margin, c.verdict == "pass", reason)
-        return c.verdict
+        sizes = (
+            ("candidate", c.candidate.ess),
+            ("candidate unclipped", c.candidate.ess_unclipped),
+            ("stable", c.stable.ess),
+            ("stable unclipped", c.stable.ess_unclipped),
+        )
+        low = ", ".join(f"{name} {ess:.0f}" for name, ess in sizes if ess < g.offpolicy_min_ess)
+        return OffpolicyLook(c.verdict, c.ess, len(heldout), full, rate, low)
+
+    def usable_heldout(self) -> int:
+        """How many held-out samples the off-policy check would use now (no model run: the wait's cadence)."""
+        g = self.cfg.gate
+        if self.heldout is None or not g.heldout_samples:
+            return 0
+        merged, _ = merge_heldout(self.heldout(), time.time() - g.revert_horizon_s)
+        return min(len(merged), g.heldout_samples)
 
     def _too_early(self) -> str | None:
         """Why no candidate can be judged yet, or None. Before any held-out feedback has had its whole revert horizon

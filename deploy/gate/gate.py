@@ -18,8 +18,9 @@ must pass
                   ``cfg.gate.revert_horizon_s``): clipped, self-normalised importance sampling of the logged
                   completions (``deploy.gate.offpolicy``), paired with stable's estimate on the same samples. Refused
                   when the paired test shows it worse than stable's by more than ``cfg.gate.offpolicy_margin``
-                  (one-sided ``deploy.gate.offpolicy.ALPHA``); deferred to the canary (``needs_canary``) when an
-                  effective sample size is under ``cfg.gate.offpolicy_min_ess``.
+                  (one-sided ``deploy.gate.offpolicy.ALPHA``); deferred (``needs_canary``) when an effective sample
+                  size is under ``cfg.gate.offpolicy_min_ess``: to the canary with two or more nodes; with one, the
+                  gate waits for more held-out evidence (``deploy.gate.waiting``).
 
 With ``cfg.gate.integrity_only`` only (a) runs and a pass is promoted at once, with no canary: a comparison mode
 that shows what the evidence checks are worth (``liverl demo --integrity-only``), never a production setting.
@@ -42,7 +43,6 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import prometheus_client as prom
 import redis as redis_lib
@@ -53,6 +53,8 @@ from core.services import kafka_bootstrap, required_signing_key, setup_redis
 from deploy.gate.canary import CanaryController, Deferred
 from deploy.gate.evidence import Evaluator, EvidenceChecks
 from deploy.gate.tail import GenerationTail, HeldoutSample, LoggedGeneration, parse_heldout
+from deploy.gate.verdict import Verdict
+from deploy.gate.waiting import OffpolicyLook, Waiting, WaitSteps
 from deploy.registry.attest import Attested, Attestor
 from deploy.registry.blobstore import BlobError
 from deploy.registry.delta import DeltaError, apply_delta, checksum, warm_up
@@ -62,15 +64,7 @@ from deploy.registry.signing import Signer, announce, keep_announced
 log = logging.getLogger("liverl.gate")
 
 
-@dataclass
-class Verdict:
-    version: int
-    verdict: str  # promoted | rejected | superseded | deferred
-    reason: str
-    checks: dict[str, bool] = field(default_factory=dict)
-
-
-class Gate(EvidenceChecks):
+class Gate(EvidenceChecks, WaitSteps):
     """Evaluates pending candidates with the ``evaluator`` it is given (drift, collapse, optional suite)."""
 
     def __init__(
@@ -146,6 +140,8 @@ class Gate(EvidenceChecks):
             registry=self.metrics,
         )
         self._unattested_why: str | None = None
+        self.wait = Waiting(cfg, self.metrics)  # one node: thin off-policy evidence is waited for (deploy.gate.waiting)
+        self.offpolicy_look: OffpolicyLook | None = None
 
     def metrics_text(self) -> bytes:
         """Gate metrics in Prometheus text format."""
@@ -251,6 +247,9 @@ class Gate(EvidenceChecks):
             return [Verdict(rollout.version, "canary" if outcome == "continue" else outcome, why)]
         self._canary_share.set(0.0)
         pending = self.registry.candidates()
+        waited = None if self.canary.wanted() else self.wait.current(self.registry, pending, stable)
+        if waited is not None:  # the newer candidates wait behind it, neither judged nor superseded
+            return [self._look_again(waited, stable)]
         if not pending:
             return []
         *older, newest = pending
@@ -360,16 +359,21 @@ class Gate(EvidenceChecks):
                 return Verdict(row.version, "deferred", str(e), checks)
             self._canary_share.set(rollout.share)
             return Verdict(row.version, "canary", f"{reason}; canary on {', '.join(rollout.nodes)}", checks)
+        elif needs_canary and self.wait.enabled() and self.offpolicy_look is not None:
+            return self._wait_or_refuse(row, stable, checks, self.offpolicy_look)
         elif needs_canary:
             reason = (
                 "off-policy evidence too thin to judge it (deferred to a canary) and no canary can run "
                 f"(gate.canary_share {self.cfg.gate.canary_share:g}, {self.canary.configured_fleet()} node(s) "
-                "configured)"
+                "configured; gate.offpolicy_wait_s 0: no waiting)"
             )
             self._record(row.version, "canary", None, None, False, reason)
             self._refuse(row.version, reason)
             self._rejected()
             return Verdict(row.version, "rejected", reason, checks)
+        return self._promote(row, stable, reason, checks)
+
+    def _promote(self, row: Version, stable: Version, reason: str, checks: dict[str, bool]) -> Verdict:
         try:
             self.registry.promote(
                 row.version, actor="gate", reason=reason, expected_stable=stable.version, from_candidate=True

@@ -23,7 +23,7 @@ from deploy.registry.registry import open_registry
 from liverl.demo.report import Timeline, build_summary, plot_timeline, print_summary, read_hash, read_live
 from liverl.demo.sim import SimStats
 from liverl.demo.view import LiveView
-from liverl.stack.up import Pipeline
+from liverl.stack.up import ONE_NODE_PROFILE, Pipeline
 from liverl_sdk import FeedbackClient
 
 log = logging.getLogger("liverl.demo")
@@ -71,14 +71,6 @@ requests against the in-memory broker (31,020 against 42,325 in 10 minutes, BENC
 `LIVERL__BROKER__EMBEDDED_STORAGE=memory` takes that back for a throwaway run."""
 
 
-# With one serving node no canary can run: the off-policy check on held-out samples is the only evidence a candidate
-# can pass on, and one whose effective sample size is under gate.offpolicy_min_ess is refused. At the demo's ~80
-# samples a second, 5% held out gave 4 a second: the first 75 s (the revert horizon) had no usable sample and the
-# next minutes too few, and a 4-minute one-node run (the CI test) refused all 25 candidates. With 20%, 512 usable
-# samples are there about 30 s after the horizon. A product with one node sets ingest.heldout_share the same way.
-ONE_NODE_PROFILE: dict[str, float] = {"heldout_share": 0.2}
-
-
 def final_window(demo) -> float:
     """Seconds at the end of the run in which the learner emits no candidates (``demo.final_window_s``), so that the
     last promoted version is measured on fresh traffic; at most half the run, so that a short run still trains: a
@@ -100,7 +92,7 @@ def apply_demo_profile(cfg: LiverlConfig) -> dict[str, float | int | str]:
 
     for section, values in DEMO_PROFILE.items():
         fill(section, values)
-    if fleet.configured_nodes(cfg.serving) < 2:  # after the profile's serving.nodes
+    if fleet.configured_nodes(cfg.serving) < 2:  # after the profile's serving.nodes (liverl.stack.up says why)
         fill("ingest", ONE_NODE_PROFILE)
     return applied
 

@@ -11,7 +11,7 @@ import signal
 import threading
 from pathlib import Path
 
-from core import keys, procs
+from core import fleet, keys, procs
 from core.bus import all_topics, ensure_topics, topic_configs
 from core.config import LiverlConfig, ServingConfig, advertised_url, redact_url
 from core.credentials import PRODUCT_KEY_HEADER, ensure_secrets, feedback_key_path
@@ -30,6 +30,30 @@ from liverl.stack.supervisor import (
 )
 
 log = logging.getLogger("liverl.up")
+
+ONE_NODE_PROFILE: dict[str, float] = {"heldout_share": 0.2}
+"""What ``liverl up`` (and ``liverl demo``) set in ``[ingest]`` with one configured node, where the config file, the
+environment or a flag did not: with no canary to run, the off-policy check on held-out feedback is the only evidence a
+candidate can pass on, and the gate waits until its effective sample size reaches ``gate.offpolicy_min_ess``
+(``deploy.gate.waiting``). The held-out samples that takes depend on how far the candidate moved, not on the share;
+the judged events are that divided by the share. Measured one-node runs of the demo policy (``scripts/onenode_wait.py``,
+docs/release.md "One node"): at the default 5% the first promotion came 2,006 and 5,654 judged events (43 and 242 s of
+waiting) after its candidate, at 20% 1,050 (5 s); a gate that refuses thin evidence at once (``gate.offpolicy_wait_s``
+0) refused all 25 candidates of a 4-minute one-node demo at 5%. The price: the learner trains on 80% of the judged
+events, not 95%."""
+
+
+def apply_one_node_profile(cfg: LiverlConfig) -> dict[str, float]:
+    """With fewer than two configured nodes, sets ``ONE_NODE_PROFILE``'s ``[ingest]`` values that ``cfg`` did not set
+    explicitly; returns what it set (``ingest.field``: value)."""
+    if fleet.configured_nodes(cfg.serving) >= 2:
+        return {}
+    applied = {}
+    for name, value in ONE_NODE_PROFILE.items():
+        if name not in cfg.ingest.model_fields_set:
+            setattr(cfg.ingest, name, value)
+            applied[f"ingest.{name}"] = value
+    return applied
 
 
 class Pipeline:
@@ -188,6 +212,13 @@ def run_up(cfg: LiverlConfig, model_dir: Path, fresh: bool = False) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     print(f"liverl up: starting the embedded stack and the pipeline (state in {cfg.state_path}) ...", flush=True)
+    one_node = apply_one_node_profile(cfg)
+    if one_node:
+        print(
+            "liverl up: one serving node, so no canary: candidates are judged on held-out feedback alone and wait "
+            f"until it suffices; {', '.join(f'{k}={v}' for k, v in one_node.items())} (set it to override)",
+            flush=True,
+        )
     with Pipeline(cfg, model_dir, fresh=fresh) as pipe:
         print(usage(cfg, pipe, model_dir), flush=True)
         while not stop.is_set():
