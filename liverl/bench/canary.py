@@ -306,12 +306,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         __doc__,
     )
     d = DEFAULTS
-    s.add_argument("--runs", type=int, default=d["runs"], help="canaries per row (default 1000)")
-    s.add_argument("--users", default=d["users"], help=f"population sizes, comma-separated (default {d['users']})")
+    s.add_argument("--runs", type=int, help="canaries per row (default 1000; with --decisions 300)")
+    s.add_argument(
+        "--users", help=f"population sizes, comma-separated (default {d['users']}; with --decisions 1000,10000,100000)"
+    )
     s.add_argument(
         "--populations",
-        default=d["populations"],
-        help=f"users' acceptance rates: segments, beta(a,b) (default {d['populations']})",
+        help=f"users' acceptance rates: segments, segments3, beta(a,b) (default {d['populations']}; with --decisions "
+        "segments3)",
     )
     s.add_argument("--share", type=float, default=d["share"], help="canary's share of users (default 0.5, the demo's)")
     s.add_argument("--effect", type=float, default=d["effect"], help="change to detect (default 0.03)")
@@ -331,9 +333,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--activity",
-        default=d["activity"],
         help="users' shares of traffic: lognormal (of --activity-sigma) or zipf(s), e.g. zipf(1.1): the top user "
-        "sends 15-18%% of all traffic (default lognormal)",
+        "sends 15-18%% of all traffic (default lognormal; with --decisions a list, default 'lognormal,zipf(1.1)')",
     )
     s.add_argument("--alpha", type=float, default=d["alpha"], help="error rate (default 0.05)")
     s.add_argument("--tau", type=float, default=d["tau"], help="mixture scale (default 0.03)")
@@ -355,12 +356,37 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="with --budget: the futility stop's optimism (default: gate.canary_futility_z's default)",
     )
+    s.add_argument(
+        "--decisions",
+        action="store_true",
+        help="instead: whole canaries through the gate's decision (every test, both cursors, Canary.verdict) for an "
+        "A/A, a candidate 3 points better and a bait, with the bars (liverl.bench.canary_decisions)",
+    )
+    s.add_argument(
+        "--profiles", default="defaults,demo", help="with --decisions: gate profiles, defaults and/or demo (both)"
+    )
+    s.add_argument(
+        "--large-runs", type=int, help="with --decisions: canaries per scenario at 100,000 users and more (100)"
+    )
+    s.add_argument(
+        "--gate",
+        action="append",
+        metavar="FIELD=VALUE",
+        help="with --decisions: a [gate] setting over every profile's, e.g. canary_max_events=8000 (repeatable)",
+    )
     s.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     s.set_defaults(fn=_cmd)
     return s
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    if args.decisions:
+        from liverl.bench.canary_decisions import cmd
+
+        return cmd(args)
+    for name in ("runs", "users", "populations", "activity"):  # left out: this bench's defaults
+        if getattr(args, name) is None:
+            setattr(args, name, DEFAULTS[name])
     if args.budget is not None:
         from core.config import GateConfig
 
