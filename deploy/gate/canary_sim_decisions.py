@@ -13,7 +13,8 @@ canaries through the code the gate runs at each look:
   with ``gate.cuped_guardrails``, on the edit rate, the revert rate and the response length, each on the user's own
   rate of it over ``gate.cuped_lookback_s`` before the rollout) and the latency guardrail through
   ``canary_tests._look_latency`` (batch means of the buckets);
-- the looks come at the gate's cadence (``gate.poll_s``) with its two cursors (``canary.last_final_bucket``): kept
+- the looks come at the gate's cadence (``gate.poll_s``) with its two cursors (``canary.last_final_bucket``'s
+  arithmetic, ``_last_final``): kept
   acceptance, the revert rate and the sample-ratio check read a bucket once its revert horizon has closed, the edit
   rate, the response length and latency as soon as it has settled. A revert counts in its generation's bucket only
   if it arrived before the gate read that bucket: the censoring the gate's reads make;
@@ -24,16 +25,17 @@ The stacked looks: each test is fed every bucket position of its cursor at once 
 leaves the same state as one look after another), and each look of the gate then reads the state at its cursors'
 positions. ``gate.canary_min_s`` (settling) and the request unit are not played: ``ValueError``.
 
-The world (``_World``): ``n_users`` users of one ``canary_sim.POPULATIONS`` acceptance (``segments3`` by default)
-with heterogeneous activity (``canary_sim.ACTIVITIES``), each with its own edit propensity (an edit among the answers
-not accepted, Beta with mean ``EDIT_MEAN``), revert propensity (a revert among the accepts, Beta with mean
+The world (``_World``; ``canary_sim._world`` draws one outcome per answer, this one an edit, a kept or reverted accept
+or a reject, a length and a latency): ``n_users`` users of one ``canary_sim.POPULATIONS`` acceptance (``segments3`` by
+default) with heterogeneous activity (``canary_sim.ACTIVITIES``), each with its own edit propensity (an edit among the
+answers not accepted, Beta with mean ``EDIT_MEAN``), revert propensity (a revert among the accepts, Beta with mean
 ``REVERT_MEAN``) and mean response length; assigned by the router's ``core.fleet.bucket`` (``canary_sim.assign``) at
 ``gate.canary_share``; judged at ``events_per_s`` (all traffic, Poisson per bucket); reverts come an exponential delay
-after the accept (mean ``revert_delay_s``, 30 s: the demo's trap, 92% within its 75-s horizon). Latency is each
-answer's tokens times a per-bucket load of each node (log-normal, ``LOAD_SIGMA``) and a per-request spread; no
-candidate changes it, nor the edit rate or the length. Each run plays every candidate (``CANDIDATES``) on the same
-users, assignment, event times and draws: an answer's judgement is one uniform draw against the user's edit, kept,
-reverted and rejected shares, so a candidate moves answers between those only where its shares differ.
+after the accept (mean ``revert_delay_s``, 30 s: the demo's trap, 92% within its 75-s horizon). Latency is each answer's
+tokens times a per-bucket load of each node (log-normal, ``LOAD_SIGMA``) and a per-request spread; no candidate changes
+it, nor the edit rate or the length. Each run plays every candidate (``CANDIDATES``) on the same users, assignment,
+event times and draws: an answer's judgement is one uniform draw against the user's edit, kept, reverted and rejected
+shares, so a candidate moves answers between those only where its shares differ.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import json
 import time
 from pathlib import Path
 
-from liverl.bench.canary import _split_populations, binomial_upper
+from liverl.bench.rates import binomial_upper, split_list
 
 DEFAULTS = {
     "runs": 300,
@@ -102,8 +102,8 @@ def run(
     rows, t_all = [], time.process_time()
     for profile in [p.strip() for p in profiles.split(",") if p.strip()]:
         gate = gate_for(profile, overrides)
-        for act in _split_populations(activity):
-            for pop in _split_populations(populations):
+        for act in split_list(activity):
+            for pop in split_list(populations):
                 for k in [int(u) for u in str(users).split(",") if u.strip()]:
                     t0 = time.process_time()
                     n = large_runs if k >= LARGE else runs

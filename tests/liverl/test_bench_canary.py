@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from liverl.bench.canary import _split_populations, binomial_upper
+from liverl.bench.rates import binomial_upper
+from liverl.bench.rates import split_list as _split_populations
 
 
 def test_the_canary_bench_prints_both_tables_with_the_bar_and_the_command(tmp_path, capsys):
