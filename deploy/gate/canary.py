@@ -102,6 +102,26 @@ def last_final_bucket(now: float, horizon_s: float) -> int:
     return math.floor((now - horizon_s - SETTLE_S) / keys.UNIT_BUCKET_S) - 1
 
 
+def look_verdict(tests: seq.Canary, rollout: Rollout, now: float, canary_events: int) -> tuple[str, str]:
+    """A look's verdict from its tests (``Canary.verdict``) at time ``now``: with the rollout's evidence budget and
+    futility stop (``settings``' ``max_events`` and ``futility_z``, fixed at its start; ``canary_events``: the canary
+    arm's judged events on the horizon's cursor), what is undecided aborts once the budget is spent or the deadline
+    has passed. ``CanaryController.watch`` then applies the sample-ratio check, an operator's pause and the settling
+    time; ``deploy.gate.canary_sim_decisions`` plays whole canaries through this function."""
+    budget = (rollout.settings or {}).get("max_events")
+    futility = {}  # with a budget: how much of it is spent, for the futility stop (``seq.futile``)
+    if budget is not None:
+        futility = {"spent": canary_events / budget, "futility_z": (rollout.settings or {}).get("futility_z")}
+    if budget is not None and canary_events >= budget and now < rollout.deadline_at:
+        return tests.verdict(
+            deadline_passed=True,
+            deadline_why=f"deadline passed: evidence budget spent ({canary_events} judged events on the canary arm, "
+            f"gate.canary_max_events {budget})",
+            **futility,
+        )
+    return tests.verdict(deadline_passed=now >= rollout.deadline_at, **futility)
+
+
 class CanaryController:
     """Starts, watches and ends rollouts for the gate (one at a time)."""
 
@@ -311,20 +331,7 @@ class CanaryController:
         ev.looked_at = (ev.next_bucket, ev.next_fast)
         settling = now - rollout.started_at < self.cfg.gate.canary_min_s
         tests, srm, info = self.build_tests(rollout, ev, settling)
-        budget = (rollout.settings or {}).get("max_events")
-        c_judged = info["events"][0]
-        futility = {}  # with a budget: how much of it is spent, for the futility stop (``seq.futile``)
-        if budget is not None:
-            futility = {"spent": c_judged / budget, "futility_z": (rollout.settings or {}).get("futility_z")}
-        if budget is not None and c_judged >= budget and now < rollout.deadline_at:
-            verdict, why = tests.verdict(
-                deadline_passed=True,
-                deadline_why=f"deadline passed: evidence budget spent ({c_judged} judged events on the canary arm, "
-                f"gate.canary_max_events {budget})",
-                **futility,
-            )
-        else:
-            verdict, why = tests.verdict(deadline_passed=now >= rollout.deadline_at, **futility)
+        verdict, why = look_verdict(tests, rollout, now, info["events"][0])
         if verdict == seq.CONTINUE:
             why = (
                 pending(tests, info)

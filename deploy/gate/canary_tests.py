@@ -98,13 +98,13 @@ def pending(tests: seq.Canary, info: dict) -> str:
 
 
 def _col(m: np.ndarray, f: str) -> np.ndarray:
-    return m[:, FIELDS.index(f)] if m.size else np.zeros(0)
+    return m[..., FIELDS.index(f)] if m.size else np.zeros(m.shape[:-1])
 
 
 def build_tests(g: GateConfig, rollout: Rollout, ev: Evidence, settling: bool) -> tuple[seq.Canary, SrmTest, dict]:
     """The rollout's tests at this look, their always-valid state restored from the registry and updated with the
     evidence read so far; with the sample-ratio check and what each look estimated."""
-    success, edit, revert, length, latency, latency_q, srm = _restored_tests(g, rollout)
+    success, edit, revert, length, latency, latency_q, srm = restored_tests(g, rollout)
     guardrails = [t for t in (edit, revert, length, latency, latency_q) if t is not None]
     info: dict = {"events": (ev.canary.total("e"), ev.stable.total("e"))}
     if rollout.unit == "user":
@@ -126,7 +126,7 @@ def build_tests(g: GateConfig, rollout: Rollout, ev: Evidence, settling: bool) -
     return seq.Canary(success, guardrails, readout_share=share), srm, info
 
 
-def _restored_tests(g: GateConfig, rollout: Rollout) -> tuple:
+def restored_tests(g: GateConfig, rollout: Rollout) -> tuple:
     """(success, edit, revert, length, latency, latency quantile, srm): the rollout's tests with the state saved at
     its last look; length and latency's are None without the band fixed at the start."""
     st = rollout.settings or {}
@@ -188,39 +188,61 @@ def quantile_name(q: float) -> str:
 
 
 def _look_users(g: GateConfig, ev: Evidence, tests: tuple, srm: SrmTest, info: dict) -> None:
-    """One look of each test with the user as the unit: CUPED on acceptance when there is a covariate, and on the
-    edit rate, the revert rate and the response length too with ``gate.cuped_guardrails``; each metric's covariate is
-    the user's own rate of it before the rollout (``pre_rollout_rate``)."""
-    success, edit, revert, length = tests
+    """One look of each test with the user as the unit, on the evidence read so far (``look_user_tests``)."""
     names_c, m_c = ev.canary.matrix()
     names_s, m_s = ev.stable.matrix()
     fast_c, f_c = ev.fast_canary.matrix()
     fast_s, f_s = ev.fast_stable.matrix()
-    cuped = g.cuped and bool(ev.covariate)
-    cuped_guards = cuped and g.cuped_guardrails
+    pre = None
+    if g.cuped and ev.covariate:
+        pre = tuple(pre_rollout_sums(ev, names) for names in (names_c, names_s, fast_c, fast_s))
+    look_user_tests(g, tests, srm, (m_c, m_s), (f_c, f_s), pre, info)
 
-    def arms(f: str, fast: bool = False, cov: bool = False) -> tuple[UnitSums, UnitSums]:
+
+def look_user_tests(
+    g: GateConfig, tests: tuple, srm: SrmTest, slow: tuple, fast: tuple, pre: tuple | None, info: dict
+) -> None:
+    """One look of each test with the user as the unit: CUPED on acceptance when there is a covariate (``pre``), and
+    on the edit rate, the revert rate and the response length too with ``gate.cuped_guardrails``; each metric's
+    covariate is the user's own rate of it before the rollout (``pre_rollout_rate``).
+
+    ``slow``: the (canary, stable) per-user sums in ``FIELDS`` order on the horizon's cursor (kept acceptance, the
+    revert rate, the sample-ratio check), ``fast``: on the settled cursor (the edit rate, the response length); each a
+    users x fields matrix, or looks x users x fields (a stack of looks, as ``deploy.gate.canary_sim_decisions`` hands
+    it). ``pre``: each of those four arms' users' sums before the rollout (users x fields), or None (no CUPED)."""
+    success, edit, revert, length = tests
+    cuped = g.cuped and pre is not None
+    cuped_guards = cuped and g.cuped_guardrails
+    m_c, m_s = slow
+
+    def arms(f: str, on_fast: bool = False, cov: bool = False) -> tuple[UnitSums, UnitSums]:
         out = []
-        for names, m in ((fast_c, f_c), (fast_s, f_s)) if fast else ((names_c, m_c), (names_s, m_s)):
+        for i, m in enumerate(fast if on_fast else slow):
             num = _col(m, "a") - _col(m, "r") if f == "kept" else _col(m, f)
-            out.append(UnitSums(num, _col(m, "e"), *(pre_rollout_rate(ev, names, f) if cov else ())))
+            covariate = pre_rollout_rate(pre[i + 2 * on_fast], f) if cov and pre is not None else ()
+            out.append(UnitSums(num, _col(m, "e"), *covariate))
         return out[0], out[1]
 
     kept = arms("kept", cov=cuped)
     info["acceptance"] = seq.look_units(success, *kept, cuped=cuped)
-    info["edit_rate"] = seq.look_units(edit, *arms("d", fast=True, cov=cuped_guards), cuped=cuped_guards)
+    info["edit_rate"] = seq.look_units(edit, *arms("d", on_fast=True, cov=cuped_guards), cuped=cuped_guards)
     info["revert_rate"] = seq.look_units(revert, *arms("r", cov=cuped_guards), cuped=cuped_guards)
     if length is not None:
-        info["response_length"] = seq.look_units(length, *arms("t", fast=True, cov=cuped_guards), cuped=cuped_guards)
-    info["users"] = (len(names_c), len(names_s))
+        info["response_length"] = seq.look_units(length, *arms("t", on_fast=True, cov=cuped_guards), cuped=cuped_guards)
+    info["users"] = (m_c.shape[-2], m_s.shape[-2])
     info["srm"] = srm.look_units(*kept)  # on the horizon's cursor: see deploy.gate.canary's module doc
 
 
-def pre_rollout_rate(ev: Evidence, names: list[str], f: str) -> tuple[np.ndarray, np.ndarray]:
+def pre_rollout_sums(ev: Evidence, names: list[str]) -> np.ndarray:
+    """The users' sums (users x ``FIELDS``) in the look-back before the rollout; zeros for a user with none."""
+    return np.array([ev.covariate.get(u, np.zeros(len(FIELDS))) for u in names], dtype=float).reshape(-1, len(FIELDS))
+
+
+def pre_rollout_rate(pre: np.ndarray, f: str) -> tuple[np.ndarray, np.ndarray]:
     """Each user's rate of metric ``f`` (a field of ``FIELDS`` over events, or ``kept``: accepts less reverts) in
-    the look-back before the rollout, and the events behind it; NaN and 0 for a user with no history (CUPED imputes
-    the arm's mean). A covariate fixed before the rollout leaves the estimate unbiased whatever it predicts."""
-    pre = np.array([ev.covariate.get(u, np.zeros(len(FIELDS))) for u in names], dtype=float).reshape(-1, len(FIELDS))
+    the look-back before the rollout (``pre``: the users' sums then, ``pre_rollout_sums``), and the events behind it;
+    NaN and 0 for a user with no history (CUPED imputes the arm's mean). A covariate fixed before the rollout leaves
+    the estimate unbiased whatever it predicts."""
     events = _col(pre, "e")
     value = _col(pre, "a") - _col(pre, "r") if f == "kept" else _col(pre, f)
     with np.errstate(invalid="ignore", divide="ignore"):

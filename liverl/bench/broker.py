@@ -1,7 +1,7 @@
 """``liverl bench broker``: what the embedded durable broker's produce batcher buys, and what it costs a producer.
 
-Tansu's ``s3://`` engine writes each produce request's record batch as its own object, plus two metadata objects
-(3 PUTs per request here), and lists a partition's objects at each fetch that finds new records. Its produce batcher
+Tansu's ``s3://`` engine writes each produce request's record batch as its own object, plus two metadata objects (3
+PUTs per request here), and lists a partition's objects at each fetch that finds new records. Its produce batcher
 (``s3://bucket/?batch_min_size=BYTES&batch_max_delay=DURATION``, ``broker.embedded_batch_max_delay_ms``) holds produce
 requests until ``batch_min_size`` bytes have gathered or ``batch_max_delay`` has passed, and writes them as one
 object: fewer objects and listings for the broker, and a wait of up to the delay before a producer's acknowledgement.
@@ -11,16 +11,19 @@ every request's latency unless enough traffic fills the batch first.
 Each setting gets its own object store (``liverl.stack.objstore``, merging as the stack runs it) and broker. For
 ``--seconds``, ``--producers`` threads each send records of ``--record-bytes`` at ``--rate`` records/s in all, each
 waiting for its acknowledgement as the gateway does (kafka-python, ``acks=all``, ``linger_ms`` 2), into a topic of
-``--partitions`` partitions that one consumer group member tails. Reported per setting: records acknowledged, the
-acknowledgement's p50/p99, produce-to-consume p50/p99 (the tail lag a consumer such as ingest sees), the object
-store's PUTs and ListObjectsV2 requests per 1,000 records, and the broker's and object store's CPU seconds.
+``--partitions`` partitions that one consumer tails (its partitions assigned, as the learner assigns its own).
+Reported per setting: records acknowledged, the acknowledgement's p50/p99, produce-to-consume p50/p99 (the tail lag a
+consumer such as ingest sees), the object store's PUTs and ListObjectsV2 requests per 1,000 records, and the broker's
+and object store's CPU seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
+import queue
 import struct
 import subprocess
 import tempfile
@@ -78,9 +81,44 @@ def _requests(log: Path) -> tuple[int, int]:
     return puts, lists
 
 
+def _produce(boot: str, producers: int, rate: float, record_bytes: int, seconds: float, result) -> None:
+    """``producers`` threads, each sending a record and waiting for its acknowledgement, paced to ``rate`` in all, for
+    ``seconds``; puts (acknowledgement times, failures) on ``result``."""
+    from kafka import KafkaProducer
+
+    acks: list[float] = []
+    errors = [0]
+    lock = threading.Lock()
+    end = time.time() + seconds
+
+    def one() -> None:
+        p = KafkaProducer(bootstrap_servers=boot, acks="all", linger_ms=2)
+        gap, pad = producers / rate, os.urandom(max(0, record_bytes - 8))
+        nxt = time.time()
+        while time.time() < end:
+            t0 = time.time()
+            try:
+                p.send("bench", value=struct.pack("<d", t0) + pad).get(timeout=30)
+                with lock:
+                    acks.append(time.time() - t0)
+            except Exception:  # noqa: BLE001 - counted: a bench row reports failures, it does not stop
+                with lock:
+                    errors[0] += 1
+            nxt += gap
+            time.sleep(max(0.0, nxt - time.time()))
+        p.close()
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(producers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=seconds + 60)
+    result.put((acks, errors[0]))
+
+
 def run_setting(setting: str, args: argparse.Namespace) -> dict:
     """One batcher setting on a fresh object store and broker: the figures of one row."""
-    from kafka import KafkaConsumer, KafkaProducer
+    from kafka import KafkaConsumer, TopicPartition
     from kafka.admin import KafkaAdminClient, NewTopic
 
     from core.services import free_port
@@ -95,50 +133,40 @@ def run_setting(setting: str, args: argparse.Namespace) -> dict:
     url = storage_url(stack.BROKER_BUCKET, setting, args.min_size)
     broker = stack.start_broker(port, logs, url, stack.broker_env(sport))
     boot = f"127.0.0.1:{port}"
-    acks: list[float] = []
     lags: list[float] = []
-    errors = [0]
-    stop, lock = threading.Event(), threading.Lock()
     try:
         KafkaAdminClient(bootstrap_servers=boot).create_topics([NewTopic("bench", args.partitions, 1)])
-        consumer = KafkaConsumer(
-            "bench", bootstrap_servers=boot, group_id="bench", auto_offset_reset="earliest", enable_auto_commit=False
-        )
-        consumer.poll(timeout_ms=3000)  # joined and assigned before the first record is sent
+        # assigned, as the learner assigns its partitions: a group's join takes seconds on this broker, and records
+        # sent meanwhile would be read late for a reason that is not the broker's read path
+        consumer = KafkaConsumer(bootstrap_servers=boot, auto_offset_reset="earliest", enable_auto_commit=False)
+        consumer.assign([TopicPartition("bench", i) for i in range(args.partitions)])
+        consumer.poll(timeout_ms=500)
         cpu0 = _cpu_s(broker.pid) + _cpu_s(store.pid)
         puts0, lists0 = _requests(logs / "broker-storage.log")
 
-        def produce(i: int) -> None:
-            p = KafkaProducer(bootstrap_servers=boot, acks="all", linger_ms=2)
-            gap = args.producers / args.rate
-            pad = os.urandom(max(0, args.record_bytes - 8))
-            nxt = time.time()
-            while not stop.is_set():
-                t0 = time.time()
-                try:
-                    p.send("bench", value=struct.pack("<d", t0) + pad).get(timeout=30)
-                    with lock:
-                        acks.append(time.time() - t0)
-                except Exception:  # noqa: BLE001 - counted: a bench row reports failures, it does not stop
-                    with lock:
-                        errors[0] += 1
-                nxt += gap
-                time.sleep(max(0.0, nxt - time.time()))
-            p.close()
-
-        threads = [threading.Thread(target=produce, args=(i,), daemon=True) for i in range(args.producers)]
+        ctx = multiprocessing.get_context("spawn")  # the producers in their own process: the GIL they would share with
+        # the consumer here made its reads seconds late (6.4 s p50 in one process, 0.1 s apart)
+        result = ctx.Queue()
+        producers = ctx.Process(
+            target=_produce,
+            args=(boot, args.producers, args.rate, args.record_bytes, args.seconds, result),
+            daemon=True,
+        )
         t_start = time.time()
-        for t in threads:
-            t.start()
-        got = 0
-        while time.time() - t_start < args.seconds:
+        producers.start()
+        got, done = 0, None
+        while done is None:  # read while the producers run, until they hand in their figures
             for recs in consumer.poll(timeout_ms=200).values():
                 now = time.time()
                 lags.extend(now - struct.unpack("<d", r.value[:8])[0] for r in recs)
                 got += len(recs)
-        stop.set()
-        for t in threads:
-            t.join(timeout=60)
+            try:
+                done = result.get_nowait()
+            except queue.Empty:
+                if time.time() - t_start > args.seconds + 120:
+                    raise RuntimeError("the producers' process did not finish") from None
+        acks, errors = done
+        producers.join(timeout=30)
         deadline = time.time() + 20
         while got < len(acks) and time.time() < deadline:
             for recs in consumer.poll(timeout_ms=200).values():
@@ -161,7 +189,7 @@ def run_setting(setting: str, args: argparse.Namespace) -> dict:
         "setting": setting,
         "url": url,
         "acked": len(acks),
-        "failed": errors[0],
+        "failed": errors,
         "consumed": got,
         "ack_p50_ms": 1000 * _pct(acks, 0.5),
         "ack_p99_ms": 1000 * _pct(acks, 0.99),

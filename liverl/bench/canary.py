@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
+from liverl.bench.rates import binomial_upper
+from liverl.bench.rates import split_list as _split_populations
 from liverl.bench.subcommand import add_bench_parser
 
 DEFAULTS = {
@@ -124,45 +125,8 @@ def run(
     return summary
 
 
-def _split_populations(text: str) -> list[str]:
-    """``segments,beta(2,2)`` -> ['segments', 'beta(2,2)']: commas inside parentheses belong to the Beta."""
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        depth += (ch == "(") - (ch == ")")
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    return [p for p in (*out, cur.strip()) if p]
-
-
 def _false(r: dict) -> float:
     return r["promoted"] + r["aborted"]
-
-
-def binomial_upper(k: int, n: int, level: float = 0.95) -> float:
-    """Exact (Clopper-Pearson) one-sided upper confidence bound of a binomial rate, ``k`` of ``n``."""
-    if k >= n:
-        return 1.0
-
-    def cdf(p: float) -> float:  # P(X <= k)
-        logs = [
-            math.lgamma(n + 1)
-            - math.lgamma(i + 1)
-            - math.lgamma(n - i + 1)
-            + i * math.log(p)
-            + (n - i) * math.log1p(-p)
-            for i in range(k + 1)
-        ]
-        top = max(logs)
-        return math.exp(top) * sum(math.exp(v - top) for v in logs)
-
-    lo, hi = k / n, 1.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) > 1 - level else (lo, mid)
-    return hi
 
 
 BUDGET_EFFECTS = (0.0, -0.015, -0.03, -0.06)
@@ -306,12 +270,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         __doc__,
     )
     d = DEFAULTS
-    s.add_argument("--runs", type=int, default=d["runs"], help="canaries per row (default 1000)")
-    s.add_argument("--users", default=d["users"], help=f"population sizes, comma-separated (default {d['users']})")
+    s.add_argument("--runs", type=int, help="canaries per row (default 1000; with --decisions 300)")
+    s.add_argument(
+        "--users", help=f"population sizes, comma-separated (default {d['users']}; with --decisions 1000,10000,100000)"
+    )
     s.add_argument(
         "--populations",
-        default=d["populations"],
-        help=f"users' acceptance rates: segments, beta(a,b) (default {d['populations']})",
+        help=f"users' acceptance rates: segments, segments3, beta(a,b) (default {d['populations']}; with --decisions "
+        "segments3)",
     )
     s.add_argument("--share", type=float, default=d["share"], help="canary's share of users (default 0.5, the demo's)")
     s.add_argument("--effect", type=float, default=d["effect"], help="change to detect (default 0.03)")
@@ -331,9 +297,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--activity",
-        default=d["activity"],
         help="users' shares of traffic: lognormal (of --activity-sigma) or zipf(s), e.g. zipf(1.1): the top user "
-        "sends 15-18%% of all traffic (default lognormal)",
+        "sends 15-18%% of all traffic (default lognormal; with --decisions a list, default 'lognormal,zipf(1.1)')",
     )
     s.add_argument("--alpha", type=float, default=d["alpha"], help="error rate (default 0.05)")
     s.add_argument("--tau", type=float, default=d["tau"], help="mixture scale (default 0.03)")
@@ -362,6 +327,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "the deadline readout's power, the bias-corrected estimate, the latency quantile guardrail (defaults then: "
         "--users 1000 --populations 'segments,beta(2,2)')",
     )
+    s.add_argument(
+        "--decisions",
+        action="store_true",
+        help="instead: whole canaries through the gate's decision (every test, both cursors, Canary.verdict) for an "
+        "A/A, a candidate 3 points better and a bait, with the bars (liverl.bench.canary_decisions)",
+    )
+    s.add_argument(
+        "--profiles", default="defaults,demo", help="with --decisions: gate profiles, defaults and/or demo (both)"
+    )
+    s.add_argument(
+        "--large-runs", type=int, help="with --decisions: canaries per scenario at 100,000 users and more (100)"
+    )
+    s.add_argument(
+        "--gate",
+        action="append",
+        metavar="FIELD=VALUE",
+        help="with --decisions: a [gate] setting over every profile's, e.g. canary_max_events=8000 (repeatable)",
+    )
     s.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     s.set_defaults(fn=_cmd)
     return s
@@ -371,7 +354,17 @@ def _cmd(args: argparse.Namespace) -> int:
     if args.stats:
         from liverl.bench import canary_stats
 
+        for name in ("runs", "users", "populations"):  # None: the stats bench's own defaults
+            if getattr(args, name) is None:
+                setattr(args, name, DEFAULTS[name])
         return canary_stats.cmd(args, DEFAULTS["users"], DEFAULTS["populations"], (_split_populations, binomial_upper))
+    if args.decisions:
+        from liverl.bench.canary_decisions import cmd
+
+        return cmd(args)
+    for name in ("runs", "users", "populations", "activity"):  # left out: this bench's defaults
+        if getattr(args, name) is None:
+            setattr(args, name, DEFAULTS[name])
     if args.budget is not None:
         from core.config import GateConfig
 

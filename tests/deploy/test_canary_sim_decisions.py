@@ -1,0 +1,86 @@
+"""Whole canaries through the gate's decision (``deploy.gate.canary_sim_decisions``; the full run is ``liverl bench
+canary --decisions``): the bars on 1,000 users at the gate's defaults and at the demo's profile, and the censoring of
+reverts that the revert horizon exists for."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from core.config import GateConfig
+from deploy.gate.canary import last_final_bucket
+from deploy.gate.canary_sim_decisions import _last_final, false_decisions, simulate_decisions
+from liverl.demo.run import DEMO_PROFILE
+
+
+def _binom_cdf(k: int, n: int, p: float) -> float:
+    return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k + 1))
+
+
+def _most(n: int, p: float) -> int:
+    """The largest count a true rate ``p`` exceeds with probability under 1% in ``n`` runs."""
+    return next(k for k in range(n + 1) if 1 - _binom_cdf(k, n, p) < 0.01)
+
+
+def _least(n: int, p: float) -> int:
+    """The smallest count a true rate ``p`` falls below with probability under 1% in ``n`` runs."""
+    return next(k for k in range(n + 1) if _binom_cdf(k, n, p) >= 0.01)
+
+
+def _hold_the_bars(gate: GateConfig, runs: int, seed: int) -> dict:
+    res = simulate_decisions(gate, 1000, runs=runs, seed=seed)
+    aa, better, bait = (res["candidates"][c] for c in ("A/A", "+3 points", "bait"))
+    # A/A: false decisions at most alpha; +3: promoted in 80%; bait: aborted as worse in 80%, never promoted; each
+    # with the slack a true rate at the bar needs in this many runs (it fails with probability under 1% there)
+    assert false_decisions(aa, gate) <= _most(runs, gate.canary_alpha), aa
+    assert better["ends"]["promoted"] >= _least(runs, 0.8), better
+    assert bait["ends"]["worse"] >= _least(runs, 0.8) and bait["ends"]["promoted"] == 0, bait
+    assert bait["worse_by"].get("revert_rate", 0) >= bait["ends"]["worse"] // 2, bait  # the guardrail that sees it
+    assert better["realized"]["kept"] == pytest.approx(0.03, abs=0.002) and better["realized"]["revert"] == 0.0
+    assert bait["realized"]["kept"] == pytest.approx(-0.02, abs=0.002)
+    return res
+
+
+def test_whole_canaries_hold_the_bars_at_the_gate_defaults():
+    gate = GateConfig()
+    res = _hold_the_bars(gate, runs=100, seed=3)
+    aa = res["candidates"]["A/A"]
+    # no budget: an undecided A/A runs to the deadline, waiting on the success metric (the guardrails pass)
+    assert aa["ends"]["deadline"] >= 80 and aa["ends"]["budget"] == aa["ends"]["futile"] == 0, aa
+    assert res["candidates"]["bait"]["median_seconds"] < 300  # aborted minutes before the deadline
+
+
+def test_whole_canaries_hold_the_bars_at_the_demo_profile():
+    gate = GateConfig(**DEMO_PROFILE["gate"])
+    res = _hold_the_bars(gate, runs=150, seed=4)
+    aa = res["candidates"]["A/A"]
+    # a margin: an A/A candidate is within it, so most are promoted; the undecided end at the budget or as futile
+    assert aa["ends"]["promoted"] >= 60 and aa["ends"]["budget"] + aa["ends"]["futile"] > 0, aa
+
+
+def test_a_revert_the_gate_reads_too_late_for_is_not_counted_and_the_bait_then_passes():
+    """The revert horizon is what stops the bait: with its reverts arriving long after the gate reads a bucket, its
+    accepts look kept (6 points more), and the canary promotes it; with them arriving within the horizon (30 s on
+    average, as the demo's trap sends them) it is aborted on the revert rate."""
+    gate = GateConfig(**DEMO_PROFILE["gate"])
+    late = simulate_decisions(gate, 1000, ("bait",), runs=12, revert_delay_s=1e6, seed=5)["candidates"]["bait"]
+    assert late["ends"]["promoted"] >= 8 and late["ends"]["worse"] == 0, late  # the rest wait on the edit rate
+    timely = simulate_decisions(gate, 1000, ("bait",), runs=12, seed=5)["candidates"]["bait"]
+    assert timely["ends"]["worse"] == 12 and timely["worse_by"] == {"revert_rate": 12}, timely
+
+
+def test_the_simulated_cursors_are_the_gates():
+    now = 1e7 + np.random.default_rng(0).uniform(0, 1000, 200)
+    for horizon in (0.0, 60.0, 75.0):
+        assert _last_final(now, horizon).tolist() == [last_final_bucket(t, horizon) for t in now]
+
+
+def test_what_the_simulation_does_not_play_is_refused():
+    with pytest.raises(ValueError, match="unknown candidates"):
+        simulate_decisions(GateConfig(), 100, ("+5 points",), runs=1)
+    with pytest.raises(ValueError, match="canary_min_s"):
+        simulate_decisions(GateConfig(canary_min_s=60.0), 100, runs=1)
+    with pytest.raises(ValueError, match="canary_unit"):
+        simulate_decisions(GateConfig(canary_unit="request"), 100, runs=1)
