@@ -1,12 +1,13 @@
 """``liverl bench broker``: what the embedded durable broker's produce batcher buys, and what it costs a producer.
 
-Tansu's ``s3://`` engine writes each produce request's record batch as its own object, plus two metadata objects (3
-PUTs per request here), and lists a partition's objects at each fetch that finds new records. Its produce batcher
-(``s3://bucket/?batch_min_size=BYTES&batch_max_delay=DURATION``, ``broker.embedded_batch_max_delay_ms``) holds produce
-requests until ``batch_min_size`` bytes have gathered or ``batch_max_delay`` has passed, and writes them as one
-object: fewer objects and listings for the broker, and a wait of up to the delay before a producer's acknowledgement.
-A liverl gateway waits for that acknowledgement before it answers (``serving.log_wait_s``), so the delay lands on
-every request's latency unless enough traffic fills the batch first.
+Tansu's ``s3://`` engine writes each produce request's record batch as its own object, updates the partition's
+watermark object, and updates one cluster-wide metadata object by a conditional put, which concurrent producers make
+conflict and retry: 6-10 PUTs per record here without the batcher, most of them that metadata object. Its produce
+batcher (``s3://bucket/?batch_min_size=BYTES&batch_max_delay=DURATION``, set by ``broker.embedded_batch_delay_ms``)
+holds produce requests until ``batch_min_size`` bytes have gathered or ``batch_max_delay`` has passed and writes them
+together; each acknowledgement still waits for its write (``tests/liverl/test_broker_crash.py`` kills the broker
+mid-write with it on). A liverl gateway waits for that acknowledgement before it answers (``serving.log_wait_s``), so
+the delay can land on a request's latency.
 
 Each setting gets its own object store (``liverl.stack.objstore``, merging as the stack runs it) and broker. For
 ``--seconds``, ``--producers`` threads each send records of ``--record-bytes`` at ``--rate`` records/s in all, each

@@ -89,6 +89,20 @@ def start_object_store(
     return proc, port
 
 
+def folder_storage_url(cfg: LiverlConfig | None = None, delay_ms: float | None = None) -> str:
+    """Tansu's storage URL on the local object store, with its produce batcher set from
+    ``broker.embedded_batch_delay_ms`` (or ``delay_ms``; 0: off). ``batch_min_size`` is left large, so the delay
+    decides when a batch is written."""
+    delay = delay_ms if delay_ms is not None else (cfg.broker.embedded_batch_delay_ms if cfg is not None else 0.0)
+    if delay <= 0:
+        return f"s3://{BROKER_BUCKET}/"
+    return f"s3://{BROKER_BUCKET}/?batch_min_size={BATCH_MIN_SIZE}&batch_max_delay={delay:g}ms"
+
+
+BATCH_MIN_SIZE = 1 << 20
+"""The produce batcher's size trigger (bytes): above what the delay gathers at liverl's rates."""
+
+
 def broker_env(storage_port: int) -> dict[str, str]:
     """Tansu's environment for its ``s3://`` engine on the local object store: the caller's AWS settings are not
     passed on (they name a real account; the broker's storage is this machine's folder)."""
@@ -183,7 +197,7 @@ def start_stack(cfg: LiverlConfig) -> Stack:
                 storage, port = start_object_store(state / "broker", logs, cfg.broker.embedded_fsync)
                 procs.append(("broker storage", storage))
                 procs.append(
-                    ("broker", start_broker(cfg.broker.embedded_port, logs, f"s3://{BROKER_BUCKET}/", broker_env(port)))
+                    ("broker", start_broker(cfg.broker.embedded_port, logs, folder_storage_url(cfg), broker_env(port)))
                 )
             else:
                 procs.append(("broker", start_broker(cfg.broker.embedded_port, logs)))

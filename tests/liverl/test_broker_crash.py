@@ -26,8 +26,12 @@ from aiohttp import web
 
 from core import procs
 from core.bus import ensure_topics, make_consumer
-from liverl.stack.stack import BROKER_BUCKET, broker_env, start_broker, start_object_store
+from core.config import BrokerConfig
+from liverl.stack.stack import broker_env, folder_storage_url, start_broker, start_object_store
 from tests.conftest import free_port
+
+STORAGE_URL = folder_storage_url(delay_ms=BrokerConfig().embedded_batch_delay_ms)
+"""The embedded broker as `liverl up` runs it: on the object store, with its produce batcher."""
 
 
 class HoldingProxy:
@@ -135,7 +139,7 @@ def test_a_record_acknowledged_across_a_broker_kill_mid_write_is_in_the_topic(tm
     proxy = HoldingProxy(storage_port)
     port = free_port()
     running: list[tuple[str, object]] = [("broker storage", storage)]
-    broker = start_broker(port, logs, f"s3://{BROKER_BUCKET}/", broker_env(proxy.port))
+    broker = start_broker(port, logs, STORAGE_URL, broker_env(proxy.port))
     running.append(("broker", broker))
     bootstrap = f"127.0.0.1:{port}"
     topic = "crash.feedback"
@@ -153,7 +157,7 @@ def test_a_record_acknowledged_across_a_broker_kill_mid_write_is_in_the_topic(tm
         broker.send_signal(signal.SIGKILL)
         broker.wait(10)
         proxy.hold.clear()
-        broker = start_broker(port, logs, f"s3://{BROKER_BUCKET}/", broker_env(proxy.port))
+        broker = start_broker(port, logs, STORAGE_URL, broker_env(proxy.port))
         running[-1] = ("broker", broker)
         try:
             future.get(60)  # the producer retries against the restarted broker
