@@ -29,14 +29,13 @@ class BrokerConfig(Section):
         "any process, not a power loss. True: survives a power loss too; produce was ~4x slower here.",
     )
     embedded_batch_delay_ms: float = Field(
-        default=5.0,
+        default=0.0,
         ge=0,
         description="With embedded_storage 'folder': the broker's produce batcher holds produce requests up to this "
-        "long and writes them together (Tansu's batch_max_delay; 0: off). Each request's acknowledgement still waits "
-        "for its write. At 5 ms, 16 producers at 200 records/s wrote 3,620 objects per 1,000 records against 7,993 "
-        "without it (Tansu retries its cluster metadata object on every conflicting write), took the broker and its "
-        "storage 22.6 CPU s against 35.7, and cut the acknowledgement's p99 from 342 to 55 ms and a tailing consumer's "
-        "lag p50 from 402 to 121 ms (`liverl bench broker`, BENCHMARKS.md).",
+        "long and writes them together (Tansu's batch_max_delay; 0: off). Off, because the Tansu build liverl runs "
+        "corrupts records with it: at 5 ms, a demo run's ingest worker (aiokafka) read 'Invalid record size: expected "
+        "to read 707 bytes in record payload, but instead read 708' within 45 s, six times in a row. Where it held, "
+        "it halved the object writes (`liverl bench broker`, BENCHMARKS.md).",
     )
     partitions: int = Field(default=2, ge=1, description="Partitions of each liverl topic when liverl creates it.")
     rebalance_timeout_s: float = Field(

@@ -31,7 +31,7 @@ from liverl.stack.stack import broker_env, folder_storage_url, start_broker, sta
 from tests.conftest import free_port
 
 STORAGE_URL = folder_storage_url(delay_ms=BrokerConfig().embedded_batch_delay_ms)
-"""The embedded broker as `liverl up` runs it: on the object store, with its produce batcher."""
+"""The embedded broker as `liverl up` runs it: on the object store, its produce batcher as configured."""
 
 
 class HoldingProxy:
