@@ -122,10 +122,10 @@ def simulate_sticky(
         "events_per_s": events_per_s,
         "pre_s": pre_s,
         "activity_sigma": activity_sigma,
+        "activity": activity,
         "looks": looks,
+        "per_bucket": per_bucket,
     }
-    draws["activity"] = activity
-    draws["per_bucket"] = per_bucket
     # per effect: per scheme {PROMOTE: runs, ABORT: runs, "events": [to each decision]}, "cuped_removed", "srm"
     res: dict[float, dict[str, Any]] = {
         eff: {s: {PROMOTE: 0, ABORT: 0, "events": []} for s in SCHEMES} | {"cuped_removed": [], "srm": 0}
@@ -297,10 +297,10 @@ def simulate_budget(
         "events_per_s": events_per_s,
         "pre_s": pre_s,
         "activity_sigma": activity_sigma,
+        "activity": activity,
         "looks": looks,
+        "per_bucket": per_bucket,
     }
-    draws["activity"] = activity
-    draws["per_bucket"] = per_bucket
     for run in range(runs):
         rng = np.random.default_rng([seed, 7, run])
         world = _world(rng, population, assign(secret, 2_000_003 * seed + run + 1, n_users, share), **draws)

@@ -144,30 +144,12 @@ def restored_tests(g: GateConfig, rollout: Rollout) -> tuple:
         )
         guardrails.append(length)
     if st.get("latency_band"):
-        band = st["latency_band"]
-        latency = seq.MetricTest(
-            "latency",
-            tau=band,
-            direction=-1,
-            margin=band,
-            harm_margin=band,
-            bernoulli=False,
-            alpha=g.canary_alpha,
-            required=g.latency_guardrail == "non_inferior",
-        )
+        latency = _latency_test(g, "latency", st["latency_band"], g.latency_guardrail)
         guardrails.append(latency)
     latency_q = None
     if st.get("latency_q_band"):  # the quantile and its band, fixed at the start like the others
-        band = st["latency_q_band"]
-        latency_q = seq.MetricTest(
-            quantile_name(st["latency_quantile"]),
-            tau=band,
-            direction=-1,
-            margin=band,
-            harm_margin=band,
-            bernoulli=False,
-            alpha=g.canary_alpha,
-            required=g.latency_quantile_guardrail == "non_inferior",
+        latency_q = _latency_test(
+            g, quantile_name(st["latency_quantile"]), st["latency_q_band"], g.latency_quantile_guardrail
         )
         guardrails.append(latency_q)
     for t in (success, *guardrails):
@@ -180,6 +162,21 @@ def restored_tests(g: GateConfig, rollout: Rollout) -> tuple:
         max_log_bf_events=state.get("srm:events", float("-inf")),
     )
     return success, edit, revert, length, latency, latency_q, srm
+
+
+def _latency_test(g: GateConfig, name: str, band: float, mode: str) -> seq.MetricTest:
+    """A latency guardrail (the mean or a quantile, ms, lower is better) within ``band``, fixed at the start;
+    required for a promotion when its setting is ``non_inferior``."""
+    return seq.MetricTest(
+        name,
+        tau=band,
+        direction=-1,
+        margin=band,
+        harm_margin=band,
+        bernoulli=False,
+        alpha=g.canary_alpha,
+        required=mode == "non_inferior",
+    )
 
 
 def quantile_name(q: float) -> str:
