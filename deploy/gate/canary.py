@@ -247,6 +247,8 @@ class CanaryController:
             "max_events": g.canary_max_events,  # the evidence budget, fixed with the nulls
             "futility_z": g.canary_futility_z,  # and the futility stop that reads it
             "readout_share": g.canary_readout_share,  # the deadline readout's share of alpha
+            "latency_at_equal_length": g.latency_at_equal_length,  # how the latency guardrails compare the arms
+            "user_cap": g.canary_user_cap,  # heavy users' weight in the user-unit tests
         }
 
     def clear(self) -> None:
