@@ -177,23 +177,27 @@ user (gate, node_node-0); files are the key files the role mounts, each with the
   secret:
     secretName: {{ .secret }}
     defaultMode: 0440
+    optional: false
 {{- if .root.Values.kafka.saslConfigSecret }}
 - name: broker-config
   secret:
     secretName: {{ .root.Values.kafka.saslConfigSecret }}
     defaultMode: 0440
+    optional: false
 {{- end }}
 {{- if .root.Values.kafka.tlsSecret }}
 - name: kafka-tls
   secret:
     secretName: {{ .root.Values.kafka.tlsSecret }}
     defaultMode: 0440
+    optional: false
 {{- end }}
 {{- if .s3Secret }}
 - name: s3
   secret:
     secretName: {{ .s3Secret }}
     defaultMode: 0440
+    optional: false
 {{- end }}
 {{- end -}}
 

@@ -1,0 +1,138 @@
+"""The chart's pods run: the router's and the on-call page's Deployments, rendered by the chart, started with
+`podman kube play` on the CPU image (packaging/image/build.sh), answer their health endpoints while connected to this
+machine's Redis and a fresh PostgreSQL database, each process logging in with its own key files mounted read-only.
+
+What podman's kube play does not do as Kubernetes does, and how the test stands in for it:
+- the pods share the host's network (`--network host`) so that they reach Redis and PostgreSQL on this machine's
+  loopback, as the values name them;
+- each Secret volume becomes a host folder holding the same files (podman 4.3 writes a Secret's ``data`` to the
+  volume still base64-encoded, and writes nothing for ``stringData``); the files are the ones `liverl keys` makes.
+Skips, saying why, without podman, its pause container's init (catatonit) or the image."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+from tests.conftest import free_port
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (pip install '.[test]')")
+yaml = pytest.importorskip("yaml")
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "packaging" / "helm" / "liverl"
+IMAGE = "localhost/liverl:cpu"
+IMAGE_UID = 10001  # the image's user (packaging/image/Containerfile), the pods' runAsUser
+
+
+def _podman_ready() -> str | None:
+    """Why the smoke cannot run here, or None."""
+    if shutil.which("podman") is None:
+        return "podman is not installed (Debian: apt-get install podman runc catatonit)"
+    if shutil.which("catatonit") is None and not Path("/usr/libexec/podman/catatonit").exists():
+        return "podman kube play needs catatonit for its pause container (apt-get install catatonit)"
+    if subprocess.run(["podman", "image", "exists", IMAGE], capture_output=True).returncode != 0:
+        return f"the image {IMAGE} is not built (packaging/image/build.sh)"
+    return None
+
+
+pytestmark = pytest.mark.skipif(bool(_podman_ready()), reason=_podman_ready() or "")
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _wait(url: str, timeout_s: float, logs) -> tuple[int, str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            return _get(url)
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.5)
+    pytest.fail(f"nothing answered {url} in {timeout_s:.0f} s; the pods' logs:\n{logs()}")
+
+
+def test_the_router_and_oncall_pods_answer_their_health_endpoints(tmp_path, pg_url):
+    pg = urlsplit(pg_url)
+    prefix = f"helm{uuid.uuid4().hex[:8]}"
+    route_port, oncall_port = free_port(), free_port()
+    values = {
+        "image": {"pullPolicy": "Never"},
+        "kafka": {"bootstrap": "kafka.invalid:9092"},  # neither the router nor the on-call page talks to Kafka
+        "redis": {"host": "127.0.0.1", "port": 6379},
+        "registry": {"host": pg.hostname, "port": pg.port, "database": pg.path.lstrip("/"), "user": pg.username},
+        # one login for every process: a role per process needs `liverl db roles` and `liverl redis acl` first
+        "credentials": {"perRole": False},
+        "topicsPrefix": prefix,
+        "serve": {"nodes": [{"name": "node-0"}]},
+        "route": {"replicas": 1, "port": route_port},  # one: on the host's network, two would want one port
+        "oncall": {"port": oncall_port},
+    }
+    with helm.Chart.load(str(CHART)) as chart:
+        rendered = chart.render(values, name="smoke", namespace="default")
+    docs = [d for p, t in rendered.items() if not p.endswith("NOTES.txt") for d in yaml.safe_load_all(t) if d]
+    pods = [
+        d
+        for d in docs
+        if d["kind"] == "Deployment"
+        and d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] in ("route", "oncall")
+    ]
+    assert len(pods) == 2
+
+    # every file `liverl keys` makes, then each role's Secret as a folder of the files it names
+    keys = tmp_path / "keys"
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    liverl = [sys.executable, "-m", "liverl.cli"]
+    subprocess.run([*liverl, "keys", str(keys), "--nodes", "node-0"], check=True, capture_output=True, env=env)
+    wanted = {"liverl-keys-router": ["announce.pub", "assignment.key"], "liverl-keys-viewer": ["audit.key"]}
+    for d in pods:
+        for v in d["spec"]["template"]["spec"]["volumes"]:
+            name = v.pop("secret")["secretName"]
+            folder = tmp_path / name
+            folder.mkdir()
+            for f in wanted[name]:
+                shutil.copy(keys / f, folder / f)
+                os.chown(folder / f, 0, IMAGE_UID)  # what fsGroup and defaultMode 0440 give in Kubernetes
+                os.chmod(folder / f, 0o440)
+            v["hostPath"] = {"path": str(folder), "type": "Directory"}
+    play = tmp_path / "play.yaml"
+    play.write_text(yaml.safe_dump_all(pods))
+
+    def logs() -> str:
+        names = subprocess.run(["podman", "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True)
+        out = []
+        for name in names.stdout.split():
+            if name.startswith(tuple(d["metadata"]["name"] for d in pods)):
+                got = subprocess.run(["podman", "logs", name], capture_output=True, text=True)
+                out.append(f"--- {name}\n{got.stdout[-3000:]}{got.stderr[-3000:]}")
+        return "\n".join(out)
+
+    started = subprocess.run(["podman", "kube", "play", "--network", "host", str(play)], capture_output=True, text=True)
+    try:
+        assert started.returncode == 0, started.stderr
+        # the router is up and says why it sends nothing yet: no serving node has sent a heartbeat
+        status, body = _wait(f"http://127.0.0.1:{route_port}/healthz", 90, logs)
+        assert (status, body) == (503, "no serving node in rotation"), (status, body, logs())
+        # the on-call page reads the registry and Redis as the viewer
+        status, body = _wait(f"http://127.0.0.1:{oncall_port}/healthz", 90, logs)
+        assert status == 200, (status, body, logs())
+        # and it did read them: the fresh registry has no version yet, and says so
+        status, state = _get(f"http://127.0.0.1:{oncall_port}/api/state")
+        assert status == 503 and "no stable version" in state, (status, state, logs())
+    finally:
+        subprocess.run(["podman", "kube", "down", str(play)], capture_output=True)
