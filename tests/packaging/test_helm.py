@@ -292,7 +292,7 @@ def test_every_setting_is_a_field_liverl_knows_and_loads(docs, tmp_path):
         for c in containers(w):
             env = {k: v for k, v in env_of(c).items() if v is not None and k.startswith("LIVERL__")}
             if "LIVERL_CONFIG" in env_of(c):
-                assert env_of(c)["LIVERL_CONFIG"] == "/etc/liverl/broker/liverl.toml"
+                assert env_of(c)["LIVERL_CONFIG"] == "/etc/liverl/broker/config.toml"
                 assert any(m["mountPath"] == "/etc/liverl/broker" for m in c["volumeMounts"])
                 env["LIVERL_CONFIG"] = str(sasl)
             cfg = load_config(env=env)

@@ -82,7 +82,7 @@ user (gate, node_node-0); files are the key files the role mounts, each with the
 {{- end }}
 {{- if $v.kafka.saslConfigSecret }}
 - name: LIVERL_CONFIG
-  value: /etc/liverl/broker/liverl.toml
+  value: /etc/liverl/broker/config.toml
 {{- end }}
 {{- if $v.kafka.tlsSecret }}
 - name: LIVERL__BROKER__SSL_CAFILE
