@@ -126,6 +126,13 @@ def test_strict_validation_does_find_an_unknown_field(default_docs):
         kv.validate(bad, KUBE, strict=True)
 
 
+def test_a_misspelt_or_out_of_range_value_is_refused_by_the_values_schema():
+    with pytest.raises(helm.HelmValuesError, match="replica"):
+        render({"route": {"replica": 3}})
+    with pytest.raises(helm.HelmValuesError, match="nodes"):
+        render({"serve": {"nodes": [{"name": "Node_A"}]}})  # a node names a StatefulSet: a lower-case DNS label
+
+
 # ------------------------------------------------------------------------------------------------ the roles
 
 
