@@ -1,6 +1,7 @@
 """The chart's pods run: the router's and the on-call page's Deployments, rendered by the chart, started with
 `podman kube play` on the CPU image (packaging/image/build.sh), answer their health endpoints while connected to this
-machine's Redis and a fresh PostgreSQL database, each process logging in with its own key files mounted read-only.
+machine's Redis and a fresh PostgreSQL database, each process logging in as its own role (`liverl db roles`,
+`liverl redis acl`) with the key and password files of its Secret, mounted read-only.
 
 What podman's kube play does not do as Kubernetes does, and how the test stands in for it:
 - the pods share the host's network (`--network host`) so that they reach Redis and PostgreSQL on this machine's
@@ -24,6 +25,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from core.roles import Role, mounts
 from tests.conftest import free_port
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (pip install '.[test]')")
@@ -75,10 +77,8 @@ def test_the_router_and_oncall_pods_answer_their_health_endpoints(tmp_path, pg_u
         "image": {"pullPolicy": "Never"},
         "kafka": {"bootstrap": "kafka.invalid:9092"},  # neither the router nor the on-call page talks to Kafka
         "redis": {"host": "127.0.0.1", "port": 6379},
-        "registry": {"host": pg.hostname, "port": pg.port, "database": pg.path.lstrip("/"), "user": pg.username},
-        # one login for every process: a role per process needs `liverl db roles` and `liverl redis acl` first
-        "credentials": {"perRole": False},
-        "topicsPrefix": prefix,
+        "registry": {"host": pg.hostname, "port": pg.port, "database": pg.path.lstrip("/")},
+        "topicsPrefix": prefix,  # the roles are <prefix>_router, <prefix>_viewer, ...
         "serve": {"nodes": [{"name": "node-0"}]},
         "route": {"replicas": 1, "port": route_port},  # one: on the host's network, two would want one port
         "oncall": {"port": oncall_port},
@@ -94,18 +94,37 @@ def test_the_router_and_oncall_pods_answer_their_health_endpoints(tmp_path, pg_u
     ]
     assert len(pods) == 2
 
-    # every file `liverl keys` makes, then each role's Secret as a folder of the files it names
+    # every file `liverl keys` makes, and the roles and users its passwords belong to, as an operator makes them
     keys = tmp_path / "keys"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), LIVERL__TOPICS__PREFIX=prefix)
     liverl = [sys.executable, "-m", "liverl.cli"]
-    subprocess.run([*liverl, "keys", str(keys), "--nodes", "node-0"], check=True, capture_output=True, env=env)
-    wanted = {"liverl-keys-router": ["announce.pub", "assignment.key"], "liverl-keys-viewer": ["audit.key"]}
+    redis_url = "redis://127.0.0.1:6379/0"
+    made = []
+
+    def verb(*args: str) -> None:
+        done = subprocess.run([*liverl, *args], capture_output=True, text=True, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    verb("keys", str(keys), "--nodes", "node-0")
+    try:
+        for args in (["db", "roles", "--url", pg_url], ["redis", "acl", "--url", redis_url]):
+            made.append(args)
+            verb(*args, "--keys", str(keys), "--nodes", "node-0", "--apply")
+        _play_and_probe(tmp_path, keys, pods, route_port, oncall_port)
+    finally:
+        for args in made:
+            verb(*args, "--nodes", "node-0", "--drop")
+
+
+def _play_and_probe(tmp_path: Path, keys: Path, pods: list[dict], route_port: int, oncall_port: int) -> None:
+    # each role's Secret as a folder holding the files `liverl keys` lists for its process
+    roles = {"liverl-keys-router": Role("router"), "liverl-keys-viewer": Role("viewer")}
     for d in pods:
         for v in d["spec"]["template"]["spec"]["volumes"]:
             name = v.pop("secret")["secretName"]
             folder = tmp_path / name
             folder.mkdir()
-            for f in wanted[name]:
+            for f, _setting in mounts(roles[name]):
                 shutil.copy(keys / f, folder / f)
                 os.chown(folder / f, 0, IMAGE_UID)  # what fsGroup and defaultMode 0440 give in Kubernetes
                 os.chmod(folder / f, 0o440)
@@ -122,7 +141,9 @@ def test_the_router_and_oncall_pods_answer_their_health_endpoints(tmp_path, pg_u
                 out.append(f"--- {name}\n{got.stdout[-3000:]}{got.stderr[-3000:]}")
         return "\n".join(out)
 
-    started = subprocess.run(["podman", "kube", "play", "--network", "host", str(play)], capture_output=True, text=True)
+    started = subprocess.run(
+        ["podman", "kube", "play", "--replace", "--network", "host", str(play)], capture_output=True, text=True
+    )
     try:
         assert started.returncode == 0, started.stderr
         # the router is up and says why it sends nothing yet: no serving node has sent a heartbeat
