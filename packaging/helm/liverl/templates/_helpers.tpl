@@ -68,6 +68,8 @@ user (gate, node_node-0); files are the key files the role mounts, each with the
 {{- $redisUser := default $v.redis.user $user -}}
 - name: LIVERL__TOPICS__PREFIX
   value: {{ $v.topicsPrefix | quote }}
+- name: LIVERL__STATE_DIR
+  value: /var/lib/liverl/state
 - name: LIVERL__BROKER__BOOTSTRAP
   value: {{ required "kafka.bootstrap is required" $v.kafka.bootstrap | quote }}
 - name: LIVERL__BROKER__PARTITIONS
