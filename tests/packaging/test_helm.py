@@ -9,7 +9,10 @@ workers, the learner on two pods of four ranks, SASL and TLS to Kafka)."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ yaml = pytest.importorskip("yaml")
 
 from core.config import load_config  # noqa: E402
 from core.roles import Role, mounts  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "packaging" / "helm" / "liverl"
@@ -376,3 +380,24 @@ def test_gpu_values_put_the_nodes_and_the_learner_on_gpus_and_cpu_values_on_none
     for role in ("route", "ingest", "gate", "oncall"):
         for w in by_component(gpu_docs, role):
             assert "nvidia.com/gpu" not in str(w["spec"]["template"]["spec"]["containers"][0]["resources"])
+
+
+def test_torchrun_accepts_the_learner_pods_command_line(default_docs):
+    """The learner pod's argv, run here as Kubernetes would run it (with $(NODE_RANK) expanded from its env, the
+    cluster's name of pod 0 standing for this machine), up to `liverl learn --help` in every rank torchrun starts."""
+    [w] = by_component(default_docs, "learn")
+    c = w["spec"]["template"]["spec"]["containers"][0]
+    argv = c["command"][c["command"].index("torchrun") + 1 :] + c["args"]
+    argv = [a.replace("$(NODE_RANK)", "0") for a in argv]
+    argv = [re.sub(r"^--master-addr=.*", "--master-addr=127.0.0.1", a) for a in argv]
+    argv = [re.sub(r"^--master-port=.*", f"--master-port={free_port()}", a) for a in argv]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", *argv, "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "--metrics-port" in done.stdout  # liverl's own `learn` parser answered, in the rank torchrun started
