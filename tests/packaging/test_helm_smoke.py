@@ -5,7 +5,8 @@ machine's Redis and a fresh PostgreSQL database, each process logging in as its 
 
 What podman's kube play does not do as Kubernetes does, and how the test stands in for it:
 - the pods share the host's network (`--network host`) so that they reach Redis and PostgreSQL on this machine's
-  loopback, as the values name them;
+  loopback, as the values name them; their containers' port declarations are left out (podman would publish them as
+  host port mappings, which host networking refuses), and the processes listen on the ports the values name;
 - each Secret volume becomes a host folder holding the same files (podman 4.3 writes a Secret's ``data`` to the
   volume still base64-encoded, and writes nothing for ``stringData``); the files are the ones `liverl keys` makes.
 Skips, saying why, without podman, its pause container's init (catatonit) or the image."""
@@ -13,6 +14,7 @@ Skips, saying why, without podman, its pause container's init (catatonit) or the
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +26,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+import redis
 
 from core.roles import Role, mounts
 from tests.conftest import free_port
@@ -34,6 +37,7 @@ yaml = pytest.importorskip("yaml")
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "packaging" / "helm" / "liverl"
 IMAGE = "localhost/liverl:cpu"
+REDIS_URL = "redis://127.0.0.1:6379/0"  # this machine's Redis (scripts/services.sh)
 IMAGE_UID = 10001  # the image's user (packaging/image/Containerfile), the pods' runAsUser
 
 
@@ -48,7 +52,7 @@ def _podman_ready() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(bool(_podman_ready()), reason=_podman_ready() or "")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(_podman_ready()), reason=_podman_ready() or "")]
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -98,7 +102,6 @@ def test_the_router_and_oncall_pods_answer_their_health_endpoints(tmp_path, pg_u
     keys = tmp_path / "keys"
     env = dict(os.environ, PYTHONPATH=str(REPO), LIVERL__TOPICS__PREFIX=prefix)
     liverl = [sys.executable, "-m", "liverl.cli"]
-    redis_url = "redis://127.0.0.1:6379/0"
     made = []
 
     def verb(*args: str) -> None:
@@ -107,16 +110,18 @@ def test_the_router_and_oncall_pods_answer_their_health_endpoints(tmp_path, pg_u
 
     verb("keys", str(keys), "--nodes", "node-0")
     try:
-        for args in (["db", "roles", "--url", pg_url], ["redis", "acl", "--url", redis_url]):
+        for args in (["db", "roles", "--url", pg_url], ["redis", "acl", "--url", REDIS_URL]):
             made.append(args)
             verb(*args, "--keys", str(keys), "--nodes", "node-0", "--apply")
-        _play_and_probe(tmp_path, keys, pods, route_port, oncall_port)
+        _play_and_probe(tmp_path, keys, pods, prefix, route_port, oncall_port)
     finally:
         for args in made:
             verb(*args, "--nodes", "node-0", "--drop")
 
 
-def _play_and_probe(tmp_path: Path, keys: Path, pods: list[dict], route_port: int, oncall_port: int) -> None:
+def _play_and_probe(
+    tmp_path: Path, keys: Path, pods: list[dict], prefix: str, route_port: int, oncall_port: int
+) -> None:
     # each role's Secret as a folder holding the files `liverl keys` lists for its process
     roles = {"liverl-keys-router": Role("router"), "liverl-keys-viewer": Role("viewer")}
     for d in pods:
@@ -129,6 +134,8 @@ def _play_and_probe(tmp_path: Path, keys: Path, pods: list[dict], route_port: in
                 os.chown(folder / f, 0, IMAGE_UID)  # what fsGroup and defaultMode 0440 give in Kubernetes
                 os.chmod(folder / f, 0o440)
             v["hostPath"] = {"path": str(folder), "type": "Directory"}
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            c.pop("ports")  # podman publishes declared ports as host port mappings, which host networking refuses
     play = tmp_path / "play.yaml"
     play.write_text(yaml.safe_dump_all(pods))
 
@@ -155,5 +162,9 @@ def _play_and_probe(tmp_path: Path, keys: Path, pods: list[dict], route_port: in
         # and it did read them: the fresh registry has no version yet, and says so
         status, state = _get(f"http://127.0.0.1:{oncall_port}/api/state")
         assert status == 503 and "no stable version" in state, (status, state, logs())
+        # the router is connected to Redis as its own ACL user, with the password from its mounted file
+        users = {c.get("user") for c in redis.Redis.from_url(REDIS_URL).client_list()}
+        assert f"{prefix}_router" in users, (users, logs())
+        assert not re.search(r"WRONGPASS|NOAUTH|NOPERM|password authentication failed", logs())
     finally:
         subprocess.run(["podman", "kube", "down", str(play)], capture_output=True)
