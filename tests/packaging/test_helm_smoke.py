@@ -57,7 +57,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(_podman_ready()), reason
 
 def _get(url: str) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(url, timeout=3) as r:
+        with urllib.request.urlopen(url, timeout=15) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
@@ -73,19 +73,20 @@ def _wait(url: str, timeout_s: float, logs) -> tuple[int, str]:
     pytest.fail(f"nothing answered {url} in {timeout_s:.0f} s; the pods' logs:\n{logs()}")
 
 
-def test_the_router_and_oncall_pods_answer_their_health_endpoints(tmp_path, pg_url):
+def test_the_router_ingest_and_oncall_pods_run_and_answer_their_probes(tmp_path, pg_url, stack):
     pg = urlsplit(pg_url)
     prefix = f"helm{uuid.uuid4().hex[:8]}"
-    route_port, oncall_port = free_port(), free_port()
+    route_port, oncall_port, ingest_port = free_port(), free_port(), free_port()
     values = {
         "image": {"pullPolicy": "Never"},
-        "kafka": {"bootstrap": "kafka.invalid:9092"},  # neither the router nor the on-call page talks to Kafka
+        "kafka": {"bootstrap": stack.bootstrap, "partitions": 2},  # the tests' embedded Kafka-compatible broker
         "redis": {"host": "127.0.0.1", "port": 6379},
         "registry": {"host": pg.hostname, "port": pg.port, "database": pg.path.lstrip("/")},
         "topicsPrefix": prefix,  # the roles are <prefix>_router, <prefix>_viewer, ...
         "serve": {"nodes": [{"name": "node-0"}]},
         "route": {"replicas": 1, "port": route_port},  # one: on the host's network, two would want one port
         "oncall": {"port": oncall_port},
+        "ingest": {"replicas": 1, "webPort": ingest_port},
     }
     with helm.Chart.load(str(CHART)) as chart:
         rendered = chart.render(values, name="smoke", namespace="default")
@@ -94,9 +95,9 @@ def test_the_router_and_oncall_pods_answer_their_health_endpoints(tmp_path, pg_u
         d
         for d in docs
         if d["kind"] == "Deployment"
-        and d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] in ("route", "oncall")
+        and d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] in ("route", "oncall", "ingest")
     ]
-    assert len(pods) == 2
+    assert len(pods) == 3
 
     # every file `liverl keys` makes, and the roles and users its passwords belong to, as an operator makes them
     keys = tmp_path / "keys"
@@ -119,13 +120,29 @@ def test_the_router_and_oncall_pods_answer_their_health_endpoints(tmp_path, pg_u
             verb(*args, "--nodes", "node-0", "--drop")
 
 
+def _container(deployment: dict) -> str:
+    """The podman container kube play made for the deployment's first container (`<name>-pod-0-<container>` in podman
+    4, `<name>-pod-<container>` in podman 5)."""
+    name, container = deployment["metadata"]["name"], deployment["spec"]["template"]["spec"]["containers"][0]["name"]
+    names = subprocess.run(["podman", "ps", "--format", "{{.Names}}"], capture_output=True, text=True).stdout.split()
+    found = [n for n in names if n.startswith(f"{name}-pod") and n.endswith(f"-{container}")]
+    assert len(found) == 1, (name, names)
+    return found[0]
+
+
 def _play_and_probe(
     tmp_path: Path, keys: Path, pods: list[dict], prefix: str, route_port: int, oncall_port: int
 ) -> None:
     # each role's Secret as a folder holding the files `liverl keys` lists for its process
-    roles = {"liverl-keys-router": Role("router"), "liverl-keys-viewer": Role("viewer")}
+    roles = {
+        "liverl-keys-router": Role("router"),
+        "liverl-keys-viewer": Role("viewer"),
+        "liverl-keys-ingest": Role("ingest"),
+    }
     for d in pods:
         for v in d["spec"]["template"]["spec"]["volumes"]:
+            if "secret" not in v:
+                continue
             name = v.pop("secret")["secretName"]
             folder = tmp_path / name
             folder.mkdir()
@@ -135,7 +152,7 @@ def _play_and_probe(
                 os.chmod(folder / f, 0o440)
             v["hostPath"] = {"path": str(folder), "type": "Directory"}
         for c in d["spec"]["template"]["spec"]["containers"]:
-            c.pop("ports")  # podman publishes declared ports as host port mappings, which host networking refuses
+            c.pop("ports", None)  # podman publishes declared ports as host port mappings, which host networking refuses
     play = tmp_path / "play.yaml"
     play.write_text(yaml.safe_dump_all(pods))
 
@@ -162,6 +179,17 @@ def _play_and_probe(
         # and it did read them: the fresh registry has no version yet, and says so
         status, state = _get(f"http://127.0.0.1:{oncall_port}/api/state")
         assert status == 503 and "no stable version" in state, (status, state, logs())
+        # the ingest worker's own readiness probe, run in its container as the kubelet runs it: ready once it has
+        # joined the consumer group and restored its join table
+        [ingest] = [d for d in pods if d["metadata"]["name"].endswith("-ingest")]
+        probe = ingest["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["exec"]["command"]
+        deadline, ready = time.monotonic() + 120, None
+        while time.monotonic() < deadline:
+            ready = subprocess.run(["podman", "exec", _container(ingest), *probe], capture_output=True, text=True)
+            if ready.returncode == 0:
+                break
+            time.sleep(2)
+        assert ready is not None and ready.returncode == 0, (ready, logs())
         # the router is connected to Redis as its own ACL user, with the password from its mounted file
         users = {c.get("user") for c in redis.Redis.from_url(REDIS_URL).client_list()}
         assert f"{prefix}_router" in users, (users, logs())
