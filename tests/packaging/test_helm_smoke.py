@@ -1,7 +1,9 @@
-"""The chart's pods run: the router's and the on-call page's Deployments, rendered by the chart, started with
-`podman kube play` on the CPU image (packaging/image/build.sh), answer their health endpoints while connected to this
-machine's Redis and a fresh PostgreSQL database, each process logging in as its own role (`liverl db roles`,
-`liverl redis acl`) with the key and password files of its Secret, mounted read-only.
+"""The chart's pods run: the router's, the ingest worker's and the on-call page's Deployments, rendered by the chart,
+started with `podman kube play` on the CPU image (packaging/image/build.sh), each process logging in as its own role
+(`liverl db roles`, `liverl redis acl`) with the key and password files of its Secret, mounted read-only. The router
+answers /healthz and holds its Redis connection as its own ACL user; the ingest worker joins its consumer group on the
+tests' broker and passes its own readiness probe, run inside its container; the on-call page answers /healthz and
+reads the fresh registry.
 
 What podman's kube play does not do as Kubernetes does, and how the test stands in for it:
 - the pods share the host's network (`--network host`) so that they reach Redis and PostgreSQL on this machine's
