@@ -15,7 +15,8 @@ it sticky), streamed and plain in turn. A client that sees a failure waits ``--f
 request (a client's back-off; it bounds what the baseline's downtime counts). After ``--before`` seconds one router
 is killed with SIGKILL; the load goes on ``--after`` seconds more.
 
-Columns: ``in flight at the kill``: requests sent before the kill and not yet answered; ``failed, in flight``:
+Columns: ``answered/s``: requests answered per second before the kill and after it (the same node behind either
+front; after the kill HAProxy has one router left); ``in flight at the kill``: requests sent before the kill and not yet answered; ``failed, in flight``:
 those of them that failed (a stream cut after its head: its bytes were already on their way to the client, so
 nothing can replay it); ``failed, sent after the kill``: requests sent after the kill that failed, split into those
 sent before the balancer marked the router down (or before the restarted router answered) and after it; ``down
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -399,6 +401,7 @@ def summarize(res: dict, victim: str = "router-1") -> dict:
     out: list[Outcome] = res["outcomes"]
     t_kill, t_down = res["t_kill"], res["t_down"]
     failed = [o for o in out if not o.ok]
+    t0, t1 = min(o.start for o in out), max(o.end for o in out)
     in_flight = [o for o in out if o.start < t_kill <= o.end]
     after = [o for o in failed if o.start >= t_kill]
     later = t_down if t_down is not None else float("inf")
@@ -406,6 +409,8 @@ def summarize(res: dict, victim: str = "router-1") -> dict:
     return {
         "requests": len(out),
         "failed": len(failed),
+        "ok_per_s_before": sum(1 for o in out if o.ok and o.end < t_kill) / (t_kill - t0),
+        "ok_per_s_after": sum(1 for o in out if o.ok and o.start >= t_kill) / (t1 - t_kill),
         "in_flight": len(in_flight),
         "failed_in_flight": sum(1 for o in failed if o.start < t_kill),
         "failed_in_flight_streams": sum(1 for o in failed if o.start < t_kill and o.stream),
@@ -530,9 +535,10 @@ def subprocess_node(cfg: LiverlConfig, model_dir: Path, stack, target):
 def _table(summary: dict) -> str:
     lines = [
         "",
-        "| round | front | requests (failed) | in flight at the kill | failed, in flight (streams) | failed, sent "
-        "after the kill | of which after marked down / back | down after (s) | replayed by HAProxy |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| round | front | requests (failed) | answered/s before / after the kill | in flight at the kill | failed, "
+        "in flight (streams) | failed, sent after the kill | of which after marked down / back | down after (s) | "
+        "replayed by HAProxy |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["rows"]:
         down = "-" if r["down_after_s"] is None else f"{r['down_after_s']:.2f}"
@@ -540,7 +546,8 @@ def _table(summary: dict) -> str:
             down += " (back)"
         replayed = "-" if r["front"] != "haproxy" else str(r["redispatches"])
         lines.append(
-            f"| {r['round']} | {r['front']} | {r['requests']} ({r['failed']}) | {r['in_flight']} | "
+            f"| {r['round']} | {r['front']} | {r['requests']} ({r['failed']}) | "
+            f"{r['ok_per_s_before']:.1f} / {r['ok_per_s_after']:.1f} | {r['in_flight']} | "
             f"{r['failed_in_flight']} ({r['failed_in_flight_streams']}) | {r['failed_after_kill']} | "
             f"{r['failed_after_down']} | {down} | {replayed} |"
         )
