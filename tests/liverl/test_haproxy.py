@@ -55,6 +55,7 @@ def test_haproxy_accepts_the_configuration(tmp_path, routers):
     path.write_text(render(routers, bind="127.0.0.1:18080", stats_bind="127.0.0.1:18404"))
     out = subprocess.run([HAPROXY, "-c", "-f", str(path)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stdout + out.stderr
-    # -c only parses (binds nothing). Nothing is overridden or ignored (an unresolvable router name is only a warning: it is resolved again later)
+    # -c only parses (binds nothing). Nothing is overridden or ignored (an unresolvable router name is only a
+    # warning: it is resolved again while HAProxy runs)
     warnings = [w for w in (out.stdout + out.stderr).splitlines() if "WARNING" in w and "could not resolve" not in w]
     assert not warnings, warnings
