@@ -24,7 +24,7 @@ def test_a_router_killed_behind_haproxy_fails_only_requests_it_had_in_flight(srv
     processes and the package's real node. Router 1 is killed with SIGKILL while a stream it relays is mid-body.
     Every failed request was sent before the kill (in flight), and any that got a response head got it from the
     killed router; every request sent after HAProxy marked it down succeeds, on the other router."""
-    from liverl.bench.routers import Front, kill_under_load
+    from liverl.bench.routers_load import Front, kill_under_load
 
     cfg, _ = front_door(srv.cfg, {srv.cfg.serving.node_name: srv.url})
     front = Front(cfg, tmp_path / "front", n=2, balancer=True).start()
