@@ -91,6 +91,15 @@ class Front:
         return f"http://127.0.0.1:{self.lb_port if self.balancer else self.ports[0]}"
 
     def start(self, timeout_s: float = 120.0) -> Front:
+        """Start the routers, then HAProxy; returns once every router answers and HAProxy sees each UP (what was
+        started is stopped again when that fails)."""
+        try:
+            return self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, timeout_s: float) -> Front:
         from core.services import free_port
         from liverl.ops.haproxy import render
 
