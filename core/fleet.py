@@ -99,29 +99,57 @@ class Node:
     version: int | None
 
 
-def _parse_heartbeat(prefix: str, key, raw, into: dict[str, keys.ServedHeartbeat]) -> None:
+def _parse_heartbeat(
+    prefix: str, key, raw, into: dict[str, keys.ServedHeartbeat], unreadable: list[str] | None = None
+) -> None:
     if raw is None:  # expired between the scan and the read
         return
     try:
         into[keys.node_of_served(prefix, key)] = keys.ServedHeartbeat.from_json(raw)
     except ValueError as e:
         log.warning("unreadable heartbeat %r: %s", key, e)
+        if unreadable is not None:
+            unreadable.append(key.decode() if isinstance(key, bytes) else str(key))
 
 
-def read_heartbeats(redis, prefix: str) -> dict[str, keys.ServedHeartbeat]:
+def _wrong_type_heartbeat(key, e: Exception, unreadable: list[str] | None) -> None:
+    """A heartbeat key that holds another type than a string: not a heartbeat (its node is not routable by it), never
+    a reason to stop reading the others."""
+    if not keys.wrong_type(e):
+        raise e
+    name = key.decode() if isinstance(key, bytes) else str(key)
+    log.warning("ignoring heartbeat key %r: %s", name, e)
+    if unreadable is not None:
+        unreadable.append(name)
+
+
+def read_heartbeats(redis, prefix: str, unreadable: list[str] | None = None) -> dict[str, keys.ServedHeartbeat]:
     """Every live heartbeat of ``prefix``, by node name, known to the config or not (a sync Redis client; one GET per
-    key: the keys sit in different Cluster slots)."""
+    key: the keys sit in different Cluster slots). A key that holds no heartbeat (another type, or no valid record)
+    is skipped, logged, and appended to ``unreadable`` when given."""
     beats: dict[str, keys.ServedHeartbeat] = {}
     for k in redis.scan_iter(match=keys.served_pattern(prefix), count=500):
-        _parse_heartbeat(prefix, k, redis.get(k), beats)
+        try:
+            raw = redis.get(k)
+        except Exception as e:  # noqa: BLE001 - re-raised unless WRONGTYPE
+            _wrong_type_heartbeat(k, e, unreadable)
+            continue
+        _parse_heartbeat(prefix, k, raw, beats, unreadable)
     return beats
 
 
-async def read_heartbeats_async(redis, prefix: str) -> dict[str, keys.ServedHeartbeat]:
+async def read_heartbeats_async(
+    redis, prefix: str, unreadable: list[str] | None = None
+) -> dict[str, keys.ServedHeartbeat]:
     """``read_heartbeats`` for a ``redis.asyncio`` client (the router)."""
     beats: dict[str, keys.ServedHeartbeat] = {}
     async for k in redis.scan_iter(match=keys.served_pattern(prefix), count=500):
-        _parse_heartbeat(prefix, k, await redis.get(k), beats)
+        try:
+            raw = await redis.get(k)
+        except Exception as e:  # noqa: BLE001 - re-raised unless WRONGTYPE
+            _wrong_type_heartbeat(k, e, unreadable)
+            continue
+        _parse_heartbeat(prefix, k, raw, beats, unreadable)
     return beats
 
 
@@ -172,7 +200,8 @@ class AnnouncementVerifier(Protocol):
 class AnnouncementRefused(ValueError):
     """An announcement a reader must not act on. ``reason`` is a short, countable code: ``malformed``, ``unsigned``,
     ``bad_signature``, ``wrong_channel``, ``wrong_prefix``, ``unbound`` (no prefix or no expiry: bound to nothing),
-    ``expired``, ``replayed`` (older than the newest one this reader accepted)."""
+    ``expired``, ``replayed`` (older than the newest one this reader accepted), ``wrong_type`` (the key holds another
+    Redis type than a string: nothing announced there can be read)."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
@@ -264,7 +293,16 @@ class AnnouncementReader:
     async def read(self, redis, channel: AnnouncementChannel, now: float | None = None) -> VersionAnnouncement | None:
         """Read ``channel``'s announcement (a ``redis.asyncio`` client) and ``accept`` it; raises
         ``AnnouncementRefused``, returns None when nothing is announced."""
-        return self.accept(channel, await redis.get(announcement_key(self.prefix, channel)), now)
+        key = announcement_key(self.prefix, channel)
+        try:
+            raw = await redis.get(key)
+        except Exception as e:  # noqa: BLE001 - re-raised unless WRONGTYPE
+            if not keys.wrong_type(e):
+                raise
+            raise AnnouncementRefused(
+                "wrong_type", f"{key} holds another Redis type than a string ({e}); the gate replaces it"
+            ) from None
+        return self.accept(channel, raw, now)
 
 
 def serving_target(
@@ -324,8 +362,14 @@ def expected(node: str, stable: tuple[int, str], rollout) -> tuple[int, str]:
 
 
 def read_desired(redis, prefix: str) -> VersionAnnouncement | None:
-    """``<p>:desired`` parsed, unverified: for display only (the agents and the router verify what they act on)."""
-    raw = redis.get(announcement_key(prefix, "desired"))
+    """``<p>:desired`` parsed, unverified: for display only (the agents and the router verify what they act on). None
+    when nothing readable is there."""
+    try:
+        raw = redis.get(announcement_key(prefix, "desired"))
+    except Exception as e:  # noqa: BLE001 - re-raised unless WRONGTYPE
+        if not keys.wrong_type(e):
+            raise
+        return None
     if raw is None:
         return None
     try:

@@ -19,6 +19,7 @@ key, unless ``security.allow_unsigned`` is set.
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import time
 from pathlib import Path
@@ -27,8 +28,10 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from core import fleet
+from core import fleet, keys
 from core.schemas import AnnouncementChannel, RolloutTerms, VersionAnnouncement
+
+log = logging.getLogger("liverl.signing")
 
 PRIVATE_NAME, PUBLIC_NAME = "announce.key", "announce.pub"
 DEFAULT_TTL_S = 600.0
@@ -128,13 +131,21 @@ def keep_announced(
     half its lifetime left. What is there is checked as the agents check it (``fleet.check_announcement``, verified
     with the signer's own public key): missing, unreadable, unsigned while there is a signer, signed by another key,
     bound to another channel or prefix, expired, or naming another version or other terms, it is replaced (reason
-    ``"<reason> (was ...)"``); valid and matching but past half its lifetime, it is announced again as it was (its
-    reason kept). Returns None when nothing was written, ``"refreshed"``, or ``"was <what was there>"``."""
+    ``"<reason> (was ...)"``; a key of another Redis type too: ``SET`` overwrites any type); valid and matching but
+    past half its lifetime, it is announced again as it was (its reason kept). Returns None when nothing was written,
+    ``"refreshed"``, or ``"was <what was there>"``."""
     now = time.time() if now is None else now
-    raw = r.get(fleet.announcement_key(prefix, channel))
-    if raw is None:
-        was = "nothing"
+    key = fleet.announcement_key(prefix, channel)
+    try:
+        raw = r.get(key)
+    except Exception as e:  # noqa: BLE001 - re-raised unless WRONGTYPE
+        if not keys.wrong_type(e):
+            raise
+        log.error("%s holds another Redis type than a string (%s); replacing it with the announcement", key, e)
+        raw, was = None, "a key of another type"
     else:
+        was = "nothing"
+    if raw is not None:
         try:
             ann = fleet.check_announcement(raw, channel, prefix, signer.verifier() if signer else None, now=now)
         except fleet.AnnouncementRefused as e:

@@ -163,6 +163,11 @@ class Router:
             "Heartbeats of nodes serving.fleet does not name, at the last refresh",
             registry=r,
         )
+        self.m_unreadable = Counter(
+            "liverl_router_unreadable_heartbeats",
+            "Heartbeat keys read that hold no heartbeat (another Redis type, or no valid record): skipped, logged",
+            registry=r,
+        )
         self.m_refresh_errors = Counter(
             "liverl_router_refresh_errors", "Failed reads of the nodes' heartbeats", registry=r
         )
@@ -190,7 +195,9 @@ class Router:
         return True
 
     async def refresh(self) -> None:
-        beats = await fleet.read_heartbeats_async(self.redis, self.prefix)
+        unreadable: list[str] = []
+        beats = await fleet.read_heartbeats_async(self.redis, self.prefix, unreadable)
+        self.m_unreadable.inc(len(unreadable))
         strangers = fleet.unknown(beats, self.allowed)
         for name in strangers:
             if self._once("unknown", name):

@@ -230,3 +230,35 @@ def test_keep_announced_keeps_a_canary_and_its_terms(cfg, rds, keys):
         keep_announced(*args, rollout=terms("node-a", "node-b"), now=ann.ts + 0.6 * (ann.expires_at - ann.ts))
         == "refreshed"
     )
+
+
+def test_the_gate_replaces_an_announcement_key_of_another_redis_type(cfg, rds, keys):
+    """``<p>:desired`` or ``<p>:canary`` made a hash (``DEL``, then ``HSET``): every reader gets WRONGTYPE, so the gate,
+    which owns the key, writes its announcement over it."""
+    private, public = keys
+    p = cfg.topics.prefix
+    for channel, rollout in (("desired", None), ("canary", terms("node-b"))):
+        key = fleet.announcement_key(p, channel)
+        rds.hset(key, "x", "1")
+        got = keep_announced(rds, p, channel, 5, "cd" * 32, "reconciled", Signer(private), rollout=rollout)
+        assert got == "was a key of another type"
+        ann = fleet.check_announcement(rds.get(key), channel, p, Verifier(public))
+        assert (ann.version, ann.rollout) == (5, rollout)
+
+
+def test_a_heartbeat_key_of_another_redis_type_is_skipped_not_fatal(cfg, rds):
+    """The canary's and ``liverl status``'s view of the routable nodes reads past a heartbeat key that holds a hash."""
+    from core import keys as rkeys
+
+    p = cfg.topics.prefix
+    beat = rkeys.ServedHeartbeat(version=3, checksum="c" * 64, healthy=True)
+    for name in ("node-a", "node-b"):
+        rds.set(rkeys.served(p, name), beat.to_json(), ex=60)
+    rds.hset(rkeys.served(p, "node-c"), "x", "1")
+    allowed = {n: f"http://{n}" for n in ("node-a", "node-b", "node-c")}
+    unreadable: list[str] = []
+    assert sorted(fleet.read_heartbeats(rds, p, unreadable)) == ["node-a", "node-b"]
+    assert unreadable == [rkeys.served(p, "node-c")]
+    assert fleet.routable_nodes(rds, p, allowed) == ["node-a", "node-b"]
+    rds.hset(fleet.announcement_key(p, "desired"), "x", "1")
+    assert fleet.read_desired(rds, p) is None

@@ -415,3 +415,36 @@ def test_table_writes_stay_readable_while_the_changelog_has_them_in_flight(stack
             table.close()
 
     asyncio.run(run())
+
+
+def test_a_wrong_typed_counter_key_is_replaced_and_the_batch_still_counts(env):
+    """A string where ingest keeps a hash (``live:{v}``, ``ingest:counters``, a per-user sums bucket) makes Redis
+    answer WRONGTYPE; the worker must not stop on it (it would replay the batch into the same error for ever): the key
+    is replaced, counted and logged, and the batch counts once."""
+    cfg, metrics = env
+    p = cfg.topics.prefix
+    r = redis.Redis.from_url(cfg.redis.url)
+    bucket = keys.unit_bucket(1_700_000_000.0)
+    for k in (keys.live(p, 12), keys.ingest_counters(p), keys.units(p, 12, bucket)):
+        r.set(k, "x")
+
+    async def run():
+        try:
+            t = Tally()
+            t.live += [("fid-a", 12, "accept", bucket, "u1"), ("fid-b", 12, "reject", bucket, "u2")]
+            t.inc("joined", 2)
+            await metrics.apply(t)
+        finally:
+            await metrics.close()
+
+    try:
+        asyncio.run(run())
+        live = {k.decode(): int(v) for k, v in r.hgetall(keys.live(p, 12)).items()}
+        counters = {k.decode(): int(v) for k, v in r.hgetall(keys.ingest_counters(p)).items()}
+        units = keys.read_unit_buckets(r, p, 12, [bucket])[bucket]
+    finally:
+        r.close()
+    assert live == {"accept": 1, "reject": 1, "events": 2}
+    assert counters == {"joined": 2}
+    assert units["u1"]["a"] == 1 and units["*"]["e"] == 2
+    assert metrics.wrong_type._value.get() == 3
