@@ -40,7 +40,8 @@ The re-prefill runs after the resume, outside the pause; it is one prefill per f
 Each swap is appended to ``<prefix>:swaps`` (JSON: from, to, pause_ms = the engine's pause measured in the node, its
 phases stage_ms (before the pause) / pause_call_ms / apply_ms / label_ms / resume_ms / verify_ms (after it), call_ms =
 the agent's whole call, called_at = when it began (epoch s), inflight, ...),
-and a heartbeat ``<prefix>:served:<node>`` = {version, checksum, ts, last_swap_pause_ms} is refreshed every poll.
+and a heartbeat ``<prefix>:served:<node>`` = {version, checksum, ts, last_swap_pause_ms} is refreshed every
+``swap_poll_s`` by a task of its own, so a long plan, swap or re-verification never lets it expire.
 
 The process that starts the node (the gateway inside it) and runs the agent is ``serving.agent.main``.
 """
@@ -113,6 +114,8 @@ class Agent:
         self._verified_at = time.monotonic()  # the served checksum was last read back then (init, swaps, reverify)
         self.last_swap_pause_ms: float | None = None  # the last swap's engine pause, measured in the node
         self.metrics = metrics or AgentMetrics()  # what the serving process serves on serving.agent_port
+        # the heartbeat outlives about 20 polls: the router drops the node only when its agent stops writing it
+        self.heartbeat_ttl_s = max(10, int(20 * cfg.serving.swap_poll_s))
         self.swaps: collections.deque[dict] = collections.deque(maxlen=keys.LIST_CAP)
         key = required_verify_key(cfg)  # none: ValueError, unless security.allow_unsigned
         self.verifier = Verifier(key) if key else None  # with a key, unsigned announcements are refused
@@ -152,15 +155,37 @@ class Agent:
     # ------------------------------------------------------------------------------------------ loop
 
     async def run(self, stop: asyncio.Event, node_alive=lambda: True) -> None:
-        """Poll, swap, heartbeat until ``stop`` is set. Errors are logged and reported, never fatal."""
+        """Poll, swap, heartbeat until ``stop`` is set. Errors are logged and reported, never fatal. The heartbeat is
+        written by a task of its own (``beat_forever``): a poll can take far longer than the heartbeat's TTL (planning
+        a long chain, a swap's staging and read-back, a re-verification of tens of GB), and the node keeps serving
+        through all of them, so it must stay in rotation meanwhile."""
+        beats = asyncio.create_task(self.beat_forever(stop), name=f"heartbeat {self.name}")
+        try:
+            while not stop.is_set():
+                if not node_alive():
+                    raise RuntimeError("the vLLM node process died")
+                try:
+                    await self.step()
+                except Exception as e:  # noqa: BLE001 - the agent outlives any one poll; each failure is counted
+                    self.metrics.errors.labels(kind=type(e).__name__).inc()
+                    log.exception("agent step failed")
+                try:
+                    await asyncio.wait_for(stop.wait(), self.cfg.serving.swap_poll_s)
+                except TimeoutError:
+                    pass
+        finally:
+            beats.cancel()
+            await asyncio.gather(beats, return_exceptions=True)
+
+    async def beat_forever(self, stop: asyncio.Event) -> None:
+        """Write the heartbeat every ``serving.swap_poll_s`` until ``stop`` is set, whatever the poll is doing. A
+        failed write is counted and logged; the next one is tried a poll later (the TTL spans about 20 of them)."""
         while not stop.is_set():
-            if not node_alive():
-                raise RuntimeError("the vLLM node process died")
             try:
-                await self.step()
-            except Exception as e:  # noqa: BLE001 - the agent outlives any one poll; each failure is counted
-                self.metrics.errors.labels(kind=type(e).__name__).inc()
-                log.exception("agent step failed")
+                await self.beat()
+            except Exception as e:  # noqa: BLE001 - a lost write is retried at the next beat; each failure is counted
+                self.metrics.errors.labels(kind=f"heartbeat {type(e).__name__}").inc()
+                log.error("could not write node %s's heartbeat: %s", self.name, e)
             try:
                 await asyncio.wait_for(stop.wait(), self.cfg.serving.swap_poll_s)
             except TimeoutError:
@@ -251,7 +276,13 @@ class Agent:
             log.error("could not report to the node's gateway: %s", e)
 
     async def heartbeat(self) -> None:
+        """Report the served state to the node's gateway, then write the heartbeat."""
         await self._flush()
+        await self.beat()
+
+    async def beat(self) -> None:
+        """Write ``<prefix>:served:<node>`` (expires after ``heartbeat_ttl_s``): what the node serves, whether it is
+        healthy, where the router reaches it. Only Redis is called: a node busy with a swap does not delay it."""
         beat = keys.ServedHeartbeat(
             version=self.gw.version,
             checksum=self.gw.checksum,
@@ -259,8 +290,7 @@ class Agent:
             healthy=self.gw.unhealthy_reason is None,
             url=advertised_url(self.cfg.serving),
         )
-        ttl = max(10, int(20 * self.cfg.serving.swap_poll_s))
-        await self.redis.set(keys.served(self.prefix, self.name), beat.to_json(), ex=ttl)
+        await self.redis.set(keys.served(self.prefix, self.name), beat.to_json(), ex=self.heartbeat_ttl_s)
 
     # ------------------------------------------------------------------------------------------ swapping
 
