@@ -311,6 +311,20 @@ class Gate(EvidenceChecks, WaitSteps):
         )
         return state if self._record(row.version, "integrity", float(ok), 1.0, ok, detail) else None
 
+    def _before_rollback(self, row: Version) -> str | None:
+        """Why ``row`` may carry a change an operator rolled back, or None. Its parent was rolled back; or a rollback
+        came after the last one its weights account for (``rollback_seen``: audit ids, one sequence for every
+        writer, so no host's clock decides); a row registered without it is compared by time."""
+        rollback_id, rolled_back_at = self.registry.last_rollback()
+        if row.parent is not None and self.registry.get(row.parent).status == "rolled_back":
+            return f"its parent v{row.parent} was rolled back"
+        if row.rollback_seen is not None:
+            if row.rollback_seen < rollback_id:
+                return f"its weights account for rollbacks up to audit entry {row.rollback_seen}, not {rollback_id}"
+        elif row.created_at <= rolled_back_at:
+            return "registered before the last rollback's time"
+        return None
+
     def _judge(self, row: Version, stable: Version) -> Verdict:
         checks: dict[str, bool] = {}
         early = self._too_early()
@@ -320,8 +334,8 @@ class Gate(EvidenceChecks, WaitSteps):
                 self._verdicts.labels("deferred").inc()
                 log.info("gate: version %d deferred: %s", row.version, early)
             return Verdict(row.version, "deferred", early, checks)
-        _, rolled_back_at = self.registry.last_rollback()
-        if row.created_at <= rolled_back_at:  # it may carry the change an operator just rolled back
+        why = self._before_rollback(row)
+        if why is not None:  # it may carry the change an operator just rolled back
             reason = "emitted before the last rollback"
             checks["after_rollback"] = self._record(
                 row.version,
@@ -329,7 +343,7 @@ class Gate(EvidenceChecks, WaitSteps):
                 0.0,
                 1.0,
                 False,
-                f"{reason} (the learner rebases onto the stable version)",
+                f"{reason}: {why} (the learner rebases onto the stable version)",
             )
             self._refuse(row.version, reason)
             self._rejected()
