@@ -152,7 +152,13 @@ class TrainingSample(_Wire):
     sampling: SamplingParams | None = Field(default=None, description="The decoding that produced the completion.")
     edited_text: str | None = None
     ts_generation: _Time
-    ts_feedback: _Time
+    ts_feedback: _Time = Field(description="When the user gave the feedback, by the product's clock (its event's ts).")
+    ts_joined: _Time | None = Field(
+        default=None,
+        description="When ingest joined the feedback with its generation, by ingest's clock: the learner measures its "
+        "backlog from it (learner.max_backlog_s), never from the product's ts_feedback, which may be minutes or "
+        "days old when the product forwards late. None: a sample written without it (ts_feedback is used).",
+    )
 
 
 class DeadLetter(_Wire):

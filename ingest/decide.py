@@ -268,6 +268,7 @@ class Decider:
                 "kind": "revert",
                 "reward": float(self.product.reward("revert", s.segment)),
                 "ts_feedback": fb.ts,
+                "ts_joined": out.now,
             }
         )
         self.emitter.emit(
@@ -296,7 +297,7 @@ class Decider:
         guardrails = _guardrails(meta)
         sample = b""
         if "x" not in rec:
-            sample = sample_json(gid, rec, body, fb, float(self.product.reward(fb.kind, fb.segment)))
+            sample = sample_json(gid, rec, body, fb, float(self.product.reward(fb.kind, fb.segment)), now)
             if len(sample) > MAX_RECORD_BYTES:
                 self.emitter.dead(
                     out,

@@ -131,11 +131,14 @@ def _parts(
     return meta, body[1:-1]
 
 
-def sample_json(gid: str, meta: dict[str, Any], body: bytes, fb: FeedbackEvent, reward: float) -> bytes:
+def sample_json(
+    gid: str, meta: dict[str, Any], body: bytes, fb: FeedbackEvent, reward: float, joined_at: float
+) -> bytes:
     """The ``TrainingSample`` of a judged generation, as its wire JSON: byte for byte what
     ``TrainingSample(...).model_dump_json()`` gives (tests/ingest/test_fuzz.py checks it), built from data already
     validated (the record's ``record_parts``, the feedback) without validating it again: that would cost the join a
-    fifth of its time. The reward is the product's code, so it is checked here."""
+    fifth of its time. The reward is the product's code, so it is checked here. ``joined_at``: ingest's clock at the
+    join (``ts_joined``)."""
     if not math.isfinite(reward):
         raise ValueError(f"the product's reward for {fb.kind!r} is {reward}: rewards must be finite")
     head = to_json(
@@ -150,7 +153,9 @@ def sample_json(gid: str, meta: dict[str, Any], body: bytes, fb: FeedbackEvent, 
             "segment": fb.segment,
         }
     )
-    tail = to_json({"edited_text": fb.edited_text, "ts_generation": meta["ts"], "ts_feedback": fb.ts})
+    tail = to_json(
+        {"edited_text": fb.edited_text, "ts_generation": meta["ts"], "ts_feedback": fb.ts, "ts_joined": joined_at}
+    )
     return b"".join((head[:-1], b",", body, b",", tail[1:]))
 
 
