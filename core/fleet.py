@@ -200,8 +200,8 @@ class AnnouncementVerifier(Protocol):
 class AnnouncementRefused(ValueError):
     """An announcement a reader must not act on. ``reason`` is a short, countable code: ``malformed``, ``unsigned``,
     ``bad_signature``, ``wrong_channel``, ``wrong_prefix``, ``unbound`` (no prefix or no expiry: bound to nothing),
-    ``expired``, ``replayed`` (older than the newest one this reader accepted), ``wrong_type`` (the key holds another
-    Redis type than a string: nothing announced there can be read)."""
+    ``expired``, ``replayed`` (older than the newest one this reader accepted: by audit sequence, else by time),
+    ``wrong_type`` (the key holds another Redis type than a string: nothing announced there can be read)."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
@@ -264,13 +264,17 @@ def check_announcement(
 
 class AnnouncementReader:
     """One process's reader of the announcements (a serving agent's, the router's): ``check_announcement`` with this
-    process's prefix and verifier, and a replay guard: it keeps the newest ``ts`` it accepted per channel and refuses
-    an older announcement (an old signed one written back). The caller counts the refusals."""
+    process's prefix and verifier, and a replay guard: it keeps the newest announcement it accepted per channel and
+    refuses an older one (an old signed one written back). Older is by ``seq``, the registry's audit sequence, when
+    both carry one: the gate and an operator's CLI sign on different hosts, and a clock running behind must not make
+    a rollback look like a replay. An announcement without ``seq`` is ordered by its ``ts`` (the signer's clock). The
+    caller counts the refusals."""
 
     def __init__(self, prefix: str, verifier: AnnouncementVerifier | None):
         self.prefix = prefix
         self.verifier = verifier
         self.newest: dict[str, float] = {}  # channel -> ts of the newest announcement accepted
+        self.newest_seq: dict[str, int] = {}  # channel -> the highest seq accepted
 
     def accept(
         self, channel: AnnouncementChannel, raw: bytes | str | None, now: float | None = None
@@ -280,8 +284,16 @@ class AnnouncementReader:
         if raw is None:
             return None
         ann = check_announcement(raw, channel, self.prefix, self.verifier, now)
-        newest = self.newest.get(channel)
-        if newest is not None and ann.ts < newest:
+        newest, newest_seq = self.newest.get(channel), self.newest_seq.get(channel)
+        if ann.seq is not None:
+            if newest_seq is not None and ann.seq < newest_seq:
+                raise AnnouncementRefused(
+                    "replayed",
+                    f"v{ann.version} was announced at audit sequence {ann.seq}, before the announcement accepted on "
+                    f"{channel!r} at {newest_seq}",
+                )
+            self.newest_seq[channel] = ann.seq
+        elif newest is not None and ann.ts < newest:
             raise AnnouncementRefused(
                 "replayed",
                 f"v{ann.version} was announced at {ann.ts:.3f}, before the "

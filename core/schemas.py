@@ -216,7 +216,7 @@ class VersionAnnouncement(_Wire):
     ``<prefix>:<channel>``). The signature covers every other field, so a signed announcement is bound to its channel,
     its deployment (``prefix``), its expiry and, on the canary channel, to the rollout's terms; readers
     (``core.fleet.check_announcement``) refuse one read from another key, another deployment's, an expired one,
-    and one older than the newest they accepted (a replay)."""
+    and one older than the newest they accepted (a replay: by ``seq``, the registry's audit sequence)."""
 
     schema_version: Literal[1] = SCHEMA_VERSION
     version: int = Field(ge=0)
@@ -240,12 +240,23 @@ class VersionAnnouncement(_Wire):
     rollout: RolloutTerms | None = Field(
         default=None, description="The rollout's terms: required on the canary channel, absent on desired."
     )
+    seq: int | None = Field(
+        default=None,
+        ge=0,
+        description="The registry's audit sequence when it was signed (the newest audit entry's id, read before the "
+        "state announced): readers refuse one with a lower seq than one they accepted on the channel (a replay), "
+        "whatever the signers' clocks. None: unsequenced (ordered by ts; left out of the JSON, so announcements "
+        "signed without it verify as they were signed).",
+    )
     signature: str | None = Field(
         default=None,
         max_length=256,
         description="Ed25519 signature (base64) by the release tier over every other "
         "field; agents that hold the public key serve nothing unsigned (see deploy.registry.signing).",
     )
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json(exclude={"seq"} if self.seq is None else None).encode()
 
     @model_validator(mode="after")
     def _terms_on_the_canary_channel(self):

@@ -198,6 +198,7 @@ class CanaryController:
             channel="canary",
             rollout=self.terms(rollout),
             ttl_s=self.cfg.security.announce_ttl_s,
+            seq=self.registry.audit_seq(),  # the rollout's start included
         )
 
     def refresh(self, rollout: Rollout) -> None:
@@ -213,6 +214,7 @@ class CanaryController:
             self.signer,
             rollout=self.terms(rollout),
             ttl_s=self.cfg.security.announce_ttl_s,
+            seq=self.registry.audit_seq(),
         )
 
     def _fixed_nulls(self, stable: Version, now: float) -> dict:
@@ -427,6 +429,7 @@ class CanaryController:
             f"canary passed: {why}"[:1024],
             self.signer,
             ttl_s=self.cfg.security.announce_ttl_s,
+            seq=self.registry.audit_seq(),  # the promotion's own entry included
         )
         self.clear()
         log.info("gate: canary v%d promoted: %s", rollout.version, why)

@@ -180,12 +180,15 @@ class Gate(EvidenceChecks, WaitSteps):
             return
         log.info("gate: evaluator warmed up on stable v%d in %.1f s", stable.version, time.perf_counter() - t0)
 
-    def reconcile(self, stable: Version) -> Attested:
+    def reconcile(self, stable: Version, seq: int | None = None) -> Attested:
         """The fleet follows ``<prefix>:desired``; make it name the registry's stable version (after a crash between
         a promotion and its announcement, or a lost Redis key), checked as the agents check it (signed, bound to its
         channel and prefix, unexpired), and keep it fresh (``deploy.registry.signing.keep_announced``). The registry is
         the truth, as far as its audit log vouches for it (``deploy.registry.attest``): a stable version that no
-        verified audit entry made stable is not signed. Returns what the audit log vouches for."""
+        verified audit entry made stable is not signed. ``seq``: the registry's audit sequence read before ``stable``
+        was (None: read now), which the announcement carries. Returns what the audit log vouches for."""
+        if seq is None:
+            seq = self.registry.audit_seq()
         att = self.attestor.refresh()
         if att.problem is not None or att.stable != stable.version:
             self._not_vouched(
@@ -204,6 +207,7 @@ class Gate(EvidenceChecks, WaitSteps):
             "reconciled with the registry",
             self.signer,
             ttl_s=self.cfg.security.announce_ttl_s,
+            seq=seq,
         )
         if what is not None and what != "refreshed":
             log.warning("gate: desired version %s; announced the registry's stable v%d", what, stable.version)
@@ -218,11 +222,12 @@ class Gate(EvidenceChecks, WaitSteps):
 
     def step(self) -> list[Verdict]:
         """Process the pending candidates: the newest is evaluated, older ones are superseded."""
+        seq = self.registry.audit_seq()  # before the state it orders: a rollback after it outranks what is read here
         stable = self.registry.stable()
         self._stable.set(stable.version)
         self._promoted_at.set(stable.promoted_at or 0.0)
         self._rolled_back_at.set(self.registry.last_rollback()[1] or 0.0)
-        att = self.reconcile(stable)
+        att = self.reconcile(stable, seq)
         for v in self.registry.reap_orphan_canaries(actor="gate"):  # a crash between a rollout's steps
             log.warning("gate: version %d was a canary no rollout runs; rejected", v)
         rollout = self.registry.active_rollout()
@@ -403,6 +408,7 @@ class Gate(EvidenceChecks, WaitSteps):
             reason,
             self.signer,
             ttl_s=self.cfg.security.announce_ttl_s,
+            seq=self.registry.audit_seq(),  # the promotion's own entry included
         )
         log.info("gate: version %d promoted and announced", row.version)
         self._promoted(row.version)

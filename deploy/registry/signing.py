@@ -83,9 +83,12 @@ def announce(
     channel: AnnouncementChannel = "desired",
     rollout: RolloutTerms | None = None,
     ttl_s: float = DEFAULT_TTL_S,
+    seq: int | None = None,
 ) -> VersionAnnouncement:
     """Tell the fleet which version to serve on ``channel`` (``<prefix>:desired``, or ``<prefix>:canary`` with the
-    rollout's terms), valid for ``ttl_s`` (``security.announce_ttl_s``); signed when there is a ``signer``."""
+    rollout's terms), valid for ``ttl_s`` (``security.announce_ttl_s``); signed when there is a ``signer``. ``seq``:
+    the registry's audit sequence (``Registry.audit_seq``) read before the state announced, which readers order
+    announcements by (None: by ``ts``, the signer's clock)."""
     if ttl_s <= 0:
         raise ValueError(f"an announcement's ttl_s must be > 0, not {ttl_s}")
     now = time.time()
@@ -98,6 +101,7 @@ def announce(
         prefix=prefix,
         expires_at=now + ttl_s,
         rollout=rollout,
+        seq=seq,
     )
     if signer is not None:
         ann = signer.sign(ann)
@@ -126,14 +130,15 @@ def keep_announced(
     rollout: RolloutTerms | None = None,
     ttl_s: float = DEFAULT_TTL_S,
     now: float | None = None,
+    seq: int | None = None,
 ) -> str | None:
     """Make ``<prefix>:<channel>`` announce ``version`` (with ``rollout``'s terms on the canary channel) with at least
     half its lifetime left. What is there is checked as the agents check it (``fleet.check_announcement``, verified
     with the signer's own public key): missing, unreadable, unsigned while there is a signer, signed by another key,
     bound to another channel or prefix, expired, or naming another version or other terms, it is replaced (reason
     ``"<reason> (was ...)"``; a key of another Redis type too: ``SET`` overwrites any type); valid and matching but
-    past half its lifetime, it is announced again as it was (its reason kept). Returns None when nothing was written,
-    ``"refreshed"``, or ``"was <what was there>"``."""
+    past half its lifetime, it is announced again as it was (its reason kept). What is written carries ``seq`` (see
+    ``announce``). Returns None when nothing was written, ``"refreshed"``, or ``"was <what was there>"``."""
     now = time.time() if now is None else now
     key = fleet.announcement_key(prefix, channel)
     try:
@@ -157,11 +162,29 @@ def keep_announced(
                 return None
             else:
                 announce(
-                    r, prefix, version, checksum, ann.reason, signer, channel=channel, rollout=rollout, ttl_s=ttl_s
+                    r,
+                    prefix,
+                    version,
+                    checksum,
+                    ann.reason,
+                    signer,
+                    channel=channel,
+                    rollout=rollout,
+                    ttl_s=ttl_s,
+                    seq=seq,
                 )
                 return "refreshed"
     announce(
-        r, prefix, version, checksum, f"{reason} (was {was})", signer, channel=channel, rollout=rollout, ttl_s=ttl_s
+        r,
+        prefix,
+        version,
+        checksum,
+        f"{reason} (was {was})",
+        signer,
+        channel=channel,
+        rollout=rollout,
+        ttl_s=ttl_s,
+        seq=seq,
     )
     return f"was {was}"
 

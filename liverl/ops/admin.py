@@ -375,6 +375,7 @@ def _change(cfg: LiverlConfig, verb: str, token: str | None, do) -> int:
     try:
         who = reg.authenticate(token, need="operator")
         row = do(reg, who.name)
+        seq = reg.audit_seq()  # the change's own entry included: it outranks what the gate signed before it
     except RegistryError as e:
         return _err(str(e))
     finally:
@@ -389,6 +390,7 @@ def _change(cfg: LiverlConfig, verb: str, token: str | None, do) -> int:
             f"{verb}: {row.status_reason or ''}".strip(),
             Signer(key) if key else None,
             ttl_s=cfg.security.announce_ttl_s,
+            seq=seq,
         )
     print(f"{verb}: v{row.version} is now stable (checksum {row.checksum[:12]}…); announced to the fleet")
     return 0

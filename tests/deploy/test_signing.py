@@ -262,3 +262,39 @@ def test_a_heartbeat_key_of_another_redis_type_is_skipped_not_fatal(cfg, rds):
     assert fleet.routable_nodes(rds, p, allowed) == ["node-a", "node-b"]
     rds.hset(fleet.announcement_key(p, "desired"), "x", "1")
     assert fleet.read_desired(rds, p) is None
+
+
+def test_an_announcement_signed_without_a_sequence_still_verifies_and_is_ordered_by_time(cfg, keys):
+    """Announcements signed before ``seq`` existed (no such field in their JSON) verify as they were signed, and a
+    reader orders them by ``ts``; one with ``seq`` is ordered by it."""
+    import base64
+    import json
+
+    from cryptography.hazmat.primitives import serialization
+
+    private, public = keys
+    p, now = cfg.topics.prefix, time.time()
+    fields = {  # the JSON a signer without the field wrote, in its field order, signed over with signature null
+        "schema_version": 1,
+        "version": 3,
+        "checksum": "ab" * 32,
+        "reason": "promoted",
+        "ts": now,
+        "channel": "desired",
+        "prefix": p,
+        "expires_at": now + 600,
+        "rollout": None,
+        "signature": None,
+    }
+    key = serialization.load_pem_private_key(private.read_bytes(), password=None)
+    fields["signature"] = base64.b64encode(key.sign(json.dumps(fields, separators=(",", ":")).encode())).decode()
+    old = json.dumps(fields, separators=(",", ":")).encode()
+    reader = fleet.AnnouncementReader(p, Verifier(public))
+    assert reader.accept("desired", old).seq is None
+    earlier = Signer(private).sign(bound(cfg, ts=now - 1))
+    with pytest.raises(fleet.AnnouncementRefused, match="replayed"):
+        reader.accept("desired", earlier.to_bytes())
+    sequenced = Signer(private).sign(bound(cfg, ts=now - 1, seq=5))
+    assert reader.accept("desired", sequenced.to_bytes()).seq == 5
+    with pytest.raises(fleet.AnnouncementRefused, match="replayed"):
+        reader.accept("desired", Signer(private).sign(bound(cfg, ts=now + 1, seq=4)).to_bytes())

@@ -304,3 +304,37 @@ def test_diff_lists_changed_tensors_and_the_gate_evidence_side_by_side(cfg, flee
     assert "rejected (failed collapse)" in out and "60.0% of 100" in out
     assert cmd_diff(cfg, 0, 0) == 0 and "0 of" in capsys.readouterr().out  # nothing differs from itself
     assert cmd_diff(cfg, 0, 99) == 1 and "99" in capsys.readouterr().err
+
+
+def test_a_rollback_signed_on_a_clock_behind_the_gate_s_is_followed_not_refused_as_a_replay(
+    cfg, rds, fleet, monkeypatch
+):
+    """The operator's laptop runs a minute behind the gate's host: its rollback is signed with an older ``ts`` than the
+    gate's last announcement, and agents must still follow it. Announcements are ordered by the registry's audit
+    sequence they carry; the gate's earlier one, written back, is then the replay."""
+    import types
+
+    import deploy.registry.signing as signing
+    from core import fleet as fl
+    from deploy.gate.gate import Gate
+    from deploy.registry.signing import Signer, Verifier, generate_keypair
+    from tests.deploy.test_gate import ProbeEval
+
+    admin, _alice, _vic = _operators(cfg)
+    private, public = generate_keypair(cfg.state_path / "keys")  # where the CLI and the gate find the pair
+    p = cfg.topics.prefix
+    reader = fl.AnnouncementReader(p, Verifier(public))
+    reg = open_registry(cfg)
+    try:
+        Gate(cfg, reg, rds, ProbeEval(), signer=Signer(private)).reconcile(reg.stable())
+    finally:
+        reg.close()
+    gates = rds.get(f"{p}:desired")
+    assert reader.accept("desired", gates).version == 1
+    behind = time.time() - 60.0
+    monkeypatch.setattr(signing, "time", types.SimpleNamespace(time=lambda: behind))
+    assert cmd_rollback(cfg, reason="acceptance dropped", token=admin) == 0
+    rolled = reader.accept("desired", rds.get(f"{p}:desired"))
+    assert rolled.version == 0 and rolled.ts < VersionAnnouncement.from_bytes(gates).ts
+    with pytest.raises(fl.AnnouncementRefused, match="replayed"):
+        reader.accept("desired", gates)
