@@ -223,10 +223,12 @@ def check_announcement(
     prefix: str,
     verifier: AnnouncementVerifier | None,
     now: float | None = None,
+    allow_expired: bool = False,
 ) -> VersionAnnouncement:
     """Parse and check an announcement read from ``<prefix>:<channel>``; raises ``AnnouncementRefused``. With a
     ``verifier`` the signature must verify (it covers every field); then the announcement must name this channel and
-    this prefix and not have expired at ``now``. Stateless: ``AnnouncementReader`` adds the replay check."""
+    this prefix and not have expired at ``now`` (unless ``allow_expired``: an agent's kept copy of the last desired
+    announcement it verified, see ``serving.agent``). Stateless: ``AnnouncementReader`` adds the replay check."""
     try:
         ann = VersionAnnouncement.from_bytes(raw)
     except WireError as e:
@@ -253,7 +255,7 @@ def check_announcement(
             "wrong_prefix", f"v{ann.version} was announced for deployment {ann.prefix!r}, not {prefix!r}"
         )
     now = time.time() if now is None else now
-    if ann.expires_at <= now:
+    if ann.expires_at <= now and not allow_expired:
         raise AnnouncementRefused(
             "expired",
             f"the announcement of v{ann.version} expired at {ann.expires_at:.0f} "

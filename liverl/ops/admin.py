@@ -441,6 +441,17 @@ def cmd_hold(cfg: LiverlConfig, hold: bool, reason: str, token: str | None) -> i
 ROLLOUT_ACTIONS = ("abort", "pause", "resume", "promote")
 
 
+def _withdraw_canary(cfg: LiverlConfig) -> str:
+    """Delete the canary announcement (``<p>:canary``) after an abort, so its nodes return to stable whether or not
+    the gate runs; says what was done. Should Redis fail, the gate withdraws it at its next step."""
+    try:
+        with open_redis(cfg) as r:
+            r.delete(keys.canary(cfg.topics.prefix))
+    except redis.RedisError as e:
+        return f"the canary announcement could not be withdrawn ({e}; the gate withdraws it at its next step)"
+    return "its announcement withdrawn"
+
+
 def cmd_rollout(cfg: LiverlConfig, action: str, reason: str, token: str | None) -> int:
     """``abort``, ``pause`` or ``resume`` the canary in progress, or ``promote`` it to the whole fleet now (Argo
     Rollouts' verbs); each needs an operator token and a reason, and is audited.
@@ -448,8 +459,9 @@ def cmd_rollout(cfg: LiverlConfig, action: str, reason: str, token: str | None) 
     They change the rollout in the registry, where the gate reads it at every step (not the Redis plan, which is only
     a display): ``pause`` keeps the canary's share but the gate will not promote it (it still aborts it if a metric is
     shown worse); a gate step that had read the rollout before the pause cannot promote it (its write is a
-    compare-and-set). ``abort`` rejects the canary at once; the gate then withdraws its announcement, and the canary
-    nodes return to stable. ``promote`` makes the canary stable and announces it to the whole fleet (the rollout ends).
+    compare-and-set). ``abort`` rejects the canary at once and deletes its announcement, so the canary nodes return to
+    stable even while the gate is down. ``promote`` makes the canary stable and announces it to the whole fleet (the
+    rollout ends).
     """
     if action not in ROLLOUT_ACTIONS:
         raise ValueError(f"unknown rollout action {action!r}; one of {ROLLOUT_ACTIONS}")
@@ -479,7 +491,7 @@ def cmd_rollout(cfg: LiverlConfig, action: str, reason: str, token: str | None) 
                 ro = reg.finish_rollout_abort(ro.id, actor=actor, reason=why, verdict="operator")
                 reg.record_gate(ro.version, "canary", None, None, False, why)
                 msg = (
-                    f"canary v{ro.version} aborted and rejected; the gate withdraws it and its nodes "
+                    f"canary v{ro.version} aborted and rejected; {_withdraw_canary(cfg)}: its nodes "
                     f"({', '.join(ro.nodes)}) return to stable v{ro.stable_version}"
                 )
             else:

@@ -124,6 +124,13 @@ class Agent:
         self.refused_by_reason: collections.Counter[str] = collections.Counter()
         self.registry_errors = _registry_errors() if registry is not None else (SQLAlchemyError, OSError)
         self._last_refused: dict[str, str] = {}  # channel -> the refusal last logged
+        # the last desired announcement this agent verified, kept on disk: followed when none is valid in Redis (the
+        # gate down longer than security.announce_ttl_s), so a restarted node returns to the stable version, not to
+        # its model directory's weights
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.name)
+        self.kept_path = cfg.state_path / "agent" / f"{safe}.desired.json"
+        self._kept_raw: bytes | None = None
+        self._kept_said: str | None = None
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -243,7 +250,9 @@ class Agent:
         """What this node should serve (``fleet.serving_target``): the canary announcement when its signed terms name
         this node, else the fleet's desired one; each read and checked by ``fleet.AnnouncementReader``. A refused
         announcement is counted (``refused_announcements``, by reason) and logged once per distinct refusal, and
-        counts as none: a refused canary leaves the node on desired, a refused desired one changes nothing."""
+        counts as none: a refused canary leaves the node on desired. With no valid desired announcement in Redis the
+        agent follows the last one it verified (kept on disk across restarts, ``_kept``), expired or not: the registry
+        must still call its version stable (``_plan``), so an announcement kept past a rollback moves nothing."""
         got: dict[str, VersionAnnouncement | None] = {}
         for channel in fleet.CHANNELS:
             try:
@@ -257,10 +266,60 @@ class Agent:
                 if self._last_refused.get(channel) != str(e):  # say it once per distinct refusal, not every poll
                     self._last_refused[channel] = str(e)
                     log.error("refusing %s: %s", fleet.announcement_key(self.prefix, channel), e)
+        if got["desired"] is not None:
+            self._keep(got["desired"])
+        else:
+            got["desired"] = self._kept()
         target = fleet.serving_target(self.name, got["desired"], got["canary"])
         if target is not None:
             self.metrics.target_version.set(target.version)
         return target
+
+    def _keep(self, ann: VersionAnnouncement) -> None:
+        """Write ``ann`` (a verified desired announcement) to ``kept_path`` when it differs from the one kept."""
+        raw = ann.to_bytes()
+        if self._kept_raw is None and self.kept_path.exists():
+            self._kept_raw = self.kept_path.read_bytes()
+        if raw == self._kept_raw:
+            return
+        try:
+            self.kept_path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.kept_path.with_suffix(".tmp")
+            tmp.write_bytes(raw)
+            os.replace(tmp, self.kept_path)
+            self._kept_raw = raw
+        except OSError as e:  # the node serves on; a restart without the copy waits for the gate's next announcement
+            log.error("cannot keep the desired announcement in %s: %s", self.kept_path, e)
+
+    def _kept(self) -> VersionAnnouncement | None:
+        """The desired announcement kept by ``_keep`` (verified again: signed, this channel and prefix; its expiry
+        aside), or None. Said once per version followed."""
+        try:
+            raw = self.kept_path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            log.error("cannot read the kept desired announcement %s: %s", self.kept_path, e)
+            return None
+        try:
+            ann = fleet.check_announcement(raw, "desired", self.prefix, self.verifier, allow_expired=True)
+        except fleet.AnnouncementRefused as e:
+            if self._kept_said != str(e):
+                self._kept_said = str(e)
+                log.error("refusing the kept desired announcement %s: %s", self.kept_path, e)
+            return None
+        self._kept_raw = raw
+        said = f"v{ann.version}"
+        if self._kept_said != said:
+            self._kept_said = said
+            log.warning(
+                "no valid desired announcement in Redis (is the gate running?): following the last one verified, "
+                "v%d (%s), kept in %s",
+                ann.version,
+                ann.reason,
+                self.kept_path,
+            )
+        return ann
 
     def health(self) -> tuple[bool, dict]:
         """(ok, body) of the serving process's ``/healthz``: ok while the node serves a version the agent verified."""

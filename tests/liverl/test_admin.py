@@ -338,3 +338,45 @@ def test_a_rollback_signed_on_a_clock_behind_the_gate_s_is_followed_not_refused_
     assert rolled.version == 0 and rolled.ts < VersionAnnouncement.from_bytes(gates).ts
     with pytest.raises(fl.AnnouncementRefused, match="replayed"):
         reader.accept("desired", gates)
+
+
+def test_abort_withdraws_the_canary_announcement_without_the_gate(cfg, rds, fleet, capsys):
+    """`liverl abort` deletes ``<p>:canary`` itself: with the gate down, the canary nodes return to stable at their
+    next poll instead of serving the aborted version until its announcement expires."""
+    from deploy.registry.signing import announce
+    from liverl.ops.admin import cmd_rollout
+    from tests.serving.routing import front_door
+
+    _admin, alice, _vic = _operators(cfg)
+    _, signer = front_door(cfg, {"node-0": "http://127.0.0.1:1", "node-1": "http://127.0.0.1:2"})
+    reg = open_registry(cfg)
+    try:
+        v3 = reg.add_candidate(perturb(reg.materialize(1), 0.05, seed=3), parent=1)
+        ro = reg.begin_rollout(
+            v3.version,
+            stable_version=1,
+            share=0.2,
+            nodes=["node-1"],
+            unit="user",
+            deadline_at=time.time() + 600,
+            settings={},
+            actor="gate",
+            reason="checks passed",
+        )
+    finally:
+        reg.close()
+    from deploy.gate.canary import CanaryController
+
+    announce(
+        rds,
+        cfg.topics.prefix,
+        v3.version,
+        v3.checksum,
+        "canary",
+        signer,
+        channel="canary",
+        rollout=CanaryController.terms(ro),
+    )
+    assert cmd_rollout(cfg, "abort", reason="acceptance fell", token=alice) == 0
+    assert "announcement withdrawn" in capsys.readouterr().out
+    assert rds.get(keys.canary(cfg.topics.prefix)) is None
