@@ -103,6 +103,13 @@ class GenerationRecord(_Wire):
         "(policy_version is then the first span's). An empty list: the spans could not be read, so no version may "
         "claim it. None: policy_version sampled every token. See mixed_versions.",
     )
+    completion_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="The completion's length in tokens, set only on a record logged without its text, token ids and "
+        "log-probs (untrainable_reason 'too_large': the whole record was over ingest.max_event_bytes), so its "
+        "judgement still counts, at its true length, in the live counters. None: len(completion_token_ids).",
+    )
     ts: _Time = Field(default_factory=time.time)
 
     @property

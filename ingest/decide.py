@@ -307,8 +307,8 @@ class Decider:
                     fb.model_dump_json().encode(),
                 )
                 sample = b""
-        else:
-            out.tally.inc("drop:not_trainable")
+        else:  # (a record logged without its token lists: the gateway's too_large)
+            out.tally.inc("drop:too_large" if rec["x"] == "too_large" else "drop:not_trainable")
         heldout = is_heldout(gid, self.ic.heldout_share)
         if heldout:  # (marked: a later revert's record goes where the accept's went, whatever the share is then)
             meta["h"] = 1
