@@ -289,6 +289,7 @@ class Agent:
             os.replace(tmp, self.kept_path)
             self._kept_raw = raw
         except OSError as e:  # the node serves on; a restart without the copy waits for the gate's next announcement
+            self._kept_raw = raw  # said once per announcement, not every poll
             log.error("cannot keep the desired announcement in %s: %s", self.kept_path, e)
 
     def _kept(self) -> VersionAnnouncement | None:
