@@ -170,11 +170,12 @@ def redis_grant(role: Role, prefix: str) -> RedisGrant:
         )
     if role.process == "router":  # serving.router: announcements (the canary's terms), heartbeats
         return RedisGrant(write=(), read=(*announcements, keys.served_pattern(p), *claim_ro), commands=("get", "scan"))
-    if role.process == "ingest":  # ingest.metrics: one Lua call per version, the counters hash
+    if role.process == "ingest":  # ingest.metrics: one Lua call per version, the counters hash (TYPE, DEL: a key of
+        # another type where ingest keeps a hash is replaced)
         return RedisGrant(
             write=(keys.live_pattern(p), keys.units_pattern(p), keys.counted_pattern(p), keys.ingest_counters(p)),
             read=claim_ro,
-            commands=("get", "set", "expire", "hincrby", "hmget", "hset", *SCRIPTS),
+            commands=("get", "set", "expire", "hincrby", "hmget", "hset", "type", "del", *SCRIPTS),
         )
     if role.process == "learner":  # learner: its state hash, the lease, the hold; the audit head it appends past
         return RedisGrant(
