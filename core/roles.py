@@ -181,13 +181,13 @@ def redis_grant(role: Role, prefix: str) -> RedisGrant:
         return RedisGrant(
             write=(keys.learner(p), keys.learner_lease(p), keys.audit_head(p)),
             read=(keys.learner_hold(p), *claim_ro),
-            commands=("get", "set", "del", "pexpire", "hset", "hget", "hgetall", *SCRIPTS),
+            commands=("get", "set", "del", "pexpire", "hset", "hget", "hgetall", "type", *SCRIPTS),
         )
     if role.process == "gate":  # deploy.gate: signs announcements, reads heartbeats and per-user sums; claims
         return RedisGrant(
             write=(*announcements, keys.audit_head(p), keys.deployment(p)),
             read=(keys.served_pattern(p), keys.units_pattern(p), keys.live_pattern(p)),
-            commands=("get", "set", "del", "scan", "hget", "hgetall", "hset", *SCRIPTS),
+            commands=("get", "set", "del", "scan", "hget", "hgetall", "hset", "type", *SCRIPTS),
         )
     if role.process == "admin":  # the operators' verbs: every key of the deployment, no server administration
         return RedisGrant(write=(keys.everything(p),), read=(), commands=(), categories=("+@all", "-@dangerous"))
