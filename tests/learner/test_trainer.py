@@ -770,7 +770,13 @@ def test_a_learner_that_cannot_keep_up_sheds_by_ingest_s_join_time_and_counts_it
     reg = make_registry(cfg, model_dir)
     try:
         learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
-        stats = learner.run(max_steps=3)
+        stop = threading.Event()  # a learner that shed what it should train would wait for a third batch for ever
+        timer = threading.Timer(120.0, stop.set)
+        timer.start()
+        try:
+            stats = learner.run(stop_event=stop, max_steps=3)
+        finally:
+            timer.cancel()
         trained, refused = ledger_fates(learner)
         assert len(trained) == 24 and not old & set(trained)  # only what ingest joined recently trained
         assert late <= set(trained)
