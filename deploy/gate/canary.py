@@ -131,6 +131,7 @@ class CanaryController:
         self.record = record  # Gate._record(version, check, value, threshold, passed, detail)
         self._evidence: Evidence | None = None
         self.clock = time.time  # what "now" is for a rollout's buckets and deadline (tests move it)
+        self.on_rewritten = lambda channel, what: None  # told what keep_announced wrote over (the gate counts it)
 
     # ------------------------------------------------------------------------------------------ start
 
@@ -204,7 +205,7 @@ class CanaryController:
     def refresh(self, rollout: Rollout) -> None:
         """Keep the canary's announcement present, signed, naming the rollout's terms and fresh (it expires, so a
         replayed copy cannot outlive it): after a lost Redis key, a gate restart, or half its lifetime."""
-        keep_announced(
+        what = keep_announced(
             self.redis,
             self.prefix,
             "canary",
@@ -216,6 +217,8 @@ class CanaryController:
             ttl_s=self.cfg.security.announce_ttl_s,
             seq=self.registry.audit_seq(),
         )
+        if what is not None:
+            self.on_rewritten("canary", what)
 
     def _fixed_nulls(self, stable: Version, now: float) -> dict:
         """The continuous guardrails' bands, fixed for the whole rollout from stable's own figures before it: mean

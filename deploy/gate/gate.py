@@ -59,7 +59,7 @@ from deploy.registry.attest import Attested, Attestor
 from deploy.registry.blobstore import BlobError
 from deploy.registry.delta import DeltaError, apply_delta, checksum, warm_up
 from deploy.registry.registry import Registry, RegistryConflict, RegistryError, Version, open_registry
-from deploy.registry.signing import Signer, announce, keep_announced
+from deploy.registry.signing import WRONG_TYPE_WAS, Signer, announce, keep_announced
 
 log = logging.getLogger("liverl.gate")
 
@@ -130,7 +130,15 @@ class Gate(EvidenceChecks, WaitSteps):
         self._canary_share = prom.Gauge(
             "liverl_gate_canary_share", "Share of users on the canary now (0: none)", registry=self.metrics
         )
+        self._wrong_type = prom.Counter(
+            "liverl_gate_wrong_type_keys",
+            "Announcement keys found holding another Redis type than a string, by channel (written over: every "
+            "reader had refused them)",
+            ["channel"],
+            registry=self.metrics,
+        )
         self.canary = CanaryController(cfg, registry, redis, signer, self._record)
+        self.canary.on_rewritten = self._rewritten
         self.attestor = Attestor(registry.db)  # signs only what the audit log vouches for (deploy.registry.attest)
         self._unattested = prom.Counter(
             "liverl_gate_unattested",
@@ -210,8 +218,14 @@ class Gate(EvidenceChecks, WaitSteps):
             seq=seq,
         )
         if what is not None and what != "refreshed":
+            self._rewritten("desired", what)
             log.warning("gate: desired version %s; announced the registry's stable v%d", what, stable.version)
         return att
+
+    def _rewritten(self, channel: str, what: str) -> None:
+        """Count an announcement key written over because it held another Redis type (``keep_announced``'s answer)."""
+        if what == f"was {WRONG_TYPE_WAS}":
+            self._wrong_type.labels(channel).inc()
 
     def _not_vouched(self, channel: str, why: str) -> None:
         """Count a refusal to sign what the audit log does not vouch for; log it once per distinct reason."""

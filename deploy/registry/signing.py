@@ -33,6 +33,9 @@ from core.schemas import AnnouncementChannel, RolloutTerms, VersionAnnouncement
 
 log = logging.getLogger("liverl.signing")
 
+WRONG_TYPE_WAS = "a key of another type"
+"""What ``keep_announced`` says was there (``"was " + WRONG_TYPE_WAS``) when the key held another Redis type."""
+
 PRIVATE_NAME, PUBLIC_NAME = "announce.key", "announce.pub"
 DEFAULT_TTL_S = 600.0
 """``security.announce_ttl_s``'s default, for callers without a config."""
@@ -147,7 +150,7 @@ def keep_announced(
         if not keys.wrong_type(e):
             raise
         log.error("%s holds another Redis type than a string (%s); replacing it with the announcement", key, e)
-        raw, was = None, "a key of another type"
+        raw, was = None, WRONG_TYPE_WAS
     else:
         was = "nothing"
     if raw is not None:

@@ -244,6 +244,17 @@ def test_the_gate_replaces_an_announcement_key_of_another_redis_type(cfg, rds, k
         assert got == "was a key of another type"
         ann = fleet.check_announcement(rds.get(key), channel, p, Verifier(public))
         assert (ann.version, ann.rollout) == (5, rollout)
+    registry = open_registry(cfg)  # the gate's own step: the same repair, counted
+    try:
+        registry.init_base(weights(0.5, 1.0), "/nonexistent/model")
+        gate = Gate(cfg, registry, rds, ProbeEval(), signer=Signer(private))
+        rds.delete(fleet.announcement_key(p, "desired"))
+        rds.hset(fleet.announcement_key(p, "desired"), "x", "1")
+        gate.reconcile(registry.stable())
+        assert fleet.check_announcement(rds.get(f"{p}:desired"), "desired", p, Verifier(public)).version == 0
+        assert gate._wrong_type.labels("desired")._value.get() == 1
+    finally:
+        registry.close()
 
 
 def test_a_heartbeat_key_of_another_redis_type_is_skipped_not_fatal(cfg, rds):
