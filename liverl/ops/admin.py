@@ -69,14 +69,20 @@ def _size(n: int | None) -> str:
 
 
 def _live(r: redis.Redis, prefix: str, versions: list[int]) -> dict[int, dict[str, int]]:
+    """The versions' live counters; a hash ingest has not written yet, or a key of another type (ingest replaces it at
+    its next write), shows none."""
     pipe = r.pipeline(transaction=False)  # the versions' hashes live in different Cluster slots
     for v in versions:
         pipe.hgetall(keys.live(prefix, v))
-    return {
-        v: keys.live_totals({k: int(x) for k, x in h.items()})
-        for v, h in zip(versions, pipe.execute(), strict=True)
-        if h
-    }
+    out = {}
+    for v, h in zip(versions, pipe.execute(raise_on_error=False), strict=True):
+        if isinstance(h, Exception):
+            if not keys.wrong_type(h):
+                raise h
+            continue
+        if h:
+            out[v] = keys.live_totals({k: int(x) for k, x in h.items()})
+    return out
 
 
 def _served(r: redis.Redis, prefix: str) -> dict[str, dict[str, Any]]:

@@ -380,3 +380,10 @@ def test_abort_withdraws_the_canary_announcement_without_the_gate(cfg, rds, flee
     assert cmd_rollout(cfg, "abort", reason="acceptance fell", token=alice) == 0
     assert "announcement withdrawn" in capsys.readouterr().out
     assert rds.get(keys.canary(cfg.topics.prefix)) is None
+
+
+def test_status_shows_a_live_counter_key_of_another_type_as_no_counts(cfg, rds, fleet, capsys):
+    rds.delete(keys.live(cfg.topics.prefix, 1))
+    rds.set(keys.live(cfg.topics.prefix, 1), "x")
+    assert cmd_status(cfg) == 0
+    assert "stable: v1" in capsys.readouterr().out
