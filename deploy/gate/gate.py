@@ -64,6 +64,21 @@ from deploy.registry.signing import WRONG_TYPE_WAS, Signer, announce, keep_annou
 log = logging.getLogger("liverl.gate")
 
 
+def before_rollback(registry: Registry, row: Version) -> str | None:
+    """Why candidate ``row`` may carry a change an operator rolled back, or None. Its parent was rolled back; or a
+    rollback came after the last one its weights account for (``rollback_seen``: audit ids, one sequence for every
+    writer, so no host's clock decides); a row registered without it is compared by time."""
+    rollback_id, rolled_back_at = registry.last_rollback()
+    if row.parent is not None and registry.get(row.parent).status == "rolled_back":
+        return f"its parent v{row.parent} was rolled back"
+    if row.rollback_seen is not None:
+        if row.rollback_seen < rollback_id:
+            return f"its weights account for rollbacks up to audit entry {row.rollback_seen}, not {rollback_id}"
+    elif row.created_at <= rolled_back_at:
+        return "registered before the last rollback's time"
+    return None
+
+
 class Gate(EvidenceChecks, WaitSteps):
     """Evaluates pending candidates with the ``evaluator`` it is given (drift, collapse, optional suite)."""
 
@@ -130,12 +145,8 @@ class Gate(EvidenceChecks, WaitSteps):
         self._canary_share = prom.Gauge(
             "liverl_gate_canary_share", "Share of users on the canary now (0: none)", registry=self.metrics
         )
-        self._wrong_type = prom.Counter(
-            "liverl_gate_wrong_type_keys",
-            "Announcement keys found holding another Redis type than a string, by channel (written over: every "
-            "reader had refused them)",
-            ["channel"],
-            registry=self.metrics,
+        self._wrong_type = prom.Counter(  # every reader refused them; the gate wrote over them
+            "liverl_gate_wrong_type_keys", "Announcement keys of another Redis type", ["channel"], registry=self.metrics
         )
         self.canary = CanaryController(cfg, registry, redis, signer, self._record)
         self.canary.on_rewritten = self._rewritten
@@ -330,20 +341,6 @@ class Gate(EvidenceChecks, WaitSteps):
         )
         return state if self._record(row.version, "integrity", float(ok), 1.0, ok, detail) else None
 
-    def _before_rollback(self, row: Version) -> str | None:
-        """Why ``row`` may carry a change an operator rolled back, or None. Its parent was rolled back; or a rollback
-        came after the last one its weights account for (``rollback_seen``: audit ids, one sequence for every
-        writer, so no host's clock decides); a row registered without it is compared by time."""
-        rollback_id, rolled_back_at = self.registry.last_rollback()
-        if row.parent is not None and self.registry.get(row.parent).status == "rolled_back":
-            return f"its parent v{row.parent} was rolled back"
-        if row.rollback_seen is not None:
-            if row.rollback_seen < rollback_id:
-                return f"its weights account for rollbacks up to audit entry {row.rollback_seen}, not {rollback_id}"
-        elif row.created_at <= rolled_back_at:
-            return "registered before the last rollback's time"
-        return None
-
     def _judge(self, row: Version, stable: Version) -> Verdict:
         checks: dict[str, bool] = {}
         early = self._too_early()
@@ -353,7 +350,7 @@ class Gate(EvidenceChecks, WaitSteps):
                 self._verdicts.labels("deferred").inc()
                 log.info("gate: version %d deferred: %s", row.version, early)
             return Verdict(row.version, "deferred", early, checks)
-        why = self._before_rollback(row)
+        why = before_rollback(self.registry, row)
         if why is not None:  # it may carry the change an operator just rolled back
             reason = "emitted before the last rollback"
             checks["after_rollback"] = self._record(

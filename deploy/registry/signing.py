@@ -112,6 +112,11 @@ def announce(
     return ann
 
 
+def withdraw(r, prefix: str, channel: AnnouncementChannel) -> None:
+    """Delete ``channel``'s announcement: on the canary channel its nodes return to desired at their next poll."""
+    r.delete(fleet.announcement_key(prefix, channel))
+
+
 def needs_refresh(ann: VersionAnnouncement, now: float | None = None) -> bool:
     """True when less than half of the announcement's lifetime (``expires_at - ts``) is left, or it has no expiry:
     the gate then announces it again, so readers never see it expire while the gate runs."""

@@ -25,7 +25,7 @@ from core.config import LiverlConfig, redact_url
 from core.services import setup_redis, signing_key_path
 from deploy.registry.registry import RegistryError
 from deploy.registry.registry import open_registry as _open_registry
-from deploy.registry.signing import Signer, announce
+from deploy.registry.signing import Signer, announce, withdraw
 
 if TYPE_CHECKING:
     from deploy.registry.registry import Registry
@@ -69,20 +69,14 @@ def _size(n: int | None) -> str:
 
 
 def _live(r: redis.Redis, prefix: str, versions: list[int]) -> dict[int, dict[str, int]]:
-    """The versions' live counters; a hash ingest has not written yet, or a key of another type (ingest replaces it at
-    its next write), shows none."""
+    """The versions' live counters (none for a key of another type: ingest replaces it at its next write)."""
     pipe = r.pipeline(transaction=False)  # the versions' hashes live in different Cluster slots
     for v in versions:
         pipe.hgetall(keys.live(prefix, v))
-    out = {}
-    for v, h in zip(versions, pipe.execute(raise_on_error=False), strict=True):
-        if isinstance(h, Exception):
-            if not keys.wrong_type(h):
-                raise h
-            continue
-        if h:
-            out[v] = keys.live_totals({k: int(x) for k, x in h.items()})
-    return out
+    got = dict(zip(versions, pipe.execute(raise_on_error=False), strict=True))
+    if bad := [h for h in got.values() if isinstance(h, Exception) and not keys.wrong_type(h)]:
+        raise bad[0]
+    return {v: keys.live_totals({k: int(x) for k, x in h.items()}) for v, h in got.items() if isinstance(h, dict) and h}
 
 
 def _served(r: redis.Redis, prefix: str) -> dict[str, dict[str, Any]]:
@@ -447,17 +441,6 @@ def cmd_hold(cfg: LiverlConfig, hold: bool, reason: str, token: str | None) -> i
 ROLLOUT_ACTIONS = ("abort", "pause", "resume", "promote")
 
 
-def _withdraw_canary(cfg: LiverlConfig) -> str:
-    """Delete the canary announcement (``<p>:canary``) after an abort, so its nodes return to stable whether or not
-    the gate runs; says what was done. Should Redis fail, the gate withdraws it at its next step."""
-    try:
-        with open_redis(cfg) as r:
-            r.delete(keys.canary(cfg.topics.prefix))
-    except redis.RedisError as e:
-        return f"the canary announcement could not be withdrawn ({e}; the gate withdraws it at its next step)"
-    return "its announcement withdrawn"
-
-
 def cmd_rollout(cfg: LiverlConfig, action: str, reason: str, token: str | None) -> int:
     """``abort``, ``pause`` or ``resume`` the canary in progress, or ``promote`` it to the whole fleet now (Argo
     Rollouts' verbs); each needs an operator token and a reason, and is audited.
@@ -496,10 +479,14 @@ def cmd_rollout(cfg: LiverlConfig, action: str, reason: str, token: str | None) 
                 why = f"aborted by {actor}: {reason}"
                 ro = reg.finish_rollout_abort(ro.id, actor=actor, reason=why, verdict="operator")
                 reg.record_gate(ro.version, "canary", None, None, False, why)
-                msg = (
-                    f"canary v{ro.version} aborted and rejected; {_withdraw_canary(cfg)}: its nodes "
-                    f"({', '.join(ro.nodes)}) return to stable v{ro.stable_version}"
-                )
+                try:  # its nodes return to stable whether or not the gate runs
+                    with open_redis(cfg) as r:
+                        withdraw(r, cfg.topics.prefix, "canary")
+                    gone = "its announcement withdrawn"
+                except redis.RedisError as e:
+                    gone = f"its announcement not withdrawn ({e}; the gate withdraws it at its next step)"
+                msg = f"canary v{ro.version} aborted and rejected; {gone}: its nodes ({', '.join(ro.nodes)}) return "
+                msg += f"to stable v{ro.stable_version}"
             else:
                 want = "paused" if action == "pause" else "running"
                 ro = reg.set_rollout_state(ro.id, want, actor=actor, reason=reason)

@@ -64,6 +64,7 @@ from core.config import LiverlConfig, advertised_url
 from core.schemas import VersionAnnouncement
 from core.services import required_verify_key
 from deploy.registry.signing import Verifier
+from serving.agent.kept import KeptAnnouncement
 from serving.agent.launch import delta_dir
 from serving.agent.metrics import AgentMetrics
 from serving.node.client import NodeClient
@@ -124,13 +125,8 @@ class Agent:
         self.refused_by_reason: collections.Counter[str] = collections.Counter()
         self.registry_errors = _registry_errors() if registry is not None else (SQLAlchemyError, OSError)
         self._last_refused: dict[str, str] = {}  # channel -> the refusal last logged
-        # the last desired announcement this agent verified, kept on disk: followed when none is valid in Redis (the
-        # gate down longer than security.announce_ttl_s), so a restarted node returns to the stable version, not to
-        # its model directory's weights
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.name)
-        self.kept_path = cfg.state_path / "agent" / f"{safe}.desired.json"
-        self._kept_raw: bytes | None = None
-        self._kept_said: str | None = None
+        # followed when no desired announcement in Redis is valid (the gate down past its expiry, a restart meanwhile)
+        self.kept = KeptAnnouncement(cfg.state_path, self.name, self.prefix, self.verifier)
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -251,8 +247,7 @@ class Agent:
         this node, else the fleet's desired one; each read and checked by ``fleet.AnnouncementReader``. A refused
         announcement is counted (``refused_announcements``, by reason) and logged once per distinct refusal, and
         counts as none: a refused canary leaves the node on desired. With no valid desired announcement in Redis the
-        agent follows the last one it verified (kept on disk across restarts, ``_kept``), expired or not: the registry
-        must still call its version stable (``_plan``), so an announcement kept past a rollback moves nothing."""
+        agent follows the last one it verified (``serving.agent.kept``)."""
         got: dict[str, VersionAnnouncement | None] = {}
         for channel in fleet.CHANNELS:
             try:
@@ -267,60 +262,13 @@ class Agent:
                     self._last_refused[channel] = str(e)
                     log.error("refusing %s: %s", fleet.announcement_key(self.prefix, channel), e)
         if got["desired"] is not None:
-            self._keep(got["desired"])
+            self.kept.keep(got["desired"])
         else:
-            got["desired"] = self._kept()
+            got["desired"] = self.kept.read()
         target = fleet.serving_target(self.name, got["desired"], got["canary"])
         if target is not None:
             self.metrics.target_version.set(target.version)
         return target
-
-    def _keep(self, ann: VersionAnnouncement) -> None:
-        """Write ``ann`` (a verified desired announcement) to ``kept_path`` when it differs from the one kept."""
-        raw = ann.to_bytes()
-        if self._kept_raw is None and self.kept_path.exists():
-            self._kept_raw = self.kept_path.read_bytes()
-        if raw == self._kept_raw:
-            return
-        try:
-            self.kept_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.kept_path.with_suffix(".tmp")
-            tmp.write_bytes(raw)
-            os.replace(tmp, self.kept_path)
-            self._kept_raw = raw
-        except OSError as e:  # the node serves on; a restart without the copy waits for the gate's next announcement
-            self._kept_raw = raw  # said once per announcement, not every poll
-            log.error("cannot keep the desired announcement in %s: %s", self.kept_path, e)
-
-    def _kept(self) -> VersionAnnouncement | None:
-        """The desired announcement kept by ``_keep`` (verified again: signed, this channel and prefix; its expiry
-        aside), or None. Said once per version followed."""
-        try:
-            raw = self.kept_path.read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            log.error("cannot read the kept desired announcement %s: %s", self.kept_path, e)
-            return None
-        try:
-            ann = fleet.check_announcement(raw, "desired", self.prefix, self.verifier, allow_expired=True)
-        except fleet.AnnouncementRefused as e:
-            if self._kept_said != str(e):
-                self._kept_said = str(e)
-                log.error("refusing the kept desired announcement %s: %s", self.kept_path, e)
-            return None
-        self._kept_raw = raw
-        said = f"v{ann.version}"
-        if self._kept_said != said:
-            self._kept_said = said
-            log.warning(
-                "no valid desired announcement in Redis (is the gate running?): following the last one verified, "
-                "v%d (%s), kept in %s",
-                ann.version,
-                ann.reason,
-                self.kept_path,
-            )
-        return ann
 
     def health(self) -> tuple[bool, dict]:
         """(ok, body) of the serving process's ``/healthz``: ok while the node serves a version the agent verified."""
@@ -367,36 +315,8 @@ class Agent:
         return await self.apply_blobs(blobs, ann.version, ann.checksum, how=how)
 
     def _plan(self, cur_v: int, cur_sum: str, ann: VersionAnnouncement) -> tuple[list[bytes], str]:
-        """(delta blobs in order, how they were obtained). Runs in a thread: registry and codec calls block."""
-        from deploy.registry.delta import encode_delta  # noqa: PLC0415 torch: via deploy.registry.delta, for swaps only
-
-        if self.registry is None:
-            raise RuntimeError("no registry configured")
-        row = self.registry.get(ann.version)
-        if row.checksum != ann.checksum:
-            raise RuntimeError(
-                f"announced checksum {ann.checksum[:12]} differs from the registry's "
-                f"{row.checksum[:12]} for version {ann.version}"
-            )
-        want = "canary" if ann.channel == "canary" else "stable"  # the channel the reader verified it came on
-        if row.status != want:  # Redis says what to serve; the registry what may be served
-            raise RuntimeError(
-                f"version {ann.version} is {row.status} in the registry, not {want}: refusing to serve "
-                f"it on the {ann.channel} channel (only a promotion or a rollback makes a version "
-                "servable as desired, and only the gate's canary on the canary channel)"
-            )
-        path_len = sum(map(len, self.registry.path(cur_v, ann.version)))
-        if path_len <= self.max_chain:
-            return self.registry.deltas_between(cur_v, ann.version), f"stored x{path_len}"
-        log.info(
-            "no short chain of stored deltas from %d to %d (%d steps): encoding one delta from "
-            "registry-materialized weights",
-            cur_v,
-            ann.version,
-            path_len,
-        )
-        base, target = self.registry.materialize(cur_v), self.registry.materialize(ann.version)
-        return [encode_delta(base, target, cur_v, ann.version)], "encoded"
+        """(delta blobs in order, how they were obtained): ``plan_swap``. Runs in a thread: registry calls block."""
+        return plan_swap(self.registry, self.max_chain, cur_v, ann)
 
     async def apply_blobs(
         self, blobs: list[bytes], target_version: int, target_checksum: str, how: str = "given"
@@ -437,7 +357,7 @@ class Agent:
                     (target_version, target_checksum),
                 )
             except Exception as e:  # noqa: BLE001 whatever the call did (HTTP error, no answer), the weights say what happened
-                r = await self._after_lost_swap(e, from_v, from_sum, target_version, target_checksum)
+                r = await after_lost_swap(self.node, e, from_v, from_sum, target_version, target_checksum)
             rec["call_ms"] = round((time.perf_counter() - t_call) * 1e3, 3)
             rec["inflight"] = r.get("inflight")  # requests frozen by this swap (kept, not dropped), counted in the node
             rec["pause_ms"] = r.get("pause_ms")  # measured in the node: the time the engine stepped no request
@@ -497,26 +417,6 @@ class Agent:
                 log.warning("could not record node %s in the registry's fleet table: %s", self.name, e)
         return rec
 
-    async def _after_lost_swap(
-        self, e: Exception, from_v: int, from_sum: str, target_version: int, target_checksum: str
-    ) -> dict:
-        """The swap call failed or its answer was lost: resume the engine (harmless if it runs) and read the served
-        checksum back; the node's state decides what the gateway labels. Shaped like the node's answer."""
-        log.error("swap call %d -> %d failed: %s; reading the served weights back", from_v, target_version, e)
-        out: dict[str, Any] = {"ok": False, "error": f"swap call failed: {e}", "pause_ms": None}
-        try:
-            await self.node.resume()
-            ck = await self.node.rpc("liverl_checksum")
-        except Exception as e2:  # noqa: BLE001 - reported: the node is then unhealthy
-            out.update(restored=False, resume_error=f"{e2}")
-            return out
-        if ck.get("ok") and ck["checksum"] == target_checksum:
-            await self.node.set_weight_version(target_version)
-            out.update(ok=True, checksum=ck["checksum"])
-        else:
-            out["restored"] = bool(ck.get("ok") and ck["checksum"] == from_sum)
-        return out
-
     async def _report_error(self, from_v: int | None, to_v: int, error: str, restored: bool) -> None:
         entry = keys.SwapErrorRecord.model_validate(
             {"node": self.name, "from": from_v, "to": to_v, "error": error, "restored": restored}
@@ -551,3 +451,60 @@ def chain_ends(blobs: list[bytes], start_checksum: str, target_checksum: str) ->
     if cur != target_checksum:
         raise DeltaError(f"the deltas lead to checksum {cur[:12]}, not the target {target_checksum[:12]}")
     return ends
+
+
+def plan_swap(registry, max_chain: int, cur_v: int, ann: VersionAnnouncement) -> tuple[list[bytes], str]:
+    """The delta blobs that move a node from ``cur_v`` to ``ann`` (in order) and how they were obtained: stored
+    deltas along the version tree when the chain is at most ``max_chain`` long, else one encoded from
+    registry-materialized weights. Raises unless the registry has the announced checksum and calls the version what
+    its channel needs (``stable`` on desired, ``canary`` on canary)."""
+    from deploy.registry.delta import encode_delta  # noqa: PLC0415 torch: via deploy.registry.delta, for swaps only
+
+    if registry is None:
+        raise RuntimeError("no registry configured")
+    row = registry.get(ann.version)
+    if row.checksum != ann.checksum:
+        raise RuntimeError(
+            f"announced checksum {ann.checksum[:12]} differs from the registry's "
+            f"{row.checksum[:12]} for version {ann.version}"
+        )
+    want = "canary" if ann.channel == "canary" else "stable"  # the channel the reader verified it came on
+    if row.status != want:  # Redis says what to serve; the registry what may be served
+        raise RuntimeError(
+            f"version {ann.version} is {row.status} in the registry, not {want}: refusing to serve "
+            f"it on the {ann.channel} channel (only a promotion or a rollback makes a version "
+            "servable as desired, and only the gate's canary on the canary channel)"
+        )
+    path_len = sum(map(len, registry.path(cur_v, ann.version)))
+    if path_len <= max_chain:
+        return registry.deltas_between(cur_v, ann.version), f"stored x{path_len}"
+    log.info(
+        "no short chain of stored deltas from %d to %d (%d steps): encoding one delta from "
+        "registry-materialized weights",
+        cur_v,
+        ann.version,
+        path_len,
+    )
+    base, target = registry.materialize(cur_v), registry.materialize(ann.version)
+    return [encode_delta(base, target, cur_v, ann.version)], "encoded"
+
+
+async def after_lost_swap(
+    node: NodeClient, e: Exception, from_v: int, from_sum: str, target_version: int, target_checksum: str
+) -> dict:
+    """The swap call failed or its answer was lost: resume the engine (harmless if it runs) and read the served
+    checksum back; the node's state decides what the gateway labels. Shaped like the node's answer."""
+    log.error("swap call %d -> %d failed: %s; reading the served weights back", from_v, target_version, e)
+    out: dict[str, Any] = {"ok": False, "error": f"swap call failed: {e}", "pause_ms": None}
+    try:
+        await node.resume()
+        ck = await node.rpc("liverl_checksum")
+    except Exception as e2:  # noqa: BLE001 - reported: the node is then unhealthy
+        out.update(restored=False, resume_error=f"{e2}")
+        return out
+    if ck.get("ok") and ck["checksum"] == target_checksum:
+        await node.set_weight_version(target_version)
+        out.update(ok=True, checksum=ck["checksum"])
+    else:
+        out["restored"] = bool(ck.get("ok") and ck["checksum"] == from_sum)
+    return out

@@ -74,8 +74,8 @@ def test_a_kept_announcement_of_another_key_or_deployment_is_refused(cfg, rds, t
             for signer, prefix in ((Signer(other), p), (Signer(private), "another-deployment")):
                 announce(rds, prefix, 7, "cc" * 32, "forged", signer)
                 agent, _ = _agent(cfg, r, (0, "aa" * 32))
-                agent.kept_path.parent.mkdir(parents=True, exist_ok=True)
-                agent.kept_path.write_bytes(rds.get(f"{prefix}:desired").encode())
+                agent.kept.path.parent.mkdir(parents=True, exist_ok=True)
+                agent.kept.path.write_bytes(rds.get(f"{prefix}:desired").encode())
                 rds.delete(f"{prefix}:desired")
                 got.append(await agent.desired())
             return got
