@@ -105,9 +105,14 @@ class TopicTail:
 
 
 class WorkerProc:
-    """``liverl ingest`` for one config; ``stop()`` sends SIGTERM and returns the exit code."""
+    """``liverl ingest`` for one config; ``stop()`` sends SIGTERM and returns the exit code.
 
-    def __init__(self, cfg: LiverlConfig, web_port: int, log_path: Path):
+    ``launch`` runs it elsewhere (``["ip", "netns", "exec", NS]``: on another host, ``tests.netns``; it must exec the
+    worker, so that signals reach it), with its /metrics and /healthz on ``bind`` (``serving.host``)."""
+
+    def __init__(
+        self, cfg: LiverlConfig, web_port: int, log_path: Path, launch: list[str] | None = None, bind: str = "127.0.0.1"
+    ):
         env = {k: v for k, v in os.environ.items() if not k.startswith("LIVERL")}
         env.update(
             {
@@ -121,16 +126,18 @@ class WorkerProc:
                 "LIVERL__INGEST__PENDING_TTL_S": str(cfg.ingest.pending_ttl_s),
                 "LIVERL__INGEST__REWARDS": json.dumps(cfg.ingest.rewards.model_dump()),
                 "LIVERL__INGEST__WEB_PORT": str(web_port),
+                "LIVERL__SERVING__HOST": bind,
                 "LIVERL__INGEST__REDIS_RETRY_S": str(cfg.ingest.redis_retry_s),
                 "LIVERL__INGEST__HELDOUT_SHARE": str(cfg.ingest.heldout_share),
                 "PYTHONUNBUFFERED": "1",
             }
         )
         self.web_port = web_port
+        self.bind = bind
         self.log_path = log_path
         self._log = open(log_path, "ab")  # noqa: SIM115 - the worker writes to it until stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "liverl.cli", "ingest"],
+            [*(launch or []), sys.executable, "-m", "liverl.cli", "ingest"],
             cwd=REPO,
             env=env,
             stdout=self._log,
@@ -138,7 +145,7 @@ class WorkerProc:
         )
 
     def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.web_port}{path}"
+        return f"http://{self.bind}:{self.web_port}{path}"
 
     def get(self, path: str) -> tuple[int, str, str]:
         with urllib.request.urlopen(self.url(path), timeout=5) as r:
@@ -178,9 +185,10 @@ class WorkerProc:
 class IngestHarness:
     """One config + its worker + a generation producer + Redis, for a test module or a single test."""
 
-    def __init__(self, cfg: LiverlConfig, log_dir: Path):
+    def __init__(self, cfg: LiverlConfig, log_dir: Path, launch: list[str] | None = None, bind: str = "127.0.0.1"):
         self.cfg = cfg
         self.log_dir = log_dir
+        self.launch, self.bind = launch, bind  # where its workers run (WorkerProc)
         ensure_topics(cfg.broker.bootstrap, all_topics(cfg), cfg.broker.partitions)
         self.producer = make_producer(cfg.broker.bootstrap, broker=cfg.broker)
         self.redis = redis.Redis.from_url(cfg.redis.url, decode_responses=True)
@@ -192,7 +200,7 @@ class IngestHarness:
         from core.bus import feedback_client as from_config
 
         self._n += 1
-        self.worker = WorkerProc(self.cfg, free_port(), self.log_dir / f"worker-{self._n}.log")
+        self.worker = self.new_worker(f"worker-{self._n}.log")
         gid = new_gid()
         probes = self.live(PROBE_VERSION).get("events", 0)
         self.send_generation(make_generation(gid, version=PROBE_VERSION))
@@ -217,6 +225,10 @@ class IngestHarness:
             self.worker.stop(signal.SIGKILL)
             raise
         return self.worker
+
+    def new_worker(self, log_name: str) -> WorkerProc:
+        """A worker for this config, where this harness runs its workers (not waited for)."""
+        return WorkerProc(self.cfg, free_port(), self.log_dir / log_name, self.launch, self.bind)
 
     def consumer_state(self) -> str:
         """Committed offsets of the ingest group against the log ends of its inputs (for failure messages)."""
