@@ -5,9 +5,14 @@ on another host (``tests/netns.py``).
 
 Configured as every liverl process is (``LIVERL__BROKER__BOOTSTRAP``, ``LIVERL__TOPICS__PREFIX``, ...). Each round
 publishes 10 pairs as ``tests.ingest.test_restart``'s traffic does: most generations judged after they are logged, a
-fifth judged first, one in twenty feedback events for a generation never logged. After the broker has acknowledged a
-round (``flush``), one JSON line per feedback event is appended to ``--out``: ``{"fid", "gid", "unknown"}``, so the
-file holds exactly the acknowledged events. Stops after ``--seconds`` or on SIGTERM, after the round in hand.
+fifth judged first, one in twenty feedback events for a generation never logged. Feedback the broker did not
+acknowledge (``DeliveryError``) is sent again with the same ``feedback_id`` in the next round, as the SDK asks of a
+product, until it is; a generation record that failed is not (the gateway logs it once).
+
+After the broker has acknowledged an event, one JSON line is appended to ``--out``: ``{"fid", "gid", "unknown",
+"gen_acked", "tries"}`` (``unknown``: its generation was never sent; ``gen_acked``: the broker acknowledged its
+generation record), so the file holds exactly the acknowledged events. Stops after ``--seconds`` or on SIGTERM, once
+every event it made is acknowledged (or 120 s after, and then exits 1).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 
 from core.bus import feedback_client, make_producer
 from core.config import load_config
+from liverl_sdk.client import DeliveryError
 from tests.ingest.conftest import make_generation, new_gid
 
 
@@ -40,33 +46,57 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     end = time.monotonic() + args.seconds
     producer = make_producer(cfg.broker.bootstrap, broker=cfg.broker)
-    rounds = 0
+    rounds, retried = 0, 0
+    unacked: list[tuple[str, str, str, dict]] = []  # (kind, gid, fid, line) to send again
+    give_up = None
     try:
         with feedback_client(cfg) as sdk, args.out.open("a") as out:
-            while not stop.is_set() and time.monotonic() < end:
-                lines = []
-                for _ in range(10):
+            while True:
+                more = not stop.is_set() and time.monotonic() < end
+                if not more:
+                    give_up = give_up or time.monotonic() + 120
+                    if not unacked or time.monotonic() > give_up:
+                        break
+                sent, gens = [], []
+                for kind, gid, fid, line in unacked:  # (the same feedback_id: counted once however often it lands)
+                    getattr(sdk, kind)(gid, feedback_id=fid)
+                    line["tries"] += 1
+                    sent.append((kind, gid, fid, line))
+                retried += len(unacked)
+                for _ in range(10 if more else 0):
                     gid, r = new_gid(), rng.random()
                     gen = make_generation(gid, args.version).to_bytes()
+                    kind = "reject" if 0.05 <= r < 0.25 else "accept"
                     if r < 0.05:
                         fid = sdk.accept(gid)
                     elif r < 0.25:  # feedback first
                         fid = sdk.reject(gid)
-                        producer.send(cfg.topics.generations, key=gid, value=gen)
+                        gens.append((gid, producer.send(cfg.topics.generations, key=gid, value=gen)))
                     else:
-                        producer.send(cfg.topics.generations, key=gid, value=gen)
+                        gens.append((gid, producer.send(cfg.topics.generations, key=gid, value=gen)))
                         fid = sdk.accept(gid)
-                    lines.append({"fid": fid, "gid": gid, "unknown": r < 0.05})
+                    sent.append((kind, gid, fid, {"fid": fid, "gid": gid, "unknown": r < 0.05, "tries": 1}))
                 producer.flush()
-                sdk.flush()  # raises for an event the broker did not acknowledge: it is not written below
-                out.write("".join(json.dumps(x) + "\n" for x in lines))
+                gen_acked = {gid for gid, fut in gens if fut.succeeded()}
+                try:
+                    sdk.flush()
+                    failed = set()
+                except DeliveryError as e:  # not acknowledged: sent again next round
+                    failed = {fid for fid, _ in e.failed}
+                unacked = []
+                for kind, gid, fid, line in sent:
+                    line.setdefault("gen_acked", gid in gen_acked)
+                    if fid in failed:
+                        unacked.append((kind, gid, fid, line))
+                    else:
+                        out.write(json.dumps(line) + "\n")
                 out.flush()
                 rounds += 1
                 stop.wait(args.pause)
     finally:
         producer.close()
-    print(f"{rounds} rounds, {rounds * 10} feedback events acknowledged", file=sys.stderr)
-    return 0
+    print(f"{rounds} rounds, {retried} events sent again, {len(unacked)} never acknowledged", file=sys.stderr)
+    return 1 if unacked else 0
 
 
 if __name__ == "__main__":
