@@ -155,8 +155,10 @@ class Hosts:
         for f in self._logs:
             f.close()
         self._logs.clear()
+        for i in range(len(self._made)):  # (a namespace's own links go with it, but later: the kernel's cleanup)
+            _ip("link", "del", self.link(self.names[i]), check=False)  # (both ends of the pair, at once)
         for ns in self._made:
-            _ip("netns", "del", ns, check=False)  # (its end of the veth pair goes with it, and so the other end)
+            _ip("netns", "del", ns, check=False)
         self._made.clear()
         _ip("link", "del", self.bridge, check=False)
 

@@ -15,8 +15,9 @@ def _namespaces() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
-def _links() -> str:
-    return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+def _links() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    return {line.split(":", 2)[1].strip().split("@")[0] for line in out.splitlines()}
 
 
 @pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
@@ -32,8 +33,10 @@ def test_hosts_reach_each_other_by_address_a_cut_isolates_one_and_close_removes_
             assert not hosts.reachable("a", b, 8000)
         assert hosts.reachable("a", b, 8000)
         names = {hosts.ns("a"), hosts.ns("b")}
+        links = {hosts.bridge, hosts.link("a"), hosts.link("b")}
+        assert links <= _links()
         assert names <= _namespaces()
         raise RuntimeError("a failure inside the block")
     assert not names & _namespaces()
-    assert hosts.bridge not in _links()
+    assert not links & _links()
     assert server.poll() is not None  # the host's process was stopped
