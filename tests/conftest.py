@@ -135,6 +135,7 @@ LONGEST_FIRST = (
     "test_up.py",  # 257: the whole pipeline twice
     "test_up_onenode.py",  # 312 on a machine shared with other jobs: one-node `liverl up` until a promotion
     "demo/test_base_policy.py",  # 205: vLLM serves the base exactly
+    "ingest/test_partition.py",  # 190: hosts on network namespaces, two 35-s cuts (root only)
     "learner/test_dist.py",  # 179: gloo ranks, kill -9 of one
     "ingest/test_restart.py",  # 179: kill -9 of the worker
     "serving/",  # 110: one vLLM node behind the gateway for the package
