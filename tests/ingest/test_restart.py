@@ -34,12 +34,14 @@ RESUME_LIMIT_S = float(os.environ.get("LIVERL_RESUME_LIMIT_S", "0")) or None
 
 
 def _samples_by_id(records) -> dict[str, TrainingSample]:
-    """One sample per sample_id; re-sent copies (after a replay) must be identical."""
-    out: dict[str, bytes] = {}
+    """One sample per sample_id; re-sent copies (after a replay) must be identical but for ``ts_joined``, ingest's
+    clock at the join, which a replay joins again."""
+    out: dict[str, TrainingSample] = {}
     for r in records:
-        prev = out.setdefault(r.key.decode(), r.value)
-        assert prev == r.value, f"two different samples for {r.key.decode()}"
-    return {k: TrainingSample.from_bytes(v) for k, v in out.items()}
+        s = TrainingSample.from_bytes(r.value)
+        prev = out.setdefault(r.key.decode(), s)
+        assert prev.model_copy(update={"ts_joined": s.ts_joined}) == s, f"two different samples for {r.key.decode()}"
+    return out
 
 
 def test_restart_recovers_waiting_generations_pending_feedback_and_judgements(stack, tmp_path):

@@ -6,11 +6,11 @@ on another host (``tests/netns.py``).
 Configured as every liverl process is (``LIVERL__BROKER__BOOTSTRAP``, ``LIVERL__TOPICS__PREFIX``, ...). Each round
 publishes 10 pairs as ``tests.ingest.test_restart``'s traffic does: most generations judged after they are logged, a
 fifth judged first, one in twenty feedback events for a generation never logged. Feedback the broker did not
-acknowledge (``DeliveryError``) is sent again with the same ``feedback_id`` in the next round, as the SDK asks of a
-product, until it is; a generation record that failed is not (the gateway logs it once).
+acknowledge (``DeliveryError``) is sent again in the next round, the same event (its ``feedback_id`` and its
+``ts``), until it is; a generation record that failed is not (the gateway logs it once).
 
 After the broker has acknowledged an event, one JSON line is appended to ``--out``: ``{"fid", "gid", "unknown",
-"gen_acked", "tries"}`` (``unknown``: its generation was never sent; ``gen_acked``: the broker acknowledged its
+"gen_acked", "tries", "ts"}`` (``unknown``: its generation was never sent; ``gen_acked``: the broker acknowledged its
 generation record), so the file holds exactly the acknowledged events. Stops after ``--seconds`` or on SIGTERM, once
 every event it made is acknowledged (or 120 s after, and then exits 1).
 """
@@ -58,24 +58,25 @@ def main(argv: list[str] | None = None) -> int:
                     if not unacked or time.monotonic() > give_up:
                         break
                 sent, gens = [], []
-                for kind, gid, fid, line in unacked:  # (the same feedback_id: counted once however often it lands)
-                    getattr(sdk, kind)(gid, feedback_id=fid)
+                for kind, gid, fid, line in unacked:  # the same event: its feedback_id and its time
+                    getattr(sdk, kind)(gid, feedback_id=fid, ts=line["ts"])
                     line["tries"] += 1
                     sent.append((kind, gid, fid, line))
                 retried += len(unacked)
                 for _ in range(10 if more else 0):
-                    gid, r = new_gid(), rng.random()
+                    gid, r, ts = new_gid(), rng.random(), time.time()
                     gen = make_generation(gid, args.version).to_bytes()
                     kind = "reject" if 0.05 <= r < 0.25 else "accept"
                     if r < 0.05:
-                        fid = sdk.accept(gid)
+                        fid = sdk.accept(gid, ts=ts)
                     elif r < 0.25:  # feedback first
-                        fid = sdk.reject(gid)
+                        fid = sdk.reject(gid, ts=ts)
                         gens.append((gid, producer.send(cfg.topics.generations, key=gid, value=gen)))
                     else:
                         gens.append((gid, producer.send(cfg.topics.generations, key=gid, value=gen)))
-                        fid = sdk.accept(gid)
-                    sent.append((kind, gid, fid, {"fid": fid, "gid": gid, "unknown": r < 0.05, "tries": 1}))
+                        fid = sdk.accept(gid, ts=ts)
+                    line = {"fid": fid, "gid": gid, "unknown": r < 0.05, "tries": 1, "ts": ts}
+                    sent.append((kind, gid, fid, line))
                 producer.flush()
                 gen_acked = {gid for gid, fut in gens if fut.succeeded()}
                 try:
