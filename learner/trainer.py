@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kafka import TopicPartition
-from kafka.errors import CommitFailedError, RebalanceInProgressError
+from kafka.errors import CommitFailedError, KafkaTimeoutError, RebalanceInProgressError
 from kafka.structs import OffsetAndMetadata
 from prometheus_client import CollectorRegistry, start_http_server
 
@@ -166,16 +166,16 @@ class Learner:
 
     def _commit(self) -> None:
         """Commit what the checkpoint already holds. A failed commit (this consumer was dropped from its
-        group, e.g. a long pause between polls, or the group is rebalancing) loses nothing: the next commit
-        carries the same offsets, and a reassignment seeks to the checkpoint's positions. It is counted and
-        logged, not fatal."""
+        group, e.g. a long pause between polls, the group is rebalancing, or the broker did not answer in time: a
+        cut link) loses nothing: the next commit carries the same offsets, and a reassignment seeks to the
+        checkpoint's positions. It is counted and logged, not fatal."""
         offs = {TopicPartition(self.topic, p): OffsetAndMetadata(o, "", -1) for p, o in self.state.offsets.items()}
         if not offs:
             return
         self._fenced("offset commit")
         try:
             self._consumer.commit(offs)
-        except (CommitFailedError, RebalanceInProgressError) as e:  # the group is moving: nothing is lost
+        except (CommitFailedError, RebalanceInProgressError, KafkaTimeoutError) as e:  # nothing is lost
             self.state.counters["commit_failed"] += 1
             log.warning(
                 "learner: offset commit failed at step %d (%s); the checkpoint holds the offsets, "

@@ -179,9 +179,8 @@ def test_probes_use_the_endpoints_each_process_serves(default_docs):
 def test_prometheus_scrape_annotations_name_each_metrics_port(docs):
     for w in workloads(docs):
         notes = w["spec"]["template"]["metadata"].get("annotations") or {}
-        # `liverl ingest` serves /metrics on 127.0.0.1 only, so nothing outside its pod can scrape it; the on-call page
-        # has no metrics
-        if component(w) in ("ingest", "oncall"):
+        # the on-call page has no metrics
+        if component(w) == "oncall":
             assert "prometheus.io/scrape" not in notes
             continue
         assert notes["prometheus.io/scrape"] == "true", w["metadata"]["name"]
@@ -313,7 +312,7 @@ def test_every_setting_is_a_field_liverl_knows_and_loads(docs, tmp_path):
 
 def test_no_service_is_addressed_at_a_loopback_address(docs):
     """Kafka, Redis, PostgreSQL, S3 and the nodes are reached by name. Only the ingest worker's exec probes use the
-    pod's loopback, where `liverl ingest` serves /healthz; the image's name is podman's local registry."""
+    pod's loopback (readiness is a field of its /healthz answer); the image's name is podman's local registry."""
     for doc in docs:
         found = [s for s in strings(doc, skip=("image", "exec")) if LOOPBACK.search(s)]
         assert not found, (doc["kind"], doc["metadata"]["name"], found)
