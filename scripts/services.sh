@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Make sure the services the TESTS talk to are up: Redis on 127.0.0.1:6379 and PostgreSQL on 127.0.0.1:5432,
 # and the tools they run: promtool (the alert rules' check), Chromium (the on-call page's browser test), and podman,
-# buildah, runc and debootstrap (the image and compose tests, tests/packaging/).
+# buildah, runc, debootstrap and CNI's dnsname plugin (the image and compose tests, tests/packaging/).
 # Starts them when installed but stopped; installs them (Debian packages) when missing and we are root.
 # (The demo needs neither: it starts its own broker, and Redis if none answers; the registry is SQLite.)
 set -uo pipefail
@@ -18,6 +18,8 @@ fi
 command -v promtool >/dev/null || need_apt+=(prometheus)
 command -v chromium >/dev/null || command -v chromium-browser >/dev/null || need_apt+=(chromium)
 for t in podman buildah runc debootstrap; do command -v $t >/dev/null || need_apt+=($t); done
+# containers find each other by name on a podman network (the compose deployment): CNI's dnsname plugin
+[ -e /usr/lib/cni/dnsname ] || need_apt+=(golang-github-containernetworking-plugin-dnsname)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "[services] installing ${need_apt[*]}" >&2

@@ -78,7 +78,7 @@ if [ "$flavour" != infra ]; then
   done
   secrets=$(mktemp -d); trap 'rm -rf "$secrets"' EXIT
   # the host's effective pip settings as one pip.conf (index URLs may carry credentials: a secret, never a layer)
-  "$py" - "$secrets/pip.conf" <<'PY'
+  "$py" - "$secrets/pip.conf" "$flavour" <<'PY'
 import configparser, os, subprocess, sys
 out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
 cfg = configparser.ConfigParser(interpolation=None)
@@ -92,6 +92,15 @@ for line in out.splitlines():
 for k, v in os.environ.items():
     if k in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_TRUSTED_HOST", "PIP_CONSTRAINT"):
         cfg.setdefault("global", {})[k[4:].lower().replace("_", "-")] = v
+if sys.argv[2] == "cuda":
+    # this machine's local wheel folders hold CPU builds (torch 2.13.0+cpu satisfies vLLM's torch==2.13.0 pin): the
+    # CUDA image takes vLLM and its torch from the indexes alone, as scripts/setup.sh does on a GPU machine
+    for section in cfg.sections():
+        cfg[section].pop("find-links", None)
+        urls = [u for u in cfg[section].get("extra-index-url", "").split() if not u.startswith("file:")]
+        cfg[section]["extra-index-url"] = " ".join(urls)
+        if cfg[section].get("index-url", "").startswith("file:"):
+            cfg[section].pop("index-url")
 cfg.setdefault("global", {})["cert"] = "/run/secrets/hostca"
 cfg["global"].pop("constraint", None)   # the constraint file is passed as its own mount, below
 cfg.write(open(sys.argv[1], "w"))

@@ -27,6 +27,7 @@ COMPOSE = REPO / "packaging" / "compose" / "compose.yaml"
 LIVERL_UID = 10001  # the image's user
 UP_TIMEOUT_S = 600  # two vLLM nodes, the learner's two ranks and the gate start together on a 2-core machine
 JOINED = ("queued_for_learner", "trained")
+CNI_DIRS = ("/usr/lib/cni", "/usr/libexec/cni", "/opt/cni/bin")
 
 
 def _compose_bin() -> str | None:
@@ -59,6 +60,9 @@ def deployment(image, tmp_path):
     compose = _compose_bin()
     if compose is None:
         pytest.skip("podman-compose is not installed (the test extra: pip install 'liverl[test]')")
+    backend = podman("info", "--format", "{{.Host.NetworkBackend}}").stdout.strip()
+    if backend == "cni" and not any(Path(d, "dnsname").exists() for d in CNI_DIRS):
+        pytest.skip("podman's CNI networks resolve no container names without the dnsname plugin (scripts/services.sh)")
     p = build("--infra")
     assert p.returncode == 0, f"build.sh --infra failed:\n{p.stderr[-4000:]}"
     # the keys: made once, by the image's own `liverl keys`, as files the image's user owns
@@ -89,10 +93,16 @@ def deployment(image, tmp_path):
 
     def run(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
         p = subprocess.run(
-            [compose, "-p", project, "-f", str(COMPOSE), *args], env=cenv, capture_output=True, text=True, timeout=timeout
+            [compose, "-p", project, "-f", str(COMPOSE), *args],
+            env=cenv,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         if check and p.returncode != 0:
-            raise AssertionError(f"podman-compose {' '.join(args)} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+            raise AssertionError(
+                f"podman-compose {' '.join(args)} exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+            )
         return p
 
     run("up", "-d")
@@ -102,7 +112,9 @@ def deployment(image, tmp_path):
         ok = True
     finally:
         if not ok:
-            for c in podman("ps", "-a", "--filter", f"label=io.podman.compose.project={project}", "--format", "{{.Names}}").stdout.split():
+            for c in podman(
+                "ps", "-a", "--filter", f"label=io.podman.compose.project={project}", "--format", "{{.Names}}"
+            ).stdout.split():
                 logs = podman("logs", "--tail", "40", c, check=False)
                 print(f"--- {c}\n{logs.stdout}{logs.stderr}", file=sys.stderr)
         run("down", "-v", "-t", "10", timeout=300, check=False)
