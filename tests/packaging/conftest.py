@@ -75,7 +75,10 @@ def wait_http(url: str, timeout: float, ok=lambda status, body: status == 200, h
                     return body
                 last = f"{r.status} {body[:200]!r}"
         except urllib.error.HTTPError as e:
-            last = f"{e.code} {e.read()[:200]!r}"
+            body = e.read()
+            if ok(e.code, body):
+                return body
+            last = f"{e.code} {body[:200]!r}"
         except OSError as e:
             last = repr(e)
         time.sleep(2)
