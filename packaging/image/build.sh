@@ -71,7 +71,7 @@ if [ "$flavour" != infra ]; then
   version=$("$py" -c 'import tomllib; print(tomllib.load(open("'"$repo"'/pyproject.toml", "rb"))["project"]["version"])')
   commit=$(git -C "$repo" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)
   git -C "$repo" diff --quiet HEAD 2>/dev/null || commit="$commit-dirty"
-  args+=(--build-arg "LIVERL_VERSION=$version" --build-arg "LIVERL_COMMIT=$commit")
+  args+=(--label "org.opencontainers.image.version=$version" --label "org.opencontainers.image.revision=$commit")
   ca=${PIP_CERT:-$(pip config get global.cert 2>/dev/null || true)}
   for c in "$ca" /etc/ssl/certs/ca-certificates.crt /etc/pki/tls/certs/ca-bundle.crt; do
     if [ -n "$c" ] && [ -f "$c" ]; then ca=$c; break; fi
