@@ -99,29 +99,57 @@ class Node:
     version: int | None
 
 
-def _parse_heartbeat(prefix: str, key, raw, into: dict[str, keys.ServedHeartbeat]) -> None:
+def _parse_heartbeat(
+    prefix: str, key, raw, into: dict[str, keys.ServedHeartbeat], unreadable: list[str] | None = None
+) -> None:
     if raw is None:  # expired between the scan and the read
         return
     try:
         into[keys.node_of_served(prefix, key)] = keys.ServedHeartbeat.from_json(raw)
     except ValueError as e:
         log.warning("unreadable heartbeat %r: %s", key, e)
+        if unreadable is not None:
+            unreadable.append(key.decode() if isinstance(key, bytes) else str(key))
 
 
-def read_heartbeats(redis, prefix: str) -> dict[str, keys.ServedHeartbeat]:
+def _wrong_type_heartbeat(key, e: Exception, unreadable: list[str] | None) -> None:
+    """A heartbeat key that holds another type than a string: not a heartbeat (its node is not routable by it), never
+    a reason to stop reading the others."""
+    if not keys.wrong_type(e):
+        raise e
+    name = key.decode() if isinstance(key, bytes) else str(key)
+    log.warning("ignoring heartbeat key %r: %s", name, e)
+    if unreadable is not None:
+        unreadable.append(name)
+
+
+def read_heartbeats(redis, prefix: str, unreadable: list[str] | None = None) -> dict[str, keys.ServedHeartbeat]:
     """Every live heartbeat of ``prefix``, by node name, known to the config or not (a sync Redis client; one GET per
-    key: the keys sit in different Cluster slots)."""
+    key: the keys sit in different Cluster slots). A key that holds no heartbeat (another type, or no valid record)
+    is skipped, logged, and appended to ``unreadable`` when given."""
     beats: dict[str, keys.ServedHeartbeat] = {}
     for k in redis.scan_iter(match=keys.served_pattern(prefix), count=500):
-        _parse_heartbeat(prefix, k, redis.get(k), beats)
+        try:
+            raw = redis.get(k)
+        except Exception as e:  # noqa: BLE001 - re-raised unless WRONGTYPE
+            _wrong_type_heartbeat(k, e, unreadable)
+            continue
+        _parse_heartbeat(prefix, k, raw, beats, unreadable)
     return beats
 
 
-async def read_heartbeats_async(redis, prefix: str) -> dict[str, keys.ServedHeartbeat]:
+async def read_heartbeats_async(
+    redis, prefix: str, unreadable: list[str] | None = None
+) -> dict[str, keys.ServedHeartbeat]:
     """``read_heartbeats`` for a ``redis.asyncio`` client (the router)."""
     beats: dict[str, keys.ServedHeartbeat] = {}
     async for k in redis.scan_iter(match=keys.served_pattern(prefix), count=500):
-        _parse_heartbeat(prefix, k, await redis.get(k), beats)
+        try:
+            raw = await redis.get(k)
+        except Exception as e:  # noqa: BLE001 - re-raised unless WRONGTYPE
+            _wrong_type_heartbeat(k, e, unreadable)
+            continue
+        _parse_heartbeat(prefix, k, raw, beats, unreadable)
     return beats
 
 
@@ -172,7 +200,8 @@ class AnnouncementVerifier(Protocol):
 class AnnouncementRefused(ValueError):
     """An announcement a reader must not act on. ``reason`` is a short, countable code: ``malformed``, ``unsigned``,
     ``bad_signature``, ``wrong_channel``, ``wrong_prefix``, ``unbound`` (no prefix or no expiry: bound to nothing),
-    ``expired``, ``replayed`` (older than the newest one this reader accepted)."""
+    ``expired``, ``replayed`` (older than the newest one this reader accepted: by audit sequence, else by time),
+    ``wrong_type`` (the key holds another Redis type than a string: nothing announced there can be read)."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
@@ -194,10 +223,12 @@ def check_announcement(
     prefix: str,
     verifier: AnnouncementVerifier | None,
     now: float | None = None,
+    allow_expired: bool = False,
 ) -> VersionAnnouncement:
     """Parse and check an announcement read from ``<prefix>:<channel>``; raises ``AnnouncementRefused``. With a
     ``verifier`` the signature must verify (it covers every field); then the announcement must name this channel and
-    this prefix and not have expired at ``now``. Stateless: ``AnnouncementReader`` adds the replay check."""
+    this prefix and not have expired at ``now`` (unless ``allow_expired``: an agent's kept copy of the last desired
+    announcement it verified, see ``serving.agent``). Stateless: ``AnnouncementReader`` adds the replay check."""
     try:
         ann = VersionAnnouncement.from_bytes(raw)
     except WireError as e:
@@ -224,7 +255,7 @@ def check_announcement(
             "wrong_prefix", f"v{ann.version} was announced for deployment {ann.prefix!r}, not {prefix!r}"
         )
     now = time.time() if now is None else now
-    if ann.expires_at <= now:
+    if ann.expires_at <= now and not allow_expired:
         raise AnnouncementRefused(
             "expired",
             f"the announcement of v{ann.version} expired at {ann.expires_at:.0f} "
@@ -235,13 +266,17 @@ def check_announcement(
 
 class AnnouncementReader:
     """One process's reader of the announcements (a serving agent's, the router's): ``check_announcement`` with this
-    process's prefix and verifier, and a replay guard: it keeps the newest ``ts`` it accepted per channel and refuses
-    an older announcement (an old signed one written back). The caller counts the refusals."""
+    process's prefix and verifier, and a replay guard: it keeps the newest announcement it accepted per channel and
+    refuses an older one (an old signed one written back). Older is by ``seq``, the registry's audit sequence, when
+    both carry one: the gate and an operator's CLI sign on different hosts, and a clock running behind must not make
+    a rollback look like a replay. An announcement without ``seq`` is ordered by its ``ts`` (the signer's clock). The
+    caller counts the refusals."""
 
     def __init__(self, prefix: str, verifier: AnnouncementVerifier | None):
         self.prefix = prefix
         self.verifier = verifier
         self.newest: dict[str, float] = {}  # channel -> ts of the newest announcement accepted
+        self.newest_seq: dict[str, int] = {}  # channel -> the highest seq accepted
 
     def accept(
         self, channel: AnnouncementChannel, raw: bytes | str | None, now: float | None = None
@@ -251,8 +286,16 @@ class AnnouncementReader:
         if raw is None:
             return None
         ann = check_announcement(raw, channel, self.prefix, self.verifier, now)
-        newest = self.newest.get(channel)
-        if newest is not None and ann.ts < newest:
+        newest, newest_seq = self.newest.get(channel), self.newest_seq.get(channel)
+        if ann.seq is not None:
+            if newest_seq is not None and ann.seq < newest_seq:
+                raise AnnouncementRefused(
+                    "replayed",
+                    f"v{ann.version} was announced at audit sequence {ann.seq}, before the announcement accepted on "
+                    f"{channel!r} at {newest_seq}",
+                )
+            self.newest_seq[channel] = ann.seq
+        elif newest is not None and ann.ts < newest:
             raise AnnouncementRefused(
                 "replayed",
                 f"v{ann.version} was announced at {ann.ts:.3f}, before the "
@@ -264,7 +307,16 @@ class AnnouncementReader:
     async def read(self, redis, channel: AnnouncementChannel, now: float | None = None) -> VersionAnnouncement | None:
         """Read ``channel``'s announcement (a ``redis.asyncio`` client) and ``accept`` it; raises
         ``AnnouncementRefused``, returns None when nothing is announced."""
-        return self.accept(channel, await redis.get(announcement_key(self.prefix, channel)), now)
+        key = announcement_key(self.prefix, channel)
+        try:
+            raw = await redis.get(key)
+        except Exception as e:  # noqa: BLE001 - re-raised unless WRONGTYPE
+            if not keys.wrong_type(e):
+                raise
+            raise AnnouncementRefused(
+                "wrong_type", f"{key} holds another Redis type than a string ({e}); the gate replaces it"
+            ) from None
+        return self.accept(channel, raw, now)
 
 
 def serving_target(
@@ -324,8 +376,14 @@ def expected(node: str, stable: tuple[int, str], rollout) -> tuple[int, str]:
 
 
 def read_desired(redis, prefix: str) -> VersionAnnouncement | None:
-    """``<p>:desired`` parsed, unverified: for display only (the agents and the router verify what they act on)."""
-    raw = redis.get(announcement_key(prefix, "desired"))
+    """``<p>:desired`` parsed, unverified: for display only (the agents and the router verify what they act on). None
+    when nothing readable is there."""
+    try:
+        raw = redis.get(announcement_key(prefix, "desired"))
+    except Exception as e:  # noqa: BLE001 - re-raised unless WRONGTYPE
+        if not keys.wrong_type(e):
+            raise
+        return None
     if raw is None:
         return None
     try:

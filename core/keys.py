@@ -39,14 +39,24 @@ Which process may read or write which of these keys, as a Redis ACL user of its 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from bisect import bisect_right
 
 from pydantic import BaseModel, ConfigDict, Field
 
+log = logging.getLogger("liverl.keys")
+
 LIST_CAP = 1000
 """Lists (swaps, swap errors) keep at most this many entries, newest last."""
+
+
+def wrong_type(e: BaseException) -> bool:
+    """True when ``e`` is Redis's ``WRONGTYPE`` answer: a command met a key that holds another type than the table
+    above says (written by hand, by another program, or by someone with Redis access). Readers treat such a key as a
+    garbage value (counted and logged, naming the key), never as a reason to stop; its owner replaces it."""
+    return type(e).__name__ == "ResponseError" and "WRONGTYPE" in str(e)  # in a pipeline or script: inside the text
 
 
 def desired(prefix: str) -> str:
@@ -186,7 +196,8 @@ def closed_unit_buckets(since: float, now: float, horizon_s: float) -> range:
 def read_unit_buckets(redis, prefix: str, version: int, buckets) -> dict[int, dict[str, dict[str, int]]]:
     """Per-user sums of ``version`` in ``buckets``: ``{bucket: {unit: {field: n}}}`` (unit ``ALL_UNITS`` holds the
     bucket's aggregate). One pipelined round trip for all buckets (the keys share a Cluster slot); a bucket with no key
-    (nothing judged, or expired) maps to ``{}``. ``redis`` is a sync client, with or without ``decode_responses``."""
+    (nothing judged, or expired) maps to ``{}``, and so does a key that holds another type than a hash (logged).
+    ``redis`` is a sync client, with or without ``decode_responses``."""
     buckets = [int(b) for b in buckets]
     if not buckets:
         return {}
@@ -194,8 +205,13 @@ def read_unit_buckets(redis, prefix: str, version: int, buckets) -> dict[int, di
     for b in buckets:
         pipe.hgetall(units(prefix, version, b))
     out: dict[int, dict[str, dict[str, int]]] = {}
-    for b, raw in zip(buckets, pipe.execute(), strict=True):
+    for b, raw in zip(buckets, pipe.execute(raise_on_error=False), strict=True):
         per: dict[str, dict[str, int]] = {}
+        if isinstance(raw, Exception):
+            if not wrong_type(raw):
+                raise raw
+            log.error("ignoring %s: %s (ingest replaces it at its next write)", units(prefix, version, b), raw)
+            raw = {}
         for k, n in raw.items():
             k = k.decode() if isinstance(k, bytes) else k
             unit, _, name = k.rpartition("|")

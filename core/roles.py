@@ -170,23 +170,24 @@ def redis_grant(role: Role, prefix: str) -> RedisGrant:
         )
     if role.process == "router":  # serving.router: announcements (the canary's terms), heartbeats
         return RedisGrant(write=(), read=(*announcements, keys.served_pattern(p), *claim_ro), commands=("get", "scan"))
-    if role.process == "ingest":  # ingest.metrics: one Lua call per version, the counters hash
+    if role.process == "ingest":  # ingest.metrics: one Lua call per version, the counters hash (TYPE, DEL: a key of
+        # another type where ingest keeps a hash is replaced)
         return RedisGrant(
             write=(keys.live_pattern(p), keys.units_pattern(p), keys.counted_pattern(p), keys.ingest_counters(p)),
             read=claim_ro,
-            commands=("get", "set", "expire", "hincrby", "hmget", "hset", *SCRIPTS),
+            commands=("get", "set", "expire", "hincrby", "hmget", "hset", "type", "del", *SCRIPTS),
         )
     if role.process == "learner":  # learner: its state hash, the lease, the hold; the audit head it appends past
         return RedisGrant(
             write=(keys.learner(p), keys.learner_lease(p), keys.audit_head(p)),
             read=(keys.learner_hold(p), *claim_ro),
-            commands=("get", "set", "del", "pexpire", "hset", "hget", "hgetall", *SCRIPTS),
+            commands=("get", "set", "del", "pexpire", "hset", "hget", "hgetall", "type", *SCRIPTS),
         )
     if role.process == "gate":  # deploy.gate: signs announcements, reads heartbeats and per-user sums; claims
         return RedisGrant(
             write=(*announcements, keys.audit_head(p), keys.deployment(p)),
             read=(keys.served_pattern(p), keys.units_pattern(p), keys.live_pattern(p)),
-            commands=("get", "set", "del", "scan", "hget", "hgetall", "hset", *SCRIPTS),
+            commands=("get", "set", "del", "scan", "hget", "hgetall", "hset", "type", *SCRIPTS),
         )
     if role.process == "admin":  # the operators' verbs: every key of the deployment, no server administration
         return RedisGrant(write=(keys.everything(p),), read=(), commands=(), categories=("+@all", "-@dangerous"))

@@ -103,6 +103,13 @@ class GenerationRecord(_Wire):
         "(policy_version is then the first span's). An empty list: the spans could not be read, so no version may "
         "claim it. None: policy_version sampled every token. See mixed_versions.",
     )
+    completion_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="The completion's length in tokens, set only on a record logged without its text, token ids and "
+        "log-probs (untrainable_reason 'too_large': the whole record was over ingest.max_event_bytes), so its "
+        "judgement still counts, at its true length, in the live counters. None: len(completion_token_ids).",
+    )
     ts: _Time = Field(default_factory=time.time)
 
     @property
@@ -152,7 +159,13 @@ class TrainingSample(_Wire):
     sampling: SamplingParams | None = Field(default=None, description="The decoding that produced the completion.")
     edited_text: str | None = None
     ts_generation: _Time
-    ts_feedback: _Time
+    ts_feedback: _Time = Field(description="When the user gave the feedback, by the product's clock (its event's ts).")
+    ts_joined: _Time | None = Field(
+        default=None,
+        description="When ingest joined the feedback with its generation, by ingest's clock: the learner measures its "
+        "backlog from it (learner.max_backlog_s), never from the product's ts_feedback, which may be minutes or "
+        "days old when the product forwards late. None: a sample written without it (ts_feedback is used).",
+    )
 
 
 class DeadLetter(_Wire):
@@ -210,7 +223,7 @@ class VersionAnnouncement(_Wire):
     ``<prefix>:<channel>``). The signature covers every other field, so a signed announcement is bound to its channel,
     its deployment (``prefix``), its expiry and, on the canary channel, to the rollout's terms; readers
     (``core.fleet.check_announcement``) refuse one read from another key, another deployment's, an expired one,
-    and one older than the newest they accepted (a replay)."""
+    and one older than the newest they accepted (a replay: by ``seq``, the registry's audit sequence)."""
 
     schema_version: Literal[1] = SCHEMA_VERSION
     version: int = Field(ge=0)
@@ -234,12 +247,23 @@ class VersionAnnouncement(_Wire):
     rollout: RolloutTerms | None = Field(
         default=None, description="The rollout's terms: required on the canary channel, absent on desired."
     )
+    seq: int | None = Field(
+        default=None,
+        ge=0,
+        description="The registry's audit sequence when it was signed (the newest audit entry's id, read before the "
+        "state announced): readers refuse one with a lower seq than one they accepted on the channel (a replay), "
+        "whatever the signers' clocks. None: unsequenced (ordered by ts; left out of the JSON, so announcements "
+        "signed without it verify as they were signed).",
+    )
     signature: str | None = Field(
         default=None,
         max_length=256,
         description="Ed25519 signature (base64) by the release tier over every other "
         "field; agents that hold the public key serve nothing unsigned (see deploy.registry.signing).",
     )
+
+    def to_bytes(self) -> bytes:
+        return self.model_dump_json(exclude={"seq"} if self.seq is None else None).encode()
 
     @model_validator(mode="after")
     def _terms_on_the_canary_channel(self):

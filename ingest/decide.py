@@ -268,6 +268,7 @@ class Decider:
                 "kind": "revert",
                 "reward": float(self.product.reward("revert", s.segment)),
                 "ts_feedback": fb.ts,
+                "ts_joined": out.now,
             }
         )
         self.emitter.emit(
@@ -296,7 +297,7 @@ class Decider:
         guardrails = _guardrails(meta)
         sample = b""
         if "x" not in rec:
-            sample = sample_json(gid, rec, body, fb, float(self.product.reward(fb.kind, fb.segment)))
+            sample = sample_json(gid, rec, body, fb, float(self.product.reward(fb.kind, fb.segment)), now)
             if len(sample) > MAX_RECORD_BYTES:
                 self.emitter.dead(
                     out,
@@ -306,8 +307,8 @@ class Decider:
                     fb.model_dump_json().encode(),
                 )
                 sample = b""
-        else:
-            out.tally.inc("drop:not_trainable")
+        else:  # (a record logged without its token lists: the gateway's too_large)
+            out.tally.inc("drop:too_large" if rec["x"] == "too_large" else "drop:not_trainable")
         heldout = is_heldout(gid, self.ic.heldout_share)
         if heldout:  # (marked: a later revert's record goes where the accept's went, whatever the share is then)
             meta["h"] = 1

@@ -58,6 +58,14 @@ _LIVE_LUA = """
 local n = 0
 local m = tonumber(ARGV[3])
 local events = #KEYS - 1 - m
+-- a hash key that holds another type would fail the script half-way, after its guards were set (the batch would
+-- then count for nothing on the retry): refuse before any write, naming the key, and let the caller replace it
+for i = 1, m + 1 do
+  local t = redis.call('TYPE', KEYS[i])['ok']
+  if t ~= 'none' and t ~= 'hash' then
+    return redis.error_reply('WRONGTYPE ' .. KEYS[i] .. ' holds a ' .. t .. ', not a hash')
+  end
+end
 local accs = {}  -- per key: its sums and the order their fields came in
 for i = 1, m + 1 do
   accs[i] = {KEYS[i], {}, {}}
@@ -366,6 +374,12 @@ class IngestMetrics:
 
     def _declare_progress(self, r: CollectorRegistry) -> None:
         """The worker's own health: sweep errors, settle waits, backlog gauges and the feedback-to-sample delay."""
+        self.wrong_type = Counter(
+            "liverl_ingest_redis_wrong_type",
+            "Redis keys ingest writes as hashes (live counters, per-user sums, its counters) found holding another "
+            "type: written by something else; each logged by name and replaced.",
+            registry=r,
+        )
         self.timer_errors = Counter(
             "liverl_ingest_timer_errors",
             "Exceptions in the periodic sweeps (logged; the sweep runs again).",
@@ -439,7 +453,8 @@ class IngestMetrics:
 
     async def apply(self, tally: Tally, retry_s: float = 20.0, unit_ttl_s: float = UNIT_TTL_S) -> None:
         """Write one batch's increments to Redis (retrying connection errors for ``retry_s``), then to Prometheus; the
-        per-user sums' keys live ``unit_ttl_s`` after their last write (``ingest.unit_ttl_s``).
+        per-user sums' keys live ``unit_ttl_s`` after their last write (``ingest.unit_ttl_s``). A key of ingest's that
+        holds another Redis type (``WRONGTYPE``) is replaced (``_replace_wrong_types``) and the batch written again.
 
         Raises the last Redis error after that: the ingest worker then stops without committing the batch's offsets,
         and the replay is absorbed by the idempotent live counters.
@@ -451,28 +466,32 @@ class IngestMetrics:
         script = self._script
         assert script is not None  # _client registers it with the client it makes
         ckey = keys.ingest_counters(self.prefix)
+        counts = {name: n for name, n in tally.counts.items() if n}
+        # one script call per version: its keys share the version's hash tag (one Cluster slot)
+        calls = [
+            _script_call(self.prefix, version, entries, unit_ttl_s)
+            for version, entries in _by_version(tally.live).items()
+        ]
         delay = 0.2
         deadline = time.monotonic() + retry_s
-        attempt = 0
+        attempt = replaced = 0
         while True:
             attempt += 1
             pipe = client.pipeline(transaction=False)
-            for name, n in tally.counts.items():
-                if n:
-                    pipe.hincrby(ckey, name, n)
-            calls = []  # one script call per version: its keys share the version's hash tag (one Cluster slot)
-            for version, entries in _by_version(tally.live).items():
-                calls.append(_script_call(self.prefix, version, entries, unit_ttl_s))
+            for name, n in counts.items():
+                pipe.hincrby(ckey, name, n)
             try:
                 if self._cluster:  # a cluster pipeline takes no scripts: each call goes to its slot's node
-                    await pipe.execute()
+                    results = list(await pipe.execute(raise_on_error=False)) if counts else []
                     for lua_keys, args in calls:
-                        await script(keys=lua_keys, args=args)
+                        try:
+                            results.append(await script(keys=lua_keys, args=args))
+                        except redis.ResponseError as e:
+                            results.append(e)
                 else:
                     for lua_keys, args in calls:
                         await script(keys=lua_keys, args=args, client=pipe)
-                    await pipe.execute()
-                break
+                    results = await pipe.execute(raise_on_error=False)
             except (redis.ConnectionError, redis.TimeoutError) as e:
                 if time.monotonic() + delay > deadline:
                     raise
@@ -481,7 +500,31 @@ class IngestMetrics:
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 3.0)
+                continue
+            errors = [r for r in results if isinstance(r, Exception)]
+            if not errors:
+                break
+            if replaced >= 3 or not all(keys.wrong_type(e) for e in errors):
+                raise errors[0]
+            # a key ingest owns held another Redis type: it holds nothing ingest wrote, so it is replaced, and the
+            # batch is written again (the counters only where they failed; the scripts are idempotent by their guards)
+            replaced += 1
+            if not any(isinstance(r, Exception) for r in results[: len(counts)]):
+                counts = {}
+            hashes = [ckey, *(k for lua_keys, args in calls for k in lua_keys[: 1 + int(args[2])])]
+            await self._replace_wrong_types(client, hashes)
         self._observe(tally)
+
+    async def _replace_wrong_types(self, client, hashes: list[str]) -> None:
+        """Delete those of ``hashes`` (keys ingest writes as hashes) that hold another Redis type, each logged by name
+        and counted (``liverl_ingest_redis_wrong_type``): written by something else, they hold no count of ingest's."""
+        for key in hashes:
+            t = await client.type(key)
+            t = t.decode() if isinstance(t, bytes) else str(t)
+            if t not in ("hash", "none"):
+                log.error("Redis key %s holds a %s, not ingest's hash: replacing it", key, t)
+                self.wrong_type.inc()
+                await client.delete(key)
 
     async def close(self) -> None:
         if self._redis is not None:

@@ -81,8 +81,9 @@ _HELDOUT_HASH = hashlib.blake2b(digest_size=8, person=b"liverl-heldout")
 
 def record_parts(rec: GenerationRecord) -> tuple[dict[str, Any], bytes]:
     """What a join needs of a validated record, as a waiting entry keeps it: the few values the judgement and the
-    sample read (``meta``: version ``v``, time ``ts``, completion length ``n``, latency ``ms``, ``x`` when not
-    trainable, the user's ``unit`` as ``u``, ``m`` when more than one version sampled it, or which is unknown:
+    sample read (``meta``: version ``v``, time ``ts``, completion length ``n`` (``completion_tokens`` when the record
+    was logged without its token lists), latency ``ms``, ``x`` when not trainable (``"too_large"`` for such a record,
+    else 1), the user's ``unit`` as ``u``, ``m`` when more than one version sampled it, or which is unknown:
     ``GenerationRecord.mixed_versions``) and ``body``, the sample's middle fields already serialised
     (``sample_json`` splices them in, so a join neither parses the record again nor serialises its token lists)."""
     return _parts(
@@ -96,6 +97,8 @@ def record_parts(rec: GenerationRecord) -> tuple[dict[str, Any], bytes]:
         rec.sampling,
         rec.unit,
         rec.mixed_versions,
+        tokens=rec.completion_tokens,
+        too_large=rec.untrainable_reason == "too_large",
     )
 
 
@@ -110,14 +113,16 @@ def _parts(
     sampling: Any,
     unit: str | None = None,
     mixed: bool = False,
+    tokens: int | None = None,
+    too_large: bool = False,
 ) -> tuple[dict[str, Any], bytes]:
-    meta: dict[str, Any] = {"v": version, "ts": ts, "n": len(completion_ids)}
+    meta: dict[str, Any] = {"v": version, "ts": ts, "n": len(completion_ids) if tokens is None else tokens}
     if mixed:
         meta["m"] = 1
     if latency_s is not None:
         meta["ms"] = round(latency_s * 1000.0)
     if not trainable:
-        meta["x"] = 1
+        meta["x"] = "too_large" if too_large else 1
     if unit is not None:
         meta["u"] = unit
     body = to_json(
@@ -131,11 +136,14 @@ def _parts(
     return meta, body[1:-1]
 
 
-def sample_json(gid: str, meta: dict[str, Any], body: bytes, fb: FeedbackEvent, reward: float) -> bytes:
+def sample_json(
+    gid: str, meta: dict[str, Any], body: bytes, fb: FeedbackEvent, reward: float, joined_at: float
+) -> bytes:
     """The ``TrainingSample`` of a judged generation, as its wire JSON: byte for byte what
     ``TrainingSample(...).model_dump_json()`` gives (tests/ingest/test_fuzz.py checks it), built from data already
     validated (the record's ``record_parts``, the feedback) without validating it again: that would cost the join a
-    fifth of its time. The reward is the product's code, so it is checked here."""
+    fifth of its time. The reward is the product's code, so it is checked here. ``joined_at``: ingest's clock at the
+    join (``ts_joined``)."""
     if not math.isfinite(reward):
         raise ValueError(f"the product's reward for {fb.kind!r} is {reward}: rewards must be finite")
     head = to_json(
@@ -150,7 +158,9 @@ def sample_json(gid: str, meta: dict[str, Any], body: bytes, fb: FeedbackEvent, 
             "segment": fb.segment,
         }
     )
-    tail = to_json({"edited_text": fb.edited_text, "ts_generation": meta["ts"], "ts_feedback": fb.ts})
+    tail = to_json(
+        {"edited_text": fb.edited_text, "ts_generation": meta["ts"], "ts_feedback": fb.ts, "ts_joined": joined_at}
+    )
     return b"".join((head[:-1], b",", body, b",", tail[1:]))
 
 

@@ -8,7 +8,9 @@ ledger line and no exception, so the loop never crashes on input:
 - ``duplicate``: the sample id was trained already or waits in ``pending``: the recent window
   (``LearnerState.trained_ids``, the last ``dedupe_window`` ids) first, then every id ever trained (``learner.seen``,
   durable, cut back with the ledger). Ingest is at-least-once; this makes the learner exactly-once;
-- ``shed``: its feedback is older than ``max_backlog_s``: the learner is behind and trains the newest first;
+- ``shed``: ingest joined it more than ``max_backlog_s`` ago (``joined_at``, by ingest's clock, not the product's
+  feedback time, which a product that forwards late sets hours back): the learner is behind and trains the newest
+  first;
 - ``stale``: its ``policy_version`` is more than ``max_lag`` of the learner's own updates (``max_staleness``
   candidates' worth) behind the weights it would train. Lag is counted in updates since the learner's weights were
   that version (``LearnerState.version_steps``), not in version numbers: the registry numbers every candidate,
@@ -41,6 +43,12 @@ from learner.seen import SeenIds
 log = logging.getLogger("liverl.learner")
 
 Entry = tuple[int, int, TrainingSample]  # (partition, offset, sample): an accepted record
+
+
+def joined_at(s: TrainingSample) -> float:
+    """When ingest joined ``s``'s feedback with its generation (``ts_joined``, ingest's clock); a sample written
+    without it: its feedback's time."""
+    return s.ts_joined if s.ts_joined is not None else s.ts_feedback
 
 
 class Admission:
@@ -99,7 +107,7 @@ class Admission:
             or s.sample_id in self.seen
         ):  # the recent window first, then every id ever trained (durable)
             return "duplicate"
-        if self.lcfg.max_backlog_s and time.time() - s.ts_feedback > self.lcfg.max_backlog_s:
+        if self.lcfg.max_backlog_s and time.time() - joined_at(s) > self.lcfg.max_backlog_s:
             return "shed"  # the learner is behind: the newest feedback first (``learner.max_backlog_s``)
         if self.lag(s.policy_version) > self.max_lag:
             return "stale"
@@ -215,7 +223,7 @@ class Admission:
     def backlog(self, consumer) -> tuple[int, float]:
         """What ingest judged that this learner has not trained yet: (samples, seconds). Samples: the samples topic's
         high watermarks (as of the last fetch) less this learner's trained watermarks, over its partitions. Seconds:
-        the age of the oldest of them by its feedback time (``ts_feedback``), 0 when none waits. This is the lag
+        the age of the oldest of them since ingest joined it (``joined_at``), 0 when none waits. This is the lag
         the on-call page, ``liverl status`` and the ``LiverlLearnerBehind`` alert show."""
         events = 0
         for tp in consumer.assignment() if consumer is not None else ():
@@ -230,10 +238,10 @@ class Admission:
                 events += max(0, high - at)
         oldest = None
         if self.pending:
-            oldest = self.pending[0][2].ts_feedback
+            oldest = joined_at(self.pending[0][2])
         if self.queue:
             try:
-                head = TrainingSample.from_bytes(self.queue[0][2] or b"").ts_feedback
+                head = joined_at(TrainingSample.from_bytes(self.queue[0][2] or b""))
                 oldest = head if oldest is None else min(oldest, head)
             except Exception:  # noqa: BLE001 - a record the classifier will refuse: its age is not known
                 pass

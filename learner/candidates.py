@@ -145,6 +145,7 @@ class Candidates:
                 metrics=metrics,
                 sample_offsets={str(p): o for p, o in sorted(st.offsets.items())},
                 learner_step=st.step,
+                rollback_seen=st.rollback_seen,  # the last rollback these weights were rebased for
             )
         except REGISTRY_ERRORS as e:  # the weights are in the checkpoint; the candidate is tried again next step
             st.counters["registry_errors"] += 1

@@ -12,6 +12,7 @@ from liverl.bench import canary as bench_canary
 from liverl.bench import ingest as bench_ingest
 from liverl.bench import learn as bench_learn
 from liverl.bench import logprobs as bench_logprobs
+from liverl.bench import routers as bench_routers
 from liverl.bench import serve as bench_serve
 from liverl.bench import swap as bench_swap
 from liverl.bench.subcommand import add_bench_parser
@@ -79,13 +80,15 @@ def register(sub) -> None:
     bench = sub.add_parser(
         "bench",
         help="benchmarks that print a table: delta (the codec), serve (gateway vs "
-        "vLLM node), logprobs (learner vs vLLM per model family), ingest (workers vs a raw consumer), canary (the "
-        "sequential test), learn (update time and drift), broker (the embedded broker's produce batcher)",
+        "vLLM node), routers (kill -9 of a router behind HAProxy vs alone), logprobs (learner vs vLLM per model "
+        "family), ingest (workers vs a raw consumer), canary (the sequential test), learn (update time and drift), "
+        "broker (the embedded broker's produce batcher)",
     )
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK")
     bench.set_defaults(fn=lambda _args: bench.print_help() or 2)
     add_delta_parser(bench_sub)
     bench_serve.add_parser(bench_sub)
+    bench_routers.add_parser(bench_sub)
     bench_swap.add_parser(bench_sub)
     bench_logprobs.add_parser(bench_sub)
     bench_ingest.add_parser(bench_sub)

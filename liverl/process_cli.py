@@ -38,7 +38,8 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
     cfg = cfg_from_args(args)
     check_bound(cfg, "ingest")
-    return run_worker(cfg, kafka_bootstrap(cfg), redis_url(cfg))
+    # /metrics and /healthz on the interface the other roles' servers bind (serving.host)
+    return run_worker(cfg, kafka_bootstrap(cfg), redis_url(cfg), web_bind=cfg.serving.host)
 
 
 def cmd_learn(args: argparse.Namespace) -> int:

@@ -184,6 +184,25 @@ class GateConfig(Section):
         "the same cores, whose load they trade), its batch means are too noisy to show non-inferiority in a canary's "
         "life.",
     )
+    latency_at_equal_length: bool = Field(
+        default=True,
+        description="The latency guardrails (mean and quantile) compare the arms at equal answer length: each "
+        "bucket's latency difference is regressed on the arms' difference in mean answer length, and the intercept is "
+        "tested (deploy.gate.sequential.batch_means). Users stay on their arm, so one heavy user with long answers "
+        "makes its arm slower in every bucket; a delta changes how many tokens an answer takes (the response length "
+        "guardrail), not the compute per token. False: the plain paired batch means. Fixed at a rollout's start.",
+    )
+    canary_user_cap: float | None = Field(
+        default=0.99,
+        gt=0.5,
+        le=1.0,
+        description="Heavy users' weight in the user-unit tests: a user with more events than this quantile of the "
+        "users' events (both arms pooled, at each look; and of their events before the rollout for CUPED's "
+        "covariate) counts as that many, their rate unchanged (deploy.gate.sequential_units.cap_users), as "
+        "experimentation platforms cap or winsorize heavy users. The estimate is then of the users' rates weighed by "
+        "their capped activity; with a few users sending a fifth of the traffic, the tests otherwise rest on those "
+        "few. None or 1.0: no cap. Fixed at a rollout's start.",
+    )
     latency_quantile: float | None = Field(
         default=0.9,
         gt=0.0,

@@ -47,7 +47,8 @@ class IngestConfig(Section):
         le=900_000,
         description="Inputs larger than this are dead-lettered (too_large) "
         "unparsed, with their first bytes and a sha256. Bounds every table entry and sample below the 1 MB record "
-        "limit.",
+        "limit. The serving gateway reads it too: a generation record over it is logged without its token lists, "
+        "untrainable (too_large), so its feedback is still joined and counted; give both the same value.",
     )
     max_pending: int = Field(
         default=100_000,

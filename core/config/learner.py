@@ -110,9 +110,10 @@ class LearnerConfig(Section):
     max_backlog_s: float = Field(
         default=600.0,
         ge=0,
-        description="Load shedding: a sample whose feedback is older than this when the learner "
-        "reaches it is skipped (refused as 'shed': counted, in the ledger and `liverl audit`) so a learner that cannot "
-        "keep up trains the newest feedback instead of falling further behind; it says so in its log. 0: never shed.",
+        description="Load shedding: a sample that ingest joined more than this long before the learner reaches it "
+        "(its ts_joined, by ingest's clock: not the product's feedback time) is skipped (refused as 'shed': "
+        "counted, in the ledger and `liverl audit`) so a learner that cannot keep up trains the newest feedback "
+        "instead of falling further behind; it says so in its log. 0: never shed.",
     )
     max_batch_wait_s: float = Field(
         default=30.0,

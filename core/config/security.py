@@ -32,8 +32,9 @@ class SecurityConfig(Section):
         description="How long a version announcement is valid after it "
         "was signed (its expires_at); readers refuse an expired one, and the gate re-announces when less than half is "
         "left, so keep it well above 2 x gate.poll_s. Nodes' and the gate's clocks must agree to a small part of it. "
-        "With the gate down longer than this, every announcement expires: nodes keep what they serve (a canary node "
-        "too), and a node that restarts serves its model directory until the gate announces again.",
+        "With the gate down longer than this, every announcement expires: each agent then follows the last desired "
+        "announcement it verified (kept on disk across restarts, its version still checked against the registry), "
+        "so a node that restarts returns to the stable version; `liverl abort` withdraws a canary itself.",
     )
     assignment_key: str | None = Field(
         default=None,

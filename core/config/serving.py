@@ -12,8 +12,8 @@ from core.config.base import Section
 class ServingConfig(Section):
     host: str = Field(
         default="127.0.0.1",
-        description="Interface the gateway and the serving agent's /metrics (agent_port) bind to (0.0.0.0 to expose "
-        "them).",
+        description="Interface the gateway and the serving agent's /metrics (agent_port) bind to, and the router's, "
+        "the gate's, the learner's and ingest's servers (0.0.0.0 to expose them).",
     )
     node_host: str = Field(
         default="127.0.0.1",

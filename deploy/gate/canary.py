@@ -131,6 +131,7 @@ class CanaryController:
         self.record = record  # Gate._record(version, check, value, threshold, passed, detail)
         self._evidence: Evidence | None = None
         self.clock = time.time  # what "now" is for a rollout's buckets and deadline (tests move it)
+        self.on_rewritten = lambda channel, what: None  # told what keep_announced wrote over (the gate counts it)
 
     # ------------------------------------------------------------------------------------------ start
 
@@ -198,12 +199,13 @@ class CanaryController:
             channel="canary",
             rollout=self.terms(rollout),
             ttl_s=self.cfg.security.announce_ttl_s,
+            seq=self.registry.audit_seq(),  # the rollout's start included
         )
 
     def refresh(self, rollout: Rollout) -> None:
         """Keep the canary's announcement present, signed, naming the rollout's terms and fresh (it expires, so a
         replayed copy cannot outlive it): after a lost Redis key, a gate restart, or half its lifetime."""
-        keep_announced(
+        what = keep_announced(
             self.redis,
             self.prefix,
             "canary",
@@ -213,7 +215,10 @@ class CanaryController:
             self.signer,
             rollout=self.terms(rollout),
             ttl_s=self.cfg.security.announce_ttl_s,
+            seq=self.registry.audit_seq(),
         )
+        if what is not None:
+            self.on_rewritten("canary", what)
 
     def _fixed_nulls(self, stable: Version, now: float) -> dict:
         """The continuous guardrails' bands, fixed for the whole rollout from stable's own figures before it: mean
@@ -247,6 +252,8 @@ class CanaryController:
             "max_events": g.canary_max_events,  # the evidence budget, fixed with the nulls
             "futility_z": g.canary_futility_z,  # and the futility stop that reads it
             "readout_share": g.canary_readout_share,  # the deadline readout's share of alpha
+            "latency_at_equal_length": g.latency_at_equal_length,  # how the latency guardrails compare the arms
+            "user_cap": g.canary_user_cap,  # heavy users' weight in the user-unit tests
         }
 
     def clear(self) -> None:
@@ -427,6 +434,7 @@ class CanaryController:
             f"canary passed: {why}"[:1024],
             self.signer,
             ttl_s=self.cfg.security.announce_ttl_s,
+            seq=self.registry.audit_seq(),  # the promotion's own entry included
         )
         self.clear()
         log.info("gate: canary v%d promoted: %s", rollout.version, why)

@@ -255,9 +255,11 @@ def _world(gate, rng, on, population, activity, sigma, events_per_s, revert_dela
     for a in (0, 1):
         sel = arm == a
         m_sum = np.bincount(pos[sel], weights=ms[sel], minlength=buckets)
+        t_sum = np.bincount(pos[sel], weights=tokens[sel], minlength=buckets)
         n_sum = np.bincount(pos[sel], minlength=buckets)
-        for i in np.nonzero(n_sum)[0]:
-            latency[a][b0 + int(i)] = {"m": int(m_sum[i]), "n": int(n_sum[i])}
+        for i in np.nonzero(n_sum)[0]:  # every event timed: e = n
+            n_i = int(n_sum[i])
+            latency[a][b0 + int(i)] = {"m": int(m_sum[i]), "n": n_i, "t": int(t_sum[i]), "e": n_i}
 
     # each user's sums over the look-back before the rollout (CUPED's covariates; stable's figures for the bands)
     pre_n = rng.poisson(events_per_s * gate.cuped_lookback_s * w)
@@ -278,6 +280,8 @@ def _world(gate, rng, on, population, activity, sigma, events_per_s, revert_dela
         "max_events": gate.canary_max_events,
         "futility_z": gate.canary_futility_z,
         "readout_share": gate.canary_readout_share,
+        "latency_at_equal_length": gate.latency_at_equal_length,
+        "user_cap": gate.canary_user_cap,
     }
     rollout = Rollout(
         id=1,
@@ -325,8 +329,8 @@ def _latency_states(gate: GateConfig, w: _World, latency: tuple[dict, dict]) -> 
         for arm, sums in ((ev.fast_canary, latency[0]), (ev.fast_stable, latency[1])):
             if w.b0 + pos in sums:
                 arm.buckets[w.b0 + pos] = sums[w.b0 + pos]
-        _look_latency(ev, test, {})
-        states.append((test.max_log_lr_pass, test.max_log_lr_harm, test.last))
+        _look_latency(ev, test, {}, bool(w.rollout.settings["latency_at_equal_length"]))
+        states.append((test.max_log_lr_pass, test.max_log_lr_harm, test.last, test.last_df, test.last_ready))
     return states
 
 
@@ -398,12 +402,13 @@ class _Stacks:
             mats.append(block)
             pre.append(self.w.pre[a["order"][:cols]])
         info: dict = {}
-        look_user_tests(self.gate, self.tests, self.srm, tuple(mats), tuple(mats), (*pre, *pre), info)
+        cap = self.gate.canary_user_cap
+        look_user_tests(self.gate, self.tests, self.srm, tuple(mats), tuple(mats), (*pre, *pre), info, cap)
         for t in self.tests:
             if t is None:
                 continue
             pl = info[t.name]["per_look"]
-            per = self.per.setdefault(t.name, {k: [] for k in ("max_log_lr_pass", "max_log_lr_harm", "d", "var")})
+            per = self.per.setdefault(t.name, {k: [] for k in PER_LOOK})
             for k, v in per.items():
                 v.extend(np.broadcast_to(pl[k], (p1 - p0,)).tolist())
         self.mismatch.extend(np.broadcast_to(info["srm"]["per_look"]["mismatch"], (p1 - p0,)).tolist())
@@ -412,12 +417,30 @@ class _Stacks:
     def restore(self, test: seq.MetricTest, position: int) -> None:
         """Set ``test`` (of the same name) to the feeder's state at ``position`` (-1: nothing read yet)."""
         if position < 0:
-            test.max_log_lr_pass = test.max_log_lr_harm = float("-inf")
-            test.last = None
+            _restore_state(test, _NOTHING)
             return
         per = self.per[test.name]
-        test.max_log_lr_pass, test.max_log_lr_harm = per["max_log_lr_pass"][position], per["max_log_lr_harm"][position]
-        test.last = (per["d"][position], per["var"][position])
+        _restore_state(
+            test,
+            (
+                per["max_log_lr_pass"][position],
+                per["max_log_lr_harm"][position],
+                (per["d"][position], per["var"][position]),
+                per["df"][position],  # the last look's degrees of freedom, and whether it could count:
+                bool(per["ready"][position]),  # what the deadline's readout reads
+            ),
+        )
+
+
+PER_LOOK = ("max_log_lr_pass", "max_log_lr_harm", "d", "var", "df", "ready")
+"""What the feeder keeps of each test at each bucket position."""
+_NOTHING = (float("-inf"), float("-inf"), None, math.inf, False)
+"""A test's state before any look."""
+
+
+def _restore_state(test: seq.MetricTest, state: tuple) -> None:
+    """Set ``test``'s running maxima and latest look (``_NOTHING``'s fields) as a look of the gate leaves them."""
+    test.max_log_lr_pass, test.max_log_lr_harm, test.last, test.last_df, test.last_ready = state
 
 
 def _play(gate: GateConfig, w: _World, effect: tuple[float, float]) -> tuple[str, str | None, float, int, tuple]:
@@ -448,9 +471,7 @@ def _play(gate: GateConfig, w: _World, effect: tuple[float, float]) -> tuple[str
             if t is not None:
                 stacks.restore(t, at)
         if latency is not None and w.latency_states is not None:
-            latency.max_log_lr_pass, latency.max_log_lr_harm, latency.last = (
-                w.latency_states[f] if f >= 0 else (float("-inf"), float("-inf"), None)
-            )
+            _restore_state(latency, w.latency_states[f] if f >= 0 else _NOTHING)
         events = int(stacks.canary_events[s]) if s >= 0 else 0
         verdict, why = look_verdict(canary, w.rollout, float(now), events)
         if s >= 0 and stacks.mismatch[s]:

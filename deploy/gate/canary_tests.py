@@ -1,6 +1,7 @@
 """The canary's tests at one look: each arm's evidence read from ingest's per-user buckets (``Evidence``), the
 always-valid tests restored from the rollout's saved state and fed that evidence (``build_tests``: the user or the
-judged event as the unit, latency's mean and quantile on batch means), and what a look saves back (``look_record``,
+judged event as the unit, heavy users' weight capped, latency's mean and quantile on batch means at equal answer
+length), and what a look saves back (``look_record``,
 with the family's error levels and the success metric's raw and bias-corrected effect and always-valid interval;
 ``saved_state``).
 
@@ -108,15 +109,18 @@ def build_tests(g: GateConfig, rollout: Rollout, ev: Evidence, settling: bool) -
     guardrails = [t for t in (edit, revert, length, latency, latency_q) if t is not None]
     info: dict = {"events": (ev.canary.total("e"), ev.stable.total("e"))}
     if rollout.unit == "user":
-        _look_users(g, ev, (success, edit, revert, length), srm, info)
+        cap = (rollout.settings or {}).get("user_cap")  # fixed at the start (none: a rollout without one)
+        _look_users(g, ev, (success, edit, revert, length), srm, info, cap)
     else:
         _look_requests(ev, (success, edit, revert, length), srm, info)
+    equal_length = bool((rollout.settings or {}).get("latency_at_equal_length", False))  # fixed at the start
     if latency is not None:  # batch means: the buckets pair by time, so load both arms share cancels
-        _look_latency(ev, latency, info)
+        _look_latency(ev, latency, info, equal_length)
     if latency_q is not None:
         q = (rollout.settings or {})["latency_quantile"]
+        qc, qs, gap = sq.paired_quantiles(ev.fast_canary.buckets, ev.fast_stable.buckets, q)
         info[latency_q.name] = sq.look_quantiles(
-            latency_q, *sq.paired_quantiles(ev.fast_canary.buckets, ev.fast_stable.buckets, q), LATENCY_MIN_BATCHES
+            latency_q, qc, qs, LATENCY_MIN_BATCHES, gap if equal_length and np.isfinite(gap).any() else None
         )
     if settling:  # a node that has just swapped runs hot for a few seconds: latency and length not judged worse
         for t in guardrails:
@@ -184,7 +188,9 @@ def quantile_name(q: float) -> str:
     return f"latency_p{100 * q:g}"
 
 
-def _look_users(g: GateConfig, ev: Evidence, tests: tuple, srm: SrmTest, info: dict) -> None:
+def _look_users(
+    g: GateConfig, ev: Evidence, tests: tuple, srm: SrmTest, info: dict, user_cap: float | None = None
+) -> None:
     """One look of each test with the user as the unit, on the evidence read so far (``look_user_tests``)."""
     names_c, m_c = ev.canary.matrix()
     names_s, m_s = ev.stable.matrix()
@@ -193,11 +199,18 @@ def _look_users(g: GateConfig, ev: Evidence, tests: tuple, srm: SrmTest, info: d
     pre = None
     if g.cuped and ev.covariate:
         pre = tuple(pre_rollout_sums(ev, names) for names in (names_c, names_s, fast_c, fast_s))
-    look_user_tests(g, tests, srm, (m_c, m_s), (f_c, f_s), pre, info)
+    look_user_tests(g, tests, srm, (m_c, m_s), (f_c, f_s), pre, info, user_cap)
 
 
 def look_user_tests(
-    g: GateConfig, tests: tuple, srm: SrmTest, slow: tuple, fast: tuple, pre: tuple | None, info: dict
+    g: GateConfig,
+    tests: tuple,
+    srm: SrmTest,
+    slow: tuple,
+    fast: tuple,
+    pre: tuple | None,
+    info: dict,
+    user_cap: float | None = None,
 ) -> None:
     """One look of each test with the user as the unit: CUPED on acceptance when there is a covariate (``pre``), and
     on the edit rate, the revert rate and the response length too with ``gate.cuped_guardrails``; each metric's
@@ -221,11 +234,15 @@ def look_user_tests(
         return out[0], out[1]
 
     kept = arms("kept", cov=cuped)
-    info["acceptance"] = seq.look_units(success, *kept, cuped=cuped)
-    info["edit_rate"] = seq.look_units(edit, *arms("d", on_fast=True, cov=cuped_guards), cuped=cuped_guards)
-    info["revert_rate"] = seq.look_units(revert, *arms("r", cov=cuped_guards), cuped=cuped_guards)
+    info["acceptance"] = seq.look_units(success, *kept, cuped=cuped, user_cap=user_cap)
+    info["edit_rate"] = seq.look_units(
+        edit, *arms("d", on_fast=True, cov=cuped_guards), cuped=cuped_guards, user_cap=user_cap
+    )
+    info["revert_rate"] = seq.look_units(revert, *arms("r", cov=cuped_guards), cuped=cuped_guards, user_cap=user_cap)
     if length is not None:
-        info["response_length"] = seq.look_units(length, *arms("t", on_fast=True, cov=cuped_guards), cuped=cuped_guards)
+        info["response_length"] = seq.look_units(
+            length, *arms("t", on_fast=True, cov=cuped_guards), cuped=cuped_guards, user_cap=user_cap
+        )
     info["users"] = (m_c.shape[-2], m_s.shape[-2])
     info["srm"] = srm.look_units(*kept)  # on the horizon's cursor: see deploy.gate.canary's module doc
 
@@ -267,16 +284,17 @@ def _look_requests(ev: Evidence, tests: tuple, srm: SrmTest, info: dict) -> None
     info["srm"] = srm.look_requests(*info["events"])
 
 
-def _look_latency(ev: Evidence, latency: seq.MetricTest, info: dict) -> None:
-    """One look of the latency guardrail on the batch means of the buckets both arms served."""
+def _look_latency(ev: Evidence, latency: seq.MetricTest, info: dict, equal_length: bool = False) -> None:
+    """One look of the latency guardrail on the batch means of the buckets both arms served (at equal answer
+    length with ``equal_length``: ``deploy.gate.sequential.batch_means``)."""
     cb, sb = ev.fast_canary.buckets, ev.fast_stable.buckets
-    means = [
-        (cb[b]["m"] / cb[b]["n"], sb[b]["m"] / sb[b]["n"])
-        for b in sorted(set(cb) & set(sb))
-        if cb[b].get("n") and sb[b].get("n")
-    ]
+    both = [b for b in sorted(set(cb) & set(sb)) if cb[b].get("n") and sb[b].get("n")]
+    means = [(cb[b]["m"] / cb[b]["n"], sb[b]["m"] / sb[b]["n"]) for b in both]
+    gap = [sq.length_gap(cb[b], sb[b]) for b in both] if equal_length else None
+    if gap is not None and not np.isfinite(gap).any():  # no lengths recorded: the plain batch means
+        gap = None
     info["latency"] = seq.look_batches(
-        latency, [c for c, _ in means], [s for _, s in means], min_batches=LATENCY_MIN_BATCHES
+        latency, [c for c, _ in means], [s for _, s in means], min_batches=LATENCY_MIN_BATCHES, covariate=gap
     )
     if means:  # the mean of the buckets' means, each arm (what the batch-means test compares)
         info["latency_means"] = (float(np.mean([c for c, _ in means])), float(np.mean([s for _, s in means])))

@@ -59,9 +59,24 @@ from deploy.registry.attest import Attested, Attestor
 from deploy.registry.blobstore import BlobError
 from deploy.registry.delta import DeltaError, apply_delta, checksum, warm_up
 from deploy.registry.registry import Registry, RegistryConflict, RegistryError, Version, open_registry
-from deploy.registry.signing import Signer, announce, keep_announced
+from deploy.registry.signing import WRONG_TYPE_WAS, Signer, announce, keep_announced
 
 log = logging.getLogger("liverl.gate")
+
+
+def before_rollback(registry: Registry, row: Version) -> str | None:
+    """Why candidate ``row`` may carry a change an operator rolled back, or None. Its parent was rolled back; or a
+    rollback came after the last one its weights account for (``rollback_seen``: audit ids, one sequence for every
+    writer, so no host's clock decides); a row registered without it is compared by time."""
+    rollback_id, rolled_back_at = registry.last_rollback()
+    if row.parent is not None and registry.get(row.parent).status == "rolled_back":
+        return f"its parent v{row.parent} was rolled back"
+    if row.rollback_seen is not None:
+        if row.rollback_seen < rollback_id:
+            return f"its weights account for rollbacks up to audit entry {row.rollback_seen}, not {rollback_id}"
+    elif row.created_at <= rolled_back_at:
+        return "registered before the last rollback's time"
+    return None
 
 
 class Gate(EvidenceChecks, WaitSteps):
@@ -130,7 +145,11 @@ class Gate(EvidenceChecks, WaitSteps):
         self._canary_share = prom.Gauge(
             "liverl_gate_canary_share", "Share of users on the canary now (0: none)", registry=self.metrics
         )
+        self._wrong_type = prom.Counter(  # every reader refused them; the gate wrote over them
+            "liverl_gate_wrong_type_keys", "Announcement keys of another Redis type", ["channel"], registry=self.metrics
+        )
         self.canary = CanaryController(cfg, registry, redis, signer, self._record)
+        self.canary.on_rewritten = self._rewritten
         self.attestor = Attestor(registry.db)  # signs only what the audit log vouches for (deploy.registry.attest)
         self._unattested = prom.Counter(
             "liverl_gate_unattested",
@@ -180,12 +199,15 @@ class Gate(EvidenceChecks, WaitSteps):
             return
         log.info("gate: evaluator warmed up on stable v%d in %.1f s", stable.version, time.perf_counter() - t0)
 
-    def reconcile(self, stable: Version) -> Attested:
+    def reconcile(self, stable: Version, seq: int | None = None) -> Attested:
         """The fleet follows ``<prefix>:desired``; make it name the registry's stable version (after a crash between
         a promotion and its announcement, or a lost Redis key), checked as the agents check it (signed, bound to its
         channel and prefix, unexpired), and keep it fresh (``deploy.registry.signing.keep_announced``). The registry is
         the truth, as far as its audit log vouches for it (``deploy.registry.attest``): a stable version that no
-        verified audit entry made stable is not signed. Returns what the audit log vouches for."""
+        verified audit entry made stable is not signed. ``seq``: the registry's audit sequence read before ``stable``
+        was (None: read now), which the announcement carries. Returns what the audit log vouches for."""
+        if seq is None:
+            seq = self.registry.audit_seq()
         att = self.attestor.refresh()
         if att.problem is not None or att.stable != stable.version:
             self._not_vouched(
@@ -204,10 +226,17 @@ class Gate(EvidenceChecks, WaitSteps):
             "reconciled with the registry",
             self.signer,
             ttl_s=self.cfg.security.announce_ttl_s,
+            seq=seq,
         )
         if what is not None and what != "refreshed":
+            self._rewritten("desired", what)
             log.warning("gate: desired version %s; announced the registry's stable v%d", what, stable.version)
         return att
+
+    def _rewritten(self, channel: str, what: str) -> None:
+        """Count an announcement key written over because it held another Redis type (``keep_announced``'s answer)."""
+        if what == f"was {WRONG_TYPE_WAS}":
+            self._wrong_type.labels(channel).inc()
 
     def _not_vouched(self, channel: str, why: str) -> None:
         """Count a refusal to sign what the audit log does not vouch for; log it once per distinct reason."""
@@ -218,11 +247,12 @@ class Gate(EvidenceChecks, WaitSteps):
 
     def step(self) -> list[Verdict]:
         """Process the pending candidates: the newest is evaluated, older ones are superseded."""
+        seq = self.registry.audit_seq()  # before the state it orders: a rollback after it outranks what is read here
         stable = self.registry.stable()
         self._stable.set(stable.version)
         self._promoted_at.set(stable.promoted_at or 0.0)
         self._rolled_back_at.set(self.registry.last_rollback()[1] or 0.0)
-        att = self.reconcile(stable)
+        att = self.reconcile(stable, seq)
         for v in self.registry.reap_orphan_canaries(actor="gate"):  # a crash between a rollout's steps
             log.warning("gate: version %d was a canary no rollout runs; rejected", v)
         rollout = self.registry.active_rollout()
@@ -320,8 +350,8 @@ class Gate(EvidenceChecks, WaitSteps):
                 self._verdicts.labels("deferred").inc()
                 log.info("gate: version %d deferred: %s", row.version, early)
             return Verdict(row.version, "deferred", early, checks)
-        _, rolled_back_at = self.registry.last_rollback()
-        if row.created_at <= rolled_back_at:  # it may carry the change an operator just rolled back
+        why = before_rollback(self.registry, row)
+        if why is not None:  # it may carry the change an operator just rolled back
             reason = "emitted before the last rollback"
             checks["after_rollback"] = self._record(
                 row.version,
@@ -329,7 +359,7 @@ class Gate(EvidenceChecks, WaitSteps):
                 0.0,
                 1.0,
                 False,
-                f"{reason} (the learner rebases onto the stable version)",
+                f"{reason}: {why} (the learner rebases onto the stable version)",
             )
             self._refuse(row.version, reason)
             self._rejected()
@@ -389,6 +419,7 @@ class Gate(EvidenceChecks, WaitSteps):
             reason,
             self.signer,
             ttl_s=self.cfg.security.announce_ttl_s,
+            seq=self.registry.audit_seq(),  # the promotion's own entry included
         )
         log.info("gate: version %d promoted and announced", row.version)
         self._promoted(row.version)

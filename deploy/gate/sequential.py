@@ -40,7 +40,12 @@ maxima; each look hands it one ``(d, V)`` (``MetricTest.look``). Where ``(d, V)`
   events, so a covariate that is the rate alone predicts little of it.
 - **Latency** (``batch_means``): per-request latencies are autocorrelated (the node's load), so the test takes the
   per-bucket means of each arm, pairs them by time (a load both arms share cancels) and uses the differences'
-  variance across buckets.
+  variance across buckets. Pairing by time does not cancel which users each arm holds: users stay on their arm, so
+  one heavy user with long answers makes its arm slower in every bucket, and the buckets' spread does not see it.
+  Given each bucket's difference of the arms' mean answer length ``x_b``, the test is at equal length: the
+  intercept of the regression ``d_b = delta + beta x_b + e_b`` (``var = s^2 (1/B + mean(x)^2 / Sxx)``, ``B - 2``
+  degrees of freedom). A delta cannot change the compute per token, only how many tokens an answer takes, and that
+  is the response length guardrail's; latency at equal length is what the serving path adds.
 
 Departures from the papers, and small-sample care:
 - The test is used one-sided (a rejection counts only when ``d`` is on the tested side, which can only lower the
@@ -97,7 +102,7 @@ from statistics import NormalDist
 import numpy as np
 
 from deploy.gate import sequential_readout as ro
-from deploy.gate.sequential_units import UnitSums, unit_estimate
+from deploy.gate.sequential_units import UnitSums, cap_users, unit_estimate
 
 BETTER, WORSE, UNDECIDED = "better", "worse", "undecided"
 PROMOTE, ABORT, CONTINUE = "promote", "abort", "continue"
@@ -391,25 +396,31 @@ def _bad_arm(arm: str):
 # ----------------------------------------------------------------------------------------- the user as the unit
 
 
-def look_units(test: MetricTest, canary: UnitSums, stable: UnitSums, cuped: bool = False) -> dict:
+def look_units(
+    test: MetricTest, canary: UnitSums, stable: UnitSums, cuped: bool = False, user_cap: float | None = None
+) -> dict:
     """One look of ``test`` with the user as the unit: what the gate calls at each look, and what the calibration
     (``deploy.gate.canary_sim.simulate_sticky``) calls, on a stack of looks at once.
 
-    Estimates theta by ``unit_estimate`` (CUPED when ``cuped``), widens the variance for few users (``t_widened``),
+    Estimates theta by ``unit_estimate`` (CUPED when ``cuped``; heavy users' weight capped at the ``user_cap``
+    quantile of the users' events, ``cap_users``), widens the variance for few users (``t_widened``),
     and feeds the test when each arm has ``test.min_units`` users and ``test.min_events`` events. The arms' event
     sums are kept in ``test.canary`` / ``test.stable`` (so ``test.summary()`` shows the arms' ratios). Returns a
     summary: the test's (``MetricTest.summary``) and the estimate's parts; with a stack of looks, the per-look arrays
     too (``per_look``: ``d``, ``var``, ``max_log_lr_pass``, ``max_log_lr_harm``, ``cuped_removed``, ``ready``)."""
+    events = canary.den.sum(-1), stable.den.sum(-1)  # in full, whatever the cap
+    if user_cap is not None and user_cap < 1.0:
+        canary, stable = cap_users(canary, stable, user_cap)
     est = unit_estimate(canary, stable, test.direction, cuped)
     ready = (np.minimum(est.users_canary, est.users_stable) >= test.min_units) & (
-        np.minimum(est.events_canary, est.events_stable) >= test.min_events
+        np.minimum(*events) >= test.min_events
     )
     pass_, harm = test.look(est.d, est.var, ready, est.df)
-    for arm, events, ratios in (
-        (test.canary, est.events_canary, est.ratio_canary),
-        (test.stable, est.events_stable, est.ratio_stable),
+    for arm, n_events, ratios in (
+        (test.canary, events[0], est.ratio_canary),
+        (test.stable, events[1], est.ratio_stable),
     ):
-        n, ratio = float(np.ravel(events)[-1]), float(np.ravel(ratios)[-1])
+        n, ratio = float(np.ravel(n_events)[-1]), float(np.ravel(ratios)[-1])
         arm.n, arm.total = int(n), (ratio * n if math.isfinite(ratio) else 0.0)
     last = lambda a: float(np.ravel(a)[-1])  # noqa: E731
     out = test.summary() | {
@@ -440,33 +451,53 @@ def look_units(test: MetricTest, canary: UnitSums, stable: UnitSums, cuped: bool
 
 
 def batch_means(
-    canary_means, stable_means, direction: int = -1, min_batches: int = 10
+    canary_means, stable_means, direction: int = -1, min_batches: int = 10, covariate=None
 ) -> tuple[float, float, int] | None:
     """(d, var, df) of a latency-like metric from per-bucket means of each arm (one value per time bucket, in the
     same buckets; NaN where an arm had no request): the buckets pair by time, so a load both arms share cancels, and
     the mean of the paired differences has the variance of the differences across buckets over their number, with
-    ``df`` = buckets - 1. None below ``min_batches`` buckets with both arms."""
+    ``df`` = buckets - 1. None below ``min_batches`` buckets with both arms.
+
+    ``covariate``: per bucket, the canary's less stable's mean of what the metric grows with (the answer length):
+    ``d`` is then the regression's intercept, the difference where the arms' covariate is equal, with its variance
+    and ``df`` = buckets - 2 (the module docstring); the plain mean where the covariate does not vary."""
     if min_batches < 3:
         raise ValueError(f"min_batches must be >= 3, got {min_batches}")
     c, s = np.asarray(canary_means, dtype=float), np.asarray(stable_means, dtype=float)
     if c.shape != s.shape or c.ndim != 1:
         raise ValueError(f"per-bucket means of both arms must be 1-d arrays of one length, got {c.shape}, {s.shape}")
     diff = direction * (c - s)
-    diff = diff[np.isfinite(diff)]
+    x = np.zeros_like(diff) if covariate is None else np.asarray(covariate, dtype=float)
+    if x.shape != diff.shape:
+        raise ValueError(f"the covariate needs one value per bucket ({diff.shape}), got {x.shape}")
+    ok = np.isfinite(diff) & np.isfinite(x)
+    diff, x = diff[ok], x[ok]
     b = diff.size
     if b < min_batches:
         return None
-    return float(diff.mean()), max(float(diff.var(ddof=1)) / b, 1e-12), b - 1
+    xc = x - x.mean()
+    sxx = float(xc @ xc)
+    if covariate is None or sxx <= 1e-12 * max(float(x @ x), 1e-300):
+        return float(diff.mean()), max(float(diff.var(ddof=1)) / b, 1e-12), b - 1
+    beta = float(xc @ (diff - diff.mean())) / sxx
+    d = float(diff.mean() - beta * x.mean())  # the intercept: the difference at x = 0
+    resid = diff - d - beta * x
+    s2 = float(resid @ resid) / (b - 2)
+    return d, max(s2 * (1.0 / b + x.mean() ** 2 / sxx), 1e-12), b - 2
 
 
-def look_batches(test: MetricTest, canary_means, stable_means, min_batches: int = 10) -> dict:
+def look_batches(test: MetricTest, canary_means, stable_means, min_batches: int = 10, covariate=None) -> dict:
     """One look of ``test`` (latency: ``direction`` -1, margins fixed at the canary's start) on per-bucket means
-    (``batch_means``); no look below ``min_batches`` buckets. Returns ``test.summary()`` with the buckets used."""
-    est = batch_means(canary_means, stable_means, test.direction, min_batches)
+    (``batch_means``, at equal ``covariate`` when given); no look below ``min_batches`` buckets. Returns
+    ``test.summary()`` with the buckets used."""
+    est = batch_means(canary_means, stable_means, test.direction, min_batches, covariate)
     if est is not None:
         d, var, df = est
         test.look(d, var, True, df)
-    return test.summary() | {"unit": "batch", "batches": 0 if est is None else est[2] + 1}
+    diff = np.asarray(canary_means, dtype=float) - np.asarray(stable_means, dtype=float)
+    x = np.zeros_like(diff) if covariate is None else np.asarray(covariate, dtype=float)
+    used = int(np.count_nonzero(np.isfinite(diff) & np.isfinite(x)))
+    return test.summary() | {"unit": "batch", "batches": used, "at_equal_length": covariate is not None}
 
 
 # ------------------------------------------------------------------------------------------------- the canary

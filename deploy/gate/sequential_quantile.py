@@ -30,7 +30,7 @@ import math
 import numpy as np
 
 from core import keys
-from deploy.gate.sequential import MetricTest, batch_means
+from deploy.gate.sequential import MetricTest, look_batches
 
 MIN_EVENTS = 20
 """Timed events each arm needs in a bucket before that bucket's quantiles count (both arms skip it otherwise: which
@@ -75,24 +75,33 @@ def hist_quantile(counts, q: float) -> np.ndarray:
 
 def paired_quantiles(
     canary: dict[int, dict], stable: dict[int, dict], q: float, min_events: int = MIN_EVENTS
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each arm's ``q`` quantile in the buckets both served with at least ``min_events`` timed events each
-    (``canary`` / ``stable``: bucket -> its aggregate fields, ``ArmSums.buckets``), in bucket order."""
+    (``canary`` / ``stable``: bucket -> its aggregate fields, ``ArmSums.buckets``), in bucket order; and in the same
+    buckets, the canary's less stable's mean answer length (``length_gap``: NaN where a bucket has no lengths)."""
     both = [b for b in sorted(set(canary) & set(stable))]
     hc = np.array([hist_counts(canary[b]) for b in both]).reshape(-1, keys.LATENCY_HIST_BINS)
     hs = np.array([hist_counts(stable[b]) for b in both]).reshape(-1, keys.LATENCY_HIST_BINS)
     ok = (hc.sum(-1) >= min_events) & (hs.sum(-1) >= min_events)
-    return hist_quantile(hc[ok], q), hist_quantile(hs[ok], q)
+    gap = np.array([length_gap(canary[b], stable[b]) for b in both], dtype=float)
+    return hist_quantile(hc[ok], q), hist_quantile(hs[ok], q), gap[ok]
 
 
-def look_quantiles(test: MetricTest, canary_q, stable_q, min_batches: int) -> dict:
+def length_gap(canary: dict, stable: dict) -> float:
+    """One bucket's canary less stable mean answer length (tokens over judged events, each arm's aggregate fields);
+    NaN when either arm has none."""
+    c_e, s_e = canary.get("e", 0), stable.get("e", 0)
+    if not (c_e and s_e) or "t" not in canary or "t" not in stable:
+        return math.nan
+    return canary["t"] / c_e - stable["t"] / s_e
+
+
+def look_quantiles(test: MetricTest, canary_q, stable_q, min_batches: int, length_gap=None) -> dict:
     """One look of ``test`` (a latency quantile: ``direction`` -1, margins fixed at the start) on the per-bucket
-    quantiles of each arm (``paired_quantiles``), by batch means; no look below ``min_batches`` buckets. Returns
-    ``test.summary()`` with the buckets used and the arms' mean per-bucket quantile."""
-    est = batch_means(canary_q, stable_q, test.direction, min_batches)
-    if est is not None:
-        d, var, df = est
-        test.look(d, var, True, df)
+    quantiles of each arm (``paired_quantiles``), by batch means (at equal answer length when ``length_gap`` is
+    given: ``deploy.gate.sequential.batch_means``); no look below ``min_batches`` buckets. Returns ``test.summary()``
+    with the buckets used and the arms' mean per-bucket quantile."""
+    out = look_batches(test, canary_q, stable_q, min_batches, length_gap)
     c, s = np.asarray(canary_q, float), np.asarray(stable_q, float)
     means = (float(np.mean(c)), float(np.mean(s))) if c.size else (math.nan, math.nan)
-    return test.summary() | {"unit": "batch", "batches": 0 if est is None else est[2] + 1, "quantile_means": means}
+    return out | {"quantile_means": means}

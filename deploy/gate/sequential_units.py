@@ -31,6 +31,7 @@ estimate to the always-valid test.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -174,6 +175,43 @@ def unit_estimate(canary: UnitSums, stable: UnitSums, direction: int = 1, cuped:
         ratio_stable=ms["ratio"],
         cuped_removed=removed,
     )
+
+
+def cap_users(canary: UnitSums, stable: UnitSums, quantile: float) -> tuple[UnitSums, UnitSums]:
+    """Both arms with each heavy user's weight capped: a user with more events (``den``) than the ``quantile`` of
+    the users' events, both arms' seen users pooled (per look, for a stack of looks), has its ``num`` and ``den``
+    scaled down to that many events, its rate unchanged; and likewise its covariate's weight (``cov_den``) at the
+    same quantile of the users' events before the rollout.
+
+    The estimate is then of the users' rates weighed by their capped activity, the way experimentation platforms cap
+    or winsorize heavy users (GrowthBook's and Eppo's capping, Statsig's winsorization). The cap is the same for both
+    arms and found without looking at the outcome, so an A/A stays an A/A; where a few users send a fifth of the
+    traffic, the tests rest on many users instead of on those few. Events still count in full wherever events are
+    counted (the evidence budget, ``min_events``, the sample-ratio check)."""
+    cap = _pooled_quantile(canary.den, stable.den, quantile)
+    cov_cap = None
+    if canary.cov_den is not None and stable.cov_den is not None:
+        cov_cap = _pooled_quantile(canary.cov_den, stable.cov_den, quantile)
+
+    def capped(arm: UnitSums) -> UnitSums:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            scale = np.where(arm.den > _last(cap), _last(cap) / arm.den, 1.0)  # NaN cap (no user seen): 1
+        cov_den = arm.cov_den
+        if cov_den is not None and cov_cap is not None and np.isfinite(cov_cap):
+            cov_den = np.minimum(cov_den, cov_cap)
+        return UnitSums(arm.num * scale, arm.den * scale, arm.cov, cov_den)
+
+    return capped(canary), capped(stable)
+
+
+def _pooled_quantile(a: np.ndarray, b: np.ndarray, q: float) -> np.ndarray:
+    """The ``q`` quantile of the positive values of ``a`` and ``b`` together along the last axis (users); NaN where
+    there is none."""
+    both = np.concatenate([np.asarray(a, dtype=float), np.asarray(b, dtype=float)], axis=-1)
+    both = np.where(both > 0, both, np.nan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a look with no user seen yet: NaN, no cap
+        return np.nanquantile(both, q, axis=-1)
 
 
 def _covariate(arm: UnitSums, m: dict) -> dict:

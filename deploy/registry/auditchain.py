@@ -50,6 +50,8 @@ MIN_AUDIT_KEY_LEN = 32
 # SET the head only if its seq is past the stored one: concurrent writers finish their appends in any order, and the
 # anchor must never move back (a head that lags is fine, ``check_chain`` says so; one that moved back would hide a cut)
 _ADVANCE = """
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t ~= 'hash' and t ~= 'none' then redis.call('DEL', KEYS[1]) end  -- another type: no head, as if deleted
 local cur = redis.call('HGET', KEYS[1], 'seq')
 if cur and tonumber(cur) >= tonumber(ARGV[1]) then return 0 end
 redis.call('HSET', KEYS[1], 'seq', ARGV[1], 'mac', ARGV[2], 'tag', ARGV[3])
@@ -156,7 +158,14 @@ class AuditHead:
         return bool(self.redis.eval(_ADVANCE, 1, self.key, int(seq), mac, head_tag(key, self.prefix, seq, mac)))
 
     def read(self) -> Head | None:
-        raw = self.redis.hgetall(self.key)
+        """The anchored head; None when there is none. A key that holds another Redis type reads as an unreadable
+        head (``check_chain`` calls it forged), and the next append replaces it (``advance``)."""
+        try:
+            raw = self.redis.hgetall(self.key)
+        except redis.ResponseError as e:
+            if not keys.wrong_type(e):
+                raise
+            return Head(-1, f"a key of another Redis type ({e})", "")
         if not raw:
             return None
         fields = {

@@ -11,7 +11,7 @@ import hashlib
 import secrets
 import time
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from deploy.registry.auditchain import AuditCheck, check_chain
 from deploy.registry.regdb import AuthError, RegistryDB, RegistryError, lock
@@ -94,6 +94,13 @@ class Operators:
             raise RegistryError(f"{action} needs a reason for the audit log")
         with self.db.tx() as s:
             self.db.append_audit(s, actor, action, version, reason)
+
+    def audit_seq(self) -> int:
+        """The id of the newest audit entry (0: none): the registry's one sequence, shared by every writer. A signed
+        announcement carries it (``VersionAnnouncement.seq``), read before the state it announces, so readers order
+        announcements by the decisions behind them, not by the signers' clocks."""
+        with self.db.session() as s:
+            return int(s.execute(select(func.max(AuditEntry.id))).scalar_one() or 0)
 
     def audit(self, version: int | None = None, limit: int | None = None) -> list[AuditEntry]:
         """Audit entries, oldest first (the last ``limit`` when given)."""

@@ -19,6 +19,7 @@ key, unless ``security.allow_unsigned`` is set.
 from __future__ import annotations
 
 import base64
+import logging
 import os
 import time
 from pathlib import Path
@@ -27,8 +28,13 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from core import fleet
+from core import fleet, keys
 from core.schemas import AnnouncementChannel, RolloutTerms, VersionAnnouncement
+
+log = logging.getLogger("liverl.signing")
+
+WRONG_TYPE_WAS = "a key of another type"
+"""What ``keep_announced`` says was there (``"was " + WRONG_TYPE_WAS``) when the key held another Redis type."""
 
 PRIVATE_NAME, PUBLIC_NAME = "announce.key", "announce.pub"
 DEFAULT_TTL_S = 600.0
@@ -80,9 +86,12 @@ def announce(
     channel: AnnouncementChannel = "desired",
     rollout: RolloutTerms | None = None,
     ttl_s: float = DEFAULT_TTL_S,
+    seq: int | None = None,
 ) -> VersionAnnouncement:
     """Tell the fleet which version to serve on ``channel`` (``<prefix>:desired``, or ``<prefix>:canary`` with the
-    rollout's terms), valid for ``ttl_s`` (``security.announce_ttl_s``); signed when there is a ``signer``."""
+    rollout's terms), valid for ``ttl_s`` (``security.announce_ttl_s``); signed when there is a ``signer``. ``seq``:
+    the registry's audit sequence (``Registry.audit_seq``) read before the state announced, which readers order
+    announcements by (None: by ``ts``, the signer's clock)."""
     if ttl_s <= 0:
         raise ValueError(f"an announcement's ttl_s must be > 0, not {ttl_s}")
     now = time.time()
@@ -95,11 +104,17 @@ def announce(
         prefix=prefix,
         expires_at=now + ttl_s,
         rollout=rollout,
+        seq=seq,
     )
     if signer is not None:
         ann = signer.sign(ann)
     r.set(fleet.announcement_key(prefix, channel), ann.to_bytes())
     return ann
+
+
+def withdraw(r, prefix: str, channel: AnnouncementChannel) -> None:
+    """Delete ``channel``'s announcement: on the canary channel its nodes return to desired at their next poll."""
+    r.delete(fleet.announcement_key(prefix, channel))
 
 
 def needs_refresh(ann: VersionAnnouncement, now: float | None = None) -> bool:
@@ -123,18 +138,27 @@ def keep_announced(
     rollout: RolloutTerms | None = None,
     ttl_s: float = DEFAULT_TTL_S,
     now: float | None = None,
+    seq: int | None = None,
 ) -> str | None:
     """Make ``<prefix>:<channel>`` announce ``version`` (with ``rollout``'s terms on the canary channel) with at least
     half its lifetime left. What is there is checked as the agents check it (``fleet.check_announcement``, verified
     with the signer's own public key): missing, unreadable, unsigned while there is a signer, signed by another key,
     bound to another channel or prefix, expired, or naming another version or other terms, it is replaced (reason
-    ``"<reason> (was ...)"``); valid and matching but past half its lifetime, it is announced again as it was (its
-    reason kept). Returns None when nothing was written, ``"refreshed"``, or ``"was <what was there>"``."""
+    ``"<reason> (was ...)"``; a key of another Redis type too: ``SET`` overwrites any type); valid and matching but
+    past half its lifetime, it is announced again as it was (its reason kept). What is written carries ``seq`` (see
+    ``announce``). Returns None when nothing was written, ``"refreshed"``, or ``"was <what was there>"``."""
     now = time.time() if now is None else now
-    raw = r.get(fleet.announcement_key(prefix, channel))
-    if raw is None:
-        was = "nothing"
+    key = fleet.announcement_key(prefix, channel)
+    try:
+        raw = r.get(key)
+    except Exception as e:  # noqa: BLE001 - re-raised unless WRONGTYPE
+        if not keys.wrong_type(e):
+            raise
+        log.error("%s holds another Redis type than a string (%s); replacing it with the announcement", key, e)
+        raw, was = None, WRONG_TYPE_WAS
     else:
+        was = "nothing"
+    if raw is not None:
         try:
             ann = fleet.check_announcement(raw, channel, prefix, signer.verifier() if signer else None, now=now)
         except fleet.AnnouncementRefused as e:
@@ -146,11 +170,29 @@ def keep_announced(
                 return None
             else:
                 announce(
-                    r, prefix, version, checksum, ann.reason, signer, channel=channel, rollout=rollout, ttl_s=ttl_s
+                    r,
+                    prefix,
+                    version,
+                    checksum,
+                    ann.reason,
+                    signer,
+                    channel=channel,
+                    rollout=rollout,
+                    ttl_s=ttl_s,
+                    seq=seq,
                 )
                 return "refreshed"
     announce(
-        r, prefix, version, checksum, f"{reason} (was {was})", signer, channel=channel, rollout=rollout, ttl_s=ttl_s
+        r,
+        prefix,
+        version,
+        checksum,
+        f"{reason} (was {was})",
+        signer,
+        channel=channel,
+        rollout=rollout,
+        ttl_s=ttl_s,
+        seq=seq,
     )
     return f"was {was}"
 

@@ -43,6 +43,11 @@ class Version(Base):
     ratio: Mapped[float | None] = mapped_column(sa.Float, doc="raw_bytes / delta_bytes")
     changed_fraction: Mapped[float | None] = mapped_column(sa.Float, doc="fraction of elements whose bits changed")
     learner_step: Mapped[int | None] = mapped_column(sa.Integer)
+    rollback_seen: Mapped[int | None] = mapped_column(
+        sa.Integer,
+        doc="audit id of the last rollback the candidate's weights account for (0: none yet); the gate refuses a "
+        "candidate that predates a later one. NULL: registered without it (judged by created_at)",
+    )
     model_dir: Mapped[str | None] = mapped_column(sa.Text)
     metrics: Mapped[dict] = mapped_column(sa.JSON, default=dict)
     sample_offsets: Mapped[dict] = mapped_column(sa.JSON, default=dict)

@@ -87,12 +87,18 @@ class Versions:
         sample_offsets: dict | None = None,
         learner_step: int | None = None,
         parent_state: Mapping[str, torch.Tensor] | None = None,
+        rollback_seen: int | None = None,
     ) -> Version:
         """Store a new candidate as a delta from ``parent`` (plus a snapshot every ``snapshot_every`` deltas).
 
         ``parent_state``: the parent's weights if the caller has them (verified by checksum), saving a rebuild.
-        ``sample_offsets`` keys become strings (JSON).
+        ``sample_offsets`` keys become strings (JSON). ``rollback_seen``: the audit id of the last rollback the
+        weights account for (the learner's, as of the stable version it trained from); None: the last rollback as of
+        this call's start. The gate refuses the candidate if a later rollback exists (``last_rollback``): ordered by
+        the audit log's sequence, a rollback that lands while the weights are trained or stored is never missed.
         """
+        if rollback_seen is None:
+            rollback_seen = self.last_rollback()[0]
         prow = self.get(parent)
         if parent_state is None:
             parent_state = self.weights.materialize(parent)
@@ -124,6 +130,7 @@ class Versions:
             ratio=header.raw_bytes / len(delta),
             changed_fraction=header.changed_fraction,
             learner_step=learner_step,
+            rollback_seen=int(rollback_seen),
             metrics=dict(metrics or {}),
             sample_offsets={str(k): v for k, v in (sample_offsets or {}).items()},
         )

@@ -16,11 +16,17 @@ waiting for its acknowledgement as the gateway does (kafka-python, ``acks=all``,
 Reported per setting: records acknowledged, the acknowledgement's p50/p99, produce-to-consume p50/p99 (the tail lag a
 consumer such as ingest sees), the object store's PUTs and ListObjectsV2 requests per 1,000 records, and the broker's
 and object store's CPU seconds.
+
+Every record carries its producer, its sequence number and a digest of its bytes (``_record``), and the consumer
+checks each one it reads (``_Reader``): a row also says how many records came back intact, how many with other bytes
+than were sent, how many twice, and the first error the client raised reading them (a CRC the client refuses, for
+example). A setting that loses or changes a record is not a setting to run, whatever it saves.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import multiprocessing
 import os
@@ -82,6 +88,52 @@ def _requests(log: Path) -> tuple[int, int]:
     return puts, lists
 
 
+HEADER = struct.Struct("<dII")  # sent at, producer, sequence number
+DIGEST = 16
+
+
+def _record(t0: float, producer: int, seq: int, pad: bytes) -> bytes:
+    """A record's bytes: its header, then a digest of the header and the padding, then the padding."""
+    head = HEADER.pack(t0, producer, seq)
+    return head + hashlib.blake2b(head + pad, digest_size=DIGEST).digest() + pad
+
+
+class _Reader:
+    """What the consumer read: each record's lag, and whether its bytes are the ones sent."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self.got = self.corrupt = self.duplicates = 0
+        self.seen: set[tuple[int, int]] = set()
+        self.error: str | None = None
+
+    def poll(self, consumer) -> None:
+        if self.error is not None:
+            return  # past a record the client refuses, a consumer cannot read on without skipping it
+        try:
+            batches = consumer.poll(timeout_ms=200)
+        except Exception as e:  # noqa: BLE001 - reported in the row: what the client refused to read
+            self.error = f"{type(e).__name__}: {e}"[:200]
+            return
+        now = time.time()
+        for recs in batches.values():
+            for r in recs:
+                self.got += 1
+                v = r.value or b""
+                if len(v) < HEADER.size + DIGEST:
+                    self.corrupt += 1
+                    continue
+                head, digest, pad = v[: HEADER.size], v[HEADER.size : HEADER.size + DIGEST], v[HEADER.size + DIGEST :]
+                if hashlib.blake2b(head + pad, digest_size=DIGEST).digest() != digest:
+                    self.corrupt += 1
+                    continue
+                t0, producer, seq = HEADER.unpack(head)
+                if (producer, seq) in self.seen:
+                    self.duplicates += 1
+                self.seen.add((producer, seq))
+                self.lags.append(now - t0)
+
+
 def _produce(boot: str, producers: int, rate: float, record_bytes: int, seconds: float, result) -> None:
     """``producers`` threads, each sending a record and waiting for its acknowledgement, paced to ``rate`` in all, for
     ``seconds``; puts (acknowledgement times, failures) on ``result``."""
@@ -92,14 +144,15 @@ def _produce(boot: str, producers: int, rate: float, record_bytes: int, seconds:
     lock = threading.Lock()
     end = time.time() + seconds
 
-    def one() -> None:
+    def one(producer: int) -> None:
         p = KafkaProducer(bootstrap_servers=boot, acks="all", linger_ms=2)
-        gap, pad = producers / rate, os.urandom(max(0, record_bytes - 8))
-        nxt = time.time()
+        gap, pad = producers / rate, os.urandom(max(0, record_bytes - HEADER.size - DIGEST))
+        nxt, seq = time.time(), 0
         while time.time() < end:
             t0 = time.time()
+            seq += 1
             try:
-                p.send("bench", value=struct.pack("<d", t0) + pad).get(timeout=30)
+                p.send("bench", value=_record(t0, producer, seq, pad)).get(timeout=30)
                 with lock:
                     acks.append(time.time() - t0)
             except Exception:  # noqa: BLE001 - counted: a bench row reports failures, it does not stop
@@ -109,7 +162,7 @@ def _produce(boot: str, producers: int, rate: float, record_bytes: int, seconds:
             time.sleep(max(0.0, nxt - time.time()))
         p.close()
 
-    threads = [threading.Thread(target=one, daemon=True) for _ in range(producers)]
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(producers)]
     for t in threads:
         t.start()
     for t in threads:
@@ -134,7 +187,7 @@ def run_setting(setting: str, args: argparse.Namespace) -> dict:
     url = storage_url(stack.BROKER_BUCKET, setting, args.min_size)
     broker = stack.start_broker(port, logs, url, stack.broker_env(sport))
     boot = f"127.0.0.1:{port}"
-    lags: list[float] = []
+    reader = _Reader()
     try:
         KafkaAdminClient(bootstrap_servers=boot).create_topics([NewTopic("bench", args.partitions, 1)])
         # assigned, as the learner assigns its partitions: a group's join takes seconds on this broker, and records
@@ -155,12 +208,9 @@ def run_setting(setting: str, args: argparse.Namespace) -> dict:
         )
         t_start = time.time()
         producers.start()
-        got, done = 0, None
+        done = None
         while done is None:  # read while the producers run, until they hand in their figures
-            for recs in consumer.poll(timeout_ms=200).values():
-                now = time.time()
-                lags.extend(now - struct.unpack("<d", r.value[:8])[0] for r in recs)
-                got += len(recs)
+            reader.poll(consumer)
             try:
                 done = result.get_nowait()
             except queue.Empty:
@@ -169,11 +219,8 @@ def run_setting(setting: str, args: argparse.Namespace) -> dict:
         acks, errors = done
         producers.join(timeout=30)
         deadline = time.time() + 20
-        while got < len(acks) and time.time() < deadline:
-            for recs in consumer.poll(timeout_ms=200).values():
-                now = time.time()
-                lags.extend(now - struct.unpack("<d", r.value[:8])[0] for r in recs)
-                got += len(recs)
+        while reader.got < len(acks) and reader.error is None and time.time() < deadline:
+            reader.poll(consumer)
         consumer.close()
         cpu = _cpu_s(broker.pid) + _cpu_s(store.pid) - cpu0
         puts, lists = _requests(logs / "broker-storage.log")
@@ -191,11 +238,15 @@ def run_setting(setting: str, args: argparse.Namespace) -> dict:
         "url": url,
         "acked": len(acks),
         "failed": errors,
-        "consumed": got,
+        "consumed": reader.got,
+        "intact": len(reader.seen),
+        "corrupt": reader.corrupt,
+        "duplicates": reader.duplicates,
+        "read_error": reader.error,
         "ack_p50_ms": 1000 * _pct(acks, 0.5),
         "ack_p99_ms": 1000 * _pct(acks, 0.99),
-        "lag_p50_ms": 1000 * _pct(lags, 0.5),
-        "lag_p99_ms": 1000 * _pct(lags, 0.99),
+        "lag_p50_ms": 1000 * _pct(reader.lags, 0.5),
+        "lag_p99_ms": 1000 * _pct(reader.lags, 0.99),
         "puts_per_1k": 1000 * puts / n,
         "lists_per_1k": 1000 * lists / n,
         "storage_cpu_s": cpu,
@@ -208,13 +259,16 @@ def _table(rows: list[dict], args: argparse.Namespace, command: str) -> str:
         f"bytes in all, {args.partitions} partitions, {args.seconds:g} s per setting; batch_min_size {args.min_size}",
         f"command: {command}",
         "",
-        "| batcher | acked (failed) | consumed | ack p50 / p99 ms | produce->consume p50 / p99 ms | PUTs per 1k "
-        "records | listings per 1k records | broker + store CPU s |",
+        "| batcher | acked (failed) | consumed: intact, other bytes, twice | ack p50 / p99 ms | produce->consume "
+        "p50 / p99 ms | PUTs per 1k records | listings per 1k records | broker + store CPU s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        read = f"{r['intact']:,}, {r['corrupt']}, {r['duplicates']}"
+        if r["read_error"]:
+            read += f"; then unreadable ({r['read_error']})"
         out.append(
-            f"| {r['setting']} | {r['acked']:,} ({r['failed']}) | {r['consumed']:,} | {r['ack_p50_ms']:.1f} / "
+            f"| {r['setting']} | {r['acked']:,} ({r['failed']}) | {read} | {r['ack_p50_ms']:.1f} / "
             f"{r['ack_p99_ms']:.1f} | {r['lag_p50_ms']:.1f} / {r['lag_p99_ms']:.1f} | {r['puts_per_1k']:,.0f} | "
             f"{r['lists_per_1k']:,.0f} | {r['storage_cpu_s']:.1f} |"
         )
@@ -225,8 +279,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     for s in settings:
         storage_url("b", s, args.min_size)  # a bad setting fails before any broker starts
-    if args.rate <= 0 or args.producers < 1 or args.partitions < 1 or args.seconds <= 0 or args.record_bytes < 8:
-        raise ValueError("--rate and --seconds > 0, --producers and --partitions >= 1, --record-bytes >= 8")
+    small = HEADER.size + DIGEST
+    if args.rate <= 0 or args.producers < 1 or args.partitions < 1 or args.seconds <= 0 or args.record_bytes < small:
+        raise ValueError(f"--rate and --seconds > 0, --producers and --partitions >= 1, --record-bytes >= {small}")
     command = "liverl bench broker " + " ".join(
         f"--{k.replace('_', '-')} {getattr(args, k)}" for k in DEFAULTS if getattr(args, k) != DEFAULTS[k]
     )
@@ -237,6 +292,9 @@ def run(args: argparse.Namespace) -> list[dict]:
     print(_table(rows, args, command.strip()))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
+    lost = [r["setting"] for r in rows if r["intact"] < r["acked"] or r["corrupt"] or r["read_error"]]
+    if lost:
+        print(f"records acknowledged and not read back intact with: {', '.join(lost)}")
     return rows
 
 

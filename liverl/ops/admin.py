@@ -25,7 +25,7 @@ from core.config import LiverlConfig, redact_url
 from core.services import setup_redis, signing_key_path
 from deploy.registry.registry import RegistryError
 from deploy.registry.registry import open_registry as _open_registry
-from deploy.registry.signing import Signer, announce
+from deploy.registry.signing import Signer, announce, withdraw
 
 if TYPE_CHECKING:
     from deploy.registry.registry import Registry
@@ -69,14 +69,14 @@ def _size(n: int | None) -> str:
 
 
 def _live(r: redis.Redis, prefix: str, versions: list[int]) -> dict[int, dict[str, int]]:
+    """The versions' live counters (none for a key of another type: ingest replaces it at its next write)."""
     pipe = r.pipeline(transaction=False)  # the versions' hashes live in different Cluster slots
     for v in versions:
         pipe.hgetall(keys.live(prefix, v))
-    return {
-        v: keys.live_totals({k: int(x) for k, x in h.items()})
-        for v, h in zip(versions, pipe.execute(), strict=True)
-        if h
-    }
+    got = dict(zip(versions, pipe.execute(raise_on_error=False), strict=True))
+    if bad := [h for h in got.values() if isinstance(h, Exception) and not keys.wrong_type(h)]:
+        raise bad[0]
+    return {v: keys.live_totals({k: int(x) for k, x in h.items()}) for v, h in got.items() if isinstance(h, dict) and h}
 
 
 def _served(r: redis.Redis, prefix: str) -> dict[str, dict[str, Any]]:
@@ -375,6 +375,7 @@ def _change(cfg: LiverlConfig, verb: str, token: str | None, do) -> int:
     try:
         who = reg.authenticate(token, need="operator")
         row = do(reg, who.name)
+        seq = reg.audit_seq()  # the change's own entry included: it outranks what the gate signed before it
     except RegistryError as e:
         return _err(str(e))
     finally:
@@ -389,6 +390,7 @@ def _change(cfg: LiverlConfig, verb: str, token: str | None, do) -> int:
             f"{verb}: {row.status_reason or ''}".strip(),
             Signer(key) if key else None,
             ttl_s=cfg.security.announce_ttl_s,
+            seq=seq,
         )
     print(f"{verb}: v{row.version} is now stable (checksum {row.checksum[:12]}…); announced to the fleet")
     return 0
@@ -446,8 +448,9 @@ def cmd_rollout(cfg: LiverlConfig, action: str, reason: str, token: str | None) 
     They change the rollout in the registry, where the gate reads it at every step (not the Redis plan, which is only
     a display): ``pause`` keeps the canary's share but the gate will not promote it (it still aborts it if a metric is
     shown worse); a gate step that had read the rollout before the pause cannot promote it (its write is a
-    compare-and-set). ``abort`` rejects the canary at once; the gate then withdraws its announcement, and the canary
-    nodes return to stable. ``promote`` makes the canary stable and announces it to the whole fleet (the rollout ends).
+    compare-and-set). ``abort`` rejects the canary at once and deletes its announcement, so the canary nodes return to
+    stable even while the gate is down. ``promote`` makes the canary stable and announces it to the whole fleet (the
+    rollout ends).
     """
     if action not in ROLLOUT_ACTIONS:
         raise ValueError(f"unknown rollout action {action!r}; one of {ROLLOUT_ACTIONS}")
@@ -476,10 +479,14 @@ def cmd_rollout(cfg: LiverlConfig, action: str, reason: str, token: str | None) 
                 why = f"aborted by {actor}: {reason}"
                 ro = reg.finish_rollout_abort(ro.id, actor=actor, reason=why, verdict="operator")
                 reg.record_gate(ro.version, "canary", None, None, False, why)
-                msg = (
-                    f"canary v{ro.version} aborted and rejected; the gate withdraws it and its nodes "
-                    f"({', '.join(ro.nodes)}) return to stable v{ro.stable_version}"
-                )
+                try:  # its nodes return to stable whether or not the gate runs
+                    with open_redis(cfg) as r:
+                        withdraw(r, cfg.topics.prefix, "canary")
+                    gone = "its announcement withdrawn"
+                except redis.RedisError as e:
+                    gone = f"its announcement not withdrawn ({e}; the gate withdraws it at its next step)"
+                msg = f"canary v{ro.version} aborted and rejected; {gone}: its nodes ({', '.join(ro.nodes)}) return "
+                msg += f"to stable v{ro.stable_version}"
             else:
                 want = "paused" if action == "pause" else "running"
                 ro = reg.set_rollout_state(ro.id, want, actor=actor, reason=reason)

@@ -170,6 +170,7 @@ def init_registry(cfg: LiverlConfig, model_dir: Path, redis) -> int:
                 "initial stable version",
                 Signer(key) if key else None,
                 ttl_s=cfg.security.announce_ttl_s,
+                seq=registry.audit_seq(),
             )
         return stable.version
     finally:

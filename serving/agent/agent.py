@@ -40,7 +40,8 @@ The re-prefill runs after the resume, outside the pause; it is one prefill per f
 Each swap is appended to ``<prefix>:swaps`` (JSON: from, to, pause_ms = the engine's pause measured in the node, its
 phases stage_ms (before the pause) / pause_call_ms / apply_ms / label_ms / resume_ms / verify_ms (after it), call_ms =
 the agent's whole call, called_at = when it began (epoch s), inflight, ...),
-and a heartbeat ``<prefix>:served:<node>`` = {version, checksum, ts, last_swap_pause_ms} is refreshed every poll.
+and a heartbeat ``<prefix>:served:<node>`` = {version, checksum, ts, last_swap_pause_ms} is refreshed every
+``swap_poll_s`` by a task of its own, so a long plan, swap or re-verification never lets it expire.
 
 The process that starts the node (the gateway inside it) and runs the agent is ``serving.agent.main``.
 """
@@ -63,6 +64,7 @@ from core.config import LiverlConfig, advertised_url
 from core.schemas import VersionAnnouncement
 from core.services import required_verify_key
 from deploy.registry.signing import Verifier
+from serving.agent.kept import KeptAnnouncement
 from serving.agent.launch import delta_dir
 from serving.agent.metrics import AgentMetrics
 from serving.node.client import NodeClient
@@ -113,6 +115,8 @@ class Agent:
         self._verified_at = time.monotonic()  # the served checksum was last read back then (init, swaps, reverify)
         self.last_swap_pause_ms: float | None = None  # the last swap's engine pause, measured in the node
         self.metrics = metrics or AgentMetrics()  # what the serving process serves on serving.agent_port
+        # the heartbeat outlives about 20 polls: the router drops the node only when its agent stops writing it
+        self.heartbeat_ttl_s = max(10, int(20 * cfg.serving.swap_poll_s))
         self.swaps: collections.deque[dict] = collections.deque(maxlen=keys.LIST_CAP)
         key = required_verify_key(cfg)  # none: ValueError, unless security.allow_unsigned
         self.verifier = Verifier(key) if key else None  # with a key, unsigned announcements are refused
@@ -121,6 +125,8 @@ class Agent:
         self.refused_by_reason: collections.Counter[str] = collections.Counter()
         self.registry_errors = _registry_errors() if registry is not None else (SQLAlchemyError, OSError)
         self._last_refused: dict[str, str] = {}  # channel -> the refusal last logged
+        # followed when no desired announcement in Redis is valid (the gate down past its expiry, a restart meanwhile)
+        self.kept = KeptAnnouncement(cfg.state_path, self.name, self.prefix, self.verifier)
 
     # ------------------------------------------------------------------------------------------ setup
 
@@ -152,15 +158,37 @@ class Agent:
     # ------------------------------------------------------------------------------------------ loop
 
     async def run(self, stop: asyncio.Event, node_alive=lambda: True) -> None:
-        """Poll, swap, heartbeat until ``stop`` is set. Errors are logged and reported, never fatal."""
+        """Poll, swap, heartbeat until ``stop`` is set. Errors are logged and reported, never fatal. The heartbeat is
+        written by a task of its own (``beat_forever``): a poll can take far longer than the heartbeat's TTL (planning
+        a long chain, a swap's staging and read-back, a re-verification of tens of GB), and the node keeps serving
+        through all of them, so it must stay in rotation meanwhile."""
+        beats = asyncio.create_task(self.beat_forever(stop), name=f"heartbeat {self.name}")
+        try:
+            while not stop.is_set():
+                if not node_alive():
+                    raise RuntimeError("the vLLM node process died")
+                try:
+                    await self.step()
+                except Exception as e:  # noqa: BLE001 - the agent outlives any one poll; each failure is counted
+                    self.metrics.errors.labels(kind=type(e).__name__).inc()
+                    log.exception("agent step failed")
+                try:
+                    await asyncio.wait_for(stop.wait(), self.cfg.serving.swap_poll_s)
+                except TimeoutError:
+                    pass
+        finally:
+            beats.cancel()
+            await asyncio.gather(beats, return_exceptions=True)
+
+    async def beat_forever(self, stop: asyncio.Event) -> None:
+        """Write the heartbeat every ``serving.swap_poll_s`` until ``stop`` is set, whatever the poll is doing. A
+        failed write is counted and logged; the next one is tried a poll later (the TTL spans about 20 of them)."""
         while not stop.is_set():
-            if not node_alive():
-                raise RuntimeError("the vLLM node process died")
             try:
-                await self.step()
-            except Exception as e:  # noqa: BLE001 - the agent outlives any one poll; each failure is counted
-                self.metrics.errors.labels(kind=type(e).__name__).inc()
-                log.exception("agent step failed")
+                await self.beat()
+            except Exception as e:  # noqa: BLE001 - a lost write is retried at the next beat; each failure is counted
+                self.metrics.errors.labels(kind=f"heartbeat {type(e).__name__}").inc()
+                log.error("could not write node %s's heartbeat: %s", self.name, e)
             try:
                 await asyncio.wait_for(stop.wait(), self.cfg.serving.swap_poll_s)
             except TimeoutError:
@@ -218,7 +246,8 @@ class Agent:
         """What this node should serve (``fleet.serving_target``): the canary announcement when its signed terms name
         this node, else the fleet's desired one; each read and checked by ``fleet.AnnouncementReader``. A refused
         announcement is counted (``refused_announcements``, by reason) and logged once per distinct refusal, and
-        counts as none: a refused canary leaves the node on desired, a refused desired one changes nothing."""
+        counts as none: a refused canary leaves the node on desired. With no valid desired announcement in Redis the
+        agent follows the last one it verified (``serving.agent.kept``)."""
         got: dict[str, VersionAnnouncement | None] = {}
         for channel in fleet.CHANNELS:
             try:
@@ -232,6 +261,10 @@ class Agent:
                 if self._last_refused.get(channel) != str(e):  # say it once per distinct refusal, not every poll
                     self._last_refused[channel] = str(e)
                     log.error("refusing %s: %s", fleet.announcement_key(self.prefix, channel), e)
+        if got["desired"] is not None:
+            self.kept.keep(got["desired"])
+        else:
+            got["desired"] = self.kept.read()
         target = fleet.serving_target(self.name, got["desired"], got["canary"])
         if target is not None:
             self.metrics.target_version.set(target.version)
@@ -251,7 +284,13 @@ class Agent:
             log.error("could not report to the node's gateway: %s", e)
 
     async def heartbeat(self) -> None:
+        """Report the served state to the node's gateway, then write the heartbeat."""
         await self._flush()
+        await self.beat()
+
+    async def beat(self) -> None:
+        """Write ``<prefix>:served:<node>`` (expires after ``heartbeat_ttl_s``): what the node serves, whether it is
+        healthy, where the router reaches it. Only Redis is called: a node busy with a swap does not delay it."""
         beat = keys.ServedHeartbeat(
             version=self.gw.version,
             checksum=self.gw.checksum,
@@ -259,8 +298,7 @@ class Agent:
             healthy=self.gw.unhealthy_reason is None,
             url=advertised_url(self.cfg.serving),
         )
-        ttl = max(10, int(20 * self.cfg.serving.swap_poll_s))
-        await self.redis.set(keys.served(self.prefix, self.name), beat.to_json(), ex=ttl)
+        await self.redis.set(keys.served(self.prefix, self.name), beat.to_json(), ex=self.heartbeat_ttl_s)
 
     # ------------------------------------------------------------------------------------------ swapping
 
@@ -277,36 +315,8 @@ class Agent:
         return await self.apply_blobs(blobs, ann.version, ann.checksum, how=how)
 
     def _plan(self, cur_v: int, cur_sum: str, ann: VersionAnnouncement) -> tuple[list[bytes], str]:
-        """(delta blobs in order, how they were obtained). Runs in a thread: registry and codec calls block."""
-        from deploy.registry.delta import encode_delta  # noqa: PLC0415 torch: via deploy.registry.delta, for swaps only
-
-        if self.registry is None:
-            raise RuntimeError("no registry configured")
-        row = self.registry.get(ann.version)
-        if row.checksum != ann.checksum:
-            raise RuntimeError(
-                f"announced checksum {ann.checksum[:12]} differs from the registry's "
-                f"{row.checksum[:12]} for version {ann.version}"
-            )
-        want = "canary" if ann.channel == "canary" else "stable"  # the channel the reader verified it came on
-        if row.status != want:  # Redis says what to serve; the registry what may be served
-            raise RuntimeError(
-                f"version {ann.version} is {row.status} in the registry, not {want}: refusing to serve "
-                f"it on the {ann.channel} channel (only a promotion or a rollback makes a version "
-                "servable as desired, and only the gate's canary on the canary channel)"
-            )
-        path_len = sum(map(len, self.registry.path(cur_v, ann.version)))
-        if path_len <= self.max_chain:
-            return self.registry.deltas_between(cur_v, ann.version), f"stored x{path_len}"
-        log.info(
-            "no short chain of stored deltas from %d to %d (%d steps): encoding one delta from "
-            "registry-materialized weights",
-            cur_v,
-            ann.version,
-            path_len,
-        )
-        base, target = self.registry.materialize(cur_v), self.registry.materialize(ann.version)
-        return [encode_delta(base, target, cur_v, ann.version)], "encoded"
+        """(delta blobs in order, how they were obtained): ``plan_swap``. Runs in a thread: registry calls block."""
+        return plan_swap(self.registry, self.max_chain, cur_v, ann)
 
     async def apply_blobs(
         self, blobs: list[bytes], target_version: int, target_checksum: str, how: str = "given"
@@ -347,7 +357,7 @@ class Agent:
                     (target_version, target_checksum),
                 )
             except Exception as e:  # noqa: BLE001 whatever the call did (HTTP error, no answer), the weights say what happened
-                r = await self._after_lost_swap(e, from_v, from_sum, target_version, target_checksum)
+                r = await after_lost_swap(self.node, e, from_v, from_sum, target_version, target_checksum)
             rec["call_ms"] = round((time.perf_counter() - t_call) * 1e3, 3)
             rec["inflight"] = r.get("inflight")  # requests frozen by this swap (kept, not dropped), counted in the node
             rec["pause_ms"] = r.get("pause_ms")  # measured in the node: the time the engine stepped no request
@@ -407,26 +417,6 @@ class Agent:
                 log.warning("could not record node %s in the registry's fleet table: %s", self.name, e)
         return rec
 
-    async def _after_lost_swap(
-        self, e: Exception, from_v: int, from_sum: str, target_version: int, target_checksum: str
-    ) -> dict:
-        """The swap call failed or its answer was lost: resume the engine (harmless if it runs) and read the served
-        checksum back; the node's state decides what the gateway labels. Shaped like the node's answer."""
-        log.error("swap call %d -> %d failed: %s; reading the served weights back", from_v, target_version, e)
-        out: dict[str, Any] = {"ok": False, "error": f"swap call failed: {e}", "pause_ms": None}
-        try:
-            await self.node.resume()
-            ck = await self.node.rpc("liverl_checksum")
-        except Exception as e2:  # noqa: BLE001 - reported: the node is then unhealthy
-            out.update(restored=False, resume_error=f"{e2}")
-            return out
-        if ck.get("ok") and ck["checksum"] == target_checksum:
-            await self.node.set_weight_version(target_version)
-            out.update(ok=True, checksum=ck["checksum"])
-        else:
-            out["restored"] = bool(ck.get("ok") and ck["checksum"] == from_sum)
-        return out
-
     async def _report_error(self, from_v: int | None, to_v: int, error: str, restored: bool) -> None:
         entry = keys.SwapErrorRecord.model_validate(
             {"node": self.name, "from": from_v, "to": to_v, "error": error, "restored": restored}
@@ -461,3 +451,60 @@ def chain_ends(blobs: list[bytes], start_checksum: str, target_checksum: str) ->
     if cur != target_checksum:
         raise DeltaError(f"the deltas lead to checksum {cur[:12]}, not the target {target_checksum[:12]}")
     return ends
+
+
+def plan_swap(registry, max_chain: int, cur_v: int, ann: VersionAnnouncement) -> tuple[list[bytes], str]:
+    """The delta blobs that move a node from ``cur_v`` to ``ann`` (in order) and how they were obtained: stored
+    deltas along the version tree when the chain is at most ``max_chain`` long, else one encoded from
+    registry-materialized weights. Raises unless the registry has the announced checksum and calls the version what
+    its channel needs (``stable`` on desired, ``canary`` on canary)."""
+    from deploy.registry.delta import encode_delta  # noqa: PLC0415 torch: via deploy.registry.delta, for swaps only
+
+    if registry is None:
+        raise RuntimeError("no registry configured")
+    row = registry.get(ann.version)
+    if row.checksum != ann.checksum:
+        raise RuntimeError(
+            f"announced checksum {ann.checksum[:12]} differs from the registry's "
+            f"{row.checksum[:12]} for version {ann.version}"
+        )
+    want = "canary" if ann.channel == "canary" else "stable"  # the channel the reader verified it came on
+    if row.status != want:  # Redis says what to serve; the registry what may be served
+        raise RuntimeError(
+            f"version {ann.version} is {row.status} in the registry, not {want}: refusing to serve "
+            f"it on the {ann.channel} channel (only a promotion or a rollback makes a version "
+            "servable as desired, and only the gate's canary on the canary channel)"
+        )
+    path_len = sum(map(len, registry.path(cur_v, ann.version)))
+    if path_len <= max_chain:
+        return registry.deltas_between(cur_v, ann.version), f"stored x{path_len}"
+    log.info(
+        "no short chain of stored deltas from %d to %d (%d steps): encoding one delta from "
+        "registry-materialized weights",
+        cur_v,
+        ann.version,
+        path_len,
+    )
+    base, target = registry.materialize(cur_v), registry.materialize(ann.version)
+    return [encode_delta(base, target, cur_v, ann.version)], "encoded"
+
+
+async def after_lost_swap(
+    node: NodeClient, e: Exception, from_v: int, from_sum: str, target_version: int, target_checksum: str
+) -> dict:
+    """The swap call failed or its answer was lost: resume the engine (harmless if it runs) and read the served
+    checksum back; the node's state decides what the gateway labels. Shaped like the node's answer."""
+    log.error("swap call %d -> %d failed: %s; reading the served weights back", from_v, target_version, e)
+    out: dict[str, Any] = {"ok": False, "error": f"swap call failed: {e}", "pause_ms": None}
+    try:
+        await node.resume()
+        ck = await node.rpc("liverl_checksum")
+    except Exception as e2:  # noqa: BLE001 - reported: the node is then unhealthy
+        out.update(restored=False, resume_error=f"{e2}")
+        return out
+    if ck.get("ok") and ck["checksum"] == target_checksum:
+        await node.set_weight_version(target_version)
+        out.update(ok=True, checksum=ck["checksum"])
+    else:
+        out["restored"] = bool(ck.get("ok") and ck["checksum"] == from_sum)
+    return out

@@ -173,7 +173,13 @@ class Gateway:
         self.producer = producer
         self.max_model_len = await self.node.max_model_len()
         self.records = GenerationLog(
-            producer, self.cfg.topics.generations, self.node_name, self.max_model_len, self.metrics, self.log_wait_s
+            producer,
+            self.cfg.topics.generations,
+            self.node_name,
+            self.max_model_len,
+            self.metrics,
+            self.log_wait_s,
+            max_bytes=self.cfg.ingest.max_event_bytes,
         )
 
     async def close(self) -> None:

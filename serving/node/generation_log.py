@@ -3,6 +3,13 @@
 Each record is keyed by its generation id and carries the policy version that sampled it, or, for a request a
 hot-swap overlapped, the node's per-token version spans (``version_spans``; unreadable spans make it untrainable,
 ``version_unknown``). The broker's acks are counted, and the response waits for them at most ``serving.log_wait_s``.
+
+A record over ``ingest.max_event_bytes`` (a long completion: its token ids and log-probs come to about 32 bytes a
+token) would be logged, then refused by ingest unparsed, and its feedback would expire as ``unknown_generation``: long
+answers would silently never count nor train. Such a record is logged without its text, token ids and log-probs,
+untrainable with reason ``too_large`` and its length in ``completion_tokens``: ingest joins its feedback, counts the
+judgement for its version (the canary's arms, at its true length) and counts the sample it cannot make
+(``drop:too_large``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,25 @@ def first_version(spans: list[list[int]] | None, default: int) -> int:
     return spans[0][0] if spans else default
 
 
+def too_large(record: GenerationRecord) -> GenerationRecord:
+    """``record`` without its text, token ids and log-probs: untrainable (``too_large``), its length kept in
+    ``completion_tokens``."""
+    return GenerationRecord.model_validate(
+        {
+            **record.model_dump(),
+            "prompt": "",
+            "completion": "",
+            "prompt_token_ids": [],
+            "completion_token_ids": [],
+            "completion_logprobs": [],
+            "version_spans": None if record.version_spans is None else [],  # mixed or unknown: no version claims it
+            "trainable": False,
+            "untrainable_reason": "too_large",
+            "completion_tokens": len(record.completion_token_ids),
+        }
+    )
+
+
 class GenerationLog:
     """Publishes the records of one gateway (``node_name``) through its started producer."""
 
@@ -38,8 +64,10 @@ class GenerationLog:
         max_model_len: int,
         metrics: GatewayMetrics,
         wait_s: float,
+        max_bytes: int | None = None,
     ):
         self.producer, self.topic, self.node_name = producer, topic, node_name
+        self.max_bytes = max_bytes  # ingest.max_event_bytes: a larger record is logged without its token lists
         self.max_model_len = max_model_len  # the node's context length: a record's max_tokens when none was asked
         self.metrics = metrics
         self.wait_s = wait_s  # serving.log_wait_s
@@ -91,7 +119,18 @@ class GenerationLog:
                 latency_s=latency_s,
                 unit=unit,
             )
-            ack = self.producer.produce(self.topic, generation_id, record.to_bytes())
+            raw = record.to_bytes()
+            if self.max_bytes is not None and len(raw) > self.max_bytes:
+                log.warning(
+                    "generation %s: its record is %d bytes, over ingest.max_event_bytes %d: logged without its text, "
+                    "token ids and log-probs (untrainable: too_large)",
+                    generation_id,
+                    len(raw),
+                    self.max_bytes,
+                )
+                reason = "too_large"
+                raw = too_large(record).to_bytes()
+            ack = self.producer.produce(self.topic, generation_id, raw)
         except (ValueError, TypeError, BufferError) as e:  # a malformed node response, or Kafka refused: count, serve
             m.m_log_fail.inc()
             log.error("generation %s not logged: %s", generation_id, e)

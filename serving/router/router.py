@@ -24,8 +24,10 @@ use) and routes each request:
   With unit ``user``, a user goes to the canary nodes when their bucket, a keyed hash of the rollout id and the user
   key (``fleet.bucket``, with the secret ``security.assignment_key`` that only routers hold), is below the share: the
   same user stays on one arm for the whole rollout, each rollout draws its arms afresh, and no caller can predict or
-  pick an arm. With unit ``request`` each request is drawn afresh. The unsigned ``<p>:rollout`` plan is never read. If
-  one side has no node in rotation, the other serves.
+  pick an arm. With unit ``request`` each request is drawn afresh. The unsigned ``<p>:rollout`` plan is never read.
+  With no canary node in rotation, the canary's users are served by stable nodes; with no stable node in rotation,
+  the stable arm's users are answered 503 (``liverl_router_stable_arm_unavailable``), never sent to the unproven
+  candidate: a stable node restarting in a 2-node fleet must not hand every user to the canary.
 - **Credentials stay here.** ``Authorization``, ``Proxy-Authorization`` and ``Cookie`` are not forwarded to nodes (a
   product's API key for the front door is not the nodes' business). Feedback's product key travels in its own header
   (``X-Liverl-Product-Key``), which is forwarded: the node's gateway checks it.
@@ -136,6 +138,12 @@ class Router:
         self.m_arm = Counter(
             "liverl_router_arm", "Requests by rollout arm (canary, stable; none: no rollout)", ["arm"], registry=r
         )
+        self.m_no_stable = Counter(
+            "liverl_router_stable_arm_unavailable",
+            "Requests of a rollout's stable arm answered 503 because no stable node was in rotation (never sent to "
+            "the canary nodes)",
+            registry=r,
+        )
         self.m_failover = Counter(
             "liverl_router_failovers",
             "Requests re-routed because their node refused, reset or "
@@ -161,6 +169,11 @@ class Router:
         self.m_unknown_now = Gauge(
             "liverl_router_unknown_nodes",
             "Heartbeats of nodes serving.fleet does not name, at the last refresh",
+            registry=r,
+        )
+        self.m_unreadable = Counter(
+            "liverl_router_unreadable_heartbeats",
+            "Heartbeat keys read that hold no heartbeat (another Redis type, or no valid record): skipped, logged",
             registry=r,
         )
         self.m_refresh_errors = Counter(
@@ -190,7 +203,9 @@ class Router:
         return True
 
     async def refresh(self) -> None:
-        beats = await fleet.read_heartbeats_async(self.redis, self.prefix)
+        unreadable: list[str] = []
+        beats = await fleet.read_heartbeats_async(self.redis, self.prefix, unreadable)
+        self.m_unreadable.inc(len(unreadable))
         strangers = fleet.unknown(beats, self.allowed)
         for name in strangers:
             if self._once("unknown", name):
@@ -266,7 +281,8 @@ class Router:
         return self._draw.random() < terms.share
 
     def choose(self, key: str | None) -> list[Node]:
-        """The nodes to try for ``key``, in order: its rendezvous ranking, nodes that just refused us last."""
+        """The nodes to try for ``key``, in order: its rendezvous ranking, nodes that just refused us last. Empty when
+        none may serve it (the proxy answers 503)."""
         now = time.monotonic()
         pool, canary = self.nodes, self.arm(key)
         if canary is None:
@@ -274,7 +290,13 @@ class Router:
         else:
             names = set(self.rollout.nodes)
             side = [n for n in self.nodes if (n.name in names) == canary]
-            pool = side or self.nodes
+            if side:
+                pool = side
+            elif canary:  # no canary node in rotation: its users get stable, which is proven
+                pool = [n for n in self.nodes if n.name not in names]
+            else:  # no stable node in rotation: never the candidate for the stable arm's users
+                pool = []
+                self.m_no_stable.inc()
             self.m_arm.labels("canary" if canary and side else "stable").inc()
         nodes = rank(key, pool) if key is not None else random.sample(pool, len(pool))
         return [n for n in nodes if self._down.get(n.name, 0) <= now] + [

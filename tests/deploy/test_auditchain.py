@@ -225,6 +225,20 @@ def test_a_forged_or_garbage_head_is_not_taken_for_a_cut(open_reg, head):
     assert check.kind == "tampered" and "forged" in check.problem
 
 
+def test_a_head_key_of_another_redis_type_reads_as_forged_and_the_next_append_replaces_it(open_reg, head):
+    """``SET <p>:audit:head x``: verifying reports a forged head instead of raising WRONGTYPE (which would stop the
+    gate's every step), and the next audited change anchors a real head over it."""
+    reg = open_reg()
+    history(reg)
+    head.redis.delete(head.key)
+    head.redis.set(head.key, "x")
+    check = reg.verify_audit()
+    assert check.kind == "tampered" and "forged" in check.problem
+    reg.log_action("alice", "hold", "after the head was overwritten")
+    check = reg.verify_audit()
+    assert check.ok and check.head_seq == len(entries(reg))
+
+
 def test_the_anchor_only_moves_forward_and_a_lag_is_reported(open_reg, head, cfg):
     reg = open_reg()
     history(reg, n=2)

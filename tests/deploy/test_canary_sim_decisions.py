@@ -84,3 +84,18 @@ def test_what_the_simulation_does_not_play_is_refused():
         simulate_decisions(GateConfig(canary_min_s=60.0), 100, runs=1)
     with pytest.raises(ValueError, match="canary_unit"):
         simulate_decisions(GateConfig(canary_unit="request"), 100, runs=1)
+
+
+def test_with_heavy_users_the_bars_hold_and_the_deadline_readout_decides_what_the_sequential_test_left_open():
+    """Zipf(1.1) activity (the top user sends about a sixth of all traffic) at the gate's defaults: the A/A and the
+    +3-point candidate hold their bars; the latency guardrail compares the arms at equal answer length (a heavy user
+    with long answers on one arm is not read as the version's latency); and the readout at the deadline promotes
+    +3-point canaries that the always-valid test left undecided."""
+    gate = GateConfig()
+    res = simulate_decisions(gate, 1000, ("A/A", "+3 points"), runs=60, activity="zipf(1.1)", seed=6)
+    aa, better = res["candidates"]["A/A"], res["candidates"]["+3 points"]
+    assert false_decisions(aa, gate) <= _most(60, gate.canary_alpha), aa
+    assert better["ends"]["promoted"] >= _least(60, 0.8), better
+    no_readout = GateConfig(canary_readout_share=0.0)
+    alone = simulate_decisions(no_readout, 1000, ("+3 points",), runs=60, activity="zipf(1.1)", seed=6)
+    assert better["ends"]["promoted"] > alone["candidates"]["+3 points"]["ends"]["promoted"], (better, alone)

@@ -492,6 +492,38 @@ def test_operator_rollback_during_a_passing_evaluation_is_not_overridden(cfg, rd
         registry.close()
 
 
+def test_a_candidate_registered_across_a_rollback_is_rejected_by_audit_order(cfg, setup, monkeypatch):
+    """A rollback that lands while a candidate is stored (its delta encoded, which takes minutes on a large model) or
+    trained (the learner's weights still carry the rolled-back lineage, whatever parent it registers against) gets the
+    candidate rejected: ordered by the audit log's ids, not by the learner's and the operator's clocks."""
+    import deploy.registry.versions as versions
+
+    gate, registry, rds, _ev = setup
+    v1 = registry.add_candidate(weights(0.6, 1.0, seed=1), parent=0)
+    registry.promote(v1.version, actor="gate", reason="passed")
+    before = registry.last_rollback()[0]
+    encode = versions.encode_delta
+    calls = []
+
+    def rollback_midway(*args, **kw):
+        if not calls:
+            registry.rollback(actor="bob", reason="complaints")  # v1 -> v0 while v2's delta is encoded
+        calls.append(1)
+        return encode(*args, **kw)
+
+    monkeypatch.setattr(versions, "encode_delta", rollback_midway)
+    v2 = registry.add_candidate(weights(0.7, 1.0, seed=2), parent=v1.version)
+    assert registry.get(v2.version).created_at > registry.last_rollback()[1]  # stamped after the rollback
+    [v] = gate.step()
+    assert (v.version, v.verdict, v.reason) == (v2.version, "rejected", "emitted before the last rollback")
+    # trained from v1 before the rollback, registered against the new stable v0 after it
+    v3 = registry.add_candidate(weights(0.7, 1.0, seed=3), parent=0, rollback_seen=before)
+    [v] = gate.step()
+    assert (v.version, v.verdict, v.reason) == (v3.version, "rejected", "emitted before the last rollback")
+    v4 = registry.add_candidate(weights(0.7, 1.0, seed=4), parent=0, rollback_seen=registry.last_rollback()[0])
+    assert gate.step()[0].verdict == "promoted" and registry.stable().version == v4.version
+
+
 def test_gate_reconciles_the_announcement_with_the_registry(cfg, setup):
     """Finding: a crash between promote and announce left the fleet on the old version indefinitely."""
     gate, registry, rds, _ev = setup

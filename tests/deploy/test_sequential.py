@@ -474,3 +474,40 @@ def test_bad_input_is_refused():
         simulate_sticky(share=1.5, runs=1)
     with pytest.raises(ValueError, match="population"):
         simulate_sticky("uniform", runs=1)
+
+
+def test_latency_at_equal_answer_length_does_not_read_the_arms_user_mix_as_the_versions():
+    """Users stay on their arm: one with long answers on the canary arm makes it slower in every bucket, and the
+    paired batch means read that as the version's latency. Regressed on the buckets' difference in mean answer
+    length, the test is at equal length: an A/A of such arms is calibrated, and a slower serving path (more ms per
+    token) is still found."""
+    rng = np.random.default_rng(21)
+    reps, batches, per_token = 400, 40, 2.0
+
+    def arms(slowdown: float):
+        gap = 40.0 + rng.normal(0, 15, (reps, batches))  # the canary's heavy user: 40 more tokens an answer
+        load = rng.normal(0, 5, (reps, batches))  # shared by both arms in a bucket
+        c = 100 + (per_token + slowdown) * (200 + gap) + load + rng.normal(0, 10, (reps, batches))
+        s = 100 + per_token * 200 + load + rng.normal(0, 10, (reps, batches))
+        return c, s, gap
+
+    c, s, gap = arms(0.0)
+    z_plain, z_equal = [], []
+    for ci, si, gi in zip(c, s, gap, strict=True):
+        d, var, df = batch_means(ci, si)
+        z_plain.append(d / math.sqrt(var))
+        d, var, df = batch_means(ci, si, covariate=gi)
+        z_equal.append(d / math.sqrt(var))
+        assert df == batches - 2
+    # lower is better (direction -1): the plain test sees a slower canary in every A/A
+    assert np.mean(np.array(z_plain) < -1.645) > 0.99
+    assert 0.8 < np.std(z_equal) < 1.25 and abs(np.mean(z_equal)) < 0.2
+    assert np.mean(np.array(z_equal) < -1.645) < 0.09
+    c, s, gap = arms(0.5)  # 25% more ms per token
+    slower = MetricTest("latency", tau=50, direction=-1, bernoulli=False, harm_margin=60, margin=60)
+    out = look_batches(slower, c[0], s[0], covariate=gap[0])
+    assert out["at_equal_length"] and out["batches"] == batches and slower.verdict() == WORSE
+    # no spread in the covariate: the plain batch means
+    assert batch_means(c[0], s[0], covariate=np.full(batches, 3.0))[2] == batches - 1
+    with pytest.raises(ValueError, match="covariate"):
+        batch_means(c[0], s[0], covariate=gap[0][:5])

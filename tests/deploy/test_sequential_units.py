@@ -6,10 +6,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 
 from deploy.gate.canary_sim import simulate_sticky
-from deploy.gate.sequential import t_widened
-from deploy.gate.sequential_units import UnitSums, _covariate, unit_estimate
+from deploy.gate.sequential import MetricTest, look_units, t_widened
+from deploy.gate.sequential_units import UnitSums, _covariate, cap_users, unit_estimate
 
 VARIANCE_FACTOR = 4.0
 """The most the corrected CUPED variance may exceed the plain delta-method variance (no CUPED, no leverage
@@ -91,3 +92,32 @@ def test_the_user_unit_test_with_cuped_is_calibrated_and_sees_three_points_under
     assert (aa["promoted"] + aa["aborted"]) * runs <= binomial_max(runs, 0.05)
     assert ab["promoted"] * runs >= runs * 0.8 - 3.09 * math.sqrt(runs * 0.8 * 0.2)
     assert res["effects"][0.0]["srm"] * runs <= binomial_max(runs, 0.001)
+
+
+def test_capping_heavy_users_keeps_their_rates_and_counts_their_events_in_full():
+    """``cap_users``: a user above the pooled quantile of events counts as that many, with its rate unchanged, on
+    both arms alike; the covariate's weights are capped at their own quantile; ``look_units`` still counts every
+    event for ``min_events`` and the arms' totals."""
+    rng = np.random.default_rng(31)
+    den_c = np.concatenate([[5000.0], rng.integers(1, 20, 99).astype(float)])
+    den_s = np.concatenate([[3000.0], rng.integers(1, 20, 199).astype(float)])
+    num_c, num_s = np.round(0.4 * den_c), np.round(0.4 * den_s)
+    cov_c, cov_s = rng.uniform(0.2, 0.6, 100), rng.uniform(0.2, 0.6, 200)
+    canary = UnitSums(num_c, den_c, cov_c, den_c * 2)
+    stable = UnitSums(num_s, den_s, cov_s, den_s * 2)
+    cc, cs = cap_users(canary, stable, 0.99)
+    cap = np.quantile(np.concatenate([den_c, den_s]), 0.99)
+    assert cc.den.max() == pytest.approx(cap) and cs.den.max() == pytest.approx(cap)
+    assert np.allclose(cc.num / cc.den, num_c / den_c) and np.allclose(cs.num / cs.den, num_s / den_s)
+    assert np.array_equal(cc.den[1:][den_c[1:] <= cap], den_c[1:][den_c[1:] <= cap])  # the rest untouched
+    assert cc.cov_den.max() == pytest.approx(np.quantile(np.concatenate([den_c, den_s]) * 2, 0.99))
+    # the heavy user no longer carries most of its arm's weight
+    assert unit_estimate(cc, cs, cuped=True).df > unit_estimate(canary, stable, cuped=True).df
+    # a stack of looks caps each look at its own quantile; a look with no user seen has no cap
+    stack_c = UnitSums(np.stack([num_c * 0, num_c]), np.stack([den_c * 0, den_c]))
+    stack_s = UnitSums(np.stack([num_s * 0, num_s]), np.stack([den_s * 0, den_s]))
+    sc, ss = cap_users(stack_c, stack_s, 0.99)
+    assert np.all(sc.den[0] == 0) and sc.den[1].max() == pytest.approx(cap)
+    test = MetricTest("acceptance", tau=0.03, min_events=100, min_units=10)
+    out = look_units(test, canary, stable, cuped=True, user_cap=0.99)
+    assert test.canary.n == int(den_c.sum()) and test.stable.n == int(den_s.sum()) and out["ready"]

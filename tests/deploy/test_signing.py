@@ -230,3 +230,82 @@ def test_keep_announced_keeps_a_canary_and_its_terms(cfg, rds, keys):
         keep_announced(*args, rollout=terms("node-a", "node-b"), now=ann.ts + 0.6 * (ann.expires_at - ann.ts))
         == "refreshed"
     )
+
+
+def test_the_gate_replaces_an_announcement_key_of_another_redis_type(cfg, rds, keys):
+    """``<p>:desired`` or ``<p>:canary`` made a hash (``DEL``, then ``HSET``): every reader gets WRONGTYPE, so the gate,
+    which owns the key, writes its announcement over it."""
+    private, public = keys
+    p = cfg.topics.prefix
+    for channel, rollout in (("desired", None), ("canary", terms("node-b"))):
+        key = fleet.announcement_key(p, channel)
+        rds.hset(key, "x", "1")
+        got = keep_announced(rds, p, channel, 5, "cd" * 32, "reconciled", Signer(private), rollout=rollout)
+        assert got == "was a key of another type"
+        ann = fleet.check_announcement(rds.get(key), channel, p, Verifier(public))
+        assert (ann.version, ann.rollout) == (5, rollout)
+    registry = open_registry(cfg)  # the gate's own step: the same repair, counted
+    try:
+        registry.init_base(weights(0.5, 1.0), "/nonexistent/model")
+        gate = Gate(cfg, registry, rds, ProbeEval(), signer=Signer(private))
+        rds.delete(fleet.announcement_key(p, "desired"))
+        rds.hset(fleet.announcement_key(p, "desired"), "x", "1")
+        gate.reconcile(registry.stable())
+        assert fleet.check_announcement(rds.get(f"{p}:desired"), "desired", p, Verifier(public)).version == 0
+        assert gate._wrong_type.labels("desired")._value.get() == 1
+    finally:
+        registry.close()
+
+
+def test_a_heartbeat_key_of_another_redis_type_is_skipped_not_fatal(cfg, rds):
+    """The canary's and ``liverl status``'s view of the routable nodes reads past a heartbeat key that holds a hash."""
+    from core import keys as rkeys
+
+    p = cfg.topics.prefix
+    beat = rkeys.ServedHeartbeat(version=3, checksum="c" * 64, healthy=True)
+    for name in ("node-a", "node-b"):
+        rds.set(rkeys.served(p, name), beat.to_json(), ex=60)
+    rds.hset(rkeys.served(p, "node-c"), "x", "1")
+    allowed = {n: f"http://{n}" for n in ("node-a", "node-b", "node-c")}
+    unreadable: list[str] = []
+    assert sorted(fleet.read_heartbeats(rds, p, unreadable)) == ["node-a", "node-b"]
+    assert unreadable == [rkeys.served(p, "node-c")]
+    assert fleet.routable_nodes(rds, p, allowed) == ["node-a", "node-b"]
+    rds.hset(fleet.announcement_key(p, "desired"), "x", "1")
+    assert fleet.read_desired(rds, p) is None
+
+
+def test_an_announcement_signed_without_a_sequence_still_verifies_and_is_ordered_by_time(cfg, keys):
+    """Announcements signed before ``seq`` existed (no such field in their JSON) verify as they were signed, and a
+    reader orders them by ``ts``; one with ``seq`` is ordered by it."""
+    import base64
+    import json
+
+    from cryptography.hazmat.primitives import serialization
+
+    private, public = keys
+    p, now = cfg.topics.prefix, time.time()
+    fields = {  # the JSON a signer without the field wrote, in its field order, signed over with signature null
+        "schema_version": 1,
+        "version": 3,
+        "checksum": "ab" * 32,
+        "reason": "promoted",
+        "ts": now,
+        "channel": "desired",
+        "prefix": p,
+        "expires_at": now + 600,
+        "rollout": None,
+        "signature": None,
+    }
+    key = serialization.load_pem_private_key(private.read_bytes(), password=None)
+    fields["signature"] = base64.b64encode(key.sign(json.dumps(fields, separators=(",", ":")).encode())).decode()
+    old = json.dumps(fields, separators=(",", ":")).encode()
+    reader = fleet.AnnouncementReader(p, Verifier(public))
+    assert reader.accept("desired", old).seq is None
+    earlier = Signer(private).sign(bound(cfg, ts=now - 1))
+    with pytest.raises(fleet.AnnouncementRefused, match="replayed"):
+        reader.accept("desired", earlier.to_bytes())
+    sequenced = Signer(private).sign(bound(cfg, ts=now - 1, seq=5))
+    assert reader.accept("desired", sequenced.to_bytes()).seq == 5
+    with pytest.raises(fleet.AnnouncementRefused, match="replayed"):
+        reader.accept("desired", Signer(private).sign(bound(cfg, ts=now + 1, seq=4)).to_bytes())

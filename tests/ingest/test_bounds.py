@@ -415,3 +415,117 @@ def test_table_writes_stay_readable_while_the_changelog_has_them_in_flight(stack
             table.close()
 
     asyncio.run(run())
+
+
+def test_a_wrong_typed_counter_key_is_replaced_and_the_batch_still_counts(env):
+    """A string where ingest keeps a hash (``live:{v}``, ``ingest:counters``, a per-user sums bucket) makes Redis
+    answer WRONGTYPE; the worker must not stop on it (it would replay the batch into the same error for ever): the key
+    is replaced, counted and logged, and the batch counts once."""
+    cfg, metrics = env
+    p = cfg.topics.prefix
+    r = redis.Redis.from_url(cfg.redis.url)
+    bucket = keys.unit_bucket(1_700_000_000.0)
+    for k in (keys.live(p, 12), keys.ingest_counters(p), keys.units(p, 12, bucket)):
+        r.set(k, "x")
+
+    async def run():
+        try:
+            t = Tally()
+            t.live += [("fid-a", 12, "accept", bucket, "u1"), ("fid-b", 12, "reject", bucket, "u2")]
+            t.inc("joined", 2)
+            await metrics.apply(t)
+        finally:
+            await metrics.close()
+
+    try:
+        asyncio.run(run())
+        live = {k.decode(): int(v) for k, v in r.hgetall(keys.live(p, 12)).items()}
+        counters = {k.decode(): int(v) for k, v in r.hgetall(keys.ingest_counters(p)).items()}
+        units = keys.read_unit_buckets(r, p, 12, [bucket])[bucket]
+    finally:
+        r.close()
+    assert live == {"accept": 1, "reject": 1, "events": 2}
+    assert counters == {"joined": 2}
+    assert units["u1"]["a"] == 1 and units["*"]["e"] == 2
+    assert metrics.wrong_type._value.get() == 3
+
+
+def test_a_generation_over_max_event_bytes_is_logged_untrainable_and_its_feedback_counted(env):
+    """A completion of 20,000 tokens makes a record of about 600 KB, over ``ingest.max_event_bytes`` (512 KiB). The
+    gateway logs it without its text, token ids and log-probs (untrainable ``too_large``, its length kept); ingest
+    joins its feedback, counts the judgement for its version at its true length, and counts the sample it cannot make
+    (``drop:too_large``) instead of letting the feedback expire as ``unknown_generation``."""
+    import json
+
+    from core.schemas import GenerationRecord
+    from serving.node import openai_api as oa
+    from serving.node.gateway_metrics import GatewayMetrics
+    from serving.node.generation_log import GenerationLog
+
+    cfg, metrics = env
+    sent: list[tuple[str, str, bytes]] = []
+
+    class Producer:
+        def produce(self, topic, key, value):
+            sent.append((topic, key, value))
+            fut = asyncio.get_running_loop().create_future()
+            fut.set_result(None)
+            return fut
+
+    n = 20_000
+    choice = oa.Choice(
+        prompt="p" * 200,
+        prompt_token_ids=list(range(50)),
+        text=["w "] * n,
+        token_ids=[1_000_000 + i for i in range(n)],
+        logprobs=[-1.2345678901234567] * n,
+        finish_reason="length",
+    )
+    gid = "g-long-answer"
+    gw = GatewayMetrics()
+    req = oa.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
+    p = cfg.topics.prefix
+    fb = json.dumps(
+        {"schema_version": 1, "feedback_id": "f-long", "generation_id": gid, "kind": "accept", "ts": NOW}
+    ).encode()
+
+    async def run():
+        log = GenerationLog(Producer(), cfg.topics.generations, "node-a", 32_768, gw, 0.0, max_bytes=512 * 1024)
+        full = GenerationRecord(
+            generation_id=gid,
+            policy_version=3,
+            node="node-a",
+            prompt=choice.prompt,
+            completion="".join(choice.text),
+            prompt_token_ids=choice.prompt_token_ids,
+            completion_token_ids=choice.token_ids,
+            completion_logprobs=choice.logprobs,
+            sampling=req.sampling(32_768),
+        )
+        assert len(full.to_bytes()) > cfg.ingest.max_event_bytes  # what would have been logged
+        assert log.log(req, choice, gid, version=3, unit="u1") is not None
+        broker = Broker()
+        ing = Ingest(cfg, metrics, {}, broker)
+        ing.recovered()
+        try:
+            ((_, _, value),) = sent
+            await ing.process([(Source(cfg.topics.generations, 0, 1, gid), value)], now=NOW)
+            await ing.process([(Source(cfg.topics.feedback, 0, 1, gid), fb)], now=NOW + 1)
+        finally:
+            await metrics.close()
+        return value, broker
+
+    value, broker = asyncio.run(run())
+    rec = GenerationRecord.from_bytes(value)
+    assert len(value) <= cfg.ingest.max_event_bytes
+    assert (rec.trainable, rec.untrainable_reason, rec.completion_tokens) == (False, "too_large", n)
+    assert next(s.value for s in gw.m_untrainable.collect()[0].samples if s.labels.get("reason") == "too_large") == 1
+    assert not broker.of(cfg.topics.dead_letters) and not broker.of(cfg.topics.samples)
+    r = redis.Redis.from_url(cfg.redis.url)
+    try:
+        live = {k.decode(): int(v) for k, v in r.hgetall(keys.live(p, 3)).items()}
+        counters = {k.decode(): int(v) for k, v in r.hgetall(keys.ingest_counters(p)).items()}
+    finally:
+        r.close()
+    assert live["accept"] == 1 and live["events"] == 1 and live["tokens"] == n
+    assert counters.get("drop:too_large") == 1 and "dlq:unknown_generation" not in counters

@@ -503,6 +503,7 @@ def test_the_joins_sample_json_is_the_models_own(seed, reward, text, segment):
         segment=segment,
         ts=1.79e9 + rng.random(),
     )
+    joined = rng.uniform(1.7e9, 1.9e9)  # ingest's clock at the join
     want = (
         TrainingSample(
             sample_id=rec.generation_id,
@@ -519,17 +520,18 @@ def test_the_joins_sample_json_is_the_models_own(seed, reward, text, segment):
             edited_text=fb.edited_text,
             ts_generation=rec.ts,
             ts_feedback=fb.ts,
+            ts_joined=joined,
         )
         .model_dump_json()
         .encode()
     )
     gid = rec.generation_id
     _, _, meta, body = unpack(pack(WAITING, 1.79e9, *record_parts(rec)))
-    assert sample_json(gid, meta, body, fb, reward) == want  # the waiting entry's path (its parts through the table)
-    assert sample_json(gid, *record_parts(rec), fb, reward) == want  # the pending feedback's path
+    assert sample_json(gid, meta, body, fb, reward, joined) == want  # the waiting entry's path (through the table)
+    assert sample_json(gid, *record_parts(rec), fb, reward, joined) == want  # the pending feedback's path
     for bad in NONFINITE:
         with pytest.raises(ValueError, match="finite"):
-            sample_json(gid, *record_parts(rec), fb, bad)
+            sample_json(gid, *record_parts(rec), fb, bad, joined)
 
 
 @FUZZ

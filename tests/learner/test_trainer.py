@@ -743,29 +743,46 @@ def test_online_rl_lifts_expected_acceptance_by_15_points(model_dir):
     assert curve[-1][1] >= base + 0.15, f"the lift did not hold: {curve}"
 
 
-def test_a_learner_that_cannot_keep_up_sheds_the_oldest_feedback_and_counts_it(cfg, model_dir, base_samples):
-    """Where the learner cannot keep up it sheds load on purpose: a sample whose feedback is older than
-    ``max_backlog_s`` is skipped, refused as "shed" in the ledger (``liverl audit`` accounts for it) and counted,
-    and the newest feedback is trained."""
+def test_a_learner_that_cannot_keep_up_sheds_by_ingest_s_join_time_and_counts_it(cfg, model_dir, base_samples):
+    """Where the learner cannot keep up it sheds load on purpose: a sample that ingest joined more than
+    ``max_backlog_s`` ago is skipped, refused as "shed" in the ledger (``liverl audit`` accounts for it) and counted,
+    and the newest feedback is trained. The product's own feedback time does not decide: feedback a product forwards
+    15 minutes late (``ts_feedback`` = now - 900), joined just now, is trained."""
     from learner.trainer import Learner
 
     cfg = learner_cfg(cfg, batch_size=8, candidate_every_steps=100, max_backlog_s=600.0)
     now = time.time()
+    times = {  # i % 4 -> (ts_feedback, ts_joined)
+        0: (now, now),
+        1: (now - 3600.0, now - 3600.0),  # the learner is an hour behind on these
+        2: (now, None),  # written without ts_joined: judged by ts_feedback
+        3: (now - 900.0, now),  # forwarded late by the product, joined now
+    }
     mixed = [
-        s.model_copy(update={"ts_feedback": now - 3600.0 if i % 2 else now, "ts_generation": now - 3601.0})
+        s.model_copy(
+            update={"ts_feedback": times[i % 4][0], "ts_joined": times[i % 4][1], "ts_generation": now - 3601.0}
+        )
         for i, s in enumerate(base_samples[:32])
     ]
-    old = {s.sample_id for i, s in enumerate(mixed) if i % 2}
+    old = {s.sample_id for i, s in enumerate(mixed) if i % 4 == 1}
+    late = {s.sample_id for i, s in enumerate(mixed) if i % 4 == 3}
     produce_samples(cfg, mixed)
     reg = make_registry(cfg, model_dir)
     try:
         learner = Learner(cfg, model_dir, cfg.broker.bootstrap, reg)
-        stats = learner.run(max_steps=2)
+        stop = threading.Event()  # a learner that shed what it should train would wait for a third batch for ever
+        timer = threading.Timer(120.0, stop.set)
+        timer.start()
+        try:
+            stats = learner.run(stop_event=stop, max_steps=3)
+        finally:
+            timer.cancel()
         trained, refused = ledger_fates(learner)
-        assert len(trained) == 16 and not old & set(trained)  # only fresh feedback trained
+        assert len(trained) == 24 and not old & set(trained)  # only what ingest joined recently trained
+        assert late <= set(trained)
         shed = {sid for sid, reason in refused if reason == "shed"}
-        assert shed and shed <= old and learner.state.counters["dropped:shed"] == len(shed)
-        assert stats["step"] == 2
+        assert shed == old and learner.state.counters["dropped:shed"] == len(shed)
+        assert stats["step"] == 3
     finally:
         reg.close()
 

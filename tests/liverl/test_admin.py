@@ -304,3 +304,86 @@ def test_diff_lists_changed_tensors_and_the_gate_evidence_side_by_side(cfg, flee
     assert "rejected (failed collapse)" in out and "60.0% of 100" in out
     assert cmd_diff(cfg, 0, 0) == 0 and "0 of" in capsys.readouterr().out  # nothing differs from itself
     assert cmd_diff(cfg, 0, 99) == 1 and "99" in capsys.readouterr().err
+
+
+def test_a_rollback_signed_on_a_clock_behind_the_gate_s_is_followed_not_refused_as_a_replay(
+    cfg, rds, fleet, monkeypatch
+):
+    """The operator's laptop runs a minute behind the gate's host: its rollback is signed with an older ``ts`` than the
+    gate's last announcement, and agents must still follow it. Announcements are ordered by the registry's audit
+    sequence they carry; the gate's earlier one, written back, is then the replay."""
+    import types
+
+    import deploy.registry.signing as signing
+    from core import fleet as fl
+    from deploy.gate.gate import Gate
+    from deploy.registry.signing import Signer, Verifier, generate_keypair
+    from tests.deploy.test_gate import ProbeEval
+
+    admin, _alice, _vic = _operators(cfg)
+    private, public = generate_keypair(cfg.state_path / "keys")  # where the CLI and the gate find the pair
+    p = cfg.topics.prefix
+    reader = fl.AnnouncementReader(p, Verifier(public))
+    reg = open_registry(cfg)
+    try:
+        Gate(cfg, reg, rds, ProbeEval(), signer=Signer(private)).reconcile(reg.stable())
+    finally:
+        reg.close()
+    gates = rds.get(f"{p}:desired")
+    assert reader.accept("desired", gates).version == 1
+    behind = time.time() - 60.0
+    monkeypatch.setattr(signing, "time", types.SimpleNamespace(time=lambda: behind))
+    assert cmd_rollback(cfg, reason="acceptance dropped", token=admin) == 0
+    rolled = reader.accept("desired", rds.get(f"{p}:desired"))
+    assert rolled.version == 0 and rolled.ts < VersionAnnouncement.from_bytes(gates).ts
+    with pytest.raises(fl.AnnouncementRefused, match="replayed"):
+        reader.accept("desired", gates)
+
+
+def test_abort_withdraws_the_canary_announcement_without_the_gate(cfg, rds, fleet, capsys):
+    """`liverl abort` deletes ``<p>:canary`` itself: with the gate down, the canary nodes return to stable at their
+    next poll instead of serving the aborted version until its announcement expires."""
+    from deploy.registry.signing import announce
+    from liverl.ops.admin import cmd_rollout
+    from tests.serving.routing import front_door
+
+    _admin, alice, _vic = _operators(cfg)
+    _, signer = front_door(cfg, {"node-0": "http://127.0.0.1:1", "node-1": "http://127.0.0.1:2"})
+    reg = open_registry(cfg)
+    try:
+        v3 = reg.add_candidate(perturb(reg.materialize(1), 0.05, seed=3), parent=1)
+        ro = reg.begin_rollout(
+            v3.version,
+            stable_version=1,
+            share=0.2,
+            nodes=["node-1"],
+            unit="user",
+            deadline_at=time.time() + 600,
+            settings={},
+            actor="gate",
+            reason="checks passed",
+        )
+    finally:
+        reg.close()
+    from deploy.gate.canary import CanaryController
+
+    announce(
+        rds,
+        cfg.topics.prefix,
+        v3.version,
+        v3.checksum,
+        "canary",
+        signer,
+        channel="canary",
+        rollout=CanaryController.terms(ro),
+    )
+    assert cmd_rollout(cfg, "abort", reason="acceptance fell", token=alice) == 0
+    assert "announcement withdrawn" in capsys.readouterr().out
+    assert rds.get(keys.canary(cfg.topics.prefix)) is None
+
+
+def test_status_shows_a_live_counter_key_of_another_type_as_no_counts(cfg, rds, fleet, capsys):
+    rds.delete(keys.live(cfg.topics.prefix, 1))
+    rds.set(keys.live(cfg.topics.prefix, 1), "x")
+    assert cmd_status(cfg) == 0
+    assert "stable: v1" in capsys.readouterr().out

@@ -93,11 +93,11 @@ def test_a_replayed_older_announcement_is_refused_after_a_newer_one(cfg, rds, si
         announce(rds, p, 2, "bb" * 32, "promoted v2", signer)
         seen.append((await agent.desired()).version)
         await agent.redis.set(f"{p}:desired", old_raw)  # an attacker writes the old, validly signed one back
-        seen.append(await agent.desired())
+        seen.append((await agent.desired()).version)  # refused: the last one verified (kept) stands
         return seen, agent
 
     seen, agent = desired_of(cfg, read)
-    assert seen == [old.version, 2, None]
+    assert seen == [old.version, 2, 2]
     assert dict(agent.refused_by_reason) == {"replayed": 1}
 
 

@@ -154,6 +154,35 @@ def _public_bucket(key: str) -> float:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8, person=b"liverl-canary").digest(), "big") / 2**64
 
 
+def test_with_no_stable_node_in_rotation_the_stable_arm_is_not_sent_to_the_canary(cfg, rds):
+    """A 2-node fleet with a rollout on node-b, and node-a out of rotation (restarting, or its heartbeat says
+    unhealthy): the canary's users still reach node-b, the stable arm's users get 503 (counted), not the unproven
+    candidate. With node-a back, they reach it again."""
+
+    async def main() -> None:
+        async with _Fleet(cfg, rds, ("node-a", "node-b")) as f:
+            await beat(f.ardis, f.prefix, "node-a", _url(f.ports["node-a"]), healthy=False)
+            announce_rollout(rds, f.rcfg, f.signer, rollout_id=9, share=0.5, nodes=["node-b"])
+            router = await f.route()
+            await until(lambda: router.rollout is not None and len(router.nodes) == 1, "rollout and node-b only")
+            users = [f"user-{i}" for i in range(40)]
+            arms = {u: router.arm(u) for u in users}
+            assert set(arms.values()) == {True, False}
+            statuses = {}
+            for u in users:
+                async with f.http.post(f"{f.base}/v1/completions", json={"prompt": "x", "user": u}) as r:
+                    statuses[u] = (r.status, (await r.json()).get("node"))
+            for u, canary in arms.items():
+                assert statuses[u] == ((200, "node-b") if canary else (503, None)), (u, canary, statuses[u])
+            stable_users = sum(not c for c in arms.values())
+            assert router.m_no_stable._value.get() == stable_users
+            await beat(f.ardis, f.prefix, "node-a", _url(f.ports["node-a"]))
+            await until(lambda: len(router.nodes) == 2, "node-a back")
+            assert {await f.node_of(u) for u, c in arms.items() if not c} == {"node-a"}
+
+    asyncio.run(main())
+
+
 def test_a_forged_rollout_plan_or_canary_announcement_moves_nobody(cfg, rds, tmp_path):
     """The unsigned ``<p>:rollout`` plan decides neither the share nor the canary nodes."""
 
