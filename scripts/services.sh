@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Make sure the services the TESTS talk to are up: Redis on 127.0.0.1:6379 and PostgreSQL on 127.0.0.1:5432,
-# and the tools they run: promtool (the alert rules' check) and Chromium (the on-call page's browser test).
+# and the tools they run: promtool (the alert rules' check), Chromium (the on-call page's browser test), and podman,
+# buildah, runc, debootstrap and CNI's dnsname plugin (the image and compose tests, tests/packaging/).
 # Starts them when installed but stopped; installs them (Debian packages) when missing and we are root.
 # (The demo needs neither: it starts its own broker, and Redis if none answers; the registry is SQLite.)
 set -uo pipefail
@@ -16,6 +17,9 @@ if ! up 5432; then
 fi
 command -v promtool >/dev/null || need_apt+=(prometheus)
 command -v chromium >/dev/null || command -v chromium-browser >/dev/null || need_apt+=(chromium)
+for t in podman buildah runc debootstrap; do command -v $t >/dev/null || need_apt+=($t); done
+# containers find each other by name on a podman network (the compose deployment): CNI's dnsname plugin
+[ -e /usr/lib/cni/dnsname ] || need_apt+=(golang-github-containernetworking-plugin-dnsname)
 if [ ${#need_apt[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "[services] installing ${need_apt[*]}" >&2
@@ -35,6 +39,19 @@ if ! up 5432 && ls /etc/postgresql >/dev/null 2>&1; then
     sed -i 's/^\(host.*127.0.0.1\/32\s*\)\S*$/\1trust/' "$hba" && pg_ctlcluster "$ver" main reload || true
   fi
 fi
-for t in promtool chromium; do command -v $t >/dev/null || echo "[services] $t missing (tests that need it will skip and say why)" >&2; done
+# podman on these machines: runc (crun fails to set RLIMIT_NOFILE, then on the hybrid cgroup hierarchy), cgroupfs,
+# and lowered limits. Written only where no containers.conf exists.
+if [ "$(id -u)" = 0 ] && command -v podman >/dev/null && [ ! -e /etc/containers/containers.conf ]; then
+  mkdir -p /etc/containers
+  cat >/etc/containers/containers.conf <<'EOF'
+[containers]
+default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
+
+[engine]
+runtime = "runc"
+cgroup_manager = "cgroupfs"
+EOF
+fi
+for t in promtool chromium podman; do command -v $t >/dev/null || echo "[services] $t missing (tests that need it will skip and say why)" >&2; done
 for p in 6379 5432; do up $p && echo "[services] 127.0.0.1:$p up" >&2 || echo "[services] 127.0.0.1:$p NOT up (tests that need it will skip and say why)" >&2; done
 exit 0

@@ -130,6 +130,7 @@ def rds(cfg):
 # busy to the end, instead of one finishing the e2e demo alone while the other has nothing left. The order is only a
 # schedule: any order passes, and a plain `pytest` (one process) ignores the groups.
 LONGEST_FIRST = (
+    "packaging/",  # the CPU image's build (from scratch: the base and every layer) and the compose deployment
     "test_e2e.py",  # 350: the real `liverl demo`
     "test_model_families.py",  # 387: one vLLM start per family
     "test_up.py",  # 257: the whole pipeline twice
