@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Make sure the services the TESTS talk to are up: Redis on 127.0.0.1:6379 and PostgreSQL on 127.0.0.1:5432,
-# and the tools they run: promtool (the alert rules' check), Chromium (the on-call page's browser test), and podman,
-# buildah, runc, debootstrap and CNI's dnsname plugin (the image and compose tests, tests/packaging/).
+# and the tools they run: promtool (the alert rules' check), Chromium (the on-call page's browser test), podman,
+# buildah, runc, debootstrap, catatonit and CNI's dnsname plugin (the image, compose and chart tests,
+# tests/packaging/), HAProxy (several routers behind a balancer) and socat (hosts in network namespaces, tests/netns.py).
 # Starts them when installed but stopped; installs them (Debian packages) when missing and we are root.
 # (The demo needs neither: it starts its own broker, and Redis if none answers; the registry is SQLite.)
 set -uo pipefail
@@ -17,7 +18,9 @@ if ! up 5432; then
 fi
 command -v promtool >/dev/null || need_apt+=(prometheus)
 command -v chromium >/dev/null || command -v chromium-browser >/dev/null || need_apt+=(chromium)
-for t in podman buildah runc debootstrap; do command -v $t >/dev/null || need_apt+=($t); done
+for t in podman buildah runc debootstrap haproxy socat; do command -v $t >/dev/null || need_apt+=($t); done
+# podman kube play runs a pod's infra container with catatonit as its init
+[ -e /usr/libexec/podman/catatonit ] || command -v catatonit >/dev/null || need_apt+=(catatonit)
 # containers find each other by name on a podman network (the compose deployment): CNI's dnsname plugin
 [ -e /usr/lib/cni/dnsname ] || need_apt+=(golang-github-containernetworking-plugin-dnsname)
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -52,6 +55,6 @@ runtime = "runc"
 cgroup_manager = "cgroupfs"
 EOF
 fi
-for t in promtool chromium podman; do command -v $t >/dev/null || echo "[services] $t missing (tests that need it will skip and say why)" >&2; done
+for t in promtool chromium podman haproxy socat; do command -v $t >/dev/null || echo "[services] $t missing (tests that need it will skip and say why)" >&2; done
 for p in 6379 5432; do up $p && echo "[services] 127.0.0.1:$p up" >&2 || echo "[services] 127.0.0.1:$p NOT up (tests that need it will skip and say why)" >&2; done
 exit 0

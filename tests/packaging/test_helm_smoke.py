@@ -11,7 +11,8 @@ What podman's kube play does not do as Kubernetes does, and how the test stands 
   host port mappings, which host networking refuses), and the processes listen on the ports the values name;
 - each Secret volume becomes a host folder holding the same files (podman 4.3 writes a Secret's ``data`` to the
   volume still base64-encoded, and writes nothing for ``stringData``); the files are the ones `liverl keys` makes.
-Skips, saying why, without podman, its pause container's init (catatonit) or the image."""
+Skips, saying why, without podman or its pause container's init (catatonit); the image is the package's ``image``
+fixture's build."""
 
 from __future__ import annotations
 
@@ -49,9 +50,7 @@ def _podman_ready() -> str | None:
         return "podman is not installed (Debian: apt-get install podman runc catatonit)"
     if shutil.which("catatonit") is None and not Path("/usr/libexec/podman/catatonit").exists():
         return "podman kube play needs catatonit for its pause container (apt-get install catatonit)"
-    if subprocess.run(["podman", "image", "exists", IMAGE], capture_output=True).returncode != 0:
-        return f"the image {IMAGE} is not built (packaging/image/build.sh)"
-    return None
+    return None  # the image: the package's ``image`` fixture builds it (packaging/image/build.sh)
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(_podman_ready()), reason=_podman_ready() or "")]
@@ -75,7 +74,8 @@ def _wait(url: str, timeout_s: float, logs) -> tuple[int, str]:
     pytest.fail(f"nothing answered {url} in {timeout_s:.0f} s; the pods' logs:\n{logs()}")
 
 
-def test_the_router_ingest_and_oncall_pods_run_and_answer_their_probes(tmp_path, pg_url, stack):
+def test_the_router_ingest_and_oncall_pods_run_and_answer_their_probes(image, tmp_path, pg_url, stack):
+    assert image == IMAGE  # the chart's default image, built by the package's fixture
     pg = urlsplit(pg_url)
     prefix = f"helm{uuid.uuid4().hex[:8]}"
     route_port, oncall_port, ingest_port = free_port(), free_port(), free_port()
