@@ -188,9 +188,10 @@ class GateConfig(Section):
         default=True,
         description="The latency guardrails (mean and quantile) compare the arms at equal answer length: each "
         "bucket's latency difference is regressed on the arms' difference in mean answer length, and the intercept is "
-        "tested (deploy.gate.sequential.batch_means). Users stay on their arm, so one heavy user with long answers "
-        "makes its arm slower in every bucket; a delta changes how many tokens an answer takes (the response length "
-        "guardrail), not the compute per token. False: the plain paired batch means. Fixed at a rollout's start.",
+        "tested (deploy.gate.sequential_batches.batch_means). Users stay on their arm, so one heavy user with long "
+        "answers makes its arm slower in every bucket; a delta changes how many tokens an answer takes (the response "
+        "length guardrail), not the compute per token. False: the plain paired batch means. Fixed at a rollout's "
+        "start.",
     )
     canary_user_cap: float | None = Field(
         default=0.99,

@@ -19,6 +19,7 @@ import numpy as np
 from core.config import GateConfig
 from deploy.gate import sequential as seq
 from deploy.gate import sequential_quantile as sq
+from deploy.gate.sequential_batches import look_batches
 from deploy.gate.sequential_units import UnitSums
 from deploy.gate.srm import SrmTest
 from deploy.registry.tables import Rollout
@@ -286,14 +287,14 @@ def _look_requests(ev: Evidence, tests: tuple, srm: SrmTest, info: dict) -> None
 
 def _look_latency(ev: Evidence, latency: seq.MetricTest, info: dict, equal_length: bool = False) -> None:
     """One look of the latency guardrail on the batch means of the buckets both arms served (at equal answer
-    length with ``equal_length``: ``deploy.gate.sequential.batch_means``)."""
+    length with ``equal_length``: ``deploy.gate.sequential_batches.batch_means``)."""
     cb, sb = ev.fast_canary.buckets, ev.fast_stable.buckets
     both = [b for b in sorted(set(cb) & set(sb)) if cb[b].get("n") and sb[b].get("n")]
     means = [(cb[b]["m"] / cb[b]["n"], sb[b]["m"] / sb[b]["n"]) for b in both]
     gap = [sq.length_gap(cb[b], sb[b]) for b in both] if equal_length else None
     if gap is not None and not np.isfinite(gap).any():  # no lengths recorded: the plain batch means
         gap = None
-    info["latency"] = seq.look_batches(
+    info["latency"] = look_batches(
         latency, [c for c, _ in means], [s for _, s in means], min_batches=LATENCY_MIN_BATCHES, covariate=gap
     )
     if means:  # the mean of the buckets' means, each arm (what the batch-means test compares)

@@ -1,6 +1,7 @@
 """A quantile of latency (p90 by default) as a canary guardrail: each arm's quantile per 10 s bucket, read from the
 latency histogram ingest keeps per version and bucket (``core.keys.LATENCY_HIST_EDGES_MS``), and the paired
-per-bucket differences tested by batch means, as the mean latency's test is (``deploy.gate.sequential.batch_means``).
+per-bucket differences tested by batch means, as the mean latency's test is
+(``deploy.gate.sequential_batches.batch_means``).
 
 **Why a quantile.** A mean hides a tail: a candidate whose answers are as fast for nine users in ten and three times
 slower for the tenth moves mean latency by a fifth and its p90 by three times. The mean's test, with its 25%
@@ -30,7 +31,8 @@ import math
 import numpy as np
 
 from core import keys
-from deploy.gate.sequential import MetricTest, look_batches
+from deploy.gate.sequential import MetricTest
+from deploy.gate.sequential_batches import look_batches
 
 MIN_EVENTS = 20
 """Timed events each arm needs in a bucket before that bucket's quantiles count (both arms skip it otherwise: which
@@ -99,8 +101,8 @@ def length_gap(canary: dict, stable: dict) -> float:
 def look_quantiles(test: MetricTest, canary_q, stable_q, min_batches: int, length_gap=None) -> dict:
     """One look of ``test`` (a latency quantile: ``direction`` -1, margins fixed at the start) on the per-bucket
     quantiles of each arm (``paired_quantiles``), by batch means (at equal answer length when ``length_gap`` is
-    given: ``deploy.gate.sequential.batch_means``); no look below ``min_batches`` buckets. Returns ``test.summary()``
-    with the buckets used and the arms' mean per-bucket quantile."""
+    given: ``deploy.gate.sequential_batches.batch_means``); no look below ``min_batches`` buckets. Returns
+    ``test.summary()`` with the buckets used and the arms' mean per-bucket quantile."""
     out = look_batches(test, canary_q, stable_q, min_batches, length_gap)
     c, s = np.asarray(canary_q, float), np.asarray(stable_q, float)
     means = (float(np.mean(c)), float(np.mean(s))) if c.size else (math.nan, math.nan)

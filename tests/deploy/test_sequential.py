@@ -20,14 +20,13 @@ from deploy.gate.sequential import (
     WORSE,
     Canary,
     MetricTest,
-    batch_means,
     bernoulli_estimate,
     futile,
     log_mixture_lr,
-    look_batches,
     look_units,
     t_widened,
 )
+from deploy.gate.sequential_batches import batch_means, look_batches
 from deploy.gate.sequential_units import UnitSums, unit_estimate
 from deploy.gate.srm import MATCH, MISMATCH, SrmTest
 
