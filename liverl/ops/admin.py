@@ -32,7 +32,13 @@ if TYPE_CHECKING:
 
 
 def open_redis(cfg: LiverlConfig) -> redis.Redis:
-    return setup_redis(cfg, decode_responses=True)
+    """Redis for an operator command, once the registry and the Redis prefix are shown to be one deployment's
+    (``liverl.stack.deployment.check_operator``)."""
+    from liverl.stack.deployment import check_operator
+
+    r = setup_redis(cfg, decode_responses=True)
+    check_operator(cfg, r)
+    return r
 
 
 def open_registry(cfg: LiverlConfig) -> Registry:
@@ -94,8 +100,8 @@ def _acc(c: dict[str, int] | None) -> str:
 
 
 def _redis_or_none(cfg: LiverlConfig):
-    r = open_redis(cfg)
     try:
+        r = open_redis(cfg)
         r.ping()
     except redis.RedisError as e:
         print(f"warning: Redis unreachable ({e}); live acceptance and served versions are not shown", file=sys.stderr)

@@ -184,6 +184,45 @@ def check_process(cfg: LiverlConfig, redis, role: str) -> Deployment | None:
     return me
 
 
+def check_operator(cfg: LiverlConfig, redis) -> None:
+    """What an operator command checks before it reads or changes anything: the deployment its registry belongs to
+    must be the one that claims ``topics.prefix`` in Redis, or the command would show (or act on) one deployment's
+    versions beside another's fleet. Read-only: it claims nothing. A mismatch is refused naming both, with the prefix
+    the registry's deployment claims when Redis has one. Nothing to check without a recorded deployment or a claim."""
+    me = registry_deployment(cfg)
+    if me is None:
+        return
+    prefix = cfg.topics.prefix
+    owner = _claimant(redis, prefix)
+    if owner is None or owner.id == me.id:
+        return
+    mine = _prefix_claimed_by(redis, me.id)
+    advice = (
+        f"Run it with that deployment's prefix: LIVERL__TOPICS__PREFIX={mine} (or topics.prefix in its config)"
+        if mine
+        else "Run it with the topics.prefix that deployment was started with (LIVERL__TOPICS__PREFIX=...)"
+    )
+    raise DeploymentError(
+        f"the registry {redact_url(cfg.registry_url)} belongs to {me.describe()}, but the Redis namespace {prefix!r} "
+        f"({prefix}:*) is claimed by {owner.describe()}: this command would read one deployment's versions and "
+        f"another's fleet. {advice}; or point registry.url at the registry of {owner.state_dir} to operate that one"
+    )
+
+
+def _prefix_claimed_by(redis, deployment_id: str) -> str | None:
+    """The Redis prefix whose claim names ``deployment_id``, if any (a scan of the claims)."""
+    for key in redis.scan_iter(match=claim_key("*"), count=1000):
+        name = key.decode() if isinstance(key, bytes) else key
+        prefix = name.removesuffix(":deployment")
+        try:
+            owner = _claimant(redis, prefix)
+        except DeploymentError:
+            continue
+        if owner is not None and owner.id == deployment_id:
+            return prefix
+    return None
+
+
 def check_model(cfg: LiverlConfig, model_dir: Path, fresh: bool) -> None:
     """Refuse a state dir whose registry was made from another model (unless ``fresh``: it starts over)."""
     if fresh:

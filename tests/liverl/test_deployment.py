@@ -231,3 +231,40 @@ def test_liverl_ingest_on_another_deployments_prefix_exits_with_the_reason_and_s
     assert p.returncode == 1, p.stderr[-3000:]
     assert "liverl ingest" in p.stderr and "0123456789ab" in p.stderr and me.id in p.stderr, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
+
+
+def test_an_operator_command_on_another_deployments_prefix_refuses_naming_both_and_the_prefix_that_works(
+    tmp_path, prefix
+):
+    """`liverl status` with one deployment's state dir and a prefix another deployment claims would print one's
+    versions beside the other's fleet: it refuses, names both, and names the prefix its own deployment claims; run
+    with that prefix, it works."""
+    other = f"{prefix}b"
+    cfg = _cfg(tmp_path, "state", prefix)
+    me = _recorded(cfg, _model(tmp_path, "m"))
+    r = redis_lib.Redis.from_url(REDIS)
+    try:
+        r.set(claim_key(prefix), json.dumps({"id": "0123456789ab", "state_dir": "/elsewhere", "model": None}))
+        r.set(claim_key(other), json.dumps({"id": me.id, "state_dir": str(cfg.state_path), "model": None}))
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LIVERL")}
+        env.update({"LIVERL__REDIS__URL": REDIS, "LIVERL__STATE_DIR": str(cfg.state_path)})
+
+        def status(p: str) -> subprocess.CompletedProcess:
+            return subprocess.run(
+                [sys.executable, "-m", "liverl.cli", "status"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=env | {"LIVERL__TOPICS__PREFIX": p},
+            )
+
+        refused = status(prefix)
+        assert refused.returncode == 1, refused.stderr[-3000:]
+        err = refused.stderr
+        assert "0123456789ab" in err and me.id in err and f"LIVERL__TOPICS__PREFIX={other}" in err, err[-3000:]
+        assert "Traceback" not in err
+        works = status(other)  # the advice, followed
+        assert works.returncode == 0, works.stderr[-3000:]
+    finally:
+        r.delete(claim_key(other))
+        r.close()
