@@ -26,6 +26,7 @@ from core.services import setup_redis, signing_key_path
 from deploy.registry.registry import RegistryError
 from deploy.registry.registry import open_registry as _open_registry
 from deploy.registry.signing import Signer, announce, withdraw
+from liverl.stack.deployment import check_operator
 
 if TYPE_CHECKING:
     from deploy.registry.registry import Registry
@@ -34,8 +35,6 @@ if TYPE_CHECKING:
 def open_redis(cfg: LiverlConfig) -> redis.Redis:
     """Redis for an operator command, once the registry and the Redis prefix are shown to be one deployment's
     (``liverl.stack.deployment.check_operator``)."""
-    from liverl.stack.deployment import check_operator
-
     r = setup_redis(cfg, decode_responses=True)
     check_operator(cfg, r)
     return r
