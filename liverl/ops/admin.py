@@ -26,6 +26,7 @@ from core.services import setup_redis, signing_key_path
 from deploy.registry.registry import RegistryError
 from deploy.registry.registry import open_registry as _open_registry
 from deploy.registry.signing import Signer, announce, withdraw
+from liverl.ops import cells
 from liverl.stack.deployment import check_operator
 
 if TYPE_CHECKING:
@@ -33,10 +34,8 @@ if TYPE_CHECKING:
 
 
 def open_redis(cfg: LiverlConfig) -> redis.Redis:
-    """Redis for an operator command, once the registry and the Redis prefix are shown to be one deployment's
-    (``liverl.stack.deployment.check_operator``)."""
     r = setup_redis(cfg, decode_responses=True)
-    check_operator(cfg, r)
+    check_operator(cfg, r)  # the registry and the Redis prefix are one deployment's, or the command refuses
     return r
 
 
@@ -53,26 +52,6 @@ def _err(msg: str) -> int:
     return 1
 
 
-def _age(ts: float | None) -> str:
-    if ts is None:
-        return "-"
-    s = max(0.0, time.time() - ts)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= size:
-            return f"{s / size:.0f}{unit}"
-    return f"{s:.0f}s"
-
-
-def _size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def _live(r: redis.Redis, prefix: str, versions: list[int]) -> dict[int, dict[str, int]]:
     """The versions' live counters (none for a key of another type: ingest replaces it at its next write)."""
     pipe = r.pipeline(transaction=False)  # the versions' hashes live in different Cluster slots
@@ -86,16 +65,6 @@ def _live(r: redis.Redis, prefix: str, versions: list[int]) -> dict[int, dict[st
 
 def _served(r: redis.Redis, prefix: str) -> dict[str, dict[str, Any]]:
     return {name: beat.model_dump() for name, beat in sorted(fleet.read_heartbeats(r, prefix).items())}
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1%}"
-
-
-def _acc(c: dict[str, int] | None) -> str:
-    if not c or not c.get("events"):
-        return "-"
-    return f"{c.get('accept', 0) / c['events']:.1%} of {c['events']}"
 
 
 def _redis_or_none(cfg: LiverlConfig):
@@ -139,15 +108,15 @@ def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str
             f"v{v.version}",
             v.status + (f" ({v.status_reason})" if v.status == "rejected" and v.status_reason else ""),
             "-" if v.parent is None else f"v{v.parent}",
-            _age(v.created_at),
-            _size(v.delta_bytes if v.blob_kind == "delta" else v.snapshot_bytes)
+            cells.age(v.created_at),
+            cells.size(v.delta_bytes if v.blob_kind == "delta" else v.snapshot_bytes)
             + (" snap" if v.blob_kind == "snapshot" else ""),
             "-" if v.ratio is None else f"{v.ratio:.1f}x",
             "-" if v.changed_fraction is None else f"{v.changed_fraction:.1%}",
             "-" if sc.get("drift") is None else f"{sc['drift']:.3f}",
             "-" if sc.get("collapse") is None else f"{sc['collapse']:.2f}",
             "-" if sc.get("suite") is None else f"{sc['suite']:.3f}",
-            _acc(live.get(v.version)),
+            cells.acceptance(live.get(v.version)),
             ",".join(served_by.get(v.version, [])) or "-",
         )
     return t
@@ -168,7 +137,8 @@ def cmd_status(cfg: LiverlConfig) -> int:
         desired = view.desired if view is not None else None
         pending = reg.candidates()
         con.print(
-            f"stable: v{stable.version} (checksum {stable.checksum[:12]}…, promoted {_age(stable.promoted_at)} ago)"
+            f"stable: v{stable.version} (checksum {stable.checksum[:12]}…, "
+            f"promoted {cells.age(stable.promoted_at)} ago)"
         )
         con.print("desired: " + (f"v{desired.version} ({desired.reason})" if desired else "not announced"))
         con.print(f"pending candidates: {', '.join(f'v{c.version}' for c in pending) or 'none'}")
@@ -180,7 +150,7 @@ def cmd_status(cfg: LiverlConfig) -> int:
         else:
             con.print(
                 f"rollout {ro.id}: canary v{ro.version} on {', '.join(ro.nodes)} for {ro.share:.0%} of "
-                f"{ro.unit}s, {ro.state}, started {_age(ro.started_at)} ago, deadline in "
+                f"{ro.unit}s, {ro.state}, started {cells.age(ro.started_at)} ago, deadline in "
                 f"{max(0.0, ro.deadline_at - time.time()):.0f} s"
             )
             if ro.looks:
@@ -189,8 +159,8 @@ def cmd_status(cfg: LiverlConfig) -> int:
                     "" if lk.get("canary_users") is None else f" ({lk['canary_users']} vs {lk['stable_users']} users)"
                 )
                 con.print(
-                    f"  evidence: kept acceptance canary {_pct(lk.get('canary_acceptance'))} on "
-                    f"{lk.get('canary_events')} vs stable {_pct(lk.get('stable_acceptance'))} on "
+                    f"  evidence: kept acceptance canary {cells.pct(lk.get('canary_acceptance'))} on "
+                    f"{lk.get('canary_events')} vs stable {cells.pct(lk.get('stable_acceptance'))} on "
                     f"{lk.get('stable_events')}{users}; always-valid p better {lk.get('p_better', 1):.3g}, "
                     f"p worse {lk.get('p_worse', 1):.3g}"
                     + (
@@ -210,7 +180,7 @@ def cmd_status(cfg: LiverlConfig) -> int:
                 name,
                 f"v{n.beat.version}",
                 str(n.beat.checksum or "")[:12] + "…",
-                _age(n.beat.ts) + " ago",
+                cells.age(n.beat.ts) + " ago",
                 ("canary" if n.canary else "stable") if n.known else "UNKNOWN node (not in serving.fleet)",
                 "yes" if n.converged else "NO",
             )
@@ -233,7 +203,7 @@ def learner_line(live: dict) -> str:
         return "learner: no live state (not running, or not yet published)"
     text = (
         f"learner: {h.get('state', '?')}, step {h.get('step', '?')}, {h.get('samples_trained', '?')} samples "
-        f"trained, last candidate v{h.get('last_candidate', '?')}, published {_age(float(h.get('ts', 0)))} ago"
+        f"trained, last candidate v{h.get('last_candidate', '?')}, published {cells.age(float(h.get('ts', 0)))} ago"
     )
     samples, seconds = int(float(h.get("backlog_samples", -1))), float(h.get("backlog_s", -1))
     if samples < 0:
@@ -311,18 +281,18 @@ def cmd_diff(cfg: LiverlConfig, a: int, b: int, top: int = 20) -> int:
         "status", *(f"{row.status}" + (f" ({row.status_reason})" if row.status_reason else "") for row in (ra, rb))
     )
     e.add_row("parent", *("-" if row.parent is None else f"v{row.parent}" for row in (ra, rb)))
-    e.add_row("live acceptance", *(_acc(live.get(v)) for v in (a, b)))
+    e.add_row("live acceptance", *(cells.acceptance(live.get(v)) for v in (a, b)))
     for check in sorted(set(checks[a]) | set(checks[b])):
-        cells = []
+        row = []
         for v in (a, b):
             g = checks[v].get(check)
-            cells.append(
+            row.append(
                 "-"
                 if g is None
                 else f"{'pass' if g.passed else 'FAIL'} {g.value if g.value is None else format(g.value, '.4g')}"
                 f" (vs {g.threshold if g.threshold is None else format(g.threshold, '.4g')})"
             )
-        e.add_row(check, *cells)
+        e.add_row(check, *row)
     con.print(e)
     return 0
 
@@ -544,9 +514,9 @@ def gc_command(
     for col in ("blob", "size", "age", "action"):
         t.add_column(col, justify="right" if col in ("size", "age") else "left")
     for b in res.removed:
-        t.add_row(b.key, _size(b.size), _age(b.modified_at), verb)
+        t.add_row(b.key, cells.size(b.size), cells.age(b.modified_at), verb)
     for b in res.recent:
-        t.add_row(b.key, _size(b.size), _age(b.modified_at), f"kept: younger than {grace_s:.0f} s")
+        t.add_row(b.key, cells.size(b.size), cells.age(b.modified_at), f"kept: younger than {grace_s:.0f} s")
     con.print(t)
     if prune_rejected_s is not None:
         con.print(
@@ -555,7 +525,7 @@ def gc_command(
             + (f": {', '.join(map(str, res.pruned[:30]))}" if res.pruned else "")
         )
     con.print(
-        f"{verb} {len(res.removed)} unreferenced blobs ({_size(res.removed_bytes)}); "
+        f"{verb} {len(res.removed)} unreferenced blobs ({cells.size(res.removed_bytes)}); "
         f"{len(res.recent)} recent unreferenced kept; {res.referenced} referenced kept"
     )
     if res.missing:
@@ -578,7 +548,7 @@ def cmd_operator(
             for col in ("name", "role", "created", "by", "state"):
                 t.add_column(col)
             for o in reg.operators():
-                t.add_row(o.name, o.role, _age(o.created_at), o.created_by, "disabled" if o.disabled else "active")
+                t.add_row(o.name, o.role, cells.age(o.created_at), o.created_by, "disabled" if o.disabled else "active")
             _console().print(t)
             return 0
         if not name or not reason:
