@@ -30,12 +30,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
-from core.config import LiverlConfig, load_config
+from core.config import LiverlConfig
 from liverl.bench.routers_load import LOAD, Front, kill_under_load, summarize
 from liverl.bench.subcommand import add_bench_parser
 
@@ -70,27 +68,15 @@ def run(
     """Start the node, run each round's two fronts, print the table and the command; returns the rows."""
     from core.credentials import ensure_secrets
     from deploy.registry.signing import generate_keypair
-    from liverl.bench.serve import _demo_model, _free_port, _machine, _run_loop, _serve_child, _wait_http
+    from liverl.bench.serve import _machine, _node_config, _run_loop, _serve_child, _wait_http
     from liverl.stack.stack import start_stack
 
     if clients < 1 or rounds < 1 or before_s <= 0 or after_s <= 0 or users < 1 or max_tokens < 1:
         raise ValueError("clients, users, max-tokens and rounds must be >= 1; before and after > 0")
     if shutil.which("haproxy") is None:
         raise ValueError("liverl bench routers runs HAProxy: install it (Debian/Ubuntu: apt-get install haproxy)")
-    user_cfg = load_config(config)
-    model_dir = Path(model or user_cfg.model.path or _demo_model(user_cfg)).resolve()
-    user_cfg.state_path.mkdir(parents=True, exist_ok=True)
-    state = Path(tempfile.mkdtemp(prefix="bench-routers-", dir=user_cfg.state_path))
-    cfg = load_config(
-        config,
-        state_dir=str(state),
-        topics__prefix=f"bench{os.getpid()}",
-        broker__embedded_port=_free_port(),
-        redis__embedded_port=_free_port(),
-        serving__gateway_port=_free_port(),
-        serving__vllm_port=_free_port(),
-        serving__agent_port=_free_port(),
-    )
+    cfg, model_dir = _node_config(config, model, "routers", "bench")
+    state = cfg.state_path
     gateway_url = f"http://{cfg.serving.host}:{cfg.serving.gateway_port}"
     cfg.serving.fleet = {cfg.serving.node_name: gateway_url}
     print(

@@ -234,20 +234,8 @@ def run(
         raise ValueError("clients and rounds must be >= 1, duration > 0 and warmup >= 0")
     if api not in ("completions", "chat"):
         raise ValueError(f"api must be completions or chat, not {api!r}")
-    user_cfg = load_config(config)
-    model_dir = Path(model or user_cfg.model.path or _demo_model(user_cfg)).resolve()
-    user_cfg.state_path.mkdir(parents=True, exist_ok=True)
-    state = Path(tempfile.mkdtemp(prefix="bench-serve-", dir=user_cfg.state_path))
-    cfg = load_config(
-        config,
-        state_dir=str(state),
-        topics__prefix=f"bench{os.getpid()}",
-        broker__embedded_port=_free_port(),
-        redis__embedded_port=_free_port(),
-        serving__gateway_port=_free_port(),
-        serving__vllm_port=_free_port(),
-        serving__agent_port=_free_port(),
-    )
+    cfg, model_dir = _node_config(config, model, "serve", "bench")
+    state = cfg.state_path
     gateway_url = f"http://{cfg.serving.host}:{cfg.serving.gateway_port}"
     node_url = f"http://{cfg.serving.node_host}:{cfg.serving.vllm_port}"
     requests = _requests(api, stream)
@@ -344,6 +332,28 @@ def _run_loop(coro):
             return runner.run(coro)
     except ImportError:
         return asyncio.run(coro)
+
+
+def _node_config(config: str | None, model: str | None, name: str, prefix: str, **extra):
+    """(cfg, model dir) for a bench that runs one serving node: the user's config (``config``), in a state dir of its
+    own under theirs, with its own topic prefix and free ports for the embedded broker, Redis and the node;
+    ``extra`` overrides more settings."""
+    user_cfg = load_config(config)
+    model_dir = Path(model or user_cfg.model.path or _demo_model(user_cfg)).resolve()
+    user_cfg.state_path.mkdir(parents=True, exist_ok=True)
+    state = Path(tempfile.mkdtemp(prefix=f"bench-{name}-", dir=user_cfg.state_path))
+    cfg = load_config(
+        config,
+        state_dir=str(state),
+        topics__prefix=f"{prefix}{os.getpid()}",
+        broker__embedded_port=_free_port(),
+        redis__embedded_port=_free_port(),
+        serving__gateway_port=_free_port(),
+        serving__vllm_port=_free_port(),
+        serving__agent_port=_free_port(),
+        **extra,
+    )
+    return cfg, model_dir
 
 
 def _demo_model(cfg) -> Path:

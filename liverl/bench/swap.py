@@ -18,17 +18,14 @@ import asyncio
 import itertools
 import json
 import multiprocessing
-import os
 import statistics
-import tempfile
 import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from core.config import load_config
-from liverl.bench.serve import _demo_model, _free_port, _machine, _run_loop, _serve_child_registry, _wait_http
+from liverl.bench.serve import _machine, _node_config, _run_loop, _serve_child_registry, _wait_http
 from liverl.bench.subcommand import add_bench_parser
 
 DEFAULTS = {"swaps": 12, "clients": 16, "interval": 2.0, "max_tokens": 20, "changed": 0.1, "stall_ms": 100.0}
@@ -96,21 +93,8 @@ def run(
 
     if swaps < 1 or clients < 1 or interval_s <= 0 or max_tokens < 1 or not 0 < changed <= 1:
         raise ValueError("swaps, clients and max_tokens must be >= 1, interval > 0 and changed in (0, 1]")
-    user_cfg = load_config(config)
-    model_dir = Path(model or user_cfg.model.path or _demo_model(user_cfg)).resolve()
-    user_cfg.state_path.mkdir(parents=True, exist_ok=True)
-    state = Path(tempfile.mkdtemp(prefix="bench-swap-", dir=user_cfg.state_path))
-    cfg = load_config(
-        config,
-        state_dir=str(state),
-        topics__prefix=f"benchswap{os.getpid()}",
-        broker__embedded_port=_free_port(),
-        redis__embedded_port=_free_port(),
-        serving__gateway_port=_free_port(),
-        serving__vllm_port=_free_port(),
-        serving__agent_port=_free_port(),
-        serving__swap_poll_s=0.1,
-    )
+    cfg, model_dir = _node_config(config, model, "swap", "benchswap", serving__swap_poll_s=0.1)
+    state = cfg.state_path
     url = f"http://{cfg.serving.host}:{cfg.serving.gateway_port}"
     print(
         f"bench swap: {swaps} swaps {interval_s:g} s apart, {clients} streaming clients of {max_tokens} tokens, "
