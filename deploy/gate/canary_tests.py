@@ -35,21 +35,35 @@ FIELDS = "eadrtmn"
 
 @dataclass
 class ArmSums:
-    """One arm's evidence over the buckets read so far: per-user sums, and per-bucket totals (batch means)."""
+    """One arm's evidence over the buckets read so far: per-user sums, and per-bucket totals (batch means).
+
+    A bucket read before it is final (``final=False``: ingest may still be counting judgements into it) is read again
+    at the next look, its earlier reading replaced: judgements count in the bucket of the user's judgement time, so a
+    worker that lags behind writes into buckets a cursor has already passed."""
 
     users: dict[str, np.ndarray] = field(default_factory=dict)  # unit -> sums in FIELDS order
     buckets: dict[int, dict[str, int]] = field(default_factory=dict)  # bucket -> the '*' totals
+    provisional: dict[int, dict[str, np.ndarray]] = field(default_factory=dict)  # bucket -> unit -> its reading
 
-    def add(self, bucket: int, data: dict[str, dict[str, int]]) -> None:
+    def add(self, bucket: int, data: dict[str, dict[str, int]], final: bool = True) -> None:
+        for unit, row in self.provisional.pop(bucket, {}).items():  # the earlier reading of this bucket, replaced
+            left = self.users[unit] - row
+            if left.any():
+                self.users[unit] = left
+            else:
+                del self.users[unit]
+        rows: dict[str, np.ndarray] = {}
         for unit, sums in data.items():
             if unit == "*":
                 self.buckets[bucket] = dict(sums)
                 continue
-            row = np.array([sums.get(f, 0) for f in FIELDS], dtype=np.float64)
+            row = rows[unit] = np.array([sums.get(f, 0) for f in FIELDS], dtype=np.float64)
             if unit in self.users:
-                self.users[unit] += row
+                self.users[unit] = self.users[unit] + row
             else:
-                self.users[unit] = row
+                self.users[unit] = row.copy()
+        if not final:
+            self.provisional[bucket] = rows
 
     def total(self, f: str) -> int:
         return sum(b.get(f, 0) for b in self.buckets.values())
@@ -72,8 +86,9 @@ class Evidence:
     # look-back before the rollout (CUPED's covariates: each metric's own rate then)
     start: int | None = None  # the first bucket of evidence (``evidence_start``); None until the canary serves
     next_bucket: int = 0
-    next_fast: int = 0
-    looked_at: tuple[int, int] = (-1, -1)  # (next_bucket, next_fast) at the last look
+    next_fast: int = 0  # the fast cursor's first bucket not final yet (read again at each look until it is)
+    fast_through: int = -1  # the newest bucket the fast cursor has read
+    looked_at: tuple[int, int] = (-1, -1)  # (next_bucket, fast_through) at the last look
 
 
 def finite(d: dict) -> dict:

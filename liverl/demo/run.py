@@ -46,9 +46,7 @@ DEMO_PROFILE: dict[str, dict[str, float | int | str]] = {
 """What ``liverl demo`` changes from the production defaults, where the config file, the environment or a flag did not
 set it: two serving nodes behind the router, and canaries sized for a 10-minute run on a laptop's traffic (~50 judged
 events/s): half the users, 50 events per arm before any decision, non-inferiority within 3 points, a budget of 6,000
-judged events on the canary arm (what a 4-minute canary gathered at ~85 requests/s; on a slower day, at a third of
-that, two canaries shown better at p < 1e-9 ran out a 4-minute deadline before the edit rate's non-inferiority could
-be shown, BENCHMARKS.md) capped at 8 minutes, and a revert horizon of 75 s (the trap's reverts come 30 s after the
+judged events on the canary arm (what a 4-minute canary gathered at ~85 requests/s) capped at 8 minutes, and a revert horizon of 75 s (the trap's reverts come 30 s after the
 accept on average: 92% of them within 75 s; a bucket of judgements is read once its horizon has closed, so the first
 evidence comes about 90 s into a canary). Production canaries (20% of users, 30 minutes) would not decide inside the
 demo. The learner trains the demo's tiny policy at lr 3e-4 (the production default, 1e-6, is for a real LLM; the demo

@@ -300,6 +300,59 @@ def test_what_reverts_cannot_change_is_judged_without_waiting_for_the_revert_hor
     assert look["through_bucket"] < first(r, 8).stop - 1, look
 
 
+def _fast_sums(rds, cfg, rollout, buckets) -> dict[str, np.ndarray]:
+    """Each user's (events, accepts, edits, reverts) over ``buckets`` of both arms, as Redis holds them now."""
+    out: dict[str, np.ndarray] = {}
+    for v in (rollout.version, rollout.stable_version):
+        for data in keys.read_unit_buckets(rds, cfg.topics.prefix, v, buckets).values():
+            for u, sums in data.items():
+                if u != "*":
+                    out[u] = out.get(u, np.zeros(4)) + np.array([sums.get(f, 0) for f in "eadr"], dtype=float)
+    return out
+
+
+def _gate_fast_sums(gate) -> dict[str, np.ndarray]:
+    ev = gate.canary._evidence
+    out: dict[str, np.ndarray] = {}
+    for arm in (ev.fast_canary, ev.fast_stable):
+        for u, row in arm.users.items():
+            out[u] = out.get(u, np.zeros(4)) + row[:4]
+    return out
+
+
+def test_judgements_ingest_counts_late_reach_the_guardrails_that_do_not_wait_for_the_horizon(cfg, rds, fleet2):
+    """Judgements count in the bucket of the user's judgement time, so a lagging ingest worker writes into buckets
+    the edit rate's cursor has already read: each bucket is read again at every bucket that settles until its revert
+    horizon closes, and then holds what kept acceptance's cursor reads; nothing written after that counts."""
+    gate, registry = fleet2
+    r = start(gate, registry, rds, cfg)
+    cfg.gate.revert_horizon_s = 60.0
+    span = first(r, 6)
+    traffic(rds, cfg, r, span, lift=0.1, per_bucket=60, seed=3)  # what ingest had counted when the buckets settled
+    t1 = after(r, cfg, 6) - cfg.gate.revert_horizon_s
+    gate.canary.clock = lambda: t1
+    gate.step()
+    early = _gate_fast_sums(gate)
+    assert sum(x[0] for x in early.values()) == 6 * 60
+    traffic(rds, cfg, r, span, lift=0.1, per_bucket=240, seed=4)  # the rest, counted late into the same buckets
+    gate.canary.clock = lambda: t1 + keys.UNIT_BUCKET_S  # one more bucket settled; the first one's horizon closed
+    gate.step()
+    assert gate.canary._evidence.next_fast == span.start + 1  # the first bucket is final, the others are not
+    got, want = _gate_fast_sums(gate), _fast_sums(rds, cfg, r, span)
+    assert sum(x[0] for x in got.values()) == 6 * 300
+    assert got.keys() == want.keys() and all(np.array_equal(got[u], want[u]) for u in want)
+    # written after the first bucket's horizon closed: not counted there (as for kept acceptance); the second
+    # bucket's horizon closes at the next settle, so what reaches it before then counts
+    traffic(rds, cfg, r, range(span.start, span.start + 2), lift=0.1, per_bucket=50, seed=5)
+    gate.canary.clock = lambda: t1 + 2 * keys.UNIT_BUCKET_S
+    gate.step()
+    got = _gate_fast_sums(gate)
+    assert sum(x[0] for x in got.values()) == 6 * 300 + 50
+    ev = gate.canary._evidence
+    assert ev.fast_canary.total("e") + ev.fast_stable.total("e") == 6 * 300 + 50
+    assert ev.canary.total("e") + ev.stable.total("e") == 300 + 350  # kept acceptance's cursor: the final buckets
+
+
 def test_stables_late_judgements_of_answers_served_before_the_rollout_are_no_sample_ratio_mismatch(cfg, rds, fleet2):
     """A bucket is one of judgement time: the first buckets of a rollout hold stable's judgements of answers served
     before it started, which the canary cannot have. Read alone, seconds after the start, they are no evidence that the
