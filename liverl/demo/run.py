@@ -44,26 +44,27 @@ DEMO_PROFILE: dict[str, dict[str, float | int | str]] = {
     "learner": {"max_staleness": 40, "lr": 3e-4, "rebase_after_refusals": 2, "candidate_ema": 0.97},
 }
 """What ``liverl demo`` changes from the production defaults, where the config file, the environment or a flag did not
-set it: two serving nodes behind the router, and canaries sized for a 10-minute run on a laptop's traffic (~50 judged
-events/s): half the users, 50 events per arm before any decision, non-inferiority within 3 points, a budget of 6,000
-judged events on the canary arm (what a 4-minute canary gathered at ~85 requests/s) capped at 8 minutes, and a revert horizon of 75 s (the trap's reverts come 30 s after the
-accept on average: 92% of them within 75 s; a bucket of judgements is read once its horizon has closed, so the first
-evidence comes about 90 s into a canary). Production canaries (20% of users, 30 minutes) would not decide inside the
-demo. The learner trains the demo's tiny policy at lr 3e-4 (the production default, 1e-6, is for a real LLM; the demo
-policy would barely move in 10 minutes). Latency is tolerated up to twice stable's: both vLLM nodes share two cores with
-the learner and the gate, and within one run the canary node's mean latency ranged from 0.6x to 1.25x the stable node's,
-for versions answering at the same length (measured: a canary 41% better on kept acceptance was aborted as 25% slower
-under the production tolerance), and a promotion does not wait for latency to be shown non-inferior
-(``gate.latency_guardrail = "harm"``: it still stops a canary shown slower): the two engines trade the cores' load, so
-their 10 s latency means are anti-correlated (-0.72 to -0.90 in a run) and two canaries already shown better waited
-75-85 s on latency alone, their arms at 296 against 293 ms. The learner accepts samples up to 40 candidates' worth of
-updates (400) behind its weights, not 8: one gate cycle (evaluation, then a 90-240 s canary) is 150-250 of its updates
-here, so with 8 most of the stable arm's samples were dropped as stale and it starved (23,552 of 55,841 trained in one
-run). The learner rebases onto stable after 2 candidates in a row refused on their evidence, not 5: in hour-long demo
-runs a run of refusals held 1-4 refused candidates and lasted until another of the same lineage got through a canary (up
-to 574 s). Each candidate is the average of the learner's weights over its last ~33 updates (``learner.candidate_ema``
-0.97), not its last update's: at lr 3e-4 one update's weights are a random draw around the lineage
-(``scripts/plateau_sim.py``). The embedded broker keeps its log in the state folder, as `liverl up` does
+set it: two serving nodes behind the router, and canaries sized for a 10-minute run on a laptop's traffic (~50
+judged events/s): half the users, 50 events per arm before any decision, non-inferiority within 3 points, a budget
+of 6,000 judged events on the canary arm (what a 4-minute canary gathered at ~85 requests/s) capped at 8 minutes,
+and a revert horizon of 75 s (the trap's reverts come 30 s after the accept on average: 92% of them within 75 s; a
+bucket of judgements is read once its horizon has closed, so the first evidence comes about 90 s into a canary).
+Production canaries (20% of users, 30 minutes) would not decide inside the demo. The learner trains the demo's tiny
+policy at lr 3e-4 (the production default, 1e-6, is for a real LLM; the demo policy would barely move in 10
+minutes). Latency is tolerated up to twice stable's: both vLLM nodes share two cores with the learner and the gate,
+and within one run the canary node's mean latency ranged from 0.6x to 1.25x the stable node's, for versions
+answering at the same length (measured: a canary 41% better on kept acceptance was aborted as 25% slower under the
+production tolerance), and a promotion does not wait for latency to be shown non-inferior (``gate.latency_guardrail
+= "harm"``: it still stops a canary shown slower): the two engines trade the cores' load, so their 10 s latency
+means are anti-correlated (-0.72 to -0.90 in a run) and two canaries already shown better waited 75-85 s on latency
+alone, their arms at 296 against 293 ms. The learner accepts samples up to 40 candidates' worth of updates (400)
+behind its weights, not 8: one gate cycle (evaluation, then a 90-240 s canary) is 150-250 of its updates here, so
+with 8 most of the stable arm's samples were dropped as stale and it starved (23,552 of 55,841 trained in one run).
+The learner rebases onto stable after 2 candidates in a row refused on their evidence, not 5: in hour-long demo runs
+a run of refusals held 1-4 refused candidates and lasted until another of the same lineage got through a canary (up
+to 574 s). Each candidate is the average of the learner's weights over its last ~33 updates
+(``learner.candidate_ema`` 0.97), not its last update's: at lr 3e-4 one update's weights are a random draw around
+the lineage (``scripts/plateau_sim.py``). The embedded broker keeps its log in the state folder, as `liverl up` does
 (durable: a restart of the demo loses nothing acknowledged); on two cores it costs the demo about a quarter of its
 requests against the in-memory broker (31,020 against 42,325 in 10 minutes, BENCHMARKS.md), and
 `LIVERL__BROKER__EMBEDDED_STORAGE=memory` takes that back for a throwaway run."""
