@@ -141,6 +141,14 @@ class GateConfig(Section):
         "served the canary's users just before (the router learns of a rollout within a second) are judged in the "
         "next seconds and would count for stable: raise it to the time your users take to judge an answer.",
     )
+    canary_late_s: float = Field(
+        default=300.0,
+        ge=0.0,
+        description="How long after a 10 s bucket's revert horizon (its settle, for the edit rate, length and latency) "
+        "the gate still reads it again at each look: judgements count in the bucket of the user's judgement time, so "
+        "an ingest worker that runs behind writes them there late, and what it counts later than this is never read. "
+        "Raise it to the longest backlog ingest may run (each look reads every bucket still inside it, both arms).",
+    )
     canary_min_s: float = Field(
         default=0.0,
         ge=0,

@@ -274,34 +274,31 @@ class CanaryController:
             if self.cfg.gate.cuped and rollout.unit == "user":
                 ev.covariate = self._covariate(rollout)
         end = math.floor(rollout.deadline_at / keys.UNIT_BUCKET_S)
-        # two cursors over the same buckets: one waits for the revert horizon (kept acceptance and the revert rate),
+        g = self.cfg.gate
+        # Two cursors over the same buckets: one waits for the revert horizon (kept acceptance and the revert rate),
         # the other only for ingest's settling (edits, length and latency are final when judged; reverts never
-        # change them), so those guardrails gather evidence a revert horizon sooner, censored no less fairly
-        final = min(last_final_bucket(now, self.cfg.gate.revert_horizon_s), end)
-        if final >= ev.next_bucket:
-            for arm, version in zip((ev.canary, ev.stable), (rollout.version, rollout.stable_version), strict=True):
-                for b, data in keys.read_unit_buckets(
-                    self.redis, self.prefix, version, range(ev.next_bucket, final + 1)
-                ).items():
-                    arm.add(b, data)
-            ev.next_bucket = final + 1
-        # The fast cursor reads a bucket as soon as it has settled, and again at each bucket that settles after it
-        # until its revert horizon has closed too: judgements count in the bucket of the user's judgement time, and a
-        # lagging ingest worker writes them there late. A bucket read once at its settle would miss every judgement
-        # counted more than SETTLE_S late: in a 2-core demo, where ingest ran tens of seconds behind, the edit rate's
-        # test then saw about a tenth of the events and held canaries shown better at p < 1e-50 to their deadline.
-        settled = min(last_final_bucket(now, 0.0), end)
-        if settled > ev.fast_through or final >= ev.next_fast:
-            wanted = range(ev.next_fast, settled + 1)
-            for arm, version in zip(
-                (ev.fast_canary, ev.fast_stable), (rollout.version, rollout.stable_version), strict=True
-            ):
+        # change them), so those guardrails gather evidence a revert horizon sooner, censored no less fairly.
+        # Each reads a bucket once it is due and again at each bucket that comes due after it, for
+        # gate.canary_late_s more: judgements count in the bucket of the user's judgement time, and an ingest worker
+        # that runs behind writes them there late. A bucket read only once would miss every judgement counted after
+        # that read: in a 2-core demo where ingest ran tens of seconds behind, the edit rate's test saw about a tenth
+        # of the events and held canaries shown better at p < 1e-50 to their deadline.
+        final = min(last_final_bucket(now, g.revert_horizon_s + g.canary_late_s), end)
+        for due, (first_, through), arms in (
+            (min(last_final_bucket(now, g.revert_horizon_s), end), ("next_bucket", "through"), (ev.canary, ev.stable)),
+            (min(last_final_bucket(now, 0.0), end), ("next_fast", "fast_through"), (ev.fast_canary, ev.fast_stable)),
+        ):
+            first = getattr(ev, first_)
+            if due <= getattr(ev, through) and final < first:
+                continue  # no bucket came due since the last read
+            wanted = range(first, due + 1)
+            for arm, version in zip(arms, (rollout.version, rollout.stable_version), strict=True):
                 read = keys.read_unit_buckets(self.redis, self.prefix, version, wanted)
                 for b in wanted:
                     if b in read or b in arm.provisional:
                         arm.add(b, read.get(b, {}), final=b <= final)
-            ev.next_fast = max(ev.next_fast, final + 1)
-            ev.fast_through = max(ev.fast_through, settled)
+            setattr(ev, first_, max(first, min(final, due) + 1))
+            setattr(ev, through, max(getattr(ev, through), due))
         return ev
 
     def live_at(self, rollout: Rollout) -> float | None:
@@ -348,8 +345,8 @@ class CanaryController:
         self.refresh(rollout)
         now = self.clock()
         ev = self._read(rollout, now)
-        fresh = (ev.next_bucket, ev.fast_through) != ev.looked_at  # a bucket closed since the last look: new evidence
-        ev.looked_at = (ev.next_bucket, ev.fast_through)
+        fresh = (ev.through, ev.fast_through) != ev.looked_at  # a bucket came due since the last look: new evidence
+        ev.looked_at = (ev.through, ev.fast_through)
         settling = now - rollout.started_at < self.cfg.gate.canary_min_s
         tests, srm, info = self.build_tests(rollout, ev, settling)
         verdict, why = look_verdict(tests, rollout, now, info["events"][0])

@@ -85,10 +85,11 @@ class Evidence:
     covariate: dict[str, np.ndarray] = field(default_factory=dict)  # unit -> its sums in FIELDS order over the
     # look-back before the rollout (CUPED's covariates: each metric's own rate then)
     start: int | None = None  # the first bucket of evidence (``evidence_start``); None until the canary serves
-    next_bucket: int = 0
-    next_fast: int = 0  # the fast cursor's first bucket not final yet (read again at each look until it is)
-    fast_through: int = -1  # the newest bucket the fast cursor has read
-    looked_at: tuple[int, int] = (-1, -1)  # (next_bucket, fast_through) at the last look
+    next_bucket: int = 0  # each cursor's first bucket not final yet (read again at each look until it is)
+    next_fast: int = 0
+    through: int = -1  # the newest bucket each cursor has read
+    fast_through: int = -1
+    looked_at: tuple[int, int] = (-1, -1)  # (through, fast_through) at the last look
 
 
 def finite(d: dict) -> dict:
@@ -334,7 +335,7 @@ def look_record(now: float, tests: seq.Canary, srm: SrmTest, info: dict, ev: Evi
             "stable_users": users[1],
             "cuped_removed": info.get("acceptance", {}).get("cuped_removed"),
             "p_srm": min(srm.p_users, srm.p_events),
-            "through_bucket": ev.next_bucket - 1,
+            "through_bucket": ev.through,
         }
         | tests.success.effect()  # raw, bias-corrected, always-valid interval (deploy.gate.sequential_readout)
         | {f"family_{k}": v for k, v in tests.guarantee().items()}  # the levels the verdict was taken at

@@ -311,46 +311,50 @@ def _fast_sums(rds, cfg, rollout, buckets) -> dict[str, np.ndarray]:
     return out
 
 
-def _gate_fast_sums(gate) -> dict[str, np.ndarray]:
-    ev = gate.canary._evidence
+def _gate_sums(arms) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
-    for arm in (ev.fast_canary, ev.fast_stable):
+    for arm in arms:
         for u, row in arm.users.items():
             out[u] = out.get(u, np.zeros(4)) + row[:4]
     return out
 
 
-def test_judgements_ingest_counts_late_reach_the_guardrails_that_do_not_wait_for_the_horizon(cfg, rds, fleet2):
-    """Judgements count in the bucket of the user's judgement time, so a lagging ingest worker writes into buckets
-    the edit rate's cursor has already read: each bucket is read again at every bucket that settles until its revert
-    horizon closes, and then holds what kept acceptance's cursor reads; nothing written after that counts."""
+def _same(got: dict, want: dict) -> bool:
+    return got.keys() == want.keys() and all(np.array_equal(got[u], want[u]) for u in want)
+
+
+def test_judgements_ingest_counts_late_reach_both_cursors_until_the_late_window_closes(cfg, rds, fleet2):
+    """Judgements count in the bucket of the user's judgement time, so an ingest worker that runs behind writes into
+    buckets a cursor has already read: each cursor reads a bucket again at every bucket that comes due after it, until
+    gate.canary_late_s past its revert horizon; what is counted into it after that is never read."""
     gate, registry = fleet2
     r = start(gate, registry, rds, cfg)
-    cfg.gate.revert_horizon_s = 60.0
-    span = first(r, 6)
-    traffic(rds, cfg, r, span, lift=0.1, per_bucket=60, seed=3)  # what ingest had counted when the buckets settled
-    t1 = after(r, cfg, 6) - cfg.gate.revert_horizon_s
-    gate.canary.clock = lambda: t1
-    gate.step()
-    early = _gate_fast_sums(gate)
-    assert sum(x[0] for x in early.values()) == 6 * 60
-    traffic(rds, cfg, r, span, lift=0.1, per_bucket=240, seed=4)  # the rest, counted late into the same buckets
-    gate.canary.clock = lambda: t1 + keys.UNIT_BUCKET_S  # one more bucket settled; the first one's horizon closed
-    gate.step()
-    assert gate.canary._evidence.next_fast == span.start + 1  # the first bucket is final, the others are not
-    got, want = _gate_fast_sums(gate), _fast_sums(rds, cfg, r, span)
-    assert sum(x[0] for x in got.values()) == 6 * 300
-    assert got.keys() == want.keys() and all(np.array_equal(got[u], want[u]) for u in want)
-    # written after the first bucket's horizon closed: not counted there (as for kept acceptance); the second
-    # bucket's horizon closes at the next settle, so what reaches it before then counts
-    traffic(rds, cfg, r, range(span.start, span.start + 2), lift=0.1, per_bucket=50, seed=5)
-    gate.canary.clock = lambda: t1 + 2 * keys.UNIT_BUCKET_S
-    gate.step()
-    got = _gate_fast_sums(gate)
-    assert sum(x[0] for x in got.values()) == 6 * 300 + 50
-    ev = gate.canary._evidence
+    cfg.gate.revert_horizon_s, cfg.gate.canary_late_s = 60.0, 20.0
+    cfg.gate.canary_min_s = 1e9  # undecided throughout: the evidence is what is looked at
+    span, b0, step = first(r, 6), first(r, 6).start, keys.UNIT_BUCKET_S
+    t1 = after(r, cfg, 6) - cfg.gate.revert_horizon_s  # the 6 buckets settled, no revert horizon closed
+
+    def look(at: float):
+        gate.canary.clock = lambda: at
+        gate.step()
+        ev = gate.canary._evidence
+        return _gate_sums((ev.fast_canary, ev.fast_stable)), _gate_sums((ev.canary, ev.stable)), ev
+
+    traffic(rds, cfg, r, span, lift=0.0, per_bucket=60, seed=3)  # what ingest had counted when they settled
+    fast, slow, _ = look(t1)
+    assert sum(x[0] for x in fast.values()) == 6 * 60 and not slow
+    traffic(rds, cfg, r, span, lift=0.0, per_bucket=240, seed=4)  # the rest, counted late into the same buckets
+    fast, slow, _ = look(t1 + step)  # one more bucket settled; the first one's horizon closed
+    assert _same(fast, _fast_sums(rds, cfg, r, span)) and _same(slow, _fast_sums(rds, cfg, r, range(b0, b0 + 1)))
+    traffic(rds, cfg, r, range(b0, b0 + 1), lift=0.0, per_bucket=50, seed=5)  # later still, inside the late window
+    fast, slow, ev = look(t1 + 3 * step)  # the first bucket's late window has closed: it is final now
+    assert ev.next_bucket == ev.next_fast == b0 + 1
+    assert _same(fast, _fast_sums(rds, cfg, r, span)) and _same(slow, _fast_sums(rds, cfg, r, range(b0, b0 + 3)))
+    assert sum(x[0] for x in fast.values()) == 6 * 300 + 50
+    traffic(rds, cfg, r, range(b0, b0 + 1), lift=0.0, per_bucket=70, seed=6)  # past its late window: never read
+    fast2, slow2, ev = look(t1 + 4 * step)
+    assert _same(fast2, fast) and sum(x[0] for x in slow2.values()) == sum(x[0] for x in slow.values()) + 300
     assert ev.fast_canary.total("e") + ev.fast_stable.total("e") == 6 * 300 + 50
-    assert ev.canary.total("e") + ev.stable.total("e") == 300 + 350  # kept acceptance's cursor: the final buckets
 
 
 def test_stables_late_judgements_of_answers_served_before_the_rollout_are_no_sample_ratio_mismatch(cfg, rds, fleet2):
