@@ -90,12 +90,16 @@ def prefix_keys(redis, prefix: str):
 
 def release_command(prefix: str, d: Deployment | None, state_dir: str | Path | None = None) -> str:
     """The ``liverl release-prefix`` line that releases ``prefix`` from ``d`` (None: from keys no deployment claims),
-    its audit entry kept in ``state_dir``'s registry."""
+    its audit entry kept in ``state_dir``'s registry. ``--state-dir-gone`` is in it when ``d``'s state dir is not on
+    this machine by its claim (another host, or none named), where the verb cannot check it: the message around it
+    says the line is for a deployment that is gone."""
     parts = ["liverl", "release-prefix", "--prefix", prefix]
     if d is not None:
         parts += ["--deployment", d.id]
     if state_dir is not None:
         parts += ["--state-dir", str(state_dir)]
+    if d is not None and d.host != this_host():
+        parts += ["--state-dir-gone"]
     return shlex.join(parts) + ' --reason "..."'
 
 
