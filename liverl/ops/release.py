@@ -77,6 +77,7 @@ class Findings:
     owner: Deployment | None
     claim: str  # the claim's raw value ('' for none)
     alive: list[str] = field(default_factory=list)
+    alive_in: set[str] = field(default_factory=set)  # where life was found: "redis", "state dir", "registry"
     unchecked: list[str] = field(default_factory=list)
     gone: list[str] = field(default_factory=list)
     keys: int = 0  # keys under the prefix, the claim's included (the release record's not)
@@ -145,6 +146,7 @@ def _state_dir(owner: Deployment, f: Findings) -> None:
     held = held_here(owner)
     if held == owner.id:
         f.alive.append(f"its state dir {owner.state_dir} is on this machine and still holds it ({FILE} names it)")
+        f.alive_in.add("state dir")
         return
     path = Path(owner.state_dir)
     found = (
@@ -164,6 +166,8 @@ def inspect(cfg: LiverlConfig, redis, prefix: str) -> Findings:
     f = Findings(owner=owner, claim=raw)
     f.keys = sum(1 for _ in prefix_keys(redis, prefix))
     f.alive += signs_of_life(redis, prefix)
+    if f.alive:
+        f.alive_in.add("redis")
     if owner is None:
         f.gone.append("no deployment claims the prefix" + (f" (the claim key holds {raw[:80]!r})" if raw else ""))
         return f
@@ -173,6 +177,7 @@ def inspect(cfg: LiverlConfig, redis, prefix: str) -> Findings:
         f.alive.append(
             f"the registry {redact_url(cfg.registry_url)} still records it (its versions and audit log are there)"
         )
+        f.alive_in.add("registry")
     return f
 
 
@@ -188,14 +193,14 @@ def refusal(prefix: str, f: Findings, deployment: str | None, state_dir_gone: bo
     if f.alive:
         o = f.owner
         steps = []
-        if any("state dir" in a for a in f.alive) and o is not None:
+        if "state dir" in f.alive_in and o is not None:
             steps.append(
                 f"to start it over in its state dir (same id, so the prefix stays its own): liverl up --fresh "
                 f"--state-dir {o.state_dir}; to retire it, delete {o.state_dir} first"
             )
-        if any("registry" in a for a in f.alive):
+        if "registry" in f.alive_in:
             steps.append("to retire it, drop that registry's database (or point registry.url at another) first")
-        if any("beats" in a or "lease" in a or "published" in a or "ingest" in a for a in f.alive):
+        if "redis" in f.alive_in:
             steps.append(
                 "stop its processes (Ctrl-C its `liverl up`), then run this again once their keys have expired"
             )
@@ -303,10 +308,17 @@ def log_release(cfg: LiverlConfig, redis) -> dict | None:
         return None
     rec = json.loads(_text(raw))
     from deploy.registry.registry import open_registry  # noqa: PLC0415 torch: only when there is a release to log
+    from deploy.registry.tables import AuditEntry  # noqa: PLC0415 (as above)
 
     reg = open_registry(cfg)
     try:
-        if any(a.action == ACTION and f"[release {rec['id']}" in (a.reason or "") for a in reg.audit()):
+        with reg.db.session() as sess:
+            logged = sess.execute(
+                sa.select(AuditEntry.id).where(
+                    AuditEntry.action == ACTION, AuditEntry.reason.contains(f"[release {rec['id']}")
+                )
+            ).first()
+        if logged is not None:
             return None
         reg.log_action(rec["by"], ACTION, audit_reason(rec))
     finally:
@@ -358,6 +370,8 @@ def cmd_release_prefix(
 
     if not reason.strip():
         raise ValueError("--reason must say why (it is recorded with the release)")
+    if as_name is not None and not 0 < len(as_name) <= 64:
+        raise ValueError("--as NAME: 1 to 64 characters (the audit log's actor)")
     cfg = cfg.model_copy(deep=True)
     cfg.topics.prefix = prefix  # the audit head of the registry's log is anchored under this prefix
     try:
