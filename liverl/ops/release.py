@@ -116,11 +116,12 @@ def signs_of_life(redis, prefix: str, now: float | None = None) -> list[str]:
             f"a learner holds the lease {keys.learner_lease(prefix)} ({_text(holder)}; it lapses "
             f"{max(ttl_ms, 0) / 1000:.0f} s after that learner stops)"
         )
+    ts_raw, state = redis.hmget(keys.learner(prefix), ["ts", "state"])
     try:
-        ts = float(_text(redis.hget(keys.learner(prefix), "ts") or "nan"))
+        ts = float(_text(ts_raw or "nan"))
     except ValueError:
         ts = float("nan")
-    if now - ts < RECENT_S:  # (nan compares False)
+    if now - ts < RECENT_S and _text(state or "") != "stopped":  # (nan compares False); "stopped": it said goodbye
         out.append(f"the learner published its state {now - ts:.0f} s ago ({keys.learner(prefix)})")
     newest = max(
         (
@@ -412,9 +413,14 @@ def cmd_release_prefix(
         reg = open_registry(cfg)
         try:
             reg.log_action(actor, ACTION, audit_reason(rec))
+            where += f" and the audit log of {redact_url(cfg.registry_url)} (liverl history)"
+        except RegistryError as e:  # released already: the record in Redis stands, and `up` copies it
+            print(
+                f"warning: the release is not in the audit log of {redact_url(cfg.registry_url)}: {e}", file=sys.stderr
+            )
+            where += "; the next `liverl up` on this prefix writes it into its registry's audit log"
         finally:
             reg.close()
-        where += f" and the audit log of {redact_url(cfg.registry_url)} (liverl history)"
     else:
         where += (
             f"; {redact_url(cfg.registry_url)} does not exist yet, so the next `liverl up` on this prefix writes "
