@@ -92,7 +92,8 @@ def release_command(prefix: str, d: Deployment | None, state_dir: str | Path | N
     """The ``liverl release-prefix`` line that releases ``prefix`` from ``d`` (None: from keys no deployment claims),
     its audit entry kept in ``state_dir``'s registry. ``--state-dir-gone`` is in it when ``d``'s state dir is not on
     this machine by its claim (another host, or none named), where the verb cannot check it: the message around it
-    says the line is for a deployment that is gone."""
+    says the line is for a deployment that is gone. The config it needs is the one that was refused (the same Redis),
+    which the line says rather than spells (a config file is not known here)."""
     parts = ["liverl", "release-prefix", "--prefix", prefix]
     if d is not None:
         parts += ["--deployment", d.id]
@@ -100,7 +101,7 @@ def release_command(prefix: str, d: Deployment | None, state_dir: str | Path | N
         parts += ["--state-dir", str(state_dir)]
     if d is not None and d.host != this_host():
         parts += ["--state-dir-gone"]
-    return shlex.join(parts) + ' --reason "..."'
+    return shlex.join(parts) + ' --reason "..." (with the --config and LIVERL__* settings this ran with)'
 
 
 def own_prefix(prefix: str, me: Deployment) -> str:
