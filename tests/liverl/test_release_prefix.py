@@ -21,6 +21,7 @@ import pytest
 import redis as redis_lib
 
 from core import keys
+from core.config import load_config
 from liverl.cli import main
 from liverl.ops.release import ACTION, log_release, releases
 from liverl.stack.deployment import DeploymentError, bind, check_process, claim, claim_key, identity, record
@@ -242,6 +243,14 @@ def test_with_operators_in_the_registry_an_admin_token_names_who_released_in_its
 
     rc, out = _run(monkeypatch, capsys, prefix, release)
     assert rc == 1 and "LIVERL_TOKEN" in out and r.get(claim_key(prefix)) is not None, out
+    add = shlex.split(
+        re.search(r"`liverl (operator add NAME --role admin [^`]*)`", out).group(1).replace("NAME", "carol")
+    )
+    rc, added = _run(monkeypatch, capsys, prefix, add, LIVERL_TOKEN=token, LIVERL__STATE_DIR=str(cfg.state_path))
+    assert rc == 0, added  # the advice, run by an admin: carol may release now
+    carol = added.split("shown only now:\n", 1)[1].split()[0]
+    rc, out = _run(monkeypatch, capsys, prefix, [*release, "--dry-run"], LIVERL_TOKEN=carol)
+    assert rc == 0 and "as carol" in out, out
     rc, out = _run(monkeypatch, capsys, prefix, release, LIVERL_TOKEN=viewer)
     assert rc == 1 and "admin" in out, out
     rc, out = _run(monkeypatch, capsys, prefix, [*release, "--as", "mallory"], LIVERL_TOKEN=token)
@@ -282,3 +291,47 @@ def test_a_state_dir_whose_deployment_file_went_is_told_how_to_restore_it(tmp_pa
     restore = re.search(r"\((echo .*?deployment\.json)\)", msg).group(1)
     subprocess.run(["sh", "-c", restore], check=True)  # the advice, run as printed
     assert bind(cfg, r, model, fresh=False) == first
+
+
+def test_another_deployments_prefix_refused_from_a_new_state_dir_says_two_ways_on_and_both_work(tmp_path, prefix, r):
+    cfg, model, first = _first_deployment(tmp_path, prefix, r)
+    second = _cfg(tmp_path, "second", prefix)
+    with pytest.raises(DeploymentError) as e:
+        bind(second, r, model, fresh=False)
+    msg = str(e.value)
+    assert f"Run with --state-dir {cfg.state_path}" in msg and "release-prefix" not in msg, msg  # it is alive here
+    assert bind(_cfg(tmp_path, "state", prefix), r, model, fresh=False) == first  # that state dir: that deployment
+    own = re.search(r"LIVERL__TOPICS__PREFIX=(\w+)", msg).group(1)
+    mine = _cfg(tmp_path, "second", own)
+    try:
+        claim(mine, r, bind(mine, r, model, fresh=False), model)  # its own prefix: it starts
+    finally:
+        r.delete(claim_key(own))
+
+    shared = load_config(  # a registry.url the first deployment uses
+        env={},
+        state_dir=str(tmp_path / "third"),
+        topics__prefix=f"{prefix}c",
+        redis__url=REDIS,
+        registry__url=cfg.registry_url,
+    )
+    with pytest.raises(DeploymentError) as e:
+        bind(shared, r, model, fresh=False)
+    assert f"Run with --state-dir {cfg.state_path}" in str(e.value)
+
+
+def test_an_operator_command_on_a_prefix_its_deployment_does_not_hold_can_follow_either_advice(tmp_path, prefix, r):
+    a = _cfg(tmp_path, "a", prefix)
+    b = _cfg(tmp_path, "b", prefix)
+    _recorded(a, _model(tmp_path, "ma"))
+    me_b = _recorded(b, _model(tmp_path, "mb"))
+    claim(a, r, identity(a))
+    r.set(claim_key(f"{prefix}b"), json.dumps({"id": me_b.id, "state_dir": str(b.state_path), "model": None}))
+    env = _env(prefix, LIVERL__STATE_DIR=str(b.state_path))
+    refused = _liverl(env, "status")
+    assert refused.returncode == 1, refused.stderr[-3000:]
+    err = refused.stderr
+    assert f"LIVERL__TOPICS__PREFIX={prefix}b" in err and f"LIVERL__STATE_DIR={a.state_path}" in err, err[-3000:]
+    assert _liverl(env | {"LIVERL__TOPICS__PREFIX": f"{prefix}b"}, "status").returncode == 0  # its own prefix
+    works = _liverl(env | {"LIVERL__STATE_DIR": str(a.state_path)}, "status")  # or the deployment that holds it
+    assert works.returncode == 0, works.stderr[-3000:]
