@@ -224,7 +224,7 @@ def audit_reason(rec: dict) -> str:
         else "keys no deployment claimed"
     )
     by = "" if rec["authenticated"] else f"; unauthenticated: {rec['os_user']} on {rec['host']}"
-    return f"released the Redis prefix {rec['prefix']!r} from {what}: {rec['reason']} [release {rec['id']}{by}]"
+    return f"released the Redis prefix {rec['prefix']!r} from {what}: {rec['reason']} (release {rec['id']}{by})"
 
 
 def release(
@@ -316,7 +316,7 @@ def log_release(cfg: LiverlConfig, redis) -> dict | None:
         with reg.db.session() as sess:
             logged = sess.execute(
                 sa.select(AuditEntry.id).where(
-                    AuditEntry.action == ACTION, AuditEntry.reason.contains(f"[release {rec['id']}")
+                    AuditEntry.action == ACTION, AuditEntry.reason.contains(f"(release {rec['id']}")
                 )
             ).first()
         if logged is not None:
@@ -367,7 +367,7 @@ def cmd_release_prefix(
     import redis as redis_lib  # noqa: PLC0415 redis: the CLI builds its parser without it
 
     from core.services import setup_redis  # noqa: PLC0415 (as above)
-    from deploy.registry.registry import RegistryError  # noqa: PLC0415 torch: only when the verb runs
+    from deploy.registry.regdb import RegistryError  # noqa: PLC0415 (as above; torch-free)
 
     if not reason.strip():
         raise ValueError("--reason must say why (it is recorded with the release)")

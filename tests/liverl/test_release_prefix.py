@@ -100,6 +100,7 @@ def _first_deployment(tmp_path, prefix: str, r):
     return cfg, model, me
 
 
+@pytest.mark.slow  # five `liverl` processes, each importing torch
 def test_start_over_in_the_same_state_dir_follows_the_advice_to_the_release_and_up_claims_the_prefix(
     tmp_path, prefix, r
 ):
@@ -320,18 +321,20 @@ def test_another_deployments_prefix_refused_from_a_new_state_dir_says_two_ways_o
     assert f"Run with --state-dir {cfg.state_path}" in str(e.value)
 
 
-def test_an_operator_command_on_a_prefix_its_deployment_does_not_hold_can_follow_either_advice(tmp_path, prefix, r):
+def test_an_operator_command_on_a_prefix_its_deployment_does_not_hold_can_follow_either_advice(
+    tmp_path, prefix, r, monkeypatch, capsys
+):
     a = _cfg(tmp_path, "a", prefix)
     b = _cfg(tmp_path, "b", prefix)
     _recorded(a, _model(tmp_path, "ma"))
     me_b = _recorded(b, _model(tmp_path, "mb"))
     claim(a, r, identity(a))
     r.set(claim_key(f"{prefix}b"), json.dumps({"id": me_b.id, "state_dir": str(b.state_path), "model": None}))
-    env = _env(prefix, LIVERL__STATE_DIR=str(b.state_path))
-    refused = _liverl(env, "status")
-    assert refused.returncode == 1, refused.stderr[-3000:]
-    err = refused.stderr
+
+    rc, err = _run(monkeypatch, capsys, prefix, ["status"], LIVERL__STATE_DIR=str(b.state_path))
+    assert rc == 1, err[-3000:]
     assert f"LIVERL__TOPICS__PREFIX={prefix}b" in err and f"LIVERL__STATE_DIR={a.state_path}" in err, err[-3000:]
-    assert _liverl(env | {"LIVERL__TOPICS__PREFIX": f"{prefix}b"}, "status").returncode == 0  # its own prefix
-    works = _liverl(env | {"LIVERL__STATE_DIR": str(a.state_path)}, "status")  # or the deployment that holds it
-    assert works.returncode == 0, works.stderr[-3000:]
+    rc, out = _run(monkeypatch, capsys, f"{prefix}b", ["status"], LIVERL__STATE_DIR=str(b.state_path))
+    assert rc == 0, out[-3000:]  # its own prefix
+    rc, out = _run(monkeypatch, capsys, prefix, ["status"], LIVERL__STATE_DIR=str(a.state_path))
+    assert rc == 0, out[-3000:]  # or the deployment that holds this one
