@@ -224,6 +224,7 @@ def audit_reason(rec: dict) -> str:
         else "keys no deployment claimed"
     )
     by = "" if rec["authenticated"] else f"; unauthenticated: {rec['os_user']} on {rec['host']}"
+    by = (f"; for deployment {rec['for']}" if rec.get("for") else "") + by
     return f"released the Redis prefix {rec['prefix']!r} from {what}: {rec['reason']} (release {rec['id']}{by})"
 
 
@@ -266,6 +267,7 @@ def release(
         "found": f.gone + f.unchecked + (["--state-dir-gone: the operator says it is gone"] if f.unchecked else []),
         "keys_removed": removed,
         "registry": redact_url(cfg.registry_url),
+        "for": held_here(Deployment(id="", state_dir=str(cfg.state_path))),  # who takes the prefix, when known
     }
     redis.rpush(keys.releases(prefix), json.dumps(rec))
     redis.ltrim(keys.releases(prefix), -keys.LIST_CAP, -1)
@@ -300,14 +302,17 @@ def releases(redis, prefix: str) -> list[dict]:
     return [json.loads(_text(x)) for x in redis.lrange(keys.releases(prefix), 0, -1)]
 
 
-def log_release(cfg: LiverlConfig, redis) -> dict | None:
+def log_release(cfg: LiverlConfig, redis, me: Deployment) -> dict | None:
     """Copy the newest release of ``topics.prefix`` into the audit log of the configured registry, unless it is there
-    already: what ``liverl up`` calls once it has recorded its deployment, so the release that freed the prefix is in
-    the history of the deployment that took it. Returns the record it logged, or None."""
+    already or was made for another deployment than ``me`` (its ``for``: the id in the state dir it was run with):
+    what ``liverl up`` calls once it has recorded its deployment, so the release that freed the prefix is in the
+    history of the deployment that took it. Returns the record it logged, or None."""
     raw = redis.lindex(keys.releases(cfg.topics.prefix), -1)
     if raw is None:
         return None
     rec = json.loads(_text(raw))
+    if rec.get("for") not in (None, me.id):
+        return None
     from deploy.registry.registry import open_registry  # noqa: PLC0415 torch: only when there is a release to log
     from deploy.registry.tables import AuditEntry  # noqa: PLC0415 (as above)
 

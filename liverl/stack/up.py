@@ -100,7 +100,7 @@ class Pipeline:
             ensure_secrets(cfg)  # the router's assignment key and the product key of /v1/feedback
             init_registry(cfg, self.model_dir, self.redis)
             record(cfg, me, self.model_dir)  # in the registry too: what standalone processes check (before they start)
-            log_release(cfg, self.redis)  # the release that freed the prefix, if any: into this registry's history
+            log_release(cfg, self.redis, me)  # the release that freed the prefix, if any: into this registry's history
             self.supervisor = Supervisor.from_config(
                 cfg, child_env(cfg, self.stack, self.model_dir), cfg.state_path / "logs", roles_for(cfg)
             ).start()

@@ -148,8 +148,9 @@ def test_start_over_in_the_same_state_dir_follows_the_advice_to_the_release_and_
 
     _registry_of(cfg, model)  # what `up` does next: its registry, its deployment recorded, the release logged
     record(cfg, identity(cfg), model)
-    assert log_release(cfg, r)["id"] == rec["id"]
-    assert log_release(cfg, r) is None  # once per registry
+    assert rec["for"] == new_id  # the state dir it was run with holds the deployment that takes the prefix
+    assert log_release(cfg, r, identity(cfg))["id"] == rec["id"]
+    assert log_release(cfg, r, identity(cfg)) is None  # once per registry
     history = _liverl(env | {"LIVERL__STATE_DIR": str(state), "COLUMNS": "400"}, "history")
     assert history.returncode == 0, history.stderr[-3000:]
     assert ACTION in history.stdout and first.id in history.stdout and rec["id"] in history.stdout, history.stdout
@@ -265,7 +266,7 @@ def test_with_operators_in_the_registry_an_admin_token_names_who_released_in_its
         reg.close()
     assert (last.actor, last.action) == ("alice", ACTION) and "0123456789ab" in last.reason
     assert releases(r, prefix)[-1]["authenticated"]
-    assert log_release(cfg, r) is None  # already in this registry's log
+    assert log_release(cfg, r, identity(cfg)) is None  # already in this registry's log
 
 
 def test_a_standalone_process_refused_by_a_gone_deployments_claim_starts_after_the_advised_release(
