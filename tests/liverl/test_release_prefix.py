@@ -339,3 +339,55 @@ def test_an_operator_command_on_a_prefix_its_deployment_does_not_hold_can_follow
     assert rc == 0, out[-3000:]  # its own prefix
     rc, out = _run(monkeypatch, capsys, prefix, ["status"], LIVERL__STATE_DIR=str(a.state_path))
     assert rc == 0, out[-3000:]  # or the deployment that holds this one
+
+
+class _Stop(Exception):
+    """Raised where `up` would start its processes: everything before it ran for real."""
+
+
+def test_up_after_the_release_writes_it_into_its_new_registrys_history(cfg, monkeypatch, capsys):
+    """The real `liverl up` path up to starting the processes (the session's broker and Redis): the state dir
+    deleted, `up --fresh` refused, the advice followed, and `up --fresh` claims the prefix, makes its registry and logs
+    the release there."""
+    import torch
+    from safetensors.torch import save_file
+
+    from deploy.registry.registry import open_registry
+    from liverl.stack import up
+
+    prefix, r = cfg.topics.prefix, redis_lib.Redis.from_url(cfg.redis.url)
+    model = cfg.state_path.parent / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    save_file({"w": torch.zeros(4, dtype=torch.bfloat16)}, str(model / "model.safetensors"))
+    try:
+        first = bind(cfg, r, model, fresh=False)
+        claim(cfg, r, first, model)
+        r.hset(keys.live(prefix, 3), "events", 7)
+        shutil.rmtree(cfg.state_path)
+        with pytest.raises(DeploymentError) as e:
+            with up.Pipeline(cfg, model, fresh=True):
+                pass
+        rc, out = _run(monkeypatch, capsys, prefix, _advised(str(e.value)), LIVERL__REDIS__URL=cfg.redis.url)
+        assert rc == 0, out
+
+        def stop(*_a, **_k):
+            raise _Stop
+
+        monkeypatch.setattr(up.Supervisor, "from_config", stop)
+        with pytest.raises(_Stop):
+            with up.Pipeline(cfg, model, fresh=True):
+                pass
+        me = identity(cfg)
+        assert me.id != first.id and json.loads(r.get(claim_key(prefix)))["id"] == me.id
+        reg = open_registry(cfg)
+        try:
+            (entry,) = [a for a in reg.audit() if a.action == ACTION]
+            assert entry.reason.count(first.id) == 1 and f"for deployment {me.id}" in entry.reason
+            assert reg.verify_audit().ok
+        finally:
+            reg.close()
+    finally:
+        for k in r.scan_iter(f"{prefix}*", count=1000):
+            r.delete(k)
+        r.close()
