@@ -391,3 +391,19 @@ def test_up_after_the_release_writes_it_into_its_new_registrys_history(cfg, monk
         for k in r.scan_iter(f"{prefix}*", count=1000):
             r.delete(k)
         r.close()
+
+
+def test_history_shows_a_reason_with_square_brackets_as_written(tmp_path, capsys):
+    from deploy.registry.registry import open_registry
+    from liverl.ops.admin import cmd_history
+
+    cfg = _cfg(tmp_path, "state", "unused")
+    _registry_of(cfg, _model(tmp_path, "m"))
+    reg = open_registry(cfg)
+    try:
+        reg.log_action("[bold]eve[/bold]", "hold", "[ticket 42] users complain")
+    finally:
+        reg.close()
+    assert cmd_history(cfg) == 0
+    out = capsys.readouterr().out
+    assert "[ticket 42] users complain" in out and "[bold]eve[/bold]" in out, out
