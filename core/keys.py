@@ -33,6 +33,9 @@ one call per version (``redis.url = "redis+cluster://host:port"``, ``core.servic
 |                                  |        |                 | head (``deploy.registry.auditchain``; only forward)|
 | ``<p>:deployment``               | string | ``up``, gate    | the deployment that claims the prefix     |
 |                                  |        |                 | (``liverl.stack.deployment``)             |
+| ``<p>:releases``                 | list   | operator        | each release of the prefix from a gone    |
+|                                  |        |                 | deployment (``liverl.ops.release``;       |
+|                                  |        |                 | capped, newest last; kept by ``--fresh``) |
 
 Which process may read or write which of these keys, as a Redis ACL user of its own: ``core.roles``.
 """
@@ -303,6 +306,12 @@ def audit_head(prefix: str) -> str:
 def deployment(prefix: str) -> str:
     """The claim of the deployment that owns ``<prefix>:*`` (``liverl.stack.deployment``)."""
     return f"{prefix}:deployment"
+
+
+def releases(prefix: str) -> str:
+    """Every release of the prefix from a deployment that is gone (``liverl release-prefix``): the prefix's own
+    history, not a deployment's, so a release and ``up --fresh`` leave it (``liverl.ops.release``)."""
+    return f"{prefix}:releases"
 
 
 def units_pattern(prefix: str) -> str:

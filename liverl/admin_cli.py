@@ -1,5 +1,5 @@
 """The `liverl` operator subcommands: status, diff, oncall, versions, history, the audited changes (promote,
-rollback, hold, operator, abort/pause/resume, gc), audit and lineage.
+rollback, hold, operator, abort/pause/resume, gc, release-prefix), audit and lineage.
 
 Each command imports liverl.ops.admin (and with it the registry and torch) when it runs, so building the parser
 stays light.
@@ -108,6 +108,21 @@ def cmd_gc(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_release_prefix(args: argparse.Namespace) -> int:
+    from liverl.ops.release import cmd_release_prefix as run
+
+    return run(
+        cfg_from_args(args),
+        args.prefix,
+        args.reason,
+        deployment=args.deployment,
+        as_name=args.as_name,
+        token=operator_token(args),
+        state_dir_gone=args.state_dir_gone,
+        dry_run=args.dry_run,
+    )
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
     from deploy.registry.registry import open_registry
     from liverl.ops.audit import print_report, run_audit
@@ -170,6 +185,7 @@ def register(sub) -> None:
     _add_changes(sub)
     _add_rollout(sub)
     _add_gc(sub)
+    _add_release(sub)
     _add_accounts(sub)
 
 
@@ -289,6 +305,65 @@ def _add_gc(sub) -> None:
     )
     add_token_arg(s)
     s.set_defaults(fn=cmd_gc)
+
+
+RELEASE_HELP = """\
+Release a Redis prefix whose deployment is gone, so that a new deployment can claim it. A deployment claims its
+prefix (<prefix>:deployment) for as long as the prefix exists; when its state dir is deleted, the claim outlives it
+and `liverl up` refuses the prefix, naming the deployment that claims it and this command.
+
+It refuses while that deployment shows a sign of life: a serving node's heartbeat or the learner's lease in Redis,
+the learner's state or ingest's counters written in the last minute, its state dir still on this machine holding
+it, or the configured registry still recording it (it prints what it found). Ingest and the gate keep no heartbeat:
+stop them first. Released, the claim and every key under the prefix are removed, and a record (who, why, which
+deployment, what was found) is appended to <prefix>:releases and to the audit log (`liverl history`) of the
+configured registry; when that registry does not exist yet, the next `liverl up` on the prefix writes it there.
+
+Who: when the configured registry has operators, an admin token ($LIVERL_TOKEN or --token-file) names you; without
+operators (the usual case: the registry went with the state dir) you are --as NAME (default: your OS user), recorded
+as unauthenticated with this host and OS user beside it.
+
+  liverl up --fresh --state-dir /srv/liverl      # refused: the prefix belongs to deployment 0c61...
+  liverl release-prefix --prefix liverl --deployment 0c61... --state-dir /srv/liverl --reason "state dir deleted"
+  liverl up --fresh --state-dir /srv/liverl      # claims the prefix; `liverl history` shows the release
+"""
+
+
+def _add_release(sub) -> None:
+    s = sub.add_parser(
+        "release-prefix",
+        help="release a Redis prefix whose deployment is gone (audited), so a new deployment may claim it",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=RELEASE_HELP,
+        epilog=ADMIN_EPILOG,
+    )
+    s.add_argument("--prefix", required=True, help="the Redis prefix (topics.prefix) to release")
+    s.add_argument(
+        "--deployment",
+        metavar="ID",
+        help="release it only from this deployment (the id the refusal named); refused if another claims it",
+    )
+    s.add_argument("--reason", required=True, help="why (recorded with the release, and who you are)")
+    s.add_argument(
+        "--as",
+        dest="as_name",
+        metavar="NAME",
+        help="who releases, when the registry has no operators (default: your OS user; with operators the token says)",
+    )
+    s.add_argument(
+        "--state-dir",
+        help="the state dir of the deployment that will use the prefix: its registry gets the audit entry "
+        "(default: state_dir = .liverl)",
+    )
+    s.add_argument(
+        "--state-dir-gone",
+        action="store_true",
+        help="the claimant's state dir is on another machine (or its claim names none) and you know it is gone "
+        "there: release without checking it (recorded with the release)",
+    )
+    s.add_argument("--dry-run", action="store_true", help="only print what was found and whether it would release")
+    add_token_arg(s)
+    s.set_defaults(fn=cmd_release_prefix)
 
 
 def _add_accounts(sub) -> None:

@@ -38,6 +38,8 @@ Redis (the local one, or a private one), the SQLite registry, then `serve` (vLLM
 `ingest`, `learn` and `gate` as supervised processes. It prints the OpenAI endpoint, how to send feedback
 (SDK, HTTP, kcat) and where the logs and metrics are. State (registry, blobs, checkpoints, logs) stays in
 --state-dir, so a second `liverl up` resumes where the first stopped (--fresh starts over).
+A state dir and its Redis prefix (topics.prefix) are one deployment: another deployment's prefix is refused,
+naming it; if that deployment is gone (its state dir deleted), `liverl release-prefix` frees the prefix (audited).
 
   liverl up --model ./my-moe --product my_product.liverl:PRODUCT
 
@@ -210,6 +212,8 @@ def _add_up(sub) -> None:
     u.add_argument(
         "--fresh",
         action="store_true",
-        help="start from scratch: delete this state dir's registry, blobs, checkpoints and Redis keys",
+        help="start from scratch: delete this state dir's registry, blobs, checkpoints and Redis keys (its "
+        "deployment id stays, so the Redis prefix stays its own; a prefix still claimed by a deployment whose state "
+        "dir was deleted is freed first with `liverl release-prefix`)",
     )
     u.set_defaults(fn=cmd_up)

@@ -69,8 +69,9 @@ class Operators:
         """The operator whose token this is, if their role is at least ``need``; ``AuthError`` otherwise."""
         if not token:
             raise AuthError(
-                "this command changes the registry and needs an operator token: set LIVERL_TOKEN or "
-                "pass --token-file (an admin creates one with `liverl operator add NAME`)"
+                f"this command changes the registry and needs an operator token (the {need} role or higher): set "
+                f"LIVERL_TOKEN or pass --token-file (an admin creates one with `liverl operator add NAME --role {need} "
+                f'--reason "..."`)'
             )
         with self.db.session() as s:
             op = s.execute(select(Operator).where(Operator.token_hash == hash_token(token.strip()))).scalar()

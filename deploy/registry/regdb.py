@@ -97,8 +97,9 @@ class RegistryDB:
             why = str(e.orig).splitlines()[0]
             raise RegistryError(
                 f"the registry at {self.url} is not at this release's schema (or not made yet) and this process's "
-                f"database role may not migrate it ({why}): open it once as its owner, e.g. `liverl db roles "
-                "--apply`, which migrates before it grants"
+                f"database role may not migrate it ({why}): migrate it once as its owner, e.g. `liverl db roles "
+                "--url OWNER_URL --keys DIR --apply` (DIR: the folder `liverl keys` made the passwords in), which "
+                "migrates before it grants"
             ) from e
 
     def close(self) -> None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from core import fleet, keys
@@ -327,10 +328,10 @@ def cmd_history(cfg: LiverlConfig, limit: int | None = 50, verify: bool = False)
         for a in reg.audit(limit=limit):
             t.add_row(
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a.at)),
-                a.actor,
+                escape(a.actor),  # typed by people: shown as written, never read as rich markup ("[x]")
                 a.action,
                 "-" if a.version is None else f"v{a.version}",
-                a.reason or "",
+                escape(a.reason or ""),
             )
         _console().print(t)
         return 0

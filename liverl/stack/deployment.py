@@ -9,13 +9,20 @@ The registry records the deployment too (its ``deployment`` table, written by ``
 registry), so a standalone process on another machine, sharing only the registry and Redis with the rest, checks the
 same binding before it starts (``check_process``: ``liverl serve``, ``route``, ``ingest``, ``learn``, ``gate``).
 
-Refused, each with a message naming both sides and what to do:
+Refused, each with a message naming both sides and a next step that works from where the operator stands:
 - a state dir whose registry holds another model's base (``liverl up --model OTHER`` after the demo): pass
   ``--fresh`` (start over in that state dir) or ``--state-dir NEW``; before this check the learner died on a torch
   size mismatch while loading the old checkpoint into the new model;
-- a prefix claimed by another deployment (another state dir): use another ``topics.prefix`` (or that state dir);
+- a prefix claimed by another deployment: use another ``topics.prefix``; run with that deployment's state dir when it
+  is on this machine and still holds it; when that deployment is gone (its state dir deleted, or this very path now
+  holding a new deployment), release the prefix with ``liverl release-prefix`` (``liverl.ops.release``: it refuses
+  while the deployment shows signs of life, and records who released which deployment, and why);
 - keys under the prefix that no deployment claims, from a new state dir: they predate deployment ids, and nothing
-  says whose they are, so they are left alone (``--fresh`` included) and the message says how to remove them.
+  says whose they are, so they are left alone (``--fresh`` included) until ``liverl release-prefix`` removes them.
+
+The claim names the host that made it, so ``release-prefix`` knows whether the state dir it names can be checked on
+the machine it runs on. ``<prefix>:releases`` (the prefix's record of its releases) belongs to no deployment: neither
+the stray-key check nor ``--fresh`` counts it (``prefix_keys``).
 
 Torch-free (the registry is read with SQLAlchemy's core, not through ``deploy.registry.registry``).
 """
@@ -24,6 +31,8 @@ from __future__ import annotations
 
 import json
 import logging
+import shlex
+import socket
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -49,9 +58,55 @@ class Deployment:
     id: str
     state_dir: str
     model: str | None = None
+    host: str | None = None  # the machine whose state dir it is (in a claim ``up`` wrote; None: not recorded)
 
     def describe(self) -> str:
-        return f"deployment {self.id} (state dir {self.state_dir}" + (f", model {self.model})" if self.model else ")")
+        where = f"state dir {self.state_dir}" + (f" on {self.host}" if self.host else "")
+        return f"deployment {self.id} ({where}" + (f", model {self.model})" if self.model else ")")
+
+
+def this_host() -> str:
+    """The name a claim records for the machine that made it."""
+    return socket.gethostname()
+
+
+def held_here(d: Deployment) -> str | None:
+    """The deployment id that ``d``'s state dir holds on this machine (its ``deployment.json``), or None when that
+    folder or file is not here or unreadable."""
+    try:
+        return str(json.loads((Path(d.state_dir) / FILE).read_text())["id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def prefix_keys(redis, prefix: str):
+    """Every key under ``prefix`` that belongs to a deployment: all of ``<prefix>:*`` except the prefix's record of
+    its releases (``keys.releases``), which outlives the deployments it names."""
+    log_key = keys.releases(prefix)
+    for key in redis.scan_iter(match=keys.everything(prefix), count=1000):
+        if (key.decode() if isinstance(key, bytes) else key) != log_key:
+            yield key
+
+
+def release_command(prefix: str, d: Deployment | None, state_dir: str | Path | None = None) -> str:
+    """The ``liverl release-prefix`` line that releases ``prefix`` from ``d`` (None: from keys no deployment claims),
+    its audit entry kept in ``state_dir``'s registry. ``--state-dir-gone`` is in it when ``d``'s state dir is not on
+    this machine by its claim (another host, or none named), where the verb cannot check it: the message around it
+    says the line is for a deployment that is gone. The config it needs is the one that was refused (the same Redis),
+    which the line says rather than spells (a config file is not known here)."""
+    parts = ["liverl", "release-prefix", "--prefix", prefix]
+    if d is not None:
+        parts += ["--deployment", d.id]
+    if state_dir is not None:
+        parts += ["--state-dir", str(state_dir)]
+    if d is not None and d.host != this_host():
+        parts += ["--state-dir-gone"]
+    return shlex.join(parts) + ' --reason "..." (with the --config and LIVERL__* settings this ran with)'
+
+
+def own_prefix(prefix: str, me: Deployment) -> str:
+    """A prefix no other deployment has: ``prefix`` followed by the start of this deployment's id."""
+    return f"{prefix}{me.id[:6]}"
 
 
 def claim_key(prefix: str) -> str:
@@ -109,10 +164,25 @@ def registry_deployment(cfg: LiverlConfig) -> Deployment | None:
 
 
 def _another_registry(cfg: LiverlConfig, me: Deployment, owner: Deployment) -> DeploymentError:
+    where = f"the registry {redact_url(cfg.registry_url)} belongs to {owner.describe()}, not to this {me.describe()}"
+    in_state_dir = not cfg.registry.url  # SQLite in the state dir: --fresh deletes it
+    if Path(owner.state_dir) == cfg.state_path:  # this state dir's deployment.json was removed or replaced
+        return DeploymentError(
+            f"{where}: {cfg.state_path / FILE} no longer names the deployment that made this state dir. Restore it "
+            f"(echo '{json.dumps({'id': owner.id})}' > {shlex.quote(str(cfg.state_path / FILE))}) to resume that "
+            "deployment, "
+            + (
+                "or pass --fresh to start this one over (its registry, versions and checkpoints are deleted)"
+                if in_state_dir
+                else "or give this deployment its own registry (registry.url)"
+            )
+        )
+    there = held_here(owner) == owner.id
     return DeploymentError(
-        f"the registry {redact_url(cfg.registry_url)} belongs to {owner.describe()}, not to this {me.describe()}. "
-        f"Run with --state-dir {owner.state_dir}, or give this deployment its own registry (registry.url) and Redis "
-        f"prefix (topics.prefix)"
+        f"{where}. "
+        + (f"Run with --state-dir {owner.state_dir} to operate that deployment, or give" if there else "Give")
+        + f" this deployment its own registry (registry.url) and Redis prefix (topics.prefix, e.g. "
+        f"LIVERL__TOPICS__PREFIX={own_prefix(cfg.topics.prefix, me)})"
     )
 
 
@@ -142,11 +212,12 @@ def _claimant(redis, prefix: str) -> Deployment | None:
     if raw is None:
         return None
     try:
-        return Deployment(**json.loads(raw))
-    except (ValueError, TypeError):
+        data = json.loads(raw)
+        return Deployment(**{k: data[k] for k in ("id", "state_dir", "model", "host") if k in data})
+    except (ValueError, TypeError, KeyError):
         raise DeploymentError(
-            f"the Redis key {claim_key(prefix)} is not a deployment claim ({raw[:80]!r}); "
-            "remove it by hand if no deployment uses this prefix"
+            f"the Redis key {claim_key(prefix)} is not a deployment claim ({raw[:80]!r}). If no deployment uses "
+            f"this prefix, release it: {release_command(prefix, None)}"
         ) from None
 
 
@@ -175,11 +246,19 @@ def check_process(cfg: LiverlConfig, redis, role: str) -> Deployment | None:
             prefix,
         )
     elif owner.id != me.id:
+        mine = _prefix_claimed_by(redis, me.id)
+        advice = (
+            f"Run it with its deployment's prefix, LIVERL__TOPICS__PREFIX={mine} (topics.prefix), or point it at the "
+            "registry of the deployment that claims this one (registry.url)"
+            if mine
+            else f"Point it at the registry of the deployment that claims this prefix (registry.url), or give its "
+            f"deployment a prefix of its own (topics.prefix, e.g. LIVERL__TOPICS__PREFIX={own_prefix(prefix, me)}) "
+            "for all of its processes"
+        )
         raise DeploymentError(
             f"liverl {role}: its registry {redact_url(cfg.registry_url)} belongs to {me.describe()}, but the Redis "
-            f"namespace {prefix!r} ({prefix}:*) is claimed by {owner.describe()}. Point this process at that "
-            f"deployment's registry (registry.url), or give it its own prefix (topics.prefix, e.g. "
-            f"LIVERL__TOPICS__PREFIX=myapp)"
+            f"namespace {prefix!r} ({prefix}:*) is claimed by {owner.describe()}. {advice}; if that deployment is "
+            f"gone, release its prefix: {release_command(prefix, owner)}"
         )
     return me
 
@@ -205,7 +284,13 @@ def check_operator(cfg: LiverlConfig, redis) -> None:
     raise DeploymentError(
         f"the registry {redact_url(cfg.registry_url)} belongs to {me.describe()}, but the Redis namespace {prefix!r} "
         f"({prefix}:*) is claimed by {owner.describe()}: this command would read one deployment's versions and "
-        f"another's fleet. {advice}; or point registry.url at the registry of {owner.state_dir} to operate that one"
+        f"another's fleet. {advice}; "
+        + (
+            f"or run it with LIVERL__STATE_DIR={owner.state_dir} to operate that one"
+            if held_here(owner) == owner.id and not cfg.registry.url
+            else "or point registry.url at that deployment's registry to operate that one"
+        )
+        + f"; if that deployment is gone, release its prefix: {release_command(prefix, owner)}"
     )
 
 
@@ -238,6 +323,28 @@ def check_model(cfg: LiverlConfig, model_dir: Path, fresh: bool) -> None:
     )
 
 
+def claimed_elsewhere(cfg: LiverlConfig, me: Deployment, owner: Deployment) -> DeploymentError:
+    """The refusal of ``topics.prefix`` claimed by ``owner``, with the ways on that work from here: another prefix;
+    ``owner``'s state dir when this machine holds it; releasing the prefix when ``owner`` is gone."""
+    prefix = cfg.topics.prefix
+    other = f"give this deployment its own prefix (topics.prefix, e.g. LIVERL__TOPICS__PREFIX={own_prefix(prefix, me)})"
+    release = release_command(prefix, owner, cfg.state_path)
+    head = f"the Redis namespace {prefix!r} ({prefix}:*) belongs to {owner.describe()}, not to this {me.describe()}"
+    if Path(owner.state_dir) == cfg.state_path and owner.host in (None, this_host()):
+        return DeploymentError(
+            f"{head}: {cfg.state_path} was deleted or replaced since that deployment claimed the prefix, and now "
+            f"holds this one. If that deployment is gone, release its prefix (refused while its processes still "
+            f"beat in Redis), then run this again: {release}; or {other}"
+        )
+    if held_here(owner) == owner.id and owner.host in (None, this_host()):
+        return DeploymentError(f"{head}. Run with --state-dir {owner.state_dir} to run that deployment, or {other}")
+    return DeploymentError(
+        f"{head}. Either {other}, or, if that deployment is gone (its state dir"
+        + (f" on {owner.host}" if owner.host else "")
+        + f" deleted), release its prefix: {release}"
+    )
+
+
 def check_namespace(cfg: LiverlConfig, redis, me: Deployment, adopt: bool) -> None:
     """Refuse ``topics.prefix`` when another deployment claims it, or when unclaimed keys are there and this
     deployment cannot say they are its own (``adopt``: its state dir already has a registry, from before ids)."""
@@ -245,27 +352,24 @@ def check_namespace(cfg: LiverlConfig, redis, me: Deployment, adopt: bool) -> No
     owner = _claimant(redis, prefix)
     if owner is not None:
         if owner.id != me.id:
-            raise DeploymentError(
-                f"the Redis namespace {prefix!r} ({prefix}:*) belongs to {owner.describe()}, not to this "
-                f"{me.describe()}. Give this deployment its own prefix (topics.prefix, e.g. "
-                f"LIVERL__TOPICS__PREFIX=myapp), or run with --state-dir {owner.state_dir}"
-            )
+            raise claimed_elsewhere(cfg, me, owner)
         return
     if adopt:
         return
-    stray = next(iter(redis.scan_iter(keys.everything(prefix), count=1000)), None)
+    stray = next(iter(prefix_keys(redis, prefix)), None)
     if stray is not None:
         raise DeploymentError(
             f"Redis already holds keys under the prefix {prefix!r} (e.g. {stray!r}) that no deployment claims (from a "
             f"liverl older than deployment ids); this {me.describe()} leaves them alone, --fresh included. Use "
-            f"another topics.prefix (e.g. LIVERL__TOPICS__PREFIX=myapp), run with the state dir that made them, or "
-            f"delete them: redis-cli --scan --pattern '{prefix}:*' | xargs -r redis-cli del"
+            f"another topics.prefix (e.g. LIVERL__TOPICS__PREFIX={own_prefix(prefix, me)}), run with the state dir "
+            f"that made them, or release them (removes them, audited): "
+            f"{release_command(prefix, None, cfg.state_path)}"
         )
 
 
 def claim(cfg: LiverlConfig, redis, me: Deployment, model_dir: Path | None = None) -> None:
     """Write this deployment's claim on ``topics.prefix`` (after ``check_namespace``)."""
-    d = Deployment(id=me.id, state_dir=me.state_dir, model=str(model_dir) if model_dir else None)
+    d = Deployment(id=me.id, state_dir=me.state_dir, model=str(model_dir) if model_dir else None, host=this_host())
     if not redis.set(claim_key(cfg.topics.prefix), json.dumps(asdict(d)), nx=True):
         check_namespace(cfg, redis, me, adopt=True)  # someone claimed it meanwhile: refused unless it is us
 

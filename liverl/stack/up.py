@@ -11,13 +11,14 @@ import signal
 import threading
 from pathlib import Path
 
-from core import fleet, keys, procs
+from core import fleet, procs
 from core.bus import all_topics, ensure_topics, topic_configs
 from core.config import LiverlConfig, ServingConfig, advertised_url, redact_url
 from core.credentials import PRODUCT_KEY_HEADER, ensure_secrets, feedback_key_path
 from core.product import load_product
 from core.services import redis_from_url
-from liverl.stack.deployment import bind, check_model, claim, made_before_ids, record
+from liverl.ops.release import log_release
+from liverl.stack.deployment import bind, check_model, claim, made_before_ids, prefix_keys, record
 from liverl.stack.stack import Stack, start_stack
 from liverl.stack.supervisor import (
     Supervisor,
@@ -99,6 +100,7 @@ class Pipeline:
             ensure_secrets(cfg)  # the router's assignment key and the product key of /v1/feedback
             init_registry(cfg, self.model_dir, self.redis)
             record(cfg, me, self.model_dir)  # in the registry too: what standalone processes check (before they start)
+            log_release(cfg, self.redis, me)  # the release that freed the prefix, if any: into this registry's history
             self.supervisor = Supervisor.from_config(
                 cfg, child_env(cfg, self.stack, self.model_dir), cfg.state_path / "logs", roles_for(cfg)
             ).start()
@@ -167,9 +169,10 @@ def reset_files(cfg: LiverlConfig) -> None:
 
 
 def reset_keys(cfg: LiverlConfig, r) -> None:
-    """A fresh start, in Redis: the keys of this deployment's prefix go. Call only after ``bind`` (which refuses a
-    prefix another deployment claims), so ``--fresh`` never deletes another deployment's keys."""
-    stale = list(r.scan_iter(keys.everything(cfg.topics.prefix), count=1000))
+    """A fresh start, in Redis: the keys of this deployment's prefix go (the prefix's record of its releases stays:
+    ``prefix_keys``). Call only after ``bind`` (which refuses a prefix another deployment claims), so ``--fresh``
+    never deletes another deployment's keys."""
+    stale = list(prefix_keys(r, cfg.topics.prefix))
     if stale:
         r.delete(*stale)
 
