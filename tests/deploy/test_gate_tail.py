@@ -30,9 +30,10 @@ def generation(gid: str) -> bytes:
     ).to_bytes()
 
 
-@pytest.mark.parametrize(
-    "model", [GenerationRecord, TrainingSample, FeedbackEvent, DeadLetter, VersionAnnouncement], ids=lambda m: m.__name__
-)
+MODELS = [GenerationRecord, TrainingSample, FeedbackEvent, DeadLetter, VersionAnnouncement]
+
+
+@pytest.mark.parametrize("model", MODELS, ids=lambda m: m.__name__)
 @pytest.mark.parametrize("raw", [None, 5, [b"{}"], object()], ids=["none", "int", "list", "object"])
 def test_every_wire_model_refuses_a_value_that_is_not_bytes_with_a_wire_error(model, raw):
     """Whatever a reader hands ``from_bytes`` (a record without a value, a client's odd type), the answer is a
