@@ -88,6 +88,24 @@ class Operators:
             entries = list(s.execute(select(AuditEntry).order_by(AuditEntry.id)).scalars())
         return check_chain(entries, self.db.audit_key, self.db.audit_head)
 
+    def seal_audit(self, actor: str, reason: str) -> int:
+        """Make the audit log keyed from here: an ``audit_seal`` entry, keyed, vouching for the unkeyed entries before
+        it (a log written before the audit key existed). Only this call extends an unkeyed log with a key, so an admin
+        decides it, having read the log: a log whose MACs were stripped looks exactly the same. Returns how many
+        unkeyed entries it sealed; ``RegistryError`` without the key, or when the log does not end unkeyed."""
+        if not reason:
+            raise RegistryError("sealing the audit log needs a reason for the audit log")
+        if self.db.audit_key is None:
+            raise RegistryError("sealing the audit log needs the audit key (security.audit_key)")
+        with self.db.tx() as s:
+            lock(s)
+            last = s.execute(select(AuditEntry.mac).order_by(AuditEntry.id.desc()).limit(1)).first()
+            if last is None or last.mac is not None:
+                raise RegistryError("the audit log does not end with an unkeyed entry: there is nothing to seal")
+            n = s.execute(select(func.count()).select_from(AuditEntry).where(AuditEntry.mac.is_(None))).scalar_one()
+            self.db.append_audit(s, actor, "audit_seal", None, f"{n} unkeyed entries sealed: {reason}", seal=True)
+        return int(n)
+
     def log_action(self, actor: str, action: str, reason: str, version: int | None = None) -> None:
         """Record an operator action that changes no version row (e.g. holding the learner) in the audit log."""
         if not reason:

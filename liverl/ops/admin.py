@@ -297,12 +297,21 @@ def cmd_diff(cfg: LiverlConfig, a: int, b: int, top: int = 20) -> int:
     return 0
 
 
-def cmd_history(cfg: LiverlConfig, limit: int | None = 50, verify: bool = False) -> int:
+def cmd_history(
+    cfg: LiverlConfig, limit: int | None = 50, verify: bool = False, seal: str | None = None, token: str | None = None
+) -> int:
     """The audit log: who did what to which version, and why. ``verify``: first check the chain (HMAC with the audit
     key for keyed entries, plain hash for older ones) and its end against the head anchored in Redis; exit 1 when an
-    entry was rewritten, removed or added, the tail was cut, or the check could not be made."""
+    entry was rewritten, removed or added, the tail was cut, or the check could not be made. ``seal`` (a reason; an
+    admin's token): key a log that ends unkeyed from here (``Registry.seal_audit``)."""
     reg = open_registry(cfg)
     try:
+        if seal is not None:
+            try:
+                n = reg.seal_audit(reg.authenticate(token, need="admin").name, seal)
+            except RegistryError as e:
+                return _err(str(e))
+            print(f"audit log sealed: the {n} unkeyed entries before it are vouched for by your seal")
         if verify:
             check = reg.verify_audit()
             if check.kind == "tampered":
