@@ -285,7 +285,7 @@ def check_chain(entries: Iterable[Any], key: bytes | None, head: AuditHead | Non
                 + (
                     ""
                     if res.keyed
-                    else f"; no entry has a MAC: a log from before the audit key, or one whose MACs were stripped "
+                    else "; no entry has a MAC: a log from before the audit key, or one whose MACs were stripped "
                     "(a keyed writer refuses to extend it until an admin seals it: `liverl history --seal`)"
                 ),
                 kind="unverifiable",

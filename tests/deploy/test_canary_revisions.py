@@ -7,7 +7,10 @@ from tests.deploy.test_canary import after, first, fleet2, start, traffic  # noq
 
 
 def test_a_pause_and_resume_between_the_saved_evidence_and_the_promotion_makes_the_gate_look_again(
-    cfg, rds, fleet2, monkeypatch
+    cfg,
+    rds,
+    fleet2,  # noqa: F811
+    monkeypatch,
 ):
     """The rollout ends up ``running`` again, but at another revision than the evidence the gate saved: the promotion
     is refused and the next step judges the rollout as the operator left it."""
