@@ -364,8 +364,18 @@ def _change(cfg: LiverlConfig, verb: str, token: str | None, do) -> int:
         return _err(str(e))
     finally:
         reg.close()
+    key = signing_key_path(cfg)
+    if key is None and not cfg.security.allow_unsigned:  # the agents would refuse it: write nothing over the gate's
+        r.close()
+        print(
+            f"warning: {verb}: v{row.version} is now stable in the registry (audited), but NOT announced: this host "
+            "has no announcement signing key (security.signing_key), and the agents refuse unsigned announcements. "
+            f"The fleet moves only when the gate signs and announces the registry's stable version, at its next step "
+            f"(gate.poll_s {cfg.gate.poll_s:g} s) while it runs: check with `liverl status`.",
+            file=sys.stderr,
+        )
+        return 0
     with r:
-        key = signing_key_path(cfg)
         announce(
             r,
             cfg.topics.prefix,
