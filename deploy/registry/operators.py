@@ -106,6 +106,15 @@ class Operators:
             self.db.append_audit(s, actor, "audit_seal", None, f"{n} unkeyed entries sealed: {reason}", seal=True)
         return int(n)
 
+    def held(self) -> AuditEntry | None:
+        """The operator's hold on the learner's candidates (``liverl hold``), when the newest ``hold`` or ``release``
+        entry of the audit log is a hold: that entry; None otherwise. The learner reads it beside the Redis flag, so
+        a Redis writer who deletes the flag does not lift it: only an audited release does."""
+        q = select(AuditEntry).where(AuditEntry.action.in_(("hold", "release"))).order_by(AuditEntry.id.desc()).limit(1)
+        with self.db.session() as s:
+            last = s.execute(q).scalar()
+        return last if last is not None and last.action == "hold" else None
+
     def log_action(self, actor: str, action: str, reason: str, version: int | None = None) -> None:
         """Record an operator action that changes no version row (e.g. holding the learner) in the audit log."""
         if not reason:
