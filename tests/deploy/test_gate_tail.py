@@ -13,11 +13,12 @@ from core.schemas import (
     VersionAnnouncement,
     WireError,
 )
-from deploy.gate.tail import GenerationTail, parse_generation, parse_heldout
+from deploy.gate.tail import PROBE_UNIT_SHARE, GenerationTail, parse_generation, parse_heldout
 
 
-def generation(gid: str) -> bytes:
+def generation(gid: str, unit: str | None = None) -> bytes:
     return GenerationRecord(
+        unit=unit,
         generation_id=gid,
         policy_version=0,
         node="node-0",
@@ -55,3 +56,23 @@ def test_a_record_without_a_value_is_refused_and_the_tail_keeps_what_it_holds():
         parse_generation(None)
     with pytest.raises(WireError):
         parse_heldout(None)
+
+
+def test_the_heaviest_user_holds_at_most_its_share_of_the_probes():
+    """One user sends twenty times the requests of everyone else together: the probes still come from every user,
+    that user's newest ones making at most ``PROBE_UNIT_SHARE`` of them. Generations without a unit are not capped."""
+    capped = GenerationTail("unused:9092", "t", size=64, unit_share=PROBE_UNIT_SHARE)
+    plain = GenerationTail("unused:9092", "t", size=64)
+    for i in range(100):
+        for tail in (capped, plain):
+            tail._add(generation(f"light-{i}", unit=f"{i:016x}"))
+            for j in range(20):
+                tail._add(generation(f"heavy-{i}-{j}", unit="f" * 16))
+    heavy = [g for g in capped() if g.unit == "f" * 16]
+    assert len(capped()) == 64 and len(heavy) == 64 // 16
+    assert sum(g.unit == "f" * 16 for g in plain()) > 60  # the newest 64: nearly all the heavy user's
+    assert len({g.unit for g in capped()}) == 61  # the newest 60 light users, and the heavy one
+    anonymous = GenerationTail("unused:9092", "t", size=8, unit_share=PROBE_UNIT_SHARE)
+    for i in range(20):
+        anonymous._add(generation(f"a-{i}"))
+    assert len(anonymous()) == 8
