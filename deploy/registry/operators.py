@@ -84,9 +84,9 @@ class Operators:
         """Walk the audit chain (plain hash for unkeyed entries, HMAC for keyed ones) and compare its end with the
         head anchored in Redis: ``deploy.registry.auditchain.check_chain``; ``.ok``, ``.problem``, ``.bad_id``,
         ``.warnings``."""
-        with self.db.session() as s:
-            entries = list(s.execute(select(AuditEntry).order_by(AuditEntry.id)).scalars())
-        return check_chain(entries, self.db.audit_key, self.db.audit_head)
+        q = select(AuditEntry).order_by(AuditEntry.id).execution_options(yield_per=1000)
+        with self.db.session() as s:  # streamed a thousand rows at a time: the log grows with every candidate
+            return check_chain(s.scalars(q), self.db.audit_key, self.db.audit_head)
 
     def seal_audit(self, actor: str, reason: str) -> int:
         """Make the audit log keyed from here: an ``audit_seal`` entry, keyed, vouching for the unkeyed entries before
