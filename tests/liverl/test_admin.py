@@ -166,6 +166,21 @@ def test_a_tampered_audit_log_is_detected(cfg, fleet, capsys):
     assert "tampered with" in capsys.readouterr().err
 
 
+def test_sealing_the_audit_log_needs_an_admin_and_a_log_that_ends_unkeyed(cfg, fleet, capsys):
+    """`liverl history --seal` is an admin's, and a keyed log has nothing to seal: the command changes nothing."""
+    admin, alice, _ = _operators(cfg)
+    capsys.readouterr()
+    assert cmd_history(cfg, seal="adopting the log", token=alice) == 1
+    assert "this needs the admin role" in capsys.readouterr().err
+    assert cmd_history(cfg, seal="adopting the log", token=admin) == 1
+    assert "nothing to seal" in capsys.readouterr().err
+    reg = open_registry(cfg)
+    try:
+        assert "audit_seal" not in {a.action for a in reg.audit()}
+    finally:
+        reg.close()
+
+
 def test_history_verify_detects_a_recomputed_chain(cfg, fleet, capsys):
     """A database writer rewrites an entry and recomputes the whole chain (the plain hashes exactly; the MACs can only
     be made with a key of their own): `liverl history --verify` still says tampered."""
