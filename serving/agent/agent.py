@@ -64,6 +64,7 @@ from core.config import LiverlConfig, advertised_url
 from core.schemas import VersionAnnouncement
 from core.services import required_verify_key
 from deploy.registry.signing import Verifier
+from serving.agent.fleet_record import FleetRecord
 from serving.agent.kept import KeptAnnouncement
 from serving.agent.launch import delta_dir
 from serving.agent.metrics import AgentMetrics
@@ -112,8 +113,6 @@ class Agent:
         self.max_chain = max_chain
         self.retry_failed_after_s = retry_failed_after_s
         self._failed: dict[tuple[str, int, str], float] = {}  # (channel, version, checksum) -> when it failed
-        self._unrecorded: tuple[int, str, float] | None = None  # a swap the registry's fleet table has not taken
-        self._last_fleet_error: str | None = None
         self._verified_at = time.monotonic()  # the served checksum was last read back then (init, swaps, reverify)
         self.last_swap_pause_ms: float | None = None  # the last swap's engine pause, measured in the node
         self.metrics = metrics or AgentMetrics()  # what the serving process serves on serving.agent_port
@@ -126,6 +125,7 @@ class Agent:
         self.refused_announcements = 0
         self.refused_by_reason: collections.Counter[str] = collections.Counter()
         self.registry_errors = _registry_errors() if registry is not None else (SQLAlchemyError, OSError)
+        self.fleet_record = FleetRecord(registry, self.name, self.metrics.errors, self.registry_errors)
         self._last_refused: dict[str, str] = {}  # channel -> the refusal last logged
         # followed when no desired announcement in Redis is valid (the gate down past its expiry, a restart meanwhile)
         self.kept = KeptAnnouncement(cfg.state_path, self.name, self.prefix, self.verifier)
@@ -200,9 +200,8 @@ class Agent:
         """One poll: swap if the desired version differs from the served one; heartbeat. Returns the swap record."""
         ann = await self.desired()
         record = None
-        now = time.monotonic()  # a failure past its retry window is as good as none: at most one per poll is kept
-        for stale in [k for k, at in self._failed.items() if now - at > self.retry_failed_after_s]:
-            del self._failed[stale]
+        now = time.monotonic()  # a failure past its retry window is as good as none: at most one a poll is kept
+        self._failed = {k: at for k, at in self._failed.items() if now - at <= self.retry_failed_after_s}
         if ann is not None and (ann.version != self.gw.version or ann.checksum != self.gw.checksum):
             key = (ann.channel, ann.version, ann.checksum)
             failed_at = self._failed.get(key)
@@ -217,7 +216,7 @@ class Agent:
             self._verified_at = time.monotonic()
         elif self.cfg.serving.reverify_s and time.monotonic() - self._verified_at >= self.cfg.serving.reverify_s:
             await self.reverify()
-        await self.record_fleet()
+        await self.fleet_record.flush()  # a record the registry refused at the swap: a canary waits for it
         await self.heartbeat()
         return record
 
@@ -416,31 +415,9 @@ class Agent:
             rec["inflight"],
         )
         await self.heartbeat()
-        self._unrecorded = (target_version, target_checksum, time.time())
-        await self.record_fleet()
+        self.fleet_record.swapped(target_version, target_checksum)
+        await self.fleet_record.flush()
         return rec
-
-    async def record_fleet(self) -> None:
-        """Record the last swap in the registry's fleet table (the first time this node serves a version, its
-        ``served`` row, which a canary's evidence waits for), at the swap's own time. A failure is counted and
-        retried at every poll until it lands; logged once per distinct error."""
-        if self.registry is None or self._unrecorded is None:
-            return
-        version, checksum, at = self._unrecorded
-        try:
-            await asyncio.to_thread(self.registry.update_fleet, self.name, version, checksum, at)
-        except self.registry_errors as e:
-            self.metrics.errors.labels(kind=f"fleet_record {type(e).__name__}").inc()
-            if self._last_fleet_error != str(e):
-                self._last_fleet_error = str(e)
-                log.warning(
-                    "could not record node %s serving v%d in the registry's fleet table (retried every poll): %s",
-                    self.name,
-                    version,
-                    e,
-                )
-            return
-        self._unrecorded, self._last_fleet_error = None, None
 
     async def _report_error(self, from_v: int | None, to_v: int, error: str, restored: bool) -> None:
         entry = keys.SwapErrorRecord.model_validate(

@@ -45,9 +45,9 @@ def test_a_fleet_record_the_registry_refused_is_retried_at_each_poll_with_the_sw
         try:
             agent.gw.set_served(5, "cc" * 32)
             swapped_at = time.time()
-            agent._unrecorded = (5, "cc" * 32, swapped_at)  # what swap_to leaves when its record fails
-            await agent.record_fleet()
-            assert registry.rows == [] and agent._unrecorded is not None
+            agent.fleet_record.swapped(5, "cc" * 32, swapped_at)  # what a swap does, then records it
+            await agent.fleet_record.flush()
+            assert registry.rows == [] and agent.fleet_record.unrecorded is not None
             for _ in range(2):
                 await agent.step()  # nothing announced: no swap, but the record is tried again
             return agent, swapped_at
@@ -55,7 +55,7 @@ def test_a_fleet_record_the_registry_refused_is_retried_at_each_poll_with_the_sw
             await r.aclose()
 
     agent, swapped_at = asyncio.run(run())
-    assert registry.rows == [("node-a", 5, "cc" * 32, swapped_at)] and agent._unrecorded is None
+    assert registry.rows == [("node-a", 5, "cc" * 32, swapped_at)] and agent.fleet_record.unrecorded is None
     errors = {
         s.labels["kind"]: s.value
         for s in agent.metrics.errors.collect()[0].samples
