@@ -269,14 +269,19 @@ class AnnouncementReader:
     process's prefix and verifier, and a replay guard: it keeps the newest announcement it accepted per channel and
     refuses an older one (an old signed one written back). Older is by ``seq``, the registry's audit sequence, when
     both carry one: the gate and an operator's CLI sign on different hosts, and a clock running behind must not make
-    a rollback look like a replay. An announcement without ``seq`` is ordered by its ``ts`` (the signer's clock). The
-    caller counts the refusals."""
+    a rollback look like a replay. An announcement without ``seq`` is ordered by its ``ts`` (the signer's clock).
+
+    A channel read empty after an accepted announcement was withdrawn (an aborted canary): from then on the reader
+    takes only an announcement signed after the one it accepted (a higher ``seq``, or the same with a later ``ts``),
+    so the withdrawn one written back is ``replayed``, not served again until the next withdrawal. The signer's own
+    re-announcement (after Redis lost its data) is signed afresh, so it passes. The caller counts the refusals."""
 
     def __init__(self, prefix: str, verifier: AnnouncementVerifier | None):
         self.prefix = prefix
         self.verifier = verifier
         self.newest: dict[str, float] = {}  # channel -> ts of the newest announcement accepted
         self.newest_seq: dict[str, int] = {}  # channel -> the highest seq accepted
+        self.withdrawn: set[str] = set()  # channels read empty since their newest accepted announcement
 
     def accept(
         self, channel: AnnouncementChannel, raw: bytes | str | None, now: float | None = None
@@ -284,9 +289,19 @@ class AnnouncementReader:
         """The announcement ``raw`` read from ``channel``'s key (None: nothing announced), checked; raises
         ``AnnouncementRefused``."""
         if raw is None:
+            if channel in self.newest:
+                self.withdrawn.add(channel)
             return None
         ann = check_announcement(raw, channel, self.prefix, self.verifier, now)
         newest, newest_seq = self.newest.get(channel), self.newest_seq.get(channel)
+        if channel in self.withdrawn and newest is not None:
+            same_seq = ann.seq is None or newest_seq is None or ann.seq == newest_seq
+            if same_seq and ann.ts <= newest:
+                raise AnnouncementRefused(
+                    "replayed",
+                    f"v{ann.version} was announced at {ann.ts:.3f}, no later than the announcement accepted on "
+                    f"{channel!r} before it was withdrawn: the withdrawn announcement written back",
+                )
         if ann.seq is not None:
             if newest_seq is not None and ann.seq < newest_seq:
                 raise AnnouncementRefused(
@@ -302,6 +317,7 @@ class AnnouncementReader:
                 f"announcement accepted on {channel!r} at {newest:.3f}",
             )
         self.newest[channel] = ann.ts
+        self.withdrawn.discard(channel)
         return ann
 
     async def read(self, redis, channel: AnnouncementChannel, now: float | None = None) -> VersionAnnouncement | None:

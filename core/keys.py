@@ -89,8 +89,10 @@ def swap_errors(prefix: str) -> str:
 
 def live(prefix: str, version: int) -> str:
     """A version's live counters (a hash): ``accept``, ``reject``, ``edit``, ``events`` (judged generations),
-    ``revert`` and, per ``REVERT_BUCKET_S`` of judgement time, ``revert@<bucket>`` (``revert_field``). The version
-    is the key's hash tag: its guards (``counted``) share its Redis Cluster slot."""
+    ``revert`` and the guardrail sums (``judged_fields``): a fixed set of fields. It expires with the guard of its
+    newest event (7 days after the version was last judged). A revert by when the answer it undoes was judged is in
+    the per-user sums (``units``). The version is the key's hash tag: its guards (``counted``) share its Redis
+    Cluster slot."""
     return f"{prefix}:live:{{{int(version)}}}"
 
 
@@ -131,9 +133,9 @@ REVERT_BUCKET_S = 10
 
 
 def revert_field(judged_at: float) -> str:
-    """The live-counter field of a revert of a generation judged at ``judged_at``: a revert arrives late, so a canary
-    compares reverts of answers judged during it on both arms, not every revert that
-    arrived meanwhile (the stable arm's would include reverts of answers judged before the canary began)."""
+    """The tally kind of a revert of a generation judged at ``judged_at`` (``revert@<bucket>``): a revert arrives late,
+    and the canary counts it in the bucket of the judgement it undoes (``units``); the live hash counts it as a plain
+    ``revert``."""
     return f"revert@{int(judged_at // REVERT_BUCKET_S)}"
 
 

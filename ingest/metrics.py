@@ -44,9 +44,10 @@ UNIT_TTL_S = 2 * 24 * 3600  # how long per-user sums live after their last write
 # KEYS[1] = the version's live hash, KEYS[1 + i] (i = 1..m) = its per-user sums of bucket i (keys.units),
 # KEYS[1 + m + j] = guard key of event j; ARGV[1] = guard ttl, ARGV[2] = per-user sums' ttl, ARGV[3] = m, and for event
 # j (E of them): ARGV[3 + j] = its kind (a revert's kind carries the bucket of its generation's judgement:
-# revert@<bucket>, keys.revert_field; a judgement's kind may end with the guardrail sums it adds:
-# accept;tokens=5;tokens_sq=25;..., keys.judged_fields), ARGV[3 + E + j] = i, the per-user sums it goes to (0: none),
-# ARGV[3 + 2E + j] = its unit ('': none; it counts in the bucket's aggregate '*' either way).
+# revert@<bucket>, keys.revert_field, which the live hash counts as a plain revert; a judgement's kind may end with
+# the guardrail sums it adds: accept;tokens=5;tokens_sq=25;..., keys.judged_fields), ARGV[3 + E + j] = i, the
+# per-user sums it goes to (0: none), ARGV[3 + 2E + j] = its unit ('': none; it counts in the bucket's aggregate
+# '*' either way).
 # The increments of the events whose guard was new are summed in the script and written once per key and field: a
 # batch costs Redis one SET per event, a few HINCRBYs for the live hash and an HMGET and an HSET per 2,000 per-user
 # fields, not a dozen writes per event (Redis is the one process every worker shares: its cost per event bounds the
@@ -140,11 +141,10 @@ for j = 1, events do
       end
       kind = string.sub(kind, 1, semi - 1)
     end
-    local at = string.find(kind, '@', 1, true)  -- revert@<bucket>: also counted per bucket (keys.revert_field)
+    local at = string.find(kind, '@', 1, true)  -- revert@<bucket>: counted in the per-user sums' bucket only
     local base = kind
     if at then
       base = string.sub(kind, 1, at - 1)
-      add(live, kind, 1)
     end
     add(live, base, 1)
     local f = unit_kind[base]
@@ -165,6 +165,9 @@ end
 -- the live hash: one HINCRBY per field (a sum of 0 is written too: the field exists as it did with one write per event)
 for _, field in ipairs(live[3]) do
   redis.call('HINCRBY', live[1], field, string.format('%.0f', live[2][field]))
+end
+if #live[3] > 0 then  -- the live hash lives as long as its newest event's guard: a version judged no more leaves
+  redis.call('EXPIRE', live[1], ARGV[1])
 end
 -- the per-user sums: thousands of fields, read and written a chunk at a time (HMGET, HSET: two calls where HINCRBY
 -- would take one per field); a value read of more than 15 digits is added to by HINCRBY, the rest stay below 2^53

@@ -89,27 +89,37 @@ async def restore(topic: str, parts: dict[int, Any], bootstrap: str, broker: Bro
     return {"read": read, "wiped": wiped, "partitions": sorted(parts)}
 
 
-async def _true_end_offsets(consumer, tps: dict[int, Any], timeout_s: float = 10.0) -> dict[int, int]:
+async def _true_end_offsets(
+    consumer, tps: dict[int, Any], timeout_s: float = RECOVERY_READ_TIMEOUT_S, warn_after_s: float = 10.0
+) -> dict[int, int]:
     """The log end offset of each partition, from a fetch response's high watermark.
 
     Why: the embedded Tansu broker answers ListOffsets(latest) with the base offset of the last record *batch* + 1,
     not the offset after its last record; reading a changelog up to that answer would silently lose the tail of its
-    last batch (a batch of table changes is one record batch). A fetch response carries the correct high watermark.
-    On Apache Kafka the two agree and this costs one short fetch per partition at rebalance time.
+    last batch (a batch of table changes is one record batch). A fetch response carries the correct high watermark
+    (every answered fetch sets it, records or none). On Apache Kafka the two agree and this costs one short fetch per
+    partition at rebalance time.
+
+    A broker that answers no fetch within ``timeout_s`` is a failed restore (``RuntimeError``), never a restore up
+    to the ListOffsets answer, which on Tansu stops short of the last batch's entries; it is logged after
+    ``warn_after_s``.
     """
     listed = await consumer.end_offsets(list(tps.values()))
     consumer.assign(list(tps.values()))
     for tp in tps.values():
         consumer.seek(tp, max((listed.get(tp) or 0) - 1, 0))
-    deadline = time.monotonic() + timeout_s
-    while any(consumer.highwater(tp) is None for tp in tps.values()) and time.monotonic() < deadline:
-        await consumer.getmany(timeout_ms=200, max_records=1)
-    out = {}
-    for p, tp in tps.items():
-        hw = consumer.highwater(tp)
-        if hw is None:
-            log.warning(
-                "no high watermark for %s within %g s; using the broker's end offset %s", tp, timeout_s, listed.get(tp)
+    t0 = time.monotonic()
+    warned = False
+    while any(consumer.highwater(tp) is None for tp in tps.values()):
+        waited = time.monotonic() - t0
+        missing = sorted(p for p, tp in tps.items() if consumer.highwater(tp) is None)
+        if waited > timeout_s:
+            raise RuntimeError(
+                f"no fetch of the changelog answered within {timeout_s:g} s (partitions {missing}): its end is "
+                "unknown, and the broker's listed end may stop short of the last batch"
             )
-        out[p] = max(hw or 0, listed.get(tp) or 0)
-    return out
+        if waited > warn_after_s and not warned:
+            warned = True
+            log.warning("no high watermark for partitions %s after %g s; still waiting", missing, warn_after_s)
+        await consumer.getmany(timeout_ms=200, max_records=1)
+    return {p: max(consumer.highwater(tp), listed.get(tp) or 0) for p, tp in tps.items()}

@@ -113,15 +113,22 @@ class Candidates:
         return self._due
 
     def frozen(self) -> bool:
-        """The hold flag (``keys.learner_hold``, set by ``liverl hold`` or a demo measuring its last version): the
-        learner trains but emits no candidates. An unreadable flag counts as set (no candidate we cannot account
-        for)."""
-        if self.redis is None:
-            return False
+        """The hold: the learner trains but emits no candidates while the flag ``keys.learner_hold`` is set (by
+        ``liverl hold``, or a demo measuring its last version) or the audit log's newest hold or release is a hold
+        (``Registry.held``: ``liverl hold``'s own entry, so deleting the flag in Redis does not lift an operator's
+        hold; ``liverl hold --release`` does). An unreadable flag or log counts as held (no candidate we cannot
+        account for)."""
+        if self.redis is not None:
+            try:
+                if self.redis.get(keys.learner_hold(self.cfg.topics.prefix)) in (b"1", "1"):
+                    return True
+            except Exception as e:  # noqa: BLE001 - redis-py raises several families; training goes on either way
+                log.warning("learner: cannot read the freeze flag (%s); holding back candidates", e)
+                return True
         try:
-            return self.redis.get(keys.learner_hold(self.cfg.topics.prefix)) in (b"1", "1")
-        except Exception as e:  # noqa: BLE001 - redis-py raises several families; training goes on either way
-            log.warning("learner: cannot read the freeze flag (%s); holding back candidates", e)
+            return self.registry.held() is not None
+        except REGISTRY_ERRORS as e:
+            log.warning("learner: cannot read the audit log's hold (%s); holding back candidates", e)
             return True
 
     def emit(self, metrics_now: dict[str, float]) -> None:

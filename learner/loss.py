@@ -69,36 +69,60 @@ class LossOutput:
     metrics: dict[str, float]
 
 
+MAX_SEGMENTS = 1024
+"""The most segments ``RunningBaseline`` keeps a mean for: ``segment`` is the product's to choose (any string of up to
+64 characters), so the baseline, which every checkpoint saves, must not grow with whatever it sends."""
+
+
 class RunningBaseline:
     """Exponential moving average of the reward per segment (the fallback baseline).
 
-    Stored in the learner checkpoint (``state_dict``/``load_state_dict``) so a restart keeps it.
+    At most ``max_segments`` segments get a mean of their own, the first ones seen; every later segment shares one
+    overflow mean. Stored in the learner checkpoint (``state_dict``/``load_state_dict``) so a restart keeps it.
     """
 
-    def __init__(self, decay: float = 0.9, init: float = 0.0):
+    def __init__(self, decay: float = 0.9, init: float = 0.0, max_segments: int = MAX_SEGMENTS):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay}")
+        if max_segments < 1:
+            raise ValueError(f"max_segments must be >= 1, got {max_segments}")
         self.decay = decay
         self.init = init
+        self.max_segments = max_segments
         self.means: dict[str, float] = {}
+        self.overflow: float | None = None  # the shared mean of the segments past max_segments
+
+    def _own(self, segment: str | None) -> str | None:
+        """The segment's key in ``means``, or None when it shares the overflow mean."""
+        key = segment or ""
+        return key if key in self.means or len(self.means) < self.max_segments else None
 
     def get(self, segment: str | None) -> float:
-        return self.means.get(segment or "", self.init)
+        key = self._own(segment)
+        if key is None:
+            return self.init if self.overflow is None else self.overflow
+        return self.means.get(key, self.init)
+
+    def _ema(self, old: float | None, mean_reward: float) -> float:
+        return mean_reward if old is None else self.decay * old + (1.0 - self.decay) * mean_reward
 
     def update(self, segment: str | None, mean_reward: float) -> None:
-        key = segment or ""
-        if key not in self.means:
-            self.means[key] = mean_reward
+        key = self._own(segment)
+        if key is None:
+            self.overflow = self._ema(self.overflow, mean_reward)
         else:
-            self.means[key] = self.decay * self.means[key] + (1.0 - self.decay) * mean_reward
+            self.means[key] = self._ema(self.means.get(key), mean_reward)
 
     def state_dict(self) -> dict:
-        return {"decay": self.decay, "init": self.init, "means": dict(self.means)}
+        return {"decay": self.decay, "init": self.init, "means": dict(self.means), "overflow": self.overflow}
 
     def load_state_dict(self, state: dict) -> None:
         self.decay = float(state["decay"])
         self.init = float(state["init"])
-        self.means = {str(k): float(v) for k, v in state["means"].items()}
+        means = [(str(k), float(v)) for k, v in state["means"].items()]
+        self.means = dict(means[: self.max_segments])
+        overflow = state.get("overflow")  # absent from a checkpoint of a release without the cap
+        self.overflow = None if overflow is None else float(overflow)
 
 
 def advantages(

@@ -67,7 +67,9 @@ def cmd_versions(args: argparse.Namespace) -> int:
 def cmd_history(args: argparse.Namespace) -> int:
     from liverl.ops.admin import cmd_history as run
 
-    return run(cfg_from_args(args), verify=args.verify)
+    return run(
+        cfg_from_args(args), verify=args.verify, seal=args.seal, token=operator_token(args) if args.seal else None
+    )
 
 
 def cmd_operator(args: argparse.Namespace) -> int:
@@ -213,6 +215,13 @@ def _add_views(sub) -> None:
         help="first check the log's chain (HMAC with security.audit_key) "
         "and its head anchored in Redis: exit 1 if an entry was rewritten, removed or added, or the tail cut",
     )
+    s.add_argument(
+        "--seal",
+        metavar="REASON",
+        help="(admin) key a log written before security.audit_key existed from here on: the seal vouches for "
+        "every unkeyed entry before it, so read them first (a log whose MACs were stripped looks the same)",
+    )
+    add_token_arg(s)
     s.set_defaults(fn=cmd_history)
 
 

@@ -432,9 +432,13 @@ class CanaryController:
         last = (rollout.looks or [{}])[-1]
         try:
             self.registry.finish_rollout_promote(
-                rollout.id, expected_stable=stable.version, actor=actor, reason=f"canary passed: {why}"
+                rollout.id,
+                expected_stable=stable.version,
+                actor=actor,
+                reason=f"canary passed: {why}",
+                expect_revision=rollout.revision,  # the evidence just saved: any operator write since moves it
             )
-        except RegistryConflict as e:  # paused, aborted or promoted by an operator since it was read: theirs stands
+        except RegistryConflict as e:  # paused (and resumed), aborted or promoted since it was read: look again
             return "continue", f"not promoted: {e}"
         self.record(rollout.version, "canary", last.get("canary_acceptance"), last.get("stable_acceptance"), True, why)
         announce(

@@ -49,6 +49,10 @@ class Evaluator(Protocol):
         """log pi(completion | prompt) of each probe (``prompt_ids``, ``completion_ids``) under ``weights``."""
 
 
+STABLE_SUITES_KEPT = 8
+"""How many stable versions' suite scores the gate remembers (a rollback to one of them costs no evaluation)."""
+
+
 class EvidenceChecks:
     """Checks (b)-(e) of ``deploy.gate.gate.Gate``, and the stable version's suite score they compare with."""
 
@@ -79,6 +83,8 @@ class EvidenceChecks:
                     "reference score of the stable version " + json.dumps(shown, sort_keys=True),
                 )
             self._stable_suite[key] = score
+            while len(self._stable_suite) > STABLE_SUITES_KEPT:  # the oldest first: one per promotion, kept bounded
+                del self._stable_suite[next(iter(self._stable_suite))]
         return self._stable_suite[key]
 
     def _evidence(self, row: Version, stable: Version, state: Mapping[str, Any]) -> dict[str, bool]:

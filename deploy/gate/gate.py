@@ -52,7 +52,7 @@ from core.config import LiverlConfig
 from core.services import kafka_bootstrap, required_signing_key, setup_redis
 from deploy.gate.canary import CanaryController, Deferred
 from deploy.gate.evidence import Evaluator, EvidenceChecks
-from deploy.gate.tail import GenerationTail, HeldoutSample, LoggedGeneration, parse_heldout
+from deploy.gate.tail import PROBE_UNIT_SHARE, GenerationTail, HeldoutSample, LoggedGeneration, parse_heldout
 from deploy.gate.verdict import Verdict
 from deploy.gate.waiting import OffpolicyLook, Waiting, WaitSteps
 from deploy.registry.attest import Attested, Attestor
@@ -438,7 +438,11 @@ def run_gate(
     registry = open_registry(cfg)
     r = setup_redis(cfg, decode_responses=True)
     tail = GenerationTail(
-        kafka_bootstrap(cfg), cfg.topics.generations, cfg.gate.probe_generations, broker=cfg.broker
+        kafka_bootstrap(cfg),
+        cfg.topics.generations,
+        cfg.gate.probe_generations,
+        broker=cfg.broker,
+        unit_share=PROBE_UNIT_SHARE,  # the heaviest users do not choose the probes
     ).start()
     heldout = (
         GenerationTail(

@@ -22,9 +22,16 @@ from core.schemas import GenerationRecord, TrainingSample, WireError
 log = logging.getLogger("liverl.gate")
 
 
+PROBE_UNIT_SHARE = 1 / 16
+"""The most of the drift and collapse probes one user may hold (the gate's generations tail): the probes are the newest
+logged generations, and without a cap the heaviest users' requests would be most of them. A caller who rotates user
+keys, or sends none, is not capped: generations without a unit count each as their own."""
+
+
 class LoggedGeneration(NamedTuple):
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]
+    unit: str | None = None  # the pseudonymous user it was served to (``GenerationRecord.unit``)
 
 
 class HeldoutSample(NamedTuple):
@@ -60,7 +67,7 @@ def _plain_sampling(s) -> bool:
 def parse_generation(raw: bytes) -> LoggedGeneration | None:
     g = GenerationRecord.from_bytes(raw)
     if g.trainable and g.prompt_token_ids and g.completion_token_ids:
-        return LoggedGeneration(tuple(g.prompt_token_ids), tuple(g.completion_token_ids))
+        return LoggedGeneration(tuple(g.prompt_token_ids), tuple(g.completion_token_ids), g.unit)
     return None
 
 
@@ -95,14 +102,20 @@ class GenerationTail:
         young_s: float = 0.0,
         judged_at: Callable[[Any], float] | None = None,
         young_cap: int = 200_000,
+        unit_share: float = 0.0,
     ):
         """``young_s`` (with ``judged_at``): the tail keeps ``size`` records judged more than ``young_s`` ago PLUS every
         younger one (up to ``young_cap``), so that the off-policy check, which censors what is younger than the revert
         horizon, always has ``size`` usable samples. A plain last-``size`` tail held only young records once the
         traffic brought more than ``size`` held-out samples per revert horizon: nothing usable, every candidate
-        deferred."""
+        deferred.
+
+        ``unit_share`` (0: none): one unit (a record's ``unit``, None: no unit) holds at most this share of the
+        ``size`` records kept, its newest; its older ones leave first (``PROBE_UNIT_SHARE``)."""
         self.bootstrap, self.topic, self.size, self.broker, self.parse = bootstrap, topic, size, broker, parse
         self.young_s, self.judged_at = young_s, judged_at
+        self.per_unit = max(1, int(size * unit_share)) if unit_share > 0 else 0
+        self._units: collections.Counter[str] = collections.Counter()  # records kept per unit (with per_unit)
         self._recent: collections.deque = collections.deque(maxlen=size)
         self._young: collections.deque = collections.deque(maxlen=young_cap)  # in arrival order, moved on when old
         self._lock = threading.Lock()
@@ -128,7 +141,27 @@ class GenerationTail:
         assert self.judged_at is not None  # records wait among the young only with a judged_at
         cutoff = time.time() - self.young_s
         while self._young and self.judged_at(self._young[0]) <= cutoff:
-            self._recent.append(self._young.popleft())
+            self._keep(self._young.popleft())
+
+    def _keep(self, item: Any) -> None:
+        """Keep ``item`` among the ``size`` newest; with ``per_unit``, its unit's oldest leaves when the unit holds its
+        share already (caller holds the lock)."""
+        unit = getattr(item, "unit", None) if self.per_unit else None
+        if unit is not None:
+            if self._units[unit] >= self.per_unit:
+                for i, old in enumerate(self._recent):
+                    if getattr(old, "unit", None) == unit:
+                        del self._recent[i]
+                        self._units[unit] -= 1
+                        break
+            self._units[unit] += 1
+        if len(self._recent) == self.size:  # the oldest leaves
+            gone = getattr(self._recent.popleft(), "unit", None) if self.per_unit else None
+            if gone is not None:
+                self._units[gone] -= 1
+                if not self._units[gone]:
+                    del self._units[gone]
+        self._recent.append(item)
 
     def _run(self) -> None:
         """Tails until closed; a broker error (a timeout on a loaded machine, a restart) is logged and the tail
@@ -162,6 +195,7 @@ class GenerationTail:
             with self._lock:  # read again from `size` back: what it held would come twice
                 self._recent.clear()
                 self._young.clear()
+                self._units.clear()
             while not self._stop.is_set():
                 for records in consumer.poll(timeout_ms=500, max_records=1000).values():
                     for rec in records:
@@ -178,7 +212,7 @@ class GenerationTail:
         if item is not None:
             with self._lock:
                 if self.judged_at is None or self.young_s <= 0:
-                    self._recent.append(item)
+                    self._keep(item)
                 else:
                     self._young.append(item)
                     self._age()

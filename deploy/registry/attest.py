@@ -19,7 +19,8 @@ later entry hangs on the broken link (``liverl history --verify`` finds the entr
 
 Without an audit key (``security.audit_key`` unset) the plain hash chain is all there is, and whoever can write the
 database can recompute it: attestation then holds against a careless edit, not against an attacker. ``liverl up``
-makes the key.
+makes the key. With the key, a log that ends without a MAC vouches for nothing: it is one written before the key
+(sealed once by an admin, ``Registry.seal_audit``) or one whose MACs were stripped and its plain chain recomputed.
 """
 
 from __future__ import annotations
@@ -74,6 +75,13 @@ class Attestor:
                 self._problem = str(e)
         if self._problem is not None:
             return Attested(None, None, self._problem)
+        if self.db.audit_key is not None and not self._keyed:  # all of it recomputable without the key
+            return Attested(
+                None,
+                None,
+                "the audit log ends without a MAC: written before the audit key existed, or stripped of its MACs; "
+                "an admin reads it and seals it (`liverl history --seal`)",
+            )
         return Attested(self._stable, self._canary)
 
     def _read(self) -> None:

@@ -20,6 +20,10 @@ What is and is not detected (``liverl history --verify``), without the key:
 - the tail cut by someone who can also write Redis and resets the anchor to an older entry's (seq, mac) (or deletes
   it and waits for the next append, which anchors the cut chain): NOT detected; the anchor cannot be forged forward,
   only rolled back. A deleted anchor makes ``--verify`` fail ("cannot check the tail") until the next append.
+- every MAC stripped, the plain chain recomputed and the anchor deleted: the log then reads like one written before
+  the key existed. ``--verify`` fails (no anchor), and a keyed writer refuses to append to an unkeyed log: only an
+  admin's explicit seal (``Registry.seal_audit``, ``liverl history --seal``, an audited ``audit_seal`` entry naming
+  how many unkeyed entries it vouches for) makes the chain keyed from there, so no ordinary write seals a forgery.
 """
 
 from __future__ import annotations
@@ -274,10 +278,16 @@ def check_chain(entries: Iterable[Any], key: bytes | None, head: AuditHead | Non
             f"cannot read the audit head in Redis ({head.key}): {e}; the tail cannot be checked", kind="unverifiable"
         )
     if anchor is None:
-        if res.keyed:
+        if res.entries:  # a log stripped of its MACs with the anchor deleted reads exactly like a legacy one
             return res._fail(
                 f"no audit head in Redis ({head.key}): the tail cannot be checked (Redis lost its data, "
-                "or the anchor was deleted; the next audited change re-anchors it)",
+                "or the anchor was deleted; the next audited change re-anchors it)"
+                + (
+                    ""
+                    if res.keyed
+                    else "; no entry has a MAC: a log from before the audit key, or one whose MACs were stripped "
+                    "(a keyed writer refuses to extend it until an admin seals it: `liverl history --seal`)"
+                ),
                 kind="unverifiable",
             )
         return res

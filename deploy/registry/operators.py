@@ -85,9 +85,36 @@ class Operators:
         """Walk the audit chain (plain hash for unkeyed entries, HMAC for keyed ones) and compare its end with the
         head anchored in Redis: ``deploy.registry.auditchain.check_chain``; ``.ok``, ``.problem``, ``.bad_id``,
         ``.warnings``."""
+        q = select(AuditEntry).order_by(AuditEntry.id).execution_options(yield_per=1000)
+        with self.db.session() as s:  # streamed a thousand rows at a time: the log grows with every candidate
+            return check_chain(s.scalars(q), self.db.audit_key, self.db.audit_head)
+
+    def seal_audit(self, actor: str, reason: str) -> int:
+        """Make the audit log keyed from here: an ``audit_seal`` entry, keyed, vouching for the unkeyed entries before
+        it (a log written before the audit key existed). Only this call extends an unkeyed log with a key, so an admin
+        decides it, having read the log: a log whose MACs were stripped looks exactly the same. Returns how many
+        unkeyed entries it sealed; ``RegistryError`` without the key, or when the log does not end unkeyed."""
+        if not reason:
+            raise RegistryError("sealing the audit log needs a reason for the audit log")
+        if self.db.audit_key is None:
+            raise RegistryError("sealing the audit log needs the audit key (security.audit_key)")
+        with self.db.tx() as s:
+            lock(s)
+            last = s.execute(select(AuditEntry.mac).order_by(AuditEntry.id.desc()).limit(1)).first()
+            if last is None or last.mac is not None:
+                raise RegistryError("the audit log does not end with an unkeyed entry: there is nothing to seal")
+            n = s.execute(select(func.count()).select_from(AuditEntry).where(AuditEntry.mac.is_(None))).scalar_one()
+            self.db.append_audit(s, actor, "audit_seal", None, f"{n} unkeyed entries sealed: {reason}", seal=True)
+        return int(n)
+
+    def held(self) -> AuditEntry | None:
+        """The operator's hold on the learner's candidates (``liverl hold``), when the newest ``hold`` or ``release``
+        entry of the audit log is a hold: that entry; None otherwise. The learner reads it beside the Redis flag, so
+        a Redis writer who deletes the flag does not lift it: only an audited release does."""
+        q = select(AuditEntry).where(AuditEntry.action.in_(("hold", "release"))).order_by(AuditEntry.id.desc()).limit(1)
         with self.db.session() as s:
-            entries = list(s.execute(select(AuditEntry).order_by(AuditEntry.id)).scalars())
-        return check_chain(entries, self.db.audit_key, self.db.audit_head)
+            last = s.execute(q).scalar()
+        return last if last is not None and last.action == "hold" else None
 
     def log_action(self, actor: str, action: str, reason: str, version: int | None = None) -> None:
         """Record an operator action that changes no version row (e.g. holding the learner) in the audit log."""

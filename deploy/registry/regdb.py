@@ -142,9 +142,15 @@ class RegistryDB:
                 e,
             )
 
-    def append_audit(self, s: Session, actor: str, action: str, version: int | None, reason: str | None) -> None:
+    def append_audit(
+        self, s: Session, actor: str, action: str, version: int | None, reason: str | None, seal: bool = False
+    ) -> None:
         """Append one audit entry inside ``s``'s transaction, chained to the previous one (under the registry lock, so
-        the chain is linear): by plain hash, and by HMAC with the audit key (``deploy.registry.auditchain``)."""
+        the chain is linear): by plain hash, and by HMAC with the audit key (``deploy.registry.auditchain``).
+
+        With the key, the entry after an unkeyed one would vouch for every entry before it; it is written only as an
+        admin's explicit seal (``seal``, ``Operators.seal_audit``), never by an ordinary write: a log whose MACs were
+        stripped looks exactly like one written before the key existed."""
         lock(s)
         last = s.execute(
             select(AuditEntry.seq, AuditEntry.mac, AuditEntry.entry_hash).order_by(AuditEntry.id.desc()).limit(1)
@@ -159,6 +165,12 @@ class RegistryDB:
             )
             prev, link = last.entry_hash or "", last.mac or last.entry_hash or ""
         at, mac = time.time(), None
+        if self.audit_key is not None and last is not None and last.mac is None and not seal:
+            raise RegistryError(
+                "the registry's audit log has no keyed entry at its end: it was written before the audit key "
+                "existed, or someone stripped its MACs. A keyed write would vouch for it, so none is made: check "
+                "`liverl history`, then an admin seals it with `liverl history --seal REASON`"
+            )
         if self.audit_key is not None:
             mac = audit_mac(self.audit_key, link, seq, actor, action, version, reason, at)
             s.info["audit_head"] = (seq, mac)  # anchored once the transaction commits (``tx``)

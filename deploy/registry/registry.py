@@ -138,6 +138,8 @@ class Registry:
     operators = _Part("_operators")
     authenticate = _Part("_operators")
     verify_audit = _Part("_operators")
+    seal_audit = _Part("_operators")
+    held = _Part("_operators")
     log_action = _Part("_operators")
     audit_seq = _Part("_operators")
     audit = _Part("_operators")

@@ -298,12 +298,21 @@ def cmd_diff(cfg: LiverlConfig, a: int, b: int, top: int = 20) -> int:
     return 0
 
 
-def cmd_history(cfg: LiverlConfig, limit: int | None = 50, verify: bool = False) -> int:
+def cmd_history(
+    cfg: LiverlConfig, limit: int | None = 50, verify: bool = False, seal: str | None = None, token: str | None = None
+) -> int:
     """The audit log: who did what to which version, and why. ``verify``: first check the chain (HMAC with the audit
     key for keyed entries, plain hash for older ones) and its end against the head anchored in Redis; exit 1 when an
-    entry was rewritten, removed or added, the tail was cut, or the check could not be made."""
+    entry was rewritten, removed or added, the tail was cut, or the check could not be made. ``seal`` (a reason; an
+    admin's token): key a log that ends unkeyed from here (``Registry.seal_audit``)."""
     reg = open_registry(cfg)
     try:
+        if seal is not None:
+            try:
+                n = reg.seal_audit(reg.authenticate(token, need="admin").name, seal)
+            except RegistryError as e:
+                return _err(str(e))
+            print(f"audit log sealed: the {n} unkeyed entries before it are vouched for by your seal")
         if verify:
             check = reg.verify_audit()
             if check.kind == "tampered":
@@ -356,8 +365,18 @@ def _change(cfg: LiverlConfig, verb: str, token: str | None, do) -> int:
         return _err(str(e))
     finally:
         reg.close()
+    key = signing_key_path(cfg)
+    if key is None and not cfg.security.allow_unsigned:  # the agents would refuse it: write nothing over the gate's
+        r.close()
+        print(
+            f"warning: {verb}: v{row.version} is now stable in the registry (audited), but NOT announced: this host "
+            "has no announcement signing key (security.signing_key), and the agents refuse unsigned announcements. "
+            f"The fleet moves only when the gate signs and announces the registry's stable version, at its next step "
+            f"(gate.poll_s {cfg.gate.poll_s:g} s) while it runs: check with `liverl status`.",
+            file=sys.stderr,
+        )
+        return 0
     with r:
-        key = signing_key_path(cfg)
         announce(
             r,
             cfg.topics.prefix,

@@ -45,8 +45,9 @@ class Wire(BaseModel):
         return self.model_dump_json().encode()
 
     @classmethod
-    def from_bytes(cls, raw: bytes | str):
-        """Parse one wire message; raises ``WireError`` with a machine-readable reason.
+    def from_bytes(cls, raw: bytes | str | None):
+        """Parse one wire message; raises ``WireError`` with a machine-readable reason, for any input (``None``,
+        a record without a value, is ``empty``).
 
         Only UTF-8 without a byte order mark is JSON here (RFC 8259): other encodings, nesting too deep for
         the parser and integers too long to convert are ``malformed_json``, never an exception of another kind.
@@ -55,6 +56,10 @@ class Wire(BaseModel):
         the ingest join parses every record). Whatever it refuses goes through the lax path below, which accepts what
         it always did and names the reason; what strict mode accepts, the lax path would accept with the same value.
         """
+        if raw is None:  # a Kafka record without a value (a tombstone): a refusal its reader counts, not a crash
+            raise WireError("empty", "a record without a value (tombstone)")
+        if not isinstance(raw, (bytes, bytearray, str)):
+            raise WireError("malformed_json", f"expected bytes or text, got {type(raw).__name__}")
         try:  # (the validator itself: what model_validate_json calls, without its Python frame)
             return cls.__pydantic_validator__.validate_json(raw, strict=True)
         except (ValidationError, ValueError, RecursionError):

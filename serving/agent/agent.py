@@ -64,6 +64,7 @@ from core.config import LiverlConfig, advertised_url
 from core.schemas import VersionAnnouncement
 from core.services import required_verify_key
 from deploy.registry.signing import Verifier
+from serving.agent.fleet_record import FleetRecord
 from serving.agent.kept import KeptAnnouncement
 from serving.agent.launch import delta_dir
 from serving.agent.metrics import AgentMetrics
@@ -124,6 +125,7 @@ class Agent:
         self.refused_announcements = 0
         self.refused_by_reason: collections.Counter[str] = collections.Counter()
         self.registry_errors = _registry_errors() if registry is not None else (SQLAlchemyError, OSError)
+        self.fleet_record = FleetRecord(registry, self.name, self.metrics.errors, self.registry_errors)
         self._last_refused: dict[str, str] = {}  # channel -> the refusal last logged
         # followed when no desired announcement in Redis is valid (the gate down past its expiry, a restart meanwhile)
         self.kept = KeptAnnouncement(cfg.state_path, self.name, self.prefix, self.verifier)
@@ -198,6 +200,8 @@ class Agent:
         """One poll: swap if the desired version differs from the served one; heartbeat. Returns the swap record."""
         ann = await self.desired()
         record = None
+        now = time.monotonic()  # a failure past its retry window is as good as none: at most one a poll is kept
+        self._failed = {k: at for k, at in self._failed.items() if now - at <= self.retry_failed_after_s}
         if ann is not None and (ann.version != self.gw.version or ann.checksum != self.gw.checksum):
             key = (ann.channel, ann.version, ann.checksum)
             failed_at = self._failed.get(key)
@@ -212,6 +216,7 @@ class Agent:
             self._verified_at = time.monotonic()
         elif self.cfg.serving.reverify_s and time.monotonic() - self._verified_at >= self.cfg.serving.reverify_s:
             await self.reverify()
+        await self.fleet_record.flush()  # a record the registry refused at the swap: a canary waits for it
         await self.heartbeat()
         return record
 
@@ -410,11 +415,8 @@ class Agent:
             rec["inflight"],
         )
         await self.heartbeat()
-        if self.registry is not None:
-            try:
-                await asyncio.to_thread(self.registry.update_fleet, self.name, target_version, target_checksum)
-            except self.registry_errors as e:
-                log.warning("could not record node %s in the registry's fleet table: %s", self.name, e)
+        self.fleet_record.swapped(target_version, target_checksum)
+        await self.fleet_record.flush()
         return rec
 
     async def _report_error(self, from_v: int | None, to_v: int, error: str, restored: bool) -> None:

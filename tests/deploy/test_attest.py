@@ -92,6 +92,37 @@ def test_an_audit_entry_forged_without_the_key_makes_the_gate_sign_nothing(cfg, 
         registry.close()
 
 
+def test_a_log_stripped_of_its_macs_and_recomputed_vouches_for_nothing(cfg, rds):
+    """Someone who writes the database and Redis, without the key, strips every MAC, writes a promotion of a rejected
+    version into the plain hash chain, recomputes it and deletes the anchor: a gate holding the key signs nothing."""
+    from tests.deploy.test_auditchain import recompute
+
+    gate, registry = keyed_gate(cfg, rds)
+    try:
+        gate.step()
+        bad = registry.add_candidate(weights(0.10, 0.8, seed=2), parent=0)
+        assert [v.verdict for v in gate.step()] == ["rejected"]
+        sql(registry, "UPDATE versions SET status = 'retired' WHERE version = 0")
+        sql(registry, "UPDATE versions SET status = 'stable' WHERE version = :v", v=bad.version)
+        with registry.db.tx() as s:
+            s.execute(sa.text("UPDATE audit_log SET mac = NULL"))
+            s.execute(
+                sa.text(
+                    "INSERT INTO audit_log (actor, action, version, reason, at, prev_hash, entry_hash, seq) "
+                    "VALUES ('gate', 'promote', :v, 'forged', 0, '', '', 0)"
+                ),
+                {"v": bad.version},
+            )
+        recompute(registry, forge_key=b"unused")
+        rds.delete(f"{cfg.topics.prefix}:audit:head", f"{cfg.topics.prefix}:desired")
+        fresh = Gate(cfg, registry, rds, ProbeEval())  # a gate started after the forgery reads the log afresh
+        fresh.step()
+        assert rds.get(f"{cfg.topics.prefix}:desired") is None and unattested(fresh, "desired") >= 1
+        assert "ends without a MAC" in Attestor(registry.db).refresh().problem
+    finally:
+        registry.close()
+
+
 def test_a_rollout_row_no_audited_canary_start_made_is_neither_watched_nor_signed(cfg, rds):
     gate, registry = keyed_gate(cfg, rds)
     try:

@@ -180,6 +180,25 @@ def test_what_the_anchor_cannot_show_a_head_rolled_back_with_the_tail(open_reg, 
     assert reg.verify_audit().ok
 
 
+def test_macs_stripped_and_the_anchor_deleted_fail_the_check_and_no_write_seals_them(open_reg, head):
+    """Someone who writes the database and Redis, without the key, strips every MAC, recomputes the plain chain and
+    deletes the anchor: the log then reads like one from before the key. The check does not pass, and the next keyed
+    write does not vouch for the forged log: only an admin's explicit seal would."""
+    reg = open_reg()
+    history(reg)
+    with reg.engine.begin() as c:
+        c.execute(sa.update(AuditEntry).values(mac=None, actor="mallory"))
+    recompute(reg, forge_key=b"unused")
+    head.redis.delete(head.key)
+    check = reg.verify_audit()
+    assert not check.ok and check.kind == "unverifiable" and "no entry has a MAC" in check.problem
+    with pytest.raises(RegistryError, match="no keyed entry at its end"):
+        reg.log_action("gate", "hold", "an ordinary write after the forgery")
+    with pytest.raises(RegistryError, match="no keyed entry at its end"):
+        reg.add_candidate(perturb(tiny_model(), 0.05, seed=9), parent=0)
+    assert not reg.verify_audit().ok and head.read() is None
+
+
 def test_an_entry_removed_or_inserted_in_the_middle_is_detected(open_reg):
     reg = open_reg()
     history(reg)
@@ -258,28 +277,36 @@ def test_the_anchor_only_moves_forward_and_a_lag_is_reported(open_reg, head, cfg
     down.close()
 
 
-def test_a_legacy_unkeyed_log_is_reported_unkeyed_then_sealed_by_the_first_keyed_entry(open_reg):
+def test_a_legacy_unkeyed_log_is_reported_unkeyed_then_keyed_from_an_admins_seal(open_reg):
     legacy = open_reg(key=None)  # an old registry: no key
     history(legacy, n=2)
     check = legacy.verify_audit()
     assert check.ok and check.keyed == 0 and "not keyed" in check.warnings[0]
     n_legacy = check.entries
 
-    keyed = open_reg()  # the key is configured: the next entries are keyed and the first one seals the older ones
+    keyed = open_reg()  # the key is configured: no ordinary write extends the unkeyed log, an admin's seal does
+    check = keyed.verify_audit()
+    assert check.kind == "unverifiable" and "no entry has a MAC" in check.problem
+    with pytest.raises(RegistryError, match="no keyed entry at its end"):
+        keyed.log_action("alice", "hold", "keyed from now on")
+    assert keyed.seal_audit("alice", "the log from before the key, read and kept") == n_legacy
     keyed.log_action("alice", "hold", "keyed from now on")
     check = keyed.verify_audit()
-    assert check.ok and (check.unkeyed, check.keyed) == (n_legacy, 1)
+    assert check.ok and (check.unkeyed, check.keyed) == (n_legacy, 2)
+    assert entries(keyed)[n_legacy].action == "audit_seal"
+    with pytest.raises(RegistryError, match="nothing to seal"):
+        keyed.seal_audit("alice", "again")
 
     with pytest.raises(RegistryError, match="audit log is keyed and this process has no audit key"):
         legacy.log_action("mallory", "hold", "no key")  # a keyed log takes no unkeyed entry
-    assert keyed.verify_audit().entries == n_legacy + 1
+    assert keyed.verify_audit().entries == n_legacy + 2
 
     first = entries(keyed)[0]  # an unkeyed entry rewritten with the plain chain recomputed: the seal breaks
     with keyed.engine.begin() as c:
         c.execute(sa.update(AuditEntry).where(AuditEntry.id == first.id).values(reason="something else"))
     recompute(keyed, forge_key=b"not the key")
     check = keyed.verify_audit()
-    assert check.kind == "tampered" and check.bad_id == entries(keyed)[-1].id
+    assert check.kind == "tampered" and check.bad_id == entries(keyed)[n_legacy].id  # the seal
 
 
 def test_verifying_a_keyed_log_needs_the_key(open_reg):
@@ -339,8 +366,8 @@ def test_a_registry_from_before_rollouts_and_keys_opens_and_keeps_its_log(db_url
     try:
         assert [(e.seq, e.mac) for e in entries(reg)] == [(1, None), (2, None), (3, None)]
         check = reg.verify_audit()
-        assert check.ok and (check.unkeyed, check.keyed) == (3, 0)
-        reg.log_action("bob", "release", "after the upgrade")
+        assert check.kind == "unverifiable" and (check.unkeyed, check.keyed) == (3, 0)  # no anchor yet
+        reg.seal_audit("bob", "the log from before the upgrade")
         check = reg.verify_audit()
         assert check.ok and (check.entries, check.unkeyed, check.keyed, check.head_seq) == (4, 3, 1, 4)
         assert reg.active_rollout() is None and reg.rollouts() == []

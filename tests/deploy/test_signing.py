@@ -136,6 +136,32 @@ def test_the_reader_refuses_another_channel_another_prefix_an_expired_one_and_a_
     assert reader.accept("desired", None) is None  # nothing announced is not a refusal
 
 
+def test_a_withdrawn_canary_written_back_is_refused_and_a_fresh_signature_is_taken(cfg, keys):
+    """A canary announcement read, then withdrawn (its channel read empty: the canary was aborted), then written back
+    unchanged by whoever can write Redis, is a replay; the signer's own announcement signed afresh (after Redis lost
+    its data) is taken, at the same audit sequence or a later one."""
+    private, public = keys
+    sign = Signer(private).sign
+    reader = fleet.AnnouncementReader(cfg.topics.prefix, Verifier(public))
+    now = time.time()
+    for seq in (12, None):  # ordered by audit sequence, and by the signer's clock for one without
+        canary = sign(bound(cfg, channel="canary", rollout=terms("node-b"), ts=now - 60 + (seq or 0), seq=seq))
+        assert reader.accept("canary", canary.to_bytes()) == canary
+        assert reader.accept("canary", canary.to_bytes()) == canary  # read again at the next poll
+        assert reader.accept("canary", None) is None  # withdrawn
+        with pytest.raises(fleet.AnnouncementRefused, match="withdrawn announcement written back") as e:
+            reader.accept("canary", canary.to_bytes())
+        assert e.value.reason == "replayed"
+        again = sign(canary.model_copy(update={"ts": canary.ts + 1, "signature": None}))
+        assert reader.accept("canary", again.to_bytes()) == again
+        assert reader.accept("canary", again.to_bytes()) == again
+        reader = fleet.AnnouncementReader(cfg.topics.prefix, Verifier(public))
+    later = sign(bound(cfg, channel="canary", rollout=terms("node-b"), ts=now - 30, seq=13))
+    reader.accept("canary", sign(bound(cfg, channel="canary", rollout=terms("node-b"), ts=now, seq=12)).to_bytes())
+    reader.accept("canary", None)
+    assert reader.accept("canary", later.to_bytes()) == later  # a later decision, whatever the signers' clocks
+
+
 def test_without_a_verifier_the_bindings_still_hold(cfg):
     """security.allow_unsigned drops the signature check, not the channel, prefix, expiry and replay checks."""
     reader = fleet.AnnouncementReader(cfg.topics.prefix, None)

@@ -143,6 +143,24 @@ def test_advantages_running_baseline_for_singletons_and_normalisation():
         advantages(torch.tensor([float("nan")]), ["a"])
 
 
+def test_the_running_baseline_keeps_at_most_max_segments_means_and_one_overflow_mean():
+    """The segment is the product's to choose: a stream of new segments adds no mean past ``max_segments``, the later
+    ones share one overflow mean, and the state a checkpoint saves stays that size through a restart."""
+    running = RunningBaseline(decay=0.5, max_segments=4)
+    for i in range(1000):
+        advantages(torch.tensor([1.0 if i % 2 else 0.0]), [f"seg-{i}"], running)
+    assert list(running.means) == ["seg-0", "seg-1", "seg-2", "seg-3"] and running.means["seg-1"] == 1.0
+    assert running.overflow is not None and 0.0 < running.overflow < 1.0
+    assert running.get("seg-999") == running.get("never-seen") == running.overflow
+    assert running.get("seg-2") == 0.0
+    restored = RunningBaseline(max_segments=4)
+    restored.load_state_dict(running.state_dict())
+    assert (restored.means, restored.overflow) == (running.means, running.overflow)
+    old = RunningBaseline(max_segments=2)  # a checkpoint saved with more segments, or before the cap
+    old.load_state_dict({"decay": 0.9, "init": 0.0, "means": {"a": 0.1, "b": 0.2, "c": 0.3}})
+    assert old.means == {"a": 0.1, "b": 0.2} and old.overflow is None
+
+
 def test_full_kl_is_exact_zero_at_reference_and_pulls_toward_it():
     from learner.loss import full_kl
 

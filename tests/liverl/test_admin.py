@@ -15,10 +15,11 @@ from tests.deploy.conftest import perturb, tiny_model
 
 @pytest.fixture(autouse=True)
 def audit_key(cfg):
-    """Every test here runs with the audit key `liverl up` makes (<state_dir>/keys/audit.key)."""
-    from deploy.registry.auditchain import ensure_audit_key
+    """Every test here runs with the keys `liverl up` makes (<state_dir>/keys: the audit key, the announcement pair)."""
+    from liverl.stack.supervisor import ensure_keys
 
-    return ensure_audit_key(cfg)
+    ensure_keys(cfg)
+    return cfg.state_path / "keys" / "audit.key"
 
 
 @pytest.fixture
@@ -129,6 +130,24 @@ def test_promote_and_rollback_update_registry_audit_and_redis(cfg, rds, fleet, c
         reg.close()
 
 
+def test_a_verb_on_a_host_without_the_signing_key_says_the_fleet_has_not_moved(cfg, rds, fleet, capsys):
+    """The agents refuse an unsigned announcement, so a host without the signing key writes none over the gate's:
+    the change is made in the registry, and the operator reads that the fleet moves only once the gate announces it."""
+    _v1, v2 = fleet
+    admin, alice, _ = _operators(cfg)
+    (cfg.state_path / "keys" / "announce.key").unlink()
+    capsys.readouterr()
+    assert cmd_promote(cfg, v2.version, reason="try it", token=alice, force=True) == 0
+    out = capsys.readouterr()
+    assert "NOT announced" in out.err and "no announcement signing key" in out.err and "announced to" not in out.out
+    assert desired(rds, cfg) == 1  # the gate's announcement stands until the gate signs the new stable
+    reg = open_registry(cfg)
+    try:
+        assert reg.stable().version == v2.version and reg.audit()[-1].action == "promote"
+    finally:
+        reg.close()
+
+
 def test_a_tampered_audit_log_is_detected(cfg, fleet, capsys):
     import sqlalchemy as sa
 
@@ -145,6 +164,21 @@ def test_a_tampered_audit_log_is_detected(cfg, fleet, capsys):
     capsys.readouterr()
     assert cmd_history(cfg, verify=True) == 1
     assert "tampered with" in capsys.readouterr().err
+
+
+def test_sealing_the_audit_log_needs_an_admin_and_a_log_that_ends_unkeyed(cfg, fleet, capsys):
+    """`liverl history --seal` is an admin's, and a keyed log has nothing to seal: the command changes nothing."""
+    admin, alice, _ = _operators(cfg)
+    capsys.readouterr()
+    assert cmd_history(cfg, seal="adopting the log", token=alice) == 1
+    assert "this needs the admin role" in capsys.readouterr().err
+    assert cmd_history(cfg, seal="adopting the log", token=admin) == 1
+    assert "nothing to seal" in capsys.readouterr().err
+    reg = open_registry(cfg)
+    try:
+        assert "audit_seal" not in {a.action for a in reg.audit()}
+    finally:
+        reg.close()
 
 
 def test_history_verify_detects_a_recomputed_chain(cfg, fleet, capsys):
