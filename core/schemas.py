@@ -110,6 +110,13 @@ class GenerationRecord(_Wire):
         "log-probs (untrainable_reason 'too_large': the whole record was over ingest.max_event_bytes), so its "
         "judgement still counts, at its true length, in the live counters. None: len(completion_token_ids).",
     )
+    routed_experts: str | None = Field(
+        default=None,
+        description="The experts the server's router chose for each position of the sequence and each MoE layer "
+        "(core.routing: a base64 blob; prompt and completion positions but the last token's), for the learner's "
+        "routing replay (learner.routing_replay). Ingest dead-letters a record whose routing does not decode "
+        "(bad_routing). None: not recorded (a dense model, or a server that does not capture it).",
+    )
     ts: _Time = Field(default_factory=time.time)
 
     @property
@@ -157,6 +164,11 @@ class TrainingSample(_Wire):
     completion_token_ids: list[_TokenId]
     behaviour_logprobs: list[_Finite]
     sampling: SamplingParams | None = Field(default=None, description="The decoding that produced the completion.")
+    routed_experts: str | None = Field(
+        default=None,
+        description="The generation's routing as the server recorded it (GenerationRecord.routed_experts): the "
+        "learner replays it with learner.routing_replay = 'rollout'. None: trained on the learner's own routing.",
+    )
     edited_text: str | None = None
     ts_generation: _Time
     ts_feedback: _Time = Field(description="When the user gave the feedback, by the product's clock (its event's ts).")

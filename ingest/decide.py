@@ -13,7 +13,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from core import keys
+from core import keys, routing
 from core.config import IngestConfig, TopicsConfig
 from core.product import Product
 from core.schemas import FeedbackEvent, GenerationRecord, TrainingSample, WireError
@@ -124,6 +124,14 @@ class Decider:
         gid = rec.generation_id
         if self._misplaced(gid, src, value, out):
             return
+        if (
+            rec.trainable and rec.routed_experts is not None
+        ):  # the learner would replay it: refused here, never a sample
+            try:
+                routing.check_text(rec.routed_experts, len(rec.prompt_token_ids) + len(rec.completion_token_ids) - 1)
+            except routing.RoutingError as e:
+                self.emitter.dead(out, "bad_routing", str(e), src, value)
+                return
         entry = self._get(gid, out)
         kind = entry[:1] if entry else None
         if kind in (WAITING, JUDGED):  # a redelivery (or a reused id: never trained on twice)

@@ -99,6 +99,7 @@ def record_parts(rec: GenerationRecord) -> tuple[dict[str, Any], bytes]:
         rec.mixed_versions,
         tokens=rec.completion_tokens,
         too_large=rec.untrainable_reason == "too_large",
+        routed=rec.routed_experts,
     )
 
 
@@ -115,6 +116,7 @@ def _parts(
     mixed: bool = False,
     tokens: int | None = None,
     too_large: bool = False,
+    routed: str | None = None,
 ) -> tuple[dict[str, Any], bytes]:
     meta: dict[str, Any] = {"v": version, "ts": ts, "n": len(completion_ids) if tokens is None else tokens}
     if mixed:
@@ -131,6 +133,7 @@ def _parts(
             "completion_token_ids": completion_ids,
             "behaviour_logprobs": logprobs,
             "sampling": sampling,
+            "routed_experts": routed,
         }
     )
     return meta, body[1:-1]

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from core.schemas import TrainingSample
+from learner.replay import MoeShape, layout
 
 
 def refusal(s: TrainingSample, max_len: int, vocab_size: int) -> str | None:
@@ -56,12 +57,17 @@ def pack(lengths: list[int]) -> list[list[int]]:
     return rows
 
 
-def collate(samples: list[TrainingSample], pad_id: int, device: torch.device) -> dict[str, torch.Tensor]:
+def collate(
+    samples: list[TrainingSample], pad_id: int, device: torch.device, routing: MoeShape | None = None
+) -> dict[str, torch.Tensor]:
     """The batch as the forward pass takes it: the sequences (prompt + completion) packed into rows (``pack``),
     and per sample its completion's targets, mask, behaviour log-probs and where each completion token's logits
     sit in the packed rows (``row_BT``, ``col_BT``: the position before the token). A sample's padding entries
     (past its completion, masked out) point at its own last completion position: all of a sample's entries lie
-    in its own row, which ``learner.fastpath`` relies on."""
+    in its own row, which ``learner.fastpath`` relies on.
+
+    ``routing`` (the model's ``learner.replay.MoeShape`` when it replays): the samples' routing laid out the same
+    way, as ``route`` (``learner.replay.layout``), when any sample carries some."""
     B = len(samples)
     lens = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples]
     rows = pack(lens)
@@ -105,7 +111,12 @@ def collate(samples: list[TrainingSample], pad_id: int, device: torch.device) ->
         "beh_BT": beh_BT,
         "reward_B": reward_B,
     }
-    return x if device.type == "cpu" else {k: v.to(device, non_blocking=True) for k, v in x.items()}
+    route = None if routing is None else layout(samples, rows, N, routing)
+    if route is not None:
+        x["route"] = route if device.type == "cpu" else tuple(t.to(device, non_blocking=True) for t in route)
+    if device.type == "cpu":
+        return x
+    return {k: v if k == "route" else v.to(device, non_blocking=True) for k, v in x.items()}
 
 
 def padded_tokens(samples: list[TrainingSample]) -> int:

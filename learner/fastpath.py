@@ -25,6 +25,9 @@ and ``transformers.integrations.moe.grouped_mm_experts_forward``. ``tests/learne
 log-probs, the distributions and every gradient to transformers' within 1e-5 for several layouts (1e-4 compiled).
 ``liverl bench learn`` (``--transformers-forward``, ``--compile``) measures what it saves (``BENCHMARKS.md``).
 
+Routing replay (``learner.replay``): the batch's ``route``, when it has one, gives the experts of the positions it
+marks; ``_moe`` takes them instead of its top-k and their weights from its softmax at them.
+
 Where it applies (``handles``): ``model_type == "qwen3_moe"`` (the demo's family and ``moe24m``), default RoPE, no
 sliding window, no attention dropout, SiLU experts with a gate, fp32 weights. Anything else, and every
 FSDP2-sharded model (its all-gathers run in module hooks this path would skip), goes through transformers' own
@@ -219,11 +222,31 @@ def _grouped_mm_backward(ctx, grad):
 grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
-def _moe(L: _Layer, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, h: torch.Tensor, traced: bool):
+def _moe(
+    L: _Layer,
+    router: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    h: torch.Tensor,
+    traced: bool,
+    replay: tuple[torch.Tensor, torch.Tensor] | None = None,
+    seen: list | None = None,
+):
     """Router (softmax, top-k, renormalised) and the experts as two grouped products over tokens sorted by expert.
-    ``traced``: under ``torch.compile`` (the opaque ``grouped_mm``, and token counts of a fixed shape)."""
+    ``traced``: under ``torch.compile`` (the opaque ``grouped_mm``, and token counts of a fixed shape).
+
+    ``replay`` (``learner.replay``): the given experts [n, K] and where they hold [n]; there the top-k indices are
+    the given ones and their weights the softmax at them (renormalised as the model does): the router's own top-k
+    values when it chose them itself. ``seen``: a list the experts each token went to are appended to."""
     logits = F.linear(h, router)
-    weights, index = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float), L.top_k, dim=-1)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    weights, index = torch.topk(probs, L.top_k, dim=-1)
+    if replay is not None:
+        given, has = replay
+        index = torch.where(has[:, None], given, index)
+        weights = probs.gather(1, index)
+    if seen is not None:
+        seen.append(index.detach())
     if L.norm_topk:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     weights = weights.to(logits.dtype)
@@ -252,13 +275,29 @@ def _tables(model, x: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x["fastpath"][1:]
 
 
-def _body(spec: _Spec, weights: list, ids, cos, sin, mask, row, col, traced: bool = False) -> torch.Tensor:
-    """The final hidden states at the positions ``row``, ``col`` ([B, T, H])."""
+def _body(
+    spec: _Spec,
+    weights: list,
+    ids,
+    cos,
+    sin,
+    mask,
+    row,
+    col,
+    route=None,
+    traced: bool = False,
+    seen: list | None = None,
+) -> torch.Tensor:
+    """The final hidden states at the positions ``row``, ``col`` ([B, T, H]). ``route``: the batch's routing to
+    replay (``learner.replay.layout``: ``route_RNLK``, ``routed_RN``), or None; ``seen``: see ``_moe``."""
     h = F.embedding(ids, weights[0], spec.padding_idx)
     R, N, H = h.shape
     # the positions the loss reads: each sample's row [B] (all its entries lie in one row: ``prepare`` checks it)
     # and their places in the flattened [R*N] positions [B*T]
     pick = (row[:, 0], (row * N + col).reshape(-1), row.shape)
+    if route is not None:  # per position: the given experts of every MoE layer, and whether they hold there
+        route_PLK, routed_P = route[0].reshape(R * N, *route[0].shape[2:]), route[1].reshape(R * N)
+    moe_at = 0  # the MoE layers' ordinal: a routing blob leaves dense layers out
     at = 1
     for i, L in enumerate(spec.layers):
         w_in, q_norm, k_norm, w_post = weights[at : at + 4]
@@ -273,7 +312,17 @@ def _body(spec: _Spec, weights: list, ids, cos, sin, mask, row, col, traced: boo
             h = h.reshape(R * N, H).index_select(0, pick[1]).view(attn_BTH.shape) + attn_BTH
         n = _rms(h, w_post, L.eps[3])
         shape, n = n.shape, n.reshape(-1, H)
-        y = _moe(L, a, b, c, n, traced) if L.moe else F.linear(F.silu(F.linear(n, a)) * F.linear(n, b), c)
+        if L.moe:
+            replay = None
+            if route is not None:  # the last layer runs at the picked positions only: its routing is picked too
+                given, has = route_PLK[:, moe_at], routed_P
+                if i == len(spec.layers) - 1:
+                    given, has = given.index_select(0, pick[1]), has.index_select(0, pick[1])
+                replay = (given, has)
+            y = _moe(L, a, b, c, n, traced, replay, seen)
+            moe_at += 1
+        else:
+            y = F.linear(F.silu(F.linear(n, a)) * F.linear(n, b), c)
         h = h + y.view(shape)
     return _rms(h, weights[at], spec.final_eps)
 
@@ -281,9 +330,11 @@ def _body(spec: _Spec, weights: list, ids, cos, sin, mask, row, col, traced: boo
 _compiled = None  # _body under torch.compile, made at the first call that asks for it
 
 
-def token_logp(model, x: dict, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logp(model, x: dict, compiled: bool = False, seen: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``PolicyTrainer._token_logp`` for a model ``handles`` accepts: ``logp_BT`` and ``logprobs_BTV``. The output
-    head runs (as a module, so its hooks see it) on the completion positions only.
+    head runs (as a module, so its hooks see it) on the completion positions only. The batch's ``route``, when it
+    has one, is replayed (``learner.replay``). ``seen`` (eager only): a list each MoE layer appends the experts its
+    positions went to ([R*N, K]; the last layer's: the picked positions' [B*T, K]).
 
     ``compiled`` (``learner.compile``): the same code under ``torch.compile(dynamic=True)``, which fuses the
     elementwise chains (norms, rotary, gating) and their backward into a few generated kernels. The first call for
@@ -294,9 +345,9 @@ def token_logp(model, x: dict, compiled: bool = False) -> tuple[torch.Tensor, to
     weights."""
     cos, sin, mask = _tables(model, x)
     spec, weights = _spec_and_weights(model)
-    args = (spec, weights, x["ids_RN"], cos, sin, mask, x["row_BT"], x["col_BT"])
+    args = (spec, weights, x["ids_RN"], cos, sin, mask, x["row_BT"], x["col_BT"], x.get("route"))
     if not compiled:
-        h_BTH = _body(*args)
+        h_BTH = _body(*args, seen=seen)
     else:
         global _compiled
         if _compiled is None:

@@ -2,7 +2,8 @@
 
 A Qwen3-MoE model in one process goes through ``learner.fastpath`` (the same maths in fewer operator calls;
 ``learner.fast_forward``); any other model through transformers' forward (``transformers_token_logp``). The batch is
-``learner.batch.collate``'s. Used by ``learner.policy_trainer.PolicyTrainer`` for the policy and the KL reference.
+``learner.batch.collate``'s; its ``route``, when it has one, is the routing both forwards replay (``learner.replay``).
+Used by ``learner.policy_trainer.PolicyTrainer`` for the policy and the KL reference.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from core.config import LearnerConfig
-from learner import fastpath
+from learner import fastpath, replay
 
 
 def fast(model, lcfg: LearnerConfig) -> bool:
@@ -37,7 +38,8 @@ def token_logp(model, x: dict[str, torch.Tensor], lcfg: LearnerConfig) -> tuple[
     forward ``fast`` picks."""
     if fast(model, lcfg):
         return fastpath.token_logp(model, x, compiled=lcfg.compile)
-    return transformers_token_logp(model, x)
+    with replay.replaying(model, x.get("route")):
+        return transformers_token_logp(model, x)
 
 
 def transformers_token_logp(model, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

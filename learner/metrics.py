@@ -39,6 +39,15 @@ class PrometheusCollector:
             if k.startswith("dropped:"):
                 dropped.add_metric([k.split(":", 1)[1]], v)
         yield dropped
+        routed = CounterMetricFamily(
+            "liverl_learner_routing_samples",
+            "MoE samples trained with learner.routing_replay = 'rollout', by routing: 'replayed' (the server's "
+            "experts), 'missing' (no routing in the sample: the learner's own).",
+            labels=["routing"],
+        )
+        for label in ("replayed", "missing"):
+            routed.add_metric([label], st.counters.get(f"routing_{label}", 0))
+        yield routed
         yield CounterMetricFamily(
             "liverl_learner_rebases", "Restarts from the stable weights.", value=st.counters["rebases"]
         )

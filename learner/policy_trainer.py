@@ -19,7 +19,7 @@ import torch
 
 from core.config import LearnerConfig
 from core.schemas import TrainingSample
-from learner import forward
+from learner import forward, replay
 from learner.average import WeightAverage
 from learner.batch import collate, padded_tokens, refusal
 from learner.dist import Ranks, all_sum, full_state_dict, grad_scale, shard, share
@@ -81,6 +81,8 @@ class PolicyTrainer:
         self.vocab_size = int(conf.vocab_size)
         self.max_len = int(getattr(conf, "max_position_embeddings", 1 << 30))
         self.pad_id = int(getattr(conf, "pad_token_id", None) or 0)
+        # the routing samples must carry to be replayed (learner.routing_replay); None: dense, off, or not replayed
+        self.routing = replay.moe_shape(self.model) if lcfg.routing_replay == "rollout" else None
         self.lr_scale = 1.0  # the learner's back-off after refused candidates (``set_lr_scale``)
         self.floor_lift = 1.0  # the entropy floor's factor for the averaged candidates (learner.floor_for_candidate)
         self._last_x: tuple[dict[str, torch.Tensor], int, float] | None = None  # the last batch, where it is measured
@@ -91,12 +93,12 @@ class PolicyTrainer:
     # -- input checks ---------------------------------------------------------------------------
     def refusal(self, s: TrainingSample) -> str | None:
         """Why this sample cannot be trained on (a short countable code), or None when it can (``learner.batch``)."""
-        return refusal(s, self.max_len, self.vocab_size)
+        return refusal(s, self.max_len, self.vocab_size) or replay.refusal(s, self.routing)
 
     # -- forward ----------------------------------------------------------------------------------
     def _collate(self, samples: list[TrainingSample]) -> dict[str, torch.Tensor]:
         """The batch as the forward pass takes it (``learner.batch.collate``), on this trainer's device."""
-        return collate(samples, self.pad_id, self.device)
+        return collate(samples, self.pad_id, self.device, self.routing)
 
     def _token_logp(self, model, x: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the completion tokens ``logp_BT`` and the full distributions ``logprobs_BTV``, through the
@@ -218,6 +220,9 @@ class PolicyTrainer:
         metrics["reward_mean"] = float(reward_N.mean())
         metrics["samples"] = float(len(samples))
         metrics["lr"] = self.lr
+        if self.routing is not None:  # samples whose routing was replayed, and those trained on the learner's own
+            replayed = sum(s.routed_experts is not None for s in samples)
+            metrics["routing_replayed"], metrics["routing_missing"] = float(replayed), float(len(samples) - replayed)
         if self.floor_lift != 1.0:
             metrics["entropy_floor"] = floor
         self._last_x = (x, n_tokens, weight)

@@ -212,6 +212,9 @@ class Learner:
             return False
         st.step += 1
         st.counters["samples_trained"] += len(samples)
+        for k in ("routing_replayed", "routing_missing"):  # learner.routing_replay: whose routing was the server's
+            if k in m:
+                st.counters[k] += int(m[k])
         self.last_metrics = dict(m, step_s=time.monotonic() - t0)
         self.candidates.updated(m, len(samples))
         log.info(

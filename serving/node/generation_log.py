@@ -45,6 +45,7 @@ def too_large(record: GenerationRecord) -> GenerationRecord:
             "prompt_token_ids": [],
             "completion_token_ids": [],
             "completion_logprobs": [],
+            "routed_experts": None,
             "version_spans": None if record.version_spans is None else [],  # mixed or unknown: no version claims it
             "trainable": False,
             "untrainable_reason": "too_large",

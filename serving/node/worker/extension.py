@@ -20,6 +20,9 @@ Why it is built this way:
   ``serving.node.worker.layout``); after an update the changed layers' handles are rebuilt, and ``liverl_checksum``
   also probes every packed kernel against its weight (a random input, bf16 tolerance).
 
+``liverl_routing_start`` / ``liverl_routing``: the router's choices of every request, captured per position for the
+learner's routing replay (``serving.node.worker.routing``).
+
 Every RPC returns a JSON-able dict with ``ok``; failures carry ``error`` instead of raising, so the caller gets a
 clear message over HTTP and the engine keeps running.
 """
@@ -327,6 +330,24 @@ class LiverlWorkerExtension:
             "write_ms": round((t1 - t0) * 1e3, 3),
             "readback_ms": round((t2 - t1) * 1e3, 3),
         }
+
+    @_rpc
+    def liverl_routing_start(self) -> dict[str, Any]:
+        """Capture the router's choices of every request from now on (``serving.node.worker.routing``); idempotent."""
+        cap = self.__dict__.get("_liverl_routing")
+        if cap is None:
+            from serving.node.worker.routing import RoutingCapture  # noqa: PLC0415 only where routing is recorded
+
+            cap = self.__dict__["_liverl_routing"] = RoutingCapture(self.model_runner)
+        return {"layers": cap.layer_ids, "experts": cap.n_experts, "top_k": cap.top_k}
+
+    @_rpc
+    def liverl_routing(self, prefixes: list[str]) -> dict[str, Any]:
+        """The routing of finished requests by their API-server id (``RoutingCapture.take``), forgotten once read."""
+        cap = self.__dict__.get("_liverl_routing")
+        if cap is None:
+            raise RuntimeError("routing capture is off: liverl_routing_start first")
+        return {"routing": cap.take(list(prefixes))}
 
     def _liverl_write(self, changed: list[tuple[str, torch.Tensor]], st: _State) -> None:
         """Push HF-named tensors into the live parameters with the model's own ``load_weights``."""
