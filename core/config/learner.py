@@ -62,7 +62,7 @@ class LearnerConfig(Section):
         "that stall falls on a learner that has just started, and every process that trains compiles once.",
     )
     routing_replay: Literal["rollout", "off"] = Field(
-        default="rollout",
+        default="off",
         description="MoE models: 'rollout' replays the experts the server's router chose (a sample's "
         "routed_experts, core.routing) in the learner's forward, the policy's and the KL reference's: each token's "
         "top-k experts are the server's, their gate weights the family's normalisation of the learner's router "
@@ -70,7 +70,8 @@ class LearnerConfig(Section):
         "A hard top-k otherwise sends some tokens to other experts than the server's wherever the two kernels round "
         "differently, and their log-probs differ between sampler and trainer. A sample without routing trains on "
         "the learner's own (counted: routing_replay_missing). 'off': the learner's own routing always. Ignored for "
-        "dense models; phimoe's routing (sparsemixer) is not replayed.",
+        "dense models; phimoe's routing (sparsemixer) is not replayed. Off by default: its effect on the demo's kept "
+        "lift is not measured yet, and a serving node puts no routing on its records yet (docs/serving.md).",
     )
     candidate_every_steps: int = Field(
         default=10, ge=1, description="Emit a candidate version every this many updates."

@@ -25,6 +25,7 @@ from tests.learner.test_fastpath import _model_dir
 
 
 def _trainer(family: str, fast: bool = True, **kw) -> PolicyTrainer:
+    kw = {"routing_replay": "rollout", **kw}  # what these tests check (the setting is off by default)
     return PolicyTrainer(ensure_test_model(family, default_cache()), LearnerConfig(fast_forward=fast, **kw))
 
 
@@ -77,7 +78,7 @@ def _own(tr: PolicyTrainer, samples: list[TrainingSample]) -> tuple[torch.Tensor
 )
 def test_the_fast_path_routes_every_position_to_its_given_experts(tmp_path, family, layout):
     model_dir = _model_dir(tmp_path, layout) if layout else ensure_test_model(family, default_cache())
-    tr = PolicyTrainer(model_dir, LearnerConfig())
+    tr = PolicyTrainer(model_dir, LearnerConfig(routing_replay="rollout"))
     assert fastpath.handles(tr.model) and tr.routing is not None
     samples = _samples(tr)
     mixed = _foreign(samples, tr.routing, seed=1)

@@ -120,7 +120,7 @@ def test_the_cpu_engines_routing_is_captured_for_every_position(tmp_path):
         same, total = same + int(agree.sum()), total + agree.size
     assert same / total > 0.9
     # what replay does to the sampler/trainer mismatch on this engine (printed: on the tiny model a few rows differ)
-    tr = PolicyTrainer(model_dir, LearnerConfig())
+    tr = PolicyTrainer(model_dir, LearnerConfig(routing_replay="rollout"))
     replayed = [
         s.model_copy(update={"routed_experts": r["routing"]}) for s, r in zip(samples, out["results"], strict=True)
     ]
