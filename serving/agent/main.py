@@ -9,6 +9,13 @@ what the node serves: ``serving.agent.agent``), serves the agent's metrics and h
 ``<state_dir>/keys/announce.pub``) unless ``security.allow_unsigned`` is set; it starts the node and the agent and
 runs until its stop event is set (or the node dies: the process then exits with the node's log tail, and its
 supervisor restarts it); ``run_serving`` is the blocking entry point that sets the stop event on SIGTERM or SIGINT.
+
+Probes, on ``serving.agent_port``: ``/livez`` (this process's event loop answers and its node runs) and ``/readyz``
+(the agent's side of the gateway's own ``/readyz``). A stop drains the node (``drain``): at once the gateway admits no
+new generation (its ``/readyz`` answers 503, a generation request 503 with ``X-Liverl-Draining``, which routers take as
+"try the next node") and the heartbeat says the node is out of service, so routers take it out of rotation; then the
+generations in flight finish (at most ``serving.drain_timeout_s``), the heartbeat is deleted and vLLM is stopped,
+with nothing in flight to cut. A stop while the engine is still starting abandons the start.
 """
 
 from __future__ import annotations
@@ -165,7 +172,10 @@ async def drain(cfg: LiverlConfig, agent: Agent, agent_task: asyncio.Task, clien
         except Exception as e:  # noqa: BLE001 - a node that does not answer has nothing to drain that we can wait for
             log.warning("the node's gateway did not answer during the drain (%s); stopping it", e)
             break
-        if status != 200 or not state.get("draining"):  # the agent's report was lost: say it again
+        if status != 200:  # no gateway runs in the node: nothing to wait for
+            log.warning("the node's gateway answered HTTP %s during the drain: %s; stopping it", status, state)
+            break
+        if not state.get("draining"):  # the agent's report was lost: say it again
             await agent.drain()
         elif (active := int(state.get("active") or 0)) == 0:
             break
