@@ -21,6 +21,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 log = logging.getLogger("liverl.probes")
 
+DRAINING_HEADER = "X-Liverl-Draining"
+"""On the 503 a stopping serving node answers a generation request with: nothing was done with it, so a router sends
+it to its next node."""
+
 STALL_S = 900.0
 """A main loop that has not gone round for this long is wedged: longer than a learner's update with its checkpoint and
 candidate, or a gate's step with its evaluation, take on the machines the project measures (minutes at most)."""

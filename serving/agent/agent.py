@@ -275,32 +275,15 @@ class Agent:
         reason = self.gw.unhealthy_reason
         return reason is None, {"ok": reason is None, "reason": reason, "version": self.gw.version, "node": self.name}
 
-    def readiness(self) -> tuple[bool, dict]:
-        """(ready, body) of the serving process's ``/readyz``: the agent's side of the gateway's ``/readyz`` (a
-        verified version served, not draining)."""
-        reason = "draining: the node is stopping" if self.gw.draining else self.gw.unhealthy_reason
-        if reason is None and self.gw.version is None:
-            reason = "no verified version served yet"
-        body = {"ready": reason is None, "reason": reason, "version": self.gw.version, "node": self.name}
-        return reason is None, body
-
     async def drain(self) -> None:
-        """The serving process is stopping: the node's gateway stops admitting generations (its ``/readyz`` goes 503)
-        and the heartbeat says the node is out of service, so routers take it out of rotation at their next read
-        (a router that sends one meanwhile gets the gateway's draining 503 and tries its next node)."""
+        """The serving process is stopping: the node's gateway admits no new generation (its ``/readyz`` goes 503)
+        and the heartbeat says the node is out of service, so routers drop it at their next read."""
         self.gw.drain()
         await self._flush()
         try:
             await self.beat()
         except Exception as e:  # noqa: BLE001 - the heartbeat expires anyway; the gateway refuses meanwhile
             log.error("could not mark node %s out of rotation: %s", self.name, e)
-
-    async def leave(self) -> None:
-        """The node's work is done: delete its heartbeat, so it leaves the fleet now rather than when it expires."""
-        try:
-            await self.redis.delete(keys.served(self.prefix, self.name))
-        except Exception as e:  # noqa: BLE001 - the heartbeat (out of service already) expires on its own
-            log.error("could not delete node %s's heartbeat: %s", self.name, e)
 
     async def _flush(self) -> None:
         """Send the served state to the gateway in the node's process (``GatewayLink.flush``); a failure is logged,

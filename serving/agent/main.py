@@ -28,6 +28,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from core import keys
 from core.config import LiverlConfig
 from core.services import redis_from_url, required_verify_key
 from deploy.registry.blobstore import open_blob_store
@@ -79,7 +80,7 @@ async def serve(
         if agent is None or stop.is_set():
             why = starting if not stop.is_set() else "draining: the node is stopping"
             return False, {"ready": False, "reason": why, "version": None, "node": cfg.serving.node_name}
-        return agent.readiness()
+        return readiness(agent)
 
     def live() -> tuple[bool, dict]:  # this loop answers; a dead node ends the process (the agent's node_alive)
         ok = node is None or node.alive
@@ -150,6 +151,16 @@ async def serve(
             await asyncio.to_thread(node.stop)  # SIGTERM: the node's gateway flushes its producer before it exits
 
 
+def readiness(agent: Agent) -> tuple[bool, dict]:
+    """(ready, body) of the serving process's ``/readyz``: the agent's side of the gateway's ``/readyz`` (a verified
+    version served, not draining)."""
+    gw = agent.gw
+    reason = "draining: the node is stopping" if gw.draining else gw.unhealthy_reason
+    if reason is None and gw.version is None:
+        reason = "no verified version served yet"
+    return reason is None, {"ready": reason is None, "reason": reason, "version": gw.version, "node": agent.name}
+
+
 async def drain(cfg: LiverlConfig, agent: Agent, agent_task: asyncio.Task, client: NodeClient, node) -> None:
     """The graceful stop (SIGTERM): admit nothing new and leave the routers' rotation at once (``Agent.drain``), let
     the agent finish the step in hand (a swap is never cut), wait until the gateway has no generation in its handlers
@@ -182,7 +193,10 @@ async def drain(cfg: LiverlConfig, agent: Agent, agent_task: asyncio.Task, clien
         await asyncio.sleep(0.05)
     if active:
         log.warning("%d generation(s) still in flight after serving.drain_timeout_s; stopping anyway", active)
-    await agent.leave()
+    try:  # the node has left the fleet now, not when its heartbeat expires
+        await agent.redis.delete(keys.served(agent.prefix, agent.name))
+    except Exception as e:  # noqa: BLE001 - the heartbeat (out of service already) expires on its own
+        log.error("could not delete node %s's heartbeat: %s", agent.name, e)
     log.info("node %s drained in %.2f s; stopping it", cfg.serving.node_name, time.monotonic() - t0)
 
 

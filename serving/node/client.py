@@ -28,7 +28,6 @@ GATEWAY_MIDDLEWARE = "serving.node.gateway_host.GatewayMiddleware"  # likewise: 
 ENV_GATEWAY = (
     "LIVERL_NODE_GATEWAY"  # JSON {config, bootstrap}: the gateway serving.node.gateway_host starts in the node
 )
-DRAINING_HEADER = "X-Liverl-Draining"  # on a stopping node's 503: nothing was done, the router tries its next node
 NODE_KEEPALIVE_S = 75  # > NodeClient's aiohttp pool (30 s); its raw pool retries a request the node closed on unread
 
 

@@ -46,8 +46,9 @@ from pydantic_core import from_json, to_json
 from core import fleet
 from core.bus import ensure_topics, librdkafka_security, topic_configs
 from core.config import LiverlConfig
+from core.probes import DRAINING_HEADER
 from serving.node import openai_api as oa
-from serving.node.client import DRAINING_HEADER, NodeClient, NodeUnreachable
+from serving.node.client import NodeClient, NodeUnreachable
 from serving.node.feedback import FeedbackRoute
 from serving.node.gateway_metrics import GatewayMetrics
 from serving.node.generation_log import GenerationLog, first_version, mixed

@@ -65,10 +65,10 @@ from core import fleet
 from core.config import LiverlConfig
 from core.credentials import load_assignment_key
 from core.fleet import Node
+from core.probes import DRAINING_HEADER
 from core.schemas import RolloutTerms
 from core.services import redis_from_url, verify_key_path
 from deploy.registry.signing import Verifier
-from serving.node.client import DRAINING_HEADER
 
 log = logging.getLogger("liverl.serving.router")
 

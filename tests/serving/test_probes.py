@@ -23,8 +23,9 @@ from aiohttp import web
 
 from core import keys
 from core.config import load_config
+from core.probes import DRAINING_HEADER
 from serving.agent.metrics import AgentMetrics, start_agent_server
-from serving.node.client import DRAINING_HEADER, NodeClient
+from serving.node.client import NodeClient
 from serving.node.gateway import Gateway
 from serving.node.gateway_host import GatewayLink, apply_ops, state_of
 from serving.router.router import Router
