@@ -41,7 +41,7 @@ async def _node(port: int, release: asyncio.Event) -> web.AppRunner:
         return web.json_response({"object": "list", "data": [{"id": "liverl", "max_model_len": 64}]})
 
     async def completions(request: web.Request):
-        if json.loads(await request.read()).get("prompt") == "slow":
+        if "slow" in json.dumps(json.loads(await request.read()).get("prompt")):
             await release.wait()
         return web.json_response(COMPLETION)
 
