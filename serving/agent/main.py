@@ -87,8 +87,8 @@ async def serve(
         return ok, {"ok": ok, "node": cfg.serving.node_name, "reason": None if ok else "the vLLM node exited"}
 
     # before the node: a port in use stops the process at once, not after the engine's start
-    web = await start_agent_server(metrics, health, cfg.serving.host, cfg.serving.agent_port, live=live, ready=ready)
     node = client = rds = registry = agent_task = None
+    web = await start_agent_server(metrics, health, cfg.serving.host, cfg.serving.agent_port, live=live, ready=ready)
     try:
         log_path = cfg.state_path / "logs" / f"vllm-{cfg.serving.node_name}.log"
         cancel = threading.Event()  # a SIGTERM during the engine's start abandons it: no wait for the model to load
