@@ -306,6 +306,9 @@ def start_node(
     env = node_env(device, threads, base_version, key, deltas)
     if gateway_bootstrap is not None:
         env[ENV_GATEWAY] = json.dumps({"config": cfg.model_dump_json(), "bootstrap": gateway_bootstrap})
+    if cancel is not None and cancel.is_set():  # stopped while this start was being prepared: start nothing
+        log_file.close()
+        raise NodeStartCancelled(f"the start of the vLLM node on port {port} was abandoned before it began")
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd,

@@ -70,6 +70,10 @@ def _exit_code(proc: subprocess.Popen, timeout_s: float, log: Path) -> int:
         raise AssertionError(f"did not exit within {timeout_s:.0f} s of SIGTERM:\n{log.read_text()[-4000:]}") from None
 
 
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
 def _second_node(srv, tmp_path: Path, name: str = "node-x"):
     """A config for a second `liverl serve` beside the package's node (same state dir, registry, keys, prefix), and
     the router's config naming both."""
@@ -174,10 +178,13 @@ def test_a_node_told_to_stop_while_its_engine_starts_exits_at_once(srv, tmp_path
     proc = _spawn(["serve"], router_env(cfg), log)
     try:
         agent_url = f"http://{cfg.serving.host}:{cfg.serving.agent_port}"
-        deadline = time.monotonic() + 60
-        while _status(f"{agent_url}/livez") != 200:  # the serving process is up, its engine loading
+        node_log = cfg.state_path / "logs" / "vllm-node-y.log"
+        deadline = time.monotonic() + 300
+        # the serving process is up and its vLLM node spawned, loading the model (minutes on a loaded machine)
+        while _status(f"{agent_url}/livez") != 200 or "starting vLLM node" not in _text(node_log):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.1)
+        time.sleep(1.0)
         assert _status(f"{agent_url}/readyz") == 503  # not ready while the engine loads
         proc.send_signal(signal.SIGTERM)
         assert _exit_code(proc, 30, log) == 0, log.read_text()[-4000:]
