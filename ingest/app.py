@@ -326,5 +326,6 @@ class IngestWorker:
             "app": self.group,
             "rebalancing": not self.ingest.ready,
             "ready": self.ingest.ready,
+            "stopping": self.stopping,
             "partitions": sorted(self.table.parts),
         }

@@ -28,11 +28,12 @@ from typing import Any
 from kafka import TopicPartition
 from kafka.errors import CommitFailedError, KafkaTimeoutError, RebalanceInProgressError
 from kafka.structs import OffsetAndMetadata
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from core import keys
 from core.bus import ensure_topics, make_consumer, topic_configs
 from core.config import LiverlConfig
+from core.probes import STALL_S, LoopWatch, start_probe_server
 from core.services import kafka_bootstrap, setup_redis
 from deploy.registry.delta import warm_up
 from deploy.registry.registry import RegistryError, open_registry
@@ -79,6 +80,8 @@ class Learner:
         self.key = keys.learner(cfg.topics.prefix)
         self.ckpt_path = Path(checkpoint_path or checkpoint_path_for(cfg))
         self.lease = None  # a learner.lease.LearnerLease when run as the deployment's learner (run_learner)
+        self.watch = LoopWatch(STALL_S, "learner's loop")  # /livez: the loop goes round (a training step included)
+        self.assigned = False  # /readyz: the samples topic's partitions are assigned
         self.ledger = Ledger(ledger_path(self.ckpt_path), max_bytes=self.lcfg.ledger_max_mb << 20)
         self.seen = SeenIds(seen_path(self.ckpt_path), horizon_s=self.lcfg.dedupe_horizon_h * 3600.0)
         self.ranks = ranks  # under torchrun: this is rank 0, the leader (learner.ranks); checkpoints are DCP folders
@@ -286,10 +289,12 @@ class Learner:
         start_step, last_pub = st.step, 0.0
         try:
             while not (stop_event is not None and stop_event.is_set()):
+                self.watch.tick()
                 if max_steps is not None and st.step - start_step >= max_steps:
                     break
                 if not self._consumer.assignment() or time.monotonic() - self._parts_checked_at > PARTITIONS_CHECK_S:
-                    if not self._assign():  # no samples topic yet (ingest creates it)
+                    self.assigned = self._assign()
+                    if not self.assigned:  # no samples topic yet (ingest creates it)
                         time.sleep(0.2)
                         continue
                 self._poll(timeout_ms=200)
@@ -336,6 +341,14 @@ class Learner:
             return -1, -1.0
         return events, round(seconds, 1)
 
+    def not_ready(self) -> str | None:
+        """Why the learner cannot train now (``/readyz``), or None: it holds the lease and reads the samples."""
+        if self.lease is not None and self.lease.lost.is_set():
+            return "the learner lease is lost (another learner may be running)"
+        if not self.assigned:
+            return "no partition of the samples topic assigned yet"
+        return None
+
     def _fenced(self, what: str) -> None:
         if self.lease is not None and self.lease.lost.is_set():
             raise LeaseLost(f"the learner lease is lost; no {what} (another learner may be running)")
@@ -363,7 +376,8 @@ def run_learner(
 ) -> dict:
     """The learner process: connect to the configured stack, build/load the base policy, train until stopped.
 
-    ``metrics_port``: serve Prometheus metrics on 127.0.0.1:port (``serving.host``) while it runs.
+    ``metrics_port``: serve Prometheus metrics and the probes (``core.probes``: ``/livez`` while the training loop
+    goes round, ``/readyz`` while it holds the lease and reads the samples topic) on ``serving.host:port``.
     Under torchrun (WORLD_SIZE set) the policy is sharded with FSDP2 over the ranks: rank 0 is this learner, the
     others follow its trainer calls (``learner.ranks``), and checkpoints are DCP folders (``learner.dist``).
     """
@@ -397,7 +411,7 @@ def run_learner(
     if metrics_port is not None:
         prom = CollectorRegistry()
         prom.register(PrometheusCollector(learner))
-        server, _ = start_http_server(metrics_port, addr=cfg.serving.host, registry=prom)
+        server = start_probe_server(cfg.serving.host, metrics_port, prom, learner.watch.live, learner.not_ready)
     clean = False
     try:
         out = learner.run(stop_event=stop_event, max_steps=max_steps)

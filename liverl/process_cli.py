@@ -7,11 +7,24 @@ stays light.
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import signal
+import sys
 import threading
 
 from core.services import kafka_bootstrap, redis_url, required_verify_key
 from liverl.cliargs import add_model_args, cfg_from_args, check_bound, model_dir_for
+
+
+def exit_now(code: int = 0) -> None:
+    """End a process whose work is done and whose connections are closed, without the interpreter's teardown: with
+    torch and vLLM's modules loaded its final garbage collection took 12-30 s on a busy 2-core machine, long enough
+    for a supervisor's or Kubernetes' kill timeout after a stop that was clean."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -21,6 +34,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_bound(cfg, "serve")
     required_verify_key(cfg)  # refused before the model is built or loaded (serving.agent.main.serve checks it too)
     run_serving(cfg, model_dir_for(cfg), kafka_bootstrap(cfg), redis_url(cfg), cfg.registry_url)
+    exit_now(0)  # stopped and drained (SIGTERM): nothing is left to flush in this process
     return 0
 
 
@@ -52,6 +66,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())  # finish the update, checkpoint, commit, exit
     run_learner(cfg, model_dir, stop_event=stop, max_steps=args.max_steps, metrics_port=args.metrics_port)
+    exit_now(0)  # checkpointed and committed
     return 0
 
 
@@ -68,6 +83,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         lambda probes: PolicyEvaluator(model_dir, suite, probes, max_probes=cfg.gate.probe_generations),
         once=args.once,
     )
+    exit_now(0)  # its loop ended after the step in hand; the registry, Redis and the tails are closed
     return 0
 
 

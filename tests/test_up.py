@@ -72,7 +72,9 @@ def test_up_serves_and_stops_cleanly_on_ctrl_c(tmp_path):
             "/metrics",
         ):
             assert what in text, (what, text[-3000:])
-        status, body = _post(
+        with urllib.request.urlopen(f"http://127.0.0.1:{gw}/readyz", timeout=10) as r:  # what `up` waited for
+            assert r.status == 200 and json.loads(r.read())["ready"] is True
+        status, body = _post(  # so the first completion after "liverl is up" is served
             f"http://127.0.0.1:{gw}/v1/completions",
             {"model": "liverl", "prompt": "[a]12+34=", "max_tokens": 5, "temperature": 1.0},
         )

@@ -75,6 +75,14 @@ class ServingConfig(Section):
         description="Ignored: a hot-swap does not drain (requests in flight are frozen at a scheduler step and "
         "resume after it, serving.node.swap). Accepted so that config files that set it load.",
     )
+    drain_timeout_s: float = Field(
+        default=60.0,
+        ge=0.0,
+        description="On SIGTERM, the longest a serving process waits for the generations in flight to finish: its "
+        "/readyz goes 503, it leaves the routers' rotation and admits no new generation at once, then stops the node "
+        "once nothing is in flight or after this (what is still in flight then is cut). Keep the helm chart's "
+        "serve.terminationGracePeriodSeconds above it plus the node's stop (about 20 s).",
+    )
     log_wait_s: float = Field(
         default=2.0,
         ge=0.0,

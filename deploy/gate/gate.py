@@ -49,6 +49,7 @@ import redis as redis_lib
 
 from core import keys
 from core.config import LiverlConfig
+from core.probes import STALL_S, LoopWatch, start_probe_server
 from core.services import kafka_bootstrap, required_signing_key, setup_redis
 from deploy.gate.canary import CanaryController, Deferred
 from deploy.gate.evidence import Evaluator, EvidenceChecks
@@ -159,6 +160,8 @@ class Gate(EvidenceChecks, WaitSteps):
             registry=self.metrics,
         )
         self._unattested_why: str | None = None
+        self.watch = LoopWatch(STALL_S, "gate's loop")  # /livez: the loop goes round (an evaluation included)
+        self.step_error: str | None = "no step taken yet"  # /readyz: the last step reached the registry and Redis
         self.wait = Waiting(cfg, self.metrics)  # one node: thin off-policy evidence is waited for (deploy.gate.waiting)
         self.offpolicy_look: OffpolicyLook | None = None
 
@@ -174,10 +177,13 @@ class Gate(EvidenceChecks, WaitSteps):
         self.warm_up()
         log.info("gate: watching registry %s every %.1f s", self.registry.url, self.cfg.gate.poll_s)
         while not stop_event.is_set():
+            self.watch.tick()
             try:
                 self.step()
-            except Exception:
+                self.step_error = None
+            except Exception as e:
                 self._errors.inc()
+                self.step_error = f"the last step failed: {type(e).__name__}: {e}"
                 log.exception("gate: step failed; retrying in %.1f s", self.cfg.gate.poll_s)
             stop_event.wait(self.cfg.gate.poll_s)
 
@@ -463,8 +469,10 @@ def run_gate(
         gate = Gate(cfg, registry, r, make_evaluator(tail), signer=Signer(key) if key else None, heldout=heldout)
         log.info("gate: announcements %s", f"signed with {key}" if key else "unsigned (no security.signing_key)")
         if cfg.gate.metrics_port and not once:
-            server, _ = prom.start_http_server(cfg.gate.metrics_port, addr=cfg.serving.host, registry=gate.metrics)
-            log.info("gate: Prometheus metrics on http://%s:%d/metrics", cfg.serving.host, cfg.gate.metrics_port)
+            server = start_probe_server(
+                cfg.serving.host, cfg.gate.metrics_port, gate.metrics, gate.watch.live, lambda: gate.step_error
+            )
+            log.info("gate: metrics and probes on http://%s:%d/metrics", cfg.serving.host, cfg.gate.metrics_port)
         if once:
             for v in gate.step():
                 print(f"version {v.version}: {v.verdict} ({v.reason})")

@@ -7,13 +7,19 @@ it needs no operator token; it binds ``serving.host`` (loopback by default). Rou
 
 - ``GET /``           the page (plain HTML and JavaScript, no build step, no outside resources);
 - ``GET /api/state``  everything the page shows, as JSON (for scripts and dashboards);
-- ``GET /healthz``    ``ok``.
+- ``GET /healthz``    ``ok``;
+- ``GET /livez``      200 whenever it answers (the server's threads are not wedged);
+- ``GET /readyz``     200 while the page can be drawn: the registry has a stable version and Redis answers under the
+  deployment's prefix; else 503 with the reason.
+
+SIGTERM or SIGINT stops it at once (requests being answered finish; it holds no state).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -192,8 +198,32 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, body, "application/json")
         elif path == "/healthz":
             self._send(200, b"ok", "text/plain")
+        elif path == "/livez":
+            self._send(200, b'{"ok": true}', "application/json")
+        elif path == "/readyz":
+            reason = not_ready(self.cfg)
+            body = json.dumps({"ready": reason is None, "reason": reason}).encode()
+            self._send(200 if reason is None else 503, body, "application/json")
         else:
-            self._send(404, b"not found: / (the page), /api/state (JSON), /healthz", "text/plain")
+            self._send(404, b"not found: / (the page), /api/state (JSON), /healthz, /livez, /readyz", "text/plain")
+
+
+def not_ready(cfg: LiverlConfig) -> str | None:
+    """Why the page cannot be drawn now (``/readyz``), or None: the registry and Redis both answer."""
+    try:
+        reg = open_registry(cfg)
+        try:
+            reg.stable()
+        finally:
+            reg.close()
+        r = open_redis(cfg)
+        try:
+            r.ping()
+        finally:
+            r.close()
+    except Exception as e:  # noqa: BLE001 - whatever fails, the probe says what
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def make_server(cfg: LiverlConfig, host: str, port: int, refresh_s: float = 2.0) -> ThreadingHTTPServer:
@@ -206,6 +236,8 @@ def make_server(cfg: LiverlConfig, host: str, port: int, refresh_s: float = 2.0)
 def serve(cfg: LiverlConfig, host: str, port: int, refresh_s: float = 2.0) -> int:
     server = make_server(cfg, host, port, refresh_s)
     print(f"on-call page: http://{host}:{server.server_address[1]}/ (JSON: /api/state; Ctrl-C stops)", flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # serve_forever returns; shutdown() must come from another thread
+        signal.signal(sig, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
     try:
         server.serve_forever()
     except KeyboardInterrupt:

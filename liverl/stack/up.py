@@ -105,15 +105,18 @@ class Pipeline:
                 cfg, child_env(cfg, self.stack, self.model_dir), cfg.state_path / "logs", roles_for(cfg)
             ).start()
             s = cfg.serving
+            # ready, not only up: each gateway's /readyz is 200 only when a completion sent now would be served (the
+            # engine loaded, a verified version served, the generation log's producer running), the router's only
+            # when it routes the stable arm to a node; so the first completion after "liverl is up" succeeds
             for i in range(s.nodes):
                 wait_http(
-                    f"http://{s.host}:{s.gateway_port + i}/healthz",
+                    f"http://{s.host}:{s.gateway_port + i}/readyz",
                     300,
                     self.supervisor.children,
                     f"node-{i}'s gateway (vLLM engine start)",
                 )
-            if s.nodes > 1:  # every node in the router's rotation
-                wait_http(f"{self.gateway_url}/healthz", 60, self.supervisor.children, "the router")
+            if s.nodes > 1:
+                wait_http(f"{self.gateway_url}/readyz", 60, self.supervisor.children, "the router")
         except BaseException:
             self.__exit__(None, None, None)
             raise

@@ -280,6 +280,16 @@ class Agent:
         reason = self.gw.unhealthy_reason
         return reason is None, {"ok": reason is None, "reason": reason, "version": self.gw.version, "node": self.name}
 
+    async def drain(self) -> None:
+        """The serving process is stopping: the node's gateway admits no new generation (its ``/readyz`` goes 503)
+        and the heartbeat says the node is out of service, so routers drop it at their next read."""
+        self.gw.drain()
+        await self._flush()
+        try:
+            await self.beat()
+        except Exception as e:  # noqa: BLE001 - the heartbeat expires anyway; the gateway refuses meanwhile
+            log.error("could not mark node %s out of rotation: %s", self.name, e)
+
     async def _flush(self) -> None:
         """Send the served state to the gateway in the node's process (``GatewayLink.flush``); a failure is logged,
         and the state goes with the next flush."""
@@ -300,7 +310,7 @@ class Agent:
             version=self.gw.version,
             checksum=self.gw.checksum,
             last_swap_pause_ms=self.last_swap_pause_ms,
-            healthy=self.gw.unhealthy_reason is None,
+            healthy=self.gw.unhealthy_reason is None and not self.gw.draining,
             url=advertised_url(self.cfg.serving),
         )
         await self.redis.set(keys.served(self.prefix, self.name), beat.to_json(), ex=self.heartbeat_ttl_s)

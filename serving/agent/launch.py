@@ -47,6 +47,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -266,12 +267,15 @@ def start_node(
     kv_cache_bytes: int | None = None,
     ready_timeout_s: float = 300.0,
     gateway_bootstrap: str | None = None,
+    cancel: threading.Event | None = None,
 ) -> NodeHandle:
     """Start ``vllm`` on ``model_dir`` and wait until it serves; raise ``NodeError`` with the log tail if it dies.
 
     ``base_version``: the registry version whose weights ``model_dir`` holds (0 for the base policy dir).
     ``gateway_bootstrap``: run the gateway in the node's process (``serving.node.gateway_host``) on
     ``serving.host:serving.gateway_port``, logging to the Kafka at this bootstrap; None: no gateway.
+    ``cancel``: once set, the start is abandoned (the node stopped, ``NodeStartCancelled`` raised): a SIGTERM during
+    the engine's start does not wait for the model to load.
     """
     model_dir = Path(model_dir).resolve()
     if not (model_dir / "config.json").is_file():
@@ -302,6 +306,9 @@ def start_node(
     env = node_env(device, threads, base_version, key, deltas)
     if gateway_bootstrap is not None:
         env[ENV_GATEWAY] = json.dumps({"config": cfg.model_dump_json(), "bootstrap": gateway_bootstrap})
+    if cancel is not None and cancel.is_set():  # stopped while this start was being prepared: start nothing
+        log_file.close()
+        raise NodeStartCancelled(f"the start of the vLLM node on port {port} was abandoned before it began")
     t0 = time.monotonic()
     proc = subprocess.Popen(
         cmd,
@@ -326,7 +333,7 @@ def start_node(
         _log_file=log_file,
     )
     try:
-        _wait_ready(handle, ready_timeout_s)
+        _wait_ready(handle, ready_timeout_s, cancel)
     except BaseException:
         handle.stop(timeout_s=5)
         raise
@@ -407,9 +414,15 @@ def _running(pid: int) -> bool:
         return False
 
 
-def _wait_ready(handle: NodeHandle, timeout_s: float) -> None:
+class NodeStartCancelled(Exception):
+    """The node's start was abandoned (its ``cancel`` event was set): the process is stopping."""
+
+
+def _wait_ready(handle: NodeHandle, timeout_s: float, cancel: threading.Event | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
+        if cancel is not None and cancel.is_set():
+            raise NodeStartCancelled(f"the start of the vLLM node at {handle.url} was abandoned")
         if handle.proc.poll() is not None:
             raise NodeError(
                 f"vLLM node exited with code {handle.proc.returncode} before it was ready; "

@@ -9,6 +9,13 @@ what the node serves: ``serving.agent.agent``), serves the agent's metrics and h
 ``<state_dir>/keys/announce.pub``) unless ``security.allow_unsigned`` is set; it starts the node and the agent and
 runs until its stop event is set (or the node dies: the process then exits with the node's log tail, and its
 supervisor restarts it); ``run_serving`` is the blocking entry point that sets the stop event on SIGTERM or SIGINT.
+
+Probes, on ``serving.agent_port``: ``/livez`` (this process's event loop answers and its node runs) and ``/readyz``
+(the agent's side of the gateway's own ``/readyz``). A stop drains the node (``drain``): at once the gateway admits no
+new generation (its ``/readyz`` answers 503, a generation request 503 with ``X-Liverl-Draining``, which routers take as
+"try the next node") and the heartbeat says the node is out of service, so routers take it out of rotation; then the
+generations in flight finish (at most ``serving.drain_timeout_s``), the heartbeat is deleted and vLLM is stopped,
+with nothing in flight to cut. A stop while the engine is still starting abandons the start.
 """
 
 from __future__ import annotations
@@ -18,17 +25,19 @@ import logging
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+from core import keys
 from core.config import LiverlConfig
 from core.services import redis_from_url, required_verify_key
 from deploy.registry.blobstore import open_blob_store
 from serving.agent.agent import Agent
-from serving.agent.launch import start_node
+from serving.agent.launch import NodeStartCancelled, start_node
 from serving.agent.metrics import AgentMetrics, start_agent_server
 from serving.node.client import NodeClient
 from serving.node.gateway import event_loop_factory
-from serving.node.gateway_host import GatewayLink
+from serving.node.gateway_host import CONTROL_PATH, GatewayLink
 
 log = logging.getLogger("liverl.serving")
 
@@ -60,20 +69,46 @@ async def serve(
     metrics = AgentMetrics()
     agent: Agent | None = None
 
+    starting = "the vLLM node is starting"
+
     def health() -> tuple[bool, dict]:
         if agent is None:
-            starting = "the vLLM node is starting"
             return False, {"ok": False, "reason": starting, "version": None, "node": cfg.serving.node_name}
         return agent.health()
 
+    def ready() -> tuple[bool, dict]:
+        if agent is None or stop.is_set():
+            why = starting if not stop.is_set() else "draining: the node is stopping"
+            return False, {"ready": False, "reason": why, "version": None, "node": cfg.serving.node_name}
+        return readiness(agent)
+
+    def live() -> tuple[bool, dict]:  # this loop answers; a dead node ends the process (the agent's node_alive)
+        ok = node is None or node.alive
+        return ok, {"ok": ok, "node": cfg.serving.node_name, "reason": None if ok else "the vLLM node exited"}
+
     # before the node: a port in use stops the process at once, not after the engine's start
-    web = await start_agent_server(metrics, health, cfg.serving.host, cfg.serving.agent_port)
     node = client = rds = registry = agent_task = None
+    web = await start_agent_server(metrics, health, cfg.serving.host, cfg.serving.agent_port, live=live, ready=ready)
     try:
         log_path = cfg.state_path / "logs" / f"vllm-{cfg.serving.node_name}.log"
-        node = await asyncio.to_thread(
-            start_node, cfg, model_dir, log_path, base_version=base_version, gateway_bootstrap=bootstrap
-        )
+        cancel = threading.Event()  # a SIGTERM during the engine's start abandons it: no wait for the model to load
+        watch = asyncio.create_task(stop.wait())
+        watch.add_done_callback(lambda _t: cancel.set())
+        try:
+            node = await asyncio.to_thread(
+                start_node,
+                cfg,
+                model_dir,
+                log_path,
+                base_version=base_version,
+                gateway_bootstrap=bootstrap,
+                cancel=cancel,
+            )
+        except NodeStartCancelled:
+            log.info("stopped while the vLLM node was starting")
+            return
+        finally:
+            watch.cancel()
         client = NodeClient(node.url, key=node.key)
         link = GatewayLink(client, cfg.serving.node_name)
         rds = redis_from_url(redis_url, asyncio=True)
@@ -99,6 +134,7 @@ async def serve(
         stop_task.cancel()
         if agent_task in done and agent_task.exception() is not None:
             raise RuntimeError(f"serving stopped: {agent_task.exception()}; vLLM log tail:\n{node.log_tail()}")
+        await drain(cfg, agent, agent_task, client, node)
     finally:
         if agent_task is not None and not agent_task.done():
             agent_task.cancel()
@@ -113,6 +149,55 @@ async def serve(
             registry.close()
         if node is not None:
             await asyncio.to_thread(node.stop)  # SIGTERM: the node's gateway flushes its producer before it exits
+
+
+def readiness(agent: Agent) -> tuple[bool, dict]:
+    """(ready, body) of the serving process's ``/readyz``: the agent's side of the gateway's ``/readyz`` (a verified
+    version served, not draining)."""
+    gw = agent.gw
+    reason = "draining: the node is stopping" if gw.draining else gw.unhealthy_reason
+    if reason is None and gw.version is None:
+        reason = "no verified version served yet"
+    return reason is None, {"ready": reason is None, "reason": reason, "version": gw.version, "node": agent.name}
+
+
+async def drain(cfg: LiverlConfig, agent: Agent, agent_task: asyncio.Task, client: NodeClient, node) -> None:
+    """The graceful stop (SIGTERM): admit nothing new and leave the routers' rotation at once (``Agent.drain``), let
+    the agent finish the step in hand (a swap is never cut), wait until the gateway has no generation in its handlers
+    (at most ``serving.drain_timeout_s`` in all), then delete the heartbeat: the node has left the fleet, and stopping
+    it cuts nothing."""
+    t0 = time.monotonic()
+    deadline = t0 + cfg.serving.drain_timeout_s
+    log.info("node %s draining: no new generations, out of rotation", cfg.serving.node_name)
+    await agent.drain()
+    try:
+        await asyncio.wait_for(asyncio.shield(agent_task), max(0.1, deadline - time.monotonic()))
+    except TimeoutError:
+        log.warning("the agent's step did not end within serving.drain_timeout_s; cutting it")
+    except Exception:  # noqa: BLE001 - the agent's failure is logged where it happened; the drain goes on
+        pass
+    active = None
+    while node.alive and time.monotonic() < deadline:
+        try:
+            status, state = await client.request("GET", CONTROL_PATH, retry=False)
+        except Exception as e:  # noqa: BLE001 - a node that does not answer has nothing to drain that we can wait for
+            log.warning("the node's gateway did not answer during the drain (%s); stopping it", e)
+            break
+        if status != 200:  # no gateway runs in the node: nothing to wait for
+            log.warning("the node's gateway answered HTTP %s during the drain: %s; stopping it", status, state)
+            break
+        if not state.get("draining"):  # the agent's report was lost: say it again
+            await agent.drain()
+        elif (active := int(state.get("active") or 0)) == 0:
+            break
+        await asyncio.sleep(0.05)
+    if active:
+        log.warning("%d generation(s) still in flight after serving.drain_timeout_s; stopping anyway", active)
+    try:  # the node has left the fleet now, not when its heartbeat expires
+        await agent.redis.delete(keys.served(agent.prefix, agent.name))
+    except Exception as e:  # noqa: BLE001 - the heartbeat (out of service already) expires on its own
+        log.error("could not delete node %s's heartbeat: %s", agent.name, e)
+    log.info("node %s drained in %.2f s; stopping it", cfg.serving.node_name, time.monotonic() - t0)
 
 
 def run_serving(

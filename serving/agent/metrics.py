@@ -10,7 +10,10 @@ knows: the announcements it refused, the version the announcements point this no
 served weights back.
 
 ``GET /healthz`` answers the agent's view of the node: 200 while it serves a version it has verified, else 503 with
-the reason (the gateway's own ``/healthz`` says the same to the product's side).
+the reason (the gateway's own ``/healthz`` says the same to the product's side). ``GET /livez``: 200 while the serving
+process's event loop answers and its vLLM node runs. ``GET /readyz``: 200 while the agent has a verified version
+served and the node is not draining (the gateway's own ``/readyz``, on the product's side, is the one that also knows
+its producer runs: probes use that one).
 """
 
 from __future__ import annotations
@@ -71,11 +74,15 @@ class AgentMetrics:
         return generate_latest(self.registry)
 
 
+Probe = Callable[[], tuple[bool, dict]]
+
+
 async def start_agent_server(
-    metrics: AgentMetrics, health: Callable[[], tuple[bool, dict]], host: str, port: int
+    metrics: AgentMetrics, health: Probe, host: str, port: int, live: Probe | None = None, ready: Probe | None = None
 ) -> web.AppRunner | None:
-    """Serve ``GET /metrics`` and ``GET /healthz`` on ``host:port`` (0: no server, None returned), on the running
-    event loop; returns the aiohttp runner to ``cleanup()`` at the end. ``health()`` gives (ok, JSON body). A port
+    """Serve ``GET /metrics``, ``/healthz``, ``/livez`` and ``/readyz`` on ``host:port`` (0: no server, None
+    returned), on the running event loop; returns the aiohttp runner to ``cleanup()`` at the end. ``health()``,
+    ``live()`` and ``ready()`` give (ok, JSON body); ``live`` defaults to always ok, ``ready`` to ``health``. A port
     in use raises ``OSError``: the serving process then does not start, as it does when the gateway's port is taken."""
     if port <= 0:
         return None
@@ -83,13 +90,18 @@ async def start_agent_server(
     async def metrics_view(request: web.Request) -> web.Response:
         return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def healthz(request: web.Request) -> web.Response:
-        ok, body = health()
-        return web.json_response(body, status=200 if ok else 503)
+    def probe(fn: Probe):
+        async def view(request: web.Request) -> web.Response:
+            ok, body = fn()
+            return web.json_response(body, status=200 if ok else 503)
+
+        return view
 
     app = web.Application()
     app.router.add_get("/metrics", metrics_view)
-    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/healthz", probe(health))
+    app.router.add_get("/livez", probe(live or (lambda: (True, {"ok": True}))))
+    app.router.add_get("/readyz", probe(ready or health))
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:

@@ -46,6 +46,7 @@ from pydantic_core import from_json, to_json
 from core import fleet
 from core.bus import ensure_topics, librdkafka_security, topic_configs
 from core.config import LiverlConfig
+from core.probes import DRAINING_HEADER
 from serving.node import openai_api as oa
 from serving.node.client import NodeClient, NodeUnreachable
 from serving.node.feedback import FeedbackRoute
@@ -125,7 +126,9 @@ class Gateway:
         self.log_wait_s = cfg.serving.log_wait_s
         self.swap_epoch = 0  # swaps begun; a request that sees it change may span two versions
         self.swapping = False  # between swap_begin and swap_end (the engine is, or is about to be, paused)
-        self.inflight = 0
+        self.inflight = 0  # generation requests at the node (what a swap freezes)
+        self.active = 0  # generation requests anywhere in their handler (what a drain waits for)
+        self.draining = False  # the serving process is stopping: no new generation is admitted (``/readyz`` 503)
         self.version: int | None = None
         self.checksum: str | None = None
         self.unhealthy_reason: str | None = "not initialised"
@@ -148,6 +151,8 @@ class Gateway:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/liverl/version", self.version_info)
         app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/livez", self.livez)
+        app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics_text)
         return app
 
@@ -206,6 +211,12 @@ class Gateway:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         t0 = time.perf_counter()
         route = request.path
+        if self.draining:  # refused before anything is read: a router sends it to its next node
+            self.metrics.count(route, 503)
+            resp = oa.error_response(503, "node draining: it is stopping", kind="service_unavailable")
+            resp.headers[DRAINING_HEADER] = "1"
+            return resp
+        self.active += 1
         try:
             resp = await self._generate(request, route)
         except oa.BadRequest as e:
@@ -217,6 +228,8 @@ class Gateway:
         except ClientLeft as e:
             self.metrics.count(route, 499)
             return e.resp
+        finally:
+            self.active -= 1
         self.metrics.count(route, resp.status)
         self.metrics.m_seconds.observe(time.perf_counter() - t0)
         return resp
@@ -352,6 +365,32 @@ class Gateway:
                 "swapping": self.swapping,
                 "last_swap_pause_ms": self.last_swap_pause_ms,
             }
+        )
+
+    def not_ready(self) -> str | None:
+        """Why a completion sent now would not get 200, or None: it would (``/readyz``)."""
+        if self.draining:
+            return "draining: the node is stopping"
+        if self.producer is None or self.records is None:
+            return "the generation log's producer is not started"
+        if self.unhealthy_reason is not None:
+            return self.unhealthy_reason
+        if self.version is None:
+            return "no verified version served yet"
+        return None
+
+    async def livez(self, request: web.Request) -> web.Response:
+        """200 whenever it answers: the node's API-server event loop (the gateway's and vLLM's) is not wedged."""
+        return web.json_response({"ok": True, "node": self.node_name})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        """200 only while a completion sent now would be served: the engine is loaded (the gateway starts after it),
+        the generation log's producer runs, the agent has verified the version served, and the node is not
+        draining; else 503 with the reason."""
+        reason = self.not_ready()
+        return web.json_response(
+            {"ready": reason is None, "reason": reason, "version": self.version, "node": self.node_name},
+            status=200 if reason is None else 503,
         )
 
     async def healthz(self, request: web.Request) -> web.Response:

@@ -355,18 +355,23 @@ def state_of(gw) -> dict:
         "swapping": gw.swapping,
         "swap_epoch": gw.swap_epoch,
         "inflight": gw.inflight,
+        "active": gw.active,
+        "draining": gw.draining,
         "last_swap_pause_ms": gw.last_swap_pause_ms,
     }
 
 
 def apply_ops(gw, ops: list) -> None:
-    """Apply the agent's reports in order: ``["served", version, checksum]``, ``["unhealthy", reason]``."""
+    """Apply the agent's reports in order: ``["served", version, checksum]``, ``["unhealthy", reason]``,
+    ``["draining"]`` (the serving process is stopping: from now on no generation is admitted; never undone)."""
     for op in ops:
         kind = op[0]
         if kind == "served":
             gw.set_served(int(op[1]), str(op[2]))
         elif kind == "unhealthy":
             gw.unhealthy_reason = None if op[1] is None else str(op[1])
+        elif kind == "draining":
+            gw.draining = True
         else:
             raise ValueError(f"unknown op {kind!r}")
 
@@ -384,6 +389,7 @@ class GatewayLink:
         self.version: int | None = None
         self.checksum: str | None = None
         self._unhealthy: str | None = "not initialised"
+        self.draining = False  # the serving process is stopping (``drain``)
         self._changed = False
         self._lock = asyncio.Lock()
 
@@ -398,11 +404,15 @@ class GatewayLink:
     def set_served(self, version: int, checksum: str) -> None:
         self.version, self.checksum, self._unhealthy, self._changed = version, checksum, None, True
 
+    def drain(self) -> None:
+        """The serving process is stopping: the gateway admits no new generation once this is flushed."""
+        self.draining, self._changed = True, True
+
     def ops(self) -> list[list]:
         """The state as ``apply_ops`` takes it: the served version (which clears the gateway's unhealthy reason),
-        then the reason."""
+        then the reason, then whether it drains."""
         served = [] if self.version is None else [["served", self.version, self.checksum]]
-        return [*served, ["unhealthy", self._unhealthy]]
+        return [*served, ["unhealthy", self._unhealthy], *([["draining"]] if self.draining else [])]
 
     async def flush(self) -> None:
         """Send the state if it changed since the last flush; on failure it is sent with the next flush and this

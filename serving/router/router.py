@@ -35,6 +35,14 @@ use) and routes each request:
   client sent it; the body, the status, the headers (``X-Liverl-Generation-Id``, ``X-Liverl-Version``) and a
   stream's chunks pass back as the node's gateway sent them; the router adds ``X-Liverl-Node``.
 
+- **Probes and a graceful stop.** ``GET /livez``: 200 whenever the router's event loop answers. ``GET /readyz``: 200
+  only while a request of the stable arm would be routed (a stable node in rotation: any node in rotation when no
+  rollout runs, else one the canary does not name) and the router is not stopping. A node that answers 503 with
+  ``X-Liverl-Draining`` (it is stopping and did nothing with the request) is skipped like one that refused the
+  connection. On SIGTERM the router's ``/readyz`` goes 503 at once, it keeps routing for ``unready_s`` (so a balancer's
+  health checks take it out first), then stops listening, lets the requests in flight finish (at most
+  ``serving.drain_timeout_s``) and exits 0.
+
 Several routers can run side by side (they share Redis, the config and the assignment key) behind any TCP load
 balancer.
 """
@@ -45,6 +53,7 @@ import asyncio
 import hashlib
 import logging
 import random
+import signal
 import time
 
 import aiohttp
@@ -56,6 +65,7 @@ from core import fleet
 from core.config import LiverlConfig
 from core.credentials import load_assignment_key
 from core.fleet import Node
+from core.probes import DRAINING_HEADER
 from core.schemas import RolloutTerms
 from core.services import redis_from_url, verify_key_path
 from deploy.registry.signing import Verifier
@@ -131,6 +141,7 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
         self._closing = False
+        self.draining = False  # stopping: /readyz answers 503, requests in flight finish
         r = self.metrics = CollectorRegistry()
         self.m_requests = Counter(
             "liverl_router_requests", "Requests routed, by node and HTTP status", ["node", "status"], registry=r
@@ -187,6 +198,8 @@ class Router:
         )
         self.app = web.Application(client_max_size=MAX_BODY)
         self.app.router.add_get("/healthz", self.healthz)
+        self.app.router.add_get("/livez", self.livez)
+        self.app.router.add_get("/readyz", self.readyz)
         self.app.router.add_get("/metrics", self.metrics_route)
         self.app.router.add_get("/fleet", self.fleet)
         self.app.router.add_route("*", "/v1/{tail:.*}", self.proxy)
@@ -310,6 +323,27 @@ class Router:
             return web.Response(status=503, text="no serving node in rotation")
         return web.Response(text=f"ok: {len(self.nodes)} nodes")
 
+    def stable_nodes(self) -> list[Node]:
+        """The nodes in rotation that may serve the stable arm: all of them with no rollout, else those the canary
+        does not name."""
+        canary = set(self.rollout.nodes) if self.rollout is not None else set()
+        return [n for n in self.nodes if n.name not in canary]
+
+    async def livez(self, _request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def readyz(self, _request: web.Request) -> web.Response:
+        stable = self.stable_nodes()
+        reason = None
+        if self.draining:
+            reason = "draining: the router is stopping"
+        elif not self.nodes:
+            reason = "no serving node in rotation"
+        elif not stable:
+            reason = "no node of the stable arm in rotation (only the canary's)"
+        body = {"ready": reason is None, "reason": reason, "nodes": len(self.nodes), "stable_nodes": len(stable)}
+        return web.json_response(body, status=200 if reason is None else 503)
+
     async def metrics_route(self, _request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.metrics), content_type="text/plain")
 
@@ -335,6 +369,13 @@ class Router:
                 log.warning(
                     "router: %s failed before answering (%s: %s); trying the next node", node.name, type(e).__name__, e
                 )
+                continue
+            if upstream.status == 503 and upstream.headers.get(DRAINING_HEADER):
+                # the node is stopping and did nothing with the request: it leaves the rotation at the next refresh
+                upstream.release()
+                self._down[node.name] = time.monotonic() + self.down_s
+                self.m_failover.labels(node.name).inc()
+                log.info("router: %s is draining; trying the next node", node.name)
                 continue
             try:
                 return await self._relay(request, upstream, node)
@@ -388,14 +429,25 @@ def _verifier(cfg: LiverlConfig):
     )
 
 
-def run_router(cfg: LiverlConfig, redis_url: str, host: str, port: int) -> None:
-    """Blocking entry point (``liverl route``)."""
+UNREADY_S = 5.0
+"""How long a stopping router keeps routing with its ``/readyz`` at 503 before it stops listening: longer than a
+balancer's health checks take to drop it (HAProxy as ``packaging/haproxy`` configures it: 1-2 s; as the compose file's
+does: 2-4 s)."""
+
+
+def run_router(cfg: LiverlConfig, redis_url: str, host: str, port: int, unready_s: float = UNREADY_S) -> None:
+    """Blocking entry point (``liverl route``): route until SIGTERM or SIGINT, then stop gracefully (``/readyz`` 503
+    for ``unready_s``, then no new connections, the requests in flight finished) and return."""
 
     async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
         rds = redis_from_url(redis_url, asyncio=True)
         try:
             router = Router(cfg, rds)  # refuses to start without serving.fleet or the assignment key
-            runner = web.AppRunner(router.app, access_log=None)
+            runner = web.AppRunner(router.app, access_log=None, shutdown_timeout=cfg.serving.drain_timeout_s)
             await runner.setup()
             try:
                 await web.TCPSite(runner, host, port).start()
@@ -411,13 +463,13 @@ def run_router(cfg: LiverlConfig, redis_url: str, host: str, port: int) -> None:
                     "nodes in rotation; GET /fleet lists them)",
                     flush=True,
                 )
-                await asyncio.Event().wait()
+                await stop.wait()
+                router.draining = True
+                log.info("router stopping: /readyz 503 for %.1f s, then the requests in flight finish", unready_s)
+                await asyncio.sleep(unready_s)
             finally:
-                await runner.cleanup()
+                await runner.cleanup()  # stops listening, waits for the handlers in flight, then the app's cleanup
         finally:
             await rds.aclose()
 
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
+    asyncio.run(main())

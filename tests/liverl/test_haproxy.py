@@ -32,7 +32,7 @@ def test_every_router_is_health_checked_and_failures_are_replayed_elsewhere():
     ]
     assert all(s[3:] == ["check"] for s in servers)
     lines = {line.strip() for line in text.splitlines()}
-    assert "http-check send meth GET uri /healthz" in lines
+    assert "http-check send meth GET uri /readyz" in lines
     assert "retry-on conn-failure empty-response" in lines
     assert "option redispatch 1" in lines
 

@@ -166,14 +166,29 @@ def test_probes_use_the_endpoints_each_process_serves(default_docs):
     def probe(role: str, kind: str) -> dict:
         return by_component(default_docs, role)[0]["spec"]["template"]["spec"]["containers"][0][kind]
 
-    assert probe("serve", "readinessProbe")["httpGet"] == {"path": "/healthz", "port": "gateway"}
-    assert probe("route", "readinessProbe")["httpGet"] == {"path": "/healthz", "port": "http"}
-    assert probe("oncall", "livenessProbe")["httpGet"] == {"path": "/healthz", "port": "http"}
-    assert probe("gate", "readinessProbe")["httpGet"] == {"path": "/metrics", "port": "metrics"}
-    assert "/healthz" in " ".join(probe("ingest", "readinessProbe")["exec"]["command"])
+    for role, port in (("serve", "gateway"), ("route", "http"), ("oncall", "http"), ("gate", "metrics")):
+        assert probe(role, "readinessProbe")["httpGet"] == {"path": "/readyz", "port": port}, role
+        assert probe(role, "livenessProbe")["httpGet"] == {"path": "/livez", "port": port}, role
+    assert "/readyz" in " ".join(probe("ingest", "readinessProbe")["exec"]["command"])
+    assert "/livez" in " ".join(probe("ingest", "livenessProbe")["exec"]["command"])
+    assert "/readyz" in " ".join(probe("learn", "readinessProbe")["exec"]["command"])
     # a serving node loads its model before it listens: its start-up allows for that before liveness counts
     start = probe("serve", "startupProbe")
     assert start["periodSeconds"] * start["failureThreshold"] >= 600
+
+
+def test_the_grace_period_outlasts_each_drain(default_docs):
+    """SIGTERM drains a node and a router (serving.drain_timeout_s, set from the grace period) before SIGKILL can come:
+    a node keeps 40 s of it for stopping vLLM, a router 10 s for its 5 s of /readyz 503 before it stops listening."""
+
+    def pod(role: str) -> dict:
+        return by_component(default_docs, role)[0]["spec"]["template"]["spec"]
+
+    for role, kept in (("serve", 40), ("route", 10)):
+        spec = pod(role)
+        env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+        drain = float(env["LIVERL__SERVING__DRAIN_TIMEOUT_S"])
+        assert drain > 0 and drain + kept <= spec["terminationGracePeriodSeconds"], role
 
 
 def test_prometheus_scrape_annotations_name_each_metrics_port(docs):
@@ -312,7 +327,7 @@ def test_every_setting_is_a_field_liverl_knows_and_loads(docs, tmp_path):
 
 def test_no_service_is_addressed_at_a_loopback_address(docs):
     """Kafka, Redis, PostgreSQL, S3 and the nodes are reached by name. Only the ingest worker's exec probes use the
-    pod's loopback (readiness is a field of its /healthz answer); the image's name is podman's local registry."""
+    pod's loopback (its web server answers there); the image's name is podman's local registry."""
     for doc in docs:
         found = [s for s in strings(doc, skip=("image", "exec")) if LOOPBACK.search(s)]
         assert not found, (doc["kind"], doc["metadata"]["name"], found)

@@ -268,6 +268,6 @@ sys.exit(0 if n >= 1 + int(os.environ['LIVERL_LEARN_RANKS']) else 1)
 {{- define "liverl.rank0Probe" -}}
 import os, sys, urllib.request
 if os.environ['NODE_RANK'] == '0':
-    urllib.request.urlopen('http://%s:{{ .Values.learn.metricsPort }}/metrics' % os.environ['POD_IP'], timeout=4)
+    urllib.request.urlopen('http://%s:{{ .Values.learn.metricsPort }}/readyz' % os.environ['POD_IP'], timeout=4)
 {{ include "liverl.ranksProbe" . }}
 {{- end -}}
