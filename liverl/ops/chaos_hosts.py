@@ -364,13 +364,19 @@ def run_chaos_hosts(
         sdk.flush()
         load_end = time.time()
         print(f"load stopped: {len(load.requests)} requests; draining ...", flush=True)
-        pipe = _DrainView(dep, redis)
-        report, converge_s = _drain(dep.cfg, pipe, time.monotonic(), drain_timeout_s)
-        chosen = chosen_at(registry)
-        audit_log_ok = registry.verify_audit().ok
         sdk.close()
         registry.close()
-        redis.close()
+        redis.close()  # (clients of their own for the end: these may hold connections a fault broke)
+        redis = redis_from_url(dep.redis_url, socket_timeout=10, socket_connect_timeout=3)
+        report, converge_s = _drain(dep.cfg, _DrainView(dep, redis), time.monotonic(), drain_timeout_s)
+        registry = open_registry(dep.cfg)
+        try:
+            chosen = chosen_at(registry)
+            audit_log = registry.verify_audit()
+            audit_log_ok = audit_log.ok
+        finally:
+            registry.close()
+            redis.close()
         attribute(rows, load.requests, load_end)
         bad = served_not_chosen(load.requests, chosen)
         for row_i, row in enumerate(rows):
@@ -391,6 +397,7 @@ def run_chaos_hosts(
         "feedback_not_sent": load.feedback_errors,
         "roles_restarted_by_their_host": restarts,
         "audit_log_verifies": audit_log_ok,
+        "audit_log_problem": audit_log.problem,
         "drain_converge_s": None if converge_s is None else round(converge_s, 1),
         "audit": report.as_dict() if report is not None else None,
         "command": command,
