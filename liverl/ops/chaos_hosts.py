@@ -473,23 +473,34 @@ def _apply(dep: HostDeployment, fault: Fault, registry, redis, run_audit) -> Row
 
 
 def _host_back(dep: HostDeployment, host: str) -> bool:
-    """Whether a booted host's own service answers (its processes are up and listening)."""
+    """Whether a booted host's own service answers: a node's gateway or a router's /healthz, Redis's PING (not while
+    it replays its append-only file), a query on the database (not while it recovers), the broker's port; the
+    others, their process running."""
     from liverl.ops import chaos_deploy as d  # noqa: PLC0415
 
     kind, addr = kind_of(host), dep.addr(host)
-    if kind == "node":
-        return d._http_ok(f"{dep.fleet()[host]}/healthz")
-    if kind == "router":
-        return d._http_ok(f"http://{addr}:{d.ROUTER_PORT}/healthz")
-    port = {"redis": d.REDIS_PORT, "db": d.PG_PORT, "broker": d.BROKER_PORT}.get(kind)
-    if port is not None:
-        import socket  # noqa: PLC0415
+    try:
+        if kind == "node":
+            return d._http_ok(f"{dep.fleet()[host]}/healthz")
+        if kind == "router":
+            return d._http_ok(f"http://{addr}:{d.ROUTER_PORT}/healthz")
+        if kind == "redis":
+            import redis  # noqa: PLC0415
 
-        try:
-            socket.create_connection((addr, port), timeout=1).close()
+            with redis.Redis(host=addr, port=d.REDIS_PORT, socket_timeout=2, socket_connect_timeout=2) as r:
+                return bool(r.ping())
+        if kind == "db":
+            import psycopg  # noqa: PLC0415
+
+            with psycopg.connect(host=addr, port=d.PG_PORT, user="postgres", dbname="postgres", connect_timeout=2) as c:
+                return c.execute("SELECT 1").fetchone() == (1,)
+        if kind == "broker":
+            import socket  # noqa: PLC0415
+
+            socket.create_connection((addr, d.BROKER_PORT), timeout=1).close()
             return True
-        except OSError:
-            return False
+    except Exception:  # noqa: BLE001 - not back yet, whatever the reason; the caller asks again
+        return False
     return all(p.poll() is None for (h, _), p in dep.procs.items() if h == host)
 
 

@@ -246,6 +246,10 @@ class Hosts:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=max(deadline - time.monotonic(), 0.1))
         self._by_host[host] = [p for p in self._by_host.get(host, []) if p.poll() is None]
+        # gone means reaped too: a process whose parent died waits for init to reap it, and until then its pid still
+        # answers (PostgreSQL, booted again at once, would take its lock file for a live postmaster's)
+        while any(_pid_alive(pid) for pid in killed) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return len(killed)
 
     def forward(self, target_port: int, port: int | None = None) -> str:
