@@ -237,7 +237,17 @@ class HostDeployment:
         return out
 
     def wait_ready(self, timeout: float) -> None:
-        _wait(lambda: all(self.ready().values()), timeout, "every node, router and the front door", check=self.check)
+        t0, said = time.monotonic(), [0.0]
+
+        def ready() -> bool:
+            state = self.ready()
+            if time.monotonic() - said[0] > 30:
+                said[0] = time.monotonic()
+                waiting = [k for k, ok in state.items() if not ok]
+                print(f"  {time.monotonic() - t0:4.0f} s: waiting for {', '.join(waiting) or 'nothing'}", flush=True)
+            return all(state.values())
+
+        _wait(ready, timeout, "every node, router and the front door", check=self.check)
 
     def lb_states(self) -> dict[str, str]:
         """Each router's state in HAProxy (UP, DOWN, ...), by host name."""

@@ -267,16 +267,18 @@ class Row:
 
 
 def attribute(rows: list[Row], requests: list[Request], end: float) -> None:
-    """Each failed request to the fault it followed (it ended after that fault, before the next one, or ``end``):
-    in flight on the lost or cut host when it started before the fault and the fault hit a router or a node (the
-    hosts a request passes through), else ``failed_other``."""
+    """Each failed request to the fault it followed (it ended after that fault, before the next one, or ``end``).
+    Excused (``failed_in_flight``): it started before the fault, the fault hit a router or a node (the hosts a request
+    passes through), and a response head, if it got one, names that host (HAProxy's ``X-Liverl-Router``, the
+    router's ``X-Liverl-Node``). Every other failure is ``failed_other``."""
     for i, row in enumerate(rows):
         t1 = rows[i + 1].t if i + 1 < len(rows) else end
-        victim = kind_of(row.fault.host) in ("router", "node")
+        kind, victim = kind_of(row.fault.host), row.fault.host
         for r in requests:
             if r.ok or not (row.t <= r.end < t1):
                 continue
-            if victim and r.start < row.t:
+            named = r.router if kind == "router" else r.node
+            if kind in ("router", "node") and r.start < row.t and named in (None, victim):
                 row.failed_in_flight += 1
             else:
                 row.failed_other += 1
@@ -450,7 +452,7 @@ def _apply(dep: HostDeployment, fault: Fault, registry, redis, run_audit) -> Row
     """One fault: apply it, hold it ``duration_s`` (the hosts' init systems keep running), heal it, wait for the
     fleet to converge (up to 3x the limit, to report how long it took), then audit."""
     row = Row(fault, time.time())
-    log.warning("chaos: %s", fault)
+    print(f"  {time.strftime('%H:%M:%S')} {fault.what} {fault.host} for {fault.duration_s:g} s", flush=True)
     if fault.what == "loss":
         dep.lose(fault.host)
     else:
@@ -510,7 +512,7 @@ def _until(dep: HostDeployment, pred, timeout: float) -> bool:
         dep.check()
         if pred():
             return True
-        time.sleep(0.5)
+        time.sleep(1.0)
     return False
 
 

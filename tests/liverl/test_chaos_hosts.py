@@ -66,13 +66,16 @@ def test_failures_in_flight_on_a_lost_router_are_excused_and_every_other_one_cou
     ingest = Row(Fault("cut", "ingest-1", 30), t=200.0)
     requests = [
         Request(99.0, 101.0, False, error="in flight on the router"),  # excused
+        Request(99.0, 101.0, False, router="router-1", error="HTTP 502 from it"),  # excused: the lost router answered
+        Request(99.0, 101.0, False, router="router-2", error="HTTP 503 from the other"),  # counts
         Request(101.0, 102.0, False, error="sent after the loss"),  # counts
         Request(99.5, 150.0, True, version=0),  # answered: nothing to excuse
         Request(199.0, 201.0, False, error="in flight at an ingest cut"),  # counts: ingest serves no request
         Request(50.0, 60.0, False, error="before any fault"),  # no row's
     ]
     attribute([router, ingest], requests, end=300.0)
-    assert (router.failed_in_flight, router.failed_other, router.errors) == (1, 1, ["sent after the loss"])
+    assert (router.failed_in_flight, router.failed_other) == (2, 2)
+    assert router.errors == ["HTTP 503 from the other", "sent after the loss"]
     assert (ingest.failed_in_flight, ingest.failed_other) == (0, 1)
 
 
