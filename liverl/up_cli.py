@@ -124,6 +124,8 @@ def cmd_chaos_hosts(args: argparse.Namespace) -> int:
         nodes=args.nodes,
         ingest=args.ingest_workers,
         concurrency=args.concurrency,
+        warm_s=args.warm,
+        gap_s=args.gap,
         drain_timeout_s=args.drain_timeout,
         summary_path=args.summary,
         command=chaos_hosts_command(args),
@@ -139,8 +141,10 @@ def chaos_hosts_command(args: argparse.Namespace) -> str:
         ("--nodes", args.nodes, 2),
         ("--ingest-workers", args.ingest_workers, 2),
         ("--concurrency", args.concurrency, 8),
+        ("--warm", args.warm, 30.0),
+        ("--gap", args.gap, 10.0),
     ):
-        cmd += f" {flag} {value}" if value != default else ""
+        cmd += f" {flag} {value:g}" if value != default else ""
     return cmd
 
 
@@ -257,6 +261,10 @@ def _add_chaos(sub) -> None:
     h.add_argument("--nodes", type=int, default=2, help="serving nodes, each on its own host (default 2)")
     h.add_argument("--ingest-workers", type=int, default=2, help="ingest workers, each on its own host (default 2)")
     h.add_argument("--concurrency", type=int, default=8, help="simulated requests in flight at once (default 8)")
+    h.add_argument("--warm", type=float, default=30.0, metavar="S", help="load before the first fault (default 30)")
+    h.add_argument(
+        "--gap", type=float, default=10.0, metavar="S", help="load after each fault's audit, before the next (10)"
+    )
     add_model_args(c, product_help="product with simulated users (default: the demo's)")
     c.set_defaults(fn=cmd_chaos)
 

@@ -121,6 +121,7 @@ def test_a_router_loss_an_ingest_cut_and_a_redis_loss_keep_every_invariant(tmp_p
         pytest.skip(reason)
     summary_path = tmp_path / "chaos-hosts.json"
     cmd = [sys.executable, "-m", "liverl.cli", "chaos", "--hosts", "--nodes", "1", "--ingest-workers", "1"]
+    cmd += ["--warm", "15", "--gap", "5"]
     cmd += ["--fault", "loss:router-1:5", "--fault", "cut:ingest-1:30", "--fault", "loss:redis:5"]
     cmd += ["--state-dir", str(tmp_path / "state"), "--summary", str(summary_path), "--drain-timeout", "300"]
     out = subprocess.run(cmd, env=pipeline_env("chaoshosts"), capture_output=True, text=True, timeout=1200)
