@@ -149,7 +149,7 @@ class Load:
         self._stop.set()
         self._fb.put(None)
         for t in self._threads:
-            t.join(timeout=self.timeout_s + 30)
+            t.join(timeout=self.timeout_s + 120)
 
     def _feedback(self) -> None:
         while (item := self._fb.get()) is not None:
