@@ -34,6 +34,7 @@ import json
 import logging
 import queue
 import random
+import signal
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -331,6 +332,8 @@ def run_chaos_hosts(
     from liverl.ops.chaos import _acked_client, _drain  # noqa: PLC0415
 
     logging.getLogger("kafka").setLevel(logging.CRITICAL)  # the users' client retries while the broker is away
+    for sig in (signal.SIGINT, signal.SIGTERM):  # stopped (Ctrl-C, a timeout's SIGTERM): every host is stopped too
+        signal.signal(sig, _interrupt)
     names = host_names(nodes=nodes, ingest=ingest)
     schedule = faults if faults is not None else make_schedule(names, n_faults, seed)
     unknown = [f.host for f in schedule if f.host not in names or kind_of(f.host) not in KINDS]
@@ -427,6 +430,10 @@ def run_chaos_hosts(
         Path(summary_path).write_text(json.dumps(summary, indent=2, default=str))
         print(f"summary: {summary_path}")
     return summary
+
+
+def _interrupt(signum, _frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 class _DrainView:

@@ -12,6 +12,10 @@ the broker ``liverl up`` embeds on a host, at that host's address.
 is killed with SIGKILL at once; what it wrote to disk stays, as on a machine that lost power with its disk intact
 but its page cache flushed (the namespaces share this machine's file system and page cache).
 
+Each host has a default route, through a gateway address on the bridge that nobody holds (the /24's .254): a
+process that finds its own address the way vLLM does (the source address of a route to the outside, asked of a UDP
+socket that sends nothing) finds the host's, and a packet sent beyond the bridge goes nowhere.
+
 ``cut(host)`` takes the host's link down (its veth on the bridge's side): every packet to or from it is dropped, no
 connection is reset, as when a cable or a switch port fails; ``restore(host)`` brings it back. The kernel here has no
 ``tc netem``, so a link is up or down, not slow.
@@ -82,6 +86,9 @@ def sweep_stale() -> None:
         ns = line.split()[0] if line.strip() else ""
         m = re.match(r"^(lv(\d+)[a-z])-", ns)
         if m and not _pid_alive(int(m.group(2))):
+            for pid in _ip("netns", "pids", ns, check=False).stdout.split():  # what still runs there goes too
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
             _ip("netns", "del", ns, check=False)
 
 
@@ -128,6 +135,7 @@ class Hosts:
         self.subnet = free[(os.getpid() * 7919) % len(free)]  # (two test workers start on different ones)
         hosts = list(self.subnet.hosts())
         self.machine = str(hosts[0])
+        self.gateway = str(hosts[-1])  # (.254: no host has it, see the module's doc)
         self._addr = {name: str(hosts[i + 1]) for i, name in enumerate(self.names)}
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.machine}/24", "dev", self.bridge)
@@ -142,6 +150,7 @@ class Hosts:
             _ip("-n", ns, "addr", "add", f"{self._addr[name]}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "route", "add", "default", "via", self.gateway)
             _ip("link", "set", outside, "master", self.bridge)
             _ip("link", "set", outside, "up")
 
