@@ -18,8 +18,9 @@ Invariants, per fault and at the end:
 
 - **front door**: a request that failed must have been in flight, at the fault, on the router or node that was lost
   or cut; any other failure counts against the fault it followed (``other``);
-- **lost / twice**: ``liverl audit`` after each fault's convergence and after the drain: no acknowledged feedback
-  event lost, no sample trained twice; and the feedback topic holds every record the broker acknowledged;
+- **lost / twice**: ``liverl audit`` after the drain: no acknowledged feedback event lost, no sample trained twice,
+  each counted in the row of the fault its feedback was sent after; and the feedback topic holds every record the
+  broker acknowledged;
 - **converge**: seconds from the heal (the link up, or the lost host's processes answering again) until every node
   serves what the registry says it should (stable, or the canary on its nodes), has a fresh heartbeat, and every
   router is UP in HAProxy; at most 60;
@@ -132,6 +133,7 @@ class Load:
         self.url, self.sdk, self.concurrency, self.users = url, sdk, concurrency, users
         self.seed, self.timeout_s = seed, timeout_s
         self.requests: list[Request] = []
+        self.sent: dict[str, float] = {}  # feedback id -> time.time() it was handed to the SDK
         self.feedback_errors = 0
         self._stop = threading.Event()
         self._fb: queue.Queue = queue.Queue(maxsize=100_000)
@@ -156,7 +158,7 @@ class Load:
         while (item := self._fb.get()) is not None:
             gid, accept = item
             try:
-                (self.sdk.accept if accept else self.sdk.reject)(gid)
+                self.sent[(self.sdk.accept if accept else self.sdk.reject)(gid)] = time.time()
             except Exception as e:  # noqa: BLE001 - counted; the broker acknowledged nothing, so nothing is owed
                 self.feedback_errors += 1
                 log.debug("chaos: feedback not sent: %r", e)
@@ -287,6 +289,33 @@ def attribute(rows: list[Row], requests: list[Request], end: float) -> None:
                     row.errors.append(r.error)
 
 
+def place_verdicts(rows: list[Row], report, samples: dict, sent: dict[str, float], end: float) -> dict[str, int]:
+    """Each row's ``lost`` and ``twice`` from the final audit (``report``): its lost feedback events, and those whose
+    sample (``samples``: feedback id -> (partition, offset, sample id), the audit's read of the samples topic) was
+    trained twice, each in the row of the fault it was sent after (``sent``: feedback id -> when). Returns how many
+    fell in no row (sent before the first fault, or not by the load)."""
+    if report is None:
+        return {}
+    twice = set(report.trained_twice)
+    twice_fids = {fid for fid, recs in samples.items() if any(sid in twice for _, _, sid in recs)}
+    for row in rows:
+        row.lost, row.twice = 0, 0
+    out = {"lost": 0, "twice": 0}
+    for name, fids in (("lost", report.lost_examples), ("twice", sorted(twice_fids))):
+        for fid in fids:
+            t = sent.get(fid)
+            row = next((r for i, r in enumerate(rows) if t is not None and r.t <= t < _next_t(rows, i, end)), None)
+            if row is None:
+                out[name] += 1
+            else:
+                setattr(row, name, getattr(row, name) + 1)
+    return out
+
+
+def _next_t(rows: list[Row], i: int, end: float) -> float:
+    return rows[i + 1].t if i + 1 < len(rows) else end
+
+
 def table(rows: list[Row], before: int, command: str) -> str:
     lines = [
         "",
@@ -328,7 +357,7 @@ def run_chaos_hosts(
     """Start the deployment, run the load, apply ``faults`` (or ``n_faults`` from ``make_schedule``), drain, audit;
     print the table and return the summary (``ok``: every invariant held)."""
     from deploy.registry.registry import open_registry  # noqa: PLC0415 torch: imported when the command runs
-    from liverl.ops.audit import run_audit  # noqa: PLC0415
+    from liverl.ops.audit import _samples  # noqa: PLC0415
     from liverl.ops.chaos import _acked_client, _drain  # noqa: PLC0415
 
     logging.getLogger("kafka").setLevel(logging.CRITICAL)  # the users' client retries while the broker is away
@@ -358,11 +387,9 @@ def run_chaos_hosts(
             _pause(dep, warm_s)
             t_first = time.time()
             for fault in schedule:
-                rows.append(_apply(dep, fault, registry, redis, run_audit))
+                rows.append(_apply(dep, fault, registry, redis))
                 r = rows[-1]
-                print(
-                    f"  {fault}: back {r.back_s}, converged {r.converge_s}, lost {r.lost}, twice {r.twice}", flush=True
-                )
+                print(f"  {fault}: back after {r.back_s} s, converged {r.converge_s} s after the heal", flush=True)
                 _pause(dep, gap_s)
         finally:
             load.stop()
@@ -383,6 +410,7 @@ def run_chaos_hosts(
             registry.close()
             redis.close()
         attribute(rows, load.requests, load_end)
+        unplaced = place_verdicts(rows, report, _samples(dep.cfg, dep.bootstrap) if report else {}, load.sent, load_end)
         bad = served_not_chosen(load.requests, chosen)
         for row_i, row in enumerate(rows):
             t1 = rows[row_i + 1].t if row_i + 1 < len(rows) else load_end
@@ -396,6 +424,7 @@ def run_chaos_hosts(
         "rows": [{**asdict(r), "fault": str(r.fault), "ok": r.ok} for r in rows],
         "requests": len(load.requests),
         "failed_before_first_fault": before,
+        "lost_or_twice_not_in_a_row": unplaced,
         "served_not_chosen_before_first_fault": sum(1 for r in bad if r.end < t_first),
         "acked_feedback_records": sdk.acked,
         "acked_not_in_topic": max(missing, 0),
@@ -455,9 +484,9 @@ def _pause(dep: HostDeployment, seconds: float) -> None:
         time.sleep(0.5)
 
 
-def _apply(dep: HostDeployment, fault: Fault, registry, redis, run_audit) -> Row:
+def _apply(dep: HostDeployment, fault: Fault, registry, redis) -> Row:
     """One fault: apply it, hold it ``duration_s`` (the hosts' init systems keep running), heal it, wait for the
-    fleet to converge (up to 3x the limit, to report how long it took), then audit."""
+    fleet to converge (up to 3x the limit, to report how long it took)."""
     row = Row(fault, time.time())
     print(f"  {time.strftime('%H:%M:%S')} {fault.what} {fault.host} for {fault.duration_s:g} s", flush=True)
     if fault.what == "loss":
@@ -475,9 +504,6 @@ def _apply(dep: HostDeployment, fault: Fault, registry, redis, run_audit) -> Row
     healed = time.monotonic()
     if _until(dep, lambda: _safe(converged, dep, registry, redis), 3 * CONVERGE_LIMIT_S + 120):
         row.converge_s = round(time.monotonic() - healed, 1)
-    rep = _safe(run_audit, dep.cfg, dep.bootstrap, redis, registry)
-    if rep:
-        row.lost, row.twice = rep.lost, len(rep.trained_twice)
     return row
 
 

@@ -23,6 +23,7 @@ from liverl.ops.chaos_hosts import (
     attribute,
     chosen_at,
     make_schedule,
+    place_verdicts,
     served_not_chosen,
 )
 from tests.conftest import pipeline_env
@@ -77,6 +78,15 @@ def test_failures_in_flight_on_a_lost_router_are_excused_and_every_other_one_cou
     assert (router.failed_in_flight, router.failed_other) == (2, 2)
     assert router.errors == ["HTTP 503 from the other", "sent after the loss"]
     assert (ingest.failed_in_flight, ingest.failed_other) == (0, 1)
+
+
+def test_the_final_audits_lost_and_twice_land_in_the_row_of_the_fault_they_followed():
+    rows = [Row(Fault("loss", "broker", 10), t=100.0), Row(Fault("cut", "learner", 40), t=200.0)]
+    report = SimpleNamespace(lost_examples=["f-lost", "f-early"], trained_twice=["s-2"])
+    samples = {"f-lost": [(0, 1, "s-1")], "f-twice": [(0, 2, "s-2"), (1, 7, "s-2b")], "f-ok": [(0, 3, "s-3")]}
+    sent = {"f-lost": 150.0, "f-twice": 250.0, "f-ok": 120.0, "f-early": 50.0}
+    assert place_verdicts(rows, report, samples, sent, end=300.0) == {"lost": 1, "twice": 0}  # f-early: before
+    assert (rows[0].lost, rows[0].twice, rows[1].lost, rows[1].twice) == (1, 0, 0, 1)
 
 
 def test_an_answer_from_a_version_the_gate_had_not_chosen_yet_is_found():
