@@ -363,6 +363,8 @@ class HostDeployment:
         if role == "serve":
             serving.update(node_name=host, advertise_url=None)
         env["LIVERL__SERVING"] = json.dumps(serving)
+        if role == "ingest":  # its join table is its own host's (ingest refuses to share one)
+            env["LIVERL__STATE_DIR"] = str(self._disk(host))
         argv = [sys.executable, "-m", "liverl.cli", role]
         if role == "route":
             argv += ["--host", self.addr(host), "--port", str(ROUTER_PORT)]
