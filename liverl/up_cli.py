@@ -30,6 +30,17 @@ storage, vLLM, every worker), and each time it comes back on the same state fold
 
   liverl chaos --duration 600 --kill-every 15 --summary out/chaos.json
   liverl chaos --duration 300 --kill-every 0 --restarts 3       # only whole-pipeline restarts
+
+--hosts runs the pipeline on hosts of its own instead (one network namespace and address per host: broker, Redis,
+PostgreSQL, serving nodes, routers behind HAProxy, gate, learner, ingest workers; needs root) and hits it with a
+schedule of host losses (every process of a host killed with SIGKILL, the host back after a while) and partitions
+(a host's link down for 30-120 s), each kind of host reached; then it prints one row per fault: requests that failed
+at the front door (in flight on the lost host, or other), lost and trained twice (liverl audit), seconds for the fleet
+to converge after the heal, and answers from a version the gate had not chosen. --duration, --kill-every,
+--restarts and --kinds do not apply to it.
+
+  liverl chaos --hosts --faults 32 --summary out/chaos-hosts.json        # the long schedule (a benchmark)
+  liverl chaos --hosts --nodes 1 --ingest-workers 1 --fault loss:router-1 --fault cut:ingest-1:30
 """
 
 UP_HELP = """\
@@ -77,6 +88,8 @@ def demo_config(args: argparse.Namespace) -> LiverlConfig:
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
+    if args.hosts:
+        return cmd_chaos_hosts(args)
     from liverl.ops.chaos import run_chaos
 
     cfg = cfg_from_args(args)
@@ -93,6 +106,48 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         restarts=args.restarts,
     )
     return 0 if summary["ok"] else 1
+
+
+def cmd_chaos_hosts(args: argparse.Namespace) -> int:
+    from liverl.ops.chaos_hosts import Fault, hosts_config, run_chaos_hosts
+
+    one_host = {"duration": 600.0, "kill_every": 15.0, "restarts": 0, "kinds": list(KILL_KINDS)}
+    set_here = [f"--{k.replace('_', '-')}" for k, v in one_host.items() if getattr(args, k) != v]
+    if set_here:
+        raise SystemExit(f"liverl chaos: {', '.join(set_here)} apply to the one-host run, not to --hosts")
+    cfg = hosts_config(cfg_from_args(args), args.nodes)
+    faults = [Fault.parse(f) for f in args.fault] if args.fault else None
+    summary = run_chaos_hosts(
+        cfg,
+        model_dir_for(cfg),
+        faults=faults,
+        n_faults=args.faults,
+        seed=args.seed,
+        nodes=args.nodes,
+        ingest=args.ingest_workers,
+        concurrency=args.concurrency,
+        warm_s=args.warm,
+        gap_s=args.gap,
+        drain_timeout_s=args.drain_timeout,
+        summary_path=args.summary,
+        command=chaos_hosts_command(args),
+    )
+    return 0 if summary["ok"] else 1
+
+
+def chaos_hosts_command(args: argparse.Namespace) -> str:
+    """The command line that reproduces a ``--hosts`` run (the table prints it)."""
+    cmd = "liverl chaos --hosts"
+    cmd += "".join(f" --fault {f}" for f in args.fault) if args.fault else f" --faults {args.faults} --seed {args.seed}"
+    for flag, value, default in (
+        ("--nodes", args.nodes, 2),
+        ("--ingest-workers", args.ingest_workers, 2),
+        ("--concurrency", args.concurrency, 8),
+        ("--warm", args.warm, 30.0),
+        ("--gap", args.gap, 10.0),
+    ):
+        cmd += f" {flag} {value:g}" if value != default else ""
+    return cmd
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -196,6 +251,22 @@ def _add_chaos(sub) -> None:
         help=f"what to kill (default: all of {', '.join(KILL_KINDS)})",
     )
     c.add_argument("--state-dir", help="state folder (default: state_dir = .liverl; the run starts it fresh)")
+    h = c.add_argument_group("faults between hosts (--hosts)")
+    h.add_argument("--hosts", action="store_true", help="run the pipeline on hosts of its own and fault whole hosts")
+    h.add_argument("--faults", type=int, default=16, help="faults in the generated schedule (default 16)")
+    h.add_argument(
+        "--fault",
+        action="append",
+        metavar="WHAT:HOST[:S]",
+        help="an explicit fault instead of the schedule (repeat): loss:HOST or cut:HOST, S seconds down (default 30)",
+    )
+    h.add_argument("--nodes", type=int, default=2, help="serving nodes, each on its own host (default 2)")
+    h.add_argument("--ingest-workers", type=int, default=2, help="ingest workers, each on its own host (default 2)")
+    h.add_argument("--concurrency", type=int, default=8, help="simulated requests in flight at once (default 8)")
+    h.add_argument("--warm", type=float, default=30.0, metavar="S", help="load before the first fault (default 30)")
+    h.add_argument(
+        "--gap", type=float, default=10.0, metavar="S", help="load after each fault's audit, before the next (10)"
+    )
     add_model_args(c, product_help="product with simulated users (default: the demo's)")
     c.set_defaults(fn=cmd_chaos)
 

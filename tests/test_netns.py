@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -40,3 +41,21 @@ def test_hosts_reach_each_other_by_address_a_cut_isolates_one_and_close_removes_
     assert not names & _namespaces()
     assert not links & _links()
     assert server.poll() is not None  # the host's process was stopped
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
+def test_a_host_loss_kills_every_process_of_the_host_its_children_too_and_no_other(tmp_path):
+    with Hosts(["a", "b"], tmp_path) as hosts:
+        # a parent that starts a child of its own in a new session (out of the parent's process group), then sleeps
+        forks = "import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],"
+        forks += " start_new_session=True)\ntime.sleep(600)"
+        parent = hosts.spawn("a", [sys.executable, "-c", forks], "a.log")
+        other = hosts.spawn("b", [sys.executable, "-c", "import time; time.sleep(600)"], "b.log")
+        deadline = time.monotonic() + 30
+        while len(hosts.pids("a")) < 2:
+            assert time.monotonic() < deadline, hosts.pids("a")
+            time.sleep(0.1)
+        assert hosts.kill_host("a") == 2
+        assert hosts.pids("a") == []
+        assert parent.returncode == -9
+        assert other.poll() is None and hosts.pids("b") == [other.pid]

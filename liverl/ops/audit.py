@@ -158,6 +158,10 @@ def committed(bootstrap: str, group: str, topic: str, broker: BrokerConfig | Non
 def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | None = None) -> Report:
     t, rep = cfg.topics, Report()
     now = time.time() if now is None else now
+    # the committed offsets first: ingest writes a sample before it commits its feedback, the learner its ledger before
+    # it commits its samples, so whatever is committed by now is in what is read next, even while they run
+    ingest_done = committed(bootstrap, f"{t.prefix}-ingest", t.feedback, cfg.broker)
+    learner_done = committed(bootstrap, f"{t.prefix}.learner", t.samples, cfg.broker)
     # ingest's verdicts
     dead = _dead_letters(cfg, bootstrap, rep)
     generations, unversioned = _generations(cfg, bootstrap)
@@ -166,8 +170,6 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
     # the learner's verdicts
     trained, refused = _ledger(cfg, rep)
     rep.trained_twice = sorted(sid for sid, n in trained.items() if n > 1)
-    ingest_done = committed(bootstrap, f"{t.prefix}-ingest", t.feedback, cfg.broker)
-    learner_done = committed(bootstrap, f"{t.prefix}.learner", t.samples, cfg.broker)
     pending_window = cfg.ingest.pending_ttl_s * 10 + 60  # ingest's hard limit on waiting feedback, plus slack
 
     events = _feedback_events(cfg, bootstrap, rep, dead, ingest_done)
