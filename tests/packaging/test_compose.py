@@ -148,6 +148,7 @@ def deployment(image, tmp_path):
         p = subprocess.run(
             [compose, "-p", project, "-f", str(COMPOSE), *args],
             env=cenv,
+            stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -234,7 +235,7 @@ def test_the_compose_deployment_serves_through_haproxy_and_ingest_joins_the_feed
     deadline = time.monotonic() + 180
     report: dict = {}
     while time.monotonic() < deadline:
-        p = run("--profile", "tools", "run", "--rm", "viewer", "audit", "--json", timeout=120, check=False)
+        p = run("--profile", "tools", "run", "--rm", "-T", "viewer", "audit", "--json", timeout=120, check=False)
         start = p.stdout.find("{\n")
         if start >= 0:
             report = json.loads(p.stdout[start:])
