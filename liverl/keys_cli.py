@@ -224,7 +224,8 @@ def register(sub) -> None:
         help="make a Redis ACL user per process, allowed only its keys and commands (prints the rules unless --apply)",
         description="Make each process's Redis ACL user with the passwords in --keys (stored as SHA-256), allowed "
         "only the keys under topics.prefix it reads or writes and the commands it sends (core.roles lists them). "
-        "The default user is left as it is: turn it off (ACL SETUSER default off) once every process has its own.",
+        "The default user is left as it is: turn it off (ACL SETUSER default off) once every process has its own. "
+        "--aclfile writes them as an ACL file instead, the default user off in it, for a Redis that loads it at start.",
     )
     g = _add_role_args(s, "a Redis URL whose user may run ACL SETUSER")
     g.add_argument(
