@@ -96,5 +96,12 @@ def test_the_one_shots_make_every_role_from_its_password_and_the_stores_need_one
     rules = "'local all liverl trust' 'host all all all scram-sha-256'"
     assert hba == [f"""printf '%s\\n' {rules} >"$$PGDATA/pg_hba.conf\""""]
     assert "--auth-host=scram-sha-256" in pg and "--auth-host=trust" not in pg
-    socket = [n for n, s in every.items() if any(v.startswith("postgres-socket:") for v in s.get("volumes", []))]
+    socket = [n for n, s in every.items() if any(v.startswith("pg-socket:") for v in s.get("volumes", []))]
     assert sorted(socket) == ["db-roles", "postgres"]
+
+
+def test_no_volume_name_starts_with_another():
+    """podman 4 also finds a volume by a unique prefix of its name: podman-compose would take ``redis`` for an existing
+    ``redis-acl``, and podman would then make ``redis`` without the project's label, which ``down -v`` leaves behind."""
+    names = list(yaml.safe_load(COMPOSE.read_text())["volumes"])
+    assert not [(a, b) for a in names for b in names if a != b and b.startswith(a)]
