@@ -220,6 +220,20 @@ def acl_users(prefix: str, role_prefix: str, passwords: Mapping[Role, str]) -> l
     return [(role.name(role_prefix), redis_rules(role, prefix, pw)) for role, pw in passwords.items()]
 
 
+def acl_file(users: list[tuple[str, list[str]]]) -> str:
+    """Redis's ACL file (its ``aclfile``, loaded at start) holding ``users`` (``acl_users``) and the default user
+    turned off: a file that leaves the default user out leaves it on, with no password and every command. It holds
+    each password's SHA-256 (``redis_rules``), never the password."""
+    lines = ["user default reset"]  # off, no password, no keys, channels or commands
+    for name, rules in users:
+        words = [name, *rules]
+        bad = [w for w in words if not w or any(c.isspace() or c in "\"'" for c in w)]
+        if bad:
+            raise ValueError(f"an ACL file line is space-separated words without quotes; cannot write {bad[0]!r}")
+        lines.append(" ".join(["user", *words]))
+    return "\n".join(lines) + "\n"
+
+
 def apply_acl(r, users: list[tuple[str, list[str]]]) -> bool:
     """Make (or remake) ``users`` on the Redis ``r`` (an admin's client), then ``ACL SAVE``; False when the server
     has no ACL file to save to (its own configuration must then keep the users across a restart)."""

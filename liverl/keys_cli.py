@@ -1,8 +1,9 @@
 """The `liverl keys`, `liverl db roles` and `liverl redis acl` verbs: a role per credential for a deployment.
 
 `keys` makes every key file once (``liverl.ops.keyfiles``); `db roles` makes each process's PostgreSQL role and its
-grants (``deploy.registry.roles``); `redis acl` each process's Redis ACL user (``core.roles``). Each imports what it
-needs when it runs, so building the parser stays light.
+grants (``deploy.registry.roles``); `redis acl` each process's Redis ACL user (``core.roles``), on a server or as an
+ACL file the server loads at start (``--aclfile``: the compose file's Redis). Each imports what it needs when it
+runs, so building the parser stays light.
 """
 
 from __future__ import annotations
@@ -130,9 +131,9 @@ def cmd_db_roles(args: argparse.Namespace) -> int:
 
 
 def cmd_redis_acl(args: argparse.Namespace) -> int:
-    from core.roles import acl_users, apply_acl, drop_acl
+    from core.roles import acl_file, acl_users, apply_acl, drop_acl
     from core.services import redis_from_url
-    from liverl.ops.keyfiles import read_passwords
+    from liverl.ops.keyfiles import read_passwords, write_public
 
     cfg, prefix, every = _role_args(args)
     url = args.url or redis_url(cfg)
@@ -145,18 +146,23 @@ def cmd_redis_acl(args: argparse.Namespace) -> int:
         print(f"deleted the Redis users {', '.join(gone) or '(none)'}")
         return 0
     users = acl_users(cfg.topics.prefix, prefix, read_passwords(args.keys, every, "redis"))
-    if not args.apply:
+    if args.aclfile:
+        path = Path(args.aclfile)
+        write_public(path, acl_file(users).encode())
+        print(f"wrote {path.resolve()}: start Redis with `--aclfile {path}` (the default user is off in it)")
+    elif not args.apply:
         for name, rules in users:
             print(shlex.join(["ACL", "SETUSER", name, *rules]))
         return 0
-    r = redis_from_url(url)
-    try:
-        saved = apply_acl(r, users)
-    finally:
-        r.close()
-    print(f"users made on {redact_url(url)} ({'saved to its ACL file' if saved else 'NOT saved: no ACL file'})")
-    if not saved:
-        print("  the server has no aclfile: add these users to its configuration, or they are gone at its restart")
+    else:
+        r = redis_from_url(url)
+        try:
+            saved = apply_acl(r, users)
+        finally:
+            r.close()
+        print(f"users made on {redact_url(url)} ({'saved to its ACL file' if saved else 'NOT saved: no ACL file'})")
+        if not saved:
+            print("  the server has no aclfile: add these users to its configuration, or they are gone at its restart")
     folder = Path(args.keys).resolve()
     base = url.split("://", 1)
     host = base[1].rpartition("@")[2] if len(base) == 2 else url
@@ -167,7 +173,7 @@ def cmd_redis_acl(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_role_args(s: argparse.ArgumentParser, what: str) -> None:
+def _add_role_args(s: argparse.ArgumentParser, what: str) -> argparse._MutuallyExclusiveGroup:
     s.add_argument("--keys", metavar="DIR", help="the folder `liverl keys` made the passwords in (not for --drop)")
     s.add_argument("--url", help=f"{what} (default: the config's)")
     s.add_argument("--nodes", help="the serving nodes' names, comma-separated (default: the names in serving.fleet)")
@@ -175,6 +181,7 @@ def _add_role_args(s: argparse.ArgumentParser, what: str) -> None:
     g = s.add_mutually_exclusive_group()
     g.add_argument("--apply", action="store_true", help="make them now (default: print what would be run)")
     g.add_argument("--drop", action="store_true", help="remove every role of the prefix instead")
+    return g
 
 
 def register(sub) -> None:
@@ -217,7 +224,14 @@ def register(sub) -> None:
         help="make a Redis ACL user per process, allowed only its keys and commands (prints the rules unless --apply)",
         description="Make each process's Redis ACL user with the passwords in --keys (stored as SHA-256), allowed "
         "only the keys under topics.prefix it reads or writes and the commands it sends (core.roles lists them). "
-        "The default user is left as it is: turn it off (ACL SETUSER default off) once every process has its own.",
+        "The default user is left as it is: turn it off (ACL SETUSER default off) once every process has its own. "
+        "--aclfile writes them as an ACL file instead, the default user off in it, for a Redis that loads it at start.",
     )
-    _add_role_args(s, "a Redis URL whose user may run ACL SETUSER")
+    g = _add_role_args(s, "a Redis URL whose user may run ACL SETUSER")
+    g.add_argument(
+        "--aclfile",
+        metavar="FILE",
+        help="write the users into FILE, an ACL file for Redis to load at start (redis-server --aclfile FILE), with "
+        "the default user off, instead of sending them to a server (mode 0644: it holds SHA-256 digests only)",
+    )
     s.set_defaults(fn=cmd_redis_acl)

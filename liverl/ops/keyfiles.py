@@ -66,12 +66,20 @@ def _write_new(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def _replace(path: Path, data: bytes) -> None:
+def _replace(path: Path, data: bytes, mode: int = 0o600) -> None:
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+        os.fchmod(f.fileno(), mode)  # exactly ``mode``, whatever the umask
     os.replace(tmp, path)
+
+
+def write_public(path: str | os.PathLike, data: bytes) -> None:
+    """``data`` into ``path``, mode 0644, written under a temporary name and renamed: a reader (a server loading it
+    at start) sees the old file or the new one, never half of one. For files that hold no secret (an ACL file of
+    password digests)."""
+    _replace(Path(path), data, 0o644)
 
 
 def make_keys(folder: str | os.PathLike, roles: Iterable[Role], missing: bool = False) -> list[tuple[KeyFile, str]]:

@@ -157,3 +157,64 @@ def test_db_roles_and_redis_acl_applied_and_a_process_connects_with_its_files(tm
         admin.delete(f"{topics}:served:node-a")
         admin.close()
     assert left == []
+
+
+def test_redis_acl_writes_an_acl_file_redis_loads_with_the_default_user_off(tmp_path, capsys, monkeypatch):
+    import os
+    import shutil
+    import subprocess
+    import time
+
+    from core.services import free_port, setup_redis
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (Debian: redis-server): no Redis to load the ACL file")
+    folder, topics = tmp_path / "secrets", f"t{uuid.uuid4().hex[:10]}"
+    monkeypatch.setenv("LIVERL__TOPICS__PREFIX", topics)
+    assert main(["keys", str(folder), "--nodes", "node-a"]) == 0
+    acl = tmp_path / "acl" / "users.acl"
+    acl.parent.mkdir()
+    common = ["--keys", str(folder), "--nodes", "node-a", "--role-prefix", "liverl_"]
+    assert main(["redis", "acl", *common, "--aclfile", str(acl)]) == 0
+    assert "--aclfile" in capsys.readouterr().out
+    text = acl.read_text()
+    assert stat.S_IMODE(acl.stat().st_mode) == 0o644 and text.startswith("user default reset\n")
+    assert not any(p.read_text().strip() in text for p in folder.glob("*.password"))
+    assert not list(acl.parent.glob("*.tmp"))
+
+    port = free_port()
+    server = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--aclfile", str(acl), "--save", "",
+         "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        anonymous = redis.Redis(port=port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                anonymous.ping()
+                raise AssertionError("the default user answered: it should be off")
+            except redis.exceptions.AuthenticationError:
+                break  # up, and asking for a user
+            except redis.exceptions.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.1)
+        anonymous.close()
+        node = setup_redis(
+            load_config(
+                env={},
+                topics__prefix=topics,
+                redis__url=f"redis://liverl_node_node-a@127.0.0.1:{port}/0",
+                redis__password_file=str(folder / "redis-node-node-a.password"),
+            )
+        )
+        try:
+            node.set(f"{topics}:served:node-a", "{}")
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                node.set(f"{topics}:desired", "forged")
+        finally:
+            node.close()
+    finally:
+        os.kill(server.pid, 15)
+        server.wait(timeout=10)

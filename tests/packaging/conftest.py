@@ -51,11 +51,12 @@ def build(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="package")
 def image() -> str:
-    """The CPU image (tag localhost/liverl:cpu), built by the build script; the build's log on failure."""
+    """The CPU image (tag LIVERL_TEST_IMAGE, default localhost/liverl:cpu), built by the build script; the build's log
+    on failure."""
     why = _usable()
     if why:
         pytest.skip(why)
-    p = build()
+    p = build("--tag", IMAGE)  # LIVERL_TEST_IMAGE: a tag of its own, which another checkout's build leaves alone
     assert p.returncode == 0, f"build.sh failed:\n{p.stdout[-4000:]}\n{p.stderr[-6000:]}"
     return IMAGE
 

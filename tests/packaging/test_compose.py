@@ -1,7 +1,10 @@
 """The compose deployment (packaging/compose/compose.yaml) on the CPU image, with podman-compose: every role its own
-container, the keys made once by `liverl keys` and mounted as files, the stateful parts as services. An OpenAI
-request goes through HAProxy to a router to a serving node, the product's judgement of it goes in the same way, and
-ingest joins it with its generation into a sample (`liverl audit`, run where the learner runs, says so)."""
+container, the keys made once by `liverl keys` and mounted as files, the stateful parts as services, every process
+logged in to PostgreSQL and Redis as its own role. An OpenAI request goes through HAProxy to a router to a serving
+node, the product's judgement of it goes in the same way, and ingest joins it with its generation into a sample
+(`liverl audit`, run by the viewer over the learner's ledger, says so); meanwhile a serving node's own credentials
+cannot change a version's status or write the gate's announcement, and neither store takes a login without a
+password."""
 
 from __future__ import annotations
 
@@ -27,6 +30,56 @@ pytestmark = pytest.mark.slow
 COMPOSE = REPO / "packaging" / "compose" / "compose.yaml"
 LIVERL_UID = 10001  # the image's user
 UP_TIMEOUT_S = 600  # two vLLM nodes, the learner's two ranks and the gate start together on a 2-core machine
+ONE_SHOTS = ("db-roles", "redis-acl")  # they exit once the roles are made
+
+# run by `python -` in a serving node's container, with the node's own configuration (its role, its password files)
+NODE_LOGINS = """
+import json
+import urllib.parse
+
+import redis
+import sqlalchemy as sa
+from core import keys
+from core.config import load_config
+from core.services import redis_from_url, redis_url
+
+cfg, out = load_config(), {}
+engine = sa.create_engine(cfg.registry_url)
+with engine.connect() as c:
+    out["user"] = c.exec_driver_sql("SELECT current_user").scalar()
+    out["versions"] = c.exec_driver_sql("SELECT count(*) FROM versions").scalar()
+try:  # a node that would mark a version stable itself
+    with engine.begin() as c:
+        c.exec_driver_sql("UPDATE versions SET status = 'stable', status_reason = 'forged'")
+    out["update"] = "allowed"
+except sa.exc.DBAPIError as e:
+    out["update"] = getattr(e.orig, "sqlstate", None) or repr(e.orig)
+engine.dispose()
+owner = sa.create_engine(sa.engine.make_url(cfg.registry_url).set(username="liverl", password=None))
+try:  # the owner over the network, without a password
+    owner.connect().close()
+    out["owner"] = "allowed"
+except sa.exc.OperationalError:
+    out["owner"] = "refused"
+owner.dispose()
+r = redis_from_url(redis_url(cfg))
+r.get(keys.desired(cfg.topics.prefix))  # the node reads announcements
+try:
+    r.set(keys.desired(cfg.topics.prefix), "forged")
+    out["desired"] = "allowed"
+except redis.exceptions.NoPermissionError:
+    out["desired"] = "NOPERM"
+r.close()
+where = urllib.parse.urlsplit(redis_url(cfg))
+anonymous = redis.Redis(host=where.hostname, port=where.port or 6379)
+try:  # Redis's default user
+    anonymous.ping()
+    out["default"] = "allowed"
+except redis.exceptions.AuthenticationError:
+    out["default"] = "refused"
+anonymous.close()
+print(json.dumps(out))
+"""
 CNI_DIRS = ("/usr/lib/cni", "/usr/libexec/cni", "/opt/cni/bin")
 
 
@@ -95,6 +148,7 @@ def deployment(image, tmp_path):
         p = subprocess.run(
             [compose, "-p", project, "-f", str(COMPOSE), *args],
             env=cenv,
+            stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -136,7 +190,7 @@ def _container(project: str, service: str) -> str:
 
 
 def test_the_compose_deployment_serves_through_haproxy_and_ingest_joins_the_feedback(deployment):
-    url, project = deployment["url"], deployment["project"]
+    url, project, run = deployment["url"], deployment["project"], deployment["run"]
 
     def alive():
         exited = podman(
@@ -144,7 +198,9 @@ def test_the_compose_deployment_serves_through_haproxy_and_ingest_joins_the_feed
             "--format", "{{.Names}} {{.ExitCode}}",
         ).stdout.split("\n")  # fmt: skip
         # a role may exit once while what it needs starts (restart: on-failure); the key services must not be gone
-        assert not [e for e in exited if e.strip() and ("haproxy" in e or "postgres" in e or "redis" in e)], exited
+        # (containers are <project>_<service>_<n>; the one-shots exit by design)
+        gone = [e for e in exited if any(f"_{s}_" in e for s in ("haproxy", "postgres", "redis"))]
+        assert not gone, exited
 
     # HAProxy answers as soon as a router is in rotation, which is once a node's heartbeat is live
     wait_http(f"{url}/v1/models", UP_TIMEOUT_S, alive=alive)
@@ -162,14 +218,27 @@ def test_the_compose_deployment_serves_through_haproxy_and_ingest_joins_the_feed
     assert _post(f"{url}/v1/feedback", event)[0] == 401  # without the product key
     status, out = _post(f"{url}/v1/feedback", event, {"X-Liverl-Product-Key": key})
     assert status == 202 and out["generation_id"] == served[0], out
-    # ingest joins it with its generation into a sample: `liverl audit` where the learner runs
-    learner = _container(project, "learner")
+    # a serving node's own credentials: it reads versions, and may neither change a status nor announce one
+    p = podman("exec", "-i", _container(project, "node-a"), "python", "-", input=NODE_LOGINS, timeout=120)
+    logins = json.loads(p.stdout.strip().splitlines()[-1])
+    assert logins["user"] == "liverl_node_node-a" and isinstance(logins["versions"], int), logins
+    assert logins["update"] == "42501", logins  # insufficient privilege
+    assert logins["desired"] == "NOPERM", logins
+    assert logins["owner"] == "refused" and logins["default"] == "refused", logins  # no login without a password
+    for one_shot in ONE_SHOTS:
+        code = podman(
+            "ps", "-a", "--filter", f"label=io.podman.compose.project={project}",
+            "--filter", f"label=io.podman.compose.service={one_shot}", "--format", "{{.ExitCode}}",
+        ).stdout.split()  # fmt: skip
+        assert code == ["0"], (one_shot, code)
+    # ingest joins it with its generation into a sample: `liverl audit`, as the viewer, over the learner's ledger
     deadline = time.monotonic() + 180
     report: dict = {}
     while time.monotonic() < deadline:
-        p = podman("exec", learner, "liverl", "audit", "--json", check=False, timeout=120)
-        if p.stdout.strip().startswith("{"):
-            report = json.loads(p.stdout)
+        p = run("--profile", "tools", "run", "--rm", "-T", "viewer", "audit", "--json", timeout=120, check=False)
+        start = p.stdout.find("{\n")
+        if start >= 0:
+            report = json.loads(p.stdout[start:])
             if _joined(report):
                 break
         time.sleep(3)
