@@ -130,30 +130,6 @@ def layout(
     return torch.from_numpy(route), torch.from_numpy(routed)
 
 
-@torch.no_grad()
-def routing_of(model, samples: list[TrainingSample], pad_id: int = 0) -> list[str] | None:
-    """Each sample's routing under ``model`` (transformers' forward, every position of every MoE layer), as the
-    base64 blobs a sample carries; None for a model whose routing is not replayed. What a server that captures its
-    router's choices would send, computed by the learner's model (tests, and measuring a kernel's mismatch)."""
-    from learner.batch import collate, pack  # noqa: PLC0415 learner.batch imports this module
-
-    shape = moe_shape(model)
-    if shape is None:
-        return None
-    x = collate([s.model_copy(update={"routed_experts": None}) for s in samples], pad_id, torch.device("cpu"))
-    R, N = x["ids_RN"].shape
-    with recording(model) as seen:
-        model(input_ids=x["ids_RN"], position_ids=x["posid_RN"], use_cache=False)
-    assert len(seen) == shape.layers, f"{len(seen)} router calls for {shape.layers} MoE layers"
-    route_RNLK = torch.stack(seen, dim=1).reshape(R, N, shape.layers, shape.top_k).numpy()
-    rows = pack([len(s.prompt_token_ids) + len(s.completion_token_ids) for s in samples])
-    out: list[str] = [""] * len(samples)
-    for b, r, at in places(samples, rows):
-        blob = routing.encode(route_RNLK[r, at : at + positions(samples[b])], shape.n_experts)
-        out[b] = routing.to_text(blob)
-    return out
-
-
 def gate_weights(logits: torch.Tensor, index: torch.Tensor, family: str, norm_topk: bool) -> torch.Tensor:
     """The gate weights of the experts ``index`` [n, K] under the router logits [n, E], as ``family`` normalises
     them (float32, before any cast back to the logits' dtype)."""

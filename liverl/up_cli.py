@@ -109,7 +109,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 
 def cmd_chaos_hosts(args: argparse.Namespace) -> int:
-    from liverl.ops.chaos_hosts import Fault, hosts_config, run_chaos_hosts
+    from liverl.bench.chaos_hosts import Fault, hosts_config, run_chaos_hosts
 
     one_host = {"duration": 600.0, "kill_every": 15.0, "restarts": 0, "kinds": list(KILL_KINDS)}
     set_here = [f"--{k.replace('_', '-')}" for k, v in one_host.items() if getattr(args, k) != v]

@@ -295,16 +295,20 @@ def check_operator(cfg: LiverlConfig, redis) -> None:
 
 
 def _prefix_claimed_by(redis, deployment_id: str) -> str | None:
-    """The Redis prefix whose claim names ``deployment_id``, if any (a scan of the claims)."""
-    for key in redis.scan_iter(match=claim_key("*"), count=1000):
-        name = key.decode() if isinstance(key, bytes) else key
-        prefix = name.removesuffix(":deployment")
-        try:
-            owner = _claimant(redis, prefix)
-        except DeploymentError:
-            continue
-        if owner is not None and owner.id == deployment_id:
-            return prefix
+    """The Redis prefix whose claim names ``deployment_id``, if any (a scan of the claims; None where this process's
+    Redis user may read only its own prefix's claim, as a role's is: ``core.roles``)."""
+    try:
+        for key in redis.scan_iter(match=claim_key("*"), count=1000):
+            name = key.decode() if isinstance(key, bytes) else key
+            prefix = name.removesuffix(":deployment")
+            try:
+                owner = _claimant(redis, prefix)
+            except DeploymentError:
+                continue
+            if owner is not None and owner.id == deployment_id:
+                return prefix
+    except NoPermissionError:
+        return None
     return None
 
 

@@ -17,8 +17,8 @@ from core.config import LiverlConfig, ServingConfig, advertised_url, redact_url
 from core.credentials import PRODUCT_KEY_HEADER, ensure_secrets, feedback_key_path
 from core.product import load_product
 from core.services import redis_from_url
-from liverl.ops.release import log_release
 from liverl.stack.deployment import bind, check_model, claim, made_before_ids, prefix_keys, record
+from liverl.stack.releases import log_release
 from liverl.stack.stack import Stack, start_stack
 from liverl.stack.supervisor import (
     Supervisor,

@@ -17,7 +17,7 @@ import torch
 from core import routing
 from core.config import LearnerConfig
 from core.schemas import TrainingSample
-from learner import fastpath, replay
+from learner import fastpath, replay, replay_own
 from learner.dist_check import make_samples, on_policy
 from learner.policy_trainer import PolicyTrainer
 from liverl.testing.models import default_cache, ensure_test_model
@@ -69,7 +69,7 @@ def _expected(x: dict, own_RNLK: torch.Tensor) -> torch.Tensor:
 def _own(tr: PolicyTrainer, samples: list[TrainingSample]) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's own routing of the batch ``samples`` make, laid out as ``x["route"]``: ``route_RNLK`` and where
     it is defined (every sample's positions but its last token's; not the rows' padding)."""
-    texts = replay.routing_of(tr.model, samples, tr.pad_id)
+    texts = replay_own.routing_of(tr.model, samples, tr.pad_id)
     return tr._collate(_with(samples, texts))["route"]
 
 
@@ -127,7 +127,7 @@ def test_replaying_the_models_own_routing_changes_nothing(family, fast):
     so the log-probs and every gradient (the router's included) are those of the plain forward."""
     tr = _trainer(family, fast=fast)
     samples = _samples(tr, seed=3)
-    own = _with(samples, replay.routing_of(tr.model, samples, tr.pad_id))
+    own = _with(samples, replay_own.routing_of(tr.model, samples, tr.pad_id))
     outs = []
     for batch in (samples, own):
         x = tr._collate(batch)
@@ -151,7 +151,7 @@ def test_under_perturbed_routers_the_samplers_routing_gives_the_samplers_log_pro
     closer to the sampler's than its own routing does."""
     sampler = _trainer(family, fast=False)
     samples = _samples(sampler, n=16, seed=4)  # behaviour log-probs: the sampler's
-    sampled = _with(samples, replay.routing_of(sampler.model, samples, sampler.pad_id))
+    sampled = _with(samples, replay_own.routing_of(sampler.model, samples, sampler.pad_id))
     learner = _trainer(family, fast=fast)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -160,7 +160,9 @@ def test_under_perturbed_routers_the_samplers_routing_gives_the_samplers_log_pro
     flipped = sum(
         a != b
         for a, b in zip(
-            replay.routing_of(learner.model, samples, learner.pad_id), (s.routed_experts for s in sampled), strict=True
+            replay_own.routing_of(learner.model, samples, learner.pad_id),
+            (s.routed_experts for s in sampled),
+            strict=True,
         )
     )
     assert flipped > 0, "the perturbation moved no token to another expert: the test would show nothing"
@@ -202,7 +204,7 @@ def test_routing_that_does_not_decode_or_fit_is_refused():
 def test_samples_without_routing_train_as_before_and_are_counted():
     tr = _trainer("qwen3_moe")
     samples = _samples(tr, seed=6)
-    own = _with(samples, replay.routing_of(tr.model, samples, tr.pad_id))
+    own = _with(samples, replay_own.routing_of(tr.model, samples, tr.pad_id))
     m = tr.train_step(own[:4] + samples[4:])
     assert (m["routing_replayed"], m["routing_missing"]) == (4.0, float(len(samples) - 4))
 
@@ -210,10 +212,10 @@ def test_samples_without_routing_train_as_before_and_are_counted():
 def test_a_dense_model_and_replay_off_ignore_routing():
     moe = _trainer("qwen3_moe")
     samples = _samples(moe, n=4, seed=7)
-    texts = replay.routing_of(moe.model, samples, moe.pad_id)
+    texts = replay_own.routing_of(moe.model, samples, moe.pad_id)
     off = _trainer("qwen3_moe", routing_replay="off")
     dense = _trainer("qwen3")
-    assert replay.routing_of(dense.model, samples) is None
+    assert replay_own.routing_of(dense.model, samples) is None
     for tr in (off, dense):
         assert tr.routing is None
         with_routing = _with(samples, texts)

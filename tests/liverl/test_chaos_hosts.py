@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from liverl.ops.chaos_deploy import KINDS, host_names, kind_of
-from liverl.ops.chaos_hosts import (
+from liverl.bench.chaos_deploy import KINDS, host_names, kind_of
+from liverl.bench.chaos_hosts import (
     CUT_S,
     DOWN_S,
     Fault,
@@ -120,11 +120,12 @@ def test_the_one_host_options_are_refused_with_hosts():
     assert out.returncode != 0 and "--kill-every apply to the one-host run" in out.stderr, out.stderr[-2000:]
 
 
-@pytest.mark.slow
+@pytest.mark.chaos
 def test_a_router_loss_an_ingest_cut_and_a_redis_loss_keep_every_invariant(tmp_path):
-    """The short version CI runs: one serving node (two vLLM engines do not fit CI's 2 cores beside everything
-    else), two routers, one ingest worker; three faults of three kinds."""
-    from liverl.ops.chaos_deploy import unavailable
+    """A short schedule (``pytest -m chaos``; about 4 minutes, left out of CI's run for its budget): one serving node
+    (two vLLM engines do not fit 2 cores beside everything else), two routers, one ingest worker; three faults of
+    three kinds."""
+    from liverl.bench.chaos_deploy import unavailable
 
     reason = unavailable()
     if reason:

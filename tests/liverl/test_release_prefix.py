@@ -23,8 +23,9 @@ import redis as redis_lib
 from core import keys
 from core.config import load_config
 from liverl.cli import main
-from liverl.ops.release import ACTION, log_release, releases
+from liverl.ops.release import releases
 from liverl.stack.deployment import DeploymentError, bind, check_process, claim, claim_key, identity, record
+from liverl.stack.releases import ACTION, log_release
 from tests.liverl.test_deployment import REDIS, _cfg, _model, _recorded, _registry_of
 
 

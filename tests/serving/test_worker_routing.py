@@ -63,7 +63,7 @@ _SCRIPT = textwrap.dedent("""
 def test_the_cpu_engines_routing_is_captured_for_every_position(tmp_path):
     pytest.importorskip("vllm")
     from core.config import LearnerConfig
-    from learner import replay
+    from learner import replay, replay_own
     from learner.model import load_model
     from learner.policy_trainer import PolicyTrainer
     from liverl.testing.models import default_cache, ensure_test_model
@@ -108,7 +108,7 @@ def test_the_cpu_engines_routing_is_captured_for_every_position(tmp_path):
         )
         for i, r in enumerate(out["results"])
     ]
-    want = replay.routing_of(model, samples)
+    want = replay_own.routing_of(model, samples)
     same = total = 0
     for s, r, w in zip(samples, out["results"], want, strict=True):
         assert r["routing"] is not None, "a request's routing was not captured whole"

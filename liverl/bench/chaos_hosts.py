@@ -1,7 +1,7 @@
 """``liverl chaos --hosts``: the pipeline on hosts of its own under load, a schedule of host losses and partitions,
 then the invariants, checked by ``liverl audit`` and the registry.
 
-The deployment is ``liverl.ops.chaos_deploy``'s: one network namespace and address per host (broker, Redis, the
+The deployment is ``liverl.bench.chaos_deploy``'s: one network namespace and address per host (broker, Redis, the
 PostgreSQL registry, serving nodes, routers behind HAProxy, gate, learner, ingest workers); this machine is the
 product: its simulated users send completions to the front door (HAProxy) and feedback to the broker.
 
@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from core.config import LiverlConfig
-from liverl.ops.chaos_deploy import KINDS, HostDeployment, host_names, kind_of
+from liverl.bench.chaos_deploy import KINDS, HostDeployment, host_names, kind_of
 
 log = logging.getLogger("liverl.chaos")
 
@@ -511,7 +511,7 @@ def _host_back(dep: HostDeployment, host: str) -> bool:
     """Whether a booted host's own service answers: a node's gateway or a router's /healthz, Redis's PING (not while
     it replays its append-only file), a query on the database (not while it recovers), the broker's port; the
     others, their process running."""
-    from liverl.ops import chaos_deploy as d  # noqa: PLC0415
+    from liverl.bench import chaos_deploy as d  # noqa: PLC0415
 
     kind, addr = kind_of(host), dep.addr(host)
     try:
