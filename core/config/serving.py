@@ -75,6 +75,13 @@ class ServingConfig(Section):
         description="Ignored: a hot-swap does not drain (requests in flight are frozen at a scheduler step and "
         "resume after it, serving.node.swap). Accepted so that config files that set it load.",
     )
+    engine_ready_timeout_s: float = Field(
+        default=900.0,
+        gt=0.0,
+        description="The longest a serving process waits for its vLLM engine to load the model and answer before it "
+        "gives up (the start fails, and the process's supervisor starts it again). A 2-core host starting two engines "
+        "at once under load needs minutes; a large model on a cold disk longer.",
+    )
     drain_timeout_s: float = Field(
         default=60.0,
         ge=0.0,

@@ -265,7 +265,7 @@ def start_node(
     base_version: int = 0,
     max_model_len: int | None = None,
     kv_cache_bytes: int | None = None,
-    ready_timeout_s: float = 300.0,
+    ready_timeout_s: float | None = None,
     gateway_bootstrap: str | None = None,
     cancel: threading.Event | None = None,
 ) -> NodeHandle:
@@ -274,6 +274,7 @@ def start_node(
     ``base_version``: the registry version whose weights ``model_dir`` holds (0 for the base policy dir).
     ``gateway_bootstrap``: run the gateway in the node's process (``serving.node.gateway_host``) on
     ``serving.host:serving.gateway_port``, logging to the Kafka at this bootstrap; None: no gateway.
+    ``ready_timeout_s``: the longest to wait for the engine to answer; None: ``serving.engine_ready_timeout_s``.
     ``cancel``: once set, the start is abandoned (the node stopped, ``NodeStartCancelled`` raised): a SIGTERM during
     the engine's start does not wait for the model to load.
     """
@@ -333,7 +334,7 @@ def start_node(
         _log_file=log_file,
     )
     try:
-        _wait_ready(handle, ready_timeout_s, cancel)
+        _wait_ready(handle, ready_timeout_s or cfg.serving.engine_ready_timeout_s, cancel)
     except BaseException:
         handle.stop(timeout_s=5)
         raise

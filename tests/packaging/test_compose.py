@@ -189,6 +189,19 @@ def _container(project: str, service: str) -> str:
     return names[0]
 
 
+def _logs(project: str, service: str) -> str:
+    """The last lines of each container of a service, running or not."""
+    names = podman(
+        "ps", "-a", "--filter", f"label=io.podman.compose.project={project}",
+        "--filter", f"label=io.podman.compose.service={service}", "--format", "{{.Names}} {{.Status}}",
+    ).stdout.splitlines()  # fmt: skip
+    out = []
+    for line in names:
+        q = podman("logs", "--tail", "30", line.split()[0], check=False)
+        out.append(f"--- {line}\n{q.stdout[-3000:]}{q.stderr[-3000:]}")
+    return "\n".join(out) or "no container"
+
+
 def test_the_compose_deployment_serves_through_haproxy_and_ingest_joins_the_feedback(deployment):
     url, project, run = deployment["url"], deployment["project"], deployment["run"]
 
@@ -231,18 +244,21 @@ def test_the_compose_deployment_serves_through_haproxy_and_ingest_joins_the_feed
             "--filter", f"label=io.podman.compose.service={one_shot}", "--format", "{{.ExitCode}}",
         ).stdout.split()  # fmt: skip
         assert code == ["0"], (one_shot, code)
-    # ingest joins it with its generation into a sample: `liverl audit`, as the viewer, over the learner's ledger
-    deadline = time.monotonic() + 180
+    # ingest joins it with its generation into a sample: `liverl audit`, as the viewer, over the learner's ledger; and
+    # both nodes join the fleet the routers see (HAProxy answered once one was live: the second vLLM may still be
+    # loading on a loaded machine, so this waits for it as for the first)
+    fleet = {"node-a", "node-b"}
+    deadline = time.monotonic() + UP_TIMEOUT_S
     report: dict = {}
     while time.monotonic() < deadline:
         p = run("--profile", "tools", "run", "--rm", "-T", "viewer", "audit", "--json", timeout=120, check=False)
         start = p.stdout.find("{\n")
         if start >= 0:
             report = json.loads(p.stdout[start:])
-            if _joined(report):
+            if _joined(report) and fleet <= set(report["nodes"]):
                 break
         time.sleep(3)
     assert report and _joined(report), report or p.stderr[-2000:]
     assert report["lost"] == 0, report
-    # both nodes are in the fleet the routers see
-    assert {"node-a", "node-b"} <= set(report["nodes"]), report["nodes"]
+    missing = fleet - set(report["nodes"])
+    assert not missing, (report["nodes"], {n: _logs(project, n) for n in missing})
