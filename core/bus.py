@@ -22,7 +22,13 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from core.config import BrokerConfig, LiverlConfig
+from core.services import ServiceError
 from liverl_sdk.client import FeedbackClient, producer_options
+
+
+class BrokerUnavailable(ServiceError, RuntimeError):
+    """The Kafka bootstrap did not answer within the time given."""
+
 
 log = logging.getLogger("liverl.core.bus")
 
@@ -124,7 +130,7 @@ def ensure_topics(
             break
         except KafkaError as e:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"Kafka at {bootstrap} does not answer: {e}") from e
+                raise BrokerUnavailable(f"Kafka at {bootstrap} does not answer: {e}") from e
             time.sleep(0.5)
     try:
         existing = set(admin.list_topics())

@@ -6,8 +6,8 @@ Configuration comes from ``load_config`` (the TOML file, then ``LIVERL__SECTION_
 variables); ``broker.bootstrap`` and ``redis.url`` must name running services (``liverl`` starts the
 embedded stack and passes them on). SIGTERM and SIGINT stop the worker cleanly: the batch in hand is finished,
 its offsets committed, the worker leaves its consumer group, and the process exits 0. When the broker or Redis
-fails mid-batch the process exits 75 (``ingest.commit.EXIT_INFRA``) without committing: restart it (the demo's
-supervisor does), and the batch is replayed.
+fails mid-batch, or does not answer while the worker starts, the process exits 75 (``ingest.commit.EXIT_INFRA``)
+without committing: restart it (the demo's supervisor does), and the batch is replayed.
 """
 
 from __future__ import annotations
@@ -15,15 +15,30 @@ from __future__ import annotations
 import asyncio
 import gc
 
-from core.bus import all_topics, ensure_topics, topic_configs
+import aiokafka.errors
+import kafka.errors
+import redis.exceptions
+
+from core.bus import BrokerUnavailable, all_topics, ensure_topics, topic_configs
 from core.config import LiverlConfig
 from ingest.app import IngestWorker, leave_previous_member
+from ingest.commit import die
 from ingest.table import changelog_topic
 
 # The worker allocates a few dozen short-lived objects per event, nearly all freed by reference counting; Python's
 # default cycle-collection threshold (700 allocations) then runs the collector several times per batch, about a tenth
 # of the join's time. Collect 30x less often, and leave the objects of the start-up (modules, clients) out of it.
 GC_THRESHOLD = (20_000, 10, 10)
+
+# what the broker or Redis raise when they do not answer while the worker starts: the same restart as mid-batch
+UNAVAILABLE = (
+    BrokerUnavailable,
+    aiokafka.errors.KafkaError,
+    kafka.errors.KafkaError,
+    redis.exceptions.ConnectionError,
+    redis.exceptions.TimeoutError,
+    ConnectionError,
+)
 
 
 def run_worker(
@@ -35,15 +50,18 @@ def run_worker(
     main thread of a process dedicated to ingest. ``web_port`` (default ``cfg.ingest.web_port``; 0 = off)
     and ``web_bind`` place the ``/metrics`` + ``/healthz`` server (bind 0.0.0.0 for a remote Prometheus).
     """
-    ensure_topics(bootstrap, all_topics(cfg), cfg.broker.partitions, broker=cfg.broker, configs=topic_configs(cfg))
-    # the join table's changelog: compacted (the latest entry per generation id; evictions are tombstones)
-    ensure_topics(
-        bootstrap,
-        [changelog_topic(cfg.topics.prefix)],
-        cfg.broker.partitions,
-        broker=cfg.broker,
-        configs={"cleanup.policy": "compact"},
-    )
+    try:
+        ensure_topics(bootstrap, all_topics(cfg), cfg.broker.partitions, broker=cfg.broker, configs=topic_configs(cfg))
+        # the join table's changelog: compacted (the latest entry per generation id; evictions are tombstones)
+        ensure_topics(
+            bootstrap,
+            [changelog_topic(cfg.topics.prefix)],
+            cfg.broker.partitions,
+            broker=cfg.broker,
+            configs={"cleanup.policy": "compact"},
+        )
+    except UNAVAILABLE as e:
+        die(f"starting: {e}")
 
     async def main() -> int:
         await leave_previous_member(cfg, bootstrap)
@@ -53,4 +71,8 @@ def run_worker(
         gc.set_threshold(*GC_THRESHOLD)
         return await worker.run()
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    except UNAVAILABLE as e:  # a failure once batches run has already exited through die()
+        die(f"starting: {type(e).__name__}: {e}")
+        raise  # (die does not return)

@@ -700,3 +700,21 @@ def test_a_crash_loses_table_writes_only_with_their_changelog_offset(tmp_path):
             assert part.get(b"gen-a") is None and part.get(b"gen-b") == b"J|2.0|\n"
     finally:
         part.close()
+
+
+def test_a_worker_started_while_the_broker_does_not_answer_exits_for_a_restart(stack, tmp_path):
+    """A broker that does not answer at start is the same infrastructure failure as one lost mid-batch: exit 75, with
+    the reason on one line, for the supervisor to restart it; not a traceback."""
+    from ingest.commit import EXIT_INFRA
+    from tests.conftest import free_port
+    from tests.ingest.conftest import WorkerProc
+
+    good = ingest_config(stack, tmp_path / "state")
+    cut = good.model_copy(update={"broker": good.broker.model_copy(update={"bootstrap": f"127.0.0.1:{free_port()}"})})
+    w = WorkerProc(cut, free_port(), tmp_path / "worker-no-broker.log")
+    try:
+        code = w.proc.wait(timeout=120)
+    finally:
+        w.stop(signal.SIGKILL)
+    assert code == EXIT_INFRA, w.log_tail()
+    assert "does not answer" in w.log_tail() and "Traceback" not in w.log_tail(), w.log_tail()
