@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import redis
 import torch
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from core import fleet, keys
@@ -45,7 +44,8 @@ def open_registry(cfg: LiverlConfig) -> Registry:
 
 
 def _console():
-    return Console(width=None if sys.stdout.isatty() else 160)
+    # no rich markup: reasons, actors, blob keys and prompts are shown as written ("[a]12+34=" stays whole)
+    return Console(width=None if sys.stdout.isatty() else 160, markup=False)
 
 
 def _err(msg: str) -> int:
@@ -337,10 +337,10 @@ def cmd_history(
         for a in reg.audit(limit=limit):
             t.add_row(
                 time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(a.at)),
-                escape(a.actor),  # typed by people: shown as written, never read as rich markup ("[x]")
+                a.actor,
                 a.action,
                 "-" if a.version is None else f"v{a.version}",
-                escape(a.reason or ""),
+                a.reason or "",
             )
         _console().print(t)
         return 0

@@ -33,7 +33,7 @@ def fleet(cfg, rds):
     reg.record_gate(v1.version, "suite", 0.612, 0.48, True, "ok")
     reg.promote(v1.version, actor="gate", reason="gate passed")
     v2 = reg.add_candidate(perturb(base, 0.05, seed=2), parent=1)
-    reg.set_status(v2.version, "rejected", actor="gate", reason="failed collapse")
+    reg.set_status(v2.version, "rejected", actor="gate", reason="failed collapse on [a]12+34=")
     reg.close()
     rds.hset(keys.live(p, 0), mapping={"accept": 40, "reject": 60, "edit": 0, "events": 100})
     rds.hset(keys.live(p, 1), mapping={"accept": 60, "reject": 40, "edit": 0, "events": 100})
@@ -51,7 +51,7 @@ def test_versions_and_status_tables(cfg, fleet, capsys):
     out = capsys.readouterr().out
     for text in (
         "v2",
-        "rejected (failed collapse)",
+        "rejected (failed collapse on [a]12+34=)",  # a reason shown as written, never read as rich markup
         "stable",
         "retired",
         "0.612",
@@ -335,7 +335,7 @@ def test_diff_lists_changed_tensors_and_the_gate_evidence_side_by_side(cfg, flee
     out = capsys.readouterr().out
     assert f"v{v1.version} -> v{v2.version}" in out and "tensors changed" in out
     assert "gate evidence, side by side" in out and "pass 0.612 (vs 0.48)" in out
-    assert "rejected (failed collapse)" in out and "60.0% of 100" in out
+    assert "rejected (failed collapse on [a]12+34=)" in out and "60.0% of 100" in out
     assert cmd_diff(cfg, 0, 0) == 0 and "0 of" in capsys.readouterr().out  # nothing differs from itself
     assert cmd_diff(cfg, 0, 99) == 1 and "99" in capsys.readouterr().err
 
