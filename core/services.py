@@ -38,7 +38,10 @@ class LiverlError(RuntimeError):
 
 
 class ServiceError(LiverlError):
-    """A configured service does not answer."""
+    """A configured service does not answer: ``liverl`` exits ``EXIT_TEMPFAIL``, so a supervisor starts it again."""
+
+
+EXIT_TEMPFAIL = 75  # sysexits' EX_TEMPFAIL: a service this process needs did not answer; try again
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Any
 
+from core.services import EXIT_TEMPFAIL
 from ingest.batch import Batch, InfraError, Settle
 from ingest.outbox import Outbox
 from ingest.table import JoinTable
@@ -31,7 +32,7 @@ SETTLING_MAX = 3  # batches settling at once: decisions run ahead of the broker'
 TABLE_FLUSH_S = 1.0  # how often the table's write buffer goes to the changelog (then the input offsets are committed)
 TABLE_BUFFER_WRITES = 50_000  # ... or sooner, once it holds this many entries
 TABLE_BUFFER_BYTES = 32 << 20  # ... or this many bytes of values
-EXIT_INFRA = 75  # exit code when the broker or Redis failed mid-batch (EX_TEMPFAIL: restart me)
+EXIT_INFRA = EXIT_TEMPFAIL  # exit code when the broker or Redis failed mid-batch (EX_TEMPFAIL: restart me)
 
 
 def die(reason: str) -> None:

@@ -14,7 +14,7 @@ import sys
 
 from core.config import redact_url
 from core.schemas import json_schemas
-from core.services import LiverlError
+from core.services import EXIT_TEMPFAIL, LiverlError, ServiceError
 from liverl import admin_cli, bench_cli, keys_cli, process_cli, up_cli
 from liverl.cliargs import cfg_from_args
 
@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"liverl: error: {e}", file=sys.stderr)
         return 2
+    except ServiceError as e:  # a service it needs did not answer: a supervisor starts it again
+        print(f"liverl: error: {e}", file=sys.stderr)
+        return EXIT_TEMPFAIL
     except LiverlError as e:  # a part that could not start or a refused operation, named in the message
         print(f"liverl: error: {e}", file=sys.stderr)
         return 1

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from core.config import LiverlConfig, load_config, redact_url
-from core.services import LiverlError, redis_from_url, redis_url
+from core.services import ServiceError, redis_from_url, redis_url
 
 
 def cfg_from_args(args: argparse.Namespace) -> LiverlConfig:
@@ -50,7 +50,7 @@ def check_bound(cfg: LiverlConfig, role: str) -> None:
     try:
         check_process(cfg, r, role)
     except redis.RedisError as e:
-        raise LiverlError(
+        raise ServiceError(
             f"liverl {role}: cannot check the deployment's Redis namespace at {redact_url(url)}: {e}"
         ) from None
     finally:

@@ -233,6 +233,30 @@ def test_liverl_ingest_on_another_deployments_prefix_exits_with_the_reason_and_s
     assert "Traceback" not in p.stderr
 
 
+def test_liverl_ingest_whose_redis_does_not_answer_exits_for_a_restart_not_as_refused(tmp_path, prefix):
+    """The check of the deployment's Redis namespace, before the worker starts: a Redis that does not answer is a
+    service to wait for (exit 75, EX_TEMPFAIL: the supervisor starts it again), not a refusal (exit 1)."""
+    from core.services import EXIT_TEMPFAIL
+    from tests.conftest import free_port
+
+    cfg = _cfg(tmp_path, "state", prefix)
+    _recorded(cfg, _model(tmp_path, "m"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIVERL")}
+    env.update(
+        {
+            "LIVERL__TOPICS__PREFIX": prefix,
+            "LIVERL__REDIS__URL": f"redis://127.0.0.1:{free_port()}/0",
+            "LIVERL__STATE_DIR": str(cfg.state_path),
+            "LIVERL__BROKER__BOOTSTRAP": "127.0.0.1:1",
+        }
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "liverl.cli", "ingest"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert p.returncode == EXIT_TEMPFAIL, p.stderr[-3000:]
+    assert "cannot check the deployment's Redis namespace" in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 def test_an_operator_command_on_another_deployments_prefix_refuses_naming_both_and_the_prefix_that_works(
     tmp_path, prefix
 ):
