@@ -134,7 +134,9 @@ class Load:
         self.seed, self.timeout_s = seed, timeout_s
         self.requests: list[Request] = []
         self.sent: dict[str, float] = {}  # feedback id -> time.time() it was handed to the SDK
+        self.events: dict[str, tuple[str, bool, float]] = {}  # feedback id -> (generation id, accepted, its ts)
         self.feedback_errors = 0
+        self.resent = 0
         self._stop = threading.Event()
         self._fb: queue.Queue = queue.Queue(maxsize=100_000)
         self._threads: list[threading.Thread] = []
@@ -158,10 +160,32 @@ class Load:
         while (item := self._fb.get()) is not None:
             gid, accept = item
             try:
-                self.sent[(self.sdk.accept if accept else self.sdk.reject)(gid)] = time.time()
+                ts = time.time()
+                fid = (self.sdk.accept if accept else self.sdk.reject)(gid, ts=ts)
+                self.sent[fid], self.events[fid] = time.time(), (gid, accept, ts)
             except Exception as e:  # noqa: BLE001 - counted; the broker acknowledged nothing, so nothing is owed
                 self.feedback_errors += 1
                 log.debug("chaos: feedback not sent: %r", e)
+
+    def deliver(self, rounds: int = 5) -> None:
+        """Flush the SDK; what the broker did not take (its link was down longer than the delivery timeout) is sent
+        again with the same feedback id and time, as the SDK's ``DeliveryError`` tells a product to. What is still
+        undelivered after ``rounds`` was never acknowledged, so nothing is owed for it (``feedback_not_sent``)."""
+        from liverl_sdk.client import DeliveryError  # noqa: PLC0415
+
+        for _ in range(rounds):
+            try:
+                self.sdk.flush()
+                return
+            except DeliveryError as e:
+                for fid, _exc in e.failed:
+                    gid, accept, ts = self.events[fid]
+                    (self.sdk.accept if accept else self.sdk.reject)(gid, feedback_id=fid, ts=ts)
+                    self.resent += 1
+        try:
+            self.sdk.flush()
+        except DeliveryError as e:
+            self.feedback_errors += len(e.failed)
 
     async def _users(self) -> None:
         import aiohttp  # noqa: PLC0415 aiohttp: the CLI's parser stays light
@@ -393,7 +417,7 @@ def run_chaos_hosts(
                 _pause(dep, gap_s)
         finally:
             load.stop()
-        sdk.flush()
+        load.deliver()
         load_end = time.time()
         print(f"load stopped: {len(load.requests)} requests; draining ...", flush=True)
         sdk.close()
@@ -429,6 +453,7 @@ def run_chaos_hosts(
         "acked_feedback_records": sdk.acked,
         "acked_not_in_topic": max(missing, 0),
         "feedback_not_sent": load.feedback_errors,
+        "feedback_sent_again": load.resent,
         "roles_restarted_by_their_host": restarts,
         "audit_log_verifies": audit_log_ok,
         "audit_log_problem": audit_log.problem,
@@ -449,7 +474,8 @@ def run_chaos_hosts(
     )
     print(table(rows, before, command))
     print(
-        f"\nfeedback acknowledged {sdk.acked} (in the topic: {report.feedback_records if report else '?'}); "
+        f"\nfeedback acknowledged {sdk.acked} (in the topic: {report.feedback_records if report else '?'}; "
+        f"{load.resent} sent again after a delivery timeout); "
         f"drain converged after {summary['drain_converge_s']} s; audit problems: "
         f"{report.problems() if report else 'no audit'}; audit log verifies: {audit_log_ok}; "
         f"roles their host restarted: {restarts}; {'OK' if summary['ok'] else 'FAILED'}"
