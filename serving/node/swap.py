@@ -28,8 +28,17 @@ same box: median 22-27 ms over 12 swaps under 16 streams; the slow ones wait for
    read-back, which on a large model would dominate the pause); a mismatch answers ``ok: false, restored: false``
    and the agent stops the node serving.
 
-Body: ``{"deltas": [[path, checksum_after], ...], "from": [version, checksum], "to": [version, checksum]}``; the
-paths are files in the agent's delta folder (the worker refuses any other). Answer (always HTTP 200 once the body is
+Steps 1-4 run one of two ways, the body's ``via`` (``serving.swap_via``): ``vllm`` makes vLLM's own weight-update
+calls on the engine client, the ones its RL routes make (``pause_generation(mode="keep", clear_cache=True)``;
+``start_weight_update``, opened before the pause; ``update_weights``, whose ``liverl_delta`` backend,
+``serving.node.worker.transfer``, commits the chain staged in step 0 with the checks of step 2;
+``finish_weight_update`` with the version, which labels; ``resume_generation``); ``liverl`` is the sequence above.
+The read-back of step 5 is liverl's either way: vLLM's ``/weight_checker`` hashes its own fused and packed
+parameters, which no registry checksum describes (docs/serving.md, "vLLM's weight-update API").
+
+Body: ``{"deltas": [[path, checksum_after], ...], "from": [version, checksum], "to": [version, checksum], "via":
+"vllm" | "liverl"}`` (``via`` defaults to ``vllm``); the paths are files in the agent's delta folder (the worker
+refuses any other). Answer (always HTTP 200 once the body is
 valid): ``{"ok", "version", "checksum", "restored", "error", "pause_ms", "phases": {...}, "worker": [...]}``, where
 ``pause_ms`` runs from the pause call to the resume's reply, measured here: the time the engine stepped no request.
 One swap at a time (a second concurrent call gets 409). The route sits inside ``NodeKeyMiddleware``. This module
