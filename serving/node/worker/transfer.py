@@ -131,6 +131,8 @@ class LiverlDeltaEngine(WeightTransferEngine[LiverlDeltaInitInfo, LiverlDeltaUpd
         if not staged:  # decode here, inside the call (and inside the caller's pause)
             stage = _Stage(st.checksum, paths, expects)
             stage.run(st)
+        elif stage.thread is not None:
+            stage.thread.join()
         if update_info.version is not None and stage.error is None and stage.version != update_info.version:
             raise ValueError(f"the deltas lead to version {stage.version}, not {update_info.version}")
         self.last = commit(self.model, st, stage, expects[-1])
