@@ -28,11 +28,11 @@ same box: median 22-27 ms over 12 swaps under 16 streams; the slow ones wait for
    read-back, which on a large model would dominate the pause); a mismatch answers ``ok: false, restored: false``
    and the agent stops the node serving.
 
-Steps 1-4 run one of two ways, the body's ``via`` (``serving.swap_via``): ``vllm`` makes vLLM's own weight-update
-calls on the engine client, the ones its RL routes make (``pause_generation(mode="keep", clear_cache=True)``;
-``start_weight_update``, opened before the pause; ``update_weights``, whose ``liverl_delta`` backend,
-``serving.node.worker.transfer``, commits the chain staged in step 0 with the checks of step 2;
-``finish_weight_update`` with the version, which labels; ``resume_generation``); ``liverl`` is the sequence above.
+Steps 2-3 run one of two ways, the body's ``via`` (``serving.swap_via``): ``vllm`` makes vLLM's own weight-update
+calls on the engine client, the ones its RL routes make (``start_weight_update``, opened before the pause;
+``update_weights``, whose ``liverl_delta`` backend, ``serving.node.worker.transfer``, commits the chain staged in
+step 0 with the checks of step 2; ``finish_weight_update`` with the version, which labels); ``liverl`` is the
+sequence above. The pause (1) and the resume (4) are vLLM's keep mode either way.
 The read-back of step 5 is liverl's either way: vLLM's ``/weight_checker`` hashes its own fused and packed
 parameters, which no registry checksum describes (docs/serving.md, "vLLM's weight-update API").
 
@@ -108,6 +108,9 @@ class EngineSwap:
         return results[0]
 
     async def _pause(self) -> None:
+        """vLLM's keep-mode pause: the engine-core call ``AsyncLLM.pause_generation`` (and ``POST /pause?mode=keep``)
+        makes, without the 20 ms sleep that follows it there (for abort mode's last outputs; measured: the pause call
+        median 45 ms through ``pause_generation``, 16 ms direct, docs/serving.md)."""
         core = getattr(self.engine, "engine_core", None)
         if core is not None and hasattr(core, "pause_scheduler_async"):
             await core.pause_scheduler_async(mode="keep", clear_cache=True)
@@ -183,10 +186,7 @@ class EngineSwap:
     ) -> dict[str, Any]:
         ph = out["phases"]
         t0, w0 = time.perf_counter(), time.time()
-        if via == "vllm":  # what POST /pause?mode=keep calls
-            pause = asyncio.ensure_future(self.engine.pause_generation(mode="keep", clear_cache=True))
-        else:
-            pause = asyncio.ensure_future(self._pause())
+        pause = asyncio.ensure_future(self._pause())  # vLLM's keep mode either way (see _pause)
         # a probe queued right behind the pause: the engine core runs it just after it took the pause, so its start
         # time says how long the pause request took to reach the core (it waits for the step in flight), and the rest
         # of pause_call_ms is the wait for the core to go idle plus the cache reset

@@ -77,13 +77,13 @@ def test_via_vllm_makes_vllms_weight_update_calls_in_order():
         "liverl_stage",
         "liverl_staged",
         "start_weight_update",
-        "pause_generation",
+        "core.pause",
         "update_weights",
         "finish_weight_update",
         "resume_generation",
         "liverl_checksum",
     ]
-    assert ("pause_generation", "keep", True) in engine.calls
+    assert ("core.pause", "keep", True) in engine.calls  # vLLM's keep mode, the prefix cache reset
     assert ("update_weights", {"deltas": [list(d) for d in DELTAS], "version": TO[0]}) in engine.calls
     assert ("finish_weight_update", str(TO[0])) in engine.calls
 
