@@ -330,8 +330,10 @@ def _cmd(args: argparse.Namespace) -> int:
         "stall_ms": "stall-ms",
         "via": "via",
     }
-    command = "liverl bench swap" + "".join(
-        f" --{flag} {getattr(args, n)}" for n, flag in names.items() if getattr(args, n) != DEFAULTS[n]
+    command = (
+        "liverl bench swap"
+        + "".join(f" --{flag} {getattr(args, n)}" for n, flag in names.items() if getattr(args, n) != DEFAULTS[n])
+        + (f" --model {args.model}" if args.model else "")
     )
     run(
         swaps=args.swaps,
