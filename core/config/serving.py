@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
@@ -68,6 +69,15 @@ class ServingConfig(Section):
         ge=0,
         description="How often the agent reads the served weights back and checks their checksum "
         "between swaps (a change behind its back marks the node unhealthy). 0: only after each swap.",
+    )
+    swap_via: Literal["vllm", "liverl", "alternate"] = Field(
+        default="vllm",
+        description="How the node commits and labels a hot-swap inside the engine's pause (serving.node.swap). "
+        "vllm: vLLM's own weight-update calls (pause keep, start_weight_update, update_weights through the "
+        "liverl_delta backend, finish_weight_update with the version, resume). liverl: the engine core's pause "
+        "and liverl's worker RPC (liverl_commit), then update_weight_version. alternate: each swap the other "
+        "way, to compare them in one run (liverl bench swap --via alternate). Either way the deltas are decoded "
+        "before the pause and the whole served state is read back after it.",
     )
     swap_drain_s: float = Field(
         default=10.0,

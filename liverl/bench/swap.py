@@ -4,8 +4,12 @@ The stack is started once (embedded broker and Redis, a registry in the state di
 its agent in a child process as ``liverl serve`` runs them). ``--clients`` closed-loop clients stream completions of
 ``--max-tokens`` sampled tokens through the gateway, while ``--swaps`` new versions are promoted one after the other,
 ``--interval`` seconds apart, each a delta of ``--changed`` (share of elements) on its parent, announced and signed as
-the gate does. Reported per swap, from the agent's swap records: ``pause`` (measured in the node: the engine stepped
-no request from the pause call to the resume's reply), its phases, and the agent's whole call. Reported per request:
+the gate does. ``--via`` picks how the node commits each swap inside the pause (``serving.swap_via``): ``vllm``
+(vLLM's pause keep, ``update_weights`` through the ``liverl_delta`` backend, ``finish_weight_update`` with the
+version), ``liverl`` (the engine core's pause, liverl's ``liverl_commit`` RPC, ``update_weight_version``), or
+``alternate`` (the default: every other swap each way, so both are measured in one run under the same load).
+Reported per swap path, from the agent's swap records: ``pause`` (measured in the node: the engine stepped no
+request from the pause call to the resume's reply), its phases, and the agent's whole call. Reported per request:
 failures (not HTTP 200 or no ``[DONE]``), and the requests that waited more than ``--stall-ms`` for a chunk (or the
 first chunk) across an engine pause, beside those that waited as long with no pause in the wait (what this machine's
 load does anyway), so the swap's own share is visible.
@@ -28,7 +32,16 @@ from typing import Any
 from liverl.bench.serve import _machine, _node_config, _run_loop, _serve_child_registry, _wait_http
 from liverl.bench.subcommand import add_bench_parser
 
-DEFAULTS = {"swaps": 12, "clients": 16, "interval": 2.0, "max_tokens": 20, "changed": 0.1, "stall_ms": 100.0}
+DEFAULTS = {
+    "swaps": 12,
+    "clients": 16,
+    "interval": 2.0,
+    "max_tokens": 20,
+    "changed": 0.1,
+    "stall_ms": 100.0,
+    "via": "alternate",
+}
+VIAS = ("alternate", "vllm", "liverl")
 
 
 def _perturb(state: dict, seed: int, share: float) -> dict:
@@ -77,6 +90,7 @@ def run(
     max_tokens: int = DEFAULTS["max_tokens"],
     changed: float = DEFAULTS["changed"],
     stall_ms: float = DEFAULTS["stall_ms"],
+    via: str = DEFAULTS["via"],
     config: str | None = None,
     model: str | None = None,
     json_path: str | None = None,
@@ -93,7 +107,9 @@ def run(
 
     if swaps < 1 or clients < 1 or interval_s <= 0 or max_tokens < 1 or not 0 < changed <= 1:
         raise ValueError("swaps, clients and max_tokens must be >= 1, interval > 0 and changed in (0, 1]")
-    cfg, model_dir = _node_config(config, model, "swap", "benchswap", serving__swap_poll_s=0.1)
+    if via not in VIAS:
+        raise ValueError(f"--via is one of {', '.join(VIAS)}, not {via!r}")
+    cfg, model_dir = _node_config(config, model, "swap", "benchswap", serving__swap_poll_s=0.1, serving__swap_via=via)
     state = cfg.state_path
     url = f"http://{cfg.serving.host}:{cfg.serving.gateway_port}"
     print(
@@ -181,6 +197,9 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
+PHASES = ("stage_ms", "start_ms", "pause_call_ms", "apply_ms", "label_ms", "resume_ms", "verify_ms", "call_ms")
+
+
 def _summarise(swaps: list[dict], requests: list[dict], stall_ms: float) -> dict:
     windows = [tuple(s["pause_wall"]) for s in swaps if s.get("pause_wall")]  # the engine's pause, in the node
     failed = [r for r in requests if r["status"] != 200 or not r["done"]]
@@ -196,19 +215,23 @@ def _summarise(swaps: list[dict], requests: list[dict], stall_ms: float) -> dict
             behind += 1
         elif long:
             outside += 1
-    pauses = [s["pause_ms"] for s in swaps if s.get("pause_ms") is not None]
-    phases = {
-        k: statistics.median([s[k] for s in swaps if s.get(k) is not None] or [0.0])
-        for k in ("stage_ms", "pause_call_ms", "apply_ms", "label_ms", "resume_ms", "verify_ms", "call_ms")
-    }
+    by_via = {}
+    for via in sorted({str(s.get("via")) for s in swaps}):
+        mine = [s for s in swaps if str(s.get("via")) == via]
+        pauses = [s["pause_ms"] for s in mine if s.get("pause_ms") is not None]
+        by_via[via] = {
+            "n_swaps": len(mine),
+            "ok_swaps": sum(bool(s.get("verify_ok")) for s in mine),
+            "pause_ms_median": statistics.median(pauses) if pauses else None,
+            "pause_ms_p99": _pct(pauses, 0.99),
+            "pause_ms_max": max(pauses, default=None),
+            "phases_median_ms": {
+                k: statistics.median([s[k] for s in mine if s.get(k) is not None] or [0.0]) for k in PHASES
+            },
+        }
     return {
         "swaps": swaps,
-        "n_swaps": len(swaps),
-        "ok_swaps": sum(bool(s.get("verify_ok")) for s in swaps),
-        "pause_ms_median": statistics.median(pauses) if pauses else None,
-        "pause_ms_p99": _pct(pauses, 0.99),
-        "pause_ms_max": max(pauses, default=None),
-        "phases_median_ms": phases,
+        "by_via": by_via,
         "requests": len(requests),
         "failed": len(failed),
         "overlapping_swap": n_overlap,
@@ -223,16 +246,23 @@ def _f(x: float | None) -> str:
 
 
 def _table(s: dict) -> str:
-    ph = s["phases_median_ms"]
     f = _f
     lines = [
         "",
-        "| swaps (ok) | pause median ms | pause p99 ms | pause max ms | in the pause, median ms: pause call / "
-        "write + read-back / label / resume | outside it: stage / full verify | agent call median ms |",
-        "|---|---|---|---|---|---|---|",
-        f"| {s['n_swaps']} ({s['ok_swaps']}) | **{f(s['pause_ms_median'])}** | **{f(s['pause_ms_p99'])}** | "
-        f"{f(s['pause_ms_max'])} | {f(ph['pause_call_ms'])} / {f(ph['apply_ms'])} / {f(ph['label_ms'])} / "
-        f"{f(ph['resume_ms'])} | {f(ph['stage_ms'])} / {f(ph['verify_ms'])} | {f(ph['call_ms'])} |",
+        "| via | swaps (ok) | pause median ms | pause p99 ms | pause max ms | in the pause, median ms: pause call / "
+        "write + read-back / label / resume | outside it: stage / start session / full verify | agent call "
+        "median ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for via, v in s["by_via"].items():
+        ph = v["phases_median_ms"]
+        lines.append(
+            f"| {via} | {v['n_swaps']} ({v['ok_swaps']}) | **{f(v['pause_ms_median'])}** | "
+            f"**{f(v['pause_ms_p99'])}** | {f(v['pause_ms_max'])} | {f(ph['pause_call_ms'])} / {f(ph['apply_ms'])} / "
+            f"{f(ph['label_ms'])} / {f(ph['resume_ms'])} | {f(ph['stage_ms'])} / {f(ph['start_ms'])} / "
+            f"{f(ph['verify_ms'])} | {f(ph['call_ms'])} |"
+        )
+    lines += [
         "",
         f"| requests | failed | in flight across a pause | waited > {s['stall_ms']:.0f} ms for a chunk across a "
         f"pause | waited > {s['stall_ms']:.0f} ms, no pause in that wait |",
@@ -277,6 +307,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=DEFAULTS["stall_ms"],
         help="a wait for a chunk longer than this counts as a stall (default 100)",
     )
+    s.add_argument(
+        "--via",
+        choices=VIAS,
+        default=DEFAULTS["via"],
+        help="how the node commits a swap in the pause: vllm (vLLM's weight-update calls), liverl (liverl's worker "
+        "RPC), alternate (each swap the other way; default)",
+    )
     s.add_argument("--model", metavar="DIR", help="model directory (default: model.path, else the demo policy)")
     s.add_argument("--json", metavar="PATH", help="also write the swap records and the summary as JSON")
     s.set_defaults(fn=_cmd)
@@ -291,9 +328,12 @@ def _cmd(args: argparse.Namespace) -> int:
         "max_tokens": "max-tokens",
         "changed": "changed",
         "stall_ms": "stall-ms",
+        "via": "via",
     }
-    command = "liverl bench swap" + "".join(
-        f" --{flag} {getattr(args, n)}" for n, flag in names.items() if getattr(args, n) != DEFAULTS[n]
+    command = (
+        "liverl bench swap"
+        + "".join(f" --{flag} {getattr(args, n)}" for n, flag in names.items() if getattr(args, n) != DEFAULTS[n])
+        + (f" --model {args.model}" if args.model else "")
     )
     run(
         swaps=args.swaps,
@@ -302,6 +342,7 @@ def _cmd(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         changed=args.changed,
         stall_ms=args.stall_ms,
+        via=args.via,
         config=getattr(args, "config", None),
         model=args.model,
         json_path=args.json,

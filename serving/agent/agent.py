@@ -15,7 +15,8 @@ differs from the served version it
    (``Registry.deltas_between``; XOR deltas apply in either direction, so a rollback to the parent uses the current
    version's own delta) when the chain is short, else one delta encoded on the fly from registry-materialized
    weights (logged), and checks the first delta's header against the served checksum;
-2. swaps without a drain, in ONE call to the node (``POST /liverl/swap``, ``serving.node.swap``), which runs in the
+2. swaps without a drain, in ONE call to the node (``POST /liverl/swap``, ``serving.node.swap``; ``via`` from
+   ``serving.swap_via``: vLLM's weight-update calls or liverl's worker RPC inside the pause), which runs in the
    node's API-server process: the worker verifies and decodes the deltas in a thread while generation goes on; then
    the engine core pauses (``mode=keep, clear_cache=true``: vLLM stops at the end of the current scheduler step;
    every request stays, frozen, new ones queue), the worker writes only the changed tensors and reads them back
@@ -115,6 +116,7 @@ class Agent:
         self._failed: dict[tuple[str, int, str], float] = {}  # (channel, version, checksum) -> when it failed
         self._verified_at = time.monotonic()  # the served checksum was last read back then (init, swaps, reverify)
         self.last_swap_pause_ms: float | None = None  # the last swap's engine pause, measured in the node
+        self._swaps_made = 0  # for serving.swap_via = alternate
         self.metrics = metrics or AgentMetrics()  # what the serving process serves on serving.agent_port
         # the heartbeat outlives about 20 polls: the router drops the node only when its agent stops writing it
         self.heartbeat_ttl_s = max(10, int(20 * cfg.serving.swap_poll_s))
@@ -353,11 +355,16 @@ class Agent:
             p = self.work_dir / f"{os.getpid()}-{from_v}-{target_version}-{i}.delta"
             p.write_bytes(blob)
             paths.append(p)
+        via = self.cfg.serving.swap_via
+        if via == "alternate":
+            via = ("vllm", "liverl")[self._swaps_made % 2]
+        self._swaps_made += 1
         rec: dict[str, Any] = {
             "node": self.name,
             "from": from_v,
             "to": target_version,
             "how": how,
+            "via": via,
             "deltas": len(paths),
             "verify_ok": False,
         }
@@ -370,6 +377,7 @@ class Agent:
                     [(str(p), e) for p, e in zip(paths, ends, strict=True)],
                     (from_v, from_sum),
                     (target_version, target_checksum),
+                    via=via,
                 )
             except Exception as e:  # noqa: BLE001 whatever the call did (HTTP error, no answer), the weights say what happened
                 r = await after_lost_swap(self.node, e, from_v, from_sum, target_version, target_checksum)

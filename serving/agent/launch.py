@@ -10,6 +10,9 @@ Options that matter (all exact vLLM 0.32 names):
 - ``VLLM_SERVER_DEV_MODE=1`` registers the dev and RL routes used for hot-swaps: ``POST /pause?mode=wait``,
   ``POST /resume``, ``POST /collective_rpc``, ``POST /reset_prefix_cache`` (also ``/is_paused``).
 - ``--worker-extension-cls serving.node.worker.extension.LiverlWorkerExtension``: the hot-swap RPCs inside the worker.
+- ``--weight-transfer-config '{"backend": "liverl_delta"}'``: vLLM's weight-update calls (``start_weight_update``,
+  ``update_weights``, ``finish_weight_update``) apply liverl's deltas (``serving.node.worker.transfer``; the
+  extension's import registers the backend).
 - ``--middleware serving.node.auth.NodeKeyMiddleware``: every route but ``/health`` needs the key this module
   generates at each start (``LIVERL_NODE_KEY`` in the node's environment, ``NodeHandle.key`` for its clients, and a
   file only the user can read, ``node_key_path``, for tools on the same machine); the dev routes above included,
@@ -66,6 +69,7 @@ from serving.node.client import (  # the node's contract: what it loads, and its
     SERVED_MODEL_NAME,
     SPANS_MIDDLEWARE,
     SWAP_MIDDLEWARE,
+    WEIGHT_TRANSFER_BACKEND,
     WORKER_EXTENSION,
 )
 
@@ -149,6 +153,8 @@ def node_command(
         str(kv_cache_bytes),
         "--worker-extension-cls",
         WORKER_EXTENSION,
+        "--weight-transfer-config",
+        json.dumps({"backend": WEIGHT_TRANSFER_BACKEND}),
         "--middleware",
         SWAP_MIDDLEWARE,
         "--middleware",

@@ -21,6 +21,7 @@ log = logging.getLogger("liverl.serving.node")
 
 SERVED_MODEL_NAME = "liverl"
 WORKER_EXTENSION = "serving.node.worker.extension.LiverlWorkerExtension"
+WEIGHT_TRANSFER_BACKEND = "liverl_delta"  # serving.node.worker.transfer: vLLM's weight-update calls apply deltas
 NODE_MIDDLEWARE = "serving.node.auth.NodeKeyMiddleware"
 SPANS_MIDDLEWARE = "serving.node.versions.VersionSpansMiddleware"  # listed before the key check: inside it
 SWAP_MIDDLEWARE = "serving.node.swap.SwapMiddleware"  # likewise
@@ -97,14 +98,17 @@ class NodeClient:
         body = await self._ok("GET", "/v1/models")
         return int(body["data"][0]["max_model_len"])
 
-    async def swap(self, deltas: list[tuple[str, str]], frm: tuple[int, str], to: tuple[int, str]) -> dict:
+    async def swap(
+        self, deltas: list[tuple[str, str]], frm: tuple[int, str], to: tuple[int, str], via: str = "vllm"
+    ) -> dict:
         """One whole hot-swap inside the node (``serving.node.swap``): never retried (an XOR delta applied twice is
-        undone). Returns the node's answer (``ok``, ``version``, ``checksum``, ``restored``, ``pause_ms``, ...)."""
+        undone). ``via``: ``vllm`` (vLLM's weight-update calls) or ``liverl`` (liverl's worker RPC) inside the pause.
+        Returns the node's answer (``ok``, ``version``, ``checksum``, ``restored``, ``pause_ms``, ...)."""
         return await self._ok(
             "POST",
             "/liverl/swap",
             retry=False,
-            json={"deltas": [list(d) for d in deltas], "from": list(frm), "to": list(to)},
+            json={"deltas": [list(d) for d in deltas], "from": list(frm), "to": list(to), "via": via},
         )
 
     async def set_weight_version(self, version: int) -> None:

@@ -28,8 +28,17 @@ same box: median 22-27 ms over 12 swaps under 16 streams; the slow ones wait for
    read-back, which on a large model would dominate the pause); a mismatch answers ``ok: false, restored: false``
    and the agent stops the node serving.
 
-Body: ``{"deltas": [[path, checksum_after], ...], "from": [version, checksum], "to": [version, checksum]}``; the
-paths are files in the agent's delta folder (the worker refuses any other). Answer (always HTTP 200 once the body is
+Steps 2-3 run one of two ways, the body's ``via`` (``serving.swap_via``): ``vllm`` makes vLLM's own weight-update
+calls on the engine client, the ones its RL routes make (``start_weight_update``, opened before the pause;
+``update_weights``, whose ``liverl_delta`` backend, ``serving.node.worker.transfer``, commits the chain staged in
+step 0 with the checks of step 2; ``finish_weight_update`` with the version, which labels); ``liverl`` is the
+sequence above. The pause (1) and the resume (4) are vLLM's keep mode either way.
+The read-back of step 5 is liverl's either way: vLLM's ``/weight_checker`` hashes its own fused and packed
+parameters, which no registry checksum describes (docs/serving.md, "vLLM's weight-update API").
+
+Body: ``{"deltas": [[path, checksum_after], ...], "from": [version, checksum], "to": [version, checksum], "via":
+"vllm" | "liverl"}`` (``via`` defaults to ``vllm``); the paths are files in the agent's delta folder (the worker
+refuses any other). Answer (always HTTP 200 once the body is
 valid): ``{"ok", "version", "checksum", "restored", "error", "pause_ms", "phases": {...}, "worker": [...]}``, where
 ``pause_ms`` runs from the pause call to the resume's reply, measured here: the time the engine stepped no request.
 One swap at a time (a second concurrent call gets 409). The route sits inside ``NodeKeyMiddleware``. This module
@@ -58,23 +67,31 @@ class SwapBodyError(ValueError):
     """A malformed ``/liverl/swap`` body."""
 
 
-def parse_body(raw: bytes) -> tuple[list[tuple[str, str]], tuple[int, str], tuple[int, str]]:
-    """(deltas as (path, checksum after), (from version, checksum), (to version, checksum)); SwapBodyError if bad."""
+VIAS = ("vllm", "liverl")
+
+
+def parse_body(raw: bytes) -> tuple[list[tuple[str, str]], tuple[int, str], tuple[int, str], str]:
+    """(deltas as (path, checksum after), (from version, checksum), (to version, checksum), via); SwapBodyError if
+    bad."""
     try:
         body = json.loads(raw)
         deltas = [(str(p), str(after)) for p, after in body["deltas"]]
         frm = (int(body["from"][0]), str(body["from"][1]))
         to = (int(body["to"][0]), str(body["to"][1]))
-    except (ValueError, KeyError, TypeError, IndexError) as e:
+        via = str(body.get("via", "vllm"))
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
         raise SwapBodyError(
             f'POST {SWAP_PATH} needs JSON {{"deltas": [[path, checksum_after], ...], '
-            f'"from": [version, checksum], "to": [version, checksum]}} ({type(e).__name__}: {e})'
+            f'"from": [version, checksum], "to": [version, checksum], "via": "vllm" | "liverl"}} '
+            f"({type(e).__name__}: {e})"
         ) from e
     if not deltas:
         raise SwapBodyError("no deltas to apply")
     if deltas[-1][1] != to[1]:
         raise SwapBodyError("the last delta does not lead to the target checksum")
-    return deltas, frm, to
+    if via not in VIAS:
+        raise SwapBodyError(f'"via" is one of {", ".join(VIAS)}, not {via!r}')
+    return deltas, frm, to, via
 
 
 class EngineSwap:
@@ -91,6 +108,9 @@ class EngineSwap:
         return results[0]
 
     async def _pause(self) -> None:
+        """vLLM's keep-mode pause: the engine-core call ``AsyncLLM.pause_generation`` (and ``POST /pause?mode=keep``)
+        makes, without the 20 ms sleep that follows it there (for abort mode's last outputs; measured: the pause call
+        median 45 ms through ``pause_generation``, 16 ms direct, docs/serving.md)."""
         core = getattr(self.engine, "engine_core", None)
         if core is not None and hasattr(core, "pause_scheduler_async"):
             await core.pause_scheduler_async(mode="keep", clear_cache=True)
@@ -122,17 +142,24 @@ class EngineSwap:
         return None
 
     async def run(
-        self, deltas: list[tuple[str, str]], frm: tuple[int, str], to: tuple[int, str], gateway=None
+        self,
+        deltas: list[tuple[str, str]],
+        frm: tuple[int, str],
+        to: tuple[int, str],
+        gateway=None,
+        via: str = "vllm",
     ) -> dict[str, Any]:
         """The swap; ``gateway``: the ``serving.node.gateway.Gateway`` in this process (``serving.node.gateway_host``),
         told just before the pause that a swap begins and, after the resume and the read-back, which version it left
-        served (or why the node must stop serving) and that it ended."""
+        served (or why the node must stop serving) and that it ended. ``via``: ``vllm`` commits through vLLM's
+        weight-update calls and the ``liverl_delta`` backend, ``liverl`` through liverl's worker RPC."""
         out: dict[str, Any] = {
             "ok": False,
             "version": frm[0],
             "checksum": frm[1],
             "restored": None,
             "error": None,
+            "via": via,
             "phases": {},
             "worker": [],
         }
@@ -140,28 +167,36 @@ class EngineSwap:
         if refused:  # nothing paused, nothing written
             out.update(error=refused, restored=True, pause_ms=0.0)
             return out
+        if via == "vllm":  # a session flag in the worker: opened before the pause, so the pause holds no extra call
+            t = time.perf_counter()
+            await self.engine.start_weight_update()
+            out["phases"]["start_ms"] = _ms(t, time.perf_counter())
         if gateway is None:
-            return await self._paused(deltas, frm, to, out)
+            return await self._paused(deltas, frm, to, out, via)
         out["inflight"] = gateway.swap_begin()  # requests in flight now: frozen by the pause, kept
         try:
-            await self._paused(deltas, frm, to, out)
+            await self._paused(deltas, frm, to, out, via)
         finally:
             _book(gateway, out, frm, to)
             gateway.swap_end()  # after the version is set: a request sent before it asks for its spans
         return out
 
     async def _paused(
-        self, deltas: list[tuple[str, str]], frm: tuple[int, str], to: tuple[int, str], out: dict[str, Any]
+        self, deltas: list[tuple[str, str]], frm: tuple[int, str], to: tuple[int, str], out: dict[str, Any], via: str
     ) -> dict[str, Any]:
         ph = out["phases"]
         t0, w0 = time.perf_counter(), time.time()
-        pause = asyncio.ensure_future(self._pause())
+        pause = asyncio.ensure_future(self._pause())  # vLLM's keep mode either way (see _pause)
         # a probe queued right behind the pause: the engine core runs it just after it took the pause, so its start
         # time says how long the pause request took to reach the core (it waits for the step in flight), and the rest
         # of pause_call_ms is the wait for the core to go idle plus the cache reset
         probe = asyncio.ensure_future(self._rpc("liverl_version"))
         try:
             await pause  # raises: nothing written, the caller sees HTTP 500 (and resumes the engine to be sure)
+        except BaseException:
+            if via == "vllm":  # close the session opened before the pause (nothing was written)
+                await asyncio.gather(self.engine.finish_weight_update(), return_exceptions=True)
+            raise
         finally:
             seen = await asyncio.gather(probe, return_exceptions=True)
         t = time.perf_counter()
@@ -169,23 +204,30 @@ class EngineSwap:
         if isinstance(seen[0], dict) and "t_wall" in seen[0]:
             ph["pause_reached_core_ms"] = round((seen[0]["t_wall"] - w0) * 1e3, 3)
         applied: list[tuple[str, str]] = []  # (delta, checksum before it)
+        chain = [(p, before) for (p, _), before in zip(deltas, [frm[1], *[a for _, a in deltas[:-1]]], strict=True)]
         try:
             try:
-                r = await self._rpc("liverl_commit", to[1])
-                out["worker"].append({k: r.get(k) for k in ("rpc_ms", "write_ms", "readback_ms", "changed_tensors")})
-                if not r.get("ok"):
-                    raise RuntimeError(f"worker did not commit the staged deltas: {r.get('error')}")
-                applied = [
-                    (p, before) for (p, _), before in zip(deltas, [frm[1], *[a for _, a in deltas[:-1]]], strict=True)
-                ]
-                t1 = time.perf_counter()
-                ph["apply_ms"] = _ms(t, t1)
-                if r["checksum"] != to[1] or int(r["version"]) != to[0]:
-                    raise RuntimeError(
-                        f"the worker arrived at {r['checksum'][:12]} (version {r['version']}), not "
-                        f"version {to[0]}'s {to[1][:12]}"
-                    )
-                await self.engine.update_weight_version(str(to[0]))  # before resume: no token is mislabelled
+                if via == "vllm":
+                    await self._commit_vllm(deltas, to, out)
+                    applied = chain
+                    t1 = time.perf_counter()
+                    ph["apply_ms"] = _ms(t, t1)
+                    await self.engine.finish_weight_update(str(to[0]))  # labels: before resume, no token mislabelled
+                else:
+                    r = await self._rpc("liverl_commit", to[1])
+                    keep = ("rpc_ms", "write_ms", "readback_ms", "changed_tensors")
+                    out["worker"].append({k: r.get(k) for k in keep})
+                    if not r.get("ok"):
+                        raise RuntimeError(f"worker did not commit the staged deltas: {r.get('error')}")
+                    applied = chain
+                    t1 = time.perf_counter()
+                    ph["apply_ms"] = _ms(t, t1)
+                    if r["checksum"] != to[1] or int(r["version"]) != to[0]:
+                        raise RuntimeError(
+                            f"the worker arrived at {r['checksum'][:12]} (version {r['version']}), not "
+                            f"version {to[0]}'s {to[1][:12]}"
+                        )
+                    await self.engine.update_weight_version(str(to[0]))  # before resume: no token is mislabelled
                 ph["label_ms"] = _ms(t1, time.perf_counter())
                 out.update(ok=True, version=to[0], checksum=to[1])
             except Exception as e:  # noqa: BLE001 whatever went wrong, the old weights go back before reopening
@@ -218,6 +260,17 @@ class EngineSwap:
                     f"not version {to[0]}'s {to[1][:12]} ({ck.get('error')})",
                 )
         return out
+
+    async def _commit_vllm(self, deltas: list[tuple[str, str]], to: tuple[int, str], out: dict[str, Any]) -> None:
+        """vLLM's ``update_weights`` with the ``liverl_delta`` backend (``serving.node.worker.transfer``): it commits
+        the chain staged above (every changed tensor read back and checked; a mismatch writes the previous values
+        back and raises), or raises before any write. It returns nothing, so success is the proof of arrival."""
+        from vllm.distributed.weight_transfer.base import (  # noqa: PLC0415 vllm: this process runs it; kept light
+            WeightTransferUpdateRequest,
+        )
+
+        info = {"deltas": [[p, a] for p, a in deltas], "version": to[0]}
+        await self.engine.update_weights(WeightTransferUpdateRequest(update_info=info))
 
     async def _restore(self, applied: list[tuple[str, str]], frm: tuple[int, str]) -> bool:
         """Undo the applied deltas (in the pause: nothing ran since, so no KV of the new weights exists)."""
@@ -272,18 +325,19 @@ class SwapMiddleware:
             self.swap = EngineSwap(engine)
         raw = await read_body(receive)
         try:
-            deltas, frm, to = parse_body(raw)
+            deltas, frm, to, via = parse_body(raw)
         except SwapBodyError as e:
             return await reply_json(send, 400, {"error": str(e)})
         if self.swap.lock.locked():
             return await reply_json(send, 409, {"error": "a swap is already running on this node"})
         async with self.swap.lock:
             try:
-                out = await self.swap.run(deltas, frm, to, gateway=node_gateway.current())
+                out = await self.swap.run(deltas, frm, to, gateway=node_gateway.current(), via=via)
             except Exception as e:  # staging or the pause call failed: nothing was written
                 log.exception("swap failed before any write")
                 return await reply_json(
                     send, 500, {"error": f"swap failed before any write (staging or pausing): {type(e).__name__}: {e}"}
                 )
-        log.info("swap %d -> %d: ok=%s pause %.1f ms %s", frm[0], to[0], out["ok"], out["pause_ms"], out["phases"])
+        ok, pause_ms, phases = out["ok"], out["pause_ms"], out["phases"]
+        log.info("swap %d -> %d via %s: ok=%s pause %.1f ms %s", frm[0], to[0], via, ok, pause_ms, phases)
         return await reply_json(send, 200, out)

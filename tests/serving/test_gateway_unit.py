@@ -285,6 +285,7 @@ def test_node_command_exposes_what_the_swap_needs(tmp_path):
         "--logprobs-mode processed_logprobs",
         "--generation-config vllm",
         "--max-model-len 32",
+        '--weight-transfer-config {"backend": "liverl_delta"}',
     ):
         assert flag in cmd
     # the swap and span routes sit inside the key check: Starlette makes the LAST middleware added the outermost
@@ -296,8 +297,10 @@ def test_the_swap_route_refuses_a_malformed_body_with_what_it_needs():
     from serving.node.swap import SwapBodyError, parse_body
 
     ok = b'{"deltas": [["/d/a.delta", "c1"], ["/d/b.delta", "c2"]], "from": [3, "c0"], "to": [5, "c2"]}'
-    assert parse_body(ok) == ([("/d/a.delta", "c1"), ("/d/b.delta", "c2")], (3, "c0"), (5, "c2"))
+    assert parse_body(ok) == ([("/d/a.delta", "c1"), ("/d/b.delta", "c2")], (3, "c0"), (5, "c2"), "vllm")
+    assert parse_body(ok[:-1] + b', "via": "liverl"}')[3] == "liverl"
     for bad, match in [
+        (b'{"deltas": [["/d/a", "c2"]], "from": [3, "c0"], "to": [5, "c2"], "via": "http"}', "via"),
         (b"not json", "needs JSON"),
         (b'{"deltas": [], "from": [3, "c0"], "to": [5, "c2"]}', "no deltas"),
         (b'{"deltas": [["/d/a", "c1"]], "from": [3, "c0"], "to": [5, "c2"]}', "does not lead"),

@@ -75,8 +75,10 @@ class _Stage:
     """A chain of deltas verified and decoded off the engine's path: the tensors it changes (their final values),
     the version and checksum it arrives at, and every tensor's checksum there."""
 
-    def __init__(self, base: str):
+    def __init__(self, base: str, paths: list[Path], expects: list[str]):
         self.base = base
+        self.paths = paths
+        self.expects = expects
         self.thread: threading.Thread | None = None
         self.tensors: dict[str, torch.Tensor] = {}
         self.sums: dict[str, str] = {}
@@ -85,12 +87,12 @@ class _Stage:
         self.error: str | None = None
         self.ms: float | None = None
 
-    def run(self, st: _State, paths: list[Path], expects: list[str]) -> None:
+    def run(self, st: _State) -> None:
         t0 = time.perf_counter()
         try:
             view = dict(st.shadow)  # the weights each delta applies to (shadow tensors are never written in place)
             sums, cur = dict(st.tensor_sums()), self.base
-            for path, expect in zip(paths, expects, strict=True):
+            for path, expect in zip(self.paths, self.expects, strict=True):
                 plan = plan_delta(view, path.read_bytes(), known_checksum=cur)
                 if plan.checksum != expect:
                     raise DeltaError(
@@ -134,6 +136,145 @@ def _rpc(fn):
     return wrapper
 
 
+# ---------------------------------------------------------------------------------------------- shared state
+# The state lives on the model object, so that the worker extension's RPCs and the ``liverl_delta`` weight-transfer
+# engine (``serving.node.worker.transfer``), which vLLM hands the model but not the worker, share one shadow.
+
+STATE_ATTR = "_liverl_st"
+STAGE_ATTR = "_liverl_stage"
+
+
+def state_of(model: torch.nn.Module, model_dir: Path) -> _State:
+    """The swap state of ``model`` (its shadow loaded from ``model_dir`` and checked at first use)."""
+    st = model.__dict__.get(STATE_ATTR)
+    if st is None:
+        st = model.__dict__[STATE_ATTR] = load_state(model, model_dir)
+    return st
+
+
+def load_state(model: torch.nn.Module, model_dir: Path) -> _State:
+    """Read the model dir's weights, check that they are exactly what the engine serves, keep them as shadow."""
+    dtype_names = {d.torch: name for name, d in DTYPES.items()}
+    shadow: dict[str, torch.Tensor] = {}
+    for f in _weight_files(model_dir):
+        shadow.update({k: v.contiguous() for k, v in load_file(str(f)).items()})
+    layout = ServedLayout(model, shadow)
+    version = int(os.environ.get(BASE_VERSION_ENV, "0"))
+    served = layout.read()
+    bad = [n for n in shadow if served[n].dtype != shadow[n].dtype or not torch.equal(served[n], shadow[n])]
+    if bad:
+        raise RuntimeError(
+            f"served weights differ from {model_dir} right after load (read-back broken, or the "
+            f"files are not bf16?): {bad[:5]}"
+        )
+    warm_up(tuple(sorted({dtype_names[t.dtype] for t in shadow.values() if t.dtype in dtype_names})))  # not mid-swap
+
+    sums = {n: tensor_checksum(t) for n, t in shadow.items()}
+    st = _State(shadow, version, combine_checksums(sums), layout)
+    st._sums = sums
+    log.info("liverl shadow loaded: %d tensors, version %d, checksum %s", len(shadow), version, st.checksum[:12])
+    return st
+
+
+def start_stage(model: torch.nn.Module, st: _State, paths: list[Path], expects: list[str]) -> _Stage:
+    """Verify and decode a chain of deltas in a background thread (replacing any earlier stage of ``model``)."""
+    stage = _Stage(st.checksum, paths, list(expects))
+    stage.thread = threading.Thread(target=stage.run, args=(st,), name="liverl-stage", daemon=True)
+    model.__dict__[STAGE_ATTR] = stage
+    stage.thread.start()
+    return stage
+
+
+def take_stage(model: torch.nn.Module) -> _Stage | None:
+    """The stage of ``model``, removed from it (a stage is committed at most once)."""
+    return model.__dict__.pop(STAGE_ATTR, None)
+
+
+def commit(model: torch.nn.Module, st: _State, stage: _Stage, expect_checksum: str) -> dict[str, Any]:
+    """Inside the pause: write the staged tensors, read them back from the live weights and check each one's
+    checksum, probe the CPU kernels, and make the staged state the shadow. Refused (nothing written) when the stage
+    failed, leads elsewhere, or was planned on weights that are no longer served; a read-back mismatch writes the
+    previous values back and raises."""
+    if stage.thread is not None:
+        stage.thread.join()
+    if stage.error:
+        raise RuntimeError(f"staging failed: {stage.error}")
+    if stage.checksum != expect_checksum:
+        raise RuntimeError(f"the staged deltas lead to {stage.checksum[:12]}, not {expect_checksum[:12]}")
+    if st.checksum != stage.base:
+        raise RuntimeError(f"staged on weights {stage.base[:12]}, but {st.checksum[:12]} are served")
+    if st.checksum == expect_checksum:
+        return {"version": st.version, "checksum": st.checksum, "changed_tensors": 0, "noop": True}
+    t0 = time.perf_counter()
+    changed = list(stage.tensors.items())
+    write_weights(model, changed, st)
+    t1 = time.perf_counter()
+    back = st.layout.read(stage.tensors)
+    bad = [n for n in stage.tensors if tensor_checksum(back[n]) != stage.sums[n]]
+    bad_kernels = check_cpu_kernels(model)
+    t2 = time.perf_counter()
+    if bad or bad_kernels:  # put the previous values back (the shadow still holds them)
+        write_weights(model, [(n, st.shadow[n]) for n, _ in changed], st)
+        raise RuntimeError(
+            f"written tensors read back wrong: {bad[:5]}; kernels off their weights: "
+            f"{bad_kernels[:5]} (previous values written back)"
+        )
+    from_version = st.version
+    for n, t in changed:
+        st.shadow[n] = t
+    st._sums = stage.sums
+    st.version, st.checksum = stage.version, stage.checksum
+    st.swaps += 1
+    return {
+        "version": st.version,
+        "from_version": from_version,
+        "checksum": st.checksum,
+        "changed_tensors": len(changed),
+        "stage_ms": stage.ms,
+        "write_ms": round((t1 - t0) * 1e3, 3),
+        "readback_ms": round((t2 - t1) * 1e3, 3),
+    }
+
+
+def served_checksum(model: torch.nn.Module, st: _State) -> str:
+    """The checksum of the weights the kernels read, rebuilt under the files' names; raises if a CPU kernel is off
+    its weight."""
+    served = st.layout.read()
+    bad = check_cpu_kernels(model)
+    if bad:
+        raise RuntimeError(f"packed CPU kernels do not match their weights in {bad[:5]}")
+    return checksum(served)
+
+
+def write_weights(model: torch.nn.Module, changed: list[tuple[str, torch.Tensor]], st: _State) -> None:
+    """Push HF-named tensors into the live parameters with the model's own ``load_weights``."""
+    if not changed:
+        return
+    layouts = st.layout.moe_layouts_for(n for n, _ in changed)
+    for lay in layouts:
+        lay.begin_write()
+    try:
+        with torch.no_grad():
+            loaded = model.load_weights(iter(changed))
+    except BaseException as e:
+        for lay in layouts:  # expert tensors were written into copies: drop them
+            lay.abort_write()
+        try:  # other tensors may be half written: put the (unchanged) shadow values back
+            with torch.no_grad():
+                model.load_weights(iter([(n, st.shadow[n]) for n, _ in changed]))
+        except Exception as e2:  # noqa: BLE001 any failed restore leaves unknown weights: raised with both errors
+            raise RuntimeError(
+                f"weight write failed ({e}) and restoring the previous weights failed too "
+                f"({e2}): the node serves unknown weights"
+            ) from e
+        raise
+    for lay in layouts:
+        lay.end_write()
+    if not loaded:
+        raise RuntimeError("load_weights loaded nothing for the changed tensors")
+    repack_cpu_linears(model, {n.rpartition(".")[0] for n in loaded})
+
+
 class LiverlWorkerExtension:
     """Mixed into vLLM's worker class; every public method is callable through ``collective_rpc``."""
 
@@ -141,37 +282,7 @@ class LiverlWorkerExtension:
         return self.model_runner.get_model()
 
     def _liverl_state(self) -> _State:
-        st = self.__dict__.get("_liverl_st")
-        if st is None:
-            st = self._liverl_load_shadow()
-            self.__dict__["_liverl_st"] = st
-        return st
-
-    def _liverl_load_shadow(self) -> _State:
-        """Read the model dir's weights, check that they are exactly what the engine serves, keep them as shadow."""
-        dtype_names = {d.torch: name for name, d in DTYPES.items()}
-        model_dir = Path(self.vllm_config.model_config.model)
-        shadow: dict[str, torch.Tensor] = {}
-        for f in _weight_files(model_dir):
-            shadow.update({k: v.contiguous() for k, v in load_file(str(f)).items()})
-        layout = ServedLayout(self._liverl_model(), shadow)
-        version = int(os.environ.get(BASE_VERSION_ENV, "0"))
-        served = layout.read()
-        bad = [n for n in shadow if served[n].dtype != shadow[n].dtype or not torch.equal(served[n], shadow[n])]
-        if bad:
-            raise RuntimeError(
-                f"served weights differ from {model_dir} right after load (read-back broken, or the "
-                f"files are not bf16?): {bad[:5]}"
-            )
-        warm_up(
-            tuple(sorted({dtype_names[t.dtype] for t in shadow.values() if t.dtype in dtype_names}))
-        )  # not mid-swap
-
-        sums = {n: tensor_checksum(t) for n, t in shadow.items()}
-        st = _State(shadow, version, combine_checksums(sums), layout)
-        st._sums = sums
-        log.info("liverl shadow loaded: %d tensors, version %d, checksum %s", len(shadow), version, st.checksum[:12])
-        return st
+        return state_of(self._liverl_model(), Path(self.vllm_config.model_config.model))
 
     @_rpc
     def liverl_version(self) -> dict[str, Any]:
@@ -183,11 +294,11 @@ class LiverlWorkerExtension:
     def liverl_checksum(self) -> dict[str, Any]:
         """Checksum of the weights the kernels actually read, rebuilt under HF names (bit-exact with the learner)."""
         st = self._liverl_state()
-        served = st.layout.read()
-        bad = check_cpu_kernels(self._liverl_model())
-        if bad:
-            raise RuntimeError(f"packed CPU kernels do not match their weights in {bad[:5]}")
-        return {"checksum": checksum(served), "version": st.version, "shadow_checksum": st.checksum}
+        return {
+            "checksum": served_checksum(self._liverl_model(), st),
+            "version": st.version,
+            "shadow_checksum": st.checksum,
+        }
 
     @_rpc
     def liverl_apply_delta(self, blob_path: str, expect_checksum: str = "") -> dict[str, Any]:
@@ -232,7 +343,7 @@ class LiverlWorkerExtension:
         t_plan = time.perf_counter()
         from_version = st.version
         changed = [(n, t) for n, t in plan]
-        self._liverl_write(changed, st)
+        write_weights(self._liverl_model(), changed, st)
         for n, t in changed:
             st.shadow[n] = t
         st._sums = sums
@@ -263,18 +374,13 @@ class LiverlWorkerExtension:
             raise ValueError("liverl_stage needs one expected checksum per delta file")
         paths = [_delta_file(p) for p in blob_paths]
         st = self._liverl_state()
-        stage = _Stage(st.checksum)
-        stage.thread = threading.Thread(
-            target=stage.run, args=(st, paths, list(expect_checksums)), name="liverl-stage", daemon=True
-        )
-        self.__dict__["_liverl_stage"] = stage
-        stage.thread.start()
+        start_stage(self._liverl_model(), st, paths, list(expect_checksums))
         return {"base_checksum": st.checksum}
 
     @_rpc
     def liverl_staged(self) -> dict[str, Any]:
         """Whether the staged chain is decoded (``ready``), and its error if it failed."""
-        stage = self.__dict__.get("_liverl_stage")
+        stage = self._liverl_model().__dict__.get(STAGE_ATTR)
         if stage is None:
             raise RuntimeError("nothing staged")
         ready = not stage.thread.is_alive()
@@ -288,48 +394,10 @@ class LiverlWorkerExtension:
 
         The read-back covers the tensors this swap wrote; the others were proved by the last full read-back
         (``liverl_checksum``, which the agent runs again right after the swap, outside the pause)."""
-        stage = self.__dict__.pop("_liverl_stage", None)
+        stage = take_stage(self._liverl_model())
         if stage is None:
             raise RuntimeError("nothing staged")
-        stage.thread.join()
-        st = self._liverl_state()
-        if stage.error:
-            raise RuntimeError(f"staging failed: {stage.error}")
-        if stage.checksum != expect_checksum:
-            raise RuntimeError(f"the staged deltas lead to {stage.checksum[:12]}, not {expect_checksum[:12]}")
-        if st.checksum != stage.base:
-            raise RuntimeError(f"staged on weights {stage.base[:12]}, but {st.checksum[:12]} are served")
-        if st.checksum == expect_checksum:
-            return {"version": st.version, "checksum": st.checksum, "changed_tensors": 0, "noop": True}
-        t0 = time.perf_counter()
-        changed = list(stage.tensors.items())
-        self._liverl_write(changed, st)
-        t1 = time.perf_counter()
-        back = st.layout.read(stage.tensors)
-        bad = [n for n in stage.tensors if tensor_checksum(back[n]) != stage.sums[n]]
-        bad_kernels = check_cpu_kernels(self._liverl_model())
-        t2 = time.perf_counter()
-        if bad or bad_kernels:  # put the previous values back (the shadow still holds them)
-            self._liverl_write([(n, st.shadow[n]) for n, _ in changed], st)
-            raise RuntimeError(
-                f"written tensors read back wrong: {bad[:5]}; kernels off their weights: "
-                f"{bad_kernels[:5]} (previous values written back)"
-            )
-        from_version = st.version
-        for n, t in changed:
-            st.shadow[n] = t
-        st._sums = stage.sums
-        st.version, st.checksum = stage.version, stage.checksum
-        st.swaps += 1
-        return {
-            "version": st.version,
-            "from_version": from_version,
-            "checksum": st.checksum,
-            "changed_tensors": len(changed),
-            "stage_ms": stage.ms,
-            "write_ms": round((t1 - t0) * 1e3, 3),
-            "readback_ms": round((t2 - t1) * 1e3, 3),
-        }
+        return commit(self._liverl_model(), self._liverl_state(), stage, expect_checksum)
 
     @_rpc
     def liverl_routing_start(self) -> dict[str, Any]:
@@ -348,35 +416,6 @@ class LiverlWorkerExtension:
         if cap is None:
             raise RuntimeError("routing capture is off: liverl_routing_start first")
         return {"routing": cap.take(list(prefixes))}
-
-    def _liverl_write(self, changed: list[tuple[str, torch.Tensor]], st: _State) -> None:
-        """Push HF-named tensors into the live parameters with the model's own ``load_weights``."""
-        if not changed:
-            return
-        model = self._liverl_model()
-        layouts = st.layout.moe_layouts_for(n for n, _ in changed)
-        for lay in layouts:
-            lay.begin_write()
-        try:
-            with torch.no_grad():
-                loaded = model.load_weights(iter(changed))
-        except BaseException as e:
-            for lay in layouts:  # expert tensors were written into copies: drop them
-                lay.abort_write()
-            try:  # other tensors may be half written: put the (unchanged) shadow values back
-                with torch.no_grad():
-                    model.load_weights(iter([(n, st.shadow[n]) for n, _ in changed]))
-            except Exception as e2:  # noqa: BLE001 any failed restore leaves unknown weights: raised with both errors
-                raise RuntimeError(
-                    f"weight write failed ({e}) and restoring the previous weights failed too "
-                    f"({e2}): the node serves unknown weights"
-                ) from e
-            raise
-        for lay in layouts:
-            lay.end_write()
-        if not loaded:
-            raise RuntimeError("load_weights loaded nothing for the changed tensors")
-        repack_cpu_linears(model, {n.rpartition(".")[0] for n in loaded})
 
 
 ENV_DELTA_DIR = "LIVERL_NODE_DELTA_DIR"
@@ -406,3 +445,18 @@ def _weight_files(model_dir: Path) -> list[Path]:
     if not files:
         raise RuntimeError(f"no *.safetensors in {model_dir}")
     return files
+
+
+def _register_backend() -> None:
+    """The ``liverl_delta`` weight-transfer backend (``serving.node.worker.plugin``), for a node started from a
+    checkout whose package metadata (its ``vllm.general_plugins`` entry point) was not rebuilt; idempotent."""
+    try:
+        import vllm.distributed.weight_transfer  # noqa: F401, PLC0415 vllm: optional where this module is imported
+    except ImportError:  # pragma: no cover - vLLM absent (a tool reading ENV_DELTA_DIR): no engine to register
+        return
+    from serving.node.worker.plugin import register  # noqa: PLC0415 vllm: imported by register, in the worker
+
+    register()
+
+
+_register_backend()

@@ -34,8 +34,11 @@ def install_cpu_patches() -> None:
     """CPU backend: keep every linear layer's plain weight next to its prepacked kernel copy.
 
     vLLM's CPU path packs unquantized linear weights into oneDNN handles and frees the parameter; then the weights
-    could neither be updated in place nor read back. Patched here (before the model loads, since the worker
-    imports this module first) to pack with ``remove_weight=False``.
+    could neither be updated in place nor read back. Patched here (before the model loads: the worker imports
+    liverl's extension, and vLLM's plugin loader runs ``serving.node.worker.transfer.register``, before it loads
+    the model) to pack with ``remove_weight=False``, for a model whose engine liverl swaps (``liverl_serves``): a
+    vLLM of the same environment that neither names liverl's worker extension nor the ``liverl_delta`` backend
+    packs as it always does.
     """
     try:
         from vllm.platforms import current_platform  # noqa: PLC0415 vllm: optional; absent, nothing to patch
@@ -51,7 +54,7 @@ def install_cpu_patches() -> None:
     orig = lin_cls.process_weights_after_loading
 
     def keep_weight(self, layer: torch.nn.Module) -> None:
-        if getattr(layer, "_cpu_skip_gemm_dispatch", False):
+        if getattr(layer, "_cpu_skip_gemm_dispatch", False) or not liverl_serves():
             return orig(self, layer)
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm  # noqa: PLC0415 vllm: CPU only
 
@@ -59,6 +62,23 @@ def install_cpu_patches() -> None:
 
     lin_cls.process_weights_after_loading = keep_weight
     lin_cls._liverl_patched = True
+
+
+LIVERL_BACKEND = "liverl_delta"  # the weight-transfer backend serving.node.worker.transfer registers
+LIVERL_WORKER_PACKAGE = "serving.node.worker."  # where liverl's worker extension lives
+
+
+def liverl_serves() -> bool:
+    """Whether the model being loaded is one liverl swaps: vLLM's current config names liverl's worker extension or
+    the ``liverl_delta`` weight-transfer backend (no current config: assumed, the safe side)."""
+    from vllm.config import get_current_vllm_config_or_none  # noqa: PLC0415 vllm: only in the vLLM worker
+
+    cfg = get_current_vllm_config_or_none()
+    if cfg is None:
+        return True
+    wt = cfg.weight_transfer_config
+    ext = cfg.parallel_config.worker_extension_cls or ""
+    return (wt is not None and wt.backend == LIVERL_BACKEND) or ext.startswith(LIVERL_WORKER_PACKAGE)
 
 
 def repack_cpu_linears(model: torch.nn.Module, module_names: set[str]) -> int:
