@@ -164,6 +164,7 @@ class Gate(EvidenceChecks, WaitSteps):
         self.step_error: str | None = "no step taken yet"  # /readyz: the last step reached the registry and Redis
         self.wait = Waiting(cfg, self.metrics)  # one node: thin off-policy evidence is waited for (deploy.gate.waiting)
         self.offpolicy_look: OffpolicyLook | None = None
+        self.chores: list[Callable[[Gate], None]] = []  # run after each step with the gate (its registry, Redis)
 
     def metrics_text(self) -> bytes:
         """Gate metrics in Prometheus text format."""
@@ -185,6 +186,14 @@ class Gate(EvidenceChecks, WaitSteps):
                 self._errors.inc()
                 self.step_error = f"the last step failed: {type(e).__name__}: {e}"
                 log.exception("gate: step failed; retrying in %.1f s", self.cfg.gate.poll_s)
+            for chore in self.chores:  # e.g. the product's erasures (liverl.ops.forget); each retried next poll
+                try:
+                    chore(self)
+                except Exception:
+                    self._errors.inc()
+                    log.exception(
+                        "gate: %s failed; retrying in %.1f s", getattr(chore, "__name__", chore), self.cfg.gate.poll_s
+                    )
             stop_event.wait(self.cfg.gate.poll_s)
 
     def warm_up(self) -> None:
@@ -433,12 +442,17 @@ class Gate(EvidenceChecks, WaitSteps):
 
 
 def run_gate(
-    cfg: LiverlConfig, make_evaluator: Callable[[Callable[[], list[LoggedGeneration]]], Evaluator], once: bool = False
+    cfg: LiverlConfig,
+    make_evaluator: Callable[[Callable[[], list[LoggedGeneration]]], Evaluator],
+    once: bool = False,
+    chores: list[Callable[[Gate], None]] | None = None,
 ) -> None:
     """Entry point of ``liverl gate``: the gate loop until SIGINT/SIGTERM (``once``: one step, then return).
 
     ``make_evaluator(probes)`` builds the evaluator from a callable returning the current probe sequences
     (the command that starts the gate passes ``learner.evaluate.PolicyEvaluator`` with the product's suite).
+    ``chores``: callables run with the gate after each step of its loop (``liverl gate`` passes the runner of the
+    product's erasures, ``liverl.ops.forget.gate_chore``).
     """
     warm_up()  # the delta codec's kernels (cached on disk after the first compile)
     registry = open_registry(cfg)
@@ -467,6 +481,7 @@ def run_gate(
     try:
         key = required_signing_key(cfg)  # none: ValueError, unless security.allow_unsigned (then said loudly)
         gate = Gate(cfg, registry, r, make_evaluator(tail), signer=Signer(key) if key else None, heldout=heldout)
+        gate.chores = list(chores or [])
         log.info("gate: announcements %s", f"signed with {key}" if key else "unsigned (no security.signing_key)")
         if cfg.gate.metrics_port and not once:
             server = start_probe_server(

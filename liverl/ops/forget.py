@@ -29,6 +29,7 @@ fields, a rollback already made). ``run_unfinished`` finishes every such erasure
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from core import erasures, keys
 from core.config import LiverlConfig
 from core.erasures import Erasure
 from liverl.ops.lineage import Lineages, RegistryView, read_ledger
+
+log = logging.getLogger("liverl.forget")
 
 ONCE_STABLE = ("stable", "retired", "rolled_back")
 """Statuses of versions that were stable once: a rollback may return to them."""
@@ -361,3 +364,18 @@ class Runner:
 
 def _request_line(e: Erasure) -> str:
     return f"erasure {e.id} of user unit {e.unit} ({e.source}, by {e.requested_by}): {e.reason}"
+
+
+def gate_chore(gate) -> None:
+    """``liverl gate``'s loop (``forget.run_in_gate``): run the erasures not done yet with the gate's registry and
+    Redis, as ``gate``. Those the product filed are audited by it; one that needs the learner's ledger where the gate
+    has none waits (its report says so) for ``liverl forget --resume`` where the learner runs."""
+    from liverl.ops.forget_cmd import user_keys  # noqa: PLC0415
+
+    cfg, reg = gate.cfg, gate.registry
+    with reg.engine.connect() as c:
+        if not erasures.unfinished(c, limit=1):
+            return
+    for e in Runner(cfg, reg, gate.redis, user_keys(cfg, reg), "gate").run_unfinished():
+        if e.done:
+            log.info("gate: erasure %s of user unit %s done", e.id, e.unit)

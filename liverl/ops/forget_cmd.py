@@ -18,11 +18,14 @@ from liverl.ops.admin import open_redis, open_registry
 from liverl.ops.forget import Runner, lineage, offer
 
 
-def user_keys(registry):
-    """The deployment's per-user data keys (``core.shred.UserKeys``), in the registry's database."""
-    from core.shred import UserKeys  # noqa: PLC0415 (the shredding module; its own tests cover it)
+def user_keys(cfg: LiverlConfig, registry):
+    """The deployment's per-user data keys (``core.shred.UserKeys``), in the registry's database. An erasure only asks
+    whether a key exists and deletes it, neither of which unwraps one: without a key-encryption key (nothing was ever
+    sealed, so no row can exist) a zero key stands in."""
+    from core.shred import KEY_BYTES, UserKeys, load_kek  # noqa: PLC0415 (the shredding module)
 
-    return UserKeys(registry.engine)
+    kek = load_kek(cfg)
+    return UserKeys(registry.db, kek if kek is not None else bytes(KEY_BYTES))
 
 
 def unit_of(user: str, is_unit: bool) -> str:
@@ -101,7 +104,7 @@ def cmd_forget(
             actor = reg.authenticate(token, need="operator").name
         except RegistryError as e:
             return _err(str(e))
-        run = Runner(cfg, reg, r, user_keys(reg), actor, ledger_file=ledger)
+        run = Runner(cfg, reg, r, user_keys(cfg, reg), actor, ledger_file=ledger)
         for e in run.run_unfinished():
             print(f"resumed erasure {e.id} (user unit {e.unit}): {e.state}")
             if not e.done:
@@ -110,11 +113,11 @@ def cmd_forget(
             return 0
         prior = run.of_unit(unit)
         held = run.held(unit)
-        if not any(held.values()):
-            done = [e for e in prior if e.done]
+        done = [e for e in prior if e.done]
+        if not held["key"] and not held["sums"] and (done or not held["samples"]):
             why = (
-                f"already forgotten by erasure {done[-1].id} ({cells.age(done[-1].finished_at or 0)} ago): nothing "
-                "held since"
+                f"already forgotten by erasure {done[-1].id} ({cells.age(done[-1].finished_at or 0)} ago): no data "
+                "key and no per-user sums since"
                 if done
                 else "unknown user: no data key, no trained samples in the ledger, no per-user sums"
             )
