@@ -62,7 +62,8 @@ class SumsPass:
     keys_changed: int = 0  # keys that held the user's fields
     fields: int = 0  # the user's fields found (or deleted)
     commands: int = 0  # HDEL / HMGET commands sent
-    bytes_written: int = 0  # the bytes of the HDEL commands' arguments (keys and field names)
+    bytes_sent: int = 0  # the HDEL / HMGET commands' arguments (keys and field names): nothing else is sent
+    bytes_read: int = 0  # the values HMGET read back (HDEL: none)
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -105,9 +106,10 @@ def user_sums(redis, prefix: str, unit: str, count: int = 1000, delete: bool = F
                     raise got
                 continue  # not a hash: ingest replaces it at its next write, and it holds no user's field
             n = int(got) if delete else sum(1 for x in got if x is not None)
-            if delete:
-                k = key.encode() if isinstance(key, str) else key
-                out.bytes_written += len(k) + sum(len(f) for f in fields)
+            k = key.encode() if isinstance(key, str) else key
+            out.bytes_sent += len(k) + sum(len(f) for f in fields)
+            if not delete:
+                out.bytes_read += sum(len(x) for x in got if x is not None)
             if n:
                 out.keys_changed += 1
                 out.fields += n

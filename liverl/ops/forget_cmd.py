@@ -56,7 +56,7 @@ def _print_erasure(e: erasures.Erasure) -> None:
         s = r["sums"]
         print(
             f"  per-user sums: {s['fields']} fields deleted from {s['keys_changed']} of {s['keys_scanned']} keys "
-            f"scanned ({s['bytes_written']} bytes written)"
+            f"scanned ({s.get('bytes_sent', 0)} bytes of commands sent)"
         )
     if "lineage" in r:
         lin = r["lineage"]

@@ -232,6 +232,7 @@ KILLER = """
 import os, signal, sys
 from core.config import load_config
 import liverl.ops.forget as f
+from core import fleet
 from liverl.ops.admin import open_registry, open_redis
 from liverl.ops.forget_cmd import user_keys
 cfg = load_config(env={{}}, state_dir={state!r}, redis__url={redis!r}, topics__prefix={prefix!r},
@@ -255,7 +256,7 @@ elif point == "after_rollback":
     real_rb = reg.rollback
     reg.rollback = lambda **kw: (real_rb(**kw), die())
 run = f.Runner(cfg, reg, r, ks, "root")
-e = run.request(f.fleet.unit_id("alice"), "root", "killed mid-way")
+e = run.request(fleet.unit_id("alice"), "root", "killed mid-way")
 print(e.id, flush=True)
 run.run(e)
 sys.exit(3)
