@@ -104,3 +104,91 @@ def test_erasures_need_the_product_key_and_follow_to_done(registry_cfg, rds):
             reg.close()
 
     asyncio.run(scenario())
+
+
+T0 = 1_750_000_003.0  # judgement times inside one 10 s bucket, shared by both users
+
+
+def test_another_users_judgements_count_and_sample_exactly_once_while_a_user_is_erased(registry_cfg, rds):
+    """Ingest's real join (Redis for real, the broker a recorder) takes bob's traffic, every event redelivered once,
+    while alice's erasure runs on a thread and deletes her fields from the same per-user hashes. Bob's judgements are
+    each counted once in his sums and each sampled once; alice's fields are gone; the bucket's aggregate keeps both."""
+    import threading
+    import time
+
+    from core import keys
+    from core.shred import ensure_kek
+    from deploy.registry.registry import open_registry
+    from ingest.join import Ingest, Source
+    from ingest.metrics import IngestMetrics
+    from liverl.ops.admin import open_redis
+    from liverl.ops.forget import Runner
+    from liverl.ops.forget_cmd import user_keys
+    from tests.ingest.conftest import make_generation
+    from tests.ingest.test_fuzz import Broker
+
+    cfg = registry_cfg
+    cfg.forget.scan_count = 10  # many small SCAN rounds: the pass over Redis spans bob's batches
+    ensure_kek(cfg)
+    p, v = cfg.topics.prefix, 7
+    alice, bob = fleet.unit_id("alice"), fleet.unit_id("bob")
+    for b in range(400):  # other versions' per-user hashes: keys the erasure's SCAN must walk
+        rds.hset(keys.units(p, 100 + b % 4, b), mapping={f"{fleet.unit_id(f'u{b}')}|e": 1})
+    metrics = IngestMetrics(p, cfg.redis.url)
+    loop = asyncio.new_event_loop()
+    broker = Broker()
+    ing = Ingest(cfg, metrics, {}, broker)
+
+    def batch(events: list[tuple[str, bytes]], now: float) -> None:
+        topic = {"g": cfg.topics.generations, "f": cfg.topics.feedback}
+        srcs = [(Source(topic[w], 0, i, None, now), value) for i, (w, value) in enumerate(events)]
+        loop.run_until_complete(ing.process(srcs, now=now))
+
+    def pair(gid: str, unit: str, kind: str) -> list[tuple[str, bytes]]:
+        gen = make_generation(gid, v).model_copy(update={"unit": unit}).to_bytes()
+        doc = {"feedback_id": "f" + gid, "generation_id": gid, "kind": kind, "ts": T0}
+        if kind == "edit":
+            doc["edited_text"] = "43"
+        return [("g", gen), ("f", json.dumps(doc).encode())]
+
+    reg = open_registry(cfg)
+    try:
+        user_keys(cfg, reg).key_for(alice)
+        batch([e for i in range(5) for e in pair(f"ga{i}", alice, "accept")], T0)
+        before = keys.read_unit_buckets(rds, p, v, [keys.unit_bucket(T0)])[keys.unit_bucket(T0)]
+        assert before[alice]["e"] == 5
+        r = open_redis(cfg)
+        runner = Runner(cfg, reg, r, user_keys(cfg, reg), "gate")
+        with reg.db.tx() as s:
+            erasures.insert(s.connection(), alice, "product", "erase during load", "api")
+        span: dict[str, float] = {}
+
+        def erase() -> None:
+            span["start"] = time.monotonic()
+            span["done"] = runner.run_unfinished()[0].state
+            span["end"] = time.monotonic()
+
+        eraser = threading.Thread(target=erase)
+        eraser.start()
+        during, n = 0, 0
+        kinds = ("accept", "reject", "edit")
+        while eraser.is_alive() or n < 20:
+            events = [e for i in range(n, n + 10) for e in pair(f"gb{i}", bob, kinds[i % 3])]
+            batch(events, T0)
+            batch(events, T0 + 1)  # every event delivered again (ingest is at-least-once)
+            during += "start" in span and "end" not in span
+            n += 10
+        eraser.join()
+        r.close()
+        assert span["done"] == "done" and during >= 1, (span, during)
+    finally:
+        reg.close()
+        loop.run_until_complete(metrics.close())
+        loop.close()
+    got = keys.read_unit_buckets(rds, p, v, [keys.unit_bucket(T0)])[keys.unit_bucket(T0)]
+    assert alice not in got
+    assert got[bob]["e"] == n and got[bob]["a"] == len(range(0, n, 3)) and got[bob]["d"] == len(range(2, n, 3))
+    assert got["*"]["e"] == n + 5  # the aggregate keeps alice's judgements, without her name
+    sampled = [k for k, _ in broker.of(cfg.topics.samples)]
+    bobs = [k for k in sampled if k.startswith("gb")]
+    assert sorted(bobs) == sorted(f"gb{i}" for i in range(n))  # each of bob's judged generations sampled once
