@@ -250,7 +250,8 @@ class Runner:
         while not e.done:
             report = json.loads(json.dumps(e.report))  # a copy: a step that stops leaves e as saved
             got = steps[e.state](e, report)
-            if got is None:  # waiting (the reason is saved in the report)
+            if got is None:  # waiting: the reason is saved in the report, the state stays
+                e.report = report
                 return e
             state, audit = got
             with self.registry.db.tx() as s:

@@ -129,6 +129,7 @@ def test_another_users_judgements_count_and_sample_exactly_once_while_a_user_is_
 
     cfg = registry_cfg
     cfg.forget.scan_count = 10  # many small SCAN rounds: the pass over Redis spans bob's batches
+    cfg.ingest.heldout_share = 0.0  # every joined sample on <prefix>.samples
     ensure_kek(cfg)
     p, v = cfg.topics.prefix, 7
     alice, bob = fleet.unit_id("alice"), fleet.unit_id("bob")
