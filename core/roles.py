@@ -108,6 +108,7 @@ KEY_FILES = {
     "audit": (("audit.key", "security.audit_key"),),
     "feedback": (("feedback.key", "security.feedback_key"),),
     "assignment": (("assignment.key", "security.assignment_key"),),
+    "shred": (("shred.key", "security.shred_key"),),
 }
 """The shared keys (``liverl keys``): name -> (file, the setting that points at it), ..."""
 
@@ -116,12 +117,13 @@ def mounts(role: Role) -> list[tuple[str, str]]:
     """The files ``role``'s process mounts, each with the setting that points at it: its two passwords and the keys
     its code loads (``core.services.required_verify_key``, ``core.credentials``, ``deploy.registry.auditchain``)."""
     shared = {
-        "node": ("announce.pub", "feedback.key"),  # verifies announcements; the gateway checks the product key
+        # verifies announcements; the gateway checks the product key and seals users' text (core.shred)
+        "node": ("announce.pub", "feedback.key", "shred.key"),
         "router": ("announce.pub", "assignment.key"),  # the canary's terms; users' arms
-        "ingest": (),
-        "learner": ("audit.key",),  # appends candidates to the keyed audit log
-        "gate": ("announce.key", "audit.key"),
-        "admin": ("announce.key", "audit.key"),  # promote and rollback announce; every change is audited
+        "ingest": ("shred.key",),  # opens generations to join them, seals the samples
+        "learner": ("audit.key", "shred.key"),  # appends candidates to the keyed audit log; opens samples
+        "gate": ("announce.key", "audit.key", "shred.key"),  # opens held-out samples (off-policy estimate)
+        "admin": ("announce.key", "audit.key", "shred.key"),  # promote and rollback announce; forget destroys keys
         "viewer": ("audit.key",),  # `liverl history --verify` checks the chain's MACs
     }[role.process]
     setting = {f: s for files in KEY_FILES.values() for f, s in files}
