@@ -185,11 +185,12 @@ def redis_grant(role: Role, prefix: str) -> RedisGrant:
             read=(keys.learner_hold(p), *claim_ro),
             commands=("get", "set", "del", "pexpire", "hset", "hget", "hgetall", "type", *SCRIPTS),
         )
-    if role.process == "gate":  # deploy.gate: signs announcements, reads heartbeats and per-user sums; claims
+    if role.process == "gate":  # deploy.gate: signs announcements, reads heartbeats and per-user sums; claims;
+        # deletes an erased user's fields from the per-user sums (liverl.ops.forget, run in the gate's loop)
         return RedisGrant(
-            write=(*announcements, keys.audit_head(p), keys.deployment(p)),
-            read=(keys.served_pattern(p), keys.units_pattern(p), keys.live_pattern(p)),
-            commands=("get", "set", "del", "scan", "hget", "hgetall", "hset", "type", *SCRIPTS),
+            write=(*announcements, keys.audit_head(p), keys.deployment(p), keys.units_pattern(p)),
+            read=(keys.served_pattern(p), keys.live_pattern(p)),
+            commands=("get", "set", "del", "scan", "hget", "hgetall", "hset", "hdel", "hmget", "type", *SCRIPTS),
         )
     if role.process == "admin":  # the operators' verbs: every key of the deployment, no server administration
         return RedisGrant(write=(keys.everything(p),), read=(), commands=(), categories=("+@all", "-@dangerous"))

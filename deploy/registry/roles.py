@@ -16,7 +16,9 @@ Which ``Registry`` methods each process calls, and so what its role may do (``co
 - users' data keys (``user_keys``, ``core.shred``): a serving node reads and inserts them (its gateway seals each user's
   text under the user's key, made on first use), ingest, the learner and the gate only read them (they open the
   text), the admin role reads and deletes them (forgetting a user destroys the key) and writes the ``erasures`` that
-  record each request to forget; the viewer reads ``erasures``, never a key.
+  record each request to forget; the viewer reads ``erasures``, never a key. Ingest inserts and reads ``erasures`` (the
+  product's ``POST /v1/erasures``); the gate, whose loop runs those requests (``liverl.ops.forget``), also deletes keys
+  and updates ``erasures``.
 
 Nobody but the owner (who ran the migrations) may delete a version, update or delete an audit entry or a served row,
 or create anything: the audit log is appended to only through ``RegistryDB.append_audit``'s ``INSERT``.
@@ -85,7 +87,8 @@ GRANTS: dict[str, dict[str, str]] = {
         "audit_log": "SELECT, INSERT",
         "user_keys": "SELECT",
     },
-    "gate": {**GATE, "user_keys": "SELECT"},
+    # the gate's loop runs the product's erasures (liverl.ops.forget.gate_chore): it destroys the user's key
+    "gate": {**GATE, "user_keys": "SELECT, DELETE", "erasures": "SELECT, UPDATE"},
     "admin": {
         **GATE,
         "versions": "SELECT, UPDATE (status, status_reason, promoted_at, blob_key, snapshot_key)",
@@ -94,7 +97,8 @@ GRANTS: dict[str, dict[str, str]] = {
         "erasures": "SELECT, INSERT, UPDATE",
     },
     "viewer": {**COMMON, **dict.fromkeys(READ_ALL, "SELECT"), "erasures": "SELECT"},
-    "ingest": {"deployment": "SELECT", "user_keys": "SELECT"},
+    # POST /v1/erasures records the product's request; GET reads it back (ingest.erasures)
+    "ingest": {"deployment": "SELECT", "user_keys": "SELECT", "erasures": "SELECT, INSERT"},
     "router": {"deployment": "SELECT"},
 }
 """Table privileges per process (a node's go to the serving group)."""
