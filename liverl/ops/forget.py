@@ -159,7 +159,8 @@ def lineage(unit: str, ledger_file: Path, registry) -> dict[str, Any]:
         ],
         "unknown": unknown,
         "lines_without_units": led.without_units,
-        "learner_holds": any(fb.segment == newest for fb in led.of_unit),
+        # the learner's weights now: its newest segment's steps, on top of the version that segment started from
+        "learner_holds": any(fb.segment == newest for fb in led.of_unit) or led.segments[newest].base in holding,
     }
 
 

@@ -146,6 +146,9 @@ def test_report_lists_exactly_the_versions_whose_ledger_holds_the_users_samples(
     got = json.loads(capsys.readouterr().out)
     assert got["stable"] == 2 and got["stable_trained_on_them"] and got["offer"] == 1
     assert got["samples"] == 1 and got["steps"] == [2]
+    assert not got["learner_holds"]  # the learner rebased onto v1, which never trained on her
+    assert cmd_report(cfg, "bob", as_json=True) == 0
+    assert json.loads(capsys.readouterr().out)["learner_holds"]  # v1, its base now, trained on him
     assert cmd_report(cfg, "alice") == 0  # the table
     out = capsys.readouterr().out
     assert "v2" in out and "v3" in out and "v4" not in out.split("stable v2")[0]
