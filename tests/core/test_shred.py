@@ -166,7 +166,8 @@ def test_each_role_may_do_only_its_part_with_the_keys(pg_url):
             reader = as_role(Role(p))
             assert reader.keys_for(["0123456789abcdef"]) == {"0123456789abcdef": key}
             denied(reader.key_for, "1111111111111111")
-            denied(reader.destroy, "0123456789abcdef")
+            if p != "gate":  # the gate's loop runs the product's erasures (liverl.ops.forget): it destroys keys
+                denied(reader.destroy, "0123456789abcdef")
         denied(node.destroy, "0123456789abcdef")
         for p in ("viewer", "router"):
             denied(as_role(Role(p)).keys_for, ["0123456789abcdef"])
