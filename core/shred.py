@@ -261,6 +261,18 @@ class UserKeys:
         )
 
 
+def open_user_keys(cfg) -> UserKeys | None:
+    """The registry's users' keys for a process of ``cfg``, or None (logged) when it has no key-encryption key."""
+    kek = load_kek(cfg)
+    if kek is None:
+        log.warning(
+            "no key-encryption key (security.shred_key): sealed users' text cannot be opened here, and nothing this "
+            "process writes is sealed"
+        )
+        return None
+    return UserKeys(cfg.registry_url, kek)
+
+
 class KeyCache:
     """A bounded, in-process LRU of data keys for the gateway: ``get`` returns a unit's key, made on first use
     (``UserKeys.key_for``), from memory for ``ttl_s`` after it was read from the registry. A key destroyed meanwhile
@@ -296,3 +308,65 @@ class KeyCache:
     def forget(self, unit: str) -> None:
         with self._lock:
             self._lru.pop(unit, None)
+
+
+# ---------------------------------------------------------------------------------------------- the wire's text
+
+RECORD_TEXT = ("prompt", "completion", "prompt_token_ids", "completion_token_ids", "routed_experts")
+"""What a sealed ``GenerationRecord`` carries only sealed. (The routing too: a first MoE layer's choice of experts
+is a function of the token alone, so it decodes to tokens.)"""
+SAMPLE_TEXT = ("prompt_token_ids", "completion_token_ids", "routed_experts", "edited_text")
+"""What a sealed ``TrainingSample`` carries only sealed."""
+_EMPTY = {"prompt": "", "completion": "", "prompt_token_ids": [], "completion_token_ids": [], "routed_experts": None}
+
+
+def seal_record(key: bytes, rec):
+    """``rec`` (a ``GenerationRecord`` with a unit, not sealed) with its text sealed under ``key``."""
+    assert rec.unit is not None and rec.sealed is None
+    payload = {f: getattr(rec, f) for f in RECORD_TEXT}
+    return rec.model_copy(update={**_EMPTY, "sealed": seal(key, rec.unit, payload)})
+
+
+def open_record(key: bytes, rec):
+    """A sealed ``GenerationRecord`` opened (validated again: its log-probs against its tokens); ``SealError`` when it
+    does not open, ValueError when the opened record is not valid."""
+    from core.schemas import GenerationRecord  # noqa: PLC0415 (pydantic models: only where records are opened)
+
+    payload = open_sealed(key, rec.unit, rec.sealed)
+    return GenerationRecord.model_validate(
+        {**rec.model_dump(), **{f: payload.get(f, _EMPTY[f]) for f in RECORD_TEXT}, "sealed": None}
+    )
+
+
+def open_sample(key: bytes, sample):
+    """A sealed ``TrainingSample`` opened (its text fields filled, ``sealed`` None); ``SealError`` when it does not
+    open. A sample that is not sealed is returned as it is."""
+    if sample.sealed is None:
+        return sample
+    payload = open_sealed(key, sample.unit, sample.sealed)
+    fields = {f: payload.get(f, [] if f.endswith("_ids") else None) for f in SAMPLE_TEXT}
+    return sample.model_copy(update={**fields, "sealed": None})
+
+
+def open_samples(keys: UserKeys | None, samples: list) -> tuple[list, list]:
+    """Open ``samples`` with one key lookup for all of them: (opened, forgotten), each in the order given. Samples that
+    are not sealed pass as they are; a sealed one whose unit has no key any more is forgotten. Without ``keys`` (no
+    key-encryption key) a sealed sample raises ValueError: the process must mount security.shred_key."""
+    sealed_units = {s.unit for s in samples if s.sealed is not None}
+    if not sealed_units:
+        return list(samples), []
+    if keys is None:
+        raise ValueError(
+            "sealed samples and no key-encryption key to open them: set security.shred_key to the deployment's "
+            "shred.key (the file the serving nodes seal with)"
+        )
+    found = keys.keys_for(sealed_units)
+    opened, forgotten = [], []
+    for s in samples:
+        if s.sealed is None:
+            opened.append(s)
+        elif s.unit in found:
+            opened.append(open_sample(found[s.unit], s))
+        else:
+            forgotten.append(s)
+    return opened, forgotten
