@@ -75,7 +75,8 @@ def test_a_forgotten_users_text_is_nowhere_and_another_users_still_flows(folder_
         a2, b2 = sealed_generation(A, A_PROMPT, A_IDS), sealed_generation(B, B_PROMPT)
         plain = make_generation(new_gid(), 7)  # no unit: no one to forget, logged and joined as it is
         for rec in (a1, b1, a2, b2, plain):
-            assert rec.unit is None or (rec.sealed and not rec.prompt_token_ids and A_PROMPT.encode() not in rec.to_bytes())
+            sealed = rec.sealed and not rec.prompt_token_ids and A_PROMPT.encode() not in rec.to_bytes()
+            assert rec.unit is None or sealed
             h.send_generation(rec)
         with feedback_client(cfg) as sdk, h.tail("samples") as samples:
             sdk.edit(a1.generation_id, A_EDIT)
