@@ -51,6 +51,7 @@ from core import keys
 from core.config import LiverlConfig
 from core.probes import STALL_S, LoopWatch, start_probe_server
 from core.services import kafka_bootstrap, required_signing_key, setup_redis
+from core.shred import open_user_keys
 from deploy.gate.canary import CanaryController, Deferred
 from deploy.gate.evidence import Evaluator, EvidenceChecks
 from deploy.gate.tail import PROBE_UNIT_SHARE, GenerationTail, HeldoutSample, LoggedGeneration, parse_heldout
@@ -457,12 +458,14 @@ def run_gate(
     warm_up()  # the delta codec's kernels (cached on disk after the first compile)
     registry = open_registry(cfg)
     r = setup_redis(cfg, decode_responses=True)
+    user_keys = open_user_keys(cfg)  # sealed records open only at use, by a fresh look-up (core.shred)
     tail = GenerationTail(
         kafka_bootstrap(cfg),
         cfg.topics.generations,
         cfg.gate.probe_generations,
         broker=cfg.broker,
         unit_share=PROBE_UNIT_SHARE,  # the heaviest users do not choose the probes
+        keys=user_keys,
     ).start()
     heldout = (
         GenerationTail(
@@ -473,6 +476,7 @@ def run_gate(
             parse=parse_heldout,
             young_s=cfg.gate.revert_horizon_s,
             judged_at=lambda h: h.judged_at,
+            keys=user_keys,
         ).start()
         if cfg.gate.heldout_samples
         else None
@@ -505,3 +509,5 @@ def run_gate(
             heldout.close()
         r.close()
         registry.close()
+        if user_keys is not None:
+            user_keys.close()
