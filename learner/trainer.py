@@ -213,6 +213,7 @@ class Learner:
                 st.step + 1,
                 [(part, off, s.sample_id) for part, off, s in batch],
                 feedback=[(s.feedback_id, s.ts_feedback) for _, _, s in batch],
+                units=[s.unit for _, _, s in batch],  # whose samples (liverl forget: the versions that hold them)
             )
             self.admission.trained(batch)
         self.admission.advance(batch + forgotten)
