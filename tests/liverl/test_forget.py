@@ -320,3 +320,27 @@ def test_an_api_request_waits_for_the_ledger_where_there_is_none(deployment, rds
         reg.close()
     actions = [(x.actor, x.action) for x in _audit(cfg) if x.action.startswith("forget")]
     assert actions == [("gate", "forget"), ("root", "forget_done")]
+
+
+def test_the_gates_chore_runs_the_products_erasures(deployment, rds):
+    """What ``liverl gate`` runs after each step (``forget.run_in_gate``): the product's request, audited by it."""
+    from types import SimpleNamespace
+
+    from liverl.ops.forget import gate_chore
+
+    cfg = deployment
+    reg = open_registry(cfg)
+    try:
+        gate = SimpleNamespace(cfg=cfg, registry=reg, redis=rds)
+        gate_chore(gate)  # nothing to run: one query
+        with reg.db.tx() as s:
+            e = erasures.insert(s.connection(), unit("carol"), "product", "account deleted", "api")
+        gate_chore(gate)
+        with reg.engine.connect() as c:
+            e = erasures.get(c, e.id)
+    finally:
+        reg.close()
+    assert e.done and [v["version"] for v in e.report["lineage"]["versions"]] == [3]
+    assert not _known(cfg, "carol") and _known(cfg, "alice")
+    actions = [(x.actor, x.action) for x in _audit(cfg) if x.action.startswith("forget")]
+    assert actions == [("gate", "forget"), ("gate", "forget_done")]
