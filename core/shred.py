@@ -54,6 +54,7 @@ MIN_KEK_LEN = 32
 SHRED_KEY_NAME = "shred.key"
 ENVELOPE = "lvs1."
 """The sealed envelope's version tag: ``lvs1.`` + base64(nonce | AES-GCM ciphertext and tag)."""
+_IN_MAX = 2000  # units per query (SQLite's and PostgreSQL's limits on bound parameters are far above)
 _SEAL_AAD = b"liverl-sealed\0v1\0"
 _WRAP_AAD = b"liverl-user-key\0v1\0"
 
@@ -224,8 +225,11 @@ class UserKeys:
         wanted = sorted({u for u in units if u})
         if not wanted:
             return {}
+        rows = []
         with self.engine.connect() as c:
-            rows = c.execute(sa.select(_TABLE.c.unit, _TABLE.c.wrapped).where(_TABLE.c.unit.in_(wanted))).all()
+            for i in range(0, len(wanted), _IN_MAX):  # (one query unless a batch names more units than that)
+                part = wanted[i : i + _IN_MAX]
+                rows += c.execute(sa.select(_TABLE.c.unit, _TABLE.c.wrapped).where(_TABLE.c.unit.in_(part))).all()
         return {u: self._unwrap(u, w) for u, w in rows}
 
     def known(self, unit: str) -> bool:

@@ -59,7 +59,7 @@ def too_large(record: GenerationRecord) -> GenerationRecord:
             "version_spans": None if record.version_spans is None else [],  # mixed or unknown: no version claims it
             "trainable": False,
             "untrainable_reason": "too_large",
-            "completion_tokens": len(record.completion_token_ids),
+            "completion_tokens": len(record.completion_logprobs),  # (one a token; a sealed record has no ids)
         }
     )
 

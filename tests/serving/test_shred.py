@@ -62,6 +62,21 @@ def test_records_with_a_user_are_sealed_and_records_without_one_are_not(keys):
     assert cache.misses == 1 and cache.hits == 1  # one registry read for the user's two records
 
 
+def test_a_sealed_record_over_the_size_limit_is_logged_without_its_text_at_its_true_length(keys):
+    async def run():
+        producer = _Producer()
+        log = GenerationLog(producer, "t.g", "node-a", 64, GatewayMetrics(), 1.0, max_bytes=400, keys=KeyCache(keys))
+        req = oa.CompletionRequest.parse(json.dumps({"prompt": "PANGOLIN-9917", "max_tokens": 4}).encode())
+        choice = oa.Choice("PANGOLIN-9917" * 20, [7] * 30, ["TAPIR-3301"], [11, 12, 13], [-0.1] * 3, "stop")
+        log.log(req, choice, "g1", 3, unit="0123456789abcdef")
+        return producer.sent
+
+    ((_, _, raw),) = asyncio.run(run())
+    rec = GenerationRecord.from_bytes(raw)
+    assert rec.untrainable_reason == "too_large" and rec.completion_tokens == 3 and rec.sealed is None
+    assert b"PANGOLIN" not in raw and b"TAPIR" not in raw
+
+
 def test_sealing_and_the_key_look_up_cost(keys, capsys):
     """The cost per record of sealing and opening, and of the gateway's key look-up (a cache hit, and a miss that
     reads or makes the key in the registry): printed, not asserted (``pytest -s``)."""
