@@ -108,6 +108,7 @@ KEY_FILES = {
     "audit": (("audit.key", "security.audit_key"),),
     "feedback": (("feedback.key", "security.feedback_key"),),
     "assignment": (("assignment.key", "security.assignment_key"),),
+    "shred": (("shred.key", "security.shred_key"),),
 }
 """The shared keys (``liverl keys``): name -> (file, the setting that points at it), ..."""
 
@@ -116,12 +117,13 @@ def mounts(role: Role) -> list[tuple[str, str]]:
     """The files ``role``'s process mounts, each with the setting that points at it: its two passwords and the keys
     its code loads (``core.services.required_verify_key``, ``core.credentials``, ``deploy.registry.auditchain``)."""
     shared = {
-        "node": ("announce.pub", "feedback.key"),  # verifies announcements; the gateway checks the product key
+        # verifies announcements; the gateway checks the product key and seals users' text (core.shred)
+        "node": ("announce.pub", "feedback.key", "shred.key"),
         "router": ("announce.pub", "assignment.key"),  # the canary's terms; users' arms
-        "ingest": (),
-        "learner": ("audit.key",),  # appends candidates to the keyed audit log
-        "gate": ("announce.key", "audit.key"),
-        "admin": ("announce.key", "audit.key"),  # promote and rollback announce; every change is audited
+        "ingest": ("shred.key",),  # opens generations to join them, seals the samples
+        "learner": ("audit.key", "shred.key"),  # appends candidates to the keyed audit log; opens samples
+        "gate": ("announce.key", "audit.key", "shred.key"),  # opens held-out samples (off-policy estimate)
+        "admin": ("announce.key", "audit.key", "shred.key"),  # promote and rollback announce; forget destroys keys
         "viewer": ("audit.key",),  # `liverl history --verify` checks the chain's MACs
     }[role.process]
     setting = {f: s for files in KEY_FILES.values() for f, s in files}
@@ -149,12 +151,16 @@ def glob_escape(text: str) -> str:
 
 @dataclass(frozen=True)
 class RedisGrant:
-    """Key patterns read and written (``~``), read only (``%R~``), and the commands (``+``) of one Redis user."""
+    """Key patterns read and written (``~``), read only (``%R~``), and the commands (``+``) of one Redis user;
+    ``selectors``: Redis 7 ACL selectors, each ``(<rules>)`` a further set of commands on its own keys (a command is
+    allowed when the root rules or one selector allow it), so a user may run one write command on keys it otherwise
+    only reads."""
 
     write: tuple[str, ...]
     read: tuple[str, ...]
     commands: tuple[str, ...]
     categories: tuple[str, ...] = ()
+    selectors: tuple[str, ...] = ()
 
 
 def redis_grant(role: Role, prefix: str) -> RedisGrant:
@@ -183,11 +189,14 @@ def redis_grant(role: Role, prefix: str) -> RedisGrant:
             read=(keys.learner_hold(p), *claim_ro),
             commands=("get", "set", "del", "pexpire", "hset", "hget", "hgetall", "type", *SCRIPTS),
         )
-    if role.process == "gate":  # deploy.gate: signs announcements, reads heartbeats and per-user sums; claims
+    if role.process == "gate":  # deploy.gate: signs announcements, reads heartbeats and per-user sums; claims.
+        # An erasure run in its loop (liverl.ops.forget) deletes one user's fields from the per-user sums: HDEL
+        # alone on those keys (a selector), so the gate still cannot write the canary's evidence
         return RedisGrant(
             write=(*announcements, keys.audit_head(p), keys.deployment(p)),
             read=(keys.served_pattern(p), keys.units_pattern(p), keys.live_pattern(p)),
             commands=("get", "set", "del", "scan", "hget", "hgetall", "hset", "type", *SCRIPTS),
+            selectors=(f"(~{keys.units_pattern(p)} +hdel)",),
         )
     if role.process == "admin":  # the operators' verbs: every key of the deployment, no server administration
         return RedisGrant(write=(keys.everything(p),), read=(), commands=(), categories=("+@all", "-@dangerous"))
@@ -211,6 +220,7 @@ def redis_rules(role: Role, prefix: str, password: str) -> list[str]:
         *(f"+{c}" for c in (*CONNECT, *g.commands)),
         *(f"~{k}" for k in g.write),
         *(f"%R~{k}" for k in g.read),
+        *g.selectors,
     ]
 
 
@@ -227,7 +237,12 @@ def acl_file(users: list[tuple[str, list[str]]]) -> str:
     lines = ["user default reset"]  # off, no password, no keys, channels or commands
     for name, rules in users:
         words = [name, *rules]
-        bad = [w for w in words if not w or any(c.isspace() or c in "\"'" for c in w)]
+        # a selector "(~k +cmd)" is one rule with spaces inside its parentheses (Redis 7 merges them back)
+        bad = [
+            w
+            for w in words
+            if not w or any(c in "\"'\n\t" or (c == " " and not (w[0] == "(" and w[-1] == ")")) for c in w)
+        ]
         if bad:
             raise ValueError(f"an ACL file line is space-separated words without quotes; cannot write {bad[0]!r}")
         lines.append(" ".join(["user", *words]))

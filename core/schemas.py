@@ -96,6 +96,15 @@ class GenerationRecord(_Wire):
         "core.fleet.unit_id of the request's user key: 16 hex digits; never a user id itself): ingest keeps "
         "per-user sums by it, so the canary's test takes the user as its unit. None: no user key.",
     )
+    sealed: str | None = Field(
+        default=None,
+        description="The record's text sealed under its user's data key (core.shred: prompt, completion, "
+        "prompt_token_ids, completion_token_ids and routed_experts, AES-GCM, the unit as associated data): set on "
+        "every record with a unit that the gateway logs with a key-encryption key (security.shred_key). Those plain "
+        "fields are then empty (routed_experts None), and the checks that compare them (log-probs per completion "
+        "token, version_spans) apply to the opened record (core.shred.open_record). Destroying the user's key makes "
+        "it unreadable. None: the fields are plain.",
+    )
     version_spans: list[tuple[_Version, int, int]] | None = Field(
         default=None,
         description="Set when a hot-swap happened while this generation was in flight: (version, start, "
@@ -127,6 +136,9 @@ class GenerationRecord(_Wire):
 
     @model_validator(mode="after")
     def _aligned(self):
+        if self.sealed is not None:
+            _check_sealed(self, ("prompt", "completion", "prompt_token_ids", "completion_token_ids", "routed_experts"))
+            return self
         if len(self.completion_logprobs) != len(self.completion_token_ids):
             raise ValueError(
                 f"{len(self.completion_logprobs)} logprobs for {len(self.completion_token_ids)} completion tokens"
@@ -143,6 +155,13 @@ class GenerationRecord(_Wire):
                     f"{len(self.completion_token_ids)} completion tokens"
                 )
         return self
+
+
+def _check_sealed(msg, plain: tuple[str, ...]) -> None:
+    if msg.unit is None:
+        raise ValueError("a sealed message names its unit (the sealed text opens only under that unit's key)")
+    if set_ := [f for f in plain if getattr(msg, f)]:
+        raise ValueError(f"a sealed message carries its text only sealed: {', '.join(set_)} must be empty")
 
 
 class TrainingSample(_Wire):
@@ -178,6 +197,24 @@ class TrainingSample(_Wire):
         "backlog from it (learner.max_backlog_s), never from the product's ts_feedback, which may be minutes or "
         "days old when the product forwards late. None: a sample written without it (ts_feedback is used).",
     )
+    unit: _Unit | None = Field(
+        default=None,
+        description="The user the generation was served to (GenerationRecord.unit). None: no user key, or a sample "
+        "written without it.",
+    )
+    sealed: str | None = Field(
+        default=None,
+        description="The sample's text sealed under its user's data key (core.shred: prompt_token_ids, "
+        "completion_token_ids, routed_experts and edited_text), as ingest seals every sample of a sealed generation; "
+        "those plain fields are then empty. The learner and the gate open it right before they use it "
+        "(core.shred.open_sample) and skip it, counted as forgotten, once the key is destroyed. None: plain.",
+    )
+
+    @model_validator(mode="after")
+    def _sealed_alone(self):
+        if self.sealed is not None:
+            _check_sealed(self, ("prompt_token_ids", "completion_token_ids", "routed_experts", "edited_text"))
+        return self
 
 
 class DeadLetter(_Wire):

@@ -34,6 +34,7 @@ from core.bus import make_aio_consumer, make_aio_producer
 from core.config import LiverlConfig
 from ingest.batch import InfraError
 from ingest.commit import EXIT_INFRA, Committer, die
+from ingest.erasures import ErasureRoutes
 from ingest.join import Ingest
 from ingest.metrics import IngestMetrics
 from ingest.outbox import MAX_BATCH_BYTES, MAX_REQUEST_BYTES, Outbox
@@ -86,6 +87,7 @@ class IngestWorker:
         self.sweep_s = max(0.1, min(1.0, ic.pending_ttl_s / 4))
         self.state = state_dir(cfg)
         self.metrics = IngestMetrics(cfg.topics.prefix, redis_url)
+        self.erasures = ErasureRoutes(cfg)  # POST /v1/erasures: the product's requests, recorded for the gate to run
         self.table = JoinTable(
             changelog_topic(cfg.topics.prefix), cfg.broker.partitions, self.state if ic.store == "rocksdb" else None
         )
@@ -150,7 +152,9 @@ class IngestWorker:
             await self.table_outbox.producer.start()
             self.consumer.subscribe(list(self.inputs), listener=self.tasks)
             await self.consumer.start()
-            web = await start_web(self.metrics.exposition, self.health, self.web_bind, self.web_port)
+            web = await start_web(
+                self.metrics.exposition, self.health, self.web_bind, self.web_port, routes=self.erasures
+            )
             log.info(
                 "ingest worker up: group %s, inputs %s, store %s",
                 self.group,
@@ -205,6 +209,7 @@ class IngestWorker:
             except Exception as e:  # noqa: BLE001 - stopping anyway
                 log.warning("stopping the %s failed: %s: %s", what, type(e).__name__, e)
         self.table.close()
+        self.erasures.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
 

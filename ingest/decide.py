@@ -17,6 +17,7 @@ from core import keys, routing
 from core.config import IngestConfig, TopicsConfig
 from core.product import Product
 from core.schemas import FeedbackEvent, GenerationRecord, TrainingSample, WireError
+from core.shred import SealError, UserKeys
 from ingest.batch import Batch, Emitter, InfraError
 from ingest.entry import JUDGED, PENDING, WAITING, pack, unpack
 from ingest.partitioner import partition_of
@@ -34,6 +35,7 @@ from ingest.records import (
     sample_json,
     unit_bucket_of,
 )
+from ingest.sealing import BatchKeys, sealed_sample, units_needed
 
 log = logging.getLogger("liverl.ingest")
 
@@ -51,8 +53,11 @@ class Decider:
         index: PendingIndex,
         emitter: Emitter,
         partitions: int | None,
+        user_keys: UserKeys | None = None,
     ):
         self.ic = ic
+        # users' data keys, to open sealed generations (None: no key-encryption key; a sealed one is then an error)
+        self.keys = BatchKeys(user_keys) if user_keys is not None else None
         self.product = product  # reward shaping is the product's (default: [ingest.rewards])
         # (the topic names are properties that format a string: read once, not per event)
         self._topic_generations, self._topic_samples = topics.generations, topics.samples
@@ -76,6 +81,8 @@ class Decider:
         now = out.now
         gen_topic = self._topic_generations
         gens = 0
+        if self.keys is not None:  # one query for the users' keys this slice needs (ingest.sealing)
+            self.keys.prefetch(units_needed(events, lambda gid: self._get(gid, out), gen_topic))
         for src, value in events:
             try:
                 if src.topic == gen_topic:
@@ -145,7 +152,8 @@ class Decider:
         if kind == PENDING:
             assert entry is not None  # a kind is read from an entry
             _, _, meta, payload = unpack(entry)
-            self._join(gid, *parts, FeedbackEvent.model_validate_json(payload), out, now, src)
+            fb_src = Source(*meta["src"])  # (where the feedback came from: a dead letter about it names it)
+            self._join(gid, *parts, FeedbackEvent.model_validate_json(payload), out, now, src, fb_src)
             return
         new = pack(WAITING, now, *parts)
         if len(new) > MAX_RECORD_BYTES:
@@ -289,9 +297,18 @@ class Decider:
             out.tally.inc("revert_samples_out")
 
     def _join(
-        self, gid: str, rec: dict[str, Any], body: bytes, fb: FeedbackEvent, out: Batch, now: float, src: Source
+        self,
+        gid: str,
+        rec: dict[str, Any],
+        body: bytes,
+        fb: FeedbackEvent,
+        out: Batch,
+        now: float,
+        src: Source,
+        fb_src: Source | None = None,
     ) -> None:
-        """Judge a generation: ``rec`` and ``body`` are its validated record's ``record_parts``."""
+        """Judge a generation: ``rec`` and ``body`` are its validated record's ``record_parts``. ``fb_src``: where the
+        feedback came from, when ``src`` is the generation's (feedback that waited for it)."""
         version = rec["v"]
         meta = {"f": fb.feedback_id, "v": version, "k": fb.kind, "n": rec["n"], "b": judged_bucket(fb.ts, now)}
         if "ms" in rec:
@@ -303,9 +320,25 @@ class Decider:
         if mixed:  # (kept in the judgement, so a redelivery or a revert is not counted for a version either)
             meta["m"] = 1
         guardrails = _guardrails(meta)
-        sample = b""
+        sample, sealed = b"", None
+        if "x" not in rec and "s" in rec:  # sealed: opened here, in memory, and the sample sealed (ingest.sealing)
+            if self.keys is None:
+                raise ValueError(
+                    "a sealed generation and no key-encryption key to open it: set security.shred_key to the "
+                    "deployment's shred.key"
+                )
+            key = self.keys.get(unit)
+            if key is None:
+                rec = {**rec, "x": "forgotten"}
+            else:
+                try:
+                    body, sealed = sealed_sample(key, unit, body, fb.edited_text, trainable=True)
+                except (SealError, routing.RoutingError) as e:
+                    reason = "bad_routing" if isinstance(e, routing.RoutingError) else "unsealable"
+                    self.emitter.dead(out, reason, f"generation {gid}: {e}", fb_src or src, None)
+                    rec = {**rec, "x": reason}
         if "x" not in rec:
-            sample = sample_json(gid, rec, body, fb, float(self.product.reward(fb.kind, fb.segment)), now)
+            sample = sample_json(gid, rec, body, fb, float(self.product.reward(fb.kind, fb.segment)), now, sealed)
             if len(sample) > MAX_RECORD_BYTES:
                 self.emitter.dead(
                     out,
@@ -315,7 +348,11 @@ class Decider:
                     fb.model_dump_json().encode(),
                 )
                 sample = b""
-        else:  # (a record logged without its token lists: the gateway's too_large)
+        elif rec["x"] == "forgotten":  # the user's key is destroyed: their text is gone, no sample, said so
+            self.emitter.dead(
+                out, "forgotten", f"generation {gid}: its user's data key is destroyed (forgotten)", fb_src or src, None
+            )
+        elif rec["x"] in ("too_large", 1):  # (a record logged without its token lists: the gateway's too_large)
             out.tally.inc("drop:too_large" if rec["x"] == "too_large" else "drop:not_trainable")
         heldout = is_heldout(gid, self.ic.heldout_share)
         if heldout:  # (marked: a later revert's record goes where the accept's went, whatever the share is then)

@@ -52,6 +52,7 @@ from typing import Any
 
 from core.config import LiverlConfig
 from core.product import load_product
+from core.shred import UserKeys, open_user_keys
 from ingest.batch import Batch, Emitter, InfraError, Output, count_in_redis
 from ingest.decide import Decider
 from ingest.entry import JUDGED, PENDING, WAITING, head, pack, pending_info, unpack
@@ -102,17 +103,24 @@ class Ingest:
         output: Output,
         *,
         partitions: int | None = None,
+        user_keys: UserKeys | None | bool = True,
     ):
         """``output``: where samples and dead letters go (``ingest.outbox.Outbox``; a recorder in the property tests).
         ``partitions``: the inputs' partition count, to refuse input on the wrong partition (``wrong_partition``);
-        None: not checked."""
+        None: not checked. ``user_keys``: the users' data keys that open sealed generations (``ingest.sealing``);
+        True: the registry's, when the config has a key-encryption key (``core.shred.load_kek``); None: none."""
+        if user_keys is True:
+            user_keys = open_user_keys(cfg)
         self.ic = cfg.ingest
         self.product = load_product(cfg)  # reward shaping is the product's (default: [ingest.rewards])
         self.metrics = metrics
         self.table = table
         self.index = PendingIndex()  # bounded by ``max_pending``; rebuilt by ``recovered``/``restore``
         self.emitter = Emitter(output, cfg.topics.dead_letters)
-        self.decider = Decider(self.ic, cfg.topics, self.product, table, self.index, self.emitter, partitions)
+        self.user_keys = user_keys or None
+        self.decider = Decider(
+            self.ic, cfg.topics, self.product, table, self.index, self.emitter, partitions, self.user_keys
+        )
         self.ready = False  # the indexes are rebuilt for the partitions the worker holds
 
     # -- lifecycle ---------------------------------------------------------------------------------

@@ -100,6 +100,7 @@ def record_parts(rec: GenerationRecord) -> tuple[dict[str, Any], bytes]:
         tokens=rec.completion_tokens,
         too_large=rec.untrainable_reason == "too_large",
         routed=rec.routed_experts,
+        sealed=rec.sealed,
     )
 
 
@@ -117,7 +118,10 @@ def _parts(
     tokens: int | None = None,
     too_large: bool = False,
     routed: str | None = None,
+    sealed: str | None = None,
 ) -> tuple[dict[str, Any], bytes]:
+    if sealed is not None:  # its length: one log-prob per completion token
+        completion_ids, tokens = [], len(logprobs) if tokens is None else tokens
     meta: dict[str, Any] = {"v": version, "ts": ts, "n": len(completion_ids) if tokens is None else tokens}
     if mixed:
         meta["m"] = 1
@@ -127,26 +131,34 @@ def _parts(
         meta["x"] = "too_large" if too_large else 1
     if unit is not None:
         meta["u"] = unit
-    body = to_json(
-        {
-            "prompt_token_ids": prompt_ids,
-            "completion_token_ids": completion_ids,
-            "behaviour_logprobs": logprobs,
-            "sampling": sampling,
-            "routed_experts": routed,
-        }
-    )
-    return meta, body[1:-1]
+    fields = {
+        "prompt_token_ids": prompt_ids,
+        "completion_token_ids": completion_ids,
+        "behaviour_logprobs": logprobs,
+        "sampling": sampling,
+        "routed_experts": routed,
+    }
+    if sealed is not None:  # kept sealed in the table and its changelog; the join opens it (ingest.sealing)
+        meta["s"] = 1
+        fields["sealed"] = sealed
+    return meta, to_json(fields)[1:-1]
 
 
 def sample_json(
-    gid: str, meta: dict[str, Any], body: bytes, fb: FeedbackEvent, reward: float, joined_at: float
+    gid: str,
+    meta: dict[str, Any],
+    body: bytes,
+    fb: FeedbackEvent,
+    reward: float,
+    joined_at: float,
+    sealed: str | None = None,
 ) -> bytes:
     """The ``TrainingSample`` of a judged generation, as its wire JSON: byte for byte what
     ``TrainingSample(...).model_dump_json()`` gives (tests/ingest/test_fuzz.py checks it), built from data already
     validated (the record's ``record_parts``, the feedback) without validating it again: that would cost the join a
     fifth of its time. The reward is the product's code, so it is checked here. ``joined_at``: ingest's clock at the
-    join (``ts_joined``)."""
+    join (``ts_joined``). ``sealed``: the sample's text sealed under its user's key (``ingest.sealing``); ``body`` and
+    the edit are then the empty fields a sealed sample carries."""
     if not math.isfinite(reward):
         raise ValueError(f"the product's reward for {fb.kind!r} is {reward}: rewards must be finite")
     head = to_json(
@@ -162,7 +174,14 @@ def sample_json(
         }
     )
     tail = to_json(
-        {"edited_text": fb.edited_text, "ts_generation": meta["ts"], "ts_feedback": fb.ts, "ts_joined": joined_at}
+        {
+            "edited_text": None if sealed is not None else fb.edited_text,
+            "ts_generation": meta["ts"],
+            "ts_feedback": fb.ts,
+            "ts_joined": joined_at,
+            "unit": meta.get("u"),
+            "sealed": sealed,
+        }
     )
     return b"".join((head[:-1], b",", body, b",", tail[1:]))
 

@@ -1,5 +1,6 @@
-"""The ingest worker's web server: ``/metrics`` (Prometheus), ``/healthz``, ``/livez`` and ``/readyz``; nothing else
-(no view of prompts or feedback).
+"""The ingest worker's web server: ``/metrics`` (Prometheus), ``/healthz``, ``/livez`` and ``/readyz``, and the
+product's erasure requests (``POST /v1/erasures``, ``GET /v1/erasures/{id}``, with the product key:
+``ingest.erasures``); no view of prompts or feedback.
 
 - ``/livez``: 200 whenever it answers. It runs on the worker's own event loop, so an answer means the loop is not
   wedged (a batch that blocked it would leave the probe unanswered, and the orchestrator restarts the worker).
@@ -12,6 +13,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -27,8 +29,11 @@ def readiness(health: dict) -> str | None:
     return None
 
 
-async def start_web(exposition: Callable[[], bytes], health: Callable[[], dict], bind: str, port: int):
-    """Serve on ``bind:port`` (0: no server; returns None), else the aiohttp runner to ``cleanup()`` at the end."""
+async def start_web(
+    exposition: Callable[[], bytes], health: Callable[[], dict], bind: str, port: int, routes: Any = None
+):
+    """Serve on ``bind:port`` (0: no server; returns None), else the aiohttp runner to ``cleanup()`` at the end.
+    ``routes``: more routes (``add_to(app)``), e.g. ``ingest.erasures.ErasureRoutes``."""
     if port <= 0:
         return None
 
@@ -52,6 +57,8 @@ async def start_web(exposition: Callable[[], bytes], health: Callable[[], dict],
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/livez", livez)
     app.router.add_get("/readyz", readyz)
+    if routes is not None:
+        routes.add_to(app)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, bind, port).start()

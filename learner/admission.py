@@ -31,17 +31,21 @@ refusals past that checkpoint cut off, so each record is trained or refused exac
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
+import re
 import time
 
 from core.config import LearnerConfig
 from core.schemas import TrainingSample, WireError
+from core.shred import SealError, open_sample
 from learner.checkpoint import LearnerState
 from learner.ledger import Ledger
 from learner.seen import SeenIds
 
 log = logging.getLogger("liverl.learner")
 
+_UNIT = re.compile(rb'"unit":"([A-Za-z0-9_.:\-]{1,64})"')
 Entry = tuple[int, int, TrainingSample]  # (partition, offset, sample): an accepted record
 
 
@@ -65,17 +69,26 @@ class Admission:
         self.pending_since = 0.0  # when the oldest pending sample was accepted
         self.fresh_at = time.monotonic()  # when a sample last passed the staleness check
         self._shed_said_at = float("-inf")  # when the log last said the learner sheds load
+        # users' data keys (core.shred.UserKeys; None: no key-encryption key), to open sealed samples
+        self.user_keys = None
+        self.opened: set[tuple[int, int]] = set()  # (partition, offset) of pending samples that came sealed
 
     # -- accept or refuse ---------------------------------------------------------------------------
     def classify(self) -> None:
         """Move fetched records into ``pending`` (accepted) or refuse them, until a batch is full."""
+        found = self._prefetch_keys()
         while self.queue and not self.batch_ready():
             part, off, raw, arrived = self.queue.popleft()
             self.read_pos[part] = off + 1
             s = None
             try:
                 s = TrainingSample.from_bytes(raw if raw is not None else b"")
-                reason = self.refusal(s)
+                reason = None
+                if s.sealed is not None:
+                    s, reason = self._open(s, found)
+                    if reason is None:
+                        self.opened.add((part, off))
+                reason = reason or self.refusal(s)
             except WireError as e:
                 reason = f"wire_{e.reason}"
             except Exception as e:  # noqa: BLE001 - one record must never stop the learner (it would crash-loop on it)
@@ -98,6 +111,55 @@ class Admission:
                 log.warning("learner: refused sample at %s[%d]@%d: %s", self.topic, part, off, reason)
             if not any(p[0] == part for p in self.pending):
                 self.state.offsets[part] = off + 1  # nothing waiting below it in this partition
+
+    def _prefetch_keys(self) -> dict[str, bytes | None]:
+        """The data keys of the sealed samples ``classify`` is about to read, in one query (``core.shred``): unit ->
+        key, None for a unit whose key is gone. Read afresh at each call, never kept."""
+        if self.user_keys is None or not self.queue:
+            return {}
+        units = set()
+        for _, _, raw, _ in itertools.islice(self.queue, 4 * self.lcfg.batch_size):
+            if raw and b'"sealed":"' in raw and (m := _UNIT.search(raw)):
+                units.add(m.group(1).decode())
+        if not units:
+            return {}
+        keys = self.user_keys.keys_for(units)
+        return {u: keys.get(u) for u in units}
+
+    def _open(self, s: TrainingSample, found: dict[str, bytes | None]) -> tuple[TrainingSample, str | None]:
+        """A sealed sample opened, or why not: ``forgotten`` (its user's key is destroyed), ``no_shred_key`` (this
+        learner has no key-encryption key), ``unsealable`` (it does not open)."""
+        if self.user_keys is None:
+            return s, "no_shred_key"
+        assert s.unit is not None  # a sealed sample names its unit (core.schemas)
+        if s.unit not in found:
+            found[s.unit] = self.user_keys.keys_for([s.unit]).get(s.unit)
+        key = found[s.unit]
+        if key is None:
+            return s, "forgotten"
+        try:
+            return open_sample(key, s), None
+        except SealError:
+            return s, "unsealable"
+
+    def still_known(self, batch: list[Entry]) -> tuple[list[Entry], list[Entry]]:
+        """``batch`` split right before it trains, by a fresh look-up of its sealed samples' keys: (those whose user
+        still has a key, or that were never sealed; those whose user was forgotten since they were admitted, refused
+        ``forgotten`` here, counted and in the ledger)."""
+        sealed = [e for e in batch if (e[0], e[1]) in self.opened]
+        for part, off, _ in batch:
+            self.opened.discard((part, off))
+        if not sealed or self.user_keys is None:
+            return batch, []
+        known = self.user_keys.keys_for({s.unit for _, _, s in sealed})
+        gone = [e for e in sealed if e[2].unit not in known]
+        for part, off, s in gone:
+            self.state.counters["dropped:forgotten"] += 1
+            self.ledger.refused(part, off, s.sample_id, "forgotten")
+        if gone:
+            log.info("learner: %d sample(s) of forgotten users refused before their step", len(gone))
+        out = {(part, off) for part, off, _ in gone}
+        return [e for e in batch if (e[0], e[1]) not in out], gone
 
     def refusal(self, s: TrainingSample) -> str | None:
         """Why ``s`` may not train (see the module doc), or None."""

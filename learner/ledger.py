@@ -30,7 +30,8 @@ class Ledger:
     """The learner's account of every sample record it consumed: trained at a step, or refused with a reason.
 
     An append-only JSON-lines file beside the checkpoint, one line per update (``trained``: partition, offset,
-    sample id; ``feedback``: each one's feedback id and time; ``at``: the step's time), per checkpoint's worth of
+    sample id; ``feedback``: each one's feedback id and time; ``units``: each one's user, ``core.fleet.unit_id``, or
+    null; ``at``: the step's time), per checkpoint's worth of
     refusals (``refused``: partition, offset, sample id or null, reason), and one per fresh start or rebase
     (``rebase``: step, the version the weights restart from).
     Lines are buffered and written, fsynced, just before the checkpoint that makes them true, tagged with that
@@ -49,13 +50,21 @@ class Ledger:
         return any("rebase" not in line for line in self._buf)
 
     def trained(
-        self, step: int, records: list[tuple[int, int, str]], feedback: list[tuple[str, float]] | None = None
+        self,
+        step: int,
+        records: list[tuple[int, int, str]],
+        feedback: list[tuple[str, float]] | None = None,
+        units: list[str | None] | None = None,
     ) -> None:
         """Step ``step`` trained ``records`` (partition, offset, sample id); ``feedback``: each record's feedback id
-        and feedback time, in the same order (``liverl lineage``). The line carries the step's time (``at``)."""
+        and feedback time, in the same order (``liverl lineage``); ``units``: each record's user (its unit id, None
+        without one), in the same order (``liverl forget``: which versions trained on a user). The line carries the
+        step's time (``at``)."""
         line: dict = {"step": step, "at": round(time.time(), 3), "trained": records}
         if feedback is not None:
             line["feedback"] = feedback
+        if units is not None:
+            line["units"] = units
         self._buf.append(line)
 
     def rebased(self, step: int, onto: int) -> None:

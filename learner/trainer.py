@@ -35,6 +35,7 @@ from core.bus import ensure_topics, make_consumer, topic_configs
 from core.config import LiverlConfig
 from core.probes import STALL_S, LoopWatch, start_probe_server
 from core.services import kafka_bootstrap, setup_redis
+from core.shred import open_user_keys
 from deploy.registry.delta import warm_up
 from deploy.registry.registry import RegistryError, open_registry
 from learner import dist as ldist
@@ -96,6 +97,7 @@ class Learner:
             self.ckpt_path, self.topic, self.lcfg, self.trainer, self.ledger, self.seen, self.ckpts
         )
         self.admission = Admission(self.lcfg, self.topic, self.state, self.trainer, self.ledger, self.seen)
+        self.admission.user_keys = open_user_keys(cfg)  # opens sealed samples (core.shred); None: none to open
         self.candidates = Candidates(cfg, self.state, self.trainer, registry, redis, self.ledger, self.admission)
         self.last_metrics: dict[str, float] = {}  # the last update's
         self.last_hops: dict[str, float] = {}  # the last batch's hop times (``Admission.hops``)
@@ -191,7 +193,10 @@ class Learner:
     def _update(self) -> bool:
         """Train on the oldest full batch; True when the weights changed."""
         st = self.state
-        batch = self.admission.take_batch()
+        batch, forgotten = self.admission.still_known(self.admission.take_batch())  # a fresh look at users' keys
+        if not batch:
+            self.admission.advance(forgotten)
+            return False
         samples = [e[2] for e in batch]
         self.last_hops = self.admission.hops(batch)
         t0 = time.monotonic()
@@ -208,9 +213,10 @@ class Learner:
                 st.step + 1,
                 [(part, off, s.sample_id) for part, off, s in batch],
                 feedback=[(s.feedback_id, s.ts_feedback) for _, _, s in batch],
+                units=[s.unit for _, _, s in batch],  # whose samples (liverl forget: the versions that hold them)
             )
             self.admission.trained(batch)
-        self.admission.advance(batch)
+        self.admission.advance(batch + forgotten)
         if m is None:
             return False
         st.step += 1
@@ -331,6 +337,8 @@ class Learner:
             self.publish("stopped")
             self._consumer.close(autocommit=False)
             self._consumer = None
+            if self.admission.user_keys is not None:
+                self.admission.user_keys.close()
         return self.stats()
 
     def _backlog_shown(self) -> tuple[int, float]:

@@ -125,6 +125,23 @@ def cmd_release_prefix(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_forget(args: argparse.Namespace) -> int:
+    from liverl.ops import forget_cmd
+
+    cfg = cfg_from_args(args)
+    if args.status:
+        return forget_cmd.cmd_status(
+            cfg, args.status, follow=not args.no_follow, timeout_s=args.timeout, as_json=args.json
+        )
+    if args.report:
+        if not args.user:
+            raise ValueError("--report needs the USER whose versions to list")
+        return forget_cmd.cmd_report(cfg, args.user, is_unit=args.unit, ledger=args.ledger, as_json=args.json)
+    return forget_cmd.cmd_forget(
+        cfg, args.user, args.reason, operator_token(args), is_unit=args.unit, resume=args.resume, ledger=args.ledger
+    )
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
     from deploy.registry.registry import open_registry
     from liverl.ops.audit import print_report, run_audit
@@ -188,6 +205,7 @@ def register(sub) -> None:
     _add_rollout(sub)
     _add_gc(sub)
     _add_release(sub)
+    _add_forget(sub)
     _add_accounts(sub)
 
 
@@ -373,6 +391,51 @@ def _add_release(sub) -> None:
     s.add_argument("--dry-run", action="store_true", help="only print what was found and whether it would release")
     add_token_arg(s)
     s.set_defaults(fn=cmd_release_prefix)
+
+
+FORGET_HELP = """\
+Forget a user: destroy their data key (what was sealed under it, their samples included, can no longer be opened),
+delete their per-user sums in Redis, find which versions trained on their samples (the learner's ledger), and offer
+the newest version that was stable once and did not. What is done with the offer is the product's policy,
+forget.policy: report (default: nothing changes what is served; the report names the versions and the rollback that
+would serve one without them), rollback (the registry's audited rollback to it, signed and announced by the gate), or
+retrain (marked for an operator). Each step is saved as it ends: an erasure killed at any point is finished by
+`liverl forget --resume`, by the next `liverl forget`, or by the gate's loop.
+
+USER is the user key the product sends (X-Liverl-User, or the OpenAI `user` field); liverl keeps only its unit id
+(core.fleet.unit_id; --unit takes that id instead). A user of whom nothing is held (no key, no trained sample, no
+sums), or one already forgotten, changes nothing; the attempt is audited all the same. Forgetting needs an operator
+token and a --reason. Run it where the learner runs (its ledger is in the state dir), or pass --ledger.
+
+  liverl forget alice@example.com --reason "GDPR request #812"
+  liverl forget --status er-3f9a0c1d2e4b5a69        # follows it to done (the product's erasures too)
+  liverl forget --report alice@example.com --json    # which versions trained on alice, now
+  liverl forget --resume                             # finish erasures a crash left unfinished
+The product files erasures itself with POST /v1/erasures on ingest (the product key), or liverl_sdk.ErasureClient.
+"""
+
+
+def _add_forget(sub) -> None:
+    s = sub.add_parser(
+        "forget",
+        help="forget a user (audited): destroy their key and sums, report the versions that trained on them",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=FORGET_HELP,
+        epilog=ADMIN_EPILOG,
+    )
+    s.add_argument("user", nargs="?", metavar="USER", help="the user key the product sends (or a unit id with --unit)")
+    s.add_argument("--reason", help="why (recorded in the audit log with who you are); needed to forget")
+    s.add_argument("--unit", action="store_true", help="USER is a unit id (16 hex digits), not a user key")
+    s.add_argument("--resume", action="store_true", help="only finish the erasures not done yet")
+    s.add_argument("--status", metavar="ID", help="follow erasure ID (er-...) until it is done")
+    s.add_argument("--no-follow", action="store_true", help="with --status: print its state once, do not wait")
+    s.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="with --status: wait at most this")
+    s.add_argument("--report", action="store_true", help="list the versions that trained on USER (changes nothing)")
+    s.add_argument("--json", action="store_true", help="with --status or --report: print JSON")
+    s.add_argument("--ledger", help="the learner's ledger file (default: beside its checkpoint in the state folder)")
+    s.add_argument("--state-dir", help="state folder of the deployment (default: state_dir = .liverl)")
+    add_token_arg(s)
+    s.set_defaults(fn=cmd_forget)
 
 
 def _add_accounts(sub) -> None:

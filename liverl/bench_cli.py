@@ -9,6 +9,7 @@ import argparse
 
 from liverl.bench import broker as bench_broker
 from liverl.bench import canary as bench_canary
+from liverl.bench import forget as bench_forget
 from liverl.bench import ingest as bench_ingest
 from liverl.bench import learn as bench_learn
 from liverl.bench import logprobs as bench_logprobs
@@ -95,6 +96,7 @@ def register(sub) -> None:
     bench_canary.add_parser(bench_sub)
     bench_learn.add_parser(bench_sub)
     bench_broker.add_parser(bench_sub)
+    bench_forget.add_parser(bench_sub)
 
 
 def add_delta_parser(bench_sub) -> argparse.ArgumentParser:

@@ -19,12 +19,12 @@ from core.services import redis_url
 from liverl.cliargs import cfg_from_args
 
 KEYS_HELP = """\
-Make every key file a deployment needs into DIR, once, each mode 0600: the announcement signing pair, the audit
-key, the product key, the routers' assignment key, and a database and a Redis password for every process (one per
-serving node: --nodes, default the names in serving.fleet). A file that exists is never overwritten: a second run
-refuses, --missing makes only what is not there yet (a new node), --rotate NAME replaces one key. Prints which
-process mounts which file and the setting that points at it. Then `liverl db roles --keys DIR --apply` and
-`liverl redis acl --keys DIR --apply` make the roles and users these passwords belong to.
+Make every key file a deployment needs into DIR, once, each mode 0600: the announcement signing pair, the audit key,
+the product key, the routers' assignment key, the users' key-encryption key (shred.key), and a database and a Redis
+password for every process (one per serving node: --nodes, default the names in serving.fleet). A file that exists
+is never overwritten: a second run refuses, --missing makes only what is not there yet (a new node), --rotate NAME
+replaces one key. Prints which process mounts which file and the setting that points at it. Then `liverl db roles
+--keys DIR --apply` and `liverl redis acl --keys DIR --apply` make the roles and users these passwords belong to.
 """
 
 LABELS = {
@@ -200,7 +200,7 @@ def register(sub) -> None:
         "--rotate",
         metavar="NAME",
         help="replace one key: announce, feedback, assignment, db-<role>, redis-<role> (role: gate, learner, admin, "
-        "viewer, ingest, router, node-<name>); the audit key is never rotated",
+        "viewer, ingest, router, node-<name>); the audit key and shred.key are never rotated",
     )
     s.set_defaults(fn=cmd_keys)
 

@@ -74,6 +74,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from core.product import load_product
     from deploy.gate.gate import run_gate
     from learner.evaluate import PolicyEvaluator
+    from liverl.ops.forget import gate_chore
 
     cfg = cfg_from_args(args)
     check_bound(cfg, "gate")
@@ -82,6 +83,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         cfg,
         lambda probes: PolicyEvaluator(model_dir, suite, probes, max_probes=cfg.gate.probe_generations),
         once=args.once,
+        chores=[gate_chore] if cfg.forget.run_in_gate else [],
     )
     exit_now(0)  # its loop ended after the step in hand; the registry, Redis and the tails are closed
     return 0

@@ -15,6 +15,7 @@ reads a file and the environment into the root.
 
 from core.config.base import Section, redact_url
 from core.config.broker import BrokerConfig, TopicsConfig
+from core.config.forget import ForgetConfig
 from core.config.gate import GateConfig
 from core.config.ingest import IngestConfig, RewardConfig
 from core.config.learner import LearnerConfig
@@ -30,6 +31,7 @@ __all__ = [
     "ENV_PREFIX",
     "BrokerConfig",
     "DemoConfig",
+    "ForgetConfig",
     "GateConfig",
     "IngestConfig",
     "LearnerConfig",

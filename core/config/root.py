@@ -9,6 +9,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from core.config.base import url_with_password_file
 from core.config.broker import BrokerConfig, TopicsConfig
+from core.config.forget import ForgetConfig
 from core.config.gate import GateConfig
 from core.config.ingest import IngestConfig
 from core.config.learner import LearnerConfig
@@ -71,6 +72,11 @@ class LiverlConfig(BaseSettings):
     gate: GateConfig = Field(
         default_factory=GateConfig,
         description="The gate: the offline checks a candidate passes, and the canary that decides its promotion.",
+    )
+    forget: ForgetConfig = Field(
+        default_factory=ForgetConfig,
+        description="Forgetting a user (`liverl forget`, POST /v1/erasures): the policy for the versions that "
+        "trained on them.",
     )
     security: SecurityConfig = Field(
         default_factory=SecurityConfig,

@@ -49,6 +49,15 @@ class SecurityConfig(Section):
         "rotated). None: <state_dir>/keys/feedback.key (liverl up makes one, mode 0600); with neither, the gateway "
         "refuses feedback over HTTP (publish it to Kafka instead).",
     )
+    shred_key: str | None = Field(
+        default=None,
+        description="File holding the key-encryption key (at least 32 random bytes) that wraps each user's data key "
+        "in the registry's user_keys table (core.shred): the serving nodes seal users' text under those keys, ingest, "
+        "the learner and the gate open it, the admin role destroys a key to forget a user. Never stored in the "
+        "database, never rotated in place (a new one forgets every user). None: <state_dir>/keys/shred.key when it "
+        "exists (liverl up and liverl keys make one, mode 0600); with neither, nothing is sealed and no user can be "
+        "forgotten (each process says so at start).",
+    )
     audit_key: str | None = Field(
         default=None,
         description="File holding the secret (at least 32 bytes) that keys the audit log's chain "

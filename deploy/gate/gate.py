@@ -51,6 +51,7 @@ from core import keys
 from core.config import LiverlConfig
 from core.probes import STALL_S, LoopWatch, start_probe_server
 from core.services import kafka_bootstrap, required_signing_key, setup_redis
+from core.shred import open_user_keys
 from deploy.gate.canary import CanaryController, Deferred
 from deploy.gate.evidence import Evaluator, EvidenceChecks
 from deploy.gate.tail import PROBE_UNIT_SHARE, GenerationTail, HeldoutSample, LoggedGeneration, parse_heldout
@@ -164,6 +165,7 @@ class Gate(EvidenceChecks, WaitSteps):
         self.step_error: str | None = "no step taken yet"  # /readyz: the last step reached the registry and Redis
         self.wait = Waiting(cfg, self.metrics)  # one node: thin off-policy evidence is waited for (deploy.gate.waiting)
         self.offpolicy_look: OffpolicyLook | None = None
+        self.chores: list[Callable[[Gate], None]] = []  # run after each step with the gate (its registry, Redis)
 
     def metrics_text(self) -> bytes:
         """Gate metrics in Prometheus text format."""
@@ -185,6 +187,14 @@ class Gate(EvidenceChecks, WaitSteps):
                 self._errors.inc()
                 self.step_error = f"the last step failed: {type(e).__name__}: {e}"
                 log.exception("gate: step failed; retrying in %.1f s", self.cfg.gate.poll_s)
+            for chore in self.chores:  # e.g. the product's erasures (liverl.ops.forget); each retried next poll
+                try:
+                    chore(self)
+                except Exception:
+                    self._errors.inc()
+                    log.exception(
+                        "gate: %s failed; retrying in %.1f s", getattr(chore, "__name__", chore), self.cfg.gate.poll_s
+                    )
             stop_event.wait(self.cfg.gate.poll_s)
 
     def warm_up(self) -> None:
@@ -433,22 +443,29 @@ class Gate(EvidenceChecks, WaitSteps):
 
 
 def run_gate(
-    cfg: LiverlConfig, make_evaluator: Callable[[Callable[[], list[LoggedGeneration]]], Evaluator], once: bool = False
+    cfg: LiverlConfig,
+    make_evaluator: Callable[[Callable[[], list[LoggedGeneration]]], Evaluator],
+    once: bool = False,
+    chores: list[Callable[[Gate], None]] | None = None,
 ) -> None:
     """Entry point of ``liverl gate``: the gate loop until SIGINT/SIGTERM (``once``: one step, then return).
 
     ``make_evaluator(probes)`` builds the evaluator from a callable returning the current probe sequences
     (the command that starts the gate passes ``learner.evaluate.PolicyEvaluator`` with the product's suite).
+    ``chores``: callables run with the gate after each step of its loop (``liverl gate`` passes the runner of the
+    product's erasures, ``liverl.ops.forget.gate_chore``).
     """
     warm_up()  # the delta codec's kernels (cached on disk after the first compile)
     registry = open_registry(cfg)
     r = setup_redis(cfg, decode_responses=True)
+    user_keys = open_user_keys(cfg)  # sealed records open only at use, by a fresh look-up (core.shred)
     tail = GenerationTail(
         kafka_bootstrap(cfg),
         cfg.topics.generations,
         cfg.gate.probe_generations,
         broker=cfg.broker,
         unit_share=PROBE_UNIT_SHARE,  # the heaviest users do not choose the probes
+        keys=user_keys,
     ).start()
     heldout = (
         GenerationTail(
@@ -459,6 +476,7 @@ def run_gate(
             parse=parse_heldout,
             young_s=cfg.gate.revert_horizon_s,
             judged_at=lambda h: h.judged_at,
+            keys=user_keys,
         ).start()
         if cfg.gate.heldout_samples
         else None
@@ -467,6 +485,7 @@ def run_gate(
     try:
         key = required_signing_key(cfg)  # none: ValueError, unless security.allow_unsigned (then said loudly)
         gate = Gate(cfg, registry, r, make_evaluator(tail), signer=Signer(key) if key else None, heldout=heldout)
+        gate.chores = list(chores or [])
         log.info("gate: announcements %s", f"signed with {key}" if key else "unsigned (no security.signing_key)")
         if cfg.gate.metrics_port and not once:
             server = start_probe_server(
@@ -490,3 +509,5 @@ def run_gate(
             heldout.close()
         r.close()
         registry.close()
+        if user_keys is not None:
+            user_keys.close()

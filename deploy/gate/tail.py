@@ -2,6 +2,10 @@
 topic (the off-policy check's samples), and the records it keeps.
 
 The tail reads without a consumer group and never commits, so any number of gates can tail the same topic.
+
+Sealed records (``core.shred``) stay sealed in the tail: each call opens what it returns with a fresh look-up of the
+users' keys (one query), and drops for good the records of a user whose key is gone, so a forgotten user's text
+reaches no later probe or off-policy estimate.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from kafka import TopicPartition
 from core.bus import make_reader
 from core.config import BrokerConfig
 from core.schemas import GenerationRecord, TrainingSample, WireError
+from core.shred import SealError, UserKeys, open_sealed
 
 log = logging.getLogger("liverl.gate")
 
@@ -32,6 +37,7 @@ class LoggedGeneration(NamedTuple):
     prompt_ids: tuple[int, ...]
     completion_ids: tuple[int, ...]
     unit: str | None = None  # the pseudonymous user it was served to (``GenerationRecord.unit``)
+    sealed: str | None = None  # its token ids sealed under the user's key (the ids empty until opened)
 
 
 class HeldoutSample(NamedTuple):
@@ -47,6 +53,8 @@ class HeldoutSample(NamedTuple):
     generation_id: str
     judged_at: float
     kind: str
+    unit: str | None = None
+    sealed: str | None = None  # its token ids sealed under the user's key (the ids empty until opened)
 
 
 def _plain_sampling(s) -> bool:
@@ -66,6 +74,8 @@ def _plain_sampling(s) -> bool:
 
 def parse_generation(raw: bytes) -> LoggedGeneration | None:
     g = GenerationRecord.from_bytes(raw)
+    if g.trainable and g.sealed is not None and g.completion_logprobs:
+        return LoggedGeneration((), (), g.unit, g.sealed)
     if g.trainable and g.prompt_token_ids and g.completion_token_ids:
         return LoggedGeneration(tuple(g.prompt_token_ids), tuple(g.completion_token_ids), g.unit)
     return None
@@ -73,7 +83,8 @@ def parse_generation(raw: bytes) -> LoggedGeneration | None:
 
 def parse_heldout(raw: bytes) -> HeldoutSample | None:
     s = TrainingSample.from_bytes(raw)
-    if not (s.prompt_token_ids and s.completion_token_ids and _plain_sampling(s.sampling)):
+    sealed = s.sealed is not None and bool(s.behaviour_logprobs)
+    if not ((sealed or (s.prompt_token_ids and s.completion_token_ids)) and _plain_sampling(s.sampling)):
         return None
     return HeldoutSample(
         tuple(s.prompt_token_ids),
@@ -83,7 +94,35 @@ def parse_heldout(raw: bytes) -> HeldoutSample | None:
         s.generation_id,
         float(s.ts_feedback),
         s.kind,
+        s.unit,
+        s.sealed,
     )
+
+
+def open_items(keys: UserKeys | None, items: list) -> tuple[list, set[str]]:
+    """``items`` (``LoggedGeneration`` or ``HeldoutSample``) with the sealed ones opened, by one look-up of their
+    users' keys: (the items whose text is readable, opened; the units whose key is gone). A sealed item with no key to
+    open it (this process has no key-encryption key) or that does not open is left out."""
+    units = {i.unit for i in items if i.sealed is not None}
+    if not units:
+        return items, set()
+    found = keys.keys_for(units) if keys is not None else {}
+    out = []
+    for i in items:
+        if i.sealed is None:
+            out.append(i)
+            continue
+        key = found.get(i.unit)
+        if key is None:
+            continue
+        try:
+            text = open_sealed(key, i.unit, i.sealed)
+        except SealError:
+            continue
+        prompt, completion = text.get("prompt_token_ids") or (), text.get("completion_token_ids") or ()
+        if prompt and completion:
+            out.append(i._replace(prompt_ids=tuple(prompt), completion_ids=tuple(completion), sealed=None))
+    return out, (units - set(found)) if keys is not None else set()
 
 
 class GenerationTail:
@@ -103,6 +142,7 @@ class GenerationTail:
         judged_at: Callable[[Any], float] | None = None,
         young_cap: int = 200_000,
         unit_share: float = 0.0,
+        keys: UserKeys | None = None,
     ):
         """``young_s`` (with ``judged_at``): the tail keeps ``size`` records judged more than ``young_s`` ago PLUS every
         younger one (up to ``young_cap``), so that the off-policy check, which censors what is younger than the revert
@@ -123,16 +163,33 @@ class GenerationTail:
         self._thread = threading.Thread(target=self._run, name="gate-generation-tail", daemon=True)
         self.refused = 0
         self.errors = 0
+        self.keys = keys  # users' data keys, to open sealed records at each call (core.shred); None: none
+        self.forgotten = 0  # records dropped because their user's key is gone
 
     def start(self) -> GenerationTail:
         self._thread.start()
         return self
 
     def __call__(self) -> list[Any]:
-        """The records kept, oldest first: what ``parse`` made of them (``LoggedGeneration`` by default)."""
+        """The records kept, oldest first: what ``parse`` made of them (``LoggedGeneration`` by default), sealed ones
+        opened (``open_items``), those of forgotten users dropped here and from the tail."""
         with self._lock:
             self._age()
-            return list(self._recent) + list(self._young)
+            items = list(self._recent) + list(self._young)
+        opened, gone = open_items(self.keys, items)
+        if gone:
+            self._drop(gone)
+        return opened
+
+    def _drop(self, units: set[str]) -> None:
+        """Forget every record kept of ``units`` (their keys are gone)."""
+        with self._lock:
+            before = len(self._recent) + len(self._young)
+            self._recent = collections.deque((i for i in self._recent if i.unit not in units), maxlen=self.size)
+            self._young = collections.deque((i for i in self._young if i.unit not in units), maxlen=self._young.maxlen)
+            for u in units:
+                self._units.pop(u, None)
+            self.forgotten += before - len(self._recent) - len(self._young)
 
     def _age(self) -> None:
         """Move the young records judged before now - ``young_s`` into the kept ``size`` (caller holds the lock)."""

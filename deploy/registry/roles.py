@@ -12,7 +12,13 @@ Which ``Registry`` methods each process calls, and so what its role may do (``co
 - the admin role (the operators' verbs in ``liverl.ops.admin``) does what the gate does, plus operators and ``gc``
   (a pruned version's ``blob_key``, ``snapshot_key``);
 - the viewer reads everything but the operators' table;
-- ingest and the router read only the ``deployment`` row (``liverl.stack.deployment.check_process``).
+- ingest and the router read only the ``deployment`` row (``liverl.stack.deployment.check_process``);
+- users' data keys (``user_keys``, ``core.shred``): a serving node reads and inserts them (its gateway seals each user's
+  text under the user's key, made on first use), ingest, the learner and the gate only read them (they open the
+  text), the admin role reads and deletes them (forgetting a user destroys the key) and writes the ``erasures`` that
+  record each request to forget; the viewer reads ``erasures``, never a key. Ingest inserts and reads ``erasures`` (the
+  product's ``POST /v1/erasures``); the gate, whose loop runs those requests (``liverl.ops.forget``), also deletes keys
+  and updates ``erasures``.
 
 Nobody but the owner (who ran the migrations) may delete a version, update or delete an audit entry or a served row,
 or create anything: the audit log is appended to only through ``RegistryDB.append_audit``'s ``INSERT``.
@@ -72,21 +78,27 @@ GRANTS: dict[str, dict[str, str]] = {
         "versions": "SELECT",
         "fleet": "SELECT, INSERT, UPDATE (version, checksum, updated_at)",
         "served": "SELECT, INSERT",
+        "user_keys": "SELECT, INSERT",
     },
     "learner": {
         **COMMON,
         "versions": "SELECT, INSERT",
         "counters": "SELECT, UPDATE (value)",
         "audit_log": "SELECT, INSERT",
+        "user_keys": "SELECT",
     },
-    "gate": GATE,
+    # the gate's loop runs the product's erasures (liverl.ops.forget.gate_chore): it destroys the user's key
+    "gate": {**GATE, "user_keys": "SELECT, DELETE", "erasures": "SELECT, UPDATE"},
     "admin": {
         **GATE,
         "versions": "SELECT, UPDATE (status, status_reason, promoted_at, blob_key, snapshot_key)",
         "operators": "SELECT, INSERT, UPDATE",
+        "user_keys": "SELECT, DELETE",
+        "erasures": "SELECT, INSERT, UPDATE",
     },
-    "viewer": {**COMMON, **dict.fromkeys(READ_ALL, "SELECT")},
-    "ingest": {"deployment": "SELECT"},
+    "viewer": {**COMMON, **dict.fromkeys(READ_ALL, "SELECT"), "erasures": "SELECT"},
+    # POST /v1/erasures records the product's request; GET reads it back (ingest.erasures)
+    "ingest": {"deployment": "SELECT", "user_keys": "SELECT", "erasures": "SELECT, INSERT"},
     "router": {"deployment": "SELECT"},
 }
 """Table privileges per process (a node's go to the serving group)."""

@@ -196,6 +196,34 @@ class Rollout(Base):
         )
 
 
+class UserKey(Base):
+    """One user's data key (``core.shred``): 32 random bytes wrapped (AES-GCM) under the deployment's key-encryption
+    key, which the database never holds. Everything liverl keeps of the user's text is sealed under it; deleting the
+    row (``UserKeys.destroy``) makes all of it unreadable."""
+
+    __tablename__ = "user_keys"
+
+    unit: Mapped[str] = mapped_column(sa.Text, primary_key=True, doc="core.fleet.unit_id of the user's key")
+    wrapped: Mapped[bytes] = mapped_column(sa.LargeBinary, doc="nonce + AES-GCM(key-encryption key, data key)")
+    created_at: Mapped[float] = mapped_column(sa.Float)
+
+
+class Erasure(Base):
+    """A request to forget a user (one unit) and how it ended: written by the operators' ``liverl forget``."""
+
+    __tablename__ = "erasures"
+
+    id: Mapped[str] = mapped_column(sa.Text, primary_key=True)
+    unit: Mapped[str] = mapped_column(sa.Text, index=True)
+    requested_by: Mapped[str] = mapped_column(sa.Text)
+    reason: Mapped[str] = mapped_column(sa.Text)
+    source: Mapped[str] = mapped_column(sa.Text)
+    requested_at: Mapped[float] = mapped_column(sa.Float)
+    state: Mapped[str] = mapped_column(sa.Text)
+    finished_at: Mapped[float | None] = mapped_column(sa.Float)
+    report: Mapped[str | None] = mapped_column(sa.Text)
+
+
 class Counter(Base):
     """One row per counter; the 'version' row is also the registry-wide lock for status changes."""
 
@@ -222,6 +250,7 @@ def make_engine(url: str) -> sa.Engine:
         cur.execute("PRAGMA journal_mode=WAL")
         cur.execute("PRAGMA busy_timeout=30000")
         cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA secure_delete=ON")  # a deleted row's bytes are zeroed (a destroyed user key, core.shred)
         cur.close()
 
     @event.listens_for(engine, "begin")

@@ -8,6 +8,9 @@ acknowledged by the broker, and each must end in exactly one place:
 - ``refused_by_learner:<reason>``: its sample was refused by the learner with a counted reason (stale, ...);
 - ``dead_letter:<reason>``: ingest dead-lettered it (the dead letter names the event's partition and offset);
 - ``dropped:not_trainable``: it judged a generation logged as not trainable (greedy decoding, ...);
+- ``forgotten``: it judged a sealed generation whose user's data key was destroyed before the join (``core.shred``):
+  counted, no sample (ingest's dead letter ``forgotten``, which carries none of its value). A sample of a user
+  forgotten after the join is ``refused_by_learner:forgotten``;
 - still moving, not yet a verdict: ``queued_for_learner`` (its sample is past the learner's committed offset),
   ``in_flight`` (ingest has not committed its offset), ``waiting_for_generation`` (its generation record has not
   arrived and the pending TTL has not run out);
@@ -43,6 +46,9 @@ JOINED = (
     "queued_for_learner",
     "dropped:not_trainable",
     "dead_letter:sample_too_large",
+    "forgotten",  # (joined and counted, no sample: ingest.sealing)
+    "dead_letter:unsealable",
+    "dead_letter:bad_routing",  # (a sealed generation's routing is checked when it joins)
 )
 
 
@@ -191,6 +197,8 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
                 pending_window,
             )
         )
+        if fate == "dead_letter:forgotten":
+            fate = "forgotten"
         rep.fates[fate] += 1
         if fate == "lost":
             rep.lost_examples.append(fid)

@@ -5,6 +5,7 @@ The files (``core.roles`` says which process mounts which, and the setting that 
 - ``announce.key`` / ``announce.pub``: the Ed25519 pair that signs and verifies version announcements
   (``deploy.registry.signing``);
 - ``audit.key``: the audit log's HMAC key (``deploy.registry.auditchain``);
+- ``shred.key``: the key-encryption key that wraps each user's data key (``core.shred``);
 - ``feedback.key``: the product key ``POST /v1/feedback`` takes; ``assignment.key``: the routers' secret
   (``core.credentials``);
 - ``db-<role>.password`` and ``redis-<role>.password``: each process's database role and Redis user
@@ -51,7 +52,7 @@ class KeyFile:
 def key_files(roles: Iterable[Role]) -> list[KeyFile]:
     """Every key file of a deployment whose processes are ``roles`` (``core.roles.roles``)."""
     out = [KeyFile("announce", tuple(f for f, _ in KEY_FILES["announce"]), _pair)]
-    for name in ("audit", "feedback", "assignment"):
+    for name in ("audit", "feedback", "assignment", "shred"):
         out.append(KeyFile(name, (KEY_FILES[name][0][0],), lambda: (_secret(),)))
     for role in roles:
         for service in ("db", "redis"):
@@ -120,6 +121,11 @@ def rotate_key(folder: str | os.PathLike, name: str, roles: Iterable[Role]) -> K
     not made yet."""
     folder = Path(folder)
     plan = {kf.name: kf for kf in key_files(roles)}
+    if name == "shred":
+        raise ValueError(
+            "the key-encryption key is not rotated in place: every user's data key in the registry is wrapped under "
+            "it, so a new one would forget every user at once (core.shred)"
+        )
     if name == "audit":
         raise ValueError(
             "the audit key is not rotated: every keyed audit entry is chained under it, so a new key makes the whole "

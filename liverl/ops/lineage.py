@@ -69,6 +69,8 @@ class LedgerView:
     feedback: dict[str, TrainedFeedback] = field(default_factory=dict)
     lines: int = 0
     unreadable: int = 0
+    of_unit: list[TrainedFeedback] = field(default_factory=list)  # read_ledger(unit=...): that user's samples
+    without_units: int = 0  # trained lines that do not say whose samples they trained (older ledgers)
 
 
 def _ledger_lines(path: Path) -> Iterator[dict | None]:
@@ -89,8 +91,9 @@ def _ledger_lines(path: Path) -> Iterator[dict | None]:
                 yield got if isinstance(got, dict) else None
 
 
-def read_ledger(path: Path, want: str | None = None) -> LedgerView:
-    """The ledger's segments and steps, and its trained feedback events (all, or only ``want``)."""
+def read_ledger(path: Path, want: str | None = None, unit: str | None = None) -> LedgerView:
+    """The ledger's segments and steps, and its trained feedback events (all, or only ``want``). ``unit``: only that
+    user's samples are kept, in ``of_unit`` (and no feedback events)."""
     view = LedgerView()
     for line in _ledger_lines(Path(path)):
         view.lines += 1
@@ -107,6 +110,16 @@ def read_ledger(path: Path, want: str | None = None) -> LedgerView:
         view.step_segment[step] = seg
         if line.get("at") is not None:
             view.step_at[step] = float(line["at"])
+        if unit is not None:
+            units = line.get("units")
+            if units is None:
+                view.without_units += 1
+                continue
+            fbs = line.get("feedback") or [("", 0.0)] * len(units)
+            for (_, _, sid), (fid, ts), u in zip(line["trained"], fbs, units, strict=False):
+                if u == unit:
+                    view.of_unit.append(TrainedFeedback(fid, sid, float(ts), step, line.get("at"), seg))
+            continue
         for (_, _, sid), (fid, ts) in zip(line["trained"], line.get("feedback") or (), strict=False):
             if want is None or fid == want:
                 view.feedback[fid] = TrainedFeedback(fid, sid, float(ts), step, line.get("at"), seg)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, SecretStr
 from core import keys, procs
 from core.config import LiverlConfig
 from core.services import LiverlError, signing_key_path, verify_key_path
+from core.shred import ensure_kek
 from deploy.registry.auditchain import ensure_audit_key
 from deploy.registry.signing import Signer, announce, generate_keypair
 from learner.model import load_state_dict
@@ -147,6 +148,7 @@ def ensure_keys(cfg: LiverlConfig) -> None:
         generate_keypair(cfg.state_path / "keys")
 
     ensure_audit_key(cfg)  # the audit log's HMAC key, <state_dir>/keys/audit.key (0600) unless configured
+    ensure_kek(cfg)  # the users' key-encryption key, <state_dir>/keys/shred.key (0600) unless configured
 
 
 def init_registry(cfg: LiverlConfig, model_dir: Path, redis) -> int:

@@ -1,5 +1,6 @@
 """liverl's client for products: publish a user's judgement of a generation (``FeedbackClient``), with the wire
-contract it is checked against (``liverl_sdk.wire``). It installs without the server's dependencies.
+contract it is checked against (``liverl_sdk.wire``); ask liverl to forget a user (``ErasureClient``, HTTP, stdlib
+only). It installs without the server's dependencies.
 
     from liverl_sdk import FeedbackClient
 
@@ -8,6 +9,7 @@ contract it is checked against (``liverl_sdk.wire``). It installs without the se
 """
 
 from liverl_sdk.client import DeliveryError, FeedbackClient
+from liverl_sdk.erasures import ErasureClient, ErasureError
 from liverl_sdk.wire import FeedbackEvent, WireError
 
-__all__ = ["DeliveryError", "FeedbackClient", "FeedbackEvent", "WireError"]
+__all__ = ["DeliveryError", "ErasureClient", "ErasureError", "FeedbackClient", "FeedbackEvent", "WireError"]

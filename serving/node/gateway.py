@@ -138,6 +138,7 @@ class Gateway:
         self._ids = random.Random(os.urandom(32))  # generation ids: 128 random bits, no syscall per id
         self.metrics = GatewayMetrics()
         self.records: GenerationLog | None = None  # the generation log, once the producer has started
+        self.user_keys = None  # core.shred.UserKeys, once started with a key-encryption key
         self.feedback_route = FeedbackRoute(cfg, lambda: self.producer, self.metrics.m_feedback, feedback_wait_s)
         self.app = self._make_app()
 
@@ -185,12 +186,30 @@ class Gateway:
             self.metrics,
             self.log_wait_s,
             max_bytes=self.cfg.ingest.max_event_bytes,
+            keys=self._key_cache(),
         )
+
+    def _key_cache(self):
+        """The users' data keys (``core.shred``), when the node has the key-encryption key; None (logged) else."""
+        from core.shred import KeyCache, UserKeys, load_kek  # noqa: PLC0415 (cryptography, sqlalchemy: at start)
+
+        kek = load_kek(self.cfg)
+        if kek is None:
+            log.warning(
+                "no key-encryption key (security.shred_key): users' text is logged unsealed, and a user cannot be "
+                "forgotten from the topics"
+            )
+            return None
+        self.user_keys = UserKeys(self.cfg.registry_url, kek)
+        return KeyCache(self.user_keys)
 
     async def close(self) -> None:
         if self.producer is not None:
             producer, self.producer, self.records = self.producer, None, None
             await producer.close()
+        if self.user_keys is not None:
+            self.user_keys.close()
+            self.user_keys = None
 
     def swap_begin(self) -> int:
         """Called by the agent before it pauses the engine; returns the requests in flight now."""

@@ -10,6 +10,12 @@ answers would silently never count nor train. Such a record is logged without it
 untrainable with reason ``too_large`` and its length in ``completion_tokens``: ingest joins its feedback, counts the
 judgement for its version (the canary's arms, at its true length) and counts the sample it cannot make
 (``drop:too_large``).
+
+A record with a unit (the request named its user) is sealed under the user's data key (``core.shred``) before it is
+logged, when the node has the deployment's key-encryption key (``security.shred_key``): the topic, ingest's join
+store and everything downstream hold only the sealed text, which destroying the key makes unreadable. The keys come
+from a bounded in-process cache (``KeyCache``): the registry is read once per user per ``KEY_TTL_S``. A record that
+cannot be sealed is not logged (counted as a log failure), never logged in plain text.
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import sqlalchemy as sa
+
 from core.schemas import GenerationRecord
+from core.shred import KeyCache, seal_record
 from serving.node import openai_api as oa
 from serving.node.gateway_metrics import GatewayMetrics
 from serving.node.producer import AsyncProducer
@@ -46,10 +55,11 @@ def too_large(record: GenerationRecord) -> GenerationRecord:
             "completion_token_ids": [],
             "completion_logprobs": [],
             "routed_experts": None,
+            "sealed": None,
             "version_spans": None if record.version_spans is None else [],  # mixed or unknown: no version claims it
             "trainable": False,
             "untrainable_reason": "too_large",
-            "completion_tokens": len(record.completion_token_ids),
+            "completion_tokens": len(record.completion_logprobs),  # (one a token; a sealed record has no ids)
         }
     )
 
@@ -66,8 +76,10 @@ class GenerationLog:
         metrics: GatewayMetrics,
         wait_s: float,
         max_bytes: int | None = None,
+        keys: KeyCache | None = None,
     ):
         self.producer, self.topic, self.node_name = producer, topic, node_name
+        self.keys = keys  # users' data keys: a record with a unit is sealed (None: no key-encryption key)
         self.max_bytes = max_bytes  # ingest.max_event_bytes: a larger record is logged without its token lists
         self.max_model_len = max_model_len  # the node's context length: a record's max_tokens when none was asked
         self.metrics = metrics
@@ -120,6 +132,8 @@ class GenerationLog:
                 latency_s=latency_s,
                 unit=unit,
             )
+            if unit is not None and self.keys is not None:
+                record = seal_record(self.keys.get(unit), record)
             raw = record.to_bytes()
             if self.max_bytes is not None and len(raw) > self.max_bytes:
                 log.warning(
@@ -132,7 +146,8 @@ class GenerationLog:
                 reason = "too_large"
                 raw = too_large(record).to_bytes()
             ack = self.producer.produce(self.topic, generation_id, raw)
-        except (ValueError, TypeError, BufferError) as e:  # a malformed node response, or Kafka refused: count, serve
+        # a malformed node response, Kafka refused, or the user's key could not be read: count, serve
+        except (ValueError, TypeError, BufferError, sa.exc.SQLAlchemyError) as e:
             m.m_log_fail.inc()
             log.error("generation %s not logged: %s", generation_id, e)
             return None

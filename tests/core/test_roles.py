@@ -130,6 +130,8 @@ def test_ingest_counts_the_gate_announces_and_reads_the_evidence(acl, tmp_path):
     assert head.advance(b"k" * 32, 1, "m" * 64) and head.read().seq == 1
     refused(gate.hincrby, keys.live(p, 3), "accept", 1)  # the evidence is ingest's to write
     refused(gate.hset, keys.units(p, 3, 100), "u1|a", 9)
+    refused(gate.hdel, keys.live(p, 3), "accept")
+    assert gate.hdel(keys.units(p, 3, 100), "u1|a", "u1|e") == 2  # an erasure (liverl.ops.forget): HDEL alone
     refused(gate.set, keys.served(p, "node-a"), b"{}")
     refused(gate.set, keys.learner_hold(p), "1")
 

@@ -33,8 +33,8 @@ PREVIOUS = {
     ),
 }
 ADDED = {
-    GenerationRecord: ("completion_tokens", "routed_experts"),
-    TrainingSample: ("ts_joined", "routed_experts"),
+    GenerationRecord: ("completion_tokens", "routed_experts", "sealed"),
+    TrainingSample: ("ts_joined", "routed_experts", "unit", "sealed"),
     VersionAnnouncement: ("seq",),
 }
 

@@ -14,7 +14,7 @@ import redis
 from core.config import load_config
 from liverl.cli import main
 
-SHARED = {"announce.key", "announce.pub", "audit.key", "feedback.key", "assignment.key"}
+SHARED = {"announce.key", "announce.pub", "audit.key", "feedback.key", "assignment.key", "shred.key"}
 PROCESSES = ("gate", "learner", "admin", "viewer", "ingest", "router")
 
 
@@ -25,6 +25,7 @@ def contents(folder: Path) -> dict[str, bytes]:
 def test_keys_are_made_once_mode_0600_and_work_where_they_are_mounted(tmp_path, capsys):
     from core.credentials import load_assignment_key, load_feedback_keys
     from core.schemas import VersionAnnouncement
+    from core.shred import load_kek
     from deploy.registry.auditchain import load_audit_key
     from deploy.registry.signing import Signer, Verifier
 
@@ -46,6 +47,7 @@ def test_keys_are_made_once_mode_0600_and_work_where_they_are_mounted(tmp_path, 
         security__feedback_key=str(folder / "feedback.key"),
     )
     assert len(load_audit_key(cfg)) >= 32 and len(load_assignment_key(cfg)) >= 16 and len(load_feedback_keys(cfg)) == 1
+    assert len(load_kek(load_config(env={}, security__shred_key=str(folder / "shred.key")))) == 32
     ann = VersionAnnouncement(version=1, checksum="c" * 64, reason="r", ts=1.0, prefix="p", expires_at=2e9)
     Verifier(folder / "announce.pub").verify(Signer(folder / "announce.key").sign(ann))
 
@@ -82,6 +84,8 @@ def test_rotate_replaces_only_the_key_named_and_never_the_audit_key(tmp_path, ca
     final = contents(folder)
     assert main(["keys", str(folder), "--rotate", "audit"]) == 2
     assert "the audit key is not rotated" in capsys.readouterr().err
+    assert main(["keys", str(folder), "--rotate", "shred"]) == 2  # a new one would forget every user
+    assert "forget every user at once" in capsys.readouterr().err
     assert main(["keys", str(folder), "--rotate", "db-nobody"]) == 2
     assert contents(folder) == final
     (folder / "announce.pub").unlink()

@@ -172,7 +172,9 @@ def test_the_real_learner_records_what_lineage_needs(cfg, tmp_path):
     model_dir = ensure_base_policy(model_cache(), seed=0, progress=False)
     cfg = learner_cfg(cfg, batch_size=16, candidate_every_steps=1)
     samples = make_samples(load_model(model_dir), 64, seed=7)
+    samples = [s.model_copy(update={"unit": f"{i % 5:016x}" if i % 5 else None}) for i, s in enumerate(samples)]
     fid_of = {s.sample_id: s.feedback_id for s in samples}
+    unit_of = {s.sample_id: s.unit for s in samples}
     produce_samples(cfg, samples)
     reg = make_registry(cfg, model_dir)
     led = ledger_path(checkpoint_path_for(cfg))
@@ -209,6 +211,14 @@ def test_the_real_learner_records_what_lineage_needs(cfg, tmp_path):
         assert fourth["versions"] == [v4] and fourth["served"]["version"] == v4
         s = latency_summary(led, reg)
         assert (s["trained"], s["served"], s["dropped_by_rebase"]) == (64, 48, 16)
+        lines = [x for x in Ledger.read(led) if "trained" in x]
+        assert all(x["units"] == [unit_of[sid] for _, _, sid in x["trained"]] for x in lines)  # whose samples
+        from liverl.ops.forget import lineage
+
+        for u in ("0000000000000001", "0000000000000003"):  # liverl forget: the union of its feedback's versions
+            fids = [fid_of[sid] for sid, uu in unit_of.items() if uu == u]
+            want = sorted({v for f in fids for v in trace(f, led, reg)["versions"]})
+            assert [v["version"] for v in lineage(u, led, reg)["versions"]] == want
     finally:
         reg.close()
 

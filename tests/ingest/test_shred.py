@@ -1,0 +1,117 @@
+"""Forgetting a user by destroying their data key (``core.shred``), through the real ``liverl ingest`` on an embedded
+broker that keeps its topics in a folder: the user's text is sealed everywhere liverl keeps it, their samples open
+only while the key exists, and after the key is destroyed a search of every byte of the broker's folder, the join
+store (and its changelog topic, in that folder) and the registry's database finds none of it, while another user's
+text still flows."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from core.bus import feedback_client
+from core.config import load_config
+from core.credentials import write_secret
+from core.schemas import DeadLetter, TrainingSample
+from core.shred import UserKeys, load_kek, open_samples, seal_record
+from deploy.registry.regdb import RegistryDB
+from tests.conftest import free_port
+from tests.ingest.conftest import IngestHarness, ingest_config, make_generation, new_gid
+
+A, B = "a1a1a1a1a1a1a1a1", "b2b2b2b2b2b2b2b2"
+A_PROMPT, A_COMPLETION, A_EDIT = "ZEBRA-PROMPT-7731", "QUOKKA-COMPLETION-5512", "NARWHAL-EDIT-9043"
+B_PROMPT = "OKAPI-PROMPT-2208"
+A_IDS = [90001, 90002, 90003, 90004, 90005, 90006]  # distinctive token ids: their JSON is searched for too
+
+
+def every_byte(*folders: Path) -> list[tuple[Path, bytes]]:
+    return [(p, p.read_bytes()) for d in folders for p in sorted(d.rglob("*")) if p.is_file()]
+
+
+def found(needle: str, files: list[tuple[Path, bytes]]) -> list[str]:
+    n = needle.encode()
+    return [str(p) for p, data in files if n in data]
+
+
+@pytest.fixture
+def folder_stack(tmp_path):
+    """An embedded broker of this test's own, keeping its topics in <state>/broker (the default storage)."""
+    from liverl.stack.stack import start_stack
+
+    cfg = load_config(
+        env={},
+        state_dir=str(tmp_path / "stack"),
+        broker__embedded_port=free_port(),
+        redis__url="redis://127.0.0.1:6379/0",
+    )
+    assert cfg.broker.embedded_storage == "folder"
+    st = start_stack(cfg)
+    yield st, tmp_path / "stack" / "broker"
+    st.close()
+
+
+def test_a_forgotten_users_text_is_nowhere_and_another_users_still_flows(folder_stack, tmp_path):
+    st, broker_dir = folder_stack
+    state = tmp_path / "state"
+    cfg = ingest_config(st, state)
+    write_secret(state / "keys" / "shred.key")
+    db = RegistryDB(cfg.registry_url)  # migrated: the user_keys table
+    keys = UserKeys(db, load_kek(cfg))
+    h = IngestHarness(cfg, tmp_path)
+    try:
+        h.start_worker()
+
+        def sealed_generation(unit: str, prompt: str, ids: list[int] | None = None):
+            rec = make_generation(new_gid(), 7).model_copy(
+                update={"unit": unit, "prompt": prompt, "completion": f"{prompt}-ANSWER"}
+            )
+            if ids is not None:
+                rec = rec.model_copy(update={"prompt_token_ids": ids, "completion": A_COMPLETION})
+            return seal_record(keys.key_for(unit), rec)
+
+        a1, b1 = sealed_generation(A, A_PROMPT, A_IDS), sealed_generation(B, B_PROMPT)
+        a2, b2 = sealed_generation(A, A_PROMPT, A_IDS), sealed_generation(B, B_PROMPT)
+        plain = make_generation(new_gid(), 7)  # no unit: no one to forget, logged and joined as it is
+        for rec in (a1, b1, a2, b2, plain):
+            sealed = rec.sealed and not rec.prompt_token_ids and A_PROMPT.encode() not in rec.to_bytes()
+            assert rec.unit is None or sealed
+            h.send_generation(rec)
+        with feedback_client(cfg) as sdk, h.tail("samples") as samples:
+            sdk.edit(a1.generation_id, A_EDIT)
+            sdk.accept(b1.generation_id)
+            sdk.accept(plain.generation_id)
+            got = samples.wait_for(samples.keys({a1.generation_id, b1.generation_id, plain.generation_id}), n=3)
+            by_gid = {r.key.decode(): TrainingSample.from_bytes(r.value) for r in got}
+            sa = by_gid[a1.generation_id]
+            assert sa.unit == A and sa.sealed and sa.edited_text is None and sa.prompt_token_ids == []
+            assert by_gid[plain.generation_id].sealed is None and by_gid[plain.generation_id].prompt_token_ids
+            opened, gone = open_samples(keys, [sa, by_gid[b1.generation_id]])
+            assert gone == [] and opened[0].prompt_token_ids == A_IDS and opened[0].edited_text == A_EDIT
+
+            assert keys.destroy(A)  # forget A
+            with h.tail("dead_letters") as dead:
+                sdk.accept(a2.generation_id)  # joined after the forget: no sample, dead-lettered `forgotten`
+                sdk.accept(b2.generation_id)
+                letter = DeadLetter.from_bytes(dead.wait_for(lambda r: b'"forgotten"' in r.value)[0].value)
+            assert letter.reason == "forgotten" and letter.value == "" and letter.source_topic == cfg.topics.feedback
+            (b2s,) = samples.wait_for(samples.keys({b2.generation_id}))
+            samples.poll()
+            assert not samples.matching(samples.keys({a2.generation_id}))
+            opened, gone = open_samples(keys, [TrainingSample.from_bytes(b2s.value), sa])
+            assert [s.unit for s in opened] == [B] and [s.unit for s in gone] == [A]  # B flows; A's sample is gone
+        assert h.counters().get("dlq:forgotten") == 1
+        assert h.worker.stop(signal.SIGTERM) == 0  # the join store flushed to its files
+        h.worker = None
+    finally:
+        h.close()
+        keys.close()
+        db.close()
+    st.close()  # the broker's folder as it is left
+
+    files = every_byte(broker_dir, state / "ingest") + [(p, p.read_bytes()) for p in state.glob("registry.db*")]
+    assert found(A_EDIT, files), "control: the plain edit sent to the feedback topic is in the broker's folder"
+    assert all("feedback" in p for p in found(A_EDIT, files)), found(A_EDIT, files)  # only there (docs/forget.md)
+    for needle in (A_PROMPT, A_COMPLETION, B_PROMPT, ",".join(map(str, A_IDS))):
+        assert not found(needle, files), needle
