@@ -210,10 +210,9 @@ class UserKeys:
         if unit in found or not create:
             return found.get(unit)
         row = {"unit": unit, "wrapped": self._wrapped(unit, os.urandom(KEY_BYTES)), "created_at": time.time()}
-        if self._sqlite:
-            from sqlalchemy.dialects.sqlite import insert  # noqa: PLC0415
-        else:
-            from sqlalchemy.dialects.postgresql import insert  # noqa: PLC0415
+        from sqlalchemy.dialects import postgresql, sqlite  # noqa: PLC0415
+
+        insert: Any = sqlite.insert if self._sqlite else postgresql.insert
         with self._writer.begin() as c:
             c.execute(insert(_TABLE).values(**row).on_conflict_do_nothing(index_elements=["unit"]))
             wrapped = c.execute(sa.select(_TABLE.c.wrapped).where(_TABLE.c.unit == unit)).scalar_one()
@@ -225,7 +224,7 @@ class UserKeys:
         wanted = sorted({u for u in units if u})
         if not wanted:
             return {}
-        rows = []
+        rows: list[Any] = []
         with self.engine.connect() as c:
             for i in range(0, len(wanted), _IN_MAX):  # (one query unless a batch names more units than that)
                 part = wanted[i : i + _IN_MAX]
@@ -320,7 +319,13 @@ RECORD_TEXT = ("prompt", "completion", "prompt_token_ids", "completion_token_ids
 is a function of the token alone, so it decodes to tokens.)"""
 SAMPLE_TEXT = ("prompt_token_ids", "completion_token_ids", "routed_experts", "edited_text")
 """What a sealed ``TrainingSample`` carries only sealed."""
-_EMPTY = {"prompt": "", "completion": "", "prompt_token_ids": [], "completion_token_ids": [], "routed_experts": None}
+_EMPTY: dict[str, Any] = {
+    "prompt": "",
+    "completion": "",
+    "prompt_token_ids": [],
+    "completion_token_ids": [],
+    "routed_experts": None,
+}
 
 
 def seal_record(key: bytes, rec):

@@ -327,8 +327,11 @@ class Decider:
                     "a sealed generation and no key-encryption key to open it: set security.shred_key to the "
                     "deployment's shred.key"
                 )
-            key = self.keys.get(unit)
-            if key is None:
+            key = self.keys.get(unit) if isinstance(unit, str) else None
+            if not isinstance(unit, str):  # (the gateway seals only what names its user)
+                self.emitter.dead(out, "unsealable", f"generation {gid}: sealed without its unit", fb_src or src, None)
+                rec = {**rec, "x": "unsealable"}
+            elif key is None:
                 rec = {**rec, "x": "forgotten"}
             else:
                 try:
