@@ -125,7 +125,14 @@ def read_node_key(cfg: LiverlConfig, port: int | None = None) -> str:
 
 
 def node_command(
-    model_dir: Path, host: str, port: int, device: str, max_num_seqs: int, max_model_len: int, kv_cache_bytes: int
+    model_dir: Path,
+    host: str,
+    port: int,
+    device: str,
+    max_num_seqs: int,
+    max_model_len: int,
+    kv_cache_bytes: int,
+    record_routing: bool = False,
 ) -> list[str]:
     cmd = [
         sys.executable,
@@ -168,6 +175,8 @@ def node_command(
     ]
     if device == "cpu":
         cmd.append("--enforce-eager")
+    if record_routing:  # a cached prompt block is not routed again: its positions would have no routing
+        cmd.append("--no-enable-prefix-caching")
     return cmd
 
 
@@ -288,7 +297,9 @@ def start_node(
 
     host, port = cfg.serving.node_host, port or cfg.serving.vllm_port
     kv = kv_cache_bytes or (256 << 20 if device == "cpu" else 1 << 30)
-    cmd = node_command(model_dir, host, port, device, cfg.serving.max_num_seqs, max_model_len, kv)
+    cmd = node_command(
+        model_dir, host, port, device, cfg.serving.max_num_seqs, max_model_len, kv, cfg.serving.record_routing
+    )
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_file = open(log_path, "ab")
