@@ -78,12 +78,21 @@ def _redis_or_none(cfg: LiverlConfig):
     return r
 
 
+def _pair(means: dict | None, what: str) -> str:
+    """A version's sampler/trainer mismatch (``Registry.mismatch``), own routing / replayed, with the tokens."""
+    if means is None:
+        return "-"
+    parts = ["-" if means[f"{m}_{what}"] is None else f"{means[f'{m}_{what}']:.4f}" for m in ("own", "replay")]
+    return f"{parts[0]} / {parts[1]} ({means['own_tokens']:,} tok)"
+
+
 def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str):
     rows = reg.list(limit=limit)
     scores: dict[int, dict[str, float]] = {}
     for g in reg.gate_results():
         scores.setdefault(g.version, {})[g.check] = g.value
     live = _live(r, prefix, [v.version for v in rows]) if r is not None else {}
+    mismatch = reg.mismatch()
     served_by: dict[int, list[str]] = {}
     for node, s in (_served(r, prefix) if r is not None else {}).items():
         served_by.setdefault(s.get("version"), []).append(node)
@@ -99,6 +108,8 @@ def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str
         "KL",
         "entropy",
         "suite",
+        "|Δlogp| own / replay",
+        "KL own / replay",
         "live acceptance",
         "served by",
     ):
@@ -117,6 +128,8 @@ def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str
             "-" if sc.get("drift") is None else f"{sc['drift']:.3f}",
             "-" if sc.get("collapse") is None else f"{sc['collapse']:.2f}",
             "-" if sc.get("suite") is None else f"{sc['suite']:.3f}",
+            _pair(mismatch.get(v.version), "abs"),
+            _pair(mismatch.get(v.version), "kl"),
             cells.acceptance(live.get(v.version)),
             ",".join(served_by.get(v.version, [])) or "-",
         )
