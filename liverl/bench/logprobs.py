@@ -35,7 +35,16 @@ from core.config import LearnerConfig, load_config
 from core.schemas import TrainingSample
 from liverl.bench.subcommand import add_bench_parser
 
-DEFAULTS = {"prompts": 32, "max_tokens": 16, "seed": 0, "pairs": 4000, "rounds": 3, "batch": 16, "steps": 8}
+DEFAULTS = {
+    "prompts": 32,
+    "max_tokens": 16,
+    "seed": 0,
+    "pairs": 4000,
+    "rounds": 3,
+    "batch": 16,
+    "steps": 8,
+    "redis": "redis://127.0.0.1:6379",
+}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -60,6 +69,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=DEFAULTS["rounds"], help="ingest runs of each side (median)")
     p.add_argument("--batch", type=int, default=DEFAULTS["batch"], help="samples per timed learner update")
     p.add_argument("--steps", type=int, default=DEFAULTS["steps"], help="timed learner updates per side (median)")
+    p.add_argument(
+        "--redis", default=DEFAULTS["redis"], metavar="URL", help="the Redis ingest's join counts in (own key prefix)"
+    )
     p.add_argument("--cache", metavar="DIR", help="where test models are built (default $LIVERL_TEST_MODEL_CACHE)")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.set_defaults(fn=run)
@@ -82,6 +94,7 @@ def command_line(args: argparse.Namespace) -> str:
         ("rounds", "--rounds"),
         ("batch", "--batch"),
         ("steps", "--steps"),
+        ("redis", "--redis"),
     ):
         if getattr(args, key) != DEFAULTS[key]:
             parts += [flag, str(getattr(args, key))]
@@ -369,7 +382,7 @@ def measure(
     samples = out.pop("samples")
     if args is not None:
         out.update(costs.record_sizes(completions))
-        out.update(costs.ingest_rates(completions, load_config(env={}).redis.url, args.pairs, args.rounds))
+        out.update(costs.ingest_rates(completions, args.redis, args.pairs, args.rounds))
         out.update(costs.update_times(model_dir, samples, args.batch, args.steps))
     return out
 

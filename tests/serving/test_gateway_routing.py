@@ -44,12 +44,13 @@ def moe_node(stack, tmp_path_factory):
         serving__agent_port=free_port(),
         serving__max_num_seqs=16,
         serving__record_routing=True,
+        serving__engine_ready_timeout_s=900.0,  # a shared 2-core machine can take minutes to start the engine
     )
     generate_keypair(cfg.state_path / "keys")
     ensure_secrets(cfg)
     registry = Registry(cfg.registry_url, LocalBlobStore(cfg.blob_location))
     registry.init_base(load_state_dict(model_dir), str(model_dir))
-    serving = ServingThread(cfg, model_dir, stack.bootstrap, stack.redis_url, cfg.registry_url).start()
+    serving = ServingThread(cfg, model_dir, stack.bootstrap, stack.redis_url, cfg.registry_url).start(timeout_s=900)
     try:
         yield cfg, serving, model_dir, stack.bootstrap
     finally:
