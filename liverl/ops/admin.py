@@ -78,12 +78,32 @@ def _redis_or_none(cfg: LiverlConfig):
     return r
 
 
-def _pair(means: dict | None, what: str) -> str:
-    """A version's sampler/trainer mismatch (``Registry.mismatch``), own routing / replayed, with the tokens."""
-    if means is None:
-        return "-"
-    parts = ["-" if means[f"{m}_{what}"] is None else f"{means[f'{m}_{what}']:.4f}" for m in ("own", "replay")]
-    return f"{parts[0]} / {parts[1]} ({means['own_tokens']:,} tok)"
+def _mismatch_table(reg: Registry, versions: list[int]):
+    """Each listed version's sampler/trainer mismatch as the learner measured it on the generations it served
+    (``Registry.mismatch``): tokens, mean |Δ logp| and KL (k3) per token, own routing and replayed; None when no
+    version has one."""
+    measured = reg.mismatch()
+    rows = [(v, measured[v]) for v in versions if v in measured]
+    if not rows:
+        return None
+    t = Table(title="sampler/trainer mismatch per version (learner vs served log-probs, per token)")
+    for col in ("version", "tokens own", "|Δlogp| own", "KL own", "tokens replayed", "|Δlogp| replayed", "KL replayed"):
+        t.add_column(col, justify="right")
+
+    def num(x):
+        return "-" if x is None else f"{x:.4f}"
+
+    for v, m in rows:
+        t.add_row(
+            f"v{v}",
+            f"{m['own_tokens']:,}",
+            num(m["own_abs"]),
+            num(m["own_kl"]),
+            f"{m['replay_tokens']:,}",
+            num(m["replay_abs"]),
+            num(m["replay_kl"]),
+        )
+    return t
 
 
 def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str):
@@ -92,7 +112,6 @@ def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str
     for g in reg.gate_results():
         scores.setdefault(g.version, {})[g.check] = g.value
     live = _live(r, prefix, [v.version for v in rows]) if r is not None else {}
-    mismatch = reg.mismatch()
     served_by: dict[int, list[str]] = {}
     for node, s in (_served(r, prefix) if r is not None else {}).items():
         served_by.setdefault(s.get("version"), []).append(node)
@@ -108,8 +127,6 @@ def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str
         "KL",
         "entropy",
         "suite",
-        "|Δlogp| own / replay",
-        "KL own / replay",
         "live acceptance",
         "served by",
     ):
@@ -128,8 +145,6 @@ def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str
             "-" if sc.get("drift") is None else f"{sc['drift']:.3f}",
             "-" if sc.get("collapse") is None else f"{sc['collapse']:.2f}",
             "-" if sc.get("suite") is None else f"{sc['suite']:.3f}",
-            _pair(mismatch.get(v.version), "abs"),
-            _pair(mismatch.get(v.version), "kl"),
             cells.acceptance(live.get(v.version)),
             ",".join(served_by.get(v.version, [])) or "-",
         )
@@ -237,7 +252,11 @@ def cmd_versions(cfg: LiverlConfig, limit: int | None = 20) -> int:
     try:
         r = _redis_or_none(cfg)
         title = f"versions ({redact_url(cfg.registry_url)})"
-        _console().print(_versions_table(reg, r, cfg.topics.prefix, limit, title))
+        con = _console()
+        con.print(_versions_table(reg, r, cfg.topics.prefix, limit, title))
+        mismatch = _mismatch_table(reg, [v.version for v in reg.list(limit=limit)])
+        if mismatch is not None:
+            con.print(mismatch)
         return 0
     finally:
         reg.close()
