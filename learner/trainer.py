@@ -220,9 +220,8 @@ class Learner:
             if k in m:
                 st.counters[k] += int(m[k])
         self.last_metrics = dict(m, step_s=time.monotonic() - t0)
-        emitted = st.last_emitted
         self.candidates.updated(m, len(samples))
-        self._report_mismatch(force=st.last_emitted != emitted)
+        self._report_mismatch()
         log.info(
             "learner: step %d trained %d samples (total %d, v%d) reward %.3f loss %.4f kl %.4f ratio %.3f "
             "clip %.3f masked %.3f entropy %.3f in %.2fs; oldest sample: ingest %.1fs fetch %.1fs queue %.1fs",
@@ -333,6 +332,7 @@ class Learner:
                     if self._update() and self.candidates.due():
                         self._fenced("candidate")
                         self.candidates.emit(self.last_metrics)
+                        self._report_mismatch(force=True)  # what the gate will read of the versions trained on
                     if st.last_candidate != emitted or self.checkpoints.due(
                         st.step
                     ):  # a candidate: its lineage durable
@@ -349,6 +349,7 @@ class Learner:
             if st.step > self.checkpoints.saved_step or self.ledger.buffered:  # a clean stop keeps what was trained
                 self._save_checkpoint()
                 self._commit()
+            self._report_mismatch(force=True)  # and reports what it measured
         finally:
             self.publish("stopped")
             self._consumer.close(autocommit=False)
