@@ -33,6 +33,8 @@ Options that matter (all exact vLLM 0.32 names):
 - CPU only: ``--enforce-eager`` (start in seconds instead of a ~50 s inductor compile; the tiny model is
   overhead-bound anyway), ``OMP_NUM_THREADS`` = ``threads`` (default 1) and ``VLLM_CPU_OMP_THREADS_BIND=nobind``
   so the engine neither pins nor spins both cores of a small machine.
+- With ``serving.record_routing``: ``--no-enable-prefix-caching`` (a cached prompt block is not routed again, so its
+  positions would have no routing; ``serving.node.gateway_routing``).
 
 ``NodeClient`` is the node's HTTP client (the OpenAI routes, and the dev/RL routes the hot-swap agent drives).
 This module imports neither torch nor vLLM at import time.
