@@ -24,6 +24,7 @@ from learner.average import WeightAverage
 from learner.batch import collate, padded_tokens, refusal
 from learner.dist import Ranks, all_sum, full_state_dict, grad_scale, shard, share
 from learner.loss import RunningBaseline, advantages, full_kl, pg_loss
+from learner.mismatch import MismatchSums
 from learner.model import assign_weights, load_model, state_dict_from_model
 
 FLOOR_LIFT_MAX = 4.0
@@ -83,6 +84,8 @@ class PolicyTrainer:
         self.pad_id = int(getattr(conf, "pad_token_id", None) or 0)
         # the routing samples must carry to be replayed (learner.routing_replay); None: dense, off, or not replayed
         self.routing = replay.moe_shape(self.model) if lcfg.routing_replay == "rollout" else None
+        self.moe = replay.moe_shape(self.model)  # the routing a sample may carry, replayed or not (the mismatch's)
+        self.mismatch = MismatchSums()  # per version, the sampler/trainer mismatch of the samples trained on
         self.lr_scale = 1.0  # the learner's back-off after refused candidates (``set_lr_scale``)
         self.floor_lift = 1.0  # the entropy floor's factor for the averaged candidates (learner.floor_for_candidate)
         self._last_x: tuple[dict[str, torch.Tensor], int, float] | None = None  # the last batch, where it is measured
@@ -175,8 +178,11 @@ class PolicyTrainer:
         first: dict[str, float] = {}
         out = None
         floor = self.lcfg.entropy_floor * self.floor_lift
+        measured = MismatchSums()  # this batch's, kept only if it trains
         for epoch in range(self.lcfg.micro_epochs):
             logp_BT, logprobs_BTV = self._token_logp(self.model, x)
+            if epoch == 0 and self.lcfg.mismatch_measure != "off" and weight > 0:
+                self._measure_mismatch([samples[i] for i in idx], x, logp_BT, measured)
             with torch.no_grad():
                 ent_BT = forward.entropy_BT(logprobs_BTV)
             batch_entropy = None
@@ -216,6 +222,7 @@ class PolicyTrainer:
             if epoch == 0:
                 first = dict(out.metrics, grad_norm=gnorm)
         self.average.update()  # after every epoch took: a failed batch leaves the average as it was
+        self.mismatch.merge(measured.take())
         metrics = dict(first)
         metrics["reward_mean"] = float(reward_N.mean())
         metrics["samples"] = float(len(samples))
@@ -229,6 +236,33 @@ class PolicyTrainer:
         if out is not None and self.lcfg.micro_epochs > 1:
             metrics["loss_last"] = out.metrics["loss"]
         return metrics
+
+    @torch.no_grad()
+    def _measure_mismatch(
+        self, samples: list[TrainingSample], x: dict[str, torch.Tensor], logp_BT: torch.Tensor, sums: MismatchSums
+    ) -> None:
+        """Add this batch's sampler/trainer mismatch to ``sums`` (``learner.mismatch``): from the loss's own
+        forward, under the routing it trains with, and with ``mismatch_measure = "both"`` one no-grad forward under
+        the other routing for the samples that carry routing."""
+        carried = [
+            self.moe is not None and replay.refusal(s, self.moe) is None and s.routed_experts is not None
+            for s in samples
+        ]
+        trained = ["replay" if self.routing is not None and c else "own" for c in carried]
+        sums.add(samples, trained, logp_BT, x["beh_BT"], x["mask_BT"])
+        if self.lcfg.mismatch_measure != "both" or not any(carried):
+            return
+        if self.routing is not None:  # trained replayed: the learner's own routing for those samples
+            other, shape = samples, None
+        else:  # trained on its own: the server's routing, where it decodes for this model
+            other = [
+                s if c else s.model_copy(update={"routed_experts": None}) for s, c in zip(samples, carried, strict=True)
+            ]
+            shape = self.moe
+        y = collate(other, self.pad_id, self.device, shape)
+        logp2_BT, _ = self._token_logp(self.model, y)
+        which = [("own" if self.routing is not None else "replay") if c else None for c in carried]
+        sums.add(samples, which, logp2_BT, y["beh_BT"], y["mask_BT"])
 
     @torch.no_grad()
     def _entropy_part(self, x: dict[str, torch.Tensor], n_tokens: int, weight: float, model=None) -> float:

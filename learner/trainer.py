@@ -104,6 +104,7 @@ class Learner:
         self.last_backlog: tuple[int, float] = (-1, -1.0)  # (samples, seconds) at the last publish
         self._consumer = None
         self._parts_checked_at = 0.0  # when _assign last looked at the samples topic's partitions
+        self._mismatch_reported = time.monotonic()  # when the mismatch was last added to the registry
         if not self.checkpoints.restore(self.state):
             stable = self.candidates.start_from_stable()
             log.info("learner: no checkpoint at %s; starting from stable version %d", self.ckpt_path, stable)
@@ -226,6 +227,7 @@ class Learner:
                 st.counters[k] += int(m[k])
         self.last_metrics = dict(m, step_s=time.monotonic() - t0)
         self.candidates.updated(m, len(samples))
+        self._report_mismatch()
         log.info(
             "learner: step %d trained %d samples (total %d, v%d) reward %.3f loss %.4f kl %.4f ratio %.3f "
             "clip %.3f masked %.3f entropy %.3f in %.2fs; oldest sample: ingest %.1fs fetch %.1fs queue %.1fs",
@@ -246,6 +248,25 @@ class Learner:
             self.last_hops.get("queue_s", 0.0),
         )
         return True
+
+    def _report_mismatch(self, force: bool = False) -> None:
+        """Add the sampler/trainer mismatch measured since the last report to the registry (``learner.mismatch``),
+        every ``learner.mismatch_report_s`` or when ``force``d (a candidate was emitted). A registry that does not
+        answer keeps them for the next report (counted: ``mismatch_report_failed``)."""
+        sums = getattr(self.trainer, "mismatch", None)  # the leader of several ranks reports its own share
+        if sums is None or not sums:
+            return
+        now = time.monotonic()
+        if not force and now - self._mismatch_reported < self.lcfg.mismatch_report_s:
+            return
+        self._mismatch_reported = now
+        taken = sums.take()
+        try:
+            self.registry.add_mismatch(taken)
+        except REGISTRY_ERRORS as e:
+            sums.merge(taken)
+            self.state.counters["mismatch_report_failed"] += 1
+            log.warning("learner: mismatch not reported to the registry (kept for the next report): %s", e)
 
     def publish(self, state: str = "running") -> None:
         """The live state to Redis (best effort: an error is counted and logged); the backlog to ``last_backlog``."""
@@ -317,6 +338,7 @@ class Learner:
                     if self._update() and self.candidates.due():
                         self._fenced("candidate")
                         self.candidates.emit(self.last_metrics)
+                        self._report_mismatch(force=True)  # what the gate will read of the versions trained on
                     if st.last_candidate != emitted or self.checkpoints.due(
                         st.step
                     ):  # a candidate: its lineage durable
@@ -333,6 +355,7 @@ class Learner:
             if st.step > self.checkpoints.saved_step or self.ledger.buffered:  # a clean stop keeps what was trained
                 self._save_checkpoint()
                 self._commit()
+            self._report_mismatch(force=True)  # and reports what it measured
         finally:
             self.publish("stopped")
             self._consumer.close(autocommit=False)

@@ -16,6 +16,22 @@ class GateConfig(Section):
         description="Refuse a candidate whose mean per-token KL from the stable version, on recent "
         "logged generations, exceeds this (nats/token): one release moves the policy only so far.",
     )
+    max_logprob_mismatch: float = Field(
+        default=0.25,
+        gt=0,
+        description="Refuse a version whose served log-probs the learner does not reproduce: mean "
+        "|logp_learner - logp_sampler| per token (nats) on the generations it served, as the learner measures it "
+        "(learner.mismatch_measure; under the routing it trains with, learner.routing_replay). Checked on a "
+        "canary (aborted when it passes this) and on a candidate with a measurement. liverl bench logprobs measured "
+        "0.00-0.05 on the tiny MoE test families and 0 on dense ones; the learner's own movement since the version "
+        "adds to it (deploy/gate/mismatch.py).",
+    )
+    mismatch_min_tokens: int = Field(
+        default=2000,
+        ge=1,
+        description="Tokens of a version's generations the learner must have recomputed before "
+        "gate.max_logprob_mismatch applies to it.",
+    )
     min_entropy: float = Field(
         default=0.05,
         ge=0,

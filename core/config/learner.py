@@ -71,7 +71,23 @@ class LearnerConfig(Section):
         "differently, and their log-probs differ between sampler and trainer. A sample without routing trains on "
         "the learner's own (counted: routing_replay_missing). 'off': the learner's own routing always. Ignored for "
         "dense models; phimoe's routing (sparsemixer) is not replayed. Off by default: its effect on the demo's kept "
-        "lift is not measured yet, and a serving node puts no routing on its records yet (docs/serving.md).",
+        "lift is not measured yet; serving.record_routing puts the routing on the records.",
+    )
+    mismatch_measure: Literal["both", "trained", "off"] = Field(
+        default="both",
+        description="Measure the sampler/trainer mismatch of each version on the samples trained on (mean "
+        "|logp_learner - logp_behaviour| and the k3 KL estimate per token, learner.mismatch) and report it to the "
+        "registry, where liverl versions, the on-call page and the gate (gate.max_logprob_mismatch) read it. "
+        "'trained': from the forward the loss runs (no extra cost), under the routing it trains with; 'both': for an "
+        "MoE model whose samples carry routing, also one no-grad forward under the other routing (the learner's own "
+        "or the server's replayed), so both are known whatever learner.routing_replay is (liverl bench logprobs "
+        "measures its cost); 'off': not measured. Under several ranks each rank measures its share and the leader "
+        "reports its own (a sample of the batch).",
+    )
+    mismatch_report_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="How often the learner adds its mismatch measurements to the registry (and at each candidate).",
     )
     candidate_every_steps: int = Field(
         default=10, ge=1, description="Emit a candidate version every this many updates."

@@ -100,6 +100,17 @@ class ServingConfig(Section):
         "once nothing is in flight or after this (what is still in flight then is cut). Keep the helm chart's "
         "serve.terminationGracePeriodSeconds above it plus the node's stop (about 20 s).",
     )
+    record_routing: bool = Field(
+        default=False,
+        description="Put the experts the node's MoE router chose for every position on each generation record "
+        "(GenerationRecord.routed_experts, a core.routing blob), for the learner's routing replay "
+        "(learner.routing_replay). The node then runs with prefix caching off (a cached prompt block is not routed "
+        "again, so its positions would have no routing): every request prefills its whole prompt, even one that "
+        "shares a prefix with another. Each response also waits for one engine RPC that reads its choices' routing, "
+        "and each record grows by the routing's size (1 byte a position on the tiny MoE test models, 336 on "
+        "Qwen3-30B-A3B: see ingest.max_event_bytes). CPU nodes capture it in the worker "
+        "(serving/node/worker/routing.py). Ignored, with a warning in the node's log, for a dense model.",
+    )
     log_wait_s: float = Field(
         default=2.0,
         ge=0.0,

@@ -60,6 +60,7 @@ import numpy as np
 from core import fleet, keys
 from core.config import LiverlConfig
 from core.schemas import RolloutTerms
+from deploy.gate import mismatch as logprob_mismatch
 from deploy.gate import sequential as seq
 from deploy.gate import sequential_quantile as sq
 from deploy.gate.canary_tests import ArmSums, Evidence, build_tests, look_record, pending, saved_state
@@ -342,6 +343,11 @@ class CanaryController:
             return "ended", f"v{rollout.version} is {row.status} now"
         if stable.version != rollout.stable_version:
             return self.abort(rollout, f"the stable version changed to v{stable.version} during the canary")
+        ok, _, why = logprob_mismatch.check(
+            self.cfg, rollout.version, self.registry.mismatch(rollout.version).get(rollout.version)
+        )
+        if not ok:  # its users were served log-probs the learner does not reproduce: not promoted on any evidence
+            return self.abort(rollout, why)
         self.refresh(rollout)
         now = self.clock()
         ev = self._read(rollout, now)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import prometheus_client as prom
 
 from core.config import LiverlConfig
+from deploy.gate import mismatch as logprob_mismatch
 from deploy.gate.offpolicy import compare, merge_heldout
 from deploy.gate.tail import HeldoutSample
 from deploy.gate.waiting import OffpolicyLook, arrival_rate
@@ -124,6 +125,10 @@ class EvidenceChecks:
                 f"entropy {ent:.4f} nats/token (stable {drift.get('stable_entropy', float('nan')):.4f}) vs floor "
                 f"{g.min_entropy}",
             )
+        ok, value, why = logprob_mismatch.check(
+            self.cfg, row.version, self.registry.mismatch(row.version).get(row.version)
+        )
+        checks["mismatch"] = self._record(row.version, "mismatch", value, g.max_logprob_mismatch, ok, why)
         self.offpolicy_look = None
         heldout = self.heldout() if self.heldout is not None and g.heldout_samples else []
         if heldout or (self.heldout is not None and g.heldout_samples and self.cfg.ingest.heldout_share > 0):

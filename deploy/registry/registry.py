@@ -23,6 +23,7 @@ from core.services import setup_redis
 from deploy.registry.auditchain import AuditHead, load_audit_key
 from deploy.registry.blobgc import Collector, GcResult  # noqa: F401
 from deploy.registry.blobstore import BlobStore, open_blob_store
+from deploy.registry.mismatch import Mismatches
 from deploy.registry.operators import Operators, hash_token  # noqa: F401
 from deploy.registry.regdb import AuthError, RegistryConflict, RegistryDB, RegistryError  # noqa: F401
 from deploy.registry.rollouts import Rollouts
@@ -89,6 +90,7 @@ class Registry:
         self._weights = Weights(self.db, blobs)
         self._versions = Versions(self.db, blobs, self._weights, snapshot_every)
         self._fleet = Fleet(self.db)
+        self._mismatch = Mismatches(self.db)
         self._rollouts = Rollouts(self.db)
         self._operators = Operators(self.db)
         self._collector = Collector(self.db, blobs)
@@ -119,6 +121,10 @@ class Registry:
     update_fleet = _Part("_fleet")
     fleet = _Part("_fleet")
     served = _Part("_fleet")
+
+    # sampler/trainer mismatch per version: deploy.registry.mismatch
+    add_mismatch = _Part("_mismatch")
+    mismatch = _Part("_mismatch")
 
     # rollouts: deploy.registry.rollouts
     begin_rollout = _Part("_rollouts")

@@ -7,6 +7,8 @@ Which ``Registry`` methods each process calls, and so what its role may do (``co
 - the learner (``stable``, ``list``, ``materialize``, ``last_rollback``, ``add_candidate``, ``init_base``) inserts
   versions as ``candidate`` only (and the base, version 0, into an empty registry: it registers the model directory
   when there is none), takes the version counter, and appends only ``candidate`` (and the base's ``init``) entries;
+  it also adds its measurements of each version's sampler/trainer mismatch (``add_mismatch``: the ``mismatch``
+  table's sums, nothing else);
 - the gate (``candidates``, ``set_status``, ``promote``, ``record_gate``, the rollouts' methods) changes statuses
   (``status``, ``status_reason``, ``promoted_at`` only), writes rollouts and gate results, appends audit entries;
 - the admin role (the operators' verbs in ``liverl.ops.admin``) does what the gate does, plus operators and ``gc``
@@ -59,7 +61,20 @@ COMMON = {"alembic_version": "SELECT", "counters": "SELECT", "deployment": "SELE
 """What every role that opens the registry reads: the schema's revision and the version counter (``RegistryDB``
 checks both on opening), and the deployment row (``check_process``)."""
 
-READ_ALL = ("versions", "gate_results", "audit_log", "fleet", "served", "rollouts", "deployment", "counters")
+READ_ALL = (
+    "versions",
+    "gate_results",
+    "audit_log",
+    "fleet",
+    "served",
+    "rollouts",
+    "deployment",
+    "counters",
+    "mismatch",
+)
+
+MISMATCH_SUMS = ("own_tokens", "own_abs", "own_kl", "replay_tokens", "replay_abs", "replay_kl")
+"""The learner's measurements of each version's sampler/trainer mismatch (``mismatch``): sums it adds to."""
 
 GATE = {
     **COMMON,
@@ -70,6 +85,7 @@ GATE = {
     "audit_log": "SELECT, INSERT",
     "fleet": "SELECT",
     "served": "SELECT",
+    "mismatch": "SELECT",
 }
 
 GRANTS: dict[str, dict[str, str]] = {
@@ -86,6 +102,7 @@ GRANTS: dict[str, dict[str, str]] = {
         "counters": "SELECT, UPDATE (value)",
         "audit_log": "SELECT, INSERT",
         "user_keys": "SELECT",
+        "mismatch": f"SELECT, INSERT, UPDATE ({', '.join(MISMATCH_SUMS)}, updated_at)",
     },
     # the gate's loop runs the product's erasures (liverl.ops.forget.gate_chore): it destroys the user's key
     "gate": {**GATE, "user_keys": "SELECT, DELETE", "erasures": "SELECT, UPDATE"},

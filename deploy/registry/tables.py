@@ -134,6 +134,39 @@ class Served(Base):
     first_at: Mapped[float] = mapped_column(sa.Float, doc="when the node resumed serving with this version's weights")
 
 
+class Mismatch(Base):
+    """Sampler/trainer mismatch of each version, on the live generations it served: per completion token the learner
+    trained on, ``|logp_learner - logp_behaviour|`` and the k3 estimate of KL(behaviour || learner),
+    ``exp(d) - 1 - d`` with ``d = logp_learner - logp_behaviour``, summed, with the learner's own MoE routing
+    (``own_*``) and with the server's routing replayed (``replay_*``, only samples that carried routing). The
+    learner adds to the sums (``Registry.add_mismatch``); the means are ``sum / tokens``. The learner's weights at
+    the time it trains are not exactly the version's: the figures include the policy's own movement since then,
+    the same in both columns, so the difference between them is the routing's."""
+
+    __tablename__ = "mismatch"
+
+    version: Mapped[int] = mapped_column(sa.Integer, sa.ForeignKey("versions.version"), primary_key=True)
+    own_tokens: Mapped[int] = mapped_column(sa.Integer, default=0)
+    own_abs: Mapped[float] = mapped_column(sa.Float, default=0.0, doc="sum of |logp difference|, own routing")
+    own_kl: Mapped[float] = mapped_column(sa.Float, default=0.0, doc="sum of the k3 KL terms, own routing")
+    replay_tokens: Mapped[int] = mapped_column(sa.Integer, default=0)
+    replay_abs: Mapped[float] = mapped_column(sa.Float, default=0.0, doc="sum of |logp difference|, replayed")
+    replay_kl: Mapped[float] = mapped_column(sa.Float, default=0.0, doc="sum of the k3 KL terms, replayed")
+    updated_at: Mapped[float] = mapped_column(sa.Float, default=0.0)
+
+    def means(self) -> dict[str, float | None]:
+        """``own_abs``, ``own_kl``, ``replay_abs``, ``replay_kl`` per token (None without tokens), and the counts."""
+        o, r = self.own_tokens or 0, self.replay_tokens or 0
+        return {
+            "own_tokens": o,
+            "own_abs": self.own_abs / o if o else None,
+            "own_kl": self.own_kl / o if o else None,
+            "replay_tokens": r,
+            "replay_abs": self.replay_abs / r if r else None,
+            "replay_kl": self.replay_kl / r if r else None,
+        }
+
+
 class DeploymentRow(Base):
     """The deployment this registry belongs to (one row, written once by ``liverl up`` or the demo): its id, which
     also claims its Redis prefix (``liverl.stack.deployment``). A standalone process (``liverl serve``, ``ingest``,

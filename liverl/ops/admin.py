@@ -78,6 +78,34 @@ def _redis_or_none(cfg: LiverlConfig):
     return r
 
 
+def _mismatch_table(reg: Registry, versions: list[int]):
+    """Each listed version's sampler/trainer mismatch as the learner measured it on the generations it served
+    (``Registry.mismatch``): tokens, mean |Δ logp| and KL (k3) per token, own routing and replayed; None when no
+    version has one."""
+    measured = reg.mismatch()
+    rows = [(v, measured[v]) for v in versions if v in measured]
+    if not rows:
+        return None
+    t = Table(title="sampler/trainer mismatch per version (learner vs served log-probs, per token)")
+    for col in ("version", "tokens own", "|Δlogp| own", "KL own", "tokens replayed", "|Δlogp| replayed", "KL replayed"):
+        t.add_column(col, justify="right")
+
+    def num(x):
+        return "-" if x is None else f"{x:.4f}"
+
+    for v, m in rows:
+        t.add_row(
+            f"v{v}",
+            f"{m['own_tokens']:,}",
+            num(m["own_abs"]),
+            num(m["own_kl"]),
+            f"{m['replay_tokens']:,}",
+            num(m["replay_abs"]),
+            num(m["replay_kl"]),
+        )
+    return t
+
+
 def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str):
     rows = reg.list(limit=limit)
     scores: dict[int, dict[str, float]] = {}
@@ -224,7 +252,11 @@ def cmd_versions(cfg: LiverlConfig, limit: int | None = 20) -> int:
     try:
         r = _redis_or_none(cfg)
         title = f"versions ({redact_url(cfg.registry_url)})"
-        _console().print(_versions_table(reg, r, cfg.topics.prefix, limit, title))
+        con = _console()
+        con.print(_versions_table(reg, r, cfg.topics.prefix, limit, title))
+        mismatch = _mismatch_table(reg, [v.version for v in reg.list(limit=limit)])
+        if mismatch is not None:
+            con.print(mismatch)
         return 0
     finally:
         reg.close()

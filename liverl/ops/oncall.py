@@ -46,6 +46,7 @@ def collect_state(cfg: LiverlConfig, limit: int = 40) -> dict[str, Any]:
         rows = reg.list(limit=limit)
         stable = reg.stable()
         checks = _gate_checks(reg)
+        mismatch = reg.mismatch()
         audit = [
             {"at": a.at, "actor": a.actor, "action": a.action, "version": a.version, "reason": a.reason}
             for a in reg.audit(limit=25)
@@ -63,7 +64,7 @@ def collect_state(cfg: LiverlConfig, limit: int = 40) -> dict[str, Any]:
             r.close()
     finally:
         reg.close()
-    versions = [_version_row(v, checks, live) for v in rows]
+    versions = [_version_row(v, checks, live, mismatch.get(v.version)) for v in rows]
     nodes = _nodes(view)
     return {
         "now": time.time(),
@@ -120,8 +121,11 @@ def _rollout(ro) -> dict[str, Any] | None:
     )
 
 
-def _version_row(v, checks: dict[int, list[dict]], live: dict[int, dict[str, int]]) -> dict[str, Any]:
-    """One version of the page: its registry row, its gate checks in time order and its live counts."""
+def _version_row(
+    v, checks: dict[int, list[dict]], live: dict[int, dict[str, int]], mismatch: dict | None = None
+) -> dict[str, Any]:
+    """One version of the page: its registry row, its gate checks in time order, its live counts and its
+    sampler/trainer mismatch (``Registry.mismatch``: per-token means with the learner's own routing and replayed)."""
     c = live.get(v.version) or {}
     events = c.get("events", 0)
     return {
@@ -135,6 +139,7 @@ def _version_row(v, checks: dict[int, list[dict]], live: dict[int, dict[str, int
         "delta_bytes": v.delta_bytes,
         "changed_fraction": v.changed_fraction,
         "checks": sorted(checks.get(v.version, []), key=lambda x: x["at"]),
+        "mismatch": mismatch,
         "live": {
             "events": events,
             "accept": c.get("accept", 0),

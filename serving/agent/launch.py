@@ -36,6 +36,8 @@ Options that matter (all exact vLLM 0.32 names):
 - CPU only: ``--enforce-eager`` (start in seconds instead of a ~50 s inductor compile; the tiny model is
   overhead-bound anyway), ``OMP_NUM_THREADS`` = ``threads`` (default 1) and ``VLLM_CPU_OMP_THREADS_BIND=nobind``
   so the engine neither pins nor spins both cores of a small machine.
+- With ``serving.record_routing``: ``--no-enable-prefix-caching`` (a cached prompt block is not routed again, so its
+  positions would have no routing; ``serving.node.gateway_routing``).
 
 ``NodeClient`` is the node's HTTP client (the OpenAI routes, and the dev/RL routes the hot-swap agent drives).
 This module imports neither torch nor vLLM at import time.
@@ -129,7 +131,14 @@ def read_node_key(cfg: LiverlConfig, port: int | None = None) -> str:
 
 
 def node_command(
-    model_dir: Path, host: str, port: int, device: str, max_num_seqs: int, max_model_len: int, kv_cache_bytes: int
+    model_dir: Path,
+    host: str,
+    port: int,
+    device: str,
+    max_num_seqs: int,
+    max_model_len: int,
+    kv_cache_bytes: int,
+    record_routing: bool = False,
 ) -> list[str]:
     cmd = [
         sys.executable,
@@ -174,6 +183,8 @@ def node_command(
     ]
     if device == "cpu":
         cmd.append("--enforce-eager")
+    if record_routing:  # a cached prompt block is not routed again: its positions would have no routing
+        cmd.append("--no-enable-prefix-caching")
     return cmd
 
 
@@ -294,7 +305,9 @@ def start_node(
 
     host, port = cfg.serving.node_host, port or cfg.serving.vllm_port
     kv = kv_cache_bytes or (256 << 20 if device == "cpu" else 1 << 30)
-    cmd = node_command(model_dir, host, port, device, cfg.serving.max_num_seqs, max_model_len, kv)
+    cmd = node_command(
+        model_dir, host, port, device, cfg.serving.max_num_seqs, max_model_len, kv, cfg.serving.record_routing
+    )
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log_file = open(log_path, "ab")

@@ -123,7 +123,7 @@ class NodeClient:
     async def resume(self) -> None:
         await self._ok("POST", "/resume")
 
-    async def rpc(self, method: str, *args: str, timeout_s: float = 120.0) -> dict:
+    async def rpc(self, method: str, *args, timeout_s: float = 120.0) -> dict:
         """``collective_rpc`` of a LiverlWorkerExtension method; returns the (single) worker's result dict."""
         body = await self._ok(
             "POST",

@@ -51,6 +51,7 @@ from serving.node import openai_api as oa
 from serving.node.client import NodeClient, NodeUnreachable
 from serving.node.feedback import FeedbackRoute
 from serving.node.gateway_metrics import GatewayMetrics
+from serving.node.gateway_routing import RoutingReader
 from serving.node.generation_log import GenerationLog, first_version, mixed
 from serving.node.producer import AsyncProducer
 
@@ -139,6 +140,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.records: GenerationLog | None = None  # the generation log, once the producer has started
         self.user_keys = None  # core.shred.UserKeys, once started with a key-encryption key
+        self.routing = RoutingReader(node, self.metrics)  # serving.record_routing: the choices' routing
         self.feedback_route = FeedbackRoute(cfg, lambda: self.producer, self.metrics.m_feedback, feedback_wait_s)
         self.app = self._make_app()
 
@@ -178,6 +180,8 @@ class Gateway:
         await producer.start(topics)
         self.producer = producer
         self.max_model_len = await self.node.max_model_len()
+        if self.cfg.serving.record_routing:
+            await self.routing.start()
         self.records = GenerationLog(
             producer,
             self.cfg.topics.generations,
@@ -283,9 +287,18 @@ class Gateway:
         add_chunk(req, out, choices)
         latency_s = time.perf_counter() - t0
         spans = await swap.spans(req, ids[0]) if swap.crossed() else None
+        routes = await self.routing.read(req, ids[0], choices, range(req.n_choices))
         acks = [
             self.records.log(
-                req, choices.get(i), ids[i], version, latency_s, unit, spans is not None, (spans or {}).get(i)
+                req,
+                choices.get(i),
+                ids[i],
+                version,
+                latency_s,
+                unit,
+                spans is not None,
+                (spans or {}).get(i),
+                routes.get(i),
             )
             for i in range(req.n_choices)
         ]
@@ -329,6 +342,7 @@ class Gateway:
                     if "choices" in chunk:
                         finished = add_chunk(req, chunk, choices)
                         spans = await swap.spans(req, ids[0]) if finished and swap.crossed() else None
+                        routes = await self.routing.read(req, ids[0], choices, finished) if finished else {}
                         for i in finished:
                             acks.append(
                                 self.records.log(
@@ -340,6 +354,7 @@ class Gateway:
                                     unit,
                                     spans is not None,
                                     (spans or {}).get(i),
+                                    routes.get(i),
                                 )
                             )
                         if spans is not None:

@@ -252,6 +252,15 @@ class InProcessNode:
             raise RuntimeError(f"vLLM node GET /v1/models -> HTTP {status}: {body}")
         return int(body["data"][0]["max_model_len"])
 
+    async def rpc(self, method: str, *args, timeout_s: float = 120.0) -> dict:
+        """``collective_rpc`` of a ``LiverlWorkerExtension`` method on the engine client itself (no HTTP); the single
+        worker's result dict (``serving.node.client.NodeClient.rpc`` over HTTP)."""
+        engine = self.app.state.engine_client
+        results = await engine.collective_rpc(method, timeout=timeout_s, args=args)
+        if len(results) != 1 or not isinstance(results[0], dict):
+            raise RuntimeError(f"collective_rpc {method}: expected one worker result, got {results!r}"[:500])
+        return results[0]
+
     async def spans(self, rid: str, prompts: int = 1) -> dict[str, dict[str, list[list]]]:
         status, body = await self.request("GET", f"/liverl/spans?rid={urllib.parse.quote(rid)}&prompts={prompts}")
         if status != 200:

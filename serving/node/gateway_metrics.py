@@ -48,6 +48,13 @@ class GatewayMetrics:
             ["spans"],
             registry=r,
         )
+        self.m_routing = Counter(
+            "liverl_gateway_routing",
+            "Generations whose router choices went on the record (recorded), or were not held whole by the worker "
+            "(missing) (serving.record_routing)",
+            ["routing"],
+            registry=r,
+        )
         self.m_log_fail = Counter(
             "liverl_gateway_generation_log_failures",
             "Generation records Kafka did not take (error), or choices the node never finished",

@@ -95,9 +95,11 @@ class GenerationLog:
         unit: str | None = None,
         crossed: bool = False,
         spans: list[list[int]] | None = None,
+        routed_experts: str | None = None,
     ) -> asyncio.Future | None:
         """Publish one generation's record (``unit``: the user's ``fleet.unit_id``; ``crossed``: the request overlapped
-        a swap, and ``spans`` are this choice's version spans read from the node, None when they could not be read);
+        a swap, and ``spans`` are this choice's version spans read from the node, None when they could not be read;
+        ``routed_experts``: its routing, ``serving.node.gateway_routing``);
         returns the broker's ack (None when it could not even be queued)."""
         m = self.metrics
         try:
@@ -131,6 +133,7 @@ class GenerationLog:
                 untrainable_reason=reason,
                 latency_s=latency_s,
                 unit=unit,
+                routed_experts=routed_experts,
             )
             if unit is not None and self.keys is not None:
                 record = seal_record(self.keys.get(unit), record)

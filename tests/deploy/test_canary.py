@@ -186,6 +186,21 @@ def test_a_worse_canary_is_aborted_and_its_nodes_return_to_stable(cfg, rds, flee
     assert desired(rds, cfg).version == 0 and rds.get(keys.canary(cfg.topics.prefix)) is None
 
 
+def test_a_better_canary_whose_served_log_probs_the_learner_does_not_reproduce_is_aborted(cfg, rds, fleet2):
+    """Acceptance alone would promote it; the learner's measurement of its served generations
+    (``Registry.add_mismatch``) past ``gate.max_logprob_mismatch`` aborts it, with that reason."""
+    gate, registry = fleet2
+    r = start(gate, registry, rds, cfg)
+    traffic(rds, cfg, r, first(r, 12), lift=0.15)
+    n = cfg.gate.mismatch_min_tokens
+    registry.add_mismatch({r.version: {"own_tokens": n, "own_abs": n * 2 * cfg.gate.max_logprob_mismatch}})
+    gate.canary.clock = lambda: after(r, cfg, 12)
+    [v] = gate.step()
+    assert v.verdict == "aborted" and "gate.max_logprob_mismatch" in v.reason, v.reason
+    assert registry.get(r.version).status == "rejected" and registry.stable().version == 0
+    assert desired(rds, cfg).version == 0
+
+
 def test_reverts_that_come_after_the_accept_count_before_any_promotion(cfg, rds, fleet2):
     """A reward-hacking candidate: users accept its bait now and revert most of it up to the revert horizon later. A
     bucket is read only once its horizon has closed, so an accept is never counted as kept before its revert could

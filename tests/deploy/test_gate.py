@@ -61,7 +61,7 @@ def desired(rds, cfg) -> VersionAnnouncement:
     return VersionAnnouncement.from_bytes(rds.get(f"{cfg.topics.prefix}:desired"))
 
 
-ALL = {"integrity": True, "drift": True, "collapse": True, "suite": True}
+ALL = {"integrity": True, "drift": True, "collapse": True, "mismatch": True, "suite": True}
 
 
 def test_good_candidate_is_promoted_and_announced(cfg, setup):
@@ -220,8 +220,11 @@ def test_without_a_suite_the_gate_checks_integrity_drift_and_collapse(cfg, rds):
         gate = Gate(cfg, registry, rds, ProbeEval(with_suite=False))
         registry.add_candidate(weights(0.0, 0.9, seed=1), parent=0)  # a suite score of 0 is never looked at
         [v] = gate.step()
-        assert (v.verdict, v.checks) == ("promoted", {"integrity": True, "drift": True, "collapse": True})
-        assert {g.check for g in registry.gate_results()} == {"integrity", "drift", "collapse"}
+        assert (v.verdict, v.checks) == (
+            "promoted",
+            {"integrity": True, "drift": True, "collapse": True, "mismatch": True},
+        )
+        assert {g.check for g in registry.gate_results()} == {"integrity", "drift", "collapse", "mismatch"}
     finally:
         registry.close()
 

@@ -106,7 +106,7 @@ def test_thin_evidence_waits_says_for_what_and_promotes_once_it_grows(cfg, one_n
     [v] = gate.step()
     assert (v.version, v.verdict) == (row.version, "promoted"), v.reason
     assert "off-policy evidence after waiting" in v.reason and "needs_canary" not in v.checks
-    assert v.checks == {"integrity": True, "drift": True, "collapse": True, "offpolicy": True}
+    assert v.checks == {"integrity": True, "drift": True, "collapse": True, "mismatch": True, "offpolicy": True}
     [last] = [g for g in registry.gate_results(row.version) if g.check == "offpolicy"][-1:]
     assert last.passed and ": pass:" in last.detail
     assert registry.stable().version == row.version and gauge(gate, "version") == 0

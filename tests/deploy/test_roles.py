@@ -89,6 +89,7 @@ def test_a_node_reads_versions_and_writes_only_its_own_fleet_row(db):
     denied(db.sql, NODE_A, "INSERT INTO versions SELECT 7, 0, 'candidate' FROM versions WHERE version = 0")
     denied(db.sql, NODE_A, "INSERT INTO audit_log (actor, action, at) VALUES ('node-a', 'promote', 0)")
     denied(db.sql, NODE_A, "SELECT * FROM operators")
+    denied(a.add_mismatch, {0: {"own_tokens": 1, "own_abs": 9.0}})  # only the learner measures it
     assert [(f.node, f.updated_at) for f in db.owner.fleet()] == [("node-a", 2.0), ("node-b", 3.0)]
     assert db.owner.get(0).status == "stable"
 
@@ -111,6 +112,12 @@ def test_the_learner_adds_candidates_and_changes_no_status(db):
     denied(db.sql, LEARNER, "UPDATE audit_log SET reason = 'x'")
     denied(db.sql, LEARNER, "DELETE FROM audit_log")
     denied(db.sql, LEARNER, "INSERT INTO gate_results (version, \"check\", passed, at) VALUES (99, 'x', true, 0)")
+    # its measurements of each version's sampler/trainer mismatch: sums it adds to, nothing else
+    assert learner.add_mismatch({0: {"own_tokens": 10, "own_abs": 0.5}}) == [0]
+    assert learner.add_mismatch({0: {"own_tokens": 10, "own_abs": 0.3, "replay_tokens": 4, "replay_kl": 0.2}}) == [0]
+    assert db.owner.mismatch()[0]["own_abs"] == pytest.approx(0.04) and db.owner.mismatch()[0]["replay_tokens"] == 4
+    denied(db.sql, LEARNER, "DELETE FROM mismatch")
+    denied(db.sql, LEARNER, "UPDATE mismatch SET version = 99")
 
 
 def test_the_gate_changes_statuses_and_writes_rollouts_and_gate_results(db):
@@ -128,6 +135,8 @@ def test_the_gate_changes_statuses_and_writes_rollouts_and_gate_results(db):
     assert [a.action for a in db.owner.audit()][-3:] == ["rejected", "canary_start", "promote"]
     assert gate.served() == [] and gate.fleet() == []
 
+    assert gate.mismatch() == {}  # it reads the learner's measurements and writes none
+    denied(gate.add_mismatch, {v1: {"own_tokens": 1, "own_abs": 0.0}})
     denied(gate.add_candidate, perturb(db.base, 0.05, seed=3), parent=0)
     denied(db.sql, GATE, f"UPDATE versions SET checksum = 'x' WHERE version = {v1}")  # weights are the learner's
     denied(db.sql, GATE, "UPDATE audit_log SET reason = 'x'")

@@ -207,6 +207,11 @@ def test_trains_checkpoints_before_committing_and_emits_a_candidate(cfg, model_d
 
         assert checksum(reg.materialize(c.version)) == c.checksum
         assert stats["last_candidate"] == c.version
+        # the sampler/trainer mismatch of the samples trained, reported to the registry with the candidate at the
+        # latest (the samples come from the base policy: version 0)
+        [(version, measured)] = reg.mismatch().items()
+        assert version == 0 and measured["own_tokens"] >= sum(len(s.completion_token_ids) for s in base_samples[:32])
+        assert measured["own_abs"] >= 0 and measured["own_kl"] >= 0
         live = {k.decode(): v.decode() for k, v in r.hgetall(f"{cfg.topics.prefix}:learner").items()}
         assert live["step"] == "3" and live["samples_trained"] == "48" and live["last_candidate"] == str(c.version)
         assert live["state"] == "stopped" and float(live["kl"]) >= 0

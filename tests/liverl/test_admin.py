@@ -34,6 +34,10 @@ def fleet(cfg, rds):
     reg.promote(v1.version, actor="gate", reason="gate passed")
     v2 = reg.add_candidate(perturb(base, 0.05, seed=2), parent=1)
     reg.set_status(v2.version, "rejected", actor="gate", reason="failed collapse on [a]12+34=")
+    # the learner's measurement of v1's served generations (per token: 0.041 own routing, 0.023 replayed)
+    reg.add_mismatch(
+        {1: {"own_tokens": 1000, "own_abs": 41.0, "own_kl": 2.0, "replay_tokens": 1000, "replay_abs": 23.0}}
+    )
     reg.close()
     rds.hset(keys.live(p, 0), mapping={"accept": 40, "reject": 60, "edit": 0, "events": 100})
     rds.hset(keys.live(p, 1), mapping={"accept": 60, "reject": 40, "edit": 0, "events": 100})
@@ -59,6 +63,9 @@ def test_versions_and_status_tables(cfg, fleet, capsys):
         "40.0% of 100",
         "node-0",
         "snap",
+        "0.0410",  # v1's sampler/trainer mismatch: mean |Δ logp| own routing
+        "0.0230",  # and replayed
+        "0.0020",  # KL, own routing
     ):
         assert text in out, text
     assert cmd_status(cfg) == 0

@@ -67,6 +67,7 @@ def test_the_page_shows_release_fleet_acceptance_checks_and_audit(cfg, rds, flee
         assert "v0 → v1" in text and "v1 → v2" in text
         assert "suite" in text and "0.612" in text and "0.48" in text  # the gate check with value and threshold
         assert "gate passed" in text and "gate" in text  # the audit log: who and why
+        assert "0.0410 / 0.0230" in text and "0.0020 / 0.0000" in text  # v1's mismatch: |Δ logp| and KL, own / replay
 
         # the page follows the registry and Redis: node-0 falls behind, a new version is judged
         rds.set(

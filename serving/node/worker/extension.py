@@ -410,12 +410,13 @@ class LiverlWorkerExtension:
         return {"layers": cap.layer_ids, "experts": cap.n_experts, "top_k": cap.top_k}
 
     @_rpc
-    def liverl_routing(self, prefixes: list[str]) -> dict[str, Any]:
-        """The routing of finished requests by their API-server id (``RoutingCapture.take``), forgotten once read."""
+    def liverl_routing(self, keys: list[str], positions: list[int] | None = None) -> dict[str, Any]:
+        """The routing of finished requests by their engine id less its random suffix (``RoutingCapture.take``),
+        forgotten once read."""
         cap = self.__dict__.get("_liverl_routing")
         if cap is None:
             raise RuntimeError("routing capture is off: liverl_routing_start first")
-        return {"routing": cap.take(list(prefixes))}
+        return {"routing": cap.take(list(keys), None if positions is None else [int(n) for n in positions])}
 
 
 ENV_DELTA_DIR = "LIVERL_NODE_DELTA_DIR"

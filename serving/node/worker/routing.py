@@ -18,7 +18,8 @@ Requirements, checked at ``start``: no speculative decoding (rejected draft toke
 caching off (a cached prompt block is never recomputed: its positions would have no routing). Profile and dummy runs
 (no step) are ignored. The newest ``max_requests`` requests are kept; ``take`` hands a finished request's routing out
 as a ``core.routing`` blob (MoE layers in layer order, the positions it computed: prompt and completion but the
-last token) and forgets it.
+last token) and forgets it; the gateway asks for each choice's when it has its response
+(``serving.node.gateway_routing``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-from typing import Any
 
 import numpy as np
 
@@ -143,17 +143,24 @@ class RoutingCapture:
             req.put(start, self._rows[at : at + k].copy())
             at += k
 
-    def take(self, prefixes: list[str]) -> dict[str, Any]:
-        """The routing of the requests whose engine id is ``<prefix>-<suffix>`` (``InputProcessor.assign_request_id``
-        appends one), as {engine id: base64 blob}, forgotten once read; {engine id: None} for one that is incomplete.
-        Those not held are absent."""
-        want = set(prefixes)
+    def take(self, keys: list[str], positions: list[int] | None = None) -> dict[str, str | None]:
+        """The routing of finished requests, as {key: base64 blob}, forgotten once read; {key: None} for one that is
+        incomplete or holds fewer than its ``positions``. A key is an engine id without the ``-<8 characters>``
+        ``InputProcessor.assign_request_id`` appends: ``cmpl-<rid>-<prompt>``, ``chatcmpl-<rid>``, or, for a choice
+        of a request with ``n > 1``, ``<choice>_<that>`` (``ParentRequest.get_child_info``). ``positions[i]``: how
+        many positions key ``i``'s sequence has (prompt and completion but the last token); rows past it (a step
+        scheduled before the request was known to be finished) are left out. Keys not held are absent."""
+        want = dict(zip(keys, positions if positions is not None else [None] * len(keys), strict=True))
         out: dict[str, str | None] = {}
-        for rid in [r for r in self.kept if r.rsplit("-", 1)[0] in want or r in want]:
-            req = self.kept.pop(rid)
-            if not req.complete:
-                out[rid] = None
+        for rid in list(self.kept):
+            key = rid.rsplit("-", 1)[0] if rid not in want else rid
+            if key not in want:
                 continue
+            req = self.kept.pop(rid)
             rows = np.concatenate(req.rows) if req.rows else np.zeros((0, len(self.layer_ids), self.top_k), np.int32)
-            out[rid] = routing.to_text(routing.encode(rows, self.n_experts))
+            n = want[key]
+            if not req.complete or (n is not None and len(rows) < n):
+                out[key] = None
+                continue
+            out[key] = routing.to_text(routing.encode(rows if n is None else rows[:n], self.n_experts))
         return out
