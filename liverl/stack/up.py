@@ -111,7 +111,7 @@ class Pipeline:
             for i in range(s.nodes):
                 wait_http(
                     f"http://{s.host}:{s.gateway_port + i}/readyz",
-                    300,
+                    s.engine_ready_timeout_s + 60,  # (the node's own limit for its engine, then the gateway's start)
                     self.supervisor.children,
                     f"node-{i}'s gateway (vLLM engine start)",
                 )
