@@ -176,7 +176,7 @@ class UserKeys:
         self._wrap = AESGCM(kek)
         self._own = False
         if isinstance(db, str):
-            from deploy.registry.tables import make_engine  # noqa: PLC0415 (deploy: only where keys are used)
+            from core.db import make_engine  # noqa: PLC0415 (SQLAlchemy's engine: only where keys are used)
 
             db, self._own = make_engine(db), True
         self.engine: sa.Engine = getattr(db, "engine", db)

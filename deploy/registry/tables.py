@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import sqlalchemy as sa
-from sqlalchemy import event
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from core.db import make_engine  # noqa: F401 (re-exported: the registry's engine)
 
 STATUSES = ("candidate", "canary", "rejected", "stable", "retired", "rolled_back")
 
@@ -264,30 +264,3 @@ class Counter(Base):
 
     name: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
     value: Mapped[int] = mapped_column(sa.BigInteger)
-
-
-def make_engine(url: str) -> sa.Engine:
-    """An engine for the registry; on SQLite a WAL database whose writers begin with ``BEGIN IMMEDIATE`` when
-    the connection has the ``sqlite_begin="IMMEDIATE"`` execution option."""
-    if not url.startswith("sqlite"):
-        return sa.create_engine(url, pool_pre_ping=True)
-    db = sa.engine.make_url(url).database
-    if db and db != ":memory:":
-        Path(db).parent.mkdir(parents=True, exist_ok=True)
-    engine = sa.create_engine(url, connect_args={"timeout": 30})
-
-    @event.listens_for(engine, "connect")
-    def _on_connect(dbapi_conn, _record):  # WAL: readers never block the writer; one writer at a time
-        dbapi_conn.isolation_level = None  # let the "begin" hook below issue BEGIN itself
-        cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA busy_timeout=30000")
-        cur.execute("PRAGMA foreign_keys=ON")
-        cur.execute("PRAGMA secure_delete=ON")  # a deleted row's bytes are zeroed (a destroyed user key, core.shred)
-        cur.close()
-
-    @event.listens_for(engine, "begin")
-    def _on_begin(conn):  # writers take the write lock up front (see RegistryDB.tx): no busy-upgrade failures
-        conn.exec_driver_sql("BEGIN " + conn.get_execution_options().get("sqlite_begin", "DEFERRED"))
-
-    return engine

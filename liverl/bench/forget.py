@@ -82,18 +82,17 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from core import fleet, keys
+    from core.config import load_config
     from deploy.registry.blobstore import LocalBlobStore
     from deploy.registry.registry import Registry
-    from liverl.cliargs import cfg_from_args
     from liverl.ops.admin import open_redis
-    from liverl.ops.forget import Runner
-    from liverl.ops.forget_cmd import user_keys
+    from liverl.ops.forget import Runner, user_keys
 
     rng = random.Random(args.seed)
     units = sorted({fleet.unit_id(f"user-{args.seed}-{i}") for i in range(args.users)})
     target, unknown = units[len(units) // 2], fleet.unit_id(f"nobody-{uuid.uuid4().hex}")
     with tempfile.TemporaryDirectory(prefix="liverl-bench-forget-") as tmp:
-        cfg = cfg_from_args(args)
+        cfg = load_config(getattr(args, "config", None))
         cfg.state_dir = tmp
         cfg.topics.prefix = f"benchforget{uuid.uuid4().hex[:8]}"
         reg = Registry(cfg.registry_url, LocalBlobStore(Path(tmp) / "blobs"))

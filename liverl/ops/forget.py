@@ -370,12 +370,20 @@ def _request_line(e: Erasure) -> str:
     return f"erasure {e.id} of user unit {e.unit} ({e.source}, by {e.requested_by}): {e.reason}"
 
 
+def user_keys(cfg: LiverlConfig, registry):
+    """The deployment's per-user data keys (``core.shred.UserKeys``), in the registry's database. An erasure only asks
+    whether a key exists and deletes it, neither of which unwraps one: without a key-encryption key (nothing was ever
+    sealed, so no row can exist) a zero key stands in."""
+    from core.shred import KEY_BYTES, UserKeys, load_kek  # noqa: PLC0415 (the shredding module)
+
+    kek = load_kek(cfg)
+    return UserKeys(registry.db, kek if kek is not None else bytes(KEY_BYTES))
+
+
 def gate_chore(gate) -> None:
     """``liverl gate``'s loop (``forget.run_in_gate``): run the erasures not done yet with the gate's registry and
     Redis, as ``gate``. Those the product filed are audited by it; one that needs the learner's ledger where the gate
     has none waits (its report says so) for ``liverl forget --resume`` where the learner runs."""
-    from liverl.ops.forget_cmd import user_keys  # noqa: PLC0415
-
     cfg, reg = gate.cfg, gate.registry
     with reg.engine.connect() as c:
         if not erasures.unfinished(c, limit=1):

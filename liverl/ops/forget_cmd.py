@@ -15,17 +15,7 @@ from core import erasures, fleet
 from core.config import LiverlConfig
 from liverl.ops import cells
 from liverl.ops.admin import open_redis, open_registry
-from liverl.ops.forget import Runner, lineage, offer
-
-
-def user_keys(cfg: LiverlConfig, registry):
-    """The deployment's per-user data keys (``core.shred.UserKeys``), in the registry's database. An erasure only asks
-    whether a key exists and deletes it, neither of which unwraps one: without a key-encryption key (nothing was ever
-    sealed, so no row can exist) a zero key stands in."""
-    from core.shred import KEY_BYTES, UserKeys, load_kek  # noqa: PLC0415 (the shredding module)
-
-    kek = load_kek(cfg)
-    return UserKeys(registry.db, kek if kek is not None else bytes(KEY_BYTES))
+from liverl.ops.forget import Runner, lineage, offer, user_keys
 
 
 def unit_of(user: str, is_unit: bool) -> str:

@@ -92,8 +92,7 @@ def test_erasures_need_the_product_key_and_follow_to_done(registry_cfg, rds):
     def run_as_gate() -> None:
         from deploy.registry.registry import open_registry
         from liverl.ops.admin import open_redis
-        from liverl.ops.forget import Runner
-        from liverl.ops.forget_cmd import user_keys
+        from liverl.ops.forget import Runner, user_keys
 
         reg, r = open_registry(cfg), open_redis(cfg)
         try:
@@ -122,8 +121,7 @@ def test_another_users_judgements_count_and_sample_exactly_once_while_a_user_is_
     from ingest.join import Ingest, Source
     from ingest.metrics import IngestMetrics
     from liverl.ops.admin import open_redis
-    from liverl.ops.forget import Runner
-    from liverl.ops.forget_cmd import user_keys
+    from liverl.ops.forget import Runner, user_keys
     from tests.ingest.conftest import make_generation
     from tests.ingest.test_fuzz import Broker
 

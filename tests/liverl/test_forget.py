@@ -237,7 +237,7 @@ from core.config import load_config
 import liverl.ops.forget as f
 from core import fleet
 from liverl.ops.admin import open_registry, open_redis
-from liverl.ops.forget_cmd import user_keys
+from liverl.ops.forget import user_keys
 cfg = load_config(env={{}}, state_dir={state!r}, redis__url={redis!r}, topics__prefix={prefix!r},
                   forget__policy="rollback")
 point = {point!r}
