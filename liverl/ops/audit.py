@@ -122,8 +122,9 @@ class Report:
         }
 
 
-def read_topic(bootstrap: str, topic: str, broker: BrokerConfig | None = None):
-    """Every record of ``topic`` up to its high watermark: (partition, offset, value).
+def read_topic(bootstrap: str, topic: str, broker: BrokerConfig | None = None, *, timestamps: bool = False):
+    """Every record of ``topic`` up to its high watermark: (partition, offset, value), and with ``timestamps`` the
+    record's timestamp in seconds (when its producer sent it) after the value.
 
     The end is the high watermark of the fetch responses, not ListOffsets: the embedded Tansu broker's ListOffsets
     answers the start of the last batch (see ``ingest.app._log_end_offsets``).
@@ -140,7 +141,15 @@ def read_topic(bootstrap: str, topic: str, broker: BrokerConfig | None = None):
             got = c.poll(timeout_ms=300, max_records=5000)
             for records in got.values():
                 for r in records:
-                    yield r.partition, r.offset, r.value
+                    yield (
+                        (r.partition, r.offset, r.value, r.timestamp / 1000)
+                        if timestamps
+                        else (
+                            r.partition,
+                            r.offset,
+                            r.value,
+                        )
+                    )
             if got:
                 last_data = time.monotonic()
             todo = {tp for tp in todo if c.highwater(tp) is None or c.position(tp) < c.highwater(tp)}
@@ -178,7 +187,8 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
     rep.trained_twice = sorted(sid for sid, n in trained.items() if n > 1)
     pending_window = cfg.ingest.pending_ttl_s * 10 + 60  # ingest's hard limit on waiting feedback, plus slack
 
-    events = _feedback_events(cfg, bootstrap, rep, dead, ingest_done)
+    arrived: dict[tuple[int, int], float] = {}
+    events = _feedback_events(cfg, bootstrap, rep, dead, ingest_done, arrived)
     for fid, recs in events.items():
         rep.events += 1
         fate = (
@@ -195,6 +205,7 @@ def run_audit(cfg: LiverlConfig, bootstrap: str, redis, registry, now: float | N
                 ingest_done,
                 now,
                 pending_window,
+                arrived,
             )
         )
         if fate == "dead_letter:forgotten":
@@ -283,13 +294,20 @@ def _ledger(cfg: LiverlConfig, rep: Report) -> tuple[collections.Counter, dict[t
 
 
 def _feedback_events(
-    cfg: LiverlConfig, bootstrap: str, rep: Report, dead: dict[tuple[int, int], str], ingest_done: dict[int, int]
+    cfg: LiverlConfig,
+    bootstrap: str,
+    rep: Report,
+    dead: dict[tuple[int, int], str],
+    ingest_done: dict[int, int],
+    arrived: dict[tuple[int, int], float],
 ) -> dict[str, list[tuple[int, int, FeedbackEvent]]]:
-    """The feedback topic's events by feedback id; a record that does not parse gets its fate here."""
+    """The feedback topic's events by feedback id; a record that does not parse gets its fate here. ``arrived``
+    collects each record's timestamp (when its producer sent it), by (partition, offset)."""
     t = cfg.topics
     events: dict[str, list[tuple[int, int, FeedbackEvent]]] = collections.defaultdict(list)
-    for part, off, raw in read_topic(bootstrap, t.feedback, cfg.broker):
+    for part, off, raw, sent in read_topic(bootstrap, t.feedback, cfg.broker, timestamps=True):
         rep.feedback_records += 1
+        arrived[(part, off)] = sent
         try:
             fb = FeedbackEvent.from_bytes(raw or b"")
         except WireError:
@@ -333,7 +351,7 @@ def _fleet(redis, registry, prefix: str, rep: Report, now: float) -> None:
 
 
 def _fate(
-    recs, sample_recs, trained, refused, learner_done, dead, generations, ingest_done, now, pending_window
+    recs, sample_recs, trained, refused, learner_done, dead, generations, ingest_done, now, pending_window, arrived=None
 ) -> str:
     if sample_recs:
         sid = sample_recs[0][2]
@@ -356,7 +374,11 @@ def _fate(
         return "dropped:not_trainable"
     if any(off >= ingest_done.get(part, 0) for part, off, _ in recs):
         return "in_flight"
-    if gid not in generations and now - min(fb.ts for _, _, fb in recs) < pending_window:
+    # ingest counts a feedback's wait from when it read it, so the window runs from when its first record was sent: a
+    # product that sends again what the broker did not take keeps the event's own (older) ts
+    sent = [arrived[(part, off)] for part, off, _ in recs if arrived and (part, off) in arrived]
+    since = min(sent) if sent else min(fb.ts for _, _, fb in recs)
+    if gid not in generations and now - since < pending_window:
         return "waiting_for_generation"
     return "lost"
 

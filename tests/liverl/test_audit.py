@@ -159,3 +159,27 @@ def test_the_audit_names_every_events_fate(cfg, rds):
         assert not rep.converged and any(f"not the canary v{v1.version}" in m for m in rep.problems())
     finally:
         reg.close()
+
+
+def test_feedback_sent_again_late_with_its_own_time_waits_for_its_generation_from_when_it_was_sent(cfg, rds):
+    """A product sends again, hours later and with the event's own ts, what the broker did not take (the SDK's
+    DeliveryError says to). Ingest counts its wait for the generation from when it read it, so the audit's window runs
+    from when the record was sent, not from the event's ts: waiting, not lost, until that window has passed."""
+    t, p = cfg.topics, cfg.topics.prefix
+    ensure_topics(cfg.broker.bootstrap, [t.feedback, t.generations, t.samples, t.dead_letters, t.heldout], 1)
+    prod = make_producer(cfg.broker.bootstrap)
+    late = FeedbackEvent(feedback_id="f-late", generation_id="g-never-logged", kind="reject", ts=time.time() - 3 * 3600)
+    prod.send(t.feedback, key=late.generation_id, value=late.to_bytes())
+    prod.flush()
+    prod.close()
+    _commit(cfg, f"{p}-ingest", t.feedback, {0: 1})  # ingest has read it (it waits in ingest's pending table)
+    reg = open_registry(cfg)
+    try:
+        reg.init_base(tiny_model(), "/models/base")
+        rep = run_audit(cfg, cfg.broker.bootstrap, rds, reg)
+        assert dict(rep.fates) == {"waiting_for_generation": 1}, rep.fates
+        window = cfg.ingest.pending_ttl_s * 10 + 60
+        rep = run_audit(cfg, cfg.broker.bootstrap, rds, reg, now=time.time() + window + 1)
+        assert dict(rep.fates) == {"lost": 1}, rep.fates
+    finally:
+        reg.close()
