@@ -129,7 +129,7 @@ class Decider:
             self.emitter.dead(out, rec.reason, rec.detail, src, value)
             return
         gid = rec.generation_id
-        if self._misplaced(gid, src, value, out):
+        if _misplaced(self._partitions, self.emitter, gid, src, value, out):
             return
         if (
             rec.trainable and rec.routed_experts is not None
@@ -168,7 +168,7 @@ class Decider:
             dead(out, fb.reason, fb.detail, src, value)
             return
         gid, fid = fb.generation_id, fb.feedback_id
-        if self._misplaced(gid, src, value, out):
+        if _misplaced(self._partitions, self.emitter, gid, src, value, out):
             return
         entry = self._get(gid, out)
         kind = entry[:1] if entry else None
@@ -322,24 +322,7 @@ class Decider:
         guardrails = _guardrails(meta)
         sample, sealed = b"", None
         if "x" not in rec and "s" in rec:  # sealed: opened here, in memory, and the sample sealed (ingest.sealing)
-            if self.keys is None:
-                raise ValueError(
-                    "a sealed generation and no key-encryption key to open it: set security.shred_key to the "
-                    "deployment's shred.key"
-                )
-            key = self.keys.get(unit) if isinstance(unit, str) else None
-            if not isinstance(unit, str):  # (the gateway seals only what names its user)
-                self.emitter.dead(out, "unsealable", f"generation {gid}: sealed without its unit", fb_src or src, None)
-                rec = {**rec, "x": "unsealable"}
-            elif key is None:
-                rec = {**rec, "x": "forgotten"}
-            else:
-                try:
-                    body, sealed = sealed_sample(key, unit, body, fb.edited_text, trainable=True)
-                except (SealError, routing.RoutingError) as e:
-                    reason = "bad_routing" if isinstance(e, routing.RoutingError) else "unsealable"
-                    self.emitter.dead(out, reason, f"generation {gid}: {e}", fb_src or src, None)
-                    rec = {**rec, "x": reason}
+            rec, body, sealed = _open_sealed(self.keys, self.emitter, gid, unit, rec, body, fb, out, fb_src or src)
         if "x" not in rec:
             sample = sample_json(gid, rec, body, fb, float(self.product.reward(fb.kind, fb.segment)), now, sealed)
             if len(sample) > MAX_RECORD_BYTES:
@@ -386,33 +369,58 @@ class Decider:
         if again is not None:  # (None: a generation of mixed versions, counted for no version)
             out.tally.live.append(again)
 
-    def _misplaced(self, gid: str, src: Source, value: bytes | None, out: Batch) -> bool:
-        """Dead-letter (``wrong_partition``) an input that is not on the partition its generation id hashes to.
-
-        The join needs a generation and its feedback on the same partition (so one worker sees both): producers must
-        key records by ``generation_id`` with Kafka's default partitioner (murmur2; librdkafka clients need
-        ``partitioner=murmur2_random``). Misplaced input would join only while one worker owns every partition, and
-        expire as ``unknown_generation`` once there are several; refusing it at once names the producer's mistake.
-        """
-        if self._partitions is None or src.partition is None:
-            return False
-        want = partition_of(gid.encode(), self._partitions)
-        if want == src.partition:
-            return False
-        self.emitter.dead(
-            out,
-            "wrong_partition",
-            f"generation {gid} belongs on partition {want} (murmur2 of the "
-            f"generation id), not {src.partition}: key records by generation_id with Kafka's default "
-            "partitioner (librdkafka: partitioner=murmur2_random)",
-            src,
-            value,
-        )
-        return True
-
     def _get(self, gid: str, out: Batch) -> bytes | None:
         if gid in out.writes:
             return out.writes[gid]
         if gid in self.ahead:  # decided in an earlier batch that is not settled yet (None: deleted there)
             return self.ahead[gid]
         return self.table.get(gid)
+
+
+def _open_sealed(keys, emitter, gid: str, unit, rec: dict[str, Any], body: bytes, fb: FeedbackEvent, out: Batch, src):
+    """A sealed generation's record opened with its user's key and the sample sealed again (``ingest.sealing``):
+    ``(rec, body, sealed)``; ``rec`` marked (``x``) forgotten when the key is destroyed, or dead-lettered with its
+    reason when it cannot be opened."""
+    if keys is None:
+        raise ValueError(
+            "a sealed generation and no key-encryption key to open it: set security.shred_key to the "
+            "deployment's shred.key"
+        )
+    if not isinstance(unit, str):  # (the gateway seals only what names its user)
+        emitter.dead(out, "unsealable", f"generation {gid}: sealed without its unit", src, None)
+        return {**rec, "x": "unsealable"}, body, None
+    key = keys.get(unit)
+    if key is None:
+        return {**rec, "x": "forgotten"}, body, None
+    try:
+        body, sealed = sealed_sample(key, unit, body, fb.edited_text, trainable=True)
+    except (SealError, routing.RoutingError) as e:
+        reason = "bad_routing" if isinstance(e, routing.RoutingError) else "unsealable"
+        emitter.dead(out, reason, f"generation {gid}: {e}", src, None)
+        return {**rec, "x": reason}, body, None
+    return rec, body, sealed
+
+
+def _misplaced(partitions: int | None, emitter, gid: str, src: Source, value: bytes | None, out: Batch) -> bool:
+    """Dead-letter (``wrong_partition``) an input that is not on the partition its generation id hashes to.
+
+    The join needs a generation and its feedback on the same partition (so one worker sees both): producers must
+    key records by ``generation_id`` with Kafka's default partitioner (murmur2; librdkafka clients need
+    ``partitioner=murmur2_random``). Misplaced input would join only while one worker owns every partition, and
+    expire as ``unknown_generation`` once there are several; refusing it at once names the producer's mistake.
+    """
+    if partitions is None or src.partition is None:
+        return False
+    want = partition_of(gid.encode(), partitions)
+    if want == src.partition:
+        return False
+    emitter.dead(
+        out,
+        "wrong_partition",
+        f"generation {gid} belongs on partition {want} (murmur2 of the "
+        f"generation id), not {src.partition}: key records by generation_id with Kafka's default "
+        "partitioner (librdkafka: partitioner=murmur2_random)",
+        src,
+        value,
+    )
+    return True

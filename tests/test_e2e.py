@@ -68,10 +68,20 @@ def test_demo_acceptance_goes_up(tmp_path):
     assert summary["samples_trained"] > 0
     # the gate judged on evidence a product has (traffic, its own suite), never on the users' hidden preferences
     # (offpolicy: on held-out logged feedback, and offpolicy_wait, one node's wait for more of it; canary: live
-    # traffic, when the demo runs two nodes)
+    # traffic, when the demo runs two nodes; mismatch: the learner's log-probs against the served ones)
     assert (
         {"integrity", "drift", "collapse", "suite"}
         <= set(summary["gate_checks"])
-        <= {"integrity", "drift", "collapse", "suite", "offpolicy", "offpolicy_wait", "canary", "after_rollback"}
+        <= {
+            "integrity",
+            "drift",
+            "collapse",
+            "suite",
+            "offpolicy",
+            "offpolicy_wait",
+            "canary",
+            "after_rollback",
+            "mismatch",
+        }
     ), summary["gate_checks"]
     assert summary["product"].startswith("demo-arithmetic")

@@ -38,6 +38,7 @@ newest is evaluated; the older ones are rejected as superseded (the learner has 
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
@@ -151,7 +152,7 @@ class Gate(EvidenceChecks, WaitSteps):
             "liverl_gate_wrong_type_keys", "Announcement keys of another Redis type", ["channel"], registry=self.metrics
         )
         self.canary = CanaryController(cfg, registry, redis, signer, self._record)
-        self.canary.on_rewritten = self._rewritten
+        self.canary.on_rewritten = functools.partial(_rewritten, self)
         self.attestor = Attestor(registry.db)  # signs only what the audit log vouches for (deploy.registry.attest)
         self._unattested = prom.Counter(
             "liverl_gate_unattested",
@@ -187,14 +188,7 @@ class Gate(EvidenceChecks, WaitSteps):
                 self._errors.inc()
                 self.step_error = f"the last step failed: {type(e).__name__}: {e}"
                 log.exception("gate: step failed; retrying in %.1f s", self.cfg.gate.poll_s)
-            for chore in self.chores:  # e.g. the product's erasures (liverl.ops.forget); each retried next poll
-                try:
-                    chore(self)
-                except Exception:
-                    self._errors.inc()
-                    log.exception(
-                        "gate: %s failed; retrying in %.1f s", getattr(chore, "__name__", chore), self.cfg.gate.poll_s
-                    )
+            _run_chores(self)
             stop_event.wait(self.cfg.gate.poll_s)
 
     def warm_up(self) -> None:
@@ -245,14 +239,9 @@ class Gate(EvidenceChecks, WaitSteps):
             seq=seq,
         )
         if what is not None and what != "refreshed":
-            self._rewritten("desired", what)
+            _rewritten(self, "desired", what)
             log.warning("gate: desired version %s; announced the registry's stable v%d", what, stable.version)
         return att
-
-    def _rewritten(self, channel: str, what: str) -> None:
-        """Count an announcement key written over because it held another Redis type (``keep_announced``'s answer)."""
-        if what == f"was {WRONG_TYPE_WAS}":
-            self._wrong_type.labels(channel).inc()
 
     def _not_vouched(self, channel: str, why: str) -> None:
         """Count a refusal to sign what the audit log does not vouch for; log it once per distinct reason."""
@@ -440,6 +429,25 @@ class Gate(EvidenceChecks, WaitSteps):
         log.info("gate: version %d promoted and announced", row.version)
         self._promoted(row.version)
         return Verdict(row.version, "promoted", reason, checks)
+
+
+def _rewritten(gate: Gate, channel: str, what: str) -> None:
+    """Count an announcement key written over because it held another Redis type (``keep_announced``'s answer)."""
+    if what == f"was {WRONG_TYPE_WAS}":
+        gate._wrong_type.labels(channel).inc()
+
+
+def _run_chores(gate: Gate) -> None:
+    """The gate's chores after a step (``Gate.chores``: e.g. the product's erasures, ``liverl.ops.forget``); a chore
+    that fails is logged and counted, and runs again after the next step."""
+    for chore in gate.chores:
+        try:
+            chore(gate)
+        except Exception:
+            gate._errors.inc()
+            log.exception(
+                "gate: %s failed; retrying in %.1f s", getattr(chore, "__name__", chore), gate.cfg.gate.poll_s
+            )
 
 
 def run_gate(

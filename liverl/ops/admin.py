@@ -27,6 +27,7 @@ from deploy.registry.registry import RegistryError
 from deploy.registry.registry import open_registry as _open_registry
 from deploy.registry.signing import Signer, announce, withdraw
 from liverl.ops import cells
+from liverl.ops.mismatch_table import mismatch_table
 from liverl.stack.deployment import check_operator
 
 if TYPE_CHECKING:
@@ -76,34 +77,6 @@ def _redis_or_none(cfg: LiverlConfig):
         print(f"warning: Redis unreachable ({e}); live acceptance and served versions are not shown", file=sys.stderr)
         return None
     return r
-
-
-def _mismatch_table(reg: Registry, versions: list[int]):
-    """Each listed version's sampler/trainer mismatch as the learner measured it on the generations it served
-    (``Registry.mismatch``): tokens, mean |Δ logp| and KL (k3) per token, own routing and replayed; None when no
-    version has one."""
-    measured = reg.mismatch()
-    rows = [(v, measured[v]) for v in versions if v in measured]
-    if not rows:
-        return None
-    t = Table(title="sampler/trainer mismatch per version (learner vs served log-probs, per token)")
-    for col in ("version", "tokens own", "|Δlogp| own", "KL own", "tokens replayed", "|Δlogp| replayed", "KL replayed"):
-        t.add_column(col, justify="right")
-
-    def num(x):
-        return "-" if x is None else f"{x:.4f}"
-
-    for v, m in rows:
-        t.add_row(
-            f"v{v}",
-            f"{m['own_tokens']:,}",
-            num(m["own_abs"]),
-            num(m["own_kl"]),
-            f"{m['replay_tokens']:,}",
-            num(m["replay_abs"]),
-            num(m["replay_kl"]),
-        )
-    return t
 
 
 def _versions_table(reg: Registry, r, prefix: str, limit: int | None, title: str):
@@ -254,7 +227,7 @@ def cmd_versions(cfg: LiverlConfig, limit: int | None = 20) -> int:
         title = f"versions ({redact_url(cfg.registry_url)})"
         con = _console()
         con.print(_versions_table(reg, r, cfg.topics.prefix, limit, title))
-        mismatch = _mismatch_table(reg, [v.version for v in reg.list(limit=limit)])
+        mismatch = mismatch_table(reg, [v.version for v in reg.list(limit=limit)])
         if mismatch is not None:
             con.print(mismatch)
         return 0

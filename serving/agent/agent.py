@@ -155,7 +155,7 @@ class Agent:
                     f"(checksum {row.checksum[:12]}); refusing to label generations with that version"
                 )
                 self.gw.unhealthy_reason = msg
-                await self._report_error(row.version, row.version, msg, restored=True)
+                await _report_error(self, row.version, row.version, msg, restored=True)
                 log.error(msg)
         await self.heartbeat()
 
@@ -246,7 +246,7 @@ class Agent:
         log.critical(msg)
         self.gw.unhealthy_reason = msg
         await self._flush()
-        await self._report_error(self.gw.version, self.gw.version, msg, restored=False)
+        await _report_error(self, self.gw.version, self.gw.version, msg, restored=False)
         return False
 
     async def desired(self) -> VersionAnnouncement | None:
@@ -326,7 +326,7 @@ class Agent:
             blobs, how = await asyncio.to_thread(self._plan, cur_v, cur_sum, ann)
         except Exception as e:
             msg = f"cannot plan the swap {cur_v} -> {ann.version}: {e}"
-            await self._report_error(cur_v, ann.version, msg, restored=True)
+            await _report_error(self, cur_v, ann.version, msg, restored=True)
             self.metrics.swaps.labels(outcome="refused").inc()
             raise SwapError(msg) from e
         return await self.apply_blobs(blobs, ann.version, ann.checksum, how=how)
@@ -346,7 +346,7 @@ class Agent:
             ends = chain_ends(blobs, from_sum, target_checksum)
         except DeltaError as e:
             msg = f"delta refused before pausing: {e}"
-            await self._report_error(from_v, target_version, msg, restored=True)
+            await _report_error(self, from_v, target_version, msg, restored=True)
             self.metrics.swaps.labels(outcome="refused").inc()
             raise SwapError(msg) from e
         self.work_dir.mkdir(parents=True, exist_ok=True)
@@ -418,7 +418,7 @@ class Agent:
         await self.redis.rpush(keys.swaps(self.prefix), keys.SwapRecord.model_validate(rec).to_json())
         await self.redis.ltrim(keys.swaps(self.prefix), -keys.LIST_CAP, -1)
         if error is not None:
-            await self._report_error(from_v, target_version, str(error), restored=error.restored)
+            await _report_error(self, from_v, target_version, str(error), restored=error.restored)
             raise error
         log.info(
             "swapped %d -> %d (%s): engine paused %.1f ms (apply %.1f, verify %.1f), call %.1f ms, "
@@ -437,15 +437,17 @@ class Agent:
         await self.fleet_record.flush()
         return rec
 
-    async def _report_error(self, from_v: int | None, to_v: int, error: str, restored: bool) -> None:
-        entry = keys.SwapErrorRecord.model_validate(
-            {"node": self.name, "from": from_v, "to": to_v, "error": error, "restored": restored}
-        )
-        try:
-            await self.redis.rpush(keys.swap_errors(self.prefix), entry.to_json())
-            await self.redis.ltrim(keys.swap_errors(self.prefix), -keys.LIST_CAP, -1)
-        except (RedisError, OSError) as e:
-            log.error("could not report swap error to Redis (%s): %s", e, entry)
+
+async def _report_error(agent: Agent, from_v: int | None, to_v: int, error: str, restored: bool) -> None:
+    """A failed swap into ``<prefix>:swap_errors`` (capped at ``keys.LIST_CAP``); a Redis failure is logged."""
+    entry = keys.SwapErrorRecord.model_validate(
+        {"node": agent.name, "from": from_v, "to": to_v, "error": error, "restored": restored}
+    )
+    try:
+        await agent.redis.rpush(keys.swap_errors(agent.prefix), entry.to_json())
+        await agent.redis.ltrim(keys.swap_errors(agent.prefix), -keys.LIST_CAP, -1)
+    except (RedisError, OSError) as e:
+        log.error("could not report swap error to Redis (%s): %s", e, entry)
 
 
 def chain_ends(blobs: list[bytes], start_checksum: str, target_checksum: str) -> list[str]:
