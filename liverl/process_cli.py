@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 
-from core.services import kafka_bootstrap, redis_url, required_verify_key
+from core.services import EXIT_TEMPFAIL, kafka_bootstrap, redis_url, required_verify_key
 from liverl.cliargs import add_model_args, cfg_from_args, check_bound, model_dir_for
 
 
@@ -57,7 +57,20 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
+    import kafka.errors
+    import redis
+
+    from core.bus import BrokerUnavailable
     from learner.trainer import run_learner
+
+    # what Redis's and the broker's clients raise once a service has not answered for longer than they retry
+    service_down = (
+        BrokerUnavailable,
+        kafka.errors.KafkaError,
+        redis.exceptions.ConnectionError,
+        redis.exceptions.TimeoutError,
+        ConnectionError,
+    )
 
     cfg = cfg_from_args(args)
     check_bound(cfg, "learn")
@@ -65,7 +78,16 @@ def cmd_learn(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())  # finish the update, checkpoint, commit, exit
-    run_learner(cfg, model_dir, stop_event=stop, max_steps=args.max_steps, metrics_port=args.metrics_port)
+    try:
+        run_learner(cfg, model_dir, stop_event=stop, max_steps=args.max_steps, metrics_port=args.metrics_port)
+    except service_down as e:  # Redis or the broker gone longer than the clients retry: a supervisor starts it again
+        logging.getLogger("liverl.learner").error("learner: a service it needs stopped answering: %r", e)
+        print(
+            f"liverl: error: the learner lost a service it needs ({type(e).__name__}: {e}); it starts again from its "
+            "last checkpoint, and what it had not committed is read again then",
+            file=sys.stderr,
+        )
+        exit_now(EXIT_TEMPFAIL)
     exit_now(0)  # checkpointed and committed
     return 0
 

@@ -165,6 +165,15 @@ class GateConfig(Section):
         "an ingest worker that runs behind writes them there late, and what it counts later than this is never read. "
         "Raise it to the longest backlog ingest may run (each look reads every bucket still inside it, both arms).",
     )
+    stable_arm_grace_s: float = Field(
+        default=3.0,
+        ge=0.0,
+        description="A rollout whose stable arm has no node in rotation (every node the canary does not name lost, "
+        "cut off or unhealthy) for this long is aborted, so the canary's nodes go back to stable: the routers hold "
+        "the stable arm's users (serving.router_hold_s) rather than send them to the unproven candidate, and the "
+        "abort is what lets them be served. The nodes' heartbeats expire 10 s after a node goes silent, so the "
+        "users of a lost node wait about that long plus this plus a swap.",
+    )
     canary_min_s: float = Field(
         default=0.0,
         ge=0,

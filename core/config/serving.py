@@ -53,6 +53,22 @@ class ServingConfig(Section):
         "node that sends nothing by then is marked down for a few seconds and, if nothing has reached the client yet, "
         "the request goes to the next node.",
     )
+    router_hold_s: float = Field(
+        default=25.0,
+        ge=0.0,
+        description="How long the router holds a request that no node may serve right now (none in rotation for "
+        "its arm, or every one of them just failed it) before it answers 503: it tries again as the rotation changes. "
+        "A fault then costs the product's users a wait, not an error: a node coming back, the heartbeats rewritten "
+        "after a Redis outage, or the gate ending a canary whose stable arm lost its last node "
+        "(gate.stable_arm_grace_s) all take seconds. Keep it under the product's client timeout. 0: answer 503 at "
+        "once.",
+    )
+    router_hold_max: int = Field(
+        default=1000,
+        ge=0,
+        description="At most this many requests are held at once (serving.router_hold_s); the next ones get 503 at "
+        "once, so a fleet that is gone cannot pile up the router's memory.",
+    )
     nodes: int = Field(
         default=1,
         ge=1,

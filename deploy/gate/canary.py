@@ -123,6 +123,68 @@ def look_verdict(tests: seq.Canary, rollout: Rollout, now: float, canary_events:
     return tests.verdict(deadline_passed=now >= rollout.deadline_at, **futility)
 
 
+def evidence_text(rollout: Rollout, stable: Version, tests: seq.Canary, info: dict) -> str:
+    """What a look saw, for the rollout's reason and the gate check: the arms' kept acceptance, the test's p-values,
+    the effect and the guardrails' means."""
+    s = tests.success.summary()
+    c_events, s_events = info["events"]
+    users = info.get("users")
+    text = (
+        f"canary v{rollout.version} kept acceptance {s['canary_mean']:.3f} on {c_events} events"
+        + (f" of {users[0]} users" if users else "")
+        + f" vs stable v{stable.version} {s['stable_mean']:.3f} on {s_events}"
+        + (f" of {users[1]} users" if users else "")
+        + f" (unit {rollout.unit}; p better {tests.success.p_pass:.3g}, p worse {tests.success.p_harm:.3g}"
+    )
+    removed = info.get("acceptance", {}).get("cuped_removed")
+    if removed is not None and removed >= 0.005:  # below it: too little history before the rollout to help
+        text += f"; CUPED removed {100 * removed:.0f}% of the variance"
+    text += ")"
+    eff = tests.success.effect()
+    if eff["effect"] is not None:  # the winner's curse: an early stop overstates; the corrected one shrinks it
+        text += (
+            f"; effect {eff['effect']:+.4f} (bias-corrected {eff['effect_corrected']:+.4f}, always-valid "
+            f"{1 - tests.success.alpha:.0%} interval [{eff['effect_lo']:+.4f}, {eff['effect_hi']:+.4f}])"
+        )
+    means = {t.name: (t.canary.mean, t.stable.mean) for t in tests.guardrails}
+    if "latency_means" in info:
+        means["latency"] = info["latency_means"]
+    for t in tests.guardrails:  # the arms' mean per-bucket quantile (what the quantile's batch means compare)
+        if "quantile_means" in info.get(t.name, {}):
+            means[t.name] = info[t.name]["quantile_means"]
+    text += "".join(f"; {name} {c:.4g} vs {s:.4g}" for name, (c, s) in means.items())
+    return text
+
+
+class StableArmWatch:
+    """Whether a rollout's stable arm has had no node in rotation for ``gate.stable_arm_grace_s`` (every node the
+    canary does not name lost, cut off or unhealthy). The routers hold that arm's users rather than send them to the
+    candidate, so the gate ends such a rollout: the canary's nodes go back to stable and serve them."""
+
+    def __init__(self, cfg: LiverlConfig, redis):
+        self.cfg, self.redis = cfg, redis
+        self.since: tuple[int, float] | None = None  # (rollout id, when its stable arm was first seen empty)
+
+    def gone(self, rollout: Rollout) -> str | None:
+        """Why ``rollout`` must end (None: its stable arm has a node, or has had none for less than the grace)."""
+        routable = fleet.routable_nodes(self.redis, self.cfg.topics.prefix, self.cfg.serving.fleet)
+        if any(n not in rollout.nodes for n in routable):
+            self.since = None
+            return None
+        now = time.monotonic()
+        if self.since is None or self.since[0] != rollout.id:
+            self.since = (rollout.id, now)
+        gone_s = now - self.since[1]
+        if gone_s < self.cfg.gate.stable_arm_grace_s:
+            return None
+        self.since = None
+        return (
+            f"the stable arm has no node in rotation ({', '.join(routable) or 'none'} routable, all the canary's) "
+            f"for {gone_s:.0f} s >= gate.stable_arm_grace_s {self.cfg.gate.stable_arm_grace_s:g} s: its users cannot "
+            "be served while the canary holds the other nodes; ended so the canary nodes go back to stable"
+        )
+
+
 class CanaryController:
     """Starts, watches and ends rollouts for the gate (one at a time)."""
 
@@ -131,6 +193,7 @@ class CanaryController:
         self.prefix = cfg.topics.prefix
         self.record = record  # Gate._record(version, check, value, threshold, passed, detail)
         self._evidence: Evidence | None = None
+        self.stable_arm = StableArmWatch(cfg, redis)
         self.clock = time.time  # what "now" is for a rollout's buckets and deadline (tests move it)
         self.on_rewritten = lambda channel, what: None  # told what keep_announced wrote over (the gate counts it)
 
@@ -348,6 +411,9 @@ class CanaryController:
         )
         if not ok:  # its users were served log-probs the learner does not reproduce: not promoted on any evidence
             return self.abort(rollout, why)
+        gone = self.stable_arm.gone(rollout)
+        if gone is not None:  # the stable arm's users are held by the routers: end it so they can be served
+            return self.abort(rollout, gone)
         self.refresh(rollout)
         now = self.clock()
         ev = self._read(rollout, now)
@@ -384,7 +450,7 @@ class CanaryController:
             )
         look = look_record(now, tests, srm, info, ev)
         state = saved_state(tests, srm, settling)
-        evidence = self._evidence_text(rollout, stable, tests, info)
+        evidence = evidence_text(rollout, stable, tests, info)
         if verdict == seq.CONTINUE and not fresh and why == rollout.reason:
             return "continue", f"{why}: {evidence}"  # nothing new since the last look: nothing to record
         try:
@@ -403,36 +469,6 @@ class CanaryController:
         if verdict == seq.ABORT:
             return self.abort(rollout, f"{why}: {evidence}")
         return "continue", f"{why}: {evidence}"
-
-    def _evidence_text(self, rollout: Rollout, stable: Version, tests: seq.Canary, info: dict) -> str:
-        s = tests.success.summary()
-        c_events, s_events = info["events"]
-        users = info.get("users")
-        text = (
-            f"canary v{rollout.version} kept acceptance {s['canary_mean']:.3f} on {c_events} events"
-            + (f" of {users[0]} users" if users else "")
-            + f" vs stable v{stable.version} {s['stable_mean']:.3f} on {s_events}"
-            + (f" of {users[1]} users" if users else "")
-            + f" (unit {rollout.unit}; p better {tests.success.p_pass:.3g}, p worse {tests.success.p_harm:.3g}"
-        )
-        removed = info.get("acceptance", {}).get("cuped_removed")
-        if removed is not None and removed >= 0.005:  # below it: too little history before the rollout to help
-            text += f"; CUPED removed {100 * removed:.0f}% of the variance"
-        text += ")"
-        eff = tests.success.effect()
-        if eff["effect"] is not None:  # the winner's curse: an early stop overstates; the corrected one shrinks it
-            text += (
-                f"; effect {eff['effect']:+.4f} (bias-corrected {eff['effect_corrected']:+.4f}, always-valid "
-                f"{1 - tests.success.alpha:.0%} interval [{eff['effect_lo']:+.4f}, {eff['effect_hi']:+.4f}])"
-            )
-        means = {t.name: (t.canary.mean, t.stable.mean) for t in tests.guardrails}
-        if "latency_means" in info:
-            means["latency"] = info["latency_means"]
-        for t in tests.guardrails:  # the arms' mean per-bucket quantile (what the quantile's batch means compare)
-            if "quantile_means" in info.get(t.name, {}):
-                means[t.name] = info[t.name]["quantile_means"]
-        text += "".join(f"; {name} {c:.4g} vs {s:.4g}" for name, (c, s) in means.items())
-        return text
 
     def promote(self, rollout: Rollout, stable: Version, why: str, actor: str = "gate") -> tuple[str, str]:
         last = (rollout.looks or [{}])[-1]

@@ -249,6 +249,37 @@ class HostDeployment:
 
         _wait(ready, timeout, "every node, router and the front door", check=self.check)
 
+    def host_back(self, host: str) -> bool:
+        """Whether a booted host's own service answers: a node's gateway or a router's /healthz, Redis's PING (not while
+        it replays its append-only file), a query on the database (not while it recovers), the broker's port; the
+        others, their process running."""
+        kind, addr = kind_of(host), self.addr(host)
+        try:
+            if kind == "node":
+                return _http_ok(f"{self.fleet()[host]}/healthz")
+            if kind == "router":
+                return _http_ok(f"http://{addr}:{ROUTER_PORT}/healthz")
+            if kind == "redis":
+                import redis  # noqa: PLC0415
+
+                with redis.Redis(host=addr, port=REDIS_PORT, socket_timeout=2, socket_connect_timeout=2) as r:
+                    return bool(r.ping())
+            if kind == "db":
+                import psycopg  # noqa: PLC0415
+
+                with psycopg.connect(
+                    host=addr, port=PG_PORT, user="postgres", dbname="postgres", connect_timeout=2
+                ) as c:
+                    return c.execute("SELECT 1").fetchone() == (1,)
+            if kind == "broker":
+                import socket  # noqa: PLC0415
+
+                socket.create_connection((addr, BROKER_PORT), timeout=1).close()
+                return True
+        except Exception:  # noqa: BLE001 - not back yet, whatever the reason; the caller asks again
+            return False
+        return all(p.poll() is None for (h, _), p in self.procs.items() if h == host)
+
     def lb_states(self) -> dict[str, str]:
         """Each router's state in HAProxy (UP, DOWN, ...), by host name."""
         import csv  # noqa: PLC0415

@@ -41,7 +41,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from core.config import LiverlConfig
+from core.config import DELIVERY_MARGIN_S, LiverlConfig
 from liverl.bench.chaos_deploy import KINDS, HostDeployment, host_names, kind_of
 
 log = logging.getLogger("liverl.chaos")
@@ -96,7 +96,12 @@ def make_schedule(
 def hosts_config(cfg: LiverlConfig, nodes: int) -> LiverlConfig:
     """The config a ``--hosts`` run starts from: the demo's product and profile (as ``liverl demo`` sets them where
     the config did not; with one node, the one-node profile too), and partial batches trained within 5 s (the drain
-    waits for them). The product must be the demo's: the load is its users."""
+    waits for them). The product must be the demo's: the load is its users.
+
+    Every producer retries a record longer than the longest cut (``broker.delivery_timeout_s``, where the config did
+    not set it, 30 s above ``CUT_S``'s longest; ``ingest.pending_ttl_s`` as far above that as the config requires):
+    a generation record the gateway could not log while the broker was cut off is logged after the heal, not given
+    up on, which is what a deployment that must ride out broker outages of that length configures."""
     from core.product import DEMO_PRODUCT  # noqa: PLC0415
     from liverl.demo.run import apply_demo_profile  # noqa: PLC0415 torch: imported when the command runs
 
@@ -107,6 +112,10 @@ def hosts_config(cfg: LiverlConfig, nodes: int) -> LiverlConfig:
         cfg.serving.nodes = nodes  # (what the profile's one-node rule counts; the fleet is named by address later)
     apply_demo_profile(cfg)
     cfg.learner.max_batch_wait_s = min(cfg.learner.max_batch_wait_s, 5.0)
+    if "delivery_timeout_s" not in cfg.broker.model_fields_set:
+        cfg.broker.delivery_timeout_s = max(cfg.broker.delivery_timeout_s, CUT_S[1] + DELIVERY_MARGIN_S)
+    if "pending_ttl_s" not in cfg.ingest.model_fields_set:
+        cfg.ingest.pending_ttl_s = max(cfg.ingest.pending_ttl_s, cfg.broker.delivery_timeout_s + DELIVERY_MARGIN_S)
     return cfg
 
 
@@ -273,6 +282,7 @@ class Row:
     fault: Fault
     t: float  # time.time() of the fault
     back_s: float | None = None  # loss: seconds from the boot until the host answered again
+    noticed_s: float | None = None  # a router's fault: seconds until the balancer took it out of rotation
     converge_s: float | None = None
     failed_in_flight: int = 0
     failed_other: int = 0
@@ -295,17 +305,19 @@ class Row:
 
 def attribute(rows: list[Row], requests: list[Request], end: float) -> None:
     """Each failed request to the fault it followed (it ended after that fault, before the next one, or ``end``).
-    Excused (``failed_in_flight``): it started before the fault, the fault hit a router or a node (the hosts a request
-    passes through), and a response head, if it got one, names that host (HAProxy's ``X-Liverl-Router``, the
-    router's ``X-Liverl-Node``). Every other failure is ``failed_other``."""
+    Excused (``failed_in_flight``): it started before the fault (a router's: before the balancer took the router out
+    of rotation, ``noticed_s``: until then the balancer still sends it requests), the fault hit a router or a node
+    (the hosts a request passes through), and a response head, if it got one, names that host (HAProxy's
+    ``X-Liverl-Router``, the router's ``X-Liverl-Node``). Every other failure is ``failed_other``."""
     for i, row in enumerate(rows):
         t1 = rows[i + 1].t if i + 1 < len(rows) else end
         kind, victim = kind_of(row.fault.host), row.fault.host
+        cutoff = row.t + (row.noticed_s or 0.0) if kind == "router" else row.t
         for r in requests:
             if r.ok or not (row.t <= r.end < t1):
                 continue
             named = r.router if kind == "router" else r.node
-            if kind in ("router", "node") and r.start < row.t and named in (None, victim):
+            if kind in ("router", "node") and r.start < cutoff and named in (None, victim):
                 row.failed_in_flight += 1
             else:
                 row.failed_other += 1
@@ -519,11 +531,20 @@ def _apply(dep: HostDeployment, fault: Fault, registry, redis) -> Row:
         dep.lose(fault.host)
     else:
         dep.hosts.cut(fault.host)
-    _pause(dep, fault.duration_s)
+    if kind_of(fault.host) == "router":  # when the balancer took it out: until then it still gets requests
+        end = time.monotonic() + fault.duration_s
+        while time.monotonic() < end and row.noticed_s is None:
+            dep.check()
+            if dep.lb_states().get(fault.host, "UP").startswith(("DOWN", "MAINT")):
+                row.noticed_s = round(time.time() - row.t, 2)
+            time.sleep(0.1)
+        _pause(dep, end - time.monotonic())
+    else:
+        _pause(dep, fault.duration_s)
     if fault.what == "loss":
         t_boot = time.monotonic()
         dep.boot(fault.host, wait=False)
-        _until(dep, lambda: _host_back(dep, fault.host), 600)
+        _until(dep, lambda: dep.host_back(fault.host), 600)
         row.back_s = round(time.monotonic() - t_boot, 1)
     else:
         dep.hosts.restore(fault.host)
@@ -531,38 +552,6 @@ def _apply(dep: HostDeployment, fault: Fault, registry, redis) -> Row:
     if _until(dep, lambda: _safe(converged, dep, registry, redis), 3 * CONVERGE_LIMIT_S + 120):
         row.converge_s = round(time.monotonic() - healed, 1)
     return row
-
-
-def _host_back(dep: HostDeployment, host: str) -> bool:
-    """Whether a booted host's own service answers: a node's gateway or a router's /healthz, Redis's PING (not while
-    it replays its append-only file), a query on the database (not while it recovers), the broker's port; the
-    others, their process running."""
-    from liverl.bench import chaos_deploy as d  # noqa: PLC0415
-
-    kind, addr = kind_of(host), dep.addr(host)
-    try:
-        if kind == "node":
-            return d._http_ok(f"{dep.fleet()[host]}/healthz")
-        if kind == "router":
-            return d._http_ok(f"http://{addr}:{d.ROUTER_PORT}/healthz")
-        if kind == "redis":
-            import redis  # noqa: PLC0415
-
-            with redis.Redis(host=addr, port=d.REDIS_PORT, socket_timeout=2, socket_connect_timeout=2) as r:
-                return bool(r.ping())
-        if kind == "db":
-            import psycopg  # noqa: PLC0415
-
-            with psycopg.connect(host=addr, port=d.PG_PORT, user="postgres", dbname="postgres", connect_timeout=2) as c:
-                return c.execute("SELECT 1").fetchone() == (1,)
-        if kind == "broker":
-            import socket  # noqa: PLC0415
-
-            socket.create_connection((addr, d.BROKER_PORT), timeout=1).close()
-            return True
-    except Exception:  # noqa: BLE001 - not back yet, whatever the reason; the caller asks again
-        return False
-    return all(p.poll() is None for (h, _), p in dep.procs.items() if h == host)
 
 
 def _until(dep: HostDeployment, pred, timeout: float) -> bool:

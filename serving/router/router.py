@@ -17,8 +17,10 @@ use) and routes each request:
   failed weight check takes it out of service) is out of rotation. A node that refuses the connection, resets it,
   does not accept it within ``connect_s`` (blackholed) or sends no response head within
   ``serving.router_read_timeout_s`` is skipped for ``down_s`` and the request goes to the user's next node: nothing
-  has reached the client yet, so the retry is invisible to it. The same read timeout bounds the wait for each next
-  chunk of a stream; a stream that stalls that long is cut (counted, ``liverl_router_upstream_errors``).
+  has reached the client yet, so the retry is invisible to it. A node found blackholed also releases the requests
+  waiting for its answer on connections opened before (a host cut off mid-request): they fail over at once, not
+  after the read timeout. The same read timeout bounds the wait for each next chunk of a stream; a stream that
+  stalls that long is cut (counted, ``liverl_router_upstream_errors``).
 - **The canary's share.** During a rollout the router reads the canary announcement (``<p>:canary``), signed by the
   gate and verified here (``security.verify_key``), for the rollout's terms: its id, share, canary nodes and unit.
   With unit ``user``, a user goes to the canary nodes when their bucket, a keyed hash of the rollout id and the user
@@ -26,8 +28,15 @@ use) and routes each request:
   same user stays on one arm for the whole rollout, each rollout draws its arms afresh, and no caller can predict or
   pick an arm. With unit ``request`` each request is drawn afresh. The unsigned ``<p>:rollout`` plan is never read.
   With no canary node in rotation, the canary's users are served by stable nodes; with no stable node in rotation,
-  the stable arm's users are answered 503 (``liverl_router_stable_arm_unavailable``), never sent to the unproven
-  candidate: a stable node restarting in a 2-node fleet must not hand every user to the canary.
+  the stable arm's users are held (below), never sent to the unproven candidate: a stable node restarting in a
+  2-node fleet must not hand every user to the canary. The gate ends such a rollout (``gate.stable_arm_grace_s``), so
+  the canary's nodes go back to stable and the held requests are served.
+- **Held, not refused.** A request that no node may serve right now (none in rotation for its arm, or every one of
+  them failed it before answering) waits up to ``serving.router_hold_s`` and is tried again as the rotation changes
+  (``liverl_router_held``); only then is it answered 503 (``liverl_router_stable_arm_unavailable`` counts those of a
+  stable arm with no node). At most ``serving.router_hold_max`` wait at once. A fault the fleet heals in seconds (a
+  node restarting, the heartbeats rewritten after a Redis outage, a canary ended) costs its users a wait, not an
+  error.
 - **Credentials stay here.** ``Authorization``, ``Proxy-Authorization`` and ``Cookie`` are not forwarded to nodes (a
   product's API key for the front door is not the nodes' business). Feedback's product key travels in its own header
   (``X-Liverl-Product-Key``), which is forwarded: the node's gateway checks it.
@@ -36,8 +45,12 @@ use) and routes each request:
   stream's chunks pass back as the node's gateway sent them; the router adds ``X-Liverl-Node``.
 
 - **Probes and a graceful stop.** ``GET /livez``: 200 whenever the router's event loop answers. ``GET /readyz``: 200
-  only while a request of the stable arm would be routed (a stable node in rotation: any node in rotation when no
-  rollout runs, else one the canary does not name) and the router is not stopping. A node that answers 503 with
+  while a node is in rotation, or was within ``serving.router_hold_s`` (its requests are held: after a Redis outage
+  every heartbeat has expired until the nodes write again, and a balancer taking every router out for those seconds
+  would refuse what the routers can hold), and the router is not stopping. A rollout's stable arm with no node keeps
+  it ready (``stable_nodes`` 0 in the body): every router sees the same fleet, so a balancer taking them all out
+  would refuse every request at once, the canary's users too, where a router holds the stable arm's until the gate
+  ends the rollout. A node that answers 503 with
   ``X-Liverl-Draining`` (it is stopping and did nothing with the request) is skipped like one that refused the
   connection. On SIGTERM the router's ``/readyz`` goes 503 at once, it keeps routing for ``unready_s`` (so a balancer's
   health checks take it out first), then stops listening, lets the requests in flight finish (at most
@@ -55,6 +68,8 @@ import logging
 import random
 import signal
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -86,10 +101,17 @@ HOP_BY_HOP = {
 }
 NOT_FORWARDED = HOP_BY_HOP | {"authorization", "cookie"}  # request headers a node never sees
 MAX_BODY = 8 << 20
+HOLD_POLL_S = 0.25  # how often a held request looks at the rotation again
 MAX_REMEMBERED = 10_000  # unknown heartbeat names remembered (each logged once)
+
+
 # Failures before any byte of the node's response: refused, reset, closed, not accepted within connect_s
 # (ConnectionTimeoutError) or no response head within the read timeout (SocketTimeoutError). Nothing has reached the
 # client, so the next node can answer.
+class NodeBlackholed(aiohttp.ServerTimeoutError):
+    """A request waited for a node's answer on a connection opened before the node was found blackholed."""
+
+
 FAILOVER = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError, aiohttp.ServerTimeoutError)
 
 
@@ -100,6 +122,37 @@ def rank(key: str, nodes: list[Node]) -> list[Node]:
         return hashlib.blake2b(f"{n.name}\0{key}".encode(), digest_size=8).digest()
 
     return sorted(nodes, key=weight, reverse=True)
+
+
+class Blackholes:
+    """Requests waiting for a node's answer, released when the node is found blackholed: one sent on a keep-alive
+    connection opened before its host was cut off would otherwise wait out the whole read timeout for an answer that
+    cannot come. Another request finding the node blackholed (its connection not accepted within connect_s) is the
+    sign."""
+
+    def __init__(self) -> None:
+        self._gone: dict[str, asyncio.Event] = {}  # node -> set when it is found blackholed
+
+    async def send(self, node: str, request: Coroutine[Any, Any, aiohttp.ClientResponse]) -> aiohttp.ClientResponse:
+        """``request``'s response head, or its failover error: its own, or ``NodeBlackholed`` when ``node`` was found
+        blackholed while it waited."""
+        gone = self._gone.setdefault(node, asyncio.Event())
+        send, watch = asyncio.ensure_future(request), asyncio.ensure_future(gone.wait())
+        try:
+            await asyncio.wait((send, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not send.done():
+                send.cancel()
+        if send.cancelled() or not send.done():
+            raise NodeBlackholed(f"{node} was found blackholed while this request waited for its answer")
+        return send.result()
+
+    def found(self, node: str) -> None:
+        """``node`` did not accept a connection within connect_s: what waits for its answer fails over now."""
+        gone = self._gone.pop(node, None)
+        if gone is not None:
+            gone.set()
 
 
 class Router:
@@ -129,6 +182,8 @@ class Router:
         self.secret = assignment_key if assignment_key is not None else load_assignment_key(cfg)
         self.verifier = verifier if verifier is not None else _verifier(cfg)
         self.refresh_s, self.down_s = refresh_s, down_s
+        self.hold_s, self.hold_max = cfg.serving.router_hold_s, cfg.serving.router_hold_max
+        self.holding = 0  # requests held now (waiting for a node that may serve them)
         self.connect_s = connect_s
         self.read_s = cfg.serving.router_read_timeout_s if read_s is None else read_s
         self.nodes: list[Node] = []
@@ -136,6 +191,8 @@ class Router:
         self.announcements = fleet.AnnouncementReader(self.prefix, self.verifier)  # refuses replays too
         self._last_refused: str | None = None
         self._down: dict[str, float] = {}  # node -> until when it is skipped (refused a connection)
+        self.blackholes = Blackholes()
+        self._served_at: float | None = None  # when a node was last in rotation (monotonic)
         self._said: set[tuple[str, str]] = set()  # (what, name) logged once: unknown heartbeats, URL mismatches
         self._draw = random.SystemRandom()  # per-request draws no caller can predict from the arms it sees
         self._session: aiohttp.ClientSession | None = None
@@ -151,10 +208,19 @@ class Router:
         )
         self.m_no_stable = Counter(
             "liverl_router_stable_arm_unavailable",
-            "Requests of a rollout's stable arm answered 503 because no stable node was in rotation (never sent to "
-            "the canary nodes)",
+            "Requests of a rollout's stable arm answered 503 because no stable node came into rotation within "
+            "serving.router_hold_s (never sent to the canary nodes)",
             registry=r,
         )
+        self.m_held = Counter(
+            "liverl_router_held",
+            "Requests held because no node could serve them at once (none in rotation for their arm, or all failed "
+            "them), by how the hold ended: served, or 503 after serving.router_hold_s (full: over "
+            "serving.router_hold_max, not held)",
+            ["outcome"],
+            registry=r,
+        )
+        self.m_holding = Gauge("liverl_router_holding", "Requests held now", registry=r)
         self.m_failover = Counter(
             "liverl_router_failovers",
             "Requests re-routed because their node refused, reset or "
@@ -240,6 +306,8 @@ class Router:
         if [n.name for n in nodes] != [n.name for n in self.nodes]:
             log.info("router: nodes in rotation: %s", ", ".join(f"{n.name} (v{n.version})" for n in nodes) or "none")
         self.nodes = nodes
+        if nodes:
+            self._served_at = time.monotonic()
         self.m_nodes.set(len(nodes))
 
     async def _read_rollout(self) -> RolloutTerms | None:
@@ -293,13 +361,17 @@ class Router:
             return fleet.bucket(self.secret, terms.rollout_id, key) < terms.share
         return self._draw.random() < terms.share
 
-    def choose(self, key: str | None) -> list[Node]:
+    def choose(self, key: str | None, canary: bool | None = None, count: bool = True) -> list[Node]:
         """The nodes to try for ``key``, in order: its rendezvous ranking, nodes that just refused us last. Empty when
-        none may serve it (the proxy answers 503)."""
+        none may serve it (the proxy holds the request). ``canary``: the request's arm when it was drawn already (a
+        held request keeps its draw), else drawn here (``arm``). ``count``: add it to the arms' counters (a held
+        request's later tries are not counted again)."""
         now = time.monotonic()
-        pool, canary = self.nodes, self.arm(key)
+        pool = self.nodes
         if canary is None:
-            self.m_arm.labels("none").inc()
+            canary = self.arm(key)
+        if canary is None or self.rollout is None:  # no rollout (or it ended while the request was held)
+            arm = "none"
         else:
             names = set(self.rollout.nodes)
             side = [n for n in self.nodes if (n.name in names) == canary]
@@ -309,8 +381,9 @@ class Router:
                 pool = [n for n in self.nodes if n.name not in names]
             else:  # no stable node in rotation: never the candidate for the stable arm's users
                 pool = []
-                self.m_no_stable.inc()
-            self.m_arm.labels("canary" if canary and side else "stable").inc()
+            arm = "canary" if canary and side else "stable"
+        if count:
+            self.m_arm.labels(arm).inc()
         nodes = rank(key, pool) if key is not None else random.sample(pool, len(pool))
         return [n for n in nodes if self._down.get(n.name, 0) <= now] + [
             n for n in nodes if self._down.get(n.name, 0) > now
@@ -337,11 +410,15 @@ class Router:
         reason = None
         if self.draining:
             reason = "draining: the router is stopping"
-        elif not self.nodes:
+        elif not self.nodes and (self._served_at is None or time.monotonic() - self._served_at > self.hold_s):
             reason = "no serving node in rotation"
-        elif not stable:
-            reason = "no node of the stable arm in rotation (only the canary's)"
         body = {"ready": reason is None, "reason": reason, "nodes": len(self.nodes), "stable_nodes": len(stable)}
+        if reason is None and not stable:  # ready: every router sees the same fleet, and this one holds what it can't
+            body["note"] = (
+                "no node in rotation for moments: requests are held (serving.router_hold_s)"
+                if not self.nodes
+                else "no node of the stable arm in rotation: its requests are held until the rollout ends"
+            )
         return web.json_response(body, status=200 if reason is None else 503)
 
     async def metrics_route(self, _request: web.Request) -> web.Response:
@@ -356,15 +433,61 @@ class Router:
         if key is None:
             self.m_unkeyed.inc()
         headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED)
-        for node in self.choose(key):
+        canary = self.arm(key)
+        nodes = self.choose(key, canary)
+        resp = await self._try(request, nodes, body, headers)
+        if resp is not None:
+            return resp
+        if self.hold_s <= 0 or self.holding >= self.hold_max:
+            if self.hold_s > 0:
+                self.m_held.labels("full").inc()
+            return self._unavailable(canary)
+        self.holding += 1
+        self.m_holding.set(self.holding)
+        deadline = time.monotonic() + self.hold_s
+        try:
+            while (left := deadline - time.monotonic()) > 0 and not self._closing:
+                await asyncio.sleep(min(left, HOLD_POLL_S))
+                now = time.monotonic()
+                # nodes that just failed this request wait out their down_s; a blackholed node is not paid for again
+                nodes = [n for n in self.choose(key, canary, count=False) if self._down.get(n.name, 0) <= now]
+                resp = await self._try(request, nodes, body, headers)
+                if resp is not None:
+                    self.m_held.labels("served").inc()
+                    return resp
+        finally:
+            self.holding -= 1
+            self.m_holding.set(self.holding)
+        self.m_held.labels("503").inc()
+        return self._unavailable(canary)
+
+    def _unavailable(self, canary: bool | None) -> web.Response:
+        if canary is False and not self.stable_nodes():
+            self.m_no_stable.inc()
+        self.m_requests.labels("none", "503").inc()
+        return web.json_response(
+            {"error": {"message": "no serving node is available", "type": "unavailable"}}, status=503
+        )
+
+    async def _try(
+        self, request: web.Request, nodes: list[Node], body: bytes, headers: CIMultiDict
+    ) -> web.StreamResponse | None:
+        """Send the request to ``nodes`` in turn; the response of the first that answers (relayed), else None (none
+        did, and nothing has reached the client)."""
+        for node in nodes:
             try:
-                upstream = await self._session.request(
-                    request.method, node.url + request.path_qs, data=body, headers=headers, allow_redirects=False
+                upstream = await self.blackholes.send(
+                    node.name,
+                    self._session.request(
+                        request.method, node.url + request.path_qs, data=body, headers=headers, allow_redirects=False
+                    ),
                 )
             except FAILOVER as e:
                 # refused, reset, closed or silent before any byte came back (a pooled keep-alive connection to a
                 # node that just stopped fails this way too): nothing has reached the client, the next node answers
                 self._down[node.name] = time.monotonic() + self.down_s
+                if isinstance(e, aiohttp.ConnectionTimeoutError):  # blackholed: what waits on it waits in vain
+                    self.blackholes.found(node.name)
                 self.m_failover.labels(node.name).inc()
                 log.warning(
                     "router: %s failed before answering (%s: %s); trying the next node", node.name, type(e).__name__, e
@@ -378,35 +501,36 @@ class Router:
                 log.info("router: %s is draining; trying the next node", node.name)
                 continue
             try:
-                return await self._relay(request, upstream, node)
+                return await relay(self, request, upstream, node)
             finally:
                 upstream.release()
-        self.m_requests.labels("none", "503").inc()
-        return web.json_response(
-            {"error": {"message": "no serving node is available", "type": "unavailable"}}, status=503
-        )
+        return None
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, node: Node) -> web.StreamResponse:
-        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        for k, v in upstream.headers.items():
-            if k.lower() not in HOP_BY_HOP:
-                resp.headers.add(k, v)
-        resp.headers["X-Liverl-Node"] = node.name
-        await resp.prepare(request)
-        try:
-            async for chunk in upstream.content.iter_any():
-                await resp.write(chunk)
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
-            # the node failed mid-response: the client has the head already, so it gets a broken stream (raising
-            # makes aiohttp drop the connection instead of ending the response as if it were complete)
-            if not isinstance(e, ConnectionResetError):  # not the client leaving
-                self._down[node.name] = time.monotonic() + self.down_s
-                self.m_upstream_errors.labels(node.name).inc()
-                log.warning("router: %s failed mid-response (%s: %s)", node.name, type(e).__name__, e)
-            raise
-        await resp.write_eof()
-        self.m_requests.labels(node.name, str(upstream.status)).inc()
-        return resp
+
+async def relay(
+    router: Router, request: web.Request, upstream: aiohttp.ClientResponse, node: Node
+) -> web.StreamResponse:
+    """Pass ``node``'s response back to the client: its status, headers (``X-Liverl-Node`` added) and bytes."""
+    resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+    for k, v in upstream.headers.items():
+        if k.lower() not in HOP_BY_HOP:
+            resp.headers.add(k, v)
+    resp.headers["X-Liverl-Node"] = node.name
+    await resp.prepare(request)
+    try:
+        async for chunk in upstream.content.iter_any():
+            await resp.write(chunk)
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
+        # the node failed mid-response: the client has the head already, so it gets a broken stream (raising
+        # makes aiohttp drop the connection instead of ending the response as if it were complete)
+        if not isinstance(e, ConnectionResetError):  # not the client leaving
+            router._down[node.name] = time.monotonic() + router.down_s
+            router.m_upstream_errors.labels(node.name).inc()
+            log.warning("router: %s failed mid-response (%s: %s)", node.name, type(e).__name__, e)
+        raise
+    await resp.write_eof()
+    router.m_requests.labels(node.name, str(upstream.status)).inc()
+    return resp
 
 
 def _verifier(cfg: LiverlConfig):

@@ -573,6 +573,32 @@ def test_with_a_configured_fleet_of_two_and_one_node_down_the_decision_is_deferr
     assert v.verdict == "canary", v.reason
 
 
+def test_a_canary_whose_stable_arm_lost_its_last_node_is_ended_after_the_grace(cfg, rds, fleet2):
+    """The stable arm's only node leaves the rotation during a canary: the routers hold its users rather than hand
+    them the candidate, so the gate aborts the rollout once the arm has been empty for gate.stable_arm_grace_s, and
+    the canary node goes back to stable. A node that is back within the grace ends nothing."""
+    gate, registry = fleet2
+    cfg.gate.stable_arm_grace_s = 0.3
+    r = start(gate, registry, rds, cfg)
+    [stable_node] = [n for n in NODES if n not in r.nodes]
+    beat(rds, cfg, stable_node, healthy=False)
+    [v] = gate.step()
+    assert v.verdict == "canary", v.reason  # within the grace
+    beat(rds, cfg, stable_node)  # back: the clock starts again next time
+    [v] = gate.step()
+    time.sleep(0.4)
+    [v] = gate.step()
+    assert v.verdict == "canary", v.reason
+    rds.delete(keys.served(cfg.topics.prefix, stable_node))  # gone (its heartbeat expired)
+    [v] = gate.step()
+    assert v.verdict == "canary", v.reason
+    time.sleep(0.4)
+    [v] = gate.step()
+    assert v.verdict == "aborted" and "the stable arm has no node in rotation" in v.reason, v.reason
+    assert registry.get(r.version).status == "rejected" and registry.stable().version == 0
+    assert desired(rds, cfg).version == 0 and rds.get(keys.canary(cfg.topics.prefix)) is None
+
+
 def test_a_heartbeat_of_a_node_the_config_does_not_name_is_never_a_canary_node(cfg, rds, fleet2):
     gate, registry = fleet2
     beat(rds, cfg, "node-b", healthy=False)

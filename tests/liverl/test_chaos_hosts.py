@@ -80,6 +80,19 @@ def test_failures_in_flight_on_a_lost_router_are_excused_and_every_other_one_cou
     assert (ingest.failed_in_flight, ingest.failed_other) == (0, 1)
 
 
+def test_requests_the_balancer_sent_a_router_before_it_noticed_the_fault_are_in_flight_on_it():
+    """A router cut at t=100 that HAProxy takes out 2.5 s later: what it was sent until then failed on it; what
+    failed after, or on the other router, counts."""
+    router = Row(Fault("cut", "router-1", 30), t=100.0, noticed_s=2.5)
+    requests = [
+        Request(101.0, 131.0, False, error="sent to the cut router before the balancer noticed"),  # excused
+        Request(103.0, 104.0, False, error="sent after the balancer noticed"),  # counts
+        Request(101.0, 102.0, False, router="router-2", error="HTTP 503 from the other"),  # counts
+    ]
+    attribute([router], requests, end=300.0)
+    assert (router.failed_in_flight, router.failed_other) == (1, 2)
+
+
 def test_the_final_audits_lost_and_twice_land_in_the_row_of_the_fault_they_followed():
     rows = [Row(Fault("loss", "broker", 10), t=100.0), Row(Fault("cut", "learner", 40), t=200.0)]
     report = SimpleNamespace(lost_examples=["f-lost", "f-early"], trained_twice=["s-2"])

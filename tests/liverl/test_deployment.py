@@ -292,3 +292,29 @@ def test_an_operator_command_on_another_deployments_prefix_refuses_naming_both_a
     finally:
         r.delete(claim_key(other))
         r.close()
+
+
+def test_a_learner_whose_redis_stops_answering_exits_for_a_restart_with_no_traceback(tmp_path):
+    """Redis (or the broker) gone longer than the clients retry, mid-run: the learner exits 75 (EX_TEMPFAIL) with one
+    line naming the error, so its supervisor starts it again from its last checkpoint. The learner's loop itself is
+    replaced by one that meets the error its Redis client raises after a long cut (the real loop needs a model and a
+    broker; what is tested here is how the process ends)."""
+    from core.services import EXIT_TEMPFAIL
+
+    code = (
+        "import sys, redis\n"
+        "import learner.trainer as t\n"
+        "from liverl import cli, process_cli\n"
+        "def cut(*a, **k):\n"
+        "    raise redis.exceptions.ConnectionError('Error 110 connecting to 10.0.0.3:6379. Connection timed out.')\n"
+        "t.run_learner = cut\n"
+        "process_cli.check_bound = lambda *a: None\n"
+        "process_cli.model_dir_for = lambda cfg: None\n"
+        "sys.exit(cli.main(['learn']))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIVERL")}
+    env["LIVERL__STATE_DIR"] = str(tmp_path / "state")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == EXIT_TEMPFAIL, p.stderr[-3000:]
+    assert "the learner lost a service it needs (ConnectionError" in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]

@@ -3,8 +3,9 @@
 - the gateway's ``/readyz`` is 503 until a completion sent now would be served (its producer started, a version its
   agent verified), then 200, and once it is 200 a completion succeeds; a draining gateway answers 503 at once, refuses
   new generations with ``X-Liverl-Draining`` and counts the ones it still holds; ``/livez`` answers throughout;
-- the router's ``/readyz`` is 503 with no node in rotation and with only the canary's nodes in rotation, 200 with a
-  node for the stable arm, 503 once it drains; a node's draining 503 sends the request to the next node;
+- the router's ``/readyz`` is 503 with no node in rotation, 200 with a node in rotation (with only the canary's, it
+  says the stable arm's requests are held), 503 once it drains; a node's draining 503 sends the request to the next
+  node;
 - the serving process's own server answers ``/livez`` and ``/readyz`` from the probes it is given.
 
 The gateway runs for real on the session's broker in front of a stand-in for the vLLM node (a few canned lines of its
@@ -127,7 +128,7 @@ def test_gateway_readyz_is_200_exactly_when_a_completion_would_be_served_and_dro
     asyncio.run(run())
 
 
-def test_router_readyz_needs_a_node_for_the_stable_arm_and_a_draining_node_is_skipped(cfg, rds):
+def test_router_readyz_needs_a_node_in_rotation_and_a_draining_node_is_skipped(cfg, rds):
     prefix = cfg.topics.prefix
 
     async def run() -> None:
@@ -156,9 +157,11 @@ def test_router_readyz_needs_a_node_for_the_stable_arm_and_a_draining_node_is_sk
                 await beat(ardis, prefix, "node-a", None)
                 await until(lambda: router.nodes and router.rollout is not None, "node-a and the rollout seen")
                 status, body = await _get(http, f"{base}/readyz")
-                assert status == 503 and "stable arm" in body["reason"], body
-                async with http.post(f"{base}/v1/completions", json={"prompt": "x", "user": "u"}) as r:
-                    assert r.status == 503  # what /readyz said: a request now is not served
+                assert status == 200 and body["stable_nodes"] == 0 and "held" in body["note"], body
+                router.hold_s = 0.2
+                stable_user = next(f"u{i}" for i in range(100) if router.arm(f"u{i}") is False)
+                async with http.post(f"{base}/v1/completions", json={"prompt": "x", "user": stable_user}) as r:
+                    assert r.status == 503  # held, and nothing changed within the hold: never sent to the canary
                 await beat(ardis, prefix, "node-b", None)
                 await until(lambda: len(router.nodes) == 2, "node-b in rotation")
                 status, body = await _get(http, f"{base}/readyz")
@@ -202,5 +205,50 @@ def test_the_serving_process_answers_livez_and_readyz_from_its_probes():
                 assert [(await _get(http, f"{url}/{p}"))[0] for p in ("livez", "readyz")] == [503, 200]
         finally:
             await runner.cleanup()
+
+    asyncio.run(run())
+
+
+def test_router_stays_ready_through_a_gap_in_the_heartbeats_and_holds_what_it_is_sent(cfg, rds):
+    """After a Redis outage every node's heartbeat has expired until the nodes write again: a router that had nodes
+    stays ready for serving.router_hold_s and holds the requests it is sent (a balancer taking every router out for
+    those seconds would refuse them all); a router whose nodes stay gone longer than that says so."""
+    prefix = cfg.topics.prefix
+
+    async def run() -> None:
+        ardis = aioredis.from_url(cfg.redis.url)
+        port = free_port()
+        rcfg, _ = front_door(cfg, {"node-a": f"http://127.0.0.1:{port}"})
+        upstream = await start(gateway("node-a"), port)
+        router = Router(rcfg, ardis, refresh_s=0.05)
+        rport = free_port()
+        rrunner = await start(router.app, rport)
+        base = f"http://127.0.0.1:{rport}"
+        try:
+            async with aiohttp.ClientSession() as http:
+                status, body = await _get(http, f"{base}/readyz")
+                assert status == 503 and body["reason"] == "no serving node in rotation", body  # never had one
+                await beat(ardis, prefix, "node-a", None)
+                await until(lambda: router.nodes, "node-a in rotation")
+                router.hold_s = 30.0
+                await ardis.delete(keys.served(prefix, "node-a"))  # the heartbeat gone (Redis came back empty)
+                await until(lambda: not router.nodes, "node-a out of rotation")
+                status, body = await _get(http, f"{base}/readyz")
+                assert status == 200 and body["nodes"] == 0 and "held" in body["note"], body
+                held = asyncio.create_task(_complete(http, base))
+                await until(lambda: router.holding == 1, "the request held")
+                await beat(ardis, prefix, "node-a", None)  # the node writes its heartbeat again
+                r = await held
+                assert r.status == 200 and r.headers["X-Liverl-Node"] == "node-a"
+                await ardis.delete(keys.served(prefix, "node-a"))
+                await until(lambda: not router.nodes, "node-a out of rotation again")
+                router.hold_s = 0.2  # gone longer than the hold: not ready
+                await asyncio.sleep(0.5)
+                status, body = await _get(http, f"{base}/readyz")
+                assert status == 503 and body["reason"] == "no serving node in rotation", body
+        finally:
+            await rrunner.cleanup()
+            await upstream.cleanup()
+            await ardis.aclose()
 
     asyncio.run(run())

@@ -125,8 +125,23 @@ def test_router_routes_sticky_over_live_healthy_nodes_and_fails_over(cfg, rds):
                 for n in ("node-b", "node-c"):  # the whole fleet gone
                     await ardis.delete(keys.served(prefix, n))
                 await until(lambda: not router.nodes)
+                # held while the fleet comes back: node-c's heartbeat returns while the request waits, and it answers
+                router.hold_s = 30.0
+                held = asyncio.create_task(ask("u1"))
+                await until(lambda: router.holding == 1)
+                await beat(ardis, prefix, "node-c", f"http://127.0.0.1:{ports['node-c']}")
+                status, headers, body = await held
+                assert status == 200 and body["node"] == "node-c" and headers["X-Liverl-Node"] == "node-c"
+                assert router.holding == 0
+                await ardis.delete(keys.served(prefix, "node-c"))
+                await until(lambda: not router.nodes)
+                router.hold_s = 0.3  # nothing comes back within the hold: 503
                 status, _, body = await ask("u1")
                 assert status == 503 and "no serving node" in body["error"]["message"]
+                async with http.get(f"{base}/metrics") as r:
+                    text = await r.text()
+                assert 'liverl_router_held_total{outcome="served"} 1.0' in text
+                assert 'liverl_router_held_total{outcome="503"} 1.0' in text
                 async with http.get(f"{base}/healthz") as r:
                     assert r.status == 503
         finally:

@@ -156,14 +156,15 @@ def _public_bucket(key: str) -> float:
 
 def test_with_no_stable_node_in_rotation_the_stable_arm_is_not_sent_to_the_canary(cfg, rds):
     """A 2-node fleet with a rollout on node-b, and node-a out of rotation (restarting, or its heartbeat says
-    unhealthy): the canary's users still reach node-b, the stable arm's users get 503 (counted), not the unproven
-    candidate. With node-a back, they reach it again."""
+    unhealthy): the canary's users still reach node-b, the stable arm's users are held and, when nothing changes
+    within the hold, get 503 (counted), not the unproven candidate. With node-a back, they reach it again."""
 
     async def main() -> None:
         async with _Fleet(cfg, rds, ("node-a", "node-b")) as f:
             await beat(f.ardis, f.prefix, "node-a", _url(f.ports["node-a"]), healthy=False)
             announce_rollout(rds, f.rcfg, f.signer, rollout_id=9, share=0.5, nodes=["node-b"])
             router = await f.route()
+            router.hold_s = 0.1
             await until(lambda: router.rollout is not None and len(router.nodes) == 1, "rollout and node-b only")
             users = [f"user-{i}" for i in range(40)]
             arms = {u: router.arm(u) for u in users}
@@ -179,6 +180,31 @@ def test_with_no_stable_node_in_rotation_the_stable_arm_is_not_sent_to_the_canar
             await beat(f.ardis, f.prefix, "node-a", _url(f.ports["node-a"]))
             await until(lambda: len(router.nodes) == 2, "node-a back")
             assert {await f.node_of(u) for u, c in arms.items() if not c} == {"node-a"}
+
+    asyncio.run(main())
+
+
+def test_the_stable_arm_is_held_until_the_rollout_ends_then_served(cfg, rds):
+    """A 2-node fleet with a rollout on node-b and node-a gone: a stable user's request waits (it is never sent to
+    node-b while the canary runs), and is served by node-b once the canary announcement is withdrawn (the gate ends
+    a rollout whose stable arm has no node, gate.stable_arm_grace_s)."""
+
+    async def main() -> None:
+        async with _Fleet(cfg, rds, ("node-a", "node-b")) as f:
+            await beat(f.ardis, f.prefix, "node-a", _url(f.ports["node-a"]), healthy=False)
+            announce_rollout(rds, f.rcfg, f.signer, rollout_id=9, share=0.5, nodes=["node-b"])
+            router = await f.route()
+            router.hold_s = 30.0
+            await until(lambda: router.rollout is not None and len(router.nodes) == 1, "rollout and node-b only")
+            user = next(f"user-{i}" for i in range(100) if router.arm(f"user-{i}") is False)
+            held = asyncio.create_task(f.node_of(user))
+            await until(lambda: router.holding == 1, "the stable user's request held")
+            await asyncio.sleep(0.5)  # several looks at the rotation: still held, node-b saw nothing of it
+            assert not held.done() and not f.seen["node-b"]
+            rds.delete(fleet.announcement_key(f.prefix, "canary"))  # the rollout ended
+            assert await held == "node-b"
+            assert 'liverl_router_held_total{outcome="served"} 1.0' in await f.metrics()
+            assert router.m_no_stable._value.get() == 0
 
     asyncio.run(main())
 
@@ -317,6 +343,45 @@ def test_a_blackholed_or_silent_node_fails_over_and_is_marked_down(cfg, rds):
             await asyncio.sleep(0)
             for s in (hole, *fillers):
                 s.close()
+
+    asyncio.run(main())
+
+
+def test_requests_waiting_on_a_node_found_blackholed_fail_over_at_once(cfg, rds):
+    """A host cut off mid-connection: a request sent on a connection opened before the cut waits for an answer that
+    cannot come. Once another request finds the node blackholed (its connection not accepted within connect_s), the
+    waiting one fails over too, instead of holding its client for the whole read timeout (600 s here)."""
+
+    async def main() -> None:
+        srv = socket.socket()  # node-q: accepts one connection into its backlog and never answers on it
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(0)
+        port = srv.getsockname()[1]
+        fillers: list[socket.socket] = []
+        try:
+            async with _Fleet(cfg, rds, ("node-b",)) as f:
+                f.rcfg.serving.fleet = {**f.rcfg.serving.fleet, "node-q": _url(port)}
+                await beat(f.ardis, f.prefix, "node-q", _url(port))
+                router = await f.route(connect_s=0.5, read_s=600.0, down_s=600)
+                await until(lambda: len(router.nodes) == 2)
+                users = [u for u in (f"user-{i}" for i in range(1000)) if rank(u, router.nodes)[0].name == "node-q"]
+                first = asyncio.create_task(f.node_of(users[0]))
+                await asyncio.sleep(0.5)  # connected (the kernel's backlog took it), request sent, no answer
+                assert not first.done()
+                for _ in range(8):  # the backlog full from now on: new connections are not accepted (the cut)
+                    c = socket.socket()
+                    c.setblocking(False)
+                    try:
+                        c.connect(("127.0.0.1", port))
+                    except BlockingIOError:
+                        pass
+                    fillers.append(c)
+                assert await f.node_of(users[1]) == "node-b"  # its connect times out: node-q found blackholed
+                assert await asyncio.wait_for(first, 60) == "node-b"  # the waiting one failed over with it
+                assert 'liverl_router_failovers_total{node="node-q"} 2.0' in await f.metrics()
+        finally:
+            for c in (srv, *fillers):
+                c.close()
 
     asyncio.run(main())
 
