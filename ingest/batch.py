@@ -25,6 +25,12 @@ class InfraError(RuntimeError):
     """The broker or Redis failed: the batch must not be acknowledged (the worker stops and replays it)."""
 
 
+class KeyMissing(InfraError):
+    """A sealed generation and no key-encryption key to open it (``security.shred_key``): the worker stops without
+    acknowledging its batch, as for a failed broker, rather than dead-letter every sealed user's feedback; started
+    again with the key, it decides them all."""
+
+
 class Output(Protocol):
     """Where the join's samples and dead letters go: ``send`` queues a record and returns an awaitable that resolves
     once the broker has it, after a ``flush`` (``ingest.outbox.Outbox``)."""

@@ -18,7 +18,7 @@ from core.config import IngestConfig, TopicsConfig
 from core.product import Product
 from core.schemas import FeedbackEvent, GenerationRecord, TrainingSample, WireError
 from core.shred import SealError, UserKeys
-from ingest.batch import Batch, Emitter, InfraError
+from ingest.batch import Batch, Emitter, InfraError, KeyMissing
 from ingest.entry import JUDGED, PENDING, WAITING, pack, unpack
 from ingest.partitioner import partition_of
 from ingest.pending import PendingIndex
@@ -182,7 +182,11 @@ class Decider:
                 out.tally.inc("duplicates")
                 self._count_again(out, meta, t)  # idempotent; heals a crash
             else:
-                dead(out, "already_judged", f"generation {gid} was already judged by feedback {meta['f']}", src, value)
+                why = f"generation {gid} was already judged by feedback {meta['f']}"
+                if meta.get("u") is not None and fb.edited_text is not None:
+                    # a user's edit is not copied into the dead letters, where a forget could not reach it
+                    value = fb.model_copy(update={"edited_text": None}).model_dump_json().encode()
+                dead(out, "already_judged", why, src, value)
         elif kind == WAITING:
             assert entry is not None  # a kind is read from an entry
             _, _, meta, body = unpack(entry)
@@ -382,9 +386,9 @@ def _open_sealed(keys, emitter, gid: str, unit, rec: dict[str, Any], body: bytes
     ``(rec, body, sealed)``; ``rec`` marked (``x``) forgotten when the key is destroyed, or dead-lettered with its
     reason when it cannot be opened."""
     if keys is None:
-        raise ValueError(
-            "a sealed generation and no key-encryption key to open it: set security.shred_key to the "
-            "deployment's shred.key"
+        raise KeyMissing(
+            f"generation {gid} is sealed and this worker has no key-encryption key to open it: set "
+            "security.shred_key to the deployment's shred.key (`liverl keys` made it; the gateways seal with it)"
         )
     if not isinstance(unit, str):  # (the gateway seals only what names its user)
         emitter.dead(out, "unsealable", f"generation {gid}: sealed without its unit", src, None)

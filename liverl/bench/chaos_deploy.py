@@ -396,6 +396,12 @@ class HostDeployment:
         env["LIVERL__SERVING"] = json.dumps(serving)
         if role == "ingest":  # its join table is its own host's (ingest refuses to share one)
             env["LIVERL__STATE_DIR"] = str(self._disk(host))
+            # the keys it needs, mounted where the deployment keeps them (a state dir of its own has none)
+            security = json.loads(env["LIVERL__SECURITY"])
+            for setting, name in (("shred_key", "shred.key"), ("feedback_key", "feedback.key")):
+                if not security.get(setting) and (cfg.state_path / "keys" / name).is_file():
+                    security[setting] = str(cfg.state_path / "keys" / name)
+            env["LIVERL__SECURITY"] = json.dumps(security)
         argv = [sys.executable, "-m", "liverl.cli", role]
         if role == "route":
             argv += ["--host", self.addr(host), "--port", str(ROUTER_PORT)]

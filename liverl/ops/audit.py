@@ -88,6 +88,8 @@ class Report:
             out.append(f"{len(self.trained_twice)} sample(s) trained twice, e.g. {', '.join(self.trained_twice[:3])}")
         if not self.moving and self.live_events != self.joined_events:
             out.append(f"live counters hold {self.live_events} events for {self.joined_events} judged generations")
+        if self.fates["dead_letter:internal_error"]:  # a bug: ingest could not decide them (its log says why)
+            out.append(f"{self.fates['dead_letter:internal_error']} feedback event(s) dead-lettered internal_error")
         if len(self.stable_versions) != 1:
             out.append(f"the registry has {len(self.stable_versions)} stable versions {self.stable_versions}")
         for node, n in sorted(self.nodes.items()):

@@ -48,12 +48,16 @@ def folder_stack(tmp_path):
     )
     assert cfg.broker.embedded_storage == "folder"
     st = start_stack(cfg)
-    yield st, tmp_path / "stack" / "broker"
-    st.close()
+    stacks = [st]
+    yield st, tmp_path / "stack" / "broker", lambda: stacks.append(start_stack(cfg)) or stacks[-1]
+    for s in stacks:
+        s.close()
 
 
 def test_a_forgotten_users_text_is_nowhere_and_another_users_still_flows(folder_stack, tmp_path):
-    st, broker_dir = folder_stack
+    """...and a restart of the whole stack (the broker on its folder, ingest restoring its join store) brings none of
+    it back: feedback sent afterwards on the forgotten user's generations is dead-lettered, another user's flows."""
+    st, broker_dir, restart = folder_stack
     state = tmp_path / "state"
     cfg = ingest_config(st, state)
     write_secret(state / "keys" / "shred.key")
@@ -73,8 +77,9 @@ def test_a_forgotten_users_text_is_nowhere_and_another_users_still_flows(folder_
 
         a1, b1 = sealed_generation(A, A_PROMPT, A_IDS), sealed_generation(B, B_PROMPT)
         a2, b2 = sealed_generation(A, A_PROMPT, A_IDS), sealed_generation(B, B_PROMPT)
+        a3 = sealed_generation(A, A_PROMPT, A_IDS)  # judged only after the forget and a restart
         plain = make_generation(new_gid(), 7)  # no unit: no one to forget, logged and joined as it is
-        for rec in (a1, b1, a2, b2, plain):
+        for rec in (a1, b1, a2, b2, a3, plain):
             sealed = rec.sealed and not rec.prompt_token_ids and A_PROMPT.encode() not in rec.to_bytes()
             assert rec.unit is None or sealed
             h.send_generation(rec)
@@ -110,8 +115,82 @@ def test_a_forgotten_users_text_is_nowhere_and_another_users_still_flows(folder_
         db.close()
     st.close()  # the broker's folder as it is left
 
-    files = every_byte(broker_dir, state / "ingest") + [(p, p.read_bytes()) for p in state.glob("registry.db*")]
-    assert found(A_EDIT, files), "control: the plain edit sent to the feedback topic is in the broker's folder"
-    assert all("feedback" in p for p in found(A_EDIT, files)), found(A_EDIT, files)  # only there (docs/forget.md)
-    for needle in (A_PROMPT, A_COMPLETION, B_PROMPT, ",".join(map(str, A_IDS))):
-        assert not found(needle, files), needle
+    def search() -> None:
+        files = every_byte(broker_dir, state / "ingest") + [(p, p.read_bytes()) for p in state.glob("registry.db*")]
+        assert found(A_EDIT, files), "control: the plain edit sent to the feedback topic is in the broker's folder"
+        assert all("feedback" in p for p in found(A_EDIT, files)), found(A_EDIT, files)  # only there (docs/forget.md)
+        for needle in (A_PROMPT, A_COMPLETION, B_PROMPT, ",".join(map(str, A_IDS))):
+            assert not found(needle, files), needle
+
+    search()
+    st = restart()  # the whole stack again, on the same folders (and the same address: cfg holds)
+    assert st.bootstrap == cfg.broker.bootstrap
+    db = RegistryDB(cfg.registry_url)
+    keys = UserKeys(db, load_kek(cfg))
+    h = IngestHarness(cfg, tmp_path)
+    try:
+        h.start_worker()  # restores the join store (A's sealed entries among them) from its files and changelog
+        b3 = seal_record(keys.key_for(B), make_generation(new_gid(), 7).model_copy(update={"unit": B}))
+        h.send_generation(b3)
+        with feedback_client(cfg) as sdk, h.tail("samples") as samples, h.tail("dead_letters") as dead:
+            sdk.accept(a3.generation_id)  # A's generation waiting in the restored join store: no sample
+            sdk.edit(a2.generation_id, A_EDIT)  # judged (forgotten) before the restart: still judged
+            sdk.accept(b3.generation_id)
+            samples.wait_for(samples.keys({b3.generation_id}))
+            reasons = {
+                (r.key.decode(), DeadLetter.from_bytes(r.value).reason)
+                for r in dead.wait_for(dead.keys({a2.generation_id, a3.generation_id}), n=3)
+            }
+            assert reasons == {
+                (a2.generation_id, "forgotten"),  # (before the restart)
+                (a2.generation_id, "already_judged"),
+                (a3.generation_id, "forgotten"),
+            }, reasons
+            samples.poll()
+            assert not samples.matching(samples.keys({a2.generation_id, a3.generation_id}))
+        assert h.worker.stop(signal.SIGTERM) == 0
+        h.worker = None
+    finally:
+        h.close()
+        keys.close()
+        db.close()
+    st.close()
+    search()
+
+
+def test_a_worker_without_the_key_encryption_key_stops_on_a_sealed_generation_and_loses_nothing(stack, tmp_path):
+    """A worker not given the deployment's shred.key cannot open a sealed generation: it stops without acknowledging
+    its batch (exit 75, the log naming security.shred_key) rather than dead-letter every sealed user's feedback.
+    Started again with the key (at its default place, ``<state_dir>/keys/shred.key``), it makes the sample from the
+    same records."""
+    from core.services import EXIT_TEMPFAIL
+    from core.shred import read_kek
+    from tests.ingest.conftest import wait_until
+
+    cfg = ingest_config(stack, tmp_path / "state")
+    kek = tmp_path / "shred.key"
+    write_secret(kek)
+    db = RegistryDB(cfg.registry_url)
+    keys = UserKeys(db, read_kek(kek))
+    h = IngestHarness(cfg, tmp_path)
+    try:
+        h.start_worker()  # (its probe generation has no user: not sealed)
+        rec = seal_record(keys.key_for(A), make_generation(new_gid(), 7).model_copy(update={"unit": A}))
+        h.send_generation(rec)
+        with feedback_client(cfg) as sdk:
+            sdk.accept(rec.generation_id)
+        wait_until(lambda: h.worker.proc.poll() is not None, 90, what="the worker to stop")
+        assert h.worker.proc.returncode == EXIT_TEMPFAIL, h.worker.log_tail()
+        assert "security.shred_key" in h.worker.log_tail(), h.worker.log_tail()
+        assert not h.counters().get("dlq:internal_error")
+        (tmp_path / "state" / "keys").mkdir(parents=True, exist_ok=True)  # the key where the worker looks for it
+        kek.rename(tmp_path / "state" / "keys" / "shred.key")
+        with h.tail("samples") as samples:
+            h.start_worker()
+            (got,) = samples.wait_for(samples.keys({rec.generation_id}), timeout=60)
+        sample = TrainingSample.from_bytes(got.value)
+        assert sample.unit == A and sample.sealed
+    finally:
+        h.close()
+        keys.close()
+        db.close()
