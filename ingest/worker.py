@@ -18,6 +18,7 @@ import gc
 import aiokafka.errors
 import kafka.errors
 import redis.exceptions
+import sqlalchemy.exc
 
 from core.bus import BrokerUnavailable, all_topics, ensure_topics, topic_configs
 from core.config import LiverlConfig
@@ -30,13 +31,14 @@ from ingest.table import changelog_topic
 # of the join's time. Collect 30x less often, and leave the objects of the start-up (modules, clients) out of it.
 GC_THRESHOLD = (20_000, 10, 10)
 
-# what the broker or Redis raise when they do not answer while the worker starts: the same restart as mid-batch
+# what the broker, Redis or the registry's database raise when they do not answer while the worker starts: the same restart as mid-batch
 UNAVAILABLE = (
     BrokerUnavailable,
     aiokafka.errors.KafkaError,
     kafka.errors.KafkaError,
     redis.exceptions.ConnectionError,
     redis.exceptions.TimeoutError,
+    sqlalchemy.exc.OperationalError,  # the registry's database (the users' keys)
     ConnectionError,
 )
 

@@ -42,6 +42,7 @@ def check_bound(cfg: LiverlConfig, role: str) -> None:
     """A pipeline process refuses to start on a Redis prefix another deployment claims than the one its registry
     belongs to (``liverl.stack.deployment.check_process``)."""
     import redis
+    import sqlalchemy.exc
 
     from liverl.stack.deployment import check_process
 
@@ -52,6 +53,10 @@ def check_bound(cfg: LiverlConfig, role: str) -> None:
     except redis.RedisError as e:
         raise ServiceError(
             f"liverl {role}: cannot check the deployment's Redis namespace at {redact_url(url)}: {e}"
+        ) from None
+    except sqlalchemy.exc.OperationalError as e:  # the registry's database does not answer (yet)
+        raise ServiceError(
+            f"liverl {role}: cannot read the deployment's registry at {redact_url(cfg.registry_url)}: {e.orig or e}"
         ) from None
     finally:
         r.close()

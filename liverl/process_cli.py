@@ -59,16 +59,19 @@ def cmd_ingest(args: argparse.Namespace) -> int:
 def cmd_learn(args: argparse.Namespace) -> int:
     import kafka.errors
     import redis
+    import sqlalchemy.exc
 
     from core.bus import BrokerUnavailable
     from learner.trainer import run_learner
 
-    # what Redis's and the broker's clients raise once a service has not answered for longer than they retry
+    # what Redis's, the broker's and the registry's clients raise once a service has not answered for longer than they
+    # retry
     service_down = (
         BrokerUnavailable,
         kafka.errors.KafkaError,
         redis.exceptions.ConnectionError,
         redis.exceptions.TimeoutError,
+        sqlalchemy.exc.OperationalError,
         ConnectionError,
     )
 

@@ -257,6 +257,29 @@ def test_liverl_ingest_whose_redis_does_not_answer_exits_for_a_restart_not_as_re
     assert "cannot check the deployment's Redis namespace" in p.stderr and "Traceback" not in p.stderr, p.stderr
 
 
+def test_liverl_ingest_whose_registry_database_does_not_answer_exits_for_a_restart_not_as_refused(tmp_path, prefix):
+    """The registry's database restarting while a process starts (a host loss of the database): a service to wait
+    for (exit 75), with one line naming it, not a traceback and exit 1."""
+    from core.services import EXIT_TEMPFAIL
+    from tests.conftest import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIVERL")}
+    env.update(
+        {
+            "LIVERL__TOPICS__PREFIX": prefix,
+            "LIVERL__REDIS__URL": REDIS,
+            "LIVERL__REGISTRY__URL": f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/postgres",
+            "LIVERL__STATE_DIR": str(tmp_path / "state"),
+            "LIVERL__BROKER__BOOTSTRAP": "127.0.0.1:1",
+        }
+    )
+    p = subprocess.run(
+        [sys.executable, "-m", "liverl.cli", "ingest"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert p.returncode == EXIT_TEMPFAIL, p.stderr[-3000:]
+    assert "cannot read the deployment's registry" in p.stderr and "Traceback" not in p.stderr, p.stderr[-3000:]
+
+
 def test_an_operator_command_on_another_deployments_prefix_refuses_naming_both_and_the_prefix_that_works(
     tmp_path, prefix
 ):
