@@ -8,12 +8,20 @@ from pathlib import Path
 import sqlalchemy as sa
 from sqlalchemy import event
 
+CONNECT_TIMEOUT_S = 5
+"""How long a connection to a PostgreSQL registry may take (unless the URL sets ``connect_timeout``): a database
+host cut off would otherwise hold each caller for the kernel's whole SYN retry, about two minutes."""
+
 
 def make_engine(url: str) -> sa.Engine:
     """An engine for the registry; on SQLite a WAL database whose writers begin with ``BEGIN IMMEDIATE`` when
     the connection has the ``sqlite_begin="IMMEDIATE"`` execution option."""
     if not url.startswith("sqlite"):
-        return sa.create_engine(url, pool_pre_ping=True)
+        parsed = sa.engine.make_url(url)
+        connect_args = {}
+        if parsed.get_backend_name() == "postgresql" and "connect_timeout" not in parsed.query:
+            connect_args["connect_timeout"] = CONNECT_TIMEOUT_S
+        return sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     db = sa.engine.make_url(url).database
     if db and db != ":memory:":
         Path(db).parent.mkdir(parents=True, exist_ok=True)

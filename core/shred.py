@@ -281,15 +281,21 @@ class KeyCache:
     may still seal this process's records for up to ``ttl_s``: those are unreadable to everyone (lost to training,
     never exposed); afterwards the user, if they come back, gets a new key. Thread-safe."""
 
-    def __init__(self, keys: UserKeys, size: int = 65536, ttl_s: float = 60.0):
+    def __init__(self, keys: UserKeys, size: int = 65536, ttl_s: float = 60.0, retry_s: float = 30.0):
         if size < 1:
             raise ValueError(f"a key cache holds at least 1 key, not {size}")
-        self.keys, self.size, self.ttl_s = keys, size, ttl_s
+        self.keys, self.size, self.ttl_s, self.retry_s = keys, size, ttl_s, retry_s
         self._lru: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
         self._lock = threading.Lock()
-        self.hits = self.misses = 0
+        self._down_until = 0.0  # the registry failed a read: it is not asked again before then
+        self.hits = self.misses = self.stale = 0
 
     def get(self, unit: str) -> bytes:
+        """``unit``'s key. While the registry does not answer, a key read before is used past its TTL (a forget
+        cannot finish there either; a key it destroyed meanwhile seals records nobody can open) and the registry is
+        asked again only every ``retry_s``, so a gateway whose database is cut off waits on it at most once a
+        ``retry_s``. A unit with no key read before raises ``sqlalchemy.exc.SQLAlchemyError``: its record is not
+        logged."""
         now = time.monotonic()
         with self._lock:
             hit = self._lru.get(unit)
@@ -297,7 +303,15 @@ class KeyCache:
                 self._lru.move_to_end(unit)
                 self.hits += 1
                 return hit[1]
-        key = self.keys.key_for(unit, create=True)
+            down = now < self._down_until
+        if down:
+            return self._stale(unit, hit, None)
+        try:
+            key = self.keys.key_for(unit, create=True)
+        except sa.exc.SQLAlchemyError as e:
+            with self._lock:
+                self._down_until = time.monotonic() + self.retry_s
+            return self._stale(unit, hit, e)
         assert key is not None
         with self._lock:
             self.misses += 1
@@ -307,9 +321,23 @@ class KeyCache:
                 self._lru.popitem(last=False)
         return key
 
+    def _stale(self, unit: str, hit: tuple[float, bytes] | None, error: Exception | None) -> bytes:
+        if hit is None:
+            raise KeysUnavailable(
+                f"the registry's database did not answer for the key of unit {unit} "
+                f"({error or f'asked again within {self.retry_s:g} s'})"
+            )
+        with self._lock:
+            self.stale += 1
+        return hit[1]
+
     def forget(self, unit: str) -> None:
         with self._lock:
             self._lru.pop(unit, None)
+
+
+class KeysUnavailable(sa.exc.SQLAlchemyError):
+    """A unit's key could not be read: the registry's database does not answer and the cache holds none."""
 
 
 # ---------------------------------------------------------------------------------------------- the wire's text

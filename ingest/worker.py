@@ -31,7 +31,8 @@ from ingest.table import changelog_topic
 # of the join's time. Collect 30x less often, and leave the objects of the start-up (modules, clients) out of it.
 GC_THRESHOLD = (20_000, 10, 10)
 
-# what the broker, Redis or the registry's database raise when they do not answer while the worker starts: the same restart as mid-batch
+# what the broker, Redis or the registry's database raise when they do not answer while the worker starts: the same
+# restart as mid-batch
 UNAVAILABLE = (
     BrokerUnavailable,
     aiokafka.errors.KafkaError,

@@ -267,10 +267,10 @@ def run(
     try:
         proc.start()
         _wait_http(gateway_url + "/healthz", proc, timeout_s=600)
-        from serving.agent.launch import read_node_key
+        from serving.agent.launch import node_file, read_node_key
 
         node_key = read_node_key(cfg)  # the node answers only with its key (the serving process wrote it)
-        node_pid = int((cfg.state_path / "serving" / f"vllm-{cfg.serving.vllm_port}.pid").read_text())
+        node_pid = int(node_file(cfg, "pid").read_text())
         groups = {  # where the machine's CPU goes, per side: what the table's last columns split
             "API server (gateway inside)": [node_pid],
             "engine core": _children(node_pid),

@@ -49,6 +49,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -116,9 +117,17 @@ def delta_dir(cfg: LiverlConfig) -> Path:
     return cfg.state_path / "serving" / cfg.serving.node_name / "deltas"
 
 
+def node_file(cfg: LiverlConfig, suffix: str, port: int | None = None) -> Path:
+    """``<state>/serving/vllm-<node name>-<port>.<suffix>``: a file of this node's vLLM (its key, its pid). Named by
+    node as well as port: nodes on hosts of their own may share a state dir and a port (each in its own network
+    namespace), and one's start must not read the other's pid as a node it left behind."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", cfg.serving.node_name)
+    return cfg.state_path / "serving" / f"vllm-{name}-{port or cfg.serving.vllm_port}.{suffix}"
+
+
 def node_key_path(cfg: LiverlConfig, port: int | None = None) -> Path:
     """Where the key of the node on ``port`` is kept (mode 0600) while it runs."""
-    return cfg.state_path / "serving" / f"vllm-{port or cfg.serving.vllm_port}.key"
+    return node_file(cfg, "key", port)
 
 
 def read_node_key(cfg: LiverlConfig, port: int | None = None) -> str:
@@ -313,7 +322,7 @@ def start_node(
     log_file = open(log_path, "ab")
     log_file.write(f"\n=== liverl: starting vLLM node: {' '.join(cmd)}\n".encode())
     log_file.flush()
-    pidfile = cfg.state_path / "serving" / f"vllm-{port}.pid"
+    pidfile = node_file(cfg, "pid", port)
     kill_stale_node(pidfile, port)
     key = new_key()
     keyfile = node_key_path(cfg, port)

@@ -186,3 +186,34 @@ def test_each_role_may_do_only_its_part_with_the_keys(pg_url):
         for k in made:
             k.close()
         drop_roles(pg_url, prefix)
+
+
+def test_the_key_cache_serves_what_it_read_while_the_registry_is_away_and_asks_it_again_only_after_retry_s(
+    user_keys, monkeypatch
+):
+    """A gateway whose registry database is cut off keeps sealing its known users' records with the keys it read
+    (past their TTL), asks the database again at most once a retry_s, and fails at once, without waiting on the
+    database, for a user it has no key of."""
+    import sqlalchemy as sa
+
+    from core.shred import KeysUnavailable
+
+    cache = KeyCache(user_keys, size=8, ttl_s=0, retry_s=3600)
+    known, new = uuid.uuid4().hex[:16], uuid.uuid4().hex[:16]
+    key = cache.get(known)
+    asked = []
+
+    def away(unit, create=False):
+        asked.append(unit)
+        raise sa.exc.OperationalError("SELECT", {}, OSError("connection timed out"))
+
+    monkeypatch.setattr(user_keys, "key_for", away)
+    assert cache.get(known) == key and cache.stale == 1  # the database failed: the key read before
+    assert cache.get(known) == key and cache.stale == 2  # not asked again within retry_s
+    with pytest.raises(KeysUnavailable):
+        cache.get(new)
+    assert asked == [known]
+    cache.retry_s, cache._down_until = 0.0, 0.0
+    with pytest.raises(KeysUnavailable, match="did not answer"):
+        cache.get(new)
+    assert asked == [known, new]

@@ -101,3 +101,16 @@ def _ppid(pid: int) -> int | None:
         return int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def test_two_nodes_sharing_a_state_dir_and_a_port_keep_their_pid_and_key_files_apart(tmp_path):
+    """Nodes on hosts of their own (a network namespace each) may share a state dir and vLLM's port: one node's start
+    reads only its own pidfile, so it never kills the other's engine as one it left behind."""
+    from core.config import load_config
+    from serving.agent.launch import node_file, node_key_path
+
+    a, b = (load_config(env={}, state_dir=str(tmp_path), serving__node_name=n) for n in ("node-a", "node-b"))
+    assert a.serving.vllm_port == b.serving.vllm_port
+    assert node_file(a, "pid") != node_file(b, "pid")
+    assert node_key_path(a) != node_key_path(b)
+    assert node_file(a, "pid").parent == tmp_path / "serving"
