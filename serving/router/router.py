@@ -68,8 +68,6 @@ import logging
 import random
 import signal
 import time
-from collections.abc import Coroutine
-from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -84,6 +82,7 @@ from core.probes import DRAINING_HEADER
 from core.schemas import RolloutTerms
 from core.services import redis_from_url, verify_key_path
 from deploy.registry.signing import Verifier
+from serving.router.blackholes import Blackholes, unreachable
 
 log = logging.getLogger("liverl.serving.router")
 
@@ -108,10 +107,6 @@ MAX_REMEMBERED = 10_000  # unknown heartbeat names remembered (each logged once)
 # Failures before any byte of the node's response: refused, reset, closed, not accepted within connect_s
 # (ConnectionTimeoutError) or no response head within the read timeout (SocketTimeoutError). Nothing has reached the
 # client, so the next node can answer.
-class NodeBlackholed(aiohttp.ServerTimeoutError):
-    """A request waited for a node's answer on a connection opened before the node was found blackholed."""
-
-
 FAILOVER = (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError, aiohttp.ServerTimeoutError)
 
 
@@ -122,37 +117,6 @@ def rank(key: str, nodes: list[Node]) -> list[Node]:
         return hashlib.blake2b(f"{n.name}\0{key}".encode(), digest_size=8).digest()
 
     return sorted(nodes, key=weight, reverse=True)
-
-
-class Blackholes:
-    """Requests waiting for a node's answer, released when the node is found blackholed: one sent on a keep-alive
-    connection opened before its host was cut off would otherwise wait out the whole read timeout for an answer that
-    cannot come. Another request finding the node blackholed (its connection not accepted within connect_s) is the
-    sign."""
-
-    def __init__(self) -> None:
-        self._gone: dict[str, asyncio.Event] = {}  # node -> set when it is found blackholed
-
-    async def send(self, node: str, request: Coroutine[Any, Any, aiohttp.ClientResponse]) -> aiohttp.ClientResponse:
-        """``request``'s response head, or its failover error: its own, or ``NodeBlackholed`` when ``node`` was found
-        blackholed while it waited."""
-        gone = self._gone.setdefault(node, asyncio.Event())
-        send, watch = asyncio.ensure_future(request), asyncio.ensure_future(gone.wait())
-        try:
-            await asyncio.wait((send, watch), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not send.done():
-                send.cancel()
-        if send.cancelled() or not send.done():
-            raise NodeBlackholed(f"{node} was found blackholed while this request waited for its answer")
-        return send.result()
-
-    def found(self, node: str) -> None:
-        """``node`` did not accept a connection within connect_s: what waits for its answer fails over now."""
-        gone = self._gone.pop(node, None)
-        if gone is not None:
-            gone.set()
 
 
 class Router:
@@ -486,7 +450,7 @@ class Router:
                 # refused, reset, closed or silent before any byte came back (a pooled keep-alive connection to a
                 # node that just stopped fails this way too): nothing has reached the client, the next node answers
                 self._down[node.name] = time.monotonic() + self.down_s
-                if isinstance(e, aiohttp.ConnectionTimeoutError):  # blackholed: what waits on it waits in vain
+                if unreachable(e):  # blackholed: what waits on it waits in vain
                     self.blackholes.found(node.name)
                 self.m_failover.labels(node.name).inc()
                 log.warning(

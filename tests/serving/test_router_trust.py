@@ -386,6 +386,25 @@ def test_requests_waiting_on_a_node_found_blackholed_fail_over_at_once(cfg, rds)
     asyncio.run(main())
 
 
+def test_a_node_without_a_route_counts_as_blackholed_and_a_refusing_one_does_not():
+    """A host cut off answers a new connection with no route (EHOSTUNREACH, once its neighbour entry fails) or not at
+    all: either releases the requests waiting on it. A refused connection (the process stopped, or is stopping and
+    finishing what it holds) does not."""
+    import errno
+
+    from serving.router.router import unreachable
+
+    key = aiohttp.client_reqrep.ConnectionKey("10.0.0.5", 8000, False, True, None, None, None)
+
+    def failed(code: int) -> aiohttp.ClientConnectorError:
+        return aiohttp.ClientConnectorError(key, OSError(code, "x"))
+
+    assert unreachable(aiohttp.ConnectionTimeoutError())
+    assert unreachable(failed(errno.EHOSTUNREACH)) and unreachable(failed(errno.ENETUNREACH))
+    assert not unreachable(failed(errno.ECONNREFUSED))
+    assert not unreachable(aiohttp.ServerDisconnectedError())
+
+
 def test_a_stream_that_stalls_is_cut_not_ended_as_if_complete(cfg, rds):
     """The read timeout bounds the wait between a stream's chunks too. The head has reached the client, so there is no
     failover: the client sees a broken stream (never a clean end it would take for the whole answer)."""
