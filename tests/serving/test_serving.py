@@ -456,10 +456,11 @@ def test_corrupt_and_wrong_base_deltas_are_refused(srv):
 def test_the_node_answers_only_its_serving_process(srv):
     """Every route of the vLLM node but /health needs the key the serving process generated, the dev and
     RL routes (pause, collective_rpc) included, which vLLM's --api-key leaves open."""
-    from serving.agent.launch import read_node_key
+    from serving.agent.launch import node_key_path, read_node_key
 
     assert read_node_key(srv.cfg) == srv.node_key and len(srv.node_key) >= 32
-    key_file = srv.cfg.state_path / "serving" / f"vllm-{srv.cfg.serving.vllm_port}.key"
+    key_file = node_key_path(srv.cfg)
+    assert key_file.parent == srv.cfg.state_path / "serving"
     assert key_file.stat().st_mode & 0o077 == 0  # only its user can read it
     assert _get(srv.node_url + "/health")[0] == 200
     for path, body in [
