@@ -70,6 +70,16 @@ class _Fleet:
         self.http = aiohttp.ClientSession(timeout=CLIENT_TIMEOUT)
         return self.router
 
+    async def canary_on_b_with_a_out(self, hold_s: float) -> Router:
+        """A rollout on node-b with node-a out of rotation (unhealthy): the stable arm has no node. The router (its
+        hold ``hold_s``) once it sees both."""
+        await beat(self.ardis, self.prefix, "node-a", _url(self.ports["node-a"]), healthy=False)
+        announce_rollout(self.rds, self.rcfg, self.signer, rollout_id=9, share=0.5, nodes=["node-b"])
+        router = await self.route()
+        router.hold_s = hold_s
+        await until(lambda: router.rollout is not None and len(router.nodes) == 1, "rollout and node-b only")
+        return router
+
     async def node_of(self, user: str | None, **kw) -> str:
         body = {"prompt": "x", **({"user": user} if user else {})}
         async with self.http.post(f"{self.base}/v1/completions", json=body, **kw) as r:
@@ -161,11 +171,7 @@ def test_with_no_stable_node_in_rotation_the_stable_arm_is_not_sent_to_the_canar
 
     async def main() -> None:
         async with _Fleet(cfg, rds, ("node-a", "node-b")) as f:
-            await beat(f.ardis, f.prefix, "node-a", _url(f.ports["node-a"]), healthy=False)
-            announce_rollout(rds, f.rcfg, f.signer, rollout_id=9, share=0.5, nodes=["node-b"])
-            router = await f.route()
-            router.hold_s = 0.1
-            await until(lambda: router.rollout is not None and len(router.nodes) == 1, "rollout and node-b only")
+            router = await f.canary_on_b_with_a_out(hold_s=0.1)
             users = [f"user-{i}" for i in range(40)]
             arms = {u: router.arm(u) for u in users}
             assert set(arms.values()) == {True, False}
@@ -191,11 +197,7 @@ def test_the_stable_arm_is_held_until_the_rollout_ends_then_served(cfg, rds):
 
     async def main() -> None:
         async with _Fleet(cfg, rds, ("node-a", "node-b")) as f:
-            await beat(f.ardis, f.prefix, "node-a", _url(f.ports["node-a"]), healthy=False)
-            announce_rollout(rds, f.rcfg, f.signer, rollout_id=9, share=0.5, nodes=["node-b"])
-            router = await f.route()
-            router.hold_s = 30.0
-            await until(lambda: router.rollout is not None and len(router.nodes) == 1, "rollout and node-b only")
+            router = await f.canary_on_b_with_a_out(hold_s=30.0)
             user = next(f"user-{i}" for i in range(100) if router.arm(f"user-{i}") is False)
             held = asyncio.create_task(f.node_of(user))
             await until(lambda: router.holding == 1, "the stable user's request held")
