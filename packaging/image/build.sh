@@ -132,6 +132,14 @@ echo "[build] $tag (target $flavour)" >&2
 t1=$(date +%s)
 podman build --target "$flavour" --tag "$tag" "${args[@]}" --file "$here/Containerfile" \
   --ignorefile "$here/Containerfile.ignore" "${extra[@]}" "$repo"
+if [ "$flavour" != infra ]; then
+  # the commit and version as labels in an instruction of their own: when every layer comes from buildah's cache, a
+  # --label given to the build above can leave the cached image's labels (an earlier commit's) in place
+  printf 'FROM %s\nLABEL org.opencontainers.image.version="%s" org.opencontainers.image.revision="%s"\n' \
+    "$tag" "$version" "$commit" | podman build --tag "$tag" --file - "$here" >/dev/null
+  got=$(podman image inspect "$tag" --format '{{index .Labels "org.opencontainers.image.revision"}}')
+  [ "$got" = "$commit" ] || { echo "build.sh: $tag is labelled revision $got, not $commit" >&2; exit 1; }
+fi
 t2=$(date +%s)
 size=$(podman image inspect "$tag" --format '{{.Size}}')
 echo "[build] $tag built in $(( t2 - t1 )) s (total $(( t2 - t0 )) s), $(( size / 1000000 )) MB" >&2

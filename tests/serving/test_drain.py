@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,14 @@ def _status(url: str) -> int:
         return e.code
     except OSError:
         return 0
+
+
+def _probe_until_exit(url: str, proc: subprocess.Popen, t0: float, seen: list[tuple[float, int]]) -> None:
+    """GET ``url`` every 0.05 s until ``proc`` exits (at most 90 s), appending (seconds since ``t0``, status)."""
+    while proc.poll() is None and time.monotonic() - t0 < 90:
+        t = time.monotonic() - t0
+        seen.append((t, _status(url)))
+        time.sleep(0.05)
 
 
 def _spawn(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
@@ -140,13 +149,12 @@ async def _load_and_stop(srv, cfg, rcfg, proc, gw_url: str, agent_url: str, log:
             )
             proc.send_signal(signal.SIGTERM)
             t_term = time.monotonic()
-            # at once: the serving process's own /readyz (no round trip), then its gateway's
+            # at once, side by side: the gateway's /readyz until the process is gone, and the serving process's own
+            seen: list[tuple[float, int]] = []
+            prober = asyncio.create_task(asyncio.to_thread(_probe_until_exit, f"{gw_url}/readyz", proc, t_term, seen))
             ready_after = await asyncio.to_thread(_status, f"{agent_url}/readyz")
             assert ready_after in (503, 0), ready_after
-            seen: list[tuple[float, int]] = []
-            while proc.poll() is None and time.monotonic() - t_term < 90:
-                seen.append((time.monotonic() - t_term, await asyncio.to_thread(_status, f"{gw_url}/readyz")))
-                await asyncio.sleep(0.1)
+            await prober
             code = await asyncio.to_thread(_exit_code, proc, 30, log)
             t_exit = time.monotonic()
             await asyncio.sleep(2.0)  # the load goes on, on the other node
@@ -156,7 +164,12 @@ async def _load_and_stop(srv, cfg, rcfg, proc, gw_url: str, agent_url: str, log:
         assert t_exit - t_term < cfg.serving.drain_timeout_s + 20, "the node waited out its drain timeout"
         late_ready = [(t, s) for t, s in seen if s == 200 and t > 1.0]
         assert not late_ready, f"the stopping node's gateway still said ready: {late_ready}"
-        assert any(s == 503 for _, s in seen), f"the gateway never said it was draining: {seen}"
+        drained = re.search(r"drained in ([0-9.]+) s", log.read_text())
+        assert drained, log.read_text()[-4000:]
+        # from a second after the stop until the drain ended, the gateway answered, and said it was draining (a drain
+        # shorter than that leaves nothing to see here: the serving process's own /readyz said it at once, above)
+        during = [s for t, s in seen if 1.0 < t < float(drained.group(1)) - 0.2]
+        assert all(s == 503 for s in during), f"the gateway did not say it was draining: {seen}"
         failed = [o for o in outcomes if o[2] != 200 or not o[4]]
         assert not failed, f"{len(failed)} of {len(outcomes)} requests failed: {failed[:5]}"
         after = [o for o in outcomes if o[0] > t_term + 1.0]
