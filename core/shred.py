@@ -321,6 +321,26 @@ class KeyCache:
                 self._lru.popitem(last=False)
         return key
 
+    def peek(self, unit: str) -> bytes | None:
+        """``unit``'s key when ``get`` would return it without asking the registry (a fresh key, or one read before
+        while the registry is not asked again), else None: the caller that must not block calls ``get`` elsewhere."""
+        now = time.monotonic()
+        with self._lock:
+            hit = self._lru.get(unit)
+            if hit is None or (now - hit[0] >= self.ttl_s and now >= self._down_until):
+                return None
+            if now - hit[0] < self.ttl_s:
+                self._lru.move_to_end(unit)
+                self.hits += 1
+            else:
+                self.stale += 1
+            return hit[1]
+
+    def retry_in(self) -> float:
+        """Seconds until the registry is asked again (0: it may be asked now)."""
+        with self._lock:
+            return max(0.0, self._down_until - time.monotonic())
+
     def _stale(self, unit: str, hit: tuple[float, bytes] | None, error: Exception | None) -> bytes:
         if hit is None:
             raise KeysUnavailable(

@@ -127,6 +127,14 @@ class ServingConfig(Section):
         "Qwen3-30B-A3B: see ingest.max_event_bytes). CPU nodes capture it in the worker "
         "(serving/node/worker/routing.py). Ignored, with a warning in the node's log, for a dense model.",
     )
+    log_hold_max: int = Field(
+        default=10000,
+        ge=0,
+        description="At most this many generation records wait at once for their user's data key while the "
+        "registry's database does not answer (each waits what ingest.pending_ttl_s leaves beyond "
+        "broker.delivery_timeout_s); the next ones are not logged, and their feedback is dead-lettered "
+        "unknown_generation (liverl_gateway_generation_log_held).",
+    )
     log_wait_s: float = Field(
         default=2.0,
         ge=0.0,

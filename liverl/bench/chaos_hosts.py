@@ -101,7 +101,8 @@ def hosts_config(cfg: LiverlConfig, nodes: int) -> LiverlConfig:
     Every producer retries a record longer than the longest cut (``broker.delivery_timeout_s``, where the config did
     not set it, 30 s above ``CUT_S``'s longest; ``ingest.pending_ttl_s`` as far above that as the config requires):
     a generation record the gateway could not log while the broker was cut off is logged after the heal, not given
-    up on, which is what a deployment that must ride out broker outages of that length configures."""
+    up on, which is what a deployment that must ride out broker outages of that length configures. The pending TTL
+    leaves room, too, for a record that waited out a database cut for its user's key (``record_hold_s``)."""
     from core.product import DEMO_PRODUCT  # noqa: PLC0415
     from liverl.demo.run import apply_demo_profile  # noqa: PLC0415 torch: imported when the command runs
 
@@ -114,8 +115,11 @@ def hosts_config(cfg: LiverlConfig, nodes: int) -> LiverlConfig:
     cfg.learner.max_batch_wait_s = min(cfg.learner.max_batch_wait_s, 5.0)
     if "delivery_timeout_s" not in cfg.broker.model_fields_set:
         cfg.broker.delivery_timeout_s = max(cfg.broker.delivery_timeout_s, CUT_S[1] + DELIVERY_MARGIN_S)
-    if "pending_ttl_s" not in cfg.ingest.model_fields_set:
-        cfg.ingest.pending_ttl_s = max(cfg.ingest.pending_ttl_s, cfg.broker.delivery_timeout_s + DELIVERY_MARGIN_S)
+    if "pending_ttl_s" not in cfg.ingest.model_fields_set:  # and a record may wait out a database cut for its key
+        hold_s = CUT_S[1] + DELIVERY_MARGIN_S
+        cfg.ingest.pending_ttl_s = max(
+            cfg.ingest.pending_ttl_s, cfg.broker.delivery_timeout_s + DELIVERY_MARGIN_S + hold_s
+        )
     return cfg
 
 

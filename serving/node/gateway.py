@@ -52,11 +52,16 @@ from serving.node.client import NodeClient, NodeUnreachable
 from serving.node.feedback import FeedbackRoute
 from serving.node.gateway_metrics import GatewayMetrics
 from serving.node.gateway_routing import RoutingReader
-from serving.node.generation_log import GenerationLog, first_version, mixed
+from serving.node.generation_log import GenerationLog, first_version, mixed, record_hold_s
 from serving.node.producer import AsyncProducer
 
 log = logging.getLogger("liverl.serving.gateway")
 
+KEY_RETRY_DOWN_S = 5.0
+"""While the registry's database does not answer, a user's key is asked for again after this (off the event loop;
+each try waits at most the connection timeout)."""
+HELD_CLOSE_S = 10.0
+"""At shutdown, records held for their users' keys are waited for this long."""
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 ROUTES = {
     oa.CompletionRequest.route: (oa.CompletionRequest, oa.add_completion_chunk),
@@ -191,6 +196,8 @@ class Gateway:
             self.log_wait_s,
             max_bytes=self.cfg.ingest.max_event_bytes,
             keys=self._key_cache(),
+            hold_s=record_hold_s(self.cfg),
+            hold_max=self.cfg.serving.log_hold_max,
         )
 
     def _key_cache(self):
@@ -205,11 +212,13 @@ class Gateway:
             )
             return None
         self.user_keys = UserKeys(self.cfg.registry_url, kek)
-        return KeyCache(self.user_keys)
+        return KeyCache(self.user_keys, retry_s=KEY_RETRY_DOWN_S)
 
     async def close(self) -> None:
         if self.producer is not None:
-            producer, self.producer, self.records = self.producer, None, None
+            producer, records, self.producer, self.records = self.producer, self.records, None, None
+            if records is not None:
+                await records.close(HELD_CLOSE_S)
             await producer.close()
         if self.user_keys is not None:
             self.user_keys.close()

@@ -57,7 +57,13 @@ class GatewayMetrics:
         )
         self.m_log_fail = Counter(
             "liverl_gateway_generation_log_failures",
-            "Generation records Kafka did not take (error), or choices the node never finished",
+            "Generation records not logged: Kafka did not take them, their user's key could not be read, or the node "
+            "never finished the choice",
+            registry=r,
+        )
+        self.m_log_held = Gauge(
+            "liverl_gateway_generation_log_held",
+            "Generation records waiting for their user's key (the registry's database did not answer yet)",
             registry=r,
         )
         self.m_log_slow = Counter(

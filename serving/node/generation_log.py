@@ -14,17 +14,24 @@ judgement for its version (the canary's arms, at its true length) and counts the
 A record with a unit (the request named its user) is sealed under the user's data key (``core.shred``) before it is
 logged, when the node has the deployment's key-encryption key (``security.shred_key``): the topic, ingest's join
 store and everything downstream hold only the sealed text, which destroying the key makes unreadable. The keys come
-from a bounded in-process cache (``KeyCache``): the registry is read once per user per ``KEY_TTL_S``. A record that
-cannot be sealed is not logged (counted as a log failure), never logged in plain text.
+from a bounded in-process cache (``KeyCache``): the registry is read once per user per ``KEY_TTL_S``. A key the cache
+holds seals the record at once; any other is read on a thread of the log's own (the event loop never waits on the
+database), and the record is held until its key comes: while the registry's database does not answer, for at most
+``hold_s`` (``record_hold_s``: the slack ingest's ``pending_ttl_s`` leaves beyond the producer's delivery timeout, so
+the feedback on it still waits when it is logged) and at most ``serving.log_hold_max`` records at once. A record that
+cannot be sealed then is not logged (counted as a log failure, its feedback dead-lettered ``unknown_generation``),
+never logged in plain text.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import sqlalchemy as sa
 
+from core.config import DELIVERY_MARGIN_S, LiverlConfig
 from core.schemas import GenerationRecord
 from core.shred import KeyCache, seal_record
 from serving.node import openai_api as oa
@@ -64,6 +71,20 @@ def too_large(record: GenerationRecord) -> GenerationRecord:
     )
 
 
+KEY_THREADS = 4
+"""Threads that read users' keys from the registry (a read that waits on a cut-off database holds one)."""
+KEY_RETRY_S = 1.0
+"""The least wait between two tries at a held record's key."""
+
+
+def record_hold_s(cfg: LiverlConfig) -> float:
+    """How long a record may wait for its user's key: what ``ingest.pending_ttl_s`` leaves beyond
+    ``broker.delivery_timeout_s`` and its margin (the config's check), so feedback on it is still waiting when the
+    producer delivers it at the latest."""
+    delivery = cfg.broker.delivery_timeout_s
+    return max(0.0, cfg.ingest.pending_ttl_s - delivery - min(DELIVERY_MARGIN_S, delivery))
+
+
 class GenerationLog:
     """Publishes the records of one gateway (``node_name``) through its started producer."""
 
@@ -77,9 +98,15 @@ class GenerationLog:
         wait_s: float,
         max_bytes: int | None = None,
         keys: KeyCache | None = None,
+        hold_s: float = 0.0,
+        hold_max: int = 10000,
     ):
         self.producer, self.topic, self.node_name = producer, topic, node_name
         self.keys = keys  # users' data keys: a record with a unit is sealed (None: no key-encryption key)
+        self.hold_s, self.hold_max = hold_s, hold_max  # a record waits this long for its key, this many at once
+        self._held: set[asyncio.Task] = set()
+        self._next_warn = 0.0
+        self._key_pool = ThreadPoolExecutor(KEY_THREADS, thread_name_prefix="liverl-keys") if keys else None
         self.max_bytes = max_bytes  # ingest.max_event_bytes: a larger record is logged without its token lists
         self.max_model_len = max_model_len  # the node's context length: a record's max_tokens when none was asked
         self.metrics = metrics
@@ -100,7 +127,8 @@ class GenerationLog:
         """Publish one generation's record (``unit``: the user's ``fleet.unit_id``; ``crossed``: the request overlapped
         a swap, and ``spans`` are this choice's version spans read from the node, None when they could not be read;
         ``routed_experts``: its routing, ``serving.node.gateway_routing``);
-        returns the broker's ack (None when it could not even be queued)."""
+        returns the broker's ack, or for a record waiting for its user's key a future that settles when the broker
+        has it or it was given up on (None when it could not even be queued)."""
         m = self.metrics
         try:
             if choice is None:
@@ -136,28 +164,101 @@ class GenerationLog:
                 routed_experts=routed_experts,
             )
             if unit is not None and self.keys is not None:
-                record = seal_record(self.keys.get(unit), record)
-            raw = record.to_bytes()
-            if self.max_bytes is not None and len(raw) > self.max_bytes:
-                log.warning(
-                    "generation %s: its record is %d bytes, over ingest.max_event_bytes %d: logged without its text, "
-                    "token ids and log-probs (untrainable: too_large)",
-                    generation_id,
-                    len(raw),
-                    self.max_bytes,
-                )
-                reason = "too_large"
-                raw = too_large(record).to_bytes()
-            ack = self.producer.produce(self.topic, generation_id, raw)
-        # a malformed node response, Kafka refused, or the user's key could not be read: count, serve
-        except (ValueError, TypeError, BufferError, sa.exc.SQLAlchemyError) as e:
+                key = self.keys.peek(unit)
+                if key is None:  # read on a thread; the record waits for it
+                    return self._hold(record, reason)
+                record = seal_record(key, record)
+            return self._produce(record, reason)
+        # a malformed node response, or Kafka refused: count, serve
+        except (ValueError, TypeError, BufferError) as e:
             m.m_log_fail.inc()
             log.error("generation %s not logged: %s", generation_id, e)
             return None
+
+    def _produce(self, record: GenerationRecord, reason: str | None) -> asyncio.Future:
+        """Queue ``record`` (sealed where it must be); its ack. Raises what ``AsyncProducer.produce`` raises."""
+        generation_id = record.generation_id
+        raw = record.to_bytes()
+        if self.max_bytes is not None and len(raw) > self.max_bytes:
+            log.warning(
+                "generation %s: its record is %d bytes, over ingest.max_event_bytes %d: logged without its text, "
+                "token ids and log-probs (untrainable: too_large)",
+                generation_id,
+                len(raw),
+                self.max_bytes,
+            )
+            reason = "too_large"
+            raw = too_large(record).to_bytes()
+        ack = self.producer.produce(self.topic, generation_id, raw)
         if reason is not None:
-            m.m_untrainable.labels(reason=reason).inc()
+            self.metrics.m_untrainable.labels(reason=reason).inc()
         ack.add_done_callback(self._on_ack)
         return ack
+
+    def _hold(self, record: GenerationRecord, reason: str | None) -> asyncio.Future | None:
+        """Hold ``record`` until its user's key is read (``_seal_and_produce``); a future that settles when the
+        broker has it or it was given up on (None: too many held already, not logged)."""
+        if len(self._held) >= self.hold_max:
+            self.metrics.m_log_fail.inc()
+            log.error(
+                "generation %s not logged: the key of unit %s is not at hand and serving.log_hold_max (%d) records "
+                "already wait for theirs",
+                record.generation_id,
+                record.unit,
+                self.hold_max,
+            )
+            return None
+        done = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._seal_and_produce(record, reason, done), name="liverl-log-held")
+        self._held.add(task)
+        task.add_done_callback(self._held.discard)
+        self.metrics.m_log_held.set(len(self._held))
+        task.add_done_callback(lambda _t: self.metrics.m_log_held.set(len(self._held)))
+        return done
+
+    async def _seal_and_produce(self, record: GenerationRecord, reason: str | None, done: asyncio.Future) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.hold_s
+        assert self.keys is not None and record.unit is not None
+        try:
+            while True:
+                try:
+                    key = await loop.run_in_executor(self._key_pool, self.keys.get, record.unit)
+                    break
+                except sa.exc.SQLAlchemyError as e:
+                    wait = max(KEY_RETRY_S, self.keys.retry_in())
+                    if loop.time() + wait > deadline:
+                        raise
+                    if loop.time() >= self._next_warn:  # once a minute, not once a record
+                        self._next_warn = loop.time() + 60
+                        log.warning(
+                            "%d generation record(s) wait for their users' keys (%s); asking again in %.0f s",
+                            len(self._held),
+                            e,
+                            wait,
+                        )
+                    await asyncio.sleep(wait)
+            ack = self._produce(seal_record(key, record), reason)
+        except (ValueError, TypeError, BufferError, sa.exc.SQLAlchemyError) as e:
+            self.metrics.m_log_fail.inc()
+            log.error("generation %s not logged: %s", record.generation_id, e)
+            done.set_result(None)
+            return
+        ack.add_done_callback(lambda _f: done.done() or done.set_result(None))
+
+    async def close(self, timeout_s: float) -> None:
+        """Wait for the held records (at most ``timeout_s``); those still waiting for a key are not logged."""
+        held = list(self._held)
+        if held:
+            _, late = await asyncio.wait(held, timeout=timeout_s)
+            for t in late:
+                t.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+            if late:
+                self.metrics.m_log_fail.inc(len(late))
+                log.error("%d generation records still waited for their users' keys at shutdown: not logged", len(late))
+        if self._key_pool is not None:
+            self._key_pool.shutdown(wait=False, cancel_futures=True)
 
     def _on_ack(self, fut: asyncio.Future) -> None:
         if fut.cancelled() or fut.exception() is not None:

@@ -16,6 +16,7 @@ from deploy.registry.regdb import RegistryDB
 from serving.node import openai_api as oa
 from serving.node.gateway_metrics import GatewayMetrics
 from serving.node.generation_log import GenerationLog
+from tests.conftest import free_port
 
 KEK = bytes(range(32))
 
@@ -46,8 +47,11 @@ def test_records_with_a_user_are_sealed_and_records_without_one_are_not(keys):
         log = GenerationLog(producer, "t.generations", "node-a", 64, GatewayMetrics(), 1.0, keys=cache)
         req = oa.CompletionRequest.parse(json.dumps({"prompt": "PANGOLIN-9917", "max_tokens": 4}).encode())
         choice = oa.Choice("PANGOLIN-9917", [7, 8, 9], ["TAPIR-", "3301"], [11, 12], [-0.1, -0.2], "stop")
-        for gid, unit in (("g1", "0123456789abcdef"), ("g2", None), ("g3", "0123456789abcdef")):
-            log.log(req, choice, gid, 3, latency_s=0.01, unit=unit)
+        # the first record of a user waits for the key, read on a thread; then the key is at hand
+        await log.log(req, choice, "g1", 3, latency_s=0.01, unit="0123456789abcdef")
+        for gid, unit in (("g2", None), ("g3", "0123456789abcdef")):
+            assert log.log(req, choice, gid, 3, latency_s=0.01, unit=unit).done()
+        await log.close(1.0)
         return producer.sent, cache
 
     sent, cache = asyncio.run(run())
@@ -68,13 +72,80 @@ def test_a_sealed_record_over_the_size_limit_is_logged_without_its_text_at_its_t
         log = GenerationLog(producer, "t.g", "node-a", 64, GatewayMetrics(), 1.0, max_bytes=400, keys=KeyCache(keys))
         req = oa.CompletionRequest.parse(json.dumps({"prompt": "PANGOLIN-9917", "max_tokens": 4}).encode())
         choice = oa.Choice("PANGOLIN-9917" * 20, [7] * 30, ["TAPIR-3301"], [11, 12, 13], [-0.1] * 3, "stop")
-        log.log(req, choice, "g1", 3, unit="0123456789abcdef")
+        await log.log(req, choice, "g1", 3, unit="0123456789abcdef")
+        await log.close(1.0)
         return producer.sent
 
     ((_, _, raw),) = asyncio.run(run())
     rec = GenerationRecord.from_bytes(raw)
     assert rec.untrainable_reason == "too_large" and rec.completion_tokens == 3 and rec.sealed is None
     assert b"PANGOLIN" not in raw and b"TAPIR" not in raw
+
+
+async def _forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int) -> None:
+    """Pipe one connection to 127.0.0.1:``port`` (the database, reachable again)."""
+    up_reader, up_writer = await asyncio.open_connection("127.0.0.1", port)
+
+    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+        finally:
+            w.close()
+
+    await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True)
+
+
+def test_a_record_waits_for_its_users_key_while_the_database_is_away_and_is_logged_sealed_once_it_answers(pg_url):
+    """The registry's PostgreSQL is away (nothing listens where the gateway reaches it): a user's first record is
+    held, not logged unsealed and not dropped, while the event loop goes on; once the database answers again the
+    record is logged, sealed under the user's key. Past ``log_hold_max`` records a record is not logged (counted), and
+    one still without its key after ``hold_s`` is given up on (counted)."""
+    RegistryDB(pg_url).close()  # the registry's schema, the user_keys table among it
+    port = free_port()
+    pg_port = int(pg_url.split("@127.0.0.1:")[1].split("/")[0])
+    keys = UserKeys(pg_url.replace(f"127.0.0.1:{pg_port}", f"127.0.0.1:{port}"), KEK)
+    req = oa.CompletionRequest.parse(json.dumps({"prompt": "PANGOLIN-9917", "max_tokens": 4}).encode())
+    choice = oa.Choice("PANGOLIN-9917", [7, 8, 9], ["TAPIR-", "3301"], [11, 12], [-0.1, -0.2], "stop")
+
+    async def run():
+        producer, metrics = _Producer(), GatewayMetrics()
+        log = GenerationLog(producer, "t.g", "node-a", 64, metrics, 1.0, keys=KeyCache(keys, retry_s=0.2),
+                            hold_s=60.0, hold_max=1)  # fmt: skip
+        held = log.log(req, choice, "g1", 3, unit="0123456789abcdef")
+        assert held is not None and not held.done()
+        assert log.log(req, choice, "g2", 3, unit="fedcba9876543210") is None  # over log_hold_max: not logged
+        ticks = 0
+        for _ in range(20):  # the loop runs on while the key is asked for, and asked for again
+            await asyncio.sleep(0.05)
+            ticks += 1
+        assert ticks == 20 and not held.done() and producer.sent == []
+        assert metrics.m_log_held._value.get() == 1 and metrics.m_log_fail._value.get() == 1
+        server = await asyncio.start_server(lambda r, w: _forward(r, w, pg_port), "127.0.0.1", port)
+        try:
+            await asyncio.wait_for(held, 30)
+            ((_, gid, raw),) = producer.sent
+            assert gid == "g1" and b"PANGOLIN" not in raw and metrics.m_log_held._value.get() == 0
+            rec = GenerationRecord.from_bytes(raw)
+            key = await asyncio.to_thread(keys.key_for, rec.unit, False)  # (through the forwarder on this loop)
+            assert open_record(key, rec).prompt == "PANGOLIN-9917"
+        finally:
+            server.close()
+        await log.close(1.0)
+        # a database away for longer than hold_s: given up on, counted, nothing logged
+        keys_away = UserKeys(pg_url.replace(f"127.0.0.1:{pg_port}", f"127.0.0.1:{free_port()}"), KEK)
+        brief = GenerationLog(producer, "t.g", "node-a", 64, metrics, 1.0, keys=KeyCache(keys_away, retry_s=0.2),
+                              hold_s=0.5, hold_max=10)  # fmt: skip
+        await asyncio.wait_for(brief.log(req, choice, "g3", 3, unit="0123456789abcdef"), 30)
+        assert len(producer.sent) == 1 and metrics.m_log_fail._value.get() == 2
+        await brief.close(1.0)
+        keys_away.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        keys.close()
 
 
 def test_sealing_and_the_key_look_up_cost(keys, capsys):
