@@ -1,15 +1,18 @@
 """The router's view of nodes cut off mid-request: requests waiting for a node's answer on connections opened before
-its host left the network are released as soon as another request finds it unreachable (``serving.router.router``
-fails them over, as nothing has reached the client)."""
+its host left the network are released as soon as another request, or a probe that a long wait starts, finds it
+unreachable (``serving.router.router`` fails them over, as nothing has reached the client)."""
 
 from __future__ import annotations
 
 import asyncio
 import errno
-from collections.abc import Coroutine
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import aiohttp
+
+log = logging.getLogger("liverl.serving.router")
 
 
 def unreachable(e: BaseException) -> bool:
@@ -25,22 +28,43 @@ class NodeBlackholed(aiohttp.ServerTimeoutError):
     """A request waited for a node's answer on a connection opened before the node was found blackholed."""
 
 
+PROBE_AFTER_S = 2.0
+"""A request that has waited this long for its node's response head has the node probed, and again each as long."""
+
+
 class Blackholes:
     """Requests waiting for a node's answer, released when the node is found blackholed: one sent on a keep-alive
     connection opened before its host was cut off would otherwise wait out the whole read timeout for an answer that
-    cannot come. Another request finding the node blackholed (its connection not accepted within connect_s) is the
-    sign."""
+    cannot come. The sign is a connection to the node not accepted within connect_s, or no route to it: another
+    request's, or the probe's (``probe``, a fresh connection, at most one a node at a time) that a request waiting
+    longer than ``PROBE_AFTER_S`` starts. A node that answers the probe, in any way, is reachable: its requests wait
+    on (a long generation sends its head only when it is done)."""
 
-    def __init__(self) -> None:
+    def __init__(self, probe_after_s: float = PROBE_AFTER_S) -> None:
+        self.probe_after_s = probe_after_s
         self._gone: dict[str, asyncio.Event] = {}  # node -> set when it is found blackholed
+        self._probes: dict[str, asyncio.Task] = {}  # node -> its probe in flight
+        self.probes = 0  # probes started
 
-    async def send(self, node: str, request: Coroutine[Any, Any, aiohttp.ClientResponse]) -> aiohttp.ClientResponse:
+    async def send(
+        self,
+        node: str,
+        request: Coroutine[Any, Any, aiohttp.ClientResponse],
+        probe: Callable[[], Awaitable[Any]] | None = None,
+    ) -> aiohttp.ClientResponse:
         """``request``'s response head, or its failover error: its own, or ``NodeBlackholed`` when ``node`` was found
-        blackholed while it waited."""
+        blackholed while it waited (``probe``: opens a fresh connection to the node; raises what it met)."""
         gone = self._gone.setdefault(node, asyncio.Event())
         send, watch = asyncio.ensure_future(request), asyncio.ensure_future(gone.wait())
         try:
-            await asyncio.wait((send, watch), return_when=asyncio.FIRST_COMPLETED)
+            while True:
+                done, _ = await asyncio.wait(
+                    (send, watch), timeout=self.probe_after_s if probe else None, return_when=asyncio.FIRST_COMPLETED
+                )
+                if done:
+                    break
+                if probe is not None and node not in self._probes:
+                    self._start_probe(node, probe)
         finally:
             watch.cancel()
             if not send.done():
@@ -48,6 +72,26 @@ class Blackholes:
         if send.cancelled() or not send.done():
             raise NodeBlackholed(f"{node} was found blackholed while this request waited for its answer")
         return send.result()
+
+    def _start_probe(self, node: str, probe: Callable[[], Awaitable[Any]]) -> None:
+        async def run() -> None:
+            try:
+                await probe()
+            except Exception as e:  # noqa: BLE001 - only a blackhole matters; any answer says the node is there
+                if unreachable(e):
+                    log.warning("router: %s did not accept a probe's connection (%s): blackholed", node, e)
+                    self.found(node)
+            finally:
+                self._probes.pop(node, None)
+
+        self.probes += 1
+        self._probes[node] = asyncio.create_task(run(), name=f"liverl-probe-{node}")
+
+    async def close(self) -> None:
+        probes = list(self._probes.values())
+        for t in probes:
+            t.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
 
     def found(self, node: str) -> None:
         """``node`` did not accept a connection within connect_s: what waits for its answer fails over now."""

@@ -19,7 +19,9 @@ use) and routes each request:
   ``serving.router_read_timeout_s`` is skipped for ``down_s`` and the request goes to the user's next node: nothing
   has reached the client yet, so the retry is invisible to it. A node found blackholed also releases the requests
   waiting for its answer on connections opened before (a host cut off mid-request): they fail over at once, not
-  after the read timeout. The same read timeout bounds the wait for each next chunk of a stream; a stream that
+  after the read timeout. A request that waits for its response head longer than ``PROBE_AFTER_S`` has its node
+  probed on a fresh connection (``serving.router.blackholes``), so a cut is found even when every request reuses a
+  keep-alive connection. The same read timeout bounds the wait for each next chunk of a stream; a stream that
   stalls that long is cut (counted, ``liverl_router_upstream_errors``).
 - **The canary's share.** During a rollout the router reads the canary announcement (``<p>:canary``), signed by the
   gate and verified here (``security.verify_key``), for the rollout's terms: its id, share, canary nodes and unit.
@@ -101,6 +103,7 @@ HOP_BY_HOP = {
 NOT_FORWARDED = HOP_BY_HOP | {"authorization", "cookie"}  # request headers a node never sees
 MAX_BODY = 8 << 20
 HOLD_POLL_S = 0.25  # how often a held request looks at the rotation again
+PROBE_ANSWER_S = 5.0  # how long a blackhole probe, once connected, waits for the node's answer
 MAX_REMEMBERED = 10_000  # unknown heartbeat names remembered (each logged once)
 
 
@@ -160,6 +163,7 @@ class Router:
         self._said: set[tuple[str, str]] = set()  # (what, name) logged once: unknown heartbeats, URL mismatches
         self._draw = random.SystemRandom()  # per-request draws no caller can predict from the arms it sees
         self._session: aiohttp.ClientSession | None = None
+        self._probe_session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
         self._closing = False
         self.draining = False  # stopping: /readyz answers 503, requests in flight finish
@@ -304,6 +308,11 @@ class Router:
     async def _start(self, _app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_s, sock_read=self.read_s)
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
+        # the blackhole probe: a fresh connection each time (a pooled one says nothing of the node's host now)
+        self._probe_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(force_close=True),
+            timeout=aiohttp.ClientTimeout(total=self.connect_s + PROBE_ANSWER_S, sock_connect=self.connect_s),
+        )
         await self.refresh()
         self._task = asyncio.create_task(self._refresh_loop())
 
@@ -312,8 +321,17 @@ class Router:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+        await self.blackholes.close()
         if self._session is not None:
             await self._session.close()
+        if self._probe_session is not None:
+            await self._probe_session.close()
+
+    async def _probe(self, node: Node) -> None:
+        """Open a fresh connection to ``node`` and ask its ``/livez``: raises what the connection met."""
+        assert self._probe_session is not None
+        async with self._probe_session.get(node.url + "/livez") as r:
+            await r.read()
 
     def arm(self, key: str | None) -> bool | None:
         """Whether a request with user key ``key`` goes to the canary (None: no rollout). Unit ``user``: the user's
@@ -445,6 +463,7 @@ class Router:
                     self._session.request(
                         request.method, node.url + request.path_qs, data=body, headers=headers, allow_redirects=False
                     ),
+                    probe=lambda node=node: self._probe(node),
                 )
             except FAILOVER as e:
                 # refused, reset, closed or silent before any byte came back (a pooled keep-alive connection to a

@@ -40,6 +40,8 @@ def gateway(name: str, seen: list | None = None) -> web.Application:
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
+        if body.get("think_s"):  # a long generation: the response head comes only when it is done
+            await asyncio.sleep(body["think_s"])
         if body.get("prompt") == "bad":
             return web.json_response({"error": {"message": "prompt is bad", "param": "prompt"}}, status=400)
         return web.json_response(

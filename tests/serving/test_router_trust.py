@@ -388,6 +388,65 @@ def test_requests_waiting_on_a_node_found_blackholed_fail_over_at_once(cfg, rds)
     asyncio.run(main())
 
 
+def test_a_request_alone_on_a_node_cut_off_is_released_by_the_probe_its_wait_starts(cfg, rds):
+    """Every request reuses a keep-alive connection opened before the cut, so none meets the cut on a connection of
+    its own: the probe a long wait starts (a fresh connection, not accepted) finds the node blackholed, and the request
+    fails over well before the read timeout (600 s here)."""
+
+    async def main() -> None:
+        srv = socket.socket()  # node-q: takes connections into its backlog and never answers on them
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(0)
+        port = srv.getsockname()[1]
+        fillers: list[socket.socket] = []
+        try:
+            async with _Fleet(cfg, rds, ("node-b",)) as f:
+                f.rcfg.serving.fleet = {**f.rcfg.serving.fleet, "node-q": _url(port)}
+                await beat(f.ardis, f.prefix, "node-q", _url(port))
+                router = await f.route(connect_s=0.5, read_s=600.0, down_s=600)
+                router.blackholes.probe_after_s = 0.5
+                await until(lambda: len(router.nodes) == 2)
+                user = next(u for u in (f"user-{i}" for i in range(1000)) if rank(u, router.nodes)[0].name == "node-q")
+                first = asyncio.create_task(f.node_of(user))
+                await asyncio.sleep(0.2)  # connected (the kernel's backlog took it), request sent, no answer
+                assert not first.done()
+                for _ in range(8):  # the backlog full from now on: new connections are not accepted (the cut)
+                    c = socket.socket()
+                    c.setblocking(False)
+                    try:
+                        c.connect(("127.0.0.1", port))
+                    except BlockingIOError:
+                        pass
+                    fillers.append(c)
+                assert await asyncio.wait_for(first, 60) == "node-b"
+                assert router.blackholes.probes >= 1
+                assert 'liverl_router_failovers_total{node="node-q"} 1.0' in await f.metrics()
+        finally:
+            for c in (srv, *fillers):
+                c.close()
+
+    asyncio.run(main())
+
+
+def test_a_long_generation_on_a_node_that_answers_the_probe_is_not_released(cfg, rds):
+    """A node that takes long to send its response head (a non-streamed generation) but accepts the probe's
+    connection is there: its request waits for it, probed again and again, and is not failed over."""
+
+    async def main() -> None:
+        async with _Fleet(cfg, rds, ("node-a", "node-b")) as f:
+            router = await f.route(connect_s=0.5, read_s=600.0)
+            router.blackholes.probe_after_s = 0.1
+            await until(lambda: len(router.nodes) == 2)
+            user = next(u for u in (f"user-{i}" for i in range(1000)) if rank(u, router.nodes)[0].name == "node-a")
+            body = {"prompt": "x", "user": user, "think_s": 1.5}
+            async with f.http.post(f"{f.base}/v1/completions", json=body) as r:
+                assert r.status == 200 and (await r.json())["node"] == "node-a"
+            assert router.blackholes.probes >= 2
+            assert "liverl_router_failovers_total{" not in await f.metrics()
+
+    asyncio.run(main())
+
+
 def test_a_node_without_a_route_counts_as_blackholed_and_a_refusing_one_does_not():
     """A host cut off answers a new connection with no route (EHOSTUNREACH, once its neighbour entry fails) or not at
     all: either releases the requests waiting on it. A refused connection (the process stopped, or is stopping and
