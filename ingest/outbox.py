@@ -12,6 +12,9 @@ import time
 
 from ingest.partitioner import partition_of
 
+Span = tuple[int, int]
+"""Where one record batch went in its partition: (the offset of its first record, how many records)."""
+
 MAX_BATCH_BYTES = 256 * 1024  # one produce batch; a single larger record still goes alone (up to the request size)
 MAX_REQUEST_BYTES = 1_048_576  # the broker's default message.max.bytes
 
@@ -50,8 +53,8 @@ class Outbox:
 
     def flush(self) -> asyncio.Future:
         """Send everything queued so far (records queued after this call wait for the next flush). The future resolves
-        to the last offset written per (topic, partition), or raises if the broker refused any of it (the queued
-        records' futures get the error too)."""
+        to the offsets written per (topic, partition), as (first offset, records) of each record batch in the order
+        sent, or raises if the broker refused any of it (the queued records' futures get the error too)."""
         queued, self._queued = self._queued, []
         grouped, self._grouped = self._grouped, []
         done, self._done = self._done, None
@@ -60,7 +63,7 @@ class Outbox:
         task.add_done_callback(self._sending.discard)
         return task
 
-    async def _send(self, queued, done: asyncio.Future | None, grouped=()) -> dict[tuple[str, int], int]:
+    async def _send(self, queued, done: asyncio.Future | None, grouped=()) -> dict[tuple[str, int], list[Span]]:
         if not queued and not grouped:
             return {}
         by_tp: dict[tuple[str, int], list[tuple[bytes, bytes | None]]] = {}
@@ -92,13 +95,13 @@ class Outbox:
                 done.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
                 done.exception()  # retrieved here: the caller raises ``e`` itself
             raise
-        last: dict[tuple[str, int], int] = {}
+        spans: dict[tuple[str, int], list[Span]] = {}
         for (tp, n, _), meta in zip(sent, results, strict=True):
             if meta is not None and n:
-                last[tp] = max(last.get(tp, -1), meta.offset + n - 1)
+                spans.setdefault(tp, []).append((meta.offset, n))
         if done is not None and not done.done():
             done.set_result(None)
-        return last
+        return spans
 
     def __len__(self) -> int:
         return len(self._queued) + sum(len(r) for _, _, r in self._grouped)

@@ -21,7 +21,7 @@ from typing import Any
 
 from core.config import BrokerConfig
 from ingest.entry import PENDING, ms, pending_info
-from ingest.outbox import MAX_BATCH_BYTES, MAX_REQUEST_BYTES, Outbox
+from ingest.outbox import MAX_BATCH_BYTES, MAX_REQUEST_BYTES, Outbox, Span
 from ingest.partitioner import murmur2, murmur2_many, partition_of, partitions_of, warm_hashes
 from ingest.restore import restore
 from ingest.store import PendingInfo, Store, open_store
@@ -49,6 +49,23 @@ def changelog_topic(prefix: str) -> str:
 
 def _Part(path: Path | None) -> Store:  # (the name tests/ingest/test_restart.py opens a database by)
     return open_store(path)
+
+
+def applied_through(applied: int | None, spans: list[Span] | None) -> int | None:
+    """The changelog offset a database that has applied its partition up to ``applied`` (None: nothing) may claim
+    once it has applied this worker's own writes, ``spans`` (``Outbox.flush``): their last offset when they follow
+    ``applied`` with no gap; else None, and it keeps ``applied``. A gap is another writer's records: the partition's
+    new owner while this worker, cut off from the group (a stalled event loop, a cut link), still wrote as its old
+    one. Claiming past them would make a later restore of this database skip them: their pending feedback, read and
+    committed by that owner, would be nowhere."""
+    if not spans:
+        return None
+    nxt = 0 if applied is None else applied + 1
+    for first, n in spans:
+        if first != nxt:
+            return None
+        nxt = first + n
+    return nxt - 1
 
 
 class JoinTable(MutableMapping[str, bytes]):
@@ -181,7 +198,7 @@ class JoinTable(MutableMapping[str, bytes]):
         for p, changes in by_part.items():
             outbox.put_many(self.topic, p, changes)
         try:
-            offsets = await outbox.flush()
+            spans = await outbox.flush()
         except BaseException:
             self._writes = {**writes, **self._writes}  # not written anywhere: the caller stops the worker anyway
             self._flushing = {}
@@ -197,7 +214,17 @@ class JoinTable(MutableMapping[str, bytes]):
                         p,
                     )
                     continue
-                part.apply(changes, offsets.get((self.topic, p)))
+                offset = applied_through(part.offset, spans.get((self.topic, p)))
+                if offset is None:
+                    log.warning(
+                        "join table partition %d: another writer's changelog records came between this database's "
+                        "(offset %s) and these %d changes (%s): it keeps its offset, so a restore reads what it missed",
+                        p,
+                        part.offset,
+                        len(changes),
+                        spans.get((self.topic, p)),
+                    )
+                part.apply(changes, offset)
         finally:
             self._flushing = {}
         return len(writes)
