@@ -182,3 +182,14 @@ def test_sealing_and_the_key_look_up_cost(keys, capsys):
             f"{1e3 * (t6 - t5) / len(units):.2f} ms, miss (made) {1e3 * (t4 - t3) / len(units):.2f} ms (SQLite)"
         )
     assert cache.hits == len(units) and cache.misses == 2 * len(units)
+
+
+def test_a_record_waits_for_its_key_only_as_long_as_the_feedback_on_it_waits_for_it():
+    """What ``ingest.pending_ttl_s`` leaves beyond the producers' delivery timeout and its margin: a record logged at
+    the end of that wait still reaches ingest before the feedback on it expires."""
+    from core.config import load_config
+    from serving.node.generation_log import record_hold_s
+
+    assert record_hold_s(load_config(env={})) == 150.0 - 60.0 - 30.0
+    assert record_hold_s(load_config(env={}, ingest__pending_ttl_s=90.0)) == 0.0
+    assert record_hold_s(load_config(env={}, ingest__pending_ttl_s=40.0, broker__delivery_timeout_s=10.0)) == 20.0
