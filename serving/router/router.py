@@ -103,7 +103,7 @@ HOP_BY_HOP = {
 NOT_FORWARDED = HOP_BY_HOP | {"authorization", "cookie"}  # request headers a node never sees
 MAX_BODY = 8 << 20
 HOLD_POLL_S = 0.25  # how often a held request looks at the rotation again
-PROBE_ANSWER_S = 5.0  # how long a blackhole probe, once connected, waits for the node's answer
+NO_NODE = {"error": {"message": "no serving node is available", "type": "unavailable"}}
 MAX_REMEMBERED = 10_000  # unknown heartbeat names remembered (each logged once)
 
 
@@ -151,19 +151,17 @@ class Router:
         self.refresh_s, self.down_s = refresh_s, down_s
         self.hold_s, self.hold_max = cfg.serving.router_hold_s, cfg.serving.router_hold_max
         self.holding = 0  # requests held now (waiting for a node that may serve them)
-        self.connect_s = connect_s
-        self.read_s = cfg.serving.router_read_timeout_s if read_s is None else read_s
+        self.connect_s, self.read_s = connect_s, cfg.serving.router_read_timeout_s if read_s is None else read_s
         self.nodes: list[Node] = []
         self.rollout: RolloutTerms | None = None  # the verified canary announcement's terms (None: no rollout)
         self.announcements = fleet.AnnouncementReader(self.prefix, self.verifier)  # refuses replays too
         self._last_refused: str | None = None
         self._down: dict[str, float] = {}  # node -> until when it is skipped (refused a connection)
-        self.blackholes = Blackholes()
+        self.blackholes = Blackholes(connect_s)
         self._served_at: float | None = None  # when a node was last in rotation (monotonic)
         self._said: set[tuple[str, str]] = set()  # (what, name) logged once: unknown heartbeats, URL mismatches
         self._draw = random.SystemRandom()  # per-request draws no caller can predict from the arms it sees
         self._session: aiohttp.ClientSession | None = None
-        self._probe_session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
         self._closing = False
         self.draining = False  # stopping: /readyz answers 503, requests in flight finish
@@ -308,11 +306,7 @@ class Router:
     async def _start(self, _app: web.Application) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.connect_s, sock_read=self.read_s)
         self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False)
-        # the blackhole probe: a fresh connection each time (a pooled one says nothing of the node's host now)
-        self._probe_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(force_close=True),
-            timeout=aiohttp.ClientTimeout(total=self.connect_s + PROBE_ANSWER_S, sock_connect=self.connect_s),
-        )
+        self.blackholes.start()
         await self.refresh()
         self._task = asyncio.create_task(self._refresh_loop())
 
@@ -324,14 +318,6 @@ class Router:
         await self.blackholes.close()
         if self._session is not None:
             await self._session.close()
-        if self._probe_session is not None:
-            await self._probe_session.close()
-
-    async def _probe(self, node: Node) -> None:
-        """Open a fresh connection to ``node`` and ask its ``/livez``: raises what the connection met."""
-        assert self._probe_session is not None
-        async with self._probe_session.get(node.url + "/livez") as r:
-            await r.read()
 
     def arm(self, key: str | None) -> bool | None:
         """Whether a request with user key ``key`` goes to the canary (None: no rollout). Unit ``user``: the user's
@@ -447,9 +433,7 @@ class Router:
         if canary is False and not self.stable_nodes():
             self.m_no_stable.inc()
         self.m_requests.labels("none", "503").inc()
-        return web.json_response(
-            {"error": {"message": "no serving node is available", "type": "unavailable"}}, status=503
-        )
+        return web.json_response(NO_NODE, status=503)
 
     async def _try(
         self, request: web.Request, nodes: list[Node], body: bytes, headers: CIMultiDict
@@ -463,7 +447,7 @@ class Router:
                     self._session.request(
                         request.method, node.url + request.path_qs, data=body, headers=headers, allow_redirects=False
                     ),
-                    probe=lambda node=node: self._probe(node),
+                    probe_url=node.url + "/livez",
                 )
             except FAILOVER as e:
                 # refused, reset, closed or silent before any byte came back (a pooled keep-alive connection to a
