@@ -293,8 +293,14 @@ def _blackhole() -> tuple[socket.socket, list[socket.socket], int]:
     srv.bind(("127.0.0.1", 0))
     srv.listen(0)
     port = srv.getsockname()[1]
+    return srv, _cut(port, 4), port
+
+
+def _cut(port: int, n: int = 8) -> list[socket.socket]:
+    """Connections that fill ``port``'s listen backlog: from then on the kernel drops new connection attempts, as
+    for a host cut off."""
     fillers = []
-    for _ in range(4):
+    for _ in range(n):
         c = socket.socket()
         c.setblocking(False)
         try:
@@ -302,7 +308,7 @@ def _blackhole() -> tuple[socket.socket, list[socket.socket], int]:
         except BlockingIOError:
             pass
         fillers.append(c)
-    return srv, fillers, port
+    return fillers
 
 
 def test_a_blackholed_or_silent_node_fails_over_and_is_marked_down(cfg, rds):
@@ -370,14 +376,7 @@ def test_requests_waiting_on_a_node_found_blackholed_fail_over_at_once(cfg, rds)
                 first = asyncio.create_task(f.node_of(users[0]))
                 await asyncio.sleep(0.5)  # connected (the kernel's backlog took it), request sent, no answer
                 assert not first.done()
-                for _ in range(8):  # the backlog full from now on: new connections are not accepted (the cut)
-                    c = socket.socket()
-                    c.setblocking(False)
-                    try:
-                        c.connect(("127.0.0.1", port))
-                    except BlockingIOError:
-                        pass
-                    fillers.append(c)
+                fillers += _cut(port)  # the backlog full from now on: new connections are not accepted
                 assert await f.node_of(users[1]) == "node-b"  # its connect times out: node-q found blackholed
                 assert await asyncio.wait_for(first, 60) == "node-b"  # the waiting one failed over with it
                 assert 'liverl_router_failovers_total{node="node-q"} 2.0' in await f.metrics()
@@ -410,14 +409,7 @@ def test_a_request_alone_on_a_node_cut_off_is_released_by_the_probe_its_wait_sta
                 first = asyncio.create_task(f.node_of(user))
                 await asyncio.sleep(0.2)  # connected (the kernel's backlog took it), request sent, no answer
                 assert not first.done()
-                for _ in range(8):  # the backlog full from now on: new connections are not accepted (the cut)
-                    c = socket.socket()
-                    c.setblocking(False)
-                    try:
-                        c.connect(("127.0.0.1", port))
-                    except BlockingIOError:
-                        pass
-                    fillers.append(c)
+                fillers += _cut(port)  # the backlog full from now on: new connections are not accepted
                 assert await asyncio.wait_for(first, 60) == "node-b"
                 assert router.blackholes.probes >= 1
                 assert 'liverl_router_failovers_total{node="node-q"} 1.0' in await f.metrics()
