@@ -296,6 +296,23 @@ def _blackhole() -> tuple[socket.socket, list[socket.socket], int]:
     return srv, _cut(port, 4), port
 
 
+def _silent_listener() -> tuple[socket.socket, int]:
+    """node-q: takes connections into its backlog and never answers on them; (its socket, its port)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(0)
+    return srv, srv.getsockname()[1]
+
+
+async def _beside_node_q(f: _Fleet, port: int) -> Router:
+    """A router over ``f``'s node-b and node-q on ``port`` (a blackhole waits 0.5 s to connect, 600 s to answer)."""
+    f.rcfg.serving.fleet = {**f.rcfg.serving.fleet, "node-q": _url(port)}
+    await beat(f.ardis, f.prefix, "node-q", _url(port))
+    router = await f.route(connect_s=0.5, read_s=600.0, down_s=600)
+    await until(lambda: len(router.nodes) == 2)
+    return router
+
+
 def _cut(port: int, n: int = 8) -> list[socket.socket]:
     """Connections that fill ``port``'s listen backlog: from then on the kernel drops new connection attempts, as
     for a host cut off."""
@@ -361,17 +378,11 @@ def test_requests_waiting_on_a_node_found_blackholed_fail_over_at_once(cfg, rds)
     waiting one fails over too, instead of holding its client for the whole read timeout (600 s here)."""
 
     async def main() -> None:
-        srv = socket.socket()  # node-q: accepts one connection into its backlog and never answers on it
-        srv.bind(("127.0.0.1", 0))
-        srv.listen(0)
-        port = srv.getsockname()[1]
+        srv, port = _silent_listener()
         fillers: list[socket.socket] = []
         try:
             async with _Fleet(cfg, rds, ("node-b",)) as f:
-                f.rcfg.serving.fleet = {**f.rcfg.serving.fleet, "node-q": _url(port)}
-                await beat(f.ardis, f.prefix, "node-q", _url(port))
-                router = await f.route(connect_s=0.5, read_s=600.0, down_s=600)
-                await until(lambda: len(router.nodes) == 2)
+                router = await _beside_node_q(f, port)
                 users = [u for u in (f"user-{i}" for i in range(1000)) if rank(u, router.nodes)[0].name == "node-q"]
                 first = asyncio.create_task(f.node_of(users[0]))
                 await asyncio.sleep(0.5)  # connected (the kernel's backlog took it), request sent, no answer
@@ -393,18 +404,12 @@ def test_a_request_alone_on_a_node_cut_off_is_released_by_the_probe_its_wait_sta
     fails over well before the read timeout (600 s here)."""
 
     async def main() -> None:
-        srv = socket.socket()  # node-q: takes connections into its backlog and never answers on them
-        srv.bind(("127.0.0.1", 0))
-        srv.listen(0)
-        port = srv.getsockname()[1]
+        srv, port = _silent_listener()
         fillers: list[socket.socket] = []
         try:
             async with _Fleet(cfg, rds, ("node-b",)) as f:
-                f.rcfg.serving.fleet = {**f.rcfg.serving.fleet, "node-q": _url(port)}
-                await beat(f.ardis, f.prefix, "node-q", _url(port))
-                router = await f.route(connect_s=0.5, read_s=600.0, down_s=600)
+                router = await _beside_node_q(f, port)
                 router.blackholes.probe_after_s = 0.5
-                await until(lambda: len(router.nodes) == 2)
                 user = next(u for u in (f"user-{i}" for i in range(1000)) if rank(u, router.nodes)[0].name == "node-q")
                 first = asyncio.create_task(f.node_of(user))
                 await asyncio.sleep(0.2)  # connected (the kernel's backlog took it), request sent, no answer
