@@ -147,10 +147,12 @@ class Front:
         )
 
     def kill(self, i: int) -> float:
-        """SIGKILL router ``i``; returns the time (monotonic) of the kill."""
+        """SIGKILL router ``i``; returns the time (monotonic) just before the signal, so that a request seen to end
+        after it may have been cut by the kill and one seen to end before it was not (the caller's event loop can note
+        a cut stream's end before this thread runs again)."""
         p = self.routers[i]
-        os.kill(p.pid, signal.SIGKILL)
         t = time.monotonic()
+        os.kill(p.pid, signal.SIGKILL)
         p.wait()
         return t
 
