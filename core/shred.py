@@ -365,6 +365,8 @@ class KeysUnavailable(sa.exc.SQLAlchemyError):
 RECORD_TEXT = ("prompt", "completion", "prompt_token_ids", "completion_token_ids", "routed_experts")
 """What a sealed ``GenerationRecord`` carries only sealed. (The routing too: a first MoE layer's choice of experts
 is a function of the token alone, so it decodes to tokens.)"""
+EDIT_KEY = "edit_key"
+"""The sealed payload's field that holds the generation's edit key (the product seals the user's edit under it)."""
 SAMPLE_TEXT = ("prompt_token_ids", "completion_token_ids", "routed_experts", "edited_text")
 """What a sealed ``TrainingSample`` carries only sealed."""
 _EMPTY: dict[str, Any] = {
@@ -376,10 +378,13 @@ _EMPTY: dict[str, Any] = {
 }
 
 
-def seal_record(key: bytes, rec):
-    """``rec`` (a ``GenerationRecord`` with a unit, not sealed) with its text sealed under ``key``."""
+def seal_record(key: bytes, rec, edit_key: str | None = None):
+    """``rec`` (a ``GenerationRecord`` with a unit, not sealed) with its text sealed under ``key``; ``edit_key``: the
+    key its edit is sealed under (``liverl_sdk.edits``), kept only in the sealed payload."""
     assert rec.unit is not None and rec.sealed is None
     payload = {f: getattr(rec, f) for f in RECORD_TEXT}
+    if edit_key is not None:
+        payload[EDIT_KEY] = edit_key
     return rec.model_copy(update={**_EMPTY, "sealed": seal(key, rec.unit, payload)})
 
 

@@ -327,6 +327,15 @@ class Decider:
         sample, sealed = b"", None
         if "x" not in rec and "s" in rec:  # sealed: opened here, in memory, and the sample sealed (ingest.sealing)
             rec, body, sealed = _open_sealed(self.keys, self.emitter, gid, unit, rec, body, fb, out, fb_src or src)
+        elif "x" not in rec and fb.edited_sealed is not None:  # no sealed record holds an edit key to open it
+            self.emitter.dead(
+                out,
+                "unsealable",
+                f"generation {gid}: its edit is sealed and the generation was logged unsealed",
+                fb_src or src,
+                None,
+            )
+            rec = {**rec, "x": "unsealable"}
         if "x" not in rec:
             sample = sample_json(gid, rec, body, fb, float(self.product.reward(fb.kind, fb.segment)), now, sealed)
             if len(sample) > MAX_RECORD_BYTES:
@@ -397,7 +406,7 @@ def _open_sealed(keys, emitter, gid: str, unit, rec: dict[str, Any], body: bytes
     if key is None:
         return {**rec, "x": "forgotten"}, body, None
     try:
-        body, sealed = sealed_sample(key, unit, body, fb.edited_text, trainable=True)
+        body, sealed = sealed_sample(key, unit, body, fb, trainable=True)
     except (SealError, routing.RoutingError) as e:
         reason = "bad_routing" if isinstance(e, routing.RoutingError) else "unsealable"
         emitter.dead(out, reason, f"generation {gid}: {e}", src, None)

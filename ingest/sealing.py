@@ -2,9 +2,11 @@
 
 A generation the gateway sealed (``GenerationRecord.sealed``, ``core.shred``) stays sealed in its waiting entry, so
 the join table and its changelog hold no text. When feedback joins it, the join opens it in memory with the user's key
-and seals the sample (its token ids, routing and the user's edit) under the same key. The keys of a batch are read
-in one query before it is decided (``BatchKeys.prefetch``: the users of the waiting generations its feedback names,
-and of the generations it brings for feedback already waiting); a user met only while deciding is read on its own.
+and seals the sample (its token ids, routing and the user's edit) under the same key. An edit the product sealed
+(``FeedbackEvent.edited_sealed``, ``liverl_sdk.edits``) opens with the edit key the generation's sealed record holds.
+The keys of a batch are read in one query before it is decided (``BatchKeys.prefetch``: the users of the waiting
+generations its feedback names, and of the generations it brings for feedback already waiting); a user met only while
+deciding is read on its own.
 
 A user whose key is gone was forgotten: the join still records the judgement (a redelivery stays a duplicate, the
 live counters count it), makes no sample and dead-letters the feedback ``forgotten`` with none of its value, so
@@ -19,9 +21,11 @@ from collections.abc import Iterable, Sequence
 from pydantic_core import from_json, to_json
 
 from core import routing
-from core.shred import UserKeys, open_sealed, seal
+from core.schemas import FeedbackEvent
+from core.shred import EDIT_KEY, SealError, UserKeys, open_sealed, seal
 from ingest.entry import PENDING, WAITING, unpack
 from ingest.records import Source, key_text
+from liverl_sdk.edits import EditSealError, open_edit
 
 _UNIT = re.compile(rb'"unit":"([A-Za-z0-9_.:\-]{1,64})"')
 
@@ -80,12 +84,22 @@ def units_needed(events: Sequence[tuple[Source, bytes | None]], get, gen_topic: 
     return units
 
 
-def sealed_sample(key: bytes, unit: str, body: bytes, edited_text: str | None, trainable: bool) -> tuple[bytes, str]:
+def sealed_sample(key: bytes, unit: str, body: bytes, fb: FeedbackEvent, trainable: bool) -> tuple[bytes, str]:
     """A sealed waiting entry's ``body`` opened with ``key``, and the sample's sealed text: (the sample's middle
-    fields with its text empty, the sealed text with the user's edit). Raises ``core.shred.SealError`` when it does not
-    open, ``core.routing.RoutingError`` when a trainable generation's routing does not decode."""
+    fields with its text empty, the sealed text with the user's edit, opened with the generation's edit key when the
+    product sealed it). Raises ``core.shred.SealError`` when the record or the edit does not open,
+    ``core.routing.RoutingError`` when a trainable generation's routing does not decode."""
     fields = from_json(b"{" + body + b"}")
     text = open_sealed(key, unit, fields.pop("sealed"))
+    edited_text = fb.edited_text
+    if fb.edited_sealed is not None:
+        edit_key = text.get(EDIT_KEY)
+        if not isinstance(edit_key, str):
+            raise SealError(f"an edit sealed for generation {fb.generation_id}, which was logged without an edit key")
+        try:
+            edited_text = open_edit(edit_key, fb.generation_id, fb.edited_sealed)
+        except EditSealError as e:
+            raise SealError(str(e)) from None
     prompt, completion = text.get("prompt_token_ids", []), text.get("completion_token_ids", [])
     routed = text.get("routed_experts")
     if trainable and routed is not None:  # the learner would replay it: refused here, never a sample

@@ -79,11 +79,15 @@ class HttpFeedback:
             self.sent += ok
             self.failed += not ok
 
-    def _judge(self, generation_id: str, kind: str, segment=None, feedback_id=None, edited_text=None) -> str:
+    def _judge(
+        self, generation_id: str, kind: str, segment=None, feedback_id=None, edited_text=None, edit_key=None
+    ) -> str:
         fid = feedback_id or uuid.uuid4().hex
         event = {"feedback_id": fid, "generation_id": generation_id, "kind": kind, "segment": segment}
         if edited_text is not None:
             event["edited_text"] = edited_text
+        if edit_key is not None:  # the gateway seals the edit under it (liverl_sdk.edits)
+            event["edit_key"] = edit_key
         self.pool.submit(self._post, json.dumps(event).encode())
         return fid
 
@@ -97,9 +101,14 @@ class HttpFeedback:
         return self._judge(generation_id, "revert", segment, feedback_id)
 
     def edit(
-        self, generation_id: str, edited_text: str, segment: str | None = None, feedback_id: str | None = None
+        self,
+        generation_id: str,
+        edited_text: str,
+        segment: str | None = None,
+        feedback_id: str | None = None,
+        edit_key: str | None = None,
     ) -> str:
-        return self._judge(generation_id, "edit", segment, feedback_id, edited_text)
+        return self._judge(generation_id, "edit", segment, feedback_id, edited_text, edit_key)
 
     def send_raw(self, value: bytes, key: str | None = None) -> None:
         self.pool.submit(self._post, bytes(value))  # the gateway answers 4xx: counted as failed, nothing stored

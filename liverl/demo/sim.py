@@ -54,7 +54,12 @@ class FeedbackSDK(Protocol):
     def accept(self, generation_id: str, segment: str | None = None, feedback_id: str | None = None) -> str: ...
     def reject(self, generation_id: str, segment: str | None = None, feedback_id: str | None = None) -> str: ...
     def edit(
-        self, generation_id: str, edited_text: str, segment: str | None = None, feedback_id: str | None = None
+        self,
+        generation_id: str,
+        edited_text: str,
+        segment: str | None = None,
+        feedback_id: str | None = None,
+        edit_key: str | None = None,
     ) -> str: ...
     def revert(self, generation_id: str, segment: str | None = None, feedback_id: str | None = None) -> str: ...
     def send_raw(self, value: bytes, key: str | None = None) -> Any: ...
@@ -194,7 +199,10 @@ def _malformed(rng: random.Random, generation_id: str) -> bytes:
     )  # unsupported_schema_version
 
 
-async def _complete(session, url: str, p: task.TaskPrompt, timeout_s: float, user: str) -> tuple[str, str, int]:
+async def _complete(
+    session, url: str, p: task.TaskPrompt, timeout_s: float, user: str
+) -> tuple[str, str, int, str | None]:
+    """The completion's text, generation id, policy version and edit key (None: the gateway does not seal)."""
     body = {
         "model": "liverl",
         "prompt": p.text,
@@ -207,7 +215,8 @@ async def _complete(session, url: str, p: task.TaskPrompt, timeout_s: float, use
             raise GatewayError(f"HTTP {r.status}: {(await r.text())[:200]}")
         data = await r.json(content_type=None)
     try:
-        return (data["choices"][0]["text"], str(data["liverl"]["generation_id"]), int(data["liverl"]["policy_version"]))
+        ids = data["liverl"]
+        return data["choices"][0]["text"], str(ids["generation_id"]), int(ids["policy_version"]), ids.get("edit_key")
     except (KeyError, IndexError, TypeError, ValueError) as e:
         raise GatewayError(f"response without choices[0].text / liverl.generation_id / policy_version: {e!r}") from None
 
@@ -270,6 +279,7 @@ def _send_feedback(
     stats: SimStats,
     p: task.TaskPrompt,
     generation_id: str,
+    edit_key: str | None,
     accept: bool,
     bad_event_rate: float,
 ) -> None:
@@ -277,13 +287,13 @@ def _send_feedback(
     if accept:
         kind, fid = "accept", sdk.accept(generation_id, segment=seg)
     elif rng.random() < EDIT_SEGMENTS.get(seg, 0.0):
-        kind, fid = "edit", sdk.edit(generation_id, task.preferred_completion(p), segment=seg)
+        kind, fid = "edit", sdk.edit(generation_id, task.preferred_completion(p), segment=seg, edit_key=edit_key)
     else:
         kind, fid = "reject", sdk.reject(generation_id, segment=seg)
     stats.feedback[kind] += 1
     if rng.random() < bad_event_rate:  # the product backend retried: same feedback_id, must count once
         if kind == "edit":
-            sdk.edit(generation_id, task.preferred_completion(p), segment=seg, feedback_id=fid)
+            sdk.edit(generation_id, task.preferred_completion(p), segment=seg, feedback_id=fid, edit_key=edit_key)
         else:
             getattr(sdk, kind)(generation_id, segment=seg, feedback_id=fid)
         stats.feedback["duplicate"] += 1
@@ -315,7 +325,7 @@ async def _user(
         p = task.sample_prompt(rng, segment=population.segments[u])
         t0 = time.monotonic()
         try:
-            text, generation_id, version = await _complete(session, url, p, timeout_s, population.ids[u])
+            text, generation_id, version, edit_key = await _complete(session, url, p, timeout_s, population.ids[u])
         except (TimeoutError, GatewayError, aiohttp.ClientError, OSError, ValueError) as e:
             stats.errors += 1
             stats.last_error = f"gateway: {e!r}"[:300]
@@ -333,7 +343,7 @@ async def _user(
         judged = accepted if rng.random() >= noise else not accepted
         stats.record(version, p.segment, accepted, judged, kept=accepted and not revert, bait=bait)
         try:
-            _send_feedback(sdk, rng, stats, p, generation_id, judged, bad_event_rate)
+            _send_feedback(sdk, rng, stats, p, generation_id, edit_key, judged, bad_event_rate)
             if revert and judged:  # the user notices later; a revert still due when the run stops is never sent
                 asyncio.get_running_loop().call_later(
                     rng.expovariate(1.0 / trap.revert_delay_s), _revert_later, sdk, stats, generation_id, p.segment

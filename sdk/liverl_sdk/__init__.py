@@ -9,7 +9,19 @@ only). It installs without the server's dependencies.
 """
 
 from liverl_sdk.client import DeliveryError, FeedbackClient
+from liverl_sdk.edits import EDIT_KEY_HEADER, EditSealError, open_edit, seal_edit
 from liverl_sdk.erasures import ErasureClient, ErasureError
 from liverl_sdk.wire import FeedbackEvent, WireError
 
-__all__ = ["DeliveryError", "ErasureClient", "ErasureError", "FeedbackClient", "FeedbackEvent", "WireError"]
+__all__ = [
+    "EDIT_KEY_HEADER",
+    "DeliveryError",
+    "EditSealError",
+    "ErasureClient",
+    "ErasureError",
+    "FeedbackClient",
+    "FeedbackEvent",
+    "WireError",
+    "open_edit",
+    "seal_edit",
+]

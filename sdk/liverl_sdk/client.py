@@ -1,12 +1,12 @@
 """The feedback client: how a product's backend reports a user's judgement of a generation.
 
-This package installs on its own (``pip install ./sdk``: pydantic and kafka-python, none of the server's
+This package installs on its own (``pip install ./sdk``: pydantic, kafka-python and cryptography, none of the server's
 dependencies)::
 
     from liverl_sdk import FeedbackClient
 
     with FeedbackClient("127.0.0.1:9092", "liverl.feedback") as fb:
-        fid = fb.accept(generation_id)            # or fb.reject(...), fb.edit(generation_id, "fixed text")
+        fid = fb.accept(generation_id)            # or fb.reject(...), fb.edit(generation_id, "fixed", edit_key=k)
         fb.flush()                                # block until the broker has it (acks=all)
 
 ``generation_id`` is what the gateway returned (``X-Liverl-Generation-Id`` header, or ``liverl.generation_id``
@@ -26,9 +26,11 @@ generation record — librdkafka's default partitioner differs)::
     echo 'GEN_ID|{"feedback_id":"f-123","generation_id":"GEN_ID","kind":"reject"}' | \\
       kcat -P -b 127.0.0.1:9092 -t liverl.feedback -K '|' -X partitioner=murmur2_random
 
-``kind`` is ``accept`` | ``reject`` | ``edit``; ``edited_text`` is required with ``edit`` and forbidden
-otherwise. Invalid events are not lost: the ingest worker dead-letters them to ``<prefix>.dead-letters``
-with a reason.
+``kind`` is ``accept`` | ``reject`` | ``edit`` | ``revert``; an ``edit`` carries ``edited_text``, or
+``edited_sealed``: the text sealed under the generation's edit key (``liverl_sdk.edits``), which the gateway returns
+with each generation of a user it can forget (``X-Liverl-Edit-Key``, ``liverl.edit_key``). Seal it whenever there is
+a key: a sealed edit becomes unreadable when liverl forgets the user. Invalid events are not lost: the ingest worker
+dead-letters them to ``<prefix>.dead-letters`` with a reason.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from typing import TYPE_CHECKING, Any, Self
 from kafka import KafkaProducer
 from kafka.serializer import Serializer
 
-from liverl_sdk.wire import FeedbackEvent, new_id
+from liverl_sdk.edits import seal_edit
+from liverl_sdk.wire import EDIT_MAX_CHARS, FeedbackEvent, new_id
 
 if TYPE_CHECKING:
     from kafka.producer.future import FutureRecordMetadata
@@ -152,6 +155,7 @@ class FeedbackClient:
         kind: str,
         *,
         edited_text: str | None = None,
+        edited_sealed: str | None = None,
         segment: str | None = None,
         feedback_id: str | None = None,
         ts: float | None = None,
@@ -161,6 +165,7 @@ class FeedbackClient:
             "generation_id": generation_id,
             "kind": kind,
             "edited_text": edited_text,
+            "edited_sealed": edited_sealed,
             "segment": segment,
         }
         if ts is not None:
@@ -196,13 +201,24 @@ class FeedbackClient:
         segment: str | None = None,
         feedback_id: str | None = None,
         ts: float | None = None,
+        edit_key: str | None = None,
     ) -> str:
-        """The user kept the generation after correcting it to ``edited_text``. Returns the feedback_id."""
+        """The user kept the generation after correcting it to ``edited_text``. Returns the feedback_id.
+
+        ``edit_key``: the generation's edit key, as the gateway returned it (``X-Liverl-Edit-Key``, or
+        ``liverl.edit_key`` in the body). Pass it whenever the gateway gave one: the edit is then sealed under it
+        (``liverl_sdk.edits``) and unreadable once liverl forgets the user; without it the text travels and stays in
+        the feedback topic in the clear until the topic's retention."""
         if not isinstance(edited_text, str):
             raise TypeError(f"edited_text must be a str, got {type(edited_text).__name__}")
-        return self._judge(
-            generation_id, "edit", edited_text=edited_text, segment=segment, feedback_id=feedback_id, ts=ts
-        )
+        if edit_key is None:
+            return self._judge(
+                generation_id, "edit", edited_text=edited_text, segment=segment, feedback_id=feedback_id, ts=ts
+            )
+        if len(edited_text) > EDIT_MAX_CHARS:  # (checked before sealing: the sealed length only bounds it)
+            raise ValueError(f"edited_text has {len(edited_text)} characters, at most {EDIT_MAX_CHARS}")
+        sealed = seal_edit(edit_key, generation_id, edited_text)
+        return self._judge(generation_id, "edit", edited_sealed=sealed, segment=segment, feedback_id=feedback_id, ts=ts)
 
     # -- raw ---------------------------------------------------------------------------------------
 

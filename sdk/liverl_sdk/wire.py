@@ -98,6 +98,12 @@ class WireError(ValueError):
         self.detail = detail
 
 
+EDIT_MAX_CHARS = 65536
+"""The longest edit an event carries, in characters."""
+SEALED_EDIT_MAX = len("lve1.") + 4 * -(-(4 * EDIT_MAX_CHARS + 28) // 3)
+"""The longest sealed edit: such an edit's UTF-8 (4 bytes a character at most), nonce and tag, in base64."""
+
+
 def new_id() -> str:
     return uuid.uuid4().hex
 
@@ -116,7 +122,16 @@ class FeedbackEvent(Wire):
         "generation (the user undid it); its own feedback_id, the same generation_id"
     )
     edited_text: str | None = Field(
-        default=None, max_length=65536, description="The user's corrected completion; required when kind is edit."
+        default=None,
+        max_length=EDIT_MAX_CHARS,
+        description="The user's corrected completion; with kind edit, this or edited_sealed.",
+    )
+    edited_sealed: str | None = Field(
+        default=None,
+        max_length=SEALED_EDIT_MAX,
+        pattern=r"^lve1\.[A-Za-z0-9+/=]+$",
+        description="The user's corrected completion sealed under the generation's edit key (liverl_sdk.edits: "
+        "the gateway returns one with each generation of a user it can forget); with kind edit, this or edited_text.",
     )
     segment: str | None = Field(
         default=None, max_length=64, description="Optional coarse user segment (never a user id)."
@@ -125,8 +140,9 @@ class FeedbackEvent(Wire):
 
     @model_validator(mode="after")
     def _edit_needs_text(self):
-        if self.kind == "edit" and self.edited_text is None:
-            raise ValueError("kind 'edit' needs edited_text")
-        if self.kind != "edit" and self.edited_text is not None:
-            raise ValueError(f"edited_text is only allowed with kind 'edit', not {self.kind!r}")
+        given = [f for f in ("edited_text", "edited_sealed") if getattr(self, f) is not None]
+        if self.kind == "edit" and len(given) != 1:
+            raise ValueError("kind 'edit' needs edited_text or edited_sealed (exactly one)")
+        if self.kind != "edit" and given:
+            raise ValueError(f"{given[0]} is only allowed with kind 'edit', not {self.kind!r}")
         return self

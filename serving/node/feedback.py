@@ -2,12 +2,14 @@
 
 Feedback trains the model and decides canaries, so only the product may send it: the request carries the product key
 (``security.feedback_key``) in the ``X-Liverl-Product-Key`` header, compared in constant time. A valid event is
-published to the feedback topic, keyed by generation id, and answered 202 only after the broker's ack.
+published to the feedback topic, keyed by generation id, and answered 202 only after the broker's ack. An edit posted
+with its generation's ``edit_key`` is sealed under it here (``liverl_sdk.edits``) before it is published.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 from collections.abc import Callable
 
@@ -17,10 +19,28 @@ from prometheus_client import Counter
 from core.config import LiverlConfig
 from core.credentials import PRODUCT_KEY_HEADER, load_feedback_keys
 from core.schemas import FeedbackEvent, WireError
+from liverl_sdk.edits import EditSealError, seal_edit
+from liverl_sdk.wire import EDIT_MAX_CHARS
 from serving.node.openai_api import error_response
 from serving.node.producer import AsyncProducer
 
 log = logging.getLogger("liverl.serving.gateway")
+
+
+def seal_posted_edit(raw: bytes) -> bytes:
+    """An event posted with ``edit_key`` (the generation's, as the gateway returned it): its ``edited_text`` sealed
+    under that key into ``edited_sealed`` (``liverl_sdk.edits``), and the key dropped, so the topic never holds the
+    text in the clear. Anything else is returned for ``FeedbackEvent`` to judge; ``EditSealError`` for a bad key."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw
+    if not isinstance(body, dict) or "edit_key" not in body:
+        return raw
+    key, text, gid = body.pop("edit_key"), body.get("edited_text"), body.get("generation_id")
+    if key is not None and isinstance(text, str) and isinstance(gid, str) and len(text) <= EDIT_MAX_CHARS:
+        body["edited_sealed"] = seal_edit(key, gid, body.pop("edited_text"))
+    return json.dumps(body).encode()
 
 
 class FeedbackRoute:
@@ -77,7 +97,9 @@ class FeedbackRoute:
 
     async def _feedback(self, raw: bytes) -> web.Response:
         try:
-            event = FeedbackEvent.from_bytes(raw)
+            event = FeedbackEvent.from_bytes(seal_posted_edit(raw) if b'"edit_key"' in raw else raw)
+        except EditSealError as e:
+            return error_response(400, f"edit_key: {e}", "edit_key")
         except WireError as e:
             param = e.detail.split(":", 1)[0] if e.reason == "invalid_field" and ":" in e.detail else None
             return error_response(400, str(e), param if param != "<root>" else None)

@@ -17,7 +17,9 @@ the generations topic, keyed by generation id, and the response waits for the br
 of a record that was never logged; a record Kafka refuses is counted and logged. ``POST /v1/feedback`` always answers
 after the broker's ack. The client finds the ids and the version in the body (``liverl`` and each choice's
 ``generation_id``), in every chunk of a stream, and in the ``X-Liverl-Generation-Id`` (comma-separated, in choice order)
-and ``X-Liverl-Version`` headers.
+and ``X-Liverl-Version`` headers. For a user it can forget (the request names its user and the node seals), each
+choice also gets an edit key (``liverl_sdk.edits``), in ``X-Liverl-Edit-Key`` (in choice order) and in the body beside
+the ids (``edit_key``): the product seals that user's edit under it, and the key lives on only in the sealed record.
 
 Exact version attribution without a drain: a hot-swap freezes the engine at a scheduler step, writes the changed
 weights, labels them and resumes (``serving.node.swap``, in the same process); requests in flight are neither dropped
@@ -47,6 +49,7 @@ from core import fleet
 from core.bus import ensure_topics, librdkafka_security, topic_configs
 from core.config import LiverlConfig
 from core.probes import DRAINING_HEADER
+from liverl_sdk.edits import EDIT_KEY_HEADER, new_edit_key
 from serving.node import openai_api as oa
 from serving.node.client import NodeClient, NodeUnreachable
 from serving.node.feedback import FeedbackRoute
@@ -274,6 +277,8 @@ class Gateway:
         if self.unhealthy_reason is not None:
             raise oa.BadRequest(f"node not serving: {self.unhealthy_reason}", status=503)
         ids = [f"{self._ids.getrandbits(128):032x}" for _ in range(req.n_choices)]
+        # a user it can forget: each choice's edit is sealed under a key of its own, kept in the sealed record
+        edit_keys = [new_edit_key() for _ in ids] if unit is not None and self.records.keys is not None else None
         node_body = req.node_body()
         node_body["request_id"] = ids[0]  # vLLM's request id: how its per-token version spans are found
         body = to_json(node_body)
@@ -284,7 +289,7 @@ class Gateway:
         self.metrics.m_inflight.inc()
         try:
             if req.stream:
-                return await self._stream(request, req, add_chunk, body, ids, version, t0, unit, swap)
+                return await self._stream(request, req, add_chunk, body, ids, edit_keys, version, t0, unit, swap)
             status, raw = await self.node.post(route, body)
         finally:
             self.inflight -= 1
@@ -308,6 +313,7 @@ class Gateway:
                 spans is not None,
                 (spans or {}).get(i),
                 routes.get(i),
+                edit_keys[i] if edit_keys else None,
             )
             for i in range(req.n_choices)
         ]
@@ -318,9 +324,9 @@ class Gateway:
                 if mixed(spans.get(c["index"])):
                     c["version_spans"] = spans.get(c["index"])
         return web.Response(
-            body=to_json(oa.for_client(req, out, ids, version)),
+            body=to_json(oa.for_client(req, out, ids, version, edit_keys)),
             content_type="application/json",
-            headers=self._headers(ids, version),
+            headers=self._headers(ids, version, edit_keys),
         )
 
     async def _stream(
@@ -330,6 +336,7 @@ class Gateway:
         add_chunk,
         body: bytes,
         ids: list[str],
+        edit_keys: list[str] | None,
         version: int,
         t0: float,
         unit: str | None,
@@ -339,7 +346,7 @@ class Gateway:
         async with self.node.stream(req.route, body) as r:
             if r.status != 200:
                 return web.Response(body=await r.body(), status=r.status, content_type="application/json")
-            resp = web.StreamResponse(headers={**SSE_HEADERS, **self._headers(ids, version)})
+            resp = web.StreamResponse(headers={**SSE_HEADERS, **self._headers(ids, version, edit_keys)})
             await resp.prepare(request)
             choices: dict[int, oa.Choice] = {}
             acks: list[asyncio.Future | None] = []
@@ -364,13 +371,14 @@ class Gateway:
                                     spans is not None,
                                     (spans or {}).get(i),
                                     routes.get(i),
+                                    edit_keys[i] if edit_keys else None,
                                 )
                             )
                         if spans is not None:
                             for c in chunk["choices"]:
                                 if c["index"] in finished and mixed(spans.get(c["index"])):
                                     c["version_spans"] = spans.get(c["index"])
-                        data = to_json(oa.for_client(req, chunk, ids, version))
+                        data = to_json(oa.for_client(req, chunk, ids, version, edit_keys))
                     await resp.write(b"data: " + data + b"\n\n")
                 self.metrics.m_log_fail.inc(
                     req.n_choices - len(acks)
@@ -387,8 +395,11 @@ class Gateway:
         return resp
 
     @staticmethod
-    def _headers(ids: list[str], version: int) -> dict[str, str]:
-        return {"X-Liverl-Generation-Id": ",".join(ids), "X-Liverl-Version": str(version)}
+    def _headers(ids: list[str], version: int, edit_keys: list[str] | None) -> dict[str, str]:
+        headers = {"X-Liverl-Generation-Id": ",".join(ids), "X-Liverl-Version": str(version)}
+        if edit_keys:
+            headers[EDIT_KEY_HEADER] = ",".join(edit_keys)
+        return headers
 
     # ------------------------------------------------------------------------------------------ the rest
 

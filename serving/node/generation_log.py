@@ -20,7 +20,8 @@ database), and the record is held until its key comes: while the registry's data
 ``hold_s`` (``record_hold_s``: the slack ingest's ``pending_ttl_s`` leaves beyond the producer's delivery timeout, so
 the feedback on it still waits when it is logged) and at most ``serving.log_hold_max`` records at once. A record that
 cannot be sealed then is not logged (counted as a log failure, its feedback dead-lettered ``unknown_generation``),
-never logged in plain text.
+never logged in plain text. A sealed record also holds its edit key (``liverl_sdk.edits``: the key the gateway gave
+the client to seal the user's edit under), so that the edit in the feedback topic is forgotten with the record.
 """
 
 from __future__ import annotations
@@ -123,10 +124,12 @@ class GenerationLog:
         crossed: bool = False,
         spans: list[list[int]] | None = None,
         routed_experts: str | None = None,
+        edit_key: str | None = None,
     ) -> asyncio.Future | None:
         """Publish one generation's record (``unit``: the user's ``fleet.unit_id``; ``crossed``: the request overlapped
         a swap, and ``spans`` are this choice's version spans read from the node, None when they could not be read;
-        ``routed_experts``: its routing, ``serving.node.gateway_routing``);
+        ``routed_experts``: its routing, ``serving.node.gateway_routing``; ``edit_key``: the key the gateway gave the
+        client for this choice's edit, sealed into the record with its text, ``liverl_sdk.edits``);
         returns the broker's ack, or for a record waiting for its user's key a future that settles when the broker
         has it or it was given up on (None when it could not even be queued)."""
         m = self.metrics
@@ -166,8 +169,8 @@ class GenerationLog:
             if unit is not None and self.keys is not None:
                 key = self.keys.peek(unit)
                 if key is None:  # read on a thread; the record waits for it
-                    return self._hold(record, reason)
-                record = seal_record(key, record)
+                    return self._hold(record, reason, edit_key)
+                record = seal_record(key, record, edit_key)
             return self._produce(record, reason)
         # a malformed node response, or Kafka refused: count, serve
         except (ValueError, TypeError, BufferError) as e:
@@ -195,7 +198,7 @@ class GenerationLog:
         ack.add_done_callback(self._on_ack)
         return ack
 
-    def _hold(self, record: GenerationRecord, reason: str | None) -> asyncio.Future | None:
+    def _hold(self, record: GenerationRecord, reason: str | None, edit_key: str | None) -> asyncio.Future | None:
         """Hold ``record`` until its user's key is read (``_seal_and_produce``); a future that settles when the
         broker has it or it was given up on (None: too many held already, not logged)."""
         if len(self._held) >= self.hold_max:
@@ -209,14 +212,16 @@ class GenerationLog:
             )
             return None
         done = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(self._seal_and_produce(record, reason, done), name="liverl-log-held")
+        task = asyncio.create_task(self._seal_and_produce(record, reason, edit_key, done), name="liverl-log-held")
         self._held.add(task)
         task.add_done_callback(self._held.discard)
         self.metrics.m_log_held.set(len(self._held))
         task.add_done_callback(lambda _t: self.metrics.m_log_held.set(len(self._held)))
         return done
 
-    async def _seal_and_produce(self, record: GenerationRecord, reason: str | None, done: asyncio.Future) -> None:
+    async def _seal_and_produce(
+        self, record: GenerationRecord, reason: str | None, edit_key: str | None, done: asyncio.Future
+    ) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.hold_s
         assert self.keys is not None and record.unit is not None
@@ -238,7 +243,7 @@ class GenerationLog:
                             wait,
                         )
                     await asyncio.sleep(wait)
-            ack = self._produce(seal_record(key, record), reason)
+            ack = self._produce(seal_record(key, record, edit_key), reason)
         except (ValueError, TypeError, BufferError, sa.exc.SQLAlchemyError) as e:
             self.metrics.m_log_fail.inc()
             log.error("generation %s not logged: %s", record.generation_id, e)

@@ -270,12 +270,17 @@ def add_chat_chunk(req: ChatCompletionRequest, chunk: dict, acc: dict[int, Choic
     return finished
 
 
-def for_client(req: _GenerationRequest, out: dict, ids: list[str], version: int) -> dict:
-    """The client's copy of a response or chunk: what it did not ask for removed, generation ids added."""
+def for_client(
+    req: _GenerationRequest, out: dict, ids: list[str], version: int, edit_keys: list[str] | None = None
+) -> dict:
+    """The client's copy of a response or chunk: what it did not ask for removed, generation ids (and edit keys, for
+    a user the gateway can forget: ``liverl_sdk.edits``) added."""
     chat = isinstance(req, ChatCompletionRequest)
     keep_logprobs = req.logprobs if chat else req.logprobs is not None
     for c in out.get("choices") or ():
         c["generation_id"] = ids[c["index"]]
+        if edit_keys:
+            c["edit_key"] = edit_keys[c["index"]]
         if not keep_logprobs:
             c.pop("logprobs", None)
         if not req.return_token_ids:
@@ -288,7 +293,12 @@ def for_client(req: _GenerationRequest, out: dict, ids: list[str], version: int)
             out.pop("prompt_text", None)
     choices = out.get("choices")
     if req.stream and choices:
-        out["liverl"] = {"generation_id": ids[choices[0]["index"]], "policy_version": version}
+        first = choices[0]["index"]
+        out["liverl"] = {"generation_id": ids[first], "policy_version": version}
+        if edit_keys:
+            out["liverl"]["edit_key"] = edit_keys[first]
     else:
         out["liverl"] = {"generation_id": ids[0], "generation_ids": ids, "policy_version": version}
+        if edit_keys:
+            out["liverl"]["edit_key"], out["liverl"]["edit_keys"] = edit_keys[0], edit_keys
     return out

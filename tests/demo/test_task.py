@@ -92,7 +92,7 @@ class RecordingSDK:
     def reject(self, generation_id, segment=None, feedback_id=None):
         return self._add(generation_id, "reject", segment, feedback_id)
 
-    def edit(self, generation_id, edited_text, segment=None, feedback_id=None):
+    def edit(self, generation_id, edited_text, segment=None, feedback_id=None, edit_key=None):
         return self._add(generation_id, "edit", segment, feedback_id, edited_text)
 
     def revert(self, generation_id, segment=None, feedback_id=None):

@@ -1,7 +1,8 @@
 """Forgetting a user by destroying their data key (``core.shred``), through the real ``liverl ingest`` on an embedded
 broker that keeps its topics in a folder: the user's text is sealed everywhere liverl keeps it, their samples open
 only while the key exists, and after the key is destroyed a search of every byte of the broker's folder, the join
-store (and its changelog topic, in that folder) and the registry's database finds none of it, while another user's
+store (and its changelog topic, in that folder) and the registry's database finds none of it, their edits included
+(sealed by the product under each generation's edit key, which only the sealed record holds), while another user's
 text still flows."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from core.config import load_config
 from core.credentials import write_secret
 from core.schemas import DeadLetter, TrainingSample
 from core.shred import UserKeys, load_kek, open_samples, seal_record
+from liverl_sdk.edits import new_edit_key
 from deploy.registry.regdb import RegistryDB
 from tests.conftest import free_port
 from tests.ingest.conftest import IngestHarness, ingest_config, make_generation, new_gid
@@ -23,6 +25,7 @@ from tests.ingest.conftest import IngestHarness, ingest_config, make_generation,
 A, B = "a1a1a1a1a1a1a1a1", "b2b2b2b2b2b2b2b2"
 A_PROMPT, A_COMPLETION, A_EDIT = "ZEBRA-PROMPT-7731", "QUOKKA-COMPLETION-5512", "NARWHAL-EDIT-9043"
 B_PROMPT = "OKAPI-PROMPT-2208"
+PLAIN_EDIT = "WOMBAT-PLAIN-EDIT-3317"  # an edit of a generation without a user: in the clear, the search's control
 A_IDS = [90001, 90002, 90003, 90004, 90005, 90006]  # distinctive token ids: their JSON is searched for too
 
 
@@ -67,13 +70,16 @@ def test_a_forgotten_users_text_is_nowhere_and_another_users_still_flows(folder_
     try:
         h.start_worker()
 
+        edit_keys: dict[str, str] = {}
+
         def sealed_generation(unit: str, prompt: str, ids: list[int] | None = None):
             rec = make_generation(new_gid(), 7).model_copy(
                 update={"unit": unit, "prompt": prompt, "completion": f"{prompt}-ANSWER"}
             )
             if ids is not None:
                 rec = rec.model_copy(update={"prompt_token_ids": ids, "completion": A_COMPLETION})
-            return seal_record(keys.key_for(unit), rec)
+            edit_keys[rec.generation_id] = new_edit_key()  # the gateway's, returned to the product
+            return seal_record(keys.key_for(unit), rec, edit_keys[rec.generation_id])
 
         a1, b1 = sealed_generation(A, A_PROMPT, A_IDS), sealed_generation(B, B_PROMPT)
         a2, b2 = sealed_generation(A, A_PROMPT, A_IDS), sealed_generation(B, B_PROMPT)
@@ -84,9 +90,9 @@ def test_a_forgotten_users_text_is_nowhere_and_another_users_still_flows(folder_
             assert rec.unit is None or sealed
             h.send_generation(rec)
         with feedback_client(cfg) as sdk, h.tail("samples") as samples:
-            sdk.edit(a1.generation_id, A_EDIT)
+            sdk.edit(a1.generation_id, A_EDIT, edit_key=edit_keys[a1.generation_id])
             sdk.accept(b1.generation_id)
-            sdk.accept(plain.generation_id)
+            sdk.edit(plain.generation_id, PLAIN_EDIT)  # no user, no edit key
             got = samples.wait_for(samples.keys({a1.generation_id, b1.generation_id, plain.generation_id}), n=3)
             by_gid = {r.key.decode(): TrainingSample.from_bytes(r.value) for r in got}
             sa = by_gid[a1.generation_id]
@@ -117,9 +123,8 @@ def test_a_forgotten_users_text_is_nowhere_and_another_users_still_flows(folder_
 
     def search() -> None:
         files = every_byte(broker_dir, state / "ingest") + [(p, p.read_bytes()) for p in state.glob("registry.db*")]
-        assert found(A_EDIT, files), "control: the plain edit sent to the feedback topic is in the broker's folder"
-        assert all("feedback" in p for p in found(A_EDIT, files)), found(A_EDIT, files)  # only there (docs/forget.md)
-        for needle in (A_PROMPT, A_COMPLETION, B_PROMPT, ",".join(map(str, A_IDS))):
+        assert found(PLAIN_EDIT, files), "control: an edit sent in the clear is found in the broker's folder"
+        for needle in (A_PROMPT, A_COMPLETION, A_EDIT, B_PROMPT, ",".join(map(str, A_IDS))):
             assert not found(needle, files), needle
 
     search()
@@ -134,7 +139,7 @@ def test_a_forgotten_users_text_is_nowhere_and_another_users_still_flows(folder_
         h.send_generation(b3)
         with feedback_client(cfg) as sdk, h.tail("samples") as samples, h.tail("dead_letters") as dead:
             sdk.accept(a3.generation_id)  # A's generation waiting in the restored join store: no sample
-            sdk.edit(a2.generation_id, A_EDIT)  # judged (forgotten) before the restart: still judged
+            sdk.edit(a2.generation_id, A_EDIT, edit_key=edit_keys[a2.generation_id])  # judged (forgotten) before
             sdk.accept(b3.generation_id)
             samples.wait_for(samples.keys({b3.generation_id}))
             reasons = {
