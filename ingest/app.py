@@ -258,7 +258,10 @@ class IngestWorker:
             for i in range(0, len(events), DECIDE_SLICE):
                 if i:  # the settling batches' acknowledgements and round trips are handled now, not after the batch
                     await asyncio.sleep(0)
-                self.ingest.decide_some(out, events[i : i + DECIDE_SLICE])
+                part = events[i : i + DECIDE_SLICE]
+                # the users' keys on a thread: a slow registry holds up this batch, never the loop's heartbeats
+                prefetched = await self.ingest.prefetch_keys(out, part)
+                self.ingest.decide_some(out, part, prefetched)
             self.ingest.end(out)
         except InfraError as e:
             die(str(e))

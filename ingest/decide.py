@@ -76,13 +76,20 @@ class Decider:
         self.ahead.clear()
         self.ahead_pending = 0
 
-    def decide_some(self, out: Batch, events: Sequence[tuple[Source, bytes | None]]) -> None:
-        """Decide ``events`` into ``out``; an event that fails on its own is dead-lettered ``internal_error``."""
+    def units_for(self, out: Batch, events: Sequence[tuple[Source, bytes | None]]) -> set[str] | None:
+        """The users whose keys deciding ``events`` will need (``ingest.sealing.units_needed``); None: no keys."""
+        if self.keys is None:
+            return None
+        return units_needed(events, lambda gid: self._get(gid, out), self._topic_generations)
+
+    def decide_some(self, out: Batch, events: Sequence[tuple[Source, bytes | None]], prefetched: bool = False) -> None:
+        """Decide ``events`` into ``out``; an event that fails on its own is dead-lettered ``internal_error``.
+        ``prefetched``: the caller read the users' keys the events need (``BatchKeys.prefetch`` of ``units_for``)."""
         now = out.now
         gen_topic = self._topic_generations
         gens = 0
-        if self.keys is not None:  # one query for the users' keys this slice needs (ingest.sealing)
-            self.keys.prefetch(units_needed(events, lambda gid: self._get(gid, out), gen_topic))
+        if self.keys is not None and not prefetched:  # one query for the users' keys this slice needs
+            self.keys.prefetch(self.units_for(out, events) or ())
         for src, value in events:
             try:
                 if src.topic == gen_topic:

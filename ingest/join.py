@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Collection, Mapping, MutableMapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from core.config import LiverlConfig
@@ -122,6 +123,7 @@ class Ingest:
             self.ic, cfg.topics, self.product, table, self.index, self.emitter, partitions, self.user_keys
         )
         self.ready = False  # the indexes are rebuilt for the partitions the worker holds
+        self._key_pool: ThreadPoolExecutor | None = None  # reads the users' keys (``prefetch_keys``)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
@@ -184,8 +186,20 @@ class Ingest:
     def begin(self, now: float | None = None) -> Batch:
         return Batch(now=time.time() if now is None else now)
 
-    def decide_some(self, out: Batch, events: Sequence[tuple[Source, bytes | None]]) -> None:
-        self.decider.decide_some(out, events)
+    def decide_some(self, out: Batch, events: Sequence[tuple[Source, bytes | None]], prefetched: bool = False) -> None:
+        self.decider.decide_some(out, events, prefetched)
+
+    async def prefetch_keys(self, out: Batch, events: Sequence[tuple[Source, bytes | None]]) -> bool:
+        """Read the users' keys that deciding ``events`` will need (``ingest.sealing``) on a thread of the join's own,
+        so that a registry database slow to answer, or cut off, holds up this batch but never the event loop (the
+        consumer's heartbeats, the settling batches, the probes). Returns whether it read them (False: no keys)."""
+        units = self.decider.units_for(out, events)
+        if units is None or self.decider.keys is None:
+            return False
+        if self._key_pool is None:
+            self._key_pool = ThreadPoolExecutor(1, thread_name_prefix="liverl-ingest-keys")
+        await asyncio.get_running_loop().run_in_executor(self._key_pool, self.decider.keys.prefetch, units)
+        return True
 
     def end(self, out: Batch) -> Batch:
         """The batch is decided: later batches read its table writes until it is settled."""

@@ -5,8 +5,9 @@ the join table and its changelog hold no text. When feedback joins it, the join 
 and seals the sample (its token ids, routing and the user's edit) under the same key. An edit the product sealed
 (``FeedbackEvent.edited_sealed``, ``liverl_sdk.edits``) opens with the edit key the generation's sealed record holds.
 The keys of a batch are read in one query before it is decided (``BatchKeys.prefetch``: the users of the waiting
-generations its feedback names, and of the generations it brings for feedback already waiting); a user met only while
-deciding is read on its own.
+generations its feedback names, and of the generations it brings for feedback already waiting), on a thread of the
+worker's own (``Ingest.prefetch_keys``), so a registry database slow to answer or cut off holds up that batch but not
+the event loop that heartbeats to the consumer group; a user met only while deciding is read on its own.
 
 A user whose key is gone was forgotten: the join still records the judgement (a redelivery stays a duplicate, the
 live counters count it), makes no sample and dead-letters the feedback ``forgotten`` with none of its value, so

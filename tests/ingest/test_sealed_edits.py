@@ -95,3 +95,56 @@ def test_the_join_opens_a_sealed_edit_with_the_records_key_and_refuses_any_other
     finally:
         keys.close()
         db.close()
+
+
+def test_a_batchs_keys_are_read_on_a_thread_while_the_event_loop_runs_on(world, tmp_path):  # noqa: F811
+    """A registry slow to give the keys (a second a query here) holds up the batch's decisions, not the event loop:
+    the loop ticks while the keys are read, the batch is then decided with the keys read once, and its sample made."""
+    import asyncio
+    import time
+
+    cfg, metrics, loop = world
+    db = RegistryDB(f"sqlite:///{tmp_path / 'registry.db'}")
+    keys = UserKeys(db, bytes(range(32)))
+
+    class Slow(UserKeys):
+        def keys_for(self, units):
+            time.sleep(1.0)
+            return super().keys_for(units)
+
+    slow = Slow(db, bytes(range(32)))
+    broker = Broker()
+    ing = Ingest(cfg, metrics, {}, broker, user_keys=slow)
+    try:
+        rec = seal_record(keys.key_for(UNIT), make_generation("g-slow", 1).model_copy(update={"unit": UNIT}))
+        fb = FeedbackEvent(feedback_id="f-slow", generation_id="g-slow", kind="accept")
+        events = [
+            (Source(cfg.topics.generations, 0, 0, "g-slow"), rec.to_bytes()),
+            (Source(cfg.topics.feedback, 0, 0, "g-slow"), fb.to_bytes()),
+        ]
+
+        async def run() -> int:
+            ticks = 0
+
+            async def tick() -> None:
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.05)
+                    ticks += 1
+
+            ticker = asyncio.create_task(tick())
+            out = ing.begin()
+            assert await ing.prefetch_keys(out, events)
+            seen = ticks
+            ing.decide_some(out, events, prefetched=True)
+            await ing.settle(ing.end(out))
+            ticker.cancel()
+            return seen
+
+        assert loop.run_until_complete(run()) >= 10  # the loop ran on through the second the keys took
+        assert ing.decider.keys.queries == 1  # read once, on the thread; none while deciding
+        assert [k for k, _ in broker.of(cfg.topics.samples)] == ["g-slow"]
+    finally:
+        keys.close()
+        slow.close()
+        db.close()
