@@ -24,7 +24,7 @@ class GateConfig(Section):
         "(learner.mismatch_measure; under the routing it trains with, learner.routing_replay). Checked on a "
         "canary (aborted when it passes this) and on a candidate with a measurement. The learner measures with its "
         "weights as they are when it trains, so its own movement since the version adds to the serving stack's "
-        "gap: the default demo's versions measured 0.19-0.44 in 10 minutes, where liverl bench logprobs measures "
+        "gap: the default demo's versions measured 0.19-0.53 in 10 minutes, where liverl bench logprobs measures "
         "0.00-0.05 at the served weights and other weights measure 4.67. The bound catches a stack that serves "
         "other weights or broken kernels, not a small kernel difference (deploy/gate/mismatch.py).",
     )

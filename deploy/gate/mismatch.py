@@ -15,7 +15,7 @@ passes.
 
 What the measurement holds besides the serving stack's gap: the learner recomputes a version's tokens with its weights
 as they are when it trains on them, minutes of updates (and, with ``learner.candidate_ema``, the average's lag) away
-from the weights that served them. In the default demo that movement alone measured 0.19-0.44 nats a token per
+from the weights that served them. In the default demo that movement alone measured 0.19-0.53 nats a token per
 version over 10 minutes, while ``liverl bench logprobs`` measures 0.00-0.05 at the served weights and a stack serving
 other weights measures 4.67 (``tests/serving/test_gateway_routing.py``). A bound under the movement aborts good canaries
 at random (at 0.25 it aborted four of the demo's six); the default, 1.0, sits above the movement and far below other
