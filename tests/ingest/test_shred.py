@@ -17,8 +17,8 @@ from core.config import load_config
 from core.credentials import write_secret
 from core.schemas import DeadLetter, TrainingSample
 from core.shred import UserKeys, load_kek, open_samples, seal_record
-from liverl_sdk.edits import new_edit_key
 from deploy.registry.regdb import RegistryDB
+from liverl_sdk.edits import new_edit_key
 from tests.conftest import free_port
 from tests.ingest.conftest import IngestHarness, ingest_config, make_generation, new_gid
 
