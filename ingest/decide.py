@@ -78,9 +78,8 @@ class Decider:
 
     def units_for(self, out: Batch, events: Sequence[tuple[Source, bytes | None]]) -> set[str] | None:
         """The users whose keys deciding ``events`` will need (``ingest.sealing.units_needed``); None: no keys."""
-        if self.keys is None:
-            return None
-        return units_needed(events, lambda gid: self._get(gid, out), self._topic_generations)
+        gen_topic = self._topic_generations
+        return None if self.keys is None else units_needed(events, lambda gid: self._get(gid, out), gen_topic)
 
     def decide_some(self, out: Batch, events: Sequence[tuple[Source, bytes | None]], prefetched: bool = False) -> None:
         """Decide ``events`` into ``out``; an event that fails on its own is dead-lettered ``internal_error``.
@@ -335,14 +334,7 @@ class Decider:
         if "x" not in rec and "s" in rec:  # sealed: opened here, in memory, and the sample sealed (ingest.sealing)
             rec, body, sealed = _open_sealed(self.keys, self.emitter, gid, unit, rec, body, fb, out, fb_src or src)
         elif "x" not in rec and fb.edited_sealed is not None:  # no sealed record holds an edit key to open it
-            self.emitter.dead(
-                out,
-                "unsealable",
-                f"generation {gid}: its edit is sealed and the generation was logged unsealed",
-                fb_src or src,
-                None,
-            )
-            rec = {**rec, "x": "unsealable"}
+            rec = _edit_without_key(self.emitter, gid, rec, out, fb_src or src)
         if "x" not in rec:
             sample = sample_json(gid, rec, body, fb, float(self.product.reward(fb.kind, fb.segment)), now, sealed)
             if len(sample) > MAX_RECORD_BYTES:
@@ -395,6 +387,15 @@ class Decider:
         if gid in self.ahead:  # decided in an earlier batch that is not settled yet (None: deleted there)
             return self.ahead[gid]
         return self.table.get(gid)
+
+
+def _edit_without_key(emitter, gid: str, rec: dict[str, Any], out: Batch, src) -> dict[str, Any]:
+    """An edit sealed for a generation logged unsealed: no record holds a key to open it. Dead-lettered
+    ``unsealable``; the generation is marked so (judged, no sample)."""
+    emitter.dead(
+        out, "unsealable", f"generation {gid}: its edit is sealed and the generation was logged unsealed", src, None
+    )
+    return {**rec, "x": "unsealable"}
 
 
 def _open_sealed(keys, emitter, gid: str, unit, rec: dict[str, Any], body: bytes, fb: FeedbackEvent, out: Batch, src):
