@@ -6,6 +6,7 @@ API; the real node is test_openai.py's, a slow test). The unit is ``fleet.unit_i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import types
 import uuid
@@ -53,6 +54,28 @@ async def _node(port: int) -> web.AppRunner:
     return runner
 
 
+@contextlib.asynccontextmanager
+async def _gateway(cfg, stack):
+    """The real gateway (serving v3) in front of the stand-in node, on the session's broker: its base URL."""
+    node_port, gw_port = free_port(), free_port()
+    node = await _node(node_port)
+    client = NodeClient(f"http://127.0.0.1:{node_port}")
+    await client.start()
+    gw = Gateway(cfg, client, "node-t", stack.bootstrap)
+    await gw.start()
+    gw.set_served(3, "c" * 64)
+    runner = web.AppRunner(gw.app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", gw_port).start()
+    try:
+        yield f"http://127.0.0.1:{gw_port}"
+    finally:
+        await runner.cleanup()
+        await gw.close()
+        await client.close()
+        await node.cleanup()
+
+
 def test_each_record_carries_its_requests_user_pseudonymised(stack, tmp_path):
     cfg = load_config(
         env={},
@@ -69,33 +92,18 @@ def test_each_record_carries_its_requests_user_pseudonymised(stack, tmp_path):
     ]
 
     async def run() -> list[str]:
-        node_port, gw_port = free_port(), free_port()
-        node = await _node(node_port)
-        client = NodeClient(f"http://127.0.0.1:{node_port}")
-        await client.start()
-        gw = Gateway(cfg, client, "node-t", stack.bootstrap)
-        await gw.start()
-        gw.set_served(3, "c" * 64)
-        runner = web.AppRunner(gw.app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", gw_port).start()
         ids = []
-        try:
+        async with _gateway(cfg, stack) as base:
             async with aiohttp.ClientSession() as http:
                 for headers, extra, _ in asks:
                     body = {"prompt": "[a]40+2=", "max_tokens": 4, **extra}
                     async with http.post(
-                        f"http://127.0.0.1:{gw_port}/v1/completions",
+                        f"{base}/v1/completions",
                         data=json.dumps(body),
                         headers={"Content-Type": "application/json", **headers},
                     ) as r:
                         assert r.status == 200, await r.text()
                         ids.append(r.headers["X-Liverl-Generation-Id"])
-        finally:
-            await runner.cleanup()
-            await gw.close()
-            await client.close()
-            await node.cleanup()
         return ids
 
     ids = asyncio.run(run())
@@ -131,19 +139,8 @@ def test_a_users_generation_comes_with_an_edit_key_kept_only_in_its_sealed_recor
     edit = "AARDVARK-EDIT-6620"
 
     async def run() -> dict:
-        node_port, gw_port = free_port(), free_port()
-        node = await _node(node_port)
-        client = NodeClient(f"http://127.0.0.1:{node_port}")
-        await client.start()
-        gw = Gateway(cfg, client, "node-t", stack.bootstrap)
-        await gw.start()
-        gw.set_served(3, "c" * 64)
-        runner = web.AppRunner(gw.app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", gw_port).start()
         out: dict = {}
-        base = f"http://127.0.0.1:{gw_port}"
-        try:
+        async with _gateway(cfg, stack) as base:
             async with aiohttp.ClientSession() as http:
                 for who in ("alice", None):
                     body = {"prompt": "[a]40+2=", "max_tokens": 4, **({"user": who} if who else {})}
@@ -158,11 +155,6 @@ def test_a_users_generation_comes_with_an_edit_key_kept_only_in_its_sealed_recor
                 bad = {**posted, "feedback_id": "fb-2", "edit_key": "not-a-key"}
                 async with http.post(f"{base}/v1/feedback", json=bad, headers=headers) as r:
                     out["bad"] = (r.status, await r.json())
-        finally:
-            await runner.cleanup()
-            await gw.close()
-            await client.close()
-            await node.cleanup()
         return out
 
     out = asyncio.run(run())
