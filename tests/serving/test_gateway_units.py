@@ -54,6 +54,17 @@ async def _node(port: int) -> web.AppRunner:
     return runner
 
 
+def _config(stack, tmp_path):
+    """A deployment of this test's own on the session's broker and Redis (its own topic prefix)."""
+    return load_config(
+        env={},
+        state_dir=str(tmp_path),
+        broker__bootstrap=stack.bootstrap,
+        redis__url=stack.redis_url,
+        topics__prefix=f"t{uuid.uuid4().hex[:10]}",
+    )
+
+
 @contextlib.asynccontextmanager
 async def _gateway(cfg, stack):
     """The real gateway (serving v3) in front of the stand-in node, on the session's broker: its base URL."""
@@ -77,13 +88,7 @@ async def _gateway(cfg, stack):
 
 
 def test_each_record_carries_its_requests_user_pseudonymised(stack, tmp_path):
-    cfg = load_config(
-        env={},
-        state_dir=str(tmp_path),
-        broker__bootstrap=stack.bootstrap,
-        redis__url=stack.redis_url,
-        topics__prefix=f"t{uuid.uuid4().hex[:10]}",
-    )
+    cfg = _config(stack, tmp_path)
     asks = [
         ({"X-Liverl-User": "alice"}, {"user": "mallory"}, "alice"),  # the header first
         ({}, {"user": "bob"}, "bob"),
@@ -125,13 +130,7 @@ def test_a_users_generation_comes_with_an_edit_key_kept_only_in_its_sealed_recor
     from liverl_sdk.edits import EDIT_KEY_HEADER, open_edit
     from tests.ingest.conftest import TopicTail
 
-    cfg = load_config(
-        env={},
-        state_dir=str(tmp_path),
-        broker__bootstrap=stack.bootstrap,
-        redis__url=stack.redis_url,
-        topics__prefix=f"t{uuid.uuid4().hex[:10]}",
-    )
+    cfg = _config(stack, tmp_path)
     write_secret(tmp_path / "keys" / "shred.key")
     write_secret(tmp_path / "keys" / "feedback.key")
     RegistryDB(cfg.registry_url).close()  # the registry's schema: the users' keys table
