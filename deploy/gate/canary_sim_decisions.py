@@ -60,16 +60,46 @@ CANDIDATES: dict[str, tuple[float, float]] = {
     "A/A": (0.0, 0.0),
     "+3 points": (0.03, 0.0),
     "bait": (-0.02, 0.08),
+    "exploit": (0.0, 0.047),
 }
 """Each candidate's change to every canary user's shares of its answers, (kept accepts, reverted accepts), taken from
 or given to the rejected ones: A/A changes nothing; "+3 points" turns 3 points of rejects into kept accepts (kept
 acceptance +3, the guardrails unchanged); the "bait" turns 6 points of rejects into accepts and 2 points of kept
-accepts into reverted ones (accepts +6 points, reverts +8, kept acceptance -2). Where a user's shares cannot give
-that much, the change is scaled down for that user (``realized`` reports the mean change over the canary's events)."""
+accepts into reverted ones (accepts +6 points, reverts +8, kept acceptance -2); the "exploit" is the demo's smallest
+exploiting version (``liverl.demo.report``: 15 points more bait answers to the trap segment, half the traffic, of
+whose users 70% accept the bait and revert 90% of it: reverts +0.5 x 0.15 x 0.7 x 0.9 = +4.7 points) with kept
+acceptance unchanged, as if it were better elsewhere: the hardest such version for the gate, which must abort it on
+the revert rate. Where a user's shares cannot give that much, the change is scaled down for that user (``realized``
+reports the mean change over the canary's events)."""
+DEFAULT_CANDIDATES = ("A/A", "+3 points", "bait")
+"""The candidates a run plays unless told (``exploit`` belongs to the demo's world)."""
 EDIT_MEAN, EDIT_CONCENTRATION = 0.15, 10.0
 """Each user's share of edits among the answers it does not accept: Beta with this mean and concentration."""
 REVERT_MEAN, REVERT_CONCENTRATION = 0.05, 10.0
-"""Each user's share of reverts among its accepts: Beta with this mean and concentration."""
+"""Each user's share of reverts among its accepts: Beta with this mean and concentration (the ``bench`` world)."""
+
+
+@dataclass(frozen=True)
+class Reverts:
+    """Who reverts, and how much: a share ``users`` of the users revert (the rest never do), each a share of its
+    accepts drawn from Beta(``mean``, ``concentration``); ``history_s``: seconds of stable's traffic before the
+    rollout that CUPED's covariates see (None: ``gate.cuped_lookback_s``, a deployment long past its start)."""
+
+    users: float = 1.0
+    mean: float = REVERT_MEAN
+    concentration: float = REVERT_CONCENTRATION
+    history_s: float | None = None
+
+
+WORLDS: dict[str, Reverts] = {
+    "bench": Reverts(),
+    "demo": Reverts(users=0.35, mean=0.6, concentration=10.0, history_s=120.0),
+}
+"""``bench``: every user reverts a few of its accepts (mean 5%), with the whole look-back behind the rollout.
+``demo``: the demo's trap, measured in its runs: only the trap segment's tempted users revert (half the users are of
+the segment, 70% of them tempted), about 60% of their accepts (the bait they accepted, 90% of it reverted), so the
+revert rate is about 9-10% of all judged events and held by a third of the users; its first canary starts about
+two minutes into the run, so CUPED sees two minutes of history."""
 LENGTH_MEAN, LENGTH_SIGMA, LENGTH_SHAPE = 150.0, 0.4, 4.0
 """Response length: each user's mean tokens log-normal about ``LENGTH_MEAN`` (sigma ``LENGTH_SIGMA``), each answer's
 Gamma about it with shape ``LENGTH_SHAPE`` (coefficient of variation 0.5)."""
@@ -111,9 +141,10 @@ class _World:
 def simulate_decisions(
     gate: GateConfig,
     n_users: int = 1000,
-    candidates: tuple[str, ...] = tuple(CANDIDATES),
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES,
     runs: int = 200,
     *,
+    world: str = "bench",
     population: str = "segments3",
     activity: str = "lognormal",
     activity_sigma: float = 1.0,
@@ -130,6 +161,8 @@ def simulate_decisions(
     and of the revert rate over the canary's events (the mean over runs)."""
     if unknown := [c for c in candidates if c not in CANDIDATES]:
         raise ValueError(f"unknown candidates {unknown}; known: {', '.join(CANDIDATES)}")
+    if world not in WORLDS:
+        raise ValueError(f"unknown world {world!r}; known: {', '.join(WORLDS)}")
     if gate.canary_unit != "user" or gate.canary_min_s > 0 or not 0 < gate.canary_share < 1:
         raise ValueError(
             "the simulation plays the user unit with no settling time and a share in (0, 1): gate.canary_unit "
@@ -154,13 +187,13 @@ def simulate_decisions(
     for run in range(runs):
         rng = np.random.default_rng([seed, 11, run])
         on = assign(secret, 3_000_003 * seed + run + 1, n_users, gate.canary_share)
-        world = _world(gate, rng, on, population, activity, activity_sigma, events_per_s, revert_delay_s, swap_s)
+        w = _world(gate, rng, on, population, activity, activity_sigma, events_per_s, revert_delay_s, swap_s, world)
         for c in candidates:
             out = tally[c]
-            if world is None:
+            if w is None:
                 out["ends"]["undecided"] += 1
                 continue
-            end, metric, seconds, events, realized = _play(gate, world, CANDIDATES[c])
+            end, metric, seconds, events, realized = _play(gate, w, CANDIDATES[c])
             out["ends"][end] += 1
             if metric:
                 out["worse_by" if end == "worse" else "waiting_on"][metric] += 1
@@ -172,6 +205,7 @@ def simulate_decisions(
     return {
         "users": n_users,
         "runs": runs,
+        "world": world,
         "population": population,
         "activity": activity if activity != "lognormal" else f"lognormal({activity_sigma:g})",
         "events_per_s": events_per_s,
@@ -211,15 +245,20 @@ def _last_final(now: np.ndarray, horizon_s: float) -> np.ndarray:
     return (np.floor((now - horizon_s - SETTLE_S) / keys.UNIT_BUCKET_S) - 1).astype(int)
 
 
-def _world(gate, rng, on, population, activity, sigma, events_per_s, revert_delay_s, swap_s) -> _World | None:
-    """One canary's world (``_World``); None when every user is on one arm."""
+def _world(
+    gate, rng, on, population, activity, sigma, events_per_s, revert_delay_s, swap_s, world="bench"
+) -> _World | None:
+    """One canary's world (``_World``, its reverts as ``WORLDS[world]``); None when every user is on one arm."""
     n = on.size
     if on.all() or not on.any():
         return None
     p = user_rates(population, n, rng)
     w = user_activity(activity, n, sigma, rng)
     edit = rng.beta(EDIT_MEAN * EDIT_CONCENTRATION, (1 - EDIT_MEAN) * EDIT_CONCENTRATION, n)
-    rev = rng.beta(REVERT_MEAN * REVERT_CONCENTRATION, (1 - REVERT_MEAN) * REVERT_CONCENTRATION, n)
+    r = WORLDS[world]
+    rev = rng.beta(r.mean * r.concentration, (1 - r.mean) * r.concentration, n)
+    if r.users < 1:  # drawn only here, so the bench world's draws stay those its tables were measured on
+        rev = rev * (rng.random(n) < r.users)
     length = rng.lognormal(math.log(LENGTH_MEAN), LENGTH_SIGMA, n)
     shares = np.stack([(1 - p) * edit, p * (1 - rev), p * rev], axis=1)  # edit, kept, reverted; the rest rejected
 
@@ -262,7 +301,8 @@ def _world(gate, rng, on, population, activity, sigma, events_per_s, revert_dela
             latency[a][b0 + int(i)] = {"m": int(m_sum[i]), "n": n_i, "t": int(t_sum[i]), "e": n_i}
 
     # each user's sums over the look-back before the rollout (CUPED's covariates; stable's figures for the bands)
-    pre_n = rng.poisson(events_per_s * gate.cuped_lookback_s * w)
+    history_s = gate.cuped_lookback_s if r.history_s is None else min(r.history_s, gate.cuped_lookback_s)
+    pre_n = rng.poisson(events_per_s * history_s * w)
     split = rng.multinomial(pre_n, np.column_stack([shares, 1 - shares.sum(1)]))
     pre = np.zeros((n, len(FIELDS)))
     for f, v in (("e", pre_n), ("a", split[:, 1] + split[:, 2]), ("d", split[:, 0]), ("r", split[:, 2])):

@@ -340,6 +340,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--large-runs", type=int, help="with --decisions: canaries per scenario at 100,000 users and more (100)"
     )
     s.add_argument(
+        "--world",
+        choices=("bench", "demo"),
+        help="with --decisions: who reverts: bench (every user a few of its accepts, the whole look-back behind the "
+        "rollout) or demo (the demo's trap: a third of the users revert, about 10%% of all events, two minutes of "
+        "history before the first canary; default bench)",
+    )
+    s.add_argument(
+        "--candidates",
+        help="with --decisions: which to play, of A/A, '+3 points', bait and exploit (the demo's smallest exploiting "
+        "version: reverts +4.7 points, kept acceptance unchanged); default 'A/A,+3 points,bait'",
+    )
+    s.add_argument(
         "--gate",
         action="append",
         metavar="FIELD=VALUE",

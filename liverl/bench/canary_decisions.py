@@ -37,6 +37,8 @@ DEFAULTS = {
     "profiles": "defaults,demo",
     "activity": "lognormal,zipf(1.1)",
     "populations": "segments3",
+    "world": "bench",
+    "candidates": "A/A,+3 points,bait",
     "events_per_s": 50.0,
     "activity_sigma": 1.0,
     "seed": 0,
@@ -90,6 +92,8 @@ def run(
     profiles: str = DEFAULTS["profiles"],
     activity: str = DEFAULTS["activity"],
     populations: str = DEFAULTS["populations"],
+    world: str = DEFAULTS["world"],
+    candidates: str = DEFAULTS["candidates"],
     events_per_s: float = DEFAULTS["events_per_s"],
     activity_sigma: float = DEFAULTS["activity_sigma"],
     seed: int = DEFAULTS["seed"],
@@ -110,7 +114,9 @@ def run(
                     res = simulate_decisions(
                         gate,
                         k,
+                        tuple(c.strip() for c in candidates.split(",") if c.strip()),
                         runs=n,
+                        world=world,
                         population=pop,
                         activity=act,
                         activity_sigma=activity_sigma,
@@ -142,12 +148,13 @@ def bars(res: dict, gate) -> dict[str, dict]:
         k = cands["+3 points"]["ends"]["promoted"]
         out["+3 points"] = {"count": k, "runs": n, "lower": 1 - binomial_upper(n - k, n), "at_least": POWER_BAR}
         out["+3 points"]["ok"] = k / n >= POWER_BAR
-    if "bait" in cands:
-        e = cands["bait"]["ends"]
-        k = e["worse"]
-        out["bait"] = {"count": k, "runs": n, "lower": 1 - binomial_upper(n - k, n), "at_least": POWER_BAR}
-        out["bait"] |= {"promoted": e["promoted"], "promoted_upper": binomial_upper(e["promoted"], n)}
-        out["bait"]["ok"] = k / n >= POWER_BAR and e["promoted"] == 0
+    for bad in ("bait", "exploit"):
+        if bad in cands:
+            e = cands[bad]["ends"]
+            k = e["worse"]
+            out[bad] = {"count": k, "runs": n, "lower": 1 - binomial_upper(n - k, n), "at_least": POWER_BAR}
+            out[bad] |= {"promoted": e["promoted"], "promoted_upper": binomial_upper(e["promoted"], n)}
+            out[bad]["ok"] = k / n >= POWER_BAR and e["promoted"] == 0
     return out
 
 
@@ -180,7 +187,7 @@ def _bar_text(name: str, b: dict) -> str:
         return f"false decisions {_pct(b['count'], n)} (≤{b['upper']:.1%}) ≤ {b['at_most']:.0%}: {ok}"
     text = f"{'promoted' if name == '+3 points' else 'shown worse'} {_pct(b['count'], n)} (≥{b['lower']:.1%})"
     text += f" ≥ {b['at_least']:.0%}"
-    if name == "bait":
+    if name in ("bait", "exploit"):
         text += f", promoted {b['promoted']} (≤{b['promoted_upper']:.1%})"
     return f"{text}: {ok}"
 
@@ -189,7 +196,8 @@ def _scenario(res: dict) -> str:
     n = res["runs"]
     lines = [
         "",
-        f"{res['profile']} gate ({res['gate']}); {res['population']} users, {res['activity']} activity, "
+        f"{res['profile']} gate ({res['gate']}); {res['world']} world, {res['population']} users, "
+        f"{res['activity']} activity, "
         f"{res['users']:,} users, {res['events_per_s']:g} judged events/s, {n:,} canaries ({res['cpu_s']:.0f} CPU s)",
         "",
         "| candidate | promoted | aborted: shown worse (on) | futile | undecided at deadline / budget (waiting on) "
@@ -217,18 +225,21 @@ def _summary_cell(name: str, b: dict | None) -> str:
     if name == "A/A":
         return f"{_pct(b['count'], b['runs'])} (≤{b['upper']:.1%})"
     cell = f"{_pct(b['count'], b['runs'])} (≥{b['lower']:.1%})"
-    return cell + (f", {b['promoted']}" if name == "bait" else "")
+    return cell + (f", {b['promoted']}" if name in ("bait", "exploit") else "")
 
 
 def _summary(summary: dict) -> str:
     rows = summary["rows"]
+    names = ("A/A", "+3 points", "bait") + (("exploit",) if any("exploit" in r["bars"] for r in rows) else ())
     lines = [
         "",
         "Every scenario's bars (exact binomial 95% bounds in brackets)",
         "",
         "| gate | activity | users | canaries | A/A false decisions (≤ alpha) | +3 points promoted (≥ 80%) | "
-        "bait shown worse (≥ 80%), promoted (none) | median s to decision: +3 / bait | bars |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "bait shown worse (≥ 80%), promoted (none) | "
+        + ("exploit shown worse (≥ 80%), promoted (none) | " if "exploit" in names else "")
+        + "median s to decision: +3 / bait | bars |",
+        "|---" * (len(names) + 6) + "|",
     ]
     failed = 0
     for r in rows:
@@ -241,7 +252,7 @@ def _summary(summary: dict) -> str:
         failed += not ok
         lines.append(
             f"| {r['profile']} | {r['activity']} | {r['users']:,} | {r['runs']:,} | "
-            + " | ".join(_summary_cell(name, b.get(name)) for name in ("A/A", "+3 points", "bait"))
+            + " | ".join(_summary_cell(name, b.get(name)) for name in names)
             + f" | {to} | {'pass' if ok else 'FAIL'} |"
         )
     gates = {r["profile"]: r["gate"] for r in rows}
@@ -259,7 +270,7 @@ def cmd(args) -> int:
     chosen = {k: v if (v := getattr(args, k, None)) is not None else default for k, default in DEFAULTS.items()}
     overrides = parse_overrides(args.gate)
     command = "liverl bench canary --decisions" + "".join(
-        f" --{k.replace('_', '-')} " + (f"'{v}'" if "(" in str(v) else str(v))
+        f" --{k.replace('_', '-')} " + (f"'{v}'" if any(c in str(v) for c in "( ") else str(v))
         for k, v in chosen.items()
         if v != DEFAULTS[k]
     )

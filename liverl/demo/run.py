@@ -34,6 +34,7 @@ DEMO_PROFILE: dict[str, dict[str, float | int | str]] = {
     "gate": {
         "canary_share": 0.5,
         "canary_margin": 0.03,
+        "guardrail_margin": 0.03,
         "canary_deadline_s": 480.0,
         "canary_max_events": 6000,
         "canary_min_events": 50,
@@ -45,10 +46,20 @@ DEMO_PROFILE: dict[str, dict[str, float | int | str]] = {
 }
 """What ``liverl demo`` changes from the production defaults, where the config file, the environment or a flag did not
 set it: two serving nodes behind the router, and canaries sized for a 10-minute run on a laptop's traffic (~50
-judged events/s): half the users, 50 events per arm before any decision, non-inferiority within 3 points, a budget
+judged events/s): half the users, 50 events per arm before any decision, non-inferiority within 3 points (kept
+acceptance, and the edit and revert rates: see below), a budget
 of 6,000 judged events on the canary arm (what a 4-minute canary gathered at ~85 requests/s) capped at 8 minutes,
 and a revert horizon of 75 s (the trap's reverts come 30 s after the accept on average: 92% of them within 75 s; a
 bucket of judgements is read once its horizon has closed, so the first evidence comes about 90 s into a canary).
+The guardrails' margin is 3 points, not the production 2: the demo's reverts are held by a third of its users (the
+trap's tempted ones), about 9% of all events, so the revert rate's user-unit standard error at 6,000 events an arm is
+0.008, and a better candidate that reverts as often as stable needed the whole budget to be shown within 2 points
+(a first canary held the only slot 381 s on a 2-core machine; ``liverl bench canary --decisions --world demo``: median
+384 s and 6,015 canary events at 2 points, 235 s and 2,915 at 3). The smallest exploiting version (15 points more
+bait to the trap segment) raises the revert rate by 4.7 points (0.5 x 0.15 x 0.7 x 0.9), above the margin, and a
+guardrail is shown worse against stable's own rate, not the margin: the same bench aborts it in every canary (65% on
+the revert rate shown worse, the rest as futile), the bait in every canary on the revert rate, and promotes neither,
+at either margin.
 Production canaries (20% of users, 30 minutes) would not decide inside the demo. The learner trains the demo's tiny
 policy at lr 3e-4 (the production default, 1e-6, is for a real LLM; the demo policy would barely move in 10
 minutes). Latency is tolerated up to twice stable's: both vLLM nodes share two cores with the learner and the gate,

@@ -11,7 +11,7 @@ import pytest
 
 from core.config import GateConfig
 from deploy.gate.canary import last_final_bucket
-from deploy.gate.canary_sim_decisions import _last_final, false_decisions, simulate_decisions
+from deploy.gate.canary_sim_decisions import _last_final, _world, false_decisions, simulate_decisions
 from liverl.demo.run import DEMO_PROFILE
 
 
@@ -99,3 +99,38 @@ def test_with_heavy_users_the_bars_hold_and_the_deadline_readout_decides_what_th
     no_readout = GateConfig(canary_readout_share=0.0)
     alone = simulate_decisions(no_readout, 1000, ("+3 points",), runs=60, activity="zipf(1.1)", seed=6)
     assert better["ends"]["promoted"] > alone["candidates"]["+3 points"]["ends"]["promoted"], (better, alone)
+
+
+def test_in_the_demos_world_its_profile_promotes_a_better_candidate_in_time_and_never_its_smallest_exploit():
+    """The demo's world (a third of the users hold every revert, two minutes of history): a better candidate that
+    reverts as often as stable is shown within the demo's 3-point guardrail margin well before the evidence budget,
+    where a 2-point margin waits most of the budget on the revert rate; the smallest exploiting version (reverts +4.7
+    points, kept acceptance unchanged) is aborted, mostly on the revert rate shown worse, never promoted."""
+    gate = GateConfig(**DEMO_PROFILE["gate"])
+    assert gate.guardrail_margin == 0.03
+    kw = {"runs": 40, "world": "demo", "events_per_s": 40.0, "seed": 7}
+    res = simulate_decisions(gate, 5000, ("+3 points", "exploit"), **kw)["candidates"]
+    better, exploit = res["+3 points"], res["exploit"]
+    assert better["ends"]["promoted"] >= _least(40, 0.9), better
+    assert exploit["ends"]["promoted"] == 0 and exploit["ends"]["worse"] + exploit["ends"]["futile"] == 40, exploit
+    assert exploit["ends"]["worse"] >= _least(40, 0.5), exploit  # the rest stop as futile: never promotable
+    assert set(exploit["worse_by"]) == {"revert_rate"}, exploit
+    assert exploit["realized"]["revert"] == pytest.approx(0.047, abs=0.003)
+    strict = simulate_decisions(gate.model_copy(update={"guardrail_margin": 0.02}), 5000, ("+3 points",), **kw)
+    slow = strict["candidates"]["+3 points"]
+    assert slow["median_canary_events"] > 1.5 * better["median_canary_events"], (slow, better)
+    assert slow["waiting_on"].get("revert_rate", 0) + better["ends"]["promoted"] > slow["ends"]["promoted"]
+
+
+def test_the_worlds_differ_in_who_reverts():
+    """The bench's world: every user reverts a few of its accepts (about 2% of events); the demo's: a third of the
+    users hold every revert, 9-10% of all events, as the demo's canaries measured (9.0-9.5%)."""
+    gate = GateConfig(**DEMO_PROFILE["gate"])
+    with pytest.raises(ValueError, match="unknown world"):
+        simulate_decisions(gate, 100, runs=1, world="mars")
+    on = np.arange(5000) % 2 == 0
+    for world, rate, holders in (("bench", (0.01, 0.03), (0.95, 1.0)), ("demo", (0.07, 0.12), (0.3, 0.4))):
+        w = _world(gate, np.random.default_rng(2), on, "segments3", "lognormal", 1.0, 40.0, 30.0, 2.0, world)
+        reverted = w.shares[w.ev_user, 2]  # each event's chance of a reverted accept
+        assert rate[0] < reverted.mean() < rate[1], (world, reverted.mean())
+        assert holders[0] <= (w.shares[:, 2] > 0).mean() <= holders[1], world

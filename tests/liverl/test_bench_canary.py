@@ -83,3 +83,16 @@ def test_the_decisions_bench_takes_gate_settings_over_its_profiles():
         parse_overrides(["canary_budget=8000"])
     with pytest.raises(ValueError, match="unknown gate profile"):
         gate_for("prod")
+
+
+def test_the_decisions_bench_plays_the_demos_world_and_its_smallest_exploit(capsys):
+    from liverl.cli import main
+
+    args = ["bench", "canary", "--decisions", "--runs", "2", "--users", "300", "--profiles", "demo"]
+    args += ["--activity", "lognormal", "--world", "demo", "--candidates", "+3 points,exploit"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "demo world, segments3 users" in printed
+    assert "| exploit |" in printed and "| A/A |" not in printed
+    assert "exploit shown worse (≥ 80%), promoted (none)" in printed
+    assert "--world demo --candidates '+3 points,exploit'" in printed
