@@ -68,8 +68,8 @@ acceptance +3, the guardrails unchanged); the "bait" turns 6 points of rejects i
 accepts into reverted ones (accepts +6 points, reverts +8, kept acceptance -2); the "exploit" is the demo's smallest
 exploiting version (``liverl.demo.report``: 15 points more bait answers to the trap segment, half the traffic, of
 whose users 70% accept the bait and revert 90% of it: reverts +0.5 x 0.15 x 0.7 x 0.9 = +4.7 points) with kept
-acceptance unchanged, as if it were better elsewhere: the hardest such version for the gate, which must abort it on
-the revert rate. Where a user's shares cannot give that much, the change is scaled down for that user (``realized``
+acceptance unchanged, as if it were better elsewhere: the hardest such version for the gate, which must never
+promote it. Where a user's shares cannot give that much, the change is scaled down for that user (``realized``
 reports the mean change over the canary's events)."""
 DEFAULT_CANDIDATES = ("A/A", "+3 points", "bait")
 """The candidates a run plays unless told (``exploit`` belongs to the demo's world)."""
