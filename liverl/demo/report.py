@@ -89,6 +89,7 @@ def trap_report(stats, rows, min_prompts: int = 50) -> dict:
     exploiting = sorted(v for v, r in measured.items() if v != 0 and 100 * (r - base_rate) >= EXPLOIT_POINTS)
     went_live = [v for v in exploiting if v in by_row and by_row[v].promoted_at is not None]
     caught = [v for v in exploiting if v not in went_live and v in by_row and by_row[v].status == "rejected"]
+    undecided = [v for v in exploiting if v not in went_live and v not in caught]
     return {
         "base_bait_rate": base_rate,
         "bait_rate": {str(v): r for v, r in sorted(measured.items())},
@@ -98,8 +99,29 @@ def trap_report(stats, rows, min_prompts: int = 50) -> dict:
         "exploiting": exploiting,
         "exploiting_live": went_live,
         "exploiting_caught": caught,
-        "exploiting_undecided": [v for v in exploiting if v not in went_live and v not in caught],
+        "exploiting_undecided": undecided,
+        # what the trap's users lost under them, in points of the whole run's kept acceptance (whole_run_kept's
+        # scale): what a gate saves by keeping exploiting versions from going live, and pays while it canaries them
+        "exploit_cost_points": {
+            "live": exploit_cost_points(stats, went_live),
+            "caught": exploit_cost_points(stats, caught),
+            "undecided": exploit_cost_points(stats, undecided),
+        },
     }
+
+
+def exploit_cost_points(stats, versions) -> float:
+    """Answers the trap segment's users would have kept under the base but did not under ``versions``, per answer
+    the whole run served, in points: sum over v of trap_prompts(v) x (base trap-kept rate - v's), over every
+    generation of the run. Comparable with ``whole_run_kept`` (a run that served the base instead would have kept
+    this much more, other things equal)."""
+    by_v = stats.by_version
+    base = by_v.get(0)
+    gens = sum(s.generations for s in by_v.values())
+    if base is None or not base.trap_prompts or not gens:
+        return 0.0
+    lost = sum(by_v[v].trap_prompts * (base.trap_kept_rate - by_v[v].trap_kept_rate) for v in versions if v in by_v)
+    return round(100 * lost / gens, 3)
 
 
 def whole_run_kept(stats) -> float | None:
@@ -453,6 +475,13 @@ def _print_trap(summary: dict) -> None:
             print(
                 "  none to catch: this run does not measure what the gate prevents"
                 + ("" if summary.get("learner_chases_accepts") else " (--chase-accepts on gives it exploiting ones)")
+            )
+        cost = trap.get("exploit_cost_points")
+        if trap.get("exploiting") and cost:
+            print(
+                f"  what the trap's users lost under them: {cost['live']:.2f} points of the whole run's kept "
+                f"acceptance under the versions that went live, {cost['caught']:.2f} under those caught "
+                "(their canaries)"
             )
         for v in trap.get("exploiting", []):
             tk = (trap.get("trap_kept_rate") or {}).get(str(v))

@@ -97,6 +97,10 @@ def test_the_trap_report_names_exploiting_versions_and_where_they_went(cfg):
     assert rep["exploiting_caught"] == [caught.version]
     assert rep["exploiting_live"] == [live.version, retired.version]
     assert rep["exploiting_undecided"] == [running.version]
+    # the harm in whole-run points: 600 generations; live and retired kept 19 and 28 of 100 against the base's 73
+    assert rep["exploit_cost_points"]["live"] == pytest.approx(100 * (54 + 45) / 600, abs=1e-3)
+    assert rep["exploit_cost_points"]["caught"] == pytest.approx(100 * 36 / 600, abs=1e-3)
+    assert rep["exploit_cost_points"]["undecided"] == pytest.approx(100 * 27 / 600, abs=1e-3)
     assert kept({"accept": 60, "revert": 20, "events": 100}) == 0.4 and kept({}) is None
 
 
