@@ -37,6 +37,13 @@ class BrokerConfig(Section):
         "to read 707 bytes in record payload, but instead read 708' within 45 s, six times in a row. Where it held, "
         "it halved the object writes (`liverl bench broker`, BENCHMARKS.md).",
     )
+    embedded_merge_batches: int = Field(
+        default=1000,
+        ge=0,
+        description="With embedded_storage 'folder': merge a partition's small record batches once it holds this "
+        "many settled ones (liverl.stack.batchmerge; 0: never). Tansu lists every batch of a partition at each fetch, "
+        "so a consumer's fetch costs more the more batches a partition holds between merges.",
+    )
     partitions: int = Field(default=2, ge=1, description="Partitions of each liverl topic when liverl creates it.")
     rebalance_timeout_s: float = Field(
         default=3.0, description="Consumer-group rebalance timeout; Tansu completes a join only after it (keep small)."

@@ -194,7 +194,12 @@ def start_stack(cfg: LiverlConfig) -> Stack:
             stack.bootstrap = cfg.broker.bootstrap
         else:
             if cfg.broker.embedded_storage == "folder":
-                storage, port = start_object_store(state / "broker", logs, cfg.broker.embedded_fsync)
+                storage, port = start_object_store(
+                    state / "broker",
+                    logs,
+                    cfg.broker.embedded_fsync,
+                    extra_args=["--merge-batches", str(cfg.broker.embedded_merge_batches)],
+                )
                 procs.append(("broker storage", storage))
                 procs.append(
                     ("broker", start_broker(cfg.broker.embedded_port, logs, folder_storage_url(cfg), broker_env(port)))

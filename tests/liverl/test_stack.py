@@ -101,11 +101,14 @@ def test_embedded_broker_keeps_unconsumed_records_and_committed_offsets_across_a
         state_dir=str(tmp_path / "state"),
         broker__embedded_port=free_port(),
         redis__url="redis://127.0.0.1:6379/0",
+        broker__embedded_merge_batches=700,
     )
     assert cfg.broker.embedded_storage == "folder"  # the default
     topic = "durable.feedback"
     st = start_stack(cfg)
     try:
+        storage_args = dict(st.procs)["broker storage"].args
+        assert storage_args[storage_args.index("--merge-batches") + 1] == "700"  # broker.embedded_merge_batches
         ensure_topics(st.bootstrap, [topic], 2)
         _produce(st.bootstrap, topic, 300)
         first = _read(st.bootstrap, topic, "g1", 120)
