@@ -58,6 +58,7 @@ from xml.sax.saxutils import escape
 
 from aiohttp import web
 
+from core.config.broker import BrokerConfig
 from liverl.stack import batchmerge
 
 log = logging.getLogger("liverl.objstore")
@@ -483,7 +484,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--merge-batches",
         type=int,
-        default=1000,
+        default=BrokerConfig.model_fields["embedded_merge_batches"].default,
         help=(
             "merge a partition's small settled record batches once it has this many (0: never; liverl.stack.batchmerge)"
         ),
